@@ -1,0 +1,68 @@
+"""`jpa.paged_decode`: decode attention over a paged KV cache, with backend dispatch."""
+
+import numpy as np
+
+from jpa import dispatch
+from jpa.pallas.spec import DecodeSpec
+from jpa.quant import is_quantized
+from jpa.reference import paged_decode_xla
+from jpa.validate import check_decode_args
+
+
+def decode_spec(q, k_pages, block_tables, *, soft_cap, alibi_slopes, sliding_window) -> DecodeSpec:
+    """The static configuration of a (validated) paged_decode call."""
+    num_kv_heads, _, page_size, head_dim = k_pages.shape
+    return DecodeSpec(
+        q_dtype=np.dtype(q.dtype).name, cache_dtype=np.dtype(k_pages.dtype).name,
+        num_q_heads=q.shape[1], num_kv_heads=num_kv_heads, head_dim=head_dim,
+        page_size=page_size, pages_per_seq=block_tables.shape[1], soft_cap=soft_cap is not None,
+        alibi=alibi_slopes is not None, sliding_window=sliding_window is not None,
+        quantized=is_quantized(k_pages.dtype))
+
+
+def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale=None, soft_cap=None,
+                 alibi_slopes=None, sliding_window=None, k_scales=None, v_scales=None,
+                 impl="auto", interpret=False):
+    """Decode attention (one query token per sequence) over a paged KV cache.
+
+    Sequence b attends to its first `seq_lens[b]` cached tokens; token t lives in physical page
+    `block_tables[b, t // page_size]` at offset `t % page_size`. Write the new token's K/V with
+    `jpa.write_kv` first, then call this with lengths that include it (vLLM order).
+
+    Args:
+      q: [num_seqs, num_q_heads, head_dim] float32, bfloat16 or float16.
+      k_pages: [num_kv_heads, num_pages, page_size, head_dim]; float32/bfloat16/float16, or
+        int8/float8_e4m3fn/float8_e5m2 with scales.
+      v_pages: same shape and dtype as k_pages.
+      block_tables: i32[num_seqs, pages_per_seq]. Entries past a sequence's pages are never read
+        into the result.
+      seq_lens: i32[num_seqs], each in [0, pages_per_seq * page_size]. 0 gives a zero output.
+      scale: softmax scale; default head_dim ** -0.5.
+      soft_cap: if set, logits become soft_cap * tanh(logits / soft_cap) (after scaling).
+      alibi_slopes: f32[num_q_heads]; adds slope_h * (pos - seq_len + 1) to the logits (vLLM).
+      sliding_window: attend only to the last `sliding_window` tokens.
+      k_scales, v_scales: f32[num_kv_heads, num_pages, page_size], required for quantized caches.
+      impl: "xla" (plain JAX), "triton" or "mosaic" (Pallas GPU kernels), or "auto": a GPU kernel
+        on an NVIDIA GPU after a one-time self-check on the device, otherwise "xla".
+      interpret: run a Pallas kernel in interpret mode (CPU); ignored by "xla".
+
+    Returns:
+      [num_seqs, num_q_heads, head_dim] in q's dtype.
+    """
+    check_decode_args(q, k_pages, v_pages, block_tables, seq_lens, scale=scale, soft_cap=soft_cap,
+                      alibi_slopes=alibi_slopes, sliding_window=sliding_window, k_scales=k_scales,
+                      v_scales=v_scales, impl=impl, interpret=interpret)
+    scale = float(scale) if scale is not None else float(q.shape[-1]) ** -0.5
+    soft_cap = float(soft_cap) if soft_cap is not None else None
+    sliding_window = int(sliding_window) if sliding_window is not None else None
+    opts = dict(scale=scale, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
+                sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales)
+    if impl == "xla" or (impl == "auto" and dispatch.gpu_compute_capability() is None):
+        return paged_decode_xla(q, k_pages, v_pages, block_tables, seq_lens, **opts)
+    spec = decode_spec(q, k_pages, block_tables, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
+                       sliding_window=sliding_window)
+    chosen = dispatch.choose_impl(impl, spec)
+    if chosen == "xla":
+        return paged_decode_xla(q, k_pages, v_pages, block_tables, seq_lens, **opts)
+    return dispatch.kernel_module(chosen).paged_decode(
+        q, k_pages, v_pages, block_tables, seq_lens, interpret=interpret, **opts)

@@ -1,0 +1,10 @@
+"""Pallas GPU kernels behind `jpa.paged_decode`. One kernel per file.
+
+Every kernel module exposes the same two functions (the contract `jpa.dispatch` relies on):
+
+- `unsupported_reason(spec: DecodeSpec) -> str | None`: why this kernel cannot serve a
+  configuration, or None when it can.
+- `paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap,
+  alibi_slopes, sliding_window, k_scales, v_scales, interpret) -> out`: arguments already
+  validated by `jpa.paged_decode`; `interpret=True` runs the kernel on CPU.
+"""

@@ -1,0 +1,22 @@
+"""The static description of one paged-decode call, shared by dispatch and kernels."""
+
+from typing import NamedTuple
+
+
+class DecodeSpec(NamedTuple):
+    """Everything about a paged_decode call that is fixed at trace time (hashable)."""
+    q_dtype: str          # numpy dtype name of q, e.g. "bfloat16"
+    cache_dtype: str      # numpy dtype name of k_pages / v_pages, e.g. "int8"
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    pages_per_seq: int
+    soft_cap: bool
+    alibi: bool
+    sliding_window: bool
+    quantized: bool
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_q_heads // self.num_kv_heads

@@ -1,0 +1,114 @@
+"""Plain-JAX paged decode attention: the CPU/TPU path and the oracle for every kernel.
+
+Einsum letters: B num_seqs, K num_kv_heads, G q_per_kv, H head_dim, S key tokens of one chunk.
+
+The keys of each sequence are visited a chunk of pages at a time with an online softmax
+(running max m, running sum l, f32 accumulator acc), the same recurrence the GPU kernels
+use. The loop runs only over the chunks that some sequence actually occupies, so a step
+whose sequences are short costs little even when `pages_per_seq` is large.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# Finite, so that a fully masked row gives exp(MASK - MASK) = 1 rather than NaN; the masked
+# probabilities are then zeroed explicitly.
+MASK_VALUE = -1e30
+# Key tokens gathered per loop iteration: large enough that the gather and the dots are
+# efficient, small enough that short contexts do not pay for the whole table.
+CHUNK_TOKENS = 512
+
+
+def chunk_pages(page_size: int, pages_per_seq: int) -> int:
+    """Pages visited per loop iteration of the reference path."""
+    return max(1, min(pages_per_seq, CHUNK_TOKENS // page_size))
+
+
+def _dequant(pages, scales, tbl):
+    """Gathers pages [K, P, S_p, H] through tbl i32[B, C] -> f32[K, B, C * S_p, H]."""
+    num_kv_heads, _, page_size, head_dim = pages.shape
+    num_seqs, num_chunk_pages = tbl.shape
+    x = jnp.take(pages, tbl, axis=1, mode="clip")  # [K, B, C, S_p, H]
+    x = x.astype(jnp.float32)
+    if scales is not None:
+        s = jnp.take(scales, tbl, axis=1, mode="clip")  # [K, B, C, S_p]
+        x = x * s[..., None]
+    return x.reshape(num_kv_heads, num_seqs, num_chunk_pages * page_size, head_dim)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "pages_per_chunk"))
+def paged_decode_xla(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap=None,
+                     alibi_slopes=None, sliding_window=None, k_scales=None, v_scales=None,
+                     pages_per_chunk=None):
+    """Paged decode attention in plain JAX. Arguments as `jpa.paged_decode` (already validated).
+
+    Returns:
+      [num_seqs, num_q_heads, head_dim] in q's dtype.
+    """
+    num_seqs, num_q_heads, head_dim = q.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    pages_per_seq = block_tables.shape[1]
+    q_per_kv = num_q_heads // num_kv_heads
+    ppc = pages_per_chunk or chunk_pages(page_size, pages_per_seq)
+    num_chunks = -(-pages_per_seq // ppc)
+    chunk_tokens = ppc * page_size
+    if num_chunks * ppc != pages_per_seq:
+        # Padding entries are never visible: their positions are >= every seq_len.
+        pad = num_chunks * ppc - pages_per_seq
+        block_tables = jnp.pad(block_tables, ((0, 0), (0, pad)))  # [B, num_chunks * ppc]
+
+    seq_lens = seq_lens.astype(jnp.int32)  # i32[num_seqs]
+    qg = q.astype(jnp.float32).reshape(num_seqs, num_kv_heads, q_per_kv, head_dim) * scale
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.astype(jnp.float32).reshape(num_kv_heads, q_per_kv)  # [K, G]
+    # First visible position of each sequence.
+    if sliding_window is not None:
+        start = jnp.maximum(seq_lens - sliding_window, 0)  # i32[num_seqs]
+    else:
+        start = jnp.zeros_like(seq_lens)
+
+    def body(c, carry):
+        m, l, acc = carry  # [B, K, G], [B, K, G], [B, K, G, H]
+        tbl = lax.dynamic_slice_in_dim(block_tables, c * ppc, ppc, axis=1)  # i32[B, ppc]
+        k = _dequant(k_pages, k_scales, tbl)  # [K, B, S, H]
+        v = _dequant(v_pages, v_scales, tbl)  # [K, B, S, H]
+        pos = c * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)  # i32[S]
+        valid = (pos[None, :] < seq_lens[:, None]) & (pos[None, :] >= start[:, None])  # [B, S]
+        s = jnp.einsum("BKGH,KBSH->BKGS", qg, k, preferred_element_type=jnp.float32)
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        if alibi_slopes is not None:
+            rel = (pos[None, :] - seq_lens[:, None] + 1).astype(jnp.float32)  # [B, S]
+            s = s + slopes[None, :, :, None] * rel[:, None, None, :]
+        vmask = valid[:, None, None, :]  # [B, 1, 1, S]
+        s = jnp.where(vmask, s, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        # Rescale what was accumulated under the old max before adding this chunk.
+        alpha = jnp.exp(m - m_new)
+        p = jnp.where(vmask, jnp.exp(s - m_new[..., None]), 0.0)
+        # Garbage (even NaN) in pages past a sequence's end must not reach the result: 0 * NaN = NaN.
+        v = jnp.where(valid[None, :, :, None], v, 0.0)
+        l_new = l * alpha + jnp.sum(p, axis=-1)
+        acc_new = acc * alpha[..., None] + jnp.einsum(
+            "BKGS,KBSH->BKGH", p, v, preferred_element_type=jnp.float32)
+        return m_new, l_new, acc_new
+
+    init = (
+        jnp.full((num_seqs, num_kv_heads, q_per_kv), MASK_VALUE, jnp.float32),
+        jnp.zeros((num_seqs, num_kv_heads, q_per_kv), jnp.float32),
+        jnp.zeros((num_seqs, num_kv_heads, q_per_kv, head_dim), jnp.float32),
+    )
+    if num_chunks == 1:
+        m, l, acc = body(0, init)
+    else:
+        # Visit only chunks some sequence occupies: lengths are data, so this is a while loop.
+        live = seq_lens > 0
+        first = jnp.min(jnp.where(live, start, jnp.iinfo(jnp.int32).max)) // chunk_tokens
+        last = -(-jnp.max(seq_lens) // chunk_tokens)
+        m, l, acc = lax.fori_loop(jnp.minimum(first, last), last, body, init)
+    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    return out.reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)

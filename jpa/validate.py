@@ -1,0 +1,116 @@
+"""Checks at the public boundary. Every message names the argument, the rule and what was given."""
+
+import jax
+import numpy as np
+
+from jpa.quant import FLOAT_DTYPES, QUANT_MAX, is_quantized
+
+CACHE_DTYPES = FLOAT_DTYPES + tuple(QUANT_MAX)
+IMPLS = ("auto", "xla", "triton", "mosaic")
+
+
+def _names(dtypes):
+    return ", ".join(np.dtype(d).name for d in dtypes)
+
+
+def is_concrete(x) -> bool:
+    """True when x holds values we can look at on the host (not a tracer)."""
+    return not isinstance(x, jax.core.Tracer)
+
+
+def check_ndim(name, x, ndim, shape_doc):
+    if getattr(x, "ndim", None) != ndim:
+        raise ValueError(f"{name} must have shape {shape_doc} ({ndim} dims); got shape "
+                         f"{getattr(x, 'shape', type(x).__name__)}")
+
+
+def check_dtype(name, x, allowed):
+    if np.dtype(x.dtype) not in [np.dtype(d) for d in allowed]:
+        raise ValueError(f"{name} must have dtype in ({_names(allowed)}); got {np.dtype(x.dtype).name}")
+
+
+def check_cache_pair(k_pages, v_pages, k_scales, v_scales):
+    """Validates K/V page pools and their scales. Returns (num_kv_heads, num_pages, page_size, head_dim)."""
+    check_ndim("k_pages", k_pages, 4, "[num_kv_heads, num_pages, page_size, head_dim]")
+    check_ndim("v_pages", v_pages, 4, "[num_kv_heads, num_pages, page_size, head_dim]")
+    if k_pages.shape != v_pages.shape:
+        raise ValueError(f"v_pages must have the shape of k_pages {k_pages.shape}; got {v_pages.shape}")
+    check_dtype("k_pages", k_pages, CACHE_DTYPES)
+    if v_pages.dtype != k_pages.dtype:
+        raise ValueError(f"v_pages must have the dtype of k_pages ({np.dtype(k_pages.dtype).name}); "
+                         f"got {np.dtype(v_pages.dtype).name}")
+    num_kv_heads, num_pages, page_size, head_dim = k_pages.shape
+    if is_quantized(k_pages.dtype):
+        for name, s in (("k_scales", k_scales), ("v_scales", v_scales)):
+            if s is None:
+                raise ValueError(f"{name} is required for a {np.dtype(k_pages.dtype).name} cache: "
+                                 f"f32[num_kv_heads, num_pages, page_size] = f32{list(k_pages.shape[:3])}")
+            if tuple(s.shape) != tuple(k_pages.shape[:3]):
+                raise ValueError(f"{name} must have shape [num_kv_heads, num_pages, page_size] = "
+                                 f"{list(k_pages.shape[:3])}; got {list(s.shape)}")
+            check_dtype(name, s, (np.float32,))
+    else:
+        for name, s in (("k_scales", k_scales), ("v_scales", v_scales)):
+            if s is not None:
+                raise ValueError(f"{name} is only for int8/float8 caches; the cache dtype is "
+                                 f"{np.dtype(k_pages.dtype).name}, so {name} must be None")
+    return num_kv_heads, num_pages, page_size, head_dim
+
+
+def check_decode_args(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap,
+                      alibi_slopes, sliding_window, k_scales, v_scales, impl, interpret):
+    """Validates `paged_decode`'s arguments; raises ValueError on the first problem found."""
+    check_ndim("q", q, 3, "[num_seqs, num_q_heads, head_dim]")
+    check_dtype("q", q, FLOAT_DTYPES)
+    num_kv_heads, num_pages, page_size, head_dim = check_cache_pair(k_pages, v_pages, k_scales, v_scales)
+    num_seqs, num_q_heads, q_head_dim = q.shape
+    if q_head_dim != head_dim:
+        raise ValueError(f"q's head_dim must equal the cache's head_dim {head_dim}; got {q_head_dim}")
+    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads (q.shape[1] = {num_q_heads}) must be a multiple of "
+                         f"num_kv_heads (k_pages.shape[0] = {num_kv_heads})")
+    check_ndim("block_tables", block_tables, 2, "i32[num_seqs, pages_per_seq]")
+    check_dtype("block_tables", block_tables, (np.int32,))
+    if block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables must have num_seqs = {num_seqs} rows (q.shape[0]); "
+                         f"got {block_tables.shape[0]}")
+    pages_per_seq = block_tables.shape[1]
+    if pages_per_seq < 1:
+        raise ValueError("block_tables must have at least one column (pages_per_seq >= 1); got 0")
+    check_ndim("seq_lens", seq_lens, 1, "i32[num_seqs]")
+    check_dtype("seq_lens", seq_lens, (np.int32,))
+    if seq_lens.shape[0] != num_seqs:
+        raise ValueError(f"seq_lens must have num_seqs = {num_seqs} entries; got {seq_lens.shape[0]}")
+    if scale is not None and not (isinstance(scale, (int, float)) and np.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite Python number or None; got {scale!r}")
+    if soft_cap is not None and not (isinstance(soft_cap, (int, float)) and np.isfinite(soft_cap)
+                                     and soft_cap > 0):
+        raise ValueError(f"soft_cap must be a positive finite Python number or None; got {soft_cap!r}")
+    if sliding_window is not None and not (isinstance(sliding_window, (int, np.integer))
+                                           and not isinstance(sliding_window, bool)
+                                           and sliding_window >= 1):
+        raise ValueError(f"sliding_window must be a Python int >= 1 or None; got {sliding_window!r}")
+    if alibi_slopes is not None:
+        check_ndim("alibi_slopes", alibi_slopes, 1, f"f32[num_q_heads] = f32[{num_q_heads}]")
+        if alibi_slopes.shape[0] != num_q_heads:
+            raise ValueError(f"alibi_slopes must have num_q_heads = {num_q_heads} entries; "
+                             f"got {alibi_slopes.shape[0]}")
+        check_dtype("alibi_slopes", alibi_slopes, FLOAT_DTYPES)
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
+    if not isinstance(interpret, bool):
+        raise ValueError(f"interpret must be a bool; got {interpret!r}")
+    max_len = pages_per_seq * page_size
+    if is_concrete(seq_lens):
+        lens = np.asarray(seq_lens)
+        if lens.size and (lens.min() < 0 or lens.max() > max_len):
+            raise ValueError(f"seq_lens must be in [0, pages_per_seq * page_size = {max_len}]; "
+                             f"got values in [{lens.min()}, {lens.max()}]")
+        if is_concrete(block_tables) and lens.size:
+            tables = np.asarray(block_tables)
+            used = np.arange(pages_per_seq)[None, :] < -(-lens[:, None] // page_size)
+            bad = used & ((tables < 0) | (tables >= num_pages))
+            if bad.any():
+                b, j = map(int, np.argwhere(bad)[0])
+                raise ValueError(f"block_tables entries for a sequence's pages must be in [0, num_pages = "
+                                 f"{num_pages}); got block_tables[{b}, {j}] = {tables[b, j]}")
