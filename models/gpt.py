@@ -1,0 +1,423 @@
+"""A decoder-only transformer in Flax NNX that reads and writes a paged KV cache.
+
+Two families share one module: "gpt2" (LayerNorm, learned positions, multi-head attention,
+tanh-GELU MLP, biases, tied or untied head) and "llama" (RMSNorm, RoPE in the Hugging Face
+rotate_half convention, grouped-query attention, SwiGLU, tied or untied head).
+
+Entry points are plain functions of (model, cache, arrays) so that an engine can jit them with
+the cache donated (`graphdef, params = nnx.split(model)`, then `nnx.merge` inside the jit):
+
+- `prefill(model, cache, tokens, start, chunk_lens, slot_mapping, block_tables)`: a right-padded
+  chunk of prompt tokens per sequence; writes their K/V and attends causally over the cache
+  (`jpa.paged_prefill`).
+- `decode(model, cache, tokens, seq_lens, slot_mapping, block_tables)`: one new token per
+  sequence; writes its K/V, then `jpa.paged_decode`.
+- `forward_dense(model, tokens)`: the same network without a cache (plain causal attention), the
+  oracle for the two above.
+
+Precision: parameters are stored in `dtype` (float32 or bfloat16); matmuls take inputs in
+`dtype` and accumulate in float32; the residual stream, norms, RoPE and softmax are float32.
+
+Layers are a Python loop (unrolled under jit, 30 for SmolLM2): each layer reads and writes its own
+cache buffer (`KVCache` tuples), so no stacked pool is ever sliced.
+
+Einsum letters: B num_seqs, T query tokens, S key tokens, N q heads, K kv heads, G q_per_kv,
+H head_dim.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jpa.cache import CacheConfig, KVCache
+from jpa.decode import paged_decode
+from jpa.prefill import paged_prefill
+from models.config import ModelConfig
+
+PARAM_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))
+INIT_STD = 0.02  # GPT-2's initializer range
+
+
+def _param(rngs, shape, dtype, std=INIT_STD):
+    return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(dtype))
+
+
+def _v(p):
+    """The array held by an nnx.Variable (or p itself)."""
+    return p[...] if isinstance(p, nnx.Variable) else p
+
+
+def _dense(x, w, b=None):
+    """x [..., in] @ w [in, out] with inputs in w's dtype and an f32 result."""
+    w, b = _v(w), None if b is None else _v(b)
+    y = jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    return y if b is None else y + b.astype(jnp.float32)
+
+
+def _layer_norm(x, scale, bias, eps):
+    scale, bias = _v(scale), _v(bias)
+    x = x.astype(jnp.float32)
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + eps) * scale.astype(jnp.float32) + bias.astype(jnp.float32)
+
+
+def _rms_norm(x, scale, eps):
+    scale = _v(scale)
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps) * scale.astype(jnp.float32)
+
+
+def rope(x, positions, base):
+    """Rotary embedding, Hugging Face rotate_half convention (halves, not interleaved pairs).
+
+    Args:
+      x: [B, T, heads, H].
+      positions: i32[B, T].
+      base: frequency base.
+
+    Returns:
+      f32[B, T, heads, H].
+    """
+    head_dim = x.shape[-1]
+    inv_freq = 1.0 / (base ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))  # [H/2]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
+    cos = jnp.cos(angles)[:, :, None, :]  # [B, T, 1, H/2]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x = x.astype(jnp.float32)
+    x1, x2 = x[..., : head_dim // 2], x[..., head_dim // 2:]
+    # (x1, x2) * cos + rotate_half(x) * sin, with rotate_half(x) = (-x2, x1).
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+class Block(nnx.Module):
+    """One decoder block: pre-norm attention and pre-norm MLP, each with a residual."""
+
+    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        c = config
+        self.config = c
+        d, q_dim, kv_dim = c.d_model, c.num_q_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        gpt2 = c.family == "gpt2"
+        ones = lambda n: nnx.Param(jnp.ones((n,), dtype))
+        zeros = lambda n: nnx.Param(jnp.zeros((n,), dtype))
+        self.attn_norm = ones(d)
+        self.wq = _param(rngs, (d, q_dim), dtype)  # [d_model, N * H]
+        self.wk = _param(rngs, (d, kv_dim), dtype)  # [d_model, K * H]
+        self.wv = _param(rngs, (d, kv_dim), dtype)  # [d_model, K * H]
+        self.wo = _param(rngs, (q_dim, d), dtype)  # [N * H, d_model]
+        self.ffn_norm = ones(d)
+        self.w_up = _param(rngs, (d, c.ffn_dim), dtype)  # [d_model, ffn_dim]
+        self.w_down = _param(rngs, (c.ffn_dim, d), dtype)  # [ffn_dim, d_model]
+        if gpt2:
+            self.attn_norm_bias, self.ffn_norm_bias = zeros(d), zeros(d)
+            self.bq, self.bk, self.bv, self.bo = zeros(q_dim), zeros(kv_dim), zeros(kv_dim), zeros(d)
+            self.b_up, self.b_down = zeros(c.ffn_dim), zeros(d)
+        else:
+            self.w_gate = _param(rngs, (d, c.ffn_dim), dtype)  # [d_model, ffn_dim]
+
+    def _norm(self, x, scale, bias_name):
+        if self.config.family == "gpt2":
+            return _layer_norm(x, scale, getattr(self, bias_name), self.config.norm_eps)
+        return _rms_norm(x, scale, self.config.norm_eps)
+
+    def _bias(self, name):
+        return getattr(self, name) if self.config.family == "gpt2" else None
+
+    def qkv(self, x, positions):
+        """x f32[B, T, d_model], positions i32[B, T] -> q f32[B, T, N, H], k, v f32[B, T, K, H]."""
+        c = self.config
+        batch, num_tokens, _ = x.shape
+        h = self._norm(x, self.attn_norm, "attn_norm_bias")
+        q = _dense(h, self.wq, self._bias("bq")).reshape(batch, num_tokens, c.num_q_heads, c.head_dim)
+        k = _dense(h, self.wk, self._bias("bk")).reshape(batch, num_tokens, c.num_kv_heads, c.head_dim)
+        v = _dense(h, self.wv, self._bias("bv")).reshape(batch, num_tokens, c.num_kv_heads, c.head_dim)
+        if c.family == "llama":
+            q, k = rope(q, positions, c.rope_base), rope(k, positions, c.rope_base)
+        return q, k, v
+
+    def finish(self, x, attn):
+        """x f32[B, T, d_model], attn [B, T, N, H] -> x f32[B, T, d_model] after both residuals."""
+        c = self.config
+        batch, num_tokens = attn.shape[:2]
+        attn = attn.reshape(batch, num_tokens, c.num_q_heads * c.head_dim)  # [B, T, N * H]
+        x = x + _dense(attn, self.wo, self._bias("bo"))
+        h = self._norm(x, self.ffn_norm, "ffn_norm_bias")
+        if c.family == "gpt2":
+            h = jax.nn.gelu(_dense(h, self.w_up, self.b_up), approximate=True)
+        else:
+            h = jax.nn.silu(_dense(h, self.w_gate)) * _dense(h, self.w_up)
+        return x + _dense(h, self.w_down, self._bias("b_down"))
+
+
+class GPT(nnx.Module):
+    """Decoder-only transformer (gpt2 or llama family) with parameters in `dtype`."""
+
+    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        if not isinstance(config, ModelConfig):
+            raise ValueError(f"config must be a models.ModelConfig; got {type(config).__name__}")
+        dtype = np.dtype(dtype)
+        if dtype not in PARAM_DTYPES:
+            raise ValueError(f"dtype must be one of (float32, bfloat16); got {dtype.name}")
+        c = config
+        self.config = c
+        self.dtype = dtype
+        self.tok_embeddings = _param(rngs, (c.vocab_size, c.d_model), dtype)  # [vocab, d_model]
+        if c.family == "gpt2":
+            self.pos_embeddings = _param(rngs, (c.max_seq_len, c.d_model), dtype, std=0.01)
+        self.layers = nnx.List([Block(c, dtype=dtype, rngs=rngs) for _ in range(c.num_layers)])
+        self.norm = nnx.Param(jnp.ones((c.d_model,), dtype))
+        if c.family == "gpt2":
+            self.norm_bias = nnx.Param(jnp.zeros((c.d_model,), dtype))
+        if not c.tie_embeddings:
+            self.output = _param(rngs, (c.d_model, c.vocab_size), dtype)  # [d_model, vocab]
+
+    def embed(self, tokens, positions):
+        """tokens, positions i32[B, T] -> f32[B, T, d_model]."""
+        x = jnp.take(self.tok_embeddings[...], tokens, axis=0, mode="clip").astype(jnp.float32)
+        if self.config.family == "gpt2":
+            # Positions past the table (padding rows) are clipped; their outputs are never used.
+            x = x + jnp.take(self.pos_embeddings[...], positions, axis=0, mode="clip").astype(jnp.float32)
+        return x
+
+    def logits(self, x):
+        """x f32[..., d_model] -> f32[..., vocab] (final norm, then the head)."""
+        if self.config.family == "gpt2":
+            h = _layer_norm(x, self.norm, self.norm_bias, self.config.norm_eps)
+        else:
+            h = _rms_norm(x, self.norm, self.config.norm_eps)
+        if self.config.tie_embeddings:
+            emb = self.tok_embeddings[...]  # [vocab, d_model]
+            return jnp.dot(h.astype(emb.dtype), emb.T, preferred_element_type=jnp.float32)
+        return _dense(h, self.output)
+
+    def cache_config(self, num_pages: int, page_size: int = 16, dtype=None) -> CacheConfig:
+        """The CacheConfig of a paged cache for this model (dtype defaults to the model's)."""
+        c = self.config
+        dtype = self.dtype.name if dtype is None else np.dtype(dtype).name
+        return CacheConfig(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                           num_pages=num_pages, page_size=page_size, dtype=dtype)
+
+    @classmethod
+    def from_weights(cls, config: ModelConfig, weights: dict, dtype=jnp.float32) -> "GPT":
+        """Builds a llama-family model from a dict of float arrays in the x @ W ([in, out]) convention.
+
+        Args:
+          config: a llama-family ModelConfig.
+          weights: {"tok_embeddings": [vocab, d_model], "norm": [d_model], "output": [d_model, vocab]
+            (only when config.tie_embeddings is False), "layers": num_layers dicts of
+            {"attn_norm": [d], "wq": [d, N*H], "wk": [d, K*H], "wv": [d, K*H], "wo": [N*H, d],
+            "ffn_norm": [d], "w_gate": [d, ffn], "w_up": [d, ffn], "w_down": [ffn, d]}}.
+            Q/K must already be in the rotate_half RoPE convention.
+          dtype: parameter dtype (float32 or bfloat16).
+
+        Returns:
+          The model. Raises ValueError naming the tensor when a shape or key does not match.
+        """
+        if not isinstance(config, ModelConfig):
+            raise ValueError(f"config must be a models.ModelConfig; got {type(config).__name__}")
+        if config.family != "llama":
+            raise ValueError(f"from_weights reads llama-family weights; config.family is {config.family!r}")
+        expected = _expected_shapes(config)
+        _check_weights(weights, expected, config)
+        model = nnx.eval_shape(lambda: cls(config, dtype=dtype, rngs=nnx.Rngs(0)))
+        put = lambda p, w: p.set_value(jnp.asarray(np.asarray(w, np.float32), dtype=dtype))
+        put(model.tok_embeddings, weights["tok_embeddings"])
+        put(model.norm, weights["norm"])
+        if not config.tie_embeddings:
+            put(model.output, weights["output"])
+        for block, lw in zip(model.layers, weights["layers"]):
+            for name in expected["layers"]:
+                put(getattr(block, name), lw[name])
+        return model
+
+
+def _expected_shapes(c: ModelConfig) -> dict:
+    d, q_dim, kv_dim = c.d_model, c.num_q_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    top = {"tok_embeddings": (c.vocab_size, d), "norm": (d,)}
+    if not c.tie_embeddings:
+        top["output"] = (d, c.vocab_size)
+    layer = {"attn_norm": (d,), "wq": (d, q_dim), "wk": (d, kv_dim), "wv": (d, kv_dim),
+             "wo": (q_dim, d), "ffn_norm": (d,), "w_gate": (d, c.ffn_dim), "w_up": (d, c.ffn_dim),
+             "w_down": (c.ffn_dim, d)}
+    return {**top, "layers": layer}
+
+
+def _check_weights(weights, expected, config):
+    if not isinstance(weights, dict):
+        raise ValueError(f"weights must be a dict; got {type(weights).__name__}")
+    wanted = set(expected)
+    if "output" in weights and config.tie_embeddings:
+        raise ValueError("weights has 'output' but config.tie_embeddings is True (the head is the "
+                         "transposed tok_embeddings); drop it or use an untied config")
+    missing, extra = sorted(wanted - set(weights)), sorted(set(weights) - wanted)
+    if missing or extra:
+        raise ValueError(f"weights must have exactly the keys {sorted(wanted)}; missing {missing}, "
+                         f"unexpected {extra}")
+
+    def check(name, w, shape):
+        got = getattr(w, "shape", None)
+        if got is None or tuple(got) != shape:
+            raise ValueError(f"weights[{name}] must have shape {list(shape)}; got "
+                             f"{list(got) if got is not None else type(w).__name__}")
+
+    for name, shape in expected.items():
+        if name != "layers":
+            check(f"'{name}'", weights[name], shape)
+    layers = weights["layers"]
+    if not isinstance(layers, (list, tuple)) or len(layers) != config.num_layers:
+        got = len(layers) if isinstance(layers, (list, tuple)) else type(layers).__name__
+        raise ValueError(f"weights['layers'] must be a list of num_layers = {config.num_layers} dicts; "
+                         f"got {got}")
+    for i, lw in enumerate(layers):
+        names = set(expected["layers"])
+        if not isinstance(lw, dict) or set(lw) != names:
+            keys = sorted(lw) if isinstance(lw, dict) else type(lw).__name__
+            raise ValueError(f"weights['layers'][{i}] must have exactly the keys {sorted(names)}; "
+                             f"got {keys}")
+        for name, shape in expected["layers"].items():
+            check(f"'layers'][{i}]['{name}'", lw[name], shape)
+
+
+def _run(model: GPT, tokens, positions, attend, state):
+    """Embeds, runs every block with `attend(i, q, k, v, state) -> (attn, state)`, returns (x, state)."""
+    x = model.embed(tokens, positions)  # f32[B, T, d_model]
+    for i, block in enumerate(model.layers):
+        q, k, v = block.qkv(x, positions)
+        attn, state = attend(i, q, k, v, state)
+        x = block.finish(x, attn)
+    return x, state
+
+
+def _check_cache(model: GPT, cache: KVCache):
+    c = model.config
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"cache must be a jpa.KVCache; got {type(cache).__name__}")
+    if cache.num_layers != c.num_layers:
+        raise ValueError(f"cache must have num_layers = {c.num_layers} layers; got {cache.num_layers}")
+    shape = tuple(cache.k[0].shape)
+    if shape[0] != c.num_kv_heads or shape[3] != c.head_dim:
+        raise ValueError(f"cache pages must have shape [num_kv_heads = {c.num_kv_heads}, num_pages, "
+                         f"page_size, head_dim = {c.head_dim}]; got {list(shape)}")
+
+
+def _check_int(name, x, shape, doc):
+    if getattr(x, "ndim", None) != len(shape) or tuple(x.shape) != shape:
+        raise ValueError(f"{name} must have shape {doc} = {list(shape)}; got "
+                         f"{list(getattr(x, 'shape', ())) or type(x).__name__}")
+    if np.dtype(x.dtype) != np.int32:
+        raise ValueError(f"{name} must have dtype int32; got {np.dtype(x.dtype).name}")
+
+
+def forward_dense(model: GPT, tokens):
+    """The network without a cache: causal attention over `tokens`, positions 0..T-1.
+
+    Args:
+      model: the GPT.
+      tokens: i32[B, T].
+
+    Returns:
+      f32[B, T, vocab] logits at every position (right padding does not change earlier positions).
+    """
+    c = model.config
+    if getattr(tokens, "ndim", None) != 2:
+        raise ValueError(f"tokens must have shape i32[num_seqs, num_tokens]; got {getattr(tokens, 'shape', None)}")
+    batch, num_tokens = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32), (batch, num_tokens))
+    causal = jnp.tril(jnp.ones((num_tokens, num_tokens), bool))  # [T, S]
+
+    def attend(i, q, k, v, state):
+        qg = q.reshape(batch, num_tokens, c.num_kv_heads, c.q_per_kv, c.head_dim)
+        # Round q/k/v as the cache path does (q in the model dtype, k/v in the cache dtype).
+        qg, k, v = (a.astype(model.dtype).astype(jnp.float32) for a in (qg, k, v))
+        s = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k) * c.head_dim ** -0.5
+        s = jnp.where(causal, s, -jnp.inf)
+        p = jax.nn.softmax(s, axis=-1)
+        out = jnp.einsum("BKGTS,BSKH->BTKGH", p, v)
+        return out.reshape(batch, num_tokens, c.num_q_heads, c.head_dim).astype(model.dtype), state
+
+    x, _ = _run(model, tokens, positions, attend, None)
+    return model.logits(x)
+
+
+def prefill(model: GPT, cache: KVCache, tokens, start, chunk_lens, slot_mapping, block_tables):
+    """Runs a right-padded chunk of prompt tokens per sequence through the model and the cache.
+
+    Args:
+      model: the GPT.
+      cache: its KVCache (`KVCache.create(model.cache_config(...))`).
+      tokens: i32[B, T] prompt chunks, right-padded.
+      start: i32[B] tokens of each sequence already cached before this chunk (0 for a fresh prompt).
+      chunk_lens: i32[B] valid tokens of each row (0 = empty row).
+      slot_mapping: i32[B, T] cache slot of each chunk token (-1 for padding).
+      block_tables: i32[B, pages_per_seq].
+
+    Returns:
+      (logits f32[B, vocab] at each row's last valid token (finite garbage for empty rows),
+       the updated cache).
+    """
+    _check_cache(model, cache)
+    if getattr(tokens, "ndim", None) != 2:
+        raise ValueError(f"tokens must have shape i32[num_seqs, num_tokens]; got {getattr(tokens, 'shape', None)}")
+    batch, num_tokens = tokens.shape
+    _check_int("tokens", tokens, (batch, num_tokens), "i32[num_seqs, num_tokens]")
+    _check_int("start", start, (batch,), "i32[num_seqs]")
+    _check_int("chunk_lens", chunk_lens, (batch,), "i32[num_seqs]")
+    _check_int("slot_mapping", slot_mapping, (batch, num_tokens), "i32[num_seqs, num_tokens]")
+    if getattr(block_tables, "ndim", None) != 2 or block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables must have shape i32[num_seqs = {batch}, pages_per_seq]; "
+                         f"got {getattr(block_tables, 'shape', None)}")
+    c = model.config
+    positions = start[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)  # i32[B, T]
+    slots = slot_mapping.reshape(batch * num_tokens)  # i32[B * T]
+
+    def attend(i, q, k, v, cache):
+        flat = lambda a: a.reshape(batch * num_tokens, c.num_kv_heads, c.head_dim)  # [B * T, K, H]
+        cache = cache.write(i, flat(k), flat(v), slots)
+        kp, vp, ks, vs = cache.layer(i)
+        out = paged_prefill(q.astype(model.dtype), kp, vp, block_tables, start, chunk_lens,
+                            k_scales=ks, v_scales=vs)  # [B, T, N, H]
+        return out, cache
+
+    x, cache = _run(model, tokens, positions, attend, cache)
+    last = jnp.maximum(chunk_lens - 1, 0)  # i32[B]
+    x_last = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # f32[B, d_model]
+    return model.logits(x_last), cache
+
+
+def decode(model: GPT, cache: KVCache, tokens, seq_lens, slot_mapping, block_tables):
+    """One decode step: a new token per sequence, its K/V written first, then paged attention.
+
+    Args:
+      model: the GPT.
+      cache: its KVCache.
+      tokens: i32[B], the new token of each sequence.
+      seq_lens: i32[B] tokens in the cache including the new one (0 = inactive slot); the new
+        token's position is seq_lens - 1.
+      slot_mapping: i32[B] cache slot of the new token (-1 for inactive slots).
+      block_tables: i32[B, pages_per_seq].
+
+    Returns:
+      (logits f32[B, vocab] (finite garbage for inactive slots), the updated cache).
+    """
+    _check_cache(model, cache)
+    if getattr(tokens, "ndim", None) != 1:
+        raise ValueError(f"tokens must have shape i32[num_seqs]; got {getattr(tokens, 'shape', None)}")
+    batch = tokens.shape[0]
+    _check_int("tokens", tokens, (batch,), "i32[num_seqs]")
+    _check_int("seq_lens", seq_lens, (batch,), "i32[num_seqs]")
+    _check_int("slot_mapping", slot_mapping, (batch,), "i32[num_seqs]")
+    if getattr(block_tables, "ndim", None) != 2 or block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables must have shape i32[num_seqs = {batch}, pages_per_seq]; "
+                         f"got {getattr(block_tables, 'shape', None)}")
+    positions = jnp.maximum(seq_lens - 1, 0)[:, None]  # i32[B, 1]
+
+    def attend(i, q, k, v, cache):
+        cache = cache.write(i, k[:, 0], v[:, 0], slot_mapping)
+        kp, vp, ks, vs = cache.layer(i)
+        out = paged_decode(q[:, 0].astype(model.dtype), kp, vp, block_tables, seq_lens,
+                           k_scales=ks, v_scales=vs, impl="auto")  # [B, N, H]
+        return out[:, None], cache
+
+    x, cache = _run(model, tokens[:, None], positions, attend, cache)
+    return model.logits(x[:, 0]), cache
