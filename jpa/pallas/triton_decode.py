@@ -1,0 +1,283 @@
+"""Paged decode attention as a Pallas kernel on the Triton backend (Ampere and later), with split-K.
+
+Einsum letters: B num_seqs, K num_kv_heads, G q_per_kv, H head_dim, S key tokens of one step.
+
+Grid: (num_seqs, num_kv_heads, num_partitions). One program owns every q head of one kv head
+(the G rows of "BKGH"), so each K/V tile it loads from HBM is used by all G heads: a GQA step
+reads the cache once, not G times. A program walks the key tokens of its partition in steps of
+`block_k` tokens; for each step it looks the pages up in the block table, gathers the K/V rows
+("slot = block_tables[b, t // page_size], t % page_size") straight out of the WHOLE page pools,
+and folds them into an online softmax (running max m, running sum l, f32 accumulator acc).
+
+Why the page pools are whole operands: a custom-call operand that is a slice of the cache is
+materialized by XLA (a full copy per layer per step). The pools go in untouched; the block spec
+only selects the kv head (an in-kernel pointer offset), and the page gather is in-kernel.
+
+Why the loop bounds are dynamic: lengths are data. A program whose partition lies past its
+sequence's end (or wholly before a sliding window) runs zero iterations and loads no page.
+
+Split-K (flash-decoding): long contexts are cut into partitions that run as separate programs;
+each writes its unnormalized (acc, m, l), merged by `jpa.pallas.common.merge_partitions`.
+
+Triton blocks need power-of-two shapes: head_dim is padded to `head_dim_pad` (80 -> 128) and
+q_per_kv to `rows` (>= 16 so `tl.dot` can use tensor cores); padded columns/rows are masked on
+every load and store, so neither the cache nor the outputs are ever padded in memory.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jpa.pallas.common import MASK_VALUE, merge_partitions
+from jpa.pallas.spec import DecodeSpec
+from jpa.quant import is_quantized
+
+# ---- Tuning (the heuristic; see `plan`) ----
+# Key tokens per inner step, by padded head_dim: one K and one V tile of block_k x head_dim_pad
+# live in registers/shared memory; 8192 elements per tile keeps 4 warps out of spills.
+TILE_ELEMENTS = 8192
+MIN_BLOCK_K = 16          # tl.dot needs every dim >= 16
+MIN_ROWS = 16             # ditto for the q rows (q_per_kv padded up to this)
+# Key tokens per split-K partition. 1024 tokens is 2-8 pages-per-step iterations: enough work to
+# hide the load latency of one program, small enough that a 32k context yields 32 programs per
+# (sequence, kv head) to fill the SMs when the batch is small.
+PARTITION_TOKENS = 1024
+# With at least this many (sequence, kv head) programs the GPU is already full (4 x 132 SMs on
+# H100), so contexts up to NO_SPLIT_MAX_TOKENS run in one pass and skip the merge traffic.
+FULL_GRID_PROGRAMS = 512
+NO_SPLIT_MAX_TOKENS = 8192
+MAX_HEAD_DIM = 256
+NUM_WARPS = 4
+NUM_STAGES = 2
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+class Plan(tuple):
+    """Static launch parameters: (block_k, partition_tokens, num_partitions, rows, head_dim_pad)."""
+    __slots__ = ()
+    block_k = property(lambda self: self[0])
+    partition_tokens = property(lambda self: self[1])
+    num_partitions = property(lambda self: self[2])
+    rows = property(lambda self: self[3])
+    head_dim_pad = property(lambda self: self[4])
+
+
+def plan(num_seqs: int, num_kv_heads: int, q_per_kv: int, head_dim: int, page_size: int,
+         pages_per_seq: int, partition_tokens: int | None = None) -> Plan:
+    """Chooses tile and split-K sizes from static shapes (lengths are data, so the worst case).
+
+    - block_k (key tokens per inner step) = TILE_ELEMENTS / head_dim_pad, at least 16, at most the
+      longest context rounded up to a power of two. A step spans block_k / page_size pages (or
+      part of one page when pages are larger than a step: the gather is per token).
+    - One partition (no split-K) when the longest context fits in PARTITION_TOKENS, or when
+      num_seqs * num_kv_heads already fills the GPU and contexts are at most NO_SPLIT_MAX_TOKENS.
+      Otherwise partitions of PARTITION_TOKENS tokens (a multiple of block_k and of page_size).
+    """
+    head_dim_pad = max(16, _next_pow2(head_dim))
+    rows = max(MIN_ROWS, _next_pow2(q_per_kv))
+    max_tokens = pages_per_seq * page_size
+    block_k = max(MIN_BLOCK_K, min(TILE_ELEMENTS // head_dim_pad, _next_pow2(max_tokens)))
+    if partition_tokens is None:
+        one_pass = max_tokens <= PARTITION_TOKENS or (
+            num_seqs * num_kv_heads >= FULL_GRID_PROGRAMS and max_tokens <= NO_SPLIT_MAX_TOKENS)
+        partition_tokens = max_tokens if one_pass else PARTITION_TOKENS
+    # A partition is a whole number of steps.
+    partition_tokens = -(-partition_tokens // block_k) * block_k
+    num_partitions = -(-max_tokens // partition_tokens)
+    return Plan((block_k, partition_tokens, num_partitions, rows, head_dim_pad))
+
+
+def _kernel(seq_lens_ref, tables_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, slopes_ref,
+            acc_ref, m_ref, l_ref, *, scale, soft_cap, sliding_window, page_size, num_pages,
+            pages_per_seq, q_per_kv, head_dim, block_k, partition_tokens, compute_dtype):
+    """One (sequence b, kv head, partition) program.
+
+    Refs (block views):
+      seq_lens_ref: i32[num_seqs] (whole); tables_ref: i32[pages_per_seq] (row b)
+      q_ref: [rows, head_dim_pad] view of q [B, K, G, H] (masked to G x H)
+      k_ref, v_ref: [num_pages, page_size, head_dim_pad] view of this kv head's whole pool
+      ks_ref, vs_ref: f32[num_pages, page_size] or None; slopes_ref: f32[rows] view or None
+      acc_ref: f32[rows, head_dim_pad]; m_ref, l_ref: f32[rows] (views of [B, K, parts, G(, H)])
+    """
+    b = pl.program_id(0)
+    part = pl.program_id(2)
+    rows, head_dim_pad = q_ref.shape
+    row_ok = lax.broadcasted_iota(jnp.int32, (rows,), 0) < q_per_kv  # [rows]
+    cols = lax.broadcasted_iota(jnp.int32, (head_dim_pad,), 0)  # i32[head_dim_pad]
+    col_ok = cols < head_dim  # [head_dim_pad]
+    q = plgpu.load(q_ref, mask=row_ok[:, None] & col_ok[None, :], other=0.0)  # [rows, head_dim_pad]
+    q = q.astype(compute_dtype)
+    if slopes_ref is not None:
+        slopes = plgpu.load(slopes_ref, mask=row_ok, other=0.0).astype(jnp.float32)  # [rows]
+
+    seq_len = seq_lens_ref[b]
+    # First visible token: the sliding window hides everything before it.
+    start = jnp.maximum(seq_len - sliding_window, 0) if sliding_window is not None else 0
+    part_lo = part * partition_tokens
+    # Steps [first, last) of this partition hold visible tokens; none when it lies past the end
+    # of the sequence or wholly before the window, so such a program loads no page at all.
+    last = jnp.maximum(jnp.minimum(seq_len - part_lo, partition_tokens), 0)
+    last = (last + block_k - 1) // block_k
+    first = jnp.minimum(jnp.maximum(start - part_lo, 0) // block_k, last)
+
+    def body(step, carry):
+        m, l, acc = carry  # f32[rows], f32[rows], f32[rows, head_dim_pad]
+        pos = part_lo + step * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)  # i32[S]
+        valid = (pos < seq_len) & (pos >= start)  # [S]
+        logical = jnp.minimum(pos // page_size, pages_per_seq - 1)  # i32[S]
+        page = tables_ref[logical]  # i32[S] physical page of each token
+        # Clamp: a table entry past the sequence's pages may be anything; never form a wild pointer.
+        page = jnp.minimum(jnp.maximum(page, 0), num_pages - 1)
+        off = pos % page_size  # i32[S]
+        tile_ok = valid[:, None] & col_ok[None, :]  # [S, head_dim_pad]
+        # Pure integer-array indexing (one index array per dim, all [S, head_dim_pad]): a gather
+        # that Triton lowers to one pointer tensor and interpret mode to one jnp gather.
+        tile = (block_k, head_dim_pad)
+        page_ix = jnp.broadcast_to(page[:, None], tile)
+        off_ix = jnp.broadcast_to(off[:, None], tile)
+        col_ix = jnp.broadcast_to(cols[None, :], tile)
+        # Masked gathers: tokens outside [start, seq_len) cost no memory traffic and read as 0
+        # (garbage, even NaN, in unused slots cannot reach the result).
+        k = plgpu.load(k_ref.at[page_ix, off_ix, col_ix], mask=tile_ok, other=0)  # [S, head_dim_pad]
+        v = plgpu.load(v_ref.at[page_ix, off_ix, col_ix], mask=tile_ok, other=0)  # [S, head_dim_pad]
+        s = lax.dot_general(q, k.astype(compute_dtype), (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)  # [rows, S] "GH,SH->GS"
+        if ks_ref is not None:
+            # One scale per key token: it scales a column of the scores.
+            s = s * plgpu.load(ks_ref.at[page, off], mask=valid, other=0.0)[None, :]
+        s = s * scale
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        if slopes_ref is not None:
+            rel = (pos - seq_len + 1).astype(jnp.float32)  # [S]
+            s = s + slopes[:, None] * rel[None, :]
+        s = jnp.where(valid[None, :], s, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))  # [rows]
+        # Rescale what was accumulated under the old max before adding this step. MASK_VALUE is
+        # finite, so a row with no visible key yet gives exp(0) = 1 here rather than NaN.
+        alpha = jnp.exp(m - m_new)  # [rows]
+        p = jnp.where(valid[None, :], jnp.exp(s - m_new[:, None]), 0.0)  # [rows, S]
+        l_new = l * alpha + jnp.sum(p, axis=1)
+        if vs_ref is not None:
+            # One scale per value token: it scales a column of p (the contraction index).
+            p = p * plgpu.load(vs_ref.at[page, off], mask=valid, other=0.0)[None, :]
+        pv = lax.dot_general(p.astype(compute_dtype), v.astype(compute_dtype),
+                             (((1,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32)  # [rows, head_dim_pad] "GS,SH->GH"
+        return m_new, l_new, acc * alpha[:, None] + pv
+
+    init = (jnp.full((rows,), MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32),
+            jnp.zeros((rows, head_dim_pad), jnp.float32))
+    m, l, acc = lax.fori_loop(first, last, body, init)
+    plgpu.store(acc_ref, acc, mask=row_ok[:, None] & col_ok[None, :])
+    plgpu.store(m_ref, m, mask=row_ok)
+    plgpu.store(l_ref, l, mask=row_ok)
+
+
+def _compute_dtype(q_dtype, cache_dtype):
+    """dtype of the dot operands: q's 16-bit dtype when the cache converts to it exactly
+    (same dtype, or int8/float8 whose values bf16 and f16 both hold exactly), else f32."""
+    q_dtype, cache_dtype = np.dtype(q_dtype), np.dtype(cache_dtype)
+    if q_dtype != np.dtype(jnp.float32) and (cache_dtype == q_dtype or is_quantized(cache_dtype)):
+        return q_dtype
+    return np.dtype(jnp.float32)
+
+
+def _partials(q, k_pages, v_pages, block_tables, seq_lens, alibi_slopes, k_scales, v_scales, *,
+              scale, soft_cap, sliding_window, interpret, partition_tokens):
+    """Runs the kernel. Returns (acc f32[B, K, parts, G, H], m f32[B, K, parts, G], l likewise)."""
+    num_seqs, num_q_heads, head_dim = q.shape
+    num_kv_heads, num_pages, page_size, _ = k_pages.shape
+    pages_per_seq = block_tables.shape[1]
+    q_per_kv = num_q_heads // num_kv_heads
+    p = plan(num_seqs, num_kv_heads, q_per_kv, head_dim, page_size, pages_per_seq, partition_tokens)
+    rows, hp, parts = p.rows, p.head_dim_pad, p.num_partitions
+
+    qg = q.reshape(num_seqs, num_kv_heads, q_per_kv, head_dim)  # [B, K, G, H] (free reshape)
+    quantized = k_scales is not None
+    kernel = functools.partial(
+        _kernel, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
+        page_size=page_size, num_pages=num_pages, pages_per_seq=pages_per_seq, q_per_kv=q_per_kv,
+        head_dim=head_dim, block_k=p.block_k, partition_tokens=p.partition_tokens,
+        compute_dtype=_compute_dtype(q.dtype, k_pages.dtype))
+    pool_spec = pl.BlockSpec((None, num_pages, page_size, hp), lambda b, h, j: (h, 0, 0, 0))
+    scale_spec = pl.BlockSpec((None, num_pages, page_size), lambda b, h, j: (h, 0, 0))
+    in_specs = [
+        pl.BlockSpec((num_seqs,), lambda b, h, j: (0,)),  # seq_lens, whole
+        pl.BlockSpec((None, pages_per_seq), lambda b, h, j: (b, 0)),  # block_tables row b
+        pl.BlockSpec((None, None, rows, hp), lambda b, h, j: (b, h, 0, 0)),  # q
+        pool_spec, pool_spec,  # k_pages, v_pages: whole pools, kv head h selected in-kernel
+        scale_spec if quantized else None, scale_spec if quantized else None,
+        pl.BlockSpec((None, rows), lambda b, h, j: (h, 0)) if alibi_slopes is not None else None,
+    ]
+    slopes = (alibi_slopes.astype(jnp.float32).reshape(num_kv_heads, q_per_kv)  # [K, G]
+              if alibi_slopes is not None else None)
+    out_specs = [
+        pl.BlockSpec((None, None, None, rows, hp), lambda b, h, j: (b, h, j, 0, 0)),
+        pl.BlockSpec((None, None, None, rows), lambda b, h, j: (b, h, j, 0)),
+        pl.BlockSpec((None, None, None, rows), lambda b, h, j: (b, h, j, 0)),
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct((num_seqs, num_kv_heads, parts, q_per_kv, head_dim), jnp.float32),
+        jax.ShapeDtypeStruct((num_seqs, num_kv_heads, parts, q_per_kv), jnp.float32),
+        jax.ShapeDtypeStruct((num_seqs, num_kv_heads, parts, q_per_kv), jnp.float32),
+    ]
+    return pl.pallas_call(
+        kernel,
+        grid=(num_seqs, num_kv_heads, parts),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+        name=f"jpa_paged_decode_bk{p.block_k}_parts{parts}",
+    )(seq_lens, block_tables, qg, k_pages, v_pages, k_scales, v_scales, slopes)
+
+
+def unsupported_reason(spec: DecodeSpec) -> str | None:
+    """Why this kernel cannot serve `spec` on the default device, or None when it can."""
+    if spec.head_dim > MAX_HEAD_DIM:
+        return f"head_dim {spec.head_dim} > {MAX_HEAD_DIM} (K/V tiles would spill registers)"
+    if spec.cache_dtype == "float8_e4m3fn":
+        dev = jax.devices()[0]
+        cc = getattr(dev, "compute_capability", None)
+        # Triton has no float8_e4m3fn (fp8e4nv) type before sm_89; e5m2 and int8 work on sm_80.
+        if dev.platform == "gpu" and cc is not None and float(cc) < 8.9:
+            return f"float8_e4m3fn caches need compute capability >= 8.9 in Triton; device has {cc}"
+    return None
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "interpret",
+                                             "partition_tokens"))
+def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap=None,
+                 alibi_slopes=None, sliding_window=None, k_scales=None, v_scales=None,
+                 interpret=False, partition_tokens=None):
+    """Paged decode attention with the Triton-backend Pallas kernel. Arguments as
+    `jpa.paged_decode` (already validated there).
+
+    Args:
+      q: [num_seqs, num_q_heads, head_dim].
+      k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim] (passed to the kernel whole).
+      block_tables: i32[num_seqs, pages_per_seq].
+      seq_lens: i32[num_seqs].
+      scale, soft_cap, alibi_slopes, sliding_window, k_scales, v_scales: as `jpa.paged_decode`.
+      interpret: run on CPU in Pallas interpret mode.
+      partition_tokens: override the split-K partition size (tests, tuning); None = `plan`.
+
+    Returns:
+      [num_seqs, num_q_heads, head_dim] in q's dtype.
+    """
+    num_seqs, num_q_heads, head_dim = q.shape
+    acc, m, l = _partials(q, k_pages, v_pages, block_tables, seq_lens, alibi_slopes, k_scales,
+                          v_scales, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
+                          interpret=interpret, partition_tokens=partition_tokens)
+    out = merge_partitions(acc, m, l, q.dtype)  # [B, K, G, H]
+    return out.reshape(num_seqs, num_q_heads, head_dim)
