@@ -85,7 +85,9 @@ def plan(num_seqs: int, num_kv_heads: int, q_per_kv: int, head_dim: int, page_si
     rows = max(MIN_ROWS, _next_pow2(q_per_kv))
     max_tokens = pages_per_seq * page_size
     block_k = max(MIN_BLOCK_K, min(TILE_ELEMENTS // head_dim_pad, _next_pow2(max_tokens)))
-    if partition_tokens is None:
+    if partition_tokens is not None:  # an explicit size (tests, tuning) also bounds the step
+        block_k = max(MIN_BLOCK_K, min(block_k, _next_pow2(partition_tokens)))
+    else:
         one_pass = max_tokens <= PARTITION_TOKENS or (
             num_seqs * num_kv_heads >= FULL_GRID_PROGRAMS and max_tokens <= NO_SPLIT_MAX_TOKENS)
         partition_tokens = max_tokens if one_pass else PARTITION_TOKENS

@@ -1,0 +1,151 @@
+"""Random paged-decode cases and a float64 NumPy oracle, shared by the kernel tests.
+
+API (kept small so every kernel's tests can use it):
+
+- `Case(...)`: a frozen, hashable description of one call (shapes, dtypes, lengths, features).
+- `make_inputs(case) -> (args, opts)`: fresh random inputs; call `f(*args, **opts)` with any
+  `paged_decode`-style function (`jpa.paged_decode`, `paged_decode_xla`, a kernel module).
+  Physical pages are a random permutation of the pool; with `share_page` sequence 1 reuses
+  sequence 0's first page (prefix sharing). Cache slots no visible token uses (free pages,
+  the tail of a last page) hold NaN (float caches) or NaN scales (quantized caches), and
+  block-table entries past a sequence's pages hold garbage (-1 or far out of range): a kernel
+  that reads any of them into the result fails the comparison.
+- `np_reference(*args, **opts) -> float64 ndarray`: dense softmax attention per sequence over
+  the gathered (dequantized) tokens; shares no code with the online-softmax implementations.
+- `tolerance(case) -> float`: max abs error allowed against the oracle (outputs are O(1)).
+"""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from jpa.quant import is_quantized, quantize
+
+# Max abs error vs the float64 oracle on O(1) outputs (q, K, V ~ N(0, 1)), per q dtype.
+#   float32: f32 accumulation order only.
+#   float16: p is rounded to f16 for the P.V dot (11-bit mantissa) + f16 output rounding.
+#   bfloat16: p rounded to bf16 (8-bit mantissa) for the P.V dot + bf16 output rounding.
+TOL = {"float32": 2e-5, "float16": 3e-3, "bfloat16": 2.5e-2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One paged-decode call. `seq_lens` has num_seqs entries, each <= pages_per_seq * page_size."""
+    seq_lens: tuple
+    num_q_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    page_size: int = 16
+    pages_per_seq: int = 4
+    q_dtype: str = "float32"
+    cache_dtype: str = "float32"
+    soft_cap: float | None = None
+    alibi: bool = False
+    sliding_window: int | None = None
+    share_page: bool = False
+    spare_pages: int = 3
+    seed: int = 0
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    def __str__(self):
+        feats = [f"sc{self.soft_cap}" if self.soft_cap else "", "alibi" if self.alibi else "",
+                 f"win{self.sliding_window}" if self.sliding_window else "",
+                 "shared" if self.share_page else ""]
+        return (f"N{self.num_q_heads}K{self.num_kv_heads}H{self.head_dim}S{self.page_size}"
+                f"x{self.pages_per_seq}-{self.q_dtype}-{self.cache_dtype}-L{list(self.seq_lens)}"
+                + "".join(f"-{f}" for f in feats if f))
+
+
+def tolerance(case: Case) -> float:
+    return TOL[case.q_dtype]
+
+
+def make_inputs(case: Case):
+    """Fresh random inputs for `case`. Returns (args, opts) as described in the module docstring."""
+    rng = np.random.default_rng(case.seed)
+    num_seqs, page_size, pages_per_seq = case.num_seqs, case.page_size, case.pages_per_seq
+    num_kv_heads, head_dim = case.num_kv_heads, case.head_dim
+    lens = np.asarray(case.seq_lens, np.int32)  # i32[num_seqs]
+    assert lens.max(initial=0) <= pages_per_seq * page_size, case
+    num_pages = num_seqs * pages_per_seq + case.spare_pages
+    perm = rng.permutation(num_pages)
+    tables = perm[: num_seqs * pages_per_seq].reshape(num_seqs, pages_per_seq).astype(np.int32)
+    if case.share_page and num_seqs > 1:
+        tables[1, 0] = tables[0, 0]
+    pages_used = -(-lens // page_size)  # i32[num_seqs]
+    # Garbage past each sequence's pages: never valid indices.
+    garbage = rng.choice(np.array([-1, num_pages + 7, 2**30], np.int32), size=tables.shape)
+    unused_col = np.arange(pages_per_seq)[None, :] >= pages_used[:, None]  # [B, pages_per_seq]
+    tables = np.where(unused_col, garbage, tables).astype(np.int32)
+
+    # Slots some sequence can see (used pages, positions < len).
+    visible = np.zeros((num_pages, page_size), bool)
+    for b in range(num_seqs):
+        pos = np.arange(lens[b])
+        visible[tables[b, pos // page_size], pos % page_size] = True
+    hidden = ~visible[None, :, :, None]  # [1, P, S_p, 1]
+
+    cache_shape = (num_kv_heads, num_pages, page_size, head_dim)
+    q = jnp.asarray(rng.standard_normal((num_seqs, case.num_q_heads, head_dim)), case.q_dtype)
+    pools, scales = [], []
+    for _ in range(2):
+        x = rng.standard_normal(cache_shape).astype(np.float32)
+        if is_quantized(case.cache_dtype):
+            vals, s = quantize(jnp.asarray(x), case.cache_dtype)
+            s = np.where(visible[None], np.asarray(s), np.nan).astype(np.float32)
+            pools.append(vals)
+            scales.append(jnp.asarray(s))
+        else:
+            pools.append(jnp.asarray(np.where(hidden, np.nan, x), case.cache_dtype))
+            scales.append(None)
+    opts = dict(
+        scale=head_dim ** -0.5 * 1.3,
+        soft_cap=case.soft_cap,
+        alibi_slopes=(jnp.asarray(2.0 ** -np.linspace(0.5, 4, case.num_q_heads), jnp.float32)
+                      if case.alibi else None),
+        sliding_window=case.sliding_window,
+        k_scales=scales[0], v_scales=scales[1])
+    args = (q, pools[0], pools[1], jnp.asarray(tables), jnp.asarray(lens))
+    return args, opts
+
+
+def np_reference(q, k_pages, v_pages, block_tables, seq_lens, *, scale=None, soft_cap=None,
+                 alibi_slopes=None, sliding_window=None, k_scales=None, v_scales=None):
+    """float64 dense attention over each sequence's gathered tokens -> [num_seqs, num_q_heads, head_dim]."""
+    q = np.asarray(q.astype(jnp.float32), np.float64)  # [B, N, H]
+    k_pages = np.asarray(k_pages.astype(jnp.float32), np.float64)  # [K, P, S_p, H]
+    v_pages = np.asarray(v_pages.astype(jnp.float32), np.float64)
+    if k_scales is not None:
+        k_pages = k_pages * np.asarray(k_scales, np.float64)[..., None]
+        v_pages = v_pages * np.asarray(v_scales, np.float64)[..., None]
+    num_seqs, num_q_heads, head_dim = q.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    group = num_q_heads // num_kv_heads
+    scale = head_dim ** -0.5 if scale is None else scale
+    tables, lens = np.asarray(block_tables), np.asarray(seq_lens)
+    out = np.zeros_like(q)
+    for b in range(num_seqs):
+        n = int(lens[b])
+        if n == 0:
+            continue
+        pos = np.arange(n)
+        pages = tables[b, pos // page_size]
+        keys = k_pages[:, pages, pos % page_size]  # [K, n, H]
+        vals = v_pages[:, pages, pos % page_size]  # [K, n, H]
+        qb = q[b].reshape(num_kv_heads, group, head_dim)  # [K, G, H]
+        s = np.einsum("KGH,KSH->KGS", qb, keys) * scale
+        if soft_cap is not None:
+            s = soft_cap * np.tanh(s / soft_cap)
+        if alibi_slopes is not None:
+            slopes = np.asarray(alibi_slopes, np.float64).reshape(num_kv_heads, group, 1)
+            s = s + slopes * (pos - n + 1)
+        if sliding_window is not None:
+            s = np.where(pos >= n - sliding_window, s, -np.inf)
+        p = np.exp(s - s.max(axis=-1, keepdims=True))
+        p = p / p.sum(axis=-1, keepdims=True)
+        out[b] = np.einsum("KGS,KSH->KGH", p, vals).reshape(num_q_heads, head_dim)
+    return out
