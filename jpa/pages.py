@@ -133,7 +133,7 @@ def _as_ids(name, ids, max_seqs, *, unique):
     if isinstance(ids, (int, np.integer)):
         ids = [int(ids)]
     if isinstance(ids, (list, tuple)):
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1) if len(ids) else np.zeros(0, np.int64)
+        ids = np.asarray(ids, dtype=np.int64) if len(ids) else np.zeros(0, np.int64)
     if getattr(ids, "ndim", None) != 1:
         raise ValueError(f"{name} must be an int or a 1-D i32[n] array of sequence ids; got shape "
                          f"{getattr(ids, 'shape', type(ids).__name__)}")
