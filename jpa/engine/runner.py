@@ -1,0 +1,214 @@
+"""The device side of the engine: jitted prefill and multi-step decode over donated state.
+
+Everything the decode loop needs lives on the device: the KV cache, the PageState, and per-slot
+state (`Slots`: pending token, sampling parameters, counters). One call of the decode loop runs
+up to `steps_per_call` decode steps inside a `lax.while_loop`, allocating pages with
+`jpa.pages.append`, sampling, and checking stop conditions (EOS, max_new_tokens, length limit)
+on the device; finished sequences release their pages inside the loop. The loop ends early when
+every slot is idle or when the pool runs out of pages (the host then preempts and calls again).
+"""
+
+import dataclasses
+import time
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+
+from jpa import pages
+from jpa.cache import CacheConfig, KVCache
+from jpa.engine.sampling import sample
+from models import decode, prefill  # the engine sits above the model layer
+
+
+@flax.struct.dataclass
+class Slots:
+    """Per-slot decode state, all arrays [max_seqs]."""
+    tokens: jax.Array         # i32: the pending token (sampled, not yet in the cache)
+    active: jax.Array         # bool: slot is decoding
+    num_generated: jax.Array  # i32: tokens generated so far (pending one included)
+    max_new: jax.Array        # i32: the request's max_new_tokens
+    max_len: jax.Array        # i32: longest sequence (prompt + generated) the slot may reach
+    temperature: jax.Array    # f32: 0 = greedy
+    top_k: jax.Array          # i32: 0 = off
+    top_p: jax.Array          # f32: 1 = off
+    seed: jax.Array           # i32
+    ignore_eos: jax.Array     # bool
+
+    @classmethod
+    def empty(cls, max_seqs: int) -> "Slots":
+        z = lambda dt: jnp.zeros((max_seqs,), dt)
+        return cls(z(jnp.int32), z(bool), z(jnp.int32), z(jnp.int32), z(jnp.int32), z(jnp.float32),
+                   z(jnp.int32), jnp.ones((max_seqs,), jnp.float32), z(jnp.int32), z(bool))
+
+
+@dataclasses.dataclass(frozen=True)
+class RowParams:
+    """Host-side values written into a slot at admission (one entry per prefill row)."""
+    max_new: int
+    max_len: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    ignore_eos: bool
+    num_generated: int     # > 0 when resuming a preempted request
+    resume_token: int      # its pending token, or -1 to sample from the prefill logits
+
+
+def _finished(slots, next_tok, seq_lens, stop_ids):
+    """bool[B]: which slots stop after emitting next_tok (their cache holds seq_lens tokens)."""
+    is_stop = jnp.any(next_tok[:, None] == stop_ids[None, :], axis=-1) & ~slots.ignore_eos
+    # The next token would go to position seq_lens; it must stay below max_len to be fed back.
+    return is_stop | (slots.num_generated >= slots.max_new) | (seq_lens + 1 >= slots.max_len)
+
+
+class ModelRunner:
+    """Owns the device state of one engine and the compiled functions that advance it."""
+
+    def __init__(self, model, cache_config: CacheConfig, *, max_seqs: int, pages_per_seq: int,
+                 steps_per_call: int, stop_ids):
+        self.graphdef, self.params = nnx.split(model)
+        self.cache_config = cache_config
+        self.max_seqs, self.pages_per_seq, self.steps_per_call = max_seqs, pages_per_seq, steps_per_call
+        self.cache = KVCache.create(cache_config)
+        self.page_state = pages.init(cache_config.num_pages, max_seqs, pages_per_seq, cache_config.page_size)
+        self.slots = Slots.empty(max_seqs)
+        self.stop_ids = jnp.asarray(sorted(set(stop_ids)) or [-1], jnp.int32)
+        self.decode_traces = 0
+        self.prefill_traces = 0
+        self.compile_seconds = 0.0
+        self._decode_exe = None
+        self._prefill_exe = {}
+        self._retire = jax.jit(self._retire_impl, donate_argnums=(0, 1))
+
+    # ------------------------------------------------------------------ traced functions
+
+    def _prefill_impl(self, params, cache, page_state, slots, tokens, seq_ids, lens, rows):
+        self.prefill_traces += 1
+        model = nnx.merge(self.graphdef, params)
+        num_rows, width = tokens.shape
+        page_state, ok = pages.reserve(page_state, seq_ids, lens)
+        slot_mapping = pages.slot_mapping_for(page_state, seq_ids, 0, lens, width=width)  # i32[A, T]
+        safe = jnp.where(seq_ids >= 0, seq_ids, 0)
+        tables = page_state.block_tables[safe]  # i32[A, pages_per_seq]
+        logits, cache = prefill(model, cache, tokens, jnp.zeros_like(lens), lens, slot_mapping, tables)
+        sampled = sample(logits, rows["temperature"], rows["top_k"], rows["top_p"], rows["seed"],
+                         rows["num_generated"])
+        fresh = rows["resume_token"] < 0
+        tok = jnp.where(fresh, sampled, rows["resume_token"])  # i32[A]
+        n_gen = rows["num_generated"] + fresh.astype(jnp.int32)
+        live = (seq_ids >= 0) & ok
+        idx = jnp.where(live, seq_ids, self.max_seqs)  # rows that are padding are dropped
+        put = lambda a, v: a.at[idx].set(v.astype(a.dtype), mode="drop")
+        slots = slots.replace(
+            tokens=put(slots.tokens, tok), num_generated=put(slots.num_generated, n_gen),
+            max_new=put(slots.max_new, rows["max_new"]), max_len=put(slots.max_len, rows["max_len"]),
+            temperature=put(slots.temperature, rows["temperature"]), top_k=put(slots.top_k, rows["top_k"]),
+            top_p=put(slots.top_p, rows["top_p"]), seed=put(slots.seed, rows["seed"]),
+            ignore_eos=put(slots.ignore_eos, rows["ignore_eos"]))
+        row_slots = jax.tree_util.tree_map(lambda a: a[safe], slots)
+        done = live & fresh & _finished(row_slots, tok, lens, self.stop_ids)
+        slots = slots.replace(active=put(slots.active, live & ~done))
+        page_state = pages.release(page_state, jnp.where(done, seq_ids, -1))
+        return cache, page_state, slots, tok, done, ok, pages.num_free_pages(page_state)
+
+    def _decode_impl(self, params, cache, page_state, slots):
+        self.decode_traces += 1
+        model = nnx.merge(self.graphdef, params)
+        k, num_seqs = self.steps_per_call, self.max_seqs
+
+        def step(carry):
+            i, cache, ps, slots, out, _ = carry
+            new_ps, slot_mapping, ok, _cow = pages.append(ps, slots.active)
+            # The engine never forks (one sample per request), so no page is shared and _cow is
+            # always empty; a forking caller must apply it with jpa.copy_pages first.
+
+            def run(args):
+                cache, ps, slots, out = args
+                seq_lens = jnp.where(slots.active, ps.seq_lens, 0)
+                logits, cache = decode(model, cache, slots.tokens, seq_lens, slot_mapping, ps.block_tables)
+                nxt = sample(logits, slots.temperature, slots.top_k, slots.top_p, slots.seed,
+                             slots.num_generated)
+                act = slots.active
+                slots = slots.replace(num_generated=slots.num_generated + act.astype(jnp.int32),
+                                      tokens=jnp.where(act, nxt, slots.tokens))
+                done = act & _finished(slots, nxt, seq_lens, self.stop_ids)
+                out = out.at[i].set(jnp.where(act, nxt, -1))
+                ps = pages.release(ps, jnp.where(done, jnp.arange(num_seqs, dtype=jnp.int32), -1))
+                return cache, ps, slots.replace(active=act & ~done), out
+
+            cache, ps, slots, out = lax.cond(ok, run, lambda a: a, (cache, new_ps, slots, out))
+            return i + ok.astype(jnp.int32), cache, ps, slots, out, ok
+
+        def cond(carry):
+            i, _, _, slots, _, ok = carry
+            return (i < k) & ok & jnp.any(slots.active)
+
+        out = jnp.full((k, num_seqs), -1, jnp.int32)
+        init = (jnp.int32(0), cache, page_state, slots, out, jnp.bool_(True))
+        steps, cache, page_state, slots, out, ok = lax.while_loop(cond, step, init)
+        return cache, page_state, slots, out, steps, ok, pages.num_free_pages(page_state)
+
+    @staticmethod
+    def _retire_impl(page_state, slots, seq_ids):
+        page_state = pages.release(page_state, seq_ids)
+        idx = jnp.where(seq_ids >= 0, seq_ids, slots.active.shape[0])
+        return page_state, slots.replace(active=slots.active.at[idx].set(False, mode="drop"))
+
+    # ------------------------------------------------------------------ host entry points
+
+    def _compile(self, fn, *args):
+        t0 = time.perf_counter()
+        exe = jax.jit(fn, donate_argnums=(1, 2, 3)).lower(*args).compile()
+        self.compile_seconds += time.perf_counter() - t0
+        return exe
+
+    def decode(self):
+        """Runs up to steps_per_call decode steps. Returns host arrays (out [k, B], steps, ok, free)."""
+        args = (self.params, self.cache, self.page_state, self.slots)
+        if self._decode_exe is None:
+            self._decode_exe = self._compile(self._decode_impl, *args)
+        self.cache, self.page_state, self.slots, out, steps, ok, free = self._decode_exe(*args)
+        out, steps, ok, free = jax.device_get((out, steps, ok, free))
+        return out[: int(steps)], bool(ok), int(free)
+
+    def prefill(self, seq_ids, token_rows, rows: list[RowParams], num_rows: int, width: int):
+        """Writes prompts into the cache and fills their slots. Returns (tokens, done, ok, free)."""
+        n = len(seq_ids)
+        tokens = np.zeros((num_rows, width), np.int32)
+        ids = np.full((num_rows,), -1, np.int32)
+        lens = np.zeros((num_rows,), np.int32)
+        for r, (sid, toks) in enumerate(zip(seq_ids, token_rows)):
+            tokens[r, : len(toks)] = toks
+            ids[r], lens[r] = sid, len(toks)
+        cols = {f.name: np.zeros((num_rows,), np.float32 if f.name in ("temperature", "top_p")
+                                 else bool if f.name == "ignore_eos" else np.int32)
+                for f in dataclasses.fields(RowParams)}
+        cols["top_p"][:] = 1.0
+        cols["resume_token"][:] = -1
+        for r, p in enumerate(rows):
+            for name in cols:
+                cols[name][r] = getattr(p, name)
+        args = (self.params, self.cache, self.page_state, self.slots, jnp.asarray(tokens),
+                jnp.asarray(ids), jnp.asarray(lens), {k: jnp.asarray(v) for k, v in cols.items()})
+        key = (num_rows, width)
+        if key not in self._prefill_exe:
+            self._prefill_exe[key] = self._compile(self._prefill_impl, *args)
+        self.cache, self.page_state, self.slots, tok, done, ok, free = self._prefill_exe[key](*args)
+        tok, done, ok, free = jax.device_get((tok, done, ok, free))
+        return tok[:n], done[:n], bool(ok), int(free)
+
+    def retire(self, seq_ids):
+        """Releases slots (finished on the host, e.g. by a stop string, or preempted)."""
+        ids = np.full((self.max_seqs,), -1, np.int32)
+        ids[: len(seq_ids)] = seq_ids
+        self.page_state, self.slots = self._retire(self.page_state, self.slots, jnp.asarray(ids))
+
+    def pool_is_whole(self) -> bool:
+        """True when every page is free (no leak) — valid when no request is running."""
+        ps = jax.device_get(self.page_state)
+        return int(ps.num_free) == self.cache_config.num_pages and not np.asarray(ps.refcounts).any()
