@@ -19,7 +19,7 @@ from models import GPT, PRESETS, ModelConfig, decode, forward_dense, load, prefi
 
 FAMILIES = ["tiny-gpt2", "tiny-llama"]
 PAGE_SIZE = 4
-ATOL = 1e-4  # f32 logits (magnitude ~10 with the randomized weights below)
+ATOL = 1e-4  # f32 logits (|logits| up to ~5 for tiny-gpt2, ~70 for tiny-llama; measured error <= 2e-5)
 
 
 def randomize(model: GPT, seed: int) -> GPT:
@@ -221,11 +221,13 @@ def test_bfloat16_weights_and_cache_stay_close_to_float32(name):
         chex.assert_type(l16, jnp.float32)
         rows = sorted(pos)
         l32, l16 = np.asarray(l32)[rows], np.asarray(l16)[rows]
-        # bf16 weights and K/V (8 mantissa bits) with f32 accumulation, norms and softmax: logits of
-        # magnitude ~10 move by a few tenths; next-token probabilities by at most a few percent.
-        assert np.abs(l16 - l32).max() < 0.5, np.abs(l16 - l32).max()
+        # bf16 weights and K/V (8 mantissa bits, ~0.4% per rounding) with f32 accumulation, norms
+        # and softmax. Measured here: logits move by ~0.5% of the largest logit, next-token
+        # probabilities by < 0.006. Bounds: 2% of the largest |logit|, and 0.02 on probabilities.
+        scale = np.abs(l32).max()
+        assert np.abs(l16 - l32).max() < 0.02 * scale, (np.abs(l16 - l32).max(), scale)
         p32, p16 = jax.nn.softmax(l32, axis=-1), jax.nn.softmax(l16, axis=-1)
-        assert np.abs(np.asarray(p16 - p32)).max() < 0.05, np.abs(np.asarray(p16 - p32)).max()
+        assert np.abs(np.asarray(p16 - p32)).max() < 0.02, np.abs(np.asarray(p16 - p32)).max()
 
 
 def _llama_float64(weights, c: ModelConfig, tokens):
@@ -406,5 +408,55 @@ def test_load():
     assert model.config == PRESETS["tiny-llama"] and model.dtype == jnp.bfloat16
     ids = tokenizer.encode("hi")
     assert max(ids) < model.config.vocab_size
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (model.config.bos_token_id,
+                                                                model.config.eos_token_id)
     again, _ = load("tiny-llama", dtype=jnp.bfloat16, seed=3)
     chex.assert_trees_all_equal(nnx.state(model), nnx.state(again))
+
+
+@pytest.mark.slow
+def test_smollm2_paged_matches_transformers_golden():
+    """The real SmolLM2-135M through models.load, batched paged prefill over scattered pages, then
+    greedy paged decode, against logits and a greedy continuation from Hugging Face transformers
+    (tests/data/smollm2_golden.json, made from the same GGUF file)."""
+    import json
+    import pathlib
+
+    pytest.importorskip("gguf")
+    golden = json.loads((pathlib.Path(__file__).parent / "data" / "smollm2_golden.json").read_text())
+    model, _ = load("smollm2-135m")
+    names = list(golden["prompts"])
+    prompts = [golden["prompts"][n]["ids"] for n in names]
+    lens = np.array([len(p) for p in prompts])
+    num_steps = golden["greedy"]["max_new_tokens"]
+    rng = np.random.default_rng(0)
+    tables, num_pages = allocate(rng, len(prompts), -(-int((lens + num_steps).max()) // PAGE_SIZE))
+    params, prefill_step, decode_step, traces = jitted_steps(model)
+    cache = jpa.KVCache.create(model.cache_config(num_pages, PAGE_SIZE))
+    tokens = np.zeros((len(prompts), lens.max()), np.int32)
+    slot_mapping = np.full(tokens.shape, -1, np.int32)
+    for b, p in enumerate(prompts):
+        tokens[b, : len(p)] = p
+        slot_mapping[b, : len(p)] = slots_of(tables, b, np.arange(len(p)))
+    logits, cache = prefill_step(params, cache, jnp.asarray(tokens), jnp.zeros(len(prompts), jnp.int32),
+                                 jnp.asarray(lens, jnp.int32), jnp.asarray(slot_mapping), jnp.asarray(tables))
+    logits = np.asarray(logits)
+    for b, name in enumerate(names):
+        g = golden["prompts"][name]
+        # f32 through 30 layers in a different op order than torch; golden rounded to 4 decimals.
+        np.testing.assert_allclose(logits[b, g["top_ids"]], g["top_logits"], atol=2e-2, rtol=0,
+                                   err_msg=name)
+        np.testing.assert_allclose(logits[b, golden["probe_ids"]], g["probe_logits"], atol=2e-2, rtol=0,
+                                   err_msg=name)
+    generated = []
+    next_tok = logits.argmax(-1).astype(np.int32)
+    for s in range(num_steps):
+        generated.append(next_tok)
+        pos = lens + s
+        slots = np.array([slots_of(tables, b, pos[b]) for b in range(len(prompts))], np.int32)
+        step_logits, cache = decode_step(params, cache, jnp.asarray(next_tok), jnp.asarray(pos + 1, jnp.int32),
+                                         jnp.asarray(slots), jnp.asarray(tables))
+        next_tok = np.asarray(step_logits).argmax(-1).astype(np.int32)
+    row = names.index(golden["greedy"]["prompt"])
+    assert [int(t[row]) for t in generated] == golden["greedy"]["ids"]
+    assert traces == {"prefill": 1, "decode": 1}
