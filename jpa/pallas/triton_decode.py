@@ -148,8 +148,9 @@ def _kernel(seq_lens_ref, tables_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, slope
         col_ix = jnp.broadcast_to(cols[None, :], tile)
         # Masked gathers: tokens outside [start, seq_len) cost no memory traffic and read as 0
         # (garbage, even NaN, in unused slots cannot reach the result).
-        k = plgpu.load(k_ref.at[page_ix, off_ix, col_ix], mask=tile_ok, other=0)  # [S, head_dim_pad]
-        v = plgpu.load(v_ref.at[page_ix, off_ix, col_ix], mask=tile_ok, other=0)  # [S, head_dim_pad]
+        zero = 0 if jnp.issubdtype(k_ref.dtype, jnp.integer) else 0.0
+        k = plgpu.load(k_ref.at[page_ix, off_ix, col_ix], mask=tile_ok, other=zero)  # [S, head_dim_pad]
+        v = plgpu.load(v_ref.at[page_ix, off_ix, col_ix], mask=tile_ok, other=zero)  # [S, head_dim_pad]
         s = lax.dot_general(q, k.astype(compute_dtype), (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32)  # [rows, S] "GH,SH->GS"
         if ks_ref is not None:
