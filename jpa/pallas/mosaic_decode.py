@@ -1,0 +1,341 @@
+"""Paged decode attention as a Pallas Mosaic GPU kernel (Hopper, sm_90+).
+
+Einsum letters: B num_seqs, K num_kv_heads, G q_per_kv, H head_dim, S key tokens of one block.
+
+One program per (sequence, kv head, partition). A program owns the G query heads that share
+its kv head and walks its partition of the sequence's keys a *block* at a time: a block is
+`pages_per_block` consecutive logical pages (at least 64 tokens), each page copied GMEM -> SMEM
+by its own TMA, the source page picked from the block table. `slots` blocks are buffered
+(`num_slots`: up to 4, as SMEM allows): while block j is computed, blocks j+1 .. j+slots-1 are
+already in flight.
+
+Matmuls use WGMMA (Mosaic GPU has no other dot): the q tile is 64 rows (WGMMA's minimum M)
+of which the first G are this kv head's query heads. The remaining rows are other heads' q
+rows (finite values) whose results are computed and discarded: decode is bound by HBM
+bandwidth, and the idle tensor-core rows cost nothing that matters next to the page loads.
+
+    s   = q_tile @ K_block^T        "GH,SH->GS" (WGMMA, f32 accumulator in registers)
+    acc = acc * alpha + p @ V_block "GS,SH->GH" (WGMMA, p cast to the cache dtype)
+
+Split-K: each partition writes its unnormalized (acc, m, l); `merge_partitions` combines them.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jpa.pallas.common import MASK_VALUE, merge_partitions
+from jpa.pallas.spec import DecodeSpec
+
+# WGMMA's M: rows of the q tile.
+BLOCK_Q = 64
+# Minimum key tokens per block: one WGMMA K-step of the P @ V matmul spans 64 rows comfortably
+# and fewer, larger blocks mean fewer barrier round trips per page.
+MIN_BLOCK_TOKENS = 64
+# Blocks buffered in SMEM per program (slots - 1 in flight during each block's compute): as many
+# as fit SMEM_BUDGET, up to MAX_SLOTS. H100: 227 KiB of SMEM per block at most.
+MAX_SLOTS = 4
+SMEM_BUDGET = 200 * 1024
+# Programs to aim for when choosing the number of partitions: 2 per SM of an H100 (132 SMs).
+TARGET_PROGRAMS = 2 * 132
+SUPPORTED_DTYPES = ("bfloat16", "float16")
+# Rows of the per-partition outputs: G rounded up to 8 (TMA rows must be >= 16 bytes for m, l).
+ROW_ALIGN = 8
+
+
+def unsupported_reason(spec: DecodeSpec) -> str | None:
+    """Why this kernel cannot serve `spec`, or None when it can."""
+    if spec.q_dtype not in SUPPORTED_DTYPES:
+        return (f"q dtype {spec.q_dtype} is not supported: WGMMA has no exact float32 path "
+                f"(only tf32); use bfloat16 or float16")
+    if spec.quantized:
+        return (f"quantized caches ({spec.cache_dtype}) are not supported by the Mosaic GPU kernel; "
+                f"use impl='triton' or 'xla'")
+    if spec.cache_dtype != spec.q_dtype:
+        return (f"the cache dtype ({spec.cache_dtype}) must equal q's dtype ({spec.q_dtype}): "
+                f"WGMMA operands share one dtype")
+    if spec.q_per_kv > BLOCK_Q:
+        return f"q_per_kv = {spec.q_per_kv} exceeds the {BLOCK_Q}-row WGMMA q tile"
+    if spec.head_dim % 64 or spec.head_dim > 256:
+        return (f"head_dim = {spec.head_dim} is not supported: it must be a multiple of 64 "
+                f"(the 128-byte swizzle of a 16-bit WGMMA operand) and at most 256")
+    ps = spec.page_size
+    if ps < 8 or (ps < MIN_BLOCK_TOKENS and MIN_BLOCK_TOKENS % ps) or (
+            ps >= MIN_BLOCK_TOKENS and ps % MIN_BLOCK_TOKENS):
+        return (f"page_size = {ps} is not supported: it must divide {MIN_BLOCK_TOKENS} (>= 8) or be "
+                f"a multiple of {MIN_BLOCK_TOKENS}")
+    if num_slots(spec.head_dim, ps) == 0:
+        return (f"head_dim = {spec.head_dim} with page_size = {ps} needs more than "
+                f"{SMEM_BUDGET // 1024} KiB of SMEM for two K/V blocks")
+    return None
+
+
+def _block_pages(page_size: int) -> int:
+    """Pages per block: blocks hold at least MIN_BLOCK_TOKENS tokens."""
+    return max(1, MIN_BLOCK_TOKENS // page_size)
+
+
+def num_partitions(num_seqs: int, num_kv_heads: int, num_blocks: int) -> int:
+    """Partitions per sequence: enough programs to fill the GPU, at most one block each."""
+    want = -(-TARGET_PROGRAMS // max(1, num_seqs * num_kv_heads))
+    return max(1, min(num_blocks, want))
+
+
+def num_slots(head_dim: int, page_size: int, itemsize: int = 2) -> int:
+    """Blocks buffered per program: as many as fit SMEM_BUDGET, at most MAX_SLOTS (0: none fit)."""
+    block_tokens = _block_pages(page_size) * page_size
+    per_slot = 2 * block_tokens * head_dim * itemsize  # K and V
+    fixed = (BLOCK_Q * head_dim + BLOCK_Q * block_tokens) * itemsize + BLOCK_Q * 4  # q, p, slopes
+    fit = (SMEM_BUDGET - fixed) // per_slot
+    return int(min(MAX_SLOTS, fit)) if fit >= 2 else 0
+
+
+def smem_bytes(head_dim: int, page_size: int, itemsize: int = 2) -> int:
+    """Peak SMEM of one program, from the buffer shapes (barriers and Mosaic scratch excluded).
+
+    The main loop holds the q tile, the p tile and `num_slots` K and V blocks (+ the ALiBi
+    slopes); the f32 output tile is allocated after the loop, in the space they free.
+    """
+    block_tokens = _block_pages(page_size) * page_size
+    slots = num_slots(head_dim, page_size, itemsize)
+    loop = (BLOCK_Q * head_dim + BLOCK_Q * block_tokens
+            + 2 * slots * block_tokens * head_dim) * itemsize + BLOCK_Q * 4
+    epilogue = BLOCK_Q * head_dim * 4 + 2 * BLOCK_Q * 4
+    return max(loop, epilogue)
+
+
+def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref,  # inputs (GMEM)
+            acc_out, m_out, l_out,  # outputs (GMEM)
+            bars, *, scale, soft_cap, sliding_window, q_per_kv, page_size, block_pages,
+            blocks_per_part, slots, rows_out):
+    # q_ref [num_seqs * num_q_heads + BLOCK_Q, head_dim]; k_ref, v_ref [K, P, S_p, H];
+    # tables_ref i32[num_seqs, pages_per_seq]; lens_ref i32[num_seqs];
+    # slopes_ref f32[num_q_heads + BLOCK_Q] or None.
+    # acc_out f32[B, K, parts, rows_out, H]; m_out, l_out f32[B, K, parts, rows_out].
+    q_bar, k_bars, v_bars = bars
+    b = lax.axis_index("seq")
+    kh = lax.axis_index("kv_head")
+    part = lax.axis_index("part")
+    num_kv_heads, num_pages, _, head_dim = k_ref.shape
+    pages_per_seq = tables_ref.shape[1]
+    block_tokens = block_pages * page_size
+    dtype = q_ref.dtype
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+    seq_len = lens_ref[b]
+    if sliding_window is not None:
+        start = jnp.maximum(seq_len - sliding_window, 0)
+    else:
+        start = jnp.int32(0)
+    # Blocks [lo, hi) of this partition that hold visible tokens; every one of them holds >= 1.
+    lo = jnp.maximum(part * blocks_per_part, lax.div(start, block_tokens))
+    hi = jnp.minimum((part + 1) * blocks_per_part,
+                     lax.div(seq_len + block_tokens - 1, block_tokens))
+    num_steps = jnp.maximum(hi - lo, 0)
+
+    def main_loop(q_smem, k_smem, v_smem, p_smem, slopes_smem):
+        q_row0 = (b * num_kv_heads + kh) * q_per_kv
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row0, BLOCK_Q)], q_smem, q_bar.at[0])
+        if slopes_smem is not None:
+            plgpu.copy_gmem_to_smem(slopes_ref.at[pl.ds(kh * q_per_kv, BLOCK_Q)], slopes_smem,
+                                    q_bar.at[1])
+
+        def issue(step, slot):
+            """Starts the TMA copies of block lo + step into slot, one per page."""
+            for i in range(block_pages):
+                logical = (lo + step) * block_pages + i
+                # Pages past the table or the sequence are still copied (the barrier's byte count
+                # is static), from a clamped in-range page; their tokens are masked below.
+                page = tables_ref[b, jnp.minimum(logical, pages_per_seq - 1)]
+                page = jnp.clip(page, 0, num_pages - 1)
+                rows = pl.ds(i * page_size, page_size)
+                plgpu.copy_gmem_to_smem(k_ref.at[kh, page], k_smem.at[slot, rows], k_bars.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[kh, page], v_smem.at[slot, rows], v_bars.at[slot])
+
+        for s in range(slots - 1):
+            pl.when(s < num_steps)(functools.partial(issue, s, s))
+
+        plgpu.barrier_wait(q_bar.at[0])
+        if slopes_smem is not None:
+            plgpu.barrier_wait(q_bar.at[1])
+            slopes = plgpu.load(slopes_smem, layout=row_layout)  # f32[BLOCK_Q]
+
+        def body(step, carry):
+            acc, m, l = carry  # f32[BLOCK_Q, H], f32[BLOCK_Q], f32[BLOCK_Q]
+            slot = lax.rem(step, slots)
+            # Keep slots - 1 blocks in flight: the slot refilled here was freed by step - 1
+            # (its WGMMAs completed before their results were read).
+            nxt = step + slots - 1
+            pl.when(nxt < num_steps)(lambda: issue(nxt, lax.rem(nxt, slots)))
+
+            plgpu.barrier_wait(k_bars.at[slot])
+
+            def qk(s_ref):
+                plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                return s_ref[...]
+            s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_tokens), jnp.float32))  # [BLOCK_Q, S]
+            s = s * scale
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s * (1.0 / soft_cap))
+            block_start = (lo + step) * block_tokens
+            pos = block_start + plgpu.broadcasted_iota(
+                jnp.int32, (BLOCK_Q, block_tokens), 1, layout=plgpu.Layout.WGMMA)
+            if slopes_smem is not None:
+                rel = (pos - seq_len + 1).astype(jnp.float32)
+                s = s + lax.broadcast_in_dim(slopes, s.shape, [0]) * rel
+            valid = (pos < seq_len) & (pos >= start)
+            s = jnp.where(valid, s, MASK_VALUE)
+            # Every block holds a visible token, so m_new is a real logit and masked p are 0.
+            m_new = jnp.maximum(m, s.max(axis=1))
+            alpha = jnp.exp(m - m_new)  # rescales what was accumulated under the old max
+            p = jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            l = l * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            # p goes through SMEM (8 KiB per block) rather than as a register WGMMA operand:
+            # GPU interpret mode only models SMEM operands, and the tested path is the shipped one.
+            p_smem[...] = p.astype(dtype)
+
+            plgpu.barrier_wait(v_bars.at[slot])
+            partial_block = (block_start < start) | (block_start + block_tokens > seq_len)
+
+            @pl.when(partial_block)
+            def _zero_invisible_v():
+                # p = 0 there, but 0 * (garbage NaN/inf in a recycled page) would still be NaN.
+                vs = v_smem.at[slot]
+                tok = block_start + plgpu.broadcasted_iota(
+                    jnp.int32, (block_tokens, head_dim), 0, layout=plgpu.Layout.WGMMA)
+                vs[...] = jnp.where((tok < seq_len) & (tok >= start), vs[...],
+                                    jnp.zeros((), dtype))
+
+            plgpu.commit_smem()  # register stores to SMEM -> visible to the WGMMA (async proxy)
+
+            def pv(pv_ref):
+                plgpu.wgmma(pv_ref, p_smem, v_smem.at[slot])
+                return pv_ref[...]
+            # A fresh accumulator per block (GPU interpret mode cannot run `run_state`); the add
+            # is one register op per element, negligible next to the loads.
+            acc = acc + pl.run_scoped(pv, plgpu.ACC((BLOCK_Q, head_dim), jnp.float32))
+            return acc, m_new, l
+
+        init = (
+            plgpu.layout_cast(jnp.zeros((BLOCK_Q, head_dim), jnp.float32), plgpu.Layout.WGMMA),
+            plgpu.layout_cast(jnp.full((BLOCK_Q,), MASK_VALUE, jnp.float32), row_layout),
+            plgpu.layout_cast(jnp.zeros((BLOCK_Q,), jnp.float32), row_layout),
+        )
+        return lax.fori_loop(0, num_steps, body, init)
+
+    transforms = _operand_transforms(dtype, head_dim)
+    acc, m, l = pl.run_scoped(
+        main_loop,
+        plgpu.SMEM((BLOCK_Q, head_dim), dtype, transforms=transforms),
+        plgpu.SMEM((slots, block_tokens, head_dim), dtype, transforms=transforms),
+        plgpu.SMEM((slots, block_tokens, head_dim), dtype, transforms=transforms),
+        plgpu.SMEM((BLOCK_Q, block_tokens), dtype,
+                   transforms=_operand_transforms(dtype, block_tokens)),
+        plgpu.SMEM((BLOCK_Q,), jnp.float32) if slopes_ref is not None else None,
+    )
+
+    def epilogue(o_smem, ml_smem):
+        # The f32 tile is written whole (WGMMA layout) and only its first rows_out rows leave.
+        o_smem[...] = acc
+        ml_smem.at[0][...] = m
+        ml_smem.at[1][...] = l
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows_out)], acc_out.at[b, kh, part])
+        plgpu.copy_smem_to_gmem(ml_smem.at[0, pl.ds(0, rows_out)], m_out.at[b, kh, part])
+        plgpu.copy_smem_to_gmem(ml_smem.at[1, pl.ds(0, rows_out)], l_out.at[b, kh, part])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(
+        epilogue,
+        plgpu.SMEM((BLOCK_Q, head_dim), jnp.float32,
+                   transforms=_operand_transforms(jnp.float32, head_dim)),
+        plgpu.SMEM((2, BLOCK_Q), jnp.float32),
+    )
+
+
+def _operand_transforms(dtype, minor):
+    """Tiling + swizzle of a 2-D SMEM tile whose minor dimension has `minor` elements."""
+    bits = jnp.finfo(dtype).bits
+    swizzle = plgpu.find_swizzle(minor * bits, "a WGMMA operand tile")
+    return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+
+
+def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap, alibi_slopes,
+                  sliding_window, interpret, blocks_per_part=None, detect_races=False):
+    num_seqs, num_q_heads, head_dim = q.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    pages_per_seq = block_tables.shape[1]
+    q_per_kv = num_q_heads // num_kv_heads
+    block_pages = _block_pages(page_size)
+    num_blocks = -(-pages_per_seq // block_pages)
+    if blocks_per_part is None:
+        blocks_per_part = -(-num_blocks // num_partitions(num_seqs, num_kv_heads, num_blocks))
+    parts = -(-num_blocks // blocks_per_part)
+    rows_out = -(-q_per_kv // ROW_ALIGN) * ROW_ALIGN
+    dtype = q.dtype
+
+    # q is tiny next to the cache: flatten it (free) and pad BLOCK_Q rows so the 64-row q tile
+    # of the last kv head stays in bounds. The page pools go in whole, never sliced.
+    q_rows = jnp.pad(q.reshape(num_seqs * num_q_heads, head_dim),
+                     ((0, BLOCK_Q), (0, 0)))  # [num_seqs * num_q_heads + BLOCK_Q, head_dim]
+    if alibi_slopes is not None:
+        slopes = jnp.pad(alibi_slopes.astype(jnp.float32), (0, BLOCK_Q))  # f32[N + BLOCK_Q]
+    else:
+        slopes = jnp.zeros((ROW_ALIGN,), jnp.float32)  # unused placeholder operand
+
+    kernel = functools.partial(
+        _kernel, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
+        q_per_kv=q_per_kv, page_size=page_size, block_pages=block_pages,
+        blocks_per_part=blocks_per_part, slots=num_slots(head_dim, page_size, dtype.itemsize),
+        rows_out=rows_out)
+
+    def body(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, acc_out, m_out, l_out):
+        slots = num_slots(head_dim, page_size, dtype.itemsize)
+        pl.run_scoped(
+            lambda *bars: kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref,
+                                 slopes_ref if alibi_slopes is not None else None,
+                                 acc_out, m_out, l_out, bars),
+            plgpu.Barrier(num_barriers=2),
+            plgpu.Barrier(num_arrivals=block_pages, num_barriers=slots),
+            plgpu.Barrier(num_arrivals=block_pages, num_barriers=slots),
+        )
+
+    out_type = (
+        jax.ShapeDtypeStruct((num_seqs, num_kv_heads, parts, rows_out, head_dim), jnp.float32),
+        jax.ShapeDtypeStruct((num_seqs, num_kv_heads, parts, rows_out), jnp.float32),
+        jax.ShapeDtypeStruct((num_seqs, num_kv_heads, parts, rows_out), jnp.float32),
+    )
+    acc, m, l = plgpu.kernel(
+        body, out_type=out_type, grid=(num_seqs, num_kv_heads, parts),
+        grid_names=("seq", "kv_head", "part"),
+        # Lane semantics: layouts are explicit (WGMMA layout for every register tile).
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=plgpu.InterpretGPUParams(detect_races=detect_races) if interpret else None,
+    )(q_rows, k_pages, v_pages, block_tables, seq_lens.astype(jnp.int32), slopes)
+    acc = acc[..., :q_per_kv, :]  # [B, K, parts, G, H]
+    out = merge_partitions(acc, m[..., :q_per_kv], l[..., :q_per_kv], dtype)  # [B, K, G, H]
+    return out.reshape(num_seqs, num_q_heads, head_dim)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "interpret"))
+def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap=None,
+                 alibi_slopes=None, sliding_window=None, k_scales=None, v_scales=None,
+                 interpret=False):
+    """Paged decode attention with the Mosaic GPU kernel. Arguments as `jpa.paged_decode`
+    (already validated, and `unsupported_reason` is None for their DecodeSpec).
+
+    Returns:
+      [num_seqs, num_q_heads, head_dim] in q's dtype.
+    """
+    if k_scales is not None or v_scales is not None:
+        raise ValueError("the Mosaic GPU kernel does not support quantized caches "
+                         "(k_scales / v_scales must be None)")
+    return _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, scale=scale,
+                         soft_cap=soft_cap, alibi_slopes=alibi_slopes,
+                         sliding_window=sliding_window, interpret=interpret)
