@@ -230,6 +230,23 @@ def test_bfloat16_weights_and_cache_stay_close_to_float32(name):
         assert np.abs(np.asarray(p16 - p32)).max() < 0.02, np.abs(np.asarray(p16 - p32)).max()
 
 
+def test_donated_steps_update_the_cache_in_place():
+    # A cache far bigger than the model: a step that copied it would need temp space of its size.
+    model = make_model("tiny-llama")
+    params, prefill_step, decode_step, _ = jitted_steps(model)
+    cache = jpa.KVCache.create(model.cache_config(1024, 16))  # 2 layers x K,V x 2 MiB = 8 MiB
+    i32 = lambda *s: jnp.zeros(s, jnp.int32)
+    tables = i32(4, 8)
+    compiled = [
+        decode_step.lower(params, cache, i32(4), i32(4), i32(4), tables).compile(),
+        prefill_step.lower(params, cache, i32(4, 32), i32(4), i32(4), i32(4, 32), tables).compile(),
+    ]
+    for c in compiled:
+        mem = c.memory_analysis()
+        assert mem.temp_size_in_bytes < cache.nbytes / 8, (mem.temp_size_in_bytes, cache.nbytes)
+        assert mem.alias_size_in_bytes >= cache.nbytes  # every cache buffer is aliased to an output
+
+
 def _llama_float64(weights, c: ModelConfig, tokens):
     """NumPy float64 llama forward from a weight dict (HF rotate_half RoPE): logits [T, vocab]."""
     w = jax.tree.map(lambda a: np.asarray(a, np.float64), weights)
@@ -443,10 +460,10 @@ def test_smollm2_paged_matches_transformers_golden():
     logits = np.asarray(logits)
     for b, name in enumerate(names):
         g = golden["prompts"][name]
-        # f32 through 30 layers in a different op order than torch; golden rounded to 4 decimals.
-        np.testing.assert_allclose(logits[b, g["top_ids"]], g["top_logits"], atol=2e-2, rtol=0,
+        # Golden values are rounded to 4 decimals; measured here: max error 8e-5 (logits up to ~28).
+        np.testing.assert_allclose(logits[b, g["top_ids"]], g["top_logits"], atol=1e-3, rtol=0,
                                    err_msg=name)
-        np.testing.assert_allclose(logits[b, golden["probe_ids"]], g["probe_logits"], atol=2e-2, rtol=0,
+        np.testing.assert_allclose(logits[b, golden["probe_ids"]], g["probe_logits"], atol=1e-3, rtol=0,
                                    err_msg=name)
     generated = []
     next_tok = logits.argmax(-1).astype(np.int32)
