@@ -46,6 +46,12 @@ CASES = [
          cache_dtype="float8_e5m2", soft_cap=20.0, seed=9),
     # q bf16 with an f32 cache: dots run in f32.
     Case((9, 47), num_q_heads=4, num_kv_heads=2, head_dim=64, q_dtype="bfloat16", seed=10),
+    # q_per_kv 5 (rows padded to 16), page_size 128 with MHA, page size not a power of two.
+    Case((7, 70), num_q_heads=10, num_kv_heads=2, head_dim=64, page_size=16, pages_per_seq=5,
+         seed=14),
+    Case((1, 129, 256), num_q_heads=2, num_kv_heads=2, head_dim=128, page_size=128,
+         pages_per_seq=2, q_dtype="float16", cache_dtype="float16", seed=15),
+    Case((12, 13, 35), num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=12, seed=16),
     # everything at once.
     Case((0, 1, 25, 64), num_q_heads=8, num_kv_heads=2, head_dim=80, page_size=16,
          q_dtype="bfloat16", cache_dtype="int8", soft_cap=10.0, alibi=True, sliding_window=19,
@@ -143,6 +149,47 @@ def test_unsupported_reason():
     assert "head_dim" in triton_decode.unsupported_reason(_spec(head_dim=512))
     with pytest.raises(jpa.dispatch.KernelUnavailable, match="head_dim"):
         jpa.dispatch.choose_impl("triton", _spec(head_dim=512))
+
+
+@pytest.mark.parametrize("seed", [40, 41, 42])
+def test_random_lengths(seed):
+    """Random ragged lengths and a random configuration from the covered axes."""
+    rng = np.random.default_rng(seed)
+    page_size = int(rng.choice([8, 16, 32]))
+    pages_per_seq = int(rng.integers(1, 9))
+    num_kv_heads = int(rng.choice([1, 2]))
+    q_dtype, cache_dtype = [("float32", "float32"), ("bfloat16", "bfloat16"),
+                            ("float16", "int8")][seed % 3]
+    case = Case(tuple(int(x) for x in rng.integers(0, pages_per_seq * page_size + 1, size=4)),
+                num_q_heads=num_kv_heads * int(rng.choice([1, 4, 8])), num_kv_heads=num_kv_heads,
+                head_dim=int(rng.choice([64, 80, 96])), page_size=page_size,
+                pages_per_seq=pages_per_seq, q_dtype=q_dtype, cache_dtype=cache_dtype,
+                sliding_window=int(rng.integers(1, 40)) if rng.random() < 0.5 else None,
+                share_page=bool(rng.random() < 0.5), seed=seed)
+    args, opts = make_inputs(case)
+    got = triton_decode.paged_decode(*args, **opts, interpret=True, partition_tokens=32)
+    _check(case, got, args, opts)
+
+
+def test_partition_tokens_must_be_positive():
+    args, opts = make_inputs(Case((3,)))
+    for bad in (0, -16, 2.5, True):
+        with pytest.raises(ValueError, match="partition_tokens must be a positive int"):
+            triton_decode.paged_decode(*args, **opts, interpret=True, partition_tokens=bad)
+
+
+def test_float8_e4m3_needs_sm89(monkeypatch):
+    """On an Ampere GPU an e4m3 cache is refused up front (Triton has no fp8e4nv before sm_89)."""
+    class FakeGpu:
+        platform, compute_capability, device_kind = "gpu", "8.0", "NVIDIA A100-SXM4-80GB"
+
+    spec = _spec(cache_dtype="float8_e4m3fn", quantized=True)
+    assert triton_decode.unsupported_reason(spec) is None  # CPU: interpret mode serves it
+    monkeypatch.setattr(jax, "devices", lambda *a: [FakeGpu()])
+    assert "8.9" in triton_decode.unsupported_reason(spec)
+    assert triton_decode.unsupported_reason(_spec(cache_dtype="float8_e5m2", quantized=True)) is None
+    FakeGpu.compute_capability = "9.0"
+    assert triton_decode.unsupported_reason(spec) is None
 
 
 def test_one_compile_for_all_lengths():

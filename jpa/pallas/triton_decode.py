@@ -25,6 +25,7 @@ every load and store, so neither the cache nor the outputs are ever padded in me
 """
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -60,14 +61,13 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
-class Plan(tuple):
-    """Static launch parameters: (block_k, partition_tokens, num_partitions, rows, head_dim_pad)."""
-    __slots__ = ()
-    block_k = property(lambda self: self[0])
-    partition_tokens = property(lambda self: self[1])
-    num_partitions = property(lambda self: self[2])
-    rows = property(lambda self: self[3])
-    head_dim_pad = property(lambda self: self[4])
+class Plan(NamedTuple):
+    """Static launch parameters chosen by `plan`."""
+    block_k: int           # key tokens per inner step (a power of two >= 16)
+    partition_tokens: int  # key tokens per split-K partition (a multiple of block_k)
+    num_partitions: int    # grid extent along the partition axis
+    rows: int              # q_per_kv padded to a power of two >= 16
+    head_dim_pad: int      # head_dim padded to a power of two >= 16
 
 
 def plan(num_seqs: int, num_kv_heads: int, q_per_kv: int, head_dim: int, page_size: int,
@@ -94,7 +94,7 @@ def plan(num_seqs: int, num_kv_heads: int, q_per_kv: int, head_dim: int, page_si
     # A partition is a whole number of steps.
     partition_tokens = -(-partition_tokens // block_k) * block_k
     num_partitions = -(-max_tokens // partition_tokens)
-    return Plan((block_k, partition_tokens, num_partitions, rows, head_dim_pad))
+    return Plan(block_k, partition_tokens, num_partitions, rows, head_dim_pad)
 
 
 def _kernel(seq_lens_ref, tables_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, slopes_ref,
@@ -279,6 +279,10 @@ def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap
       [num_seqs, num_q_heads, head_dim] in q's dtype.
     """
     num_seqs, num_q_heads, head_dim = q.shape
+    if partition_tokens is not None and not (
+            isinstance(partition_tokens, int) and not isinstance(partition_tokens, bool)
+            and partition_tokens >= 1):
+        raise ValueError(f"partition_tokens must be a positive int or None; got {partition_tokens!r}")
     acc, m, l = _partials(q, k_pages, v_pages, block_tables, seq_lens, alibi_slopes, k_scales,
                           v_scales, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
                           interpret=interpret, partition_tokens=partition_tokens)
