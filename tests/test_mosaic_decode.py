@@ -1,0 +1,171 @@
+"""The Mosaic GPU decode kernel in GPU interpret mode against the float64 oracle and the XLA path.
+
+The grid is a covering design rather than a full product (interpret mode is slow on CPU): every
+supported page size, q_per_kv, head_dim, dtype and feature appears at least once, and the hard
+lengths (0, 1, page multiples, page multiple + 1, partial blocks, several partitions) recur.
+Unused cache slots hold NaN and unused block-table entries hold out-of-range garbage
+(`kernel_cases`), and GPU interpret mode fills fresh SMEM with NaN, so reading anything a
+sequence cannot see shows up as a NaN in the result.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+import jpa
+from jpa.pallas import mosaic_decode
+from jpa.pallas.spec import DecodeSpec
+from jpa.reference import paged_decode_xla
+from kernel_cases import Case, make_inputs, np_reference, tolerance
+
+BF16 = dict(q_dtype="bfloat16", cache_dtype="bfloat16")
+F16 = dict(q_dtype="float16", cache_dtype="float16")
+
+CASES = [
+    # page_size 8 (8 pages per block), MHA (q_per_kv 1), lengths 0, 1, page multiple, +1.
+    Case((0, 1, 8, 9, 40), num_q_heads=2, num_kv_heads=2, head_dim=64, page_size=8,
+         pages_per_seq=5, **BF16),
+    # page_size 16, GQA 4, head_dim 128, shared page, a block exactly full (64) and one past it.
+    Case((16, 17, 64, 65), num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16,
+         pages_per_seq=6, share_page=True, seed=1, **BF16),
+    # page_size 32, q_per_kv 8, head_dim 192 (not a power of two), f16.
+    Case((33, 64, 1), num_q_heads=8, num_kv_heads=1, head_dim=192, page_size=32, pages_per_seq=3,
+         seed=2, **F16),
+    # page_size 64 (one page per block) and 128 (one page, 128-token blocks), head_dim 256.
+    Case((64, 65, 127), num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=64,
+         pages_per_seq=2, seed=3, **BF16),
+    Case((128, 129, 255), num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=128,
+         pages_per_seq=2, seed=4, **F16),
+    Case((3, 50), num_q_heads=2, num_kv_heads=1, head_dim=256, page_size=16, pages_per_seq=4,
+         seed=5, **BF16),
+    # q_per_kv 16 (more heads than one 8-row output tile).
+    Case((7, 48), num_q_heads=16, num_kv_heads=1, head_dim=64, page_size=16, seed=6, **BF16),
+    # soft cap.
+    Case((5, 31, 48), num_q_heads=4, num_kv_heads=1, head_dim=64, soft_cap=5.0, seed=7, **F16),
+    # ALiBi with q_per_kv 8.
+    Case((1, 40, 64), num_q_heads=16, num_kv_heads=2, head_dim=128, alibi=True, seed=8, **BF16),
+    # sliding window shorter than some sequences: blocks before the window are skipped and the
+    # window's first block is partial on its left.
+    Case((3, 20, 70, 150), num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=8,
+         pages_per_seq=20, sliding_window=11, seed=9, **F16),
+    # everything at once.
+    Case((0, 1, 25, 64), num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
+         soft_cap=10.0, alibi=True, sliding_window=19, share_page=True, seed=10, **BF16),
+]
+
+
+def _check(case, got, args, opts):
+    want = np_reference(*args, **opts)
+    chex.assert_shape(got, want.shape)
+    assert got.dtype == args[0].dtype
+    got = np.asarray(got.astype(jnp.float32), np.float64)
+    assert np.isfinite(got).all(), case
+    np.testing.assert_allclose(got, want, atol=tolerance(case), rtol=0, err_msg=str(case))
+    xla = np.asarray(paged_decode_xla(*args, **opts).astype(jnp.float32), np.float64)
+    np.testing.assert_allclose(got, xla, atol=tolerance(case), rtol=0, err_msg=str(case))
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_matches_reference(case):
+    args, opts = make_inputs(case)
+    got = jpa.paged_decode(*args, impl="mosaic", interpret=True, **opts)
+    _check(case, got, args, opts)
+    # A sequence of length 0 gets exactly zero (not NaN, not garbage).
+    for b, n in enumerate(case.seq_lens):
+        if n == 0:
+            assert not np.asarray(got[b].astype(jnp.float32)).any()
+
+
+def test_long_context_several_partitions_and_slots():
+    # 33 blocks of 64 tokens: the default split gives 33 one-block partitions here; forcing 5
+    # blocks per partition runs the multi-buffered loop (4 slots, 3 blocks in flight) through
+    # full, partial and empty partitions, with a window crossing partition borders.
+    case = Case((2100, 1025, 640, 7), num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=32,
+                pages_per_seq=66, sliding_window=1500, seed=11, **BF16)
+    args, opts = make_inputs(case)
+    assert mosaic_decode.num_partitions(4, 2, 33) > 1
+    assert mosaic_decode.num_slots(64, 32) == mosaic_decode.MAX_SLOTS
+    _check(case, jpa.paged_decode(*args, impl="mosaic", interpret=True, **opts), args, opts)
+    forced = mosaic_decode._paged_decode(*args[:5], scale=opts["scale"], soft_cap=None,
+                                         alibi_slopes=None, sliding_window=1500, interpret=True,
+                                         blocks_per_part=5)
+    _check(case, forced, args, opts)
+
+
+def test_one_block_by_hand():
+    # One sequence of 2 tokens, one head, head_dim 64: keys e0 and 2*e0, q = e0, scale 1, so the
+    # logits are 1 and 2 and the output is softmax([1, 2]) . [v0, v1] with v_t = (t + 1) * e1.
+    head_dim, page_size = 64, 16
+    q = jnp.zeros((1, 1, head_dim), jnp.float32).at[0, 0, 0].set(1.0).astype(jnp.bfloat16)
+    k = jnp.zeros((1, 2, page_size, head_dim), jnp.float32)
+    k = k.at[0, 1, 0, 0].set(1.0).at[0, 1, 1, 0].set(2.0)
+    v = jnp.zeros((1, 2, page_size, head_dim), jnp.float32)
+    v = v.at[0, 1, 0, 1].set(1.0).at[0, 1, 1, 1].set(2.0)
+    tables = jnp.array([[1, 0]], jnp.int32)
+    got = jpa.paged_decode(q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), tables,
+                           jnp.array([2], jnp.int32), scale=1.0, impl="mosaic", interpret=True)
+    p1 = np.exp(2.0) / (np.exp(1.0) + np.exp(2.0))
+    want = np.zeros(head_dim)
+    want[1] = (1 - p1) * 1.0 + p1 * 2.0
+    np.testing.assert_allclose(np.asarray(got[0, 0], np.float32), want, atol=1e-2)
+
+
+def _race_params():
+    return plgpu.InterpretGPUParams(detect_races=True, on_race="raise")
+
+
+@pytest.mark.parametrize("case", [
+    Case((1, 17, 130, 40), num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
+         pages_per_seq=12, share_page=True, seed=12, **BF16),
+    Case((300, 9), num_q_heads=8, num_kv_heads=1, head_dim=64, page_size=32, pages_per_seq=10,
+         alibi=True, sliding_window=200, seed=13, **F16),
+], ids=str)
+def test_no_races(case):
+    # The race detector runs the kernel with happens-before tracking of every SMEM/GMEM access,
+    # TMA and barrier; with on_race="raise" a race is an exception. 4 slots and multi-block
+    # partitions (blocks_per_part=3) exercise slot reuse, the V zeroing and the p tile.
+    args, opts = make_inputs(case)
+    with plgpu.force_gpu_interpret_mode(_race_params()):
+        got = mosaic_decode._paged_decode(
+            *args[:5], scale=opts["scale"], soft_cap=None, alibi_slopes=opts["alibi_slopes"],
+            sliding_window=opts["sliding_window"], interpret=True, blocks_per_part=3)
+        got = jax.block_until_ready(got)
+    _check(case, got, args, opts)
+
+
+def test_race_detector_catches_a_missing_barrier_wait():
+    # The negative control for test_no_races: reading SMEM that a TMA is still writing (the
+    # barrier_wait is missing) must be reported under the same parameters.
+    x = jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)
+
+    def body(x_ref, o_ref, smem, bar):
+        plgpu.copy_gmem_to_smem(x_ref, smem, bar.at[0])
+        o_ref[...] = smem[...] + 1.0  # races with the copy
+        plgpu.barrier_wait(bar.at[0])
+
+    racy = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        scratch_types=[plgpu.SMEM(x.shape, x.dtype), plgpu.Barrier()])
+    with pytest.raises(Exception, match="(?i)race"):
+        with plgpu.force_gpu_interpret_mode(_race_params()):
+            jax.block_until_ready(racy(x))
+
+
+def test_unsupported_reason_none_for_tested_specs():
+    for case in CASES:
+        spec = DecodeSpec(case.q_dtype, case.cache_dtype, case.num_q_heads, case.num_kv_heads,
+                          case.head_dim, case.page_size, case.pages_per_seq, case.soft_cap is not None,
+                          case.alibi, case.sliding_window is not None, False)
+        assert mosaic_decode.unsupported_reason(spec) is None, case
+
+
+def test_smem_fits_and_pages_in_flight():
+    # head_dim 128, page_size 16 and 32: 4 slots of 64-token K+V blocks (32 KiB each), q 16 KiB,
+    # p 8 KiB, slopes 256 B -> 152.25 KiB of the 227 KiB an H100 block may use.
+    for page_size in (16, 32):
+        assert mosaic_decode.num_slots(128, page_size) == 4
+        assert mosaic_decode.smem_bytes(128, page_size) == 4 * 32768 + 16384 + 8192 + 256
+    assert mosaic_decode.smem_bytes(256, 64) <= mosaic_decode.SMEM_BUDGET
