@@ -208,10 +208,23 @@ def _plan(state, grow, target):
     partial = grow & (lens % ps != 0)
     ref_last = state.refcounts[last]  # i32[max_seqs]
     shared = partial & (ref_last > 1)
-    at = jnp.where(partial, last, num_pages)
-    growers = jnp.zeros((num_pages,), _I32).at[at].add(1, mode="drop")  # i32[num_pages]
-    first = jnp.full((num_pages,), max_seqs, _I32).at[at].min(seq, mode="drop")  # i32[num_pages]
-    keep = shared & (growers[last] == ref_last) & (first[last] == seq)
+
+    def keepers(_):
+        # Group the sequences by the page they write into with a sort over max_seqs (not a
+        # scatter into a num_pages-sized scratch array, which would make every step
+        # O(num_pages)). Sequences not writing into a partial page get distinct keys.
+        key = jnp.where(partial, last, num_pages + seq)  # i32[max_seqs]
+        order = jnp.argsort(key, stable=True)  # equal keys keep ascending sequence ids
+        sorted_key = key[order]
+        starts = jnp.concatenate([jnp.ones((1,), bool), sorted_key[1:] != sorted_key[:-1]])
+        group = jnp.cumsum(starts) - 1  # i32[max_seqs]: group of each sorted position
+        size = jnp.zeros((max_seqs,), _I32).at[group].add(1)  # i32[max_seqs] (groups <= max_seqs)
+        # Sorted position i holds sequence order[i]: send (group size, is first) back to it.
+        packed = jnp.zeros((max_seqs,), _I32).at[order].set(size[group] * 2 + starts)
+        return shared & (packed // 2 == ref_last) & (packed % 2 == 1)
+
+    # Shared partial pages exist only right after a fork: skip the sort in ordinary steps.
+    keep = jax.lax.cond(jnp.any(shared), keepers, lambda _: jnp.zeros_like(shared), None)
     cow = shared & ~keep
     n_new = new_np - old_np + cow.astype(_I32)
     return old_np, new_np, last, cow, n_new
@@ -269,9 +282,11 @@ def _append(state, active):
     page = state.free_pages[jnp.clip(state.num_free - 1 - rank, 0, num_pages - 1)]  # i32[max_seqs]
     j_new = jnp.where(cow, old_np - 1, old_np)  # logical index of the fresh page
     tables = state.block_tables.at[jnp.where(fresh, seq, max_seqs), j_new].set(page, mode="drop")
-    refcounts = state.refcounts.at[jnp.where(fresh, page, num_pages)].set(1, mode="drop")
     do_cow = ok & cow
-    refcounts = refcounts.at[jnp.where(do_cow, last, num_pages)].add(-1, mode="drop")
+    # One scatter: fresh pages 0 -> 1 (a free page's refcount is 0), copied-from pages - 1.
+    refcounts = state.refcounts.at[jnp.concatenate([jnp.where(fresh, page, num_pages),
+                                                    jnp.where(do_cow, last, num_pages)])].add(
+        jnp.concatenate([jnp.ones_like(page), -jnp.ones_like(last)]), mode="drop")
     copies = CopyOnWrite(src=jnp.where(do_cow, last, -1), dst=jnp.where(do_cow, page, -1))
     write = ok & active
     slot_page = jnp.take_along_axis(tables, (lens // ps)[:, None], axis=1, mode="clip")[:, 0]

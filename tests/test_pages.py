@@ -220,6 +220,31 @@ def test_out_of_pages_is_all_or_nothing():
     assert bool(ok) and int(slots[1]) == int(s.block_tables[1, 0]) * 2 + 1
 
 
+def test_out_of_pages_with_copy_on_write_is_all_or_nothing():
+    s = pages.init(3, 3, 4, 2)
+    s, _ = pages.reserve(s, 0, 3)
+    s, _ = pages.fork(s, 0, 1)
+    s, _ = pages.reserve(s, 2, 2)  # pool empty; seqs 0 and 1 share a half-full page
+    before = jax.tree.map(np.asarray, s)
+    for active in ([False, True, False], [True, False, False]):  # each alone must copy: no page
+        s2, slots, ok, cow = j_append(s, jnp.array(active))
+        assert not bool(ok)
+        assert_same_state(s2, before)
+        np.testing.assert_array_equal(cow.src, [-1, -1, -1])
+    s3, ok, cow = j_reserve(s, np.array([1, -1, -1], np.int32), np.array([4, 0, 0], np.int32))
+    assert not bool(ok)
+    assert_same_state(s3, before)
+    # Both appending together: seq 0 keeps the page, seq 1 must copy -- still no page.
+    s2, _, ok, _ = j_append(s, jnp.array([True, True, False]))
+    assert not bool(ok)
+    assert_same_state(s2, before)
+    s = pages.release(s, 2)
+    s2, slots, ok, cow = j_append(s, jnp.array([True, True, False]))
+    assert bool(ok)
+    np.testing.assert_array_equal(cow.src, [-1, int(s.block_tables[0, 1]), -1])
+    check_invariants(s2)
+
+
 # ----------------------------------------------------------------------------- property test
 
 
