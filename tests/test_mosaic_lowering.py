@@ -1,0 +1,112 @@
+"""The Mosaic GPU decode kernel lowers for an H100 (sm_90a) on this CPU-only machine, feeds the
+page pools to the kernel whole (no slice or copy of the cache in front of it), and every
+configuration it cannot serve is refused with a ValueError that says why."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+import jpa
+from jpa.pallas import mosaic_decode
+
+H100 = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="cuda")
+
+LOWERING_CONFIGS = [
+    # (dtype, num_q_heads, num_kv_heads, head_dim, page_size, options)
+    ("bfloat16", 32, 8, 128, 16, {}),
+    ("bfloat16", 8, 1, 128, 32, {"soft_cap": 30.0}),
+    ("float16", 4, 4, 64, 8, {"alibi": True, "sliding_window": 100, "soft_cap": 5.0}),
+    ("bfloat16", 16, 2, 192, 64, {"sliding_window": 512}),
+    ("float16", 8, 2, 128, 128, {}),
+    ("bfloat16", 4, 1, 256, 64, {"alibi": True}),
+]
+
+
+def lower_for_h100(fn, *args):
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=H100)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("dtype,num_q_heads,num_kv_heads,head_dim,page_size,options",
+                         LOWERING_CONFIGS, ids=lambda x: str(x))
+def test_lowers_for_h100_without_copying_the_cache(dtype, num_q_heads, num_kv_heads, head_dim,
+                                                   page_size, options):
+    num_seqs, num_pages, pages_per_seq = 8, 96, 24
+    sds = jax.ShapeDtypeStruct
+    pool = sds((num_kv_heads, num_pages, page_size, head_dim), dtype)
+    args = [sds((num_seqs, num_q_heads, head_dim), dtype), pool, pool,
+            sds((num_seqs, pages_per_seq), jnp.int32), sds((num_seqs,), jnp.int32)]
+    alibi = options.get("alibi", False)
+    if alibi:
+        args.append(sds((num_q_heads,), jnp.float32))
+
+    def f(q, k_pages, v_pages, block_tables, seq_lens, *slopes):
+        return jpa.paged_decode(q, k_pages, v_pages, block_tables, seq_lens, impl="mosaic",
+                                soft_cap=options.get("soft_cap"),
+                                sliding_window=options.get("sliding_window"),
+                                alibi_slopes=slopes[0] if alibi else None)
+
+    text = lower_for_h100(f, *args)
+    calls = [l for l in text.splitlines() if "stablehlo.custom_call" in l]
+    kernel_calls = [l for l in calls if re.search(r"custom_call @mosaic_gpu", l)]
+    assert len(kernel_calls) == 1, calls
+
+    # The pools' tensor type appears only in function signatures, calls and the kernel call:
+    # no slice, dynamic_slice, gather, copy, transpose or reshape of the cache anywhere.
+    el = {"bfloat16": "bf16", "float16": "f16"}[dtype]
+    pool_type = f"tensor<{num_kv_heads}x{num_pages}x{page_size}x{head_dim}x{el}>"
+    for line in text.splitlines():
+        if pool_type in line:
+            assert re.search(r"func\.func|\bcall @|custom_call @mosaic_gpu|return", line), line
+
+    # The kernel's operands 1 and 2 (k_pages, v_pages) are the enclosing function's own
+    # arguments, i.e. the buffers the caller passed in.
+    operands = re.search(r"custom_call @mosaic_gpu\w*\(([^)]*)\)", kernel_calls[0]).group(1)
+    operands = [o.strip() for o in operands.split(",")]
+    assert all(re.fullmatch(r"%arg\d+", o) for o in operands[1:3]), operands
+    # ... and their types are the pool's.
+    assert kernel_calls[0].count(pool_type) >= 2
+
+
+def _call(q_dtype="bfloat16", cache_dtype=None, num_q_heads=4, num_kv_heads=2, head_dim=64,
+          page_size=16, quantized=False):
+    cache_dtype = cache_dtype or q_dtype
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((2, num_q_heads, head_dim)), q_dtype)
+    shape = (num_kv_heads, 5, page_size, head_dim)
+    pages = jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(cache_dtype)
+    scales = jnp.ones(shape[:3], jnp.float32) if quantized else None
+    tables = jnp.array([[0, 1], [2, 3]], jnp.int32)
+    lens = jnp.array([3, page_size + 1], jnp.int32)
+    return jpa.paged_decode(q, pages, pages, tables, lens, k_scales=scales, v_scales=scales,
+                            impl="mosaic", interpret=True)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(q_dtype="float32"), "q dtype float32 is not supported: WGMMA has no exact float32"),
+    (dict(q_dtype="bfloat16", cache_dtype="float32"), r"the cache dtype \(float32\) must equal q's"),
+    (dict(q_dtype="float16", cache_dtype="int8", quantized=True), "quantized caches"),
+    (dict(q_dtype="bfloat16", cache_dtype="float8_e4m3fn", quantized=True), "quantized caches"),
+    (dict(head_dim=80), "head_dim = 80 is not supported: it must be a multiple of 64"),
+    (dict(head_dim=320), "head_dim = 320 is not supported"),
+    (dict(page_size=24), "page_size = 24 is not supported: it must divide 64"),
+    (dict(page_size=4), "page_size = 4 is not supported"),
+    (dict(page_size=96), "page_size = 96 is not supported"),
+    (dict(num_q_heads=130, num_kv_heads=2), "q_per_kv = 65 exceeds the 64-row WGMMA q tile"),
+    (dict(head_dim=256, page_size=128), "head_dim = 256 with page_size = 128 needs more than 200 KiB of SMEM"),
+], ids=lambda x: str(x))
+def test_unsupported_configurations_raise(kwargs, message):
+    with pytest.raises(ValueError, match=r"impl='mosaic' cannot serve this call: " + message):
+        _call(**kwargs)
+
+
+def test_partitions_fill_an_h100():
+    # Few sequences: split-K gives >= 2 programs per SM (132 SMs); many: one partition each.
+    assert 1 * 8 * mosaic_decode.num_partitions(1, 8, 64) >= 2 * 132
+    assert mosaic_decode.num_partitions(1, 8, 4) == 4  # at most one block per partition
+    assert mosaic_decode.num_partitions(256, 8, 64) == 1
