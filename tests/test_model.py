@@ -247,6 +247,61 @@ def test_donated_steps_update_the_cache_in_place():
         assert mem.alias_size_in_bytes >= cache.nbytes  # every cache buffer is aliased to an output
 
 
+def test_quantized_cache_stays_close_to_float32():
+    model = make_model("tiny-llama", seed=7)
+    lens = [6, 11, 3]
+    _, steps32, _, _ = generate(model, lens, num_steps=3, seed=9)
+    # One scale per token and head. Measured here (largest over steps): int8 moves logits by 0.5% of
+    # the largest |logit| and probabilities by 6e-4; float8_e4m3fn (3 mantissa bits) by 2.7% and 0.015.
+    bounds = {"int8": (0.02, 0.01), "float8_e4m3fn": (0.08, 0.05)}
+    for cache_dtype, (logit_bound, prob_bound) in bounds.items():
+        _, stepsq, _, _ = generate(model, lens, num_steps=3, seed=9, cache_dtype=cache_dtype)
+        for (l32, pos), (lq, _) in zip(steps32, stepsq):
+            rows = sorted(pos)
+            l32, lq = np.asarray(l32)[rows], np.asarray(lq)[rows]
+            assert np.abs(lq - l32).max() < logit_bound * np.abs(l32).max(), cache_dtype
+            dp = np.abs(np.asarray(jax.nn.softmax(lq, axis=-1) - jax.nn.softmax(l32, axis=-1))).max()
+            assert dp < prob_bound, (cache_dtype, dp)
+
+
+def _gpt2_float64(model: GPT, tokens):
+    """NumPy float64 GPT-2 forward from the model's parameters: logits [T, vocab]."""
+    c = model.config
+    get = lambda p: np.asarray(p[...], np.float64)
+    num_tokens, head_dim = len(tokens), c.head_dim
+    ln = lambda x, g, b: (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + c.norm_eps) * g + b
+    gelu = lambda x: 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+    x = get(model.tok_embeddings)[tokens] + get(model.pos_embeddings)[:num_tokens]
+    for blk in model.layers:
+        h = ln(x, get(blk.attn_norm), get(blk.attn_norm_bias))
+        q = (h @ get(blk.wq) + get(blk.bq)).reshape(num_tokens, c.num_q_heads, head_dim)
+        k = (h @ get(blk.wk) + get(blk.bk)).reshape(num_tokens, c.num_kv_heads, head_dim)
+        v = (h @ get(blk.wv) + get(blk.bv)).reshape(num_tokens, c.num_kv_heads, head_dim)
+        o = np.zeros_like(q)
+        for n in range(c.num_q_heads):
+            s = q[:, n] @ k[:, n].T / np.sqrt(head_dim)
+            s = np.where(np.tril(np.ones((num_tokens, num_tokens), bool)), s, -np.inf)
+            p = np.exp(s - s.max(-1, keepdims=True))
+            o[:, n] = (p / p.sum(-1, keepdims=True)) @ v[:, n]
+        x = x + o.reshape(num_tokens, -1) @ get(blk.wo) + get(blk.bo)
+        h = ln(x, get(blk.ffn_norm), get(blk.ffn_norm_bias))
+        x = x + gelu(h @ get(blk.w_up) + get(blk.b_up)) @ get(blk.w_down) + get(blk.b_down)
+    h = ln(x, get(model.norm), get(model.norm_bias))
+    return h @ (get(model.tok_embeddings).T if c.tie_embeddings else get(model.output))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_gpt2_matches_float64_reference(tied):
+    c = dataclasses.replace(PRESETS["tiny-gpt2"], tie_embeddings=tied)
+    model = randomize(GPT(c, rngs=nnx.Rngs(0)), 1)
+    assert hasattr(model, "output") != tied
+    tokens = np.random.default_rng(1).integers(0, c.vocab_size, size=10).astype(np.int32)
+    got = np.asarray(forward_dense(model, jnp.asarray(tokens)[None]))[0]
+    want = _gpt2_float64(model, tokens)
+    assert np.abs(want).max() > 3.0
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
 def _llama_float64(weights, c: ModelConfig, tokens):
     """NumPy float64 llama forward from a weight dict (HF rotate_half RoPE): logits [T, vocab]."""
     w = jax.tree.map(lambda a: np.asarray(a, np.float64), weights)
@@ -415,6 +470,19 @@ def test_model_and_step_value_errors():
         prefill(model, cache, i32(2, 3), i32(2), i32(2), i32(2, 4), tables)
     with pytest.raises(ValueError, match=r"chunk_lens must be in \[0, num_tokens = 3\]"):
         prefill(model, cache, i32(2, 3), i32(2), jnp.array([4, 0], jnp.int32), i32(2, 3), tables)
+
+
+def test_load_checks_file_metadata_against_the_preset():
+    from models import _check_metadata
+
+    c = PRESETS["smollm2-135m"]
+    meta = {"num_layers": 30, "d_model": 576, "norm_eps": float(np.float32(1e-5)), "rope_base": 100000.0,
+            "tie_embeddings": True, "chat_template": "ignored"}
+    _check_metadata(c, meta)  # float32-rounded eps and unrelated keys are fine
+    with pytest.raises(ValueError, match=r"metadata has num_kv_heads = 9 but the preset has 3"):
+        _check_metadata(c, {**meta, "num_kv_heads": 9})
+    with pytest.raises(ValueError, match=r"metadata has rope_base = 10000.0 but the preset has 100000.0"):
+        _check_metadata(c, {**meta, "rope_base": 10000.0})
 
 
 def test_load():
