@@ -40,16 +40,18 @@ from jpa.quant import is_quantized
 
 # ---- Tuning (the heuristic; see `plan`) ----
 # Key tokens per inner step, by padded head_dim: one K and one V tile of block_k x head_dim_pad
-# live in registers/shared memory; 8192 elements per tile keeps 4 warps out of spills.
+# are in flight per step; 8192 elements (64 x 128, the tile Triton flash-decoding kernels commonly
+# use with 4 warps) is the starting point. Unmeasured here (no GPU): tune with bench_kernels.py.
 TILE_ELEMENTS = 8192
 MIN_BLOCK_K = 16          # tl.dot needs every dim >= 16
 MIN_ROWS = 16             # ditto for the q rows (q_per_kv padded up to this)
-# Key tokens per split-K partition. 1024 tokens is 2-8 pages-per-step iterations: enough work to
-# hide the load latency of one program, small enough that a 32k context yields 32 programs per
-# (sequence, kv head) to fill the SMs when the batch is small.
+# Key tokens per split-K partition: 1024 tokens is 8-32 inner steps, enough work per program to
+# amortize its launch and q load, while a 32k context still yields 32 programs per (sequence,
+# kv head) to fill the SMs when the batch is small.
 PARTITION_TOKENS = 1024
-# With at least this many (sequence, kv head) programs the GPU is already full (4 x 132 SMs on
-# H100), so contexts up to NO_SPLIT_MAX_TOKENS run in one pass and skip the merge traffic.
+# With at least this many (sequence, kv head) programs the GPU is already full (about 4 programs
+# per SM on A100/H100, 108/132 SMs), so contexts up to NO_SPLIT_MAX_TOKENS run in one pass and
+# skip the partials' write + merge (vLLM's v1/v2 rule has the same shape).
 FULL_GRID_PROGRAMS = 512
 NO_SPLIT_MAX_TOKENS = 8192
 MAX_HEAD_DIM = 256
