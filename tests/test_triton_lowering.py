@@ -133,3 +133,17 @@ def test_checker_catches_a_sliced_pool():
     assert_pools_untouched(lower_text(whole, args, A100), pool_t)
     with pytest.raises(AssertionError):
         assert_pools_untouched(lower_text(sliced, args, A100), pool_t)
+
+
+def test_lowers_for_a_pool_over_4gb():
+    """A pool larger than 2**32 bytes (64-bit pointer offsets) lowers; nothing is allocated here."""
+    pool = jax.ShapeDtypeStruct((8, 140_000, 16, 128), jnp.bfloat16)  # 4.6 GB per pool
+    args = (jax.ShapeDtypeStruct((64, 32, 128), jnp.bfloat16), pool, pool,
+            jax.ShapeDtypeStruct((64, 2048), jnp.int32), jax.ShapeDtypeStruct((64,), jnp.int32))
+
+    def step(q, k_pages, v_pages, tables, lens):
+        return jpa.paged_decode(q, k_pages, v_pages, tables, lens, impl="triton")
+
+    text = lower_text(step, args, H100)
+    assert text.count(TRITON_CALL) == 1
+    assert_pools_untouched(text, tensor_type(pool.shape, "bfloat16"))
