@@ -66,7 +66,8 @@ def _layer_norm(x, scale, bias, eps):
 def _rms_norm(x, scale, eps):
     scale = _v(scale)
     x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps) * scale.astype(jnp.float32)
+    inv_rms = jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
+    return x * inv_rms * scale.astype(jnp.float32)
 
 
 def rope(x, positions, base):
@@ -301,6 +302,11 @@ def _check_cache(model: GPT, cache: KVCache):
                          f"page_size, head_dim = {c.head_dim}]; got {list(shape)}")
 
 
+def _check_ndim(name, x, ndim, doc):
+    if getattr(x, "ndim", None) != ndim:
+        raise ValueError(f"{name} must have shape {doc}; got {getattr(x, 'shape', type(x).__name__)}")
+
+
 def _check_int(name, x, shape, doc):
     if getattr(x, "ndim", None) != len(shape) or tuple(x.shape) != shape:
         raise ValueError(f"{name} must have shape {doc} = {list(shape)}; got "
@@ -320,8 +326,7 @@ def forward_dense(model: GPT, tokens):
       f32[B, T, vocab] logits at every position (right padding does not change earlier positions).
     """
     c = model.config
-    if getattr(tokens, "ndim", None) != 2:
-        raise ValueError(f"tokens must have shape i32[num_seqs, num_tokens]; got {getattr(tokens, 'shape', None)}")
+    _check_ndim("tokens", tokens, 2, "i32[num_seqs, num_tokens]")
     batch, num_tokens = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32), (batch, num_tokens))
     causal = jnp.tril(jnp.ones((num_tokens, num_tokens), bool))  # [T, S]
@@ -357,8 +362,7 @@ def prefill(model: GPT, cache: KVCache, tokens, start, chunk_lens, slot_mapping,
        the updated cache).
     """
     _check_cache(model, cache)
-    if getattr(tokens, "ndim", None) != 2:
-        raise ValueError(f"tokens must have shape i32[num_seqs, num_tokens]; got {getattr(tokens, 'shape', None)}")
+    _check_ndim("tokens", tokens, 2, "i32[num_seqs, num_tokens]")
     batch, num_tokens = tokens.shape
     _check_int("tokens", tokens, (batch, num_tokens), "i32[num_seqs, num_tokens]")
     _check_int("start", start, (batch,), "i32[num_seqs]")
@@ -401,8 +405,7 @@ def decode(model: GPT, cache: KVCache, tokens, seq_lens, slot_mapping, block_tab
       (logits f32[B, vocab] (finite garbage for inactive slots), the updated cache).
     """
     _check_cache(model, cache)
-    if getattr(tokens, "ndim", None) != 1:
-        raise ValueError(f"tokens must have shape i32[num_seqs]; got {getattr(tokens, 'shape', None)}")
+    _check_ndim("tokens", tokens, 1, "i32[num_seqs]")
     batch = tokens.shape[0]
     _check_int("tokens", tokens, (batch,), "i32[num_seqs]")
     _check_int("seq_lens", seq_lens, (batch,), "i32[num_seqs]")

@@ -468,6 +468,8 @@ def test_model_and_step_value_errors():
         prefill(model, cache, i32(2), i32(2), i32(2), i32(2, 3), tables)
     with pytest.raises(ValueError, match=r"slot_mapping must have shape i32\[num_seqs, num_tokens\] = \[2, 3\]"):
         prefill(model, cache, i32(2, 3), i32(2), i32(2), i32(2, 4), tables)
+    with pytest.raises(ValueError, match=r"tokens must have shape i32\[num_seqs, num_tokens\]; got \(3,\)"):
+        forward_dense(model, i32(3))
     with pytest.raises(ValueError, match=r"chunk_lens must be in \[0, num_tokens = 3\]"):
         prefill(model, cache, i32(2, 3), i32(2), jnp.array([4, 0], jnp.int32), i32(2, 3), tables)
 
