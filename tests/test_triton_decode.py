@@ -130,6 +130,9 @@ def test_plan_heuristic():
         assert p.partition_tokens % p.block_k == 0
         if p.num_partitions > 1:
             assert p.partition_tokens % page_size == 0
+    # The two long cases of CASES: exactly one partition, and three.
+    assert triton_decode.plan(3, 2, 2, 64, 16, 64).num_partitions == 1
+    assert triton_decode.plan(4, 2, 4, 64, 32, 80).num_partitions == 3
     assert triton_decode.plan(2, 2, 5, 80, 16, 4).rows == 16
     assert triton_decode.plan(2, 2, 5, 80, 16, 4).head_dim_pad == 128
     assert triton_decode.plan(2, 1, 32, 192, 16, 4).rows == 32
