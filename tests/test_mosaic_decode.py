@@ -55,6 +55,13 @@ CASES = [
     # everything at once.
     Case((0, 1, 25, 64), num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
          soft_cap=10.0, alibi=True, sliding_window=19, share_page=True, seed=10, **BF16),
+    # quantized caches (unwritten slots carry NaN scales): int8, float8_e4m3fn, float8_e5m2.
+    Case((0, 32, 33, 100), num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=32,
+         q_dtype="bfloat16", cache_dtype="int8", share_page=True, seed=14),
+    Case((1, 64, 65), num_q_heads=4, num_kv_heads=1, head_dim=64, page_size=64, pages_per_seq=2,
+         q_dtype="float16", cache_dtype="float8_e4m3fn", soft_cap=20.0, seed=15),
+    Case((129, 20), num_q_heads=2, num_kv_heads=2, head_dim=64, page_size=32, pages_per_seq=5,
+         q_dtype="bfloat16", cache_dtype="float8_e5m2", alibi=True, sliding_window=70, seed=16),
 ]
 
 
@@ -122,17 +129,19 @@ def _race_params():
     Case((1, 17, 130, 40), num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
          pages_per_seq=12, share_page=True, seed=12, **BF16),
     Case((300, 9), num_q_heads=8, num_kv_heads=1, head_dim=64, page_size=32, pages_per_seq=10,
-         alibi=True, sliding_window=200, seed=13, **F16),
+         alibi=True, sliding_window=200, q_dtype="float16", cache_dtype="int8", seed=13),
 ], ids=str)
 def test_no_races(case):
     # The race detector runs the kernel with happens-before tracking of every SMEM/GMEM access,
     # TMA and barrier; with on_race="raise" a race is an exception. 4 slots and multi-block
-    # partitions (blocks_per_part=3) exercise slot reuse, the V zeroing and the p tile.
+    # partitions (blocks_per_part=3) exercise slot reuse, the V zeroing, the p tile and (int8)
+    # the widened K/V tiles that every block rewrites.
     args, opts = make_inputs(case)
     with plgpu.force_gpu_interpret_mode(_race_params()):
         got = mosaic_decode._paged_decode(
             *args[:5], scale=opts["scale"], soft_cap=None, alibi_slopes=opts["alibi_slopes"],
-            sliding_window=opts["sliding_window"], interpret=True, blocks_per_part=3)
+            sliding_window=opts["sliding_window"], k_scales=opts["k_scales"],
+            v_scales=opts["v_scales"], interpret=True, blocks_per_part=3)
         got = jax.block_until_ready(got)
     _check(case, got, args, opts)
 
@@ -158,7 +167,8 @@ def test_unsupported_reason_none_for_tested_specs():
     for case in CASES:
         spec = DecodeSpec(case.q_dtype, case.cache_dtype, case.num_q_heads, case.num_kv_heads,
                           case.head_dim, case.page_size, case.pages_per_seq, case.soft_cap is not None,
-                          case.alibi, case.sliding_window is not None, False)
+                          case.alibi, case.sliding_window is not None,
+                          case.cache_dtype in ("int8", "float8_e4m3fn", "float8_e5m2"))
         assert mosaic_decode.unsupported_reason(spec) is None, case
 
 
@@ -169,3 +179,7 @@ def test_smem_fits_and_pages_in_flight():
         assert mosaic_decode.num_slots(128, page_size) == 4
         assert mosaic_decode.smem_bytes(128, page_size) == 4 * 32768 + 16384 + 8192 + 256
     assert mosaic_decode.smem_bytes(256, 64) <= mosaic_decode.SMEM_BUDGET
+    # int8 cache, bf16 q, head_dim 128, page_size 32: 4 slots of 8-bit K+V blocks with scales
+    # (16.5 KiB each) + q, p, slopes + the widened K and V blocks (32 KiB).
+    assert mosaic_decode.num_slots(128, 32, 2, 1) == 4
+    assert mosaic_decode.smem_bytes(128, 32, 2, 1) == 4 * (16384 + 512) + 16384 + 8192 + 256 + 32768

@@ -23,6 +23,9 @@ LOWERING_CONFIGS = [
     ("bfloat16", 16, 2, 192, 64, {"sliding_window": 512}),
     ("float16", 8, 2, 128, 128, {}),
     ("bfloat16", 4, 1, 256, 64, {"alibi": True}),
+    ("bfloat16", 16, 4, 128, 32, {"cache_dtype": "int8"}),
+    ("float16", 8, 8, 64, 64, {"cache_dtype": "float8_e4m3fn", "soft_cap": 30.0}),
+    ("bfloat16", 8, 2, 128, 128, {"cache_dtype": "float8_e5m2", "sliding_window": 300}),
 ]
 
 
@@ -38,30 +41,37 @@ def test_lowers_for_h100_without_copying_the_cache(dtype, num_q_heads, num_kv_he
                                                    page_size, options):
     num_seqs, num_pages, pages_per_seq = 8, 96, 24
     sds = jax.ShapeDtypeStruct
-    pool = sds((num_kv_heads, num_pages, page_size, head_dim), dtype)
+    cache_dtype = options.get("cache_dtype", dtype)
+    quantized = cache_dtype != dtype
+    pool = sds((num_kv_heads, num_pages, page_size, head_dim), cache_dtype)
     args = [sds((num_seqs, num_q_heads, head_dim), dtype), pool, pool,
-            sds((num_seqs, pages_per_seq), jnp.int32), sds((num_seqs,), jnp.int32)]
+            sds((num_seqs, pages_per_seq), jnp.int32), sds((num_seqs,), jnp.int32),
+            sds((num_q_heads,), jnp.float32)]
     alibi = options.get("alibi", False)
-    if alibi:
-        args.append(sds((num_q_heads,), jnp.float32))
+    if quantized:
+        args += [sds((num_kv_heads, num_pages, page_size), jnp.float32)] * 2
 
-    def f(q, k_pages, v_pages, block_tables, seq_lens, *slopes):
+    def f(q, k_pages, v_pages, block_tables, seq_lens, slopes, *scales):
         return jpa.paged_decode(q, k_pages, v_pages, block_tables, seq_lens, impl="mosaic",
                                 soft_cap=options.get("soft_cap"),
                                 sliding_window=options.get("sliding_window"),
-                                alibi_slopes=slopes[0] if alibi else None)
+                                alibi_slopes=slopes if alibi else None,
+                                k_scales=scales[0] if quantized else None,
+                                v_scales=scales[1] if quantized else None)
 
     text = lower_for_h100(f, *args)
     calls = [l for l in text.splitlines() if "stablehlo.custom_call" in l]
     kernel_calls = [l for l in calls if re.search(r"custom_call @mosaic_gpu", l)]
     assert len(kernel_calls) == 1, calls
 
-    # The pools' tensor type appears only in function signatures, calls and the kernel call:
-    # no slice, dynamic_slice, gather, copy, transpose or reshape of the cache anywhere.
-    el = {"bfloat16": "bf16", "float16": "f16"}[dtype]
+    # The pools' (and scales') tensor type appears only in function signatures, calls and the
+    # kernel call: no slice, dynamic_slice, gather, copy, transpose or reshape of the cache.
+    el = {"bfloat16": "bf16", "float16": "f16", "int8": "i8", "float8_e4m3fn": "f8E4M3FN",
+          "float8_e5m2": "f8E5M2"}[cache_dtype]
     pool_type = f"tensor<{num_kv_heads}x{num_pages}x{page_size}x{head_dim}x{el}>"
+    scales_type = f"tensor<{num_kv_heads}x{num_pages}x{page_size}xf32>"
     for line in text.splitlines():
-        if pool_type in line:
+        if pool_type in line or (quantized and scales_type in line):
             assert re.search(r"func\.func|\bcall @|custom_call @mosaic_gpu|return", line), line
 
     # The kernel's operands 1 and 2 (k_pages, v_pages) are the enclosing function's own
@@ -90,8 +100,10 @@ def _call(q_dtype="bfloat16", cache_dtype=None, num_q_heads=4, num_kv_heads=2, h
 @pytest.mark.parametrize("kwargs,message", [
     (dict(q_dtype="float32"), "q dtype float32 is not supported: WGMMA has no exact float32"),
     (dict(q_dtype="bfloat16", cache_dtype="float32"), r"the cache dtype \(float32\) must equal q's"),
-    (dict(q_dtype="float16", cache_dtype="int8", quantized=True), "quantized caches"),
-    (dict(q_dtype="bfloat16", cache_dtype="float8_e4m3fn", quantized=True), "quantized caches"),
+    (dict(q_dtype="float16", cache_dtype="int8", quantized=True),
+     "page_size = 16 is too small for a quantized cache"),
+    (dict(q_dtype="float32", cache_dtype="float8_e4m3fn", quantized=True, page_size=32),
+     "q dtype float32 is not supported"),
     (dict(head_dim=80), "head_dim = 80 is not supported: it must be a multiple of 64"),
     (dict(head_dim=320), "head_dim = 320 is not supported"),
     (dict(page_size=24), "page_size = 24 is not supported: it must divide 64"),

@@ -15,9 +15,21 @@ rows (finite values) whose results are computed and discarded: decode is bound b
 bandwidth, and the idle tensor-core rows cost nothing that matters next to the page loads.
 
     s   = q_tile @ K_block^T        "GH,SH->GS" (WGMMA, f32 accumulator in registers)
-    acc = acc * alpha + p @ V_block "GS,SH->GH" (WGMMA, p cast to the cache dtype)
+    acc = acc * alpha + p @ V_block "GS,SH->GH" (WGMMA, p rounded to q's dtype)
+
+Masking, soft cap, ALiBi and the online softmax run on the f32 WGMMA-layout registers. Blocks
+that straddle the end of the sequence (or the start of a sliding window) have the invisible
+rows of their V tile zeroed in SMEM before P @ V: p is 0 there, but 0 * NaN is not.
+
+Quantized caches (int8, float8_e4m3fn, float8_e5m2) move as 8-bit pages (half the HBM bytes),
+are widened in SMEM to q's dtype for the WGMMA (exact), and their per-token scales are applied
+to the logits (K) and to the columns of p (V) instead of to the values.
 
 Split-K: each partition writes its unnormalized (acc, m, l); `merge_partitions` combines them.
+Rejected (see `unsupported_reason`): float32 q (WGMMA is tf32-only for f32), a 16-bit cache
+whose dtype differs from q's, q_per_kv > 64, head_dim not a multiple of 64 or > 256, page
+sizes that neither divide nor are multiples of 64, quantized pages under 32 tokens, and
+shapes whose two K/V blocks do not fit SMEM.
 """
 
 import functools
@@ -44,6 +56,8 @@ SMEM_BUDGET = 200 * 1024
 # Programs to aim for when choosing the number of partitions: 2 per SM of an H100 (132 SMs).
 TARGET_PROGRAMS = 2 * 132
 SUPPORTED_DTYPES = ("bfloat16", "float16")
+# Mosaic GPU copies a multiple of 128 bytes per TMA: one page of f32 scales is page_size * 4.
+QUANT_MIN_PAGE_SIZE = 32
 # Rows of the per-partition outputs: G rounded up to 8 (TMA rows must be >= 16 bytes for m, l).
 ROW_ALIGN = 8
 
@@ -53,10 +67,7 @@ def unsupported_reason(spec: DecodeSpec) -> str | None:
     if spec.q_dtype not in SUPPORTED_DTYPES:
         return (f"q dtype {spec.q_dtype} is not supported: WGMMA has no exact float32 path "
                 f"(only tf32); use bfloat16 or float16")
-    if spec.quantized:
-        return (f"quantized caches ({spec.cache_dtype}) are not supported by the Mosaic GPU kernel; "
-                f"use impl='triton' or 'xla'")
-    if spec.cache_dtype != spec.q_dtype:
+    if spec.cache_dtype != spec.q_dtype and not spec.quantized:
         return (f"the cache dtype ({spec.cache_dtype}) must equal q's dtype ({spec.q_dtype}): "
                 f"WGMMA operands share one dtype")
     if spec.q_per_kv > BLOCK_Q:
@@ -65,11 +76,15 @@ def unsupported_reason(spec: DecodeSpec) -> str | None:
         return (f"head_dim = {spec.head_dim} is not supported: it must be a multiple of 64 "
                 f"(the 128-byte swizzle of a 16-bit WGMMA operand) and at most 256")
     ps = spec.page_size
+    if spec.quantized and ps < QUANT_MIN_PAGE_SIZE:
+        return (f"page_size = {ps} is too small for a quantized cache: a page's f32 scales "
+                f"({ps * 4} bytes) must be a TMA of >= 128 bytes, so page_size >= "
+                f"{QUANT_MIN_PAGE_SIZE}")
     if ps < 8 or (ps < MIN_BLOCK_TOKENS and MIN_BLOCK_TOKENS % ps) or (
             ps >= MIN_BLOCK_TOKENS and ps % MIN_BLOCK_TOKENS):
         return (f"page_size = {ps} is not supported: it must divide {MIN_BLOCK_TOKENS} (>= 8) or be "
                 f"a multiple of {MIN_BLOCK_TOKENS}")
-    if num_slots(spec.head_dim, ps) == 0:
+    if num_slots(spec.head_dim, ps, 2, 1 if spec.quantized else 2) == 0:
         return (f"head_dim = {spec.head_dim} with page_size = {ps} needs more than "
                 f"{SMEM_BUDGET // 1024} KiB of SMEM for two K/V blocks")
     return None
@@ -86,36 +101,44 @@ def num_partitions(num_seqs: int, num_kv_heads: int, num_blocks: int) -> int:
     return max(1, min(num_blocks, want))
 
 
-def num_slots(head_dim: int, page_size: int, itemsize: int = 2) -> int:
-    """Blocks buffered per program: as many as fit SMEM_BUDGET, at most MAX_SLOTS (0: none fit)."""
-    block_tokens = _block_pages(page_size) * page_size
-    per_slot = 2 * block_tokens * head_dim * itemsize  # K and V
-    fixed = (BLOCK_Q * head_dim + BLOCK_Q * block_tokens) * itemsize + BLOCK_Q * 4  # q, p, slopes
-    fit = (SMEM_BUDGET - fixed) // per_slot
-    return int(min(MAX_SLOTS, fit)) if fit >= 2 else 0
+def num_slots(head_dim: int, page_size: int, itemsize: int = 2, cache_itemsize: int = 2) -> int:
+    """Blocks buffered per program: as many as fit SMEM_BUDGET, at most MAX_SLOTS (0: none fit).
+
+    itemsize is q's, cache_itemsize the cache's (1 for int8/float8: quantized).
+    """
+    return _smem_plan(head_dim, page_size, itemsize, cache_itemsize)[0]
 
 
-def smem_bytes(head_dim: int, page_size: int, itemsize: int = 2) -> int:
+def smem_bytes(head_dim: int, page_size: int, itemsize: int = 2, cache_itemsize: int = 2) -> int:
     """Peak SMEM of one program, from the buffer shapes (barriers and Mosaic scratch excluded).
 
-    The main loop holds the q tile, the p tile and `num_slots` K and V blocks (+ the ALiBi
-    slopes); the f32 output tile is allocated after the loop, in the space they free.
+    The main loop holds the q tile, the p tile, the ALiBi slopes and `num_slots` K and V blocks
+    (quantized: + the widened K and V blocks and per-token scales); the f32 output tile is
+    allocated after the loop, in the space they free.
     """
+    return _smem_plan(head_dim, page_size, itemsize, cache_itemsize)[1]
+
+
+def _smem_plan(head_dim, page_size, itemsize, cache_itemsize):
     block_tokens = _block_pages(page_size) * page_size
-    slots = num_slots(head_dim, page_size, itemsize)
-    loop = (BLOCK_Q * head_dim + BLOCK_Q * block_tokens
-            + 2 * slots * block_tokens * head_dim) * itemsize + BLOCK_Q * 4
+    per_slot = 2 * block_tokens * head_dim * cache_itemsize  # K and V
+    fixed = (BLOCK_Q * head_dim + BLOCK_Q * block_tokens) * itemsize + BLOCK_Q * 4  # q, p, slopes
+    if cache_itemsize == 1:
+        per_slot += 2 * block_tokens * 4  # K and V scales
+        fixed += 2 * block_tokens * head_dim * itemsize  # widened K and V
+    fit = (SMEM_BUDGET - fixed) // per_slot
+    slots = int(min(MAX_SLOTS, fit)) if fit >= 2 else 0
     epilogue = BLOCK_Q * head_dim * 4 + 2 * BLOCK_Q * 4
-    return max(loop, epilogue)
+    return slots, max(fixed + slots * per_slot, epilogue)
 
 
-def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref,  # inputs (GMEM)
+def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, ks_ref, vs_ref,  # GMEM
             acc_out, m_out, l_out,  # outputs (GMEM)
             bars, *, scale, soft_cap, sliding_window, q_per_kv, page_size, block_pages,
             blocks_per_part, slots, rows_out):
     # q_ref [num_seqs * num_q_heads + BLOCK_Q, head_dim]; k_ref, v_ref [K, P, S_p, H];
     # tables_ref i32[num_seqs, pages_per_seq]; lens_ref i32[num_seqs];
-    # slopes_ref f32[num_q_heads + BLOCK_Q] or None.
+    # slopes_ref f32[num_q_heads + BLOCK_Q] or None; ks_ref, vs_ref f32[K, P, S_p] or None.
     # acc_out f32[B, K, parts, rows_out, H]; m_out, l_out f32[B, K, parts, rows_out].
     q_bar, k_bars, v_bars = bars
     b = lax.axis_index("seq")
@@ -125,6 +148,8 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref,  # inputs (GM
     pages_per_seq = tables_ref.shape[1]
     block_tokens = block_pages * page_size
     dtype = q_ref.dtype
+    quantized = ks_ref is not None
+    col_layout = plgpu.Layout.WGMMA.reduce(0)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     seq_len = lens_ref[b]
@@ -138,7 +163,8 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref,  # inputs (GM
                      lax.div(seq_len + block_tokens - 1, block_tokens))
     num_steps = jnp.maximum(hi - lo, 0)
 
-    def main_loop(q_smem, k_smem, v_smem, p_smem, slopes_smem):
+    def main_loop(q_smem, k_smem, v_smem, p_smem, slopes_smem, kd_smem, vd_smem, ks_smem,
+                  vs_smem):
         q_row0 = (b * num_kv_heads + kh) * q_per_kv
         plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row0, BLOCK_Q)], q_smem, q_bar.at[0])
         if slopes_smem is not None:
@@ -156,6 +182,11 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref,  # inputs (GM
                 rows = pl.ds(i * page_size, page_size)
                 plgpu.copy_gmem_to_smem(k_ref.at[kh, page], k_smem.at[slot, rows], k_bars.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[kh, page], v_smem.at[slot, rows], v_bars.at[slot])
+                if quantized:
+                    plgpu.copy_gmem_to_smem(ks_ref.at[kh, page], ks_smem.at[slot, rows],
+                                            k_bars.at[slot])
+                    plgpu.copy_gmem_to_smem(vs_ref.at[kh, page], vs_smem.at[slot, rows],
+                                            v_bars.at[slot])
 
         for s in range(slots - 1):
             pl.when(s < num_steps)(functools.partial(issue, s, s))
@@ -173,16 +204,27 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref,  # inputs (GM
             nxt = step + slots - 1
             pl.when(nxt < num_steps)(lambda: issue(nxt, lax.rem(nxt, slots)))
 
+            block_start = (lo + step) * block_tokens
             plgpu.barrier_wait(k_bars.at[slot])
+            if quantized:
+                # WGMMA operands share one dtype: widen the 8-bit block into q's dtype (exact
+                # for int8 and both float8 formats); the per-token scale multiplies the logits.
+                kd_smem[...] = _widen(k_smem.at[slot][...], dtype)
+                plgpu.commit_smem()
+                k_op = kd_smem
+            else:
+                k_op = k_smem.at[slot]
 
             def qk(s_ref):
-                plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                plgpu.wgmma(s_ref, q_smem, k_op.transpose((1, 0)))
                 return s_ref[...]
             s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_tokens), jnp.float32))  # [BLOCK_Q, S]
             s = s * scale
+            if quantized:
+                k_scale = plgpu.load(ks_smem.at[slot], layout=col_layout)  # f32[S]
+                s = s * lax.broadcast_in_dim(k_scale, s.shape, [1])
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s * (1.0 / soft_cap))
-            block_start = (lo + step) * block_tokens
             pos = block_start + plgpu.broadcasted_iota(
                 jnp.int32, (BLOCK_Q, block_tokens), 1, layout=plgpu.Layout.WGMMA)
             if slopes_smem is not None:
@@ -196,26 +238,39 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref,  # inputs (GM
             p = jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
             l = l * alpha + p.sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            plgpu.barrier_wait(v_bars.at[slot])
+            if quantized:
+                # acc += (p * v_scale) @ v: the scale is per key token, a column of p. Masked
+                # columns may carry NaN scales (unwritten slots), so they are zeroed after.
+                v_scale = plgpu.load(vs_smem.at[slot], layout=col_layout)  # f32[S]
+                p = jnp.where(valid, p * lax.broadcast_in_dim(v_scale, p.shape, [1]), 0.0)
             # p goes through SMEM (8 KiB per block) rather than as a register WGMMA operand:
             # GPU interpret mode only models SMEM operands, and the tested path is the shipped one.
             p_smem[...] = p.astype(dtype)
-
-            plgpu.barrier_wait(v_bars.at[slot])
-            partial_block = (block_start < start) | (block_start + block_tokens > seq_len)
-
-            @pl.when(partial_block)
-            def _zero_invisible_v():
-                # p = 0 there, but 0 * (garbage NaN/inf in a recycled page) would still be NaN.
-                vs = v_smem.at[slot]
+            if quantized:
+                # The widened copy is written whole, invisible tokens as 0 (see below).
                 tok = block_start + plgpu.broadcasted_iota(
                     jnp.int32, (block_tokens, head_dim), 0, layout=plgpu.Layout.WGMMA)
-                vs[...] = jnp.where((tok < seq_len) & (tok >= start), vs[...],
-                                    jnp.zeros((), dtype))
+                vd_smem[...] = jnp.where((tok < seq_len) & (tok >= start),
+                                         _widen(v_smem.at[slot][...], dtype), jnp.zeros((), dtype))
+                v_op = vd_smem
+            else:
+                v_op = v_smem.at[slot]
+                partial_block = (block_start < start) | (block_start + block_tokens > seq_len)
+
+                @pl.when(partial_block)
+                def _zero_invisible_v():
+                    # p = 0 there, but 0 * (garbage NaN/inf in a recycled page) would be NaN.
+                    vs = v_smem.at[slot]
+                    tok = block_start + plgpu.broadcasted_iota(
+                        jnp.int32, (block_tokens, head_dim), 0, layout=plgpu.Layout.WGMMA)
+                    vs[...] = jnp.where((tok < seq_len) & (tok >= start), vs[...],
+                                        jnp.zeros((), dtype))
 
             plgpu.commit_smem()  # register stores to SMEM -> visible to the WGMMA (async proxy)
 
             def pv(pv_ref):
-                plgpu.wgmma(pv_ref, p_smem, v_smem.at[slot])
+                plgpu.wgmma(pv_ref, p_smem, v_op)
                 return pv_ref[...]
             # A fresh accumulator per block (GPU interpret mode cannot run `run_state`); the add
             # is one register op per element, negligible next to the loads.
@@ -230,14 +285,21 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref,  # inputs (GM
         return lax.fori_loop(0, num_steps, body, init)
 
     transforms = _operand_transforms(dtype, head_dim)
+    cache_dtype = k_ref.dtype
+    cache_transforms = _operand_transforms(cache_dtype, head_dim)
     acc, m, l = pl.run_scoped(
         main_loop,
         plgpu.SMEM((BLOCK_Q, head_dim), dtype, transforms=transforms),
-        plgpu.SMEM((slots, block_tokens, head_dim), dtype, transforms=transforms),
-        plgpu.SMEM((slots, block_tokens, head_dim), dtype, transforms=transforms),
+        plgpu.SMEM((slots, block_tokens, head_dim), cache_dtype, transforms=cache_transforms),
+        plgpu.SMEM((slots, block_tokens, head_dim), cache_dtype, transforms=cache_transforms),
         plgpu.SMEM((BLOCK_Q, block_tokens), dtype,
                    transforms=_operand_transforms(dtype, block_tokens)),
         plgpu.SMEM((BLOCK_Q,), jnp.float32) if slopes_ref is not None else None,
+        # Quantized caches: the widened K and V blocks and the per-token scales.
+        plgpu.SMEM((block_tokens, head_dim), dtype, transforms=transforms) if quantized else None,
+        plgpu.SMEM((block_tokens, head_dim), dtype, transforms=transforms) if quantized else None,
+        plgpu.SMEM((slots, block_tokens), jnp.float32) if quantized else None,
+        plgpu.SMEM((slots, block_tokens), jnp.float32) if quantized else None,
     )
 
     def epilogue(o_smem, ml_smem):
@@ -259,15 +321,24 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref,  # inputs (GM
     )
 
 
+def _widen(x, dtype):
+    """8-bit cache values -> q's dtype. float8 goes through f32: sm_90 converts float8 only to
+    f16 directly, and f32 -> bf16/f16 of a float8 value is exact."""
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        x = x.astype(jnp.float32)
+    return x.astype(dtype)
+
+
 def _operand_transforms(dtype, minor):
     """Tiling + swizzle of a 2-D SMEM tile whose minor dimension has `minor` elements."""
-    bits = jnp.finfo(dtype).bits
+    bits = np.dtype(dtype).itemsize * 8
     swizzle = plgpu.find_swizzle(minor * bits, "a WGMMA operand tile")
     return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
 
 
 def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap, alibi_slopes,
-                  sliding_window, interpret, blocks_per_part=None, detect_races=False):
+                  sliding_window, k_scales=None, v_scales=None, interpret,
+                  blocks_per_part=None, detect_races=False):
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     pages_per_seq = block_tables.shape[1]
@@ -279,6 +350,8 @@ def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_ca
     parts = -(-num_blocks // blocks_per_part)
     rows_out = -(-q_per_kv // ROW_ALIGN) * ROW_ALIGN
     dtype = q.dtype
+    quantized = k_scales is not None
+    slots = num_slots(head_dim, page_size, dtype.itemsize, k_pages.dtype.itemsize)
 
     # q is tiny next to the cache: flatten it (free) and pad BLOCK_Q rows so the 64-row q tile
     # of the last kv head stays in bounds. The page pools go in whole, never sliced.
@@ -292,18 +365,20 @@ def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_ca
     kernel = functools.partial(
         _kernel, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
         q_per_kv=q_per_kv, page_size=page_size, block_pages=block_pages,
-        blocks_per_part=blocks_per_part, slots=num_slots(head_dim, page_size, dtype.itemsize),
-        rows_out=rows_out)
+        blocks_per_part=blocks_per_part, slots=slots, rows_out=rows_out)
+    # One barrier arrival per TMA: a page of K (V), and of its scales when quantized.
+    arrivals = block_pages * (2 if quantized else 1)
 
-    def body(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, acc_out, m_out, l_out):
-        slots = num_slots(head_dim, page_size, dtype.itemsize)
+    def body(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, ks_ref, vs_ref,
+             acc_out, m_out, l_out):
         pl.run_scoped(
             lambda *bars: kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref,
                                  slopes_ref if alibi_slopes is not None else None,
+                                 ks_ref if quantized else None, vs_ref if quantized else None,
                                  acc_out, m_out, l_out, bars),
             plgpu.Barrier(num_barriers=2),
-            plgpu.Barrier(num_arrivals=block_pages, num_barriers=slots),
-            plgpu.Barrier(num_arrivals=block_pages, num_barriers=slots),
+            plgpu.Barrier(num_arrivals=arrivals, num_barriers=slots),
+            plgpu.Barrier(num_arrivals=arrivals, num_barriers=slots),
         )
 
     out_type = (
@@ -317,7 +392,8 @@ def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_ca
         # Lane semantics: layouts are explicit (WGMMA layout for every register tile).
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=plgpu.InterpretGPUParams(detect_races=detect_races) if interpret else None,
-    )(q_rows, k_pages, v_pages, block_tables, seq_lens.astype(jnp.int32), slopes)
+    )(q_rows, k_pages, v_pages, block_tables, seq_lens.astype(jnp.int32), slopes,
+      k_scales if quantized else slopes, v_scales if quantized else slopes)
     acc = acc[..., :q_per_kv, :]  # [B, K, parts, G, H]
     out = merge_partitions(acc, m[..., :q_per_kv], l[..., :q_per_kv], dtype)  # [B, K, G, H]
     return out.reshape(num_seqs, num_q_heads, head_dim)
@@ -333,9 +409,7 @@ def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap
     Returns:
       [num_seqs, num_q_heads, head_dim] in q's dtype.
     """
-    if k_scales is not None or v_scales is not None:
-        raise ValueError("the Mosaic GPU kernel does not support quantized caches "
-                         "(k_scales / v_scales must be None)")
     return _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, scale=scale,
                          soft_cap=soft_cap, alibi_slopes=alibi_slopes,
-                         sliding_window=sliding_window, interpret=interpret)
+                         sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales,
+                         interpret=interpret)
