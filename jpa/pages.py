@@ -16,8 +16,11 @@ Conventions shared by every operation:
   invalid) it returns `ok = False` and the state unchanged, bit for bit. This is done by masking
   every scatter with `ok` (so a donated state is still updated in place), not by a select over
   whole arrays.
-- Vectorized: one call is one pass of cumsums and scatters, O(max_seqs * pages_per_seq +
-  num_pages) work at most (append: O(max_seqs + num_pages)), never a loop over sequences or pages.
+- Vectorized: one call is one pass of prefix sums, scatters and (for copy-on-write after a fork)
+  one sort over max_seqs; never a loop over sequences or pages. Work per call: append
+  O(max_seqs log max_seqs), independent of num_pages (it touches only the pages it allocates or
+  copies, in place when the state is donated); reserve and fork O(max_seqs * pages_per_seq);
+  release O(max_seqs * pages_per_seq + num_pages).
 - `seq_ids` arguments are Python ints/lists or i32[n] arrays; -1 entries are padding and are
   ignored (keep n fixed inside jit). Concrete arguments are validated on the host (ValueError);
   traced ones cannot be, and what an invalid traced value does is stated per function.
@@ -133,6 +136,9 @@ def _as_ids(name, ids, max_seqs, *, unique):
     if isinstance(ids, (int, np.integer)):
         ids = [int(ids)]
     if isinstance(ids, (list, tuple)):
+        if not all(isinstance(i, (int, np.integer)) and not isinstance(i, (bool, np.bool_))
+                   for i in ids):
+            raise ValueError(f"{name} must be an int or a 1-D i32[n] array of sequence ids; got {ids!r}")
         ids = np.asarray(ids, dtype=np.int64) if len(ids) else np.zeros(0, np.int64)
     if getattr(ids, "ndim", None) != 1:
         raise ValueError(f"{name} must be an int or a 1-D i32[n] array of sequence ids; got shape "

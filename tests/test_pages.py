@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 
 import jpa
 from jpa import pages
@@ -249,19 +249,28 @@ def test_out_of_pages_with_copy_on_write_is_all_or_nothing():
 
 
 CONFIGS = [  # (num_pages, max_seqs, pages_per_seq, page_size): small pools run out often
-    (10, 4, 4, 2),
+    (8, 4, 4, 2),
     (7, 4, 3, 3),
 ]
 
 id_st = st.integers(-1, 4)  # 4 is >= max_seqs: an invalid traced id
+# Half the id lists are valid (distinct ids, -1 padding), half arbitrary (duplicates, id 4).
+ids_st = st.one_of(
+    st.lists(st.integers(0, 3), max_size=NUM_IDS, unique=True).map(
+        lambda ids: ids + [-1] * (NUM_IDS - len(ids))),
+    st.lists(id_st, min_size=NUM_IDS, max_size=NUM_IDS))
 op_st = st.one_of(
-    st.tuples(st.just("reserve"), st.lists(id_st, min_size=NUM_IDS, max_size=NUM_IDS),
-              st.lists(st.integers(0, 13), min_size=NUM_IDS, max_size=NUM_IDS), st.booleans()),
+    # relative=True: counts are growth over the current length (mostly valid, often run out);
+    # relative=False: absolute lengths (often shrinks or over the limit: must fail cleanly).
+    st.tuples(st.just("reserve"), ids_st,
+              st.lists(st.integers(0, 13), min_size=NUM_IDS, max_size=NUM_IDS), st.booleans(),
+              st.sampled_from([True, True, False])),
     st.tuples(st.just("append"), st.lists(st.booleans(), min_size=4, max_size=4)),
     st.tuples(st.just("append"), st.lists(st.booleans(), min_size=4, max_size=4)),
-    st.tuples(st.just("release"), st.lists(id_st, min_size=NUM_IDS, max_size=NUM_IDS)),
+    st.tuples(st.just("release"), ids_st),
+    # to_empty=True: dst d >= 0 means the d-th empty sequence (forks that can succeed).
     st.tuples(st.just("fork"), st.lists(st.integers(0, 3), min_size=NUM_IDS, max_size=NUM_IDS),
-              st.lists(id_st, min_size=NUM_IDS, max_size=NUM_IDS)),
+              ids_st, st.booleans()),
 )
 
 
@@ -303,7 +312,10 @@ def run_ops(config, ops):
         before = state
         kind = op[0]
         if kind == "reserve":
-            _, ids, counts, allow_cow = op
+            _, ids, counts, allow_cow, relative = op
+            if relative:
+                counts = [int(model.lens[b]) + n // 2 if 0 <= b < B else n
+                          for b, n in zip(ids, counts)]
             ids_a, counts_a = np.array(ids, np.int32), np.array(counts, np.int32)
             real = [(b, n) for b, n in zip(ids, counts) if b >= 0]
             valid = (all(b < B for b, _ in real) and len({b for b, _ in real}) == len(real)
@@ -322,6 +334,8 @@ def run_ops(config, ops):
             assert bool(ok) == want_ok, (op, want_ok)
             np.testing.assert_array_equal(cow.src, [copies.get(b, (-1, -1))[0] for b in range(B)])
             np.testing.assert_array_equal(cow.dst, [copies.get(b, (-1, -1))[1] for b in range(B)])
+            if copies:
+                event("reserve copied on write")
             if want_ok:
                 cache.copy(cow)
                 start = np.array([old_lens[b] if b >= 0 else 0 for b in ids], np.int32)
@@ -347,6 +361,8 @@ def run_ops(config, ops):
             assert bool(ok) == want_ok, (op, want_ok)
             np.testing.assert_array_equal(cow.src, [copies.get(b, (-1, -1))[0] for b in range(B)])
             np.testing.assert_array_equal(cow.dst, [copies.get(b, (-1, -1))[1] for b in range(B)])
+            if copies:
+                event("append copied on write")
             slots = np.asarray(slots)
             cache.copy(cow)
             for b in range(B):
@@ -367,7 +383,13 @@ def run_ops(config, ops):
                     cache.contents[b] = []
             state, want_ok = j_release(state, np.array(ids, np.int32)), True
         else:
-            _, src, dst = op
+            _, src, dst, to_empty = op
+            empty = [b for b in range(B) if model.lens[b] == 0]
+            held = [b for b in range(B) if model.lens[b] > 0]
+            if to_empty and empty:
+                dst = [empty[d % len(empty)] if 0 <= d < B else d for d in dst]
+            if to_empty and held:
+                src = [held[s % len(held)] for s in src]
             pairs = [(s, d) for s, d in zip(src, dst) if d >= 0]
             want_ok = (all(d < B for _, d in pairs) and len({d for _, d in pairs}) == len(pairs)
                        and all(model.lens[d] == 0 for _, d in pairs))
@@ -378,6 +400,7 @@ def run_ops(config, ops):
                     cache.contents[d] = list(old[s])
             state, ok = j_fork(state, np.array(src, np.int32), np.array(dst, np.int32))
             assert bool(ok) == want_ok, (op, want_ok)
+        event(f"{kind} ok={want_ok}")
         if not want_ok:
             assert_same_state(state, before)
         assert int(j_free(state)) == len(model.stack)
@@ -393,8 +416,15 @@ def run_ops(config, ops):
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=st.lists(op_st, min_size=1, max_size=14))
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(op_st, min_size=4, max_size=24))
+@example(ops=[  # always run: copy on write in append and reserve, failed forks, running out
+    ("reserve", [0, 1, -1], [5, 1, 0], True, False), ("fork", [0, 0, 0], [2, 3, -1], False),
+    ("append", [True, False, True, False]), ("append", [True, True, True, True]),
+    ("fork", [1, -1, -1], [0, -1, -1], False), ("reserve", [3, -1, -1], [9, 0, 0], True, False),
+    ("append", [True, True, True, True]), ("release", [0, 3, -1]),
+    ("fork", [2, 2, -1], [0, 3, -1], False), ("reserve", [0, -1, -1], [2, 0, 0], True, True),
+    ("reserve", [3, -1, -1], [2, 0, 0], False, True), ("append", [True] * 4)])
 def test_random_operation_sequences(config, ops):
     run_ops(config, ops)
 
@@ -514,6 +544,7 @@ def _state():
     (lambda s: pages.reserve(s, [[1]], 1), "1-D"),
     (lambda s: pages.reserve(s, np.array([1.0]), 1), "integer dtype"),
     (lambda s: pages.reserve(s, True, 1), "sequence ids"),
+    (lambda s: pages.reserve(s, [1.0], 1), "sequence ids"),
     (lambda s: pages.reserve(s, 1, -1), r"num_tokens must be in \[0, pages_per_seq \* page_size = 8\]"),
     (lambda s: pages.reserve(s, 1, 9), "num_tokens must be in"),
     (lambda s: pages.reserve(s, [1, 2], [1, 2, 3]), r"i32\[2\]"),
@@ -562,6 +593,15 @@ def test_donated_state_is_deleted_and_one_compile_serves_all():
     np.testing.assert_array_equal(s.seq_lens, [6, 3, 0, 6])
     check_invariants(s)
     assert len(traces) == 1  # lengths and tables are data, not shapes
+
+
+def test_donated_append_updates_in_place():
+    """No copy of the pool-sized arrays: scratch memory is a few max_seqs-sized vectors."""
+    s = pages.init(65536, 64, 16, 16)
+    compiled = jax.jit(pages.append, donate_argnums=0).lower(s, jnp.ones(64, bool)).compile()
+    mem = compiled.memory_analysis()
+    assert mem.temp_size_in_bytes < 65536 * 4 // 4, mem  # a quarter of one i32[num_pages] array
+    assert mem.alias_size_in_bytes >= sum(x.nbytes for x in jax.tree.leaves(s)) - 8, mem
 
 
 # ----------------------------------------------------------------------------- end to end with a real cache
