@@ -77,7 +77,7 @@ def _paged_prefill_xla(q, k_pages, v_pages, block_tables, start, chunk_lens, *, 
         m, l, acc = body(0, init)
     else:
         # Lengths are data, so the number of chunks visited is a while loop bound.
-        last = -(-jnp.max(start + chunk_lens) // chunk_tokens)
+        last = -(-jnp.max(start + chunk_lens, initial=0) // chunk_tokens)
         m, l, acc = lax.fori_loop(0, last, body, init)
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
     out = jnp.transpose(out, (0, 3, 1, 2, 4))  # [B, T, K, G, H]
