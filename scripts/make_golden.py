@@ -14,7 +14,8 @@ read from the local GGUF file; nothing is fetched from the Hugging Face hub (HF_
 
 Per prompt the file holds: token ids; the last-token logits' top-20 ids and values; the logits at
 a fixed set of ids (`probe_ids`); the argmax at every position. For the chat prompts it also holds
-the chat-template string, and for "The capital of France is" a greedy continuation.
+the chat-template string; for every prompt, a greedy continuation of GREEDY_TOKENS tokens (repeated
+under "greedy" for "The capital of France is").
 """
 
 import argparse
@@ -90,11 +91,16 @@ def main() -> None:
         entry["argmax_per_position"] = logits.argmax(-1).tolist()
         entry["logit_std"] = round(float(last.std()), 4)
 
-    greedy = prompts[GREEDY_PROMPT]
-    with torch.no_grad():
-        out = model.generate(torch.tensor([greedy["ids"]]), max_new_tokens=GREEDY_TOKENS, do_sample=False,
-                             num_beams=1, eos_token_id=None, pad_token_id=tok.pad_token_id)
-    new = out[0, len(greedy["ids"]):].tolist()
+    for entry in prompts.values():  # greedy continuations, not stopping at eos
+        ids = torch.tensor([entry["ids"]])
+        # The attention mask must be explicit: pad_token_id is <|im_end|> (2), so without one
+        # generate() infers `ids != pad` and masks every <|im_end|> of a chat prompt as padding.
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=GREEDY_TOKENS,
+                                 do_sample=False, num_beams=1, eos_token_id=None, pad_token_id=tok.pad_token_id)
+        entry["greedy_ids"] = out[0, len(entry["ids"]):].tolist()
+        entry["greedy_text"] = tok.decode(entry["greedy_ids"])
+    new = prompts[GREEDY_PROMPT]["greedy_ids"]
     golden = {
         "about": "Produced by scripts/make_golden.py with Hugging Face transformers from the GGUF file alone "
                  "(no hub). Logits are float32, rounded to 4 decimals; last-token logits unless named otherwise.",

@@ -251,7 +251,8 @@ def jpa_model():
 
 
 def test_jpa_prefill_and_greedy_decode_match_transformers(jpa_model):
-    """All golden prompts in one ragged prefill batch, then greedy decode steps for every row."""
+    """All golden prompts in one ragged prefill batch, then greedy decode steps for every row:
+    last-token logits and every row's greedy ids match transformers; the capital is Paris."""
     import jpa
     from models import decode, prefill
 
@@ -301,6 +302,8 @@ def test_jpa_prefill_and_greedy_decode_match_transformers(jpa_model):
         logits, cache = decode_step(params, cache, jnp.asarray(nxt), jnp.asarray(pos + 1, jnp.int32),
                                     jnp.asarray([slot(b, pos[b]) for b in range(batch)], jnp.int32),
                                     jnp.asarray(tables))
+    for b, k in enumerate(keys):
+        assert generated[b] == PROMPTS[k]["greedy_ids"], k
     row = keys.index(GOLDEN["greedy"]["prompt"])
     assert generated[row] == GOLDEN["greedy"]["ids"]
     text = tokenizer.decode(generated[row])
