@@ -26,8 +26,9 @@ BF16 = dict(q_dtype="bfloat16", cache_dtype="bfloat16")
 F16 = dict(q_dtype="float16", cache_dtype="float16")
 
 CASES = [
-    # page_size 8 (8 pages per block), MHA (q_per_kv 1), lengths 0, 1, page multiple, +1.
-    Case((0, 1, 8, 9, 40), num_q_heads=2, num_kv_heads=2, head_dim=64, page_size=8,
+    # page_size 8 (8 pages per block), MHA (q_per_kv 1), head_dim 80 (32-byte swizzle),
+    # lengths 0, 1, page multiple, +1.
+    Case((0, 1, 8, 9, 40), num_q_heads=2, num_kv_heads=2, head_dim=80, page_size=8,
          pages_per_seq=5, **BF16),
     # page_size 16, GQA 4, head_dim 128, shared page, a block exactly full (64) and one past it.
     Case((16, 17, 64, 65), num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16,
@@ -44,13 +45,13 @@ CASES = [
          seed=5, **BF16),
     # q_per_kv 16 (more heads than one 8-row output tile).
     Case((7, 48), num_q_heads=16, num_kv_heads=1, head_dim=64, page_size=16, seed=6, **BF16),
-    # soft cap.
-    Case((5, 31, 48), num_q_heads=4, num_kv_heads=1, head_dim=64, soft_cap=5.0, seed=7, **F16),
+    # soft cap, head_dim 96 (64-byte swizzle).
+    Case((5, 31, 48), num_q_heads=4, num_kv_heads=1, head_dim=96, soft_cap=5.0, seed=7, **F16),
     # ALiBi with q_per_kv 8.
     Case((1, 40, 64), num_q_heads=16, num_kv_heads=2, head_dim=128, alibi=True, seed=8, **BF16),
     # sliding window shorter than some sequences: blocks before the window are skipped and the
     # window's first block is partial on its left.
-    Case((3, 20, 70, 150), num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=8,
+    Case((3, 20, 70, 150), num_q_heads=4, num_kv_heads=2, head_dim=112, page_size=8,
          pages_per_seq=20, sliding_window=11, seed=9, **F16),
     # everything at once.
     Case((0, 1, 25, 64), num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
@@ -60,7 +61,7 @@ CASES = [
          q_dtype="bfloat16", cache_dtype="int8", share_page=True, seed=14),
     Case((1, 64, 65), num_q_heads=4, num_kv_heads=1, head_dim=64, page_size=64, pages_per_seq=2,
          q_dtype="float16", cache_dtype="float8_e4m3fn", soft_cap=20.0, seed=15),
-    Case((129, 20), num_q_heads=2, num_kv_heads=2, head_dim=64, page_size=32, pages_per_seq=5,
+    Case((129, 20), num_q_heads=2, num_kv_heads=2, head_dim=96, page_size=32, pages_per_seq=5,
          q_dtype="bfloat16", cache_dtype="float8_e5m2", alibi=True, sliding_window=70, seed=16),
 ]
 

@@ -27,7 +27,8 @@ to the logits (K) and to the columns of p (V) instead of to the values.
 
 Split-K: each partition writes its unnormalized (acc, m, l); `merge_partitions` combines them.
 Rejected (see `unsupported_reason`): float32 q (WGMMA is tf32-only for f32), a 16-bit cache
-whose dtype differs from q's, q_per_kv > 64, head_dim not a multiple of 64 or > 256, page
+whose dtype differs from q's, q_per_kv > 64, head_dim not a multiple of 16 (32 for 8-bit
+caches: Mosaic GPU swizzles SMEM rows in 32/64/128-byte units) or > 256, page
 sizes that neither divide nor are multiples of 64, quantized pages under 32 tokens, and
 shapes whose two K/V blocks do not fit SMEM.
 """
@@ -72,9 +73,12 @@ def unsupported_reason(spec: DecodeSpec) -> str | None:
                 f"WGMMA operands share one dtype")
     if spec.q_per_kv > BLOCK_Q:
         return f"q_per_kv = {spec.q_per_kv} exceeds the {BLOCK_Q}-row WGMMA q tile"
-    if spec.head_dim % 64 or spec.head_dim > 256:
-        return (f"head_dim = {spec.head_dim} is not supported: it must be a multiple of 64 "
-                f"(the 128-byte swizzle of a 16-bit WGMMA operand) and at most 256")
+    if spec.head_dim % 16 or spec.head_dim > 256:
+        return (f"head_dim = {spec.head_dim} is not supported: it must be a multiple of 16 (rows "
+                f"of a 16-bit WGMMA operand are swizzled in >= 32-byte units) and at most 256")
+    if spec.quantized and spec.head_dim % 32:
+        return (f"head_dim = {spec.head_dim} is not supported with an 8-bit cache: it must be a "
+                f"multiple of 32 (8-bit SMEM pages are swizzled in >= 32-byte units)")
     ps = spec.page_size
     if spec.quantized and ps < QUANT_MIN_PAGE_SIZE:
         return (f"page_size = {ps} is too small for a quantized cache: a page's f32 scales "
@@ -292,8 +296,8 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, ks_ref, vs_re
         plgpu.SMEM((BLOCK_Q, head_dim), dtype, transforms=transforms),
         plgpu.SMEM((slots, block_tokens, head_dim), cache_dtype, transforms=cache_transforms),
         plgpu.SMEM((slots, block_tokens, head_dim), cache_dtype, transforms=cache_transforms),
-        plgpu.SMEM((BLOCK_Q, block_tokens), dtype,
-                   transforms=_operand_transforms(dtype, block_tokens)),
+        # WGMMA needs the lhs (p) swizzled like the rhs (V, minor dimension head_dim).
+        plgpu.SMEM((BLOCK_Q, block_tokens), dtype, transforms=transforms),
         plgpu.SMEM((BLOCK_Q,), jnp.float32) if slopes_ref is not None else None,
         # Quantized caches: the widened K and V blocks and the per-token scales.
         plgpu.SMEM((block_tokens, head_dim), dtype, transforms=transforms) if quantized else None,
