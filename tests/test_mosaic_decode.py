@@ -127,22 +127,23 @@ def _race_params():
 
 
 @pytest.mark.parametrize("case", [
-    Case((1, 17, 130, 40), num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
-         pages_per_seq=12, share_page=True, seed=12, **BF16),
-    Case((300, 9), num_q_heads=8, num_kv_heads=1, head_dim=64, page_size=32, pages_per_seq=10,
-         alibi=True, sliding_window=200, q_dtype="float16", cache_dtype="int8", seed=13),
+    Case((1, 17, 400, 40), num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
+         pages_per_seq=26, share_page=True, seed=12, **BF16),
+    Case((450, 9), num_q_heads=8, num_kv_heads=1, head_dim=64, page_size=32, pages_per_seq=15,
+         alibi=True, sliding_window=400, q_dtype="float16", cache_dtype="int8", seed=13),
 ], ids=str)
 def test_no_races(case):
     # The race detector runs the kernel with happens-before tracking of every SMEM/GMEM access,
-    # TMA and barrier; with on_race="raise" a race is an exception. 4 slots and multi-block
-    # partitions (blocks_per_part=3) exercise slot reuse, the V zeroing, the p tile and (int8)
-    # the widened K/V tiles that every block rewrites.
+    # TMA and barrier; with on_race="raise" a race is an exception. Partitions of up to 6
+    # blocks through 4 slots exercise slot reuse (a TMA refilling a slot the previous block's
+    # WGMMA read), the V zeroing, the p tile and (int8) the widened K/V tiles every block
+    # rewrites.
     args, opts = make_inputs(case)
     with plgpu.force_gpu_interpret_mode(_race_params()):
         got = mosaic_decode._paged_decode(
             *args[:5], scale=opts["scale"], soft_cap=None, alibi_slopes=opts["alibi_slopes"],
             sliding_window=opts["sliding_window"], k_scales=opts["k_scales"],
-            v_scales=opts["v_scales"], interpret=True, blocks_per_part=3)
+            v_scales=opts["v_scales"], interpret=True, blocks_per_part=6)
         got = jax.block_until_ready(got)
     _check(case, got, args, opts)
 
