@@ -104,6 +104,31 @@ def test_long_context_several_partitions_and_slots():
     _check(case, forced, args, opts)
 
 
+def test_one_compilation_serves_every_mix_of_lengths():
+    # Lengths and block tables are data: a jitted decode step traces once for all of them.
+    traces = []
+
+    def step(*args):
+        traces.append(1)
+        return jpa.paged_decode(*args, scale=0.125, impl="mosaic", interpret=True)
+
+    step = jax.jit(step)
+    cases = [Case(lens, num_q_heads=4, num_kv_heads=1, head_dim=64, page_size=32,
+                  pages_per_seq=5, seed=20 + i, **BF16)
+             for i, lens in enumerate([(5, 40), (64, 0), (1, 129), (160, 33)])]
+    # The first run of the GPU interpreter in a process adds a JAX config value to the tracing
+    # context, which retraces once; that is interpret-mode bookkeeping, so warm up twice.
+    for _ in range(2):
+        jax.block_until_ready(step(*make_inputs(cases[0])[0]))
+    traces.clear()
+    for case in cases[1:]:
+        args, opts = make_inputs(case)
+        got = step(*args)
+        opts["scale"] = 0.125
+        _check(case, got, args, opts)
+    assert traces == []
+
+
 def test_one_block_by_hand():
     # One sequence of 2 tokens, one head, head_dim 64: keys e0 and 2*e0, q = e0, scale 1, so the
     # logits are 1 and 2 and the output is softmax([1, 2]) . [v0, v1] with v_t = (t + 1) * e1.

@@ -54,7 +54,9 @@ MIN_BLOCK_TOKENS = 64
 # as fit SMEM_BUDGET, up to MAX_SLOTS. H100: 227 KiB of SMEM per block at most.
 MAX_SLOTS = 4
 SMEM_BUDGET = 200 * 1024
-# Programs to aim for when choosing the number of partitions: 2 per SM of an H100 (132 SMs).
+# Programs to aim for when choosing the number of partitions: two waves over an H100's 132 SMs
+# (with 4 slots a program takes ~150 KiB of SMEM, so one is resident per SM; the second wave
+# evens out partitions that finish early because their sequence is short).
 TARGET_PROGRAMS = 2 * 132
 SUPPORTED_DTYPES = ("bfloat16", "float16")
 # Mosaic GPU copies a multiple of 128 bytes per TMA: one page of f32 scales is page_size * 4.
@@ -100,7 +102,7 @@ def _block_pages(page_size: int) -> int:
 
 
 def num_partitions(num_seqs: int, num_kv_heads: int, num_blocks: int) -> int:
-    """Partitions per sequence: enough programs to fill the GPU, at most one block each."""
+    """Partitions per sequence: enough programs to fill the GPU, each at least one block."""
     want = -(-TARGET_PROGRAMS // max(1, num_seqs * num_kv_heads))
     return max(1, min(num_blocks, want))
 
