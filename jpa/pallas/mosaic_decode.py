@@ -177,14 +177,20 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, ks_ref, vs_re
             plgpu.copy_gmem_to_smem(slopes_ref.at[pl.ds(kh * q_per_kv, BLOCK_Q)], slopes_smem,
                                     q_bar.at[1])
 
-        def issue(step, slot):
-            """Starts the TMA copies of block lo + step into slot, one per page."""
+        def lookup(step):
+            """Physical pages of block lo + step: i32 scalars read from the block table."""
+            pages = []
             for i in range(block_pages):
                 logical = (lo + step) * block_pages + i
                 # Pages past the table or the sequence are still copied (the barrier's byte count
                 # is static), from a clamped in-range page; their tokens are masked below.
                 page = tables_ref[b, jnp.minimum(logical, pages_per_seq - 1)]
-                page = jnp.clip(page, 0, num_pages - 1)
+                pages.append(jnp.clip(page, 0, num_pages - 1))
+            return tuple(pages)
+
+        def issue(pages, slot):
+            """Starts the TMA copies of one block's pages into slot, one per page."""
+            for i, page in enumerate(pages):
                 rows = pl.ds(i * page_size, page_size)
                 plgpu.copy_gmem_to_smem(k_ref.at[kh, page], k_smem.at[slot, rows], k_bars.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[kh, page], v_smem.at[slot, rows], v_bars.at[slot])
@@ -195,7 +201,7 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, ks_ref, vs_re
                                             v_bars.at[slot])
 
         for s in range(slots - 1):
-            pl.when(s < num_steps)(functools.partial(issue, s, s))
+            pl.when(s < num_steps)(functools.partial(issue, lookup(s), s))
 
         plgpu.barrier_wait(q_bar.at[0])
         if slopes_smem is not None:
@@ -203,12 +209,15 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, ks_ref, vs_re
             slopes = plgpu.load(slopes_smem, layout=row_layout)  # f32[BLOCK_Q]
 
         def body(step, carry):
-            acc, m, l = carry  # f32[BLOCK_Q, H], f32[BLOCK_Q], f32[BLOCK_Q]
+            acc, m, l, nxt_pages = carry  # f32[BLOCK_Q, H], f32[BLOCK_Q], f32[BLOCK_Q], i32s
             slot = lax.rem(step, slots)
             # Keep slots - 1 blocks in flight: the slot refilled here was freed by step - 1
             # (its WGMMAs completed before their results were read).
             nxt = step + slots - 1
-            pl.when(nxt < num_steps)(lambda: issue(nxt, lax.rem(nxt, slots)))
+            pl.when(nxt < num_steps)(lambda: issue(nxt_pages, lax.rem(nxt, slots)))
+            # The block-table reads for the next step's copies start now and are first used
+            # one step later, so their GMEM latency hides behind this block's compute.
+            nxt_pages = lookup(nxt + 1)
 
             block_start = (lo + step) * block_tokens
             plgpu.barrier_wait(k_bars.at[slot])
@@ -281,14 +290,16 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, ks_ref, vs_re
             # A fresh accumulator per block (GPU interpret mode cannot run `run_state`); the add
             # is one register op per element, negligible next to the loads.
             acc = acc + pl.run_scoped(pv, plgpu.ACC((BLOCK_Q, head_dim), jnp.float32))
-            return acc, m_new, l
+            return acc, m_new, l, nxt_pages
 
         init = (
             plgpu.layout_cast(jnp.zeros((BLOCK_Q, head_dim), jnp.float32), plgpu.Layout.WGMMA),
             plgpu.layout_cast(jnp.full((BLOCK_Q,), MASK_VALUE, jnp.float32), row_layout),
             plgpu.layout_cast(jnp.zeros((BLOCK_Q,), jnp.float32), row_layout),
+            lookup(slots - 1),
         )
-        return lax.fori_loop(0, num_steps, body, init)
+        acc, m, l, _ = lax.fori_loop(0, num_steps, body, init)
+        return acc, m, l
 
     transforms = _operand_transforms(dtype, head_dim)
     cache_dtype = k_ref.dtype
