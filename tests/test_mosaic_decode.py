@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import jpa
@@ -193,7 +192,8 @@ def test_race_detector_catches_a_missing_barrier_wait():
 def test_unsupported_reason_none_for_tested_specs():
     for case in CASES:
         spec = DecodeSpec(case.q_dtype, case.cache_dtype, case.num_q_heads, case.num_kv_heads,
-                          case.head_dim, case.page_size, case.pages_per_seq, case.soft_cap is not None,
+                          case.head_dim, case.page_size, case.pages_per_seq,
+                          case.soft_cap is not None,
                           case.alibi, case.sliding_window is not None,
                           case.cache_dtype in ("int8", "float8_e4m3fn", "float8_e5m2"))
         assert mosaic_decode.unsupported_reason(spec) is None, case

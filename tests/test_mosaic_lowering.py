@@ -102,7 +102,8 @@ def _call(q_dtype="bfloat16", cache_dtype=None, num_q_heads=4, num_kv_heads=2, h
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(q_dtype="float32"), "q dtype float32 is not supported: WGMMA has no exact float32"),
-    (dict(q_dtype="bfloat16", cache_dtype="float32"), r"the cache dtype \(float32\) must equal q's"),
+    (dict(q_dtype="bfloat16", cache_dtype="float32"),
+     r"the cache dtype \(float32\) must equal q's"),
     (dict(q_dtype="float16", cache_dtype="int8", quantized=True),
      "page_size = 16 is too small for a quantized cache"),
     (dict(q_dtype="float32", cache_dtype="float8_e4m3fn", quantized=True, page_size=32),
@@ -115,7 +116,8 @@ def _call(q_dtype="bfloat16", cache_dtype=None, num_q_heads=4, num_kv_heads=2, h
     (dict(page_size=4), "page_size = 4 is not supported"),
     (dict(page_size=96), "page_size = 96 is not supported"),
     (dict(num_q_heads=130, num_kv_heads=2), "q_per_kv = 65 exceeds the 64-row WGMMA q tile"),
-    (dict(head_dim=256, page_size=128), "head_dim = 256 with page_size = 128 needs more than 200 KiB of SMEM"),
+    (dict(head_dim=256, page_size=128),
+     "head_dim = 256 with page_size = 128 needs more than 200 KiB of SMEM"),
 ], ids=lambda x: str(x))
 def test_unsupported_configurations_raise(kwargs, message):
     with pytest.raises(ValueError, match=r"impl='mosaic' cannot serve this call: " + message):

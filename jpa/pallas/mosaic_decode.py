@@ -88,8 +88,8 @@ def unsupported_reason(spec: DecodeSpec) -> str | None:
                 f"{QUANT_MIN_PAGE_SIZE}")
     if ps < 8 or (ps < MIN_BLOCK_TOKENS and MIN_BLOCK_TOKENS % ps) or (
             ps >= MIN_BLOCK_TOKENS and ps % MIN_BLOCK_TOKENS):
-        return (f"page_size = {ps} is not supported: it must divide {MIN_BLOCK_TOKENS} (>= 8) or be "
-                f"a multiple of {MIN_BLOCK_TOKENS}")
+        return (f"page_size = {ps} is not supported: it must divide {MIN_BLOCK_TOKENS} (>= 8) "
+                f"or be a multiple of {MIN_BLOCK_TOKENS}")
     if num_slots(spec.head_dim, ps, 2, 1 if spec.quantized else 2) == 0:
         return (f"head_dim = {spec.head_dim} with page_size = {ps} needs more than "
                 f"{SMEM_BUDGET // 1024} KiB of SMEM for two K/V blocks")
@@ -171,6 +171,9 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, ks_ref, vs_re
 
     def main_loop(q_smem, k_smem, v_smem, p_smem, slopes_smem, kd_smem, vd_smem, ks_smem,
                   vs_smem):
+        # q_smem [BLOCK_Q, H]; k_smem, v_smem [slots, S, H] in the cache dtype; p_smem [BLOCK_Q, S];
+        # slopes_smem f32[BLOCK_Q] or None; quantized only: kd_smem, vd_smem [S, H] in q's dtype,
+        # ks_smem, vs_smem f32[slots, S]. S = block_tokens.
         q_row0 = (b * num_kv_heads + kh) * q_per_kv
         plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row0, BLOCK_Q)], q_smem, q_bar.at[0])
         if slopes_smem is not None:
