@@ -1,11 +1,16 @@
 """jpa: PagedAttention for JAX.
 
-The public face: `paged_decode` (decode attention over a paged KV cache), `write_kv` (cache
-writes), `KVCache`/`CacheConfig` (the cache pytree) and `copy_pages` (copy-on-write support).
+The public face: `paged_decode` (decode attention over a paged KV cache), `paged_prefill`
+(causal attention of prompt chunks over the same cache), `write_kv` (cache writes),
+`KVCache`/`CacheConfig` (the cache pytree), `copy_pages` (copy-on-write support) and the
+`pages` module (page allocation as pure-functional device state). The continuous-batching
+engine lives in `jpa.engine` (it sits above the models layer and is imported on its own).
 """
 
+from jpa import pages
 from jpa.cache import CacheConfig, KVCache, copy_pages, write_kv
 from jpa.decode import paged_decode
+from jpa.prefill import paged_prefill
 
-__all__ = ["CacheConfig", "KVCache", "copy_pages", "paged_decode", "write_kv"]
+__all__ = ["CacheConfig", "KVCache", "copy_pages", "pages", "paged_decode", "paged_prefill", "write_kv"]
 __version__ = "0.1.0"

@@ -117,6 +117,9 @@ class LLMEngine:
                 config.kv_memory_bytes, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
                 head_dim=mc.head_dim, page_size=config.page_size, dtype=dtype)
         self.num_pages = self.cache_config.num_pages
+        # A sequence must be able to reach its length limit alone in the pool, or preemption
+        # could never make room for it.
+        self.max_model_len = min(self.max_model_len, self.num_pages * config.page_size)
         stop_ids = set(getattr(tokenizer, "stop_token_ids", ()) or ()) | {tokenizer.eos_token_id}
         self.stop_ids = frozenset(i for i in stop_ids if i is not None)
         self.runner = ModelRunner(model, self.cache_config, max_seqs=config.max_seqs,
@@ -130,6 +133,7 @@ class LLMEngine:
         self.free_pages = self.num_pages
         self._next_id = 0
         self._admissions = 0
+        self._preempted_last_round = False
 
     # ------------------------------------------------------------------ requests
 
@@ -158,7 +162,7 @@ class LLMEngine:
             return self._fail(req, "empty prompt: nothing to condition on")
         if any(not 0 <= t < vocab for t in ids):
             return self._fail(req, f"prompt token ids must be in [0, {vocab})")
-        limit = min(self.max_model_len, self.num_pages * self.config.page_size)
+        limit = self.max_model_len
         if len(ids) >= limit:
             return self._fail(req, f"prompt has {len(ids)} tokens; this engine holds at most {limit} "
                                    f"tokens per sequence (max_model_len {self.max_model_len}, pool "
@@ -182,16 +186,31 @@ class LLMEngine:
         # A preempted request recomputes everything but its pending (last sampled) token.
         return req.prompt_ids + req.output_ids[:-1]
 
+    def _headroom(self) -> int:
+        """Pages the running requests may take during the next decode call."""
+        ps, k = self.config.page_size, self.config.steps_per_call
+        stored = [req.num_tokens - 1 for req in self.running.values()]
+        return sum(-(-min(n + k, self.max_model_len) // ps) - -(-n // ps) for n in stored)
+
     def _admit(self):
+        if self._preempted_last_round:
+            # Admitting now would only take back the pages just freed (vLLM does the same):
+            # let the running requests advance first.
+            self._preempted_last_round = False
+            return
         free_slots = [s for s in range(self.config.max_seqs) if s not in self.running]
         watermark = int(self.config.watermark * self.num_pages)
-        batch, free, width = [], self.free_pages, 0
+        # Keep room for the running requests' next decode call, so admission does not cause
+        # an immediate preemption.
+        batch, free, width = [], self.free_pages - self._headroom(), 0
         while self.waiting and len(batch) < len(free_slots):
             req = self.waiting[0]
             toks = self._prefill_tokens(req)
-            need = -(-len(toks) // self.config.page_size)
+            ps = self.config.page_size
+            # Pages for the prompt plus its growth during the next decode call.
+            need = -(-min(len(toks) + self.config.steps_per_call, self.max_model_len) // ps)
             idle = not self.running and not batch
-            if free - need < (0 if idle else watermark):
+            if free - need < watermark and not (idle and len(toks) <= self.num_pages * ps):
                 break
             w = _bucket(max(width, len(toks)), 16)
             if batch and _bucket(len(batch) + 1, 1) * w > self.config.max_prefill_tokens:
@@ -237,6 +256,9 @@ class LLMEngine:
                 self._check_stop_strings(slot)
 
     def _preempt_newest(self):
+        if len(self.running) == 1:  # cannot happen: one sequence always fits (max_model_len is capped)
+            raise RuntimeError("internal error: a lone sequence ran out of pages")
+        self._preempted_last_round = True
         slot = max(self.running, key=self.admit_order.__getitem__)
         req = self.running.pop(slot)
         self.runner.retire([slot])

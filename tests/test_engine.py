@@ -1,0 +1,181 @@
+"""The continuous-batching engine on a tiny random llama: batching, preemption, sampling, stops."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import models
+from jpa.engine import EngineConfig, LLMEngine, SamplingParams
+
+PROMPTS = ["The paged cache", "hello", "a much longer prompt that spans several pages of the cache",
+           "x", "continuous batching keeps slots busy", "12345", "jax", "last one here"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return models.load("tiny-llama", seed=1)
+
+
+def engine(tiny, tokenizer=None, **kw):
+    model, tok = tiny
+    cfg = dict(max_seqs=4, page_size=8, num_pages=64, steps_per_call=4, max_model_len=160)
+    cfg.update(kw)
+    return LLMEngine(model, tokenizer or tok, EngineConfig(**cfg))
+
+
+GREEDY = SamplingParams(max_new_tokens=40, greedy=True, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def alone(tiny):
+    """Each prompt run by itself: the reference outputs."""
+    eng = engine(tiny, max_seqs=1)
+    return [eng.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
+
+
+def test_batched_equals_one_at_a_time(tiny, alone):
+    eng = engine(tiny)
+    outs = eng.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == alone
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 40 for o in outs)
+    assert eng.pool_is_whole()
+    assert eng.runner.decode_traces == 1, "one compiled decode step for the whole run"
+
+
+def test_preemption_keeps_outputs(tiny, alone):
+    # 16 pages of 8 tokens cannot hold 4 sequences of ~50-100 tokens: someone must be preempted.
+    eng = engine(tiny, num_pages=16, watermark=0.0)
+    outs = eng.generate(PROMPTS, GREEDY)
+    assert eng.stats.preemptions > 0
+    assert sum(o.num_preemptions for o in outs) == eng.stats.preemptions
+    assert [o.token_ids for o in outs] == alone
+    assert eng.pool_is_whole()
+    assert eng.runner.decode_traces == 1
+
+
+def test_steps_per_call_does_not_change_outputs(tiny, alone):
+    eng = engine(tiny, steps_per_call=1, max_seqs=3)
+    assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == alone
+    assert eng.stats.decode_calls == eng.stats.decode_steps
+
+
+def test_seeded_sampling_is_independent_of_batching(tiny):
+    params = [SamplingParams(max_new_tokens=20, temperature=1.0, top_k=50, top_p=0.9, seed=s,
+                             ignore_eos=True) for s in range(len(PROMPTS))]
+    together = engine(tiny).generate(PROMPTS, params)
+    solo = engine(tiny, max_seqs=1)
+    apart = [solo.generate([p], sp)[0] for p, sp in zip(PROMPTS, params)]
+    assert [o.token_ids for o in together] == [o.token_ids for o in apart]
+    other_seed = engine(tiny).generate(PROMPTS, [dataclasses.replace(p, seed=p.seed + 100) for p in params])
+    assert [o.token_ids for o in other_seed] != [o.token_ids for o in together]
+
+
+def test_top_k_one_is_greedy(tiny, alone):
+    outs = engine(tiny).generate(PROMPTS, SamplingParams(max_new_tokens=40, temperature=2.0, top_k=1,
+                                                         ignore_eos=True, seed=3))
+    assert [o.token_ids for o in outs] == alone
+
+
+def test_sampling_follows_the_distribution():
+    """Tokens drawn by the on-device sampler match softmax(logits / T) restricted by top-k/top-p."""
+    import jax.numpy as jnp
+    from jpa.engine.sampling import sample
+
+    rng = np.random.default_rng()
+    logits = rng.standard_normal(8).astype(np.float32) * 2
+    n = 4000
+    draw = lambda t, k, p: np.asarray(sample(
+        jnp.asarray(np.tile(logits, (n, 1))), jnp.full((n,), t, jnp.float32), jnp.full((n,), k, jnp.int32),
+        jnp.full((n,), p, jnp.float32), jnp.arange(n, dtype=jnp.int32), jnp.zeros((n,), jnp.int32)))
+    for t, k, p in ((1.0, 0, 1.0), (0.5, 3, 1.0), (1.0, 0, 0.7)):
+        probs = np.exp(logits / t - np.max(logits / t)); probs /= probs.sum()
+        order = np.argsort(-probs)
+        keep = np.zeros(8, bool)
+        keep[order[: k or 8]] = True
+        mass_before = np.cumsum(probs[order]) - probs[order]
+        keep[order[mass_before >= p]] = False
+        want = np.where(keep, probs, 0); want /= want.sum()
+        got = np.bincount(draw(t, k, p), minlength=8) / n
+        assert np.all(got[~keep] == 0), (t, k, p)
+        assert np.max(np.abs(got - want)) < 0.04, (t, k, p, got, want)
+    assert np.all(draw(0.0, 0, 1.0) == np.argmax(logits))
+
+
+class StopAt:
+    """Wraps a tokenizer so that `token` is an end-of-sequence token."""
+
+    def __init__(self, tok, token):
+        self.tok, self.stop_token_ids, self.eos_token_id = tok, (token,), token
+
+    def encode(self, text):
+        return self.tok.encode(text)
+
+    def decode(self, ids, skip_special_tokens=False):
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_stops_on_eos_and_max_new_tokens(tiny, alone):
+    ref = alone[2]
+    stop_tok = ref[5]
+    first = ref.index(stop_tok)
+    eng = engine(tiny, tokenizer=StopAt(tiny[1], stop_tok))
+    out = eng.generate([PROMPTS[2], PROMPTS[2]], [SamplingParams(max_new_tokens=40, greedy=True),
+                                                   SamplingParams(max_new_tokens=3, greedy=True)])
+    assert out[0].token_ids == ref[: first + 1] and out[0].finish_reason == "stop"
+    assert out[1].token_ids == ref[:3] and out[1].finish_reason == "length" or first < 3
+    assert eng.pool_is_whole()
+
+
+def test_stop_string_cuts_the_completion(tiny, alone):
+    model, tok = tiny
+    full = tok.decode(list(alone[0]), skip_special_tokens=True)
+    target = next(full[i:i + 2] for i in range(3, len(full) - 2) if full[i:i + 2].strip())
+    eng = engine(tiny)
+    out = eng.generate([PROMPTS[0]], SamplingParams(max_new_tokens=40, greedy=True, ignore_eos=True,
+                                                    stop=(target,)))[0]
+    assert out.finish_reason == "stop"
+    assert out.completion == full[: full.index(target)]
+    assert eng.pool_is_whole()
+
+
+def test_length_limit_of_the_model(tiny):
+    eng = engine(tiny, max_model_len=40)
+    out = eng.generate(["abcdefghij"], SamplingParams(max_new_tokens=100, greedy=True, ignore_eos=True))[0]
+    assert out.finish_reason == "length"
+    assert len(out.prompt_ids) + len(out.token_ids) == 40
+
+
+def test_bad_requests_fail_alone(tiny, alone):
+    eng = engine(tiny, max_model_len=64)
+    outs = eng.generate(["", "x" * 100, PROMPTS[0], PROMPTS[1]],
+                        [GREEDY, GREEDY, {"max_new_tokens": 40, "greedy": True, "ignore_eos": True},
+                         {"temperature": -1.0}])
+    assert outs[0].finish_reason == "error" and "empty prompt" in outs[0].error
+    assert outs[1].finish_reason == "error" and "prompt has 100 tokens" in outs[1].error
+    assert outs[2].error is None and outs[2].token_ids == alone[0]
+    assert "temperature must be a finite number >= 0" in outs[3].error
+    assert eng.pool_is_whole()
+
+
+@pytest.mark.parametrize("kwargs,msg", [
+    (dict(max_new_tokens=0), "max_new_tokens must be an int >= 1"),
+    (dict(top_k=-1), "top_k must be an int >= 0"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (dict(seed=-5), r"seed must be an int in \[0, 2\*\*31\)"),
+    (dict(stop=("",)), "stop must be non-empty strings"),
+    (dict(temperature=float("inf")), "temperature must be a finite number"),
+])
+def test_sampling_params_errors(kwargs, msg):
+    with pytest.raises(ValueError, match=msg):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,msg", [
+    (dict(max_seqs=0), "EngineConfig.max_seqs must be an int >= 1"),
+    (dict(num_pages=0), "EngineConfig.num_pages must be an int >= 1 or None"),
+    (dict(watermark=1.0), r"EngineConfig.watermark must be in \[0, 1\)"),
+])
+def test_engine_config_errors(kwargs, msg):
+    with pytest.raises(ValueError, match=msg):
+        EngineConfig(**kwargs)
