@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jpa.quant import QUANT_MAX, is_quantized, quantize
+from jpa.quant import is_quantized, quantize
 from jpa.validate import CACHE_DTYPES, check_cache_pair, check_dtype, check_ndim, is_concrete
 
 

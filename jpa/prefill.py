@@ -22,7 +22,8 @@ from jax import lax
 
 from jpa.quant import FLOAT_DTYPES
 from jpa.reference import MASK_VALUE, _dequant, chunk_pages
-from jpa.validate import check_cache_pair, check_dtype, check_ndim, is_concrete
+from jpa.validate import (check_cache_pair, check_dtype, check_ndim, check_positive, check_tables,
+                          check_used_pages, is_concrete)
 
 
 @functools.partial(jax.jit, static_argnames=("scale",))
@@ -96,21 +97,13 @@ def _check_prefill_args(q, k_pages, v_pages, block_tables, start, chunk_lens, sc
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads (q.shape[2] = {num_q_heads}) must be a multiple of "
                          f"num_kv_heads (k_pages.shape[0] = {num_kv_heads})")
-    check_ndim("block_tables", block_tables, 2, "i32[num_seqs, pages_per_seq]")
-    check_dtype("block_tables", block_tables, (np.int32,))
-    if block_tables.shape[0] != num_seqs:
-        raise ValueError(f"block_tables must have num_seqs = {num_seqs} rows (q.shape[0]); "
-                         f"got {block_tables.shape[0]}")
-    pages_per_seq = block_tables.shape[1]
-    if pages_per_seq < 1:
-        raise ValueError("block_tables must have at least one column (pages_per_seq >= 1); got 0")
+    pages_per_seq = check_tables(block_tables, num_seqs)
     for name, x in (("start", start), ("chunk_lens", chunk_lens)):
         check_ndim(name, x, 1, "i32[num_seqs]")
         check_dtype(name, x, (np.int32,))
         if x.shape[0] != num_seqs:
             raise ValueError(f"{name} must have num_seqs = {num_seqs} entries; got {x.shape[0]}")
-    if scale is not None and not (isinstance(scale, (int, float)) and np.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be a positive finite Python number or None; got {scale!r}")
+    check_positive("scale", scale)
     if not (is_concrete(start) and is_concrete(chunk_lens)):
         return
     st, cl = np.asarray(start), np.asarray(chunk_lens)
@@ -126,14 +119,7 @@ def _check_prefill_args(q, k_pages, v_pages, block_tables, start, chunk_lens, sc
     if ends.max() > max_len:
         raise ValueError(f"start + chunk_lens must be <= pages_per_seq * page_size = {max_len}; "
                          f"got {ends.max()}")
-    if is_concrete(block_tables):
-        tables = np.asarray(block_tables)
-        used = np.arange(pages_per_seq)[None, :] < -(-ends[:, None] // page_size)
-        bad = used & ((tables < 0) | (tables >= num_pages))
-        if bad.any():
-            b, j = map(int, np.argwhere(bad)[0])
-            raise ValueError(f"block_tables entries for a sequence's pages must be in [0, num_pages = "
-                             f"{num_pages}); got block_tables[{b}, {j}] = {tables[b, j]}")
+    check_used_pages(block_tables, ends, page_size, num_pages)
 
 
 def paged_prefill(q, k_pages, v_pages, block_tables, start, chunk_lens, *, scale=None,

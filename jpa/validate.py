@@ -57,6 +57,37 @@ def check_cache_pair(k_pages, v_pages, k_scales, v_scales):
     return num_kv_heads, num_pages, page_size, head_dim
 
 
+def check_tables(block_tables, num_seqs):
+    """Validates block_tables i32[num_seqs, pages_per_seq]; returns pages_per_seq."""
+    check_ndim("block_tables", block_tables, 2, "i32[num_seqs, pages_per_seq]")
+    check_dtype("block_tables", block_tables, (np.int32,))
+    if block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables must have num_seqs = {num_seqs} rows (q.shape[0]); "
+                         f"got {block_tables.shape[0]}")
+    if block_tables.shape[1] < 1:
+        raise ValueError("block_tables must have at least one column (pages_per_seq >= 1); got 0")
+    return block_tables.shape[1]
+
+
+def check_positive(name, value):
+    """A positive finite Python number, or None."""
+    if value is not None and not (isinstance(value, (int, float)) and np.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a positive finite Python number or None; got {value!r}")
+
+
+def check_used_pages(block_tables, lens, page_size, num_pages):
+    """Concrete tables: entries a sequence of length lens[b] uses must name real pages."""
+    if not is_concrete(block_tables):
+        return
+    tables = np.asarray(block_tables)
+    used = np.arange(tables.shape[1])[None, :] < -(-np.asarray(lens)[:, None] // page_size)
+    bad = used & ((tables < 0) | (tables >= num_pages))
+    if bad.any():
+        b, j = map(int, np.argwhere(bad)[0])
+        raise ValueError(f"block_tables entries for a sequence's pages must be in [0, num_pages = "
+                         f"{num_pages}); got block_tables[{b}, {j}] = {tables[b, j]}")
+
+
 def check_decode_args(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap,
                       alibi_slopes, sliding_window, k_scales, v_scales, impl, interpret):
     """Validates `paged_decode`'s arguments; raises ValueError on the first problem found."""
@@ -69,23 +100,13 @@ def check_decode_args(q, k_pages, v_pages, block_tables, seq_lens, *, scale, sof
     if num_kv_heads < 1 or num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads (q.shape[1] = {num_q_heads}) must be a multiple of "
                          f"num_kv_heads (k_pages.shape[0] = {num_kv_heads})")
-    check_ndim("block_tables", block_tables, 2, "i32[num_seqs, pages_per_seq]")
-    check_dtype("block_tables", block_tables, (np.int32,))
-    if block_tables.shape[0] != num_seqs:
-        raise ValueError(f"block_tables must have num_seqs = {num_seqs} rows (q.shape[0]); "
-                         f"got {block_tables.shape[0]}")
-    pages_per_seq = block_tables.shape[1]
-    if pages_per_seq < 1:
-        raise ValueError("block_tables must have at least one column (pages_per_seq >= 1); got 0")
+    pages_per_seq = check_tables(block_tables, num_seqs)
     check_ndim("seq_lens", seq_lens, 1, "i32[num_seqs]")
     check_dtype("seq_lens", seq_lens, (np.int32,))
     if seq_lens.shape[0] != num_seqs:
         raise ValueError(f"seq_lens must have num_seqs = {num_seqs} entries; got {seq_lens.shape[0]}")
-    if scale is not None and not (isinstance(scale, (int, float)) and np.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be a positive finite Python number or None; got {scale!r}")
-    if soft_cap is not None and not (isinstance(soft_cap, (int, float)) and np.isfinite(soft_cap)
-                                     and soft_cap > 0):
-        raise ValueError(f"soft_cap must be a positive finite Python number or None; got {soft_cap!r}")
+    check_positive("scale", scale)
+    check_positive("soft_cap", soft_cap)
     if sliding_window is not None and not (isinstance(sliding_window, (int, np.integer))
                                            and not isinstance(sliding_window, bool)
                                            and sliding_window >= 1):
@@ -106,11 +127,5 @@ def check_decode_args(q, k_pages, v_pages, block_tables, seq_lens, *, scale, sof
         if lens.size and (lens.min() < 0 or lens.max() > max_len):
             raise ValueError(f"seq_lens must be in [0, pages_per_seq * page_size = {max_len}]; "
                              f"got values in [{lens.min()}, {lens.max()}]")
-        if is_concrete(block_tables) and lens.size:
-            tables = np.asarray(block_tables)
-            used = np.arange(pages_per_seq)[None, :] < -(-lens[:, None] // page_size)
-            bad = used & ((tables < 0) | (tables >= num_pages))
-            if bad.any():
-                b, j = map(int, np.argwhere(bad)[0])
-                raise ValueError(f"block_tables entries for a sequence's pages must be in [0, num_pages = "
-                                 f"{num_pages}); got block_tables[{b}, {j}] = {tables[b, j]}")
+        if lens.size:
+            check_used_pages(block_tables, lens, page_size, num_pages)

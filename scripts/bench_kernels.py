@@ -16,7 +16,6 @@ On a CPU it says plainly that GPU figures need a GPU, and times the xla path on 
 """
 
 import argparse
-import functools
 import importlib
 import json
 import os

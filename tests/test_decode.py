@@ -4,7 +4,6 @@ The NumPy reference gathers each sequence's tokens through its block table and r
 softmax, so it shares no code with the online-softmax implementation under test.
 """
 
-import itertools
 
 import chex
 import jax
