@@ -7,8 +7,10 @@ softmax attention over an already contiguous cache [B, K, S, H] holding the same
 sequence at the full context, so dense needs no mask: the cheapest possible baseline). Both are f32,
 one query token per sequence, GQA (8 q heads over 2 kv heads); outputs are checked to agree.
 
-Timing: each function is jitted, run `--warmup` times, then timed `--reps` times from call to
-`block_until_ready`; the median is reported, with the ratio paged / dense. Target: <= 1.3x.
+Timing: each function is jitted and run `--warmup` times; then `--reps` rounds each time every
+function once, in turn (so load from other processes on this shared CPU hits all alike), from call
+to `block_until_ready`; the median per function is reported, with the ratio to dense. Target:
+paged / dense <= 1.3x.
 
 Experimental variants (`--variants`), measured to explain the ratio and to test changes to
 jpa/reference.py without editing it (each is checked against dense too):
@@ -131,15 +133,19 @@ def paged_kbgs(q, k_pages, v_pages, block_tables, seq_lens, *, scale, pages_per_
     return out.transpose(1, 0, 2, 3).reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)
 
 
-def timeit(fn, args, warmup, reps):
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    ts = []
+def time_interleaved(fns, warmup, reps):
+    """{name: (fn, args)} -> {name: median ms}. One round times every function once, in turn, so a
+    change in the machine's load (this CPU is shared) hits all of them alike."""
+    for fn, args in fns.values():
+        for _ in range(warmup):
+            jax.block_until_ready(fn(*args))
+    ts = {name: [] for name in fns}
     for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(ts)
+        for name, (fn, args) in fns.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            ts[name].append(time.perf_counter() - t0)
+    return {name: 1e3 * statistics.median(t) for name, t in ts.items()}
 
 
 def make_case(batch, context, head_dim, page_size, seed):
@@ -183,7 +189,7 @@ def main():
           f"device {m['device']}")
     print(f"f32, {NUM_Q_HEADS} q heads / {NUM_KV_HEADS} kv heads (GQA {NUM_Q_HEADS // NUM_KV_HEADS}), "
           f"page_size {args.page_size}, permuted block tables, all sequences at the full context; "
-          f"median of {args.reps} timed runs after {args.warmup} warm-up runs (ms)")
+          f"median of {args.reps} interleaved timed rounds after {args.warmup} warm-up runs (ms)")
     rows = []
     head = ("| batch | context | head_dim | KV MB | dense ms | paged ms | paged/dense | "
             + " | ".join(f"{v} ms (/dense)" for v in variants) + " |")
@@ -198,10 +204,10 @@ def main():
         pargs = (c["q"], c["k_pages"], c["v_pages"], c["tables"], c["lens"])
         ref = np.asarray(dense(c["q"], c["k"], c["v"]))
         err = float(np.max(np.abs(np.asarray(paged(*pargs)) - ref)))
-        r = dict(batch=b, context=ctx, head_dim=hd, kv_mb=2 * c["k"].nbytes / 2 ** 20,
-                 dense_ms=timeit(dense, (c["q"], c["k"], c["v"]), args.warmup, args.reps),
-                 paged_ms=timeit(paged, pargs, args.warmup, args.reps), paged_max_abs_err=err)
-        r["ratio"] = r["paged_ms"] / r["dense_ms"]
+        if err > 1e-4:
+            raise SystemExit(f"paged disagrees with dense: max abs err {err}")
+        r = dict(batch=b, context=ctx, head_dim=hd, kv_mb=2 * c["k"].nbytes / 2 ** 20, paged_max_abs_err=err)
+        fns = dict(dense=(dense, (c["q"], c["k"], c["v"])), paged=(paged, pargs))
         for vname in variants:
             if vname == "gather_only":
                 if r["kv_mb"] > 64:
@@ -222,10 +228,12 @@ def main():
                 verr = float(np.max(np.abs(np.asarray(fn(*vargs)) - ref)))
                 if verr > 1e-4:
                     raise SystemExit(f"variant {vname} disagrees with dense: max abs err {verr}")
-            t = timeit(fn, vargs, args.warmup, args.reps)
+            fns[vname] = (fn, vargs)
+        ms = time_interleaved(fns, args.warmup, args.reps)
+        r["dense_ms"], r["paged_ms"] = ms.pop("dense"), ms.pop("paged")
+        r["ratio"] = r["paged_ms"] / r["dense_ms"]
+        for vname, t in ms.items():
             r[f"{vname}_ms"], r[f"{vname}_ratio"] = t, t / r["dense_ms"]
-        if err > 1e-4:
-            raise SystemExit(f"paged disagrees with dense: max abs err {err}")
         rows.append(r)
         print(f"| {b} | {ctx} | {hd} | {r['kv_mb']:.0f} | {r['dense_ms']:.2f} | {r['paged_ms']:.2f} | "
               f"{r['ratio']:.2f}x | " + " | ".join(f"{r[v + '_ms']:.2f} ({r[v + '_ratio']:.2f}x)"
