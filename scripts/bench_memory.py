@@ -266,7 +266,7 @@ def plot(results, path):
         ax.grid(axis="y", alpha=0.3)
     axes = np.atleast_1d(axes)
     axes[0].set_ylabel("KV utilization (% of reserved slots holding tokens)")
-    axes[0].legend(loc="upper left", fontsize=8)
+    axes[-1].legend(loc="upper left", fontsize=8)
     fig.suptitle(f"KV cache utilization, budget {results[names[0]]['budget']} token slots "
                  f"(dashed: {TARGET_UTIL:.0%} target)")
     fig.tight_layout()
