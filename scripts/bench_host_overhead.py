@@ -12,6 +12,10 @@ call wall time + host bookkeeping time), compile time excluded), the engine's ho
 (host bookkeeping seconds / that total) and decode calls. Greedy outputs must be identical
 across k (checked). Target: tok/s at k=16 >= 1.5x k=1.
 
+To explain the ratio, the script also fits t_call = c + steps * t_step (fixed cost per host round
+trip vs device work per decode step) and times the parts of one device step alone (allocator,
+model, sampler) with the same shapes.
+
     .venv/bin/python scripts/bench_host_overhead.py [--requests 16 --new-tokens 128 --reps 3]
 """
 
@@ -37,6 +41,62 @@ def machine() -> dict:
     d = jax.devices()[0]
     return dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
                 cpu_count=os.cpu_count(), jax_version=jax.__version__, device=f"{d.platform}:{d.device_kind}")
+
+
+def step_breakdown(model, args, steps=64, reps=5):
+    """ms per decode step of the parts of the engine's device loop, each alone in a jitted fori_loop
+    with the engine's shapes (max_seqs sequences at 100 tokens): allocator (pages.append + release),
+    model (models.decode: K/V write + paged attention + MLP, all layers, logits), sampler."""
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax import lax
+
+    from jpa import pages
+    from jpa.cache import CacheConfig, KVCache
+    from jpa.engine.sampling import sample
+
+    mc, b, ps = model.config, args.max_seqs, args.page_size
+    state = pages.init(args.num_pages, b, -(-args.max_model_len // ps), ps)
+    state, ok = pages.reserve(state, list(range(b)), [100] * b)
+    assert bool(ok)
+    lens, tables = state.seq_lens, state.block_tables
+    slots = jnp.take_along_axis(tables, ((lens - 1) // ps)[:, None], axis=1)[:, 0] * ps + (lens - 1) % ps
+    active, none = jnp.ones((b,), bool), jnp.full((b,), -1, jnp.int32)
+    graphdef, params = nnx.split(model)
+    cache = KVCache.create(CacheConfig(mc.num_layers, mc.num_kv_heads, mc.head_dim, args.num_pages, ps,
+                                       "float32"))
+    tokens = jnp.arange(b, dtype=jnp.int32) + 65
+    logits0 = jnp.zeros((b, mc.vocab_size), jnp.float32)
+    z_f, z_i = jnp.zeros((b,), jnp.float32), jnp.zeros((b,), jnp.int32)
+
+    def alloc(state):
+        return lax.fori_loop(0, steps, lambda i, s: pages.release(pages.append(s, active)[0], none), state)
+
+    def model_step(params, cache):
+        m = nnx.merge(graphdef, params)
+
+        def body(i, carry):
+            c, acc = carry
+            logits, c = models.decode(m, c, tokens, lens, slots, tables)
+            return c, acc + logits
+        return lax.fori_loop(0, steps, body, (cache, logits0))
+
+    def sampler(logits):
+        return lax.fori_loop(0, steps, lambda i, acc: acc + sample(
+            logits + i.astype(jnp.float32), z_f, z_i, z_f + 1, z_i, z_i + i), z_i)
+
+    out = {}
+    for name, fn, a in (("allocator", alloc, (state,)), ("model", model_step, (params, cache)),
+                        ("sampler", sampler, (logits0,))):
+        f = jax.jit(fn)
+        jax.block_until_ready(f(*a))
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*a))
+            ts.append(time.perf_counter() - t0)
+        out[name] = 1e3 * statistics.median(ts) / steps
+    return out
 
 
 def run_k(model, tok, prompts, params, k, args):
@@ -123,6 +183,9 @@ def main():
               f"t_step = {t_step:.2f} ms of device work per decode step, c = {per_call:.2f} ms fixed per "
               f"call (dispatch + device_get + bookkeeping); best possible gain from removing every "
               f"round trip = (c + t_step) / t_step = {(per_call + t_step) / t_step:.2f}x")
+    bd = step_breakdown(model, args)
+    print("device work per decode step, by part (each alone in a jitted loop, ms): "
+          + ", ".join(f"{k_} {v:.3f}" for k_, v in bd.items()) + f"; sum {sum(bd.values()):.3f}")
     identical = all(r["outputs_match_first_k"] for r in rows)
     by_k = {r["steps_per_call"]: r for r in rows}
     ratio = by_k[16]["decode_tok_s"] / by_k[1]["decode_tok_s"] if 1 in by_k and 16 in by_k else None
@@ -132,7 +195,7 @@ def main():
         print(f"target: tok/s(k=16) / tok/s(k=1) >= {TARGET_RATIO}: {'MET' if met else 'MISSED'} ({ratio:.2f}x)")
     out = dict(machine=m, command=" ".join([os.path.basename(sys.executable)] + sys.argv),
                config=vars(args), target_ratio=TARGET_RATIO, ratio_k16_over_k1=ratio, target_met=met,
-               outputs_identical_across_k=identical, rows=rows)
+               outputs_identical_across_k=identical, rows=rows, step_breakdown_ms=bd)
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
