@@ -70,8 +70,8 @@ class EngineStats:
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_tokens: int = 0
-    decode_seconds: float = 0.0       # wall time of decode calls (device work + dispatch)
-    host_seconds: float = 0.0         # host bookkeeping between decode calls
+    decode_seconds: float = 0.0       # wall time of decode calls (dispatch + device work + readback)
+    host_seconds: float = 0.0         # Python bookkeeping between decode calls (tokens, stops, preemption)
     compile_seconds: float = 0.0
     decode_calls: int = 0
     decode_steps: int = 0
@@ -312,6 +312,8 @@ class LLMEngine:
         out, ok, free = self.runner.decode()
         t1 = time.perf_counter()
         # The first call compiles; compile time is reported on its own, not as decode time.
+        # The call's own dispatch is counted as decode time: on a CPU backend JAX may run the
+        # program inline in the call, so dispatch and device work cannot be told apart there.
         self.stats.decode_seconds += t1 - t0 - (self.runner.compile_seconds - c0)
         self.stats.decode_calls += 1
         self.stats.decode_steps += len(out)

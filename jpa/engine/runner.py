@@ -121,36 +121,43 @@ class ModelRunner:
         model = nnx.merge(self.graphdef, params)
         k, num_seqs = self.steps_per_call, self.max_seqs
 
+        # The allocation for step i+1 is computed at the end of step i (look-ahead), so the loop
+        # condition can stop before a step the pool cannot serve, with no lax.cond around the
+        # model (a conditional would have to carry the whole cache through both branches).
+        # `ps` is the committed state; `nxt` = (state after append, slot_mapping, ok).
+        # The engine never forks (one sample per request), so no page is shared and append's
+        # copy-on-write pairs are always empty; a forking caller must apply them with
+        # jpa.copy_pages before writing.
         def step(carry):
-            i, cache, ps, slots, out, _ = carry
+            i, cache, ps, slots, out, nxt = carry
+            ps, slot_mapping, _ = nxt
+            seq_lens = jnp.where(slots.active, ps.seq_lens, 0)
+            logits, cache = decode(model, cache, slots.tokens, seq_lens, slot_mapping, ps.block_tables)
+            tok = sample(logits, slots.temperature, slots.top_k, slots.top_p, slots.seed,
+                         slots.num_generated)
+            act = slots.active
+            slots = slots.replace(num_generated=slots.num_generated + act.astype(jnp.int32),
+                                  tokens=jnp.where(act, tok, slots.tokens))
+            done = act & _finished(slots, tok, seq_lens, self.stop_ids)
+            out = out.at[i].set(jnp.where(act, tok, -1))
+            ps = pages.release(ps, jnp.where(done, jnp.arange(num_seqs, dtype=jnp.int32), -1))
+            slots = slots.replace(active=act & ~done)
+            return i + 1, cache, ps, slots, out, _lookahead(ps, slots)
+
+        def _lookahead(ps, slots):
             new_ps, slot_mapping, ok, _cow = pages.append(ps, slots.active)
-            # The engine never forks (one sample per request), so no page is shared and _cow is
-            # always empty; a forking caller must apply it with jpa.copy_pages first.
-
-            def run(args):
-                cache, ps, slots, out = args
-                seq_lens = jnp.where(slots.active, ps.seq_lens, 0)
-                logits, cache = decode(model, cache, slots.tokens, seq_lens, slot_mapping, ps.block_tables)
-                nxt = sample(logits, slots.temperature, slots.top_k, slots.top_p, slots.seed,
-                             slots.num_generated)
-                act = slots.active
-                slots = slots.replace(num_generated=slots.num_generated + act.astype(jnp.int32),
-                                      tokens=jnp.where(act, nxt, slots.tokens))
-                done = act & _finished(slots, nxt, seq_lens, self.stop_ids)
-                out = out.at[i].set(jnp.where(act, nxt, -1))
-                ps = pages.release(ps, jnp.where(done, jnp.arange(num_seqs, dtype=jnp.int32), -1))
-                return cache, ps, slots.replace(active=act & ~done), out
-
-            cache, ps, slots, out = lax.cond(ok, run, lambda a: a, (cache, new_ps, slots, out))
-            return i + ok.astype(jnp.int32), cache, ps, slots, out, ok
+            return new_ps, slot_mapping, ok
 
         def cond(carry):
-            i, _, _, slots, _, ok = carry
-            return (i < k) & ok & jnp.any(slots.active)
+            i, _, _, slots, _, nxt = carry
+            return (i < k) & nxt[2] & jnp.any(slots.active)
 
         out = jnp.full((k, num_seqs), -1, jnp.int32)
-        init = (jnp.int32(0), cache, page_state, slots, out, jnp.bool_(True))
-        steps, cache, page_state, slots, out, ok = lax.while_loop(cond, step, init)
+        init = (jnp.int32(0), cache, page_state, slots, out, _lookahead(page_state, slots))
+        steps, cache, page_state, slots, out, nxt = lax.while_loop(cond, step, init)
+        # ok is False when the next step cannot get pages for the active sequences (whether the
+        # loop stopped early for it or ran all k steps): the host then preempts.
+        ok = nxt[2] | ~jnp.any(slots.active)
         return cache, page_state, slots, out, steps, ok, pages.num_free_pages(page_state)
 
     @staticmethod
@@ -168,7 +175,11 @@ class ModelRunner:
         return exe
 
     def decode(self):
-        """Runs up to steps_per_call decode steps. Returns host arrays (out [k, B], steps, ok, free)."""
+        """Runs up to steps_per_call decode steps.
+
+        Returns (out i32[steps, max_seqs] new tokens (-1 for idle slots), ok, free pages); ok is
+        False when the next step cannot get pages.
+        """
         args = (self.params, self.cache, self.page_state, self.slots)
         if self._decode_exe is None:
             self._decode_exe = self._compile(self._decode_impl, *args)
