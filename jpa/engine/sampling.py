@@ -85,6 +85,12 @@ def sample(logits, temperature, top_k, top_p, seeds, counters):
 
     needs_filter = jnp.any((top_k > 0) | (top_p < 1.0))
     scaled = lax.cond(needs_filter, filtered, lambda x: x, scaled)
-    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
-    drawn = jax.vmap(lambda k, x: jax.random.categorical(k, x))(keys, scaled).astype(jnp.int32)
+
+    def draw(x):
+        keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
+        return jax.vmap(lambda k, r: jax.random.categorical(k, r))(keys, x).astype(jnp.int32)
+
+    # Drawing noise for a whole vocabulary costs as much as the LM head on a CPU: skip it when
+    # every row is greedy.
+    drawn = lax.cond(jnp.any(temperature > 0), draw, lambda x: greedy_tok, scaled)
     return jnp.where(temperature > 0, drawn, greedy_tok)
