@@ -295,6 +295,8 @@ def run_jpa(eng, prompt_ids, params):
     s = eng.summary()
     return ids, dict(wall_seconds=wall, compile_seconds_in_run=compiled, compiles_in_run=traces,
                      decode_calls=eng.stats.decode_calls, decode_steps=s["decode_steps"],
+                     decode_call_ms_per_step=1e3 * eng.stats.decode_seconds / max(s["decode_steps"], 1),
+                     prefill_seconds=eng.stats.prefill_seconds, host_seconds=eng.stats.host_seconds,
                      preemptions=s["preemptions"])
 
 
@@ -465,7 +467,7 @@ def parse_args(argv=None):
     ap.add_argument("--profile", action="store_true", help="break down one jpa decode step")
     ap.add_argument("--jpa-chunk-tokens", type=int, default=None,
                     help="what-if experiment: override jpa.reference.CHUNK_TOKENS (key tokens per loop "
-                         "iteration of jpa's CPU attention path; default 512) before the engine is built")
+                         "iteration of jpa's CPU attention path) before the engine is built")
     ap.add_argument("--json", default="benchmarks/engine.json")
     ap.add_argument("--plot", default="benchmarks/engine_throughput.png")
     return ap.parse_args(argv)
@@ -571,6 +573,14 @@ def main(argv=None):
         profile = profile_decode_step(model, eng, dense, args.max_seqs, mean_len)
 
     mach = machine()
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        import subprocess
+        git = lambda *a: subprocess.run(["git", "-C", repo, *a], capture_output=True, text=True).stdout.strip()
+        mach["git_commit"] = git("rev-parse", "HEAD")
+        mach["jpa_models_uncommitted_changes"] = bool(git("status", "--porcelain", "--", "jpa", "models"))
+    except OSError:
+        pass
     report = dict(
         machine=mach, model="smollm2-135m (SmolLM2-135M-Instruct, float32)",
         workload=dict(num_requests=args.num_requests, prompt_tokens=[len(p) for p in prompt_ids],
