@@ -1,6 +1,6 @@
 """Benchmark: what paging costs in decode attention on this CPU (paged reference vs dense attention).
 
-"paged" is `jpa.paged_decode(..., impl="xla")` (the plain-JAX reference, `jpa.reference
+"paged" is `jpa.paged_decode(..., impl="xla")` under `jax.jit` (the plain-JAX reference, `jpa.reference
 .paged_decode_xla`) over a paged cache [K, P, page_size, H] whose block tables are a random
 permutation of the pool (so no sequence's pages are contiguous). "dense" is a jitted plain-jnp
 softmax attention over an already contiguous cache [B, K, S, H] holding the same tokens (every
@@ -200,7 +200,9 @@ def main():
         c = make_case(b, ctx, hd, args.page_size, args.seed)
         scale = hd ** -0.5
         dense = functools.partial(dense_decode, scale=scale)
-        paged = lambda q, kp, vp, t, l: jpa.paged_decode(q, kp, vp, t, l, scale=scale, impl="xla")
+        # Jitted as it runs inside a model: an eager call would add the host-side validation of
+        # concrete seq_lens/block_tables (a device->host copy) to every call.
+        paged = jax.jit(lambda q, kp, vp, t, l: jpa.paged_decode(q, kp, vp, t, l, scale=scale, impl="xla"))
         pargs = (c["q"], c["k_pages"], c["v_pages"], c["tables"], c["lens"])
         ref = np.asarray(dense(c["q"], c["k"], c["v"]))
         err = float(np.max(np.abs(np.asarray(paged(*pargs)) - ref)))
