@@ -30,7 +30,8 @@ BUILTIN_PROMPTS = [
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("prompts", nargs="*", help="prompts (default: --prompts-file, stdin, or built-in prompts)")
+    ap.add_argument("prompts", nargs="*", help="prompts (default: --prompts-file, else lines piped on "
+                    "stdin, else six built-in chat prompts)")
     ap.add_argument("--prompts-file", help="one prompt per line, or JSONL objects with a 'prompt' key "
                     "and optional per-request max_new_tokens/temperature/top_k/top_p/seed/stop/greedy")
     ap.add_argument("--model", default="smollm2-135m", help="model preset (default: smollm2-135m; "
@@ -39,7 +40,7 @@ def parse_args(argv=None):
                     "(always on for the built-in prompts)")
     ap.add_argument("--system", default=None, help="system prompt for --chat")
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--temperature", type=float, default=0.2, help="0.2 is what SmolLM2's authors suggest")
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0, help="request i samples with seed + i")
@@ -65,10 +66,12 @@ def read_prompts(args):
     if args.prompts_file:
         with open(args.prompts_file, encoding="utf-8") as f:
             lines = f.read().splitlines()
-    elif not sys.stdin.isatty():
-        lines = sys.stdin.read().splitlines()
     else:
-        return [(p, {}) for p in BUILTIN_PROMPTS], True
+        # Piped prompts if there are any; an empty or closed stdin (CI, cron, `< /dev/null`) and an
+        # interactive terminal both mean "no prompts given": use the built-in ones.
+        lines = [] if sys.stdin is None or sys.stdin.isatty() else sys.stdin.read().splitlines()
+        if not any(line.strip() for line in lines):
+            return [(p, {}) for p in BUILTIN_PROMPTS], True
     out = []
     for n, line in enumerate(lines, 1):
         if not line.strip():

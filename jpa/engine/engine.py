@@ -240,6 +240,7 @@ class LLMEngine:
                 self.waiting.appendleft(req)
             raise RuntimeError("internal error: prefill could not reserve pages the host counted as free")
         self.free_pages = free
+        self.stats.peak_pages_used = max(self.stats.peak_pages_used, self.num_pages - free)
         self.stats.prefill_tokens += sum(len(t) for t in tok_rows)
         for (slot, req, _), t, d in zip(batch, tok, done):
             if req.output_ids:  # resumed after preemption: the pending token is already recorded
