@@ -1,7 +1,8 @@
 """paged_decode (impl="xla") against an independent float64 NumPy reference.
 
-The NumPy reference gathers each sequence's tokens through its block table and runs a dense
-softmax, so it shares no code with the online-softmax implementation under test.
+The NumPy reference (`kernel_cases.np_reference`, shared with the kernel tests) gathers each
+sequence's tokens through its block table and runs a dense softmax, so it shares no code with
+the online-softmax implementation under test.
 """
 
 
@@ -13,48 +14,13 @@ import pytest
 
 import jpa
 from jpa.quant import is_quantized, quantize
+from kernel_cases import np_reference
 
 # Tolerances on outputs of O(1) magnitude (q, k, v ~ N(0, 1)), per q/cache dtype.
 #   f32: only summation order differs from float64.
 #   f16/bf16: q and K/V are rounded to the storage dtype before the reference sees them, so what
 #   remains is f32 accumulation plus the final cast of the output to q's dtype (8/11-bit mantissa).
 TOL = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
-
-
-def np_reference(q, k_pages, v_pages, block_tables, seq_lens, *, scale=None, soft_cap=None,
-                 alibi_slopes=None, sliding_window=None, k_scales=None, v_scales=None):
-    """float64 dense attention over each sequence's gathered tokens."""
-    q = np.asarray(q, np.float64)
-    k_pages = np.asarray(k_pages.astype(jnp.float32), np.float64)
-    v_pages = np.asarray(v_pages.astype(jnp.float32), np.float64)
-    if k_scales is not None:
-        k_pages = k_pages * np.asarray(k_scales, np.float64)[..., None]
-        v_pages = v_pages * np.asarray(v_scales, np.float64)[..., None]
-    num_seqs, num_q_heads, head_dim = q.shape
-    num_kv_heads, _, page_size, _ = k_pages.shape
-    group = num_q_heads // num_kv_heads
-    scale = head_dim ** -0.5 if scale is None else scale
-    out = np.zeros_like(q)
-    for b in range(num_seqs):
-        n = int(seq_lens[b])
-        if n == 0:
-            continue
-        pos = np.arange(n)
-        pages = np.asarray(block_tables)[b, pos // page_size]
-        keys = k_pages[:, pages, pos % page_size]  # [K, n, H]
-        vals = v_pages[:, pages, pos % page_size]
-        for h in range(num_q_heads):
-            kh = h // group
-            s = keys[kh] @ q[b, h] * scale
-            if soft_cap is not None:
-                s = soft_cap * np.tanh(s / soft_cap)
-            if alibi_slopes is not None:
-                s = s + float(alibi_slopes[h]) * (pos - n + 1)
-            if sliding_window is not None:
-                s = np.where(pos >= n - sliding_window, s, -np.inf)
-            p = np.exp(s - s.max())
-            out[b, h] = (p / p.sum()) @ vals[kh]
-    return out
 
 
 def make_case(rng, *, num_seqs, num_kv_heads, q_per_kv, head_dim, page_size, pages_per_seq,
