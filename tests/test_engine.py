@@ -88,7 +88,7 @@ def test_sampling_follows_the_distribution():
     draw = lambda t, k, p: np.asarray(sample(
         jnp.asarray(np.tile(logits, (n, 1))), jnp.full((n,), t, jnp.float32), jnp.full((n,), k, jnp.int32),
         jnp.full((n,), p, jnp.float32), jnp.arange(n, dtype=jnp.int32), jnp.zeros((n,), jnp.int32)))
-    for t, k, p in ((1.0, 0, 1.0), (0.5, 3, 1.0), (1.0, 0, 0.7)):
+    for t, k, p in ((1.0, 0, 1.0), (0.5, 3, 1.0), (1.0, 0, 0.7), (2.0, 20, 1.0), (1.0, 5, 0.8)):
         probs = np.exp(logits / t - np.max(logits / t)); probs /= probs.sum()
         order = np.argsort(-probs)
         keep = np.zeros(8, bool)

@@ -51,6 +51,25 @@ class SamplingParams:
         return self.greedy or self.temperature == 0
 
 
+def _order_key(x):
+    """f32 -> u32 keys with the same order (IEEE trick: flip negatives, set the sign bit of positives)."""
+    u = lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(u >> 31 == 1, ~u, u | jnp.uint32(0x80000000))
+
+
+def _bisect(pred, num_rows):
+    """Per row, the smallest u32 t with pred(t) True; pred must be monotone (False..., True...)."""
+    def step(_, lohi):
+        lo, hi = lohi
+        mid = lo + (hi - lo) // 2
+        ok = pred(mid)
+        return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+
+    lo = jnp.zeros((num_rows,), jnp.uint32)
+    hi = jnp.full((num_rows,), 0xFFFFFFFF, jnp.uint32)
+    return lax.fori_loop(0, 32, step, (lo, hi))[1]
+
+
 def sample(logits, temperature, top_k, top_p, seeds, counters):
     """Picks one token per row.
 
@@ -71,17 +90,22 @@ def sample(logits, temperature, top_k, top_p, seeds, counters):
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
 
     def filtered(x):
-        # One descending sort serves both filters; skipped entirely when no row asks for them.
-        order = jnp.argsort(-x, axis=-1)
-        sorted_x = jnp.take_along_axis(x, order, axis=-1)
-        rank = jnp.arange(vocab)[None, :]
-        keep = jnp.where(top_k[:, None] > 0, rank < top_k[:, None], True)
-        probs = jax.nn.softmax(jnp.where(keep, sorted_x, -jnp.inf), axis=-1)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        before = jnp.cumsum(probs, axis=-1) - probs
-        keep = keep & (before < top_p[:, None])
-        sorted_x = jnp.where(keep, sorted_x, -jnp.inf)
-        return jnp.full_like(x, -jnp.inf).at[jnp.arange(x.shape[0])[:, None], order].set(sorted_x)
+        # Both filters are thresholds found by bisection on order-preserving integer keys of the
+        # values (32 exact steps, O(vocab) each), not a sort of the vocabulary: on a CPU a
+        # per-row sort of 49k logits costs more than the whole model step.
+        key = _order_key(x)  # u32[B, V]
+        # top-k: keep values >= the k-th largest (ties with it are kept too).
+        t_k = _bisect(lambda t: jnp.sum(key >= t[:, None], axis=-1) < top_k, x.shape[0])
+        t_k = jnp.where(t_k > 0, t_k - 1, 0)  # top_k >= vocab keeps everything (no wrap-around)
+        keep = jnp.where(top_k[:, None] > 0, key >= t_k[:, None], True)
+        probs = jax.nn.softmax(jnp.where(keep, x, -jnp.inf), axis=-1)
+        # top-p: keep a token when the mass of the tokens above it is < top_p (the smallest set
+        # of top tokens reaching top_p; the most likely token always stays).
+        pkey = _order_key(probs)
+        t_p = _bisect(lambda t: jnp.sum(jnp.where(pkey > t[:, None], probs, 0.0), axis=-1) < top_p,
+                      x.shape[0])
+        keep = keep & jnp.where(top_p[:, None] < 1.0, pkey >= t_p[:, None], True)
+        return jnp.where(keep, x, -jnp.inf)
 
     needs_filter = jnp.any((top_k > 0) | (top_p < 1.0))
     scaled = lax.cond(needs_filter, filtered, lambda x: x, scaled)
