@@ -30,9 +30,7 @@ jpa/reference.py without editing it (each is checked against dense too):
 import argparse
 import functools
 import itertools
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -45,15 +43,12 @@ from jax import lax
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jpa  # noqa: E402
 from jpa.reference import MASK_VALUE, chunk_pages, paged_decode_xla  # noqa: E402
+from benchutil import machine, write_json  # noqa: E402
 
 TARGET = 1.3
 NUM_Q_HEADS, NUM_KV_HEADS = 8, 2
 
 
-def machine() -> dict:
-    d = jax.devices()[0]
-    return dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
-                cpu_count=os.cpu_count(), jax_version=jax.__version__, device=f"{d.platform}:{d.device_kind}")
 
 
 @functools.partial(jax.jit, static_argnames=("scale",))
@@ -261,10 +256,7 @@ def main():
                config=dict(vars(args), num_q_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS, dtype="float32"),
                target=TARGET, target_met=met, ratio_geomean=gm, ratio_worst=max(ratios), rows=rows)
     if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=2)
-        print(f"wrote {args.out}")
+        write_json(args.out, out)
 
 
 if __name__ == "__main__":

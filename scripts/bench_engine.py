@@ -41,9 +41,7 @@ of one shape of a whole-model concat step (what a naive single-jit concat would 
 """
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -58,6 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import models  # noqa: E402
 from jpa.engine import EngineConfig, EngineStats, LLMEngine, SamplingParams  # noqa: E402
 from models.gpt import _run  # noqa: E402  (the block loop, for baselines with the same weights)
+from benchutil import machine, write_json  # noqa: E402
 
 TARGETS = {"concat": 2.0, "dense": 1.3}
 
@@ -97,11 +96,6 @@ PROMPTS = [
 ]
 
 
-def machine() -> dict:
-    d = jax.devices()[0]
-    return dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
-                cpu_count=os.cpu_count(), jax_version=jax.__version__,
-                device=f"{d.platform}:{d.device_kind}")
 
 
 def bucket(n: int, minimum: int = 16) -> int:
@@ -642,9 +636,7 @@ def main(argv=None):
                 print(f"  {k}: {v:.2f}")
 
     if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json(args.json, report)
     if args.plot:
         plot(results, args.plot, f"SmolLM2-135M f32, {args.num_requests} requests, batch {args.max_seqs}\n"
                                  f"{mach['cpu_count']} CPUs, jax {mach['jax_version']}")

@@ -20,9 +20,7 @@ model, sampler) with the same shapes.
 """
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -33,14 +31,11 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import models  # noqa: E402
 from jpa.engine import EngineConfig, EngineStats, LLMEngine, SamplingParams  # noqa: E402
+from benchutil import machine, write_json  # noqa: E402
 
 TARGET_RATIO = 1.5
 
 
-def machine() -> dict:
-    d = jax.devices()[0]
-    return dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
-                cpu_count=os.cpu_count(), jax_version=jax.__version__, device=f"{d.platform}:{d.device_kind}")
 
 
 def step_breakdown(model, args, steps=64, reps=5):
@@ -197,10 +192,7 @@ def main():
                config=vars(args), target_ratio=TARGET_RATIO, ratio_k16_over_k1=ratio, target_met=met,
                outputs_identical_across_k=identical, rows=rows, step_breakdown_ms=bd)
     if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=2)
-        print(f"wrote {args.out}")
+        write_json(args.out, out)
     if not identical:
         sys.exit(1)
 

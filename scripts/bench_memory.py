@@ -45,9 +45,7 @@ that of max-length reservation (sharegpt, page size 16; checked for both "fits" 
 
 import argparse
 import collections
-import json
 import os
-import platform
 import sys
 import time
 
@@ -56,6 +54,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jpa import pages  # noqa: E402
+from benchutil import machine, write_json  # noqa: E402
 
 MAX_LEN = 2048
 PAGE_SIZES = (8, 16, 32, 64)
@@ -69,10 +68,6 @@ TARGET_CONC = 3.0
 WATERMARK = 0.01
 
 
-def machine() -> dict:
-    d = jax.devices()[0]
-    return dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
-                cpu_count=os.cpu_count(), jax_version=jax.__version__, device=f"{d.platform}:{d.device_kind}")
 
 
 def _calibrated(z, sigma, mean, hi):
@@ -352,10 +347,7 @@ def main():
                config=dict(vars(args), max_len=MAX_LEN, watermark=WATERMARK), targets=checks,
                results=results)
     if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=2)
-        print(f"wrote {args.out}")
+        write_json(args.out, out)
     if args.plot:
         plot(results, args.plot)
         print(f"wrote {args.plot}")

@@ -11,7 +11,6 @@ max_seqs to show the cost is O(max_seqs + num_pages).
 """
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -22,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jpa import pages
+from benchutil import write_json  # noqa: E402
 
 TARGET_US = 100.0
 TARGET_SEQS = 256
@@ -121,10 +121,7 @@ def main():
                cpu_count=os.cpu_count(), target_us=TARGET_US, target_seqs=TARGET_SEQS,
                target_met=met, append=rows, scaling_num_pages=scaling)
     if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=2)
-        print(f"wrote {args.out}")
+        write_json(args.out, out)
 
 
 if __name__ == "__main__":
