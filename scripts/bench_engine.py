@@ -57,16 +57,11 @@ import models  # noqa: E402
 from jpa.engine import EngineConfig, EngineStats, LLMEngine, SamplingParams  # noqa: E402
 from models.gpt import _run  # noqa: E402  (the block loop, for baselines with the same weights)
 from benchutil import machine, write_json  # noqa: E402
+from generate import BUILTIN_PROMPTS  # noqa: E402  (the main job's prompts come first)
 
 TARGETS = {"concat": 2.0, "dense": 1.3}
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Give me three tips for writing clear code.",
-    "Explain in two sentences why the sky is blue.",
-    "What is 12 times 12?",
-    "Translate 'good morning' into French and Spanish.",
+PROMPTS = BUILTIN_PROMPTS + [
     "Name three rivers in Africa.",
     "Summarize the plot of Romeo and Juliet in one paragraph.",
     "What are the main differences between a list and a tuple in Python? Give an example of each.",
