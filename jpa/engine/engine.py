@@ -310,7 +310,7 @@ class LLMEngine:
         if not self.running:
             return self.finished[n_done:]
         t0, c0 = time.perf_counter(), self.runner.compile_seconds
-        out, ok, free = self.runner.decode()
+        out, ok, free, active = self.runner.decode()
         t1 = time.perf_counter()
         # The first call compiles; compile time is reported on its own, not as decode time.
         # The call's own dispatch is counted as decode time: on a CPU backend JAX may run the
@@ -321,7 +321,6 @@ class LLMEngine:
         self.free_pages = free
         used = self.num_pages - free
         self.stats.peak_pages_used = max(self.stats.peak_pages_used, used)
-        active = np.asarray(self.runner.slots.active)
         stored = 0
         for slot, req in list(self.running.items()):
             new = [int(t) for t in out[:, slot] if t >= 0]

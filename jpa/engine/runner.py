@@ -177,15 +177,16 @@ class ModelRunner:
     def decode(self):
         """Runs up to steps_per_call decode steps.
 
-        Returns (out i32[steps, max_seqs] new tokens (-1 for idle slots), ok, free pages); ok is
-        False when the next step cannot get pages.
+        Returns (out i32[steps, max_seqs] new tokens (-1 for idle slots), ok, free pages,
+        active bool[max_seqs]) in one device->host transfer; ok is False when the next step
+        cannot get pages.
         """
         args = (self.params, self.cache, self.page_state, self.slots)
         if self._decode_exe is None:
             self._decode_exe = self._compile(self._decode_impl, *args)
         self.cache, self.page_state, self.slots, out, steps, ok, free = self._decode_exe(*args)
-        out, steps, ok, free = jax.device_get((out, steps, ok, free))
-        return out[: int(steps)], bool(ok), int(free)
+        out, steps, ok, free, active = jax.device_get((out, steps, ok, free, self.slots.active))
+        return out[: int(steps)], bool(ok), int(free), active
 
     def prefill(self, seq_ids, token_rows, rows: list[RowParams], num_rows: int, width: int):
         """Writes prompts into the cache and fills their slots. Returns (tokens, done, ok, free)."""
