@@ -93,7 +93,9 @@ def test_sampling_follows_the_distribution():
         order = np.argsort(-probs)
         keep = np.zeros(8, bool)
         keep[order[: k or 8]] = True
-        mass_before = np.cumsum(probs[order]) - probs[order]
+        # top-p applies to the distribution left after top-k (renormalized), as in vLLM.
+        after_k = np.where(keep, probs, 0)[order] / probs[keep].sum()
+        mass_before = np.cumsum(after_k) - after_k
         keep[order[mass_before >= p]] = False
         want = np.where(keep, probs, 0); want /= want.sum()
         got = np.bincount(draw(t, k, p), minlength=8) / n
