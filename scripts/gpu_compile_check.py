@@ -35,6 +35,20 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "0")
 os.environ.setdefault("TF_CPP_VMODULE", "subprocess_compilation=3")
 
+
+def _pin_ptxas():
+    """Uses the ptxas of the `gpu` extra (CUDA 12, matching the plugin) even when another CUDA
+    toolkit's ptxas is on PATH, so results do not depend on what the machine happens to have."""
+    import importlib.util
+    spec = importlib.util.find_spec("nvidia.cuda_nvcc")
+    flags = os.environ.get("XLA_FLAGS", "")
+    if spec is not None and spec.submodule_search_locations and "xla_gpu_cuda_data_dir" not in flags:
+        root = list(spec.submodule_search_locations)[0]
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_cuda_data_dir={root}".strip()
+
+
+_pin_ptxas()
+
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
@@ -155,6 +169,7 @@ class Compiler:
         from jax.experimental import topologies
         t = TARGETS[target]
         self.target = target
+        self.ptxas = None  # version and path, once XLA reports it
         topo = topologies.get_topology_desc("jpa", "cuda", target_config=target_config(target),
                                             topology="1x1x1")
         self.device = topo.devices[0]
@@ -189,6 +204,9 @@ class Compiler:
                 return rec
             kernels = parse_thunks(pathlib.Path(dump))
         ptx = parse_ptxas(log[0])
+        m = re.search(r"Using (\S*ptxas) with version ([\d.]+)", log[0])
+        if m:
+            self.ptxas = f"{m.group(2)} ({m.group(1)})"
         for kname, info in kernels.items():
             info.update(ptx.get(kname, {}))
         hlo = compiled.as_text()
@@ -332,6 +350,9 @@ def check_kernels(compiler: Compiler, impls, subset: str, log=print) -> list:
                 q_item = np.dtype(jnp.dtype(cfg.q_dtype)).itemsize
                 c_item = np.dtype(jnp.dtype(cfg.cache_dtype)).itemsize
                 rec["mosaic_smem_planned"] = mosaic_decode.smem_bytes(cfg.head_dim, cfg.page_size, q_item, c_item)
+                # Before the register-accumulator path (p through SMEM, as interpret mode still runs).
+                rec["mosaic_smem_interpret_path"] = mosaic_decode.smem_bytes(
+                    cfg.head_dim, cfg.page_size, q_item, c_item, register_acc=False)
             records.append(rec)
             log(_line(rec))
     return records
@@ -429,7 +450,7 @@ def main(argv=None) -> int:
     failed = [r for r in records if not r["ok"]]
     compiled = [r for r in records if "refused" not in r]
     summary = dict(target=args.target, device_kind=TARGETS[args.target]["kind"], subset=args.subset,
-                   jax=jax.__version__, records=len(records), compiled=len(compiled),
+                   jax=jax.__version__, ptxas=compiler.ptxas, records=len(records), compiled=len(compiled),
                    refused=len(records) - len(compiled), failed=len(failed),
                    seconds=round(time.perf_counter() - t0, 1))
     print(f"\n{args.target}: {summary['compiled']} compiled, {summary['refused']} refused by "
