@@ -14,7 +14,8 @@ PROMPTS = ["The paged cache", "hello", "a much longer prompt that spans several 
 
 @pytest.fixture(scope="module")
 def tiny():
-    return models.load("tiny-llama", seed=1)
+    model, tok = models.load("tiny-llama", seed=1)
+    return models.GPTForEngine(model), tok
 
 
 def engine(tiny, tokenizer=None, **kw):
