@@ -184,6 +184,21 @@ def test_preemption_never_empties_the_running_set():
     assert list(sched.running.values()) == [a] and pool.free() == 1
 
 
+def test_admission_after_a_preemption_and_an_abort_of_the_rest():
+    """Found by the randomized test: the pause after a preemption left an idle engine idle."""
+    sched, pool = make(num_pages=2, page_size=4, max_seqs=2, steps=1)
+    a, b = req(3), req(3)
+    sched.add(a)
+    sched.add(b)
+    admit(sched, pool)
+    decode(sched, pool, {0: [97], 1: [97]})
+    assert end_round(sched, pool) == ([1], [b])
+    assert sched.abort(a.request_id) is a                 # between steps
+    pool.lens[sched.take_releases()[0]] = 0
+    pool.report(sched)
+    assert admit(sched, pool) == [b]
+
+
 def test_stop_and_exhaustion_in_the_same_round():
     """The issue's crash: a stop string frees pages in the round the pool ran out."""
     sched, pool = make(num_pages=4, page_size=4, max_seqs=2, steps=2)

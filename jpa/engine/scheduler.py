@@ -154,7 +154,8 @@ class Scheduler:
         """Chooses waiting requests to admit now (and pops them from the queue), or None."""
         if self._preempted_last_round:
             self._preempted_last_round = False
-            return None
+            if self.running:  # (if an abort emptied the running set, there is nothing to wait for)
+                return None
         free_slots = [s for s in range(self.max_seqs) if s not in self.running]
         free = self.free_pages - self.headroom()
         chosen, width = [], 0
