@@ -49,10 +49,16 @@ class IncrementalDetokenizer:
         self._prefix_text = self._decode(self._window)
         return delta
 
-    def _find_stop(self, text: str, searched: int) -> int | None:
-        """Earliest start of a stop string in text that ends after position `searched`."""
-        cuts = [c for s in self.stop if (c := text.find(s, max(0, searched - len(s) + 1))) >= 0]
-        return min(cuts) if cuts else None
+    def _find_stop(self, new_text: str) -> int | None:
+        """Earliest start (in self.text + new_text) of a stop string that ends inside new_text.
+
+        Only the last (longest stop - 1) chars of self.text are searched with it: O(new text).
+        """
+        base = max(0, len(self.text) - self._hold)
+        window = self.text[base:] + new_text
+        searched = len(self.text) - base
+        cuts = [c for s in self.stop if (c := window.find(s, max(0, searched - len(s) + 1))) >= 0]
+        return base + min(cuts) if cuts else None
 
     def add(self, new_ids, *, final: bool = False) -> int:
         """Feeds the next tokens (one update per engine round).
@@ -72,19 +78,17 @@ class IncrementalDetokenizer:
             self.text += self._advance(new_ids, final)
             return len(new_ids)
         saved = (list(self._window), self._read, self._prefix_text)
-        searched = len(self.text)
         delta = self._advance(new_ids, final)
-        cut = self._find_stop(self.text + delta, searched)
+        cut = self._find_stop(delta)
         if cut is None:
             self.text += delta
             return len(new_ids)
         # Rare (once per request): replay token by token to find the token that completed it.
         self._window, self._read, self._prefix_text = saved
-        text = self.text
-        kept = len(new_ids)
+        partial, kept = "", len(new_ids)
         for i, t in enumerate(new_ids):
-            text += self._advance([t], final and i == len(new_ids) - 1)
-            if self._find_stop(text, searched) is not None:
+            partial += self._advance([t], final and i == len(new_ids) - 1)
+            if self._find_stop(partial) is not None:
                 kept = i + 1
                 break
         self.text, self.stopped = (self.text + delta)[:cut], True
