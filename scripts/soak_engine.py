@@ -22,7 +22,6 @@ tests/test_engine_random.py runs the same driver at CI size.
 """
 
 import argparse
-import dataclasses
 import json
 import math
 import pathlib

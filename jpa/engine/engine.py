@@ -13,7 +13,6 @@ A long-lived engine (a server) keeps nothing of a finished request: step() hands
 once, in the round it finishes, and the statistics are running sums.
 """
 
-import collections
 import dataclasses
 import itertools
 import sys
