@@ -259,3 +259,76 @@ def test_engine_does_not_import_models():
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(n == "models" or n.startswith("models.") for n in names), path
+
+
+def test_sampled_logprobs_are_those_of_the_sampling_distribution():
+    """sample_with_logprobs: log p(token) under softmax(logits / T) restricted by top-k/top-p; a
+    greedy row reports the model's own log_softmax(logits)."""
+    import jax.numpy as jnp
+    from jpa.engine.sampling import sample_with_logprobs
+
+    rng = np.random.default_rng()
+    rows = [(1.0, 0, 1.0), (0.5, 3, 1.0), (1.0, 0, 0.7), (2.0, 20, 1.0), (1.0, 5, 0.8), (0.0, 0, 1.0), (0.0, 4, 0.5)]
+    n, vocab = len(rows), 32
+    logits = (rng.standard_normal((n, vocab)) * 2).astype(np.float32)
+    t, k, p = (np.array(c) for c in zip(*rows))
+    tok, lp = sample_with_logprobs(jnp.asarray(logits), jnp.asarray(t, jnp.float32), jnp.asarray(k, jnp.int32),
+                                   jnp.asarray(p, jnp.float32), jnp.asarray(rng.integers(0, 2 ** 31, n), jnp.int32),
+                                   jnp.zeros((n,), jnp.int32))
+    tok, lp = np.asarray(tok), np.asarray(lp)
+    for r, (ti, ki, pi) in enumerate(rows):
+        x = logits[r].astype(np.float64)
+        if ti == 0:
+            want = x - np.log(np.sum(np.exp(x - x.max()))) - x.max()
+            assert tok[r] == np.argmax(x)
+        else:
+            probs = np.exp(x / ti - np.max(x / ti)); probs /= probs.sum()
+            order = np.argsort(-probs)
+            keep = np.zeros(vocab, bool)
+            keep[order[: ki or vocab]] = True
+            after_k = np.where(keep, probs, 0)[order] / probs[keep].sum()
+            keep[order[(np.cumsum(after_k) - after_k) >= pi]] = False
+            kept = np.where(keep, probs, 0) / probs[keep].sum()
+            assert keep[tok[r]], (r, tok[r])
+            want = np.log(kept)
+        np.testing.assert_allclose(lp[r], want[tok[r]], rtol=1e-5, atol=1e-5, err_msg=str(rows[r]))
+
+
+def test_engine_logprobs_match_the_dense_model(tiny):
+    """Greedy logprobs from the engine (prefill's first token, then decode steps, under preemption
+    too) equal log_softmax of the dense model's logits at each position; the streamed pieces add
+    up to the final list, one per token."""
+    import jax
+    import jax.numpy as jnp
+
+    gpt = models.load("tiny-llama", seed=1)[0]  # the same weights as the `tiny` fixture's
+    params = SamplingParams(max_new_tokens=12, greedy=True, ignore_eos=True)
+    for kw in ({}, {"num_pages": 6, "watermark": 0.0}):
+        eng = engine(tiny, **kw)
+        reqs = [eng.add_request(p, params) for p in PROMPTS[:4]]
+        streamed = {r.request_id: [] for r in reqs}
+        final = {}
+        while eng.has_unfinished:
+            for o in eng.step():
+                assert len(o.new_logprobs) == len(o.new_token_ids)
+                streamed[o.request_id] += o.new_logprobs
+                if o.finished:
+                    final[o.request_id] = o.output
+        for r in reqs:
+            out = final[r.request_id]
+            assert list(out.logprobs) == streamed[r.request_id] and len(out.logprobs) == len(out.token_ids)
+            seq = list(out.prompt_ids) + list(out.token_ids)
+            dense = np.asarray(jax.nn.log_softmax(models.forward_dense(gpt, jnp.asarray([seq[:-1]]))[0], -1))
+            n = len(out.prompt_ids)
+            want = [dense[n - 1 + i, t] for i, t in enumerate(out.token_ids)]
+            np.testing.assert_allclose(out.logprobs, want, rtol=1e-4, atol=1e-4)
+            assert all(lp <= 0 for lp in out.logprobs)
+        if kw:
+            assert eng.stats.preemptions > 0
+
+
+def test_stop_string_cut_keeps_one_logprob_per_token(tiny, alone):
+    text = tiny[1].decode(alone[1])
+    stop = text[6:8]
+    out = engine(tiny).generate([PROMPTS[1]], SamplingParams(max_new_tokens=40, greedy=True, stop=(stop,)))[0]
+    assert out.finish_reason == "stop" and len(out.logprobs) == len(out.token_ids) < 40

@@ -242,7 +242,7 @@ class LLMEngine:
                                   ignore_eos=p.ignore_eos, num_generated=len(req.output_ids),
                                   resume_token=req.output_ids[-1] if req.output_ids else -1))
         t0, c0 = time.perf_counter(), self.runner.compile_seconds
-        tok, done, ok, free, lens = self.runner.prefill(list(batch.slots), [list(t) for t in batch.tokens],
+        tok, lp, done, ok, free, lens = self.runner.prefill(list(batch.slots), [list(t) for t in batch.tokens],
                                                         rows, batch.num_rows, batch.width)
         self.stats.prefill_seconds += time.perf_counter() - t0 - (self.runner.compile_seconds - c0)
         if not ok:
@@ -256,11 +256,11 @@ class LLMEngine:
         self.scheduler.set_pages(free, lens)
         self.stats.peak_pages_used = max(self.stats.peak_pages_used, self.num_pages - free)
         self.stats.prefill_tokens += sum(len(t) for t in batch.tokens)
-        return self.scheduler.admitted(batch, tok, done)
+        return self.scheduler.admitted(batch, tok, done, lp)
 
     def _decode(self) -> tuple[list[Progress], float]:
         t0, c0 = time.perf_counter(), self.runner.compile_seconds
-        out, free, lens, active = self.runner.decode()
+        out, lp, free, lens, active = self.runner.decode()
         t1 = time.perf_counter()
         # The first call compiles; compile time is reported on its own, not as decode time.
         # The call's own dispatch is counted as decode time: on a CPU backend JAX may run the
@@ -276,7 +276,8 @@ class LLMEngine:
             self.stats.util_sum += int(np.sum(lens)) / (used * self.config.page_size)
             self.stats.util_count += 1
         per_slot = [out[:, s][out[:, s] >= 0] for s in range(self.config.max_seqs)]
-        return self.scheduler.decoded(per_slot, active), t1
+        lp_per_slot = [lp[:, s][out[:, s] >= 0] for s in range(self.config.max_seqs)]
+        return self.scheduler.decoded(per_slot, active, lp_per_slot), t1
 
     # ------------------------------------------------------------------ the loop
 
@@ -310,7 +311,7 @@ class LLMEngine:
             text = req.detokenizer.take_delta(ev.finished)
             if ev.new_token_ids or text or ev.finished:
                 outputs.append(StepOutput(req.request_id, ev.new_token_ids, text, ev.finished,
-                                          req.to_output() if ev.finished else None))
+                                          req.to_output() if ev.finished else None, ev.new_logprobs))
         for o in outputs:
             if o.finished:
                 self._live_ids.discard(o.request_id)

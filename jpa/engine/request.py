@@ -22,6 +22,7 @@ class Request:
     params: SamplingParams
     detokenizer: IncrementalDetokenizer | None = None
     output_ids: list[int] = dataclasses.field(default_factory=list)
+    output_logprobs: list[float] = dataclasses.field(default_factory=list)  # one per output id
     status: Status = Status.WAITING
     finish_reason: str | None = None   # "stop" (EOS or stop string), "length", "abort" or "error"
     error: str | None = None
@@ -41,7 +42,8 @@ class Request:
 
     def to_output(self) -> "RequestOutput":
         return RequestOutput(self.request_id, self.prompt, self.text, tuple(self.prompt_ids),
-                             tuple(self.output_ids), self.finish_reason, self.error, self.num_preemptions)
+                             tuple(self.output_ids), self.finish_reason, self.error, self.num_preemptions,
+                             tuple(self.output_logprobs))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +57,7 @@ class RequestOutput:
     finish_reason: str
     error: str | None = None
     num_preemptions: int = 0
+    logprobs: tuple[float, ...] = ()   # of each token id, under the distribution it was sampled from
 
     def to_json(self) -> dict:
         return {"request_id": self.request_id, "prompt": self.prompt, "completion": self.completion,
@@ -76,9 +79,11 @@ class StepOutput:
         the final completion.
       finished: the request is done; `output` holds its result and it will not appear again.
       output: the RequestOutput when finished, else None.
+      new_logprobs: log-probability of each of new_token_ids (see `sampling.sample_with_logprobs`).
     """
     request_id: object
     new_token_ids: tuple[int, ...]
     new_text: str
     finished: bool
     output: RequestOutput | None = None
+    new_logprobs: tuple[float, ...] = ()

@@ -27,7 +27,7 @@ from jax import lax
 from jpa import pages
 from jpa.cache import CacheConfig, KVCache
 from jpa.engine.model import EngineModel, check_model
-from jpa.engine.sampling import sample
+from jpa.engine.sampling import sample_with_logprobs
 
 
 @flax.struct.dataclass
@@ -102,10 +102,11 @@ class ModelRunner:
         safe = jnp.where(seq_ids >= 0, seq_ids, 0)
         tables = page_state.block_tables[safe]  # i32[A, pages_per_seq]
         logits, cache = self.model.prefill(params, cache, tokens, jnp.zeros_like(lens), lens, slot_mapping, tables)
-        sampled = sample(logits, rows["temperature"], rows["top_k"], rows["top_p"], rows["seed"],
+        sampled, sampled_lp = sample_with_logprobs(logits, rows["temperature"], rows["top_k"], rows["top_p"], rows["seed"],
                          rows["num_generated"])
         fresh = rows["resume_token"] < 0
         tok = jnp.where(fresh, sampled, rows["resume_token"])  # i32[A]
+        lp = jnp.where(fresh, sampled_lp, jnp.nan)  # f32[A]; a resumed token's was recorded before
         n_gen = rows["num_generated"] + fresh.astype(jnp.int32)
         live = (seq_ids >= 0) & ok
         idx = jnp.where(live, seq_ids, self.max_seqs)  # rows that are padding are dropped
@@ -120,7 +121,7 @@ class ModelRunner:
         done = live & fresh & _finished(row_slots, tok, lens, self.stop_ids)
         slots = slots.replace(active=put(slots.active, live & ~done))
         page_state = pages.release(page_state, jnp.where(done, seq_ids, -1))
-        return cache, page_state, slots, tok, done, ok, pages.num_free_pages(page_state), page_state.seq_lens
+        return cache, page_state, slots, tok, lp, done, ok, pages.num_free_pages(page_state), page_state.seq_lens
 
     def _decode_impl(self, params, cache, page_state, slots):
         self.decode_traces += 1
@@ -134,35 +135,38 @@ class ModelRunner:
         # copy-on-write pairs are always empty; a forking caller must apply them with
         # jpa.copy_pages before writing.
         def step(carry):
-            i, cache, ps, slots, out, nxt = carry
+            i, cache, ps, slots, out, out_lp, nxt = carry
             ps, slot_mapping, _ = nxt
             seq_lens = jnp.where(slots.active, ps.seq_lens, 0)
             logits, cache = self.model.decode(params, cache, slots.tokens, seq_lens, slot_mapping, ps.block_tables)
-            tok = sample(logits, slots.temperature, slots.top_k, slots.top_p, slots.seed,
+            tok, lp = sample_with_logprobs(logits, slots.temperature, slots.top_k, slots.top_p, slots.seed,
                          slots.num_generated)
             act = slots.active
             slots = slots.replace(num_generated=slots.num_generated + act.astype(jnp.int32),
                                   tokens=jnp.where(act, tok, slots.tokens))
             done = act & _finished(slots, tok, seq_lens, self.stop_ids)
             out = out.at[i].set(jnp.where(act, tok, -1))
+            out_lp = out_lp.at[i].set(lp)
             ps = pages.release(ps, jnp.where(done, jnp.arange(num_seqs, dtype=jnp.int32), -1))
             slots = slots.replace(active=act & ~done)
-            return i + 1, cache, ps, slots, out, _lookahead(ps, slots)
+            return i + 1, cache, ps, slots, out, out_lp, _lookahead(ps, slots)
 
         def _lookahead(ps, slots):
             new_ps, slot_mapping, ok, _cow = pages.append(ps, slots.active)
             return new_ps, slot_mapping, ok
 
         def cond(carry):
-            i, _, _, slots, _, nxt = carry
+            i, _, _, slots, _, _, nxt = carry
             return (i < k) & nxt[2] & jnp.any(slots.active)
 
         out = jnp.full((k, num_seqs), -1, jnp.int32)
-        init = (jnp.int32(0), cache, page_state, slots, out, _lookahead(page_state, slots))
-        steps, cache, page_state, slots, out, _ = lax.while_loop(cond, step, init)
+        out_lp = jnp.zeros((k, num_seqs), jnp.float32)
+        init = (jnp.int32(0), cache, page_state, slots, out, out_lp, _lookahead(page_state, slots))
+        steps, cache, page_state, slots, out, out_lp, _ = lax.while_loop(cond, step, init)
         # When the loop stopped because the next step cannot get pages, the host sees it from the
         # page counts read back below and preempts.
-        return cache, page_state, slots, out, steps, pages.num_free_pages(page_state), page_state.seq_lens
+        return (cache, page_state, slots, out, out_lp, steps, pages.num_free_pages(page_state),
+                page_state.seq_lens)
 
     @staticmethod
     def _retire_impl(page_state, slots, seq_ids):
@@ -181,21 +185,23 @@ class ModelRunner:
     def decode(self):
         """Runs up to steps_per_call decode steps.
 
-        Returns (out i32[steps, max_seqs] new tokens (-1 for idle slots), free pages,
-        seq_lens i32[max_seqs], active bool[max_seqs]) in one device->host transfer.
+        Returns (out i32[steps, max_seqs] new tokens (-1 for idle slots), logprobs f32[steps,
+        max_seqs] of those tokens, free pages, seq_lens i32[max_seqs], active bool[max_seqs]) in one
+        device->host transfer.
         """
         args = (self.params, self.cache, self.page_state, self.slots)
         if self._decode_exe is None:
             self._decode_exe = self._compile(self._decode_impl, *args)
-        self.cache, self.page_state, self.slots, out, steps, free, lens = self._decode_exe(*args)
-        out, steps, free, lens, active = jax.device_get((out, steps, free, lens, self.slots.active))
-        return out[: int(steps)], int(free), lens, active
+        self.cache, self.page_state, self.slots, out, lp, steps, free, lens = self._decode_exe(*args)
+        out, lp, steps, free, lens, active = jax.device_get((out, lp, steps, free, lens, self.slots.active))
+        return out[: int(steps)], lp[: int(steps)], int(free), lens, active
 
     def prefill(self, seq_ids, token_rows, rows: list[RowParams], num_rows: int, width: int):
         """Writes prompts into the cache and fills their slots.
 
-        Returns (tokens i32[n], done bool[n], ok, free pages, seq_lens i32[max_seqs]); when ok is
-        False (the pool could not hold the prompts) nothing changed on the device.
+        Returns (tokens i32[n], logprobs f32[n] (NaN for a resumed request's pending token), done
+        bool[n], ok, free pages, seq_lens i32[max_seqs]); when ok is False (the pool could not hold
+        the prompts) nothing changed on the device.
         """
         n = len(seq_ids)
         tokens = np.zeros((num_rows, width), np.int32)
@@ -217,9 +223,9 @@ class ModelRunner:
         key = (num_rows, width)
         if key not in self._prefill_exe:
             self._prefill_exe[key] = self._compile(self._prefill_impl, *args)
-        self.cache, self.page_state, self.slots, tok, done, ok, free, lens = self._prefill_exe[key](*args)
-        tok, done, ok, free, lens = jax.device_get((tok, done, ok, free, lens))
-        return tok[:n], done[:n], bool(ok), int(free), lens
+        self.cache, self.page_state, self.slots, tok, lp, done, ok, free, lens = self._prefill_exe[key](*args)
+        tok, lp, done, ok, free, lens = jax.device_get((tok, lp, done, ok, free, lens))
+        return tok[:n], lp[:n], done[:n], bool(ok), int(free), lens
 
     def retire(self, seq_ids):
         """Releases slots (finished on the host, aborted or preempted).

@@ -71,7 +71,17 @@ def _bisect(pred, num_rows):
 
 
 def sample(logits, temperature, top_k, top_p, seeds, counters):
-    """Picks one token per row.
+    """Picks one token per row (`sample_with_logprobs` without the log-probabilities)."""
+    return sample_with_logprobs(logits, temperature, top_k, top_p, seeds, counters)[0]
+
+
+def sample_with_logprobs(logits, temperature, top_k, top_p, seeds, counters):
+    """Picks one token per row and returns its log-probability.
+
+    The log-probability is taken under the distribution the token was drawn from:
+    softmax(logits / temperature) restricted by top-k/top-p. A greedy row has no such
+    distribution (it is a point mass), so its token's log-probability is the model's own,
+    log_softmax(logits) (temperature 1, no filter), as OpenAI and vLLM report for greedy decoding.
 
     Args:
       logits: f32[num_seqs, vocab].
@@ -82,7 +92,7 @@ def sample(logits, temperature, top_k, top_p, seeds, counters):
       counters: i32[num_seqs] index of the token being sampled within its request.
 
     Returns:
-      i32[num_seqs] token ids.
+      (i32[num_seqs] token ids, f32[num_seqs] their log-probabilities).
     """
     logits = logits.astype(jnp.float32)
     greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -117,4 +127,7 @@ def sample(logits, temperature, top_k, top_p, seeds, counters):
     # Drawing noise for a whole vocabulary costs as much as the LM head on a CPU: skip it when
     # every row is greedy.
     drawn = lax.cond(jnp.any(temperature > 0), draw, lambda x: greedy_tok, scaled)
-    return jnp.where(temperature > 0, drawn, greedy_tok)
+    tok = jnp.where(temperature > 0, drawn, greedy_tok)  # i32[B]
+    dist = jnp.where((temperature > 0)[:, None], scaled, logits)  # f32[B, V]; -inf = filtered out
+    picked = jnp.take_along_axis(dist, tok[:, None], axis=-1)[:, 0]
+    return tok, picked - jax.nn.logsumexp(dist, axis=-1)

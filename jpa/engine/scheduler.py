@@ -55,6 +55,7 @@ class Progress:
     request: Request
     new_token_ids: tuple[int, ...]
     finished: bool
+    new_logprobs: tuple[float, ...] = ()   # one per new token
 
 
 def bucket(n: int, minimum: int) -> int:
@@ -183,40 +184,49 @@ class Scheduler:
         for req in reversed(batch.requests):
             self.waiting.appendleft(req)
 
-    def admitted(self, batch: PrefillBatch, first_tokens, done) -> list[Progress]:
-        """Records a prefill: each row's first (or, when resumed, pending) token and device finish."""
+    def admitted(self, batch: PrefillBatch, first_tokens, done, logprobs=None) -> list[Progress]:
+        """Records a prefill: each row's first (or, when resumed, pending) token, device finish
+        and (optionally) the first token's log-probability."""
         events = []
-        for slot, req, t, d in zip(batch.slots, batch.requests, first_tokens, done):
+        logprobs = [math.nan] * len(batch.slots) if logprobs is None else logprobs
+        for slot, req, t, d, lp in zip(batch.slots, batch.requests, first_tokens, done, logprobs):
             new = []
             if not req.output_ids:   # a resumed request's pending token is already recorded
                 new = [int(t)]
             self._admissions += 1
             req.status, req.slot, req.admitted_at = Status.RUNNING, slot, self._admissions
             self.running[slot] = req
-            events.append(self._on_tokens(slot, new, device_done=bool(d)))
+            events.append(self._on_tokens(slot, new, [float(lp)] * len(new), device_done=bool(d)))
         return events
 
     # ------------------------------------------------------------------ decoding and stops
 
-    def decoded(self, tokens_per_slot, active) -> list[Progress]:
+    def decoded(self, tokens_per_slot, active, logprobs_per_slot=None) -> list[Progress]:
         """Records a decode call: tokens_per_slot[slot] = the slot's new tokens, active[slot] =
-        whether the device is still decoding it (False: finished and released on the device)."""
-        return [self._on_tokens(slot, [int(t) for t in tokens_per_slot[slot]], device_done=not active[slot])
+        whether the device is still decoding it (False: finished and released on the device),
+        logprobs_per_slot[slot] = their log-probabilities (optional)."""
+        def lps(slot):
+            n = len(tokens_per_slot[slot])
+            return [math.nan] * n if logprobs_per_slot is None else [float(x) for x in logprobs_per_slot[slot]]
+        return [self._on_tokens(slot, [int(t) for t in tokens_per_slot[slot]], lps(slot),
+                                device_done=not active[slot])
                 for slot in list(self.running)]
 
     def _device_reason(self, req: Request) -> str:
         last = req.output_ids[-1]
         return "stop" if last in self.stop_ids and not req.params.ignore_eos else "length"
 
-    def _on_tokens(self, slot: int, new: list[int], *, device_done: bool) -> Progress:
+    def _on_tokens(self, slot: int, new: list[int], new_logprobs: list[float], *, device_done: bool) -> Progress:
         req = self.running[slot]
         n_before = len(req.output_ids)
         req.output_ids.extend(new)
+        req.output_logprobs.extend(new_logprobs)
         eos_last = device_done and self._device_reason(req) == "stop"
         text_ids = new[:-1] if eos_last and new else new   # an EOS token is not part of the text
         kept = req.detokenizer.add(text_ids, final=device_done)
         if req.detokenizer.stopped:
             del req.output_ids[n_before + kept:]
+            del req.output_logprobs[n_before + kept:]
             del self.running[slot]
             if not device_done:   # the device is still decoding it: its pages must be released
                 self._to_release.append(slot)
@@ -224,7 +234,8 @@ class Scheduler:
         elif device_done:
             del self.running[slot]
             self._finish(req, self._device_reason(req))
-        return Progress(req, tuple(req.output_ids[n_before:]), req.status is Status.FINISHED)
+        return Progress(req, tuple(req.output_ids[n_before:]), req.status is Status.FINISHED,
+                        tuple(req.output_logprobs[n_before:]))
 
     def _finish(self, req: Request, reason: str) -> Request:
         req.status, req.finish_reason, req.slot = Status.FINISHED, reason, -1
