@@ -1,7 +1,7 @@
 """Tokenizers with one interface: SmolLM2's byte-level BPE (from GGUF metadata) and a byte tokenizer.
 
 Both offer `encode(text) -> list[int]`, `decode(ids, skip_special_tokens=False) -> str`,
-`apply_chat_template(prompt, system=None) -> str` and the properties `bos_token_id`,
+`apply_chat_template(prompt, system=None) -> str`, `apply_chat_messages(messages) -> str` and the properties `bos_token_id`,
 `eos_token_id`, `vocab_size`, `stop_token_ids`.
 
 `Tokenizer` rebuilds what transformers' GGUF loader builds for a `tokenizer.ggml.model == "gpt2"`
@@ -26,6 +26,21 @@ _CONTROL = 3  # llama.cpp token type of control (special) tokens
 def _chatml(prompt: str, system: str | None) -> str:
     head = "" if system is None else f"{CHATML_START}system\n{system}{CHATML_END}\n"
     return f"{head}{CHATML_START}user\n{prompt}{CHATML_END}\n{CHATML_START}assistant\n"
+
+
+def _chatml_messages(messages, default_system: str | None) -> str:
+    """ChatML for a conversation, ending with the assistant's generation prompt; `default_system`
+    (if any) is added in front when the first message is not a system message."""
+    if not messages:
+        raise ValueError("apply_chat_messages: messages must not be empty")
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise ValueError(f"apply_chat_messages: messages[{i}] must be a dict with str 'role' and 'content'")
+    head = []
+    if default_system is not None and messages[0]["role"] != "system":
+        head = [{"role": "system", "content": default_system}]
+    turns = "".join(f"{CHATML_START}{m['role']}\n{m['content']}{CHATML_END}\n" for m in head + list(messages))
+    return f"{turns}{CHATML_START}assistant\n"
 
 
 def _check_ids(ids, vocab_size: int) -> list[int]:
@@ -150,6 +165,14 @@ class Tokenizer:
             raise ValueError("apply_chat_template: this tokenizer's GGUF file has no ChatML chat template")
         return _chatml(prompt, self._default_system if system is None else system)
 
+    def apply_chat_messages(self, messages) -> str:
+        """A conversation [{"role": ..., "content": ...}, ...] in ChatML with the generation prompt,
+        as the file's template renders it (its default system message added when the first
+        message is not a system message)."""
+        if not self._chat_ok:
+            raise ValueError("apply_chat_messages: this tokenizer's GGUF file has no ChatML chat template")
+        return _chatml_messages(messages, self._default_system)
+
 
 class ByteTokenizer:
     """UTF-8 bytes as tokens, for the random-init tiny models.
@@ -203,3 +226,6 @@ class ByteTokenizer:
 
     def apply_chat_template(self, prompt: str, system: str | None = None) -> str:
         return _chatml(prompt, system)
+
+    def apply_chat_messages(self, messages) -> str:
+        return _chatml_messages(messages, None)

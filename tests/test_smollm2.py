@@ -173,6 +173,23 @@ def test_tokenizer_matches_transformers(tok, key):
 def test_chat_template_matches_transformers(tok, key):
     e = PROMPTS[key]
     assert tok.apply_chat_template(e["user"], system=e["system"]) == e["text"]
+    msgs = ([] if e["system"] is None else [{"role": "system", "content": e["system"]}]) + \
+        [{"role": "user", "content": e["user"]}]
+    assert tok.apply_chat_messages(msgs) == e["text"]  # the server's renderer agrees with the golden text
+
+
+def test_chat_messages_multi_turn(tok):
+    """The file's template, written out by hand for a multi-turn conversation without a system message."""
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "Name a river."}]
+    want = ("<|im_start|>system\n" + tok.default_system_prompt + "<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+            "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nName a river.<|im_end|>\n"
+            "<|im_start|>assistant\n")
+    assert tok.apply_chat_messages(msgs) == want
+    with pytest.raises(ValueError, match="must not be empty"):
+        tok.apply_chat_messages([])
+    with pytest.raises(ValueError, match=r"messages\[1\]"):
+        tok.apply_chat_messages([{"role": "user", "content": "a"}, {"role": "user"}])
 
 
 def test_tokenizer_properties(tok):
@@ -206,6 +223,7 @@ def test_byte_tokenizer():
     assert bt.decode(ids, skip_special_tokens=True) == "hi\ufffd"
     assert bt.decode(ids) == "hi<bos><eos>\ufffd"
     assert bt.apply_chat_template("hi") == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert bt.apply_chat_messages([{"role": "user", "content": "hi"}]) == bt.apply_chat_template("hi")
     with pytest.raises(ValueError, match="vocab_size = 512"):
         bt.decode([512])
 
