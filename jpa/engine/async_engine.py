@@ -1,0 +1,355 @@
+"""AsyncEngine: an always-running LLMEngine on its own thread, for servers.
+
+LLMEngine is not thread-safe, so one thread (the engine thread) owns it and is the only caller of
+add_request / abort / step. Everyone else talks to it through a command list (add, abort), guarded
+by a condition variable, and reads results from per-request asyncio queues that the engine thread
+fills with `loop.call_soon_threadsafe`. The loop:
+
+    while True:
+        sleep on the condition while there is no command and no unfinished request (idle)
+        apply the commands: add_request / abort (an abort releases the request's pages at once)
+        step() once if anything is unfinished; hand each StepOutput to its request's queue
+        publish a Snapshot (running, waiting, pages, rounds, tokens/s) for metrics
+
+So an abort that arrives while a round runs is applied right after that round, before the next
+one: its pages are back within one round. There is one scheduler, the LLMEngine's; the offline
+`LLMEngine.generate()` is the same add_request/step loop run inline.
+
+Backpressure: at most `max_waiting` requests wait (accepted, not yet running) at once; a
+submission beyond that raises EngineOverloaded at once, and nothing of it is queued.
+"""
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+import traceback
+
+from jpa.engine.engine import LLMEngine
+from jpa.engine.request import RequestOutput, StepOutput
+from jpa.engine.sampling import SamplingParams
+
+log = logging.getLogger("jpa.engine")
+
+
+class EngineOverloaded(Exception):
+    """The waiting queue is full: try again later (a server answers 503 with Retry-After)."""
+
+    def __init__(self, message: str, retry_after: float = 1.0):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineDead(RuntimeError):
+    """The engine thread stopped (shut down, or failed in a way it could not recover from)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """The engine's state after its latest loop iteration (read from any thread).
+
+    Attributes:
+      num_running: requests holding a slot.
+      num_waiting: accepted requests not running yet (the engine's queue + commands not applied).
+      num_pages / pages_used: the KV pool, read back from the device after every call.
+      rounds: step() calls so far.
+      prompt_tokens / generation_tokens: totals over finished and running requests.
+      tokens_per_s: generated tokens per second over the last `rate_window` seconds.
+      pool_whole: when idle (nothing unfinished): True if every page is free (checked on the
+        device); None while requests are unfinished.
+      last_abort_rounds: rounds that ran between the latest abort's arrival and the release of
+        its pages (0 or 1: aborts are applied before the next round); -1 before any abort.
+      alive: the engine thread is running.
+    """
+    num_running: int = 0
+    num_waiting: int = 0
+    num_pages: int = 0
+    pages_used: int = 0
+    rounds: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    tokens_per_s: float = 0.0
+    pool_whole: bool | None = True
+    last_abort_rounds: int = -1
+    alive: bool = False
+
+
+@dataclasses.dataclass
+class _Stream:
+    """Where one request's outputs go: a group's queue, tagged with the request's index in it."""
+    group: "RequestGroup"
+    index: int
+
+
+class RequestGroup:
+    """The outputs of requests submitted together (a completion with n choices, or a prompt list).
+
+    Iterate it (`async for index, out in group`) to get (index in the submission, StepOutput) in
+    the order the engine produced them, until every request has finished; each request's last
+    StepOutput has finished=True and its RequestOutput. `abort()` (or leaving an `async with`
+    block early) cancels the unfinished ones.
+
+    Attributes:
+      request_ids: engine request ids, in submission order.
+      arrival: time.monotonic() of the submission.
+    """
+
+    def __init__(self, engine: "AsyncEngine", request_ids: list, loop: asyncio.AbstractEventLoop):
+        self._engine, self.request_ids, self._loop = engine, list(request_ids), loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._unfinished = set(range(len(request_ids)))
+        self.arrival = time.monotonic()
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> tuple[int, StepOutput]:
+        if not self._unfinished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._unfinished.clear()
+            raise item
+        index, out = item
+        if out.finished:
+            self._unfinished.discard(index)
+        return index, out
+
+    def abort(self) -> None:
+        """Cancels the requests of this group that have not finished (thread-safe, idempotent)."""
+        for i in list(self._unfinished):
+            self._engine.abort(self.request_ids[i])
+        self._unfinished.clear()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        self.abort()
+
+    def _put(self, item) -> None:
+        """Engine thread -> event loop."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody listens any more
+            pass
+
+
+class AsyncEngine:
+    """Runs an LLMEngine on a background thread; submit and abort from any thread or event loop.
+
+    Args:
+      engine: the LLMEngine to own (do not call it from elsewhere once started).
+      max_waiting: most requests that may wait (accepted, not running) before new submissions
+        raise EngineOverloaded.
+      rate_window: seconds over which Snapshot.tokens_per_s is measured.
+
+    Use as a context manager, or call start() and shutdown().
+    """
+
+    def __init__(self, engine: LLMEngine, *, max_waiting: int = 256, rate_window: float = 10.0):
+        if not isinstance(max_waiting, int) or max_waiting < 1:
+            raise ValueError(f"max_waiting must be an int >= 1; got {max_waiting!r}")
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.rate_window = rate_window
+        self._cv = threading.Condition()
+        self._commands: list[tuple] = []         # ("add", id, prompt, params) | ("abort", id, round)
+        self._streams: dict[object, _Stream] = {}   # unfinished request id -> where its outputs go
+        self._num_running = 0                    # as of the latest round (for the overload check)
+        self._stopping = False
+        self._dead: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
+        self._rounds = 0
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._rate = collections.deque()          # (monotonic time, generation_tokens) per round
+        self._last_abort_rounds = -1
+        self.snapshot = Snapshot(num_pages=engine.num_pages)
+
+    # ------------------------------------------------------------------ life cycle
+
+    def start(self) -> "AsyncEngine":
+        if self._thread is not None:
+            raise RuntimeError("AsyncEngine.start: already started")
+        self._thread = threading.Thread(target=self._run, name="jpa-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Stops the thread; unfinished requests end with finish_reason "abort"."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._dead is None
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def stop_ids(self) -> frozenset:
+        return self.engine.stop_ids
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, requests, *, loop: asyncio.AbstractEventLoop | None = None) -> RequestGroup:
+        """Queues requests together: all of them, or (overloaded) none.
+
+        Args:
+          requests: list of (prompt, SamplingParams) (prompt: str or list of token ids).
+          loop: the event loop that will iterate the group (default: the running loop).
+
+        Returns:
+          A RequestGroup streaming their outputs.
+
+        Raises:
+          EngineOverloaded: fewer than len(requests) places are left in the waiting queue.
+          EngineDead: the engine thread is not running.
+        """
+        loop = loop or asyncio.get_running_loop()
+        requests = list(requests)
+        with self._cv:
+            if not self.alive or self._stopping:
+                raise EngineDead(f"the engine is not running{f': {self._dead}' if self._dead else ''}")
+            waiting = len(self._streams) - self._num_running
+            if waiting + len(requests) > self.max_waiting:
+                raise EngineOverloaded(f"the server is overloaded: {waiting} requests are waiting (at most "
+                                       f"{self.max_waiting}); try again later")
+            ids = [f"r{next(self._ids)}" for _ in requests]
+            group = RequestGroup(self, ids, loop)
+            for i, (rid, (prompt, params)) in enumerate(zip(ids, requests)):
+                self._streams[rid] = _Stream(group, i)
+                self._commands.append(("add", rid, prompt, params))
+            self._cv.notify()
+        return group
+
+    def abort(self, request_id) -> None:
+        """Cancels a request (thread-safe; unknown or finished ids are ignored). It is applied
+        before the engine's next round, which releases its pages."""
+        with self._cv:
+            if request_id in self._streams:
+                self._commands.append(("abort", request_id, self._rounds))
+                self._cv.notify()
+
+    async def generate(self, prompt, params: SamplingParams | None = None) -> RequestOutput:
+        """Runs one request to completion (aborted if the caller is cancelled)."""
+        async with self.submit([(prompt, params or SamplingParams())]) as group:
+            async for _, out in group:
+                if out.finished:
+                    return out.output
+        raise EngineDead("the request ended without a result")
+
+    # ------------------------------------------------------------------ the engine thread
+
+    def _run(self) -> None:
+        eng = self.engine
+        self._publish()
+        while True:
+            with self._cv:
+                while not self._commands and not eng.has_unfinished and not self._stopping:
+                    self._cv.wait()  # idle: nothing to do until a command arrives
+                commands, self._commands = self._commands, []
+                stopping = self._stopping
+            try:
+                for cmd in commands:
+                    self._apply(cmd)
+                if stopping:
+                    for rid in list(self._streams):
+                        eng.abort(rid)
+                if eng.has_unfinished:
+                    outputs = eng.step()
+                    self._rounds += 1
+                    self._dispatch(outputs)
+                self._publish()
+            except Exception as e:  # a bug in a round: fail what is in flight, keep serving if we can
+                self._recover(e)
+            if stopping or self._dead is not None:
+                break
+        self._fail_all(EngineDead("the engine shut down"))
+        self._publish()
+
+    def _apply(self, cmd) -> None:
+        eng = self.engine
+        if cmd[0] == "add":
+            _, rid, prompt, params = cmd
+            req = eng.add_request(prompt, params, request_id=rid)
+            self._prompt_tokens += len(req.prompt_ids)
+        else:
+            _, rid, at_round = cmd
+            if eng.abort(rid):
+                self._last_abort_rounds = self._rounds - at_round
+
+    def _dispatch(self, outputs: list[StepOutput]) -> None:
+        now = time.monotonic()
+        for out in outputs:
+            self._generation_tokens += len(out.new_token_ids)
+            with self._cv:
+                stream = self._streams.pop(out.request_id, None) if out.finished else \
+                    self._streams.get(out.request_id)
+            if stream is not None:
+                stream.group._put((stream.index, out))
+        self._rate.append((now, self._generation_tokens))
+        while self._rate and now - self._rate[0][0] > self.rate_window:
+            self._rate.popleft()
+
+    def _publish(self) -> None:
+        eng = self.engine
+        idle = not eng.has_unfinished
+        rate = 0.0
+        if len(self._rate) >= 2 and not idle:
+            (t0, n0), (t1, n1) = self._rate[0], self._rate[-1]
+            rate = (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
+        with self._cv:
+            self._num_running = eng.num_running
+            queued = sum(1 for c in self._commands if c[0] == "add")
+        self.snapshot = Snapshot(
+            num_running=eng.num_running, num_waiting=eng.num_waiting + queued, num_pages=eng.num_pages,
+            pages_used=eng.num_pages - eng.scheduler.free_pages, rounds=self._rounds,
+            prompt_tokens=self._prompt_tokens, generation_tokens=self._generation_tokens, tokens_per_s=rate,
+            pool_whole=eng.pool_is_whole() if idle else None, last_abort_rounds=self._last_abort_rounds,
+            alive=self.alive and not self._stopping)
+
+    def _recover(self, e: Exception) -> None:
+        log.error("engine round failed; failing the requests in flight:\n%s", traceback.format_exc())
+        with self._cv:
+            in_flight = list(self._streams)
+        self._fail_all(RuntimeError(f"internal engine error: {e}"))
+        try:  # take them out of the engine too, so their pages come back
+            for rid in in_flight:
+                self.engine.abort(rid)
+            while self.engine.has_unfinished:
+                self.engine.step()
+            self._publish()
+        except Exception as e2:
+            log.error("the engine could not recover: %s", e2)
+            self._dead = e2
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._cv:
+            streams, self._streams = list(self._streams.values()), {}
+            self._commands = [c for c in self._commands if c[0] != "add"]
+        for group in {id(s.group): s.group for s in streams}.values():
+            group._put(error)
