@@ -110,6 +110,11 @@ class RequestGroup:
     def finished(self) -> bool:
         return not self._unfinished
 
+    @property
+    def num_unfinished(self) -> int:
+        """Requests of the group that have not finished (0 after abort())."""
+        return len(self._unfinished)
+
     def __aiter__(self):
         return self
 

@@ -1,0 +1,90 @@
+"""Prometheus metrics of one server (its own registry, so several apps can live in one process).
+
+Engine gauges are read from the AsyncEngine's latest Snapshot at scrape time; latencies are
+observed by the request handlers as outputs reach them (what a client sees, minus the network).
+"""
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from jpa.engine.async_engine import AsyncEngine
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class _EngineCollector:
+    def __init__(self, engine: AsyncEngine):
+        self.engine = engine
+
+    def collect(self):
+        s = self.engine.snapshot
+        gauges = [
+            ("jpa_num_requests_running", "requests holding a decode slot", s.num_running),
+            ("jpa_num_requests_waiting", "requests accepted and not running yet", s.num_waiting),
+            ("jpa_kv_pages_used", "KV cache pages in use (read back from the device)", s.pages_used),
+            ("jpa_kv_pages_total", "KV cache pages in the pool", s.num_pages),
+            ("jpa_kv_cache_usage_ratio", "fraction of KV pages in use", s.pages_used / max(s.num_pages, 1)),
+            ("jpa_generation_tokens_per_second", "generated tokens per second over the last "
+             f"{self.engine.rate_window:g} s (0 when idle)", s.tokens_per_s),
+            ("jpa_kv_pool_whole", "1 when the engine is idle and every KV page is free (checked on the "
+             "device), else 0", 1.0 if s.pool_whole else 0.0),
+            ("jpa_last_abort_release_rounds", "engine rounds between the latest abort's arrival and the "
+             "release of its pages (-1: none yet)", s.last_abort_rounds),
+            ("jpa_engine_alive", "1 while the engine thread runs", 1.0 if s.alive else 0.0),
+        ]
+        for name, doc, value in gauges:
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], float(value))
+            yield g
+        for name, doc, value in (("jpa_engine_rounds", "engine rounds (step calls)", s.rounds),
+                                 ("jpa_prompt_tokens", "prompt tokens accepted by the engine", s.prompt_tokens),
+                                 ("jpa_generation_tokens", "tokens generated", s.generation_tokens)):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], float(value))
+            yield c
+
+
+class ServerMetrics:
+    """The server's registry: engine gauges plus request latency histograms and counters."""
+
+    def __init__(self, engine: AsyncEngine):
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine))
+        r = self.registry
+        self.ttft = Histogram("jpa_time_to_first_token_seconds", "arrival to the first generated token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("jpa_inter_token_latency_seconds", "time between successive outputs of a request "
+                             "(one output carries the tokens of one engine round)", buckets=_LATENCY_BUCKETS,
+                             registry=r)
+        self.e2e = Histogram("jpa_e2e_request_latency_seconds", "arrival to the last token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.finished = Counter("jpa_requests", "requests ended, by finish reason", ["finish_reason"], registry=r)
+        self.errors = Counter("jpa_http_errors", "error responses, by HTTP status", ["status"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class Timing:
+    """Latency bookkeeping of one request group (arrival -> first token -> ... -> last token)."""
+
+    def __init__(self, metrics: ServerMetrics, arrival: float):
+        self.metrics, self.arrival = metrics, arrival
+        self.last: dict[int, float] = {}
+
+    def on_output(self, index: int, out) -> None:
+        now = time.monotonic()
+        m = self.metrics
+        if out.new_token_ids:
+            if index not in self.last:
+                m.ttft.observe(now - self.arrival)
+            else:
+                m.itl.observe(now - self.last[index])
+            self.last[index] = now
+        if out.finished:
+            m.finished.labels(out.output.finish_reason).inc()
+            if out.output.finish_reason in ("stop", "length"):
+                m.e2e.observe(now - self.arrival)

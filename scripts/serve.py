@@ -1,0 +1,167 @@
+#!/usr/bin/env python3
+"""An OpenAI-compatible server on jpa's engine (FastAPI + uvicorn).
+
+Examples:
+  ./run serve                                     # SmolLM2-135M-Instruct on http://127.0.0.1:8000/v1
+  ./run serve --model tiny-llama --port 8001      # random tiny model: fast, nonsense text
+  ./run serve --api-key secret --max-seqs 32
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (the model's chat template), GET
+/v1/models, GET /health, GET /metrics (Prometheus). The model's name in requests is --served-model-name
+(default: the --model preset). The server binds 127.0.0.1 unless --host says otherwise; with
+--api-key (or $JPA_API_KEY) every endpoint but /health needs `Authorization: Bearer <key>`.
+`--port 0` picks a free port; the line "[jpa] serving ... on http://HOST:PORT" on stderr says
+which. Bad flags or values print one line on stderr and exit with code 2.
+"""
+
+import argparse
+import math
+import os
+import signal
+import socket
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from generate import UsageError, _Parser, cache_dir, enable_compile_cache  # noqa: E402
+
+
+def parse_args(argv=None):
+    ap = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m", help="model preset (default: smollm2-135m; "
+                    "tiny-llama / tiny-gpt2 are random and fast)")
+    ap.add_argument("--served-model-name", default=None, help="the `model` requests must name (default: --model)")
+    ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    ap.add_argument("--port", type=int, default=8000, help="port (0: a free one)")
+    ap.add_argument("--api-key", default=os.environ.get("JPA_API_KEY") or None,
+                    help="require `Authorization: Bearer KEY` (default: $JPA_API_KEY, else no key)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                    help="weights and KV cache dtype (default float32 on CPU, bfloat16 on GPU)")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages (overrides --kv-memory)")
+    ap.add_argument("--kv-memory", type=float, default=256, help="KV cache budget in MiB (default 256)")
+    ap.add_argument("--max-seqs", type=int, default=16, help="sequences decoded together")
+    ap.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + completion")
+    ap.add_argument("--steps-per-call", type=int, default=4, help="decode steps per engine round (tokens "
+                    "stream once per round: fewer = smoother streaming, more = higher throughput)")
+    ap.add_argument("--max-waiting", type=int, default=256, help="most requests waiting for a slot; beyond "
+                    "it new requests get 503 with Retry-After")
+    ap.add_argument("--max-n", type=int, default=16, help="largest `n` (choices per request)")
+    ap.add_argument("--no-warmup", action="store_true", help="do not compile with a first request before serving")
+    ap.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                    help="uvicorn's log level (default warning: no line per request)")
+    ap.add_argument("--no-compile-cache", action="store_true", help="do not use JAX's persistent "
+                    "compilation cache ($JPA_CACHE_DIR/xla, default ~/.cache/jpa/xla)")
+    args = ap.parse_args(argv)
+    check_args(args)
+    return args
+
+
+def check_args(args):
+    for name in ("page_size", "max_seqs", "max_model_len", "steps_per_call", "max_waiting", "max_n"):
+        v = getattr(args, name)
+        if v < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1; got {v}")
+    if args.num_pages is not None and args.num_pages < 1:
+        raise UsageError(f"--num-pages must be >= 1; got {args.num_pages}")
+    if not (math.isfinite(args.kv_memory) and args.kv_memory > 0):
+        raise UsageError(f"--kv-memory must be a positive number of MiB; got {args.kv_memory}")
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be in [0, 65535]; got {args.port}")
+    if args.api_key is not None and not args.api_key:
+        raise UsageError("--api-key must not be empty")
+    from models import PRESETS  # light: configs only, no JAX work
+
+    if args.model not in PRESETS:
+        raise UsageError(f"--model {args.model!r} is unknown; choose one of {', '.join(sorted(PRESETS))}")
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise UsageError(f"the server needs the `serve` extra (pip install -e '.[serve]'): {e}") from None
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket (port 0: a free one), so the port is known before serving."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise UsageError(f"--host {host!r}: {e}") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise UsageError(f"cannot bind {host}:{port}: {e.strerror}") from None
+    sock.listen(2048)
+    return sock
+
+
+def main(argv=None):
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        args = parse_args(argv)
+        sock = bind(args.host, args.port)  # fail on a busy port before loading anything
+        return run(args, sock)
+    except UsageError as e:
+        print(f"serve.py: error: {e}", file=sys.stderr)
+        return 2
+    except (KeyboardInterrupt, _Stop):  # stopped while loading
+        return 0
+
+
+def run(args, sock):
+    import jax
+
+    if not args.no_compile_cache:
+        enable_compile_cache(cache_dir() / "xla")
+    dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+    import jax.numpy as jnp
+    import uvicorn
+
+    import models
+    from jpa.engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
+    from jpa.server import build_app
+
+    t0 = time.perf_counter()
+    print(f"[jpa] loading {args.model} ({dtype}) on {jax.devices()[0].platform}...", file=sys.stderr)
+    try:
+        config = EngineConfig(max_seqs=args.max_seqs, page_size=args.page_size, num_pages=args.num_pages,
+                              kv_memory_bytes=int(args.kv_memory * 2 ** 20), max_model_len=args.max_model_len,
+                              steps_per_call=args.steps_per_call)
+        gpt, tok = models.load(args.model, dtype=jnp.dtype(dtype))
+        engine = LLMEngine(models.GPTForEngine(gpt), tok, config)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if not args.no_warmup:  # compile the decode loop and a small prefill before the first client waits
+        engine.generate([tok.apply_chat_template("Hello")], SamplingParams(max_new_tokens=2, greedy=True))
+    print(f"[jpa] model ready in {time.perf_counter() - t0:.1f} s; KV cache: {engine.cache_config.describe()}; "
+          f"max_model_len {engine.max_model_len}", file=sys.stderr)
+    name = args.served_model_name or args.model
+    with AsyncEngine(engine, max_waiting=args.max_waiting) as aengine:
+        app = build_app(aengine, tok, model_name=name, api_key=args.api_key, max_n=args.max_n)
+        server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))
+        host, port = sock.getsockname()[:2]
+        host = f"[{host}]" if ":" in host else host
+        print(f"[jpa] serving {name!r} on http://{host}:{port} (OpenAI API at /v1; /health, /metrics)"
+              f"{'; API key required' if args.api_key else ''}", file=sys.stderr, flush=True)
+        try:
+            server.run(sockets=[sock])  # until SIGINT/SIGTERM: uvicorn drains, then re-raises the signal
+        except (KeyboardInterrupt, _Stop):
+            pass
+    print("[jpa] server stopped", file=sys.stderr)
+    return 0
+
+
+class _Stop(Exception):
+    """SIGTERM, turned into an exception so the engine thread is shut down on the way out."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

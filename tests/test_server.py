@@ -1,0 +1,466 @@
+"""The OpenAI-compatible server, live on a free loopback port (tiny random llama).
+
+The official `openai` client drives completions, chat, streaming, n, stop, seeds and logprobs; raw
+HTTP (httpx) drives every error case, disconnects and a bounded load test. The server runs in a
+thread of this process (uvicorn on a socket bound to 127.0.0.1:0) and is stopped at the end of
+the module; one test starts scripts/serve.py itself and stops it with SIGTERM.
+"""
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+import models  # noqa: E402
+from jpa.engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from jpa.server import build_app  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+NAME = "tiny"
+PROMPTS = ["The paged cache", "hello there", "continuous batching keeps slots busy", "jax"]
+MAX_N = 4
+MAX_LEN = 2048
+
+
+@contextlib.contextmanager
+def serving(app):
+    """Serves `app` on a free 127.0.0.1 port in a thread; yields its base URL; always stops it."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(256)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="error"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        t0 = time.monotonic()
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() - t0 < 30, "server did not start"
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        sock.close()
+        assert not thread.is_alive(), "the server thread did not stop"
+
+
+class Live:
+    def __init__(self, url, aengine, tokenizer, reference):
+        self.url, self.aengine, self.tok, self.reference = url, aengine, tokenizer, reference
+        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def metrics(self) -> dict:
+        text = httpx.get(f"{self.url}/metrics").text
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                key, value = line.rsplit(" ", 1)
+                out[key] = float(value)
+        return out
+
+    def wait_idle(self, timeout=15.0) -> dict:
+        """Metrics once nothing runs and the pool is whole (the engine checked it on the device)."""
+        t0 = time.monotonic()
+        while True:
+            m = self.metrics()
+            if m["jpa_num_requests_running"] == 0 and m["jpa_num_requests_waiting"] == 0 and m["jpa_kv_pool_whole"]:
+                return m
+            assert time.monotonic() - t0 < timeout, f"server not idle: {m}"
+            time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def live():
+    model, tok = models.load("tiny-llama", seed=1)
+    # max_prefill_tokens=16: one prompt per prefill call, so the few prompt widths the tests use are
+    # the only prefill shapes compiled (each costs seconds on a CPU); the server is what is tested.
+    # Long requests (LONG below) must outlive the client's disconnect by far: max_model_len 2048,
+    # and a pool that holds 8 of them at once (no preemption).
+    eng = LLMEngine(models.GPTForEngine(model), tok, EngineConfig(max_seqs=8, page_size=16, num_pages=1100,
+                                                                  steps_per_call=4, max_model_len=MAX_LEN,
+                                                                  max_prefill_tokens=16))
+    # Offline greedy results (and the compilations the server then reuses).
+    reference = dict(zip(PROMPTS, eng.generate(PROMPTS, SamplingParams(max_new_tokens=24, greedy=True,
+                                                                         ignore_eos=True))))
+    with AsyncEngine(eng, max_waiting=32) as aengine:
+        app = build_app(aengine, tok, model_name=NAME, max_n=MAX_N)
+        with serving(app) as url:
+            yield Live(url, aengine, tok, reference)
+
+
+GREEDY = dict(temperature=0, max_tokens=24, extra_body={"ignore_eos": True})
+
+
+# ---------------------------------------------------------------------- the openai client
+
+def test_models_and_health(live):
+    assert [m.id for m in live.client.models.list().data] == [NAME]
+    assert httpx.get(f"{live.url}/health").json() == {"status": "ok"}
+    r = httpx.get(f"{live.url}/v1/models/{NAME}")
+    assert r.status_code == 200 and r.json()["max_model_len"] == MAX_LEN
+
+
+def test_completion_equals_offline_engine(live):
+    for p in PROMPTS[:2]:
+        r = live.client.completions.create(model=NAME, prompt=p, **GREEDY)
+        ref = live.reference[p]
+        assert r.choices[0].text == ref.completion and r.choices[0].finish_reason == "length"
+        assert r.usage.prompt_tokens == len(live.tok.encode(p)) and r.usage.completion_tokens == 24
+        assert r.object == "text_completion" and r.model == NAME
+
+
+def test_streaming_completion_equals_non_streaming(live):
+    p = PROMPTS[2]
+    stream = live.client.completions.create(model=NAME, prompt=p, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY)
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == live.reference[p].completion
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert reasons == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+
+
+def test_chat_streaming_and_not(live):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a river."}]
+    kw = dict(model=NAME, messages=msgs, temperature=0, max_tokens=20)
+    r = live.client.chat.completions.create(**kw)
+    c = r.choices[0]
+    assert c.message.role == "assistant" and c.finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens == len(live.tok.encode(live.tok.apply_chat_messages(msgs)))
+    chunks = list(live.client.chat.completions.create(stream=True, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == c.message.content
+    assert chunks[-1].choices[0].finish_reason == c.finish_reason
+    assert all(ch.object == "chat.completion.chunk" and ch.id == chunks[0].id for ch in chunks)
+
+
+def test_n_choices(live):
+    p = PROMPTS[0]
+    kw = dict(model=NAME, prompt=p, max_tokens=12, temperature=1.0, seed=7, n=2, extra_body={"ignore_eos": True})
+    r = live.client.completions.create(**kw)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    texts = [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+    assert texts[0] != texts[1], "choices sample with different seeds"
+    streamed = ["", ""]
+    for ch in live.client.completions.create(stream=True, **kw):
+        for c in ch.choices:
+            streamed[c.index] += c.text
+    assert streamed == texts
+    g = live.client.completions.create(model=NAME, prompt=p, n=2, **GREEDY)
+    assert [c.text for c in g.choices] == [live.reference[p].completion] * 2
+    # A list of prompts with n: choices prompt-major.
+    b = live.client.completions.create(model=NAME, prompt=PROMPTS[:2], n=2, **GREEDY)
+    assert [c.text for c in sorted(b.choices, key=lambda c: c.index)] == \
+        [live.reference[q].completion for q in PROMPTS[:2] for _ in range(2)]
+
+
+def test_stop_strings(live):
+    # Seeded sampling gives the same text every time (and more varied text than this random model's
+    # greedy output); the stop string is a piece of it that first occurs past its start.
+    # The stop string is a printable ASCII character (this model also emits bytes that are not
+    # UTF-8 on their own) that first occurs past the start.
+    for seed in range(20):
+        kw = dict(model=NAME, prompt=PROMPTS[1], max_tokens=24, temperature=1.0, seed=seed,
+                  extra_body={"ignore_eos": True})
+        ref = live.client.completions.create(**kw).choices[0].text
+        cuts = [i for i in range(2, len(ref)) if ref[i].isascii() and ref[i].isalnum() and ref.find(ref[i]) == i]
+        if cuts:
+            break
+    cut = cuts[0]
+    stop = ref[cut]
+    r = live.client.completions.create(stop=[stop, "never-appears"], **kw)
+    assert r.choices[0].text == ref[:cut] and r.choices[0].finish_reason == "stop"
+    chunks = list(live.client.completions.create(stop=stop, stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks) == ref[:cut]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_seed_reproducibility(live):
+    kw = dict(model=NAME, prompt=PROMPTS[3], max_tokens=16, temperature=1.0, top_p=0.9,
+              extra_body={"ignore_eos": True, "top_k": 50})
+    a = live.client.completions.create(seed=123, **kw).choices[0].text
+    b = live.client.completions.create(seed=123, **kw).choices[0].text
+    c = live.client.completions.create(seed=124, **kw).choices[0].text
+    assert a == b and a != c
+
+
+def test_logprobs(live):
+    p = PROMPTS[0]
+    r = live.client.completions.create(model=NAME, prompt=p, logprobs=0, **GREEDY)
+    lp = r.choices[0].logprobs
+    ref = live.reference[p]
+    assert len(lp.token_logprobs) == len(ref.token_ids) == 24
+    assert lp.token_logprobs == pytest.approx(list(ref.logprobs), abs=1e-4)
+    assert "".join(lp.tokens) == ref.completion
+    chat = live.client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}],
+                                               logprobs=True, max_tokens=8, temperature=0.7, seed=1)
+    content = chat.choices[0].logprobs.content
+    assert content and all(t.logprob <= 0 for t in content)
+    assert len(content) <= chat.usage.completion_tokens
+
+
+# ---------------------------------------------------------------------- bad input (raw HTTP)
+
+BAD = [
+    # (body, expected param, fragment of the message)
+    ({"model": NAME, "prompt": "hi", "max_tokens": -5}, "max_tokens", "greater than or equal to 1"),
+    ({"model": NAME, "prompt": "hi", "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+    ({"model": NAME, "prompt": "hi", "max_tokens": "5"}, "max_tokens", "valid integer"),
+    ({"model": NAME, "prompt": "hi", "temperature": -0.1}, "temperature", "greater than or equal to 0"),
+    ({"model": NAME, "prompt": "hi", "top_p": 0}, "top_p", "greater than 0"),
+    ({"model": NAME, "prompt": "hi", "top_p": 1.5}, "top_p", "less than or equal to 1"),
+    ({"model": NAME, "prompt": "hi", "top_k": -1}, "top_k", "greater than or equal to 0"),
+    ({"model": NAME, "prompt": "hi", "n": 0}, "n", "greater than or equal to 1"),
+    ({"model": NAME, "prompt": "hi", "n": MAX_N + 1}, "n", f"must be <= {MAX_N}"),
+    ({"model": NAME, "prompt": "hi", "seed": -1}, "seed", "greater than or equal to 0"),
+    ({"model": NAME, "prompt": "hi", "max_tokenz": 5}, "max_tokenz", "unknown parameter"),
+    ({"model": NAME, "prompt": "hi", "best_of": 2}, "best_of", "unknown parameter"),
+    ({"model": NAME, "prompt": ""}, "prompt", "empty"),
+    ({"model": NAME, "prompt": []}, "prompt", "empty"),
+    ({"model": NAME, "prompt": ["ok", ""]}, "prompt", "empty"),
+    ({"model": NAME, "prompt": 5}, "prompt", "must be a string, a list of strings"),
+    ({"model": NAME, "prompt": [1, 2, 512]}, "prompt", "token ids must be in [0, 512)"),
+    ({"model": NAME}, "prompt", "'prompt' is required"),
+    ({"prompt": "hi"}, "model", "'model' is required"),
+    ({"model": NAME, "prompt": "hi", "max_tokens": MAX_LEN - 1}, "max_tokens", f"maximum context length is {MAX_LEN}"),
+    ({"model": NAME, "prompt": "x" * MAX_LEN}, "prompt", f"maximum context length is {MAX_LEN}"),
+    ({"model": NAME, "prompt": "hi", "stop": ""}, "stop", "'stop' must be"),
+    ({"model": NAME, "prompt": "hi", "stop": ["a"] * 17}, "stop", "'stop' must be"),
+    ({"model": NAME, "prompt": "hi", "logprobs": 2}, "logprobs", "sampled token's log-probability only"),
+    ({"model": NAME, "prompt": "hi", "presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    ({"model": NAME, "prompt": "hi", "echo": True}, "echo", "'echo'"),
+    ({"model": NAME, "prompt": "hi", "stream": "yes"}, "stream", "valid boolean"),
+]
+
+BAD_CHAT = [
+    ({"model": NAME, "messages": []}, "messages", "at least 1 item"),
+    ({"model": NAME, "messages": [{"role": "robot", "content": "hi"}]}, "messages", "messages.0.role"),
+    ({"model": NAME, "messages": [{"role": "user"}]}, "messages", "'messages.0.content' is required"),
+    ({"model": NAME, "messages": [{"role": "user", "content": 3}]}, "messages", "'messages.0.content' must be"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, "top_logprobs",
+     "sampled token's log-probability only"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+      "max_completion_tokens": 5}, "max_tokens", "not both"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi" * MAX_LEN}]}, "prompt", "maximum context length"),
+]
+
+
+def _check_error(r, status, param, fragment):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param, err
+    assert fragment in err["message"], err
+
+
+@pytest.mark.parametrize("body,param,fragment", BAD, ids=[f"{b[1]}-{i}" for i, b in enumerate(BAD)])
+def test_bad_completion_request_is_400(live, body, param, fragment):
+    _check_error(httpx.post(f"{live.url}/v1/completions", json=body), 400, param, fragment)
+
+
+@pytest.mark.parametrize("body,param,fragment", BAD_CHAT, ids=[f"{b[1]}-{i}" for i, b in enumerate(BAD_CHAT)])
+def test_bad_chat_request_is_400(live, body, param, fragment):
+    _check_error(httpx.post(f"{live.url}/v1/chat/completions", json=body), 400, param, fragment)
+
+
+def test_malformed_and_unknown(live):
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        r = httpx.post(f"{live.url}{path}", content=b'{"model": "tiny", "prompt": ', 
+                       headers={"content-type": "application/json"})
+        _check_error(r, 400, None, "malformed JSON")
+        _check_error(httpx.post(f"{live.url}{path}", json=[1, 2]), 400, None, "JSON object")
+    _check_error(httpx.post(f"{live.url}/v1/completions", json={"model": "gpt-4", "prompt": "hi"}), 404, "model",
+                 "does not exist")
+    _check_error(httpx.post(f"{live.url}/v1/chat/completions",
+                            json={"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}),
+                 404, "model", "does not exist")
+    _check_error(httpx.get(f"{live.url}/v1/models/gpt-4"), 404, "model", "does not exist")
+    _check_error(httpx.get(f"{live.url}/v1/nothing"), 404, None, "Not Found")
+    # ... and the server is unharmed.
+    assert live.client.completions.create(model=NAME, prompt=PROMPTS[0], **GREEDY).choices[0].text == \
+        live.reference[PROMPTS[0]].completion
+    assert live.metrics()['jpa_http_errors_total{status="400"}'] >= len(BAD) + len(BAD_CHAT)
+
+
+# ---------------------------------------------------------------------- overload, disconnects, keys
+
+LONG = {"model": NAME, "prompt": "a long one", "max_tokens": 2000, "ignore_eos": True, "temperature": 0}
+
+
+async def _first_chunk(client, body):
+    """Opens a stream and returns (its context, its line iterator) after the first data line.
+    Keep both: a line iterator that is garbage-collected closes the response (a disconnect)."""
+    ctx = client.stream("POST", "/v1/completions", json={**body, "stream": True})
+    resp = await ctx.__aenter__()
+    assert resp.status_code == 200
+    lines = resp.aiter_lines()
+    while not (await lines.__anext__()).startswith("data: "):
+        pass
+    return ctx, lines
+
+
+def test_overload_is_503_with_retry_after(live):
+    """8 slots run, 2 wait (max_waiting 2): the next request is refused with 503 + Retry-After;
+    the accepted ones are unaffected and, once closed, leave nothing behind."""
+    async def main():
+        async with httpx.AsyncClient(base_url=live.url, timeout=30) as client:
+            streams = [await _first_chunk(client, LONG) for _ in range(8)]
+            waiting = [asyncio.ensure_future(client.post("/v1/completions", json={**LONG, "max_tokens": 4}))
+                       for _ in range(2)]
+            while live.aengine.snapshot.num_waiting < 2:
+                await asyncio.sleep(0.005)
+            r = await client.post("/v1/completions", json={**LONG, "max_tokens": 4})
+            _check_error(r, 503, None, "overloaded")
+            assert r.headers["retry-after"] == "1"
+            assert live.aengine.snapshot.num_running == 8
+            for ctx, _ in streams:
+                await ctx.__aexit__(None, None, None)
+            done = await asyncio.gather(*waiting)
+            assert [d.status_code for d in done] == [200, 200]
+
+    old, live.aengine.max_waiting = live.aengine.max_waiting, 2
+    try:
+        asyncio.run(main())
+    finally:
+        live.aengine.max_waiting = old
+    live.wait_idle()
+    assert httpx.get(f"{live.url}/health").status_code == 200
+
+
+def test_disconnect_mid_stream_releases_pages(live):
+    before = live.wait_idle()
+
+    async def main():
+        async with httpx.AsyncClient(base_url=live.url, timeout=30) as client:
+            ctx, _lines = await _first_chunk(client, LONG)
+            assert live.metrics()["jpa_kv_pages_used"] > 0
+            await ctx.__aexit__(None, None, None)   # the client goes away mid-stream
+    asyncio.run(main())
+    after = live.wait_idle()
+    assert after["jpa_last_abort_release_rounds"] in (0, 1), "pages back within one engine round"
+    assert after['jpa_requests_total{finish_reason="abort"}'] == \
+        before.get('jpa_requests_total{finish_reason="abort"}', 0) + 1
+    assert after["jpa_generation_tokens_total"] - before["jpa_generation_tokens_total"] < LONG["max_tokens"]
+
+
+def test_disconnect_while_waiting_for_a_non_streamed_answer(live):
+    before = live.wait_idle()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{live.url}/v1/completions", json={**LONG, "prompt": "x"}, timeout=0.3)
+    after = live.wait_idle()
+    assert after['jpa_requests_total{finish_reason="abort"}'] == \
+        before.get('jpa_requests_total{finish_reason="abort"}', 0) + 1
+    assert after["jpa_generation_tokens_total"] - before["jpa_generation_tokens_total"] < LONG["max_tokens"]
+
+
+def test_api_key(live):
+    app = build_app(live.aengine, live.tok, model_name=NAME, api_key="s3cret")
+    with serving(app) as url:
+        body = {"model": NAME, "prompt": "hi", "max_tokens": 2}
+        _check_error(httpx.post(f"{url}/v1/completions", json=body), 401, None, "API key")
+        _check_error(httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer nope"}), 401, None, "API key")
+        _check_error(httpx.get(f"{url}/metrics"), 401, None, "API key")
+        assert httpx.get(f"{url}/health").status_code == 200
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
+        assert client.completions.create(**body).choices[0].finish_reason in ("stop", "length")
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+# ---------------------------------------------------------------------- load
+
+def test_load_streamed_equals_non_streamed(live):
+    """Concurrent clients (JPA_LOAD_CLIENTS, default 16) each stream JPA_LOAD_REQUESTS (default 2)
+    greedy requests and fetch the same ones without streaming: no errors, streamed text ==
+    non-streamed text (no lost or duplicated tokens), pool whole afterwards, server healthy."""
+    clients = int(os.environ.get("JPA_LOAD_CLIENTS", "16"))
+    per_client = int(os.environ.get("JPA_LOAD_REQUESTS", "2"))
+    words = ["paged", "cache", "jax", "slot", "token", "page", "batch", "stream"]
+
+    async def one(client, c, k):
+        prompt = f"{words[c % 8]} {words[k % 8]} request {c}.{k}"
+        body = {"model": NAME, "prompt": prompt, "max_tokens": 8 + (c * 7 + k) % 24, "temperature": 0,
+                "ignore_eos": True}
+        text, reasons, tokens = "", [], 0
+        async with client.stream("POST", "/v1/completions", json={**body, "stream": True,
+                                                                   "stream_options": {"include_usage": True}}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                if chunk["choices"]:
+                    text += chunk["choices"][0]["text"]
+                    reasons += [chunk["choices"][0]["finish_reason"]] if chunk["choices"][0]["finish_reason"] else []
+                else:
+                    tokens = chunk["usage"]["completion_tokens"]
+        plain = (await client.post("/v1/completions", json=body)).json()
+        assert text == plain["choices"][0]["text"], (prompt, text, plain)
+        assert reasons == ["length"] and tokens == body["max_tokens"] == plain["usage"]["completion_tokens"]
+        return 1
+
+    async def client_loop(c):
+        async with httpx.AsyncClient(base_url=live.url, timeout=120) as client:
+            return sum([await one(client, c, k) for k in range(per_client)])
+
+    async def main():
+        return await asyncio.gather(*(client_loop(c) for c in range(clients)))
+
+    errors_before = sum(v for k, v in live.metrics().items() if k.startswith("jpa_http_errors_total"))
+    assert sum(asyncio.run(asyncio.wait_for(main(), timeout=300))) == clients * per_client
+    m = live.wait_idle()
+    assert m["jpa_kv_pages_used"] == 0 and m["jpa_kv_pool_whole"] == 1
+    assert sum(v for k, v in m.items() if k.startswith("jpa_http_errors_total")) == errors_before
+    assert httpx.get(f"{live.url}/health").json() == {"status": "ok"}
+
+
+# ---------------------------------------------------------------------- the script
+
+def test_serve_script_bad_flags():
+    for args, msg in ((["--port", "70000"], "--port must be in"), (["--model", "nope"], "--model 'nope' is unknown"),
+                      (["--max-seqs", "0"], "--max-seqs must be >= 1")):
+        r = subprocess.run([sys.executable, "scripts/serve.py", *args], cwd=ROOT, capture_output=True, text=True,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+        assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and msg in r.stderr, r.stderr
+
+
+def test_serve_script_end_to_end(tmp_path):
+    """`scripts/serve.py --port 0` on loopback: serves a request, stops cleanly on SIGTERM."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JPA_CACHE_DIR": str(tmp_path), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen([sys.executable, "scripts/serve.py", "--model", "tiny-llama", "--port", "0",
+                             "--max-model-len", "128", "--num-pages", "64", "--no-warmup"],
+                            cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        url = None
+        for line in proc.stderr:
+            m = re.search(r"serving 'tiny-llama' on (http://127\.0\.0\.1:\d+)", line)
+            if m:
+                url = m.group(1)
+                break
+        assert url, "the server did not say where it listens"
+        r = httpx.post(f"{url}/v1/completions", json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 3},
+                       timeout=120)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert "server stopped" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
