@@ -44,6 +44,8 @@ def parse_args(argv=None):
     ap.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + completion")
     ap.add_argument("--steps-per-call", type=int, default=4, help="decode steps per engine round (tokens "
                     "stream once per round: fewer = smoother streaming, more = higher throughput)")
+    ap.add_argument("--max-prefill-tokens", type=int, default=2048, help="padded prompt tokens (rows x width) "
+                    "per prefill call; each (rows, width) bucket met compiles once")
     ap.add_argument("--max-waiting", type=int, default=256, help="most requests waiting for a slot; beyond "
                     "it new requests get 503 with Retry-After")
     ap.add_argument("--max-n", type=int, default=16, help="largest `n` (choices per request)")
@@ -58,7 +60,8 @@ def parse_args(argv=None):
 
 
 def check_args(args):
-    for name in ("page_size", "max_seqs", "max_model_len", "steps_per_call", "max_waiting", "max_n"):
+    for name in ("page_size", "max_seqs", "max_model_len", "steps_per_call", "max_prefill_tokens", "max_waiting",
+                 "max_n"):
         v = getattr(args, name)
         if v < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1; got {v}")
@@ -130,7 +133,7 @@ def run(args, sock):
     try:
         config = EngineConfig(max_seqs=args.max_seqs, page_size=args.page_size, num_pages=args.num_pages,
                               kv_memory_bytes=int(args.kv_memory * 2 ** 20), max_model_len=args.max_model_len,
-                              steps_per_call=args.steps_per_call)
+                              steps_per_call=args.steps_per_call, max_prefill_tokens=args.max_prefill_tokens)
         gpt, tok = models.load(args.model, dtype=jnp.dtype(dtype))
         engine = LLMEngine(models.GPTForEngine(gpt), tok, config)
     except ValueError as e:

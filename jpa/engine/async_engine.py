@@ -63,6 +63,8 @@ class Snapshot:
       last_abort_rounds: rounds that ran between the latest abort's arrival and the release of
         its pages (0 or 1: aborts are applied before the next round); -1 before any abort.
       alive: the engine thread is running.
+      compilations / compile_seconds: programs the engine compiled so far (decode loop + one per
+        prefill shape) and the time it took (a server compiles a new prefill shape on first use).
     """
     num_running: int = 0
     num_waiting: int = 0
@@ -75,6 +77,8 @@ class Snapshot:
     pool_whole: bool | None = True
     last_abort_rounds: int = -1
     alive: bool = False
+    compilations: int = 0
+    compile_seconds: float = 0.0
 
 
 @dataclasses.dataclass
@@ -335,7 +339,9 @@ class AsyncEngine:
             pages_used=eng.num_pages - eng.scheduler.free_pages, rounds=self._rounds,
             prompt_tokens=self._prompt_tokens, generation_tokens=self._generation_tokens, tokens_per_s=rate,
             pool_whole=eng.pool_is_whole() if idle else None, last_abort_rounds=self._last_abort_rounds,
-            alive=self.alive and not self._stopping)
+            alive=self.alive and not self._stopping,
+            compilations=eng.runner.decode_traces + eng.runner.prefill_traces,
+            compile_seconds=eng.runner.compile_seconds)
 
     def _recover(self, e: Exception) -> None:
         log.error("engine round failed; failing the requests in flight:\n%s", traceback.format_exc())

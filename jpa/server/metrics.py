@@ -41,7 +41,10 @@ class _EngineCollector:
             yield g
         for name, doc, value in (("jpa_engine_rounds", "engine rounds (step calls)", s.rounds),
                                  ("jpa_prompt_tokens", "prompt tokens accepted by the engine", s.prompt_tokens),
-                                 ("jpa_generation_tokens", "tokens generated", s.generation_tokens)):
+                                 ("jpa_generation_tokens", "tokens generated", s.generation_tokens),
+                                 ("jpa_compilations", "programs compiled (decode loop, prefill shapes)",
+                                  s.compilations),
+                                 ("jpa_compile_seconds", "time spent compiling", s.compile_seconds)):
             c = CounterMetricFamily(name, doc)
             c.add_metric([], float(value))
             yield c
