@@ -245,7 +245,7 @@ def plot(results, path):
         ax.set_ylabel("ms")
         ax.set_yscale("log")
         ax.set_title(title)
-        ax.legend()
+        ax.legend(fontsize=8, loc="lower right" if key == "tpot_ms" else "upper left")
         ax.grid(True, which="both", alpha=0.3)
     ax = axes[2]
     ax.plot(rates, [r["output_throughput"] for r in results], "o-", label="output tokens/s")

@@ -24,6 +24,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jpa.engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded, RequestGroup
@@ -152,7 +153,6 @@ class _API:
     def _params(self, body, prompts: list[list[int]], max_tokens: int | None, default_max: int | None):
         """[(prompt ids, SamplingParams)] for every choice: prompt-major, n per prompt."""
         check_unsupported(body)
-        self.check_model(body.model)
         if body.n > self.max_n:
             raise APIError(400, f"'n' must be <= {self.max_n}; got {body.n}", param="n")
         if len(prompts) * body.n > self.engine.max_waiting:
@@ -196,12 +196,14 @@ class _API:
     # ------------------------------------------------------------------ endpoints
 
     async def completions(self, body: CompletionRequest, request: Request):
+        self.check_model(body.model)
         prompts = self._prompts(body.prompt)
         reqs = self._params(body, prompts, body.max_tokens, 16)
         fmt = _CompletionFormat(self, body)
         return await self._serve(body, reqs, len(prompts), fmt, request)
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
+        self.check_model(body.model)
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise APIError(400, "give 'max_tokens' or 'max_completion_tokens', not both", param="max_tokens")
         try:
@@ -219,8 +221,10 @@ class _API:
         timing = Timing(self.metrics, group.arrival)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
+            # The background task runs after the stream ends, however it ends: if the client left
+            # before the first chunk (the generator never started), this is what aborts the requests.
             return StreamingResponse(self._stream(group, fmt, timing, prompt_tokens, include_usage),
-                                     media_type="text/event-stream",
+                                     media_type="text/event-stream", background=BackgroundTask(group.abort),
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         results = await self._collect(group, timing, request)
         if results is None:  # the client went away; nobody reads this
