@@ -24,6 +24,8 @@ import pytest
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("fastapi")
+pytest.importorskip("prometheus_client")
 
 import models  # noqa: E402
 from jpa.engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams  # noqa: E402
@@ -437,11 +439,16 @@ def test_load_streamed_equals_non_streamed(live):
 # ---------------------------------------------------------------------- the script
 
 def test_serve_script_bad_flags():
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
     for args, msg in ((["--port", "70000"], "--port must be in"), (["--model", "nope"], "--model 'nope' is unknown"),
-                      (["--max-seqs", "0"], "--max-seqs must be >= 1")):
+                      (["--max-seqs", "0"], "--max-seqs must be >= 1"),
+                      (["--model", "tiny-llama", "--port", str(busy.getsockname()[1])], "Address already in use")):
         r = subprocess.run([sys.executable, "scripts/serve.py", *args], cwd=ROOT, capture_output=True, text=True,
                            env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
         assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and msg in r.stderr, r.stderr
+    busy.close()
 
 
 def test_serve_script_end_to_end(tmp_path):
