@@ -31,6 +31,7 @@ class GPTForEngine:
         model = nnx.merge(self.graphdef, params)
         return prefill(model, cache, tokens, start, chunk_lens, slot_mapping, block_tables)
 
-    def decode(self, params, cache, tokens, seq_lens, slot_mapping, block_tables):
+    def decode(self, params, cache, tokens, seq_lens, slot_mapping, block_tables, *, impl="auto"):
         model = nnx.merge(self.graphdef, params)
-        return decode(model, cache, tokens, seq_lens, slot_mapping, block_tables, **self.decode_options)
+        return decode(model, cache, tokens, seq_lens, slot_mapping, block_tables, impl=impl,
+                      **self.decode_options)

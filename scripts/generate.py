@@ -68,6 +68,9 @@ def parse_args(argv=None):
     ap.add_argument("--max-seqs", type=int, default=16, help="sequences decoded together")
     ap.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + completion")
     ap.add_argument("--steps-per-call", type=int, default=8, help="decode steps per host round trip")
+    ap.add_argument("--attention", choices=["auto", "xla", "triton", "mosaic"], default="auto",
+                    help="decode attention backend (default auto: the Pallas kernel for the GPU the step is "
+                         "compiled for, after a one-time self-check; plain JAX elsewhere)")
     ap.add_argument("--json", action="store_true", help="JSON lines on stdout")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--no-compile-cache", action="store_true", help="do not use JAX's persistent "
@@ -177,7 +180,7 @@ def run(args):
     try:
         config = EngineConfig(max_seqs=args.max_seqs, page_size=args.page_size, num_pages=args.num_pages,
                               kv_memory_bytes=int(args.kv_memory * 2 ** 20), max_model_len=args.max_model_len,
-                              steps_per_call=args.steps_per_call)
+                              steps_per_call=args.steps_per_call, attention_impl=args.attention)
     except ValueError as e:
         raise UsageError(str(e)) from None
     gpt, tok = models.load(args.model, dtype=jnp.dtype(dtype))
@@ -228,7 +231,7 @@ def run(args):
           f"{fmt(100 * s['host_overhead'], '.1f')}% of decode time)\n"
           f"[jpa] pages used at peak {s['peak_pages_used']}/{s['num_pages']} | KV utilization "
           f"{fmt(100 * s['kv_utilization'], '.1f')}% (tokens stored / slots allocated) | "
-          f"preemptions {s['preemptions']} | compile {s['compile_seconds']:.1f} s "
+          f"preemptions {s['preemptions']} | attention {s['attention']} | compile {s['compile_seconds']:.1f} s "
           f"(decode step compiled {s['decode_compiles']}x, prefill {s['prefill_compiles']} shapes)"
           f" | pool whole after run: {engine.pool_is_whole()}", file=sys.stderr)
     return 1 if failed else 0

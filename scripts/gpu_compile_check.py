@@ -182,7 +182,7 @@ class Compiler:
         return jax.tree_util.tree_map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.sharding), tree)
 
-    def compile(self, name, fn, args, *, donate_argnums=(), pool_shapes=(), kwargs=None) -> dict:
+    def compile(self, name, fn, args, *, donate_argnums=(), pool_shapes=(), kwargs=None, keep_hlo=False) -> dict:
         """Compiles fn(*args) for the target. pool_shapes: [(shape, dtype)] of the page pools."""
         rec = dict(name=name, target=self.target, ok=False)
         pool_types = {hlo_type(s, d) for s, d in pool_shapes}
@@ -237,6 +237,8 @@ class Compiler:
             rec["spills"] = spills  # reported, not a failure: ptxas still produced a kernel
         rec["problems"] = problems
         rec["ok"] = not problems
+        if keep_hlo:
+            rec["hlo"] = hlo
         return rec
 
 
@@ -384,47 +386,49 @@ def engine_steps(pool_gib: float = 1.5, max_seqs: int = 64, page_size: int = 16,
                  steps_per_call: int = 8, prefill_rows: int = 8, prefill_width: int = 256):
     """[(name, fn, args, donate_argnums, pool shapes)] of the engine's decode loop and a prefill call.
 
-    The model is abstract (nnx.eval_shape): no weights are read or allocated, so this runs
-    without the model package.
+    The model and the engine's state are abstract (nnx.eval_shape; a runner with allocate=False):
+    no weights are read and no pool is allocated, so this runs without the model package.
     """
     from flax import nnx
 
-    from jpa.cache import CacheConfig, KVCache
-    from jpa.engine.runner import ModelRunner
-    from models import GPT, PRESETS
+    from jpa.cache import CacheConfig
+    from jpa.engine.runner import DONATE, ModelRunner
+    from models import GPT, PRESETS, GPTForEngine
 
     config = PRESETS["smollm2-135m"]
-    model = nnx.eval_shape(lambda: GPT(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    model = GPTForEngine(nnx.eval_shape(lambda: GPT(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))
     cache_cfg = CacheConfig.from_memory(int(pool_gib * 2 ** 30), num_layers=config.num_layers,
                                         num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
                                         page_size=page_size, dtype="bfloat16")
-    runner = ModelRunner.abstract(model, cache_cfg, max_seqs=max_seqs, pages_per_seq=max_model_len // page_size,
-                                  steps_per_call=steps_per_call, stop_ids=(config.eos_token_id,))
+    runner = ModelRunner(model, cache_cfg, max_seqs=max_seqs, pages_per_seq=max_model_len // page_size,
+                         steps_per_call=steps_per_call, stop_ids=(config.eos_token_id,), allocate=False)
     pool = ((config.num_kv_heads, cache_cfg.num_pages, page_size, config.head_dim), "bfloat16")
     pools = [pool] * (2 * config.num_layers)
-    return runner, [
-        ("engine decode loop (SmolLM2 bf16, %d seqs, %d pages)" % (max_seqs, cache_cfg.num_pages),
-         runner.decode_fn, runner.decode_args(), runner.DONATE, pools),
-        ("engine prefill (SmolLM2 bf16, %dx%d tokens)" % (prefill_rows, prefill_width),
-         runner.prefill_fn, runner.prefill_args(prefill_rows, prefill_width), runner.DONATE, pools),
+    return [
+        (f"engine decode loop (SmolLM2 bf16, {max_seqs} seqs, {steps_per_call} steps, {cache_cfg.num_pages} pages)",
+         runner._decode_impl, runner.state(), DONATE, pools, config.num_layers),
+        (f"engine prefill (SmolLM2 bf16, {prefill_rows}x{prefill_width} tokens, {cache_cfg.num_pages} pages)",
+         runner._prefill_impl, runner.state() + runner.prefill_inputs(prefill_rows, prefill_width), DONATE,
+         pools, 0),
     ]
 
 
 def check_engine(compiler: Compiler, log=print, **sizes) -> list:
-    runner, steps = engine_steps(**sizes)
+    """Compiles the engine's steps with impl="auto": the decode loop must hold the target's kernel
+    (Mosaic on an H100, Triton on an A100) once per layer."""
+    from jpa.engine.runner import attention_in
     records = []
-    for name, fn, args, donate, pools in steps:
-        with jax.sharding.use_abstract_mesh(compiler.mesh):
-            impl = runner.resolve_attention_impl()  # what impl="auto" picks for this target
-        rec = compiler.compile(name, fn, args, donate_argnums=donate, pool_shapes=pools)
-        rec.update(kind="engine", attention=impl)
-        if rec["ok"] and "decode" in name:
-            want = {"mosaic": "mosaic_calls", "triton": "triton_calls"}.get(impl)
-            n = rec[want] if want else rec["triton_calls"] + rec["mosaic_calls"]
-            expected = runner.num_layers if want else 0
-            if n != expected:
+    expected = "mosaic" if TARGETS[compiler.target]["cc"][0] == 9 else "triton"
+    for name, fn, args, donate, pools, kernel_calls in engine_steps(**sizes):
+        rec = compiler.compile(name, fn, args, donate_argnums=donate, pool_shapes=pools, keep_hlo=True)
+        hlo = rec.pop("hlo", "")
+        rec.update(kind="engine", attention=attention_in(hlo) if kernel_calls else None)
+        if rec["ok"] and kernel_calls:
+            n = rec[f"{expected}_calls"]
+            if rec["attention"] != expected or n != kernel_calls:
                 rec["ok"] = False
-                rec["problems"].append(f"expected {expected} {impl} kernel calls in the decode loop, found {n}")
+                rec["problems"].append(f"expected {kernel_calls} {expected} kernel calls in the decode loop; "
+                                       f"found attention {rec['attention']} with {n}")
         records.append(rec)
         log(_line(rec))
     return records

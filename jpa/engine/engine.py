@@ -29,6 +29,9 @@ from jpa.engine.sampling import SamplingParams
 from jpa.engine.scheduler import PrefillBatch, Progress, Scheduler
 
 
+ATTENTION_IMPLS = ("auto", "xla", "triton", "mosaic")
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Engine sizes and policies (hashable).
@@ -44,6 +47,10 @@ class EngineConfig:
         requests can grow before anyone is preempted.
       max_prefill_tokens: padded tokens (rows x width) per prefill call.
       cache_dtype: KV cache dtype; None = the model's dtype.
+      attention_impl: decode attention backend ("auto", "xla", "triton", "mosaic"); "auto" picks
+        the Pallas kernel for the GPU the decode loop is compiled for, after a one-time
+        self-check at the loop's exact shapes, and the plain-JAX path elsewhere. The summary's
+        "attention" field says what the compiled loop runs.
     """
     max_seqs: int = 16
     page_size: int = 16
@@ -54,6 +61,7 @@ class EngineConfig:
     watermark: float = 0.01
     max_prefill_tokens: int = 2048
     cache_dtype: str | None = None
+    attention_impl: str = "auto"
 
     def __post_init__(self):
         for name in ("max_seqs", "page_size", "steps_per_call", "max_prefill_tokens"):
@@ -68,6 +76,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.kv_memory_bytes must be an int >= 1; got {self.kv_memory_bytes!r}")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"EngineConfig.watermark must be in [0, 1); got {self.watermark!r}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"EngineConfig.attention_impl must be one of {ATTENTION_IMPLS}; "
+                             f"got {self.attention_impl!r}")
 
 
 @dataclasses.dataclass
@@ -132,7 +143,8 @@ class LLMEngine:
         self.stop_ids = frozenset(i for i in stop_ids if i is not None)
         self.runner = ModelRunner(model, self.cache_config, max_seqs=config.max_seqs,
                                   pages_per_seq=self.pages_per_seq,
-                                  steps_per_call=config.steps_per_call, stop_ids=self.stop_ids)
+                                  steps_per_call=config.steps_per_call, stop_ids=self.stop_ids,
+                                  attention_impl=config.attention_impl)
         self.scheduler = Scheduler(
             max_seqs=config.max_seqs, page_size=config.page_size, num_pages=self.num_pages,
             max_model_len=self.max_model_len, steps_per_call=config.steps_per_call,
@@ -382,4 +394,5 @@ class LLMEngine:
             "kv_utilization": s.kv_utilization,
             "preemptions": s.preemptions,
             "kv_cache": self.cache_config.describe(),
+            "attention": self.runner.attention,  # what the compiled decode loop runs (None before)
         }

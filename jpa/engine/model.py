@@ -7,13 +7,14 @@ closed over, so weights are not baked into the executable as constants) and the 
 
 from typing import Any, Protocol, runtime_checkable
 
-SIZE_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "vocab_size", "max_seq_len")
+SIZE_FIELDS = ("num_layers", "num_q_heads", "num_kv_heads", "head_dim", "vocab_size", "max_seq_len")
 
 
 @runtime_checkable
 class ModelSizes(Protocol):
     """The sizes the engine reads off a model's config (all ints >= 1)."""
     num_layers: int
+    num_q_heads: int
     num_kv_heads: int
     head_dim: int
     vocab_size: int
@@ -53,7 +54,7 @@ class EngineModel(Protocol):
           (f32[num_seqs, vocab_size] logits at each row's last valid token, the updated cache).
         """
 
-    def decode(self, params, cache, tokens, seq_lens, slot_mapping, block_tables):
+    def decode(self, params, cache, tokens, seq_lens, slot_mapping, block_tables, *, impl="auto"):
         """One new token per sequence: write its K/V first, then attend over seq_lens tokens.
 
         Args:
@@ -63,6 +64,7 @@ class EngineModel(Protocol):
           seq_lens: i32[num_seqs]; tokens in the cache including the new one (0 = idle slot).
           slot_mapping: i32[num_seqs]; cache slot of the new token (-1 = idle slot).
           block_tables: i32[num_seqs, pages_per_seq].
+          impl: the `jpa.paged_decode` implementation to use ("auto", "xla", "triton", "mosaic").
 
         Returns:
           (f32[num_seqs, vocab_size] logits, the updated cache).

@@ -13,6 +13,12 @@ page count and seq_lens: the scheduler's only source of page counts.
 The model is anything that meets `jpa.engine.model.EngineModel`; its params are an argument of
 every compiled function (never a closed-over constant) and the cache, page state and slots are
 donated.
+
+Attention backend: the decode loop passes `attention_impl` to the model's decode. With "auto",
+`jpa.paged_decode` picks the kernel for the device the loop is compiled for while the loop is
+traced, with the loop's exact shapes (the self-check runs concretely then, once per
+configuration). What was picked is read off the compiled program (`attention`), so the summary
+reports what actually runs.
 """
 
 import dataclasses
@@ -72,18 +78,37 @@ def _finished(slots, next_tok, seq_lens, stop_ids):
     return is_stop | (slots.num_generated >= slots.max_new) | (seq_lens + 1 >= slots.max_len)
 
 
+# Custom-call targets of the Pallas GPU kernels in a compiled program's HLO.
+KERNEL_CALLS = (("mosaic", 'custom_call_target="mosaic_gpu'), ("triton", 'custom_call_target="__gpu$xla.gpu.triton"'))
+DONATE = (1, 2, 3)  # cache, page state, slots: updated in place by every compiled call
+
+
+def attention_in(hlo_text: str) -> str:
+    """Which attention implementation a compiled program runs: "mosaic", "triton" or "xla"."""
+    return next((name for name, call in KERNEL_CALLS if call in hlo_text), "xla")
+
+
 class ModelRunner:
-    """Owns the device state of one engine and the compiled functions that advance it."""
+    """Owns the device state of one engine and the compiled functions that advance it.
+
+    With `allocate=False` the state is abstract (`jax.ShapeDtypeStruct`s, nothing allocated): such
+    a runner only serves `state()` and the traced `_decode_impl`/`_prefill_impl`, e.g. to compile
+    the engine's steps for a GPU that is not attached (scripts/gpu_compile_check.py).
+    """
 
     def __init__(self, model: EngineModel, cache_config: CacheConfig, *, max_seqs: int, pages_per_seq: int,
-                 steps_per_call: int, stop_ids):
+                 steps_per_call: int, stop_ids, attention_impl: str = "auto", allocate: bool = True):
         check_model(model)
         self.model, self.params = model, model.params
         self.cache_config = cache_config
         self.max_seqs, self.pages_per_seq, self.steps_per_call = max_seqs, pages_per_seq, steps_per_call
-        self.cache = KVCache.create(cache_config)
-        self.page_state = pages.init(cache_config.num_pages, max_seqs, pages_per_seq, cache_config.page_size)
-        self.slots = Slots.empty(max_seqs)
+        self.attention_impl = attention_impl
+        self.attention = None  # the implementation in the compiled decode loop, once compiled
+        make = lambda f: f() if allocate else jax.eval_shape(f)  # noqa: E731
+        self.cache = make(lambda: KVCache.create(cache_config))
+        self.page_state = make(lambda: pages.init(cache_config.num_pages, max_seqs, pages_per_seq,
+                                                  cache_config.page_size))
+        self.slots = make(lambda: Slots.empty(max_seqs))
         self.stop_ids = jnp.asarray(sorted(set(stop_ids)) or [-1], jnp.int32)
         self.decode_traces = 0
         self.prefill_traces = 0
@@ -137,7 +162,8 @@ class ModelRunner:
             i, cache, ps, slots, out, nxt = carry
             ps, slot_mapping, _ = nxt
             seq_lens = jnp.where(slots.active, ps.seq_lens, 0)
-            logits, cache = self.model.decode(params, cache, slots.tokens, seq_lens, slot_mapping, ps.block_tables)
+            logits, cache = self.model.decode(params, cache, slots.tokens, seq_lens, slot_mapping, ps.block_tables,
+                                              impl=self.attention_impl)
             tok = sample(logits, slots.temperature, slots.top_k, slots.top_p, slots.seed,
                          slots.num_generated)
             act = slots.active
@@ -174,9 +200,21 @@ class ModelRunner:
 
     def _compile(self, fn, *args):
         t0 = time.perf_counter()
-        exe = jax.jit(fn, donate_argnums=(1, 2, 3)).lower(*args).compile()
+        exe = jax.jit(fn, donate_argnums=DONATE).lower(*args).compile()
         self.compile_seconds += time.perf_counter() - t0
         return exe
+
+    def state(self):
+        """(params, cache, page_state, slots): the leading arguments of every compiled call."""
+        return self.params, self.cache, self.page_state, self.slots
+
+    def prefill_inputs(self, num_rows: int, width: int):
+        """ShapeDtypeStructs of a prefill call's own inputs (tokens, seq ids, lengths, row params)."""
+        sds = jax.ShapeDtypeStruct
+        rows = {f.name: sds((num_rows,), jnp.float32 if f.name in ("temperature", "top_p")
+                            else jnp.bool_ if f.name == "ignore_eos" else jnp.int32)
+                for f in dataclasses.fields(RowParams)}
+        return (sds((num_rows, width), jnp.int32), sds((num_rows,), jnp.int32), sds((num_rows,), jnp.int32), rows)
 
     def decode(self):
         """Runs up to steps_per_call decode steps.
@@ -184,9 +222,10 @@ class ModelRunner:
         Returns (out i32[steps, max_seqs] new tokens (-1 for idle slots), free pages,
         seq_lens i32[max_seqs], active bool[max_seqs]) in one device->host transfer.
         """
-        args = (self.params, self.cache, self.page_state, self.slots)
+        args = self.state()
         if self._decode_exe is None:
             self._decode_exe = self._compile(self._decode_impl, *args)
+            self.attention = attention_in(self._decode_exe.as_text())
         self.cache, self.page_state, self.slots, out, steps, free, lens = self._decode_exe(*args)
         out, steps, free, lens, active = jax.device_get((out, steps, free, lens, self.slots.active))
         return out[: int(steps)], int(free), lens, active
