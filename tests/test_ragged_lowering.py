@@ -1,0 +1,68 @@
+"""The Triton-backend ragged kernel lowers for CUDA (abstract A100 and H100, no GPU needed) with
+the page pools reaching the Triton custom call untouched, as one kernel call per attention call.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jpa
+from jpa.pallas import triton_ragged
+from test_triton_lowering import (A100, H100, TRITON_CALL, assert_pools_untouched, lower_text,
+                                  tensor_type)
+
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+
+CONFIGS = [
+    # (device, q dtype, cache dtype, q_per_kv, head_dim, page_size, features)
+    (A100, "bfloat16", "bfloat16", 4, 128, 16, {}),
+    (A100, "float16", "int8", 3, 80, 32, dict(soft_cap=30.0, alibi=True, sliding_window=1000)),
+    (A100, "float32", "float8_e5m2", 8, 64, 8, {}),
+    (H100, "bfloat16", "float8_e4m3fn", 4, 128, 16, dict(sliding_window=4096)),
+    (H100, "bfloat16", "bfloat16", 1, 256, 128, dict(alibi=True)),
+    (H100, "float16", "float16", 16, 64, 64, dict(soft_cap=50.0)),
+]
+
+
+def _config_id(c):
+    device, q_dtype, cache_dtype, q_per_kv, head_dim, page_size, feats = c
+    return "-".join([device[0].split()[1][:4], q_dtype, cache_dtype, f"G{q_per_kv}",
+                     f"H{head_dim}", f"S{page_size}", *sorted(feats)])
+
+
+@pytest.mark.parametrize("device,q_dtype,cache_dtype,q_per_kv,head_dim,page_size,feats", CONFIGS,
+                         ids=[_config_id(c) for c in CONFIGS])
+def test_lowers_with_whole_page_pools(device, q_dtype, cache_dtype, q_per_kv, head_dim, page_size,
+                                      feats):
+    num_tokens, max_num_seqs, num_kv_heads, num_pages, pages_per_seq = 512, 64, 8, 777, 128
+    num_q_heads = num_kv_heads * q_per_kv
+    quantized = cache_dtype in ("int8", "float8_e4m3fn", "float8_e5m2")
+    pool = jax.ShapeDtypeStruct((num_kv_heads, num_pages, page_size, head_dim), cache_dtype)
+    scales = jax.ShapeDtypeStruct((num_kv_heads, num_pages, page_size), jnp.float32)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    args = [jax.ShapeDtypeStruct((num_tokens, num_q_heads, head_dim), q_dtype), pool, pool,
+            i32(max_num_seqs, pages_per_seq), i32(max_num_seqs), i32(max_num_seqs + 1), i32()]
+    if quantized:
+        args += [scales, scales]
+    if feats.get("alibi"):
+        args += [jax.ShapeDtypeStruct((num_q_heads,), jnp.float32)]
+
+    def step(q, k_pages, v_pages, tables, lens, cu, num_seqs, *rest):
+        rest = list(rest)
+        k_scales, v_scales = (rest.pop(0), rest.pop(0)) if quantized else (None, None)
+        slopes = rest.pop(0) if feats.get("alibi") else None
+        return jpa.ragged_paged_attention(
+            q, k_pages, v_pages, tables, lens, cu, num_seqs, k_scales=k_scales, v_scales=v_scales,
+            alibi_slopes=slopes, soft_cap=feats.get("soft_cap"),
+            sliding_window=feats.get("sliding_window"), impl="triton")
+
+    text = lower_text(step, args, device)
+    calls = [line for line in text.splitlines() if TRITON_CALL in line]
+    assert len(calls) == 1, f"expected one Triton custom call, found {len(calls)}"
+    assert_pools_untouched(text, tensor_type(pool.shape, cache_dtype))
+    # The grid is (tile slots, kv heads), sized from the static shapes only.
+    p = triton_ragged.plan(num_tokens, max_num_seqs, q_per_kv, head_dim, page_size, pages_per_seq)
+    assert int(re.search(r"grid_x = (\d+)", calls[0]).group(1)) == p.num_tiles
+    assert int(re.search(r"grid_y = (\d+)", calls[0]).group(1)) == num_kv_heads
