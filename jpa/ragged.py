@@ -59,7 +59,7 @@ def ragged_spec(q, k_pages, block_tables, *, soft_cap, alibi_slopes, sliding_win
         q_dtype=np.dtype(q.dtype).name, cache_dtype=np.dtype(k_pages.dtype).name,
         num_tokens=q.shape[0], max_num_seqs=block_tables.shape[0], num_q_heads=q.shape[1],
         num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
-        pages_per_seq=block_tables.shape[1], soft_cap=soft_cap is not None,
+        pages_per_seq=block_tables.shape[1], num_pages=k_pages.shape[1], soft_cap=soft_cap is not None,
         alibi=alibi_slopes is not None, sliding_window=sliding_window is not None,
         quantized=is_quantized(k_pages.dtype))
 
@@ -237,29 +237,33 @@ def kernel_module(impl: str):
     return importlib.import_module(KERNEL_MODULES[impl])
 
 
-def unsupported_reason(impl: str, spec: RaggedSpec) -> str | None:
-    """Why kernel `impl` cannot serve `spec`, or None when it can."""
+def unsupported_reason(impl: str, spec: RaggedSpec, compute_capability: float | None = None):
+    """Why kernel `impl` cannot serve `spec` on a GPU of that compute capability (None: it can;
+    compute_capability None skips device-specific limits, as in interpret mode)."""
     if impl not in KERNEL_MODULES:
         return f"there is no {impl} ragged kernel (only {sorted(KERNEL_MODULES)})"
     try:
         mod = kernel_module(impl)
     except ImportError as e:  # e.g. a JAX without the Pallas GPU backend
         return f"cannot import {KERNEL_MODULES[impl]}: {e}"
-    return mod.unsupported_reason(spec)
+    return mod.unsupported_reason(spec, compute_capability)
 
 
 def choose_impl(impl: str, spec: RaggedSpec) -> str:
-    """Resolves impl to the implementation that runs. "auto" is the Triton kernel on an NVIDIA GPU
-    of compute capability >= 8.0 when it supports spec, else "xla" (the on-device self-check that
-    `jpa.dispatch` runs for decode kernels is not wired for the ragged kernel yet)."""
+    """Resolves impl for the device being compiled for (`jpa.dispatch.current_target`): "auto" is
+    the Triton kernel on an NVIDIA GPU of compute capability >= 8.0 that it supports, else "xla".
+
+    Unlike `jpa.dispatch.choose_impl` for decode, "auto" does not yet run an on-device self-check
+    of the ragged kernel before trusting it (dispatch integration is separate work)."""
     if impl == "xla":
         return "xla"
+    target = dispatch.current_target()
+    cc = target.compute_capability if target.is_nvidia_gpu else None
     if impl != "auto":
-        reason = unsupported_reason(impl, spec)
+        reason = unsupported_reason(impl, spec, cc)
         if reason is not None:
             raise dispatch.KernelUnavailable(f"impl={impl!r} cannot serve this call: {reason}")
         return impl
-    cc = dispatch.gpu_compute_capability()
-    if cc is not None and cc >= 8.0 and unsupported_reason("triton", spec) is None:
+    if cc is not None and cc >= 8.0 and unsupported_reason("triton", spec, cc) is None:
         return "triton"
     return "xla"

@@ -210,3 +210,15 @@ def test_smem_fits_and_pages_in_flight():
     # (16.5 KiB each) + q, p, slopes + the widened K and V blocks (32 KiB).
     assert mosaic_decode.num_slots(128, 32, 2, 1) == 4
     assert mosaic_decode.smem_bytes(128, 32, 2, 1) == 4 * (16384 + 512) + 16384 + 8192 + 256 + 32768
+
+
+def test_unsupported_reason_refuses_what_does_not_lower():
+    """Pages over 256 tokens (a WGMMA N > 256) and non-Hopper targets are refused."""
+    base = DecodeSpec("bfloat16", "bfloat16", 8, 2, 32, 64, 4, False, False, False, False)
+    assert mosaic_decode.unsupported_reason(base) is None
+    assert mosaic_decode.unsupported_reason(base, 9.0) is None
+    for ps in (320, 512):
+        assert "at most 256" in mosaic_decode.unsupported_reason(base._replace(page_size=ps))
+    assert mosaic_decode.unsupported_reason(base._replace(page_size=256)) is None
+    for cc in (8.0, 8.9, 10.0, 12.0):
+        assert "Hopper" in mosaic_decode.unsupported_reason(base, cc)

@@ -66,3 +66,17 @@ def test_lowers_with_whole_page_pools(device, q_dtype, cache_dtype, q_per_kv, he
     p = triton_ragged.plan(num_tokens, max_num_seqs, q_per_kv, head_dim, page_size, pages_per_seq)
     assert int(re.search(r"grid_x = (\d+)", calls[0]).group(1)) == p.num_tiles
     assert int(re.search(r"grid_y = (\d+)", calls[0]).group(1)) == num_kv_heads
+
+
+@pytest.mark.parametrize("device", [H100, A100], ids=["H100", "A100"])
+def test_auto_picks_the_kernel_for_a_gpu_target(device):
+    """impl="auto" resolves for the device compiled for (here an abstract GPU), not the CPU host."""
+    pool = jax.ShapeDtypeStruct((2, 64, 16, 128), jnp.bfloat16)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    args = (jax.ShapeDtypeStruct((64, 8, 128), jnp.bfloat16), pool, pool, i32(8, 4), i32(8),
+            i32(9), i32())
+
+    def step(*a):
+        return jpa.ragged_paged_attention(*a, impl="auto")
+
+    assert TRITON_CALL in lower_text(step, args, device)

@@ -26,11 +26,11 @@ are widened in SMEM to q's dtype for the WGMMA (exact), and their per-token scal
 to the logits (K) and to the columns of p (V) instead of to the values.
 
 Split-K: each partition writes its unnormalized (acc, m, l); `merge_partitions` combines them.
-Rejected (see `unsupported_reason`): float32 q (WGMMA is tf32-only for f32), a 16-bit cache
-whose dtype differs from q's, q_per_kv > 64, head_dim not a multiple of 16 (32 for 8-bit
-caches: Mosaic GPU swizzles SMEM rows in 32/64/128-byte units) or > 256, page
-sizes that neither divide nor are multiples of 64, quantized pages under 32 tokens, and
-shapes whose two K/V blocks do not fit SMEM.
+Rejected (see `unsupported_reason`): targets other than Hopper (9.x), float32 q (WGMMA is
+tf32-only for f32), a 16-bit cache whose dtype differs from q's, q_per_kv > 64, head_dim not a
+multiple of 16 (32 for 8-bit caches: Mosaic GPU swizzles SMEM rows in 32/64/128-byte units) or
+> 256, page sizes that neither divide nor are multiples of 64 or exceed 256 (a block's tokens
+are a WGMMA N), quantized pages under 32 tokens, and shapes whose two K/V blocks do not fit SMEM.
 """
 
 import functools
@@ -50,6 +50,8 @@ BLOCK_Q = 64
 # Minimum key tokens per block: one WGMMA K-step of the P @ V matmul spans 64 rows comfortably
 # and fewer, larger blocks mean fewer barrier round trips per page.
 MIN_BLOCK_TOKENS = 64
+# Most key tokens per block: they are the N dimension of the Q @ K^T WGMMA, which is at most 256.
+MAX_BLOCK_TOKENS = 256
 # Blocks buffered in SMEM per program (slots - 1 in flight during each block's compute): as many
 # as fit SMEM_BUDGET, up to MAX_SLOTS. H100: 227 KiB of SMEM per block at most.
 MAX_SLOTS = 4
@@ -65,8 +67,14 @@ QUANT_MIN_PAGE_SIZE = 32
 ROW_ALIGN = 8
 
 
-def unsupported_reason(spec: DecodeSpec) -> str | None:
-    """Why this kernel cannot serve `spec`, or None when it can."""
+def unsupported_reason(spec: DecodeSpec, compute_capability: float | None = None) -> str | None:
+    """Why this kernel cannot serve `spec` on a GPU of `compute_capability`, or None when it can.
+
+    compute_capability None (interpret mode, or an unknown device) skips the device check.
+    """
+    if compute_capability is not None and not 9.0 <= compute_capability < 10.0:
+        return (f"compute capability {compute_capability} has no WGMMA: this kernel needs Hopper "
+                f"(9.x)")
     if spec.q_dtype not in SUPPORTED_DTYPES:
         return (f"q dtype {spec.q_dtype} is not supported: WGMMA has no exact float32 path "
                 f"(only tf32); use bfloat16 or float16")
@@ -87,9 +95,10 @@ def unsupported_reason(spec: DecodeSpec) -> str | None:
                 f"({ps * 4} bytes) must be a TMA of >= 128 bytes, so page_size >= "
                 f"{QUANT_MIN_PAGE_SIZE}")
     if ps < 8 or (ps < MIN_BLOCK_TOKENS and MIN_BLOCK_TOKENS % ps) or (
-            ps >= MIN_BLOCK_TOKENS and ps % MIN_BLOCK_TOKENS):
+            ps >= MIN_BLOCK_TOKENS and ps % MIN_BLOCK_TOKENS) or ps > MAX_BLOCK_TOKENS:
         return (f"page_size = {ps} is not supported: it must divide {MIN_BLOCK_TOKENS} (>= 8) "
-                f"or be a multiple of {MIN_BLOCK_TOKENS}")
+                f"or be a multiple of {MIN_BLOCK_TOKENS} up to {MAX_BLOCK_TOKENS} (a block's "
+                f"tokens are the N of the Q @ K^T WGMMA, at most 256)")
     if num_slots(spec.head_dim, ps, 2, 1 if spec.quantized else 2) == 0:
         return (f"head_dim = {spec.head_dim} with page_size = {ps} needs more than "
                 f"{SMEM_BUDGET // 1024} KiB of SMEM for two K/V blocks")

@@ -179,12 +179,14 @@ def _kernel(seq_ref, row0_ref, ntok_ref, pos0_ref, tables_ref, q_ref, k_ref, v_r
     plgpu.store(out_ref.at[tok_ix, head_ix, col_ix], out.astype(out_ref.dtype), mask=io_ok)
 
 
-def unsupported_reason(spec: RaggedSpec) -> str | None:
-    """Why this kernel cannot serve `spec` on the default device, or None when it can.
+def unsupported_reason(spec: RaggedSpec, compute_capability: float | None = None) -> str | None:
+    """Why this kernel cannot serve `spec` on a GPU of `compute_capability` (None: skip
+    device-specific limits), or None when it can.
 
-    The per-tile work is the decode kernel's (same tiles, dtypes and gathers), so the limits are
-    the decode kernel's: head_dim <= 256, float8_e4m3fn only from compute capability 8.9."""
-    return triton_decode.unsupported_reason(spec)
+    The per-step work is the decode kernel's (same key tiles, dtypes and pool gathers), so the
+    limits are the decode kernel's: head_dim <= 256, float8_e4m3fn only from compute capability
+    8.9, and no 1-byte pool that needs 64-bit offsets."""
+    return triton_decode.unsupported_reason(spec, compute_capability)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "interpret",
