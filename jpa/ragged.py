@@ -35,7 +35,7 @@ import numpy as np
 from jax import lax
 
 from jpa import dispatch
-from jpa.pallas.common import max_query_tiles, query_tiles
+from jpa.pallas.common import decode_last_rows, max_query_tiles, query_tiles
 from jpa.pallas.spec import RaggedSpec
 from jpa.prefill import _paged_prefill_xla
 from jpa.quant import FLOAT_DTYPES, is_quantized
@@ -79,18 +79,11 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, block_tables, seq_lens, cu_q
     opts = dict(scale=scale, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
                 sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales)
     num_seqs = jnp.asarray(num_seqs, jnp.int32)
-    live = jnp.arange(max_num_seqs, dtype=jnp.int32) < num_seqs  # [max_num_seqs]
-    q_lens = jnp.where(live, jnp.maximum(cu_q_lens[1:] - cu_q_lens[:-1], 0), 0)  # i32[max_num_seqs]
-    has_rows = q_lens > 0  # [max_num_seqs]
-
     # 1. Last rows: decode queries at position seq_len - 1, one batched decode call.
-    last = jnp.clip(cu_q_lens[1:] - 1, 0, num_tokens - 1)  # i32[max_num_seqs]
-    q_last = jnp.where(has_rows[:, None, None], q[last], 0)  # [max_num_seqs, N, H]
-    out_last = paged_decode_xla(q_last, k_pages, v_pages, block_tables,
-                                jnp.where(has_rows, seq_lens, 0), **opts)  # [max_num_seqs, N, H]
+    out = decode_last_rows(paged_decode_xla, q, k_pages, v_pages, block_tables, seq_lens,
+                           cu_q_lens, num_seqs, **opts)  # [T, N, H]
     # `tile` spare rows at the end let every tile write a whole [tile] slice without clamping.
-    out = jnp.zeros((num_tokens + tile, num_q_heads, head_dim), q.dtype)  # [T + tile, N, H]
-    out = out.at[jnp.where(has_rows, last, num_tokens + tile)].set(out_last, mode="drop")
+    out = jnp.pad(out, ((0, tile), (0, 0), (0, 0)))  # [T + tile, N, H]
 
     # 2. The other rows, a tile of one sequence at a time, live tiles only.
     seq, row0, ntok, pos0 = query_tiles(

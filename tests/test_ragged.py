@@ -135,6 +135,18 @@ def test_triton_small_tiles_and_xla_small_tiles():
     _check(case, ragged_paged_attention_xla(*args, **opts, tile_tokens=5), args, opts)
 
 
+def test_triton_forced_split_k():
+    """Last rows through the decode kernel split into partitions of 16 tokens (most of them past
+    a sequence's end or before its window), next to prefill tiles."""
+    case = RaggedCase((1, 60, 33, 47), q_lens=(1, 1, 30, 2), num_tokens=40, max_num_seqs=6,
+                      num_q_heads=8, num_kv_heads=2, head_dim=80, page_size=8, pages_per_seq=8,
+                      q_dtype="bfloat16", cache_dtype="int8", soft_cap=10.0, alibi=True,
+                      sliding_window=19, seed=22)
+    args, opts = make_ragged_inputs(case)
+    got = triton_ragged.ragged_paged_attention(*args, **opts, interpret=True, partition_tokens=16)
+    _check(case, got, args, opts)
+
+
 @pytest.mark.parametrize("impl", ["xla", "triton"])
 def test_by_hand(impl):
     """Page size 2, scale 1. Sequence 0 has 3 cached tokens, the last 2 are queries (positions 1, 2:

@@ -1,5 +1,6 @@
-"""The Triton-backend ragged kernel lowers for CUDA (abstract A100 and H100, no GPU needed) with
-the page pools reaching the Triton custom call untouched, as one kernel call per attention call.
+"""The Triton-backend ragged attention lowers for CUDA (abstract A100 and H100, no GPU needed) with
+the page pools reaching both Triton custom calls untouched: the decode kernel for every sequence's
+last row (split-K on long contexts) and the ragged kernel for the other rows.
 """
 
 import re
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 import jpa
-from jpa.pallas import triton_ragged
+from jpa.pallas import triton_decode, triton_ragged
 from test_triton_lowering import (A100, H100, TRITON_CALL, assert_pools_untouched, lower_text,
                                   tensor_type)
 
@@ -59,13 +60,18 @@ def test_lowers_with_whole_page_pools(device, q_dtype, cache_dtype, q_per_kv, he
             sliding_window=feats.get("sliding_window"), impl="triton")
 
     text = lower_text(step, args, device)
-    calls = [line for line in text.splitlines() if TRITON_CALL in line]
-    assert len(calls) == 1, f"expected one Triton custom call, found {len(calls)}"
     assert_pools_untouched(text, tensor_type(pool.shape, cache_dtype))
-    # The grid is (tile slots, kv heads), sized from the static shapes only.
+    calls = {re.search(r'name = "(jpa_\w+?)_', line).group(1): line
+             for line in text.splitlines() if TRITON_CALL in line}
+    assert sorted(calls) == ["jpa_paged", "jpa_ragged"], list(calls)
+    grid = {name: [int(re.search(rf"grid_{d} = (\d+)", line).group(1)) for d in "xyz"]
+            for name, line in calls.items()}
+    # Ragged kernel: (tile slots, kv heads), sized from the static shapes only.
     p = triton_ragged.plan(num_tokens, max_num_seqs, q_per_kv, head_dim, page_size, pages_per_seq)
-    assert int(re.search(r"grid_x = (\d+)", calls[0]).group(1)) == p.num_tiles
-    assert int(re.search(r"grid_y = (\d+)", calls[0]).group(1)) == num_kv_heads
+    assert grid["jpa_ragged"] == [p.num_tiles, num_kv_heads, 1]
+    # Decode kernel: (max_num_seqs, kv heads, split-K partitions as its plan says).
+    d = triton_decode.plan(max_num_seqs, num_kv_heads, q_per_kv, head_dim, page_size, pages_per_seq)
+    assert grid["jpa_paged"] == [max_num_seqs, num_kv_heads, d.num_partitions]
 
 
 @pytest.mark.parametrize("device", [H100, A100], ids=["H100", "A100"])
@@ -80,3 +86,19 @@ def test_auto_picks_the_kernel_for_a_gpu_target(device):
         return jpa.ragged_paged_attention(*a, impl="auto")
 
     assert TRITON_CALL in lower_text(step, args, device)
+
+
+def test_split_k_for_long_decode_contexts():
+    """Few sequences with long contexts: the last rows' decode kernel is split into partitions."""
+    pool = jax.ShapeDtypeStruct((2, 4096, 16, 128), jnp.bfloat16)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    args = (jax.ShapeDtypeStruct((64, 8, 128), jnp.bfloat16), pool, pool, i32(8, 2048), i32(8),
+            i32(9), i32())
+
+    def step(*a):
+        return jpa.ragged_paged_attention(*a, impl="triton")
+
+    text = lower_text(step, args, H100)
+    assert_pools_untouched(text, tensor_type(pool.shape, "bfloat16"))
+    decode = next(line for line in text.splitlines() if 'name = "jpa_paged_decode' in line)
+    assert int(re.search(r"grid_z = (\d+)", decode).group(1)) == 2048 * 16 // 1024

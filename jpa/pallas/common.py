@@ -83,3 +83,31 @@ def query_tiles(cu_q_lens, seq_lens, num_seqs, *, num_tokens, tile_tokens, num_t
     zero = jnp.zeros_like(w)
     return (jnp.where(live_tile, seq, zero), jnp.where(live_tile, row0, zero), ntok,
             jnp.where(live_tile, pos0, zero))
+
+
+def last_rows(cu_q_lens, num_seqs, *, num_tokens):
+    """Each sequence's last query row: a decode query at position seq_len - 1.
+
+    Returns:
+      (row i32[max_num_seqs], has_rows bool[max_num_seqs]): row clamped into [0, num_tokens);
+      has_rows false for sequences past num_seqs or with q_len 0.
+    """
+    max_num_seqs = cu_q_lens.shape[0] - 1
+    live = jnp.arange(max_num_seqs, dtype=jnp.int32) < num_seqs  # [max_num_seqs]
+    has_rows = live & (cu_q_lens[1:] > cu_q_lens[:-1])  # [max_num_seqs]
+    return jnp.clip(cu_q_lens[1:] - 1, 0, num_tokens - 1), has_rows
+
+
+def decode_last_rows(decode_fn, q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, num_seqs,
+                     **opts):
+    """Runs `decode_fn` (a paged_decode implementation) on every sequence's last query row.
+
+    Returns [num_tokens, num_q_heads, head_dim] in q's dtype: those rows filled, all others zero.
+    """
+    num_tokens = q.shape[0]
+    row, has_rows = last_rows(cu_q_lens, num_seqs, num_tokens=num_tokens)
+    q_last = jnp.where(has_rows[:, None, None], q[row], 0)  # [max_num_seqs, N, H]; padding may be NaN
+    out_last = decode_fn(q_last, k_pages, v_pages, block_tables, jnp.where(has_rows, seq_lens, 0),
+                         **opts)  # [max_num_seqs, N, H]
+    out = jnp.zeros(q.shape, q.dtype)  # [T, N, H]
+    return out.at[jnp.where(has_rows, row, num_tokens)].set(out_last, mode="drop")

@@ -1,33 +1,36 @@
 """Ragged paged attention (prefill chunks and decode tokens in one call), Pallas Triton backend.
 
-Grid (num_tiles, num_kv_heads). A query tile is up to `tile_tokens` consecutive query rows of ONE
-sequence; the tile -> (sequence, first row, row count, first position) map is computed in plain
-JAX inside the jitted wrapper (`jpa.pallas.common.query_tiles`: a cumsum and a search over
-i32[max_num_seqs]), so a program reads four scalars to find its work. The number of tile slots is
-static (`max_query_tiles`: enough for any mix under the token budget); slots past the live tiles
-load nothing and store nothing.
+Two kernels in one jitted program, both over the whole page pools:
+
+1. Every sequence's LAST query row is a decode query (position seq_len - 1). All of them go
+   through the decode kernel (`triton_decode`, grid (max_num_seqs, kv heads, partitions)), which
+   brings split-K for long contexts: a decode-heavy batch with few sequences still fills the GPU.
+   Slots past num_seqs have length 0 and load nothing.
+2. The other rows (the body of prefill chunks) go through this file's kernel, grid
+   (num_tiles, num_kv_heads). A query tile is up to `tile_tokens` consecutive rows of ONE
+   sequence; the tile -> (sequence, first row, row count, first position) map is computed in
+   plain JAX in the wrapper (`jpa.pallas.common.query_tiles`: a cumsum and a search over
+   i32[max_num_seqs]), so a program reads four scalars to find its work. The number of tile slots
+   is static (`max_query_tiles`: enough for any mix under the token budget); slots past the live
+   tiles load and store nothing, so a decode-only step costs this kernel only its launch.
 
 GQA is packed into the MMA rows: the tile_tokens x q_per_kv query heads that share kv head h are
 the `rows` rows of one operand (row r = token r // q_per_kv, q head h * q_per_kv + r % q_per_kv),
-so K/V of a page are loaded once for all of them. Program (w, h) then walks its sequence's keys
+so K/V of a page are loaded once for all of them. Program (w, h) walks its sequence's keys
 block_k tokens per step from the first key any of its rows may see (sliding window) to its last
 query position (causal bound), gathering each key through the block table (pages are never
-copied; the page pools are passed whole), with the online softmax of the decode kernel
-(running max m, sum l, f32 accumulator). Each row is masked causally (key pos <= its own query
-pos) and by the window; masked loads make keys outside [first key, last query pos] cost no memory
-traffic, so NaN in unused slots never reaches the result.
+copied), with the decode kernel's online softmax (running max m, sum l, f32 accumulator). Each
+row is masked causally (key pos <= its own query pos) and by the window; masked loads make keys
+outside the tile's range cost no memory traffic, so NaN in unused slots never reaches the result.
 
-The output is a zeros buffer aliased in and out of the kernel; each program scatters its live rows
-into it, so padding rows stay zero without a program of their own.
+The output buffer (zeros with the last rows scattered in) is aliased into and out of the kernel;
+each program scatters its live rows into it, so padding rows stay zero.
 
 Trade-offs (static, from shapes; lengths are data):
 - rows = 64 MMA rows (32 for head_dim > 128): a prefill tile of 64 / q_per_kv tokens reads its
-  sequence's K/V once for all of them; a decode token uses q_per_kv of the rows, which costs MMA
-  and exp work but no extra memory traffic (decode is bandwidth-bound: ~128 flop/byte at
-  rows 64, head_dim 128, below an H100's ridge point).
-- No split-K yet: a (tile, kv head) program walks its whole causal range. A decode-heavy batch
-  with few sequences and long contexts therefore leaves SMs idle (num_tiles * num_kv_heads
-  programs); `jpa.pallas.triton_decode` has split-K for that case.
+  sequence's K/V once for all of them.
+- Prefill tiles have no split-K (their parallelism comes from the tiles themselves); a chunk's
+  last row is read once more by the decode kernel (1 / num_tiles_of_the_chunk extra traffic).
 """
 
 import functools
@@ -40,7 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jpa.pallas import triton_decode
-from jpa.pallas.common import MASK_VALUE, max_query_tiles, query_tiles
+from jpa.pallas.common import MASK_VALUE, decode_last_rows, max_query_tiles, query_tiles
 from jpa.pallas.spec import RaggedSpec
 from jpa.pallas.triton_decode import MIN_BLOCK_K, TILE_ELEMENTS, _compute_dtype, _next_pow2
 
@@ -93,7 +96,7 @@ def _kernel(seq_ref, row0_ref, ntok_ref, pos0_ref, tables_ref, q_ref, k_ref, v_r
       k_ref, v_ref: [num_pages, page_size, head_dim_pad] view of kv head h's whole pool.
       ks_ref, vs_ref: f32[num_pages, page_size] views (kv head h) or None.
       slopes_ref: f32[num_q_heads] or None.
-      _out_in_ref: the zeros output buffer as an input (aliased to out_ref; unused).
+      _out_in_ref: the output buffer as an input (aliased to out_ref; unused).
       out_ref: [num_tokens, num_q_heads, head_dim_pad] view of the output.
     """
     w = pl.program_id(0)
@@ -190,10 +193,11 @@ def unsupported_reason(spec: RaggedSpec, compute_capability: float | None = None
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "interpret",
-                                             "rows"))
+                                             "rows", "partition_tokens"))
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, num_seqs, *,
                            scale, soft_cap=None, alibi_slopes=None, sliding_window=None,
-                           k_scales=None, v_scales=None, interpret=False, rows=None):
+                           k_scales=None, v_scales=None, interpret=False, rows=None,
+                           partition_tokens=None):
     """Ragged paged attention with the Triton-backend Pallas kernel. Arguments as
     `jpa.ragged_paged_attention` (already validated there).
 
@@ -207,6 +211,7 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
       scale, soft_cap, alibi_slopes, sliding_window, k_scales, v_scales: as the public function.
       interpret: run on CPU in Pallas interpret mode.
       rows: override the MMA rows per program (tests, tuning); None = `plan`.
+      partition_tokens: override the decode kernel's split-K partition size; None = its plan.
 
     Returns:
       [num_tokens, num_q_heads, head_dim] in q's dtype; zeros at padding rows.
@@ -217,9 +222,18 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
     q_per_kv = num_q_heads // num_kv_heads
     p = plan(num_tokens, max_num_seqs, q_per_kv, head_dim, page_size, pages_per_seq, rows)
     hp = p.head_dim_pad
-    tiles = query_tiles(cu_q_lens, seq_lens, jnp.asarray(num_seqs, jnp.int32),
-                        num_tokens=num_tokens, tile_tokens=p.tile_tokens,
-                        num_tiles=p.num_tiles)  # 4 x i32[num_tiles]
+    num_seqs = jnp.asarray(num_seqs, jnp.int32)
+    opts = dict(scale=scale, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
+                sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales)
+    # 1. Each sequence's last row (every decode token) through the split-K decode kernel.
+    decode = functools.partial(triton_decode.paged_decode, interpret=interpret,
+                               partition_tokens=partition_tokens)
+    out = decode_last_rows(decode, q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,
+                           num_seqs, **opts)  # [T, N, H]
+    # 2. The other rows through this file's kernel, written into the same buffer.
+    tiles = query_tiles(cu_q_lens, seq_lens, num_seqs, num_tokens=num_tokens,
+                        tile_tokens=p.tile_tokens, num_tiles=p.num_tiles,
+                        skip_last=True)  # 4 x i32[num_tiles]
     quantized = k_scales is not None
     kernel = functools.partial(
         _kernel, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
@@ -238,10 +252,9 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
         pool_spec, pool_spec,  # k_pages, v_pages: whole pools, kv head h selected by the index map
         scale_spec if quantized else None, scale_spec if quantized else None,
         whole((num_q_heads,)) if alibi_slopes is not None else None,
-        io_spec,  # the zeros output buffer
+        io_spec,  # the output buffer, last rows already filled
     ]
     slopes = alibi_slopes.astype(jnp.float32) if alibi_slopes is not None else None
-    out = jnp.zeros((num_tokens, num_q_heads, head_dim), q.dtype)  # [T, N, H]
     operands = (*tiles, block_tables, q, k_pages, v_pages, k_scales, v_scales, slopes, out)
     out_index = sum(x is not None for x in operands) - 1  # None operands are dropped
     return pl.pallas_call(
