@@ -106,7 +106,7 @@ def main():
                                    env=env, capture_output=True, text=True)
                 launch = sorted({line.split("]", 1)[1].strip()
                                  for f in glob.glob(f"{d}/*thunk_sequence*") for line in open(f)
-                                 if "jpa_ragged" in line})
+                                 if "jpa_ragged" in line or "jpa_paged_decode" in line})
             label = f"{gpu} q={cfg[0]} cache={cfg[1]} q_per_kv={cfg[2]} head_dim={cfg[3]} page={cfg[4]}"
             if r.returncode:
                 failed += 1
