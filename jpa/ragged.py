@@ -47,9 +47,9 @@ from jpa.validate import (check_cache_pair, check_dtype, check_ndim, check_optio
 # [tile_tokens * q_per_kv, keys] score block per kv head, large enough to amortize the loop on a
 # CPU, and capped at T so that small budgets do not compute padding rows.
 XLA_TILE_TOKENS = 128
-# Kernel modules behind impl="triton"/"mosaic" (each exposes `unsupported_reason(RaggedSpec)` and
-# `ragged_paged_attention` with this module's argument order).
-KERNEL_MODULES = {"triton": "jpa.pallas.triton_ragged"}
+# Kernel modules behind impl="triton"/"mosaic" (each exposes `unsupported_reason(RaggedSpec,
+# compute_capability)` and `ragged_paged_attention` with this module's argument order).
+KERNEL_MODULES = {"triton": "jpa.pallas.triton_ragged", "mosaic": "jpa.pallas.mosaic_ragged"}
 
 
 def ragged_spec(q, k_pages, block_tables, *, soft_cap, alibi_slopes, sliding_window) -> RaggedSpec:
@@ -196,10 +196,9 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
       alibi_slopes: f32[num_q_heads]; adds slope_h * (key_pos - p) to the logits (vLLM).
       sliding_window: the query at position p attends only to keys (p - sliding_window, p].
       k_scales, v_scales: f32[num_kv_heads, num_pages, page_size], required for quantized caches.
-      impl: "xla" (plain JAX), "triton" (Pallas Triton-backend kernel), or "auto": the Triton
-        kernel on an NVIDIA GPU of compute capability >= 8.0 that it supports, otherwise "xla".
-        ("mosaic" is accepted by the validation shared with paged_decode, but there is no Mosaic
-        ragged kernel yet: it raises.)
+      impl: "xla" (plain JAX), "triton" (Pallas Triton-backend kernels, sm_80+), "mosaic"
+        (Pallas Mosaic GPU kernels, Hopper), or "auto": the Triton kernels when compiling for an
+        NVIDIA GPU of compute capability >= 8.0 that they support, otherwise "xla".
       interpret: run a Pallas kernel in interpret mode (CPU); ignored by "xla".
 
     Returns:

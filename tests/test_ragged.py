@@ -1,11 +1,11 @@
-"""jpa.ragged_paged_attention (plain JAX and the Triton kernel in interpret mode) against the
+"""jpa.ragged_paged_attention (plain JAX, Triton and Mosaic GPU kernels in interpret mode) against the
 float64 NumPy oracle, the tile map, one-trace-for-every-mix, a hand-worked case and the ValueErrors.
 
 The case list is a covering design (interpret mode is slow on CPU): every page size, GQA ratio,
 head_dim, dtype and option appears at least once, and the hard shapes recur: q_len 1 next to
 prefill chunks, chunks crossing page boundaries, a chunk starting mid-page after a cached prefix,
 chunks longer than one kernel tile, num_seqs 0 / 1 / max, q_len 0 in the middle of a batch.
-JPA_RAGGED_FULL=1 adds a product grid (scripts-sized, minutes).
+JPA_RAGGED_FULL=1 adds a product grid to the Triton kernel's cases (an hour of interpret mode).
 """
 
 import itertools
@@ -20,8 +20,10 @@ import pytest
 from hypothesis import given, settings
 
 import jpa
-from jpa import dispatch
-from jpa.pallas import triton_ragged
+from jpa import dispatch, ragged
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jpa.pallas import mosaic_ragged, triton_ragged
 from jpa.pallas.common import max_query_tiles, query_tiles
 from jpa.ragged import ragged_paged_attention_xla
 from kernel_cases import RaggedCase, make_ragged_inputs, np_ragged_reference, tolerance
@@ -124,6 +126,58 @@ def test_xla_matches_oracle(case):
 def test_triton_matches_oracle(case):
     args, opts = make_ragged_inputs(case)
     got = jpa.ragged_paged_attention(*args, **opts, impl="triton", interpret=True)
+    _check(case, got, args, opts)
+
+
+BF16 = dict(q_dtype="bfloat16", cache_dtype="bfloat16")
+# Mosaic GPU (GPU interpret mode, ~5-10 s each): the shapes its WGMMA/TMA limits accept (16-bit
+# q, page sizes dividing 64 or multiples of 64, head_dim a multiple of 16, quantized pages >= 32).
+MOSAIC_CASES = [
+    # MHA (64-token tiles), page 8, decodes next to chunks crossing pages and starting mid-page.
+    RaggedCase((1, 9, 40, 20, 6), q_lens=(1, 1, 1, 7, 6), num_tokens=20, max_num_seqs=7,
+               num_q_heads=2, num_kv_heads=2, head_dim=64, page_size=8, pages_per_seq=5, **BF16),
+    # GQA 4 (16-token tiles), head_dim 128, shared page, a chunk of 3 tiles, f16, soft cap.
+    RaggedCase((17, 60, 3), q_lens=(1, 40, 3), num_tokens=48, num_q_heads=8, num_kv_heads=2,
+               head_dim=128, page_size=16, q_dtype="float16", cache_dtype="float16",
+               share_page=True, soft_cap=5.0, seed=1),
+    # q_per_kv 3 (21 tokens in 63 of the 64 rows), ALiBi and a window, head_dim 80.
+    RaggedCase((30, 1, 45), q_lens=(25, 1, 22), num_tokens=50, num_q_heads=9, num_kv_heads=3,
+               head_dim=80, alibi=True, sliding_window=13, seed=4, **BF16),
+    # int8 cache with page 32 and head_dim 128; float8_e4m3fn with page 64; a q_len 0 inside.
+    RaggedCase((0, 70, 33), q_lens=(0, 30, 2), num_tokens=40, max_num_seqs=4, num_q_heads=8,
+               num_kv_heads=2, head_dim=128, page_size=32, q_dtype="bfloat16",
+               cache_dtype="int8", seed=7),
+    RaggedCase((1, 100), q_lens=(1, 50), num_tokens=56, num_q_heads=4, num_kv_heads=1,
+               head_dim=64, page_size=64, pages_per_seq=2, q_dtype="float16",
+               cache_dtype="float8_e4m3fn", sliding_window=40, seed=8),
+    # head_dim 256; num_seqs 0.
+    RaggedCase((29, 5), q_lens=(20, 5), num_tokens=25, num_q_heads=2, num_kv_heads=1,
+               head_dim=256, page_size=16, seed=3, **BF16),
+    RaggedCase((), q_lens=(), num_tokens=8, max_num_seqs=3, seed=12, **BF16),
+]
+
+
+@pytest.mark.parametrize("case", MOSAIC_CASES, ids=str)
+def test_mosaic_matches_oracle(case):
+    args, opts = make_ragged_inputs(case)
+    spec = ragged.ragged_spec(args[0], args[1], args[3], soft_cap=opts["soft_cap"],
+                              alibi_slopes=opts["alibi_slopes"],
+                              sliding_window=opts["sliding_window"])
+    assert mosaic_ragged.unsupported_reason(spec, 9.0) is None
+    got = jpa.ragged_paged_attention(*args, **opts, impl="mosaic", interpret=True)
+    _check(case, got, args, opts)
+
+
+def test_mosaic_no_races():
+    """GPU interpret mode's race detector (every SMEM/GMEM access, TMA and barrier) over a chunk
+    whose tiles walk several blocks through the slots, next to decodes (the decode kernel)."""
+    case = RaggedCase((1, 300, 140), q_lens=(1, 20, 70), num_tokens=96, max_num_seqs=4,
+                      num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
+                      pages_per_seq=19, alibi=True, sliding_window=200, seed=30, **BF16)
+    args, opts = make_ragged_inputs(case)
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True,
+                                                                 on_race="raise")):
+        got = jax.block_until_ready(mosaic_ragged.ragged_paged_attention(*args, **opts))
     _check(case, got, args, opts)
 
 
@@ -285,7 +339,8 @@ def test_option_errors():
         jpa.ragged_paged_attention(*_args().values(), impl="cuda")
     with pytest.raises(ValueError, match=r"alibi_slopes must have num_q_heads = 4"):
         jpa.ragged_paged_attention(*_args().values(), alibi_slopes=jnp.zeros(3))
-    with pytest.raises(dispatch.KernelUnavailable, match=r"no mosaic ragged kernel"):
+    with pytest.raises(dispatch.KernelUnavailable, match=r"impl='mosaic' cannot serve this call: "
+                       r"q dtype float32 is not supported"):
         jpa.ragged_paged_attention(*_args().values(), impl="mosaic")
 
 

@@ -102,3 +102,47 @@ def test_split_k_for_long_decode_contexts():
     assert_pools_untouched(text, tensor_type(pool.shape, "bfloat16"))
     decode = next(line for line in text.splitlines() if 'name = "jpa_paged_decode' in line)
     assert int(re.search(r"grid_z = (\d+)", decode).group(1)) == 2048 * 16 // 1024
+
+
+MOSAIC_CONFIGS = [
+    # (q dtype, cache dtype, q_per_kv, head_dim, page_size, features)
+    ("bfloat16", "bfloat16", 4, 128, 16, {}),
+    ("float16", "float16", 3, 64, 8, dict(alibi=True, sliding_window=100, soft_cap=5.0)),
+    ("bfloat16", "int8", 8, 128, 32, dict(sliding_window=512)),
+    ("float16", "float8_e4m3fn", 1, 256, 64, {}),
+]
+
+
+@pytest.mark.parametrize("q_dtype,cache_dtype,q_per_kv,head_dim,page_size,feats", MOSAIC_CONFIGS,
+                         ids=lambda x: str(x))
+def test_mosaic_lowers_for_h100_with_whole_page_pools(q_dtype, cache_dtype, q_per_kv, head_dim,
+                                                      page_size, feats):
+    num_tokens, max_num_seqs, num_kv_heads, num_pages, pages_per_seq = 256, 32, 4, 300, 64
+    num_q_heads = num_kv_heads * q_per_kv
+    quantized = cache_dtype != q_dtype
+    pool = jax.ShapeDtypeStruct((num_kv_heads, num_pages, page_size, head_dim), cache_dtype)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    args = [jax.ShapeDtypeStruct((num_tokens, num_q_heads, head_dim), q_dtype), pool, pool,
+            i32(max_num_seqs, pages_per_seq), i32(max_num_seqs), i32(max_num_seqs + 1), i32(),
+            jax.ShapeDtypeStruct((num_q_heads,), jnp.float32)]
+    if quantized:
+        args += [jax.ShapeDtypeStruct((num_kv_heads, num_pages, page_size), jnp.float32)] * 2
+
+    def step(q, k_pages, v_pages, tables, lens, cu, num_seqs, slopes, *scales):
+        return jpa.ragged_paged_attention(
+            q, k_pages, v_pages, tables, lens, cu, num_seqs, impl="mosaic",
+            alibi_slopes=slopes if feats.get("alibi") else None, soft_cap=feats.get("soft_cap"),
+            sliding_window=feats.get("sliding_window"),
+            k_scales=scales[0] if quantized else None, v_scales=scales[1] if quantized else None)
+
+    text = lower_text(step, args, H100)
+    kernel_calls = [line for line in text.splitlines() if re.search(r"custom_call @mosaic_gpu", line)]
+    assert len(kernel_calls) == 2, len(kernel_calls)  # the decode kernel and the tile kernel
+    pool_t = tensor_type(pool.shape, cache_dtype)
+    for line in text.splitlines():
+        if pool_t in line:
+            assert re.search(r"func\.func|\bcall @|custom_call @mosaic_gpu|return", line), line[:200]
+    for call in kernel_calls:
+        operands = re.search(r"custom_call @mosaic_gpu\w*\(([^)]*)\)", call).group(1).split(", ")
+        assert all(re.fullmatch(r"%arg\d+", o) for o in operands[1:3]), operands
+        assert call.count(pool_t) >= 2
