@@ -177,7 +177,8 @@ def test_mosaic_no_races():
     args, opts = make_ragged_inputs(case)
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True,
                                                                  on_race="raise")):
-        got = jax.block_until_ready(mosaic_ragged.ragged_paged_attention(*args, **opts))
+        got = jax.block_until_ready(mosaic_ragged.ragged_paged_attention(*args, **opts,
+                                                                         interpret=True))
     _check(case, got, args, opts)
 
 

@@ -13,7 +13,8 @@ The same split as `triton_ragged`, in one jitted program over the whole page poo
 Program (w, h) walks its sequence's keys a block (>= 64 tokens, whole pages, each copied GMEM ->
 SMEM by its own TMA through the block table) at a time from the first key any row may see (sliding
 window) to its last query position, with `mosaic_decode`'s buffering (`slots` blocks, slots - 1 in
-flight), dtype widening for 8-bit caches and online softmax. Each row is masked causally and by
+flight), dtype widening for 8-bit caches, online softmax and in-place P @ V accumulation (GPU
+interpret mode: the same math through SMEM, as in mosaic_decode). Each row is masked causally and by
 the window on the WGMMA-layout registers; as some rows may see no key of a block, masked p are
 zeroed explicitly. V rows outside the tile's key range are zeroed in SMEM (0 * NaN is NaN).
 
@@ -56,12 +57,14 @@ def tile_tokens(q_per_kv: int) -> int:
 
 def _kernel(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref, pos0_ref, slopes_ref,
             ks_ref, vs_ref, out_ref, bars, *, scale, soft_cap, sliding_window, q_per_kv,
-            page_size, block_pages, slots, rows_per_head):
+            page_size, block_pages, slots, rows_per_head, register_acc):
     # q_ref [K * rows_per_head, H]: kv head h's rows start at h * rows_per_head, token t's
     #   q_per_kv heads at + t * q_per_kv (rows_per_head = T * q_per_kv + BLOCK_Q, padded).
     # k_ref, v_ref [K, P, S_p, H]; tables_ref i32[max_num_seqs, pages_per_seq];
     # seq_ref, row0_ref, ntok_ref, pos0_ref i32[num_tiles]; slopes_ref f32[K, BLOCK_Q] or None;
     # ks_ref, vs_ref f32[K, P, S_p] or None; out_ref [num_tiles, K, BLOCK_Q, H] in q's dtype.
+    # register_acc: as in mosaic_decode, the hardware path (P @ V accumulated in place, p a
+    # register operand); False in GPU interpret mode (p through SMEM, a fresh accumulator added).
     q_bar, k_bars, v_bars = bars
     w = lax.axis_index("tile")
     kh = lax.axis_index("kv_head")
@@ -84,7 +87,7 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref, pos0_r
     def main_loop(q_smem, k_smem, v_smem, p_smem, slopes_smem, kd_smem, vd_smem, ks_smem,
                   vs_smem):
         # As in mosaic_decode: q_smem [BLOCK_Q, H]; k_smem, v_smem [slots, S, H]; p_smem
-        # [BLOCK_Q, S]; slopes_smem f32[BLOCK_Q] or None; quantized: kd/vd_smem [S, H] in q's
+        # [BLOCK_Q, S] (interpret mode only, else None); slopes_smem f32[BLOCK_Q] or None; quantized: kd/vd_smem [S, H] in q's
         # dtype, ks/vs_smem f32[slots, S]. S = block_tokens.
         plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(kh * rows_per_head + row0 * q_per_kv, BLOCK_Q)],
                                 q_smem, q_bar.at[0])
@@ -168,7 +171,8 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref, pos0_r
             if quantized:
                 v_scale = plgpu.load(vs_smem.at[slot], layout=col_layout)  # f32[S]
                 p = jnp.where(vis, p * lax.broadcast_in_dim(v_scale, p.shape, [1]), 0.0)
-            p_smem[...] = p.astype(dtype)
+            if not register_acc:
+                p_smem[...] = p.astype(dtype)  # interpret mode: SMEM operands only
             if quantized:
                 tok = block_start + plgpu.broadcasted_iota(
                     jnp.int32, (block_tokens, head_dim), 0, layout=plgpu.Layout.WGMMA)
@@ -187,13 +191,21 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref, pos0_r
                         jnp.int32, (block_tokens, head_dim), 0, layout=plgpu.Layout.WGMMA)
                     vs[...] = jnp.where((tok < kv_end) & (tok >= kv_lo), vs[...],
                                         jnp.zeros((), dtype))
+                    if register_acc:
+                        plgpu.commit_smem()  # only blocks that were rewritten need the fence
 
-            plgpu.commit_smem()
+            if quantized or not register_acc:
+                plgpu.commit_smem()  # register stores to SMEM -> visible to the WGMMA
 
-            def pv(pv_ref):
-                plgpu.wgmma(pv_ref, p_smem, v_op)
-                return pv_ref[...]
-            acc = acc + pl.run_scoped(pv, plgpu.ACC((BLOCK_Q, head_dim), jnp.float32))
+            if register_acc:
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p.astype(dtype), v_op)
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            else:
+                def pv(pv_ref):
+                    plgpu.wgmma(pv_ref, p_smem, v_op)
+                    return pv_ref[...]
+                acc = acc + pl.run_scoped(pv, plgpu.ACC((BLOCK_Q, head_dim), jnp.float32))
             return acc, m_new, l, nxt_pages
 
         init = (
@@ -215,7 +227,7 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref, pos0_r
         plgpu.SMEM((BLOCK_Q, head_dim), dtype, transforms=transforms),
         plgpu.SMEM((slots, block_tokens, head_dim), k_ref.dtype, transforms=cache_transforms),
         plgpu.SMEM((slots, block_tokens, head_dim), k_ref.dtype, transforms=cache_transforms),
-        plgpu.SMEM((BLOCK_Q, block_tokens), dtype, transforms=transforms),
+        None if register_acc else plgpu.SMEM((BLOCK_Q, block_tokens), dtype, transforms=transforms),
         plgpu.SMEM((BLOCK_Q,), jnp.float32) if slopes_ref is not None else None,
         plgpu.SMEM((block_tokens, head_dim), dtype, transforms=transforms) if quantized else None,
         plgpu.SMEM((block_tokens, head_dim), dtype, transforms=transforms) if quantized else None,
@@ -245,6 +257,7 @@ def _tile_rows(q, k_pages, v_pages, block_tables, tiles, alibi_slopes, k_scales,
     num_tiles = tiles[0].shape[0]
     block_pages = _block_pages(page_size)
     quantized = k_scales is not None
+    # Planned as if p were in SMEM on both paths (mosaic_decode's rule): same pipeline depth.
     slots = num_slots(head_dim, page_size, q.dtype.itemsize, k_pages.dtype.itemsize)
     rows_per_head = num_tokens * q_per_kv + BLOCK_Q
     # [K, T * G (+ BLOCK_Q padding), H]: a tile's rows for one kv head are consecutive.
@@ -259,7 +272,7 @@ def _tile_rows(q, k_pages, v_pages, block_tables, tiles, alibi_slopes, k_scales,
     kernel = functools.partial(
         _kernel, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
         q_per_kv=q_per_kv, page_size=page_size, block_pages=block_pages, slots=slots,
-        rows_per_head=rows_per_head)
+        rows_per_head=rows_per_head, register_acc=not interpret)
     arrivals = block_pages * (2 if quantized else 1)
 
     def body(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref, pos0_ref, slopes_ref,
