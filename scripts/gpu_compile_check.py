@@ -6,10 +6,11 @@ devices, and `jax.jit(f).lower(<ShapeDtypeStructs on such a device>).compile()` 
 GPU pipeline: fusion, buffer assignment, Triton's compilation of Pallas Triton kernels, and
 ptxas on every kernel. This script does that for
 
-1. every kernel configuration of a covering grid that the kernel's `unsupported_reason` accepts
-   for the target (page sizes 8-256, head dims 64-256, q_per_kv 1-16, 16-bit, int8 and fp8
-   caches, every option, split-K on and off);
-2. the engine's jitted decode loop and a prefill call for SmolLM2-135M in bfloat16 with a pool
+1. every decode-kernel configuration of a covering grid that the kernel's `unsupported_reason`
+   accepts for the target (page sizes 8-256, head dims 64-256, q_per_kv 1-16, 16-bit, int8 and
+   fp8 caches, every option, split-K on and off);
+2. the ragged kernels (`jpa.ragged_paged_attention`) at a serving size, five dtype/shape configs;
+3. the engine's jitted decode loop and a prefill call for SmolLM2-135M in bfloat16 with a pool
    of >= 1 GiB, attention chosen by `impl="auto"` for the target.
 
 For each it reports: compiled or the error; each kernel's grid, threads and shared memory (XLA's
@@ -380,7 +381,63 @@ def check_kernels(compiler: Compiler, impls, subset: str, log=print, random: int
     return records
 
 
-# ---- 2. The engine's jitted steps, SmolLM2-135M in bfloat16 ----
+# ---- 2. Ragged paged attention (prefill chunks and decode tokens in one call) ----
+
+# (q dtype, cache dtype, q_per_kv, head_dim, page_size) at a serving size: a 512-token budget, 64
+# sequences of up to 4096 tokens, 8 kv heads; soft cap and sliding window on.
+RAGGED_CONFIGS = (("bfloat16", "bfloat16", 4, 128, 16), ("bfloat16", "bfloat16", 1, 256, 16),
+                  ("float16", "int8", 3, 64, 32), ("float32", "float32", 8, 128, 16),
+                  ("bfloat16", "float8_e5m2", 8, 80, 128))
+RAGGED_SIZES = dict(num_tokens=512, max_num_seqs=64, num_kv_heads=8, num_pages=4096, max_tokens=4096)
+
+
+def ragged_call(impl, q_dtype, cache_dtype, q_per_kv, head_dim, page_size):
+    """(spec, fn, args, pool shapes) of one ragged_paged_attention call with the impl forced."""
+    import jpa
+    from jpa.ragged import ragged_spec
+    z = RAGGED_SIZES
+    sds = jax.ShapeDtypeStruct
+    k, n, b = z["num_kv_heads"], z["num_kv_heads"] * q_per_kv, z["max_num_seqs"]
+    pool = (k, z["num_pages"], page_size, head_dim)
+    quantized = cache_dtype in ("int8", "float8_e4m3fn", "float8_e5m2")
+    args = (sds((z["num_tokens"], n, head_dim), q_dtype), sds(pool, cache_dtype), sds(pool, cache_dtype),
+            sds((b, z["max_tokens"] // page_size), jnp.int32), sds((b,), jnp.int32), sds((b + 1,), jnp.int32),
+            sds((), jnp.int32)) + ((sds(pool[:3], jnp.float32),) * 2 if quantized else ())
+
+    def fn(q, k_pages, v_pages, tables, lens, cu, num_seqs, *scales):
+        return jpa.ragged_paged_attention(q, k_pages, v_pages, tables, lens, cu, num_seqs, soft_cap=30.0,
+                                          sliding_window=1024, k_scales=scales[0] if scales else None,
+                                          v_scales=scales[1] if scales else None, impl=impl)
+    spec = ragged_spec(args[0], args[1], args[3], soft_cap=30.0, alibi_slopes=None, sliding_window=1024)
+    return spec, fn, args, [(pool, cache_dtype)] * 2
+
+
+def check_ragged(compiler: Compiler, impls, log=print) -> list:
+    """Each ragged kernel over RAGGED_CONFIGS: the ragged kernel plus the decode kernel that serves
+    every sequence's last row, both in the one program."""
+    from jpa import ragged
+    cc = float(".".join(map(str, TARGETS[compiler.target]["cc"])))
+    records = []
+    for impl in impls:
+        for cfg in RAGGED_CONFIGS:
+            spec, fn, args, pools = ragged_call(impl, *cfg)
+            name = f"ragged {impl} q={cfg[0]} kv={cfg[1]} G={cfg[2]} hd={cfg[3]} ps={cfg[4]}"
+            reason = ragged.unsupported_reason(impl, spec, cc)
+            if reason is not None:
+                records.append(dict(name=name, target=compiler.target, kind="ragged", ok=True, refused=reason))
+                continue
+            rec = compiler.compile(name, fn, args, pool_shapes=pools)
+            rec.update(kind="ragged")
+            calls = rec.get("triton_calls" if impl == "triton" else "mosaic_calls", 0)
+            if rec["ok"] and calls != 2:
+                rec["ok"] = False
+                rec["problems"].append(f"expected two {impl} kernel calls (ragged + decode), found {calls}")
+            records.append(rec)
+            log(_line(rec))
+    return records
+
+
+# ---- 3. The engine's jitted steps, SmolLM2-135M in bfloat16 ----
 
 def engine_steps(pool_gib: float = 1.5, max_seqs: int = 64, page_size: int = 16, max_model_len: int = 2048,
                  steps_per_call: int = 8, prefill_rows: int = 8, prefill_width: int = 256):
@@ -472,7 +529,7 @@ def main(argv=None) -> int:
     p.add_argument("--target", choices=sorted(TARGETS))
     p.add_argument("--subset", choices=("fast", "full"), default="full",
                    help="fast: a spread-out subset of the kernel grid (CI); full: the covering grid")
-    p.add_argument("--only", choices=("kernels", "engine", "all"), default="all")
+    p.add_argument("--only", choices=("kernels", "ragged", "engine", "all"), default="all")
     p.add_argument("--random", type=int, default=0, metavar="N",
                    help="instead of the covering grid, N random configurations per kernel")
     p.add_argument("--seed", type=int, default=0, help="seed of --random")
@@ -497,6 +554,8 @@ def main(argv=None) -> int:
     records = []
     if args.only in ("kernels", "all"):
         records += check_kernels(compiler, impls, args.subset, random=args.random, seed=args.seed)
+    if args.only in ("ragged", "all"):
+        records += check_ragged(compiler, impls)
     if args.only in ("engine", "all"):
         records += check_engine(compiler)
     failed = [r for r in records if not r["ok"]]
