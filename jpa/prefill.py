@@ -26,9 +26,9 @@ from jpa.validate import (check_cache_pair, check_dtype, check_ndim, check_posit
                           check_used_pages, is_concrete)
 
 
-@functools.partial(jax.jit, static_argnames=("scale",))
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window"))
 def _paged_prefill_xla(q, k_pages, v_pages, block_tables, start, chunk_lens, *, scale,
-                       k_scales=None, v_scales=None):
+                       soft_cap=None, sliding_window=None, k_scales=None, v_scales=None):
     num_seqs, num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     pages_per_seq = block_tables.shape[1]
@@ -54,7 +54,11 @@ def _paged_prefill_xla(q, k_pages, v_pages, block_tables, start, chunk_lens, *, 
         v = _dequant(v_pages, v_scales, tbl)  # [K, B, S, H]
         k_pos = c * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)  # i32[S]
         valid = (k_pos[None, None, :] <= q_pos[:, :, None]) & q_live[:, :, None]  # [B, T, S]
+        if sliding_window is not None:  # the last `sliding_window` positions, as paged_decode
+            valid &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
         s = jnp.einsum("BKGTH,KBSH->BKGTS", qg, k, preferred_element_type=jnp.float32)
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
         vmask = valid[:, None, None, :, :]  # [B, 1, 1, T, S]
         s = jnp.where(vmask, s, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
@@ -85,8 +89,8 @@ def _paged_prefill_xla(q, k_pages, v_pages, block_tables, start, chunk_lens, *, 
     return out.reshape(num_seqs, num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 
-def _check_prefill_args(q, k_pages, v_pages, block_tables, start, chunk_lens, scale, k_scales,
-                        v_scales):
+def _check_prefill_args(q, k_pages, v_pages, block_tables, start, chunk_lens, scale, soft_cap,
+                        sliding_window, k_scales, v_scales):
     check_ndim("q", q, 4, "[num_seqs, num_tokens, num_q_heads, head_dim]")
     check_dtype("q", q, FLOAT_DTYPES)
     num_kv_heads, num_pages, page_size, head_dim = check_cache_pair(k_pages, v_pages, k_scales, v_scales)
@@ -104,6 +108,11 @@ def _check_prefill_args(q, k_pages, v_pages, block_tables, start, chunk_lens, sc
         if x.shape[0] != num_seqs:
             raise ValueError(f"{name} must have num_seqs = {num_seqs} entries; got {x.shape[0]}")
     check_positive("scale", scale)
+    check_positive("soft_cap", soft_cap)
+    if sliding_window is not None and not (isinstance(sliding_window, (int, np.integer))
+                                           and not isinstance(sliding_window, bool)
+                                           and sliding_window >= 1):
+        raise ValueError(f"sliding_window must be a Python int >= 1 or None; got {sliding_window!r}")
     if not (is_concrete(start) and is_concrete(chunk_lens)):
         return
     st, cl = np.asarray(start), np.asarray(chunk_lens)
@@ -123,7 +132,7 @@ def _check_prefill_args(q, k_pages, v_pages, block_tables, start, chunk_lens, sc
 
 
 def paged_prefill(q, k_pages, v_pages, block_tables, start, chunk_lens, *, scale=None,
-                  k_scales=None, v_scales=None):
+                  soft_cap=None, sliding_window=None, k_scales=None, v_scales=None):
     """Causal attention of a chunk of new tokens per sequence over a paged KV cache.
 
     Write the chunk's K/V into the cache with `jpa.write_kv` first. Query token t of sequence b
@@ -141,14 +150,21 @@ def paged_prefill(q, k_pages, v_pages, block_tables, start, chunk_lens, *, scale
       chunk_lens: i32[num_seqs], valid tokens of each row, in [0, num_tokens]; start + chunk_lens
         must be <= pages_per_seq * page_size. A row with 0 is empty.
       scale: softmax scale; default head_dim ** -0.5.
+      soft_cap: if set, logits become soft_cap * tanh(logits / soft_cap) (after scaling), as in
+        `jpa.paged_decode`.
+      sliding_window: query position p attends only to positions (p - sliding_window, p], the last
+        `sliding_window` tokens including itself (as `jpa.paged_decode`).
       k_scales, v_scales: f32[num_kv_heads, num_pages, page_size], required for quantized caches.
 
     Returns:
       [num_seqs, num_tokens, num_q_heads, head_dim] in q's dtype; zeros at padding positions
       (t >= chunk_lens[b]).
     """
-    _check_prefill_args(q, k_pages, v_pages, block_tables, start, chunk_lens, scale, k_scales,
-                        v_scales)
+    _check_prefill_args(q, k_pages, v_pages, block_tables, start, chunk_lens, scale, soft_cap,
+                        sliding_window, k_scales, v_scales)
     scale = float(scale) if scale is not None else float(q.shape[-1]) ** -0.5
+    soft_cap = float(soft_cap) if soft_cap is not None else None
+    sliding_window = int(sliding_window) if sliding_window is not None else None
     return _paged_prefill_xla(q, k_pages, v_pages, block_tables, start, chunk_lens, scale=scale,
-                              k_scales=k_scales, v_scales=v_scales)
+                              soft_cap=soft_cap, sliding_window=sliding_window, k_scales=k_scales,
+                              v_scales=v_scales)
