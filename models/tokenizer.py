@@ -334,9 +334,14 @@ class HFTokenizer:
         return self._tk.encode(text, add_special_tokens=add).ids
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        return self._tk.decode(_check_ids(ids, self.vocab_size), skip_special_tokens=skip_special_tokens)
+        """Text of `ids` (ints >= 0). Ids past the tokenizer's vocabulary (the padding rows of a
+        model whose vocab_size is rounded up, as Qwen's) decode to nothing."""
+        ids = [int(i) for i in ids]
+        if any(i < 0 for i in ids):
+            raise ValueError(f"decode: ids must be >= 0; got {[i for i in ids if i < 0][:5]}")
+        return self._tk.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def id_to_token(self, token_id: int) -> str:
+    def id_to_token(self, token_id: int) -> str | None:
         return self._tk.id_to_token(token_id)
 
     def render_chat(self, messages, add_generation_prompt: bool = True, **kwargs) -> str:

@@ -204,6 +204,12 @@ def test_tokenizer_and_special_ids_match_transformers(family):
     if s["bos_token_id"] is not None:
         assert tok.bos_token_id == model.config.bos_token_id == s["bos_token_id"]
     assert model.config.eos_token_id == tok.eos_token_id
+    if family == "qwen2":  # ids in the model's padded vocabulary past the tokenizer's decode to nothing
+        assert model.config.vocab_size == tok.vocab_size + 16
+        want = g["tokenize"]["The capital of France is"]
+        assert tok.decode([*want["ids"], model.config.vocab_size - 1]) == want["decoded"]
+    with pytest.raises(ValueError, match=r"decode: ids must be >= 0; got \[-1\]"):
+        tok.decode([3, -1])
 
 
 # ---- loading: dtype, paths, and every refusal ----
