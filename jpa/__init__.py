@@ -9,8 +9,9 @@ engine lives in `jpa.engine` (it sits above the models layer and is imported on 
 
 from jpa import pages
 from jpa.cache import CacheConfig, KVCache, copy_pages, write_kv
-from jpa.decode import paged_decode
+from jpa.decode import paged_decode, resolve_decode_impl
 from jpa.prefill import paged_prefill
 
-__all__ = ["CacheConfig", "KVCache", "copy_pages", "pages", "paged_decode", "paged_prefill", "write_kv"]
+__all__ = ["CacheConfig", "KVCache", "copy_pages", "pages", "paged_decode", "paged_prefill",
+           "resolve_decode_impl", "write_kv"]
 __version__ = "0.1.0"

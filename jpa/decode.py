@@ -10,14 +10,39 @@ from jpa.validate import check_decode_args
 
 
 def decode_spec(q, k_pages, block_tables, *, soft_cap, alibi_slopes, sliding_window) -> DecodeSpec:
-    """The static configuration of a (validated) paged_decode call."""
-    num_kv_heads, _, page_size, head_dim = k_pages.shape
+    """The static configuration of a (validated) paged_decode call: shapes, dtypes, options."""
+    num_kv_heads, num_pages, page_size, head_dim = k_pages.shape
+    num_seqs, pages_per_seq = block_tables.shape
     return DecodeSpec(
         q_dtype=np.dtype(q.dtype).name, cache_dtype=np.dtype(k_pages.dtype).name,
         num_q_heads=q.shape[1], num_kv_heads=num_kv_heads, head_dim=head_dim,
-        page_size=page_size, pages_per_seq=block_tables.shape[1], soft_cap=soft_cap is not None,
+        page_size=page_size, pages_per_seq=pages_per_seq, soft_cap=soft_cap is not None,
         alibi=alibi_slopes is not None, sliding_window=sliding_window is not None,
-        quantized=is_quantized(k_pages.dtype))
+        quantized=is_quantized(k_pages.dtype), num_seqs=num_seqs, num_pages=num_pages)
+
+
+def resolve_decode_impl(q, k_pages, block_tables, *, soft_cap=None, alibi_slopes=None,
+                        sliding_window=None, impl="auto") -> str:
+    """The implementation `paged_decode` will use for a call of these shapes on the current target.
+
+    Call it once at set-up, outside any trace, with the exact shapes the jitted step will use
+    (arrays or `jax.ShapeDtypeStruct`s): on a GPU it runs the kernel's one-time self-check there
+    (compiled for these shapes, run on a small case), so the step itself only finds the cached
+    answer. Pass the result as `impl=` to pin the choice.
+
+    Args:
+      q: [num_seqs, num_q_heads, head_dim] (its shape and dtype are used).
+      k_pages: [num_kv_heads, num_pages, page_size, head_dim] (shape and dtype).
+      block_tables: i32[num_seqs, pages_per_seq] (shape).
+      soft_cap, alibi_slopes, sliding_window: as `paged_decode` (only whether each is set matters).
+      impl: as `paged_decode`.
+
+    Returns:
+      "xla", "triton" or "mosaic".
+    """
+    spec = decode_spec(q, k_pages, block_tables, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
+                       sliding_window=sliding_window)
+    return dispatch.choose_impl(impl, spec)
 
 
 def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale=None, soft_cap=None,
@@ -42,8 +67,10 @@ def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale=None, sof
       alibi_slopes: f32[num_q_heads]; adds slope_h * (pos - seq_len + 1) to the logits (vLLM).
       sliding_window: attend only to the last `sliding_window` tokens.
       k_scales, v_scales: f32[num_kv_heads, num_pages, page_size], required for quantized caches.
-      impl: "xla" (plain JAX), "triton" or "mosaic" (Pallas GPU kernels), or "auto": a GPU kernel
-        on an NVIDIA GPU after a one-time self-check on the device, otherwise "xla".
+      impl: "xla" (plain JAX), "triton" or "mosaic" (Pallas GPU kernels), or "auto": for the
+        device being compiled for, a GPU kernel on an NVIDIA GPU after a one-time self-check
+        there (under an AOT compile for an absent GPU: the kernel its `unsupported_reason`
+        accepts), otherwise "xla". See `jpa.dispatch`.
       interpret: run a Pallas kernel in interpret mode (CPU); ignored by "xla".
 
     Returns:
@@ -57,11 +84,9 @@ def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale=None, sof
     sliding_window = int(sliding_window) if sliding_window is not None else None
     opts = dict(scale=scale, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
                 sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales)
-    if impl == "xla" or (impl == "auto" and dispatch.gpu_compute_capability() is None):
-        return paged_decode_xla(q, k_pages, v_pages, block_tables, seq_lens, **opts)
-    spec = decode_spec(q, k_pages, block_tables, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
-                       sliding_window=sliding_window)
-    chosen = dispatch.choose_impl(impl, spec)
+    chosen = "xla" if impl == "xla" else dispatch.choose_impl(
+        impl, decode_spec(q, k_pages, block_tables, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
+                          sliding_window=sliding_window))
     if chosen == "xla":
         return paged_decode_xla(q, k_pages, v_pages, block_tables, seq_lens, **opts)
     return dispatch.kernel_module(chosen).paged_decode(

@@ -1,14 +1,30 @@
-"""Backend selection for `jpa.paged_decode`, with a one-time on-device self-check per kernel config.
+"""Backend selection for `jpa.paged_decode`: which implementation serves a call, for which device.
 
-A Pallas GPU kernel cannot be executed on the machines jpa is developed on, so `impl="auto"`
-never trusts one blindly: the first time a configuration (DecodeSpec) is used on a GPU, the
-kernel is compiled and run on a small random case and compared with the reference path. If it
-fails to compile, or disagrees, jpa warns once with the reason and uses the reference path.
+Three rules make `impl="auto"` safe where it is used, i.e. inside `jax.jit`:
+
+1. The backend is chosen for the device the computation is *compiled for* (`current_target`):
+   the abstract device of an AOT compile (`jax.sharding.use_abstract_mesh`) when one is set,
+   else the default device. Never `jax.devices()[0]` alone: an AOT compile for an H100 on a CPU
+   host must pick the H100's kernel.
+2. On a device that can execute, a kernel is trusted only after a one-time self-check per
+   configuration (`self_check`): it is compiled for the EXACT shapes that will run (a kernel that
+   asks for too many registers or too much shared memory fails here, not in the caller's
+   compile) and run on a small random case with the same static configuration, compared with the
+   reference. The check runs concretely even while the caller's jit is tracing
+   (`jax.ensure_compile_time_eval`), so jitted and eager calls choose alike. A failure warns once
+   and falls back to the reference path; it never raises.
+3. Under an AOT compile for a device that is not here nothing can run, so `auto` picks the first
+   kernel whose `unsupported_reason` accepts the configuration for that device, and says so once.
+
+The engine calls `resolve_decode_impl` once at set-up with its real shapes, so its compiled step
+names the chosen kernel explicitly and the summary can report it.
 """
 
 import functools
 import importlib
+import re
 import warnings
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -17,14 +33,79 @@ import numpy as np
 from jpa.pallas.spec import DecodeSpec
 
 KERNEL_MODULES = {"triton": "jpa.pallas.triton_decode", "mosaic": "jpa.pallas.mosaic_decode"}
-# Minimum compute capability per kernel, in preference order for impl="auto".
-AUTO_ORDER = (("mosaic", 9.0), ("triton", 8.0))
+# impl="auto" preference order, each with the compute capabilities it serves: [min, max).
+# Mosaic GPU's kernel is built on WGMMA, which exists on Hopper (9.x) only: Blackwell (10.x)
+# has tcgen05 instead, so it is not offered there.
+AUTO_ORDER = (("mosaic", 9.0, 10.0), ("triton", 8.0, float("inf")))
 # Self-check tolerance per q dtype (max abs error vs the reference on O(1) values).
 SELF_CHECK_TOL = {"float32": 2e-3, "bfloat16": 4e-2, "float16": 1e-2}
+# Distinct sequences (each with its own pages) in the self-check's small pool; further sequences
+# reuse their tables. The pool the real call uses (GiBs) is only ever compiled for, not allocated.
+SELF_CHECK_SEQS = 3
+
+# Compute capability by NVIDIA device kind, for abstract (AOT) targets that carry only a name.
+# Word boundaries keep "A10" from matching "A100" and "L4" from matching "L40".
+_KIND_CC = ((r"\bGH200\b|\bH100\b|\bH200\b|\bH800\b|\bH20\b", 9.0), (r"\bA100\b|\bA800\b|\bA30\b", 8.0),
+            (r"\bA10G?\b|\bA40\b|\bRTX A\d+|\bRTX 30\d0", 8.6), (r"\bL40S?\b|\bL4\b|\bRTX 40\d0", 8.9),
+            (r"\bGB200\b|\bB200\b", 10.0), (r"\bGB300\b|\bB300\b", 10.3), (r"\bT4\b", 7.5),
+            (r"\bV100\b", 7.0))
 
 
 class KernelUnavailable(ValueError):
     """Raised when an explicitly requested kernel cannot serve a call."""
+
+
+class Target(NamedTuple):
+    """The device a computation is compiled for (hashable: it keys the self-check cache)."""
+    platform: str                     # "gpu" for NVIDIA/AMD GPUs, else "cpu", "tpu", ...
+    device_kind: str                  # e.g. "NVIDIA H100 80GB HBM3"
+    compute_capability: float | None  # NVIDIA GPUs only (None when unknown)
+    executable: bool                  # a local device: a self-check can run on it
+
+    @property
+    def is_nvidia_gpu(self) -> bool:
+        return self.platform == "gpu" and self.device_kind.upper().startswith("NVIDIA")
+
+
+def compute_capability_of(device_kind: str) -> float | None:
+    """The compute capability of an NVIDIA device kind, or None when it is not known."""
+    for pattern, cc in _KIND_CC:
+        if re.search(pattern, device_kind, re.IGNORECASE):
+            return cc
+    return None
+
+
+def _platform(name: str) -> str:
+    return "gpu" if name in ("gpu", "cuda", "rocm") else name
+
+
+def _default_device():
+    dev = jax.config.jax_default_device
+    if dev is None or isinstance(dev, str):
+        dev = jax.devices(dev)[0] if isinstance(dev, str) else jax.devices()[0]
+    return dev
+
+
+def current_target() -> Target:
+    """The device that the computation being traced (or run eagerly) is compiled for.
+
+    An abstract device set by `jax.sharding.use_abstract_mesh` that differs from the local
+    default device is an AOT target (it cannot run anything here); otherwise the target is the
+    default device.
+    """
+    dev = _default_device()
+    abstract = jax.sharding.get_abstract_mesh().abstract_device
+    if abstract is not None and (abstract.device_kind != dev.device_kind
+                                 or _platform(abstract.platform) != _platform(dev.platform)):
+        return Target(_platform(abstract.platform), abstract.device_kind,
+                      compute_capability_of(abstract.device_kind), executable=False)
+    cc = None
+    if _platform(dev.platform) == "gpu":
+        try:
+            cc = float(getattr(dev, "compute_capability", None))
+        except (TypeError, ValueError):
+            cc = compute_capability_of(dev.device_kind)
+    return Target(_platform(dev.platform), dev.device_kind, cc, executable=True)
 
 
 def kernel_module(impl: str):
@@ -32,45 +113,46 @@ def kernel_module(impl: str):
     return importlib.import_module(KERNEL_MODULES[impl])
 
 
-def gpu_compute_capability() -> float | None:
-    """Compute capability of the default device when it is an NVIDIA GPU, else None."""
-    dev = jax.devices()[0]
-    if dev.platform != "gpu":
-        return None
-    cc = getattr(dev, "compute_capability", None)
-    try:
-        return float(cc)
-    except (TypeError, ValueError):
-        return None
+def unsupported_reason(impl: str, spec: DecodeSpec, compute_capability: float | None = None) -> str | None:
+    """Why kernel `impl` cannot serve `spec` on a GPU of that compute capability (None: it can).
 
-
-def unsupported_reason(impl: str, spec: DecodeSpec) -> str | None:
+    compute_capability None means "not a known GPU" (interpret mode on CPU): device-specific
+    limits are then not applied.
+    """
     try:
         mod = kernel_module(impl)
     except ImportError as e:  # e.g. a JAX without the Pallas GPU backend
         return f"cannot import {KERNEL_MODULES[impl]}: {e}"
-    return mod.unsupported_reason(spec)
+    return mod.unsupported_reason(spec, compute_capability)
 
 
-def self_check_inputs(spec: DecodeSpec, seed: int = 0, num_seqs: int = 3):
-    """A small random paged-decode case of the given configuration (host numpy -> device)."""
+def self_check_inputs(spec: DecodeSpec, seed: int = 0):
+    """A small random case with `spec`'s static configuration (and its num_seqs, pages_per_seq).
+
+    The pool is small (every table points at distinct pages of `num_seqs * pages_per_seq + 1`
+    pages, capped by SELF_CHECK_SEQS distinct sequences' worth), so checking a configuration whose
+    real pool is many GiB never allocates it.
+    """
     rng = np.random.default_rng(seed)
-    pages_per_seq = spec.pages_per_seq
-    num_pages = num_seqs * pages_per_seq + 1
-    max_len = pages_per_seq * spec.page_size
-    cache_shape = (spec.num_kv_heads, num_pages, spec.page_size, spec.head_dim)
+    num_seqs, pages_per_seq, page_size = spec.num_seqs, spec.pages_per_seq, spec.page_size
+    distinct = min(num_seqs, SELF_CHECK_SEQS)
+    num_pages = distinct * pages_per_seq + 1
+    max_len = pages_per_seq * page_size
+    cache_shape = (spec.num_kv_heads, num_pages, page_size, spec.head_dim)
     q = jnp.asarray(rng.standard_normal((num_seqs, spec.num_q_heads, spec.head_dim)), spec.q_dtype)
     kv = []
     for _ in range(2):
         x = rng.standard_normal(cache_shape).astype(np.float32)
         if spec.quantized:
             from jpa.quant import quantize
-            vals, scales = quantize(jnp.asarray(x), spec.cache_dtype)
-            kv.append((vals, scales))
+            kv.append(quantize(jnp.asarray(x), spec.cache_dtype))
         else:
             kv.append((jnp.asarray(x, spec.cache_dtype), None))
-    tables = rng.permutation(num_pages)[: num_seqs * pages_per_seq].reshape(num_seqs, pages_per_seq)
-    lens = np.array([max_len, 1, rng.integers(1, max_len + 1)][:num_seqs], np.int32)
+    pages = rng.permutation(num_pages)[: distinct * pages_per_seq].reshape(distinct, pages_per_seq)
+    tables = pages[np.arange(num_seqs) % distinct]  # i32[num_seqs, pages_per_seq]
+    # Full, single-token, empty and random lengths: every sequence length class the kernel branches on.
+    lens = rng.integers(0, max_len + 1, size=num_seqs)
+    lens[: min(num_seqs, 3)] = [max_len, 1, 0][: min(num_seqs, 3)]
     opts = dict(
         scale=spec.head_dim ** -0.5,
         soft_cap=30.0 if spec.soft_cap else None,
@@ -78,48 +160,90 @@ def self_check_inputs(spec: DecodeSpec, seed: int = 0, num_seqs: int = 3):
                       if spec.alibi else None),
         sliding_window=max(1, max_len // 3) if spec.sliding_window else None,
         k_scales=kv[0][1], v_scales=kv[1][1])
-    return (q, kv[0][0], kv[1][0], jnp.asarray(tables, jnp.int32), jnp.asarray(lens)), opts
+    return (q, kv[0][0], kv[1][0], jnp.asarray(tables, jnp.int32), jnp.asarray(lens, jnp.int32)), opts
+
+
+def spec_shapes(spec: DecodeSpec, opts: dict):
+    """ShapeDtypeStructs of a call with `spec`'s EXACT shapes (num_pages included) and its options."""
+    sds = jax.ShapeDtypeStruct
+    pool = (spec.num_kv_heads, spec.num_pages, spec.page_size, spec.head_dim)
+    args = (sds((spec.num_seqs, spec.num_q_heads, spec.head_dim), spec.q_dtype),
+            sds(pool, spec.cache_dtype), sds(pool, spec.cache_dtype),
+            sds((spec.num_seqs, spec.pages_per_seq), jnp.int32), sds((spec.num_seqs,), jnp.int32))
+    arrays = {k: (sds(pool[:3], jnp.float32) if k in ("k_scales", "v_scales") else
+                  sds((spec.num_q_heads,), jnp.float32)) for k in ("alibi_slopes", "k_scales", "v_scales")
+              if opts.get(k) is not None}
+    return args, arrays
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 @functools.lru_cache(maxsize=None)
-def self_check(impl: str, spec: DecodeSpec) -> str | None:
-    """Runs kernel `impl` once on a random case of `spec` on the default device.
+def self_check(impl: str, spec: DecodeSpec, target: Target) -> str | None:
+    """Checks kernel `impl` for `spec` on the (executable) target device; None when it passes.
 
-    Returns None when it compiles and agrees with the reference, else the reason (and warns once:
-    the result is memoized per (impl, spec) for the life of the process).
+    First compiles it for the exact shapes of `spec` (nothing is allocated), then runs it on
+    `self_check_inputs(spec)` and compares with the reference. Runs concretely even inside a jit
+    trace. On failure warns once (the result is memoized per (impl, spec, target)).
     """
     from jpa.reference import paged_decode_xla
-    args, opts = self_check_inputs(spec)
     try:
-        got = np.asarray(jax.jit(functools.partial(kernel_module(impl).paged_decode, interpret=False,
-                                                   **opts))(*args), np.float32)
-        want = np.asarray(paged_decode_xla(*args, **opts), np.float32)
-        err = float(np.max(np.abs(got - want)))
+        with jax.ensure_compile_time_eval():
+            args, opts = self_check_inputs(spec)
+            static = {k: opts[k] for k in ("scale", "soft_cap", "sliding_window")}
+            fn = functools.partial(kernel_module(impl).paged_decode, interpret=False, **static)
+            shapes, arrays = spec_shapes(spec, opts)
+            jax.jit(fn).lower(*shapes, **arrays).compile()  # the real shapes: resource limits
+            arr = {k: v for k, v in opts.items() if k not in static}
+            got = np.asarray(jax.jit(fn)(*args, **arr), np.float32)
+            want = np.asarray(paged_decode_xla(*args, **opts), np.float32)
+        err = float(np.max(np.abs(got - want))) if got.size else 0.0
         tol = SELF_CHECK_TOL.get(spec.q_dtype, 4e-2)
         reason = None if np.isfinite(got).all() and err <= tol else (
             f"result differs from the reference by {err:.3g} (tolerance {tol})")
     except Exception as e:  # compile or runtime failure on this device: fall back, never crash
-        reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        reason = _first_line(e)
     if reason is not None:
         warnings.warn(f"jpa: the {impl} paged-decode kernel failed its self-check on "
-                      f"{jax.devices()[0].device_kind} for {spec}; using the reference path. "
-                      f"Reason: {reason}", RuntimeWarning, stacklevel=3)
+                      f"{target.device_kind} for {spec}; using the reference path. Reason: {reason}",
+                      RuntimeWarning, stacklevel=2)
     return reason
 
 
-def choose_impl(impl: str, spec: DecodeSpec) -> str:
-    """Resolves impl ("auto", "xla", "triton", "mosaic") to the implementation that will run."""
+@functools.lru_cache(maxsize=None)
+def _announce_aot(impl: str, spec: DecodeSpec, target: Target) -> None:
+    warnings.warn(f"jpa: compiling for {target.device_kind} (compute capability "
+                  f"{target.compute_capability}), which is not attached: impl='auto' uses the {impl} "
+                  f"kernel, accepted by its unsupported_reason for {spec}; it cannot be self-checked "
+                  f"without the device.", UserWarning, stacklevel=2)
+
+
+def choose_impl(impl: str, spec: DecodeSpec, target: Target | None = None) -> str:
+    """Resolves impl ("auto", "xla", "triton", "mosaic") to the implementation that will run.
+
+    An explicit kernel is checked only against its `unsupported_reason` (KernelUnavailable when
+    it refuses); "auto" follows the module docstring's rules and falls back to "xla".
+    """
     if impl == "xla":
         return "xla"
+    target = current_target() if target is None else target
+    cc = target.compute_capability if target.is_nvidia_gpu else None
     if impl != "auto":
-        reason = unsupported_reason(impl, spec)
+        reason = unsupported_reason(impl, spec, cc)
         if reason is not None:
             raise KernelUnavailable(f"impl={impl!r} cannot serve this call: {reason}")
         return impl
-    cc = gpu_compute_capability()
     if cc is None:
         return "xla"
-    for name, min_cc in AUTO_ORDER:
-        if cc >= min_cc and unsupported_reason(name, spec) is None and self_check(name, spec) is None:
+    for name, lo, hi in AUTO_ORDER:
+        if not lo <= cc < hi or unsupported_reason(name, spec, cc) is not None:
+            continue
+        if not target.executable:
+            _announce_aot(name, spec, target)
+            return name
+        if self_check(name, spec, target) is None:
             return name
     return "xla"

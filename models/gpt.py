@@ -467,7 +467,7 @@ def prefill(model: GPT, cache: KVCache, tokens, start, chunk_lens, slot_mapping,
     return model.logits(x_last), cache
 
 
-def decode(model: GPT, cache: KVCache, tokens, seq_lens, slot_mapping, block_tables):
+def decode(model: GPT, cache: KVCache, tokens, seq_lens, slot_mapping, block_tables, *, impl="auto"):
     """One decode step: a new token per sequence, its K/V written first, then paged attention.
 
     Args:
@@ -478,6 +478,8 @@ def decode(model: GPT, cache: KVCache, tokens, seq_lens, slot_mapping, block_tab
         token's position is seq_lens - 1.
       slot_mapping: i32[B] cache slot of the new token (-1 for inactive slots).
       block_tables: i32[B, pages_per_seq].
+      impl: the `jpa.paged_decode` implementation ("auto", "xla", "triton", "mosaic"); the engine
+        passes what `jpa.resolve_decode_impl` chose for its shapes at set-up.
 
     Returns:
       (logits f32[B, vocab] (finite garbage for inactive slots), the updated cache).
@@ -497,7 +499,7 @@ def decode(model: GPT, cache: KVCache, tokens, seq_lens, slot_mapping, block_tab
         cache = cache.write(i, k[:, 0], v[:, 0], slot_mapping)
         kp, vp, ks, vs = cache.layer(i)
         out = paged_decode(q[:, 0].astype(model.dtype), kp, vp, block_tables, seq_lens,
-                           k_scales=ks, v_scales=vs, impl="auto",
+                           k_scales=ks, v_scales=vs, impl=impl,
                            **model.attention_options(i))  # [B, N, H]
         return out[:, None], cache
 

@@ -1,115 +1,240 @@
-"""impl="auto": kernels are used on a GPU only after a one-time self-check; failures fall back.
+"""impl="auto" picks a kernel for the device being compiled for, under jit as well as eagerly.
 
-A GPU is simulated by patching the compute-capability probe and registering fake kernel modules,
-so the selection and fallback logic is exercised on CPU.
+A GPU is simulated by patching `dispatch.current_target` and registering stand-in kernel modules
+(the reference path wrapped in a jitted function whose name marks it in a jaxpr), so selection,
+self-check and fallback run on CPU. AOT selection is tested with the real kernels and an abstract
+H100/A100 (lowering only: nothing can run for a device that is not here).
 """
 
+import functools
 import sys
 import types
 import warnings
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 import jpa
 from jpa import dispatch
 from jpa.reference import paged_decode_xla
 
+H100 = dispatch.Target("gpu", "NVIDIA H100 80GB HBM3", 9.0, True)
+A100 = dispatch.Target("gpu", "NVIDIA A100-SXM4-80GB", 8.0, True)
+B200 = dispatch.Target("gpu", "NVIDIA B200", 10.0, True)
+T4 = dispatch.Target("gpu", "Tesla T4", 7.5, True)
+
 
 def fake_kernel(name, behaviour, calls):
+    """A stand-in kernel module: the reference, jitted under the module's name (visible in jaxprs)."""
     mod = types.ModuleType(name)
 
     def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, interpret=False, **opts):
         calls.append(name)
         if behaviour == "raise":
             raise RuntimeError("PTX compilation failed (simulated)")
-        out = paged_decode_xla(q, k_pages, v_pages, block_tables, seq_lens, **opts)
-        return out + 1.0 if behaviour == "wrong" else out
+
+        def kernel(q, k_pages, v_pages, block_tables, seq_lens):
+            out = paged_decode_xla(q, k_pages, v_pages, block_tables, seq_lens, **opts)
+            return out + 1.0 if behaviour == "wrong" else out
+        kernel.__name__ = name
+        return jax.jit(kernel)(q, k_pages, v_pages, block_tables, seq_lens)
 
     mod.paged_decode = paged_decode
-    mod.unsupported_reason = lambda spec: "head_dim 48 unsupported (simulated)" if spec.head_dim == 48 else None
+    mod.unsupported_reason = lambda spec, cc=None: (
+        "head_dim 48 unsupported (simulated)" if spec.head_dim == 48 else None)
     return mod
 
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    def install(cc, triton="good", mosaic="good"):
+    def install(target, triton="good", mosaic="good"):
         calls = []
         for impl, behaviour in (("triton", triton), ("mosaic", mosaic)):
-            name = f"_fake_{impl}_{behaviour}"
+            name = f"fake_{impl}_{behaviour}"
             monkeypatch.setitem(sys.modules, name, fake_kernel(name, behaviour, calls))
             monkeypatch.setitem(dispatch.KERNEL_MODULES, impl, name)
-        monkeypatch.setattr(dispatch, "gpu_compute_capability", lambda: cc)
+        if target is not None:
+            monkeypatch.setattr(dispatch, "current_target", lambda: target)
         dispatch.self_check.cache_clear()
         return calls
     yield install
     dispatch.self_check.cache_clear()
 
 
-def case(head_dim=32):
+def case(head_dim=32, num_seqs=2):
     rng = np.random.default_rng()
-    q = jnp.asarray(rng.standard_normal((2, 4, head_dim)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((num_seqs, 4, head_dim)), jnp.float32)
     k = jnp.asarray(rng.standard_normal((2, 5, 8, head_dim)), jnp.float32)
     v = jnp.asarray(rng.standard_normal((2, 5, 8, head_dim)), jnp.float32)
-    return q, k, v, jnp.array([[0, 1], [3, 2]], jnp.int32), jnp.array([9, 3], jnp.int32)
+    tables = jnp.asarray(rng.integers(0, 5, (num_seqs, 2)), jnp.int32)
+    lens = jnp.asarray(rng.integers(0, 17, (num_seqs,)), jnp.int32)
+    return q, k, v, tables, lens
+
+
+def fresh_jit():
+    """A new jitted paged_decode: jit caches traces per function, and these tests change the
+    (simulated) device between traces of the same shapes."""
+    return jax.jit(lambda *a: jpa.paged_decode(*a))
+
+
+def want(args):
+    return np.asarray(paged_decode_xla(*args, scale=args[0].shape[-1] ** -0.5))
+
+
+def kernels_in(fn, *args):
+    """Names of the stand-in kernels inside fn's jaxpr (what a compiled step would run)."""
+    text = str(jax.make_jaxpr(fn)(*args))
+    return {n for n in ("fake_triton_good", "fake_mosaic_good", "fake_triton_wrong", "fake_mosaic_wrong")
+            if f"name={n}" in text}
 
 
 def test_cpu_uses_reference(fake_gpu):
-    calls = fake_gpu(None)
-    out = jpa.paged_decode(*case())
-    assert out.shape == (2, 4, 32)
+    calls = fake_gpu(None)  # the real target: this CPU
+    assert dispatch.current_target().platform == "cpu"
+    args = case()
+    np.testing.assert_allclose(np.asarray(fresh_jit()(*args)), want(args), atol=1e-6)
     assert calls == []
 
 
-@pytest.mark.parametrize("cc,expected", [(8.0, "_fake_triton_good"), (8.9, "_fake_triton_good"),
-                                         (9.0, "_fake_mosaic_good"), (7.5, None)])
-def test_auto_picks_kernel_by_compute_capability(fake_gpu, cc, expected):
-    calls = fake_gpu(cc)
+@pytest.mark.parametrize("target,expected", [(A100, "fake_triton_good"), (H100, "fake_mosaic_good"),
+                                             (B200, "fake_triton_good"), (T4, None)])
+def test_auto_picks_kernel_eagerly_and_under_jit(fake_gpu, target, expected):
+    calls = fake_gpu(target)
     args = case()
-    out = jpa.paged_decode(*args)
-    np.testing.assert_allclose(np.asarray(out), np.asarray(paged_decode_xla(*args, scale=32 ** -0.5)),
-                               atol=1e-6)
-    if expected is None:
-        assert calls == []
-    else:
-        # One self-check call, then the real call; a second call does not check again.
-        assert calls == [expected, expected]
-        jpa.paged_decode(*args)
-        assert calls == [expected] * 3
+    jitted = fresh_jit()
+    assert kernels_in(jitted, *args) == ({expected} if expected else set())
+    np.testing.assert_allclose(np.asarray(jitted(*args)), want(args), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(jpa.paged_decode(*args)), want(args), atol=1e-6)
+    if expected is not None:
+        # The self-check traced the kernel twice (exact-shape compile, small run), once, under jit.
+        n = len(calls)
+        fresh_jit()(*case())  # a fresh trace of the same config: no new self-check
+        assert len(calls) == n + 1
+
+
+def test_nested_jit_picks_kernel(fake_gpu):
+    fake_gpu(A100)
+    inner = jax.jit(lambda *a: jpa.paged_decode(*a) * 2.0)
+    outer = jax.jit(lambda *a: inner(*a) + 1.0)
+    args = case()
+    assert kernels_in(outer, *args) == {"fake_triton_good"}
+    np.testing.assert_allclose(np.asarray(outer(*args)), want(args) * 2.0 + 1.0, atol=1e-5)
+
+
+def test_self_check_runs_outside_the_trace(fake_gpu):
+    """The check's inputs are concrete even when the first call is traced: it passes under jit
+    (before, a traced self-check hit TracerArrayConversionError and fell back)."""
+    calls = fake_gpu(A100)
+    args = case()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a failed self-check would warn
+        assert kernels_in(fresh_jit(), *args) == {"fake_triton_good"}
+    spec = jpa.decode.decode_spec(args[0], args[1], args[3], soft_cap=None, alibi_slopes=None,
+                                  sliding_window=None)
+    n = len(calls)
+    assert dispatch.self_check("triton", spec, A100) is None  # memoized: passed, not rerun
+    assert len(calls) == n
 
 
 @pytest.mark.parametrize("behaviour,reason", [("wrong", "differs from the reference"),
                                               ("raise", "PTX compilation failed")])
 def test_failed_self_check_warns_once_and_falls_back(fake_gpu, behaviour, reason):
-    calls = fake_gpu(8.0, triton=behaviour)
+    calls = fake_gpu(A100, triton=behaviour)
     args = case()
-    want = np.asarray(paged_decode_xla(*args, scale=32 ** -0.5))
     with pytest.warns(RuntimeWarning, match=f"triton paged-decode kernel failed its self-check.*{reason}"):
-        out = jpa.paged_decode(*args)
-    np.testing.assert_allclose(np.asarray(out), want, atol=1e-6)
+        out = fresh_jit()(*args)
+    np.testing.assert_allclose(np.asarray(out), want(args), atol=1e-6)
+    n = len(calls)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no second warning, no second self-check
-        out = jpa.paged_decode(*args)
-    np.testing.assert_allclose(np.asarray(out), want, atol=1e-6)
-    assert len(calls) == 1
+        assert kernels_in(fresh_jit(), *args) == set()
+        np.testing.assert_allclose(np.asarray(jpa.paged_decode(*args)), want(args), atol=1e-6)
+    assert len(calls) == n
+
+
+def test_self_check_compiles_the_exact_shapes(fake_gpu, monkeypatch):
+    """A kernel that fails only for the real (large) shapes is refused at selection, not at compile."""
+    calls = fake_gpu(A100)
+    mod = sys.modules["fake_triton_good"]
+    ok = mod.paged_decode
+
+    def picky(q, k_pages, *a, **kw):
+        if k_pages.shape[1] >= 100:  # the real pool; the self-check's small pool passes
+            raise RuntimeError("RESOURCE_EXHAUSTED: Shared memory size limit exceeded (simulated)")
+        return ok(q, k_pages, *a, **kw)
+    monkeypatch.setattr(mod, "paged_decode", picky)
+    rng = np.random.default_rng()
+    big = jnp.asarray(rng.standard_normal((2, 128, 8, 32)), jnp.float32)
+    q, _, _, tables, lens = case()
+    with pytest.warns(RuntimeWarning, match="RESOURCE_EXHAUSTED"):
+        out = fresh_jit()(q, big, big, tables, lens)
+    np.testing.assert_allclose(np.asarray(out), want((q, big, big, tables, lens)), atol=1e-5)
+    assert calls == []  # refused before the small case ran, and never traced into the step
 
 
 def test_hopper_falls_back_from_mosaic_to_triton(fake_gpu):
-    calls = fake_gpu(9.0, mosaic="wrong")
+    fake_gpu(H100, mosaic="wrong")
+    args = case()
     with pytest.warns(RuntimeWarning, match="mosaic"):
-        jpa.paged_decode(*case())
-    assert calls == ["_fake_mosaic_wrong", "_fake_triton_good", "_fake_triton_good"]
+        assert kernels_in(fresh_jit(), *args) == {"fake_triton_good"}
 
 
 def test_unsupported_config_routes_to_reference_or_raises(fake_gpu):
-    calls = fake_gpu(9.0)
+    calls = fake_gpu(H100)
     args = case(head_dim=48)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        out = jpa.paged_decode(*args)  # auto: both kernels say no -> reference, silently
-    np.testing.assert_allclose(np.asarray(out), np.asarray(paged_decode_xla(*args, scale=48 ** -0.5)),
-                               atol=1e-6)
+        out = fresh_jit()(*args)  # auto: both kernels say no -> reference, silently
+    np.testing.assert_allclose(np.asarray(out), want(args), atol=1e-6)
     assert calls == []
     with pytest.raises(ValueError, match="impl='mosaic' cannot serve this call: head_dim 48 unsupported"):
         jpa.paged_decode(*args, impl="mosaic")
+
+
+def test_resolve_decode_impl_with_shapes_only(fake_gpu):
+    """The engine's set-up call: ShapeDtypeStructs of the real shapes, no arrays."""
+    fake_gpu(H100)
+    sds = jax.ShapeDtypeStruct
+    q, k, tables = sds((64, 9, 64), jnp.float32), sds((3, 4096, 16, 64), jnp.float32), sds((64, 128), jnp.int32)
+    assert jpa.resolve_decode_impl(q, k, tables) == "mosaic"
+    assert jpa.resolve_decode_impl(q, k, tables, impl="xla") == "xla"
+    assert jpa.resolve_decode_impl(q, sds((3, 4096, 16, 48), jnp.float32), tables) == "xla"
+
+
+@pytest.mark.parametrize("kind,cc", [("NVIDIA H100 80GB HBM3", 9.0), ("NVIDIA H200", 9.0),
+                                     ("NVIDIA A100-SXM4-80GB", 8.0), ("NVIDIA A10G", 8.6),
+                                     ("NVIDIA L4", 8.9), ("NVIDIA L40S", 8.9), ("NVIDIA B200", 10.0),
+                                     ("NVIDIA GeForce RTX 4090", 8.9), ("NVIDIA H20", 9.0),
+                                     ("Some Future GPU", None)])
+def test_compute_capability_of_device_kinds(kind, cc):
+    assert dispatch.compute_capability_of(kind) == cc
+
+
+def abstract_mesh(kind, cores):
+    dev = AbstractDevice(device_kind=kind, num_cores=cores, platform="cuda")
+    return AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=dev)
+
+
+@pytest.mark.parametrize("kind,cores,call", [("NVIDIA H100 80GB HBM3", 132, "mosaic_gpu"),
+                                             ("NVIDIA A100-SXM4-80GB", 108, "__gpu$xla.gpu.triton")])
+def test_aot_target_picks_its_kernel(kind, cores, call):
+    """Under an AOT lowering for an absent GPU, auto uses the kernel for THAT GPU, and says so."""
+    dispatch.self_check.cache_clear()
+    dispatch._announce_aot.cache_clear()
+    rng = np.random.default_rng()
+    q = jnp.asarray(rng.standard_normal((4, 8, 64)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((2, 16, 64, 64)), jnp.bfloat16)
+    tables = jnp.asarray(rng.integers(0, 16, (4, 4)), jnp.int32)
+    lens = jnp.asarray(rng.integers(0, 257, (4,)), jnp.int32)
+    with jax.sharding.use_abstract_mesh(abstract_mesh(kind, cores)):
+        target = dispatch.current_target()
+        assert (target.executable, target.is_nvidia_gpu) == (False, True)
+        with pytest.warns(UserWarning, match=f"compiling for {kind}.*cannot be self-checked"):
+            text = fresh_jit().trace(q, k, k, tables, lens).lower(
+                lowering_platforms=("cuda",)).as_text()
+    assert call in text
+    other = "__gpu$xla.gpu.triton" if call == "mosaic_gpu" else "mosaic_gpu"
+    assert other not in text

@@ -201,12 +201,26 @@ def test_unsupported_reason_none_for_tested_specs():
 
 def test_smem_fits_and_pages_in_flight():
     # head_dim 128, page_size 16 and 32: 4 slots of 64-token K+V blocks (32 KiB each), q 16 KiB,
-    # p 8 KiB, slopes 256 B -> 152.25 KiB of the 227 KiB an H100 block may use.
+    # slopes 256 B -> 144.25 KiB of the 227 KiB an H100 block may use; interpret mode adds the
+    # 8 KiB p tile.
     for page_size in (16, 32):
         assert mosaic_decode.num_slots(128, page_size) == 4
-        assert mosaic_decode.smem_bytes(128, page_size) == 4 * 32768 + 16384 + 8192 + 256
-    assert mosaic_decode.smem_bytes(256, 64) <= mosaic_decode.SMEM_BUDGET
+        assert mosaic_decode.smem_bytes(128, page_size) == 4 * 32768 + 16384 + 256
+        assert mosaic_decode.smem_bytes(128, page_size, register_acc=False) == 4 * 32768 + 16384 + 8192 + 256
+    assert mosaic_decode.smem_bytes(256, 64, register_acc=False) <= mosaic_decode.SMEM_BUDGET
     # int8 cache, bf16 q, head_dim 128, page_size 32: 4 slots of 8-bit K+V blocks with scales
-    # (16.5 KiB each) + q, p, slopes + the widened K and V blocks (32 KiB).
+    # (16.5 KiB each) + q, slopes + the widened K and V blocks (32 KiB).
     assert mosaic_decode.num_slots(128, 32, 2, 1) == 4
-    assert mosaic_decode.smem_bytes(128, 32, 2, 1) == 4 * (16384 + 512) + 16384 + 8192 + 256 + 32768
+    assert mosaic_decode.smem_bytes(128, 32, 2, 1) == 4 * (16384 + 512) + 16384 + 256 + 32768
+
+
+def test_unsupported_reason_refuses_what_does_not_lower():
+    """Pages over 256 tokens (a WGMMA N > 256) and non-Hopper targets are refused."""
+    base = DecodeSpec("bfloat16", "bfloat16", 8, 2, 32, 64, 4, False, False, False, False)
+    assert mosaic_decode.unsupported_reason(base) is None
+    assert mosaic_decode.unsupported_reason(base, 9.0) is None
+    for ps in (320, 512):
+        assert "at most 256" in mosaic_decode.unsupported_reason(base._replace(page_size=ps))
+    assert mosaic_decode.unsupported_reason(base._replace(page_size=256)) is None
+    for cc in (8.0, 8.9, 10.0, 12.0):
+        assert "Hopper" in mosaic_decode.unsupported_reason(base, cc)

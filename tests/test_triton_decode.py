@@ -181,18 +181,28 @@ def test_partition_tokens_must_be_positive():
             triton_decode.paged_decode(*args, **opts, interpret=True, partition_tokens=bad)
 
 
-def test_float8_e4m3_needs_sm89(monkeypatch):
+def test_float8_e4m3_needs_sm89():
     """On an Ampere GPU an e4m3 cache is refused up front (Triton has no fp8e4nv before sm_89)."""
-    class FakeGpu:
-        platform, compute_capability, device_kind = "gpu", "8.0", "NVIDIA A100-SXM4-80GB"
-
     spec = _spec(cache_dtype="float8_e4m3fn", quantized=True)
-    assert triton_decode.unsupported_reason(spec) is None  # CPU: interpret mode serves it
-    monkeypatch.setattr(jax, "devices", lambda *a: [FakeGpu()])
-    assert "8.9" in triton_decode.unsupported_reason(spec)
-    assert triton_decode.unsupported_reason(_spec(cache_dtype="float8_e5m2", quantized=True)) is None
-    FakeGpu.compute_capability = "9.0"
-    assert triton_decode.unsupported_reason(spec) is None
+    assert triton_decode.unsupported_reason(spec) is None  # no device: interpret mode serves it
+    assert "8.9" in triton_decode.unsupported_reason(spec, 8.0)
+    assert triton_decode.unsupported_reason(_spec(cache_dtype="float8_e5m2", quantized=True), 8.0) is None
+    assert triton_decode.unsupported_reason(spec, 9.0) is None
+
+
+@pytest.mark.parametrize("dtype,num_pages,refused", [
+    ("int8", 2 ** 31 // (2 * 16 * 128), False),          # exactly 2**31 elements: 32-bit offsets fit
+    ("int8", 2 ** 31 // (2 * 16 * 128) + 1, True),       # past 2**31 elements, <= 2**32 bytes
+    ("float8_e5m2", 2 ** 32 // (2 * 16 * 128), True),    # 2**32 bytes exactly: still 32-bit
+    ("int8", 2 ** 32 // (2 * 16 * 128) + 1, False),      # > 2**32 bytes: Pallas uses 64-bit offsets
+    ("bfloat16", 2 ** 31 // (2 * 16 * 128) + 1, False),  # 16-bit: > 2**32 bytes, 64-bit offsets
+])
+def test_one_byte_pools_needing_64_bit_offsets_are_refused(dtype, num_pages, refused):
+    spec = _spec(cache_dtype=dtype, quantized=dtype != "bfloat16", num_pages=num_pages)
+    reason = triton_decode.unsupported_reason(spec, 9.0)
+    assert (reason is not None) == refused, reason
+    if refused:
+        assert "64-bit offsets" in reason
 
 
 def test_one_compile_for_all_lengths():

@@ -26,11 +26,11 @@ are widened in SMEM to q's dtype for the WGMMA (exact), and their per-token scal
 to the logits (K) and to the columns of p (V) instead of to the values.
 
 Split-K: each partition writes its unnormalized (acc, m, l); `merge_partitions` combines them.
-Rejected (see `unsupported_reason`): float32 q (WGMMA is tf32-only for f32), a 16-bit cache
-whose dtype differs from q's, q_per_kv > 64, head_dim not a multiple of 16 (32 for 8-bit
-caches: Mosaic GPU swizzles SMEM rows in 32/64/128-byte units) or > 256, page
-sizes that neither divide nor are multiples of 64, quantized pages under 32 tokens, and
-shapes whose two K/V blocks do not fit SMEM.
+Rejected (see `unsupported_reason`): targets other than Hopper (9.x), float32 q (WGMMA is
+tf32-only for f32), a 16-bit cache whose dtype differs from q's, q_per_kv > 64, head_dim not a
+multiple of 16 (32 for 8-bit caches: Mosaic GPU swizzles SMEM rows in 32/64/128-byte units) or
+> 256, page sizes that neither divide nor are multiples of 64 or exceed 256 (a block's tokens
+are a WGMMA N), quantized pages under 32 tokens, and shapes whose two K/V blocks do not fit SMEM.
 """
 
 import functools
@@ -50,6 +50,8 @@ BLOCK_Q = 64
 # Minimum key tokens per block: one WGMMA K-step of the P @ V matmul spans 64 rows comfortably
 # and fewer, larger blocks mean fewer barrier round trips per page.
 MIN_BLOCK_TOKENS = 64
+# Most key tokens per block: they are the N dimension of the Q @ K^T WGMMA, which is at most 256.
+MAX_BLOCK_TOKENS = 256
 # Blocks buffered in SMEM per program (slots - 1 in flight during each block's compute): as many
 # as fit SMEM_BUDGET, up to MAX_SLOTS. H100: 227 KiB of SMEM per block at most.
 MAX_SLOTS = 4
@@ -65,8 +67,14 @@ QUANT_MIN_PAGE_SIZE = 32
 ROW_ALIGN = 8
 
 
-def unsupported_reason(spec: DecodeSpec) -> str | None:
-    """Why this kernel cannot serve `spec`, or None when it can."""
+def unsupported_reason(spec: DecodeSpec, compute_capability: float | None = None) -> str | None:
+    """Why this kernel cannot serve `spec` on a GPU of `compute_capability`, or None when it can.
+
+    compute_capability None (interpret mode, or an unknown device) skips the device check.
+    """
+    if compute_capability is not None and not 9.0 <= compute_capability < 10.0:
+        return (f"compute capability {compute_capability} has no WGMMA: this kernel needs Hopper "
+                f"(9.x)")
     if spec.q_dtype not in SUPPORTED_DTYPES:
         return (f"q dtype {spec.q_dtype} is not supported: WGMMA has no exact float32 path "
                 f"(only tf32); use bfloat16 or float16")
@@ -87,9 +95,10 @@ def unsupported_reason(spec: DecodeSpec) -> str | None:
                 f"({ps * 4} bytes) must be a TMA of >= 128 bytes, so page_size >= "
                 f"{QUANT_MIN_PAGE_SIZE}")
     if ps < 8 or (ps < MIN_BLOCK_TOKENS and MIN_BLOCK_TOKENS % ps) or (
-            ps >= MIN_BLOCK_TOKENS and ps % MIN_BLOCK_TOKENS):
+            ps >= MIN_BLOCK_TOKENS and ps % MIN_BLOCK_TOKENS) or ps > MAX_BLOCK_TOKENS:
         return (f"page_size = {ps} is not supported: it must divide {MIN_BLOCK_TOKENS} (>= 8) "
-                f"or be a multiple of {MIN_BLOCK_TOKENS}")
+                f"or be a multiple of {MIN_BLOCK_TOKENS} up to {MAX_BLOCK_TOKENS} (a block's "
+                f"tokens are the N of the Q @ K^T WGMMA, at most 256)")
     if num_slots(spec.head_dim, ps, 2, 1 if spec.quantized else 2) == 0:
         return (f"head_dim = {spec.head_dim} with page_size = {ps} needs more than "
                 f"{SMEM_BUDGET // 1024} KiB of SMEM for two K/V blocks")
@@ -115,14 +124,21 @@ def num_slots(head_dim: int, page_size: int, itemsize: int = 2, cache_itemsize: 
     return _smem_plan(head_dim, page_size, itemsize, cache_itemsize)[0]
 
 
-def smem_bytes(head_dim: int, page_size: int, itemsize: int = 2, cache_itemsize: int = 2) -> int:
+def smem_bytes(head_dim: int, page_size: int, itemsize: int = 2, cache_itemsize: int = 2, *,
+               register_acc: bool = True) -> int:
     """Peak SMEM of one program, from the buffer shapes (barriers and Mosaic scratch excluded).
 
-    The main loop holds the q tile, the p tile, the ALiBi slopes and `num_slots` K and V blocks
-    (quantized: + the widened K and V blocks and per-token scales); the f32 output tile is
-    allocated after the loop, in the space they free.
+    The main loop holds the q tile, the ALiBi slopes, `num_slots` K and V blocks (quantized: + the
+    widened K and V blocks and per-token scales) and, in interpret mode only (register_acc
+    False), the p tile; the f32 output tile is allocated after the loop, in the space they free.
+    Slots are planned as if p were in SMEM on both paths, so both run the same pipeline depth.
     """
-    return _smem_plan(head_dim, page_size, itemsize, cache_itemsize)[1]
+    slots, peak = _smem_plan(head_dim, page_size, itemsize, cache_itemsize)
+    if not register_acc:
+        return peak
+    block_tokens = _block_pages(page_size) * page_size
+    epilogue = BLOCK_Q * head_dim * 4 + 2 * BLOCK_Q * 4
+    return max(peak - BLOCK_Q * block_tokens * itemsize, epilogue)
 
 
 def _smem_plan(head_dim, page_size, itemsize, cache_itemsize):
@@ -141,11 +157,16 @@ def _smem_plan(head_dim, page_size, itemsize, cache_itemsize):
 def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, ks_ref, vs_ref,  # GMEM
             acc_out, m_out, l_out,  # outputs (GMEM)
             bars, *, scale, soft_cap, sliding_window, q_per_kv, page_size, block_pages,
-            blocks_per_part, slots, rows_out):
+            blocks_per_part, slots, rows_out, register_acc):
     # q_ref [num_seqs * num_q_heads + BLOCK_Q, head_dim]; k_ref, v_ref [K, P, S_p, H];
     # tables_ref i32[num_seqs, pages_per_seq]; lens_ref i32[num_seqs];
     # slopes_ref f32[num_q_heads + BLOCK_Q] or None; ks_ref, vs_ref f32[K, P, S_p] or None.
     # acc_out f32[B, K, parts, rows_out, H]; m_out, l_out f32[B, K, parts, rows_out].
+    # register_acc: the hardware path. P @ V accumulates into `acc` in place (`pl.run_state` on
+    # a WGMMA accumulator initialised from it) with p as a register operand. GPU interpret mode
+    # models neither, so there (register_acc=False) p goes through SMEM (p_smem) and each block
+    # gets a fresh accumulator that is added to acc: the same math, twice the accumulator
+    # registers and a fence per block, which on hardware would spill at head_dim 256.
     q_bar, k_bars, v_bars = bars
     b = lax.axis_index("seq")
     kh = lax.axis_index("kv_head")
@@ -262,9 +283,8 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, ks_ref, vs_re
                 # columns may carry NaN scales (unwritten slots), so they are zeroed after.
                 v_scale = plgpu.load(vs_smem.at[slot], layout=col_layout)  # f32[S]
                 p = jnp.where(valid, p * lax.broadcast_in_dim(v_scale, p.shape, [1]), 0.0)
-            # p goes through SMEM (8 KiB per block) rather than as a register WGMMA operand:
-            # GPU interpret mode only models SMEM operands, and the tested path is the shipped one.
-            p_smem[...] = p.astype(dtype)
+            if not register_acc:
+                p_smem[...] = p.astype(dtype)  # interpret mode: SMEM operands only
             if quantized:
                 # The widened copy is written whole, invisible tokens as 0 (see below).
                 tok = block_start + plgpu.broadcasted_iota(
@@ -284,15 +304,21 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, ks_ref, vs_re
                         jnp.int32, (block_tokens, head_dim), 0, layout=plgpu.Layout.WGMMA)
                     vs[...] = jnp.where((tok < seq_len) & (tok >= start), vs[...],
                                         jnp.zeros((), dtype))
+                    if register_acc:
+                        plgpu.commit_smem()  # only blocks that were rewritten need the fence
 
-            plgpu.commit_smem()  # register stores to SMEM -> visible to the WGMMA (async proxy)
+            if quantized or not register_acc:
+                plgpu.commit_smem()  # register stores to SMEM -> visible to the WGMMA (async proxy)
 
-            def pv(pv_ref):
-                plgpu.wgmma(pv_ref, p_smem, v_op)
-                return pv_ref[...]
-            # A fresh accumulator per block (GPU interpret mode cannot run `run_state`); the add
-            # is one register op per element, negligible next to the loads.
-            acc = acc + pl.run_scoped(pv, plgpu.ACC((BLOCK_Q, head_dim), jnp.float32))
+            if register_acc:
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p.astype(dtype), v_op)
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            else:
+                def pv(pv_ref):
+                    plgpu.wgmma(pv_ref, p_smem, v_op)
+                    return pv_ref[...]
+                acc = acc + pl.run_scoped(pv, plgpu.ACC((BLOCK_Q, head_dim), jnp.float32))
             return acc, m_new, l, nxt_pages
 
         init = (
@@ -312,8 +338,8 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, ks_ref, vs_re
         plgpu.SMEM((BLOCK_Q, head_dim), dtype, transforms=transforms),
         plgpu.SMEM((slots, block_tokens, head_dim), cache_dtype, transforms=cache_transforms),
         plgpu.SMEM((slots, block_tokens, head_dim), cache_dtype, transforms=cache_transforms),
-        # WGMMA needs the lhs (p) swizzled like the rhs (V, minor dimension head_dim).
-        plgpu.SMEM((BLOCK_Q, block_tokens), dtype, transforms=transforms),
+        # Interpret mode: p in SMEM, swizzled like the rhs (V, minor dimension head_dim).
+        None if register_acc else plgpu.SMEM((BLOCK_Q, block_tokens), dtype, transforms=transforms),
         plgpu.SMEM((BLOCK_Q,), jnp.float32) if slopes_ref is not None else None,
         # Quantized caches: the widened K and V blocks and the per-token scales.
         plgpu.SMEM((block_tokens, head_dim), dtype, transforms=transforms) if quantized else None,
@@ -385,7 +411,7 @@ def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_ca
     kernel = functools.partial(
         _kernel, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
         q_per_kv=q_per_kv, page_size=page_size, block_pages=block_pages,
-        blocks_per_part=blocks_per_part, slots=slots, rows_out=rows_out)
+        blocks_per_part=blocks_per_part, slots=slots, rows_out=rows_out, register_acc=not interpret)
     # One barrier arrival per TMA: a page of K (V), and of its scales when quantized.
     arrivals = block_pages * (2 if quantized else 1)
 

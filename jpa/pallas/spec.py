@@ -16,7 +16,16 @@ class DecodeSpec(NamedTuple):
     alibi: bool
     sliding_window: bool
     quantized: bool
+    # The remaining shapes of the call: kernels plan their grid from num_seqs, and pool size
+    # limits (32-bit offsets) depend on num_pages. Defaults describe a small call.
+    num_seqs: int = 1
+    num_pages: int = 1
 
     @property
     def q_per_kv(self) -> int:
         return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def pool_elements(self) -> int:
+        """Elements of one page pool (K or V): num_kv_heads * num_pages * page_size * head_dim."""
+        return self.num_kv_heads * self.num_pages * self.page_size * self.head_dim

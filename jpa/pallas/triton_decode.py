@@ -247,16 +247,27 @@ def _partials(q, k_pages, v_pages, block_tables, seq_lens, alibi_slopes, k_scale
     )(seq_lens, block_tables, qg, k_pages, v_pages, k_scales, v_scales, slopes)
 
 
-def unsupported_reason(spec: DecodeSpec) -> str | None:
-    """Why this kernel cannot serve `spec` on the default device, or None when it can."""
+def unsupported_reason(spec: DecodeSpec, compute_capability: float | None = None) -> str | None:
+    """Why this kernel cannot serve `spec` on a GPU of `compute_capability`, or None when it can.
+
+    compute_capability None (interpret mode, or an unknown device) skips device-specific limits.
+    """
     if spec.head_dim > MAX_HEAD_DIM:
         return f"head_dim {spec.head_dim} > {MAX_HEAD_DIM} (K/V tiles would spill registers)"
-    if spec.cache_dtype == "float8_e4m3fn":
-        dev = jax.devices()[0]
-        cc = getattr(dev, "compute_capability", None)
-        # Triton has no float8_e4m3fn (fp8e4nv) type before sm_89; e5m2 and int8 work on sm_80.
-        if dev.platform == "gpu" and cc is not None and float(cc) < 8.9:
-            return f"float8_e4m3fn caches need compute capability >= 8.9 in Triton; device has {cc}"
+    # Triton has no float8_e4m3fn (fp8e4nv) type before sm_89; e5m2 and int8 work on sm_80.
+    if spec.cache_dtype == "float8_e4m3fn" and compute_capability is not None and compute_capability < 8.9:
+        return (f"float8_e4m3fn caches need compute capability >= 8.9 in Triton; the target has "
+                f"{compute_capability}")
+    # Pallas Triton addresses a ref with 32-bit element offsets unless the whole array is larger
+    # than 2**32 bytes. A 1-byte pool of 2**31 .. 2**32 elements would be read through offsets
+    # that wrap negative, so it is refused (16-bit and wider pools of that many elements exceed
+    # 2**32 bytes and get 64-bit offsets).
+    itemsize = np.dtype(jnp.dtype(spec.cache_dtype)).itemsize
+    elements = spec.pool_elements
+    if elements > 2 ** 31 and elements * itemsize <= 2 ** 32:
+        return (f"a {spec.cache_dtype} page pool of {elements} elements (num_kv_heads x num_pages x "
+                f"page_size x head_dim) needs 64-bit offsets, which Pallas Triton uses only above "
+                f"2**32 bytes: use at most 2**31 elements per pool (fewer pages) or a 16-bit cache")
     return None
 
 

@@ -1,0 +1,489 @@
+"""Deviceless GPU compile tier: compile jpa's kernels and jitted steps for an H100 or A100 that is not here.
+
+XLA compiles for a GPU it does not have when given a target description (GpuTargetConfigProto):
+`jax.experimental.topologies.get_topology_desc(..., target_config=...)` yields compile-only
+devices, and `jax.jit(f).lower(<ShapeDtypeStructs on such a device>).compile()` runs XLA's whole
+GPU pipeline: fusion, buffer assignment, Triton's compilation of Pallas Triton kernels, and
+ptxas on every kernel. This script does that for
+
+1. every kernel configuration of a covering grid that the kernel's `unsupported_reason` accepts
+   for the target (page sizes 8-256, head dims 64-256, q_per_kv 1-16, 16-bit, int8 and fp8
+   caches, every option, split-K on and off);
+2. the engine's jitted decode loop and a prefill call for SmolLM2-135M in bfloat16 with a pool
+   of >= 1 GiB, attention chosen by `impl="auto"` for the target.
+
+For each it reports: compiled or the error; each kernel's grid, threads and shared memory (XLA's
+thunk sequence) and registers and spills (ptxas -v); whether the page pools reach the kernels
+uncopied (no copy/slice of a pool-shaped array in the optimized HLO; donated pools aliased to
+outputs; temporaries far below the pool size). It exits non-zero on any failure.
+
+Not covered here (needs a GPU or is not reachable without one): Mosaic GPU kernels are opaque
+`mosaic_gpu` custom calls to XLA and become PTX only when the program is loaded on a device, so
+their registers and ptxas stage are not checked (their SMEM is reported from the kernel's own
+plan); numerics and speed of compiled code (`scripts/gpu_validate.py` on a GPU).
+
+Needs the compile-only GPU packages: `pip install -e ".[gpu]"` (./run test installs them).
+
+    python scripts/gpu_compile_check.py --target h100 [--subset fast|full] [--json PATH]
+"""
+
+import os
+
+# Before JAX loads XLA: CPU as the runtime platform, and ptxas's -v report in XLA's log (read
+# from stderr during each compile for registers and spills).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "0")
+os.environ.setdefault("TF_CPP_VMODULE", "subprocess_compilation=3")
+
+
+def _pin_ptxas():
+    """Uses the ptxas of the `gpu` extra (CUDA 12, matching the plugin) even when another CUDA
+    toolkit's ptxas is on PATH, so results do not depend on what the machine happens to have."""
+    import importlib.util
+    spec = importlib.util.find_spec("nvidia.cuda_nvcc")
+    flags = os.environ.get("XLA_FLAGS", "")
+    if spec is not None and spec.submodule_search_locations and "xla_gpu_cuda_data_dir" not in flags:
+        root = list(spec.submodule_search_locations)[0]
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_cuda_data_dir={root}".strip()
+
+
+_pin_ptxas()
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import dataclasses  # noqa: E402
+import functools  # noqa: E402
+import json  # noqa: E402
+import pathlib  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import warnings  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType, SingleDeviceSharding  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from jpa import dispatch  # noqa: E402
+from jpa.pallas.spec import DecodeSpec  # noqa: E402
+
+# ---- Targets: values of XLA's xla/backends/gpu/target_config/specs (see shared/design.md) ----
+_COMMON = dict(threads_per_block_limit=1024, threads_per_warp=32, shared_memory_per_block=49152,
+               threads_per_core_limit=2048, block_dim_limit_x=2147483647, block_dim_limit_y=65535,
+               block_dim_limit_z=65535, registers_per_core_limit=65536, registers_per_block_limit=65536)
+TARGETS = {
+    "h100": dict(kind="NVIDIA H100 80GB HBM3", cc=(9, 0), core_count=132, fpus_per_core=128,
+                 shared_memory_per_core=233472, shared_memory_per_block_optin=232448,
+                 memory_bandwidth=3352320000000, l2_cache_size=52428800, clock_rate_ghz=1.98,
+                 device_memory_size=84929347584),
+    "a100": dict(kind="NVIDIA A100-SXM4-80GB", cc=(8, 0), core_count=108, fpus_per_core=64,
+                 shared_memory_per_core=167936, shared_memory_per_block_optin=166912,
+                 memory_bandwidth=2039040000000, l2_cache_size=41943040, clock_rate_ghz=1.41,
+                 device_memory_size=85100068864),
+}
+TRITON_CALL = 'custom_call_target="__gpu$xla.gpu.triton"'
+MOSAIC_CALL = 'custom_call_target="mosaic_gpu'
+# Ops that, producing a pool-shaped array, mean the pool was copied or re-laid-out.
+COPY_OPS = ("copy", "copy-start", "slice", "dynamic-slice", "transpose", "concatenate", "pad",
+            "gather", "reverse")
+
+
+def target_config(name: str) -> str:
+    """The GpuTargetConfigProto text of a target."""
+    t = {**_COMMON, **TARGETS[name]}
+    fields = "\n".join(f"  {k}: {v}" for k, v in t.items() if k not in ("kind", "cc"))
+    major, minor = t["cc"]
+    return (f"gpu_device_info {{\n{fields}\n  cuda_compute_capability {{ major: {major} minor: {minor} }}\n}}\n"
+            f'platform_name: "CUDA"\ndnn_version_info {{ major: 9 minor: 7 }}\n'
+            f'runtime_version {{ major: 12 minor: 8 }}\ndevice_description_str: "{t["kind"]}"\n')
+
+
+# ---- Compiling for a target ----
+
+@contextlib.contextmanager
+def captured_stderr():
+    """Captures the process's fd 2 (XLA's C++ log, where ptxas -v is reported) into a list."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    out = []
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield out
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            out.append(tmp.read().decode(errors="replace"))
+
+
+def parse_thunks(dump_dir: pathlib.Path) -> dict:
+    """{kernel name: {grid, threads, shared_memory}} from XLA's thunk sequence dump."""
+    kernels = {}
+    for f in dump_dir.glob("*thunk_sequence.txt"):
+        for m in re.finditer(r"kCustomKernel.*?\]\s+(\S+) grid: \[([\d, ]+)\] threads: \[([\d, ]+)\]\s+"
+                             r"shared_memory: (\d+) bytes", f.read_text()):
+            kernels[m.group(1)] = dict(grid=[int(x) for x in m.group(2).split(",")],
+                                       threads=[int(x) for x in m.group(3).split(",")],
+                                       shared_memory=int(m.group(4)))
+    return kernels
+
+
+def parse_ptxas(log: str) -> dict:
+    """{kernel name: {registers, spill_stores, spill_loads, stack}} from ptxas -v output."""
+    out = {}
+    for m in re.finditer(r"Function properties for (\S+)\s+(\d+) bytes stack frame, (\d+) bytes spill stores, "
+                         r"(\d+) bytes spill loads\s+ptxas info\s+: Used (\d+) registers", log):
+        out[m.group(1)] = dict(stack=int(m.group(2)), spill_stores=int(m.group(3)),
+                               spill_loads=int(m.group(4)), registers=int(m.group(5)))
+    return out
+
+
+def hlo_type(shape, dtype) -> str:
+    names = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "int8": "s8",
+             "float8_e4m3fn": "f8e4m3fn", "float8_e5m2": "f8e5m2", "int32": "s32"}
+    return f"{names[np.dtype(dtype).name]}[{','.join(map(str, shape))}]"
+
+
+def pool_copies(hlo: str, pool_types) -> list:
+    """Instructions of the optimized HLO that produce a pool-shaped array by copying or slicing."""
+    bad = []
+    for line in hlo.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%?[\w.-]+ = (\S+?)(?:\{[^}]*\})? ([\w-]+)\(", line)
+        if m and m.group(1) in pool_types and m.group(2) in COPY_OPS:
+            bad.append(line.strip()[:200])
+        # A fusion that only copies is named for it by XLA.
+        if m and m.group(1) in pool_types and m.group(2) == "fusion" and re.search(r"calls=%?(wrapped_)?copy", line):
+            bad.append(line.strip()[:200])
+    return bad
+
+
+class Compiler:
+    """Compiles jitted functions for one deviceless target and inspects the result."""
+
+    def __init__(self, target: str):
+        from jax.experimental import topologies
+        t = TARGETS[target]
+        self.target = target
+        self.ptxas = None  # version and path, once XLA reports it
+        topo = topologies.get_topology_desc("jpa", "cuda", target_config=target_config(target),
+                                            topology="1x1x1")
+        self.device = topo.devices[0]
+        self.sharding = SingleDeviceSharding(self.device)
+        self.mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=AbstractDevice(
+            device_kind=self.device.device_kind, num_cores=t["core_count"], platform="cuda"))
+
+    def place(self, tree):
+        """ShapeDtypeStructs (or arrays) -> ShapeDtypeStructs on the target device."""
+        return jax.tree_util.tree_map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.sharding), tree)
+
+    def compile(self, name, fn, args, *, donate_argnums=(), pool_shapes=(), kwargs=None) -> dict:
+        """Compiles fn(*args) for the target. pool_shapes: [(shape, dtype)] of the page pools."""
+        rec = dict(name=name, target=self.target, ok=False)
+        pool_types = {hlo_type(s, d) for s, d in pool_shapes}
+        pool_bytes = sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in pool_shapes)
+        t0 = time.perf_counter()
+        with tempfile.TemporaryDirectory() as dump, warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # Pallas Triton's deprecation notice
+            warnings.simplefilter("ignore", UserWarning)  # dispatch's "compiling for an absent GPU"
+            try:
+                with captured_stderr() as log:
+                    with jax.sharding.use_abstract_mesh(self.mesh):
+                        lowered = jax.jit(fn, donate_argnums=donate_argnums).lower(
+                            *self.place(args), **self.place(kwargs or {}))
+                    compiled = lowered.compile({"xla_dump_to": dump})
+            except Exception as e:  # the point of the tier: report, never crash
+                text = str(e).strip()
+                rec.update(error=f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"[:500],
+                           seconds=round(time.perf_counter() - t0, 2))
+                return rec
+            kernels = parse_thunks(pathlib.Path(dump))
+        ptx = parse_ptxas(log[0])
+        m = re.search(r"Using (\S*ptxas) with version ([\d.]+)", log[0])
+        if m:
+            self.ptxas = f"{m.group(2)} ({m.group(1)})"
+        for kname, info in kernels.items():
+            info.update(ptx.get(kname, {}))
+        hlo = compiled.as_text()
+        mem = compiled.memory_analysis()
+        copies = pool_copies(hlo, pool_types)
+        rec.update(
+            seconds=round(time.perf_counter() - t0, 2),
+            triton_calls=hlo.count(TRITON_CALL), mosaic_calls=hlo.count(MOSAIC_CALL),
+            # Pallas kernels only: XLA's own fusions are kernels too, named after their fusion.
+            kernels={k: v for k, v in kernels.items() if k.startswith("jpa_")},
+            xla_kernels=len([k for k in kernels if not k.startswith("jpa_")]),
+            pool_bytes=pool_bytes, pool_copies=copies,
+            argument_bytes=mem.argument_size_in_bytes, output_bytes=mem.output_size_in_bytes,
+            alias_bytes=mem.alias_size_in_bytes, temp_bytes=mem.temp_size_in_bytes)
+        problems = []
+        if copies:
+            problems.append(f"{len(copies)} copies/slices of a page pool: {copies[0]}")
+        # A copy of the pools would need temporaries of their size. Below 256 MiB of pools the
+        # call's own buffers (q, outputs, split-K partials) are comparable, and the HLO scan above
+        # is the check.
+        if pool_bytes >= 2 ** 28 and mem.temp_size_in_bytes > pool_bytes // 4:
+            problems.append(f"temporaries ({mem.temp_size_in_bytes} bytes) are not far below the pools "
+                            f"({pool_bytes} bytes)")
+        if pool_bytes and donate_argnums and mem.alias_size_in_bytes < pool_bytes:
+            problems.append(f"donated pools not aliased: {mem.alias_size_in_bytes} of {pool_bytes} bytes")
+        spills = {k: v["spill_stores"] for k, v in rec["kernels"].items() if v.get("spill_stores")}
+        if spills:
+            rec["spills"] = spills  # reported, not a failure: ptxas still produced a kernel
+        rec["problems"] = problems
+        rec["ok"] = not problems
+        return rec
+
+
+# ---- 1. Kernel configurations ----
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    impl: str
+    q_dtype: str = "bfloat16"
+    cache_dtype: str = "bfloat16"
+    page_size: int = 16
+    head_dim: int = 128
+    num_kv_heads: int = 8
+    q_per_kv: int = 4
+    soft_cap: bool = False
+    alibi: bool = False
+    sliding_window: bool = False
+    split_k: bool = False   # long contexts and few sequences (several partitions per sequence)
+    num_pages: int = 8192
+
+    @property
+    def num_seqs(self) -> int:
+        return 4 if self.split_k else 64
+
+    @property
+    def pages_per_seq(self) -> int:
+        return -(-(8192 if self.split_k else 512) // self.page_size)
+
+    def spec(self) -> DecodeSpec:
+        return DecodeSpec(self.q_dtype, self.cache_dtype, self.num_kv_heads * self.q_per_kv,
+                          self.num_kv_heads, self.head_dim, self.page_size, self.pages_per_seq,
+                          self.soft_cap, self.alibi, self.sliding_window,
+                          self.cache_dtype in ("int8", "float8_e4m3fn", "float8_e5m2"),
+                          self.num_seqs, self.num_pages)
+
+    @property
+    def name(self) -> str:
+        opts = "+".join(o for o in ("soft_cap", "alibi", "sliding_window", "split_k") if getattr(self, o))
+        return (f"{self.impl} q={self.q_dtype} kv={self.cache_dtype} ps={self.page_size} "
+                f"hd={self.head_dim} G={self.q_per_kv}" + (f" {opts}" if opts else ""))
+
+
+PAGE_SIZES = (8, 16, 32, 64, 128, 256)
+HEAD_DIMS = (64, 80, 96, 128, 192, 256)
+Q_PER_KV = (1, 2, 4, 8, 16)
+DTYPES = (("bfloat16", "bfloat16"), ("float16", "float16"), ("bfloat16", "int8"),
+          ("bfloat16", "float8_e4m3fn"), ("float16", "float8_e5m2"), ("float32", "float32"))
+OPTIONS = ("soft_cap", "alibi", "sliding_window")
+
+
+def covering_grid(impl: str, subset: str = "full") -> list:
+    """Kernel configurations covering every axis value, every page size x head dim pair (the
+    tile and SMEM sizes), each with a 16-bit and a 1-byte cache, and every option with split-K
+    on and off. "fast" is a spread-out subset for CI."""
+    base = KernelConfig(impl)
+    out = []
+    for ps in PAGE_SIZES:
+        for hd in HEAD_DIMS:
+            for q_dtype, cache_dtype in (DTYPES[0], DTYPES[2]):
+                out.append(dataclasses.replace(base, page_size=ps, head_dim=hd, q_dtype=q_dtype,
+                                               cache_dtype=cache_dtype))
+    out += [dataclasses.replace(base, q_per_kv=g) for g in Q_PER_KV]
+    out += [dataclasses.replace(base, q_dtype=q, cache_dtype=c) for q, c in DTYPES]
+    for split in (False, True):
+        for opt in OPTIONS:
+            out.append(dataclasses.replace(base, split_k=split, **{opt: True}))
+        out.append(dataclasses.replace(base, split_k=split, soft_cap=True, alibi=True, sliding_window=True,
+                                       cache_dtype="int8", q_per_kv=8, head_dim=80))
+    out = list(dict.fromkeys(out))
+    if subset == "fast":
+        out = out[::9] + [c for c in out if c.split_k][:2]
+        out = list(dict.fromkeys(out))
+    return out
+
+
+def random_grid(impl: str, count: int, seed: int) -> list:
+    """`count` configurations drawn from the full product of the grid's axes (with options and
+    split-K at random), for the property "whatever unsupported_reason accepts compiles"."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        q_dtype, cache_dtype = DTYPES[rng.integers(len(DTYPES))]
+        out.append(KernelConfig(
+            impl, q_dtype=q_dtype, cache_dtype=cache_dtype, page_size=int(rng.choice(PAGE_SIZES)),
+            head_dim=int(rng.choice(HEAD_DIMS)), num_kv_heads=int(rng.choice((1, 2, 8))),
+            q_per_kv=int(rng.choice(Q_PER_KV)), soft_cap=bool(rng.random() < 0.5),
+            alibi=bool(rng.random() < 0.3), sliding_window=bool(rng.random() < 0.3),
+            split_k=bool(rng.random() < 0.5), num_pages=int(rng.choice((64, 1024, 8192)))))
+    return out
+
+
+def kernel_call(cfg: KernelConfig):
+    """(fn, args, kwargs, pool shapes) of one paged_decode call with cfg's shapes, impl forced."""
+    spec = cfg.spec()
+    sds = jax.ShapeDtypeStruct
+    pool = (spec.num_kv_heads, spec.num_pages, spec.page_size, spec.head_dim)
+    args = (sds((spec.num_seqs, spec.num_q_heads, spec.head_dim), spec.q_dtype), sds(pool, spec.cache_dtype),
+            sds(pool, spec.cache_dtype), sds((spec.num_seqs, spec.pages_per_seq), jnp.int32),
+            sds((spec.num_seqs,), jnp.int32))
+    kwargs = {}
+    if spec.alibi:
+        kwargs["alibi_slopes"] = sds((spec.num_q_heads,), jnp.float32)
+    if spec.quantized:
+        kwargs["k_scales"] = kwargs["v_scales"] = sds(pool[:3], jnp.float32)
+    import jpa
+    fn = functools.partial(jpa.paged_decode, impl=cfg.impl, soft_cap=30.0 if spec.soft_cap else None,
+                           sliding_window=1024 if spec.sliding_window else None)
+    return fn, args, kwargs, [(pool, spec.cache_dtype)] * 2
+
+
+def check_kernels(compiler: Compiler, impls, subset: str, log=print, random: int = 0, seed: int = 0) -> list:
+    cc = float(".".join(map(str, TARGETS[compiler.target]["cc"])))
+    records = []
+    for impl in impls:
+        grid = random_grid(impl, random, seed) if random else covering_grid(impl, subset)
+        for cfg in grid:
+            reason = dispatch.unsupported_reason(impl, cfg.spec(), cc)
+            if reason is not None:
+                records.append(dict(name=cfg.name, target=compiler.target, kind="kernel", ok=True,
+                                    refused=reason, config=dataclasses.asdict(cfg)))
+                continue
+            fn, args, kwargs, pools = kernel_call(cfg)
+            rec = compiler.compile(cfg.name, fn, args, kwargs=kwargs, pool_shapes=pools)
+            rec.update(kind="kernel", config=dataclasses.asdict(cfg))
+            want = "triton_calls" if impl == "triton" else "mosaic_calls"
+            if rec["ok"] and rec[want] != 1:
+                rec["ok"] = False
+                rec["problems"].append(f"expected one {impl} kernel call, found {rec[want]}")
+            if impl == "mosaic" and rec["ok"]:
+                from jpa.pallas import mosaic_decode
+                q_item = np.dtype(jnp.dtype(cfg.q_dtype)).itemsize
+                c_item = np.dtype(jnp.dtype(cfg.cache_dtype)).itemsize
+                rec["mosaic_smem_planned"] = mosaic_decode.smem_bytes(cfg.head_dim, cfg.page_size, q_item, c_item)
+                # Before the register-accumulator path (p through SMEM, as interpret mode still runs).
+                rec["mosaic_smem_interpret_path"] = mosaic_decode.smem_bytes(
+                    cfg.head_dim, cfg.page_size, q_item, c_item, register_acc=False)
+            records.append(rec)
+            log(_line(rec))
+    return records
+
+
+# ---- 2. The engine's jitted steps, SmolLM2-135M in bfloat16 ----
+
+def engine_steps(pool_gib: float = 1.5, max_seqs: int = 64, page_size: int = 16, max_model_len: int = 2048,
+                 steps_per_call: int = 8, prefill_rows: int = 8, prefill_width: int = 256):
+    """[(name, fn, args, donate_argnums, pool shapes)] of the engine's decode loop and a prefill call.
+
+    The model is abstract (nnx.eval_shape): no weights are read or allocated, so this runs
+    without the model package.
+    """
+    from flax import nnx
+
+    from jpa.cache import CacheConfig, KVCache
+    from jpa.engine.runner import ModelRunner
+    from models import GPT, PRESETS
+
+    config = PRESETS["smollm2-135m"]
+    model = nnx.eval_shape(lambda: GPT(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    cache_cfg = CacheConfig.from_memory(int(pool_gib * 2 ** 30), num_layers=config.num_layers,
+                                        num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                                        page_size=page_size, dtype="bfloat16")
+    runner = ModelRunner.abstract(model, cache_cfg, max_seqs=max_seqs, pages_per_seq=max_model_len // page_size,
+                                  steps_per_call=steps_per_call, stop_ids=(config.eos_token_id,))
+    pool = ((config.num_kv_heads, cache_cfg.num_pages, page_size, config.head_dim), "bfloat16")
+    pools = [pool] * (2 * config.num_layers)
+    return runner, [
+        ("engine decode loop (SmolLM2 bf16, %d seqs, %d pages)" % (max_seqs, cache_cfg.num_pages),
+         runner.decode_fn, runner.decode_args(), runner.DONATE, pools),
+        ("engine prefill (SmolLM2 bf16, %dx%d tokens)" % (prefill_rows, prefill_width),
+         runner.prefill_fn, runner.prefill_args(prefill_rows, prefill_width), runner.DONATE, pools),
+    ]
+
+
+def check_engine(compiler: Compiler, log=print, **sizes) -> list:
+    runner, steps = engine_steps(**sizes)
+    records = []
+    for name, fn, args, donate, pools in steps:
+        with jax.sharding.use_abstract_mesh(compiler.mesh):
+            impl = runner.resolve_attention_impl()  # what impl="auto" picks for this target
+        rec = compiler.compile(name, fn, args, donate_argnums=donate, pool_shapes=pools)
+        rec.update(kind="engine", attention=impl)
+        if rec["ok"] and "decode" in name:
+            want = {"mosaic": "mosaic_calls", "triton": "triton_calls"}.get(impl)
+            n = rec[want] if want else rec["triton_calls"] + rec["mosaic_calls"]
+            expected = runner.num_layers if want else 0
+            if n != expected:
+                rec["ok"] = False
+                rec["problems"].append(f"expected {expected} {impl} kernel calls in the decode loop, found {n}")
+        records.append(rec)
+        log(_line(rec))
+    return records
+
+
+def _line(rec) -> str:
+    if "error" in rec:
+        return f"FAIL  {rec['name']}: {rec['error']}"
+    if not rec["ok"]:
+        return f"FAIL  {rec['name']}: {'; '.join(rec['problems'])}"
+    ks = "; ".join(f"{k} grid {v['grid']} smem {v['shared_memory']} regs {v.get('registers', '?')}"
+                   + (f" SPILLS {v['spill_stores']}B" if v.get("spill_stores") else "")
+                   for k, v in rec.get("kernels", {}).items())
+    if rec.get("mosaic_calls") and "mosaic_smem_planned" in rec:
+        ks = f"mosaic_gpu x{rec['mosaic_calls']} (SMEM planned {rec['mosaic_smem_planned']})"
+    return (f"ok    {rec['name']} [{rec['seconds']}s] {ks} | temp {rec['temp_bytes']} alias {rec['alias_bytes']}"
+            f" pools {rec['pool_bytes']}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", choices=sorted(TARGETS), required=True)
+    p.add_argument("--subset", choices=("fast", "full"), default="full",
+                   help="fast: a spread-out subset of the kernel grid (CI); full: the covering grid")
+    p.add_argument("--only", choices=("kernels", "engine", "all"), default="all")
+    p.add_argument("--random", type=int, default=0, metavar="N",
+                   help="instead of the covering grid, N random configurations per kernel")
+    p.add_argument("--seed", type=int, default=0, help="seed of --random")
+    p.add_argument("--json", type=pathlib.Path, help="write every record to this file")
+    args = p.parse_args(argv)
+    try:
+        compiler = Compiler(args.target)
+    except Exception as e:
+        print(f"gpu_compile_check: cannot get a compile-only {args.target} device ({type(e).__name__}: "
+              f"{str(e).splitlines()[0] if str(e) else ''}). Install the compile-only GPU packages: "
+              f"pip install -e '.[gpu]'", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    impls = ("triton", "mosaic") if TARGETS[args.target]["cc"][0] == 9 else ("triton",)
+    records = []
+    if args.only in ("kernels", "all"):
+        records += check_kernels(compiler, impls, args.subset, random=args.random, seed=args.seed)
+    if args.only in ("engine", "all"):
+        records += check_engine(compiler)
+    failed = [r for r in records if not r["ok"]]
+    compiled = [r for r in records if "refused" not in r]
+    summary = dict(target=args.target, device_kind=TARGETS[args.target]["kind"],
+                   subset=f"random {args.random} (seed {args.seed})" if args.random else args.subset,
+                   jax=jax.__version__, ptxas=compiler.ptxas, records=len(records), compiled=len(compiled),
+                   refused=len(records) - len(compiled), failed=len(failed),
+                   seconds=round(time.perf_counter() - t0, 1))
+    print(f"\n{args.target}: {summary['compiled']} compiled, {summary['refused']} refused by "
+          f"unsupported_reason, {summary['failed']} failed ({summary['seconds']} s)")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(dict(summary=summary, records=records), indent=1) + "\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

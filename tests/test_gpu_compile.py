@@ -1,0 +1,121 @@
+"""The deviceless GPU compile tier, fast subset: jpa's kernels and the engine's jitted steps compile
+for an H100 and an A100 that are not here (XLA's whole GPU pipeline, Triton and ptxas included).
+
+Each test runs scripts/gpu_compile_check.py as its users do (a subprocess: the script sets XLA's
+logging before JAX loads, to read ptxas's register report) and checks its JSON report. The full
+covering grid is `python scripts/gpu_compile_check.py --target h100|a100` (BENCHMARKS.md).
+"""
+
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "gpu_compile_check.py"
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
+    reason="the compile-only GPU packages are not installed (pip install -e '.[gpu]'; ./run test does)")
+
+
+def run_check(tmp_path, *args, timeout=900):
+    out = tmp_path / "report.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_CPP_VMODULE")}
+    proc = subprocess.run([sys.executable, str(SCRIPT), *args, "--json", str(out)], capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=ROOT)
+    assert out.exists(), proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    return proc, report
+
+
+def compiled(report):
+    return [r for r in report["records"] if "refused" not in r]
+
+
+@pytest.mark.parametrize("target,kernel_names", [("h100", ("triton", "mosaic")), ("a100", ("triton",))])
+def test_kernel_grid_subset_compiles(tmp_path, target, kernel_names):
+    proc, report = run_check(tmp_path, "--target", target, "--subset", "fast", "--only", "kernels")
+    failed = [(r["name"], r.get("error") or r.get("problems")) for r in report["records"] if not r["ok"]]
+    assert proc.returncode == 0 and not failed, failed
+    recs = compiled(report)
+    assert {r["name"].split()[0] for r in recs} == set(kernel_names)
+    for r in recs:
+        assert r["pool_copies"] == [], r["name"]
+        assert r["pool_bytes"] < 2 ** 28 or r["temp_bytes"] < r["pool_bytes"] // 4, r["name"]
+        if r["name"].startswith("triton"):
+            # One Pallas Triton kernel, with the launch XLA recorded and ptxas's register count.
+            assert r["triton_calls"] == 1 and len(r["kernels"]) == 1, r["name"]
+            (k,) = r["kernels"].values()
+            assert np.prod(k["grid"]) >= 1 and k["threads"][0] >= 32 and 0 < k["shared_memory"] <= 232448
+            assert 0 < k["registers"] <= 255
+        else:
+            assert r["mosaic_calls"] == 1 and r["triton_calls"] == 0
+    assert report["summary"]["ptxas"], "ptxas did not run: registers cannot have been read"
+
+
+def test_random_accepted_configs_compile(tmp_path):
+    """Whatever unsupported_reason accepts for the target compiles (fresh random configurations)."""
+    seed = int(np.random.default_rng().integers(1 << 30))
+    for target in ("h100", "a100"):
+        proc, report = run_check(tmp_path, "--target", target, "--only", "kernels", "--random", "3",
+                                 "--seed", str(seed))
+        failed = [(r["name"], r.get("error") or r.get("problems")) for r in report["records"] if not r["ok"]]
+        assert proc.returncode == 0 and not failed, (f"seed {seed}", failed)
+
+
+def test_oversized_kernel_is_reported_not_crashed(tmp_path):
+    """A kernel asking for more shared memory than the target has fails in the tier, as on a GPU,
+    and the tier reports it with a non-zero exit (the check that refuses to pass by accident)."""
+    script = tmp_path / "oversized.py"
+    script.write_text(f"""
+import sys, functools
+sys.path.insert(0, {str(ROOT / "scripts")!r})
+import gpu_compile_check as g
+import jax, jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+def kernel(x_ref, o_ref):
+    o_ref[...] = jnp.dot(x_ref[...], x_ref[...], preferred_element_type=jnp.float32).astype(o_ref.dtype)
+
+def big(x):  # a 512x512 bf16 dot in one program: its operands need ~1 MiB of shared memory
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          grid=(1,), in_specs=[pl.BlockSpec((512, 512), lambda i: (0, 0))],
+                          out_specs=pl.BlockSpec((512, 512), lambda i: (0, 0)))(x)
+
+rec = g.Compiler("h100").compile("oversized", big, (jax.ShapeDtypeStruct((512, 512), jnp.bfloat16),))
+print("RESULT", rec["ok"], rec.get("error", ""))
+""")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
+    assert line.startswith("RESULT False") and "RESOURCE_EXHAUSTED" in line, line
+
+
+def test_engine_steps_compile_with_the_targets_kernel(tmp_path):
+    """SmolLM2 bf16 with a >= 1 GiB pool: the engine's decode loop names the H100's Mosaic kernel
+    (A100: Triton) once per layer, donated pools aliased, no pool copy, small temporaries."""
+    for target, call in (("h100", "mosaic_calls"), ("a100", "triton_calls")):
+        proc, report = run_check(tmp_path, "--target", target, "--only", "engine")
+        recs = report["records"]
+        assert proc.returncode == 0 and all(r["ok"] for r in recs), [r.get("problems") or r.get("error")
+                                                                     for r in recs]
+        decode = next(r for r in recs if "decode" in r["name"])
+        assert decode["attention"] == ("mosaic" if target == "h100" else "triton")
+        assert decode[call] == 30
+        for r in recs:
+            assert r["pool_bytes"] >= 2 ** 30
+            assert r["alias_bytes"] >= r["pool_bytes"], r["name"]
+            assert r["temp_bytes"] < r["pool_bytes"] // 4 and r["pool_copies"] == [], r["name"]
+
+
+def test_gpu_validate_refuses_without_a_gpu():
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_validate.py"), "--quick"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 2
+    assert "needs an NVIDIA GPU" in proc.stderr
