@@ -112,13 +112,16 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.mlp_activation must be one of {MLP_ACTIVATIONS}; got "
                              f"{self.mlp_activation!r}")
         rs = self.rope_scaling
-        if not isinstance(rs, tuple) or (rs and (rs[0] not in ROPE_SCALINGS or len(rs) != 1 + ROPE_SCALINGS[rs[0]])):
+        if not isinstance(rs, tuple) or (rs and (rs[0] not in ROPE_SCALINGS
+                                                 or len(rs) != 1 + ROPE_SCALINGS[rs[0]])):
             raise ValueError(f"ModelConfig.rope_scaling must be (), ('linear', factor) or ('llama3', factor, "
-                             f"low_freq_factor, high_freq_factor, original_max_position_embeddings); got {rs!r}")
+                             f"low_freq_factor, high_freq_factor, original_max_position_embeddings); "
+                             f"got {rs!r}")
         if rs and not all(_is_number(x) and x > 0 for x in rs[1:]):
             raise ValueError(f"ModelConfig.rope_scaling's parameters must be numbers > 0; got {rs!r}")
         if rs and rs[0] == "llama3" and not rs[3] > rs[2]:
-            raise ValueError(f"ModelConfig.rope_scaling: llama3 needs high_freq_factor > low_freq_factor; got {rs!r}")
+            raise ValueError(f"ModelConfig.rope_scaling: llama3 needs high_freq_factor > low_freq_factor; "
+                             f"got {rs!r}")
         for name in ("norm_weight_offset", "embed_scale"):
             if not _is_number(getattr(self, name)):
                 raise ValueError(f"ModelConfig.{name} must be a number; got {getattr(self, name)!r}")

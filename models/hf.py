@@ -113,6 +113,12 @@ def config_from_hf(cfg: dict, *, where: str = "config.json", bos_token_id: int =
             _refuse(cfg, where, key, (None, False), "the model has no biases besides Qwen2's q/k/v")
     if model_type in ("qwen2", "qwen3"):
         _refuse(cfg, where, "use_sliding_window", (None, False), "Qwen sliding-window layers")
+    _refuse(cfg, where, "use_bidirectional_attention", (None, False), "jpa's attention is causal")
+    quant = cfg.get("quantization_config")
+    if quant is not None:
+        method = quant.get("quant_method") if isinstance(quant, dict) else None
+        raise CheckpointError(f"{where}: quantization_config ({method!r}) is not supported: jpa loads "
+                              f"float16/bfloat16/float32 weights")
     base, scaling = _rope(cfg, where)
     window, window_layers = None, ()
     layer_types = cfg.get("layer_types")
@@ -134,9 +140,10 @@ def config_from_hf(cfg: dict, *, where: str = "config.json", bos_token_id: int =
     tie_default = gemma  # transformers' default per family
     kw = {}
     if gemma:
-        kw = dict(mlp_activation="gelu_tanh", norm_weight_offset=1.0, embed_scale=math.sqrt(d), post_norms=True,
-                  attn_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5,
-                  attn_soft_cap=cfg.get("attn_logit_softcapping"), final_soft_cap=cfg.get("final_logit_softcapping"))
+        kw = dict(mlp_activation="gelu_tanh", norm_weight_offset=1.0, embed_scale=math.sqrt(d),
+                  post_norms=True, attn_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5,
+                  attn_soft_cap=cfg.get("attn_logit_softcapping"),
+                  final_soft_cap=cfg.get("final_logit_softcapping"))
     try:
         return ModelConfig(
             family="llama", vocab_size=vocab, d_model=d, num_layers=layers, num_q_heads=n,
