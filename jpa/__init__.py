@@ -4,7 +4,8 @@ The public face: `paged_decode` (decode attention over a paged KV cache), `paged
 (causal attention of prompt chunks over the same cache), `write_kv` (cache writes),
 `KVCache`/`CacheConfig` (the cache pytree), `copy_pages` (copy-on-write support) and the
 `pages` module (page allocation as pure-functional device state). The continuous-batching
-engine lives in `jpa.engine` (it sits above the models layer and is imported on its own).
+engine lives in `jpa.engine` (imported on its own; it runs any model that meets
+`jpa.engine.EngineModel`).
 """
 
 from jpa import pages

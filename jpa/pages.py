@@ -181,8 +181,21 @@ def _as_counts(name, x, n, cap):
 # ----------------------------------------------------------------------------- device-side core
 
 
-def _cdiv(a, b):
-    return (a + b - 1) // b
+def pages_for_tokens(num_tokens, page_size):
+    """Pages a sequence of `num_tokens` tokens holds: ceil(num_tokens / page_size).
+
+    The one rule behind every page count: the device operations below use it on traced arrays, and
+    a host scheduler uses it on Python ints (it is plain integer arithmetic, no JAX needed), so the
+    two can never disagree.
+
+    Args:
+      num_tokens: int, NumPy or JAX integer array (>= 0).
+      page_size: tokens per page (>= 1).
+
+    Returns:
+      The page count, of the same kind as num_tokens.
+    """
+    return (num_tokens + page_size - 1) // page_size
 
 
 def _select(ids, max_seqs):
@@ -208,8 +221,8 @@ def _plan(state, grow, target):
     max_seqs = state.max_seqs
     lens = state.seq_lens  # i32[max_seqs]
     seq = jnp.arange(max_seqs, dtype=_I32)
-    old_np = _cdiv(lens, ps)
-    new_np = jnp.where(grow, _cdiv(target, ps), old_np)
+    old_np = pages_for_tokens(lens, ps)
+    new_np = jnp.where(grow, pages_for_tokens(target, ps), old_np)
     last = jnp.take_along_axis(state.block_tables, jnp.maximum(old_np - 1, 0)[:, None], axis=1)[:, 0]
     partial = grow & (lens % ps != 0)
     ref_last = state.refcounts[last]  # i32[max_seqs]
@@ -308,7 +321,7 @@ def _release(state, ids):
     safe, _, _ = _select(ids, max_seqs)
     sel = jnp.zeros((max_seqs,), bool).at[safe].set(True, mode="drop")  # duplicates are idempotent
     j = jnp.arange(pages_per_seq, dtype=_I32)[None, :]
-    live = sel[:, None] & (j < _cdiv(state.seq_lens, state.page_size)[:, None])
+    live = sel[:, None] & (j < pages_for_tokens(state.seq_lens, state.page_size)[:, None])
     drop = jnp.zeros((num_pages,), _I32).at[
         jnp.where(live, state.block_tables, num_pages).ravel()].add(1, mode="drop")
     refcounts = state.refcounts - drop
@@ -336,7 +349,7 @@ def _fork(state, src, dst):
     rows = state.block_tables[src_c]  # i32[max_seqs, pages_per_seq], read before any write
     lens = state.seq_lens[src_c]  # i32[max_seqs]
     j = jnp.arange(pages_per_seq, dtype=_I32)[None, :]
-    live = take[:, None] & (j < _cdiv(lens, state.page_size)[:, None])
+    live = take[:, None] & (j < pages_for_tokens(lens, state.page_size)[:, None])
     add = jnp.zeros((num_pages,), _I32).at[jnp.where(live, rows, num_pages).ravel()].add(
         1, mode="drop")
     state = state.replace(

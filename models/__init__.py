@@ -9,9 +9,10 @@ import numpy as np
 from flax import nnx
 
 from models.config import PRESETS, ModelConfig
+from models.engine_model import GPTForEngine
 from models.gpt import GPT, decode, forward_dense, prefill
 
-__all__ = ["GPT", "ModelConfig", "PRESETS", "decode", "forward_dense", "load", "prefill"]
+__all__ = ["GPT", "GPTForEngine", "ModelConfig", "PRESETS", "decode", "forward_dense", "load", "prefill"]
 
 
 def load(name, *, dtype=None, seed: int = 0):

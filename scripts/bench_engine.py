@@ -505,7 +505,7 @@ def main(argv=None):
     cfg = EngineConfig(max_seqs=args.max_seqs, page_size=args.page_size, max_model_len=args.max_model_len,
                        num_pages=args.max_seqs * -(-args.max_model_len // args.page_size),
                        steps_per_call=args.steps_per_call)
-    eng = LLMEngine(model, tok, cfg)
+    eng = LLMEngine(models.GPTForEngine(model), tok, cfg)
     base_args = (args.max_seqs, args.max_model_len, stop_ids, tok.eos_token_id)
     dense = DenseStatic(model, *base_args)
     concat = Concat(model, *base_args)

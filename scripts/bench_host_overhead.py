@@ -97,7 +97,7 @@ def step_breakdown(model, args, steps=64, reps=5):
 def run_k(model, tok, prompts, params, k, args):
     cfg = EngineConfig(max_seqs=args.max_seqs, page_size=args.page_size, num_pages=args.num_pages,
                        max_model_len=args.max_model_len, steps_per_call=k)
-    eng = LLMEngine(model, tok, cfg)
+    eng = LLMEngine(models.GPTForEngine(model), tok, cfg)
     eng.generate(prompts, params)  # warm-up: compiles prefill shapes and the decode loop
     runs, outputs = [], None
     for _ in range(args.reps):

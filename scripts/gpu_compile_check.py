@@ -444,10 +444,28 @@ def _line(rec) -> str:
             f" pools {rec['pool_bytes']}")
 
 
+def markdown(reports) -> str:
+    """A BENCHMARKS.md table of compiled records: config, kernel, grid, threads, SMEM, registers."""
+    lines = ["| target | config | kernel | grid | threads | SMEM (bytes) | registers | spills |",
+             "|---|---|---|---|---|---|---|---|"]
+    for rep in reports:
+        for r in rep["records"]:
+            if "refused" in r or not r["ok"]:
+                continue
+            if r.get("mosaic_calls"):
+                smem = r.get("mosaic_smem_planned", "")
+                lines.append(f"| {r['target']} | {r['name']} | mosaic_gpu x{r['mosaic_calls']} | - | - | "
+                             f"{smem} (plan) | n/a (PTX at load) | n/a |")
+            for k, v in r.get("kernels", {}).items():
+                lines.append(f"| {r['target']} | {r['name']} | {k} | {v['grid']} | {v['threads'][0]} | "
+                             f"{v['shared_memory']} | {v.get('registers', '?')} | {v.get('spill_stores', '?')} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", choices=sorted(TARGETS), required=True)
+    p.add_argument("--target", choices=sorted(TARGETS))
     p.add_argument("--subset", choices=("fast", "full"), default="full",
                    help="fast: a spread-out subset of the kernel grid (CI); full: the covering grid")
     p.add_argument("--only", choices=("kernels", "engine", "all"), default="all")
@@ -455,7 +473,14 @@ def main(argv=None) -> int:
                    help="instead of the covering grid, N random configurations per kernel")
     p.add_argument("--seed", type=int, default=0, help="seed of --random")
     p.add_argument("--json", type=pathlib.Path, help="write every record to this file")
+    p.add_argument("--markdown", type=pathlib.Path, nargs="+", metavar="JSON",
+                   help="print a markdown table of these JSON reports and exit (no compiling)")
     args = p.parse_args(argv)
+    if args.markdown:
+        print(markdown([json.loads(f.read_text()) for f in args.markdown]), end="")
+        return 0
+    if args.target is None:
+        p.error("--target is required (h100 or a100)")
     try:
         compiler = Compiler(args.target)
     except Exception as e:

@@ -14,7 +14,8 @@ PROMPTS = ["The paged cache", "hello", "a much longer prompt that spans several 
 
 @pytest.fixture(scope="module")
 def tiny():
-    return models.load("tiny-llama", seed=1)
+    model, tok = models.load("tiny-llama", seed=1)
+    return models.GPTForEngine(model), tok
 
 
 def engine(tiny, tokenizer=None, **kw):
@@ -181,3 +182,80 @@ def test_sampling_params_errors(kwargs, msg):
 def test_engine_config_errors(kwargs, msg):
     with pytest.raises(ValueError, match=msg):
         EngineConfig(**kwargs)
+
+
+@pytest.mark.parametrize("stop_len", [22, 23])
+def test_stop_string_in_the_round_the_pool_runs_out(stop_len):
+    """Regression (issue 12): a stop string finished one request in the round the pool ran out;
+    the engine then preempted anyway and raised "a lone sequence ran out of pages"."""
+    model, tok = models.load("tiny-llama")
+    eng = LLMEngine(models.GPTForEngine(model), tok, EngineConfig(
+        max_seqs=2, page_size=8, num_pages=8, steps_per_call=4, watermark=0.0))
+    outs = eng.generate(["abcdefghij", "klmnopqrst"],
+                        [SamplingParams(max_new_tokens=40, greedy=True, stop=("j" * stop_len,)),
+                         SamplingParams(max_new_tokens=40, greedy=True)])
+    assert outs[0].finish_reason == "stop" and outs[0].completion == ""
+    assert tok.decode(list(outs[0].token_ids)) == "j" * stop_len   # token_ids end at the stop
+    assert outs[1].finish_reason == "length" and len(outs[1].token_ids) == 40
+    assert eng.pool_is_whole()
+
+
+def test_step_streams_tokens_and_text(tiny, alone):
+    eng = engine(tiny, num_pages=16, watermark=0.0)
+    ids = [eng.add_request(p, GREEDY).request_id for p in PROMPTS]
+    toks, text, final = {i: () for i in ids}, {i: "" for i in ids}, {}
+    while eng.has_unfinished:
+        for o in eng.step():
+            assert o.request_id not in final, "a request came out twice"
+            toks[o.request_id] += o.new_token_ids
+            text[o.request_id] += o.new_text
+            if o.finished:
+                final[o.request_id] = o.output
+    assert eng.stats.preemptions > 0
+    for i, ref in zip(ids, alone):
+        assert toks[i] == final[i].token_ids == ref
+        assert text[i] == final[i].completion == tiny[1].decode(list(ref), skip_special_tokens=True)
+    # Nothing of a finished request stays in a long-lived engine.
+    assert not eng.scheduler.has_unfinished and not eng._live_ids and not eng._outbox
+    assert eng.pool_is_whole()
+
+
+def test_abort_and_add_between_steps(tiny, alone):
+    eng = engine(tiny, max_seqs=2)
+    a = eng.add_request(PROMPTS[0], GREEDY).request_id
+    b = eng.add_request(PROMPTS[1], GREEDY, request_id="b").request_id
+    waiting = eng.add_request(PROMPTS[3], GREEDY).request_id
+    eng.step()
+    assert eng.abort(a) and eng.abort(waiting) and not eng.abort(a) and not eng.abort("nobody")
+    c = eng.add_request(PROMPTS[2], GREEDY).request_id
+    with pytest.raises(ValueError, match="request_id 'b' is already used"):
+        eng.add_request("x", GREEDY, request_id="b")
+    outs = {}
+    while eng.has_unfinished:
+        for o in eng.step():
+            if o.finished:
+                assert o.request_id not in outs
+                outs[o.request_id] = o.output
+    assert outs[a].finish_reason == "abort" and 0 < len(outs[a].token_ids) < 40
+    assert outs[a].token_ids == alone[0][: len(outs[a].token_ids)]
+    assert outs[waiting].finish_reason == "abort" and outs[waiting].token_ids == ()
+    assert outs[b].token_ids == alone[1] and outs[c].token_ids == alone[2]
+    assert eng.pool_is_whole()
+
+
+def test_engine_takes_a_model_protocol_not_a_gpt(tiny):
+    gpt, tok = models.load("tiny-llama", seed=1)
+    with pytest.raises(TypeError, match=r"models.GPTForEngine\(gpt\).*lacks: params, prefill\(\), decode\(\)"):
+        LLMEngine(gpt, tok, EngineConfig(num_pages=8))
+
+
+def test_engine_does_not_import_models():
+    """Layering: scripts -> engine -> model; the engine reaches a model only through its protocol."""
+    import ast
+    import pathlib
+
+    for path in (pathlib.Path(__file__).parents[1] / "jpa" / "engine").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n == "models" or n.startswith("models.") for n in names), path

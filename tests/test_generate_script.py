@@ -2,7 +2,12 @@
 
 import importlib.util
 import json
+import os
 import pathlib
+import subprocess
+import sys
+
+import pytest
 
 SCRIPT = pathlib.Path(__file__).parents[1] / "scripts" / "generate.py"
 
@@ -14,7 +19,8 @@ def load_script():
     return mod
 
 
-def test_jsonl_prompts_to_json_lines(tmp_path, capsys):
+def test_jsonl_prompts_to_json_lines(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("JPA_CACHE_DIR", str(tmp_path / "cache"))
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join([
         json.dumps({"prompt": "hello there", "max_new_tokens": 5, "greedy": True}),
@@ -24,7 +30,7 @@ def test_jsonl_prompts_to_json_lines(tmp_path, capsys):
         "",
     ]) + "\n")
     rc = load_script().main(["--model", "tiny-llama", "--prompts-file", str(prompts), "--json",
-                             "--no-progress", "--max-new-tokens", "7", "--max-seqs", "2"])
+                             "--no-progress", "--max-new-tokens", "7", "--max-seqs", "2", "--no-compile-cache"])
     out, err = capsys.readouterr()
     recs = [json.loads(line) for line in out.splitlines()]
     assert [r["index"] for r in recs] == [0, 1, 2, 3]
@@ -35,3 +41,37 @@ def test_jsonl_prompts_to_json_lines(tmp_path, capsys):
     assert rc == 1  # some requests failed
     assert "4 requests (2 ok, 2 failed)" in err and "pool whole after run: True" in err
     assert "decode step compiled 1x" in err
+    assert not (tmp_path / "cache" / "xla").exists()  # --no-compile-cache
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--page-size", "0"], "--page-size must be >= 1; got 0"),
+    (["--prompts-file", "/no/such/prompts.jsonl"], "no such file"),
+    (["--model", "gpt-17"], "--model 'gpt-17' is unknown; choose one of smollm2-135m, tiny-gpt2, tiny-llama"),
+    (["--kv-memory", "-5"], "--kv-memory must be a positive number of MiB; got -5.0"),
+    (["--kv-memory", "nan"], "--kv-memory must be a positive number of MiB"),
+    (["--num-pages", "0"], "--num-pages must be >= 1"),
+    (["--max-seqs", "two"], "argument --max-seqs: invalid int value: 'two'"),
+    (["--steps-per-call", "-1"], "--steps-per-call must be >= 1"),
+    (["--top-p", "1.5"], "top_p must be in (0, 1]"),
+    (["--temperature", "-1"], "temperature must be a finite number >= 0"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--model", "tiny-llama", "--kv-memory", "0.001", "--no-compile-cache", "x"], "holds no page"),
+])
+def test_bad_flags_are_one_line_and_exit_2(argv, msg, capsys):
+    rc = load_script().main(argv + ["--no-progress"])
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if not line.startswith("[jpa] loading")]
+    assert rc == 2 and out == ""
+    assert len(lines) == 1 and lines[0].startswith("generate.py: error: ") and msg in lines[0], err
+    assert "Traceback" not in err
+
+
+def test_compile_cache_is_on_by_default(tmp_path):
+    env = dict(os.environ, JPA_CACHE_DIR=str(tmp_path), JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(SCRIPT.parents[1]))
+    r = subprocess.run([sys.executable, str(SCRIPT), "--model", "tiny-llama", "--max-new-tokens", "2",
+                        "--no-progress", "hi"], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    entries = [p.name for p in (tmp_path / "xla").iterdir()]
+    assert any(name.startswith("jit__decode_impl") for name in entries), entries

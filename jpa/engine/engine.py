@@ -1,26 +1,32 @@
 """LLMEngine: continuous batching on the host around the jitted device loop.
 
-Per round: admit waiting requests into free slots while the page pool can hold their prompts plus
-a watermark (one prefill call), then run up to `steps_per_call` decode steps on the device (one
-call), then read back the new tokens: finished requests have already released their pages on the
-device, and their slots are refilled from the queue next round. When the pool runs out mid-decode
-the newest running request is preempted by recompute: its pages are released and it goes back to
-the front of the queue with its generated tokens kept; on re-admission its prompt and generated
-tokens are prefilled again and decoding resumes where it stopped.
+Per round (`step()`): the scheduler admits waiting requests into free slots (one prefill call),
+then up to `steps_per_call` decode steps run on the device (one call), then the new tokens are
+read back together with the page state. Requests the device finished (EOS, max_new_tokens, length
+limit) have already released their pages; stop strings are found on the host by incremental
+detokenization and those requests are released; if the next step still cannot get pages, the
+newest running request is preempted by recompute (its pages released, back to the front of the
+queue with its generated tokens kept; on re-admission they are prefilled again and decoding
+resumes where it stopped). See `jpa.engine.scheduler` for the policies.
+
+A long-lived engine (a server) keeps nothing of a finished request: step() hands each one out
+once, in the round it finishes, and the statistics are running sums.
 """
 
-import collections
 import dataclasses
-import math
+import itertools
 import sys
 import time
 
 import numpy as np
 
 from jpa.cache import CacheConfig
-from jpa.engine.request import Request, RequestOutput, Status
+from jpa.engine.detokenizer import IncrementalDetokenizer
+from jpa.engine.model import EngineModel, check_model
+from jpa.engine.request import Request, RequestOutput, Status, StepOutput
 from jpa.engine.runner import ModelRunner, RowParams
 from jpa.engine.sampling import SamplingParams
+from jpa.engine.scheduler import PrefillBatch, Progress, Scheduler
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +72,7 @@ class EngineConfig:
 
 @dataclasses.dataclass
 class EngineStats:
-    """Counters of one engine (cumulative)."""
+    """Counters of one engine (cumulative running sums: constant memory in a long-lived engine)."""
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_tokens: int = 0
@@ -77,11 +83,12 @@ class EngineStats:
     decode_steps: int = 0
     preemptions: int = 0
     peak_pages_used: int = 0
-    util_samples: list = dataclasses.field(default_factory=list)  # tokens stored / slots allocated
+    util_sum: float = 0.0             # sum over decode calls of tokens stored / slots allocated
+    util_count: int = 0
 
     @property
     def kv_utilization(self) -> float:
-        return float(np.mean(self.util_samples)) if self.util_samples else float("nan")
+        return self.util_sum / self.util_count if self.util_count else float("nan")
 
     @property
     def host_overhead(self) -> float:
@@ -89,21 +96,22 @@ class EngineStats:
         return self.host_seconds / total if total else float("nan")
 
 
-def _bucket(n: int, minimum: int) -> int:
-    """Next power of two >= n (at least `minimum`): bounds the number of prefill compilations."""
-    return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
-
-
 class LLMEngine:
     """Continuous-batching generation with a paged KV cache.
 
+    Use `generate()` offline, or drive it round by round (a server): `add_request()` and `abort()`
+    between rounds, `step()` for one round, which returns a StepOutput per request that got new
+    tokens or finished. Not thread-safe: call all three from one thread (or event loop).
+
     Args:
-      model: a `models.GPT`.
-      tokenizer: with encode/decode, eos_token_id and stop_token_ids.
+      model: an EngineModel (e.g. `models.GPTForEngine(gpt)`): config sizes, dtype, params,
+        prefill and decode.
+      tokenizer: with encode/decode, eos_token_id and (optionally) stop_token_ids.
       config: EngineConfig.
     """
 
-    def __init__(self, model, tokenizer, config: EngineConfig = EngineConfig()):
+    def __init__(self, model: EngineModel, tokenizer, config: EngineConfig = EngineConfig()):
+        check_model(model)
         self.model, self.tokenizer, self.config = model, tokenizer, config
         mc = model.config
         self.max_model_len = min(config.max_model_len or mc.max_seq_len, mc.max_seq_len)
@@ -125,27 +133,43 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.cache_config, max_seqs=config.max_seqs,
                                   pages_per_seq=self.pages_per_seq,
                                   steps_per_call=config.steps_per_call, stop_ids=self.stop_ids)
+        self.scheduler = Scheduler(
+            max_seqs=config.max_seqs, page_size=config.page_size, num_pages=self.num_pages,
+            max_model_len=self.max_model_len, steps_per_call=config.steps_per_call,
+            watermark=config.watermark, max_prefill_tokens=config.max_prefill_tokens,
+            stop_ids=self.stop_ids)
         self.stats = EngineStats()
-        self.waiting: collections.deque[Request] = collections.deque()
-        self.running: dict[int, Request] = {}   # slot -> request
-        self.admit_order: dict[int, int] = {}   # slot -> admission counter (newest = largest)
-        self.finished: list[Request] = []
-        self.free_pages = self.num_pages
-        self._next_id = 0
-        self._admissions = 0
-        self._preempted_last_round = False
+        self._outbox: list[StepOutput] = []    # finished outside a round (errors, aborts)
+        self._live_ids: set = set()            # ids of requests not handed out as finished yet
+        self._ids = itertools.count()
 
     # ------------------------------------------------------------------ requests
 
-    def add_request(self, prompt, params: SamplingParams | dict | None = None) -> Request:
+    def add_request(self, prompt, params: SamplingParams | dict | None = None, *,
+                    request_id=None) -> Request:
         """Queues a prompt (text, or a list of token ids) with its SamplingParams (or a dict of them).
 
-        Invalid requests (bad sampling values, empty or too long prompts) finish at once with
-        finish_reason "error" and a message; they never stop other requests.
+        Safe between steps. Invalid requests (bad sampling values, empty or too long prompts)
+        finish at once with finish_reason "error" and a message; the next step() hands them out.
+        They never stop other requests.
+
+        Args:
+          prompt: str or list of token ids.
+          params: SamplingParams, a dict of its fields, or None for the defaults.
+          request_id: any hashable id not used by an unfinished request; default: a counter.
+
+        Returns:
+          The Request (its request_id identifies it in step() outputs and abort()).
         """
-        rid, self._next_id = self._next_id, self._next_id + 1
+        if request_id is None:
+            request_id = next(self._ids)
+            while request_id in self._live_ids:
+                request_id = next(self._ids)
+        elif request_id in self._live_ids:
+            raise ValueError(f"request_id {request_id!r} is already used by an unfinished request")
+        self._live_ids.add(request_id)
         text = prompt if isinstance(prompt, str) else ""
-        req = Request(rid, text, [], SamplingParams())
+        req = Request(request_id, text, [], SamplingParams())
         if isinstance(params, dict):
             try:
                 params = SamplingParams(**params)
@@ -168,149 +192,75 @@ class LLMEngine:
                                    f"tokens per sequence (max_model_len {self.max_model_len}, pool "
                                    f"{self.num_pages} pages x {self.config.page_size}), and one must be left "
                                    f"for the completion")
-        self.waiting.append(req)
+        req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.params.stop)
+        self.scheduler.add(req)
         return req
 
     def _fail(self, req: Request, message: str) -> Request:
         req.status, req.finish_reason, req.error = Status.FINISHED, "error", message
-        self.finished.append(req)
+        self._outbox.append(StepOutput(req.request_id, (), "", True, req.to_output()))
         return req
+
+    def abort(self, request_id) -> bool:
+        """Cancels an unfinished request (safe between steps); its pages are released now.
+
+        The next step() hands it out with finish_reason "abort" and the tokens it had. Returns
+        False if no unfinished request has this id (unknown, or already handed out as finished).
+        """
+        req = self.scheduler.abort(request_id)
+        if req is None:
+            return False
+        release = self.scheduler.take_releases()
+        if release:
+            self.scheduler.set_pages(*self.runner.retire(release))
+        self._outbox.append(StepOutput(req.request_id, (), req.detokenizer.take_delta(True), True,
+                                       req.to_output()))
+        return True
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        """True while some request has not been handed out by step() as finished."""
+        return bool(self._live_ids)
 
-    # ------------------------------------------------------------------ scheduling
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
 
-    def _prefill_tokens(self, req: Request) -> list[int]:
-        # A preempted request recomputes everything but its pending (last sampled) token.
-        return req.prompt_ids + req.output_ids[:-1]
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
 
-    def _headroom(self) -> int:
-        """Pages the running requests may take during the next decode call."""
-        ps, k = self.config.page_size, self.config.steps_per_call
-        stored = [req.num_tokens - 1 for req in self.running.values()]
-        return sum(-(-min(n + k, self.max_model_len) // ps) - -(-n // ps) for n in stored)
+    # ------------------------------------------------------------------ device calls
 
-    def _admit(self):
-        if self._preempted_last_round:
-            # Admitting now would only take back the pages just freed (vLLM does the same):
-            # let the running requests advance first.
-            self._preempted_last_round = False
-            return
-        free_slots = [s for s in range(self.config.max_seqs) if s not in self.running]
-        watermark = int(self.config.watermark * self.num_pages)
-        # Keep room for the running requests' next decode call, so admission does not cause
-        # an immediate preemption.
-        batch, free, width = [], self.free_pages - self._headroom(), 0
-        while self.waiting and len(batch) < len(free_slots):
-            req = self.waiting[0]
-            toks = self._prefill_tokens(req)
-            ps = self.config.page_size
-            # Pages for the prompt plus its growth during the next decode call.
-            need = -(-min(len(toks) + self.config.steps_per_call, self.max_model_len) // ps)
-            idle = not self.running and not batch
-            if free - need < watermark and not (idle and len(toks) <= self.num_pages * ps):
-                break
-            w = _bucket(max(width, len(toks)), 16)
-            if batch and _bucket(len(batch) + 1, 1) * w > self.config.max_prefill_tokens:
-                break
-            self.waiting.popleft()
-            batch.append((free_slots[len(batch)], req, toks))
-            free, width = free - need, max(width, len(toks))
-        if not batch:
-            return
-        rows, tok_rows, slots = [], [], []
-        for slot, req, toks in batch:
+    def _prefill(self, batch: PrefillBatch) -> list[Progress]:
+        rows = []
+        for req in batch.requests:
             p = req.params
-            resume = req.output_ids[-1] if req.output_ids else -1
             rows.append(RowParams(max_new=p.max_new_tokens, max_len=self.max_model_len,
                                   temperature=0.0 if p.is_greedy else float(p.temperature),
                                   top_k=p.top_k, top_p=float(p.top_p), seed=p.seed,
                                   ignore_eos=p.ignore_eos, num_generated=len(req.output_ids),
-                                  resume_token=resume))
-            tok_rows.append(toks)
-            slots.append(slot)
+                                  resume_token=req.output_ids[-1] if req.output_ids else -1))
         t0, c0 = time.perf_counter(), self.runner.compile_seconds
-        tok, done, ok, free = self.runner.prefill(slots, tok_rows, rows, _bucket(len(batch), 1),
-                                                  _bucket(width, 16))
+        tok, done, ok, free, lens = self.runner.prefill(list(batch.slots), [list(t) for t in batch.tokens],
+                                                        rows, batch.num_rows, batch.width)
         self.stats.prefill_seconds += time.perf_counter() - t0 - (self.runner.compile_seconds - c0)
-        if not ok:  # cannot happen while the host's page count is right; never lose requests
-            for _, req, _ in reversed(batch):
-                self.waiting.appendleft(req)
-            raise RuntimeError("internal error: prefill could not reserve pages the host counted as free")
-        self.free_pages = free
+        if not ok:
+            # The scheduler admits only what the device's free page count holds, with the rule
+            # the device applies, so this cannot happen; if it does, nothing changed on the device
+            # and no request is lost: they go back to the queue, in order.
+            self.scheduler.requeue(batch)
+            raise RuntimeError(f"prefill could not reserve pages for {len(batch.slots)} requests the "
+                               f"scheduler counted {self.scheduler.free_pages} free pages for (a bug); the "
+                               f"requests are back in the queue")
+        self.scheduler.set_pages(free, lens)
         self.stats.peak_pages_used = max(self.stats.peak_pages_used, self.num_pages - free)
-        self.stats.prefill_tokens += sum(len(t) for t in tok_rows)
-        for (slot, req, _), t, d in zip(batch, tok, done):
-            if req.output_ids:  # resumed after preemption: the pending token is already recorded
-                assert int(t) == req.output_ids[-1]
-            else:
-                req.output_ids.append(int(t))
-            req.status, req.slot = Status.RUNNING, slot
-            self.running[slot] = req
-            self._admissions += 1
-            self.admit_order[slot] = self._admissions
-            if d:
-                self._finish(slot, self._device_reason(req), released=True)
-            else:
-                self._check_stop_strings(slot)
+        self.stats.prefill_tokens += sum(len(t) for t in batch.tokens)
+        return self.scheduler.admitted(batch, tok, done)
 
-    def _preempt_newest(self):
-        if len(self.running) == 1:  # cannot happen: one sequence always fits (max_model_len is capped)
-            raise RuntimeError("internal error: a lone sequence ran out of pages")
-        self._preempted_last_round = True
-        slot = max(self.running, key=self.admit_order.__getitem__)
-        req = self.running.pop(slot)
-        self.runner.retire([slot])
-        req.status, req.slot = Status.WAITING, -1
-        req.num_preemptions += 1
-        self.stats.preemptions += 1
-        self.waiting.appendleft(req)
-        self.free_pages = int(self.runner.page_state.num_free)
-
-    def _device_reason(self, req: Request) -> str:
-        last = req.output_ids[-1]
-        return "stop" if (last in self.stop_ids and not req.params.ignore_eos) else "length"
-
-    def _finish(self, slot: int, reason: str, *, released: bool):
-        req = self.running.pop(slot)
-        del self.admit_order[slot]
-        if not released:
-            self.runner.retire([slot])
-            self.free_pages = int(self.runner.page_state.num_free)
-        req.status, req.finish_reason, req.slot = Status.FINISHED, reason, -1
-        req.text = self._completion_text(req)
-        self.finished.append(req)
-
-    def _completion_text(self, req: Request) -> str:
-        ids = req.output_ids
-        if ids and ids[-1] in self.stop_ids and not req.params.ignore_eos:
-            ids = ids[:-1]
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        for s in req.params.stop:
-            cut = text.find(s)
-            if cut >= 0:
-                text = text[:cut]
-        return text
-
-    def _check_stop_strings(self, slot: int):
-        req = self.running[slot]
-        if req.params.stop:
-            text = self.tokenizer.decode(req.output_ids)
-            if any(s in text for s in req.params.stop):
-                self._finish(slot, "stop", released=False)
-
-    # ------------------------------------------------------------------ the loop
-
-    def step(self):
-        """One round: admission + prefill, then one decode call. Returns requests finished in it."""
-        n_done = len(self.finished)
-        self._admit()
-        if not self.running:
-            return self.finished[n_done:]
+    def _decode(self) -> tuple[list[Progress], float]:
         t0, c0 = time.perf_counter(), self.runner.compile_seconds
-        out, ok, free, active = self.runner.decode()
+        out, free, lens, active = self.runner.decode()
         t1 = time.perf_counter()
         # The first call compiles; compile time is reported on its own, not as decode time.
         # The call's own dispatch is counted as decode time: on a CPU backend JAX may run the
@@ -318,28 +268,61 @@ class LLMEngine:
         self.stats.decode_seconds += t1 - t0 - (self.runner.compile_seconds - c0)
         self.stats.decode_calls += 1
         self.stats.decode_steps += len(out)
-        self.free_pages = free
+        self.stats.decode_tokens += int((out >= 0).sum())
+        self.scheduler.set_pages(free, lens)
         used = self.num_pages - free
         self.stats.peak_pages_used = max(self.stats.peak_pages_used, used)
-        stored = 0
-        for slot, req in list(self.running.items()):
-            new = [int(t) for t in out[:, slot] if t >= 0]
-            req.output_ids.extend(new)
-            self.stats.decode_tokens += len(new)
-            if not active[slot]:
-                self._finish(slot, self._device_reason(req), released=True)
-            else:
-                stored += req.num_tokens - 1
-                self._check_stop_strings(slot)
         if used:
-            self.stats.util_samples.append(stored / (used * self.config.page_size))
-        if not ok:
-            self._preempt_newest()
-        self.stats.host_seconds += time.perf_counter() - t1
-        return self.finished[n_done:]
+            self.stats.util_sum += int(np.sum(lens)) / (used * self.config.page_size)
+            self.stats.util_count += 1
+        per_slot = [out[:, s][out[:, s] >= 0] for s in range(self.config.max_seqs)]
+        return self.scheduler.decoded(per_slot, active), t1
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self) -> list[StepOutput]:
+        """One round: admission + prefill, one decode call, stops and preemption.
+
+        Returns:
+          One StepOutput per request that got tokens or finished this round (plus requests that
+          failed validation or were aborted since the last round). A finished request appears
+          exactly once, with its RequestOutput; the engine keeps nothing of it afterwards.
+        """
+        outputs, self._outbox = self._outbox, []
+        events, t_host = [], None
+        batch = self.scheduler.schedule()
+        if batch is not None:
+            events += self._prefill(batch)
+        elif self.scheduler.waiting and not self.scheduler.running:
+            # An idle engine admits any request that passed add_request's checks, so this is a bug;
+            # the requests stay queued.
+            raise RuntimeError(f"the scheduler admitted none of {len(self.scheduler.waiting)} waiting "
+                               f"requests into an idle engine ({self.scheduler.free_pages} free pages)")
+        if self.scheduler.running:
+            decoded, t_host = self._decode()
+            events += decoded
+        release, preempted = self.scheduler.end_round()
+        if release:
+            self.scheduler.set_pages(*self.runner.retire(release))
+        self.stats.preemptions += len(preempted)
+        for ev in events:
+            req = ev.request
+            text = req.detokenizer.take_delta(ev.finished)
+            if ev.new_token_ids or text or ev.finished:
+                outputs.append(StepOutput(req.request_id, ev.new_token_ids, text, ev.finished,
+                                          req.to_output() if ev.finished else None))
+        for o in outputs:
+            if o.finished:
+                self._live_ids.discard(o.request_id)
+        if t_host is not None:
+            self.stats.host_seconds += time.perf_counter() - t_host
+        return outputs
 
     def generate(self, prompts, params=None, *, progress: bool = False) -> list[RequestOutput]:
         """Runs prompts to completion with continuous batching; outputs in submission order.
+
+        A thin loop over add_request() and step(). Outputs of requests added by others on the same
+        engine are not returned here (drive step() yourself when mixing).
 
         Args:
           prompts: list of str (or token-id lists).
@@ -351,30 +334,32 @@ class LLMEngine:
         if len(params) != len(prompts):
             raise ValueError(f"params must be one SamplingParams or one per prompt ({len(prompts)}); "
                              f"got {len(params)}")
-        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        ids = [self.add_request(p, sp).request_id for p, sp in zip(prompts, params)]
+        results: dict = {}
         bar = None
         if progress:
             from tqdm import tqdm
-            bar = tqdm(total=len(reqs), file=sys.stderr, unit="req", dynamic_ncols=True,
-                       desc="generating")
-            bar.update(sum(r.status is Status.FINISHED for r in reqs))
-        while self.has_unfinished:
-            done = self.step()
+            bar = tqdm(total=len(ids), file=sys.stderr, unit="req", dynamic_ncols=True, desc="generating")
+        wanted = set(ids)
+        while len(results) < len(ids):
+            for o in self.step():
+                if o.finished and o.request_id in wanted:
+                    results[o.request_id] = o.output
+                    if bar is not None:
+                        bar.update(1)
             if bar is not None:
-                bar.update(sum(1 for r in done if r in reqs))
                 s = self.stats
-                bar.set_postfix(running=len(self.running), waiting=len(self.waiting),
+                bar.set_postfix(running=self.num_running, waiting=self.num_waiting,
                                 tok_s=f"{s.decode_tokens / max(s.decode_seconds + s.host_seconds, 1e-9):.1f}",
                                 refresh=False)
         if bar is not None:
             bar.close()
         self.stats.compile_seconds = self.runner.compile_seconds
-        return [RequestOutput(r.request_id, r.prompt, r.text, tuple(r.prompt_ids), tuple(r.output_ids),
-                              r.finish_reason, r.error, r.num_preemptions) for r in reqs]
+        return [results[i] for i in ids]
 
     def pool_is_whole(self) -> bool:
         """True when no page is held (check after generate(): nothing leaked)."""
-        return not self.running and self.runner.pool_is_whole()
+        return not self.scheduler.running and self.runner.pool_is_whole()
 
     def summary(self) -> dict:
         """The run's figures, for the script's summary line and --json consumers."""

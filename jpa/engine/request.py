@@ -3,6 +3,7 @@
 import dataclasses
 import enum
 
+from jpa.engine.detokenizer import IncrementalDetokenizer
 from jpa.engine.sampling import SamplingParams
 
 
@@ -12,31 +13,41 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Request:
     """One generation request (host-side bookkeeping; the device sees only its slot)."""
-    request_id: int
+    request_id: object
     prompt: str
     prompt_ids: list[int]
     params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None = None
     output_ids: list[int] = dataclasses.field(default_factory=list)
     status: Status = Status.WAITING
-    finish_reason: str | None = None   # "stop" (EOS or stop string), "length", or "error"
+    finish_reason: str | None = None   # "stop" (EOS or stop string), "length", "abort" or "error"
     error: str | None = None
     slot: int = -1
     num_preemptions: int = 0
-    text: str = ""                     # completion text (cut at a stop string)
+    admitted_at: int = -1              # admission counter of its current stay in a slot
 
     @property
     def num_tokens(self) -> int:
         """Tokens of the sequence so far (prompt + generated)."""
         return len(self.prompt_ids) + len(self.output_ids)
 
+    @property
+    def text(self) -> str:
+        """Completion text so far (cut before a stop string)."""
+        return self.detokenizer.text if self.detokenizer is not None else ""
+
+    def to_output(self) -> "RequestOutput":
+        return RequestOutput(self.request_id, self.prompt, self.text, tuple(self.prompt_ids),
+                             tuple(self.output_ids), self.finish_reason, self.error, self.num_preemptions)
+
 
 @dataclasses.dataclass(frozen=True)
 class RequestOutput:
-    """What generate() returns for each request, in submission order."""
-    request_id: int
+    """A finished request: what generate() returns, in submission order."""
+    request_id: object
     prompt: str
     completion: str
     prompt_ids: tuple[int, ...]
@@ -50,3 +61,24 @@ class RequestOutput:
                 "token_ids": list(self.token_ids), "num_prompt_tokens": len(self.prompt_ids),
                 "finish_reason": self.finish_reason, "error": self.error,
                 "num_preemptions": self.num_preemptions}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+    """What one engine round did for one request (a streaming server forwards these).
+
+    Attributes:
+      request_id: the request.
+      new_token_ids: tokens appended to its output this round (a stopped request's tokens end at
+        the stop; a final EOS token is included, as in RequestOutput.token_ids).
+      new_text: completion text produced this round. Text that may be the start of a stop string
+        is held back until it is known not to be one; the pieces of all rounds concatenate to
+        the final completion.
+      finished: the request is done; `output` holds its result and it will not appear again.
+      output: the RequestOutput when finished, else None.
+    """
+    request_id: object
+    new_token_ids: tuple[int, ...]
+    new_text: str
+    finished: bool
+    output: RequestOutput | None = None

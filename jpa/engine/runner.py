@@ -6,6 +6,13 @@ up to `steps_per_call` decode steps inside a `lax.while_loop`, allocating pages 
 `jpa.pages.append`, sampling, and checking stop conditions (EOS, max_new_tokens, length limit)
 on the device; finished sequences release their pages inside the loop. The loop ends early when
 every slot is idle or when the pool runs out of pages (the host then preempts and calls again).
+
+Every call reads back, in the same device->host transfer as its results, the PageState's free
+page count and seq_lens: the scheduler's only source of page counts.
+
+The model is anything that meets `jpa.engine.model.EngineModel`; its params are an argument of
+every compiled function (never a closed-over constant) and the cache, page state and slots are
+donated.
 """
 
 import dataclasses
@@ -15,13 +22,12 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax import lax
 
 from jpa import pages
 from jpa.cache import CacheConfig, KVCache
+from jpa.engine.model import EngineModel, check_model
 from jpa.engine.sampling import sample
-from models import decode, prefill  # the engine sits above the model layer
 
 
 @flax.struct.dataclass
@@ -69,9 +75,10 @@ def _finished(slots, next_tok, seq_lens, stop_ids):
 class ModelRunner:
     """Owns the device state of one engine and the compiled functions that advance it."""
 
-    def __init__(self, model, cache_config: CacheConfig, *, max_seqs: int, pages_per_seq: int,
+    def __init__(self, model: EngineModel, cache_config: CacheConfig, *, max_seqs: int, pages_per_seq: int,
                  steps_per_call: int, stop_ids):
-        self.graphdef, self.params = nnx.split(model)
+        check_model(model)
+        self.model, self.params = model, model.params
         self.cache_config = cache_config
         self.max_seqs, self.pages_per_seq, self.steps_per_call = max_seqs, pages_per_seq, steps_per_call
         self.cache = KVCache.create(cache_config)
@@ -89,13 +96,12 @@ class ModelRunner:
 
     def _prefill_impl(self, params, cache, page_state, slots, tokens, seq_ids, lens, rows):
         self.prefill_traces += 1
-        model = nnx.merge(self.graphdef, params)
         num_rows, width = tokens.shape
         page_state, ok = pages.reserve(page_state, seq_ids, lens)
         slot_mapping = pages.slot_mapping_for(page_state, seq_ids, 0, lens, width=width)  # i32[A, T]
         safe = jnp.where(seq_ids >= 0, seq_ids, 0)
         tables = page_state.block_tables[safe]  # i32[A, pages_per_seq]
-        logits, cache = prefill(model, cache, tokens, jnp.zeros_like(lens), lens, slot_mapping, tables)
+        logits, cache = self.model.prefill(params, cache, tokens, jnp.zeros_like(lens), lens, slot_mapping, tables)
         sampled = sample(logits, rows["temperature"], rows["top_k"], rows["top_p"], rows["seed"],
                          rows["num_generated"])
         fresh = rows["resume_token"] < 0
@@ -114,11 +120,10 @@ class ModelRunner:
         done = live & fresh & _finished(row_slots, tok, lens, self.stop_ids)
         slots = slots.replace(active=put(slots.active, live & ~done))
         page_state = pages.release(page_state, jnp.where(done, seq_ids, -1))
-        return cache, page_state, slots, tok, done, ok, pages.num_free_pages(page_state)
+        return cache, page_state, slots, tok, done, ok, pages.num_free_pages(page_state), page_state.seq_lens
 
     def _decode_impl(self, params, cache, page_state, slots):
         self.decode_traces += 1
-        model = nnx.merge(self.graphdef, params)
         k, num_seqs = self.steps_per_call, self.max_seqs
 
         # The allocation for step i+1 is computed at the end of step i (look-ahead), so the loop
@@ -132,7 +137,7 @@ class ModelRunner:
             i, cache, ps, slots, out, nxt = carry
             ps, slot_mapping, _ = nxt
             seq_lens = jnp.where(slots.active, ps.seq_lens, 0)
-            logits, cache = decode(model, cache, slots.tokens, seq_lens, slot_mapping, ps.block_tables)
+            logits, cache = self.model.decode(params, cache, slots.tokens, seq_lens, slot_mapping, ps.block_tables)
             tok = sample(logits, slots.temperature, slots.top_k, slots.top_p, slots.seed,
                          slots.num_generated)
             act = slots.active
@@ -154,11 +159,10 @@ class ModelRunner:
 
         out = jnp.full((k, num_seqs), -1, jnp.int32)
         init = (jnp.int32(0), cache, page_state, slots, out, _lookahead(page_state, slots))
-        steps, cache, page_state, slots, out, nxt = lax.while_loop(cond, step, init)
-        # ok is False when the next step cannot get pages for the active sequences (whether the
-        # loop stopped early for it or ran all k steps): the host then preempts.
-        ok = nxt[2] | ~jnp.any(slots.active)
-        return cache, page_state, slots, out, steps, ok, pages.num_free_pages(page_state)
+        steps, cache, page_state, slots, out, _ = lax.while_loop(cond, step, init)
+        # When the loop stopped because the next step cannot get pages, the host sees it from the
+        # page counts read back below and preempts.
+        return cache, page_state, slots, out, steps, pages.num_free_pages(page_state), page_state.seq_lens
 
     @staticmethod
     def _retire_impl(page_state, slots, seq_ids):
@@ -177,19 +181,22 @@ class ModelRunner:
     def decode(self):
         """Runs up to steps_per_call decode steps.
 
-        Returns (out i32[steps, max_seqs] new tokens (-1 for idle slots), ok, free pages,
-        active bool[max_seqs]) in one device->host transfer; ok is False when the next step
-        cannot get pages.
+        Returns (out i32[steps, max_seqs] new tokens (-1 for idle slots), free pages,
+        seq_lens i32[max_seqs], active bool[max_seqs]) in one device->host transfer.
         """
         args = (self.params, self.cache, self.page_state, self.slots)
         if self._decode_exe is None:
             self._decode_exe = self._compile(self._decode_impl, *args)
-        self.cache, self.page_state, self.slots, out, steps, ok, free = self._decode_exe(*args)
-        out, steps, ok, free, active = jax.device_get((out, steps, ok, free, self.slots.active))
-        return out[: int(steps)], bool(ok), int(free), active
+        self.cache, self.page_state, self.slots, out, steps, free, lens = self._decode_exe(*args)
+        out, steps, free, lens, active = jax.device_get((out, steps, free, lens, self.slots.active))
+        return out[: int(steps)], int(free), lens, active
 
     def prefill(self, seq_ids, token_rows, rows: list[RowParams], num_rows: int, width: int):
-        """Writes prompts into the cache and fills their slots. Returns (tokens, done, ok, free)."""
+        """Writes prompts into the cache and fills their slots.
+
+        Returns (tokens i32[n], done bool[n], ok, free pages, seq_lens i32[max_seqs]); when ok is
+        False (the pool could not hold the prompts) nothing changed on the device.
+        """
         n = len(seq_ids)
         tokens = np.zeros((num_rows, width), np.int32)
         ids = np.full((num_rows,), -1, np.int32)
@@ -210,15 +217,20 @@ class ModelRunner:
         key = (num_rows, width)
         if key not in self._prefill_exe:
             self._prefill_exe[key] = self._compile(self._prefill_impl, *args)
-        self.cache, self.page_state, self.slots, tok, done, ok, free = self._prefill_exe[key](*args)
-        tok, done, ok, free = jax.device_get((tok, done, ok, free))
-        return tok[:n], done[:n], bool(ok), int(free)
+        self.cache, self.page_state, self.slots, tok, done, ok, free, lens = self._prefill_exe[key](*args)
+        tok, done, ok, free, lens = jax.device_get((tok, done, ok, free, lens))
+        return tok[:n], done[:n], bool(ok), int(free), lens
 
     def retire(self, seq_ids):
-        """Releases slots (finished on the host, e.g. by a stop string, or preempted)."""
+        """Releases slots (finished on the host, aborted or preempted).
+
+        Returns (free pages, seq_lens i32[max_seqs]) after the release.
+        """
         ids = np.full((self.max_seqs,), -1, np.int32)
         ids[: len(seq_ids)] = seq_ids
         self.page_state, self.slots = self._retire(self.page_state, self.slots, jnp.asarray(ids))
+        free, lens = jax.device_get((self.page_state.num_free, self.page_state.seq_lens))
+        return int(free), lens
 
     def pool_is_whole(self) -> bool:
         """True when every page is free (no leak) — valid when no request is running."""

@@ -1,0 +1,84 @@
+"""What the engine needs from a model: a small protocol, so `jpa.engine` never imports `models`.
+
+Any object with these attributes can be served; `models.GPTForEngine(gpt)` adapts the project's
+Flax GPT. The engine jits `prefill` and `decode` itself with `params` passed as an argument (not
+closed over, so weights are not baked into the executable as constants) and the cache donated.
+"""
+
+from typing import Any, Protocol, runtime_checkable
+
+SIZE_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "vocab_size", "max_seq_len")
+
+
+@runtime_checkable
+class ModelSizes(Protocol):
+    """The sizes the engine reads off a model's config (all ints >= 1)."""
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_seq_len: int      # longest sequence (prompt + completion) the model is meant for
+
+
+@runtime_checkable
+class EngineModel(Protocol):
+    """A decoder the engine can run over its paged KV cache.
+
+    Attributes:
+      config: a ModelSizes.
+      dtype: dtype of the parameters; the KV cache defaults to it.
+      params: the parameter pytree handed to prefill/decode.
+
+    Both functions must be pure and traceable under `jax.jit` (the engine traces them once per
+    shape), read and write `cache` (a `jpa.KVCache` of `config.num_layers` layers) and return
+    (logits, cache).
+    """
+    config: ModelSizes
+    dtype: Any
+    params: Any
+
+    def prefill(self, params, cache, tokens, start, chunk_lens, slot_mapping, block_tables):
+        """A right-padded chunk of prompt tokens per sequence.
+
+        Args:
+          params: the parameter pytree.
+          cache: jpa.KVCache.
+          tokens: i32[num_seqs, num_tokens], right-padded.
+          start: i32[num_seqs]; tokens already cached before this chunk.
+          chunk_lens: i32[num_seqs]; valid tokens of each row (0 = empty row).
+          slot_mapping: i32[num_seqs, num_tokens]; cache slot of each token (-1 = padding).
+          block_tables: i32[num_seqs, pages_per_seq].
+
+        Returns:
+          (f32[num_seqs, vocab_size] logits at each row's last valid token, the updated cache).
+        """
+
+    def decode(self, params, cache, tokens, seq_lens, slot_mapping, block_tables):
+        """One new token per sequence: write its K/V first, then attend over seq_lens tokens.
+
+        Args:
+          params: the parameter pytree.
+          cache: jpa.KVCache.
+          tokens: i32[num_seqs]; the new token of each sequence.
+          seq_lens: i32[num_seqs]; tokens in the cache including the new one (0 = idle slot).
+          slot_mapping: i32[num_seqs]; cache slot of the new token (-1 = idle slot).
+          block_tables: i32[num_seqs, pages_per_seq].
+
+        Returns:
+          (f32[num_seqs, vocab_size] logits, the updated cache).
+        """
+
+
+def check_model(model) -> None:
+    """Raises TypeError naming what `model` lacks to satisfy EngineModel."""
+    missing = [a for a in ("config", "dtype", "params") if not hasattr(model, a)]
+    missing += [f"{a}()" for a in ("prefill", "decode") if not callable(getattr(model, a, None))]
+    config = getattr(model, "config", None)
+    if config is not None:
+        for name in SIZE_FIELDS:
+            v = getattr(config, name, None)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                missing.append(f"config.{name} (an int >= 1; got {v!r})")
+    if missing:
+        raise TypeError(f"model must satisfy jpa.engine.EngineModel (wrap a models.GPT with "
+                        f"models.GPTForEngine(gpt)); {type(model).__name__} lacks: {', '.join(missing)}")

@@ -1,0 +1,208 @@
+#!/usr/bin/env python3
+"""Randomized soak of the engine under page pressure (tiny-llama, random weights).
+
+Random prompts, max_new_tokens, stop strings and sampling parameters go through engines with tiny
+page pools (forcing preemptions), driven round by round with step(): requests arrive in waves
+between steps and a few are aborted. Every result is checked against the same requests run on an
+ample pool, where nothing is preempted:
+
+- lost / duplicated: every request comes out of step() exactly once as finished;
+- leaked: after each run every page is free (and, after every round, the device's free pages plus
+  the pages the running sequences hold add up to the pool, and each running request's seq_len
+  matches its tokens);
+- streamed tokens and text concatenate to the final token_ids and completion;
+- greedy mismatches: a greedy request's tokens differ from the ample run (must be 0); sampled
+  requests are compared too (same per-request keys) and reported;
+- stop strings: a "stop" completion never contains its stop string, and its tokens end at it.
+
+    .venv/bin/python scripts/soak_engine.py                      # 1000 requests, <= 10 minutes
+    .venv/bin/python scripts/soak_engine.py --requests 200 --time-limit 60
+
+tests/test_engine_random.py runs the same driver at CI size.
+"""
+
+import argparse
+import json
+import math
+import pathlib
+import sys
+import time
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import models  # noqa: E402
+from jpa.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+
+# Tiny pools: (max_seqs, page_size, num_pages, steps_per_call). max_model_len = the whole pool.
+TINY_POOLS = [(3, 4, 12, 3), (4, 8, 8, 2)]
+LETTERS = "abcdefghij klmnop"
+
+
+def make_workload(rng, n: int, max_len: int, *, max_prompt: int = 30, max_new: int = 40):
+    """n random (prompt, SamplingParams) pairs whose prompts fit in max_len."""
+    out = []
+    for _ in range(n):
+        plen = int(rng.integers(1, min(max_prompt, max_len - 1) + 1))
+        prompt = "".join(rng.choice(list(LETTERS), plen))
+        greedy = rng.random() < 0.5
+        p = dict(max_new_tokens=int(rng.integers(1, max_new + 1)), seed=int(rng.integers(0, 2 ** 31)),
+                 ignore_eos=bool(rng.random() < 0.5))
+        if greedy:
+            p.update(greedy=True)
+        else:
+            p.update(temperature=float(rng.uniform(0.3, 1.5)), top_k=int(rng.choice([0, 3, 50])),
+                     top_p=float(rng.choice([1.0, 0.9, 0.5])))
+        if rng.random() < 0.4:
+            # tiny-llama's greedy text tends to repeat the prompt's last character: a run of it
+            # hits at a random point; a random string of letters mostly does not.
+            stop = [prompt[-1] * int(rng.integers(1, 8))]
+            if rng.random() < 0.5:
+                stop.append("".join(rng.choice(list(LETTERS[:10]), int(rng.integers(1, 4)))))
+            p.update(stop=tuple(s for s in stop if s.strip()) or ("zz",))
+        out.append((prompt, SamplingParams(**p)))
+    return out
+
+
+def check_pages(eng):
+    """The device's page state agrees with the scheduler's running set (no leak, no drift)."""
+    ps = eng.runner.page_state
+    free, lens, refcounts = int(ps.num_free), np.asarray(ps.seq_lens), np.asarray(ps.refcounts)
+    held = sum(math.ceil(int(n) / eng.config.page_size) for n in lens)
+    assert free + held == eng.num_pages, f"pages leaked: {free} free + {held} held != {eng.num_pages}"
+    assert int(refcounts.sum()) == held and refcounts.max(initial=0) <= 1
+    for slot in range(eng.config.max_seqs):
+        req = eng.scheduler.running.get(slot)
+        want = 0 if req is None else req.num_tokens - 1
+        assert int(lens[slot]) == want, f"slot {slot}: device holds {int(lens[slot])} tokens, host {want}"
+
+
+def run(eng, workload, rng=None, *, abort_p=0.0, wave=None, check=False):
+    """Drives eng with step() until all of workload is done.
+
+    Requests arrive in waves of `wave` (all at once if None) between steps; with rng, each round
+    aborts a random unfinished request with probability abort_p. Returns (results by workload
+    index, {"lost", "duplicated", "stream_mismatch", "rounds"}).
+    """
+    idx, results, streamed, counts = {}, {}, {}, dict(duplicated=0, stream_mismatch=0, rounds=0)
+    pending = list(range(len(workload)))
+    while pending or eng.has_unfinished:
+        take = pending if wave is None else pending[: max(1, int(rng.integers(0, wave + 1)))]
+        for i in take:
+            rid = eng.add_request(*workload[i]).request_id
+            idx[rid], streamed[rid] = i, ((), "")
+        pending = pending[len(take):]
+        if rng is not None and abort_p and rng.random() < abort_p:
+            live = [r for r in idx if idx[r] not in results]
+            if live:
+                eng.abort(live[int(rng.integers(0, len(live)))])
+        for o in eng.step():
+            toks, text = streamed[o.request_id]
+            streamed[o.request_id] = (toks + o.new_token_ids, text + o.new_text)
+            if o.finished:
+                i = idx[o.request_id]
+                if i in results:
+                    counts["duplicated"] += 1
+                results[i] = o.output
+                if streamed[o.request_id] != (o.output.token_ids, o.output.completion):
+                    counts["stream_mismatch"] += 1
+        counts["rounds"] += 1
+        if check:
+            check_pages(eng)
+    counts["lost"] = len(workload) - len(results)
+    return results, counts
+
+
+def compare(workload, ref, got, tokenizer):
+    """Mismatch counts of got against the ample-pool reference (aborted requests: prefix only)."""
+    m = dict(greedy_mismatch=0, sampled_mismatch=0, aborted=0, abort_not_prefix=0, bad_stop=0, errors=0)
+    for i, (_, params) in enumerate(workload):
+        g, r = got[i], ref[i]
+        m["errors"] += g.error is not None
+        if g.finish_reason == "abort":
+            m["aborted"] += 1
+            m["abort_not_prefix"] += g.token_ids != r.token_ids[: len(g.token_ids)]
+            continue
+        if (g.token_ids, g.completion, g.finish_reason) != (r.token_ids, r.completion, r.finish_reason):
+            m["greedy_mismatch" if params.is_greedy else "sampled_mismatch"] += 1
+        if params.stop and g.finish_reason == "stop" and g.token_ids and g.token_ids[-1] < 256:
+            text = lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True)
+            hits = lambda t: any(s in t for s in params.stop)
+            if any(s in g.completion for s in params.stop) or not hits(text(g.token_ids)) \
+                    or hits(text(g.token_ids[:-1])):
+                m["bad_stop"] += 1
+    return m
+
+
+def engine(model, tok, pool, *, ample=False):
+    max_seqs, page_size, num_pages, steps = pool
+    return LLMEngine(model, tok, EngineConfig(
+        max_seqs=max_seqs, page_size=page_size, num_pages=num_pages * (8 if ample else 1),
+        steps_per_call=steps, max_model_len=num_pages * page_size, watermark=0.0))
+
+
+def soak(n_requests: int, time_limit: float, seed: int, *, pools=TINY_POOLS, check=False, abort_p=0.01):
+    model, tok = models.load("tiny-llama", seed=seed)
+    model = models.GPTForEngine(model)
+    rng = np.random.default_rng(seed)
+    t0 = time.perf_counter()
+    total = dict(requests=0, preemptions=0, lost=0, duplicated=0, leaked_runs=0, stream_mismatch=0,
+                 greedy=0, greedy_mismatch=0, sampled_mismatch=0, aborted=0, abort_not_prefix=0,
+                 bad_stop=0, errors=0, stop_finishes=0, rounds=0)
+    engines = {pool: (engine(model, tok, pool), engine(model, tok, pool, ample=True)) for pool in pools}
+    batch = max(1, n_requests // (4 * len(pools)))
+    k = 0
+    while total["requests"] < n_requests and time.perf_counter() - t0 < time_limit:
+        pool = pools[k % len(pools)]
+        k += 1
+        tiny, ample = engines[pool]
+        n = min(batch, n_requests - total["requests"])
+        workload = make_workload(rng, n, pool[1] * pool[2])
+        ref, _ = run(ample, workload)
+        p0 = tiny.stats.preemptions
+        got, counts = run(tiny, workload, rng, abort_p=abort_p, wave=max(1, n // 4), check=check)
+        total["preemptions"] += tiny.stats.preemptions - p0
+        total["leaked_runs"] += not (tiny.pool_is_whole() and ample.pool_is_whole())
+        for key in ("lost", "duplicated", "stream_mismatch", "rounds"):
+            total[key] += counts[key]
+        for key, v in compare(workload, ref, got, tok).items():
+            total[key] += v
+        total["greedy"] += sum(p.is_greedy for _, p in workload)
+        total["stop_finishes"] += sum(bool(p.stop) and got[i].finish_reason == "stop"
+                                      for i, (_, p) in enumerate(workload))
+        total["requests"] += n
+    total["seconds"] = round(time.perf_counter() - t0, 1)
+    total["compile_seconds"] = round(sum(e.runner.compile_seconds for pair in engines.values() for e in pair), 1)
+    return total
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--time-limit", type=float, default=600.0, help="seconds; stops starting new batches after it")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--check-every-round", action="store_true",
+                    help="also check the device page state after every round (slower)")
+    ap.add_argument("--json", default=None, help="write the figures here (e.g. benchmarks/soak.json)")
+    ap.add_argument("--no-compile-cache", action="store_true", help="do not use JAX's persistent "
+                    "compilation cache ($JPA_CACHE_DIR/xla)")
+    args = ap.parse_args(argv)
+    if not args.no_compile_cache:
+        sys.path.insert(0, str(ROOT / "scripts"))
+        from generate import cache_dir, enable_compile_cache
+
+        enable_compile_cache(cache_dir() / "xla")
+    total = soak(args.requests, args.time_limit, args.seed, check=args.check_every_round)
+    print(json.dumps(total, indent=1))
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(total, indent=1) + "\n")
+    bad = total["lost"] + total["duplicated"] + total["leaked_runs"] + total["greedy_mismatch"] \
+        + total["stream_mismatch"] + total["abort_not_prefix"] + total["bad_stop"] + total["errors"]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,329 @@
+"""The scheduler and the incremental detokenizer alone: no model, no device.
+
+A small host model of the device's page pool (`Pool`, ceil arithmetic written out here, not taken
+from jpa) plays the device: it hands the scheduler free pages and seq_lens as the runner would.
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+from jpa.engine.detokenizer import IncrementalDetokenizer
+from jpa.engine.request import Request, Status
+from jpa.engine.sampling import SamplingParams
+from jpa.engine.scheduler import Scheduler
+from models.tokenizer import ByteTokenizer
+
+TOK = ByteTokenizer()
+EOS = TOK.EOS
+
+
+class Pool:
+    """What the device's PageState would report: pages per slot = ceil(seq_len / page_size)."""
+
+    def __init__(self, num_pages, page_size, max_seqs):
+        self.num_pages, self.page_size = num_pages, page_size
+        self.lens = [0] * max_seqs
+
+    def free(self):
+        return self.num_pages - sum(math.ceil(n / self.page_size) for n in self.lens)
+
+    def report(self, sched):
+        assert self.free() >= 0, "the scheduler over-committed the pool"
+        sched.set_pages(self.free(), list(self.lens))
+
+
+def make(num_pages=16, page_size=4, max_seqs=4, steps=2, watermark=0.0, max_model_len=None):
+    sched = Scheduler(max_seqs=max_seqs, page_size=page_size, num_pages=num_pages,
+                      max_model_len=max_model_len or num_pages * page_size, steps_per_call=steps,
+                      watermark=watermark, max_prefill_tokens=4096, stop_ids=(EOS,))
+    return sched, Pool(num_pages, page_size, max_seqs)
+
+
+_ids = iter(range(10 ** 9))
+
+
+def req(n_prompt, stop=(), ignore_eos=False, max_new=100):
+    params = SamplingParams(max_new_tokens=max_new, greedy=True, stop=stop, ignore_eos=ignore_eos)
+    prompt = list(np.random.default_rng().integers(97, 123, n_prompt))
+    return Request(next(_ids), "", [int(t) for t in prompt], params, IncrementalDetokenizer(TOK, stop))
+
+
+def admit(sched, pool, first_token=ord("a")):
+    """schedule() + a simulated prefill; returns the batch's requests."""
+    batch = sched.schedule()
+    if batch is None:
+        return []
+    for slot, toks in zip(batch.slots, batch.tokens):
+        pool.lens[slot] = len(toks)
+    pool.report(sched)
+    sched.admitted(batch, [first_token] * len(batch.slots), [False] * len(batch.slots))
+    return list(batch.requests)
+
+
+def decode(sched, pool, tokens_by_slot, finished_on_device=()):
+    """A simulated decode call: tokens_by_slot[slot] = tokens produced (each one stored before it)."""
+    per_slot, active = [], []
+    for slot in range(len(pool.lens)):
+        toks = tokens_by_slot.get(slot, [])
+        if slot in sched.running:
+            pool.lens[slot] += len(toks)
+        done = slot in finished_on_device
+        if done:
+            pool.lens[slot] = 0
+        per_slot.append(toks)
+        active.append(slot in sched.running and not done)
+    pool.report(sched)
+    return sched.decoded(per_slot, active)
+
+
+def end_round(sched, pool):
+    release, preempted = sched.end_round()
+    for slot in release:
+        pool.lens[slot] = 0
+    pool.report(sched)
+    return release, preempted
+
+
+def test_admission_is_first_come_first_served_into_free_slots():
+    sched, pool = make(max_seqs=2)
+    reqs = [req(5) for _ in range(3)]
+    for r in reqs:
+        sched.add(r)
+    got = admit(sched, pool)
+    assert got == reqs[:2]
+    assert [r.slot for r in got] == [0, 1] and all(r.status is Status.RUNNING for r in got)
+    assert list(sched.waiting) == reqs[2:]
+    assert sched.schedule() is None  # no free slot
+
+
+def test_admission_batch_shape_is_bucketed():
+    sched, pool = make(num_pages=64, max_seqs=4)
+    for n in (5, 17, 3):
+        sched.add(req(n))
+    batch = sched.schedule()
+    assert (batch.num_rows, batch.width) == (4, 32)
+    assert [len(t) for t in batch.tokens] == [5, 17, 3]
+
+
+def test_headroom_holds_admission_back():
+    # 10 pages of 4 tokens, 2 decode steps per call, watermark 40% = 4 pages.
+    for a_tokens, admitted in ((10, True), (12, False)):
+        sched, pool = make(num_pages=10, page_size=4, steps=2, watermark=0.4)
+        a, b = req(10), req(10)   # each needs ceil((10 + 2) / 4) = 3 pages at admission
+        sched.add(a)
+        assert admit(sched, pool) == [a]                  # 10 - 3 = 7 left, not below 4
+        pool.lens[a.slot] = a_tokens                      # 3 pages held either way, 7 free
+        pool.report(sched)
+        # At 10 tokens a grows to 12 in the next call (no new page); at 12 it needs a 4th page.
+        assert sched.headroom() == (0 if admitted else 1)
+        sched.add(b)
+        assert (admit(sched, pool) == [b]) is admitted    # 7 - headroom - 3 vs the watermark 4
+
+
+def test_watermark_boundary_and_idle_engine():
+    sched, pool = make(num_pages=10, page_size=4, steps=2, watermark=0.3)
+    a = req(10)
+    sched.add(a)
+    admit(sched, pool)                                    # a holds 3 pages, 7 free, headroom 0
+    b = req(10)                                           # needs 3: 7 - 0 - 3 = 4, not < 3
+    sched.add(b)
+    assert admit(sched, pool) == [b]
+    c = req(6)                                            # needs 2: 4 - 0 - 2 = 2 < 3
+    sched.add(c)
+    assert sched.schedule() is None and list(sched.waiting) == [c]
+    # An idle engine admits a prompt that breaks the watermark, as long as it fits in the pool.
+    sched2, pool2 = make(num_pages=10, page_size=4, steps=2, watermark=0.5)
+    big = req(30)                                         # 8 pages (10 with growth) > 10 - 5
+    sched2.add(big)
+    assert admit(sched2, pool2) == [big]
+
+
+def test_preemption_takes_the_newest_until_the_step_fits():
+    sched, pool = make(num_pages=6, page_size=4, max_seqs=3, steps=1)
+    reqs = [req(3) for _ in range(3)]
+    for r in reqs:
+        sched.add(r)
+    admit(sched, pool)                                    # 1 page each (3 + 1 growth), 3 free
+    # Everyone grows to 8 tokens (2 pages each): the pool is full and the next step needs 3 pages.
+    decode(sched, pool, {s: [ord("a")] * 5 for s in range(3)})
+    assert pool.free() == 0 and sched.next_step_pages() == 3
+    release, preempted = end_round(sched, pool)
+    # Preempting the newest frees 2 pages; the two left need 2: one preemption is enough.
+    assert preempted == [reqs[2]] and release == [2]
+    assert reqs[2].status is Status.WAITING and reqs[2].num_preemptions == 1
+    assert list(sched.waiting) == [reqs[2]] and sched.num_preemptions == 1
+    assert reqs[2].output_ids == [ord("a")] * 6           # generated tokens are kept
+    assert sched.schedule() is None                       # no admission right after a preemption
+
+
+def test_several_preemptions_keep_queue_order():
+    sched, pool = make(num_pages=8, page_size=4, max_seqs=4, steps=1)
+    reqs = [req(3) for _ in range(4)]
+    for r in reqs:
+        sched.add(r)
+    admit(sched, pool)
+    decode(sched, pool, {s: [97] * 5 for s in range(4)})  # 8 tokens = 2 full pages each
+    assert pool.free() == 0
+    _, preempted = end_round(sched, pool)
+    # need 4 pages: preempting 3 frees 2 (need 3 left), preempting 2 frees 2 more (need 2): done.
+    assert preempted == [reqs[3], reqs[2]]
+    assert list(sched.waiting) == [reqs[2], reqs[3]]      # the older one is readmitted first
+
+
+def test_preemption_never_empties_the_running_set():
+    sched, pool = make(num_pages=2, page_size=4, max_seqs=2, steps=1)
+    a, b = req(3), req(3)
+    sched.add(a)
+    sched.add(b)
+    admit(sched, pool)
+    decode(sched, pool, {0: [97], 1: [97]})               # both at 4 tokens: full pages, pool full
+    assert pool.free() == 0 and sched.next_step_pages() == 2
+    assert end_round(sched, pool) == ([1], [b])
+    assert list(sched.running.values()) == [a] and pool.free() == 1
+
+
+def test_admission_after_a_preemption_and_an_abort_of_the_rest():
+    """Found by the randomized test: the pause after a preemption left an idle engine idle."""
+    sched, pool = make(num_pages=2, page_size=4, max_seqs=2, steps=1)
+    a, b = req(3), req(3)
+    sched.add(a)
+    sched.add(b)
+    admit(sched, pool)
+    decode(sched, pool, {0: [97], 1: [97]})
+    assert end_round(sched, pool) == ([1], [b])
+    assert sched.abort(a.request_id) is a                 # between steps
+    pool.lens[sched.take_releases()[0]] = 0
+    pool.report(sched)
+    assert admit(sched, pool) == [b]
+
+
+def test_stop_and_exhaustion_in_the_same_round():
+    """The issue's crash: a stop string frees pages in the round the pool ran out."""
+    sched, pool = make(num_pages=4, page_size=4, max_seqs=2, steps=2)
+    a, b = req(3, stop=("xy",)), req(3)
+    sched.add(a)
+    sched.add(b)
+    admit(sched, pool)
+    # Both reach 8 tokens (a page boundary) and fill the pool; a's text completes "xy" one token
+    # before the end of the call.
+    events = decode(sched, pool, {0: [ord(c) for c in "qqxyz"], 1: [ord("q")] * 5})
+    assert pool.free() == 0
+    assert a.status is Status.FINISHED and a.finish_reason == "stop"
+    assert a.output_ids == [ord(c) for c in "aqqxy"]      # ends at the stop, not at "z"
+    assert a.text == "aqq" and sched.next_step_pages() == 1
+    assert [e.request for e in events if e.finished] == [a]
+    release, preempted = end_round(sched, pool)
+    assert release == [0] and preempted == [] and list(sched.running.values()) == [b]
+    assert pool.free() == 2
+
+
+def test_empty_running_set():
+    sched, pool = make()
+    assert end_round(sched, pool) == ([], [])
+    assert sched.schedule() is None and sched.decoded([[]] * 4, [False] * 4) == []
+    # Everyone finishing on the device in a round that also ran the pool out: nothing to preempt.
+    sched, pool = make(num_pages=2, page_size=4, max_seqs=2, steps=1)
+    a, b = req(3), req(3)
+    sched.add(a)
+    sched.add(b)
+    admit(sched, pool)
+    decode(sched, pool, {0: [97, EOS], 1: [97, EOS]}, finished_on_device={0, 1})
+    assert a.finish_reason == b.finish_reason == "stop" and a.output_ids[-1] == EOS
+    assert end_round(sched, pool) == ([], []) and not sched.has_unfinished
+
+
+def test_device_finish_reasons_and_eos_text():
+    sched, pool = make()
+    a, b = req(3), req(3, ignore_eos=True)
+    sched.add(a)
+    sched.add(b)
+    admit(sched, pool)
+    decode(sched, pool, {0: [ord("h"), EOS], 1: [ord("h"), EOS]}, finished_on_device={0, 1})
+    assert a.finish_reason == "stop" and b.finish_reason == "length"
+    assert a.text == "ah" and b.text == "ah"              # special tokens never reach the text
+
+
+def test_abort_waiting_and_running():
+    sched, pool = make(max_seqs=1)
+    a, b = req(3), req(3)
+    sched.add(a)
+    sched.add(b)
+    admit(sched, pool)
+    assert sched.abort(b.request_id) is b and b.finish_reason == "abort" and not sched.waiting
+    assert sched.abort(a.request_id) is a and a.finish_reason == "abort" and not sched.running
+    assert sched.take_releases() == [0]
+    assert sched.abort("nobody") is None
+
+
+def test_requeue_keeps_order():
+    sched, pool = make(max_seqs=2)
+    reqs = [req(3) for _ in range(3)]
+    for r in reqs:
+        sched.add(r)
+    batch = sched.schedule()
+    sched.requeue(batch)
+    assert list(sched.waiting) == reqs
+
+
+def test_resumed_request_recomputes_all_but_its_pending_token():
+    sched, pool = make(num_pages=6, page_size=4, max_seqs=3, steps=1)
+    reqs = [req(3) for _ in range(3)]
+    for r in reqs:
+        sched.add(r)
+    admit(sched, pool)
+    decode(sched, pool, {s: [98] * 5 for s in range(3)})
+    end_round(sched, pool)
+    sched.schedule()                                      # the round after a preemption: nothing
+    decode(sched, pool, {0: [99], 1: [99]}, finished_on_device={0, 1})
+    end_round(sched, pool)
+    batch = sched.schedule()
+    victim = reqs[2]
+    assert batch.requests == (victim,)
+    assert list(batch.tokens[0]) == victim.prompt_ids + victim.output_ids[:-1]
+    pool.lens[batch.slots[0]] = len(batch.tokens[0])
+    pool.report(sched)
+    events = sched.admitted(batch, [victim.output_ids[-1]], [False])
+    assert events[0].new_token_ids == () and len(victim.output_ids) == 6
+
+
+# ----------------------------------------------------------------------------- detokenizer
+
+
+def feed_in_chunks(text_ids, chunks, stop=()):
+    det = IncrementalDetokenizer(TOK, stop)
+    pieces, kept, i = [], 0, 0
+    for n in chunks:
+        part = text_ids[i:i + n]
+        i += n
+        kept += det.add(part, final=i >= len(text_ids))
+        pieces.append(det.take_delta(det.stopped or i >= len(text_ids)))
+        if det.stopped:
+            break
+    return det, pieces, kept
+
+
+@pytest.mark.parametrize("chunks", [[1] * 40, [3] * 14, [7, 1, 9, 40]])
+def test_incremental_text_equals_full_decode(chunks):
+    text = "héllo wörld ✓ naïve 日本"
+    ids = TOK.encode(text)
+    ids = ids[:5] + [EOS] + ids[5:]                       # a special token in the middle
+    det, pieces, kept = feed_in_chunks(ids, chunks + [len(ids)])
+    assert "".join(pieces) == det.text == TOK.decode(ids, skip_special_tokens=True)
+    assert kept == len(ids)
+
+
+@pytest.mark.parametrize("chunks", [[1] * 40, [4] * 10, [40]])
+def test_stop_string_across_tokens(chunks):
+    ids = TOK.encode("abc wörld stop here and more")
+    det, pieces, kept = feed_in_chunks(ids, chunks, stop=("ld st", "zzz"))
+    assert det.stopped and det.text == "abc wör" and "".join(pieces) == "abc wör"
+    assert TOK.decode(ids[:kept]).endswith("ld st")       # the kept tokens end at the stop
+    assert not TOK.decode(ids[:kept - 1]).endswith("ld st")
+
+
+def test_stop_string_never_matches_special_token_names():
+    det = IncrementalDetokenizer(TOK, ("<eos>",))
+    assert det.add([ord("a"), EOS, ord("b")]) == 3 and not det.stopped
+    assert det.add(TOK.encode("<eos>")) == 5 and det.stopped and det.text == "ab"
