@@ -22,7 +22,7 @@ from jax import lax
 
 from jpa.quant import FLOAT_DTYPES
 from jpa.reference import MASK_VALUE, _dequant, chunk_pages
-from jpa.validate import (check_cache_pair, check_dtype, check_ndim, check_positive, check_tables,
+from jpa.validate import (check_cache_pair, check_dtype, check_ndim, check_options, check_tables,
                           check_used_pages, is_concrete)
 
 
@@ -104,8 +104,8 @@ def _paged_prefill_xla(q, k_pages, v_pages, block_tables, start, chunk_lens, *, 
     return out.reshape(num_seqs, num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 
-def _check_prefill_args(q, k_pages, v_pages, block_tables, start, chunk_lens, scale, k_scales,
-                        v_scales):
+def _check_prefill_args(q, k_pages, v_pages, block_tables, start, chunk_lens, scale, soft_cap,
+                        sliding_window, k_scales, v_scales):
     check_ndim("q", q, 4, "[num_seqs, num_tokens, num_q_heads, head_dim]")
     check_dtype("q", q, FLOAT_DTYPES)
     num_kv_heads, num_pages, page_size, head_dim = check_cache_pair(k_pages, v_pages, k_scales, v_scales)
@@ -122,7 +122,8 @@ def _check_prefill_args(q, k_pages, v_pages, block_tables, start, chunk_lens, sc
         check_dtype(name, x, (np.int32,))
         if x.shape[0] != num_seqs:
             raise ValueError(f"{name} must have num_seqs = {num_seqs} entries; got {x.shape[0]}")
-    check_positive("scale", scale)
+    check_options(num_q_heads, scale=scale, soft_cap=soft_cap, alibi_slopes=None,
+                  sliding_window=sliding_window, impl="xla", interpret=False)
     if not (is_concrete(start) and is_concrete(chunk_lens)):
         return
     st, cl = np.asarray(start), np.asarray(chunk_lens)
@@ -142,7 +143,7 @@ def _check_prefill_args(q, k_pages, v_pages, block_tables, start, chunk_lens, sc
 
 
 def paged_prefill(q, k_pages, v_pages, block_tables, start, chunk_lens, *, scale=None,
-                  k_scales=None, v_scales=None):
+                  soft_cap=None, sliding_window=None, k_scales=None, v_scales=None):
     """Causal attention of a chunk of new tokens per sequence over a paged KV cache.
 
     Write the chunk's K/V into the cache with `jpa.write_kv` first. Query token t of sequence b
@@ -160,14 +161,21 @@ def paged_prefill(q, k_pages, v_pages, block_tables, start, chunk_lens, *, scale
       chunk_lens: i32[num_seqs], valid tokens of each row, in [0, num_tokens]; start + chunk_lens
         must be <= pages_per_seq * page_size. A row with 0 is empty.
       scale: softmax scale; default head_dim ** -0.5.
+      soft_cap: if set, logits become soft_cap * tanh(logits / soft_cap) (after scaling), as in
+        `jpa.paged_decode`.
+      sliding_window: query position p attends only to positions (p - sliding_window, p], the last
+        `sliding_window` tokens including itself (as `jpa.paged_decode`).
       k_scales, v_scales: f32[num_kv_heads, num_pages, page_size], required for quantized caches.
 
     Returns:
       [num_seqs, num_tokens, num_q_heads, head_dim] in q's dtype; zeros at padding positions
       (t >= chunk_lens[b]).
     """
-    _check_prefill_args(q, k_pages, v_pages, block_tables, start, chunk_lens, scale, k_scales,
-                        v_scales)
+    _check_prefill_args(q, k_pages, v_pages, block_tables, start, chunk_lens, scale, soft_cap,
+                        sliding_window, k_scales, v_scales)
     scale = float(scale) if scale is not None else float(q.shape[-1]) ** -0.5
+    soft_cap = float(soft_cap) if soft_cap is not None else None
+    sliding_window = int(sliding_window) if sliding_window is not None else None
     return _paged_prefill_xla(q, k_pages, v_pages, block_tables, start, chunk_lens, scale=scale,
-                              k_scales=k_scales, v_scales=v_scales)
+                              soft_cap=soft_cap, sliding_window=sliding_window, k_scales=k_scales,
+                              v_scales=v_scales)

