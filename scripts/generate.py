@@ -186,7 +186,10 @@ def run(args):
                               steps_per_call=args.steps_per_call, attention_impl=args.attention)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    gpt, tok = models.load(args.model, dtype=jnp.dtype(dtype))
+    try:
+        gpt, tok = models.load(args.model, dtype=jnp.dtype(dtype))
+    except (ValueError, FileNotFoundError) as e:  # a bad checkpoint directory: CheckpointError names it
+        raise UsageError(f"--model {args.model}: {e}") from None
     try:
         engine = LLMEngine(models.GPTForEngine(gpt), tok, config)  # the script wires model -> engine
     except ValueError as e:  # e.g. a memory budget too small for one page

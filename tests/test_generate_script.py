@@ -67,6 +67,16 @@ def test_bad_flags_are_one_line_and_exit_2(argv, msg, capsys):
     assert "Traceback" not in err
 
 
+def test_bad_checkpoint_directory_is_one_line_and_exit_2(tmp_path, capsys):
+    (tmp_path / "config.json").write_text('{"model_type": "bert"}')
+    (tmp_path / "tokenizer.json").write_text("{}")
+    rc = load_script().main(["--model", str(tmp_path), "--no-progress", "--no-compile-cache", "hi"])
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if not line.startswith("[jpa] loading")]
+    assert rc == 2 and out == "" and "Traceback" not in err
+    assert len(lines) == 1 and lines[0].startswith(f"generate.py: error: --model {tmp_path}"), err
+
+
 def test_compile_cache_is_on_by_default(tmp_path):
     env = dict(os.environ, JPA_CACHE_DIR=str(tmp_path), JAX_PLATFORMS="cpu",
                PYTHONPATH=str(SCRIPT.parents[1]))
