@@ -197,8 +197,8 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
       sliding_window: the query at position p attends only to keys (p - sliding_window, p].
       k_scales, v_scales: f32[num_kv_heads, num_pages, page_size], required for quantized caches.
       impl: "xla" (plain JAX), "triton" (Pallas Triton-backend kernels, sm_80+), "mosaic"
-        (Pallas Mosaic GPU kernels, Hopper), or "auto": the Triton kernels when compiling for an
-        NVIDIA GPU of compute capability >= 8.0 that they support, otherwise "xla".
+        (Pallas Mosaic GPU kernels, Hopper), or "auto": as `jpa.paged_decode` (`jpa.dispatch`):
+        the kernel for the GPU being compiled for after a one-time self-check, else "xla".
       interpret: run a Pallas kernel in interpret mode (CPU); ignored by "xla".
 
     Returns:
@@ -225,37 +225,83 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
 
 def kernel_module(impl: str):
     """Imports the ragged kernel module for impl."""
-    import importlib
-    return importlib.import_module(KERNEL_MODULES[impl])
+    return dispatch.kernel_module(impl, RAGGED)
 
 
 def unsupported_reason(impl: str, spec: RaggedSpec, compute_capability: float | None = None):
     """Why kernel `impl` cannot serve `spec` on a GPU of that compute capability (None: it can;
     compute_capability None skips device-specific limits, as in interpret mode)."""
-    if impl not in KERNEL_MODULES:
-        return f"there is no {impl} ragged kernel (only {sorted(KERNEL_MODULES)})"
-    try:
-        mod = kernel_module(impl)
-    except ImportError as e:  # e.g. a JAX without the Pallas GPU backend
-        return f"cannot import {KERNEL_MODULES[impl]}: {e}"
-    return mod.unsupported_reason(spec, compute_capability)
+    return dispatch.unsupported_reason(impl, spec, compute_capability, RAGGED)
 
 
 def choose_impl(impl: str, spec: RaggedSpec) -> str:
-    """Resolves impl for the device being compiled for (`jpa.dispatch.current_target`): "auto" is
-    the Triton kernel on an NVIDIA GPU of compute capability >= 8.0 that it supports, else "xla".
+    """Resolves impl for the device being compiled for, by `jpa.dispatch`'s rules: "auto" is a
+    kernel on an NVIDIA GPU after its one-time self-check there (exact-shape compile + small
+    run against the plain-JAX path), the kernel `unsupported_reason` accepts under an AOT compile
+    for an absent GPU, and "xla" elsewhere or on any failure."""
+    return dispatch.choose_impl(impl, spec, op=RAGGED)
 
-    Unlike `jpa.dispatch.choose_impl` for decode, "auto" does not yet run an on-device self-check
-    of the ragged kernel before trusting it (dispatch integration is separate work)."""
-    if impl == "xla":
-        return "xla"
-    target = dispatch.current_target()
-    cc = target.compute_capability if target.is_nvidia_gpu else None
-    if impl != "auto":
-        reason = unsupported_reason(impl, spec, cc)
-        if reason is not None:
-            raise dispatch.KernelUnavailable(f"impl={impl!r} cannot serve this call: {reason}")
-        return impl
-    if cc is not None and cc >= 8.0 and unsupported_reason("triton", spec, cc) is None:
-        return "triton"
-    return "xla"
+
+def self_check_inputs(spec: RaggedSpec, seed: int = 0):
+    """A small random ragged batch with `spec`'s static configuration: a decode token, a prefill
+    chunk from position 0 and a chunk after a cached prefix (as many as the budget and the
+    sequence slots hold), each sequence on its own pages of a small pool."""
+    rng = np.random.default_rng(seed)
+    T, B, ps, pps = spec.num_tokens, spec.max_num_seqs, spec.page_size, spec.pages_per_seq
+    max_len = ps * pps
+    wanted = [1, max(1, (T - 1) // 2), max(1, T - 1 - (T - 1) // 2)]
+    q_lens, left = [], T
+    for want in wanted[: min(B, 3)]:
+        q = min(want, left, max_len)
+        if q < 1:
+            break
+        q_lens.append(q)
+        left -= q
+    n = len(q_lens)
+    seq_lens = np.zeros(B, np.int32)
+    for i, q in enumerate(q_lens):
+        # The decode token and the third chunk sit after a random cached prefix; the second starts at 0.
+        seq_lens[i] = q if i == 1 else q + rng.integers(0, max_len - q + 1)
+    cu = np.zeros(B + 1, np.int32)
+    cu[1: n + 1] = np.cumsum(q_lens)
+    cu[n + 1:] = cu[n]
+    num_pages = n * pps + 1
+    pages = rng.permutation(num_pages)[: n * pps].reshape(n, pps)
+    tables = np.zeros((B, pps), np.int32)
+    tables[:n] = pages
+    pool = (spec.num_kv_heads, num_pages, ps, spec.head_dim)
+    q = jnp.asarray(rng.standard_normal((T, spec.num_q_heads, spec.head_dim)), spec.q_dtype)
+    kv = []
+    for _ in range(2):
+        x = rng.standard_normal(pool).astype(np.float32)
+        if spec.quantized:
+            from jpa.quant import quantize
+            kv.append(quantize(jnp.asarray(x), spec.cache_dtype))
+        else:
+            kv.append((jnp.asarray(x, spec.cache_dtype), None))
+    opts = dict(scale=spec.head_dim ** -0.5, soft_cap=30.0 if spec.soft_cap else None,
+                alibi_slopes=(jnp.asarray(2.0 ** -np.arange(1, spec.num_q_heads + 1), jnp.float32)
+                              if spec.alibi else None),
+                sliding_window=max(1, max_len // 3) if spec.sliding_window else None,
+                k_scales=kv[0][1], v_scales=kv[1][1])
+    args = (q, kv[0][0], kv[1][0], jnp.asarray(tables), jnp.asarray(seq_lens), jnp.asarray(cu),
+            jnp.int32(n))
+    return args, opts
+
+
+def exact_shapes(spec: RaggedSpec, opts: dict):
+    """ShapeDtypeStructs of a call with `spec`'s real shapes (the whole pool) and its array options."""
+    sds = jax.ShapeDtypeStruct
+    pool = (spec.num_kv_heads, spec.num_pages, spec.page_size, spec.head_dim)
+    b = spec.max_num_seqs
+    args = (sds((spec.num_tokens, spec.num_q_heads, spec.head_dim), spec.q_dtype), sds(pool, spec.cache_dtype),
+            sds(pool, spec.cache_dtype), sds((b, spec.pages_per_seq), jnp.int32), sds((b,), jnp.int32),
+            sds((b + 1,), jnp.int32), sds((), jnp.int32))
+    arrays = {k: (sds(pool[:3], jnp.float32) if k != "alibi_slopes" else sds((spec.num_q_heads,), jnp.float32))
+              for k in ("alibi_slopes", "k_scales", "v_scales") if opts.get(k) is not None}
+    return args, arrays
+
+
+RAGGED = dispatch.Op("ragged", tuple(KERNEL_MODULES.items()), "ragged_paged_attention",
+                     "jpa.ragged:ragged_paged_attention_xla", "jpa.ragged:self_check_inputs",
+                     "jpa.ragged:exact_shapes")

@@ -134,7 +134,7 @@ def test_self_check_runs_outside_the_trace(fake_gpu):
     spec = jpa.decode.decode_spec(args[0], args[1], args[3], soft_cap=None, alibi_slopes=None,
                                   sliding_window=None)
     n = len(calls)
-    assert dispatch.self_check("triton", spec, A100) is None  # memoized: passed, not rerun
+    assert dispatch.self_check("triton", spec, A100, None) is None  # memoized: passed, not rerun
     assert len(calls) == n
 
 
@@ -259,3 +259,51 @@ def test_aot_target_picks_its_kernel(kind, cores, call):
     assert call in text
     other = "__gpu$xla.gpu.triton" if call == "mosaic_gpu" else "mosaic_gpu"
     assert other not in text
+
+
+def fake_ragged(name, behaviour):
+    mod = types.ModuleType(name)
+    from jpa.ragged import ragged_paged_attention_xla
+
+    def ragged_paged_attention(*args, interpret=False, **opts):
+        def kernel(*a):
+            out = ragged_paged_attention_xla(*a, **opts)
+            return out + 1.0 if behaviour == "wrong" else out
+        kernel.__name__ = name
+        return jax.jit(kernel)(*args)
+
+    mod.ragged_paged_attention = ragged_paged_attention
+    mod.unsupported_reason = lambda spec, cc=None: None
+    return mod
+
+
+@pytest.mark.parametrize("behaviour", ["good", "wrong"])
+def test_ragged_auto_self_checks_like_decode(monkeypatch, behaviour):
+    """ragged_paged_attention(impl="auto") goes through the same dispatch: under jit on a
+    (simulated) A100 it uses a kernel that passes its self-check, and falls back from one that
+    does not, with one warning."""
+    from jpa import ragged
+    name = f"fake_ragged_{behaviour}"
+    monkeypatch.setitem(sys.modules, name, fake_ragged(name, behaviour))
+    monkeypatch.setattr(ragged, "RAGGED", ragged.RAGGED._replace(modules=(("triton", name),)))
+    monkeypatch.setattr(dispatch, "current_target", lambda: A100)
+    dispatch.self_check.cache_clear()
+    rng = np.random.default_rng()
+    q = jnp.asarray(rng.standard_normal((16, 4, 32)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((2, 12, 8, 32)), jnp.float32)
+    tables = jnp.asarray(rng.permutation(12)[:12].reshape(3, 4), jnp.int32)
+    lens, cu = jnp.array([9, 20, 5], jnp.int32), jnp.array([0, 1, 9, 14], jnp.int32)
+    args = (q, k, k, tables, lens, cu, jnp.int32(3))
+    want = np.asarray(ragged.ragged_paged_attention_xla(*args, scale=32 ** -0.5))
+    fn = jax.jit(lambda *a: jpa.ragged_paged_attention(*a))
+    if behaviour == "good":
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            text = str(jax.make_jaxpr(fn)(*args))
+        assert f"name={name}" in text
+    else:
+        with pytest.warns(RuntimeWarning, match="triton ragged kernel failed its self-check.*differs"):
+            text = str(jax.make_jaxpr(fn)(*args))
+        assert f"name={name}" not in text
+    np.testing.assert_allclose(np.asarray(fn(*args)), want, atol=1e-5)
+    dispatch.self_check.cache_clear()
