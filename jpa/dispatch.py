@@ -156,6 +156,30 @@ def unsupported_reason(impl: str, spec, compute_capability: float | None = None,
     return mod.unsupported_reason(spec, compute_capability)
 
 
+def random_pools_and_options(rng, spec, num_pages: int, max_len: int):
+    """Random K and V pools of `num_pages` pages in spec's cache dtype (quantized with scales when
+    spec.quantized) and every option spec turns on, at values that make it matter within max_len
+    tokens. Returns (k_pages, v_pages, opts) with opts' scale, soft_cap, alibi_slopes,
+    sliding_window, k_scales and v_scales. Shared by every op's self-check case."""
+    shape = (spec.num_kv_heads, num_pages, spec.page_size, spec.head_dim)
+    kv = []
+    for _ in range(2):
+        x = rng.standard_normal(shape).astype(np.float32)
+        if spec.quantized:
+            from jpa.quant import quantize
+            kv.append(quantize(jnp.asarray(x), spec.cache_dtype))
+        else:
+            kv.append((jnp.asarray(x, spec.cache_dtype), None))
+    opts = dict(
+        scale=spec.head_dim ** -0.5,
+        soft_cap=30.0 if spec.soft_cap else None,
+        alibi_slopes=(jnp.asarray(2.0 ** -np.arange(1, spec.num_q_heads + 1), jnp.float32)
+                      if spec.alibi else None),
+        sliding_window=max(1, max_len // 3) if spec.sliding_window else None,
+        k_scales=kv[0][1], v_scales=kv[1][1])
+    return kv[0][0], kv[1][0], opts
+
+
 def self_check_inputs(spec: DecodeSpec, seed: int = 0):
     """A small random case with `spec`'s static configuration (and its num_seqs, pages_per_seq).
 
@@ -168,29 +192,14 @@ def self_check_inputs(spec: DecodeSpec, seed: int = 0):
     distinct = min(num_seqs, SELF_CHECK_SEQS)
     num_pages = distinct * pages_per_seq + 1
     max_len = pages_per_seq * page_size
-    cache_shape = (spec.num_kv_heads, num_pages, page_size, spec.head_dim)
     q = jnp.asarray(rng.standard_normal((num_seqs, spec.num_q_heads, spec.head_dim)), spec.q_dtype)
-    kv = []
-    for _ in range(2):
-        x = rng.standard_normal(cache_shape).astype(np.float32)
-        if spec.quantized:
-            from jpa.quant import quantize
-            kv.append(quantize(jnp.asarray(x), spec.cache_dtype))
-        else:
-            kv.append((jnp.asarray(x, spec.cache_dtype), None))
+    k, v, opts = random_pools_and_options(rng, spec, num_pages, max_len)
     pages = rng.permutation(num_pages)[: distinct * pages_per_seq].reshape(distinct, pages_per_seq)
     tables = pages[np.arange(num_seqs) % distinct]  # i32[num_seqs, pages_per_seq]
     # Full, single-token, empty and random lengths: every sequence length class the kernel branches on.
     lens = rng.integers(0, max_len + 1, size=num_seqs)
     lens[: min(num_seqs, 3)] = [max_len, 1, 0][: min(num_seqs, 3)]
-    opts = dict(
-        scale=spec.head_dim ** -0.5,
-        soft_cap=30.0 if spec.soft_cap else None,
-        alibi_slopes=(jnp.asarray(2.0 ** -np.arange(1, spec.num_q_heads + 1), jnp.float32)
-                      if spec.alibi else None),
-        sliding_window=max(1, max_len // 3) if spec.sliding_window else None,
-        k_scales=kv[0][1], v_scales=kv[1][1])
-    return (q, kv[0][0], kv[1][0], jnp.asarray(tables, jnp.int32), jnp.asarray(lens, jnp.int32)), opts
+    return (q, k, v, jnp.asarray(tables, jnp.int32), jnp.asarray(lens, jnp.int32)), opts
 
 
 def decode_shapes(spec: DecodeSpec, opts: dict):

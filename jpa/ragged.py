@@ -269,22 +269,9 @@ def self_check_inputs(spec: RaggedSpec, seed: int = 0):
     pages = rng.permutation(num_pages)[: n * pps].reshape(n, pps)
     tables = np.zeros((B, pps), np.int32)
     tables[:n] = pages
-    pool = (spec.num_kv_heads, num_pages, ps, spec.head_dim)
     q = jnp.asarray(rng.standard_normal((T, spec.num_q_heads, spec.head_dim)), spec.q_dtype)
-    kv = []
-    for _ in range(2):
-        x = rng.standard_normal(pool).astype(np.float32)
-        if spec.quantized:
-            from jpa.quant import quantize
-            kv.append(quantize(jnp.asarray(x), spec.cache_dtype))
-        else:
-            kv.append((jnp.asarray(x, spec.cache_dtype), None))
-    opts = dict(scale=spec.head_dim ** -0.5, soft_cap=30.0 if spec.soft_cap else None,
-                alibi_slopes=(jnp.asarray(2.0 ** -np.arange(1, spec.num_q_heads + 1), jnp.float32)
-                              if spec.alibi else None),
-                sliding_window=max(1, max_len // 3) if spec.sliding_window else None,
-                k_scales=kv[0][1], v_scales=kv[1][1])
-    args = (q, kv[0][0], kv[1][0], jnp.asarray(tables), jnp.asarray(seq_lens), jnp.asarray(cu),
+    k, v, opts = dispatch.random_pools_and_options(rng, spec, num_pages, max_len)
+    args = (q, k, v, jnp.asarray(tables), jnp.asarray(seq_lens), jnp.asarray(cu),
             jnp.int32(n))
     return args, opts
 
