@@ -224,11 +224,16 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ host entry points
 
+    def jit_options(self, num_outputs: int) -> dict:
+        """jax.jit options of a compiled call (decode: 7 outputs, prefill: 8): state donated and, under a
+        mesh, outputs pinned (the cache keeps its head sharding, everything else replicated)."""
+        if self.mesh is None:
+            return dict(donate_argnums=DONATE)
+        return dict(donate_argnums=DONATE, out_shardings=(self._pool,) + (self._rep,) * (num_outputs - 1))
+
     def _compile(self, fn, *args, num_outputs):
         t0 = time.perf_counter()
-        # Under a mesh: the cache keeps its head sharding, everything else is replicated.
-        pin = {} if self.mesh is None else dict(out_shardings=(self._pool,) + (self._rep,) * (num_outputs - 1))
-        exe = jax.jit(fn, donate_argnums=DONATE, **pin).lower(*args).compile()
+        exe = jax.jit(fn, **self.jit_options(num_outputs)).lower(*args).compile()
         self.compile_seconds += time.perf_counter() - t0
         return exe
 
