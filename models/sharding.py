@@ -7,8 +7,10 @@ On a mesh with a "tp" axis of N devices (`jpa.sharding.tp_mesh(N)`):
 - row-parallel (input features split): wo (heads), w_down (ffn); each device's partial product
   is summed by ONE all-reduce per matmul (GSPMD inserts it), so a layer has two all-reduces of
   [tokens, d_model] float32 and nothing else;
+- vocabulary-parallel: the token embeddings and the output head are split on the vocabulary
+  (see EMBEDDINGS below);
 - replicated: norms, the biases added after a row-parallel sum (bo, b_down), position
-  embeddings, and the token embeddings / output head (see EMBEDDINGS below for why).
+  embeddings.
 
 The rules table `RULES` maps a parameter's name to its PartitionSpec. A parameter without a rule
 is an error that names it (a new parameter kind must be given a rule, not silently replicated).
@@ -29,10 +31,13 @@ Heads that do not divide N. Each device must hold whole kv heads and the q heads
 The MLP hidden size is padded the same way (zero gate/up columns, zero down rows: silu(0)*0 = 0,
 gelu(0) = 0) when it does not divide N.
 
-EMBEDDINGS: replicated. Sharding the vocabulary would cut their memory by N but makes every
-decode step all-gather f32[num_seqs, vocab] logits for sampling (top-k/top-p need the whole row),
-which for a 128k vocabulary outweighs the per-layer traffic; BENCHMARKS.md has both measured
-(`--embeddings vocab` in scripts/gpu_compile_check.py).
+EMBEDDINGS: split on the vocabulary, chosen by measurement (BENCHMARKS.md, a Llama-shaped 8B
+on 8 H100s, compiled deviceless): against replicated embeddings it saves 1.7 GiB per device
+(3.58 -> 1.87 GiB of weights) and 88 MiB of temporaries, for 3 small extra collectives per decode
+step (the lookup's all-reduce of bf16[num_seqs, d_model], and GSPMD's distributed argmax/top-k
+over the vocabulary shards: f32/s32[num_seqs] all-reduces and an s32[num_seqs, N] all-gather;
+the f32[num_seqs, vocab] logits are never gathered). When vocab_size does not divide by N they
+are replicated instead (`HeadPlan.embeddings`). `embeddings="replicated"` forces that.
 """
 
 import dataclasses
@@ -58,12 +63,14 @@ RULES = {
     "wo": ROW, "bo": REP,
     # MLP: column-parallel gate/up, row-parallel down
     "w_gate": COL, "w_up": COL, "b_up": VEC, "w_down": ROW, "b_down": REP,
-    # norms and embeddings: replicated
+    # embeddings: vocabulary-parallel ([vocab, d_model] and [d_model, vocab])
+    "tok_embeddings": P(TP, None), "output": P(None, TP),
+    # norms: replicated
     "attn_norm": REP, "attn_norm_bias": REP, "ffn_norm": REP, "ffn_norm_bias": REP,
-    "norm": REP, "norm_bias": REP, "pos_embeddings": REP, "tok_embeddings": REP, "output": REP,
+    "norm": REP, "norm_bias": REP, "pos_embeddings": REP,
 }
-# Vocabulary-parallel embeddings (the alternative measured in BENCHMARKS.md).
-VOCAB_RULES = {"tok_embeddings": P(TP, None), "output": P(None, TP)}
+# embeddings="replicated" (and a vocabulary that does not divide by N).
+REPLICATED_EMBEDDINGS = {"tok_embeddings": REP, "output": REP}
 
 # Parameters whose axes hold heads (q or kv) or the MLP hidden size, and which axis.
 _Q_HEAD_AXIS = {"wq": 1, "bq": 0, "wo": 0}
@@ -83,6 +90,7 @@ class HeadPlan:
     orig_q_heads: int
     orig_kv_heads: int
     orig_ffn_dim: int
+    embeddings: str = "vocab"  # "vocab" (split on the vocabulary) or "replicated"
 
     def describe(self) -> str:
         n = self.tensor_parallel
@@ -96,14 +104,19 @@ class HeadPlan:
                   f"+{100 * (self.num_kv_heads / self.orig_kv_heads - 1):.0f}% KV memory and attention work)")
         if self.ffn_dim != self.orig_ffn_dim:
             s += f"; ffn padded {self.orig_ffn_dim} -> {self.ffn_dim}"
-        return s
+        return s + f"; embeddings {self.embeddings}"
 
 
-def plan_heads(config: ModelConfig, tensor_parallel: int) -> HeadPlan:
-    """The HeadPlan of `config` on `tensor_parallel` devices."""
+def plan_heads(config: ModelConfig, tensor_parallel: int, embeddings: str = "vocab") -> HeadPlan:
+    """The HeadPlan of `config` on `tensor_parallel` devices (embeddings: "vocab" or "replicated";
+    "vocab" falls back to "replicated" when vocab_size does not divide by tensor_parallel)."""
     n, nq, nk, g = tensor_parallel, config.num_q_heads, config.num_kv_heads, config.q_per_kv
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"tensor_parallel must be an int >= 1; got {n!r}")
+    if embeddings not in ("vocab", "replicated"):
+        raise ValueError(f"embeddings must be 'vocab' or 'replicated'; got {embeddings!r}")
+    if config.vocab_size % n:
+        embeddings = "replicated"
     if nk % n == 0:
         mode, q, k = "split", nq, nk
     elif n % nk == 0 and nq % n == 0:
@@ -112,7 +125,7 @@ def plan_heads(config: ModelConfig, tensor_parallel: int) -> HeadPlan:
         k = math.ceil(nk / n) * n
         mode, q = "pad", k * g
     ffn = math.ceil(config.ffn_dim / n) * n
-    return HeadPlan(n, mode, q, k, ffn, nq, nk, config.ffn_dim)
+    return HeadPlan(n, mode, q, k, ffn, nq, nk, config.ffn_dim, embeddings)
 
 
 def _heads(x, axis, per_head, fn):
@@ -172,14 +185,14 @@ def with_heads(model, plan: HeadPlan):
     return new
 
 
-def param_specs(params, *, embeddings: str = "replicated"):
+def param_specs(params, *, embeddings: str = "vocab"):
     """The PartitionSpec of every leaf of a GPT's param state, by RULES (a pytree like params).
 
     Raises ValueError naming a parameter that has no rule.
     """
     if embeddings not in ("replicated", "vocab"):
         raise ValueError(f"embeddings must be 'replicated' or 'vocab'; got {embeddings!r}")
-    rules = {**RULES, **(VOCAB_RULES if embeddings == "vocab" else {})}
+    rules = {**RULES, **(REPLICATED_EMBEDDINGS if embeddings == "replicated" else {})}
 
     def spec(path, leaf):
         name = _name(path)
@@ -201,7 +214,7 @@ def check_divisible(params, specs, tensor_parallel: int):
     jax.tree_util.tree_map_with_path(check, params, specs)
 
 
-def shard(model, mesh, *, embeddings: str = "replicated"):
+def shard(model, mesh, *, embeddings: str = "vocab"):
     """(model with its heads planned for mesh's "tp" axis and params placed on the mesh, HeadPlan).
 
     The returned GPT's config reports the planned head counts (the pool holds num_kv_heads
@@ -210,13 +223,10 @@ def shard(model, mesh, *, embeddings: str = "replicated"):
     """
     check_mesh(mesh)
     tp = mesh.shape[TP]
-    plan = plan_heads(model.config, tp)
-    if embeddings == "vocab" and model.config.vocab_size % tp:
-        raise ValueError(f"embeddings='vocab' needs vocab_size ({model.config.vocab_size}) divisible by "
-                         f"tensor_parallel={tp}")
+    plan = plan_heads(model.config, tp, embeddings)
     model = with_heads(model, plan)
     graphdef, params = nnx.split(model)
-    specs = param_specs(params, embeddings=embeddings)
+    specs = param_specs(params, embeddings=plan.embeddings)
     check_divisible(params, specs, tp)
 
     def place(x, spec):

@@ -537,7 +537,7 @@ def collective_summary(items: list, num_layers: int) -> dict:
 
 def tp_engine_steps(compiler: Compiler, config: dict | None = None, pool_gib_per_device: float = 8.0,
                     max_seqs: int = 64, page_size: int = 16, max_model_len: int = 4096, steps_per_call: int = 8,
-                    prefill_rows: int = 4, prefill_width: int = 512, embeddings: str = "replicated"):
+                    prefill_rows: int = 4, prefill_width: int = 512, embeddings: str = "vocab"):
     """The engine's decode loop and a prefill call of a tensor-parallel model on compiler.tp_mesh.
 
     The model is abstract (nnx.eval_shape) and sharded by models.sharding (params become
@@ -566,7 +566,7 @@ def tp_engine_steps(compiler: Compiler, config: dict | None = None, pool_gib_per
     pools = [local_pool] * (2 * mc.num_layers)
     param_bytes = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize
                       for x in jax.tree_util.tree_leaves(model.params))
-    details = dict(tp=tp, head_plan=model.head_plan.describe(), embeddings=embeddings,
+    details = dict(tp=tp, head_plan=model.head_plan.describe(), embeddings=model.head_plan.embeddings,
                    num_layers=mc.num_layers, d_model=mc.d_model, num_q_heads=mc.num_q_heads,
                    num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, vocab_size=mc.vocab_size,
                    num_pages=cache_cfg.num_pages, max_seqs=max_seqs, steps_per_call=steps_per_call,
@@ -603,13 +603,21 @@ def check_tp(compiler: Compiler, log=print, **sizes) -> list:
                 coll["step"] if loop else coll["step"] + coll["outside"], num_layers)
             if loop:
                 rec["collectives_outside_loop"] = collective_summary(coll["outside"], num_layers)
-            main = rec.get("collectives_per_step") or rec["collectives_per_call"]
-            ar = main.get("all-reduce", {}).get("count", 0)
-            if ar < 2 * num_layers or ar > 2 * num_layers + 4:
-                rec["problems"].append(f"expected 2 all-reduces per layer ({2 * num_layers}) plus at most 4; found {ar}")
-            moved = {op: v["types"] for op, v in main.items() if op != "all-reduce"}
-            if moved and details["embeddings"] == "replicated":
-                rec["problems"].append(f"collectives other than all-reduce: {moved}")
+            items = coll["step"] if loop else coll["step"] + coll["outside"]
+            # The row-parallel sums: f32[tokens..., d_model] all-reduces, two per layer.
+            row = [c for c in items if c["op"] == "all-reduce" and c["type"].startswith("f32[")
+                   and c["type"].endswith(f",{details['d_model']}]")]
+            rec["row_parallel_all_reduces"] = len(row)
+            rec["other_collectives"] = collective_summary([c for c in items if c not in row], num_layers)
+            if len(row) != 2 * num_layers:
+                rec["problems"].append(f"expected 2 row-parallel all-reduces per layer ({2 * num_layers}); "
+                                       f"found {len(row)}")
+            # Nothing with a head axis (K/V, q, attention outputs) or a pool dimension may move.
+            h, pages = details["head_dim"], details["num_pages"]
+            moved = [c for c in items if f",{h}]" in c["type"] or f"{pages}," in c["type"]
+                     or c["op"] in ("all-to-all", "collective-permute")]
+            if moved:
+                rec["problems"].append(f"K/V, heads or pool moved between devices: {moved[:3]}")
             if kernel_calls and rec[f"{expected}_calls"] != kernel_calls:
                 rec["problems"].append(f"expected {kernel_calls} {expected} kernel calls; found {rec[f'{expected}_calls']}")
             rec["ok"] = not rec["problems"]
@@ -664,7 +672,7 @@ def main(argv=None) -> int:
                    help="tp: the engine's steps of a Llama-shaped model (32 layers, 32 q / 8 kv heads, head_dim "
                         "128, bf16) tensor-parallel over --tp GPUs of one host (not part of 'all')")
     p.add_argument("--tp", type=int, default=8, help="GPUs of the tensor-parallel compile (--only tp)")
-    p.add_argument("--embeddings", choices=("replicated", "vocab"), default="replicated",
+    p.add_argument("--embeddings", choices=("replicated", "vocab"), default="vocab",
                    help="how --only tp places the embeddings and the output head")
     p.add_argument("--layers", type=int, default=None, help="--only tp: layers of the Llama-shaped model "
                    "(default 32)")
