@@ -74,6 +74,11 @@ def parse_args(argv=None):
                          "compiled for, after a one-time self-check; plain JAX elsewhere)")
     ap.add_argument("--tp", type=int, default=1, help="tensor parallel: shard the model and the KV pool (on its "
                     "kv heads) over this many devices (default 1); --kv-memory is then per device")
+    ap.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="several hosts: process 0's "
+                    "address; with --num-processes and --process-id, calls jax.distributed.initialize first "
+                    "(README, Tensor parallelism)")
+    ap.add_argument("--num-processes", type=int, default=None, help="several hosts: how many processes")
+    ap.add_argument("--process-id", type=int, default=None, help="several hosts: this process's index")
     ap.add_argument("--json", action="store_true", help="JSON lines on stdout")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--no-compile-cache", action="store_true", help="do not use JAX's persistent "
@@ -89,6 +94,13 @@ def check_args(args):
         v = getattr(args, name)
         if v < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1; got {v}")
+    multi = (args.coordinator, args.num_processes, args.process_id)
+    if any(v is not None for v in multi):
+        if any(v is None for v in multi):
+            raise UsageError("--coordinator, --num-processes and --process-id go together")
+        if args.num_processes < 1 or not 0 <= args.process_id < args.num_processes:
+            raise UsageError(f"--process-id must be in [0, --num-processes = {args.num_processes}); "
+                             f"got {args.process_id}")
     if args.num_pages is not None and args.num_pages < 1:
         raise UsageError(f"--num-pages must be >= 1; got {args.num_pages}")
     if not (math.isfinite(args.kv_memory) and args.kv_memory > 0):
@@ -167,6 +179,12 @@ def main(argv=None):
 def run(args):
     import jax
 
+    if args.coordinator is not None:  # before JAX starts a backend: every host's devices in one job
+        jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
+                                   process_id=args.process_id)
+        if jax.process_index() != 0:  # every process runs the same program; process 0 reports
+            sys.stdout = open(os.devnull, "w")
+            args.no_progress = True
     if not args.no_compile_cache:
         enable_compile_cache(cache_dir() / "xla")
 
