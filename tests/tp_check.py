@@ -31,7 +31,6 @@ import numpy as np  # noqa: E402
 import models  # noqa: E402
 from jpa.cache import KVCache  # noqa: E402
 from jpa.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from jpa.sharding import tp_mesh  # noqa: E402
 
 CASES = {  # model -> tensor-parallel sizes (1 first: the reference)
     "tiny-llama": (1, 2, 4),      # 4 q / 2 kv heads: split, replicate (--full: and 3, pad)
