@@ -37,9 +37,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jpa.cache import CacheConfig, KVCache
+from jpa.cache import CacheConfig, KVCache, write_kv
 from jpa.decode import paged_decode
 from jpa.prefill import paged_prefill
+from jpa.sharding import HEADS, HEADS_T, POOL, REPLICATED, head_parallel
 from models.config import ModelConfig
 
 PARAM_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))
@@ -423,7 +424,15 @@ def forward_dense(model: GPT, tokens):
     return model.logits(x)
 
 
-def prefill(model: GPT, cache: KVCache, tokens, start, chunk_lens, slot_mapping, block_tables):
+def _write(layer, k, v, slot_mapping):
+    """One layer's (k_pages, v_pages, k_scales, v_scales) after writing k, v [T, K, H] at slot_mapping."""
+    kp, vp, ks, vs = layer
+    out = write_kv(kp, vp, k, v, slot_mapping, k_scales=ks, v_scales=vs)
+    return out if len(out) == 4 else (*out, None, None)
+
+
+def prefill(model: GPT, cache: KVCache, tokens, start, chunk_lens, slot_mapping, block_tables, *,
+            mesh=None):
     """Runs a right-padded chunk of prompt tokens per sequence through the model and the cache.
 
     Args:
@@ -434,6 +443,9 @@ def prefill(model: GPT, cache: KVCache, tokens, start, chunk_lens, slot_mapping,
       chunk_lens: i32[B] valid tokens of each row (0 = empty row).
       slot_mapping: i32[B, T] cache slot of each chunk token (-1 for padding).
       block_tables: i32[B, pages_per_seq].
+      mesh: a Mesh with a "tp" axis for tensor parallelism (params and cache sharded as
+        models.sharding places them): each layer's cache write and attention run per device on
+        its heads (`jpa.sharding.head_parallel`). None: one device.
 
     Returns:
       (logits f32[B, vocab] at each row's last valid token (finite garbage for empty rows),
@@ -453,13 +465,19 @@ def prefill(model: GPT, cache: KVCache, tokens, start, chunk_lens, slot_mapping,
     positions = start[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)  # i32[B, T]
     slots = slot_mapping.reshape(batch * num_tokens)  # i32[B * T]
 
+    def layer_step(layer, q, k, v, slots, block_tables, start, chunk_lens, *, opts):  # per device under a mesh
+        layer = _write(layer, k, v, slots)
+        kp, vp, ks, vs = layer
+        out = paged_prefill(q, kp, vp, block_tables, start, chunk_lens, k_scales=ks, v_scales=vs, **opts)
+        return out, layer  # [B, T, N, H]
+
     def attend(i, q, k, v, cache):
         flat = lambda a: a.reshape(batch * num_tokens, c.num_kv_heads, c.head_dim)  # [B * T, K, H]
-        cache = cache.write(i, flat(k), flat(v), slots)
-        kp, vp, ks, vs = cache.layer(i)
-        out = paged_prefill(q.astype(model.dtype), kp, vp, block_tables, start, chunk_lens,
-                            k_scales=ks, v_scales=vs, **model.attention_options(i))  # [B, T, N, H]
-        return out, cache
+        step = head_parallel(functools.partial(layer_step, opts=model.attention_options(i)), mesh,
+                             (POOL, HEADS_T, HEADS, HEADS) + (REPLICATED,) * 4, (HEADS_T, POOL))
+        out, layer = step(cache.layer(i), q.astype(model.dtype), flat(k), flat(v), slots, block_tables,
+                          start, chunk_lens)
+        return out, cache.with_layer(i, *layer)
 
     x, cache = _run(model, tokens, positions, attend, cache)
     last = jnp.maximum(chunk_lens - 1, 0)  # i32[B]
@@ -467,7 +485,8 @@ def prefill(model: GPT, cache: KVCache, tokens, start, chunk_lens, slot_mapping,
     return model.logits(x_last), cache
 
 
-def decode(model: GPT, cache: KVCache, tokens, seq_lens, slot_mapping, block_tables, *, impl="auto"):
+def decode(model: GPT, cache: KVCache, tokens, seq_lens, slot_mapping, block_tables, *, impl="auto",
+           mesh=None):
     """One decode step: a new token per sequence, its K/V written first, then paged attention.
 
     Args:
@@ -480,6 +499,7 @@ def decode(model: GPT, cache: KVCache, tokens, seq_lens, slot_mapping, block_tab
       block_tables: i32[B, pages_per_seq].
       impl: the `jpa.paged_decode` implementation ("auto", "xla", "triton", "mosaic"); the engine
         passes what `jpa.resolve_decode_impl` chose for its shapes at set-up.
+      mesh: as `prefill` (tensor parallelism; the kernel then runs on each device's heads).
 
     Returns:
       (logits f32[B, vocab] (finite garbage for inactive slots), the updated cache).
@@ -495,13 +515,18 @@ def decode(model: GPT, cache: KVCache, tokens, seq_lens, slot_mapping, block_tab
                          f"got {getattr(block_tables, 'shape', None)}")
     positions = jnp.maximum(seq_lens - 1, 0)[:, None]  # i32[B, 1]
 
+    def layer_step(layer, q, k, v, slot_mapping, block_tables, seq_lens, *, opts):  # per device under a mesh
+        layer = _write(layer, k, v, slot_mapping)
+        kp, vp, ks, vs = layer
+        out = paged_decode(q, kp, vp, block_tables, seq_lens, k_scales=ks, v_scales=vs, impl=impl, **opts)
+        return out, layer  # [B, N, H]
+
     def attend(i, q, k, v, cache):
-        cache = cache.write(i, k[:, 0], v[:, 0], slot_mapping)
-        kp, vp, ks, vs = cache.layer(i)
-        out = paged_decode(q[:, 0].astype(model.dtype), kp, vp, block_tables, seq_lens,
-                           k_scales=ks, v_scales=vs, impl=impl,
-                           **model.attention_options(i))  # [B, N, H]
-        return out[:, None], cache
+        step = head_parallel(functools.partial(layer_step, opts=model.attention_options(i)), mesh,
+                             (POOL, HEADS, HEADS, HEADS) + (REPLICATED,) * 3, (HEADS, POOL))
+        out, layer = step(cache.layer(i), q[:, 0].astype(model.dtype), k[:, 0], v[:, 0], slot_mapping,
+                          block_tables, seq_lens)
+        return out[:, None], cache.with_layer(i, *layer)
 
     x, cache = _run(model, tokens[:, None], positions, attend, cache)
     return model.logits(x[:, 0]), cache

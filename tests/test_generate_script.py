@@ -57,6 +57,10 @@ def test_jsonl_prompts_to_json_lines(tmp_path, capsys, monkeypatch):
     (["--temperature", "-1"], "temperature must be a finite number >= 0"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["--model", "tiny-llama", "--kv-memory", "0.001", "--no-compile-cache", "x"], "holds no page"),
+    (["--tp", "0"], "--tp must be >= 1; got 0"),
+    (["--coordinator", "h:1"], "--coordinator, --num-processes and --process-id go together"),
+    (["--coordinator", "h:1", "--num-processes", "2", "--process-id", "2"], "--process-id must be in [0, "),
+    (["--model", "tiny-llama", "--tp", "64", "--no-compile-cache", "x"], "tensor_parallel=64 needs 64 devices"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(argv, msg, capsys):
     rc = load_script().main(argv + ["--no-progress"])

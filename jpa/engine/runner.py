@@ -19,6 +19,12 @@ Attention backend: the decode loop passes `attention_impl` to the model's decode
 traced, with the loop's exact shapes (the self-check runs concretely then, once per
 configuration). What was picked is read off the compiled program (`attention`), so the summary
 reports what actually runs.
+
+Tensor parallelism (`mesh` with a "tp" axis): the cache pools are sharded on their kv-head axis;
+page state, slots and every host input are replicated, so page allocation, sampling and stop
+checks run identically on every device and the host reads one copy. The model (sharded by its
+`shard(mesh)`) runs attention per device. Every compiled call pins its outputs to the same
+shardings as its inputs, so one executable serves every call.
 """
 
 import dataclasses
@@ -34,6 +40,7 @@ from jpa import pages
 from jpa.cache import CacheConfig, KVCache
 from jpa.engine.model import EngineModel, check_model
 from jpa.engine.sampling import sample
+from jpa.sharding import POOL, REPLICATED, named
 
 
 @flax.struct.dataclass
@@ -97,25 +104,44 @@ class ModelRunner:
     """
 
     def __init__(self, model: EngineModel, cache_config: CacheConfig, *, max_seqs: int, pages_per_seq: int,
-                 steps_per_call: int, stop_ids, attention_impl: str = "auto", allocate: bool = True):
+                 steps_per_call: int, stop_ids, attention_impl: str = "auto", allocate: bool = True,
+                 mesh=None):
         check_model(model)
+        self.mesh = mesh
         self.model, self.params = model, model.params
         self.cache_config = cache_config
         self.max_seqs, self.pages_per_seq, self.steps_per_call = max_seqs, pages_per_seq, steps_per_call
         self.attention_impl = attention_impl
         self.attention = None  # the implementation in the compiled decode loop, once compiled
-        make = lambda f: f() if allocate else jax.eval_shape(f)  # noqa: E731
-        self.cache = make(lambda: KVCache.create(cache_config))
+        self._pool = None if mesh is None else named(mesh, POOL)
+        self._rep = None if mesh is None else named(mesh, REPLICATED)
+        make = lambda f, sharding: self._make(f, sharding, allocate)  # noqa: E731
+        self.cache = make(lambda: KVCache.create(cache_config), self._pool)
         self.page_state = make(lambda: pages.init(cache_config.num_pages, max_seqs, pages_per_seq,
-                                                  cache_config.page_size))
-        self.slots = make(lambda: Slots.empty(max_seqs))
+                                                  cache_config.page_size), self._rep)
+        self.slots = make(lambda: Slots.empty(max_seqs), self._rep)
         self.stop_ids = jnp.asarray(sorted(set(stop_ids)) or [-1], jnp.int32)
         self.decode_traces = 0
         self.prefill_traces = 0
         self.compile_seconds = 0.0
         self._decode_exe = None
         self._prefill_exe = {}
-        self._retire = jax.jit(self._retire_impl, donate_argnums=(0, 1))
+        self._retire = jax.jit(self._retire_impl, donate_argnums=(0, 1),
+                               **({} if mesh is None else dict(out_shardings=self._rep)))
+
+    def _make(self, f, sharding, allocate):
+        """f() (device state), created directly in `sharding` under a mesh (never whole on one device)."""
+        if not allocate:
+            shapes = jax.eval_shape(f)
+            if sharding is None:
+                return shapes
+            return jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+                                          shapes)
+        return f() if sharding is None else jax.jit(f, out_shardings=sharding)()
+
+    def _put(self, tree):
+        """Host inputs of a compiled call, replicated over the mesh (as they are given without one)."""
+        return tree if self.mesh is None else jax.device_put(tree, self._rep)
 
     # ------------------------------------------------------------------ traced functions
 
@@ -198,9 +224,16 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ host entry points
 
-    def _compile(self, fn, *args):
+    def jit_options(self, num_outputs: int) -> dict:
+        """jax.jit options of a compiled call (decode: 7 outputs, prefill: 8): state donated and, under a
+        mesh, outputs pinned (the cache keeps its head sharding, everything else replicated)."""
+        if self.mesh is None:
+            return dict(donate_argnums=DONATE)
+        return dict(donate_argnums=DONATE, out_shardings=(self._pool,) + (self._rep,) * (num_outputs - 1))
+
+    def _compile(self, fn, *args, num_outputs):
         t0 = time.perf_counter()
-        exe = jax.jit(fn, donate_argnums=DONATE).lower(*args).compile()
+        exe = jax.jit(fn, **self.jit_options(num_outputs)).lower(*args).compile()
         self.compile_seconds += time.perf_counter() - t0
         return exe
 
@@ -214,7 +247,10 @@ class ModelRunner:
         rows = {f.name: sds((num_rows,), jnp.float32 if f.name in ("temperature", "top_p")
                             else jnp.bool_ if f.name == "ignore_eos" else jnp.int32)
                 for f in dataclasses.fields(RowParams)}
-        return (sds((num_rows, width), jnp.int32), sds((num_rows,), jnp.int32), sds((num_rows,), jnp.int32), rows)
+        out = (sds((num_rows, width), jnp.int32), sds((num_rows,), jnp.int32), sds((num_rows,), jnp.int32), rows)
+        if self.mesh is None:
+            return out
+        return jax.tree_util.tree_map(lambda s: sds(s.shape, s.dtype, sharding=self._rep), out)
 
     def decode(self):
         """Runs up to steps_per_call decode steps.
@@ -224,7 +260,7 @@ class ModelRunner:
         """
         args = self.state()
         if self._decode_exe is None:
-            self._decode_exe = self._compile(self._decode_impl, *args)
+            self._decode_exe = self._compile(self._decode_impl, *args, num_outputs=7)
             self.attention = attention_in(self._decode_exe.as_text())
         self.cache, self.page_state, self.slots, out, steps, free, lens = self._decode_exe(*args)
         out, steps, free, lens, active = jax.device_get((out, steps, free, lens, self.slots.active))
@@ -251,11 +287,11 @@ class ModelRunner:
         for r, p in enumerate(rows):
             for name in cols:
                 cols[name][r] = getattr(p, name)
-        args = (self.params, self.cache, self.page_state, self.slots, jnp.asarray(tokens),
-                jnp.asarray(ids), jnp.asarray(lens), {k: jnp.asarray(v) for k, v in cols.items()})
+        args = (self.params, self.cache, self.page_state, self.slots) + self._put(
+            (jnp.asarray(tokens), jnp.asarray(ids), jnp.asarray(lens), {k: jnp.asarray(v) for k, v in cols.items()}))
         key = (num_rows, width)
         if key not in self._prefill_exe:
-            self._prefill_exe[key] = self._compile(self._prefill_impl, *args)
+            self._prefill_exe[key] = self._compile(self._prefill_impl, *args, num_outputs=8)
         self.cache, self.page_state, self.slots, tok, done, ok, free, lens = self._prefill_exe[key](*args)
         tok, done, ok, free, lens = jax.device_get((tok, done, ok, free, lens))
         return tok[:n], done[:n], bool(ok), int(free), lens
@@ -267,7 +303,7 @@ class ModelRunner:
         """
         ids = np.full((self.max_seqs,), -1, np.int32)
         ids[: len(seq_ids)] = seq_ids
-        self.page_state, self.slots = self._retire(self.page_state, self.slots, jnp.asarray(ids))
+        self.page_state, self.slots = self._retire(self.page_state, self.slots, self._put(jnp.asarray(ids)))
         free, lens = jax.device_get((self.page_state.num_free, self.page_state.seq_lens))
         return int(free), lens
 
