@@ -32,18 +32,24 @@ import models  # noqa: E402
 from jpa.cache import KVCache  # noqa: E402
 from jpa.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
+HF = pathlib.Path(__file__).resolve().parent / "data" / "hf"
+GEMMA2, QWEN3 = str(HF / "gemma2"), str(HF / "qwen3")  # tiny Hugging Face checkpoints (test data)
 CASES = {  # model -> tensor-parallel sizes (1 first: the reference)
     "tiny-llama": (1, 2, 4),      # 4 q / 2 kv heads: split, replicate (--full: and 3, pad)
     "tiny-gpt2": (1, 3),          # 4 heads with biases: pad (q/k/v biases, ffn 256 -> 258)
     "smollm2-135m": (1, 3, 2),    # 9 q / 3 kv heads: split at 3, pad at 2 (--full: and 4, pad)
+    GEMMA2: (1, 2),               # soft caps, sliding window on alternating layers, post-norms
+    QWEN3: (1, 2),                # q/k RMSNorm
 }
 FULL = {"tiny-llama": (1, 2, 4, 3), "tiny-gpt2": (1, 3, 2), "smollm2-135m": (1, 3, 2, 4)}
 PROMPTS = {
     "tiny-llama": ["hello world", "the quick brown fox jumps", "a", "paged attention in jax and more"],
     "tiny-gpt2": ["hello world", "the quick brown fox jumps", "a"],
     "smollm2-135m": ["The capital of France is", "Paged attention stores the KV cache in"],
+    GEMMA2: ["hello world, a prompt longer than the sliding window", "a"],
+    QWEN3: ["hello world", "the quick brown fox"],
 }
-NEW_TOKENS = {"tiny-llama": 12, "tiny-gpt2": 12, "smollm2-135m": 16}
+NEW_TOKENS = {"tiny-llama": 12, "tiny-gpt2": 12, "smollm2-135m": 16, GEMMA2: 12, QWEN3: 12}
 # Logits compared directly on random inputs (4 more compiles per case: kept to the fast models; the
 # greedy tokens of a real model are the check for SmolLM2).
 LOGITS_GAP = ("tiny-llama", "tiny-gpt2")
@@ -80,7 +86,8 @@ def main(out_path, full=False):
     assert len(jax.devices()) == 8, jax.devices()
     report = []
     for name, sizes in {**CASES, **(FULL if full else {})}.items():
-        gpt, tok = models.load(name, seed=int(rng.integers(1 << 30)))
+        gpt, tok = (models.load(name) if name.startswith("/") else
+                    models.load(name, seed=int(rng.integers(1 << 30))))
         if name in LOGITS_GAP:
             inputs = gap_inputs(gpt.config, rng)
             reference = logits(gpt, None, inputs)
