@@ -188,12 +188,15 @@ class KVCache:
     def write(self, i: int, k, v, slot_mapping) -> "KVCache":
         """Writes k, v [num_tokens, num_kv_heads, head_dim] into layer i at slot_mapping."""
         kp, vp, ks, vs = self.layer(i)
-        out = write_kv(kp, vp, k, v, slot_mapping, k_scales=ks, v_scales=vs)
+        return self.with_layer(i, *write_kv(kp, vp, k, v, slot_mapping, k_scales=ks, v_scales=vs))
+
+    def with_layer(self, i: int, k_pages, v_pages, k_scales=None, v_scales=None) -> "KVCache":
+        """The cache with layer i's buffers replaced (as `layer(i)` returns them)."""
         put = lambda t, x: t[:i] + (x,) + t[i + 1:]
         if self.k_scales is None:
-            return self.replace(k=put(self.k, out[0]), v=put(self.v, out[1]))
-        return self.replace(k=put(self.k, out[0]), v=put(self.v, out[1]),
-                            k_scales=put(self.k_scales, out[2]), v_scales=put(self.v_scales, out[3]))
+            return self.replace(k=put(self.k, k_pages), v=put(self.v, v_pages))
+        return self.replace(k=put(self.k, k_pages), v=put(self.v, v_pages),
+                            k_scales=put(self.k_scales, k_scales), v_scales=put(self.v_scales, v_scales))
 
 
 def copy_pages(cache: KVCache, src, dst) -> KVCache:

@@ -51,6 +51,32 @@ _KIND_CC = ((r"\bGH200\b|\bH100\b|\bH200\b|\bH800\b|\bH20\b", 9.0), (r"\bA100\b|
             (r"\bV100\b", 7.0))
 
 
+class Op(NamedTuple):
+    """One attention operation with Pallas kernels behind it (hashable: keys the caches).
+
+    Attributes:
+      name: for messages, e.g. "paged-decode".
+      modules: ((impl, module path), ...): each module has `unsupported_reason(spec,
+        compute_capability)` and the kernel entry point `entry`, with the public argument order.
+      entry: the kernel modules' function name.
+      reference: module path and function name of the plain-JAX path ("jpa.reference:paged_decode_xla").
+      small_case: "module:function" mapping a spec to (args, opts), a small random case of it.
+      exact_shapes: "module:function" mapping (spec, opts) to (args, array kwargs) as ShapeDtypeStructs
+        of the call's real shapes.
+    """
+    name: str
+    modules: tuple
+    entry: str
+    reference: str
+    small_case: str
+    exact_shapes: str
+
+
+def _resolve(path: str):
+    module, fn = path.split(":")
+    return getattr(importlib.import_module(module), fn)
+
+
 class KernelUnavailable(ValueError):
     """Raised when an explicitly requested kernel cannot serve a call."""
 
@@ -108,22 +134,50 @@ def current_target() -> Target:
     return Target(_platform(dev.platform), dev.device_kind, cc, executable=True)
 
 
-def kernel_module(impl: str):
-    """Imports the kernel module for impl ("triton" or "mosaic")."""
-    return importlib.import_module(KERNEL_MODULES[impl])
+def kernel_module(impl: str, op: Op | None = None):
+    """Imports the kernel module for impl ("triton" or "mosaic") of op (default: paged decode)."""
+    return importlib.import_module(dict(op.modules)[impl] if op else KERNEL_MODULES[impl])
 
 
-def unsupported_reason(impl: str, spec: DecodeSpec, compute_capability: float | None = None) -> str | None:
-    """Why kernel `impl` cannot serve `spec` on a GPU of that compute capability (None: it can).
+def unsupported_reason(impl: str, spec, compute_capability: float | None = None, op: Op | None = None) -> str | None:
+    """Why kernel `impl` of op (default: paged decode) cannot serve `spec` on a GPU of that compute
+    capability (None: it can).
 
     compute_capability None means "not a known GPU" (interpret mode on CPU): device-specific
     limits are then not applied.
     """
+    modules = dict(op.modules) if op else KERNEL_MODULES
+    if impl not in modules:
+        return f"there is no {impl} kernel for this operation (only {sorted(modules)})"
     try:
-        mod = kernel_module(impl)
+        mod = kernel_module(impl, op)
     except ImportError as e:  # e.g. a JAX without the Pallas GPU backend
-        return f"cannot import {KERNEL_MODULES[impl]}: {e}"
+        return f"cannot import {modules[impl]}: {e}"
     return mod.unsupported_reason(spec, compute_capability)
+
+
+def random_pools_and_options(rng, spec, num_pages: int, max_len: int):
+    """Random K and V pools of `num_pages` pages in spec's cache dtype (quantized with scales when
+    spec.quantized) and every option spec turns on, at values that make it matter within max_len
+    tokens. Returns (k_pages, v_pages, opts) with opts' scale, soft_cap, alibi_slopes,
+    sliding_window, k_scales and v_scales. Shared by every op's self-check case."""
+    shape = (spec.num_kv_heads, num_pages, spec.page_size, spec.head_dim)
+    kv = []
+    for _ in range(2):
+        x = rng.standard_normal(shape).astype(np.float32)
+        if spec.quantized:
+            from jpa.quant import quantize
+            kv.append(quantize(jnp.asarray(x), spec.cache_dtype))
+        else:
+            kv.append((jnp.asarray(x, spec.cache_dtype), None))
+    opts = dict(
+        scale=spec.head_dim ** -0.5,
+        soft_cap=30.0 if spec.soft_cap else None,
+        alibi_slopes=(jnp.asarray(2.0 ** -np.arange(1, spec.num_q_heads + 1), jnp.float32)
+                      if spec.alibi else None),
+        sliding_window=max(1, max_len // 3) if spec.sliding_window else None,
+        k_scales=kv[0][1], v_scales=kv[1][1])
+    return kv[0][0], kv[1][0], opts
 
 
 def self_check_inputs(spec: DecodeSpec, seed: int = 0):
@@ -138,32 +192,17 @@ def self_check_inputs(spec: DecodeSpec, seed: int = 0):
     distinct = min(num_seqs, SELF_CHECK_SEQS)
     num_pages = distinct * pages_per_seq + 1
     max_len = pages_per_seq * page_size
-    cache_shape = (spec.num_kv_heads, num_pages, page_size, spec.head_dim)
     q = jnp.asarray(rng.standard_normal((num_seqs, spec.num_q_heads, spec.head_dim)), spec.q_dtype)
-    kv = []
-    for _ in range(2):
-        x = rng.standard_normal(cache_shape).astype(np.float32)
-        if spec.quantized:
-            from jpa.quant import quantize
-            kv.append(quantize(jnp.asarray(x), spec.cache_dtype))
-        else:
-            kv.append((jnp.asarray(x, spec.cache_dtype), None))
+    k, v, opts = random_pools_and_options(rng, spec, num_pages, max_len)
     pages = rng.permutation(num_pages)[: distinct * pages_per_seq].reshape(distinct, pages_per_seq)
     tables = pages[np.arange(num_seqs) % distinct]  # i32[num_seqs, pages_per_seq]
     # Full, single-token, empty and random lengths: every sequence length class the kernel branches on.
     lens = rng.integers(0, max_len + 1, size=num_seqs)
     lens[: min(num_seqs, 3)] = [max_len, 1, 0][: min(num_seqs, 3)]
-    opts = dict(
-        scale=spec.head_dim ** -0.5,
-        soft_cap=30.0 if spec.soft_cap else None,
-        alibi_slopes=(jnp.asarray(2.0 ** -np.arange(1, spec.num_q_heads + 1), jnp.float32)
-                      if spec.alibi else None),
-        sliding_window=max(1, max_len // 3) if spec.sliding_window else None,
-        k_scales=kv[0][1], v_scales=kv[1][1])
-    return (q, kv[0][0], kv[1][0], jnp.asarray(tables, jnp.int32), jnp.asarray(lens, jnp.int32)), opts
+    return (q, k, v, jnp.asarray(tables, jnp.int32), jnp.asarray(lens, jnp.int32)), opts
 
 
-def spec_shapes(spec: DecodeSpec, opts: dict):
+def decode_shapes(spec: DecodeSpec, opts: dict):
     """ShapeDtypeStructs of a call with `spec`'s EXACT shapes (num_pages included) and its options."""
     sds = jax.ShapeDtypeStruct
     pool = (spec.num_kv_heads, spec.num_pages, spec.page_size, spec.head_dim)
@@ -182,24 +221,27 @@ def _first_line(e: Exception) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def self_check(impl: str, spec: DecodeSpec, target: Target) -> str | None:
-    """Checks kernel `impl` for `spec` on the (executable) target device; None when it passes.
+def self_check(impl: str, spec, target: Target, op: Op | None = None) -> str | None:
+    """Checks kernel `impl` of op (default: paged decode) for `spec` on the (executable) target
+    device; None when it passes.
 
-    First compiles it for the exact shapes of `spec` (nothing is allocated), then runs it on
-    `self_check_inputs(spec)` and compares with the reference. Runs concretely even inside a jit
-    trace. On failure warns once (the result is memoized per (impl, spec, target)).
+    First compiles it for the exact shapes of `spec` (nothing is allocated), then runs it on the
+    op's small case of `spec` and compares with the reference. Runs concretely even inside a jit
+    trace. On failure warns once (the result is memoized per (impl, spec, target, op)).
     """
-    from jpa.reference import paged_decode_xla
+    op_desc = op or DECODE
     try:
+        mod = kernel_module(impl, op)  # op None: KERNEL_MODULES, the decode kernels
+        op = op_desc
         with jax.ensure_compile_time_eval():
-            args, opts = self_check_inputs(spec)
+            args, opts = _resolve(op.small_case)(spec)
             static = {k: opts[k] for k in ("scale", "soft_cap", "sliding_window")}
-            fn = functools.partial(kernel_module(impl).paged_decode, interpret=False, **static)
-            shapes, arrays = spec_shapes(spec, opts)
+            fn = functools.partial(getattr(mod, op.entry), interpret=False, **static)
+            shapes, arrays = _resolve(op.exact_shapes)(spec, opts)
             jax.jit(fn).lower(*shapes, **arrays).compile()  # the real shapes: resource limits
             arr = {k: v for k, v in opts.items() if k not in static}
             got = np.asarray(jax.jit(fn)(*args, **arr), np.float32)
-            want = np.asarray(paged_decode_xla(*args, **opts), np.float32)
+            want = np.asarray(_resolve(op.reference)(*args, **opts), np.float32)
         err = float(np.max(np.abs(got - want))) if got.size else 0.0
         tol = SELF_CHECK_TOL.get(spec.q_dtype, 4e-2)
         reason = None if np.isfinite(got).all() and err <= tol else (
@@ -207,22 +249,23 @@ def self_check(impl: str, spec: DecodeSpec, target: Target) -> str | None:
     except Exception as e:  # compile or runtime failure on this device: fall back, never crash
         reason = _first_line(e)
     if reason is not None:
-        warnings.warn(f"jpa: the {impl} paged-decode kernel failed its self-check on "
+        warnings.warn(f"jpa: the {impl} {op_desc.name} kernel failed its self-check on "
                       f"{target.device_kind} for {spec}; using the reference path. Reason: {reason}",
                       RuntimeWarning, stacklevel=2)
     return reason
 
 
 @functools.lru_cache(maxsize=None)
-def _announce_aot(impl: str, spec: DecodeSpec, target: Target) -> None:
+def _announce_aot(impl: str, spec, target: Target, op_name: str = "paged-decode") -> None:
     warnings.warn(f"jpa: compiling for {target.device_kind} (compute capability "
                   f"{target.compute_capability}), which is not attached: impl='auto' uses the {impl} "
-                  f"kernel, accepted by its unsupported_reason for {spec}; it cannot be self-checked "
-                  f"without the device.", UserWarning, stacklevel=2)
+                  f"{op_name} kernel, accepted by its unsupported_reason for {spec}; it cannot be "
+                  f"self-checked without the device.", UserWarning, stacklevel=2)
 
 
-def choose_impl(impl: str, spec: DecodeSpec, target: Target | None = None) -> str:
-    """Resolves impl ("auto", "xla", "triton", "mosaic") to the implementation that will run.
+def choose_impl(impl: str, spec, target: Target | None = None, op: Op | None = None) -> str:
+    """Resolves impl ("auto", "xla", "triton", "mosaic") of op (default: paged decode) to the
+    implementation that will run.
 
     An explicit kernel is checked only against its `unsupported_reason` (KernelUnavailable when
     it refuses); "auto" follows the module docstring's rules and falls back to "xla".
@@ -232,18 +275,24 @@ def choose_impl(impl: str, spec: DecodeSpec, target: Target | None = None) -> st
     target = current_target() if target is None else target
     cc = target.compute_capability if target.is_nvidia_gpu else None
     if impl != "auto":
-        reason = unsupported_reason(impl, spec, cc)
+        reason = unsupported_reason(impl, spec, cc, op)
         if reason is not None:
             raise KernelUnavailable(f"impl={impl!r} cannot serve this call: {reason}")
         return impl
     if cc is None:
         return "xla"
     for name, lo, hi in AUTO_ORDER:
-        if not lo <= cc < hi or unsupported_reason(name, spec, cc) is not None:
+        if not lo <= cc < hi or unsupported_reason(name, spec, cc, op) is not None:
             continue
         if not target.executable:
-            _announce_aot(name, spec, target)
+            _announce_aot(name, spec, target, (op or DECODE).name)
             return name
-        if self_check(name, spec, target) is None:
+        if self_check(name, spec, target, op) is None:
             return name
     return "xla"
+
+
+# Paged decode's kernels are looked up in KERNEL_MODULES (op=None everywhere above); this
+# describes the rest of the operation for self_check.
+DECODE = Op("paged-decode", (), "paged_decode", "jpa.reference:paged_decode_xla",
+            "jpa.dispatch:self_check_inputs", "jpa.dispatch:decode_shapes")

@@ -22,13 +22,17 @@ from jax import lax
 
 from jpa.quant import FLOAT_DTYPES
 from jpa.reference import MASK_VALUE, _dequant, chunk_pages
-from jpa.validate import (check_cache_pair, check_dtype, check_ndim, check_positive, check_tables,
+from jpa.validate import (check_cache_pair, check_dtype, check_ndim, check_options, check_tables,
                           check_used_pages, is_concrete)
 
 
-@functools.partial(jax.jit, static_argnames=("scale",))
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window"))
 def _paged_prefill_xla(q, k_pages, v_pages, block_tables, start, chunk_lens, *, scale,
-                       k_scales=None, v_scales=None):
+                       soft_cap=None, alibi_slopes=None, sliding_window=None, k_scales=None,
+                       v_scales=None):
+    """Plain-JAX prefill (arguments validated). soft_cap, alibi_slopes and sliding_window are as
+    in `jpa.paged_decode`, for a query at position p: ALiBi adds slope * (k_pos - p) and the
+    window keeps keys in (p - sliding_window, p]. Returns [B, T, N, H] in q's dtype."""
     num_seqs, num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     pages_per_seq = block_tables.shape[1]
@@ -46,6 +50,10 @@ def _paged_prefill_xla(q, k_pages, v_pages, block_tables, start, chunk_lens, *, 
     t = jnp.arange(num_tokens, dtype=jnp.int32)  # i32[T]
     q_pos = start[:, None] + t[None, :]  # i32[B, T]
     q_live = t[None, :] < chunk_lens[:, None]  # [B, T]; padding queries see nothing
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.astype(jnp.float32).reshape(num_kv_heads, q_per_kv)  # [K, G]
+    # Keys some query of the sequence may see: [lo, start + chunk_lens).
+    lo = jnp.maximum(start - sliding_window + 1, 0) if sliding_window is not None else 0 * start
 
     def body(c, carry):
         m, l, acc = carry  # [B, K, G, T], [B, K, G, T], [B, K, G, T, H]
@@ -54,7 +62,14 @@ def _paged_prefill_xla(q, k_pages, v_pages, block_tables, start, chunk_lens, *, 
         v = _dequant(v_pages, v_scales, tbl)  # [K, B, S, H]
         k_pos = c * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)  # i32[S]
         valid = (k_pos[None, None, :] <= q_pos[:, :, None]) & q_live[:, :, None]  # [B, T, S]
+        if sliding_window is not None:
+            valid &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
         s = jnp.einsum("BKGTH,KBSH->BKGTS", qg, k, preferred_element_type=jnp.float32)
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        if alibi_slopes is not None:
+            rel = (k_pos[None, None, :] - q_pos[:, :, None]).astype(jnp.float32)  # [B, T, S]
+            s = s + slopes[None, :, :, None, None] * rel[:, None, None, :, :]
         vmask = valid[:, None, None, :, :]  # [B, 1, 1, T, S]
         s = jnp.where(vmask, s, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
@@ -62,7 +77,8 @@ def _paged_prefill_xla(q, k_pages, v_pages, block_tables, start, chunk_lens, *, 
         alpha = jnp.exp(m - m_new)
         p = jnp.where(vmask, jnp.exp(s - m_new[..., None]), 0.0)
         # Keys no query of the sequence may see can hold garbage (even NaN): 0 * NaN = NaN.
-        seen = k_pos[None, :] < (start + chunk_lens)[:, None]  # [B, S]
+        seen = ((k_pos[None, :] < (start + chunk_lens)[:, None])
+                & (k_pos[None, :] >= lo[:, None]))  # [B, S]
         v = jnp.where(seen[None, :, :, None], v, 0.0)
         l_new = l * alpha + jnp.sum(p, axis=-1)
         acc_new = acc * alpha[..., None] + jnp.einsum(
@@ -78,15 +94,18 @@ def _paged_prefill_xla(q, k_pages, v_pages, block_tables, start, chunk_lens, *, 
         m, l, acc = body(0, init)
     else:
         # Lengths are data, so the number of chunks visited is a while loop bound.
-        last = -(-jnp.max(start + chunk_lens, initial=0) // chunk_tokens)
-        m, l, acc = lax.fori_loop(0, last, body, init)
+        live = chunk_lens > 0
+        last = -(-jnp.max(jnp.where(live, start + chunk_lens, 0), initial=0) // chunk_tokens)
+        big = jnp.iinfo(jnp.int32).max
+        first = jnp.min(jnp.where(live, lo, big), initial=big) // chunk_tokens
+        m, l, acc = lax.fori_loop(jnp.minimum(first, last), last, body, init)
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
     out = jnp.transpose(out, (0, 3, 1, 2, 4))  # [B, T, K, G, H]
     return out.reshape(num_seqs, num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 
-def _check_prefill_args(q, k_pages, v_pages, block_tables, start, chunk_lens, scale, k_scales,
-                        v_scales):
+def _check_prefill_args(q, k_pages, v_pages, block_tables, start, chunk_lens, scale, soft_cap,
+                        sliding_window, k_scales, v_scales):
     check_ndim("q", q, 4, "[num_seqs, num_tokens, num_q_heads, head_dim]")
     check_dtype("q", q, FLOAT_DTYPES)
     num_kv_heads, num_pages, page_size, head_dim = check_cache_pair(k_pages, v_pages, k_scales, v_scales)
@@ -103,7 +122,8 @@ def _check_prefill_args(q, k_pages, v_pages, block_tables, start, chunk_lens, sc
         check_dtype(name, x, (np.int32,))
         if x.shape[0] != num_seqs:
             raise ValueError(f"{name} must have num_seqs = {num_seqs} entries; got {x.shape[0]}")
-    check_positive("scale", scale)
+    check_options(num_q_heads, scale=scale, soft_cap=soft_cap, alibi_slopes=None,
+                  sliding_window=sliding_window, impl="xla", interpret=False)
     if not (is_concrete(start) and is_concrete(chunk_lens)):
         return
     st, cl = np.asarray(start), np.asarray(chunk_lens)
@@ -123,7 +143,7 @@ def _check_prefill_args(q, k_pages, v_pages, block_tables, start, chunk_lens, sc
 
 
 def paged_prefill(q, k_pages, v_pages, block_tables, start, chunk_lens, *, scale=None,
-                  k_scales=None, v_scales=None):
+                  soft_cap=None, sliding_window=None, k_scales=None, v_scales=None):
     """Causal attention of a chunk of new tokens per sequence over a paged KV cache.
 
     Write the chunk's K/V into the cache with `jpa.write_kv` first. Query token t of sequence b
@@ -141,14 +161,21 @@ def paged_prefill(q, k_pages, v_pages, block_tables, start, chunk_lens, *, scale
       chunk_lens: i32[num_seqs], valid tokens of each row, in [0, num_tokens]; start + chunk_lens
         must be <= pages_per_seq * page_size. A row with 0 is empty.
       scale: softmax scale; default head_dim ** -0.5.
+      soft_cap: if set, logits become soft_cap * tanh(logits / soft_cap) (after scaling), as in
+        `jpa.paged_decode`.
+      sliding_window: query position p attends only to positions (p - sliding_window, p], the last
+        `sliding_window` tokens including itself (as `jpa.paged_decode`).
       k_scales, v_scales: f32[num_kv_heads, num_pages, page_size], required for quantized caches.
 
     Returns:
       [num_seqs, num_tokens, num_q_heads, head_dim] in q's dtype; zeros at padding positions
       (t >= chunk_lens[b]).
     """
-    _check_prefill_args(q, k_pages, v_pages, block_tables, start, chunk_lens, scale, k_scales,
-                        v_scales)
+    _check_prefill_args(q, k_pages, v_pages, block_tables, start, chunk_lens, scale, soft_cap,
+                        sliding_window, k_scales, v_scales)
     scale = float(scale) if scale is not None else float(q.shape[-1]) ** -0.5
+    soft_cap = float(soft_cap) if soft_cap is not None else None
+    sliding_window = int(sliding_window) if sliding_window is not None else None
     return _paged_prefill_xla(q, k_pages, v_pages, block_tables, start, chunk_lens, scale=scale,
-                              k_scales=k_scales, v_scales=v_scales)
+                              soft_cap=soft_cap, sliding_window=sliding_window, k_scales=k_scales,
+                              v_scales=v_scales)

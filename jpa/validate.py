@@ -57,12 +57,15 @@ def check_cache_pair(k_pages, v_pages, k_scales, v_scales):
     return num_kv_heads, num_pages, page_size, head_dim
 
 
-def check_tables(block_tables, num_seqs):
-    """Validates block_tables i32[num_seqs, pages_per_seq]; returns pages_per_seq."""
+def check_tables(block_tables, num_seqs, source="q.shape[0]"):
+    """Validates block_tables i32[num_seqs, pages_per_seq]; returns pages_per_seq.
+
+    `source` names where num_seqs was read from (for the message).
+    """
     check_ndim("block_tables", block_tables, 2, "i32[num_seqs, pages_per_seq]")
     check_dtype("block_tables", block_tables, (np.int32,))
     if block_tables.shape[0] != num_seqs:
-        raise ValueError(f"block_tables must have num_seqs = {num_seqs} rows (q.shape[0]); "
+        raise ValueError(f"block_tables must have num_seqs = {num_seqs} rows ({source}); "
                          f"got {block_tables.shape[0]}")
     if block_tables.shape[1] < 1:
         raise ValueError("block_tables must have at least one column (pages_per_seq >= 1); got 0")
@@ -88,6 +91,26 @@ def check_used_pages(block_tables, lens, page_size, num_pages):
                          f"{num_pages}); got block_tables[{b}, {j}] = {tables[b, j]}")
 
 
+def check_options(num_q_heads, *, scale, soft_cap, alibi_slopes, sliding_window, impl, interpret):
+    """Validates the keyword options shared by `paged_decode` and `ragged_paged_attention`."""
+    check_positive("scale", scale)
+    check_positive("soft_cap", soft_cap)
+    if sliding_window is not None and not (isinstance(sliding_window, (int, np.integer))
+                                           and not isinstance(sliding_window, bool)
+                                           and sliding_window >= 1):
+        raise ValueError(f"sliding_window must be a Python int >= 1 or None; got {sliding_window!r}")
+    if alibi_slopes is not None:
+        check_ndim("alibi_slopes", alibi_slopes, 1, f"f32[num_q_heads] = f32[{num_q_heads}]")
+        if alibi_slopes.shape[0] != num_q_heads:
+            raise ValueError(f"alibi_slopes must have num_q_heads = {num_q_heads} entries; "
+                             f"got {alibi_slopes.shape[0]}")
+        check_dtype("alibi_slopes", alibi_slopes, FLOAT_DTYPES)
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
+    if not isinstance(interpret, bool):
+        raise ValueError(f"interpret must be a bool; got {interpret!r}")
+
+
 def check_decode_args(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap,
                       alibi_slopes, sliding_window, k_scales, v_scales, impl, interpret):
     """Validates `paged_decode`'s arguments; raises ValueError on the first problem found."""
@@ -105,22 +128,8 @@ def check_decode_args(q, k_pages, v_pages, block_tables, seq_lens, *, scale, sof
     check_dtype("seq_lens", seq_lens, (np.int32,))
     if seq_lens.shape[0] != num_seqs:
         raise ValueError(f"seq_lens must have num_seqs = {num_seqs} entries; got {seq_lens.shape[0]}")
-    check_positive("scale", scale)
-    check_positive("soft_cap", soft_cap)
-    if sliding_window is not None and not (isinstance(sliding_window, (int, np.integer))
-                                           and not isinstance(sliding_window, bool)
-                                           and sliding_window >= 1):
-        raise ValueError(f"sliding_window must be a Python int >= 1 or None; got {sliding_window!r}")
-    if alibi_slopes is not None:
-        check_ndim("alibi_slopes", alibi_slopes, 1, f"f32[num_q_heads] = f32[{num_q_heads}]")
-        if alibi_slopes.shape[0] != num_q_heads:
-            raise ValueError(f"alibi_slopes must have num_q_heads = {num_q_heads} entries; "
-                             f"got {alibi_slopes.shape[0]}")
-        check_dtype("alibi_slopes", alibi_slopes, FLOAT_DTYPES)
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
-    if not isinstance(interpret, bool):
-        raise ValueError(f"interpret must be a bool; got {interpret!r}")
+    check_options(num_q_heads, scale=scale, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
+                  sliding_window=sliding_window, impl=impl, interpret=interpret)
     max_len = pages_per_seq * page_size
     if is_concrete(seq_lens):
         lens = np.asarray(seq_lens)

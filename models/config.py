@@ -1,8 +1,11 @@
 """Model configuration: one frozen, hashable dataclass for both decoder families, and named presets."""
 
 import dataclasses
+import math
 
 FAMILIES = ("gpt2", "llama")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+ROPE_SCALINGS = {"linear": 1, "llama3": 4}  # rope_type -> number of parameters after it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +28,25 @@ class ModelConfig:
       norm_eps: epsilon of LayerNorm/RMSNorm.
       tie_embeddings: the output head is the transposed token embedding.
       bos_token_id, eos_token_id: special tokens, in [0, vocab_size).
+
+    Llama-family variants (the Hugging Face architectures models.hf loads); the defaults are plain
+    Llama, and gpt2 must keep them:
+      qkv_bias: biases on the q/k/v projections (Qwen2).
+      qk_norm: RMSNorm over head_dim on each q and k head before RoPE (Qwen3).
+      rope_scaling: () for none; ("linear", factor) or ("llama3", factor, low_freq_factor,
+        high_freq_factor, original_max_position_embeddings) as in transformers' rope_scaling.
+      mlp_activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma).
+      norm_weight_offset: RMSNorm multiplies by (offset + weight); Gemma stores weight - 1 (1.0).
+      embed_scale: the token embedding is multiplied by this (Gemma: sqrt(d_model), rounded to
+        the parameter dtype as transformers does).
+      post_norms: RMSNorm on the attention and MLP outputs before each residual add (Gemma-2).
+      attn_scale: softmax scale; None means head_dim ** -0.5 (Gemma-2: query_pre_attn_scalar ** -0.5).
+      attn_soft_cap: attention logits become cap * tanh(logits / cap) (Gemma-2).
+      final_soft_cap: the same on the output logits (Gemma-2).
+      sliding_window: window of the layers in sliding_window_layers: a token attends to the
+        last `sliding_window` positions including its own.
+      sliding_window_layers: indices of the layers that use sliding_window (Gemma-2: even layers;
+        Mistral: all).
     """
     family: str
     vocab_size: int
@@ -40,6 +62,18 @@ class ModelConfig:
     tie_embeddings: bool = True
     bos_token_id: int = 0
     eos_token_id: int = 0
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    rope_scaling: tuple = ()
+    mlp_activation: str = "silu"
+    norm_weight_offset: float = 0.0
+    embed_scale: float = 1.0
+    post_norms: bool = False
+    attn_scale: float | None = None
+    attn_soft_cap: float | None = None
+    final_soft_cap: float | None = None
+    sliding_window: int | None = None
+    sliding_window_layers: tuple = ()
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -68,10 +102,68 @@ class ModelConfig:
             if not isinstance(val, int) or isinstance(val, bool) or not 0 <= val < self.vocab_size:
                 raise ValueError(f"ModelConfig.{name} must be an int in [0, vocab_size = "
                                  f"{self.vocab_size}); got {val!r}")
+        self._check_variants()
+
+    def _check_variants(self):
+        for name in ("qkv_bias", "qk_norm", "post_norms"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ModelConfig.{name} must be a bool; got {getattr(self, name)!r}")
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise ValueError(f"ModelConfig.mlp_activation must be one of {MLP_ACTIVATIONS}; got "
+                             f"{self.mlp_activation!r}")
+        rs = self.rope_scaling
+        if not isinstance(rs, tuple) or (rs and (rs[0] not in ROPE_SCALINGS
+                                                 or len(rs) != 1 + ROPE_SCALINGS[rs[0]])):
+            raise ValueError(f"ModelConfig.rope_scaling must be (), ('linear', factor) or ('llama3', factor, "
+                             f"low_freq_factor, high_freq_factor, original_max_position_embeddings); "
+                             f"got {rs!r}")
+        if rs and not all(_is_number(x) and x > 0 for x in rs[1:]):
+            raise ValueError(f"ModelConfig.rope_scaling's parameters must be numbers > 0; got {rs!r}")
+        if rs and rs[0] == "llama3" and not rs[3] > rs[2]:
+            raise ValueError(f"ModelConfig.rope_scaling: llama3 needs high_freq_factor > low_freq_factor; "
+                             f"got {rs!r}")
+        for name in ("norm_weight_offset", "embed_scale"):
+            if not _is_number(getattr(self, name)):
+                raise ValueError(f"ModelConfig.{name} must be a number; got {getattr(self, name)!r}")
+        if not self.embed_scale > 0:
+            raise ValueError(f"ModelConfig.embed_scale must be > 0; got {self.embed_scale!r}")
+        for name in ("attn_scale", "attn_soft_cap", "final_soft_cap"):
+            val = getattr(self, name)
+            if val is not None and not (_is_number(val) and val > 0):
+                raise ValueError(f"ModelConfig.{name} must be a number > 0 or None; got {val!r}")
+        w, layers = self.sliding_window, self.sliding_window_layers
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
+            raise ValueError(f"ModelConfig.sliding_window must be an int >= 1 or None; got {w!r}")
+        if not isinstance(layers, tuple) or any(
+                not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.num_layers for i in layers):
+            raise ValueError(f"ModelConfig.sliding_window_layers must be a tuple of layer indices in "
+                             f"[0, num_layers = {self.num_layers}); got {layers!r}")
+        if bool(layers) != (w is not None):
+            raise ValueError(f"ModelConfig.sliding_window ({w!r}) and sliding_window_layers ({layers!r}) "
+                             f"must be set together")
+        if self.family == "gpt2":
+            changed = [f.name for f in dataclasses.fields(self) if f.name in _VARIANT_FIELDS
+                       and getattr(self, f.name) != f.default]
+            if changed:
+                raise ValueError(f"ModelConfig: {changed} are llama-family options; gpt2 must leave them "
+                                 f"at their defaults")
 
     @property
     def q_per_kv(self) -> int:
         return self.num_q_heads // self.num_kv_heads
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of `layer` (None: it attends to the whole context)."""
+        return self.sliding_window if layer in self.sliding_window_layers else None
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+_VARIANT_FIELDS = ("qkv_bias", "qk_norm", "rope_scaling", "mlp_activation", "norm_weight_offset",
+                   "embed_scale", "post_norms", "attn_scale", "attn_soft_cap", "final_soft_cap",
+                   "sliding_window", "sliding_window_layers")
 
 
 # The tiny presets are random-init models for tests and demos. Their vocabulary of 512 holds the

@@ -15,22 +15,38 @@ class GPTForEngine:
 
     Args:
       model: the GPT.
+      mesh: None (one device), or the tensor-parallel mesh the model's params are already placed
+        on (use `shard(mesh)`, which plans heads and places params, rather than passing it here).
       **decode_options: keyword arguments passed on to every `models.decode` call (for options
         that models.decode accepts, e.g. an attention backend).
     """
 
-    def __init__(self, model: GPT, **decode_options):
+    def __init__(self, model: GPT, *, mesh=None, **decode_options):
         if not isinstance(model, GPT):
             raise ValueError(f"model must be a models.GPT; got {type(model).__name__}")
         self.config = model.config
         self.dtype = model.dtype
         self.graphdef, self.params = nnx.split(model)
+        self.mesh = mesh
+        self.head_plan = None
         self.decode_options = dict(decode_options)
+
+    def shard(self, mesh, **options) -> "GPTForEngine":
+        """This model on a tensor-parallel mesh (EngineModel's optional `shard`): heads planned,
+        params placed by models.sharding's rules, attention run per device. options: those of
+        `models.sharding.shard` (embeddings=)."""
+        from models import sharding
+
+        gpt, plan = sharding.shard(nnx.merge(self.graphdef, self.params), mesh, **options)
+        out = GPTForEngine(gpt, mesh=mesh, **self.decode_options)
+        out.head_plan = plan
+        return out
 
     def prefill(self, params, cache, tokens, start, chunk_lens, slot_mapping, block_tables):
         model = nnx.merge(self.graphdef, params)
-        return prefill(model, cache, tokens, start, chunk_lens, slot_mapping, block_tables)
+        return prefill(model, cache, tokens, start, chunk_lens, slot_mapping, block_tables, mesh=self.mesh)
 
-    def decode(self, params, cache, tokens, seq_lens, slot_mapping, block_tables):
+    def decode(self, params, cache, tokens, seq_lens, slot_mapping, block_tables, *, impl="auto"):
         model = nnx.merge(self.graphdef, params)
-        return decode(model, cache, tokens, seq_lens, slot_mapping, block_tables, **self.decode_options)
+        return decode(model, cache, tokens, seq_lens, slot_mapping, block_tables, impl=impl, mesh=self.mesh,
+                      **self.decode_options)

@@ -2,7 +2,12 @@
 
 Two families share one module: "gpt2" (LayerNorm, learned positions, multi-head attention,
 tanh-GELU MLP, biases, tied or untied head) and "llama" (RMSNorm, RoPE in the Hugging Face
-rotate_half convention, grouped-query attention, SwiGLU, tied or untied head).
+rotate_half convention, grouped-query attention, SwiGLU, tied or untied head). The llama family's
+config-driven variants cover the Hugging Face architectures `models.hf` loads: Llama-3 RoPE scaling,
+Qwen2's q/k/v biases, Qwen3's q/k RMSNorm, and Gemma-2's embedding scale, GeGLU, (1 + w) norms,
+post-norms, query scale, attention and final logit soft caps and sliding window on some layers.
+The attention options go through `jpa.paged_decode` / `jpa.paged_prefill` (`soft_cap=`,
+`sliding_window=`, `scale=`).
 
 Entry points are plain functions of (model, cache, arrays) so that an engine can jit them with
 the cache donated (`graphdef, params = nnx.split(model)`, then `nnx.merge` inside the jit):
@@ -25,14 +30,17 @@ Einsum letters: B num_seqs, T query tokens, S key tokens, N q heads, K kv heads,
 H head_dim.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jpa.cache import CacheConfig, KVCache
+from jpa.cache import CacheConfig, KVCache, write_kv
 from jpa.decode import paged_decode
 from jpa.prefill import paged_prefill
+from jpa.sharding import HEADS, HEADS_T, POOL, REPLICATED, head_parallel
 from models.config import ModelConfig
 
 PARAM_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))
@@ -63,26 +71,57 @@ def _layer_norm(x, scale, bias, eps):
     return (x - mean) * jax.lax.rsqrt(var + eps) * scale.astype(jnp.float32) + bias.astype(jnp.float32)
 
 
-def _rms_norm(x, scale, eps):
-    scale = _v(scale)
+def _rms_norm(x, scale, eps, offset=0.0):
+    """RMSNorm over the last axis, times (offset + scale) (Gemma's weights are stored minus 1)."""
+    scale = _v(scale).astype(jnp.float32)
+    if offset:
+        scale = offset + scale
     x = x.astype(jnp.float32)
     inv_rms = jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
-    return x * inv_rms * scale.astype(jnp.float32)
+    return x * inv_rms * scale
 
 
-def rope(x, positions, base):
+def _soft_cap(x, cap):
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+@functools.lru_cache(maxsize=64)
+def rope_inv_freq(config: ModelConfig):
+    """RoPE inverse frequencies f32[H/2] of a config with rope_scaling (transformers' formulas,
+    computed in float32 as transformers does); None without scaling (rope() computes them)."""
+    if not config.rope_scaling:
+        return None
+    h = config.head_dim
+    inv = (1.0 / (np.float32(config.rope_base) ** (np.arange(0, h, 2).astype(np.float32) / np.float32(h))))
+    inv = inv.astype(np.float32)  # [H/2]
+    kind, factor, *rest = config.rope_scaling
+    if kind == "linear":
+        return (inv / np.float32(factor)).astype(np.float32)
+    low, high, old_len = rest  # llama3: keep high frequencies, divide low ones, blend between
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = (2 * np.pi / inv).astype(np.float32)
+    scaled = np.where(wavelen > low_wavelen, inv / np.float32(factor), inv).astype(np.float32)
+    smooth = ((old_len / wavelen - low) / (high - low)).astype(np.float32)
+    smoothed = ((1 - smooth) * scaled / np.float32(factor) + smooth * scaled).astype(np.float32)
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope(x, positions, base, inv_freq=None):
     """Rotary embedding, Hugging Face rotate_half convention (halves, not interleaved pairs).
 
     Args:
       x: [B, T, heads, H].
       positions: i32[B, T].
       base: frequency base.
+      inv_freq: f32[H/2] inverse frequencies (rope_inv_freq: scaled RoPE); default from `base`.
 
     Returns:
       f32[B, T, heads, H].
     """
     head_dim = x.shape[-1]
-    inv_freq = 1.0 / (base ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))  # [H/2]
+    if inv_freq is None:
+        inv_freq = 1.0 / (base ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))  # [H/2]
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
     cos = jnp.cos(angles)[:, :, None, :]  # [B, T, 1, H/2]
     sin = jnp.sin(angles)[:, :, None, :]
@@ -100,7 +139,8 @@ class Block(nnx.Module):
         self.config = c
         d, q_dim, kv_dim = c.d_model, c.num_q_heads * c.head_dim, c.num_kv_heads * c.head_dim
         gpt2 = c.family == "gpt2"
-        ones = lambda n: nnx.Param(jnp.ones((n,), dtype))
+        # Gemma's norms hold (scale - 1): a fresh model starts at scale 1 either way.
+        ones = lambda n: nnx.Param(jnp.full((n,), 1.0 - c.norm_weight_offset, dtype))
         zeros = lambda n: nnx.Param(jnp.zeros((n,), dtype))
         self.attn_norm = ones(d)
         self.wq = _param(rngs, (d, q_dim), dtype)  # [d_model, N * H]
@@ -116,14 +156,20 @@ class Block(nnx.Module):
             self.b_up, self.b_down = zeros(c.ffn_dim), zeros(d)
         else:
             self.w_gate = _param(rngs, (d, c.ffn_dim), dtype)  # [d_model, ffn_dim]
+        if c.qkv_bias:
+            self.bq, self.bk, self.bv = zeros(q_dim), zeros(kv_dim), zeros(kv_dim)
+        if c.qk_norm:
+            self.q_norm, self.k_norm = ones(c.head_dim), ones(c.head_dim)
+        if c.post_norms:
+            self.post_attn_norm, self.post_ffn_norm = ones(d), ones(d)
 
-    def _norm(self, x, scale, bias_name):
+    def _norm(self, x, scale, bias_name=None):
         if self.config.family == "gpt2":
             return _layer_norm(x, scale, getattr(self, bias_name), self.config.norm_eps)
-        return _rms_norm(x, scale, self.config.norm_eps)
+        return _rms_norm(x, scale, self.config.norm_eps, self.config.norm_weight_offset)
 
     def _bias(self, name):
-        return getattr(self, name) if self.config.family == "gpt2" else None
+        return getattr(self, name, None)
 
     def qkv(self, x, positions):
         """x f32[B, T, d_model], positions i32[B, T] -> q f32[B, T, N, H], k, v f32[B, T, K, H]."""
@@ -133,8 +179,11 @@ class Block(nnx.Module):
         q = _dense(h, self.wq, self._bias("bq")).reshape(batch, num_tokens, c.num_q_heads, c.head_dim)
         k = _dense(h, self.wk, self._bias("bk")).reshape(batch, num_tokens, c.num_kv_heads, c.head_dim)
         v = _dense(h, self.wv, self._bias("bv")).reshape(batch, num_tokens, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
         if c.family == "llama":
-            q, k = rope(q, positions, c.rope_base), rope(k, positions, c.rope_base)
+            inv_freq = rope_inv_freq(c)
+            q, k = rope(q, positions, c.rope_base, inv_freq), rope(k, positions, c.rope_base, inv_freq)
         return q, k, v
 
     def finish(self, x, attn):
@@ -142,13 +191,17 @@ class Block(nnx.Module):
         c = self.config
         batch, num_tokens = attn.shape[:2]
         attn = attn.reshape(batch, num_tokens, c.num_q_heads * c.head_dim)  # [B, T, N * H]
-        x = x + _dense(attn, self.wo, self._bias("bo"))
+        h = _dense(attn, self.wo, self._bias("bo"))
+        x = x + (self._norm(h, self.post_attn_norm) if c.post_norms else h)
         h = self._norm(x, self.ffn_norm, "ffn_norm_bias")
         if c.family == "gpt2":
             h = jax.nn.gelu(_dense(h, self.w_up, self.b_up), approximate=True)
+        elif c.mlp_activation == "gelu_tanh":
+            h = jax.nn.gelu(_dense(h, self.w_gate), approximate=True) * _dense(h, self.w_up)
         else:
             h = jax.nn.silu(_dense(h, self.w_gate)) * _dense(h, self.w_up)
-        return x + _dense(h, self.w_down, self._bias("b_down"))
+        h = _dense(h, self.w_down, self._bias("b_down"))
+        return x + (self._norm(h, self.post_ffn_norm) if c.post_norms else h)
 
 
 class GPT(nnx.Module):
@@ -167,7 +220,7 @@ class GPT(nnx.Module):
         if c.family == "gpt2":
             self.pos_embeddings = _param(rngs, (c.max_seq_len, c.d_model), dtype, std=0.01)
         self.layers = nnx.List([Block(c, dtype=dtype, rngs=rngs) for _ in range(c.num_layers)])
-        self.norm = nnx.Param(jnp.ones((c.d_model,), dtype))
+        self.norm = nnx.Param(jnp.full((c.d_model,), 1.0 - c.norm_weight_offset, dtype))
         if c.family == "gpt2":
             self.norm_bias = nnx.Param(jnp.zeros((c.d_model,), dtype))
         if not c.tie_embeddings:
@@ -176,6 +229,9 @@ class GPT(nnx.Module):
     def embed(self, tokens, positions):
         """tokens, positions i32[B, T] -> f32[B, T, d_model]."""
         x = jnp.take(self.tok_embeddings[...], tokens, axis=0, mode="clip").astype(jnp.float32)
+        if self.config.embed_scale != 1.0:
+            # transformers (Gemma) rounds the scale to the activation dtype before multiplying.
+            x = x * jnp.asarray(self.config.embed_scale, self.dtype).astype(jnp.float32)
         if self.config.family == "gpt2":
             # Positions past the table (padding rows) are clipped; their outputs are never used.
             x = x + jnp.take(self.pos_embeddings[...], positions, axis=0, mode="clip").astype(jnp.float32)
@@ -186,11 +242,19 @@ class GPT(nnx.Module):
         if self.config.family == "gpt2":
             h = _layer_norm(x, self.norm, self.norm_bias, self.config.norm_eps)
         else:
-            h = _rms_norm(x, self.norm, self.config.norm_eps)
+            h = _rms_norm(x, self.norm, self.config.norm_eps, self.config.norm_weight_offset)
         if self.config.tie_embeddings:
             emb = self.tok_embeddings[...]  # [vocab, d_model]
-            return jnp.dot(h.astype(emb.dtype), emb.T, preferred_element_type=jnp.float32)
-        return _dense(h, self.output)
+            out = jnp.dot(h.astype(emb.dtype), emb.T, preferred_element_type=jnp.float32)
+        else:
+            out = _dense(h, self.output)
+        return _soft_cap(out, self.config.final_soft_cap)
+
+    def attention_options(self, layer: int) -> dict:
+        """Keyword options of jpa.paged_decode / paged_prefill for `layer`: scale, soft_cap,
+        sliding_window (None where the config does not set them)."""
+        c = self.config
+        return dict(scale=c.attn_scale, soft_cap=c.attn_soft_cap, sliding_window=c.layer_window(layer))
 
     def cache_config(self, num_pages: int, page_size: int = 16, dtype=None) -> CacheConfig:
         """The CacheConfig of a paged cache for this model (dtype defaults to the model's)."""
@@ -208,7 +272,9 @@ class GPT(nnx.Module):
           weights: {"tok_embeddings": [vocab, d_model], "norm": [d_model], "output": [d_model, vocab]
             (only when config.tie_embeddings is False), "layers": num_layers dicts of
             {"attn_norm": [d], "wq": [d, N*H], "wk": [d, K*H], "wv": [d, K*H], "wo": [N*H, d],
-            "ffn_norm": [d], "w_gate": [d, ffn], "w_up": [d, ffn], "w_down": [ffn, d]}}.
+            "ffn_norm": [d], "w_gate": [d, ffn], "w_up": [d, ffn], "w_down": [ffn, d]} plus the
+            config's variant tensors (expected_shapes: bq/bk/bv, q_norm/k_norm, post_attn_norm/
+            post_ffn_norm)}.
             Q/K must already be in the rotate_half RoPE convention.
           dtype: parameter dtype (float32 or bfloat16).
 
@@ -219,7 +285,7 @@ class GPT(nnx.Module):
             raise ValueError(f"config must be a models.ModelConfig; got {type(config).__name__}")
         if config.family != "llama":
             raise ValueError(f"from_weights reads llama-family weights; config.family is {config.family!r}")
-        expected = _expected_shapes(config)
+        expected = expected_shapes(config)
         _check_weights(weights, expected, config)
         model = nnx.eval_shape(lambda: cls(config, dtype=dtype, rngs=nnx.Rngs(0)))
         put = lambda p, w: p.set_value(jnp.asarray(np.asarray(w, np.float32), dtype=dtype))
@@ -233,7 +299,8 @@ class GPT(nnx.Module):
         return model
 
 
-def _expected_shapes(c: ModelConfig) -> dict:
+def expected_shapes(c: ModelConfig) -> dict:
+    """Parameter shapes of a llama-family model: {name: shape, ..., "layers": {name: shape}}."""
     d, q_dim, kv_dim = c.d_model, c.num_q_heads * c.head_dim, c.num_kv_heads * c.head_dim
     top = {"tok_embeddings": (c.vocab_size, d), "norm": (d,)}
     if not c.tie_embeddings:
@@ -241,6 +308,12 @@ def _expected_shapes(c: ModelConfig) -> dict:
     layer = {"attn_norm": (d,), "wq": (d, q_dim), "wk": (d, kv_dim), "wv": (d, kv_dim),
              "wo": (q_dim, d), "ffn_norm": (d,), "w_gate": (d, c.ffn_dim), "w_up": (d, c.ffn_dim),
              "w_down": (c.ffn_dim, d)}
+    if c.qkv_bias:
+        layer.update(bq=(q_dim,), bk=(kv_dim,), bv=(kv_dim,))
+    if c.qk_norm:
+        layer.update(q_norm=(c.head_dim,), k_norm=(c.head_dim,))
+    if c.post_norms:
+        layer.update(post_attn_norm=(d,), post_ffn_norm=(d,))
     return {**top, "layers": layer}
 
 
@@ -329,14 +402,20 @@ def forward_dense(model: GPT, tokens):
     _check_ndim("tokens", tokens, 2, "i32[num_seqs, num_tokens]")
     batch, num_tokens = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32), (batch, num_tokens))
-    causal = jnp.tril(jnp.ones((num_tokens, num_tokens), bool))  # [T, S]
+    t = jnp.arange(num_tokens)
+    causal = t[None, :] <= t[:, None]  # [T, S]
 
     def attend(i, q, k, v, state):
+        opts = model.attention_options(i)
         qg = q.reshape(batch, num_tokens, c.num_kv_heads, c.q_per_kv, c.head_dim)
         # Round q/k/v as the cache path does (q in the model dtype, k/v in the cache dtype).
         qg, k, v = (a.astype(model.dtype).astype(jnp.float32) for a in (qg, k, v))
-        s = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k) * c.head_dim ** -0.5
-        s = jnp.where(causal, s, -jnp.inf)
+        scale = c.head_dim ** -0.5 if opts["scale"] is None else opts["scale"]
+        s = _soft_cap(jnp.einsum("BTKGH,BSKH->BKGTS", qg, k) * scale, opts["soft_cap"])
+        mask = causal
+        if opts["sliding_window"] is not None:
+            mask = mask & (t[None, :] > t[:, None] - opts["sliding_window"])
+        s = jnp.where(mask, s, -jnp.inf)
         p = jax.nn.softmax(s, axis=-1)
         out = jnp.einsum("BKGTS,BSKH->BTKGH", p, v)
         return out.reshape(batch, num_tokens, c.num_q_heads, c.head_dim).astype(model.dtype), state
@@ -345,7 +424,15 @@ def forward_dense(model: GPT, tokens):
     return model.logits(x)
 
 
-def prefill(model: GPT, cache: KVCache, tokens, start, chunk_lens, slot_mapping, block_tables):
+def _write(layer, k, v, slot_mapping):
+    """One layer's (k_pages, v_pages, k_scales, v_scales) after writing k, v [T, K, H] at slot_mapping."""
+    kp, vp, ks, vs = layer
+    out = write_kv(kp, vp, k, v, slot_mapping, k_scales=ks, v_scales=vs)
+    return out if len(out) == 4 else (*out, None, None)
+
+
+def prefill(model: GPT, cache: KVCache, tokens, start, chunk_lens, slot_mapping, block_tables, *,
+            mesh=None):
     """Runs a right-padded chunk of prompt tokens per sequence through the model and the cache.
 
     Args:
@@ -356,6 +443,9 @@ def prefill(model: GPT, cache: KVCache, tokens, start, chunk_lens, slot_mapping,
       chunk_lens: i32[B] valid tokens of each row (0 = empty row).
       slot_mapping: i32[B, T] cache slot of each chunk token (-1 for padding).
       block_tables: i32[B, pages_per_seq].
+      mesh: a Mesh with a "tp" axis for tensor parallelism (params and cache sharded as
+        models.sharding places them): each layer's cache write and attention run per device on
+        its heads (`jpa.sharding.head_parallel`). None: one device.
 
     Returns:
       (logits f32[B, vocab] at each row's last valid token (finite garbage for empty rows),
@@ -375,13 +465,19 @@ def prefill(model: GPT, cache: KVCache, tokens, start, chunk_lens, slot_mapping,
     positions = start[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)  # i32[B, T]
     slots = slot_mapping.reshape(batch * num_tokens)  # i32[B * T]
 
+    def layer_step(layer, q, k, v, slots, block_tables, start, chunk_lens, *, opts):  # per device under a mesh
+        layer = _write(layer, k, v, slots)
+        kp, vp, ks, vs = layer
+        out = paged_prefill(q, kp, vp, block_tables, start, chunk_lens, k_scales=ks, v_scales=vs, **opts)
+        return out, layer  # [B, T, N, H]
+
     def attend(i, q, k, v, cache):
         flat = lambda a: a.reshape(batch * num_tokens, c.num_kv_heads, c.head_dim)  # [B * T, K, H]
-        cache = cache.write(i, flat(k), flat(v), slots)
-        kp, vp, ks, vs = cache.layer(i)
-        out = paged_prefill(q.astype(model.dtype), kp, vp, block_tables, start, chunk_lens,
-                            k_scales=ks, v_scales=vs)  # [B, T, N, H]
-        return out, cache
+        step = head_parallel(functools.partial(layer_step, opts=model.attention_options(i)), mesh,
+                             (POOL, HEADS_T, HEADS, HEADS) + (REPLICATED,) * 4, (HEADS_T, POOL))
+        out, layer = step(cache.layer(i), q.astype(model.dtype), flat(k), flat(v), slots, block_tables,
+                          start, chunk_lens)
+        return out, cache.with_layer(i, *layer)
 
     x, cache = _run(model, tokens, positions, attend, cache)
     last = jnp.maximum(chunk_lens - 1, 0)  # i32[B]
@@ -389,7 +485,8 @@ def prefill(model: GPT, cache: KVCache, tokens, start, chunk_lens, slot_mapping,
     return model.logits(x_last), cache
 
 
-def decode(model: GPT, cache: KVCache, tokens, seq_lens, slot_mapping, block_tables, *, impl="auto"):
+def decode(model: GPT, cache: KVCache, tokens, seq_lens, slot_mapping, block_tables, *, impl="auto",
+           mesh=None):
     """One decode step: a new token per sequence, its K/V written first, then paged attention.
 
     Args:
@@ -402,6 +499,7 @@ def decode(model: GPT, cache: KVCache, tokens, seq_lens, slot_mapping, block_tab
       block_tables: i32[B, pages_per_seq].
       impl: the `jpa.paged_decode` implementation ("auto", "xla", "triton", "mosaic"); the engine
         passes what `jpa.resolve_decode_impl` chose for its shapes at set-up.
+      mesh: as `prefill` (tensor parallelism; the kernel then runs on each device's heads).
 
     Returns:
       (logits f32[B, vocab] (finite garbage for inactive slots), the updated cache).
@@ -417,12 +515,18 @@ def decode(model: GPT, cache: KVCache, tokens, seq_lens, slot_mapping, block_tab
                          f"got {getattr(block_tables, 'shape', None)}")
     positions = jnp.maximum(seq_lens - 1, 0)[:, None]  # i32[B, 1]
 
+    def layer_step(layer, q, k, v, slot_mapping, block_tables, seq_lens, *, opts):  # per device under a mesh
+        layer = _write(layer, k, v, slot_mapping)
+        kp, vp, ks, vs = layer
+        out = paged_decode(q, kp, vp, block_tables, seq_lens, k_scales=ks, v_scales=vs, impl=impl, **opts)
+        return out, layer  # [B, N, H]
+
     def attend(i, q, k, v, cache):
-        cache = cache.write(i, k[:, 0], v[:, 0], slot_mapping)
-        kp, vp, ks, vs = cache.layer(i)
-        out = paged_decode(q[:, 0].astype(model.dtype), kp, vp, block_tables, seq_lens,
-                           k_scales=ks, v_scales=vs, impl=impl)  # [B, N, H]
-        return out[:, None], cache
+        step = head_parallel(functools.partial(layer_step, opts=model.attention_options(i)), mesh,
+                             (POOL, HEADS, HEADS, HEADS) + (REPLICATED,) * 3, (HEADS, POOL))
+        out, layer = step(cache.layer(i), q[:, 0].astype(model.dtype), k[:, 0], v[:, 0], slot_mapping,
+                          block_tables, seq_lens)
+        return out[:, None], cache.with_layer(i, *layer)
 
     x, cache = _run(model, tokens[:, None], positions, attend, cache)
     return model.logits(x[:, 0]), cache

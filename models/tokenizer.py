@@ -1,7 +1,9 @@
-"""Tokenizers with one interface: SmolLM2's byte-level BPE (from GGUF metadata) and a byte tokenizer.
+"""Tokenizers with one interface: SmolLM2's byte-level BPE (from GGUF metadata), a Hugging Face
+tokenizer directory (HFTokenizer: tokenizer.json + chat template) and a byte tokenizer.
 
-Both offer `encode(text) -> list[int]`, `decode(ids, skip_special_tokens=False) -> str`,
-`apply_chat_template(prompt, system=None) -> str`, `apply_chat_messages(messages) -> str` and the properties `bos_token_id`,
+All offer `encode(text) -> list[int]`, `decode(ids, skip_special_tokens=False) -> str`,
+`apply_chat_template(prompt, system=None) -> str`, `render_chat(messages) -> str` (a whole
+conversation, what the server renders) and the properties `bos_token_id`,
 `eos_token_id`, `vocab_size`, `stop_token_ids`.
 
 `Tokenizer` rebuilds what transformers' GGUF loader builds for a `tokenizer.ggml.model == "gpt2"`
@@ -28,19 +30,19 @@ def _chatml(prompt: str, system: str | None) -> str:
     return f"{head}{CHATML_START}user\n{prompt}{CHATML_END}\n{CHATML_START}assistant\n"
 
 
-def _chatml_messages(messages, default_system: str | None) -> str:
-    """ChatML for a conversation, ending with the assistant's generation prompt; `default_system`
-    (if any) is added in front when the first message is not a system message."""
+def _chatml_messages(messages, default_system: str | None, add_generation_prompt: bool = True) -> str:
+    """ChatML for a conversation (ending with the assistant's generation prompt if asked);
+    `default_system` (if any) is added in front when the first message is not a system message."""
     if not messages:
-        raise ValueError("apply_chat_messages: messages must not be empty")
+        raise ValueError("render_chat: messages must not be empty")
     for i, m in enumerate(messages):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            raise ValueError(f"apply_chat_messages: messages[{i}] must be a dict with str 'role' and 'content'")
+            raise ValueError(f"render_chat: messages[{i}] must be a dict with str 'role' and 'content'")
     head = []
     if default_system is not None and messages[0]["role"] != "system":
         head = [{"role": "system", "content": default_system}]
     turns = "".join(f"{CHATML_START}{m['role']}\n{m['content']}{CHATML_END}\n" for m in head + list(messages))
-    return f"{turns}{CHATML_START}assistant\n"
+    return f"{turns}{CHATML_START}assistant\n" if add_generation_prompt else turns
 
 
 def _check_ids(ids, vocab_size: int) -> list[int]:
@@ -165,13 +167,13 @@ class Tokenizer:
             raise ValueError("apply_chat_template: this tokenizer's GGUF file has no ChatML chat template")
         return _chatml(prompt, self._default_system if system is None else system)
 
-    def apply_chat_messages(self, messages) -> str:
-        """A conversation [{"role": ..., "content": ...}, ...] in ChatML with the generation prompt,
-        as the file's template renders it (its default system message added when the first
-        message is not a system message)."""
+    def render_chat(self, messages, add_generation_prompt: bool = True) -> str:
+        """A conversation [{"role": ..., "content": ...}, ...] in ChatML (with the generation prompt
+        unless told otherwise), as the file's template renders it (its default system message
+        added when the first message is not a system message)."""
         if not self._chat_ok:
-            raise ValueError("apply_chat_messages: this tokenizer's GGUF file has no ChatML chat template")
-        return _chatml_messages(messages, self._default_system)
+            raise ValueError("render_chat: this tokenizer's GGUF file has no ChatML chat template")
+        return _chatml_messages(messages, self._default_system, add_generation_prompt)
 
 
 class ByteTokenizer:
@@ -227,5 +229,171 @@ class ByteTokenizer:
     def apply_chat_template(self, prompt: str, system: str | None = None) -> str:
         return _chatml(prompt, system)
 
-    def apply_chat_messages(self, messages) -> str:
-        return _chatml_messages(messages, None)
+    def render_chat(self, messages, add_generation_prompt: bool = True) -> str:
+        return _chatml_messages(messages, None, add_generation_prompt)
+
+class HFTokenizer:
+    """A Hugging Face tokenizer directory: tokenizer.json (via `tokenizers`), the chat template and
+    the special tokens of tokenizer_config.json, stop ids from generation_config.json.
+
+    Build it with `HFTokenizer.from_dir(path)` (models.hf.load does). Same interface as
+    `Tokenizer`, plus `render_chat(messages)` for whole conversations.
+
+    `encode(text)` applies tokenizer.json's post-processor (the BOS that Llama-3 and Gemma add), as
+    transformers' `tokenizer(text)` does, except when the text already starts with the BOS token: a
+    rendered chat template carries its own, and transformers' `apply_chat_template(tokenize=True)`
+    then adds none either.
+    """
+
+    def __init__(self, tokenizer, *, special_tokens: dict, bos_token_id: int | None, eos_token_id: int,
+                 stop_token_ids, chat_template: str | None, source: str = "tokenizer"):
+        self._tk = tokenizer
+        self._special_tokens = dict(special_tokens)
+        self._bos = bos_token_id
+        self._eos = int(eos_token_id)
+        self._stop = tuple(dict.fromkeys([self._eos, *(int(i) for i in stop_token_ids)]))
+        self._chat_template = chat_template
+        self._source = source
+        bos = self._special_tokens.get("bos_token")
+        self._bos_text = bos if bos and self._bos is not None else None
+
+    @classmethod
+    def from_dir(cls, path, generation_config: dict | None = None, model_config: dict | None = None):
+        """Reads tokenizer.json, tokenizer_config.json (optional) and chat_template.jinja (optional).
+
+        Args:
+          path: the checkpoint directory.
+          generation_config: generation_config.json's contents (eos_token_id: an id or a list of
+            stop ids), or None.
+          model_config: config.json's contents (bos/eos_token_id fallbacks), or None.
+
+        Raises:
+          FileNotFoundError: no tokenizer.json. ValueError: unreadable files or unknown special tokens.
+        """
+        import pathlib
+
+        from tokenizers import Tokenizer as _HFTokenizer
+
+        path = pathlib.Path(path)
+        tj = path / "tokenizer.json"
+        if not tj.is_file():
+            raise FileNotFoundError(f"{path}: no tokenizer.json (jpa reads Hugging Face 'fast' tokenizers "
+                                    f"only; convert a sentencepiece tokenizer.model with transformers first)")
+        try:
+            tk = _HFTokenizer.from_file(str(tj))
+        except Exception as e:  # tokenizers raises a bare Exception on parse errors
+            raise ValueError(f"{tj} is not a readable tokenizers file: {e}") from e
+        tc = _read_json(path / "tokenizer_config.json") or {}
+        gc, mc = generation_config or {}, model_config or {}
+        special = {}
+        for name in ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                     "mask_token"):
+            val = tc.get(name)
+            if isinstance(val, dict):  # an AddedToken serialized as {"content": ...}
+                val = val.get("content")
+            if isinstance(val, str):
+                special[name] = val
+
+        def token_id(name):
+            text = special.get(name)
+            if text is None:
+                return None
+            i = tk.token_to_id(text)
+            if i is None:
+                raise ValueError(f"{path / 'tokenizer_config.json'}: {name} {text!r} is not in tokenizer.json's "
+                                 f"vocabulary")
+            return i
+
+        def ids(val):
+            return [val] if isinstance(val, int) else list(val or [])
+
+        gen_eos = ids(gc.get("eos_token_id"))
+        eos = token_id("eos_token")
+        eos = eos if eos is not None else (gen_eos or ids(mc.get("eos_token_id")) or [None])[0]
+        if eos is None:
+            raise ValueError(f"{path}: no eos token in tokenizer_config.json, generation_config.json or "
+                             f"config.json")
+        bos = token_id("bos_token")
+        if bos is None:
+            bos = gc.get("bos_token_id", mc.get("bos_token_id"))
+        chat = tc.get("chat_template")
+        if isinstance(chat, list):  # named templates: [{"name": "default", "template": ...}, ...]
+            chat = {t.get("name"): t.get("template") for t in chat}.get("default")
+        jinja_file = path / "chat_template.jinja"  # transformers 5 saves the template here
+        if jinja_file.is_file():
+            chat = jinja_file.read_text(encoding="utf-8")
+        return cls(tk, special_tokens=special, bos_token_id=bos, eos_token_id=eos,
+                   stop_token_ids=gen_eos + ids(mc.get("eos_token_id")), chat_template=chat, source=str(path))
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos
+
+    @property
+    def eos_token_id(self) -> int:
+        return self._eos
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tk.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """eos first, then generation_config.json's eos_token_id list (Llama-3: <|eot_id|>, ...)."""
+        return self._stop
+
+    @property
+    def special_tokens(self) -> dict:
+        """The named special tokens of tokenizer_config.json ({"bos_token": "<bos>", ...})."""
+        return dict(self._special_tokens)
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, with the post-processor's special tokens unless the text already
+        starts with the BOS token (see the class docstring)."""
+        if not isinstance(text, str):
+            raise ValueError(f"encode: text must be a str; got {type(text).__name__}")
+        add = not (self._bos_text and text.startswith(self._bos_text))
+        return self._tk.encode(text, add_special_tokens=add).ids
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        """Text of `ids` (ints >= 0). Ids past the tokenizer's vocabulary (the padding rows of a
+        model whose vocab_size is rounded up, as Qwen's) decode to nothing."""
+        ids = [int(i) for i in ids]
+        if any(i < 0 for i in ids):
+            raise ValueError(f"decode: ids must be >= 0; got {[i for i in ids if i < 0][:5]}")
+        return self._tk.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tk.id_to_token(token_id)
+
+    def render_chat(self, messages, add_generation_prompt: bool = True, **kwargs) -> str:
+        """The conversation rendered by the checkpoint's chat template (models.chat_template.render)."""
+        from models.chat_template import render
+
+        if self._chat_template is None:
+            raise ValueError(f"{self._source}: the checkpoint has no chat template (tokenizer_config.json "
+                             f"'chat_template' or chat_template.jinja); pass plain prompts instead")
+        return render(self._chat_template, messages, add_generation_prompt=add_generation_prompt,
+                      special_tokens=self._special_tokens, **kwargs)
+
+    def apply_chat_template(self, prompt: str, system: str | None = None) -> str:
+        """One user turn (after a system turn when `system` is given), ending with the assistant's
+        generation prompt. A template that has no system role (Gemma) refuses `system`."""
+        messages = ([{"role": "system", "content": system}] if system is not None else [])
+        return self.render_chat(messages + [{"role": "user", "content": prompt}])
+
+
+def _read_json(path):
+    """A JSON file's contents, or None when it does not exist; ValueError naming it when unreadable."""
+    import json
+
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e

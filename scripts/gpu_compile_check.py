@@ -6,10 +6,11 @@ devices, and `jax.jit(f).lower(<ShapeDtypeStructs on such a device>).compile()` 
 GPU pipeline: fusion, buffer assignment, Triton's compilation of Pallas Triton kernels, and
 ptxas on every kernel. This script does that for
 
-1. every kernel configuration of a covering grid that the kernel's `unsupported_reason` accepts
-   for the target (page sizes 8-256, head dims 64-256, q_per_kv 1-16, 16-bit, int8 and fp8
-   caches, every option, split-K on and off);
-2. the engine's jitted decode loop and a prefill call for SmolLM2-135M in bfloat16 with a pool
+1. every decode-kernel configuration of a covering grid that the kernel's `unsupported_reason`
+   accepts for the target (page sizes 8-256, head dims 64-256, q_per_kv 1-16, 16-bit, int8 and
+   fp8 caches, every option, split-K on and off);
+2. the ragged kernels (`jpa.ragged_paged_attention`) at a serving size, five dtype/shape configs;
+3. the engine's jitted decode loop and a prefill call for SmolLM2-135M in bfloat16 with a pool
    of >= 1 GiB, attention chosen by `impl="auto"` for the target.
 
 For each it reports: compiled or the error; each kernel's grid, threads and shared memory (XLA's
@@ -25,6 +26,13 @@ plan); numerics and speed of compiled code (`scripts/gpu_validate.py` on a GPU).
 Needs the compile-only GPU packages: `pip install -e ".[gpu]"` (./run test installs them).
 
     python scripts/gpu_compile_check.py --target h100 [--subset fast|full] [--json PATH]
+    python scripts/gpu_compile_check.py --target h100 --only tp --tp 8   # 3. below
+
+3. (`--only tp`) tensor parallelism: the engine's decode loop and a prefill call of a
+   Llama-shaped model (Llama-3-8B's shapes, random abstract weights, bf16) sharded over N
+   compile-only GPUs of one host: collectives per decode step and per layer (exactly two
+   all-reduces per layer, no all-gather), the kernel once per layer on every device, the donated
+   pool shards aliased, per-device memory.
 """
 
 import os
@@ -163,27 +171,48 @@ def pool_copies(hlo: str, pool_types) -> list:
 
 
 class Compiler:
-    """Compiles jitted functions for one deviceless target and inspects the result."""
+    """Compiles jitted functions for one deviceless target and inspects the result.
 
-    def __init__(self, target: str):
+    num_devices > 1 gives that many compile-only GPUs of the target in one host (topology
+    "1x1xN", NVLink-connected as in one DGX/HGX box) and `tp_mesh`, a "tp" mesh over them, for
+    tensor-parallel programs: arguments that carry a NamedSharding on it keep it.
+    """
+
+    def __init__(self, target: str, num_devices: int = 1):
         from jax.experimental import topologies
         t = TARGETS[target]
         self.target = target
         self.ptxas = None  # version and path, once XLA reports it
         topo = topologies.get_topology_desc("jpa", "cuda", target_config=target_config(target),
-                                            topology="1x1x1")
+                                            topology=f"1x1x{num_devices}")
+        self.devices = topo.devices
         self.device = topo.devices[0]
         self.sharding = SingleDeviceSharding(self.device)
-        self.mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=AbstractDevice(
-            device_kind=self.device.device_kind, num_cores=t["core_count"], platform="cuda"))
+        abstract = AbstractDevice(device_kind=self.device.device_kind, num_cores=t["core_count"], platform="cuda")
+        self.mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=abstract)
+        self.tp_mesh = None
+        if num_devices > 1:
+            from jpa.sharding import tp_mesh
+            self.tp_mesh = tp_mesh(num_devices, self.devices)
+            # shard_map inside the program must see the context mesh it was given; the concrete
+            # mesh of compile-only devices knows their kind, which is what dispatch reads.
+            self.mesh = self.tp_mesh.abstract_mesh
 
     def place(self, tree):
-        """ShapeDtypeStructs (or arrays) -> ShapeDtypeStructs on the target device."""
-        return jax.tree_util.tree_map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.sharding), tree)
+        """ShapeDtypeStructs (or arrays) -> ShapeDtypeStructs on the target device (or, when they
+        carry a NamedSharding on the compiler's tp mesh, on that)."""
+        def one(a):
+            sh = getattr(a, "sharding", None)
+            if self.tp_mesh is not None and getattr(sh, "mesh", None) is self.tp_mesh:
+                return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
+            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.sharding)
+        return jax.tree_util.tree_map(one, tree)
 
-    def compile(self, name, fn, args, *, donate_argnums=(), pool_shapes=(), kwargs=None) -> dict:
-        """Compiles fn(*args) for the target. pool_shapes: [(shape, dtype)] of the page pools."""
+    def compile(self, name, fn, args, *, donate_argnums=(), pool_shapes=(), kwargs=None, keep_hlo=False,
+                jit_options=None) -> dict:
+        """Compiles fn(*args) for the target. pool_shapes: [(shape, dtype)] of the page pools as one
+        device holds them (its shard under a tp mesh). jit_options: jax.jit options instead of
+        donate_argnums (e.g. a runner's `jit_options`, with output shardings)."""
         rec = dict(name=name, target=self.target, ok=False)
         pool_types = {hlo_type(s, d) for s, d in pool_shapes}
         pool_bytes = sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in pool_shapes)
@@ -194,7 +223,8 @@ class Compiler:
             try:
                 with captured_stderr() as log:
                     with jax.sharding.use_abstract_mesh(self.mesh):
-                        lowered = jax.jit(fn, donate_argnums=donate_argnums).lower(
+                        opts = jit_options or dict(donate_argnums=donate_argnums)
+                        lowered = jax.jit(fn, **opts).lower(
                             *self.place(args), **self.place(kwargs or {}))
                     compiled = lowered.compile({"xla_dump_to": dump})
             except Exception as e:  # the point of the tier: report, never crash
@@ -230,13 +260,16 @@ class Compiler:
         if pool_bytes >= 2 ** 28 and mem.temp_size_in_bytes > pool_bytes // 4:
             problems.append(f"temporaries ({mem.temp_size_in_bytes} bytes) are not far below the pools "
                             f"({pool_bytes} bytes)")
-        if pool_bytes and donate_argnums and mem.alias_size_in_bytes < pool_bytes:
+        donated = donate_argnums or (jit_options or {}).get("donate_argnums")
+        if pool_bytes and donated and mem.alias_size_in_bytes < pool_bytes:
             problems.append(f"donated pools not aliased: {mem.alias_size_in_bytes} of {pool_bytes} bytes")
         spills = {k: v["spill_stores"] for k, v in rec["kernels"].items() if v.get("spill_stores")}
         if spills:
             rec["spills"] = spills  # reported, not a failure: ptxas still produced a kernel
         rec["problems"] = problems
         rec["ok"] = not problems
+        if keep_hlo:
+            rec["hlo"] = hlo
         return rec
 
 
@@ -378,55 +411,279 @@ def check_kernels(compiler: Compiler, impls, subset: str, log=print, random: int
     return records
 
 
-# ---- 2. The engine's jitted steps, SmolLM2-135M in bfloat16 ----
+# ---- 2. Ragged paged attention (prefill chunks and decode tokens in one call) ----
+
+# (q dtype, cache dtype, q_per_kv, head_dim, page_size) at a serving size: a 512-token budget, 64
+# sequences of up to 4096 tokens, 8 kv heads; soft cap and sliding window on.
+RAGGED_CONFIGS = (("bfloat16", "bfloat16", 4, 128, 16), ("bfloat16", "bfloat16", 1, 256, 16),
+                  ("float16", "int8", 3, 64, 32), ("float32", "float32", 8, 128, 16),
+                  ("bfloat16", "float8_e5m2", 8, 80, 128))
+RAGGED_SIZES = dict(num_tokens=512, max_num_seqs=64, num_kv_heads=8, num_pages=4096, max_tokens=4096)
+
+
+def ragged_call(impl, q_dtype, cache_dtype, q_per_kv, head_dim, page_size):
+    """(spec, fn, args, pool shapes) of one ragged_paged_attention call with the impl forced."""
+    import jpa
+    from jpa.ragged import ragged_spec
+    z = RAGGED_SIZES
+    sds = jax.ShapeDtypeStruct
+    k, n, b = z["num_kv_heads"], z["num_kv_heads"] * q_per_kv, z["max_num_seqs"]
+    pool = (k, z["num_pages"], page_size, head_dim)
+    quantized = cache_dtype in ("int8", "float8_e4m3fn", "float8_e5m2")
+    args = (sds((z["num_tokens"], n, head_dim), q_dtype), sds(pool, cache_dtype), sds(pool, cache_dtype),
+            sds((b, z["max_tokens"] // page_size), jnp.int32), sds((b,), jnp.int32), sds((b + 1,), jnp.int32),
+            sds((), jnp.int32)) + ((sds(pool[:3], jnp.float32),) * 2 if quantized else ())
+
+    def fn(q, k_pages, v_pages, tables, lens, cu, num_seqs, *scales):
+        return jpa.ragged_paged_attention(q, k_pages, v_pages, tables, lens, cu, num_seqs, soft_cap=30.0,
+                                          sliding_window=1024, k_scales=scales[0] if scales else None,
+                                          v_scales=scales[1] if scales else None, impl=impl)
+    spec = ragged_spec(args[0], args[1], args[3], soft_cap=30.0, alibi_slopes=None, sliding_window=1024)
+    return spec, fn, args, [(pool, cache_dtype)] * 2
+
+
+def check_ragged(compiler: Compiler, impls, log=print) -> list:
+    """Each ragged kernel over RAGGED_CONFIGS: the ragged kernel plus the decode kernel that serves
+    every sequence's last row, both in the one program."""
+    from jpa import ragged
+    cc = float(".".join(map(str, TARGETS[compiler.target]["cc"])))
+    records = []
+    for impl in impls:
+        for cfg in RAGGED_CONFIGS:
+            spec, fn, args, pools = ragged_call(impl, *cfg)
+            name = f"ragged {impl} q={cfg[0]} kv={cfg[1]} G={cfg[2]} hd={cfg[3]} ps={cfg[4]}"
+            reason = ragged.unsupported_reason(impl, spec, cc)
+            if reason is not None:
+                records.append(dict(name=name, target=compiler.target, kind="ragged", ok=True, refused=reason))
+                continue
+            rec = compiler.compile(name, fn, args, pool_shapes=pools)
+            rec.update(kind="ragged")
+            calls = rec.get("triton_calls" if impl == "triton" else "mosaic_calls", 0)
+            if rec["ok"] and calls != 2:
+                rec["ok"] = False
+                rec["problems"].append(f"expected two {impl} kernel calls (ragged + decode), found {calls}")
+            records.append(rec)
+            log(_line(rec))
+    return records
+
+
+# ---- 3. The engine's jitted steps, SmolLM2-135M in bfloat16 ----
 
 def engine_steps(pool_gib: float = 1.5, max_seqs: int = 64, page_size: int = 16, max_model_len: int = 2048,
                  steps_per_call: int = 8, prefill_rows: int = 8, prefill_width: int = 256):
     """[(name, fn, args, donate_argnums, pool shapes)] of the engine's decode loop and a prefill call.
 
-    The model is abstract (nnx.eval_shape): no weights are read or allocated, so this runs
-    without the model package.
+    The model and the engine's state are abstract (nnx.eval_shape; a runner with allocate=False):
+    no weights are read and no pool is allocated, so this runs without the model package.
     """
     from flax import nnx
 
-    from jpa.cache import CacheConfig, KVCache
-    from jpa.engine.runner import ModelRunner
-    from models import GPT, PRESETS
+    from jpa.cache import CacheConfig
+    from jpa.engine.runner import DONATE, ModelRunner
+    from models import GPT, PRESETS, GPTForEngine
 
     config = PRESETS["smollm2-135m"]
-    model = nnx.eval_shape(lambda: GPT(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    model = GPTForEngine(nnx.eval_shape(lambda: GPT(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))
     cache_cfg = CacheConfig.from_memory(int(pool_gib * 2 ** 30), num_layers=config.num_layers,
                                         num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
                                         page_size=page_size, dtype="bfloat16")
-    runner = ModelRunner.abstract(model, cache_cfg, max_seqs=max_seqs, pages_per_seq=max_model_len // page_size,
-                                  steps_per_call=steps_per_call, stop_ids=(config.eos_token_id,))
+    runner = ModelRunner(model, cache_cfg, max_seqs=max_seqs, pages_per_seq=max_model_len // page_size,
+                         steps_per_call=steps_per_call, stop_ids=(config.eos_token_id,), allocate=False)
     pool = ((config.num_kv_heads, cache_cfg.num_pages, page_size, config.head_dim), "bfloat16")
     pools = [pool] * (2 * config.num_layers)
-    return runner, [
-        ("engine decode loop (SmolLM2 bf16, %d seqs, %d pages)" % (max_seqs, cache_cfg.num_pages),
-         runner.decode_fn, runner.decode_args(), runner.DONATE, pools),
-        ("engine prefill (SmolLM2 bf16, %dx%d tokens)" % (prefill_rows, prefill_width),
-         runner.prefill_fn, runner.prefill_args(prefill_rows, prefill_width), runner.DONATE, pools),
+    return [
+        (f"engine decode loop (SmolLM2 bf16, {max_seqs} seqs, {steps_per_call} steps, {cache_cfg.num_pages} pages)",
+         runner._decode_impl, runner.state(), DONATE, pools, config.num_layers),
+        (f"engine prefill (SmolLM2 bf16, {prefill_rows}x{prefill_width} tokens, {cache_cfg.num_pages} pages)",
+         runner._prefill_impl, runner.state() + runner.prefill_inputs(prefill_rows, prefill_width), DONATE,
+         pools, 0),
     ]
 
 
 def check_engine(compiler: Compiler, log=print, **sizes) -> list:
-    runner, steps = engine_steps(**sizes)
+    """Compiles the engine's steps with impl="auto": the decode loop must hold the target's kernel
+    (Mosaic on an H100, Triton on an A100) once per layer."""
+    from jpa.engine.runner import attention_in
     records = []
-    for name, fn, args, donate, pools in steps:
-        with jax.sharding.use_abstract_mesh(compiler.mesh):
-            impl = runner.resolve_attention_impl()  # what impl="auto" picks for this target
-        rec = compiler.compile(name, fn, args, donate_argnums=donate, pool_shapes=pools)
-        rec.update(kind="engine", attention=impl)
-        if rec["ok"] and "decode" in name:
-            want = {"mosaic": "mosaic_calls", "triton": "triton_calls"}.get(impl)
-            n = rec[want] if want else rec["triton_calls"] + rec["mosaic_calls"]
-            expected = runner.num_layers if want else 0
-            if n != expected:
+    expected = "mosaic" if TARGETS[compiler.target]["cc"][0] == 9 else "triton"
+    for name, fn, args, donate, pools, kernel_calls in engine_steps(**sizes):
+        rec = compiler.compile(name, fn, args, donate_argnums=donate, pool_shapes=pools, keep_hlo=True)
+        hlo = rec.pop("hlo", "")
+        rec.update(kind="engine", attention=attention_in(hlo) if kernel_calls else None)
+        if rec["ok"] and kernel_calls:
+            n = rec[f"{expected}_calls"]
+            if rec["attention"] != expected or n != kernel_calls:
                 rec["ok"] = False
-                rec["problems"].append(f"expected {expected} {impl} kernel calls in the decode loop, found {n}")
+                rec["problems"].append(f"expected {kernel_calls} {expected} kernel calls in the decode loop; "
+                                       f"found attention {rec['attention']} with {n}")
         records.append(rec)
         log(_line(rec))
+    return records
+
+
+# ---- 3. Tensor parallelism: a Llama-shaped model over N GPUs of one host ----
+
+# Llama-3-8B's shapes (random weights: nothing is read, only shapes matter to the compiler).
+LLAMA_SHAPED = dict(family="llama", vocab_size=128256, d_model=4096, num_layers=32, num_q_heads=32,
+                    num_kv_heads=8, head_dim=128, ffn_dim=14336, max_seq_len=8192, rope_base=500000.0,
+                    tie_embeddings=False, bos_token_id=0, eos_token_id=1)
+COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
+                  "collective-broadcast")
+_ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1, "s64": 8,
+             "u64": 8, "f64": 8}
+
+
+def _computations(hlo: str) -> dict:
+    """{computation name: its instruction lines} of an HLO module's text."""
+    comps, name = {}, None
+    for line in hlo.splitlines():
+        m = re.match(r"\s*(?:ENTRY )?%?([\w.-]+) .*\{\s*$", line)
+        if m and not re.match(r"\s*(?:ROOT )?%?[\w.-]+ = ", line):
+            name = m.group(1)
+            comps[name] = []
+        elif name is not None:
+            comps[name].append(line)
+    return comps
+
+
+def collectives(hlo: str) -> dict:
+    """Collectives of an optimized HLO module: {"step": [...], "outside": [...]}, each entry
+    {op, type, bytes}, where "step" are those inside while-loop bodies (once per decode step of
+    the engine's loop) and bytes is the size of the collective's result on one device
+    (the larger array of an async start op's (operand, result) tuple)."""
+    comps = _computations(hlo)
+    called = lambda lines: {c for line in lines for c in re.findall(
+        r"(?:calls|body|condition|to_apply|branch_computations)=\{?%?([\w.-]+)", line)}
+    bodies = {b for lines in comps.values() for line in lines for b in re.findall(r"body=%?([\w.-]+)", line)}
+    in_loop, todo = set(), list(bodies)
+    while todo:
+        c = todo.pop()
+        if c in in_loop or c not in comps:
+            continue
+        in_loop.add(c)
+        todo += called(comps[c])
+    out = {"step": [], "outside": []}
+    ops = "|".join(COLLECTIVE_OPS)
+    for cname, lines in comps.items():
+        for line in lines:
+            m = re.match(rf"\s*(?:ROOT )?%?[\w.-]+ = (.+?) ({ops})(-start)?\(", line)
+            if not m:
+                continue
+            arrays = [(t, [int(d) for d in dims.split(",") if d]) for t, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1))]
+            sizes = [_ITEMSIZE.get(t, 4) * int(np.prod(d or [1])) for t, d in arrays]
+            big = int(np.argmax(sizes))
+            t, d = arrays[big]
+            out["step" if cname in in_loop else "outside"].append(
+                dict(op=m.group(2), type=f"{t}[{','.join(map(str, d))}]", bytes=sizes[big]))
+    return out
+
+
+def collective_summary(items: list, num_layers: int) -> dict:
+    """{op: {count, bytes, per_layer, types}} of a list from `collectives`."""
+    out = {}
+    for c in items:
+        o = out.setdefault(c["op"], dict(count=0, bytes=0, types=[]))
+        o["count"] += 1
+        o["bytes"] += c["bytes"]
+        if c["type"] not in o["types"]:
+            o["types"].append(c["type"])
+    for o in out.values():
+        o["per_layer"] = o["count"] / num_layers
+    return out
+
+
+def tp_engine_steps(compiler: Compiler, config: dict | None = None, pool_gib_per_device: float = 8.0,
+                    max_seqs: int = 64, page_size: int = 16, max_model_len: int = 4096, steps_per_call: int = 8,
+                    prefill_rows: int = 4, prefill_width: int = 512, embeddings: str = "vocab"):
+    """The engine's decode loop and a prefill call of a tensor-parallel model on compiler.tp_mesh.
+
+    The model is abstract (nnx.eval_shape) and sharded by models.sharding (params become
+    ShapeDtypeStructs carrying their NamedShardings); the runner's state is abstract and sharded
+    as the engine shards it. Returns (records' inputs, details): [(name, fn, args, jit_options,
+    per-device pool shapes, expected kernel calls)] and a dict of the sizes.
+    """
+    from flax import nnx
+
+    from jpa.cache import CacheConfig
+    from jpa.engine.runner import DECODE_OUTPUTS, PREFILL_OUTPUTS, ModelRunner
+    from models import GPT, GPTForEngine, ModelConfig
+
+    mesh = compiler.tp_mesh
+    tp = mesh.shape["tp"]
+    config = ModelConfig(**(config or LLAMA_SHAPED))
+    model = GPTForEngine(nnx.eval_shape(lambda: GPT(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))
+    model = model.shard(mesh, embeddings=embeddings)
+    mc = model.config
+    cache_cfg = CacheConfig.from_memory(int(pool_gib_per_device * 2 ** 30 * tp), num_layers=mc.num_layers,
+                                        num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+                                        page_size=page_size, dtype="bfloat16")
+    runner = ModelRunner(model, cache_cfg, max_seqs=max_seqs, pages_per_seq=max_model_len // page_size,
+                         steps_per_call=steps_per_call, stop_ids=(mc.eos_token_id,), allocate=False, mesh=mesh)
+    local_pool = ((mc.num_kv_heads // tp, cache_cfg.num_pages, page_size, mc.head_dim), "bfloat16")
+    pools = [local_pool] * (2 * mc.num_layers)
+    param_bytes = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize
+                      for x in jax.tree_util.tree_leaves(model.params))
+    details = dict(tp=tp, head_plan=model.head_plan.describe(), embeddings=model.head_plan.embeddings,
+                   num_layers=mc.num_layers, d_model=mc.d_model, num_q_heads=mc.num_q_heads,
+                   num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, vocab_size=mc.vocab_size,
+                   num_pages=cache_cfg.num_pages, max_seqs=max_seqs, steps_per_call=steps_per_call,
+                   param_bytes_per_device=param_bytes, pool_bytes_per_device=cache_cfg.nbytes // tp,
+                   pool_spec=str(runner.cache.k[0].sharding.spec),
+                   param_specs={n: str(getattr(model.params["layers"][0], n).sharding.spec)
+                                for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")})
+    steps = [
+        (f"tp={tp} decode loop ({max_seqs} seqs, {steps_per_call} steps, {cache_cfg.num_pages} pages)",
+         runner._decode_impl, runner.state(), runner.jit_options(DECODE_OUTPUTS), pools, mc.num_layers),
+        (f"tp={tp} prefill ({prefill_rows}x{prefill_width} tokens)", runner._prefill_impl,
+         runner.state() + runner.prefill_inputs(prefill_rows, prefill_width), runner.jit_options(PREFILL_OUTPUTS), pools, 0),
+    ]
+    return steps, details
+
+
+def check_tp(compiler: Compiler, log=print, **sizes) -> list:
+    """Compiles a Llama-shaped model's engine steps over compiler.tp_mesh and checks the data
+    movement: in the decode loop exactly two all-reduces per layer (after wo and w_down) plus a
+    fixed few for sampling, no all-gather/all-to-all, the target's kernel once per layer, the
+    donated pool shards aliased and no pool copy."""
+    records = []
+    expected = "mosaic" if TARGETS[compiler.target]["cc"][0] == 9 else "triton"
+    steps, details = tp_engine_steps(compiler, **sizes)
+    num_layers = details["num_layers"]
+    for name, fn, args, opts, pools, kernel_calls in steps:
+        rec = compiler.compile(name, fn, args, jit_options=opts, pool_shapes=pools, keep_hlo=True)
+        hlo = rec.pop("hlo", "")
+        rec.update(kind="tp", **details)
+        if "error" not in rec:
+            coll = collectives(hlo)
+            loop = kernel_calls > 0
+            rec["collectives_per_step" if loop else "collectives_per_call"] = collective_summary(
+                coll["step"] if loop else coll["step"] + coll["outside"], num_layers)
+            if loop:
+                rec["collectives_outside_loop"] = collective_summary(coll["outside"], num_layers)
+            items = coll["step"] if loop else coll["step"] + coll["outside"]
+            # The row-parallel sums: f32[tokens..., d_model] all-reduces, two per layer.
+            row = [c for c in items if c["op"] == "all-reduce" and c["type"].startswith("f32[")
+                   and c["type"].endswith(f",{details['d_model']}]")]
+            rec["row_parallel_all_reduces"] = len(row)
+            rec["other_collectives"] = collective_summary([c for c in items if c not in row], num_layers)
+            if len(row) != 2 * num_layers:
+                rec["problems"].append(f"expected 2 row-parallel all-reduces per layer ({2 * num_layers}); "
+                                       f"found {len(row)}")
+            # Nothing with a head axis (K/V, q, attention outputs) or a pool dimension may move.
+            h, pages = details["head_dim"], details["num_pages"]
+            moved = [c for c in items if f",{h}]" in c["type"] or f"{pages}," in c["type"]
+                     or c["op"] in ("all-to-all", "collective-permute")]
+            if moved:
+                rec["problems"].append(f"K/V, heads or pool moved between devices: {moved[:3]}")
+            if kernel_calls and rec[f"{expected}_calls"] != kernel_calls:
+                rec["problems"].append(f"expected {kernel_calls} {expected} kernel calls; found {rec[f'{expected}_calls']}")
+            rec["ok"] = not rec["problems"]
+        records.append(rec)
+        log(_line(rec))
+        for key in ("collectives_per_step", "collectives_per_call", "collectives_outside_loop"):
+            if key in rec:
+                log(f"      {key}: " + "; ".join(f"{op} x{v['count']} ({v['per_layer']:.2f}/layer) {v['types']} "
+                                                  f"{v['bytes'] / 2**20:.2f} MiB" for op, v in rec[key].items()))
     return records
 
 
@@ -468,7 +725,14 @@ def main(argv=None) -> int:
     p.add_argument("--target", choices=sorted(TARGETS))
     p.add_argument("--subset", choices=("fast", "full"), default="full",
                    help="fast: a spread-out subset of the kernel grid (CI); full: the covering grid")
-    p.add_argument("--only", choices=("kernels", "engine", "all"), default="all")
+    p.add_argument("--only", choices=("kernels", "ragged", "engine", "all", "tp"), default="all",
+                   help="tp: the engine's steps of a Llama-shaped model (32 layers, 32 q / 8 kv heads, head_dim "
+                        "128, bf16) tensor-parallel over --tp GPUs of one host (not part of 'all')")
+    p.add_argument("--tp", type=int, default=8, help="GPUs of the tensor-parallel compile (--only tp)")
+    p.add_argument("--embeddings", choices=("replicated", "vocab"), default="vocab",
+                   help="how --only tp places the embeddings and the output head")
+    p.add_argument("--layers", type=int, default=None, help="--only tp: layers of the Llama-shaped model "
+                   "(default 32)")
     p.add_argument("--random", type=int, default=0, metavar="N",
                    help="instead of the covering grid, N random configurations per kernel")
     p.add_argument("--seed", type=int, default=0, help="seed of --random")
@@ -482,7 +746,7 @@ def main(argv=None) -> int:
     if args.target is None:
         p.error("--target is required (h100 or a100)")
     try:
-        compiler = Compiler(args.target)
+        compiler = Compiler(args.target, args.tp if args.only == "tp" else 1)
     except Exception as e:
         print(f"gpu_compile_check: cannot get a compile-only {args.target} device ({type(e).__name__}: "
               f"{str(e).splitlines()[0] if str(e) else ''}). Install the compile-only GPU packages: "
@@ -493,8 +757,13 @@ def main(argv=None) -> int:
     records = []
     if args.only in ("kernels", "all"):
         records += check_kernels(compiler, impls, args.subset, random=args.random, seed=args.seed)
+    if args.only in ("ragged", "all"):
+        records += check_ragged(compiler, impls)
     if args.only in ("engine", "all"):
         records += check_engine(compiler)
+    if args.only == "tp":
+        config = dict(LLAMA_SHAPED, **({"num_layers": args.layers} if args.layers else {}))
+        records += check_tp(compiler, config=config, embeddings=args.embeddings)
     failed = [r for r in records if not r["ok"]]
     compiled = [r for r in records if "refused" not in r]
     summary = dict(target=args.target, device_kind=TARGETS[args.target]["kind"],

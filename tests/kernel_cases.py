@@ -149,3 +149,70 @@ def np_reference(q, k_pages, v_pages, block_tables, seq_lens, *, scale=None, sof
         p = p / p.sum(axis=-1, keepdims=True)
         out[b] = np.einsum("KGS,KSH->KGH", p, vals).reshape(num_q_heads, head_dim)
     return out
+
+
+# ---- Ragged batches (jpa.ragged_paged_attention) ----
+
+@dataclasses.dataclass(frozen=True)
+class RaggedCase(Case):
+    """A ragged call: live sequence i has `seq_lens[i]` cached tokens of which the last `q_lens[i]`
+    are queries. `max_num_seqs` (default: the live count) adds dead sequence slots, `num_tokens`
+    (default: sum of q_lens) pads q."""
+    q_lens: tuple = ()
+    num_tokens: int = 0
+    max_num_seqs: int = 0
+
+    def __str__(self):
+        return (super().__str__() + f"-Q{list(self.q_lens)}-T{self.num_tokens}"
+                + (f"-B{self.max_num_seqs}" if self.max_num_seqs else ""))
+
+
+def make_ragged_inputs(case: RaggedCase):
+    """Fresh random inputs for a ragged call: (args, opts) for
+    `f(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, num_seqs, **opts)`.
+
+    On top of `make_inputs`' poisoning (NaN in every slot no live token uses, garbage table
+    entries past each sequence's pages), padding rows of q are NaN, and the entries of dead
+    sequence slots (seq_lens, block_tables rows, cu_q_lens past num_seqs) are garbage.
+    """
+    num_live = len(case.seq_lens)
+    assert len(case.q_lens) == num_live, case
+    assert all(ql <= n for ql, n in zip(case.q_lens, case.seq_lens)), case
+    max_num_seqs = case.max_num_seqs or max(num_live, 1)
+    num_tokens = case.num_tokens or max(sum(case.q_lens), 1)
+    assert sum(case.q_lens) <= num_tokens and num_live <= max_num_seqs, case
+    base = Case(**{f.name: getattr(case, f.name) for f in dataclasses.fields(Case)
+                   if f.name != "seq_lens"},
+                seq_lens=tuple(case.seq_lens) + (0,) * (max_num_seqs - num_live))
+    (_, k_pages, v_pages, tables, lens), opts = make_inputs(base)
+    rng = np.random.default_rng(case.seed + 1000)
+    lens = np.asarray(lens).copy()
+    lens[num_live:] = rng.integers(0, 2**20, max_num_seqs - num_live)
+    cu = np.zeros(max_num_seqs + 1, np.int32)
+    cu[1:num_live + 1] = np.cumsum(case.q_lens)
+    cu[num_live + 1:] = rng.integers(-5, num_tokens + 50, max_num_seqs - num_live)
+    q = rng.standard_normal((num_tokens, case.num_q_heads, case.head_dim)).astype(np.float32)
+    q[cu[num_live]:] = np.nan
+    args = (jnp.asarray(q, case.q_dtype), k_pages, v_pages, tables, jnp.asarray(lens, jnp.int32),
+            jnp.asarray(cu), jnp.asarray(num_live, jnp.int32))
+    return args, opts
+
+
+def np_ragged_reference(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, num_seqs, **opts):
+    """float64 oracle for a ragged call -> [num_tokens, num_q_heads, head_dim], zero padding rows.
+
+    The query at position p of sequence i is exactly a decode query of a sequence of length
+    p + 1 over the same block table, so every live row is one `np_reference` row."""
+    tables, lens, cu = np.asarray(block_tables), np.asarray(seq_lens), np.asarray(cu_q_lens)
+    rows, row_tables, row_lens = [], [], []
+    for i in range(int(num_seqs)):
+        q_len = int(cu[i + 1] - cu[i])
+        for t in range(q_len):
+            rows.append(int(cu[i]) + t)
+            row_tables.append(tables[i])
+            row_lens.append(int(lens[i]) - q_len + t + 1)
+    out = np.zeros(q.shape, np.float64)
+    if rows:
+        out[rows] = np_reference(jnp.asarray(q)[np.asarray(rows)], k_pages, v_pages,
+                                 np.stack(row_tables), np.asarray(row_lens), **opts)
+    return out

@@ -6,7 +6,6 @@ self-check and fallback run on CPU. AOT selection is tested with the real kernel
 H100/A100 (lowering only: nothing can run for a device that is not here).
 """
 
-import functools
 import sys
 import types
 import warnings
@@ -135,7 +134,7 @@ def test_self_check_runs_outside_the_trace(fake_gpu):
     spec = jpa.decode.decode_spec(args[0], args[1], args[3], soft_cap=None, alibi_slopes=None,
                                   sliding_window=None)
     n = len(calls)
-    assert dispatch.self_check("triton", spec, A100) is None  # memoized: passed, not rerun
+    assert dispatch.self_check("triton", spec, A100, None) is None  # memoized: passed, not rerun
     assert len(calls) == n
 
 
@@ -194,6 +193,28 @@ def test_unsupported_config_routes_to_reference_or_raises(fake_gpu):
         jpa.paged_decode(*args, impl="mosaic")
 
 
+def test_engine_decode_loop_uses_the_kernel(fake_gpu):
+    """The engine's compiled decode loop (a while_loop over the model, jitted with donated state)
+    traces the kernel on a GPU, and its greedy outputs equal the reference engine's."""
+    import models
+    from jpa.engine import EngineConfig, LLMEngine, SamplingParams
+
+    gpt, tok = models.load("tiny-llama", seed=3)
+    cfg = dict(max_seqs=3, page_size=8, num_pages=48, steps_per_call=4, max_model_len=128)
+    params = SamplingParams(max_new_tokens=12, greedy=True, ignore_eos=True)
+    prompts = ["paged attention", "x", "a somewhat longer prompt for the cache"]
+    want = [o.token_ids for o in LLMEngine(models.GPTForEngine(gpt), tok, EngineConfig(**cfg)).generate(
+        prompts, params)]
+    calls = fake_gpu(A100)
+    eng = LLMEngine(models.GPTForEngine(gpt), tok, EngineConfig(**cfg))
+    got = [o.token_ids for o in eng.generate(prompts, params)]
+    assert got == want
+    # Traced once by the self-check's compile, once by its small run, then by each layer of the
+    # decode loop.
+    assert calls == ["fake_triton_good"] * (2 + gpt.config.num_layers)
+    assert eng.summary()["decode_compiles"] == 1
+
+
 def test_resolve_decode_impl_with_shapes_only(fake_gpu):
     """The engine's set-up call: ShapeDtypeStructs of the real shapes, no arrays."""
     fake_gpu(H100)
@@ -238,3 +259,51 @@ def test_aot_target_picks_its_kernel(kind, cores, call):
     assert call in text
     other = "__gpu$xla.gpu.triton" if call == "mosaic_gpu" else "mosaic_gpu"
     assert other not in text
+
+
+def fake_ragged(name, behaviour):
+    mod = types.ModuleType(name)
+    from jpa.ragged import ragged_paged_attention_xla
+
+    def ragged_paged_attention(*args, interpret=False, **opts):
+        def kernel(*a):
+            out = ragged_paged_attention_xla(*a, **opts)
+            return out + 1.0 if behaviour == "wrong" else out
+        kernel.__name__ = name
+        return jax.jit(kernel)(*args)
+
+    mod.ragged_paged_attention = ragged_paged_attention
+    mod.unsupported_reason = lambda spec, cc=None: None
+    return mod
+
+
+@pytest.mark.parametrize("behaviour", ["good", "wrong"])
+def test_ragged_auto_self_checks_like_decode(monkeypatch, behaviour):
+    """ragged_paged_attention(impl="auto") goes through the same dispatch: under jit on a
+    (simulated) A100 it uses a kernel that passes its self-check, and falls back from one that
+    does not, with one warning."""
+    from jpa import ragged
+    name = f"fake_ragged_{behaviour}"
+    monkeypatch.setitem(sys.modules, name, fake_ragged(name, behaviour))
+    monkeypatch.setattr(ragged, "RAGGED", ragged.RAGGED._replace(modules=(("triton", name),)))
+    monkeypatch.setattr(dispatch, "current_target", lambda: A100)
+    dispatch.self_check.cache_clear()
+    rng = np.random.default_rng()
+    q = jnp.asarray(rng.standard_normal((16, 4, 32)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((2, 12, 8, 32)), jnp.float32)
+    tables = jnp.asarray(rng.permutation(12)[:12].reshape(3, 4), jnp.int32)
+    lens, cu = jnp.array([9, 20, 5], jnp.int32), jnp.array([0, 1, 9, 14], jnp.int32)
+    args = (q, k, k, tables, lens, cu, jnp.int32(3))
+    want = np.asarray(ragged.ragged_paged_attention_xla(*args, scale=32 ** -0.5))
+    fn = jax.jit(lambda *a: jpa.ragged_paged_attention(*a))
+    if behaviour == "good":
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            text = str(jax.make_jaxpr(fn)(*args))
+        assert f"name={name}" in text
+    else:
+        with pytest.warns(RuntimeWarning, match="triton ragged kernel failed its self-check.*differs"):
+            text = str(jax.make_jaxpr(fn)(*args))
+        assert f"name={name}" not in text
+    np.testing.assert_allclose(np.asarray(fn(*args)), want, atol=1e-5)
+    dispatch.self_check.cache_clear()

@@ -178,6 +178,7 @@ def test_sampling_params_errors(kwargs, msg):
     (dict(max_seqs=0), "EngineConfig.max_seqs must be an int >= 1"),
     (dict(num_pages=0), "EngineConfig.num_pages must be an int >= 1 or None"),
     (dict(watermark=1.0), r"EngineConfig.watermark must be in \[0, 1\)"),
+    (dict(attention_impl="cuda"), r"EngineConfig.attention_impl must be one of \('auto', 'xla'"),
 ])
 def test_engine_config_errors(kwargs, msg):
     with pytest.raises(ValueError, match=msg):

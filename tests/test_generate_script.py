@@ -57,6 +57,10 @@ def test_jsonl_prompts_to_json_lines(tmp_path, capsys, monkeypatch):
     (["--temperature", "-1"], "temperature must be a finite number >= 0"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["--model", "tiny-llama", "--kv-memory", "0.001", "--no-compile-cache", "x"], "holds no page"),
+    (["--tp", "0"], "--tp must be >= 1; got 0"),
+    (["--coordinator", "h:1"], "--coordinator, --num-processes and --process-id go together"),
+    (["--coordinator", "h:1", "--num-processes", "2", "--process-id", "2"], "--process-id must be in [0, "),
+    (["--model", "tiny-llama", "--tp", "64", "--no-compile-cache", "x"], "tensor_parallel=64 needs 64 devices"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(argv, msg, capsys):
     rc = load_script().main(argv + ["--no-progress"])
@@ -65,6 +69,16 @@ def test_bad_flags_are_one_line_and_exit_2(argv, msg, capsys):
     assert rc == 2 and out == ""
     assert len(lines) == 1 and lines[0].startswith("generate.py: error: ") and msg in lines[0], err
     assert "Traceback" not in err
+
+
+def test_bad_checkpoint_directory_is_one_line_and_exit_2(tmp_path, capsys):
+    (tmp_path / "config.json").write_text('{"model_type": "bert"}')
+    (tmp_path / "tokenizer.json").write_text("{}")
+    rc = load_script().main(["--model", str(tmp_path), "--no-progress", "--no-compile-cache", "hi"])
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if not line.startswith("[jpa] loading")]
+    assert rc == 2 and out == "" and "Traceback" not in err
+    assert len(lines) == 1 and lines[0].startswith(f"generate.py: error: --model {tmp_path}"), err
 
 
 def test_compile_cache_is_on_by_default(tmp_path):

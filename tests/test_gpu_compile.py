@@ -119,3 +119,20 @@ def test_gpu_validate_refuses_without_a_gpu():
                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert proc.returncode == 2
     assert "needs an NVIDIA GPU" in proc.stderr
+
+
+def test_tensor_parallel_engine_steps_compile_for_8_h100s(tmp_path):
+    """A Llama-shaped model (2 of its 32 layers, for time) tensor-parallel over 8 compile-only H100s:
+    the kernel once per layer on every device, exactly two f32[tokens, d_model] all-reduces per
+    layer, nothing with a head axis or a pool dimension moved, the pool shards donated in place."""
+    proc, report = run_check(tmp_path, "--target", "h100", "--only", "tp", "--tp", "8", "--layers", "2")
+    recs = report["records"]
+    assert proc.returncode == 0 and all(r["ok"] for r in recs), [(r["name"], r.get("error") or r["problems"]) for r in recs]
+    decode, prefill = recs
+    assert decode["mosaic_calls"] == 2 and decode["row_parallel_all_reduces"] == 4
+    assert prefill["row_parallel_all_reduces"] == 4
+    assert decode["collectives_per_step"]["all-reduce"]["types"][-1] == "f32[64,4096]"
+    for r in recs:
+        assert r["pool_copies"] == [] and r["alias_bytes"] >= r["pool_bytes"] == r["pool_bytes_per_device"]
+        assert r["pool_spec"] == "P('tp',)" and r["param_specs"]["wo"] == "P('tp', None)"
+        assert "all-to-all" not in r["other_collectives"] and "collective-permute" not in r["other_collectives"]

@@ -36,7 +36,7 @@ def fill_cache(rng, tables, lens, num_kv_heads, page_size, head_dim, num_pages):
     return k_pages, v_pages, ks, vs
 
 
-def reference(q, ks, vs, start, chunk_lens, scale):
+def reference(q, ks, vs, start, chunk_lens, scale, soft_cap=None, sliding_window=None):
     """float64 dense causal attention; q [B, T, N, H]; zeros at padding rows."""
     num_seqs, num_tokens, num_q_heads, head_dim = q.shape
     out = np.zeros(q.shape, np.float64)
@@ -44,10 +44,13 @@ def reference(q, ks, vs, start, chunk_lens, scale):
         q_per_kv = num_q_heads // ks[b].shape[1]
         for t in range(chunk_lens[b]):
             p = start[b] + t
+            lo = 0 if sliding_window is None else max(0, p + 1 - sliding_window)
             for n in range(num_q_heads):
-                k = ks[b][: p + 1, n // q_per_kv]  # [p + 1, H]
-                v = vs[b][: p + 1, n // q_per_kv]
+                k = ks[b][lo: p + 1, n // q_per_kv]  # [p + 1 - lo, H]
+                v = vs[b][lo: p + 1, n // q_per_kv]
                 s = k @ q[b, t, n].astype(np.float64) * scale
+                if soft_cap is not None:
+                    s = soft_cap * np.tanh(s / soft_cap)
                 w = np.exp(s - s.max())
                 out[b, t, n] = (w / w.sum()) @ v
     return out
@@ -96,6 +99,27 @@ def test_long_context_visits_several_chunks_with_custom_scale():
                         jnp.asarray(start, jnp.int32), jnp.asarray(chunk_lens, jnp.int32), scale=0.7)
     want = reference(q, ks, vs, start, chunk_lens, 0.7)
     np.testing.assert_allclose(np.asarray(out), want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("soft_cap,sliding_window,pages_per_seq", [
+    (None, 5, 4), (2.0, None, 4), (1.5, 3, 4), (3.0, 7, 131)])  # 131 pages: the fori_loop path
+def test_soft_cap_and_sliding_window(soft_cap, sliding_window, pages_per_seq):
+    rng = np.random.default_rng(17)
+    page_size, num_kv_heads, head_dim = 4, 2, 16
+    start, chunk_lens = [0, 6, 2], [9, 5, 0]
+    ends = np.array(start) + np.array(chunk_lens)
+    num_pages = 3 * pages_per_seq
+    tables = scattered_tables(rng, 3, pages_per_seq, num_pages)
+    k_pages, v_pages, ks, vs = fill_cache(rng, tables, ends, num_kv_heads, page_size, head_dim, num_pages)
+    # Large logits, so that the cap bends them.
+    q = 3 * rng.normal(size=(3, 9, 4, head_dim)).astype(np.float32)
+    out = paged_prefill(jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages), jnp.asarray(tables),
+                        jnp.asarray(start, jnp.int32), jnp.asarray(chunk_lens, jnp.int32),
+                        soft_cap=soft_cap, sliding_window=sliding_window)
+    want = reference(q, ks, vs, start, chunk_lens, head_dim ** -0.5, soft_cap, sliding_window)
+    np.testing.assert_allclose(np.asarray(out), want, atol=2e-5, rtol=1e-5)
+    plain = reference(q, ks, vs, start, chunk_lens, head_dim ** -0.5)
+    assert np.abs(plain - want).max() > 1e-2  # the option changed the result
 
 
 def test_hand_worked_case():
@@ -207,6 +231,18 @@ def test_value_errors(over, match):
 def test_bad_scale(scale):
     with pytest.raises(ValueError, match=r"scale must be a positive finite Python number"):
         paged_prefill(**_args(), scale=scale)
+
+
+@pytest.mark.parametrize("over,match", [
+    (dict(soft_cap=0.0), r"soft_cap must be a positive finite Python number"),
+    (dict(soft_cap=float("inf")), r"soft_cap must be a positive finite Python number"),
+    (dict(sliding_window=0), r"sliding_window must be a Python int >= 1 or None; got 0"),
+    (dict(sliding_window=2.0), r"sliding_window must be a Python int >= 1 or None; got 2.0"),
+    (dict(sliding_window=True), r"sliding_window must be a Python int >= 1 or None; got True"),
+])
+def test_bad_soft_cap_or_window(over, match):
+    with pytest.raises(ValueError, match=match):
+        paged_prefill(**_args(), **over)
 
 
 def test_unused_table_entries_are_not_checked():

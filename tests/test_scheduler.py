@@ -323,6 +323,17 @@ def test_stop_string_across_tokens(chunks):
     assert not TOK.decode(ids[:kept - 1]).endswith("ld st")
 
 
+@pytest.mark.parametrize("chunks", [[4, 2], [2, 3, 1], [1] * 6, [6]])
+def test_stop_string_followed_by_an_incomplete_character(chunks):
+    """Regression (found by the randomized engine test, seed 241755125): a stop string completed
+    in a round whose text then ended in a partial UTF-8 sequence was only seen a round later, so
+    token_ids ran past the stop."""
+    ids = [105, 105, 105, 143, 143, 72]                  # "iii", two stray continuation bytes, "H"
+    det, pieces, kept = feed_in_chunks(ids, chunks, stop=("iii", "dgb"))
+    assert det.stopped and det.text == "" and "".join(pieces) == ""
+    assert kept == 3                                     # the tokens kept end at the third "i"
+
+
 def test_stop_string_never_matches_special_token_names():
     det = IncrementalDetokenizer(TOK, ("<eos>",))
     assert det.add([ord("a"), EOS, ord("b")]) == 3 and not det.stopped

@@ -143,7 +143,7 @@ def test_chat_streaming_and_not(live):
     r = live.client.chat.completions.create(**kw)
     c = r.choices[0]
     assert c.message.role == "assistant" and c.finish_reason in ("stop", "length")
-    assert r.usage.prompt_tokens == len(live.tok.encode(live.tok.apply_chat_messages(msgs)))
+    assert r.usage.prompt_tokens == len(live.tok.encode(live.tok.render_chat(msgs)))
     chunks = list(live.client.chat.completions.create(stream=True, **kw))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == c.message.content

@@ -175,7 +175,7 @@ def test_chat_template_matches_transformers(tok, key):
     assert tok.apply_chat_template(e["user"], system=e["system"]) == e["text"]
     msgs = ([] if e["system"] is None else [{"role": "system", "content": e["system"]}]) + \
         [{"role": "user", "content": e["user"]}]
-    assert tok.apply_chat_messages(msgs) == e["text"]  # the server's renderer agrees with the golden text
+    assert tok.render_chat(msgs) == e["text"]  # the server's renderer agrees with the golden text
 
 
 def test_chat_messages_multi_turn(tok):
@@ -185,11 +185,11 @@ def test_chat_messages_multi_turn(tok):
     want = ("<|im_start|>system\n" + tok.default_system_prompt + "<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
             "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nName a river.<|im_end|>\n"
             "<|im_start|>assistant\n")
-    assert tok.apply_chat_messages(msgs) == want
+    assert tok.render_chat(msgs) == want
     with pytest.raises(ValueError, match="must not be empty"):
-        tok.apply_chat_messages([])
+        tok.render_chat([])
     with pytest.raises(ValueError, match=r"messages\[1\]"):
-        tok.apply_chat_messages([{"role": "user", "content": "a"}, {"role": "user"}])
+        tok.render_chat([{"role": "user", "content": "a"}, {"role": "user"}])
 
 
 def test_tokenizer_properties(tok):
@@ -223,7 +223,7 @@ def test_byte_tokenizer():
     assert bt.decode(ids, skip_special_tokens=True) == "hi\ufffd"
     assert bt.decode(ids) == "hi<bos><eos>\ufffd"
     assert bt.apply_chat_template("hi") == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-    assert bt.apply_chat_messages([{"role": "user", "content": "hi"}]) == bt.apply_chat_template("hi")
+    assert bt.render_chat([{"role": "user", "content": "hi"}]) == bt.apply_chat_template("hi")
     with pytest.raises(ValueError, match="vocab_size = 512"):
         bt.decode([512])
 

@@ -37,17 +37,21 @@ class IncrementalDetokenizer:
     def _decode(self, ids) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _advance(self, new_ids, final: bool) -> str:
-        """Adds tokens to the window; returns the text they complete (held back while incomplete)."""
+    def _advance(self, new_ids, final: bool) -> tuple[str, str]:
+        """Adds tokens to the window. Returns (delta, visible): delta is the text they complete
+        ("" while the window ends in an incomplete character: held back), visible also includes
+        the held-back text before that character, for the stop search. A stop string must be
+        found in the round its last token arrives, even when a partial character follows it."""
         self._window.extend(new_ids)
         full = self._decode(self._window)
         if full.endswith("\ufffd") and not final:
-            return ""  # maybe the middle of a multi-byte character: wait for the next token
+            # Maybe the middle of a multi-byte character: wait for the next token.
+            return "", full.rstrip("\ufffd")[len(self._prefix_text):]
         delta = full[len(self._prefix_text):]
         self._window = self._window[self._read:]
         self._read = len(self._window)
         self._prefix_text = self._decode(self._window)
-        return delta
+        return delta, delta
 
     def _find_stop(self, new_text: str) -> int | None:
         """Earliest start (in self.text + new_text) of a stop string that ends inside new_text.
@@ -75,23 +79,24 @@ class IncrementalDetokenizer:
             return 0
         new_ids = list(new_ids)
         if not self.stop:
-            self.text += self._advance(new_ids, final)
+            self.text += self._advance(new_ids, final)[0]
             return len(new_ids)
         saved = (list(self._window), self._read, self._prefix_text)
-        delta = self._advance(new_ids, final)
-        cut = self._find_stop(delta)
+        delta, visible = self._advance(new_ids, final)
+        cut = self._find_stop(visible)
         if cut is None:
             self.text += delta
             return len(new_ids)
         # Rare (once per request): replay token by token to find the token that completed it.
         self._window, self._read, self._prefix_text = saved
-        partial, kept = "", len(new_ids)
+        done, kept = "", len(new_ids)
         for i, t in enumerate(new_ids):
-            partial += self._advance([t], final and i == len(new_ids) - 1)
-            if self._find_stop(partial) is not None:
+            d, vis = self._advance([t], final and i == len(new_ids) - 1)
+            if self._find_stop(done + vis) is not None:
                 kept = i + 1
                 break
-        self.text, self.stopped = (self.text + delta)[:cut], True
+            done += d
+        self.text, self.stopped = (self.text + visible)[:cut], True
         return kept
 
     def take_delta(self, finished: bool) -> str:

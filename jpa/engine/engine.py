@@ -27,6 +27,10 @@ from jpa.engine.request import Request, RequestOutput, Status, StepOutput
 from jpa.engine.runner import ModelRunner, RowParams
 from jpa.engine.sampling import SamplingParams
 from jpa.engine.scheduler import PrefillBatch, Progress, Scheduler
+from jpa.sharding import tp_mesh
+
+
+ATTENTION_IMPLS = ("auto", "xla", "triton", "mosaic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +48,14 @@ class EngineConfig:
         requests can grow before anyone is preempted.
       max_prefill_tokens: padded tokens (rows x width) per prefill call.
       cache_dtype: KV cache dtype; None = the model's dtype.
+      attention_impl: decode attention backend ("auto", "xla", "triton", "mosaic"); "auto" picks
+        the Pallas kernel for the GPU the decode loop is compiled for, after a one-time
+        self-check at the loop's exact shapes, and the plain-JAX path elsewhere. The summary's
+        "attention" field says what the compiled loop runs.
+      tensor_parallel: devices the model and the KV pool are sharded over (a "tp" mesh of the
+        first N of jax.devices()); the model must offer `shard(mesh)` (models.GPTForEngine
+        does). kv_memory_bytes is then the budget of EACH device (each holds its heads of every
+        page). See README "Tensor parallelism".
     """
     max_seqs: int = 16
     page_size: int = 16
@@ -54,9 +66,11 @@ class EngineConfig:
     watermark: float = 0.01
     max_prefill_tokens: int = 2048
     cache_dtype: str | None = None
+    attention_impl: str = "auto"
+    tensor_parallel: int = 1
 
     def __post_init__(self):
-        for name in ("max_seqs", "page_size", "steps_per_call", "max_prefill_tokens"):
+        for name in ("max_seqs", "page_size", "steps_per_call", "max_prefill_tokens", "tensor_parallel"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"EngineConfig.{name} must be an int >= 1; got {v!r}")
@@ -68,6 +82,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.kv_memory_bytes must be an int >= 1; got {self.kv_memory_bytes!r}")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"EngineConfig.watermark must be in [0, 1); got {self.watermark!r}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"EngineConfig.attention_impl must be one of {ATTENTION_IMPLS}; "
+                             f"got {self.attention_impl!r}")
 
 
 @dataclasses.dataclass
@@ -112,8 +129,16 @@ class LLMEngine:
 
     def __init__(self, model: EngineModel, tokenizer, config: EngineConfig = EngineConfig()):
         check_model(model)
+        self.mesh = None
+        if config.tensor_parallel > 1:
+            if not callable(getattr(model, "shard", None)):
+                raise TypeError(f"EngineConfig.tensor_parallel={config.tensor_parallel} needs a model with "
+                                f"shard(mesh) (models.GPTForEngine has it); {type(model).__name__} has none")
+            self.mesh = tp_mesh(config.tensor_parallel)
+            model = model.shard(self.mesh)
+            check_model(model)
         self.model, self.tokenizer, self.config = model, tokenizer, config
-        mc = model.config
+        mc = model.config  # under tensor parallelism: the head counts the shards hold
         self.max_model_len = min(config.max_model_len or mc.max_seq_len, mc.max_seq_len)
         self.pages_per_seq = -(-self.max_model_len // config.page_size)
         dtype = config.cache_dtype or np.dtype(model.dtype).name
@@ -122,7 +147,7 @@ class LLMEngine:
                                             config.num_pages, config.page_size, dtype)
         else:
             self.cache_config = CacheConfig.from_memory(
-                config.kv_memory_bytes, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
+                config.kv_memory_bytes * config.tensor_parallel, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
                 head_dim=mc.head_dim, page_size=config.page_size, dtype=dtype)
         self.num_pages = self.cache_config.num_pages
         # A sequence must be able to reach its length limit alone in the pool, or preemption
@@ -132,7 +157,8 @@ class LLMEngine:
         self.stop_ids = frozenset(i for i in stop_ids if i is not None)
         self.runner = ModelRunner(model, self.cache_config, max_seqs=config.max_seqs,
                                   pages_per_seq=self.pages_per_seq,
-                                  steps_per_call=config.steps_per_call, stop_ids=self.stop_ids)
+                                  steps_per_call=config.steps_per_call, stop_ids=self.stop_ids,
+                                  attention_impl=config.attention_impl, mesh=self.mesh)
         self.scheduler = Scheduler(
             max_seqs=config.max_seqs, page_size=config.page_size, num_pages=self.num_pages,
             max_model_len=self.max_model_len, steps_per_call=config.steps_per_call,
@@ -383,4 +409,8 @@ class LLMEngine:
             "kv_utilization": s.kv_utilization,
             "preemptions": s.preemptions,
             "kv_cache": self.cache_config.describe(),
+            "attention": self.runner.attention,  # what the compiled decode loop runs (None before)
+            "tensor_parallel": self.config.tensor_parallel,
+            "head_plan": (getattr(self.model, "head_plan", None).describe()
+                          if getattr(self.model, "head_plan", None) is not None else None),
         }

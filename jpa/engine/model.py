@@ -7,13 +7,14 @@ closed over, so weights are not baked into the executable as constants) and the 
 
 from typing import Any, Protocol, runtime_checkable
 
-SIZE_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "vocab_size", "max_seq_len")
+SIZE_FIELDS = ("num_layers", "num_q_heads", "num_kv_heads", "head_dim", "vocab_size", "max_seq_len")
 
 
 @runtime_checkable
 class ModelSizes(Protocol):
     """The sizes the engine reads off a model's config (all ints >= 1)."""
     num_layers: int
+    num_q_heads: int
     num_kv_heads: int
     head_dim: int
     vocab_size: int
@@ -32,6 +33,12 @@ class EngineModel(Protocol):
     Both functions must be pure and traceable under `jax.jit` (the engine traces them once per
     shape), read and write `cache` (a `jpa.KVCache` of `config.num_layers` layers) and return
     (logits, cache).
+
+    Optional, for `EngineConfig(tensor_parallel=N)`: `shard(mesh) -> EngineModel`, the model on
+    a `jax.sharding.Mesh` with a "tp" axis: params placed on it, attention run per device on its
+    kv heads (`jpa.sharding.head_parallel`), and `config.num_kv_heads` the head count the pool
+    must hold (a multiple of N). The engine shards the pool on that head axis and replicates
+    everything else. `models.GPTForEngine` has it.
     """
     config: ModelSizes
     dtype: Any
@@ -53,7 +60,7 @@ class EngineModel(Protocol):
           (f32[num_seqs, vocab_size] logits at each row's last valid token, the updated cache).
         """
 
-    def decode(self, params, cache, tokens, seq_lens, slot_mapping, block_tables):
+    def decode(self, params, cache, tokens, seq_lens, slot_mapping, block_tables, *, impl="auto"):
         """One new token per sequence: write its K/V first, then attend over seq_lens tokens.
 
         Args:
@@ -63,6 +70,7 @@ class EngineModel(Protocol):
           seq_lens: i32[num_seqs]; tokens in the cache including the new one (0 = idle slot).
           slot_mapping: i32[num_seqs]; cache slot of the new token (-1 = idle slot).
           block_tables: i32[num_seqs, pages_per_seq].
+          impl: the `jpa.paged_decode` implementation to use ("auto", "xla", "triton", "mosaic").
 
         Returns:
           (f32[num_seqs, vocab_size] logits, the updated cache).

@@ -13,6 +13,18 @@ page count and seq_lens: the scheduler's only source of page counts.
 The model is anything that meets `jpa.engine.model.EngineModel`; its params are an argument of
 every compiled function (never a closed-over constant) and the cache, page state and slots are
 donated.
+
+Attention backend: the decode loop passes `attention_impl` to the model's decode. With "auto",
+`jpa.paged_decode` picks the kernel for the device the loop is compiled for while the loop is
+traced, with the loop's exact shapes (the self-check runs concretely then, once per
+configuration). What was picked is read off the compiled program (`attention`), so the summary
+reports what actually runs.
+
+Tensor parallelism (`mesh` with a "tp" axis): the cache pools are sharded on their kv-head axis;
+page state, slots and every host input are replicated, so page allocation, sampling and stop
+checks run identically on every device and the host reads one copy. The model (sharded by its
+`shard(mesh)`) runs attention per device. Every compiled call pins its outputs to the same
+shardings as its inputs, so one executable serves every call.
 """
 
 import dataclasses
@@ -28,6 +40,7 @@ from jpa import pages
 from jpa.cache import CacheConfig, KVCache
 from jpa.engine.model import EngineModel, check_model
 from jpa.engine.sampling import sample_with_logprobs
+from jpa.sharding import POOL, REPLICATED, named
 
 
 @flax.struct.dataclass
@@ -72,25 +85,66 @@ def _finished(slots, next_tok, seq_lens, stop_ids):
     return is_stop | (slots.num_generated >= slots.max_new) | (seq_lens + 1 >= slots.max_len)
 
 
+# Custom-call targets of the Pallas GPU kernels in a compiled program's HLO.
+KERNEL_CALLS = (("mosaic", 'custom_call_target="mosaic_gpu'), ("triton", 'custom_call_target="__gpu$xla.gpu.triton"'))
+DONATE = (1, 2, 3)  # cache, page state, slots: updated in place by every compiled call
+# Outputs of the compiled calls: (cache, page state, slots, tokens, logprobs, steps, free, seq_lens) for
+# decode; (cache, page state, slots, tokens, logprobs, done, ok, free, seq_lens) for prefill.
+DECODE_OUTPUTS, PREFILL_OUTPUTS = 8, 9
+
+
+def attention_in(hlo_text: str) -> str:
+    """Which attention implementation a compiled program runs: "mosaic", "triton" or "xla"."""
+    return next((name for name, call in KERNEL_CALLS if call in hlo_text), "xla")
+
+
 class ModelRunner:
-    """Owns the device state of one engine and the compiled functions that advance it."""
+    """Owns the device state of one engine and the compiled functions that advance it.
+
+    With `allocate=False` the state is abstract (`jax.ShapeDtypeStruct`s, nothing allocated): such
+    a runner only serves `state()` and the traced `_decode_impl`/`_prefill_impl`, e.g. to compile
+    the engine's steps for a GPU that is not attached (scripts/gpu_compile_check.py).
+    """
 
     def __init__(self, model: EngineModel, cache_config: CacheConfig, *, max_seqs: int, pages_per_seq: int,
-                 steps_per_call: int, stop_ids):
+                 steps_per_call: int, stop_ids, attention_impl: str = "auto", allocate: bool = True,
+                 mesh=None):
         check_model(model)
+        self.mesh = mesh
         self.model, self.params = model, model.params
         self.cache_config = cache_config
         self.max_seqs, self.pages_per_seq, self.steps_per_call = max_seqs, pages_per_seq, steps_per_call
-        self.cache = KVCache.create(cache_config)
-        self.page_state = pages.init(cache_config.num_pages, max_seqs, pages_per_seq, cache_config.page_size)
-        self.slots = Slots.empty(max_seqs)
+        self.attention_impl = attention_impl
+        self.attention = None  # the implementation in the compiled decode loop, once compiled
+        self._pool = None if mesh is None else named(mesh, POOL)
+        self._rep = None if mesh is None else named(mesh, REPLICATED)
+        make = lambda f, sharding: self._make(f, sharding, allocate)  # noqa: E731
+        self.cache = make(lambda: KVCache.create(cache_config), self._pool)
+        self.page_state = make(lambda: pages.init(cache_config.num_pages, max_seqs, pages_per_seq,
+                                                  cache_config.page_size), self._rep)
+        self.slots = make(lambda: Slots.empty(max_seqs), self._rep)
         self.stop_ids = jnp.asarray(sorted(set(stop_ids)) or [-1], jnp.int32)
         self.decode_traces = 0
         self.prefill_traces = 0
         self.compile_seconds = 0.0
         self._decode_exe = None
         self._prefill_exe = {}
-        self._retire = jax.jit(self._retire_impl, donate_argnums=(0, 1))
+        self._retire = jax.jit(self._retire_impl, donate_argnums=(0, 1),
+                               **({} if mesh is None else dict(out_shardings=self._rep)))
+
+    def _make(self, f, sharding, allocate):
+        """f() (device state), created directly in `sharding` under a mesh (never whole on one device)."""
+        if not allocate:
+            shapes = jax.eval_shape(f)
+            if sharding is None:
+                return shapes
+            return jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+                                          shapes)
+        return f() if sharding is None else jax.jit(f, out_shardings=sharding)()
+
+    def _put(self, tree):
+        """Host inputs of a compiled call, replicated over the mesh (as they are given without one)."""
+        return tree if self.mesh is None else jax.device_put(tree, self._rep)
 
     # ------------------------------------------------------------------ traced functions
 
@@ -138,7 +192,8 @@ class ModelRunner:
             i, cache, ps, slots, out, out_lp, nxt = carry
             ps, slot_mapping, _ = nxt
             seq_lens = jnp.where(slots.active, ps.seq_lens, 0)
-            logits, cache = self.model.decode(params, cache, slots.tokens, seq_lens, slot_mapping, ps.block_tables)
+            logits, cache = self.model.decode(params, cache, slots.tokens, seq_lens, slot_mapping, ps.block_tables,
+                                              impl=self.attention_impl)
             tok, lp = sample_with_logprobs(logits, slots.temperature, slots.top_k, slots.top_p, slots.seed,
                          slots.num_generated)
             act = slots.active
@@ -176,11 +231,33 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ host entry points
 
-    def _compile(self, fn, *args):
+    def jit_options(self, num_outputs: int) -> dict:
+        """jax.jit options of a compiled call (decode: 7 outputs, prefill: 8): state donated and, under a
+        mesh, outputs pinned (the cache keeps its head sharding, everything else replicated)."""
+        if self.mesh is None:
+            return dict(donate_argnums=DONATE)
+        return dict(donate_argnums=DONATE, out_shardings=(self._pool,) + (self._rep,) * (num_outputs - 1))
+
+    def _compile(self, fn, *args, num_outputs):
         t0 = time.perf_counter()
-        exe = jax.jit(fn, donate_argnums=(1, 2, 3)).lower(*args).compile()
+        exe = jax.jit(fn, **self.jit_options(num_outputs)).lower(*args).compile()
         self.compile_seconds += time.perf_counter() - t0
         return exe
+
+    def state(self):
+        """(params, cache, page_state, slots): the leading arguments of every compiled call."""
+        return self.params, self.cache, self.page_state, self.slots
+
+    def prefill_inputs(self, num_rows: int, width: int):
+        """ShapeDtypeStructs of a prefill call's own inputs (tokens, seq ids, lengths, row params)."""
+        sds = jax.ShapeDtypeStruct
+        rows = {f.name: sds((num_rows,), jnp.float32 if f.name in ("temperature", "top_p")
+                            else jnp.bool_ if f.name == "ignore_eos" else jnp.int32)
+                for f in dataclasses.fields(RowParams)}
+        out = (sds((num_rows, width), jnp.int32), sds((num_rows,), jnp.int32), sds((num_rows,), jnp.int32), rows)
+        if self.mesh is None:
+            return out
+        return jax.tree_util.tree_map(lambda s: sds(s.shape, s.dtype, sharding=self._rep), out)
 
     def decode(self):
         """Runs up to steps_per_call decode steps.
@@ -189,9 +266,10 @@ class ModelRunner:
         max_seqs] of those tokens, free pages, seq_lens i32[max_seqs], active bool[max_seqs]) in one
         device->host transfer.
         """
-        args = (self.params, self.cache, self.page_state, self.slots)
+        args = self.state()
         if self._decode_exe is None:
-            self._decode_exe = self._compile(self._decode_impl, *args)
+            self._decode_exe = self._compile(self._decode_impl, *args, num_outputs=DECODE_OUTPUTS)
+            self.attention = attention_in(self._decode_exe.as_text())
         self.cache, self.page_state, self.slots, out, lp, steps, free, lens = self._decode_exe(*args)
         out, lp, steps, free, lens, active = jax.device_get((out, lp, steps, free, lens, self.slots.active))
         return out[: int(steps)], lp[: int(steps)], int(free), lens, active
@@ -218,11 +296,11 @@ class ModelRunner:
         for r, p in enumerate(rows):
             for name in cols:
                 cols[name][r] = getattr(p, name)
-        args = (self.params, self.cache, self.page_state, self.slots, jnp.asarray(tokens),
-                jnp.asarray(ids), jnp.asarray(lens), {k: jnp.asarray(v) for k, v in cols.items()})
+        args = (self.params, self.cache, self.page_state, self.slots) + self._put(
+            (jnp.asarray(tokens), jnp.asarray(ids), jnp.asarray(lens), {k: jnp.asarray(v) for k, v in cols.items()}))
         key = (num_rows, width)
         if key not in self._prefill_exe:
-            self._prefill_exe[key] = self._compile(self._prefill_impl, *args)
+            self._prefill_exe[key] = self._compile(self._prefill_impl, *args, num_outputs=PREFILL_OUTPUTS)
         self.cache, self.page_state, self.slots, tok, lp, done, ok, free, lens = self._prefill_exe[key](*args)
         tok, lp, done, ok, free, lens = jax.device_get((tok, lp, done, ok, free, lens))
         return tok[:n], lp[:n], done[:n], bool(ok), int(free), lens
@@ -234,7 +312,7 @@ class ModelRunner:
         """
         ids = np.full((self.max_seqs,), -1, np.int32)
         ids[: len(seq_ids)] = seq_ids
-        self.page_state, self.slots = self._retire(self.page_state, self.slots, jnp.asarray(ids))
+        self.page_state, self.slots = self._retire(self.page_state, self.slots, self._put(jnp.asarray(ids)))
         free, lens = jax.device_get((self.page_state.num_free, self.page_state.seq_lens))
         return int(free), lens
 

@@ -1,4 +1,4 @@
-"""Math shared by the Pallas decode kernels (plain jnp; runs outside the kernels).
+"""Math shared by the Pallas kernels (plain jnp; runs outside the kernels).
 
 Split-K (flash-decoding / vLLM v2): each partition of a sequence's keys produces an
 unnormalized accumulator acc_p, its running max m_p and running sum l_p. The partitions are
@@ -33,3 +33,81 @@ def merge_partitions(acc, m, l, out_dtype):
     acc_tot = jnp.sum(w[..., None] * acc, axis=-3)  # [..., rows, head_dim]
     out = jnp.where(l_tot[..., None] > 0, acc_tot / jnp.where(l_tot > 0, l_tot, 1.0)[..., None], 0.0)
     return out.astype(out_dtype)
+
+
+def max_query_tiles(num_tokens: int, max_num_seqs: int, tile_tokens: int) -> int:
+    """Tile slots that hold any batch: sequences with q_len_i summing to at most num_tokens,
+    at most max_num_seqs of them, cut into tiles of tile_tokens, make at most
+    sum_i ceil(q_len_i / tile_tokens) <= (num_tokens + max_num_seqs * (tile_tokens - 1)) / tile_tokens
+    tiles, and never more than num_tokens (every tile holds a token)."""
+    return max(1, min(num_tokens, (num_tokens + max_num_seqs * (tile_tokens - 1)) // tile_tokens))
+
+
+def query_tiles(cu_q_lens, seq_lens, num_seqs, *, num_tokens, tile_tokens, num_tiles,
+                skip_last=False):
+    """Cuts each live sequence's query rows into tiles of at most `tile_tokens` tokens.
+
+    A tile never spans two sequences, so a tile's keys are one sequence's pages. The map is a
+    few vector ops on i32[max_num_seqs] (a cumsum and a search), run as plain JAX before the
+    kernel; rows past cu_q_lens[num_seqs] (padding) get no tile.
+
+    Args:
+      cu_q_lens: i32[max_num_seqs + 1]; sequence i owns rows cu_q_lens[i]:cu_q_lens[i + 1].
+      seq_lens: i32[max_num_seqs], tokens cached per sequence (its query rows are the last ones).
+      num_seqs: i32[], live sequences; entries past it are ignored.
+      num_tokens: T, rows of q (static). Tiles are clamped into [0, T) whatever the data.
+      tile_tokens: query tokens per tile (static).
+      num_tiles: tile slots (static), e.g. `max_query_tiles(...)`.
+      skip_last: leave out each sequence's last query row.
+
+    Returns:
+      (seq, row0, ntok, pos0), each i32[num_tiles]: tile w holds query rows
+      row0[w] + [0, ntok[w]) of sequence seq[w], at positions pos0[w] + [0, ntok[w]) of that
+      sequence. Live tiles come first, in row order; the other slots have ntok = 0 and seq,
+      row0, pos0 = 0.
+    """
+    max_num_seqs = seq_lens.shape[0]
+    live = jnp.arange(max_num_seqs, dtype=jnp.int32) < num_seqs  # [max_num_seqs]
+    q_lens = jnp.where(live, jnp.maximum(cu_q_lens[1:] - cu_q_lens[:-1], 0), 0)  # i32[max_num_seqs]
+    rows = jnp.maximum(q_lens - 1, 0) if skip_last else q_lens  # i32[max_num_seqs]
+    n = (rows + tile_tokens - 1) // tile_tokens  # i32[max_num_seqs], tiles per sequence
+    ends = jnp.cumsum(n)  # i32[max_num_seqs], inclusive
+    w = jnp.arange(num_tiles, dtype=jnp.int32)  # i32[num_tiles]
+    seq = jnp.minimum(jnp.searchsorted(ends, w, side="right"), max_num_seqs - 1).astype(jnp.int32)
+    local = w - (ends - n)[seq]  # i32[num_tiles], tile index within its sequence
+    ntok = jnp.clip(rows[seq] - local * tile_tokens, 0, tile_tokens)
+    ntok = jnp.where(w < ends[-1], ntok, 0)  # i32[num_tiles]
+    live_tile = ntok > 0
+    row0 = jnp.clip(cu_q_lens[seq] + local * tile_tokens, 0, num_tokens - ntok)
+    pos0 = jnp.maximum(seq_lens[seq] - q_lens[seq] + local * tile_tokens, 0)
+    zero = jnp.zeros_like(w)
+    return (jnp.where(live_tile, seq, zero), jnp.where(live_tile, row0, zero), ntok,
+            jnp.where(live_tile, pos0, zero))
+
+
+def last_rows(cu_q_lens, num_seqs, *, num_tokens):
+    """Each sequence's last query row: a decode query at position seq_len - 1.
+
+    Returns:
+      (row i32[max_num_seqs], has_rows bool[max_num_seqs]): row clamped into [0, num_tokens);
+      has_rows false for sequences past num_seqs or with q_len 0.
+    """
+    max_num_seqs = cu_q_lens.shape[0] - 1
+    live = jnp.arange(max_num_seqs, dtype=jnp.int32) < num_seqs  # [max_num_seqs]
+    has_rows = live & (cu_q_lens[1:] > cu_q_lens[:-1])  # [max_num_seqs]
+    return jnp.clip(cu_q_lens[1:] - 1, 0, num_tokens - 1), has_rows
+
+
+def decode_last_rows(decode_fn, q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, num_seqs,
+                     **opts):
+    """Runs `decode_fn` (a paged_decode implementation) on every sequence's last query row.
+
+    Returns [num_tokens, num_q_heads, head_dim] in q's dtype: those rows filled, all others zero.
+    """
+    num_tokens = q.shape[0]
+    row, has_rows = last_rows(cu_q_lens, num_seqs, num_tokens=num_tokens)
+    q_last = jnp.where(has_rows[:, None, None], q[row], 0)  # [max_num_seqs, N, H]; padding may be NaN
+    out_last = decode_fn(q_last, k_pages, v_pages, block_tables, jnp.where(has_rows, seq_lens, 0),
+                         **opts)  # [max_num_seqs, N, H]
+    out = jnp.zeros(q.shape, q.dtype)  # [T, N, H]
+    return out.at[jnp.where(has_rows, row, num_tokens)].set(out_last, mode="drop")

@@ -1,4 +1,4 @@
-"""The static description of one paged-decode call, shared by dispatch and kernels."""
+"""The static description of one paged-decode or ragged call, shared by dispatch and kernels."""
 
 from typing import NamedTuple
 
@@ -20,6 +20,33 @@ class DecodeSpec(NamedTuple):
     # limits (32-bit offsets) depend on num_pages. Defaults describe a small call.
     num_seqs: int = 1
     num_pages: int = 1
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def pool_elements(self) -> int:
+        """Elements of one page pool (K or V): num_kv_heads * num_pages * page_size * head_dim."""
+        return self.num_kv_heads * self.num_pages * self.page_size * self.head_dim
+
+
+class RaggedSpec(NamedTuple):
+    """Everything about a ragged_paged_attention call that is fixed at trace time (hashable)."""
+    q_dtype: str          # numpy dtype name of q
+    cache_dtype: str      # numpy dtype name of k_pages / v_pages
+    num_tokens: int       # T, the static token budget (q.shape[0])
+    max_num_seqs: int     # rows of block_tables / entries of seq_lens
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    pages_per_seq: int
+    num_pages: int
+    soft_cap: bool
+    alibi: bool
+    sliding_window: bool
+    quantized: bool
 
     @property
     def q_per_kv(self) -> int:

@@ -42,7 +42,7 @@ def build_app(engine: AsyncEngine, tokenizer, *, model_name: str, api_key: str |
 
     Args:
       engine: a started AsyncEngine.
-      tokenizer: the engine's tokenizer (encode, decode, apply_chat_messages).
+      tokenizer: the engine's tokenizer (encode, decode, render_chat).
       model_name: the `model` value requests must name (else 404).
       api_key: if set, every endpoint but /health needs `Authorization: Bearer <api_key>`.
       max_n: largest `n` accepted (larger: 400).
@@ -207,7 +207,7 @@ class _API:
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise APIError(400, "give 'max_tokens' or 'max_completion_tokens', not both", param="max_tokens")
         try:
-            text = self.tok.apply_chat_messages(chat_messages(body))
+            text = self.tok.render_chat(chat_messages(body))
         except ValueError as e:
             raise APIError(400, f"'messages': {e}", param="messages") from None
         prompts = [self.tok.encode(text)]

@@ -1,0 +1,342 @@
+"""Ragged paged attention as Pallas Mosaic GPU kernels (Hopper, sm_90+).
+
+The same split as `triton_ragged`, in one jitted program over the whole page pools:
+
+1. Every sequence's LAST query row (every decode token) goes through the Mosaic decode kernel
+   (`mosaic_decode`, with its split-K partitions).
+2. The other rows go through this file's kernel, grid (num_tiles, num_kv_heads). A tile is up to
+   BLOCK_Q // q_per_kv consecutive query tokens of ONE sequence (`query_tiles`, plain JAX in the
+   wrapper). GQA is packed into WGMMA's 64 rows: q is laid out [kv head, token, q_per_kv, H] by
+   the wrapper (a copy of q, which is small next to the cache), so a tile's rows
+   (token r // q_per_kv, head r % q_per_kv) are 64 consecutive rows: one TMA.
+
+Program (w, h) walks its sequence's keys a block (>= 64 tokens, whole pages, each copied GMEM ->
+SMEM by its own TMA through the block table) at a time from the first key any row may see (sliding
+window) to its last query position, with `mosaic_decode`'s buffering (`slots` blocks, slots - 1 in
+flight), dtype widening for 8-bit caches, online softmax and in-place P @ V accumulation (GPU
+interpret mode: the same math through SMEM, as in mosaic_decode). Each row is masked causally and by
+the window on the WGMMA-layout registers; as some rows may see no key of a block, masked p are
+zeroed explicitly. V rows outside the tile's key range are zeroed in SMEM (0 * NaN is NaN).
+
+Each live program writes its 64 output rows (normalized, q's dtype) to its own slot of a
+[num_tiles, K, 64, H] buffer (a TMA store needs a static row count, and tiles of different
+sequences are adjacent in q's rows); the wrapper gathers the live rows back into [T, N, H].
+Tile slots past the live count skip their loads and their store.
+
+Rejected: everything `mosaic_decode.unsupported_reason` rejects (the same WGMMA, TMA and SMEM
+limits apply to both kernels).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jpa.pallas import mosaic_decode
+from jpa.pallas.common import MASK_VALUE, decode_last_rows, max_query_tiles, query_tiles
+from jpa.pallas.mosaic_decode import BLOCK_Q, _block_pages, _operand_transforms, _widen, num_slots
+from jpa.pallas.spec import RaggedSpec
+
+# Placeholder operand for absent optional inputs (Mosaic GPU kernels take a fixed operand list).
+_PLACEHOLDER_ROWS = 8
+
+
+def unsupported_reason(spec: RaggedSpec, compute_capability: float | None = None) -> str | None:
+    """Why these kernels cannot serve `spec` on a GPU of `compute_capability` (None: skip the
+    device check), or None when they can: the decode kernel's limits, which cover this one's."""
+    return mosaic_decode.unsupported_reason(spec, compute_capability)
+
+
+def tile_tokens(q_per_kv: int) -> int:
+    """Query tokens per tile: as many as fill BLOCK_Q rows with their q_per_kv heads."""
+    return BLOCK_Q // q_per_kv
+
+
+def _kernel(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref, pos0_ref, slopes_ref,
+            ks_ref, vs_ref, out_ref, bars, *, scale, soft_cap, sliding_window, q_per_kv,
+            page_size, block_pages, slots, rows_per_head, register_acc):
+    # q_ref [K * rows_per_head, H]: kv head h's rows start at h * rows_per_head, token t's
+    #   q_per_kv heads at + t * q_per_kv (rows_per_head = T * q_per_kv + BLOCK_Q, padded).
+    # k_ref, v_ref [K, P, S_p, H]; tables_ref i32[max_num_seqs, pages_per_seq];
+    # seq_ref, row0_ref, ntok_ref, pos0_ref i32[num_tiles]; slopes_ref f32[K, BLOCK_Q] or None;
+    # ks_ref, vs_ref f32[K, P, S_p] or None; out_ref [num_tiles, K, BLOCK_Q, H] in q's dtype.
+    # register_acc: as in mosaic_decode, the hardware path (P @ V accumulated in place, p a
+    # register operand); False in GPU interpret mode (p through SMEM, a fresh accumulator added).
+    q_bar, k_bars, v_bars = bars
+    w = lax.axis_index("tile")
+    kh = lax.axis_index("kv_head")
+    _, num_pages, _, head_dim = k_ref.shape
+    pages_per_seq = tables_ref.shape[1]
+    block_tokens = block_pages * page_size
+    dtype = q_ref.dtype
+    quantized = ks_ref is not None
+    col_layout = plgpu.Layout.WGMMA.reduce(0)
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+    seq, row0, ntok, pos0 = seq_ref[w], row0_ref[w], ntok_ref[w], pos0_ref[w]
+    # Keys some row of the tile sees: [kv_lo, kv_end); kv_end - 1 is the last query position.
+    kv_end = pos0 + ntok
+    kv_lo = jnp.maximum(pos0 - sliding_window + 1, 0) if sliding_window is not None else jnp.int32(0)
+    lo = lax.div(kv_lo, block_tokens)
+    hi = jnp.where(ntok > 0, lax.div(kv_end + block_tokens - 1, block_tokens), lo)
+    num_steps = jnp.maximum(hi - lo, 0)
+
+    def main_loop(q_smem, k_smem, v_smem, p_smem, slopes_smem, kd_smem, vd_smem, ks_smem,
+                  vs_smem):
+        # As in mosaic_decode: q_smem [BLOCK_Q, H]; k_smem, v_smem [slots, S, H]; p_smem
+        # [BLOCK_Q, S] (interpret mode only, else None); slopes_smem f32[BLOCK_Q] or None; quantized: kd/vd_smem [S, H] in q's
+        # dtype, ks/vs_smem f32[slots, S]. S = block_tokens.
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(kh * rows_per_head + row0 * q_per_kv, BLOCK_Q)],
+                                q_smem, q_bar.at[0])
+        if slopes_smem is not None:
+            plgpu.copy_gmem_to_smem(slopes_ref.at[kh], slopes_smem, q_bar.at[1])
+
+        def lookup(step):
+            """Physical pages of block lo + step (clamped in range; see mosaic_decode)."""
+            pages = []
+            for i in range(block_pages):
+                logical = (lo + step) * block_pages + i
+                page = tables_ref[seq, jnp.minimum(logical, pages_per_seq - 1)]
+                pages.append(jnp.clip(page, 0, num_pages - 1))
+            return tuple(pages)
+
+        def issue(pages, slot):
+            for i, page in enumerate(pages):
+                rows = pl.ds(i * page_size, page_size)
+                plgpu.copy_gmem_to_smem(k_ref.at[kh, page], k_smem.at[slot, rows], k_bars.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[kh, page], v_smem.at[slot, rows], v_bars.at[slot])
+                if quantized:
+                    plgpu.copy_gmem_to_smem(ks_ref.at[kh, page], ks_smem.at[slot, rows],
+                                            k_bars.at[slot])
+                    plgpu.copy_gmem_to_smem(vs_ref.at[kh, page], vs_smem.at[slot, rows],
+                                            v_bars.at[slot])
+
+        for s in range(slots - 1):
+            pl.when(s < num_steps)(functools.partial(issue, lookup(s), s))
+
+        plgpu.barrier_wait(q_bar.at[0])
+        if slopes_smem is not None:
+            plgpu.barrier_wait(q_bar.at[1])
+            slopes = plgpu.load(slopes_smem, layout=row_layout)  # f32[BLOCK_Q]
+        # Position of each row's query: pos0 + token of the row.
+        q_pos = pos0 + lax.div(plgpu.broadcasted_iota(
+            jnp.int32, (BLOCK_Q, block_tokens), 0, layout=plgpu.Layout.WGMMA), q_per_kv)
+
+        def body(step, carry):
+            acc, m, l, nxt_pages = carry  # f32[BLOCK_Q, H], f32[BLOCK_Q], f32[BLOCK_Q], i32s
+            slot = lax.rem(step, slots)
+            nxt = step + slots - 1
+            pl.when(nxt < num_steps)(lambda: issue(nxt_pages, lax.rem(nxt, slots)))
+            nxt_pages = lookup(nxt + 1)
+
+            block_start = (lo + step) * block_tokens
+            plgpu.barrier_wait(k_bars.at[slot])
+            if quantized:
+                kd_smem[...] = _widen(k_smem.at[slot][...], dtype)
+                plgpu.commit_smem()
+                k_op = kd_smem
+            else:
+                k_op = k_smem.at[slot]
+
+            def qk(s_ref):
+                plgpu.wgmma(s_ref, q_smem, k_op.transpose((1, 0)))
+                return s_ref[...]
+            s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_tokens), jnp.float32))  # [BLOCK_Q, S]
+            s = s * scale
+            if quantized:
+                k_scale = plgpu.load(ks_smem.at[slot], layout=col_layout)  # f32[S]
+                s = s * lax.broadcast_in_dim(k_scale, s.shape, [1])
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s * (1.0 / soft_cap))
+            pos = block_start + plgpu.broadcasted_iota(
+                jnp.int32, (BLOCK_Q, block_tokens), 1, layout=plgpu.Layout.WGMMA)
+            rel = pos - q_pos  # key position - query position
+            if slopes_smem is not None:
+                s = s + lax.broadcast_in_dim(slopes, s.shape, [0]) * rel.astype(jnp.float32)
+            # The tile's key range, causal per row, and the window per row.
+            vis = (pos < kv_end) & (pos >= kv_lo) & (rel <= 0)
+            if sliding_window is not None:
+                vis = vis & (rel > -sliding_window)
+            s = jnp.where(vis, s, MASK_VALUE)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            alpha = jnp.exp(m - m_new)  # rescales what was accumulated under the old max
+            # A row may see no key of this block (causal, window): its p must be 0, not exp(0).
+            p = jnp.where(vis, jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, [0])), 0.0)
+            l = l * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            plgpu.barrier_wait(v_bars.at[slot])
+            if quantized:
+                v_scale = plgpu.load(vs_smem.at[slot], layout=col_layout)  # f32[S]
+                p = jnp.where(vis, p * lax.broadcast_in_dim(v_scale, p.shape, [1]), 0.0)
+            if not register_acc:
+                p_smem[...] = p.astype(dtype)  # interpret mode: SMEM operands only
+            if quantized:
+                tok = block_start + plgpu.broadcasted_iota(
+                    jnp.int32, (block_tokens, head_dim), 0, layout=plgpu.Layout.WGMMA)
+                vd_smem[...] = jnp.where((tok < kv_end) & (tok >= kv_lo),
+                                         _widen(v_smem.at[slot][...], dtype), jnp.zeros((), dtype))
+                v_op = vd_smem
+            else:
+                v_op = v_smem.at[slot]
+                partial_block = (block_start < kv_lo) | (block_start + block_tokens > kv_end)
+
+                @pl.when(partial_block)
+                def _zero_invisible_v():
+                    # p = 0 there, but 0 * (garbage NaN/inf in an unwritten slot) would be NaN.
+                    vs = v_smem.at[slot]
+                    tok = block_start + plgpu.broadcasted_iota(
+                        jnp.int32, (block_tokens, head_dim), 0, layout=plgpu.Layout.WGMMA)
+                    vs[...] = jnp.where((tok < kv_end) & (tok >= kv_lo), vs[...],
+                                        jnp.zeros((), dtype))
+                    if register_acc:
+                        plgpu.commit_smem()  # only blocks that were rewritten need the fence
+
+            if quantized or not register_acc:
+                plgpu.commit_smem()  # register stores to SMEM -> visible to the WGMMA
+
+            if register_acc:
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p.astype(dtype), v_op)
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            else:
+                def pv(pv_ref):
+                    plgpu.wgmma(pv_ref, p_smem, v_op)
+                    return pv_ref[...]
+                acc = acc + pl.run_scoped(pv, plgpu.ACC((BLOCK_Q, head_dim), jnp.float32))
+            return acc, m_new, l, nxt_pages
+
+        init = (
+            plgpu.layout_cast(jnp.zeros((BLOCK_Q, head_dim), jnp.float32), plgpu.Layout.WGMMA),
+            plgpu.layout_cast(jnp.full((BLOCK_Q,), MASK_VALUE, jnp.float32), row_layout),
+            plgpu.layout_cast(jnp.zeros((BLOCK_Q,), jnp.float32), row_layout),
+            lookup(slots - 1),
+        )
+        acc, m, l, _ = lax.fori_loop(0, num_steps, body, init)
+        del m
+        # Live rows see at least their own key (l > 0); the guard keeps the other rows finite.
+        l = jnp.where(l > 0, l, 1.0)
+        return acc / lax.broadcast_in_dim(l, acc.shape, [0])
+
+    transforms = _operand_transforms(dtype, head_dim)
+    cache_transforms = _operand_transforms(k_ref.dtype, head_dim)
+    out = pl.run_scoped(
+        main_loop,
+        plgpu.SMEM((BLOCK_Q, head_dim), dtype, transforms=transforms),
+        plgpu.SMEM((slots, block_tokens, head_dim), k_ref.dtype, transforms=cache_transforms),
+        plgpu.SMEM((slots, block_tokens, head_dim), k_ref.dtype, transforms=cache_transforms),
+        None if register_acc else plgpu.SMEM((BLOCK_Q, block_tokens), dtype, transforms=transforms),
+        plgpu.SMEM((BLOCK_Q,), jnp.float32) if slopes_ref is not None else None,
+        plgpu.SMEM((block_tokens, head_dim), dtype, transforms=transforms) if quantized else None,
+        plgpu.SMEM((block_tokens, head_dim), dtype, transforms=transforms) if quantized else None,
+        plgpu.SMEM((slots, block_tokens), jnp.float32) if quantized else None,
+        plgpu.SMEM((slots, block_tokens), jnp.float32) if quantized else None,
+    )  # f32[BLOCK_Q, H], WGMMA layout
+
+    def epilogue(o_smem):
+        o_smem[...] = out.astype(dtype)
+        plgpu.commit_smem()
+
+        @pl.when(ntok > 0)
+        def _store():
+            plgpu.copy_smem_to_gmem(o_smem, out_ref.at[w, kh])
+            plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(epilogue, plgpu.SMEM((BLOCK_Q, head_dim), dtype, transforms=transforms))
+
+
+def _tile_rows(q, k_pages, v_pages, block_tables, tiles, alibi_slopes, k_scales, v_scales, *,
+               scale, soft_cap, sliding_window, interpret):
+    """Runs the tile kernel. Returns out_tiles [num_tiles, K, BLOCK_Q, H] in q's dtype (rows
+    of dead tiles, and rows past a tile's tokens, are unspecified)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    q_per_kv = num_q_heads // num_kv_heads
+    num_tiles = tiles[0].shape[0]
+    block_pages = _block_pages(page_size)
+    quantized = k_scales is not None
+    # Planned as if p were in SMEM on both paths (mosaic_decode's rule): same pipeline depth.
+    slots = num_slots(head_dim, page_size, q.dtype.itemsize, k_pages.dtype.itemsize)
+    rows_per_head = num_tokens * q_per_kv + BLOCK_Q
+    # [K, T * G (+ BLOCK_Q padding), H]: a tile's rows for one kv head are consecutive.
+    q_rows = jnp.swapaxes(q.reshape(num_tokens, num_kv_heads, q_per_kv, head_dim), 0, 1)
+    q_rows = jnp.pad(q_rows.reshape(num_kv_heads, num_tokens * q_per_kv, head_dim),
+                     ((0, 0), (0, BLOCK_Q), (0, 0))).reshape(num_kv_heads * rows_per_head, head_dim)
+    placeholder = jnp.zeros((_PLACEHOLDER_ROWS,), jnp.float32)
+    if alibi_slopes is not None:
+        # Row r of a tile is q head kh * q_per_kv + r % q_per_kv.
+        r = jnp.arange(BLOCK_Q) % q_per_kv  # i32[BLOCK_Q]
+        slopes = alibi_slopes.astype(jnp.float32).reshape(num_kv_heads, q_per_kv)[:, r]  # [K, BLOCK_Q]
+    kernel = functools.partial(
+        _kernel, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
+        q_per_kv=q_per_kv, page_size=page_size, block_pages=block_pages, slots=slots,
+        rows_per_head=rows_per_head, register_acc=not interpret)
+    arrivals = block_pages * (2 if quantized else 1)
+
+    def body(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref, pos0_ref, slopes_ref,
+             ks_ref, vs_ref, out_ref):
+        pl.run_scoped(
+            lambda *bars: kernel(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref,
+                                 pos0_ref, slopes_ref if alibi_slopes is not None else None,
+                                 ks_ref if quantized else None, vs_ref if quantized else None,
+                                 out_ref, bars),
+            plgpu.Barrier(num_barriers=2),
+            plgpu.Barrier(num_arrivals=arrivals, num_barriers=slots),
+            plgpu.Barrier(num_arrivals=arrivals, num_barriers=slots),
+        )
+
+    return plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((num_tiles, num_kv_heads, BLOCK_Q, head_dim), q.dtype),
+        grid=(num_tiles, num_kv_heads), grid_names=("tile", "kv_head"),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(q_rows, k_pages, v_pages, block_tables, *tiles,
+      slopes if alibi_slopes is not None else placeholder,
+      k_scales if quantized else placeholder, v_scales if quantized else placeholder)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "interpret"))
+def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, num_seqs, *,
+                           scale, soft_cap=None, alibi_slopes=None, sliding_window=None,
+                           k_scales=None, v_scales=None, interpret=False):
+    """Ragged paged attention with the Mosaic GPU kernels. Arguments as
+    `jpa.ragged_paged_attention` (already validated; `unsupported_reason` is None for them).
+
+    Returns:
+      [num_tokens, num_q_heads, head_dim] in q's dtype; zeros at padding rows.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_pages.shape[0]
+    q_per_kv = num_q_heads // num_kv_heads
+    num_seqs = jnp.asarray(num_seqs, jnp.int32)
+    opts = dict(scale=scale, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
+                sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales)
+    # 1. Last rows (all decode tokens) through the split-K decode kernel.
+    decode = functools.partial(mosaic_decode.paged_decode, interpret=interpret)
+    out = decode_last_rows(decode, q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,
+                           num_seqs, **opts)  # [T, N, H]
+    # 2. The other rows through the tile kernel.
+    tt = tile_tokens(q_per_kv)
+    tiles = query_tiles(cu_q_lens, seq_lens, num_seqs, num_tokens=num_tokens, tile_tokens=tt,
+                        num_tiles=max_query_tiles(num_tokens, block_tables.shape[0], tt),
+                        skip_last=True)  # 4 x i32[num_tiles]
+    out_tiles = _tile_rows(q, k_pages, v_pages, block_tables, tiles, alibi_slopes, k_scales,
+                           v_scales, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
+                           interpret=interpret)  # [W, K, BLOCK_Q, H]
+    # Gather each tiled row back: row t is token t - row0[w] of its tile w.
+    _, row0, ntok, _ = tiles
+    j = jnp.arange(tt, dtype=jnp.int32)  # i32[tt]
+    rows = jnp.where(j[None, :] < ntok[:, None], row0[:, None] + j[None, :], num_tokens)  # [W, tt]
+    w_ids = jnp.broadcast_to(jnp.arange(rows.shape[0], dtype=jnp.int32)[:, None], rows.shape)
+    tile_of_row = jnp.full((num_tokens,), -1, jnp.int32).at[rows].set(w_ids, mode="drop")  # i32[T]
+    w_row = jnp.maximum(tile_of_row, 0)  # i32[T]
+    local = jnp.arange(num_tokens, dtype=jnp.int32) - row0[w_row]  # i32[T], token in its tile
+    k_ix = jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :, None]
+    g_ix = jnp.arange(q_per_kv, dtype=jnp.int32)[None, None, :]
+    tiled = out_tiles[w_row[:, None, None], k_ix,
+                      jnp.clip(local, 0, tt - 1)[:, None, None] * q_per_kv + g_ix]  # [T, K, G, H]
+    tiled = tiled.reshape(num_tokens, num_q_heads, head_dim)
+    return jnp.where((tile_of_row >= 0)[:, None, None], tiled, out)

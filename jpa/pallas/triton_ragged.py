@@ -1,0 +1,270 @@
+"""Ragged paged attention (prefill chunks and decode tokens in one call), Pallas Triton backend.
+
+Two kernels in one jitted program, both over the whole page pools:
+
+1. Every sequence's LAST query row is a decode query (position seq_len - 1). All of them go
+   through the decode kernel (`triton_decode`, grid (max_num_seqs, kv heads, partitions)), which
+   brings split-K for long contexts: a decode-heavy batch with few sequences still fills the GPU.
+   Slots past num_seqs have length 0 and load nothing.
+2. The other rows (the body of prefill chunks) go through this file's kernel, grid
+   (num_tiles, num_kv_heads). A query tile is up to `tile_tokens` consecutive rows of ONE
+   sequence; the tile -> (sequence, first row, row count, first position) map is computed in
+   plain JAX in the wrapper (`jpa.pallas.common.query_tiles`: a cumsum and a search over
+   i32[max_num_seqs]), so a program reads four scalars to find its work. The number of tile slots
+   is static (`max_query_tiles`: enough for any mix under the token budget); slots past the live
+   tiles load and store nothing, so a decode-only step costs this kernel only its launch.
+
+GQA is packed into the MMA rows: the tile_tokens x q_per_kv query heads that share kv head h are
+the `rows` rows of one operand (row r = token r // q_per_kv, q head h * q_per_kv + r % q_per_kv),
+so K/V of a page are loaded once for all of them. Program (w, h) walks its sequence's keys
+block_k tokens per step from the first key any of its rows may see (sliding window) to its last
+query position (causal bound), gathering each key through the block table (pages are never
+copied), with the decode kernel's online softmax (running max m, sum l, f32 accumulator). Each
+row is masked causally (key pos <= its own query pos) and by the window; masked loads make keys
+outside the tile's range cost no memory traffic, so NaN in unused slots never reaches the result.
+
+The output buffer (zeros with the last rows scattered in) is aliased into and out of the kernel;
+each program scatters its live rows into it, so padding rows stay zero.
+
+Trade-offs (static, from shapes; lengths are data):
+- rows = 64 MMA rows (32 for head_dim > 128): a prefill tile of 64 / q_per_kv tokens reads its
+  sequence's K/V once for all of them.
+- Prefill tiles have no split-K (their parallelism comes from the tiles themselves); a chunk's
+  last row is read once more by the decode kernel (1 / num_tiles_of_the_chunk extra traffic).
+"""
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jpa.pallas import triton_decode
+from jpa.pallas.common import MASK_VALUE, decode_last_rows, max_query_tiles, query_tiles
+from jpa.pallas.spec import RaggedSpec
+from jpa.pallas.triton_decode import MIN_BLOCK_K, TILE_ELEMENTS, _compute_dtype, _next_pow2
+
+# ---- Tuning (see `plan`; unmeasured here, no GPU) ----
+TILE_ROWS = 64            # MMA rows per program for head_dim <= 128 (tile_tokens * q_per_kv)
+TILE_ROWS_WIDE = 32       # for head_dim > 128: acc [rows, head_dim_pad] f32 must fit in registers
+NUM_WARPS = 4
+NUM_STAGES = 2
+
+
+class Plan(NamedTuple):
+    """Static launch parameters chosen by `plan`."""
+    rows: int            # MMA rows per program (a power of two >= 16)
+    tile_tokens: int     # query tokens per tile: rows // q_per_kv
+    block_k: int         # key tokens per inner step (a power of two >= 16)
+    head_dim_pad: int    # head_dim padded to a power of two >= 16
+    num_tiles: int       # grid extent along tiles
+
+
+def plan(num_tokens: int, max_num_seqs: int, q_per_kv: int, head_dim: int, page_size: int,
+         pages_per_seq: int, rows: int | None = None) -> Plan:
+    """Chooses tile sizes from static shapes.
+
+    - rows: TILE_ROWS (TILE_ROWS_WIDE for head_dim > 128), at least q_per_kv rounded up to a
+      power of two (one token's heads always fit a tile), or `rows` when given.
+    - block_k: TILE_ELEMENTS / head_dim_pad key tokens per step (the decode kernel's rule), at
+      least 16, at most the longest context rounded up to a power of two.
+    - num_tiles: `max_query_tiles(num_tokens, max_num_seqs, tile_tokens)`.
+    """
+    head_dim_pad = max(16, _next_pow2(head_dim))
+    if rows is None:
+        rows = TILE_ROWS if head_dim_pad <= 128 else TILE_ROWS_WIDE
+    rows = max(16, _next_pow2(rows), _next_pow2(q_per_kv))
+    tile_tokens = rows // q_per_kv
+    max_tokens = pages_per_seq * page_size
+    block_k = max(MIN_BLOCK_K, min(TILE_ELEMENTS // head_dim_pad, _next_pow2(max_tokens)))
+    num_tiles = max_query_tiles(num_tokens, max_num_seqs, tile_tokens)
+    return Plan(rows, tile_tokens, block_k, head_dim_pad, num_tiles)
+
+
+def _kernel(seq_ref, row0_ref, ntok_ref, pos0_ref, tables_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref,
+            slopes_ref, _out_in_ref, out_ref, *, scale, soft_cap, sliding_window, page_size,
+            num_pages, pages_per_seq, q_per_kv, head_dim, rows, block_k, compute_dtype):
+    """One (query tile w, kv head h) program.
+
+    Refs (whole arrays unless noted):
+      seq_ref, row0_ref, ntok_ref, pos0_ref: i32[num_tiles], the tile map (`query_tiles`).
+      tables_ref: i32[max_num_seqs, pages_per_seq].
+      q_ref: [num_tokens, num_q_heads, head_dim_pad] view of q (masked to head_dim).
+      k_ref, v_ref: [num_pages, page_size, head_dim_pad] view of kv head h's whole pool.
+      ks_ref, vs_ref: f32[num_pages, page_size] views (kv head h) or None.
+      slopes_ref: f32[num_q_heads] or None.
+      _out_in_ref: the output buffer as an input (aliased to out_ref; unused).
+      out_ref: [num_tokens, num_q_heads, head_dim_pad] view of the output.
+    """
+    w = pl.program_id(0)
+    h = pl.program_id(1)
+    seq, row0, ntok, pos0 = seq_ref[w], row0_ref[w], ntok_ref[w], pos0_ref[w]
+    head_dim_pad = q_ref.shape[-1]
+    r = lax.broadcasted_iota(jnp.int32, (rows,), 0)  # i32[rows]
+    tok = r // q_per_kv  # i32[rows], token of the tile
+    head = h * q_per_kv + r % q_per_kv  # i32[rows], q head
+    row_ok = tok < ntok  # [rows]; rows past q_per_kv * tile_tokens have tok >= ntok
+    cols = lax.broadcasted_iota(jnp.int32, (head_dim_pad,), 0)  # i32[head_dim_pad]
+    col_ok = cols < head_dim  # [head_dim_pad]
+    io_ok = row_ok[:, None] & col_ok[None, :]  # [rows, head_dim_pad]
+    io = (rows, head_dim_pad)
+    # Integer-array indexing (one index array per dim, all [rows, head_dim_pad]): one pointer
+    # tensor in Triton, one gather/scatter in interpret mode.
+    tok_ix = jnp.broadcast_to((row0 + tok)[:, None], io)
+    head_ix = jnp.broadcast_to(head[:, None], io)
+    col_ix = jnp.broadcast_to(cols[None, :], io)
+    q = plgpu.load(q_ref.at[tok_ix, head_ix, col_ix], mask=io_ok, other=0.0)  # [rows, head_dim_pad]
+    q = q.astype(compute_dtype)
+    if slopes_ref is not None:
+        slopes = plgpu.load(slopes_ref.at[head], mask=row_ok, other=0.0).astype(jnp.float32)  # [rows]
+    q_pos = pos0 + tok  # i32[rows], position of each row's query in its sequence
+    # Keys any row of the tile may see: [kv_lo, kv_end). kv_end - 1 is the last query position.
+    kv_end = pos0 + ntok
+    kv_lo = jnp.maximum(pos0 - sliding_window + 1, 0) if sliding_window is not None else 0
+    last = jnp.where(ntok > 0, (kv_end + block_k - 1) // block_k, 0)
+    first = jnp.minimum(kv_lo // block_k, last)
+
+    def body(step, carry):
+        m, l, acc = carry  # f32[rows], f32[rows], f32[rows, head_dim_pad]
+        pos = step * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)  # i32[S]
+        valid = (pos < kv_end) & (pos >= kv_lo)  # [S], keys some row of the tile sees
+        logical = jnp.minimum(pos // page_size, pages_per_seq - 1)  # i32[S]
+        page = plgpu.load(tables_ref.at[jnp.full_like(logical, seq), logical])  # i32[S]
+        # Clamp: a table entry past the sequence's pages may be anything; never a wild pointer.
+        page = jnp.minimum(jnp.maximum(page, 0), num_pages - 1)
+        off = pos % page_size  # i32[S]
+        tile = (block_k, head_dim_pad)
+        tile_ok = valid[:, None] & col_ok[None, :]  # [S, head_dim_pad]
+        page_ix = jnp.broadcast_to(page[:, None], tile)
+        off_ix = jnp.broadcast_to(off[:, None], tile)
+        kcol_ix = jnp.broadcast_to(cols[None, :], tile)
+        zero = 0 if jnp.issubdtype(k_ref.dtype, jnp.integer) else 0.0
+        k = plgpu.load(k_ref.at[page_ix, off_ix, kcol_ix], mask=tile_ok, other=zero)  # [S, head_dim_pad]
+        v = plgpu.load(v_ref.at[page_ix, off_ix, kcol_ix], mask=tile_ok, other=zero)  # [S, head_dim_pad]
+        s = lax.dot_general(q, k.astype(compute_dtype), (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)  # [rows, S]
+        if ks_ref is not None:
+            # One scale per key token: it scales a column of the scores.
+            s = s * plgpu.load(ks_ref.at[page, off], mask=valid, other=0.0)[None, :]
+        s = s * scale
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        rel = pos[None, :] - q_pos[:, None]  # i32[rows, S], key pos - query pos
+        if slopes_ref is not None:
+            s = s + slopes[:, None] * rel.astype(jnp.float32)
+        # Causal within the chunk (rel <= 0), the window per row, and the tile's key range.
+        vis = valid[None, :] & (rel <= 0)  # [rows, S]
+        if sliding_window is not None:
+            vis = vis & (rel > -sliding_window)
+        s = jnp.where(vis, s, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))  # [rows]
+        # Rescale what was accumulated under the old max before adding this step. MASK_VALUE is
+        # finite, so a row with no visible key yet gives exp(0) = 1 here rather than NaN.
+        alpha = jnp.exp(m - m_new)  # [rows]
+        p = jnp.where(vis, jnp.exp(s - m_new[:, None]), 0.0)  # [rows, S]
+        l_new = l * alpha + jnp.sum(p, axis=1)
+        if vs_ref is not None:
+            # One scale per value token: it scales a column of p (the contraction index).
+            p = p * plgpu.load(vs_ref.at[page, off], mask=valid, other=0.0)[None, :]
+        pv = lax.dot_general(p.astype(compute_dtype), v.astype(compute_dtype),
+                             (((1,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32)  # [rows, head_dim_pad]
+        return m_new, l_new, acc * alpha[:, None] + pv
+
+    init = (jnp.full((rows,), MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32),
+            jnp.zeros((rows, head_dim_pad), jnp.float32))
+    m, l, acc = lax.fori_loop(first, last, body, init)
+    # Every live row sees at least its own key, so l > 0 there; the guard keeps dead rows finite.
+    out = acc / jnp.where(l > 0, l, 1.0)[:, None]  # [rows, head_dim_pad]
+    plgpu.store(out_ref.at[tok_ix, head_ix, col_ix], out.astype(out_ref.dtype), mask=io_ok)
+
+
+def unsupported_reason(spec: RaggedSpec, compute_capability: float | None = None) -> str | None:
+    """Why this kernel cannot serve `spec` on a GPU of `compute_capability` (None: skip
+    device-specific limits), or None when it can.
+
+    The per-step work is the decode kernel's (same key tiles, dtypes and pool gathers), so the
+    limits are the decode kernel's: head_dim <= 256, float8_e4m3fn only from compute capability
+    8.9, and no 1-byte pool that needs 64-bit offsets."""
+    return triton_decode.unsupported_reason(spec, compute_capability)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "interpret",
+                                             "rows", "partition_tokens"))
+def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, num_seqs, *,
+                           scale, soft_cap=None, alibi_slopes=None, sliding_window=None,
+                           k_scales=None, v_scales=None, interpret=False, rows=None,
+                           partition_tokens=None):
+    """Ragged paged attention with the Triton-backend Pallas kernel. Arguments as
+    `jpa.ragged_paged_attention` (already validated there).
+
+    Args:
+      q: [num_tokens, num_q_heads, head_dim].
+      k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim] (passed to the kernel whole).
+      block_tables: i32[max_num_seqs, pages_per_seq].
+      seq_lens: i32[max_num_seqs].
+      cu_q_lens: i32[max_num_seqs + 1].
+      num_seqs: i32[].
+      scale, soft_cap, alibi_slopes, sliding_window, k_scales, v_scales: as the public function.
+      interpret: run on CPU in Pallas interpret mode.
+      rows: override the MMA rows per program (tests, tuning); None = `plan`.
+      partition_tokens: override the decode kernel's split-K partition size; None = its plan.
+
+    Returns:
+      [num_tokens, num_q_heads, head_dim] in q's dtype; zeros at padding rows.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, num_pages, page_size, _ = k_pages.shape
+    max_num_seqs, pages_per_seq = block_tables.shape
+    q_per_kv = num_q_heads // num_kv_heads
+    p = plan(num_tokens, max_num_seqs, q_per_kv, head_dim, page_size, pages_per_seq, rows)
+    hp = p.head_dim_pad
+    num_seqs = jnp.asarray(num_seqs, jnp.int32)
+    opts = dict(scale=scale, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
+                sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales)
+    # 1. Each sequence's last row (every decode token) through the split-K decode kernel.
+    decode = functools.partial(triton_decode.paged_decode, interpret=interpret,
+                               partition_tokens=partition_tokens)
+    out = decode_last_rows(decode, q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,
+                           num_seqs, **opts)  # [T, N, H]
+    # 2. The other rows through this file's kernel, written into the same buffer.
+    tiles = query_tiles(cu_q_lens, seq_lens, num_seqs, num_tokens=num_tokens,
+                        tile_tokens=p.tile_tokens, num_tiles=p.num_tiles,
+                        skip_last=True)  # 4 x i32[num_tiles]
+    quantized = k_scales is not None
+    kernel = functools.partial(
+        _kernel, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
+        page_size=page_size, num_pages=num_pages, pages_per_seq=pages_per_seq, q_per_kv=q_per_kv,
+        head_dim=head_dim, rows=p.rows, block_k=p.block_k,
+        compute_dtype=_compute_dtype(q.dtype, k_pages.dtype))
+    whole = lambda shape: pl.BlockSpec(shape, lambda w, h: (0,) * len(shape))  # noqa: E731
+    tile_spec = whole((p.num_tiles,))
+    pool_spec = pl.BlockSpec((None, num_pages, page_size, hp), lambda w, h: (h, 0, 0, 0))
+    scale_spec = pl.BlockSpec((None, num_pages, page_size), lambda w, h: (h, 0, 0))
+    io_spec = whole((num_tokens, num_q_heads, hp))
+    in_specs = [
+        tile_spec, tile_spec, tile_spec, tile_spec,
+        whole((max_num_seqs, pages_per_seq)),  # block_tables
+        io_spec,  # q
+        pool_spec, pool_spec,  # k_pages, v_pages: whole pools, kv head h selected by the index map
+        scale_spec if quantized else None, scale_spec if quantized else None,
+        whole((num_q_heads,)) if alibi_slopes is not None else None,
+        io_spec,  # the output buffer, last rows already filled
+    ]
+    slopes = alibi_slopes.astype(jnp.float32) if alibi_slopes is not None else None
+    operands = (*tiles, block_tables, q, k_pages, v_pages, k_scales, v_scales, slopes, out)
+    out_index = sum(x is not None for x in operands) - 1  # None operands are dropped
+    return pl.pallas_call(
+        kernel,
+        grid=(p.num_tiles, num_kv_heads),
+        in_specs=in_specs,
+        out_specs=io_spec,
+        out_shape=jax.ShapeDtypeStruct(out.shape, q.dtype),
+        input_output_aliases={out_index: 0},
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+        name=f"jpa_ragged_rows{p.rows}_bk{p.block_k}",
+    )(*operands)

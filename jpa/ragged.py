@@ -1,0 +1,294 @@
+"""`jpa.ragged_paged_attention`: one attention call for a ragged batch of prefill chunks and
+decode tokens over a paged KV cache (vLLM v1's "unified" attention, TPU's ragged paged attention).
+
+Legend (design.md names; T = num_tokens, the static token budget):
+
+- q [T, num_q_heads, head_dim]: the query tokens of all sequences back to back, padded to T.
+- Sequence i < num_seqs owns query rows `cu_q_lens[i]:cu_q_lens[i + 1]`; q_len_i is their count.
+  They are the LAST q_len_i positions of its `seq_lens[i]` cached tokens: row
+  `cu_q_lens[i] + t` sits at position `seq_lens[i] - q_len_i + t`. Their K/V are already in the
+  cache (`jpa.write_kv` first). A decode token has q_len 1; a prefill chunk any q_len <= T; a
+  chunk may start mid-page after a cached prefix.
+- Attention is causal within the chunk and sees the whole cached prefix: the query at position p
+  sees keys [0, p] (or (p - sliding_window, p]).
+- `num_seqs` is a device scalar i32. Rows past `cu_q_lens[num_seqs]` are padding: they get no work
+  and a zero output; block_tables rows, seq_lens and cu_q_lens entries past num_seqs are ignored.
+
+Lengths, offsets and num_seqs are data, so one compiled program serves every mix of q lengths
+and every num_seqs under the same static shapes.
+
+The plain-JAX path (`ragged_paged_attention_xla`) is the CPU/TPU path and the oracle for the
+kernels. It splits the rows in two kinds and reuses an existing online-softmax path for each:
+
+1. each sequence's last query row sits at position seq_len - 1: it is a decode query, and all
+   of them run as one batched `paged_decode_xla` over the max_num_seqs sequences;
+2. the other rows (the body of prefill chunks) are cut into tiles of `tile_tokens` rows that never
+   span two sequences (`jpa.pallas.common.query_tiles`), and a loop over the live tiles only runs
+   the plain-JAX prefill on each, so padding and decode-only steps cost no prefill work.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jpa import dispatch
+from jpa.pallas.common import decode_last_rows, max_query_tiles, query_tiles
+from jpa.pallas.spec import RaggedSpec
+from jpa.prefill import _paged_prefill_xla
+from jpa.quant import FLOAT_DTYPES, is_quantized
+from jpa.reference import paged_decode_xla
+from jpa.validate import (check_cache_pair, check_dtype, check_ndim, check_options, check_tables,
+                          check_used_pages, is_concrete)
+
+# Query rows per tile of the plain-JAX prefill loop: one tile is one loop iteration with a
+# [tile_tokens * q_per_kv, keys] score block per kv head, large enough to amortize the loop on a
+# CPU, and capped at T so that small budgets do not compute padding rows.
+XLA_TILE_TOKENS = 128
+# Kernel modules behind impl="triton"/"mosaic" (each exposes `unsupported_reason(RaggedSpec,
+# compute_capability)` and `ragged_paged_attention` with this module's argument order).
+KERNEL_MODULES = {"triton": "jpa.pallas.triton_ragged", "mosaic": "jpa.pallas.mosaic_ragged"}
+
+
+def ragged_spec(q, k_pages, block_tables, *, soft_cap, alibi_slopes, sliding_window) -> RaggedSpec:
+    """The static configuration of a (validated) ragged_paged_attention call."""
+    num_kv_heads, _, page_size, head_dim = k_pages.shape
+    return RaggedSpec(
+        q_dtype=np.dtype(q.dtype).name, cache_dtype=np.dtype(k_pages.dtype).name,
+        num_tokens=q.shape[0], max_num_seqs=block_tables.shape[0], num_q_heads=q.shape[1],
+        num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
+        pages_per_seq=block_tables.shape[1], num_pages=k_pages.shape[1], soft_cap=soft_cap is not None,
+        alibi=alibi_slopes is not None, sliding_window=sliding_window is not None,
+        quantized=is_quantized(k_pages.dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "tile_tokens"))
+def ragged_paged_attention_xla(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, num_seqs,
+                               *, scale, soft_cap=None, alibi_slopes=None, sliding_window=None,
+                               k_scales=None, v_scales=None, tile_tokens=None):
+    """Ragged paged attention in plain JAX. Arguments as `ragged_paged_attention` (validated).
+
+    Returns:
+      [num_tokens, num_q_heads, head_dim] in q's dtype; zero rows for padding.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    max_num_seqs = seq_lens.shape[0]
+    tile = tile_tokens or min(XLA_TILE_TOKENS, num_tokens)
+    opts = dict(scale=scale, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
+                sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales)
+    num_seqs = jnp.asarray(num_seqs, jnp.int32)
+    # 1. Last rows: decode queries at position seq_len - 1, one batched decode call.
+    out = decode_last_rows(paged_decode_xla, q, k_pages, v_pages, block_tables, seq_lens,
+                           cu_q_lens, num_seqs, **opts)  # [T, N, H]
+    # `tile` spare rows at the end let every tile write a whole [tile] slice without clamping.
+    out = jnp.pad(out, ((0, tile), (0, 0), (0, 0)))  # [T + tile, N, H]
+
+    # 2. The other rows, a tile of one sequence at a time, live tiles only.
+    seq, row0, ntok, pos0 = query_tiles(
+        cu_q_lens, seq_lens, num_seqs, num_tokens=num_tokens, tile_tokens=tile,
+        num_tiles=max_query_tiles(num_tokens, max_num_seqs, tile), skip_last=True)
+    q_pad = jnp.pad(q, ((0, tile), (0, 0), (0, 0)))  # [T + tile, N, H]
+    t = jnp.arange(tile, dtype=jnp.int32)  # i32[tile]
+
+    def one_tile(w, out):
+        rows_ok = (t < ntok[w])[:, None, None]  # [tile, 1, 1]
+        # Rows past the tile belong to another sequence or are padding (maybe NaN): zeroed.
+        qt = jnp.where(rows_ok, lax.dynamic_slice_in_dim(q_pad, row0[w], tile), 0)  # [tile, N, H]
+        table = lax.dynamic_slice_in_dim(block_tables, seq[w], 1)  # i32[1, pages_per_seq]
+        o = _paged_prefill_xla(qt[None], k_pages, v_pages, table, pos0[w][None], ntok[w][None],
+                               **opts)[0]  # [tile, N, H]
+        old = lax.dynamic_slice_in_dim(out, row0[w], tile)  # [tile, N, H]
+        return lax.dynamic_update_slice_in_dim(out, jnp.where(rows_ok, o, old), row0[w], 0)
+
+    out = lax.fori_loop(0, jnp.sum(ntok > 0), one_tile, out)
+    return out[:num_tokens]
+
+
+def check_ragged_args(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, num_seqs, *, scale,
+                      soft_cap, alibi_slopes, sliding_window, k_scales, v_scales, impl, interpret):
+    """Validates `ragged_paged_attention`'s arguments; raises ValueError on the first problem."""
+    check_ndim("q", q, 3, "[num_tokens, num_q_heads, head_dim]")
+    check_dtype("q", q, FLOAT_DTYPES)
+    num_kv_heads, num_pages, page_size, head_dim = check_cache_pair(k_pages, v_pages, k_scales, v_scales)
+    num_tokens, num_q_heads, q_head_dim = q.shape
+    if num_tokens < 1:
+        raise ValueError("q must hold at least one token row (num_tokens = q.shape[0] >= 1); got 0")
+    if q_head_dim != head_dim:
+        raise ValueError(f"q's head_dim must equal the cache's head_dim {head_dim}; got {q_head_dim}")
+    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads (q.shape[1] = {num_q_heads}) must be a multiple of "
+                         f"num_kv_heads (k_pages.shape[0] = {num_kv_heads})")
+    check_ndim("seq_lens", seq_lens, 1, "i32[max_num_seqs]")
+    check_dtype("seq_lens", seq_lens, (np.int32,))
+    max_num_seqs = seq_lens.shape[0]
+    if max_num_seqs < 1:
+        raise ValueError("seq_lens must have at least one entry (max_num_seqs >= 1); got 0")
+    pages_per_seq = check_tables(block_tables, max_num_seqs, source="seq_lens.shape[0]")
+    check_ndim("cu_q_lens", cu_q_lens, 1, "i32[max_num_seqs + 1]")
+    check_dtype("cu_q_lens", cu_q_lens, (np.int32,))
+    if cu_q_lens.shape[0] != max_num_seqs + 1:
+        raise ValueError(f"cu_q_lens must have max_num_seqs + 1 = {max_num_seqs + 1} entries "
+                         f"(seq_lens.shape[0] + 1); got {cu_q_lens.shape[0]}")
+    if hasattr(num_seqs, "dtype"):
+        if np.dtype(num_seqs.dtype) != np.int32 or np.shape(num_seqs) != ():
+            raise ValueError(f"num_seqs must be an i32 scalar (shape ()) or a Python int; got "
+                             f"{np.dtype(num_seqs.dtype).name}{list(np.shape(num_seqs))}")
+    elif isinstance(num_seqs, bool) or not isinstance(num_seqs, int):
+        raise ValueError(f"num_seqs must be an i32 scalar (shape ()) or a Python int; got "
+                         f"{num_seqs!r}")
+    check_options(num_q_heads, scale=scale, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
+                  sliding_window=sliding_window, impl=impl, interpret=interpret)
+    if not is_concrete(num_seqs):
+        return
+    n = int(num_seqs)
+    if not 0 <= n <= max_num_seqs:
+        raise ValueError(f"num_seqs must be in [0, max_num_seqs = {max_num_seqs}]; got {n}")
+    if is_concrete(cu_q_lens):
+        cu = np.asarray(cu_q_lens)[: n + 1]
+        if cu[0] != 0:
+            raise ValueError(f"cu_q_lens[0] must be 0; got {cu[0]}")
+        if n and (np.diff(cu).min() < 0 or cu[-1] > num_tokens):
+            raise ValueError(f"cu_q_lens[:num_seqs + 1] must be non-decreasing and at most "
+                             f"num_tokens = {num_tokens}; got {cu.tolist()}")
+        if n and is_concrete(seq_lens):
+            lens = np.asarray(seq_lens)[:n]
+            max_len = pages_per_seq * page_size
+            q_lens = np.diff(cu)
+            if lens.max() > max_len or (lens < q_lens).any():
+                i = int(np.argmax((lens > max_len) | (lens < q_lens)))
+                raise ValueError(f"seq_lens[i] must be in [q_len_i = cu_q_lens[i + 1] - "
+                                 f"cu_q_lens[i], pages_per_seq * page_size = {max_len}] (the "
+                                 f"query rows are the last cached tokens); got seq_lens[{i}] = "
+                                 f"{lens[i]} with q_len {q_lens[i]}")
+            check_used_pages(np.asarray(block_tables)[:n] if is_concrete(block_tables)
+                             else block_tables, lens, page_size, num_pages)
+
+
+def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, num_seqs, *,
+                           scale=None, soft_cap=None, alibi_slopes=None, sliding_window=None,
+                           k_scales=None, v_scales=None, impl="auto", interpret=False):
+    """Attention for a ragged batch of prefill chunks and decode tokens over a paged KV cache.
+
+    Sequence i < num_seqs owns query rows cu_q_lens[i]:cu_q_lens[i + 1] (q_len_i rows), the last
+    q_len_i positions of its seq_lens[i] cached tokens; row cu_q_lens[i] + t is at position
+    p = seq_lens[i] - q_len_i + t and attends causally to the cached keys [0, p] of its own
+    sequence (a decode token: q_len 1, p = seq_len - 1). Token p lives in physical page
+    block_tables[i, p // page_size] at offset p % page_size. Write the new tokens' K/V with
+    `jpa.write_kv` first. Rows past cu_q_lens[num_seqs] are padding: zero output, no work.
+
+    Args:
+      q: [num_tokens, num_q_heads, head_dim] float32, bfloat16 or float16; num_tokens is the static
+        token budget T.
+      k_pages: [num_kv_heads, num_pages, page_size, head_dim]; float32/bfloat16/float16, or
+        int8/float8_e4m3fn/float8_e5m2 with scales.
+      v_pages: same shape and dtype as k_pages.
+      block_tables: i32[max_num_seqs, pages_per_seq]; entries past a sequence's pages, and rows
+        past num_seqs, are never read into the result.
+      seq_lens: i32[max_num_seqs]; for i < num_seqs, in [q_len_i, pages_per_seq * page_size].
+      cu_q_lens: i32[max_num_seqs + 1]; cu_q_lens[0] = 0, non-decreasing up to
+        cu_q_lens[num_seqs] <= num_tokens. Entries past num_seqs are ignored.
+      num_seqs: i32 scalar (a device array, so that it is data, or a Python int), in
+        [0, max_num_seqs].
+      scale: softmax scale; default head_dim ** -0.5.
+      soft_cap: if set, logits become soft_cap * tanh(logits / soft_cap) (after scaling).
+      alibi_slopes: f32[num_q_heads]; adds slope_h * (key_pos - p) to the logits (vLLM).
+      sliding_window: the query at position p attends only to keys (p - sliding_window, p].
+      k_scales, v_scales: f32[num_kv_heads, num_pages, page_size], required for quantized caches.
+      impl: "xla" (plain JAX), "triton" (Pallas Triton-backend kernels, sm_80+), "mosaic"
+        (Pallas Mosaic GPU kernels, Hopper), or "auto": as `jpa.paged_decode` (`jpa.dispatch`):
+        the kernel for the GPU being compiled for after a one-time self-check, else "xla".
+      interpret: run a Pallas kernel in interpret mode (CPU); ignored by "xla".
+
+    Returns:
+      [num_tokens, num_q_heads, head_dim] in q's dtype; zeros at padding rows.
+    """
+    check_ragged_args(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, num_seqs,
+                      scale=scale, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
+                      sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales,
+                      impl=impl, interpret=interpret)
+    scale = float(scale) if scale is not None else float(q.shape[-1]) ** -0.5
+    soft_cap = float(soft_cap) if soft_cap is not None else None
+    sliding_window = int(sliding_window) if sliding_window is not None else None
+    num_seqs = jnp.asarray(num_seqs, jnp.int32)
+    opts = dict(scale=scale, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
+                sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales)
+    args = (q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, num_seqs)
+    chosen = choose_impl(impl, ragged_spec(q, k_pages, block_tables, soft_cap=soft_cap,
+                                           alibi_slopes=alibi_slopes,
+                                           sliding_window=sliding_window))
+    if chosen == "xla":
+        return ragged_paged_attention_xla(*args, **opts)
+    return kernel_module(chosen).ragged_paged_attention(*args, interpret=interpret, **opts)
+
+
+def kernel_module(impl: str):
+    """Imports the ragged kernel module for impl."""
+    return dispatch.kernel_module(impl, RAGGED)
+
+
+def unsupported_reason(impl: str, spec: RaggedSpec, compute_capability: float | None = None):
+    """Why kernel `impl` cannot serve `spec` on a GPU of that compute capability (None: it can;
+    compute_capability None skips device-specific limits, as in interpret mode)."""
+    return dispatch.unsupported_reason(impl, spec, compute_capability, RAGGED)
+
+
+def choose_impl(impl: str, spec: RaggedSpec) -> str:
+    """Resolves impl for the device being compiled for, by `jpa.dispatch`'s rules: "auto" is a
+    kernel on an NVIDIA GPU after its one-time self-check there (exact-shape compile + small
+    run against the plain-JAX path), the kernel `unsupported_reason` accepts under an AOT compile
+    for an absent GPU, and "xla" elsewhere or on any failure."""
+    return dispatch.choose_impl(impl, spec, op=RAGGED)
+
+
+def self_check_inputs(spec: RaggedSpec, seed: int = 0):
+    """A small random ragged batch with `spec`'s static configuration: a decode token, a prefill
+    chunk from position 0 and a chunk after a cached prefix (as many as the budget and the
+    sequence slots hold), each sequence on its own pages of a small pool."""
+    rng = np.random.default_rng(seed)
+    T, B, ps, pps = spec.num_tokens, spec.max_num_seqs, spec.page_size, spec.pages_per_seq
+    max_len = ps * pps
+    wanted = [1, max(1, (T - 1) // 2), max(1, T - 1 - (T - 1) // 2)]
+    q_lens, left = [], T
+    for want in wanted[: min(B, 3)]:
+        q = min(want, left, max_len)
+        if q < 1:
+            break
+        q_lens.append(q)
+        left -= q
+    n = len(q_lens)
+    seq_lens = np.zeros(B, np.int32)
+    for i, q in enumerate(q_lens):
+        # The decode token and the third chunk sit after a random cached prefix; the second starts at 0.
+        seq_lens[i] = q if i == 1 else q + rng.integers(0, max_len - q + 1)
+    cu = np.zeros(B + 1, np.int32)
+    cu[1: n + 1] = np.cumsum(q_lens)
+    cu[n + 1:] = cu[n]
+    num_pages = n * pps + 1
+    pages = rng.permutation(num_pages)[: n * pps].reshape(n, pps)
+    tables = np.zeros((B, pps), np.int32)
+    tables[:n] = pages
+    q = jnp.asarray(rng.standard_normal((T, spec.num_q_heads, spec.head_dim)), spec.q_dtype)
+    k, v, opts = dispatch.random_pools_and_options(rng, spec, num_pages, max_len)
+    args = (q, k, v, jnp.asarray(tables), jnp.asarray(seq_lens), jnp.asarray(cu),
+            jnp.int32(n))
+    return args, opts
+
+
+def exact_shapes(spec: RaggedSpec, opts: dict):
+    """ShapeDtypeStructs of a call with `spec`'s real shapes (the whole pool) and its array options."""
+    sds = jax.ShapeDtypeStruct
+    pool = (spec.num_kv_heads, spec.num_pages, spec.page_size, spec.head_dim)
+    b = spec.max_num_seqs
+    args = (sds((spec.num_tokens, spec.num_q_heads, spec.head_dim), spec.q_dtype), sds(pool, spec.cache_dtype),
+            sds(pool, spec.cache_dtype), sds((b, spec.pages_per_seq), jnp.int32), sds((b,), jnp.int32),
+            sds((b + 1,), jnp.int32), sds((), jnp.int32))
+    arrays = {k: (sds(pool[:3], jnp.float32) if k != "alibi_slopes" else sds((spec.num_q_heads,), jnp.float32))
+              for k in ("alibi_slopes", "k_scales", "v_scales") if opts.get(k) is not None}
+    return args, arrays
+
+
+RAGGED = dispatch.Op("ragged", tuple(KERNEL_MODULES.items()), "ragged_paged_attention",
+                     "jpa.ragged:ragged_paged_attention_xla", "jpa.ragged:self_check_inputs",
+                     "jpa.ragged:exact_shapes")

@@ -1,0 +1,241 @@
+"""Tensor parallelism for models.GPT: Megatron-style partition specs, declared once per parameter kind.
+
+On a mesh with a "tp" axis of N devices (`jpa.sharding.tp_mesh(N)`):
+
+- column-parallel (output features split): wq, wk, wv (heads), w_gate, w_up (ffn), and their
+  biases; each device computes its own heads / its slice of the MLP hidden layer;
+- row-parallel (input features split): wo (heads), w_down (ffn); each device's partial product
+  is summed by ONE all-reduce per matmul (GSPMD inserts it), so a layer has two all-reduces of
+  [tokens, d_model] float32 and nothing else;
+- vocabulary-parallel: the token embeddings and the output head are split on the vocabulary
+  (see EMBEDDINGS below);
+- replicated: norms, the biases added after a row-parallel sum (bo, b_down), position
+  embeddings.
+
+The rules table `RULES` maps a parameter's name to its PartitionSpec. A parameter without a rule
+is an error that names it (a new parameter kind must be given a rule, not silently replicated).
+
+Heads that do not divide N. Each device must hold whole kv heads and the q heads that read them.
+`plan_heads` decides, per (num_q_heads N_q, num_kv_heads K, N):
+
+- "split": K % N == 0: each device takes K/N kv heads and their q heads, nothing changes;
+- "replicate": N % K == 0 and N_q % N == 0 (fewer kv heads than devices, e.g. K=2, N=4):
+  each kv head is copied to the N/K devices that hold its q heads (vLLM's rule); the model is
+  rebuilt with K' = N kv heads (wk/wv columns repeated), so the pool holds one head per device;
+- "pad": anything else (SmolLM2: N_q=9, K=3 with N=2 or 4): zero heads are appended up to
+  K' = ceil(K/N)*N kv heads and N_q' = K' * q_per_kv q heads (zero wq/wk/wv columns, zero wo
+  rows). A zero head's query and values are zero, so its attention output is exactly zero and
+  its zero wo rows add exactly nothing: the network computes the same function. The cost is
+  (K'-K)/K more KV memory and attention work, reported by `HeadPlan.describe`.
+
+The MLP hidden size is padded the same way (zero gate/up columns, zero down rows: silu(0)*0 = 0,
+gelu(0) = 0) when it does not divide N.
+
+EMBEDDINGS: split on the vocabulary, chosen by measurement (BENCHMARKS.md, a Llama-shaped 8B
+on 8 H100s, compiled deviceless): against replicated embeddings it saves 1.7 GiB per device
+(3.58 -> 1.87 GiB of weights) and 88 MiB of temporaries, for 3 small extra collectives per decode
+step (the lookup's all-reduce of bf16[num_seqs, d_model], and GSPMD's distributed argmax/top-k
+over the vocabulary shards: f32/s32[num_seqs] all-reduces and an s32[num_seqs, N] all-gather;
+the f32[num_seqs, vocab] logits are never gathered). When vocab_size does not divide by N they
+are replicated instead (`HeadPlan.embeddings`). `embeddings="replicated"` forces that.
+"""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jpa.sharding import TP, check_mesh, named
+from models.config import ModelConfig
+
+COL = P(None, TP)  # [in, out] split on out
+ROW = P(TP, None)  # [in, out] split on in
+VEC = P(TP)        # a bias of a column-parallel matmul
+REP = P()
+
+RULES = {
+    # attention: column-parallel q/k/v (heads), row-parallel output
+    "wq": COL, "wk": COL, "wv": COL, "bq": VEC, "bk": VEC, "bv": VEC,
+    "wo": ROW, "bo": REP,
+    # MLP: column-parallel gate/up, row-parallel down
+    "w_gate": COL, "w_up": COL, "b_up": VEC, "w_down": ROW, "b_down": REP,
+    # embeddings: vocabulary-parallel ([vocab, d_model] and [d_model, vocab])
+    "tok_embeddings": P(TP, None), "output": P(None, TP),
+    # norms: replicated
+    "attn_norm": REP, "attn_norm_bias": REP, "ffn_norm": REP, "ffn_norm_bias": REP,
+    "norm": REP, "norm_bias": REP, "pos_embeddings": REP,
+    # Qwen3's per-head q/k RMSNorm scales ([head_dim], the same for every head) and Gemma-2's
+    # post-attention / post-MLP norms: replicated
+    "q_norm": REP, "k_norm": REP, "post_attn_norm": REP, "post_ffn_norm": REP,
+}
+# embeddings="replicated" (and a vocabulary that does not divide by N).
+REPLICATED_EMBEDDINGS = {"tok_embeddings": REP, "output": REP}
+
+# Parameters whose axes hold heads (q or kv) or the MLP hidden size, and which axis.
+_Q_HEAD_AXIS = {"wq": 1, "bq": 0, "wo": 0}
+_KV_HEAD_AXIS = {"wk": 1, "wv": 1, "bk": 0, "bv": 0}
+_FFN_AXIS = {"w_gate": 1, "w_up": 1, "b_up": 0, "w_down": 0}
+MODES = ("split", "replicate", "pad")
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadPlan:
+    """How N devices hold a model's heads (see the module docstring)."""
+    tensor_parallel: int
+    mode: str              # "split", "replicate" or "pad"
+    num_q_heads: int       # after padding (N_q')
+    num_kv_heads: int      # after replication or padding (K'); the pool's head axis
+    ffn_dim: int           # after padding
+    orig_q_heads: int
+    orig_kv_heads: int
+    orig_ffn_dim: int
+    embeddings: str = "vocab"  # "vocab" (split on the vocabulary) or "replicated"
+
+    def describe(self) -> str:
+        n = self.tensor_parallel
+        s = (f"tp={n} {self.mode}: {self.num_kv_heads // n} kv head(s) and {self.num_q_heads // n} q heads "
+             f"per device")
+        if self.mode == "replicate":
+            s += f" (each of the {self.orig_kv_heads} kv heads held by {n // self.orig_kv_heads} devices)"
+        if self.mode == "pad":
+            s += (f" ({self.num_kv_heads - self.orig_kv_heads} zero kv heads and "
+                  f"{self.num_q_heads - self.orig_q_heads} zero q heads added: "
+                  f"+{100 * (self.num_kv_heads / self.orig_kv_heads - 1):.0f}% KV memory and attention work)")
+        if self.ffn_dim != self.orig_ffn_dim:
+            s += f"; ffn padded {self.orig_ffn_dim} -> {self.ffn_dim}"
+        return s + f"; embeddings {self.embeddings}"
+
+
+def plan_heads(config: ModelConfig, tensor_parallel: int, embeddings: str = "vocab") -> HeadPlan:
+    """The HeadPlan of `config` on `tensor_parallel` devices (embeddings: "vocab" or "replicated";
+    "vocab" falls back to "replicated" when vocab_size does not divide by tensor_parallel)."""
+    n, nq, nk, g = tensor_parallel, config.num_q_heads, config.num_kv_heads, config.q_per_kv
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"tensor_parallel must be an int >= 1; got {n!r}")
+    if embeddings not in ("vocab", "replicated"):
+        raise ValueError(f"embeddings must be 'vocab' or 'replicated'; got {embeddings!r}")
+    if config.vocab_size % n:
+        embeddings = "replicated"
+    if nk % n == 0:
+        mode, q, k = "split", nq, nk
+    elif n % nk == 0 and nq % n == 0:
+        mode, q, k = "replicate", nq, n
+    else:
+        k = math.ceil(nk / n) * n
+        mode, q = "pad", k * g
+    ffn = math.ceil(config.ffn_dim / n) * n
+    return HeadPlan(n, mode, q, k, ffn, nq, nk, config.ffn_dim, embeddings)
+
+
+def _heads(x, axis, per_head, fn):
+    """Applies fn to x viewed with its `axis` split into [heads, per_head]."""
+    shape = x.shape
+    x = x.reshape(shape[:axis] + (shape[axis] // per_head, per_head) + shape[axis + 1:])
+    x = fn(x, axis)
+    return x.reshape(shape[:axis] + (-1,) + shape[axis + 1:])
+
+
+def _pad(x, axis, size):
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return np.pad(x, pad)
+
+
+def _transform(name, x, config: ModelConfig, plan: HeadPlan):
+    """Parameter `name` (an np.ndarray) of the original model -> its value in the planned model."""
+    h = config.head_dim
+    if name in _KV_HEAD_AXIS:
+        axis = _KV_HEAD_AXIS[name]
+        if plan.mode == "replicate":
+            return _heads(x, axis, h, lambda a, ax: np.repeat(a, plan.num_kv_heads // config.num_kv_heads, ax))
+        if plan.mode == "pad":
+            return _heads(x, axis, h, lambda a, ax: _pad(a, ax, plan.num_kv_heads))
+    if name in _Q_HEAD_AXIS and plan.mode == "pad":
+        return _heads(x, _Q_HEAD_AXIS[name], h, lambda a, ax: _pad(a, ax, plan.num_q_heads))
+    if name in _FFN_AXIS and plan.ffn_dim != config.ffn_dim:
+        return _pad(x, _FFN_AXIS[name], plan.ffn_dim)
+    return x
+
+
+def _name(path) -> str:
+    """The parameter name of a state path (its last string key, skipping nnx's "value")."""
+    keys = [getattr(k, "key", getattr(k, "name", k)) for k in path]
+    return next(k for k in reversed(keys) if isinstance(k, str) and k != "value")
+
+
+def with_heads(model, plan: HeadPlan):
+    """The model rebuilt with the plan's head counts and ffn size (itself when nothing changes)."""
+    from models.gpt import GPT  # models.gpt imports jpa.sharding only; no cycle at import time
+
+    c = model.config
+    if (plan.num_q_heads, plan.num_kv_heads, plan.ffn_dim) == (c.num_q_heads, c.num_kv_heads, c.ffn_dim):
+        return model
+    new_c = dataclasses.replace(c, num_q_heads=plan.num_q_heads, num_kv_heads=plan.num_kv_heads,
+                                ffn_dim=plan.ffn_dim)
+    new = nnx.eval_shape(lambda: GPT(new_c, dtype=model.dtype, rngs=nnx.Rngs(0)))
+    old = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    for path, var in nnx.to_flat_state(nnx.state(new, nnx.Param)):
+        x = old[path][...]
+        if isinstance(x, jax.ShapeDtypeStruct):  # an abstract model (deviceless compile): shapes only
+            var.set_value(jax.ShapeDtypeStruct(var.shape, var.dtype))
+            continue
+        y = _transform(_name(path), np.asarray(x.astype(jnp.float32)), c, plan)
+        var.set_value(jnp.asarray(y, dtype=model.dtype))
+    return new
+
+
+def param_specs(params, *, embeddings: str = "vocab"):
+    """The PartitionSpec of every leaf of a GPT's param state, by RULES (a pytree like params).
+
+    Raises ValueError naming a parameter that has no rule.
+    """
+    if embeddings not in ("replicated", "vocab"):
+        raise ValueError(f"embeddings must be 'replicated' or 'vocab'; got {embeddings!r}")
+    rules = {**RULES, **(REPLICATED_EMBEDDINGS if embeddings == "replicated" else {})}
+
+    def spec(path, leaf):
+        name = _name(path)
+        if name not in rules:
+            raise ValueError(f"parameter {name!r} has no tensor-parallel rule; add one to "
+                             f"models.sharding.RULES (column-, row-parallel or replicated)")
+        return rules[name]
+
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def check_divisible(params, specs, tensor_parallel: int):
+    """Raises ValueError naming a parameter whose sharded axis does not divide by tensor_parallel."""
+    def check(path, leaf, spec):
+        for axis, s in enumerate(spec):
+            if s == TP and leaf.shape[axis] % tensor_parallel:
+                raise ValueError(f"parameter {_name(path)!r} axis {axis} ({leaf.shape[axis]}) is not divisible "
+                                 f"by tensor_parallel={tensor_parallel}")
+    jax.tree_util.tree_map_with_path(check, params, specs)
+
+
+def shard(model, mesh, *, embeddings: str = "vocab"):
+    """(model with its heads planned for mesh's "tp" axis and params placed on the mesh, HeadPlan).
+
+    The returned GPT's config reports the planned head counts (the pool holds num_kv_heads
+    heads). For an abstract model (nnx.eval_shape) the params become ShapeDtypeStructs carrying
+    their NamedShardings (deviceless compiles).
+    """
+    check_mesh(mesh)
+    tp = mesh.shape[TP]
+    plan = plan_heads(model.config, tp, embeddings)
+    model = with_heads(model, plan)
+    graphdef, params = nnx.split(model)
+    specs = param_specs(params, embeddings=plan.embeddings)
+    check_divisible(params, specs, tp)
+
+    def place(x, spec):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=named(mesh, spec))
+        return jax.device_put(x, named(mesh, spec))
+
+    params = jax.tree_util.tree_map(place, params, specs)
+    return nnx.merge(graphdef, params), plan

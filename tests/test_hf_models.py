@@ -1,0 +1,446 @@
+"""Hugging Face checkpoints (models.load(PATH)) against transformers, on CPU in float32.
+
+tests/data/hf/<family>/ holds a tiny random checkpoint that transformers saved and golden data that
+transformers computed from it (scripts/make_hf_golden.py, run offline in a separate virtualenv):
+prompts and their token ids, prefill logits at every position (golden.npz), 32-token greedy
+continuations, and chat template renderings. Each family switches on the options its loader must
+get right (see that script's docstring).
+
+Tolerance: 1e-4 absolute on float32 logits of magnitude ~5-13; measured differences are <= 3.5e-5.
+"""
+
+import dataclasses
+import functools
+import json
+import os
+import pathlib
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jpa
+import models
+from models import decode, forward_dense, prefill
+from models import gpt as gpt_module
+from models import hf
+from models.chat_template import ChatTemplateError
+from models.config import ModelConfig
+
+DATA = pathlib.Path(__file__).parent / "data" / "hf"
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2"]
+ATOL = 1e-4
+PAGE_SIZE = 4  # small pages: sequences span many, and windows start mid-page
+
+
+def golden(family):
+    return json.loads((DATA / family / "golden.json").read_text())
+
+
+@functools.lru_cache(maxsize=None)
+def loaded(family):
+    return models.load(DATA / family, dtype=jnp.float32)
+
+
+def dense_logits(model, rows):
+    """forward_dense (jitted) on right-padded rows of ids -> f32[B, T, vocab]; padding does not
+    change the logits at earlier positions (causal)."""
+    graphdef, params = nnx.split(model)
+    tokens = np.zeros((len(rows), max(map(len, rows))), np.int32)
+    for b, r in enumerate(rows):
+        tokens[b, : len(r)] = r
+    fn = jax.jit(lambda p, t: forward_dense(nnx.merge(graphdef, p), t))
+    return np.asarray(fn(params, jnp.asarray(tokens)))
+
+
+def run_paged_greedy(model, prompts, steps):
+    """Prefills `prompts` (lists of ids) as one ragged batch, then decodes `steps` greedy tokens each,
+    through jitted steps with the cache donated (as the engine runs them) and scattered pages.
+
+    Returns (prefill logits f32[B, vocab], decode logits f32[steps, B, vocab], tokens i32[B, steps]).
+    """
+    graphdef, params = nnx.split(model)
+    prefill_step = jax.jit(lambda p, c, *a: prefill(nnx.merge(graphdef, p), c, *a), donate_argnums=1)
+    decode_step = jax.jit(lambda p, c, *a: decode(nnx.merge(graphdef, p), c, *a), donate_argnums=1)
+    rng = np.random.default_rng(0)
+    num_seqs = len(prompts)
+    lens = np.array([len(p) for p in prompts])
+    pages_per_seq = -(-int(lens.max() + steps) // PAGE_SIZE)
+    num_pages = num_seqs * pages_per_seq + 2
+    order = np.arange(pages_per_seq)[None, :] * num_seqs + np.arange(num_seqs)[:, None]
+    tables = rng.permutation(num_pages)[order].astype(np.int32)  # [B, pages_per_seq], interleaved
+    slot = lambda b, t: tables[b, t // PAGE_SIZE] * PAGE_SIZE + t % PAGE_SIZE
+    cache = jpa.KVCache.create(model.cache_config(num_pages, PAGE_SIZE))
+    width = int(lens.max())
+    tokens = np.zeros((num_seqs, width), np.int32)
+    slots = np.full((num_seqs, width), -1, np.int32)
+    for b, p in enumerate(prompts):
+        tokens[b, : len(p)] = p
+        slots[b, : len(p)] = [slot(b, t) for t in range(len(p))]
+    i32 = lambda x: jnp.asarray(x, jnp.int32)
+    first, cache = prefill_step(params, cache, i32(tokens), i32(np.zeros(num_seqs)), i32(lens), i32(slots),
+                                i32(tables))
+    out_logits, out_tokens = [], []
+    logits = first
+    for s in range(steps):
+        tok = np.asarray(jnp.argmax(logits, axis=-1)).astype(np.int32)
+        pos = lens + s
+        logits, cache = decode_step(params, cache, i32(tok), i32(pos + 1),
+                                    i32([slot(b, pos[b]) for b in range(num_seqs)]), i32(tables))
+        out_tokens.append(tok)
+        out_logits.append(np.asarray(logits))
+    return np.asarray(first), np.stack(out_logits), np.stack(out_tokens, axis=1)
+
+
+# ---- numerics against transformers ----
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_logits_match_transformers(family):
+    model, tok = loaded(family)
+    g, arrays = golden(family), np.load(DATA / family / "golden.npz")
+    for key, p in g["prompts"].items():
+        assert tok.encode(p["text"]) == p["ids"], key
+    dense = dense_logits(model, [p["ids"] for p in g["prompts"].values()])  # [B, T, vocab]
+    for b, (key, p) in enumerate(g["prompts"].items()):
+        want = arrays[f"{key}_logits"]  # [T_b, vocab]
+        np.testing.assert_allclose(dense[b, : len(p["ids"])], want, atol=ATOL, rtol=0, err_msg=f"{family}/{key}")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_continuation_and_paged_decode_equal_dense_every_step(family):
+    model, _ = loaded(family)
+    g, arrays = golden(family), np.load(DATA / family / "golden.npz")
+    prompts = [p["ids"] for p in g["prompts"].values()]
+    steps = len(next(iter(g["prompts"].values()))["greedy_ids"])
+    assert steps == 32
+    first, step_logits, tokens = run_paged_greedy(model, prompts, steps)
+    for b, (key, p) in enumerate(g["prompts"].items()):
+        # The paged prefill's last-token logits are transformers' too.
+        np.testing.assert_allclose(first[b], arrays[f"{key}_logits"][-1], atol=ATOL, rtol=0)
+        assert tokens[b].tolist() == p["greedy_ids"], f"{family}/{key}"
+    # Dense recomputation of every whole sequence (causal: position t sees what step t saw).
+    dense = dense_logits(model, [p + tokens[b].tolist() for b, p in enumerate(prompts)])  # [B, T, vocab]
+    for b, p in enumerate(prompts):
+        want = dense[b, len(p): len(p) + steps]  # logits after each decoded token
+        np.testing.assert_allclose(step_logits[:, b], want, atol=ATOL, rtol=0, err_msg=f"{family}/{b}")
+
+
+def test_gemma2_soft_caps_and_window_go_through_paged_attention(monkeypatch):
+    model, _ = loaded("gemma2")
+    c = model.config
+    assert (c.attn_soft_cap, c.final_soft_cap, c.sliding_window) == (2.0, 5.0, 8)
+    assert c.sliding_window_layers == (0, 2) and c.attn_scale == pytest.approx(24 ** -0.5)
+    g = golden("gemma2")
+    prompts = [p["ids"] for p in g["prompts"].values()]
+    assert min(map(len, prompts)) > 2 * c.sliding_window  # the window cuts the context
+    calls = []
+
+    def spy(fn, kind):
+        def wrapped(*args, **kw):
+            calls.append((kind, kw.get("scale"), kw.get("soft_cap"), kw.get("sliding_window")))
+            return fn(*args, **kw)
+        return wrapped
+
+    monkeypatch.setattr(gpt_module, "paged_decode", spy(jpa.paged_decode, "decode"))
+    monkeypatch.setattr(gpt_module, "paged_prefill", spy(jpa.paged_prefill, "prefill"))
+    first, step_logits, tokens = run_paged_greedy(model, prompts, 3)
+    windows = [8, None, 8, None]
+    for kind in ("prefill", "decode"):
+        got = [(s, cap, w) for k, s, cap, w in calls if k == kind][:4]  # one trace: one call per layer
+        assert got == [(pytest.approx(24 ** -0.5), 2.0, w) for w in windows], kind
+    assert tokens.tolist() == [p["greedy_ids"][:3] for p in g["prompts"].values()]
+    # Each option matters: without it the logits are far from transformers'.
+    want = np.load(DATA / "gemma2" / "golden.npz")["paged_logits"]
+    for over in (dict(attn_soft_cap=None), dict(sliding_window=None, sliding_window_layers=()),
+                 dict(final_soft_cap=None), dict(attn_scale=None)):
+        other = gpt_module.GPT(dataclasses.replace(c, **over), rngs=nnx.Rngs(0))
+        nnx.update(other, nnx.state(model, nnx.Param))
+        got = dense_logits(other, [prompts[0]])[0]
+        assert np.abs(got - want).max() > 1e-2, over
+
+
+# ---- tokenizer and chat templates ----
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chat_templates_render_as_transformers(family):
+    _, tok = loaded(family)
+    g = golden(family)
+    assert g["chats"], family
+    for name, chat in g["chats"].items():
+        if "error" in chat:
+            message = chat["error"].split(": ", 1)[1]
+            with pytest.raises(ChatTemplateError, match=message.replace(".", r"\.")):
+                tok.render_chat(chat["messages"], add_generation_prompt=chat["add_generation_prompt"])
+            continue
+        text = tok.render_chat(chat["messages"], add_generation_prompt=chat["add_generation_prompt"])
+        assert text == chat["text"], f"{family}/{name}"
+        assert tok.encode(text) == chat["ids"], f"{family}/{name}"  # apply_chat_template(tokenize=True)
+    p = g["prompts"]["chat"]
+    assert tok.apply_chat_template(p["user"], system=p["system"]) == p["text"]
+
+
+def test_gemma2_refuses_a_system_turn_and_every_family_renders_system_user_assistant():
+    _, tok = loaded("gemma2")
+    with pytest.raises(ChatTemplateError, match="System role not supported"):
+        tok.apply_chat_template("hi", system="be brief")
+    rendered = {f: golden(f)["chats"]["multi_turn/gen"] for f in FAMILIES}
+    assert [f for f, c in rendered.items() if "text" in c] == ["llama", "mistral", "qwen2", "qwen3"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tokenizer_and_special_ids_match_transformers(family):
+    model, tok = loaded(family)
+    g = golden(family)
+    for text, want in g["tokenize"].items():
+        assert tok.encode(text) == want["ids"], text
+        assert tok.decode(want["ids"]) == want["decoded"]
+        assert tok.decode(want["ids"], skip_special_tokens=True) == want["decoded_skip_special"]
+    s = g["special"]
+    assert tok.eos_token_id == s["eos_token_id"] and tok.vocab_size == s["vocab"]
+    assert set(tok.stop_token_ids) == {s["eos_token_id"], *s["generation_eos"]}
+    if s["bos_token_id"] is not None:
+        assert tok.bos_token_id == model.config.bos_token_id == s["bos_token_id"]
+    assert model.config.eos_token_id == tok.eos_token_id
+    if family == "qwen2":  # ids in the model's padded vocabulary past the tokenizer's decode to nothing
+        assert model.config.vocab_size == tok.vocab_size + 16
+        want = g["tokenize"]["The capital of France is"]
+        assert tok.decode([*want["ids"], model.config.vocab_size - 1]) == want["decoded"]
+    with pytest.raises(ValueError, match=r"decode: ids must be >= 0; got \[-1\]"):
+        tok.decode([3, -1])
+
+
+# ---- loading: dtype, paths, and every refusal ----
+
+def test_bfloat16_load_and_path_forms():
+    m32, _ = loaded("qwen3")
+    m16, _ = models.load(str(DATA / "qwen3"), dtype=jnp.bfloat16)
+    assert m16.dtype == jnp.bfloat16 and m16.layers[0].wq[...].dtype == jnp.bfloat16
+    # The checkpoint is stored in bfloat16: both loads hold exactly its values.
+    np.testing.assert_array_equal(np.asarray(m16.layers[1].w_down[...], np.float32),
+                                  np.asarray(m32.layers[1].w_down[...]))
+    ids = jnp.asarray([golden("qwen3")["prompts"]["robot"]["ids"]], jnp.int32)
+    a, b = forward_dense(m32, ids), forward_dense(m16, ids)
+    assert np.abs(np.asarray(a) - np.asarray(b)).max() < 0.25  # bf16 activations, logits ~10
+
+
+def copy_checkpoint(family, tmp_path):
+    dst = tmp_path / family
+    shutil.copytree(DATA / family, dst)
+    return dst
+
+
+@pytest.fixture
+def reads(monkeypatch):
+    """Counts tensor reads: a refused checkpoint must be refused before any."""
+    count = []
+    original = hf._read
+    monkeypatch.setattr(hf, "_read", lambda *a: count.append(a) or original(*a))
+    return count
+
+
+def edit_json(path, **changes):
+    d = json.loads(path.read_text())
+    for k, v in changes.items():
+        if v is None:
+            d.pop(k, None)
+        else:
+            d[k] = v
+    path.write_text(json.dumps(d))
+
+
+@pytest.mark.parametrize("case,exc,match", [
+    ("missing_shard", FileNotFoundError, r"model-00003-of-00005.safetensors is missing \(listed in "
+                                         r"model.safetensors.index.json\)"),
+    ("missing_config", FileNotFoundError, r"config.json is missing"),
+    ("missing_tokenizer", FileNotFoundError, r"no tokenizer.json"),
+    ("truncated", hf.CheckpointError, r"model-00002-of-00005.safetensors is not a whole safetensors file"),
+    ("shape", hf.CheckpointError, r"tensor model.layers.0.mlp.gate_proj.weight has shape \[128, 64\]; "
+                                  r"config.json implies \[192, 64\]"),
+    ("model_type", hf.CheckpointError, r"model_type 'gpt_neox' is not supported; jpa loads \['llama'"),
+    ("rope_type", hf.CheckpointError, r"RoPE type 'yarn' is not supported"),
+    ("bias", hf.CheckpointError, r"attention_bias = True is not supported"),
+    ("activation", hf.CheckpointError, r"activation 'gelu' is not supported for llama"),
+    ("index", hf.CheckpointError, r"puts model.norm.weight in model-00001-of-00005.safetensors, but that file"),
+])
+def test_sharded_checkpoint_errors(case, exc, match, tmp_path, reads):
+    d = copy_checkpoint("llama", tmp_path)
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    if case == "missing_shard":
+        (d / "model-00003-of-00005.safetensors").unlink()
+    elif case == "missing_config":
+        (d / "config.json").unlink()
+    elif case == "missing_tokenizer":
+        (d / "tokenizer.json").unlink()
+    elif case == "truncated":
+        f = d / "model-00002-of-00005.safetensors"
+        os.truncate(f, f.stat().st_size - 1000)
+    elif case == "shape":
+        edit_json(d / "config.json", intermediate_size=192)
+    elif case == "model_type":
+        edit_json(d / "config.json", model_type="gpt_neox")
+    elif case == "rope_type":
+        edit_json(d / "config.json", rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0})
+    elif case == "bias":
+        edit_json(d / "config.json", attention_bias=True)
+    elif case == "activation":
+        edit_json(d / "config.json", hidden_act="gelu")
+    elif case == "index":
+        index["weight_map"]["model.norm.weight"] = "model-00001-of-00005.safetensors"
+        (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(exc, match=match):
+        models.load(d)
+    assert reads == []  # refused before any tensor was read: nothing half-loaded
+
+
+def rewrite_tensor(path: pathlib.Path, name, fn):
+    """Rewrites a single-file checkpoint with tensor `name` replaced by fn(tensor) (None: dropped),
+    or with `name` added when it is absent."""
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    with safe_open(path, framework="numpy") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        meta = f.metadata()
+    new = fn(tensors.get(name))
+    if new is None:
+        tensors.pop(name)
+    else:
+        tensors[name] = new
+    save_file(tensors, path, metadata=meta)
+
+
+@pytest.mark.parametrize("case,match", [
+    ("float64", r"tensor model.layers.1.self_attn.q_proj.bias has dtype F64; jpa loads \['BF16', 'F16', 'F32'\]"),
+    ("int32", r"tensor model.norm.weight has dtype I32"),
+    ("missing", r"tensor model.layers.0.self_attn.k_proj.bias is missing"),
+    ("extra", r"tensors this qwen2 config does not use: \['model.layers.0.self_attn.o_proj.bias'\]"),
+    ("shape", r"tensor model.embed_tokens.weight has shape \[336, 32\]; config.json implies \[336, 64\]"),
+])
+def test_single_file_checkpoint_errors(case, match, tmp_path, reads):
+    d = copy_checkpoint("qwen2", tmp_path)
+    f = d / "model.safetensors"
+    if case == "float64":
+        rewrite_tensor(f, "model.layers.1.self_attn.q_proj.bias", lambda t: t.astype(np.float64))
+    elif case == "int32":
+        rewrite_tensor(f, "model.norm.weight", lambda t: t.astype(np.int32))
+    elif case == "missing":
+        rewrite_tensor(f, "model.layers.0.self_attn.k_proj.bias", lambda t: None)
+    elif case == "extra":
+        rewrite_tensor(f, "model.layers.0.self_attn.o_proj.bias", lambda t: np.zeros(64, np.float32))
+    elif case == "shape":
+        rewrite_tensor(f, "model.embed_tokens.weight", lambda t: np.ascontiguousarray(t[:, :32]))
+    with pytest.raises(hf.CheckpointError, match=match):
+        models.load(d)
+    assert reads == []
+
+
+@pytest.mark.parametrize("dtype,match", [
+    (jnp.float16, r"dtype must be float32 or bfloat16; got float16"),
+    ("int8", r"dtype must be float32 or bfloat16; got int8"),
+    ("float7", r"dtype must be float32 or bfloat16; got 'float7'"),
+])
+def test_unknown_requested_dtype(dtype, match, reads):
+    with pytest.raises(ValueError, match=match):
+        models.load(DATA / "qwen2", dtype=dtype)
+    assert reads == []
+
+
+def test_not_a_checkpoint(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown model 'nope'; presets are .* Hugging Face checkpoint directory"):
+        models.load("nope")
+    (tmp_path / "config.json").write_text(json.dumps(golden_config("qwen2")))
+    shutil.copy(DATA / "qwen2" / "tokenizer.json", tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"holds no \*.safetensors file"):
+        models.load(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(hf.CheckpointError, match=r"config.json is not valid JSON"):
+        models.load(tmp_path)
+
+
+def golden_config(family):
+    return json.loads((DATA / family / "config.json").read_text())
+
+
+# ---- config.json translation ----
+
+def test_config_defaults_and_layouts():
+    g2 = golden_config("gemma2")
+    g2.pop("layer_types")
+    c = hf.config_from_hf(g2)
+    assert c.sliding_window_layers == (0, 2) and c.embed_scale == 8.0 and c.norm_weight_offset == 1.0
+    m = hf.config_from_hf(golden_config("mistral"))
+    assert (m.sliding_window, m.sliding_window_layers) == (6, (0, 1))
+    assert hf.config_from_hf({**golden_config("mistral"), "sliding_window": None}).sliding_window is None
+    new = golden_config("llama")
+    old = {k: v for k, v in new.items() if k != "rope_parameters"}
+    rp = new["rope_parameters"]
+    old.update(rope_theta=rp["rope_theta"], rope_scaling={k: v for k, v in rp.items() if k != "rope_theta"})
+    assert hf.config_from_hf(old) == hf.config_from_hf(new)
+    assert hf.config_from_hf(new).rope_scaling == ("llama3", 8.0, 1.0, 4.0, 64)
+    q3 = hf.config_from_hf(golden_config("qwen3"))
+    assert (q3.head_dim, q3.qk_norm, q3.qkv_bias, q3.tie_embeddings) == (32, True, False, False)
+
+
+@pytest.mark.parametrize("family,over,match", [
+    ("qwen2", dict(use_sliding_window=True), r"use_sliding_window = True is not supported"),
+    ("llama", dict(mlp_bias=True), r"mlp_bias = True is not supported"),
+    ("llama", dict(partial_rotary_factor=0.5), r"partial_rotary_factor != 1 is not supported"),
+    ("llama", dict(layer_types=["full_attention", "chunked_attention"]), r"layer_types must be 2 entries"),
+    ("qwen3", dict(layer_types=["sliding_attention", "full_attention"]),
+     r"sliding_attention layers are not supported for qwen3"),
+    ("gemma2", dict(hidden_activation="gelu"), r"activation 'gelu' is not supported for gemma2"),
+    ("gemma2", dict(use_bidirectional_attention=True), r"use_bidirectional_attention = True is not supported"),
+    ("qwen3", dict(quantization_config={"quant_method": "awq", "bits": 4}),
+     r"quantization_config \('awq'\) is not supported"),
+    ("llama", dict(hidden_size=None), r"'hidden_size' is missing"),
+    ("llama", dict(num_attention_heads=3), r"num_q_heads \(3\) must be a multiple of num_kv_heads"),
+])
+def test_unsupported_options_are_named(family, over, match):
+    cfg = golden_config(family)
+    for k, v in over.items():
+        if v is None:
+            cfg.pop(k)
+        else:
+            cfg[k] = v
+    with pytest.raises(hf.CheckpointError, match=match):
+        hf.config_from_hf(cfg)
+
+
+@pytest.mark.parametrize("over,match", [
+    (dict(rope_scaling=("yarn", 2.0)), r"rope_scaling must be \(\), \('linear', factor\)"),
+    (dict(rope_scaling=("llama3", 8.0, 4.0, 1.0, 64)), r"needs high_freq_factor > low_freq_factor"),
+    (dict(mlp_activation="relu"), r"mlp_activation must be one of \('silu', 'gelu_tanh'\)"),
+    (dict(sliding_window=8), r"sliding_window \(8\) and sliding_window_layers \(\(\)\) must be set together"),
+    (dict(sliding_window=8, sliding_window_layers=(2,)), r"sliding_window_layers must be a tuple of layer "
+                                                         r"indices in \[0, num_layers = 2\)"),
+    (dict(attn_soft_cap=0.0), r"attn_soft_cap must be a number > 0 or None"),
+    (dict(qk_norm=1), r"qk_norm must be a bool"),
+    (dict(family="gpt2", num_kv_heads=4, qkv_bias=True), r"\['qkv_bias'\] are llama-family options"),
+])
+def test_variant_config_value_errors(over, match):
+    base = dataclasses.asdict(models.PRESETS["tiny-llama"])
+    with pytest.raises(ValueError, match=match):
+        ModelConfig(**{**base, **over})
+
+
+def test_generate_script_runs_a_checkpoint_directory(capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "generate_script", pathlib.Path(__file__).parents[1] / "scripts" / "generate.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    g = golden("qwen2")
+    rc = mod.main(["--model", str(DATA / "qwen2"), "--greedy", "--max-new-tokens", "6", "--json",
+                   "--no-progress", "--max-seqs", "2", "--max-model-len", "128", "--kv-memory", "1",
+                   "--steps-per-call", "2", "--chat", g["prompts"]["chat"]["user"],
+                   "--system", g["prompts"]["chat"]["system"]])
+    out, err = capsys.readouterr()
+    rec = json.loads(out.splitlines()[0])
+    assert rc == 0 and rec["error"] is None
+    greedy = g["prompts"]["chat"]["greedy_ids"]
+    stop = next((i for i, t in enumerate(greedy) if t in loaded("qwen2")[1].stop_token_ids), None)
+    assert rec["token_ids"] == greedy[: 6 if stop is None else min(6, stop + 1)]

@@ -1,0 +1,135 @@
+"""Tensor-parallel runs on simulated CPU devices, reported as JSON (run by tests/test_tensor_parallel.py).
+
+JAX fixes its device count when it starts, and the test session has already started it on one
+device, so these runs need their own process:
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu python tests/tp_check.py OUT.json
+
+(the script sets both itself; `--full` adds SmolLM2 at tp=4, tiny-gpt2 at tp=2 and tiny-llama at
+tp=3). For each (model, tp) it runs the engine greedily and records the
+tokens, how often each step was compiled, the shardings of the cache and the weights, and (tiny
+models) the largest difference between the sharded and the single-device model's logits on
+random inputs.
+"""
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import json  # noqa: E402
+import pathlib  # noqa: E402
+import time  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import models  # noqa: E402
+from jpa.cache import KVCache  # noqa: E402
+from jpa.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+
+HF = pathlib.Path(__file__).resolve().parent / "data" / "hf"
+GEMMA2, QWEN3 = str(HF / "gemma2"), str(HF / "qwen3")  # tiny Hugging Face checkpoints (test data)
+CASES = {  # model -> tensor-parallel sizes (1 first: the reference)
+    "tiny-llama": (1, 2, 4),      # 4 q / 2 kv heads: split, replicate (--full: and 3, pad)
+    "tiny-gpt2": (1, 3),          # 4 heads with biases: pad (q/k/v biases, ffn 256 -> 258)
+    "smollm2-135m": (1, 3, 2),    # 9 q / 3 kv heads: split at 3, pad at 2 (--full: and 4, pad)
+    GEMMA2: (1, 2),               # soft caps, sliding window on alternating layers, post-norms
+    QWEN3: (1, 2),                # q/k RMSNorm
+}
+FULL = {"tiny-llama": (1, 2, 4, 3), "tiny-gpt2": (1, 3, 2), "smollm2-135m": (1, 3, 2, 4)}
+PROMPTS = {
+    "tiny-llama": ["hello world", "the quick brown fox jumps", "a", "paged attention in jax and more"],
+    "tiny-gpt2": ["hello world", "the quick brown fox jumps", "a"],
+    "smollm2-135m": ["The capital of France is", "Paged attention stores the KV cache in"],
+    GEMMA2: ["hello world, a prompt longer than the sliding window", "a"],
+    QWEN3: ["hello world", "the quick brown fox"],
+}
+NEW_TOKENS = {"tiny-llama": 12, "tiny-gpt2": 12, "smollm2-135m": 16, GEMMA2: 12, QWEN3: 12}
+# Logits compared directly on random inputs (4 more compiles per case: kept to the fast models; the
+# greedy tokens of a real model are the check for SmolLM2).
+LOGITS_GAP = ("tiny-llama", "tiny-gpt2")
+
+
+def gap_inputs(config, rng):
+    """Random prefill and decode inputs over a shared random block table, for `logits`."""
+    batch, width, page_size, pages_per_seq, num_pages = 3, 8, 4, 4, 32
+    tables = rng.permutation(num_pages)[: batch * pages_per_seq].reshape(batch, pages_per_seq)
+    lens = rng.integers(1, width + 1, batch)  # prompt chunk lengths; the decode token goes at lens
+    slot = lambda b, p: tables[b, p // page_size] * page_size + p % page_size  # noqa: E731
+    slots = np.array([[slot(b, p) if p < lens[b] else -1 for p in range(width)] for b in range(batch)])
+    i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
+    tokens = i32(rng.integers(0, config.vocab_size, (batch, width)))
+    new_tok = i32(rng.integers(0, config.vocab_size, batch))
+    pre_args = (tokens, i32(np.zeros(batch)), i32(lens), i32(slots), i32(tables))
+    dec_args = (new_tok, i32(lens + 1), i32([slot(b, lens[b]) for b in range(batch)]), i32(tables))
+    return (num_pages, page_size), pre_args, dec_args
+
+
+def logits(model, mesh, inputs):
+    """(prefill logits, then decode-step logits) of `model` on `inputs` (sharded over mesh if set)."""
+    (num_pages, page_size), pre_args, dec_args = inputs
+    cache = KVCache.create(model.cache_config(num_pages, page_size))
+    if mesh is not None:
+        cache = jax.device_put(cache, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("tp")))
+    lp, cache = jax.jit(lambda mod, ca, *a: models.prefill(mod, ca, *a, mesh=mesh))(model, cache, *pre_args)
+    ld, cache = jax.jit(lambda mod, ca, *a: models.decode(mod, ca, *a, mesh=mesh))(model, cache, *dec_args)
+    return np.asarray(lp), np.asarray(ld)
+
+
+def main(out_path, full=False):
+    rng = np.random.default_rng()
+    assert len(jax.devices()) == 8, jax.devices()
+    report = []
+    for name, sizes in {**CASES, **(FULL if full else {})}.items():
+        gpt, tok = (models.load(name) if name.startswith("/") else
+                    models.load(name, seed=int(rng.integers(1 << 30))))
+        if name in LOGITS_GAP:
+            inputs = gap_inputs(gpt.config, rng)
+            reference = logits(gpt, None, inputs)
+        for tp in sizes:
+            t0 = time.perf_counter()
+            cfg = EngineConfig(max_seqs=4, num_pages=96, page_size=8, max_model_len=256, steps_per_call=4,
+                               tensor_parallel=tp)
+            engine = LLMEngine(models.GPTForEngine(gpt), tok, cfg)
+            outs = engine.generate(PROMPTS[name], SamplingParams(max_new_tokens=NEW_TOKENS[name], greedy=True,
+                                                                  ignore_eos=True))
+            s = engine.summary()
+            params = engine.model.params
+            layer = params["layers"][0]
+            rec = dict(model=name, tp=tp, tokens=[list(o.token_ids) for o in outs],
+                       decode_compiles=s["decode_compiles"], prefill_compiles=s["prefill_compiles"],
+                       prefill_shapes=len(engine.runner._prefill_exe), head_plan=s["head_plan"],
+                       pool_whole=engine.pool_is_whole(), seconds=0.0)
+            if tp > 1:
+                spec = lambda x: list(x.sharding.spec)  # noqa: E731
+                rec.update(
+                    mode=engine.model.head_plan.mode,
+                    cache_specs=sorted({str(spec(x)) for x in jax.tree_util.tree_leaves(engine.runner.cache)}),
+                    cache_devices=len(engine.runner.cache.k[0].sharding.device_set),
+                    local_kv_heads=engine.runner.cache.k[0].addressable_shards[0].data.shape[0],
+                    page_state_specs=sorted({str(spec(x)) for x in jax.tree_util.tree_leaves(engine.runner.page_state)}),
+                    slot_specs=sorted({str(spec(x)) for x in jax.tree_util.tree_leaves(engine.runner.slots)}),
+                    weight_specs={k: spec(getattr(layer, k)) for k in ("wq", "wk", "wv", "wo", "w_up", "w_down")
+                                  + (("w_gate",) if gpt.config.family == "llama" else ("bq", "bo", "b_up", "b_down"))},
+                    embedding_spec=spec(params["tok_embeddings"]))
+                if name in LOGITS_GAP:
+                    got = logits(_sharded_gpt(engine), engine.mesh, inputs)
+                    rec["logits_gap"] = float(max(np.max(np.abs(a - b)) for a, b in zip(got, reference)))
+            rec["seconds"] = round(time.perf_counter() - t0, 1)
+            report.append(rec)
+            print(json.dumps({k: v for k, v in rec.items() if k != "tokens"}), file=sys.stderr, flush=True)
+    pathlib.Path(out_path).write_text(json.dumps(report, indent=1))
+
+
+def _sharded_gpt(engine):
+    from flax import nnx
+    return nnx.merge(engine.model.graphdef, engine.model.params)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], full="--full" in sys.argv[2:])
