@@ -291,8 +291,11 @@ class AsyncEngine:
                 if eng.has_unfinished:
                     outputs = eng.step()
                     self._rounds += 1
+                    self._count(outputs)
+                    self._publish()   # before the outputs go out: whoever saw a token sees this state
                     self._dispatch(outputs)
-                self._publish()
+                else:
+                    self._publish()
             except Exception as e:  # a bug in a round: fail what is in flight, keep serving if we can
                 self._recover(e)
             if stopping or self._dead is not None:
@@ -311,18 +314,20 @@ class AsyncEngine:
             if eng.abort(rid):
                 self._last_abort_rounds = self._rounds - at_round
 
-    def _dispatch(self, outputs: list[StepOutput]) -> None:
+    def _count(self, outputs: list[StepOutput]) -> None:
         now = time.monotonic()
+        self._generation_tokens += sum(len(out.new_token_ids) for out in outputs)
+        self._rate.append((now, self._generation_tokens))
+        while self._rate and now - self._rate[0][0] > self.rate_window:
+            self._rate.popleft()
+
+    def _dispatch(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
-            self._generation_tokens += len(out.new_token_ids)
             with self._cv:
                 stream = self._streams.pop(out.request_id, None) if out.finished else \
                     self._streams.get(out.request_id)
             if stream is not None:
                 stream.group._put((stream.index, out))
-        self._rate.append((now, self._generation_tokens))
-        while self._rate and now - self._rate[0][0] > self.rate_window:
-            self._rate.popleft()
 
     def _publish(self) -> None:
         eng = self.engine
