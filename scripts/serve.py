@@ -29,7 +29,7 @@ from generate import UsageError, _Parser, cache_dir, enable_compile_cache  # noq
 def parse_args(argv=None):
     ap = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="model preset (default: smollm2-135m; "
-                    "tiny-llama / tiny-gpt2 are random and fast)")
+                    "tiny-llama / tiny-gpt2 are random and fast) or a Hugging Face checkpoint directory")
     ap.add_argument("--served-model-name", default=None, help="the `model` requests must name (default: --model)")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     ap.add_argument("--port", type=int, default=8000, help="port (0: a free one)")
@@ -75,8 +75,9 @@ def check_args(args):
         raise UsageError("--api-key must not be empty")
     from models import PRESETS  # light: configs only, no JAX work
 
-    if args.model not in PRESETS:
-        raise UsageError(f"--model {args.model!r} is unknown; choose one of {', '.join(sorted(PRESETS))}")
+    if args.model not in PRESETS and not os.path.isdir(args.model):  # a preset or a checkpoint directory
+        raise UsageError(f"--model {args.model!r} is unknown; choose one of {', '.join(sorted(PRESETS))} "
+                         f"or the path of a Hugging Face checkpoint directory")
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
@@ -134,15 +135,21 @@ def run(args, sock):
         config = EngineConfig(max_seqs=args.max_seqs, page_size=args.page_size, num_pages=args.num_pages,
                               kv_memory_bytes=int(args.kv_memory * 2 ** 20), max_model_len=args.max_model_len,
                               steps_per_call=args.steps_per_call, max_prefill_tokens=args.max_prefill_tokens)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    try:
         gpt, tok = models.load(args.model, dtype=jnp.dtype(dtype))
+    except (ValueError, FileNotFoundError) as e:  # a bad checkpoint directory
+        raise UsageError(f"--model {args.model}: {e}") from None
+    try:
         engine = LLMEngine(models.GPTForEngine(gpt), tok, config)
     except ValueError as e:
         raise UsageError(str(e)) from None
     if not args.no_warmup:  # compile the decode loop and a small prefill before the first client waits
-        engine.generate([tok.apply_chat_template("Hello")], SamplingParams(max_new_tokens=2, greedy=True))
+        engine.generate(["Hello"], SamplingParams(max_new_tokens=2, greedy=True))
     print(f"[jpa] model ready in {time.perf_counter() - t0:.1f} s; KV cache: {engine.cache_config.describe()}; "
           f"max_model_len {engine.max_model_len}", file=sys.stderr)
-    name = args.served_model_name or args.model
+    name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     with AsyncEngine(engine, max_waiting=args.max_waiting) as aengine:
         app = build_app(aengine, tok, model_name=name, api_key=args.api_key, max_n=args.max_n)
         server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))

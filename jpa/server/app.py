@@ -208,7 +208,7 @@ class _API:
             raise APIError(400, "give 'max_tokens' or 'max_completion_tokens', not both", param="max_tokens")
         try:
             text = self.tok.render_chat(chat_messages(body))
-        except ValueError as e:
+        except Exception as e:  # ValueError, or a template's own raise_exception (jinja2 TemplateError)
             raise APIError(400, f"'messages': {e}", param="messages") from None
         prompts = [self.tok.encode(text)]
         reqs = self._params(body, prompts, body.max_completion_tokens or body.max_tokens, None)
