@@ -44,6 +44,44 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+def add_engine_args(ap, *, steps_per_call: int, steps_help: str):
+    """The engine's flags, shared by generate.py and serve.py (read back by `engine_config`)."""
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                    help="weights and KV cache dtype (default float32 on CPU, bfloat16 on GPU)")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages (overrides --kv-memory)")
+    ap.add_argument("--kv-memory", type=float, default=256, help="KV cache budget in MiB (default 256)")
+    ap.add_argument("--max-seqs", type=int, default=16, help="sequences decoded together")
+    ap.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + completion")
+    ap.add_argument("--steps-per-call", type=int, default=steps_per_call, help=steps_help)
+    ap.add_argument("--attention", choices=["auto", "xla", "triton", "mosaic"], default="auto",
+                    help="decode attention backend (default auto: the Pallas kernel for the GPU the step is "
+                         "compiled for, after a one-time self-check; plain JAX elsewhere)")
+
+
+def check_engine_args(args, extra_counts=()):
+    """UsageError for engine flags no request could run with; extra_counts: more flags that must be >= 1."""
+    for name in ("page_size", "max_seqs", "max_model_len", "steps_per_call", *extra_counts):
+        v = getattr(args, name)
+        if v < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1; got {v}")
+    if args.num_pages is not None and args.num_pages < 1:
+        raise UsageError(f"--num-pages must be >= 1; got {args.num_pages}")
+    if not (math.isfinite(args.kv_memory) and args.kv_memory > 0):
+        raise UsageError(f"--kv-memory must be a positive number of MiB; got {args.kv_memory}")
+
+
+def engine_config(args, **extra):
+    """The EngineConfig of the engine flags (UsageError when EngineConfig refuses them)."""
+    from jpa.engine import EngineConfig
+    try:
+        return EngineConfig(max_seqs=args.max_seqs, page_size=args.page_size, num_pages=args.num_pages,
+                            kv_memory_bytes=int(args.kv_memory * 2 ** 20), max_model_len=args.max_model_len,
+                            steps_per_call=args.steps_per_call, attention_impl=args.attention, **extra)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
 def parse_args(argv=None):
     ap = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("prompts", nargs="*", help="prompts (default: --prompts-file, else lines piped on "
@@ -63,17 +101,7 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0, help="request i samples with seed + i")
     ap.add_argument("--greedy", action="store_true", help="argmax decoding (ignores temperature)")
     ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                    help="weights and KV cache dtype (default float32 on CPU, bfloat16 on GPU)")
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages (overrides --kv-memory)")
-    ap.add_argument("--kv-memory", type=float, default=256, help="KV cache budget in MiB (default 256)")
-    ap.add_argument("--max-seqs", type=int, default=16, help="sequences decoded together")
-    ap.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + completion")
-    ap.add_argument("--steps-per-call", type=int, default=8, help="decode steps per host round trip")
-    ap.add_argument("--attention", choices=["auto", "xla", "triton", "mosaic"], default="auto",
-                    help="decode attention backend (default auto: the Pallas kernel for the GPU the step is "
-                         "compiled for, after a one-time self-check; plain JAX elsewhere)")
+    add_engine_args(ap, steps_per_call=8, steps_help="decode steps per host round trip")
     ap.add_argument("--tp", type=int, default=1, help="tensor parallel: shard the model and the KV pool (on its "
                     "kv heads) over this many devices (default 1); --kv-memory is then per device")
     ap.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="several hosts: process 0's "
@@ -92,10 +120,7 @@ def parse_args(argv=None):
 
 def check_args(args):
     """Raises UsageError for values no request could run with (per-request values fail alone)."""
-    for name in ("page_size", "max_seqs", "max_model_len", "steps_per_call", "max_new_tokens", "tp"):
-        v = getattr(args, name)
-        if v < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1; got {v}")
+    check_engine_args(args, ("max_new_tokens", "tp"))
     multi = (args.coordinator, args.num_processes, args.process_id)
     if any(v is not None for v in multi):
         if any(v is None for v in multi):
@@ -103,10 +128,6 @@ def check_args(args):
         if args.num_processes < 1 or not 0 <= args.process_id < args.num_processes:
             raise UsageError(f"--process-id must be in [0, --num-processes = {args.num_processes}); "
                              f"got {args.process_id}")
-    if args.num_pages is not None and args.num_pages < 1:
-        raise UsageError(f"--num-pages must be >= 1; got {args.num_pages}")
-    if not (math.isfinite(args.kv_memory) and args.kv_memory > 0):
-        raise UsageError(f"--kv-memory must be a positive number of MiB; got {args.kv_memory}")
     if args.prompts_file is not None and not os.path.isfile(args.prompts_file):
         raise UsageError(f"--prompts-file {args.prompts_file!r}: no such file")
     from models import PRESETS  # light: configs only, no JAX work
@@ -195,19 +216,13 @@ def run(args):
     dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
     import jax.numpy as jnp
     import models
-    from jpa.engine import EngineConfig, LLMEngine
+    from jpa.engine import LLMEngine
 
     prompts, builtin = read_prompts(args)
     chat = args.chat or builtin
     t0 = time.perf_counter()
     print(f"[jpa] loading {args.model} ({dtype}) on {jax.devices()[0].platform}...", file=sys.stderr)
-    try:
-        config = EngineConfig(max_seqs=args.max_seqs, page_size=args.page_size, num_pages=args.num_pages,
-                              kv_memory_bytes=int(args.kv_memory * 2 ** 20), max_model_len=args.max_model_len,
-                              steps_per_call=args.steps_per_call, attention_impl=args.attention,
-                              tensor_parallel=args.tp)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    config = engine_config(args, tensor_parallel=args.tp)
     try:
         gpt, tok = models.load(args.model, dtype=jnp.dtype(dtype))
     except (ValueError, FileNotFoundError) as e:  # a bad checkpoint directory: CheckpointError names it

@@ -15,7 +15,6 @@ which. Bad flags or values print one line on stderr and exit with code 2.
 """
 
 import argparse
-import math
 import os
 import signal
 import socket
@@ -23,7 +22,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from generate import UsageError, _Parser, cache_dir, enable_compile_cache  # noqa: E402
+from generate import (UsageError, _Parser, add_engine_args, cache_dir, check_engine_args,  # noqa: E402
+                      enable_compile_cache, engine_config)
 
 
 def parse_args(argv=None):
@@ -35,15 +35,8 @@ def parse_args(argv=None):
     ap.add_argument("--port", type=int, default=8000, help="port (0: a free one)")
     ap.add_argument("--api-key", default=os.environ.get("JPA_API_KEY") or None,
                     help="require `Authorization: Bearer KEY` (default: $JPA_API_KEY, else no key)")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                    help="weights and KV cache dtype (default float32 on CPU, bfloat16 on GPU)")
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages (overrides --kv-memory)")
-    ap.add_argument("--kv-memory", type=float, default=256, help="KV cache budget in MiB (default 256)")
-    ap.add_argument("--max-seqs", type=int, default=16, help="sequences decoded together")
-    ap.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + completion")
-    ap.add_argument("--steps-per-call", type=int, default=4, help="decode steps per engine round (tokens "
-                    "stream once per round: fewer = smoother streaming, more = higher throughput)")
+    add_engine_args(ap, steps_per_call=4, steps_help="decode steps per engine round (tokens stream once per "
+                    "round: fewer = smoother streaming, more = higher throughput)")
     ap.add_argument("--max-prefill-tokens", type=int, default=2048, help="padded prompt tokens (rows x width) "
                     "per prefill call; each (rows, width) bucket met compiles once")
     ap.add_argument("--max-waiting", type=int, default=256, help="most requests waiting for a slot; beyond "
@@ -60,15 +53,7 @@ def parse_args(argv=None):
 
 
 def check_args(args):
-    for name in ("page_size", "max_seqs", "max_model_len", "steps_per_call", "max_prefill_tokens", "max_waiting",
-                 "max_n"):
-        v = getattr(args, name)
-        if v < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1; got {v}")
-    if args.num_pages is not None and args.num_pages < 1:
-        raise UsageError(f"--num-pages must be >= 1; got {args.num_pages}")
-    if not (math.isfinite(args.kv_memory) and args.kv_memory > 0):
-        raise UsageError(f"--kv-memory must be a positive number of MiB; got {args.kv_memory}")
+    check_engine_args(args, ("max_prefill_tokens", "max_waiting", "max_n"))
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in [0, 65535]; got {args.port}")
     if args.api_key is not None and not args.api_key:
@@ -126,17 +111,12 @@ def run(args, sock):
     import uvicorn
 
     import models
-    from jpa.engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
+    from jpa.engine import AsyncEngine, LLMEngine, SamplingParams
     from jpa.server import build_app
 
     t0 = time.perf_counter()
     print(f"[jpa] loading {args.model} ({dtype}) on {jax.devices()[0].platform}...", file=sys.stderr)
-    try:
-        config = EngineConfig(max_seqs=args.max_seqs, page_size=args.page_size, num_pages=args.num_pages,
-                              kv_memory_bytes=int(args.kv_memory * 2 ** 20), max_model_len=args.max_model_len,
-                              steps_per_call=args.steps_per_call, max_prefill_tokens=args.max_prefill_tokens)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    config = engine_config(args, max_prefill_tokens=args.max_prefill_tokens)
     try:
         gpt, tok = models.load(args.model, dtype=jnp.dtype(dtype))
     except (ValueError, FileNotFoundError) as e:  # a bad checkpoint directory
