@@ -131,7 +131,7 @@ def test_tensor_parallel_engine_steps_compile_for_8_h100s(tmp_path):
     decode, prefill = recs
     assert decode["mosaic_calls"] == 2 and decode["row_parallel_all_reduces"] == 4
     assert prefill["row_parallel_all_reduces"] == 4
-    assert decode["collectives_per_step"]["all-reduce"]["types"][-1] == "f32[64,4096]"
+    assert "f32[64,4096]" in decode["collectives_per_step"]["all-reduce"]["types"]
     for r in recs:
         assert r["pool_copies"] == [] and r["alias_bytes"] >= r["pool_bytes"] == r["pool_bytes_per_device"]
         assert r["pool_spec"] == "P('tp',)" and r["param_specs"]["wo"] == "P('tp', None)"
