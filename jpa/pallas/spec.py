@@ -2,6 +2,12 @@
 
 from typing import NamedTuple
 
+# Derived sizes shared by both specs (NamedTuples cannot share a base class with methods).
+_Q_PER_KV = property(lambda self: self.num_q_heads // self.num_kv_heads, doc="num_q_heads // num_kv_heads")
+_POOL_ELEMENTS = property(
+    lambda self: self.num_kv_heads * self.num_pages * self.page_size * self.head_dim,
+    doc="Elements of one page pool (K or V): num_kv_heads * num_pages * page_size * head_dim.")
+
 
 class DecodeSpec(NamedTuple):
     """Everything about a paged_decode call that is fixed at trace time (hashable)."""
@@ -21,14 +27,8 @@ class DecodeSpec(NamedTuple):
     num_seqs: int = 1
     num_pages: int = 1
 
-    @property
-    def q_per_kv(self) -> int:
-        return self.num_q_heads // self.num_kv_heads
-
-    @property
-    def pool_elements(self) -> int:
-        """Elements of one page pool (K or V): num_kv_heads * num_pages * page_size * head_dim."""
-        return self.num_kv_heads * self.num_pages * self.page_size * self.head_dim
+    q_per_kv = _Q_PER_KV
+    pool_elements = _POOL_ELEMENTS
 
 
 class RaggedSpec(NamedTuple):
@@ -48,11 +48,5 @@ class RaggedSpec(NamedTuple):
     sliding_window: bool
     quantized: bool
 
-    @property
-    def q_per_kv(self) -> int:
-        return self.num_q_heads // self.num_kv_heads
-
-    @property
-    def pool_elements(self) -> int:
-        """Elements of one page pool (K or V): num_kv_heads * num_pages * page_size * head_dim."""
-        return self.num_kv_heads * self.num_pages * self.page_size * self.head_dim
+    q_per_kv = _Q_PER_KV
+    pool_elements = _POOL_ELEMENTS
