@@ -7,7 +7,7 @@ back inside the engine's jit, so the weights are jit arguments, not constants.
 
 from flax import nnx
 
-from models.gpt import GPT, decode, prefill
+from models.gpt import GPT, decode, prefill, ragged
 
 
 class GPTForEngine:
@@ -50,3 +50,9 @@ class GPTForEngine:
         model = nnx.merge(self.graphdef, params)
         return decode(model, cache, tokens, seq_lens, slot_mapping, block_tables, impl=impl, mesh=self.mesh,
                       **self.decode_options)
+
+    def ragged(self, params, cache, tokens, positions, slot_mapping, block_tables, seq_lens, cu_q_lens, num_seqs,
+               *, impl="auto"):
+        model = nnx.merge(self.graphdef, params)
+        return ragged(model, cache, tokens, positions, slot_mapping, block_tables, seq_lens, cu_q_lens, num_seqs,
+                      impl=impl, mesh=self.mesh)

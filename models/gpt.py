@@ -17,6 +17,9 @@ the cache donated (`graphdef, params = nnx.split(model)`, then `nnx.merge` insid
   (`jpa.paged_prefill`).
 - `decode(model, cache, tokens, seq_lens, slot_mapping, block_tables)`: one new token per
   sequence; writes its K/V, then `jpa.paged_decode`.
+- `ragged(model, cache, tokens, positions, slot_mapping, block_tables, seq_lens, cu_q_lens,
+  num_seqs)`: a ragged batch of prefill chunks and decode tokens back to back in one token
+  budget; writes their K/V, then `jpa.ragged_paged_attention` (the engine's unified step).
 - `forward_dense(model, tokens)`: the same network without a cache (plain causal attention), the
   oracle for the two above.
 
@@ -40,6 +43,7 @@ from flax import nnx
 from jpa.cache import CacheConfig, KVCache, write_kv
 from jpa.decode import paged_decode
 from jpa.prefill import paged_prefill
+from jpa.ragged import ragged_paged_attention
 from jpa.sharding import HEADS, HEADS_T, POOL, REPLICATED, head_parallel
 from models.config import ModelConfig
 
@@ -530,3 +534,61 @@ def decode(model: GPT, cache: KVCache, tokens, seq_lens, slot_mapping, block_tab
 
     x, cache = _run(model, tokens[:, None], positions, attend, cache)
     return model.logits(x[:, 0]), cache
+
+
+def ragged(model: GPT, cache: KVCache, tokens, positions, slot_mapping, block_tables, seq_lens, cu_q_lens,
+           num_seqs, *, impl="auto", mesh=None):
+    """A ragged batch (prefill chunks and decode tokens back to back) through the model and the cache.
+
+    Sequence i < num_seqs owns token rows cu_q_lens[i]:cu_q_lens[i + 1], the last q_len_i of its
+    seq_lens[i] cached tokens (`jpa.ragged_paged_attention`'s legend). Each row's K/V is written at
+    its slot first, then every row attends causally to its sequence's cache.
+
+    Args:
+      model: the GPT.
+      cache: its KVCache.
+      tokens: i32[T] token ids, T the static token budget; padding rows hold any valid id.
+      positions: i32[T] position of each row (seq_lens[i] - q_len_i + t for row cu_q_lens[i] + t).
+      slot_mapping: i32[T] cache slot of each row (-1 for padding).
+      block_tables: i32[max_num_seqs, pages_per_seq].
+      seq_lens: i32[max_num_seqs] tokens cached after this call's writes.
+      cu_q_lens: i32[max_num_seqs + 1] row offsets (cu_q_lens[0] = 0, non-decreasing).
+      num_seqs: i32[] live sequences; rows past cu_q_lens[num_seqs] are padding.
+      impl: the `jpa.ragged_paged_attention` implementation ("auto", "xla", "triton", "mosaic").
+      mesh: as `prefill` (tensor parallelism).
+
+    Returns:
+      (logits f32[max_num_seqs, vocab] at each sequence's last row (finite garbage for i >=
+       num_seqs and for empty sequences), the updated cache).
+    """
+    _check_cache(model, cache)
+    _check_ndim("tokens", tokens, 1, "i32[num_tokens]")
+    num_tokens = tokens.shape[0]
+    for name, x in (("tokens", tokens), ("positions", positions), ("slot_mapping", slot_mapping)):
+        _check_int(name, x, (num_tokens,), "i32[num_tokens]")
+    _check_ndim("seq_lens", seq_lens, 1, "i32[max_num_seqs]")
+    batch = seq_lens.shape[0]
+    _check_int("seq_lens", seq_lens, (batch,), "i32[max_num_seqs]")
+    _check_int("cu_q_lens", cu_q_lens, (batch + 1,), "i32[max_num_seqs + 1]")
+    if getattr(block_tables, "ndim", None) != 2 or block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables must have shape i32[max_num_seqs = {batch}, pages_per_seq]; "
+                         f"got {getattr(block_tables, 'shape', None)}")
+    num_seqs = jnp.asarray(num_seqs, jnp.int32)
+
+    def layer_step(layer, q, k, v, slots, block_tables, seq_lens, cu_q_lens, num_seqs, *, opts):
+        layer = _write(layer, k, v, slots)
+        kp, vp, ks, vs = layer
+        out = ragged_paged_attention(q, kp, vp, block_tables, seq_lens, cu_q_lens, num_seqs, k_scales=ks,
+                                     v_scales=vs, impl=impl, **opts)
+        return out, layer  # [T, N, H]
+
+    def attend(i, q, k, v, cache):
+        step = head_parallel(functools.partial(layer_step, opts=model.attention_options(i)), mesh,
+                             (POOL, HEADS, HEADS, HEADS) + (REPLICATED,) * 5, (HEADS, POOL))
+        out, layer = step(cache.layer(i), q[0].astype(model.dtype), k[0], v[0], slot_mapping, block_tables,
+                          seq_lens, cu_q_lens, num_seqs)
+        return out[None], cache.with_layer(i, *layer)
+
+    x, cache = _run(model, tokens[None], positions[None], attend, cache)  # x: f32[1, T, d_model]
+    last = jnp.clip(cu_q_lens[1:] - 1, 0, num_tokens - 1)  # i32[max_num_seqs]
+    return model.logits(x[0, last]), cache

@@ -1,7 +1,11 @@
 """LLMEngine: continuous batching on the host around the jitted device loop.
 
-Per round (`step()`): the scheduler admits waiting requests into free slots (one prefill call),
-then up to `steps_per_call` decode steps run on the device (one call), then the new tokens are
+Per round (`step()`), with chunked prefill (the default): the scheduler plans a token budget (one
+token per decoding request, then chunks of partly prefilled and newly admitted prompts), and ONE
+device call runs the ragged step over it and then up to `steps_per_call` decode steps (all of them
+when no prompt work is pending, none when the next round has prompt work). Without chunked
+prefill: the scheduler admits waiting requests into free slots (one bucketed prefill call), then
+up to `steps_per_call` decode steps run on the device (one call). Either way the new tokens are
 read back together with the page state. Requests the device finished (EOS, max_new_tokens, length
 limit) have already released their pages; stop strings are found on the host by incremental
 detokenization and those requests are released; if the next step still cannot get pages, the
@@ -26,7 +30,7 @@ from jpa.engine.model import EngineModel, check_model
 from jpa.engine.request import Request, RequestOutput, Status, StepOutput
 from jpa.engine.runner import ModelRunner, RowParams
 from jpa.engine.sampling import SamplingParams
-from jpa.engine.scheduler import PrefillBatch, Progress, Scheduler
+from jpa.engine.scheduler import PrefillBatch, Progress, RoundPlan, Scheduler
 from jpa.sharding import tp_mesh
 
 
@@ -46,12 +50,19 @@ class EngineConfig:
       steps_per_call: decode steps per host round trip.
       watermark: fraction of the pool kept free at admission (vLLM's watermark), so running
         requests can grow before anyone is preempted.
-      max_prefill_tokens: padded tokens (rows x width) per prefill call.
+      max_prefill_tokens: padded tokens (rows x width) per prefill call (chunked_prefill=False).
+      chunked_prefill: True (default): every round is ONE compiled program, the unified step: a
+        ragged batch of decode tokens and prompt chunks over a token budget
+        (`jpa.ragged_paged_attention`), then the multi-step decode loop; prompts longer than the
+        budget span rounds, and running sequences keep decoding while a long prompt is
+        prefilled. False: separate prefill calls (bucketed shapes, one compile per bucket) and
+        decode calls.
+      max_num_batched_tokens: the unified step's token budget T (vLLM's name); >= max_seqs.
       cache_dtype: KV cache dtype; None = the model's dtype.
-      attention_impl: decode attention backend ("auto", "xla", "triton", "mosaic"); "auto" picks
-        the Pallas kernel for the GPU the decode loop is compiled for, after a one-time
-        self-check at the loop's exact shapes, and the plain-JAX path elsewhere. The summary's
-        "attention" field says what the compiled loop runs.
+      attention_impl: attention backend of the decode loop and the ragged step ("auto", "xla",
+        "triton", "mosaic"); "auto" picks the Pallas kernel for the GPU the program is compiled
+        for, after a one-time self-check at its exact shapes, and the plain-JAX path elsewhere.
+        The summary's "attention" field says what the compiled program runs.
       tensor_parallel: devices the model and the KV pool are sharded over (a "tp" mesh of the
         first N of jax.devices()); the model must offer `shard(mesh)` (models.GPTForEngine
         does). kv_memory_bytes is then the budget of EACH device (each holds its heads of every
@@ -68,9 +79,12 @@ class EngineConfig:
     cache_dtype: str | None = None
     attention_impl: str = "auto"
     tensor_parallel: int = 1
+    chunked_prefill: bool = True
+    max_num_batched_tokens: int = 512
 
     def __post_init__(self):
-        for name in ("max_seqs", "page_size", "steps_per_call", "max_prefill_tokens", "tensor_parallel"):
+        for name in ("max_seqs", "page_size", "steps_per_call", "max_prefill_tokens", "tensor_parallel",
+                     "max_num_batched_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"EngineConfig.{name} must be an int >= 1; got {v!r}")
@@ -82,6 +96,11 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.kv_memory_bytes must be an int >= 1; got {self.kv_memory_bytes!r}")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"EngineConfig.watermark must be in [0, 1); got {self.watermark!r}")
+        if not isinstance(self.chunked_prefill, bool):
+            raise ValueError(f"EngineConfig.chunked_prefill must be a bool; got {self.chunked_prefill!r}")
+        if self.chunked_prefill and self.max_num_batched_tokens < self.max_seqs:
+            raise ValueError(f"EngineConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                             f"max_seqs ({self.max_seqs}): every decoding sequence takes one token of the budget")
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"EngineConfig.attention_impl must be one of {ATTENTION_IMPLS}; "
                              f"got {self.attention_impl!r}")
@@ -137,6 +156,10 @@ class LLMEngine:
             self.mesh = tp_mesh(config.tensor_parallel)
             model = model.shard(self.mesh)
             check_model(model)
+        if config.chunked_prefill and not callable(getattr(model, "ragged", None)):
+            raise TypeError(f"EngineConfig(chunked_prefill=True) needs a model with ragged() (the unified step; "
+                            f"models.GPTForEngine has it); {type(model).__name__} has none: pass "
+                            f"chunked_prefill=False")
         self.model, self.tokenizer, self.config = model, tokenizer, config
         mc = model.config  # under tensor parallelism: the head counts the shards hold
         self.max_model_len = min(config.max_model_len or mc.max_seq_len, mc.max_seq_len)
@@ -259,14 +282,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ device calls
 
     def _prefill(self, batch: PrefillBatch) -> list[Progress]:
-        rows = []
-        for req in batch.requests:
-            p = req.params
-            rows.append(RowParams(max_new=p.max_new_tokens, max_len=self.max_model_len,
-                                  temperature=0.0 if p.is_greedy else float(p.temperature),
-                                  top_k=p.top_k, top_p=float(p.top_p), seed=p.seed,
-                                  ignore_eos=p.ignore_eos, num_generated=len(req.output_ids),
-                                  resume_token=req.output_ids[-1] if req.output_ids else -1))
+        rows = [self._row_params(req) for req in batch.requests]
         t0, c0 = time.perf_counter(), self.runner.compile_seconds
         tok, lp, done, ok, free, lens = self.runner.prefill(list(batch.slots), [list(t) for t in batch.tokens],
                                                         rows, batch.num_rows, batch.width)
@@ -295,20 +311,58 @@ class LLMEngine:
         self.stats.decode_calls += 1
         self.stats.decode_steps += len(out)
         self.stats.decode_tokens += int((out >= 0).sum())
-        self.scheduler.set_pages(free, lens)
-        used = self.num_pages - free
-        self.stats.peak_pages_used = max(self.stats.peak_pages_used, used)
-        if used:
-            self.stats.util_sum += int(np.sum(lens)) / (used * self.config.page_size)
-            self.stats.util_count += 1
+        self._record_pages(free, lens)
         per_slot = [out[:, s][out[:, s] >= 0] for s in range(self.config.max_seqs)]
         lp_per_slot = [lp[:, s][out[:, s] >= 0] for s in range(self.config.max_seqs)]
         return self.scheduler.decoded(per_slot, active, lp_per_slot), t1
 
     # ------------------------------------------------------------------ the loop
 
+    def _row_params(self, req: Request) -> RowParams:
+        p = req.params
+        return RowParams(max_new=p.max_new_tokens, max_len=self.max_model_len,
+                         temperature=0.0 if p.is_greedy else float(p.temperature),
+                         top_k=p.top_k, top_p=float(p.top_p), seed=p.seed,
+                         ignore_eos=p.ignore_eos, num_generated=len(req.output_ids),
+                         resume_token=req.output_ids[-1] if req.output_ids else -1)
+
+    def _unified(self, plan: RoundPlan) -> tuple[list[Progress], float]:
+        """One unified device call (ragged step + decode steps) and its bookkeeping."""
+        entries = [(e.slot, e.q_len, e.decode, e.final, e.tokens, self._row_params(e.request) if e.final else None)
+                   for e in plan.entries]
+        t0, c0 = time.perf_counter(), self.runner.compile_seconds
+        try:
+            tok, lp, _done, ok, out, out_lp, free, lens, active = self.runner.step(
+                entries, self.config.max_num_batched_tokens, plan.decode_steps)
+        except BaseException:
+            self.scheduler.unplan(plan)   # the call did not happen: admitted requests go back, in order
+            raise
+        t1 = time.perf_counter()
+        if not ok:
+            # The scheduler plans only what the device's free page count holds, with the rule the
+            # device applies, so this cannot happen; if it does, the ragged step changed nothing.
+            self.scheduler.unplan(plan)
+            raise RuntimeError(f"the unified step could not reserve pages for {len(entries)} entries the "
+                               f"scheduler counted {self.scheduler.free_pages} free pages for (a bug); admitted "
+                               f"requests are back in the queue")
+        self.stats.decode_seconds += t1 - t0 - (self.runner.compile_seconds - c0)
+        self.stats.decode_calls += 1
+        self.stats.decode_steps += len(out)
+        self.stats.prefill_tokens += plan.num_prompt_tokens
+        self.stats.decode_tokens += int((out >= 0).sum()) + sum(e.decode for e in plan.entries)
+        self._record_pages(free, lens)
+        return self.scheduler.stepped(plan, tok, lp, out, out_lp, active), t1
+
+    def _record_pages(self, free, lens) -> None:
+        self.scheduler.set_pages(free, lens)
+        used = self.num_pages - free
+        self.stats.peak_pages_used = max(self.stats.peak_pages_used, used)
+        if used:
+            self.stats.util_sum += int(np.sum(lens)) / (used * self.config.page_size)
+            self.stats.util_count += 1
+
     def step(self) -> list[StepOutput]:
-        """One round: admission + prefill, one decode call, stops and preemption.
+        """One round: admission and prefill (chunks), decode steps, stops and preemption.
 
         Returns:
           One StepOutput per request that got tokens or finished this round (plus requests that
@@ -317,17 +371,24 @@ class LLMEngine:
         """
         outputs, self._outbox = self._outbox, []
         events, t_host = [], None
-        batch = self.scheduler.schedule()
-        if batch is not None:
-            events += self._prefill(batch)
-        elif self.scheduler.waiting and not self.scheduler.running:
+        if self.config.chunked_prefill:
+            plan = self.scheduler.plan_round(self.config.max_num_batched_tokens)
+            admitted_none = not plan.entries and not self.scheduler.running
+            if not admitted_none:
+                events, t_host = self._unified(plan)
+        else:
+            batch = self.scheduler.schedule()
+            if batch is not None:
+                events += self._prefill(batch)
+            admitted_none = batch is None and not self.scheduler.running
+            if self.scheduler.running:
+                decoded, t_host = self._decode()
+                events += decoded
+        if admitted_none and self.scheduler.waiting:
             # An idle engine admits any request that passed add_request's checks, so this is a bug;
             # the requests stay queued.
             raise RuntimeError(f"the scheduler admitted none of {len(self.scheduler.waiting)} waiting "
                                f"requests into an idle engine ({self.scheduler.free_pages} free pages)")
-        if self.scheduler.running:
-            decoded, t_host = self._decode()
-            events += decoded
         release, preempted = self.scheduler.end_round()
         if release:
             self.scheduler.set_pages(*self.runner.retire(release))
@@ -402,6 +463,9 @@ class LLMEngine:
             "compile_seconds": self.runner.compile_seconds,
             "decode_compiles": self.runner.decode_traces,
             "prefill_compiles": self.runner.prefill_traces,
+            "step_compiles": self.runner.step_traces,    # the unified step (chunked prefill)
+            "chunked_prefill": self.config.chunked_prefill,
+            "token_budget": self.config.max_num_batched_tokens if self.config.chunked_prefill else None,
             "steps_per_call": self.config.steps_per_call,
             "decode_steps": s.decode_steps,
             "peak_pages_used": s.peak_pages_used,

@@ -78,6 +78,12 @@ class RowParams:
     resume_token: int      # its pending token, or -1 to sample from the prefill logits
 
 
+def _row_columns(n: int, make) -> dict:
+    """RowParams as columns of n entries: {field: make((n,), dtype)}."""
+    return {f.name: make((n,), np.float32 if f.name in ("temperature", "top_p") else np.bool_ if f.name == "ignore_eos"
+                         else np.int32) for f in dataclasses.fields(RowParams)}
+
+
 def _finished(slots, next_tok, seq_lens, stop_ids):
     """bool[B]: which slots stop after emitting next_tok (their cache holds seq_lens tokens)."""
     is_stop = jnp.any(next_tok[:, None] == stop_ids[None, :], axis=-1) & ~slots.ignore_eos
@@ -89,8 +95,10 @@ def _finished(slots, next_tok, seq_lens, stop_ids):
 KERNEL_CALLS = (("mosaic", 'custom_call_target="mosaic_gpu'), ("triton", 'custom_call_target="__gpu$xla.gpu.triton"'))
 DONATE = (1, 2, 3)  # cache, page state, slots: updated in place by every compiled call
 # Outputs of the compiled calls: (cache, page state, slots, tokens, logprobs, steps, free, seq_lens) for
-# decode; (cache, page state, slots, tokens, logprobs, done, ok, free, seq_lens) for prefill.
-DECODE_OUTPUTS, PREFILL_OUTPUTS = 8, 9
+# decode; (cache, page state, slots, tokens, logprobs, done, ok, free, seq_lens) for prefill; the
+# unified step's: (cache, page state, slots, tokens, logprobs, done, ok, out, out_lp, steps, free,
+# seq_lens, active).
+DECODE_OUTPUTS, PREFILL_OUTPUTS, STEP_OUTPUTS = 8, 9, 13
 
 
 def attention_in(hlo_text: str) -> str:
@@ -126,8 +134,10 @@ class ModelRunner:
         self.stop_ids = jnp.asarray(sorted(set(stop_ids)) or [-1], jnp.int32)
         self.decode_traces = 0
         self.prefill_traces = 0
+        self.step_traces = 0
         self.compile_seconds = 0.0
         self._decode_exe = None
+        self._step_exe = None
         self._prefill_exe = {}
         self._retire = jax.jit(self._retire_impl, donate_argnums=(0, 1),
                                **({} if mesh is None else dict(out_shardings=self._rep)))
@@ -179,6 +189,19 @@ class ModelRunner:
 
     def _decode_impl(self, params, cache, page_state, slots):
         self.decode_traces += 1
+        cache, page_state, slots, out, out_lp, steps = self._decode_loop(params, cache, page_state, slots,
+                                                                         self.steps_per_call)
+        # When the loop stopped because the next step cannot get pages, the host sees it from the
+        # page counts read back below and preempts.
+        return (cache, page_state, slots, out, out_lp, steps, pages.num_free_pages(page_state),
+                page_state.seq_lens)
+
+    def _decode_loop(self, params, cache, page_state, slots, max_steps):
+        """Up to max_steps (a traced scalar <= steps_per_call) decode steps of the active slots.
+
+        Returns (cache, page_state, slots, out i32[steps_per_call, max_seqs] tokens (-1 where a slot
+        was idle or past the last step), out_lp f32[steps_per_call, max_seqs], steps taken).
+        """
         k, num_seqs = self.steps_per_call, self.max_seqs
 
         # The allocation for step i+1 is computed at the end of step i (look-ahead), so the loop
@@ -195,7 +218,7 @@ class ModelRunner:
             logits, cache = self.model.decode(params, cache, slots.tokens, seq_lens, slot_mapping, ps.block_tables,
                                               impl=self.attention_impl)
             tok, lp = sample_with_logprobs(logits, slots.temperature, slots.top_k, slots.top_p, slots.seed,
-                         slots.num_generated)
+                                           slots.num_generated)
             act = slots.active
             slots = slots.replace(num_generated=slots.num_generated + act.astype(jnp.int32),
                                   tokens=jnp.where(act, tok, slots.tokens))
@@ -212,16 +235,96 @@ class ModelRunner:
 
         def cond(carry):
             i, _, _, slots, _, _, nxt = carry
-            return (i < k) & nxt[2] & jnp.any(slots.active)
+            return (i < max_steps) & nxt[2] & jnp.any(slots.active)
 
         out = jnp.full((k, num_seqs), -1, jnp.int32)
         out_lp = jnp.zeros((k, num_seqs), jnp.float32)
         init = (jnp.int32(0), cache, page_state, slots, out, out_lp, _lookahead(page_state, slots))
         steps, cache, page_state, slots, out, out_lp, _ = lax.while_loop(cond, step, init)
-        # When the loop stopped because the next step cannot get pages, the host sees it from the
-        # page counts read back below and preempts.
-        return (cache, page_state, slots, out, out_lp, steps, pages.num_free_pages(page_state),
-                page_state.seq_lens)
+        return cache, page_state, slots, out, out_lp, steps
+
+    def _step_impl(self, params, cache, page_state, slots, batch):
+        """The unified round: a ragged step over a token budget, then up to batch["decode_steps"]
+        decode steps, in one program (the engine's only compiled program with chunked prefill).
+
+        batch (host inputs; B = max_seqs entries, live entries first, T = the token budget):
+          seq_ids i32[B]: the slot of each entry (-1 = padding).
+          q_lens i32[B]: its rows in this step (1 for a decode row, the chunk length for a prompt).
+          decode_row bool[B]: the entry feeds its slot's pending token (the rest are prompt chunks).
+          final bool[B]: a prompt chunk that ends the prompt (the slot starts decoding after it).
+          tokens i32[T]: the prompt chunks' token ids back to back (decode rows are filled here).
+          rows: RowParams columns [B], read for final chunks (the slot's sampling state).
+          ragged i32[]: 1 to run the ragged step, 0 to skip it (a decode-only round).
+          decode_steps i32[]: decode steps after it, at most steps_per_call.
+
+        The ragged step reserves each entry's pages for its rows (all or nothing, `ok`), writes
+        their K/V, attends with `jpa.ragged_paged_attention`, and samples only where an entry is a
+        decode row or a final chunk (resumed requests take their pending token instead). It is a
+        while_loop of 0 or 1 iterations rather than a lax.cond, so the cache is carried in place.
+        """
+        self.step_traces += 1
+        ps_ = self.cache_config.page_size
+        ids, q_lens = batch["seq_ids"], batch["q_lens"]
+        decode_row, final, rows = batch["decode_row"], batch["final"], batch["rows"]
+        num_tokens, num_entries = batch["tokens"].shape[0], ids.shape[0]
+        live = ids >= 0
+        safe = jnp.where(live, ids, 0)
+        q_lens = jnp.where(live, q_lens, 0)
+        cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q_lens, dtype=jnp.int32)])  # i32[B + 1]
+        row = jnp.arange(num_tokens, dtype=jnp.int32)
+        entry = jnp.clip(jnp.searchsorted(cu[1:], row, side="right"), 0, num_entries - 1)  # i32[T]
+        row_live = row < cu[-1]
+        empty_out = (jnp.zeros((num_entries,), jnp.int32), jnp.full((num_entries,), jnp.nan, jnp.float32),
+                     jnp.zeros((num_entries,), bool), jnp.bool_(True))
+
+        def ragged_step(carry):
+            i, cache, ps, slots, _ = carry
+            old = jnp.where(live, ps.seq_lens[safe], 0)  # i32[B] tokens cached before
+            new = old + q_lens
+            ps, ok = pages.reserve(ps, jnp.where(live & (q_lens > 0), ids, -1), new)
+            pos = old[entry] + row - cu[entry]  # i32[T]
+            ok_rows = row_live & ok
+            page = jnp.take_along_axis(ps.block_tables[safe[entry]], (pos // ps_)[:, None], axis=1,
+                                       mode="clip")[:, 0]
+            slot_mapping = jnp.where(ok_rows, page * ps_ + pos % ps_, -1)  # i32[T]
+            pending = slots.tokens[safe[entry]]
+            tokens = jnp.where(decode_row[entry], pending, batch["tokens"])
+            n = jnp.where(ok, jnp.sum(live), 0)
+            logits, cache = self.model.ragged(params, cache, tokens, jnp.where(ok_rows, pos, 0), slot_mapping,
+                                              ps.block_tables[safe], jnp.where(live, new, 0), cu, n,
+                                              impl=self.attention_impl)
+            # Final chunks install the request's sampling state in its slot before sampling.
+            def put(a, v, where):  # a[ids[e]] = v[e] where where[e]
+                return a.at[jnp.where(where, ids, self.max_seqs)].set(v.astype(a.dtype), mode="drop")
+
+            start = live & final & ok
+            put_rows = lambda name: put(getattr(slots, name), rows[name], start)  # noqa: E731
+            slots = slots.replace(
+                **{name: put_rows(name) for name in ("num_generated", "max_new", "max_len", "temperature",
+                                                     "top_k", "top_p", "seed", "ignore_eos")})
+            row_slots = jax.tree_util.tree_map(lambda a: a[safe], slots)
+            sampled, sampled_lp = sample_with_logprobs(logits, row_slots.temperature, row_slots.top_k,
+                                                       row_slots.top_p, row_slots.seed, row_slots.num_generated)
+            emits = live & ok & (decode_row | final)
+            fresh = decode_row | (rows["resume_token"] < 0)
+            tok = jnp.where(fresh, sampled, rows["resume_token"])
+            lp = jnp.where(fresh, sampled_lp, jnp.nan)
+            n_gen = row_slots.num_generated + fresh.astype(jnp.int32)
+            row_slots = row_slots.replace(num_generated=n_gen)
+            done = emits & fresh & _finished(row_slots, tok, new, self.stop_ids)
+            slots = slots.replace(tokens=put(slots.tokens, tok, emits),
+                                  num_generated=put(slots.num_generated, n_gen, emits),
+                                  active=put(slots.active, ~done, emits))
+            ps = pages.release(ps, jnp.where(done, ids, -1))
+            return i + 1, cache, ps, slots, (tok, lp, done, ok)
+
+        _, cache, page_state, slots, (tok, lp, done, ok) = lax.while_loop(
+            lambda c: c[0] < batch["ragged"], ragged_step,
+            (jnp.int32(0), cache, page_state, slots, empty_out))
+        cache, page_state, slots, out, out_lp, steps = self._decode_loop(
+            params, cache, page_state, slots, jnp.minimum(batch["decode_steps"], self.steps_per_call))
+        return (cache, page_state, slots, tok, lp, done, ok, out, out_lp, steps, pages.num_free_pages(page_state),
+                page_state.seq_lens, slots.active)
 
     @staticmethod
     def _retire_impl(page_state, slots, seq_ids):
@@ -251,9 +354,7 @@ class ModelRunner:
     def prefill_inputs(self, num_rows: int, width: int):
         """ShapeDtypeStructs of a prefill call's own inputs (tokens, seq ids, lengths, row params)."""
         sds = jax.ShapeDtypeStruct
-        rows = {f.name: sds((num_rows,), jnp.float32 if f.name in ("temperature", "top_p")
-                            else jnp.bool_ if f.name == "ignore_eos" else jnp.int32)
-                for f in dataclasses.fields(RowParams)}
+        rows = _row_columns(num_rows, sds)
         out = (sds((num_rows, width), jnp.int32), sds((num_rows,), jnp.int32), sds((num_rows,), jnp.int32), rows)
         if self.mesh is None:
             return out
@@ -288,9 +389,7 @@ class ModelRunner:
         for r, (sid, toks) in enumerate(zip(seq_ids, token_rows)):
             tokens[r, : len(toks)] = toks
             ids[r], lens[r] = sid, len(toks)
-        cols = {f.name: np.zeros((num_rows,), np.float32 if f.name in ("temperature", "top_p")
-                                 else bool if f.name == "ignore_eos" else np.int32)
-                for f in dataclasses.fields(RowParams)}
+        cols = _row_columns(num_rows, lambda shape, dt: np.zeros(shape, dt))
         cols["top_p"][:] = 1.0
         cols["resume_token"][:] = -1
         for r, p in enumerate(rows):
@@ -304,6 +403,62 @@ class ModelRunner:
         self.cache, self.page_state, self.slots, tok, lp, done, ok, free, lens = self._prefill_exe[key](*args)
         tok, lp, done, ok, free, lens = jax.device_get((tok, lp, done, ok, free, lens))
         return tok[:n], lp[:n], done[:n], bool(ok), int(free), lens
+
+    def step_inputs(self, num_tokens: int):
+        """ShapeDtypeStructs of the unified step's own input (the `batch` dict) for a budget of num_tokens."""
+        sds = jax.ShapeDtypeStruct
+        b = self.max_seqs
+        batch = dict(seq_ids=sds((b,), jnp.int32), q_lens=sds((b,), jnp.int32), decode_row=sds((b,), jnp.bool_),
+                     final=sds((b,), jnp.bool_), tokens=sds((num_tokens,), jnp.int32),
+                     rows=_row_columns(b, sds), ragged=sds((), jnp.int32), decode_steps=sds((), jnp.int32))
+        if self.mesh is None:
+            return batch
+        return jax.tree_util.tree_map(lambda s: sds(s.shape, s.dtype, sharding=self._rep), batch)
+
+    def step(self, entries, num_tokens: int, decode_steps: int):
+        """One unified round: a ragged step over `entries` (none: skipped), then decode steps.
+
+        Args:
+          entries: list of (slot, q_len, decode_row, final, prompt chunk token ids (empty for a
+            decode row), RowParams or None), at most max_seqs, their q_lens summing to <= num_tokens.
+          num_tokens: the token budget T (static: one compiled program per budget).
+          decode_steps: decode steps after the ragged step (<= steps_per_call).
+
+        Returns (tok i32[n], lp f32[n], done bool[n] of the entries, ok, out i32[steps, max_seqs],
+        out_lp f32[steps, max_seqs], free pages, seq_lens i32[max_seqs], active bool[max_seqs]) in
+        one device->host transfer. When ok is False (the pool could not hold the entries' rows)
+        the ragged step changed nothing on the device.
+        """
+        b, n = self.max_seqs, len(entries)
+        ids = np.full((b,), -1, np.int32)
+        q_lens = np.zeros((b,), np.int32)
+        decode_row, final = np.zeros((b,), bool), np.zeros((b,), bool)
+        tokens = np.zeros((num_tokens,), np.int32)
+        rows = _row_columns(b, lambda shape, dt: np.zeros(shape, dt))
+        rows["top_p"][:] = 1.0
+        rows["resume_token"][:] = -1
+        at = 0
+        for e, (slot, q_len, is_decode, is_final, chunk, params) in enumerate(entries):
+            ids[e], q_lens[e], decode_row[e], final[e] = slot, q_len, is_decode, is_final
+            tokens[at: at + len(chunk)] = chunk
+            at += q_len
+            if params is not None:
+                for name in rows:
+                    rows[name][e] = getattr(params, name)
+        batch = dict(seq_ids=ids, q_lens=q_lens, decode_row=decode_row, final=final, tokens=tokens, rows=rows,
+                     ragged=np.int32(n > 0), decode_steps=np.int32(decode_steps))
+        args = self.state() + (self._put(jax.tree_util.tree_map(jnp.asarray, batch)),)
+        if self._step_exe is None:
+            self._step_exe = self._compile(self._step_impl, *args, num_outputs=STEP_OUTPUTS)
+            self.attention = attention_in(self._step_exe.as_text())
+            self.step_tokens = num_tokens
+        elif num_tokens != self.step_tokens:
+            raise ValueError(f"the unified step was compiled for a token budget of {self.step_tokens}; got "
+                             f"{num_tokens}")
+        self.cache, self.page_state, self.slots, *res = self._step_exe(*args)
+        tok, lp, done, ok, out, out_lp, steps, free, lens, active = jax.device_get(res)
+        steps = int(steps)
+        return tok[:n], lp[:n], done[:n], bool(ok), out[:steps], out_lp[:steps], int(free), lens, active
 
     def retire(self, seq_ids):
         """Releases slots (finished on the host, aborted or preempted).

@@ -13,6 +13,19 @@ it directly). The engine glues it to the device:
     release, preempted = scheduler.end_round()    # slots whose pages the device must release
     ... release them, then set_pages(...) again ...
 
+With chunked prefill (the unified step) a round is planned by `plan_round()` instead of
+schedule()/decoded():
+
+    plan = scheduler.plan_round()                 # decode rows, prompt chunks, admissions
+    ... one device call: the ragged step over plan.entries, then plan.decode_steps decode steps ...
+    scheduler.set_pages(free, seq_lens)
+    events = scheduler.stepped(plan, first_tokens, logprobs, decode_out, decode_lp, active)
+    release, preempted = scheduler.end_round()
+
+A request then holds a slot from its first prompt chunk on; it is "prefilling" (in `running` and
+in `prefilling`) until the chunk that ends its prompt, and decoding afterwards. Its progress is the
+device's seq_lens for its slot (tokens cached), not a host counter.
+
 Page counts have one source of truth: the device's PageState (free pages and seq_lens), handed to
 `set_pages` after every device call. The host only projects from it with the same rule the device
 uses (`jpa.pages.pages_for_tokens`); it keeps no running count of its own.
@@ -26,6 +39,11 @@ Policies (vLLM's, in nano-vllm's split):
   the newest admitted is preempted (its pages released, back to the front of the queue with its
   generated tokens kept) until the step fits. A lone request always fits, because the engine caps
   max_model_len at the pool size, so preemption never empties the running set for lack of pages.
+- token budget (chunked prefill, vLLM v1's order): every decoding request gets its one token
+  first, then prefilling requests continue in admission order, then waiting requests are admitted,
+  each taking a chunk of min(budget left, prompt left, what the free pages hold). A round with no
+  prompt work skips the ragged step and runs steps_per_call decode steps; a round with prompt work
+  runs steps_per_call - 1 decode steps after it only when no prompt work is left for the next round.
 - stops: the device finishes requests on EOS, max_new_tokens and the length limit (and releases
   their pages itself); stop strings are found here, on the incremental detokenizer's text, and
   the output is cut at the token that completed the stop.
@@ -47,6 +65,29 @@ class PrefillBatch:
     tokens: tuple[tuple[int, ...], ...]
     num_rows: int            # rows of the compiled prefill (a power of two >= len(slots))
     width: int               # padded tokens per row (a power of two >= 16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One sequence's rows in a unified round: a decode token or a prompt chunk."""
+    slot: int
+    request: Request
+    q_len: int                     # rows this round (1 for a decode token)
+    decode: bool                   # feeds the slot's pending token
+    final: bool                    # a prompt chunk that ends the prompt
+    tokens: tuple[int, ...] = ()   # the chunk's token ids (empty for a decode token)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundPlan:
+    """A unified round: the ragged step's entries (none: skipped), then decode_steps decode steps."""
+    entries: tuple[Entry, ...]
+    decode_steps: int
+    admitted: tuple[int, ...] = ()   # slots whose request was admitted by this plan
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(e.q_len for e in self.entries if not e.decode)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +130,7 @@ class Scheduler:
         self.stop_ids = frozenset(stop_ids)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: dict[int, Request] = {}      # slot -> request
+        self.prefilling: set[int] = set()          # slots of running requests whose prompt is not all cached
         self.free_pages = num_pages                # device truth (set_pages)
         self.seq_lens = [0] * max_seqs             # device truth: tokens in the cache per slot
         self.num_preemptions = 0
@@ -116,6 +158,7 @@ class Scheduler:
         for slot, req in self.running.items():
             if req.request_id == request_id:
                 del self.running[slot]
+                self.prefilling.discard(slot)
                 self._to_release.append(slot)
                 return self._finish(req, "abort")
         return None
@@ -136,12 +179,20 @@ class Scheduler:
         ps = self.page_size
         return pages_for_tokens(min(num_tokens + steps, self.max_model_len), ps) - pages_for_tokens(num_tokens, ps)
 
+    def _prompt_left(self, slot: int) -> int:
+        """Prompt tokens a prefilling request has not cached yet (0 once it decodes)."""
+        if slot not in self.prefilling:
+            return 0
+        return len(self.prefill_tokens(self.running[slot])) - self.seq_lens[slot]
+
     def headroom(self) -> int:
-        """Pages the running requests may take during the next decode call."""
-        return sum(self._growth(self.seq_lens[s], self.steps_per_call) for s in self.running)
+        """Pages the running requests may take during the next decode call (prefilling ones: the
+        rest of their prompt too)."""
+        return sum(self._growth(self.seq_lens[s], self._prompt_left(s) + self.steps_per_call) for s in self.running)
 
     def next_step_pages(self) -> int:
-        """Pages the next decode step needs: one per running sequence whose last page is full."""
+        """Pages the next step needs: one per running sequence whose last page is full (a
+        prefilling one must be able to take at least one more prompt token)."""
         return sum(self._growth(self.seq_lens[s], 1) for s in self.running)
 
     # ------------------------------------------------------------------ admission
@@ -178,6 +229,106 @@ class Scheduler:
             return None
         slots, reqs, toks = zip(*chosen)
         return PrefillBatch(slots, reqs, toks, bucket(len(chosen), 1), bucket(width, 16))
+
+    def plan_round(self, budget: int) -> RoundPlan:
+        """Plans a unified round over a token budget (see the module doc for the policy).
+
+        Admitted requests are popped from the queue into slots (and prefilling) here; if the device
+        call does not happen, `unplan(plan)` undoes that.
+        """
+        if budget < self.max_seqs:
+            raise ValueError(f"the token budget ({budget}) must be >= max_seqs ({self.max_seqs}): every decoding "
+                             f"sequence takes one token of it")
+        ps = self.page_size
+        decoding = [s for s in sorted(self.running) if s not in self.prefilling]
+        left = budget - len(decoding)
+        free = self.free_pages - sum(self._growth(self.seq_lens[s], 1) for s in decoding)
+        prompt: list[Entry] = []
+        admitted: list[int] = []
+
+        def fit(seq_len: int) -> int:  # tokens a sequence holding seq_len can add within `free` pages
+            return max(0, free) * ps + pages_for_tokens(seq_len, ps) * ps - seq_len
+
+        for slot in sorted(self.prefilling, key=lambda s: self.running[s].admitted_at):
+            req, done = self.running[slot], self.seq_lens[slot]
+            toks = self.prefill_tokens(req)
+            n = min(left, len(toks) - done, fit(done))
+            if n <= 0:
+                continue
+            prompt.append(Entry(slot, req, n, False, done + n == len(toks), tuple(toks[done:done + n])))
+            left -= n
+            free -= self._growth(done, n)
+        blocked_by_budget = False
+        if self._preempted_last_round:
+            self._preempted_last_round = False
+            admit = not self.running
+        else:
+            admit = True
+        if admit:
+            free_slots = [s for s in range(self.max_seqs) if s not in self.running]
+            avail = self.free_pages - self.headroom()
+            while self.waiting and free_slots:
+                if left <= 0:
+                    blocked_by_budget = True
+                    break
+                req = self.waiting[0]
+                toks = self.prefill_tokens(req)
+                need = self._growth(0, len(toks) + self.steps_per_call)
+                idle = not self.running
+                if avail - need < self.watermark_pages and not (idle and pages_for_tokens(len(toks), ps)
+                                                                <= self.free_pages):
+                    break
+                n = min(left, len(toks), fit(0))
+                if n <= 0:
+                    break
+                self.waiting.popleft()
+                slot = free_slots.pop(0)
+                self._admissions += 1
+                req.status, req.slot, req.admitted_at = Status.RUNNING, slot, self._admissions
+                self.running[slot] = req
+                self.prefilling.add(slot)
+                admitted.append(slot)
+                prompt.append(Entry(slot, req, n, False, n == len(toks), tuple(toks[:n])))
+                left -= n
+                free -= self._growth(0, n)
+                avail -= need
+        if not prompt:
+            return RoundPlan((), self.steps_per_call)
+        more = blocked_by_budget or any(not e.final for e in prompt) or len(prompt) < len(self.prefilling)
+        entries = tuple(Entry(s, self.running[s], 1, True, False) for s in decoding) + tuple(prompt)
+        return RoundPlan(entries, 0 if more else self.steps_per_call - 1, tuple(admitted))
+
+    def unplan(self, plan: RoundPlan) -> None:
+        """Undoes plan_round's admissions (their device call did not happen): back to the queue, in order."""
+        for slot in reversed(plan.admitted):
+            req = self.running.pop(slot)
+            self.prefilling.discard(slot)
+            req.status, req.slot = Status.WAITING, -1
+            self.waiting.appendleft(req)
+
+    def stepped(self, plan: RoundPlan, first_tokens, logprobs, decode_tokens, decode_logprobs,
+                active) -> list[Progress]:
+        """Records a unified round: the ragged step's token and log-probability per entry (read
+        where the entry is a decode row or a final chunk), then the decode steps' tokens
+        i32[steps, max_seqs] (-1 = none) and log-probabilities, and active[slot] = whether the
+        device still decodes the slot (False: finished and released on the device)."""
+        new: dict[int, list] = {}
+        for e, tok, lp in zip(plan.entries, first_tokens, logprobs):
+            if e.decode:
+                new[e.slot] = [(int(tok), float(lp))]
+            elif e.final:
+                self.prefilling.discard(e.slot)
+                # A resumed request's pending token is already recorded.
+                new[e.slot] = [] if e.request.output_ids else [(int(tok), float(lp))]
+        events = []
+        for slot in list(self.running):
+            if slot in self.prefilling:
+                continue
+            got = new.get(slot, []) + [(int(t), float(lp)) for t, lp in zip(decode_tokens[:, slot],
+                                                                            decode_logprobs[:, slot]) if t >= 0]
+            events.append(self._on_tokens(slot, [t for t, _ in got], [lp for _, lp in got],
+                                          device_done=not active[slot]))
+        return events
 
     def requeue(self, batch: PrefillBatch) -> None:
         """Puts a batch back at the front of the queue, in order (its prefill did not happen)."""
@@ -262,6 +413,7 @@ class Scheduler:
         while self.running and self.next_step_pages() > free:
             slot = max(self.running, key=lambda s: self.running[s].admitted_at)
             req = self.running.pop(slot)
+            self.prefilling.discard(slot)
             free += pages_for_tokens(self.seq_lens[slot], self.page_size)
             req.status, req.slot = Status.WAITING, -1
             req.num_preemptions += 1
