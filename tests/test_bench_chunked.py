@@ -51,7 +51,8 @@ def test_quick_run_on_tiny_model(script, tmp_path):
         assert w["gen_tok_s"] > 0 and w["total_tok_s"] > w["gen_tok_s"]
     if report["unified_available"]:
         r = report["ratios"]["unified-32"]
-        assert set(r["targets"]) == {"throughput_not_lost", "p99_itl_during_prefill_cut", "compile_time_cut"}
+        assert set(r["targets"]) == {"throughput_not_lost", "throughput_loss_within_rep_spread",
+                                    "p99_itl_during_prefill_cut", "compile_time_cut"}
         assert "outputs_vs_separate" in report["systems"]["unified-32"]
 
 
