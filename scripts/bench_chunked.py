@@ -34,9 +34,9 @@ when the step that produced it returns (tokens of one step share a time). Per sy
 Greedy token ids of every system are compared per request with the separate engine's (and each
 engine's warm pass with its cold pass).
 
-    .venv/bin/python scripts/bench_chunked.py                     # SmolLM2, budget 512 (~5 min, 2 cores)
+    .venv/bin/python scripts/bench_chunked.py                     # SmolLM2, budget 512 (~4 min, 2 cores)
     .venv/bin/python scripts/bench_chunked.py --budgets 256,512
-    .venv/bin/python scripts/bench_chunked.py --quick             # smoke run (~1-2 min)
+    .venv/bin/python scripts/bench_chunked.py --quick             # smoke run (~2 min)
     .venv/bin/python scripts/bench_chunked.py --tiny --quick      # random tiny-llama (tests)
 
 Results: benchmarks/chunked.json and benchmarks/chunked.png (timeline of one decoding request,
