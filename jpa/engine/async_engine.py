@@ -345,7 +345,7 @@ class AsyncEngine:
             prompt_tokens=self._prompt_tokens, generation_tokens=self._generation_tokens, tokens_per_s=rate,
             pool_whole=eng.pool_is_whole() if idle else None, last_abort_rounds=self._last_abort_rounds,
             alive=self.alive and not self._stopping,
-            compilations=eng.runner.decode_traces + eng.runner.prefill_traces,
+            compilations=eng.runner.compiles,
             compile_seconds=eng.runner.compile_seconds)
 
     def _recover(self, e: Exception) -> None:

@@ -58,6 +58,9 @@ class EngineConfig:
         prefilled. False: separate prefill calls (bucketed shapes, one compile per bucket) and
         decode calls.
       max_num_batched_tokens: the unified step's token budget T (vLLM's name); >= max_seqs.
+      ragged_block_tokens: rows the ragged step runs through the model per pass (a loop over
+        the live rows only, so a round costs its live rows, not the budget). None: 64 on a CPU,
+        the whole budget on a GPU.
       cache_dtype: KV cache dtype; None = the model's dtype.
       attention_impl: attention backend of the decode loop and the ragged step ("auto", "xla",
         "triton", "mosaic"); "auto" picks the Pallas kernel for the GPU the program is compiled
@@ -81,6 +84,7 @@ class EngineConfig:
     tensor_parallel: int = 1
     chunked_prefill: bool = True
     max_num_batched_tokens: int = 512
+    ragged_block_tokens: int | None = None
 
     def __post_init__(self):
         for name in ("max_seqs", "page_size", "steps_per_call", "max_prefill_tokens", "tensor_parallel",
@@ -88,7 +92,7 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"EngineConfig.{name} must be an int >= 1; got {v!r}")
-        for name in ("num_pages", "max_model_len"):
+        for name in ("num_pages", "max_model_len", "ragged_block_tokens"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"EngineConfig.{name} must be an int >= 1 or None; got {v!r}")
@@ -181,7 +185,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.cache_config, max_seqs=config.max_seqs,
                                   pages_per_seq=self.pages_per_seq,
                                   steps_per_call=config.steps_per_call, stop_ids=self.stop_ids,
-                                  attention_impl=config.attention_impl, mesh=self.mesh)
+                                  attention_impl=config.attention_impl, mesh=self.mesh,
+                                  block_tokens=config.ragged_block_tokens)
         self.scheduler = Scheduler(
             max_seqs=config.max_seqs, page_size=config.page_size, num_pages=self.num_pages,
             max_model_len=self.max_model_len, steps_per_call=config.steps_per_call,
@@ -466,6 +471,7 @@ class LLMEngine:
             "step_compiles": self.runner.step_traces,    # the unified step (chunked prefill)
             "chunked_prefill": self.config.chunked_prefill,
             "token_budget": self.config.max_num_batched_tokens if self.config.chunked_prefill else None,
+            "ragged_block_tokens": self.runner.block_tokens,  # rows per model pass (set at compile)
             "steps_per_call": self.config.steps_per_call,
             "decode_steps": s.decode_steps,
             "peak_pages_used": s.peak_pages_used,

@@ -116,13 +116,15 @@ class ModelRunner:
 
     def __init__(self, model: EngineModel, cache_config: CacheConfig, *, max_seqs: int, pages_per_seq: int,
                  steps_per_call: int, stop_ids, attention_impl: str = "auto", allocate: bool = True,
-                 mesh=None):
+                 mesh=None, block_tokens: int | None = None):
         check_model(model)
         self.mesh = mesh
         self.model, self.params = model, model.params
         self.cache_config = cache_config
         self.max_seqs, self.pages_per_seq, self.steps_per_call = max_seqs, pages_per_seq, steps_per_call
         self.attention_impl = attention_impl
+        self._block_tokens = block_tokens
+        self.block_tokens = None  # rows per model pass of the ragged step, fixed at its compile
         self.attention = None  # the implementation in the compiled decode loop, once compiled
         self._pool = None if mesh is None else named(mesh, POOL)
         self._rep = None if mesh is None else named(mesh, REPLICATED)
@@ -141,6 +143,11 @@ class ModelRunner:
         self._prefill_exe = {}
         self._retire = jax.jit(self._retire_impl, donate_argnums=(0, 1),
                                **({} if mesh is None else dict(out_shardings=self._rep)))
+
+    @property
+    def compiles(self) -> int:
+        """Programs compiled so far (decode loop, prefill shapes and the unified step)."""
+        return self.decode_traces + self.prefill_traces + self.step_traces
 
     def _make(self, f, sharding, allocate):
         """f() (device state), created directly in `sharding` under a mesh (never whole on one device)."""
@@ -243,6 +250,52 @@ class ModelRunner:
         steps, cache, page_state, slots, out, out_lp, _ = lax.while_loop(cond, step, init)
         return cache, page_state, slots, out, out_lp, steps
 
+    def _ragged_blocks(self, params, cache, tokens, positions, slot_mapping, tables, old, cu, entry, num_rows):
+        """The model over the ragged batch's first num_rows rows, `block_tokens` rows at a time.
+
+        A while_loop over the live blocks only, so a round costs its live rows rounded up to a
+        block, not the whole budget (on a CPU, where padding rows cost as much as real ones).
+        Blocks run in row order; a sequence cut by a block boundary is a chunk ending mid-way
+        in the first block and a chunk after a cached prefix in the next, exactly what
+        `ragged_paged_attention` serves. Each block is re-based so its sequences are entries
+        0..n_b - 1 (no live sequence without rows).
+
+        Args: tokens, positions, slot_mapping i32[T]; tables i32[B, pages_per_seq] per entry; old
+          i32[B] tokens cached per entry before the step; cu i32[B + 1] row offsets; entry i32[T]
+          the entry of each row.
+
+        Returns (logits f32[B, vocab] at each entry's last row, cache).
+        """
+        tb, num_entries = self.block_tokens, old.shape[0]
+        pad = lambda a, v: jnp.pad(a, (0, tb), constant_values=v)  # noqa: E731  (whole-block slices)
+        tokens, positions, slot_mapping = pad(tokens, 0), pad(positions, 0), pad(slot_mapping, -1)
+        entry = pad(entry, num_entries - 1)
+        k = jnp.arange(num_entries + 1, dtype=jnp.int32)
+        vocab = self.model.config.vocab_size
+
+        def block(carry):
+            j, cache, logits = carry
+            b0 = j * tb
+            b1 = jnp.minimum(b0 + tb, num_rows)
+            e0, e1 = entry[b0], entry[b1 - 1]  # the block's entries: e0..e1
+            e = jnp.minimum(e0 + k, num_entries)  # i32[B + 1] block entry -> step entry
+            cu_b = jnp.clip(cu[e], b0, b1) - b0  # i32[B + 1]
+            e = e[:-1]
+            in_block = k[:-1] <= e1 - e0
+            seq_b = jnp.where(in_block, old[jnp.minimum(e, num_entries - 1)] + jnp.clip(cu[e + 1], b0, b1) - cu[e], 0)
+            sl = lambda a: lax.dynamic_slice_in_dim(a, b0, tb)  # noqa: E731
+            out, cache = self.model.ragged(params, cache, sl(tokens), sl(positions), sl(slot_mapping),
+                                           tables[jnp.minimum(e, num_entries - 1)], seq_b, cu_b, e1 - e0 + 1,
+                                           impl=self.attention_impl)
+            # Entries whose last row is in this block take their logits from it.
+            ends = in_block & (cu[e + 1] <= b1) & (cu[e + 1] > cu[e])
+            logits = logits.at[jnp.where(ends, e, num_entries)].set(out, mode="drop")
+            return j + 1, cache, logits
+
+        init = (jnp.int32(0), cache, jnp.zeros((num_entries, vocab), jnp.float32))
+        _, cache, logits = lax.while_loop(lambda c: c[0] * tb < num_rows, block, init)
+        return logits, cache
+
     def _step_impl(self, params, cache, page_state, slots, batch):
         """The unified round: a ragged step over a token budget, then up to batch["decode_steps"]
         decode steps, in one program (the engine's only compiled program with chunked prefill).
@@ -289,10 +342,9 @@ class ModelRunner:
             slot_mapping = jnp.where(ok_rows, page * ps_ + pos % ps_, -1)  # i32[T]
             pending = slots.tokens[safe[entry]]
             tokens = jnp.where(decode_row[entry], pending, batch["tokens"])
-            n = jnp.where(ok, jnp.sum(live), 0)
-            logits, cache = self.model.ragged(params, cache, tokens, jnp.where(ok_rows, pos, 0), slot_mapping,
-                                              ps.block_tables[safe], jnp.where(live, new, 0), cu, n,
-                                              impl=self.attention_impl)
+            logits, cache = self._ragged_blocks(params, cache, tokens, jnp.where(ok_rows, pos, 0), slot_mapping,
+                                                ps.block_tables[safe], old, cu, entry,
+                                                jnp.where(ok, cu[-1], 0))
             # Final chunks install the request's sampling state in its slot before sampling.
             def put(a, v, where):  # a[ids[e]] = v[e] where where[e]
                 return a.at[jnp.where(where, ids, self.max_seqs)].set(v.astype(a.dtype), mode="drop")
@@ -404,6 +456,14 @@ class ModelRunner:
         tok, lp, done, ok, free, lens = jax.device_get((tok, lp, done, ok, free, lens))
         return tok[:n], lp[:n], done[:n], bool(ok), int(free), lens
 
+    def set_block_tokens(self, num_tokens: int) -> int:
+        """Fixes the ragged step's rows per model pass for a budget of num_tokens: the configured
+        value, else 64 rows on a CPU (compute-bound: padding rows cost as much as real ones) and the
+        whole budget elsewhere (one pass; a GPU reads the weights once per pass)."""
+        default = 64 if jax.default_backend() == "cpu" else num_tokens
+        self.block_tokens = min(self._block_tokens or default, num_tokens)
+        return self.block_tokens
+
     def step_inputs(self, num_tokens: int):
         """ShapeDtypeStructs of the unified step's own input (the `batch` dict) for a budget of num_tokens."""
         sds = jax.ShapeDtypeStruct
@@ -449,6 +509,7 @@ class ModelRunner:
                      ragged=np.int32(n > 0), decode_steps=np.int32(decode_steps))
         args = self.state() + (self._put(jax.tree_util.tree_map(jnp.asarray, batch)),)
         if self._step_exe is None:
+            self.set_block_tokens(num_tokens)
             self._step_exe = self._compile(self._step_impl, *args, num_outputs=STEP_OUTPUTS)
             self.attention = attention_in(self._step_exe.as_text())
             self.step_tokens = num_tokens
