@@ -59,6 +59,8 @@ def add_engine_args(ap, *, steps_per_call: int, steps_help: str):
                          "compiled for, after a one-time self-check; plain JAX elsewhere)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of the unified "
                     "step (decode tokens + prompt chunks per round; default 512, >= --max-seqs)")
+    ap.add_argument("--no-prefix-caching", action="store_true", help="do not keep full prompt pages cached "
+                    "for later requests with the same prefix (automatic prefix caching is on by default)")
     ap.add_argument("--no-chunked-prefill", action="store_true", help="separate bucketed prefill calls and "
                     "decode calls instead of the unified step (the engine before chunked prefill)")
 
@@ -84,6 +86,7 @@ def engine_config(args, **extra):
                             kv_memory_bytes=int(args.kv_memory * 2 ** 20), max_model_len=args.max_model_len,
                             steps_per_call=args.steps_per_call, attention_impl=args.attention,
                             chunked_prefill=not args.no_chunked_prefill,
+                            prefix_caching=not args.no_prefix_caching,
                             max_num_batched_tokens=args.max_num_batched_tokens, **extra)
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -285,7 +288,10 @@ def run(args):
           f"{fmt(100 * s['host_overhead'], '.1f')}% of decode time)\n"
           f"[jpa] pages used at peak {s['peak_pages_used']}/{s['num_pages']} | KV utilization "
           f"{fmt(100 * s['kv_utilization'], '.1f')}% (tokens stored / slots allocated) | "
-          f"preemptions {s['preemptions']} | attention {s['attention']} | compile {s['compile_seconds']:.1f} s "
+          f"preemptions {s['preemptions']} | "
+          + (f"prefix cache: {s['prefix_hit_tokens']} prompt tokens hit ({fmt(100 * s['prefix_hit_rate'], '.1f')}%), "
+             f"{s['cached_pages']} pages cached, {s['peak_shared_pages']} shared at peak | " if s["prefix_caching"] else "")
+          + f"attention {s['attention']} | compile {s['compile_seconds']:.1f} s "
           + (f"(unified step compiled {s['step_compiles']}x, token budget {s['token_budget']})"
              if s["chunked_prefill"] else
              f"(decode step compiled {s['decode_compiles']}x, prefill {s['prefill_compiles']} shapes)") +

@@ -367,16 +367,28 @@ class LLMEngine:
         self.stats.decode_steps += len(out)
         self.stats.prefill_tokens += plan.num_prompt_tokens
         self.stats.decode_tokens += int((out >= 0).sum()) + sum(e.decode for e in plan.entries)
-        self._record_pages(free, lens)
+        self.scheduler.set_pages(free, lens)
         events = self.scheduler.stepped(plan, tok, lp, out, out_lp, active, tables)
+        self._record_pages(free, lens)
         if caching:
             held = collections.Counter(p for s in self.scheduler.running for p in self.scheduler.cache_refs.get(s, ()))
             self.stats.peak_shared_pages = max(self.stats.peak_shared_pages, sum(1 for c in held.values() if c > 1))
         return events, t1
 
+    @property
+    def num_cached_idle(self) -> int:
+        """Pages held by the prefix cache alone (cached-idle: evictable, not in use)."""
+        prefix = self.scheduler.prefix
+        return prefix.num_idle(self.scheduler._cache_refs()) if prefix is not None else 0
+
+    @property
+    def pages_in_use(self) -> int:
+        """Pages held by requests (cached-idle pages are not in use: eviction frees them)."""
+        return self.num_pages - self.scheduler.free_pages - self.num_cached_idle
+
     def _record_pages(self, free, lens) -> None:
         self.scheduler.set_pages(free, lens)
-        used = self.num_pages - free
+        used = self.pages_in_use
         self.stats.peak_pages_used = max(self.stats.peak_pages_used, used)
         if used:
             self.stats.util_sum += int(np.sum(lens)) / (used * self.config.page_size)
