@@ -10,8 +10,10 @@ Conventions shared by every operation:
 - A sequence holds `ceil(seq_lens[b] / page_size)` pages: `block_tables[b, :that]`. Entries past
   them are 0 (a valid page index, so kernels that load whole chunks of a table never go out of
   bounds) and are not references.
-- `refcounts[p]` is the number of live block-table entries naming page p; a page is free exactly
-  when its refcount is 0, and then it sits in `free_pages[:num_free]`.
+- `refcounts[p]` is the number of live block-table entries naming page p, plus 1 when the page
+  is held by the prefix cache (`cached[p]`, see `cache`/`uncache`/`share`); a page is free
+  exactly when its refcount is 0, and then it sits in `free_pages[:num_free]`. A cached page that
+  no table names is "cached-idle": not free until `uncache` evicts it.
 - All or nothing: when an operation cannot complete (pages run out, or a traced argument is
   invalid) it returns `ok = False` and the state unchanged, bit for bit. This is done by masking
   every scatter with `ok` (so a donated state is still updated in place), not by a select over
@@ -51,6 +53,7 @@ class PageState:
       block_tables: i32[max_seqs, pages_per_seq]; logical page j of sequence b is physical page
         `block_tables[b, j]` for j < ceil(seq_lens[b] / page_size); 0 elsewhere.
       seq_lens: i32[max_seqs]; tokens each sequence holds (0 = empty slot).
+      cached: bool[num_pages]; the page is held by the prefix cache (one reference of its refcount).
       page_size: tokens per page (static).
     """
     free_pages: jax.Array  # i32[num_pages]
@@ -58,6 +61,7 @@ class PageState:
     refcounts: jax.Array  # i32[num_pages]
     block_tables: jax.Array  # i32[max_seqs, pages_per_seq]
     seq_lens: jax.Array  # i32[max_seqs]
+    cached: jax.Array  # bool[num_pages]
     page_size: int = flax.struct.field(pytree_node=False)
 
     @property
@@ -118,6 +122,7 @@ def init(num_pages: int, max_seqs: int, pages_per_seq: int, page_size: int) -> P
         refcounts=jnp.zeros((num_pages,), _I32),
         block_tables=jnp.zeros((max_seqs, pages_per_seq), _I32),
         seq_lens=jnp.zeros((max_seqs,), _I32),
+        cached=jnp.zeros((num_pages,), bool),
         page_size=int(page_size))
 
 
@@ -325,12 +330,9 @@ def _release(state, ids):
     drop = jnp.zeros((num_pages,), _I32).at[
         jnp.where(live, state.block_tables, num_pages).ravel()].add(1, mode="drop")
     refcounts = state.refcounts - drop
-    freed = (drop > 0) & (refcounts == 0)  # bool[num_pages]
-    rank = jnp.cumsum(freed) - 1
-    free_pages = state.free_pages.at[jnp.where(freed, state.num_free + rank, num_pages)].set(
-        jnp.arange(num_pages, dtype=_I32), mode="drop")
+    free_pages, num_free = _push_free(state, refcounts, drop > 0)
     return state.replace(
-        free_pages=free_pages, num_free=state.num_free + jnp.sum(freed, dtype=_I32),
+        free_pages=free_pages, num_free=num_free,
         refcounts=refcounts, block_tables=jnp.where(sel[:, None], 0, state.block_tables),
         seq_lens=jnp.where(sel, 0, state.seq_lens))
 
@@ -468,6 +470,140 @@ def fork(state: PageState, src_ids, dst_ids):
             raise ValueError(f"src_ids must be a sequence id wherever dst_ids is not -1; got "
                              f"src_ids={s.tolist()}, dst_ids={d.tolist()}")
     return _fork(state, src, dst)
+
+
+def _push_free(state, refcounts, candidates):
+    """Pushes the pages where candidates & (refcounts == 0) onto the free stack (ascending ids)."""
+    num_pages = state.num_pages
+    freed = candidates & (refcounts == 0)  # bool[num_pages]
+    rank = jnp.cumsum(freed) - 1
+    free_pages = state.free_pages.at[jnp.where(freed, state.num_free + rank, num_pages)].set(
+        jnp.arange(num_pages, dtype=_I32), mode="drop")
+    return free_pages, state.num_free + jnp.sum(freed, dtype=_I32)
+
+
+@jax.jit
+def _cache(state, ids, num_full):
+    num_pages, (max_seqs, pages_per_seq) = state.num_pages, state.block_tables.shape
+    safe, _, _ = _select(ids, max_seqs)
+    n = jnp.zeros((max_seqs,), _I32).at[safe].max(num_full, mode="drop")  # i32[max_seqs]
+    held = pages_for_tokens(state.seq_lens, state.page_size)
+    full = state.seq_lens // state.page_size
+    j = jnp.arange(pages_per_seq, dtype=_I32)[None, :]
+    take = (j < jnp.minimum(n, jnp.minimum(full, held))[:, None])  # bool[max_seqs, pages_per_seq]
+    mark = jnp.zeros((num_pages,), bool).at[jnp.where(take, state.block_tables, num_pages).ravel()].set(
+        True, mode="drop")
+    new = mark & ~state.cached
+    return state.replace(refcounts=state.refcounts + new.astype(_I32), cached=state.cached | new)
+
+
+@jax.jit
+def _uncache(state, page_ids):
+    num_pages = state.num_pages
+    sel = jnp.zeros((num_pages,), bool).at[jnp.where(page_ids >= 0, page_ids, num_pages)].set(
+        True, mode="drop")
+    drop = sel & state.cached
+    refcounts = state.refcounts - drop.astype(_I32)
+    free_pages, num_free = _push_free(state, refcounts, drop)
+    return state.replace(free_pages=free_pages, num_free=num_free, refcounts=refcounts,
+                         cached=state.cached & ~drop)
+
+
+@jax.jit
+def _share(state, ids, tables, num_tokens):
+    num_pages, (max_seqs, pages_per_seq) = state.num_pages, state.block_tables.shape
+    ps = state.page_size
+    safe, bad, dup = _select(ids, max_seqs)
+    live = (ids >= 0) & (num_tokens > 0)
+    n = num_tokens // ps  # i32[n]
+    j = jnp.arange(pages_per_seq, dtype=_I32)[None, :]
+    use = live[:, None] & (j < n[:, None])  # bool[n, pages_per_seq]
+    pages_ok = jnp.all(~use | ((tables >= 0) & (tables < num_pages)))
+    safe_pages = jnp.clip(tables, 0, num_pages - 1)
+    held = jnp.all(~use | state.cached[safe_pages])
+    empty = jnp.all(~live | (state.seq_lens[jnp.clip(ids, 0, max_seqs - 1)] == 0))
+    whole = jnp.all(~live | ((num_tokens % ps == 0) & (num_tokens <= state.max_seq_len)))
+    ok = ~bad & ~dup & pages_ok & held & empty & whole
+    use = use & ok
+    refcounts = state.refcounts.at[jnp.where(use, safe_pages, num_pages).ravel()].add(1, mode="drop")
+    rows = jnp.where(use, safe_pages, 0)
+    dst = jnp.where(live & ok, safe, max_seqs)
+    return state.replace(refcounts=refcounts,
+                         block_tables=state.block_tables.at[dst].set(rows, mode="drop"),
+                         seq_lens=state.seq_lens.at[dst].set(num_tokens, mode="drop")), ok
+
+
+def cache(state: PageState, seq_ids, num_full_pages) -> PageState:
+    """Puts the first full pages of sequences into the prefix cache (automatic prefix caching).
+
+    Each of the first `num_full_pages[i]` pages of sequence seq_ids[i] that is full (all
+    page_size tokens written) and not cached yet becomes cached: `cached[p]` is set and the cache
+    takes one reference (refcount + 1), so the page outlives the sequence's `release` as a
+    cached-idle page until `uncache` evicts it. Pages already cached are left as they are; partly
+    filled pages are never cached (a page is shared read-only only when full).
+
+    Args:
+      state: the PageState.
+      seq_ids: int, list or i32[n]; -1 = padding (ids as `release`).
+      num_full_pages: int or i32[n] (>= 0); capped at each sequence's full pages.
+
+    Returns:
+      The new state.
+    """
+    _check_state(state)
+    ids = _as_ids("seq_ids", seq_ids, state.max_seqs, unique=False)
+    counts = _as_counts("num_full_pages", num_full_pages, ids.shape[0], state.pages_per_seq)
+    return _cache(state, ids, counts)
+
+
+def uncache(state: PageState, page_ids) -> PageState:
+    """Evicts pages from the prefix cache: the cache's reference is dropped, and a page no table
+    names any more (cached-idle) returns to the free pool. Pages not cached are ignored.
+
+    Args:
+      state: the PageState.
+      page_ids: int, list or i32[m]; -1 = padding.
+
+    Returns:
+      The new state.
+    """
+    _check_state(state)
+    ids = jnp.atleast_1d(jnp.asarray(page_ids, _I32))
+    if ids.ndim != 1:
+        raise ValueError(f"page_ids must be an int or a 1-D list of page ids; got shape {ids.shape}")
+    if is_concrete(ids) and np.any((np.asarray(ids) < -1) | (np.asarray(ids) >= state.num_pages)):
+        raise ValueError(f"page_ids must be in [0, num_pages = {state.num_pages}) or -1; got "
+                         f"{np.asarray(ids).tolist()}")
+    return _uncache(state, ids)
+
+
+def share(state: PageState, seq_ids, tables, num_tokens):
+    """Maps cached pages into empty sequences: a prefix-cache hit.
+
+    Sequence seq_ids[i] (empty: seq_len 0) gets `tables[i, :num_tokens[i] // page_size]` as its
+    first pages, each page's refcount + 1, and seq_len num_tokens[i]. The pages must be cached
+    (`cached[p]`) and num_tokens a multiple of page_size: only full pages are shared, so a
+    sequence never writes into a shared page (its next token starts a fresh page). Grow it with
+    `reserve` afterwards to prefill the rest of its prompt.
+
+    Args:
+      state: the PageState.
+      seq_ids: int, list or i32[n]; -1 = padding; distinct.
+      tables: i32[n, pages_per_seq] page ids (entries past the shared pages are ignored).
+      num_tokens: int or i32[n]; tokens shared (0 = nothing for that sequence).
+
+    Returns:
+      (state, ok); ok False (and the state unchanged) when an id repeats, a sequence is not
+      empty, a page is not cached, or num_tokens is not a multiple of page_size.
+    """
+    _check_state(state)
+    ids = _as_ids("seq_ids", seq_ids, state.max_seqs, unique=True)
+    n = ids.shape[0]
+    counts = _as_counts("num_tokens", num_tokens, n, state.max_seq_len)
+    tables = jnp.asarray(tables, _I32)
+    if tables.shape != (n, state.pages_per_seq):
+        raise ValueError(f"tables must be i32[{n}, pages_per_seq = {state.pages_per_seq}]; got {tables.shape}")
+    return _share(state, ids, tables, counts)
 
 
 # ----------------------------------------------------------------------------- helpers

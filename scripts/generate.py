@@ -55,13 +55,20 @@ def add_engine_args(ap, *, steps_per_call: int, steps_help: str):
     ap.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + completion")
     ap.add_argument("--steps-per-call", type=int, default=steps_per_call, help=steps_help)
     ap.add_argument("--attention", choices=["auto", "xla", "triton", "mosaic"], default="auto",
-                    help="decode attention backend (default auto: the Pallas kernel for the GPU the step is "
+                    help="attention backend (default auto: the Pallas kernel for the GPU the step is "
                          "compiled for, after a one-time self-check; plain JAX elsewhere)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of the unified "
+                    "step (decode tokens + prompt chunks per round; default 512, >= --max-seqs)")
+    ap.add_argument("--no-prefix-caching", action="store_true", help="do not keep full prompt pages cached "
+                    "for later requests with the same prefix (automatic prefix caching is on by default)")
+    ap.add_argument("--no-chunked-prefill", action="store_true", help="separate bucketed prefill calls and "
+                    "decode calls instead of the unified step (the engine before chunked prefill)")
 
 
 def check_engine_args(args, extra_counts=()):
     """UsageError for engine flags no request could run with; extra_counts: more flags that must be >= 1."""
-    for name in ("page_size", "max_seqs", "max_model_len", "steps_per_call", *extra_counts):
+    for name in ("page_size", "max_seqs", "max_model_len", "steps_per_call", "max_num_batched_tokens",
+                 *extra_counts):
         v = getattr(args, name)
         if v < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1; got {v}")
@@ -77,7 +84,10 @@ def engine_config(args, **extra):
     try:
         return EngineConfig(max_seqs=args.max_seqs, page_size=args.page_size, num_pages=args.num_pages,
                             kv_memory_bytes=int(args.kv_memory * 2 ** 20), max_model_len=args.max_model_len,
-                            steps_per_call=args.steps_per_call, attention_impl=args.attention, **extra)
+                            steps_per_call=args.steps_per_call, attention_impl=args.attention,
+                            chunked_prefill=not args.no_chunked_prefill,
+                            prefix_caching=not args.no_prefix_caching,
+                            max_num_batched_tokens=args.max_num_batched_tokens, **extra)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -271,14 +281,20 @@ def run(args):
     s = engine.summary()
     fmt = lambda x, spec: "n/a" if isinstance(x, float) and math.isnan(x) else format(x, spec)
     print(f"[jpa] {len(prompts)} requests ({len(prompts) - failed} ok, {failed} failed) in {wall:.1f} s\n"
-          f"[jpa] prefill {s['prefill_tokens']} tokens at {fmt(s['prefill_tok_s'], '.1f')} tok/s | "
+          + (f"[jpa] prefill {s['prefill_tokens']} tokens (in the unified step) | " if s["chunked_prefill"] else
+             f"[jpa] prefill {s['prefill_tokens']} tokens at {fmt(s['prefill_tok_s'], '.1f')} tok/s | ") +
           f"decode {s['decode_tokens']} tokens at {fmt(s['decode_tok_s'], '.1f')} tok/s "
           f"({s['decode_steps']} steps, {s['steps_per_call']} per host round trip, host overhead "
           f"{fmt(100 * s['host_overhead'], '.1f')}% of decode time)\n"
           f"[jpa] pages used at peak {s['peak_pages_used']}/{s['num_pages']} | KV utilization "
           f"{fmt(100 * s['kv_utilization'], '.1f')}% (tokens stored / slots allocated) | "
-          f"preemptions {s['preemptions']} | attention {s['attention']} | compile {s['compile_seconds']:.1f} s "
-          f"(decode step compiled {s['decode_compiles']}x, prefill {s['prefill_compiles']} shapes)"
+          f"preemptions {s['preemptions']} | "
+          + (f"prefix cache: {s['prefix_hit_tokens']} prompt tokens hit ({fmt(100 * s['prefix_hit_rate'], '.1f')}%), "
+             f"{s['cached_pages']} pages cached, {s['peak_shared_pages']} shared at peak | " if s["prefix_caching"] else "")
+          + f"attention {s['attention']} | compile {s['compile_seconds']:.1f} s "
+          + (f"(unified step compiled {s['step_compiles']}x, token budget {s['token_budget']})"
+             if s["chunked_prefill"] else
+             f"(decode step compiled {s['decode_compiles']}x, prefill {s['prefill_compiles']} shapes)") +
           f" | pool whole after run: {engine.pool_is_whole()}", file=sys.stderr)
     return 1 if failed else 0
 

@@ -470,8 +470,10 @@ def check_ragged(compiler: Compiler, impls, log=print) -> list:
 # ---- 3. The engine's jitted steps, SmolLM2-135M in bfloat16 ----
 
 def engine_steps(pool_gib: float = 1.5, max_seqs: int = 64, page_size: int = 16, max_model_len: int = 2048,
-                 steps_per_call: int = 8, prefill_rows: int = 8, prefill_width: int = 256):
-    """[(name, fn, args, donate_argnums, pool shapes)] of the engine's decode loop and a prefill call.
+                 steps_per_call: int = 8, prefill_rows: int = 8, prefill_width: int = 256, budget: int = 512):
+    """[(name, fn, args, donate_argnums, pool shapes, expected kernel calls)] of the engine's
+    unified step (a ragged step over `budget` tokens in one pass, then the decode loop), its
+    decode loop and a prefill call of the separate engine (chunked_prefill=False).
 
     The model and the engine's state are abstract (nnx.eval_shape; a runner with allocate=False):
     no weights are read and no pool is allocated, so this runs without the model package.
@@ -488,10 +490,17 @@ def engine_steps(pool_gib: float = 1.5, max_seqs: int = 64, page_size: int = 16,
                                         num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
                                         page_size=page_size, dtype="bfloat16")
     runner = ModelRunner(model, cache_cfg, max_seqs=max_seqs, pages_per_seq=max_model_len // page_size,
-                         steps_per_call=steps_per_call, stop_ids=(config.eos_token_id,), allocate=False)
+                         steps_per_call=steps_per_call, stop_ids=(config.eos_token_id,), allocate=False,
+                         block_tokens=budget)
+    runner.set_block_tokens(budget)   # the GPU default: the whole budget in one pass
     pool = ((config.num_kv_heads, cache_cfg.num_pages, page_size, config.head_dim), "bfloat16")
     pools = [pool] * (2 * config.num_layers)
     return [
+        # The ragged op is two kernel calls (prompt tiles + the last rows' decode kernel) per layer,
+        # the decode loop one.
+        (f"engine unified step (SmolLM2 bf16, {budget}-token budget + {steps_per_call} decode steps, "
+         f"{max_seqs} seqs, {cache_cfg.num_pages} pages)",
+         runner._step_impl, runner.state() + (runner.step_inputs(budget),), DONATE, pools, 3 * config.num_layers),
         (f"engine decode loop (SmolLM2 bf16, {max_seqs} seqs, {steps_per_call} steps, {cache_cfg.num_pages} pages)",
          runner._decode_impl, runner.state(), DONATE, pools, config.num_layers),
         (f"engine prefill (SmolLM2 bf16, {prefill_rows}x{prefill_width} tokens, {cache_cfg.num_pages} pages)",
@@ -514,7 +523,7 @@ def check_engine(compiler: Compiler, log=print, **sizes) -> list:
             n = rec[f"{expected}_calls"]
             if rec["attention"] != expected or n != kernel_calls:
                 rec["ok"] = False
-                rec["problems"].append(f"expected {kernel_calls} {expected} kernel calls in the decode loop; "
+                rec["problems"].append(f"expected {kernel_calls} {expected} kernel calls; "
                                        f"found attention {rec['attention']} with {n}")
         records.append(rec)
         log(_line(rec))

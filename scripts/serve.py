@@ -37,8 +37,8 @@ def parse_args(argv=None):
                     help="require `Authorization: Bearer KEY` (default: $JPA_API_KEY, else no key)")
     add_engine_args(ap, steps_per_call=4, steps_help="decode steps per engine round (tokens stream once per "
                     "round: fewer = smoother streaming, more = higher throughput)")
-    ap.add_argument("--max-prefill-tokens", type=int, default=2048, help="padded prompt tokens (rows x width) "
-                    "per prefill call; each (rows, width) bucket met compiles once")
+    ap.add_argument("--max-prefill-tokens", type=int, default=2048, help="with --no-chunked-prefill: padded "
+                    "prompt tokens (rows x width) per prefill call; each (rows, width) bucket met compiles once")
     ap.add_argument("--max-waiting", type=int, default=256, help="most requests waiting for a slot; beyond "
                     "it new requests get 503 with Retry-After")
     ap.add_argument("--max-n", type=int, default=16, help="largest `n` (choices per request)")
@@ -125,7 +125,7 @@ def run(args, sock):
         engine = LLMEngine(models.GPTForEngine(gpt), tok, config)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if not args.no_warmup:  # compile the decode loop and a small prefill before the first client waits
+    if not args.no_warmup:  # compile the engine's program (the unified step) before the first client waits
         engine.generate(["Hello"], SamplingParams(max_new_tokens=2, greedy=True))
     print(f"[jpa] model ready in {time.perf_counter() - t0:.1f} s; KV cache: {engine.cache_config.describe()}; "
           f"max_model_len {engine.max_model_len}", file=sys.stderr)

@@ -193,10 +193,12 @@ def test_unsupported_config_routes_to_reference_or_raises(fake_gpu):
         jpa.paged_decode(*args, impl="mosaic")
 
 
-def test_engine_decode_loop_uses_the_kernel(fake_gpu):
-    """The engine's compiled decode loop (a while_loop over the model, jitted with donated state)
-    traces the kernel on a GPU, and its greedy outputs equal the reference engine's."""
+def test_engine_decode_loop_uses_the_kernel(fake_gpu, monkeypatch):
+    """The engine's compiled unified step (the ragged step and the decode loop, while_loops over
+    the model, jitted with donated state) traces both kernels on a GPU, and its greedy outputs
+    equal the reference engine's."""
     import models
+    from jpa import ragged
     from jpa.engine import EngineConfig, LLMEngine, SamplingParams
 
     gpt, tok = models.load("tiny-llama", seed=3)
@@ -206,13 +208,17 @@ def test_engine_decode_loop_uses_the_kernel(fake_gpu):
     want = [o.token_ids for o in LLMEngine(models.GPTForEngine(gpt), tok, EngineConfig(**cfg)).generate(
         prompts, params)]
     calls = fake_gpu(A100)
+    monkeypatch.setitem(sys.modules, "fake_ragged_good", fake_ragged("fake_ragged_good", "good", calls))
+    monkeypatch.setattr(ragged, "RAGGED", ragged.RAGGED._replace(modules=(("triton", "fake_ragged_good"),)))
     eng = LLMEngine(models.GPTForEngine(gpt), tok, EngineConfig(**cfg))
     got = [o.token_ids for o in eng.generate(prompts, params)]
     assert got == want
-    # Traced once by the self-check's compile, once by its small run, then by each layer of the
-    # decode loop.
-    assert calls == ["fake_triton_good"] * (2 + gpt.config.num_layers)
-    assert eng.summary()["decode_compiles"] == 1
+    # Each kernel is traced once by the self-check's compile, once by its small run, then by each
+    # layer of its loop (the ragged step, the decode loop).
+    n = 2 + gpt.config.num_layers
+    assert sorted(calls) == ["fake_ragged_good"] * n + ["fake_triton_good"] * n
+    s = eng.summary()
+    assert (s["step_compiles"], s["decode_compiles"], s["prefill_compiles"]) == (1, 0, 0)
 
 
 def test_resolve_decode_impl_with_shapes_only(fake_gpu):
@@ -261,11 +267,14 @@ def test_aot_target_picks_its_kernel(kind, cores, call):
     assert other not in text
 
 
-def fake_ragged(name, behaviour):
+def fake_ragged(name, behaviour, calls=None):
     mod = types.ModuleType(name)
     from jpa.ragged import ragged_paged_attention_xla
 
     def ragged_paged_attention(*args, interpret=False, **opts):
+        if calls is not None:
+            calls.append(name)
+
         def kernel(*a):
             out = ragged_paged_attention_xla(*a, **opts)
             return out + 1.0 if behaviour == "wrong" else out

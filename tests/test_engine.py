@@ -25,6 +25,12 @@ def engine(tiny, tokenizer=None, **kw):
     return LLMEngine(model, tokenizer or tok, EngineConfig(**cfg))
 
 
+def compiled_once(eng) -> bool:
+    """The whole run used one compiled program: the unified step (chunked prefill, the default)."""
+    r = eng.runner
+    return (r.step_traces, r.decode_traces, r.prefill_traces) == (1, 0, 0)
+
+
 GREEDY = SamplingParams(max_new_tokens=40, greedy=True, ignore_eos=True)
 
 
@@ -41,7 +47,7 @@ def test_batched_equals_one_at_a_time(tiny, alone):
     assert [o.token_ids for o in outs] == alone
     assert all(o.finish_reason == "length" and len(o.token_ids) == 40 for o in outs)
     assert eng.pool_is_whole()
-    assert eng.runner.decode_traces == 1, "one compiled decode step for the whole run"
+    assert compiled_once(eng), "one compiled program for the whole run"
 
 
 def test_preemption_keeps_outputs(tiny, alone):
@@ -52,13 +58,14 @@ def test_preemption_keeps_outputs(tiny, alone):
     assert sum(o.num_preemptions for o in outs) == eng.stats.preemptions
     assert [o.token_ids for o in outs] == alone
     assert eng.pool_is_whole()
-    assert eng.runner.decode_traces == 1
+    assert compiled_once(eng)
 
 
 def test_steps_per_call_does_not_change_outputs(tiny, alone):
     eng = engine(tiny, steps_per_call=1, max_seqs=3)
     assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == alone
-    assert eng.stats.decode_calls == eng.stats.decode_steps
+    # Rounds with prompt chunks may run no decode step after the ragged step; none runs two.
+    assert eng.stats.decode_steps <= eng.stats.decode_calls
 
 
 def test_seeded_sampling_is_independent_of_batching(tiny):

@@ -40,7 +40,7 @@ def test_jsonl_prompts_to_json_lines(tmp_path, capsys, monkeypatch):
     assert "top_p must be in (0, 1]" in recs[3]["error"]
     assert rc == 1  # some requests failed
     assert "4 requests (2 ok, 2 failed)" in err and "pool whole after run: True" in err
-    assert "decode step compiled 1x" in err
+    assert "unified step compiled 1x" in err
     assert not (tmp_path / "cache" / "xla").exists()  # --no-compile-cache
 
 
@@ -88,4 +88,4 @@ def test_compile_cache_is_on_by_default(tmp_path):
                         "--no-progress", "hi"], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     entries = [p.name for p in (tmp_path / "xla").iterdir()]
-    assert any(name.startswith("jit__decode_impl") for name in entries), entries
+    assert any(name.startswith("jit__step_impl") for name in entries), entries

@@ -98,15 +98,18 @@ print("RESULT", rec["ok"], rec.get("error", ""))
 
 def test_engine_steps_compile_with_the_targets_kernel(tmp_path):
     """SmolLM2 bf16 with a >= 1 GiB pool: the engine's decode loop names the H100's Mosaic kernel
-    (A100: Triton) once per layer, donated pools aliased, no pool copy, small temporaries."""
+    (A100: Triton) once per layer, the unified step the ragged and decode kernels (three calls per
+    layer), donated pools aliased, no pool copy, small temporaries."""
     for target, call in (("h100", "mosaic_calls"), ("a100", "triton_calls")):
         proc, report = run_check(tmp_path, "--target", target, "--only", "engine")
         recs = report["records"]
         assert proc.returncode == 0 and all(r["ok"] for r in recs), [r.get("problems") or r.get("error")
                                                                      for r in recs]
-        decode = next(r for r in recs if "decode" in r["name"])
-        assert decode["attention"] == ("mosaic" if target == "h100" else "triton")
-        assert decode[call] == 30
+        decode = next(r for r in recs if "decode loop" in r["name"])
+        unified = next(r for r in recs if "unified step" in r["name"])
+        for r, calls in ((decode, 30), (unified, 90)):
+            assert r["attention"] == ("mosaic" if target == "h100" else "triton")
+            assert r[call] == calls
         for r in recs:
             assert r["pool_bytes"] >= 2 ** 30
             assert r["alias_bytes"] >= r["pool_bytes"], r["name"]

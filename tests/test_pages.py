@@ -144,7 +144,8 @@ def check_invariants(state):
         assert len(set(own.tolist())) == n, f"sequence {b} holds a page twice"
         np.add.at(counts, own, 1)
         assert np.all(tables[b, n:] == 0), "table entries past a sequence's pages must be 0"
-    np.testing.assert_array_equal(ref, counts, err_msg="refcounts != table entries per page")
+    counts += np.asarray(state.cached)  # the prefix cache holds one reference of a cached page
+    np.testing.assert_array_equal(ref, counts, err_msg="refcounts != table entries (+1 if cached) per page")
 
 
 def assert_same_state(a, b):
@@ -670,3 +671,80 @@ def test_fork_shares_then_diverges_through_paged_decode(prompt_len):
                                                   np.stack(hist[b][0][j * ps:end_a]))
         check_invariants(s)
     assert not np.allclose(out[0], out[1]) and not np.allclose(out[1], out[2])
+
+
+# ----------------------------------------------------------------------------- prefix cache
+
+
+def test_cached_pages_outlive_release_until_evicted():
+    rng = np.random.default_rng()
+    ps = int(rng.integers(2, 6))
+    s = pages.init(16, 3, 6, ps)
+    n = int(rng.integers(2 * ps, 4 * ps))  # 2 or 3 full pages, maybe a partial one
+    s, ok = pages.reserve(s, [1], [n])
+    assert ok
+    full = n // ps
+    s = pages.cache(s, [1], [6])  # capped at the full pages: a partial page is never cached
+    check_invariants(s)
+    held = np.asarray(s.block_tables)[1, :full]
+    assert np.asarray(s.cached).sum() == full and np.asarray(s.cached)[held].all()
+    s = pages.release(s, [1])
+    check_invariants(s)
+    assert int(s.num_free) == 16 - full, "cached-idle pages are not free"
+    np.testing.assert_array_equal(np.asarray(s.refcounts)[held], 1)
+    s = pages.uncache(s, [int(held[0]), -1])
+    check_invariants(s)
+    assert int(s.num_free) == 16 - full + 1
+    s = pages.uncache(s, held.tolist())  # evicting twice is harmless
+    check_invariants(s)
+    assert int(s.num_free) == 16 and not np.asarray(s.cached).any()
+
+
+def test_share_maps_cached_pages_and_grows_into_a_fresh_page():
+    rng = np.random.default_rng()
+    ps = 4
+    s = pages.init(12, 3, 5, ps)
+    s, _ = pages.reserve(s, [0], [9])            # 2 full pages + 1 token
+    s = pages.cache(s, [0], [2])
+    table = np.zeros((1, 5), np.int32)
+    table[0, :2] = np.asarray(s.block_tables)[0, :2]
+    s, ok = pages.share(s, [2], table, [8])
+    assert ok
+    check_invariants(s)
+    np.testing.assert_array_equal(np.asarray(s.refcounts)[table[0, :2]], 3)  # seq 0, seq 2, the cache
+    free = int(s.num_free)
+    grow = int(rng.integers(1, 2 * ps))
+    s, ok, cow = pages.reserve(s, [2], [8 + grow], return_cow=True)
+    assert ok and (np.asarray(cow.src) == -1).all(), "a shared page is full: no copy on write"
+    assert int(s.num_free) == free - pages.pages_for_tokens(grow, ps)
+    s = pages.release(s, [0, 2])
+    check_invariants(s)
+    assert int(s.num_free) == 12 - 2
+    s = pages.uncache(s, table[0, :2].tolist())
+    check_invariants(s)
+    assert int(s.num_free) == 12
+
+
+@pytest.mark.parametrize("why", ["not cached", "not empty", "partial page", "repeated id"])
+def test_share_refuses_and_leaves_the_state(why):
+    s = pages.init(8, 3, 4, 2)
+    s, _ = pages.reserve(s, [0], [4])
+    s = pages.cache(s, [0], [1])
+    table = np.zeros((2, 4), np.int32)
+    table[:, 0] = np.asarray(s.block_tables)[0, 0]
+    ids, n = [1, -1], [2, 0]
+    if why == "not cached":
+        table[0, 0] = np.asarray(s.block_tables)[0, 1]
+    elif why == "not empty":
+        ids = [0, -1]
+    elif why == "partial page":
+        n = [1, 0]
+    else:
+        ids, n = [1, 1], [2, 2]
+    if why == "repeated id":
+        with pytest.raises(ValueError):
+            pages.share(s, ids, table, n)
+        return
+    out, ok = pages.share(s, ids, table, n)
+    assert not ok
+    assert_same_state(out, s)

@@ -70,7 +70,8 @@ def test_logits_match_one_device(report):
 
 def test_compiled_once_per_run(report):
     for r in report:
-        assert r["decode_compiles"] == 1 and r["prefill_compiles"] == r["prefill_shapes"] == 1, r["model"]
+        # One program for the whole run: the unified step (chunked prefill).
+        assert (r["step_compiles"], r["decode_compiles"], r["prefill_compiles"]) == (1, 0, 0), r["model"]
         assert r["pool_whole"], (r["model"], r["tp"])
 
 

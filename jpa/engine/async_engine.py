@@ -54,22 +54,25 @@ class Snapshot:
     Attributes:
       num_running: requests holding a slot.
       num_waiting: accepted requests not running yet (the engine's queue + commands not applied).
-      num_pages / pages_used: the KV pool, read back from the device after every call.
+      num_pages / pages_used: the KV pool, read back from the device after every call; pages_used
+        are those requests hold.
+      cached_pages: pages the prefix cache alone holds (cached-idle: free once evicted).
       rounds: step() calls so far.
       prompt_tokens / generation_tokens: totals over finished and running requests.
       tokens_per_s: generated tokens per second over the last `rate_window` seconds.
-      pool_whole: when idle (nothing unfinished): True if every page is free (checked on the
-        device); None while requests are unfinished.
+      pool_whole: when idle (nothing unfinished): True if every page is free or held by the
+        prefix cache alone (checked on the device); None while requests are unfinished.
       last_abort_rounds: rounds that ran between the latest abort's arrival and the release of
         its pages (0 or 1: aborts are applied before the next round); -1 before any abort.
       alive: the engine thread is running.
-      compilations / compile_seconds: programs the engine compiled so far (decode loop + one per
-        prefill shape) and the time it took (a server compiles a new prefill shape on first use).
+      compilations / compile_seconds: programs the engine compiled so far (the unified step; without
+        chunked prefill: the decode loop + one per prefill shape) and the time it took.
     """
     num_running: int = 0
     num_waiting: int = 0
     num_pages: int = 0
     pages_used: int = 0
+    cached_pages: int = 0
     rounds: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
@@ -341,11 +344,11 @@ class AsyncEngine:
             queued = sum(1 for c in self._commands if c[0] == "add")
         self.snapshot = Snapshot(
             num_running=eng.num_running, num_waiting=eng.num_waiting + queued, num_pages=eng.num_pages,
-            pages_used=eng.num_pages - eng.scheduler.free_pages, rounds=self._rounds,
+            pages_used=eng.pages_in_use, cached_pages=eng.num_cached_idle, rounds=self._rounds,
             prompt_tokens=self._prompt_tokens, generation_tokens=self._generation_tokens, tokens_per_s=rate,
             pool_whole=eng.pool_is_whole() if idle else None, last_abort_rounds=self._last_abort_rounds,
             alive=self.alive and not self._stopping,
-            compilations=eng.runner.decode_traces + eng.runner.prefill_traces,
+            compilations=eng.runner.compiles,
             compile_seconds=eng.runner.compile_seconds)
 
     def _recover(self, e: Exception) -> None:

@@ -17,6 +17,7 @@ A long-lived engine (a server) keeps nothing of a finished request: step() hands
 once, in the round it finishes, and the statistics are running sums.
 """
 
+import collections
 import dataclasses
 import itertools
 import sys
@@ -58,6 +59,13 @@ class EngineConfig:
         prefilled. False: separate prefill calls (bucketed shapes, one compile per bucket) and
         decode calls.
       max_num_batched_tokens: the unified step's token budget T (vLLM's name); >= max_seqs.
+      prefix_caching: automatic prefix caching (with chunked_prefill; ignored without): full
+        prompt pages stay cached after their request (cached-idle, evicted least recently used
+        first when the pool runs short), and a request whose prompt starts with cached pages
+        shares them (refcounts) and prefills only the rest. See `jpa.engine.prefix_cache`.
+      ragged_block_tokens: rows the ragged step runs through the model per pass (a loop over
+        the live rows only, so a round costs its live rows, not the budget). None: 64 on a CPU,
+        the whole budget on a GPU.
       cache_dtype: KV cache dtype; None = the model's dtype.
       attention_impl: attention backend of the decode loop and the ragged step ("auto", "xla",
         "triton", "mosaic"); "auto" picks the Pallas kernel for the GPU the program is compiled
@@ -81,6 +89,8 @@ class EngineConfig:
     tensor_parallel: int = 1
     chunked_prefill: bool = True
     max_num_batched_tokens: int = 512
+    ragged_block_tokens: int | None = None
+    prefix_caching: bool = True
 
     def __post_init__(self):
         for name in ("max_seqs", "page_size", "steps_per_call", "max_prefill_tokens", "tensor_parallel",
@@ -88,7 +98,7 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"EngineConfig.{name} must be an int >= 1; got {v!r}")
-        for name in ("num_pages", "max_model_len"):
+        for name in ("num_pages", "max_model_len", "ragged_block_tokens"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"EngineConfig.{name} must be an int >= 1 or None; got {v!r}")
@@ -96,6 +106,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.kv_memory_bytes must be an int >= 1; got {self.kv_memory_bytes!r}")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"EngineConfig.watermark must be in [0, 1); got {self.watermark!r}")
+        if not isinstance(self.prefix_caching, bool):
+            raise ValueError(f"EngineConfig.prefix_caching must be a bool; got {self.prefix_caching!r}")
         if not isinstance(self.chunked_prefill, bool):
             raise ValueError(f"EngineConfig.chunked_prefill must be a bool; got {self.chunked_prefill!r}")
         if self.chunked_prefill and self.max_num_batched_tokens < self.max_seqs:
@@ -121,6 +133,7 @@ class EngineStats:
     peak_pages_used: int = 0
     util_sum: float = 0.0             # sum over decode calls of tokens stored / slots allocated
     util_count: int = 0
+    peak_shared_pages: int = 0        # prefix caching: most pages held by two or more running requests
 
     @property
     def kv_utilization(self) -> float:
@@ -181,12 +194,13 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.cache_config, max_seqs=config.max_seqs,
                                   pages_per_seq=self.pages_per_seq,
                                   steps_per_call=config.steps_per_call, stop_ids=self.stop_ids,
-                                  attention_impl=config.attention_impl, mesh=self.mesh)
+                                  attention_impl=config.attention_impl, mesh=self.mesh,
+                                  block_tokens=config.ragged_block_tokens)
         self.scheduler = Scheduler(
             max_seqs=config.max_seqs, page_size=config.page_size, num_pages=self.num_pages,
             max_model_len=self.max_model_len, steps_per_call=config.steps_per_call,
             watermark=config.watermark, max_prefill_tokens=config.max_prefill_tokens,
-            stop_ids=self.stop_ids)
+            stop_ids=self.stop_ids, prefix_caching=config.prefix_caching and config.chunked_prefill)
         self.stats = EngineStats()
         self._outbox: list[StepOutput] = []    # finished outside a round (errors, aborts)
         self._live_ids: set = set()            # ids of requests not handed out as finished yet
@@ -328,12 +342,15 @@ class LLMEngine:
 
     def _unified(self, plan: RoundPlan) -> tuple[list[Progress], float]:
         """One unified device call (ragged step + decode steps) and its bookkeeping."""
-        entries = [(e.slot, e.q_len, e.decode, e.final, e.tokens, self._row_params(e.request) if e.final else None)
+        caching = self.scheduler.prefix is not None
+        ps = self.config.page_size
+        entries = [(e.slot, e.q_len, e.decode, e.final, e.tokens, self._row_params(e.request) if e.final else None,
+                    e.hit_pages, len(self.scheduler.prefill_tokens(e.request)) // ps if caching and e.final else 0)
                    for e in plan.entries]
         t0, c0 = time.perf_counter(), self.runner.compile_seconds
         try:
-            tok, lp, _done, ok, out, out_lp, free, lens, active = self.runner.step(
-                entries, self.config.max_num_batched_tokens, plan.decode_steps)
+            tok, lp, _done, ok, out, out_lp, free, lens, active, tables = self.runner.step(
+                entries, self.config.max_num_batched_tokens, plan.decode_steps, plan.evict)
         except BaseException:
             self.scheduler.unplan(plan)   # the call did not happen: admitted requests go back, in order
             raise
@@ -350,12 +367,28 @@ class LLMEngine:
         self.stats.decode_steps += len(out)
         self.stats.prefill_tokens += plan.num_prompt_tokens
         self.stats.decode_tokens += int((out >= 0).sum()) + sum(e.decode for e in plan.entries)
+        self.scheduler.set_pages(free, lens)
+        events = self.scheduler.stepped(plan, tok, lp, out, out_lp, active, tables)
         self._record_pages(free, lens)
-        return self.scheduler.stepped(plan, tok, lp, out, out_lp, active), t1
+        if caching:
+            held = collections.Counter(p for s in self.scheduler.running for p in self.scheduler.cache_refs.get(s, ()))
+            self.stats.peak_shared_pages = max(self.stats.peak_shared_pages, sum(1 for c in held.values() if c > 1))
+        return events, t1
+
+    @property
+    def num_cached_idle(self) -> int:
+        """Pages held by the prefix cache alone (cached-idle: evictable, not in use)."""
+        prefix = self.scheduler.prefix
+        return prefix.num_idle(self.scheduler._cache_refs()) if prefix is not None else 0
+
+    @property
+    def pages_in_use(self) -> int:
+        """Pages held by requests (cached-idle pages are not in use: eviction frees them)."""
+        return self.num_pages - self.scheduler.free_pages - self.num_cached_idle
 
     def _record_pages(self, free, lens) -> None:
         self.scheduler.set_pages(free, lens)
-        used = self.num_pages - free
+        used = self.pages_in_use
         self.stats.peak_pages_used = max(self.stats.peak_pages_used, used)
         if used:
             self.stats.util_sum += int(np.sum(lens)) / (used * self.config.page_size)
@@ -446,8 +479,23 @@ class LLMEngine:
         return [results[i] for i in ids]
 
     def pool_is_whole(self) -> bool:
-        """True when no page is held (check after generate(): nothing leaked)."""
-        return not self.scheduler.running and self.runner.pool_is_whole()
+        """True when no request holds a page and every page is free or held by the prefix cache
+        alone, exactly the pages the host's cache knows (check after generate(): nothing leaked;
+        `flush_prefix_cache()` then frees every page)."""
+        prefix = self.scheduler.prefix
+        return not self.scheduler.running and self.runner.pool_is_whole(prefix.cached if prefix else ())
+
+    def flush_prefix_cache(self) -> int:
+        """Evicts every cached page (an idle engine only); returns how many were freed."""
+        prefix = self.scheduler.prefix
+        if prefix is None:
+            return 0
+        if self.scheduler.running:
+            raise RuntimeError("flush_prefix_cache() needs an idle engine (no running request)")
+        pages = prefix.clear()
+        if pages:
+            self.scheduler.set_pages(*self.runner.uncache(pages))
+        return len(pages)
 
     def summary(self) -> dict:
         """The run's figures, for the script's summary line and --json consumers."""
@@ -466,6 +514,7 @@ class LLMEngine:
             "step_compiles": self.runner.step_traces,    # the unified step (chunked prefill)
             "chunked_prefill": self.config.chunked_prefill,
             "token_budget": self.config.max_num_batched_tokens if self.config.chunked_prefill else None,
+            "ragged_block_tokens": self.runner.block_tokens,  # rows per model pass (set at compile)
             "steps_per_call": self.config.steps_per_call,
             "decode_steps": s.decode_steps,
             "peak_pages_used": s.peak_pages_used,
@@ -474,6 +523,12 @@ class LLMEngine:
             "preemptions": s.preemptions,
             "kv_cache": self.cache_config.describe(),
             "attention": self.runner.attention,  # what the compiled decode loop runs (None before)
+            "prefix_caching": self.scheduler.prefix is not None,
+            "prefix_hit_tokens": self.scheduler.prefix.hit_tokens if self.scheduler.prefix else 0,
+            "prefix_hit_rate": (self.scheduler.prefix.hit_tokens / self.scheduler.prefix.query_tokens
+                                if self.scheduler.prefix and self.scheduler.prefix.query_tokens else float("nan")),
+            "cached_pages": len(self.scheduler.prefix.cached) if self.scheduler.prefix else 0,
+            "peak_shared_pages": s.peak_shared_pages,
             "tensor_parallel": self.config.tensor_parallel,
             "head_plan": (getattr(self.model, "head_plan", None).describe()
                           if getattr(self.model, "head_plan", None) is not None else None),

@@ -76,6 +76,28 @@ class EngineModel(Protocol):
           (f32[num_seqs, vocab_size] logits, the updated cache).
         """
 
+    def ragged(self, params, cache, tokens, positions, slot_mapping, block_tables, seq_lens, cu_q_lens, num_seqs,
+               *, impl="auto"):
+        """A ragged batch: prefill chunks and decode tokens back to back (the unified step).
+
+        Required for EngineConfig(chunked_prefill=True), the default. Write every row's K/V at its
+        slot first, then attend as `jpa.ragged_paged_attention` does.
+
+        Args:
+          params: the parameter pytree.
+          cache: jpa.KVCache.
+          tokens: i32[num_tokens]; rows of sequence i are cu_q_lens[i]:cu_q_lens[i + 1].
+          positions: i32[num_tokens]; each row's position in its sequence.
+          slot_mapping: i32[num_tokens]; cache slot of each row (-1 = padding).
+          block_tables: i32[max_num_seqs, pages_per_seq].
+          seq_lens: i32[max_num_seqs]; tokens cached per sequence after this call's writes.
+          cu_q_lens: i32[max_num_seqs + 1].
+          num_seqs: i32[]; live sequences (rows past cu_q_lens[num_seqs] are padding).
+          impl: the `jpa.ragged_paged_attention` implementation.
+
+        Returns:
+          (f32[max_num_seqs, vocab_size] logits at each sequence's last row, the updated cache).
+        """
 
 def check_model(model) -> None:
     """Raises TypeError naming what `model` lacks to satisfy EngineModel."""

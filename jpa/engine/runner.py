@@ -97,8 +97,8 @@ DONATE = (1, 2, 3)  # cache, page state, slots: updated in place by every compil
 # Outputs of the compiled calls: (cache, page state, slots, tokens, logprobs, steps, free, seq_lens) for
 # decode; (cache, page state, slots, tokens, logprobs, done, ok, free, seq_lens) for prefill; the
 # unified step's: (cache, page state, slots, tokens, logprobs, done, ok, out, out_lp, steps, free,
-# seq_lens, active).
-DECODE_OUTPUTS, PREFILL_OUTPUTS, STEP_OUTPUTS = 8, 9, 13
+# seq_lens, active, final tables).
+DECODE_OUTPUTS, PREFILL_OUTPUTS, STEP_OUTPUTS = 8, 9, 14
 
 
 def attention_in(hlo_text: str) -> str:
@@ -116,13 +116,15 @@ class ModelRunner:
 
     def __init__(self, model: EngineModel, cache_config: CacheConfig, *, max_seqs: int, pages_per_seq: int,
                  steps_per_call: int, stop_ids, attention_impl: str = "auto", allocate: bool = True,
-                 mesh=None):
+                 mesh=None, block_tokens: int | None = None):
         check_model(model)
         self.mesh = mesh
         self.model, self.params = model, model.params
         self.cache_config = cache_config
         self.max_seqs, self.pages_per_seq, self.steps_per_call = max_seqs, pages_per_seq, steps_per_call
         self.attention_impl = attention_impl
+        self._block_tokens = block_tokens
+        self.block_tokens = None  # rows per model pass of the ragged step, fixed at its compile
         self.attention = None  # the implementation in the compiled decode loop, once compiled
         self._pool = None if mesh is None else named(mesh, POOL)
         self._rep = None if mesh is None else named(mesh, REPLICATED)
@@ -141,6 +143,13 @@ class ModelRunner:
         self._prefill_exe = {}
         self._retire = jax.jit(self._retire_impl, donate_argnums=(0, 1),
                                **({} if mesh is None else dict(out_shardings=self._rep)))
+        self._uncache = jax.jit(pages.uncache, donate_argnums=(0,),
+                                **({} if mesh is None else dict(out_shardings=self._rep)))
+
+    @property
+    def compiles(self) -> int:
+        """Programs compiled so far (decode loop, prefill shapes and the unified step)."""
+        return self.decode_traces + self.prefill_traces + self.step_traces
 
     def _make(self, f, sharding, allocate):
         """f() (device state), created directly in `sharding` under a mesh (never whole on one device)."""
@@ -243,6 +252,52 @@ class ModelRunner:
         steps, cache, page_state, slots, out, out_lp, _ = lax.while_loop(cond, step, init)
         return cache, page_state, slots, out, out_lp, steps
 
+    def _ragged_blocks(self, params, cache, tokens, positions, slot_mapping, tables, old, cu, entry, num_rows):
+        """The model over the ragged batch's first num_rows rows, `block_tokens` rows at a time.
+
+        A while_loop over the live blocks only, so a round costs its live rows rounded up to a
+        block, not the whole budget (on a CPU, where padding rows cost as much as real ones).
+        Blocks run in row order; a sequence cut by a block boundary is a chunk ending mid-way
+        in the first block and a chunk after a cached prefix in the next, exactly what
+        `ragged_paged_attention` serves. Each block is re-based so its sequences are entries
+        0..n_b - 1 (no live sequence without rows).
+
+        Args: tokens, positions, slot_mapping i32[T]; tables i32[B, pages_per_seq] per entry; old
+          i32[B] tokens cached per entry before the step; cu i32[B + 1] row offsets; entry i32[T]
+          the entry of each row.
+
+        Returns (logits f32[B, vocab] at each entry's last row, cache).
+        """
+        tb, num_entries = self.block_tokens, old.shape[0]
+        pad = lambda a, v: jnp.pad(a, (0, tb), constant_values=v)  # noqa: E731  (whole-block slices)
+        tokens, positions, slot_mapping = pad(tokens, 0), pad(positions, 0), pad(slot_mapping, -1)
+        entry = pad(entry, num_entries - 1)
+        k = jnp.arange(num_entries + 1, dtype=jnp.int32)
+        vocab = self.model.config.vocab_size
+
+        def block(carry):
+            j, cache, logits = carry
+            b0 = j * tb
+            b1 = jnp.minimum(b0 + tb, num_rows)
+            e0, e1 = entry[b0], entry[b1 - 1]  # the block's entries: e0..e1
+            e = jnp.minimum(e0 + k, num_entries)  # i32[B + 1] block entry -> step entry
+            cu_b = jnp.clip(cu[e], b0, b1) - b0  # i32[B + 1]
+            e = e[:-1]
+            in_block = k[:-1] <= e1 - e0
+            seq_b = jnp.where(in_block, old[jnp.minimum(e, num_entries - 1)] + jnp.clip(cu[e + 1], b0, b1) - cu[e], 0)
+            sl = lambda a: lax.dynamic_slice_in_dim(a, b0, tb)  # noqa: E731
+            out, cache = self.model.ragged(params, cache, sl(tokens), sl(positions), sl(slot_mapping),
+                                           tables[jnp.minimum(e, num_entries - 1)], seq_b, cu_b, e1 - e0 + 1,
+                                           impl=self.attention_impl)
+            # Entries whose last row is in this block take their logits from it.
+            ends = in_block & (cu[e + 1] <= b1) & (cu[e + 1] > cu[e])
+            logits = logits.at[jnp.where(ends, e, num_entries)].set(out, mode="drop")
+            return j + 1, cache, logits
+
+        init = (jnp.int32(0), cache, jnp.zeros((num_entries, vocab), jnp.float32))
+        _, cache, logits = lax.while_loop(lambda c: c[0] * tb < num_rows, block, init)
+        return logits, cache
+
     def _step_impl(self, params, cache, page_state, slots, batch):
         """The unified round: a ragged step over a token budget, then up to batch["decode_steps"]
         decode steps, in one program (the engine's only compiled program with chunked prefill).
@@ -256,11 +311,18 @@ class ModelRunner:
           rows: RowParams columns [B], read for final chunks (the slot's sampling state).
           ragged i32[]: 1 to run the ragged step, 0 to skip it (a decode-only round).
           decode_steps i32[]: decode steps after it, at most steps_per_call.
+          hit_tokens i32[B], hit_tables i32[B, pages_per_seq]: prefix-cache hits, shared into the
+            (empty) slot before its first chunk (`jpa.pages.share`); 0 = none.
+          cache_upto i32[B]: full prompt pages a final chunk puts into the prefix cache
+            (`jpa.pages.cache`); 0 = none (prefix caching off).
+          evict i32[num_pages]: cached-idle pages to evict first (`jpa.pages.uncache`; -1 = padding).
 
         The ragged step reserves each entry's pages for its rows (all or nothing, `ok`), writes
         their K/V, attends with `jpa.ragged_paged_attention`, and samples only where an entry is a
         decode row or a final chunk (resumed requests take their pending token instead). It is a
         while_loop of 0 or 1 iterations rather than a lax.cond, so the cache is carried in place.
+        Besides the decode loop's outputs it returns the entries' block-table rows after the
+        final chunks' pages were cached (i32[B, pages_per_seq]), for the host's prefix cache.
         """
         self.step_traces += 1
         ps_ = self.cache_config.page_size
@@ -275,13 +337,21 @@ class ModelRunner:
         entry = jnp.clip(jnp.searchsorted(cu[1:], row, side="right"), 0, num_entries - 1)  # i32[T]
         row_live = row < cu[-1]
         empty_out = (jnp.zeros((num_entries,), jnp.int32), jnp.full((num_entries,), jnp.nan, jnp.float32),
-                     jnp.zeros((num_entries,), bool), jnp.bool_(True))
+                     jnp.zeros((num_entries,), bool), jnp.bool_(True),
+                     jnp.zeros((num_entries, self.pages_per_seq), jnp.int32))
+        page_state = pages.uncache(page_state, batch["evict"])
+        hit = live & (batch["hit_tokens"] > 0)
 
         def ragged_step(carry):
             i, cache, ps, slots, _ = carry
-            old = jnp.where(live, ps.seq_lens[safe], 0)  # i32[B] tokens cached before
+            ps, shared = pages.share(ps, jnp.where(hit, ids, -1), batch["hit_tables"],
+                                     jnp.where(hit, batch["hit_tokens"], 0))
+            old = jnp.where(live, ps.seq_lens[safe], 0)  # i32[B] tokens cached before (hits included)
             new = old + q_lens
-            ps, ok = pages.reserve(ps, jnp.where(live & (q_lens > 0), ids, -1), new)
+            ps, ok = pages.reserve(ps, jnp.where(live & (q_lens > 0) & shared, ids, -1), new)
+            ok = ok & shared
+            # All or nothing: undo the hits when the reservation failed (those slots were empty).
+            ps = pages.release(ps, jnp.where(hit & ~ok, ids, -1))
             pos = old[entry] + row - cu[entry]  # i32[T]
             ok_rows = row_live & ok
             page = jnp.take_along_axis(ps.block_tables[safe[entry]], (pos // ps_)[:, None], axis=1,
@@ -289,10 +359,9 @@ class ModelRunner:
             slot_mapping = jnp.where(ok_rows, page * ps_ + pos % ps_, -1)  # i32[T]
             pending = slots.tokens[safe[entry]]
             tokens = jnp.where(decode_row[entry], pending, batch["tokens"])
-            n = jnp.where(ok, jnp.sum(live), 0)
-            logits, cache = self.model.ragged(params, cache, tokens, jnp.where(ok_rows, pos, 0), slot_mapping,
-                                              ps.block_tables[safe], jnp.where(live, new, 0), cu, n,
-                                              impl=self.attention_impl)
+            logits, cache = self._ragged_blocks(params, cache, tokens, jnp.where(ok_rows, pos, 0), slot_mapping,
+                                                ps.block_tables[safe], old, cu, entry,
+                                                jnp.where(ok, cu[-1], 0))
             # Final chunks install the request's sampling state in its slot before sampling.
             def put(a, v, where):  # a[ids[e]] = v[e] where where[e]
                 return a.at[jnp.where(where, ids, self.max_seqs)].set(v.astype(a.dtype), mode="drop")
@@ -315,16 +384,18 @@ class ModelRunner:
             slots = slots.replace(tokens=put(slots.tokens, tok, emits),
                                   num_generated=put(slots.num_generated, n_gen, emits),
                                   active=put(slots.active, ~done, emits))
+            ps = pages.cache(ps, jnp.where(live & final & ok, ids, -1), batch["cache_upto"])
+            tables = ps.block_tables[safe]  # i32[B, pages_per_seq], before the finished are released
             ps = pages.release(ps, jnp.where(done, ids, -1))
-            return i + 1, cache, ps, slots, (tok, lp, done, ok)
+            return i + 1, cache, ps, slots, (tok, lp, done, ok, tables)
 
-        _, cache, page_state, slots, (tok, lp, done, ok) = lax.while_loop(
+        _, cache, page_state, slots, (tok, lp, done, ok, tables) = lax.while_loop(
             lambda c: c[0] < batch["ragged"], ragged_step,
             (jnp.int32(0), cache, page_state, slots, empty_out))
         cache, page_state, slots, out, out_lp, steps = self._decode_loop(
             params, cache, page_state, slots, jnp.minimum(batch["decode_steps"], self.steps_per_call))
         return (cache, page_state, slots, tok, lp, done, ok, out, out_lp, steps, pages.num_free_pages(page_state),
-                page_state.seq_lens, slots.active)
+                page_state.seq_lens, slots.active, tables)
 
     @staticmethod
     def _retire_impl(page_state, slots, seq_ids):
@@ -404,30 +475,44 @@ class ModelRunner:
         tok, lp, done, ok, free, lens = jax.device_get((tok, lp, done, ok, free, lens))
         return tok[:n], lp[:n], done[:n], bool(ok), int(free), lens
 
+    def set_block_tokens(self, num_tokens: int) -> int:
+        """Fixes the ragged step's rows per model pass for a budget of num_tokens: the configured
+        value, else 64 rows on a CPU (compute-bound: padding rows cost as much as real ones) and the
+        whole budget elsewhere (one pass; a GPU reads the weights once per pass)."""
+        default = 64 if jax.default_backend() == "cpu" else num_tokens
+        self.block_tokens = min(self._block_tokens or default, num_tokens)
+        return self.block_tokens
+
     def step_inputs(self, num_tokens: int):
         """ShapeDtypeStructs of the unified step's own input (the `batch` dict) for a budget of num_tokens."""
         sds = jax.ShapeDtypeStruct
         b = self.max_seqs
         batch = dict(seq_ids=sds((b,), jnp.int32), q_lens=sds((b,), jnp.int32), decode_row=sds((b,), jnp.bool_),
                      final=sds((b,), jnp.bool_), tokens=sds((num_tokens,), jnp.int32),
-                     rows=_row_columns(b, sds), ragged=sds((), jnp.int32), decode_steps=sds((), jnp.int32))
+                     rows=_row_columns(b, sds), ragged=sds((), jnp.int32), decode_steps=sds((), jnp.int32),
+                     hit_tokens=sds((b,), jnp.int32), hit_tables=sds((b, self.pages_per_seq), jnp.int32),
+                     cache_upto=sds((b,), jnp.int32), evict=sds((self.cache_config.num_pages,), jnp.int32))
         if self.mesh is None:
             return batch
         return jax.tree_util.tree_map(lambda s: sds(s.shape, s.dtype, sharding=self._rep), batch)
 
-    def step(self, entries, num_tokens: int, decode_steps: int):
+    def step(self, entries, num_tokens: int, decode_steps: int, evict=()):
         """One unified round: a ragged step over `entries` (none: skipped), then decode steps.
 
         Args:
           entries: list of (slot, q_len, decode_row, final, prompt chunk token ids (empty for a
-            decode row), RowParams or None), at most max_seqs, their q_lens summing to <= num_tokens.
+            decode row), RowParams or None, hit pages (prefix-cache hit shared before the chunk),
+            full prompt pages to cache at a final chunk), at most max_seqs, their q_lens summing
+            to <= num_tokens.
           num_tokens: the token budget T (static: one compiled program per budget).
           decode_steps: decode steps after the ragged step (<= steps_per_call).
+          evict: cached-idle pages to evict from the prefix cache first.
 
         Returns (tok i32[n], lp f32[n], done bool[n] of the entries, ok, out i32[steps, max_seqs],
-        out_lp f32[steps, max_seqs], free pages, seq_lens i32[max_seqs], active bool[max_seqs]) in
-        one device->host transfer. When ok is False (the pool could not hold the entries' rows)
-        the ragged step changed nothing on the device.
+        out_lp f32[steps, max_seqs], free pages, seq_lens i32[max_seqs], active bool[max_seqs],
+        tables i32[n, pages_per_seq] (the entries' block tables once final chunks' pages were
+        cached)) in one device->host transfer. When ok is False (the pool could not hold the
+        entries' rows) the ragged step changed nothing on the device.
         """
         b, n = self.max_seqs, len(entries)
         ids = np.full((b,), -1, np.int32)
@@ -437,18 +522,26 @@ class ModelRunner:
         rows = _row_columns(b, lambda shape, dt: np.zeros(shape, dt))
         rows["top_p"][:] = 1.0
         rows["resume_token"][:] = -1
+        hit_tokens, cache_upto = np.zeros((b,), np.int32), np.zeros((b,), np.int32)
+        hit_tables = np.zeros((b, self.pages_per_seq), np.int32)
+        evict_ids = np.full((self.cache_config.num_pages,), -1, np.int32)
+        evict_ids[: len(evict)] = evict
         at = 0
-        for e, (slot, q_len, is_decode, is_final, chunk, params) in enumerate(entries):
+        for e, (slot, q_len, is_decode, is_final, chunk, params, hit, upto) in enumerate(entries):
             ids[e], q_lens[e], decode_row[e], final[e] = slot, q_len, is_decode, is_final
+            hit_tokens[e], cache_upto[e] = len(hit) * self.cache_config.page_size, upto
+            hit_tables[e, : len(hit)] = hit
             tokens[at: at + len(chunk)] = chunk
             at += q_len
             if params is not None:
                 for name in rows:
                     rows[name][e] = getattr(params, name)
         batch = dict(seq_ids=ids, q_lens=q_lens, decode_row=decode_row, final=final, tokens=tokens, rows=rows,
-                     ragged=np.int32(n > 0), decode_steps=np.int32(decode_steps))
+                     ragged=np.int32(n > 0), decode_steps=np.int32(decode_steps), hit_tokens=hit_tokens,
+                     hit_tables=hit_tables, cache_upto=cache_upto, evict=evict_ids)
         args = self.state() + (self._put(jax.tree_util.tree_map(jnp.asarray, batch)),)
         if self._step_exe is None:
+            self.set_block_tokens(num_tokens)
             self._step_exe = self._compile(self._step_impl, *args, num_outputs=STEP_OUTPUTS)
             self.attention = attention_in(self._step_exe.as_text())
             self.step_tokens = num_tokens
@@ -456,9 +549,10 @@ class ModelRunner:
             raise ValueError(f"the unified step was compiled for a token budget of {self.step_tokens}; got "
                              f"{num_tokens}")
         self.cache, self.page_state, self.slots, *res = self._step_exe(*args)
-        tok, lp, done, ok, out, out_lp, steps, free, lens, active = jax.device_get(res)
+        tok, lp, done, ok, out, out_lp, steps, free, lens, active, tables = jax.device_get(res)
         steps = int(steps)
-        return tok[:n], lp[:n], done[:n], bool(ok), out[:steps], out_lp[:steps], int(free), lens, active
+        return (tok[:n], lp[:n], done[:n], bool(ok), out[:steps], out_lp[:steps], int(free), lens, active,
+                tables[:n])
 
     def retire(self, seq_ids):
         """Releases slots (finished on the host, aborted or preempted).
@@ -471,7 +565,20 @@ class ModelRunner:
         free, lens = jax.device_get((self.page_state.num_free, self.page_state.seq_lens))
         return int(free), lens
 
-    def pool_is_whole(self) -> bool:
-        """True when every page is free (no leak) — valid when no request is running."""
+    def uncache(self, page_ids):
+        """Evicts pages from the prefix cache now (`jpa.pages.uncache`); returns (free pages, seq_lens)."""
+        ids = np.full((self.cache_config.num_pages,), -1, np.int32)
+        ids[: len(page_ids)] = list(page_ids)
+        self.page_state = self._uncache(self.page_state, self._put(jnp.asarray(ids)))
+        free, lens = jax.device_get((self.page_state.num_free, self.page_state.seq_lens))
+        return int(free), lens
+
+    def pool_is_whole(self, cached=()) -> bool:
+        """True when no table holds a page and every page is free or one of `cached` (the host's
+        prefix cache), held by the cache alone (no leak) — valid when no request is running."""
         ps = jax.device_get(self.page_state)
-        return int(ps.num_free) == self.cache_config.num_pages and not np.asarray(ps.refcounts).any()
+        want = np.zeros(self.cache_config.num_pages, bool)
+        want[list(cached)] = True
+        return (int(ps.num_free) == self.cache_config.num_pages - int(want.sum())
+                and np.array_equal(np.asarray(ps.cached), want)
+                and np.array_equal(np.asarray(ps.refcounts), want.astype(np.int32)))

@@ -53,6 +53,7 @@ import collections
 import dataclasses
 import math
 
+from jpa.engine.prefix_cache import PrefixCache
 from jpa.engine.request import Request, Status
 from jpa.pages import pages_for_tokens
 
@@ -76,6 +77,7 @@ class Entry:
     decode: bool                   # feeds the slot's pending token
     final: bool                    # a prompt chunk that ends the prompt
     tokens: tuple[int, ...] = ()   # the chunk's token ids (empty for a decode token)
+    hit_pages: tuple[int, ...] = ()  # cached pages shared before the chunk (prefix-cache hit, first chunk)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +86,7 @@ class RoundPlan:
     entries: tuple[Entry, ...]
     decode_steps: int
     admitted: tuple[int, ...] = ()   # slots whose request was admitted by this plan
+    evict: tuple[int, ...] = ()      # cached-idle pages the device evicts first (prefix caching)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -119,7 +122,8 @@ class Scheduler:
     """
 
     def __init__(self, *, max_seqs: int, page_size: int, num_pages: int, max_model_len: int,
-                 steps_per_call: int, watermark: float, max_prefill_tokens: int, stop_ids=()):
+                 steps_per_call: int, watermark: float, max_prefill_tokens: int, stop_ids=(),
+                 prefix_caching: bool = False):
         if max_model_len > num_pages * page_size:
             raise ValueError(f"max_model_len must be <= num_pages * page_size = {num_pages * page_size} "
                              f"(a lone sequence must fit in the pool); got {max_model_len}")
@@ -131,6 +135,10 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: dict[int, Request] = {}      # slot -> request
         self.prefilling: set[int] = set()          # slots of running requests whose prompt is not all cached
+        # Prefix caching (unified rounds only): the cache's keys, and the cached pages each running
+        # request holds (its hits, then the pages cached when its prompt completed).
+        self.prefix = PrefixCache(page_size) if prefix_caching else None
+        self.cache_refs: dict[int, tuple[int, ...]] = {}
         self.free_pages = num_pages                # device truth (set_pages)
         self.seq_lens = [0] * max_seqs             # device truth: tokens in the cache per slot
         self.num_preemptions = 0
@@ -230,24 +238,33 @@ class Scheduler:
         slots, reqs, toks = zip(*chosen)
         return PrefillBatch(slots, reqs, toks, bucket(len(chosen), 1), bucket(width, 16))
 
+    def _cache_refs(self) -> set:
+        """Cached pages that running requests hold (not evictable)."""
+        return {p for slot in self.running for p in self.cache_refs.get(slot, ())}
+
     def plan_round(self, budget: int) -> RoundPlan:
         """Plans a unified round over a token budget (see the module doc for the policy).
 
         Admitted requests are popped from the queue into slots (and prefilling) here; if the device
-        call does not happen, `unplan(plan)` undoes that.
+        call does not happen, `unplan(plan)` undoes that. With a prefix cache, an admitted request
+        starts after its longest cached full-page prefix (its pages shared, not recomputed), and
+        cached-idle pages count as free: the plan names the least recently used ones the device
+        must evict first so that every allocation of the call finds a free page.
         """
         if budget < self.max_seqs:
             raise ValueError(f"the token budget ({budget}) must be >= max_seqs ({self.max_seqs}): every decoding "
                              f"sequence takes one token of it")
         ps = self.page_size
+        referenced = self._cache_refs() if self.prefix is not None else set()
+        idle = self.prefix.num_idle(referenced) if self.prefix is not None else 0
         decoding = [s for s in sorted(self.running) if s not in self.prefilling]
         left = budget - len(decoding)
-        free = self.free_pages - sum(self._growth(self.seq_lens[s], 1) for s in decoding)
+        alloc = sum(self._growth(self.seq_lens[s], 1) for s in decoding)  # pages the ragged step takes
         prompt: list[Entry] = []
         admitted: list[int] = []
 
-        def fit(seq_len: int) -> int:  # tokens a sequence holding seq_len can add within `free` pages
-            return max(0, free) * ps + pages_for_tokens(seq_len, ps) * ps - seq_len
+        def fit(seq_len: int) -> int:  # tokens a sequence holding seq_len can add within the free pages
+            return max(0, self.free_pages + idle - alloc) * ps + pages_for_tokens(seq_len, ps) * ps - seq_len
 
         for slot in sorted(self.prefilling, key=lambda s: self.running[s].admitted_at):
             req, done = self.running[slot], self.seq_lens[slot]
@@ -257,7 +274,7 @@ class Scheduler:
                 continue
             prompt.append(Entry(slot, req, n, False, done + n == len(toks), tuple(toks[done:done + n])))
             left -= n
-            free -= self._growth(done, n)
+            alloc += self._growth(done, n)
         blocked_by_budget = False
         if self._preempted_last_round:
             self._preempted_last_round = False
@@ -266,20 +283,26 @@ class Scheduler:
             admit = True
         if admit:
             free_slots = [s for s in range(self.max_seqs) if s not in self.running]
-            avail = self.free_pages - self.headroom()
+            avail = self.free_pages + idle - self.headroom()
             while self.waiting and free_slots:
                 if left <= 0:
                     blocked_by_budget = True
                     break
                 req = self.waiting[0]
                 toks = self.prefill_tokens(req)
-                need = self._growth(0, len(toks) + self.steps_per_call)
-                idle = not self.running
-                if avail - need < self.watermark_pages and not (idle and pages_for_tokens(len(toks), ps)
-                                                                <= self.free_pages):
+                hit = self.prefix.lookup(toks) if self.prefix is not None else []
+                # Shared pages that were idle are no longer evictable.
+                newly_held = sum(1 for p in hit if p not in referenced)
+                h = len(hit) * ps
+                need = self._growth(h, len(toks) - h + self.steps_per_call)
+                alone = not self.running
+                if avail - newly_held - need < self.watermark_pages and not (
+                        alone and pages_for_tokens(len(toks), ps) - len(hit) <= self.free_pages + idle - newly_held):
                     break
-                n = min(left, len(toks), fit(0))
+                idle -= newly_held
+                n = min(left, len(toks) - h, fit(h))
                 if n <= 0:
+                    idle += newly_held
                     break
                 self.waiting.popleft()
                 slot = free_slots.pop(0)
@@ -287,31 +310,60 @@ class Scheduler:
                 req.status, req.slot, req.admitted_at = Status.RUNNING, slot, self._admissions
                 self.running[slot] = req
                 self.prefilling.add(slot)
+                self.cache_refs[slot] = tuple(hit)
+                referenced.update(hit)
+                if self.prefix is not None:
+                    self.prefix.touch(hit)
                 admitted.append(slot)
-                prompt.append(Entry(slot, req, n, False, n == len(toks), tuple(toks[:n])))
+                prompt.append(Entry(slot, req, n, False, h + n == len(toks), tuple(toks[h:h + n]), tuple(hit)))
                 left -= n
-                free -= self._growth(0, n)
-                avail -= need
-        if not prompt:
-            return RoundPlan((), self.steps_per_call)
-        more = blocked_by_budget or any(not e.final for e in prompt) or len(prompt) < len(self.prefilling)
-        entries = tuple(Entry(s, self.running[s], 1, True, False) for s in decoding) + tuple(prompt)
-        return RoundPlan(entries, 0 if more else self.steps_per_call - 1, tuple(admitted))
+                alloc += self._growth(h, n)
+                avail -= newly_held + need
+        if prompt:
+            more = blocked_by_budget or any(not e.final for e in prompt) or len(prompt) < len(self.prefilling)
+            entries = tuple(Entry(s, self.running[s], 1, True, False) for s in decoding) + tuple(prompt)
+            steps = 0 if more else self.steps_per_call - 1
+        else:
+            entries, steps, alloc = (), self.steps_per_call, 0
+        evict = ()
+        if self.prefix is not None:
+            # Pages the decode steps after the ragged step may take (as headroom() counts them).
+            after = {e.slot: self.seq_lens[e.slot] + len(e.hit_pages) * ps + e.q_len for e in entries}
+            loop = sum(self._growth(after.get(s, self.seq_lens[s]), steps) for s in self.running
+                       if s not in self.prefilling or any(e.slot == s and e.final for e in entries))
+            short = alloc + loop - self.free_pages
+            if short > 0:
+                evict = tuple(self.prefix.victims(short, referenced))
+        return RoundPlan(entries, steps, tuple(admitted), evict)
 
     def unplan(self, plan: RoundPlan) -> None:
         """Undoes plan_round's admissions (their device call did not happen): back to the queue, in order."""
         for slot in reversed(plan.admitted):
             req = self.running.pop(slot)
             self.prefilling.discard(slot)
+            self.cache_refs.pop(slot, None)
             req.status, req.slot = Status.WAITING, -1
             self.waiting.appendleft(req)
 
     def stepped(self, plan: RoundPlan, first_tokens, logprobs, decode_tokens, decode_logprobs,
-                active) -> list[Progress]:
+                active, final_tables=None) -> list[Progress]:
         """Records a unified round: the ragged step's token and log-probability per entry (read
         where the entry is a decode row or a final chunk), then the decode steps' tokens
         i32[steps, max_seqs] (-1 = none) and log-probabilities, and active[slot] = whether the
-        device still decodes the slot (False: finished and released on the device)."""
+        device still decodes the slot (False: finished and released on the device).
+        final_tables (prefix caching): i32[entries, pages_per_seq], each final chunk's block-table
+        row when the device cached its full prompt pages."""
+        if self.prefix is not None:
+            self.prefix.forget(plan.evict)
+            for e in plan.entries:
+                if e.slot in plan.admitted:
+                    self.prefix.record_query(len(self.prefill_tokens(e.request)), len(e.hit_pages) * self.page_size)
+            for e, row in zip(plan.entries, final_tables):
+                if e.final:
+                    toks = self.prefill_tokens(e.request)
+                    pages = [int(p) for p in row[: len(toks) // self.page_size]]
+                    self.prefix.register(toks, pages)
+                    self.cache_refs[e.slot] = tuple(pages)
         new: dict[int, list] = {}
         for e, tok, lp in zip(plan.entries, first_tokens, logprobs):
             if e.decode:
@@ -408,13 +460,20 @@ class Scheduler:
         empties for lack of pages: a lone sequence fits (max_model_len <= the pool).
         """
         release = self.take_releases()
-        free = self.free_pages + sum(pages_for_tokens(self.seq_lens[s], self.page_size) for s in release)
+
+        def available():
+            # Pages free once `release` is released: its own pages (a sequence shares only cached
+            # pages, which stay cached) plus the cached-idle pages eviction can free.
+            own = sum(pages_for_tokens(self.seq_lens[s], self.page_size) - len(self.cache_refs.get(s, ()))
+                      for s in release)
+            idle = self.prefix.num_idle(self._cache_refs()) if self.prefix is not None else 0
+            return self.free_pages + own + idle
+
         preempted = []
-        while self.running and self.next_step_pages() > free:
+        while self.running and self.next_step_pages() > available():
             slot = max(self.running, key=lambda s: self.running[s].admitted_at)
             req = self.running.pop(slot)
             self.prefilling.discard(slot)
-            free += pages_for_tokens(self.seq_lens[slot], self.page_size)
             req.status, req.slot = Status.WAITING, -1
             req.num_preemptions += 1
             self.num_preemptions += 1
@@ -423,4 +482,6 @@ class Scheduler:
             preempted.append(req)
         if preempted:
             self._preempted_last_round = True
+        for slot in release:
+            self.cache_refs.pop(slot, None)
         return release, preempted

@@ -25,6 +25,7 @@ class _EngineCollector:
             ("jpa_num_requests_running", "requests holding a decode slot", s.num_running),
             ("jpa_num_requests_waiting", "requests accepted and not running yet", s.num_waiting),
             ("jpa_kv_pages_used", "KV cache pages in use (read back from the device)", s.pages_used),
+            ("jpa_prefix_cache_pages", "KV pages held by the prefix cache alone (evictable)", s.cached_pages),
             ("jpa_kv_pages_total", "KV cache pages in the pool", s.num_pages),
             ("jpa_kv_cache_usage_ratio", "fraction of KV pages in use", s.pages_used / max(s.num_pages, 1)),
             ("jpa_generation_tokens_per_second", "generated tokens per second over the last "
