@@ -196,7 +196,8 @@ def plot(results, path, title):
     for n, c, label in zip(names, colors, labels):
         t = np.sort(results[n]["ttft_s"])
         ax.step(t, np.arange(1, len(t) + 1) / len(t), where="post", color=c, label=label)
-    ax.set_xlabel("time to first token (s, all requests arrive at t0)")
+    ax.set_xlabel("time to first token (s)")
+    ax.set_title("TTFT CDF (all requests arrive at t0)", fontsize=9)
     ax.set_ylabel("fraction of requests")
     ax.set_ylim(0, 1.02)
     ax.legend(loc="lower right")
