@@ -68,16 +68,12 @@ def make_workload(rng, n: int, max_len: int, *, max_prompt: int = 30, max_new: i
 
 
 def check_pages(eng):
-    """The device's page state agrees with the scheduler's running set (no leak, no drift)."""
-    ps = eng.runner.page_state
-    free, lens, refcounts = int(ps.num_free), np.asarray(ps.seq_lens), np.asarray(ps.refcounts)
-    held = sum(math.ceil(int(n) / eng.config.page_size) for n in lens)
-    assert free + held == eng.num_pages, f"pages leaked: {free} free + {held} held != {eng.num_pages}"
-    assert int(refcounts.sum()) == held and refcounts.max(initial=0) <= 1
-    for slot in range(eng.config.max_seqs):
-        req = eng.scheduler.running.get(slot)
-        want = 0 if req is None else req.num_tokens - 1
-        assert int(lens[slot]) == want, f"slot {slot}: device holds {int(lens[slot])} tokens, host {want}"
+    """The device's page state agrees with the scheduler's running set and the prefix cache (no
+    leak, no drift): `LLMEngine.check_page_state`."""
+    try:
+        eng.check_page_state()
+    except RuntimeError as e:
+        raise AssertionError(str(e)) from None
 
 
 def run(eng, workload, rng=None, *, abort_p=0.0, wave=None, check=False):

@@ -15,7 +15,6 @@ import pytest
 import models
 from jpa.engine import EngineConfig, LLMEngine, SamplingParams
 from jpa.engine.prefix_cache import PrefixCache
-from jpa.pages import pages_for_tokens
 
 PS = 8
 GREEDY = SamplingParams(max_new_tokens=12, greedy=True, ignore_eos=True)
@@ -54,25 +53,10 @@ def shared_prompts(rng, vocab):
 
 
 def check_pages(eng):
-    """Every page exactly one of free / cached-idle / referenced; refcounts = table refs + cache."""
-    ps = eng.runner.page_state
-    free = np.asarray(ps.free_pages)[: int(ps.num_free)]
-    ref, cached = np.asarray(ps.refcounts), np.asarray(ps.cached)
-    tables, lens = np.asarray(ps.block_tables), np.asarray(ps.seq_lens)
-    counts = np.zeros_like(ref)
-    for b in range(tables.shape[0]):
-        np.add.at(counts, tables[b, : pages_for_tokens(int(lens[b]), PS)], 1)
-    np.testing.assert_array_equal(ref, counts + cached, err_msg="refcounts != table refs + cache refs")
-    is_free = np.zeros_like(cached)
-    is_free[free] = True
-    referenced = counts > 0
-    idle = cached & ~referenced
-    assert len(set(free.tolist())) == len(free)
-    kinds = is_free.astype(int) + idle.astype(int) + referenced.astype(int)
-    assert (kinds == 1).all(), "a page is not exactly one of free, cached-idle, referenced"
-    mirror = np.zeros_like(cached)
-    mirror[list(eng.scheduler.prefix.cached)] = True
-    np.testing.assert_array_equal(cached, mirror, err_msg="host cache != device cached pages")
+    """Every page exactly one of free / cached-idle / referenced; refcounts = table refs + cache;
+    the host's cache = the device's cached pages (engine.check_page_state raises otherwise)."""
+    eng.check_page_state()
+    assert np.asarray(eng.runner.page_state.cached).sum() == len(eng.scheduler.prefix.cached)
 
 
 def run_checked(eng, prompts, params):
@@ -173,3 +157,13 @@ def test_prefix_cache_keys_are_exact():
     assert c.victims(1, referenced=set()) == [8]
     c.forget([8])
     assert c.victims(5, referenced={3}) == [7, 9]
+
+
+def test_check_page_state_catches_a_drifted_host_cache(tiny):
+    eng = make(tiny)
+    eng.generate(["a prompt that fills a few pages of the cache, and more"], GREEDY)
+    eng.check_page_state()
+    page = next(iter(eng.scheduler.prefix.cached))
+    eng.scheduler.prefix.forget([page])  # the host forgets a page the device still caches
+    with pytest.raises(RuntimeError, match="host prefix cache != device cached pages"):
+        eng.check_page_state()

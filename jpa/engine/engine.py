@@ -23,6 +23,7 @@ import itertools
 import sys
 import time
 
+import jax
 import numpy as np
 
 from jpa.cache import CacheConfig
@@ -484,6 +485,51 @@ class LLMEngine:
         `flush_prefix_cache()` then frees every page)."""
         prefix = self.scheduler.prefix
         return not self.scheduler.running and self.runner.pool_is_whole(prefix.cached if prefix else ())
+
+    def check_page_state(self) -> None:
+        """Raises RuntimeError naming the first disagreement between the device's page state and
+        the host's bookkeeping (a debugging aid; tests and the soak call it after every round):
+        every page is exactly one of free, cached-idle or held by a sequence; refcounts equal the
+        block-table references plus the prefix cache's; the device's cached pages are the host
+        cache's; each running request's cached token count matches its progress."""
+        ps = jax.device_get(self.runner.page_state)
+        n, size = self.num_pages, self.config.page_size
+        free = np.asarray(ps.free_pages)[: int(ps.num_free)]
+        ref, cached = np.asarray(ps.refcounts), np.asarray(ps.cached)
+        tables, lens = np.asarray(ps.block_tables), np.asarray(ps.seq_lens)
+        counts = np.zeros(n, np.int64)
+        for b in range(tables.shape[0]):
+            np.add.at(counts, tables[b, : -(-int(lens[b]) // size)], 1)
+        is_free = np.zeros(n, bool)
+        is_free[free] = True
+        kinds = is_free.astype(int) + (cached & (counts == 0)).astype(int) + (counts > 0).astype(int)
+        problems = []
+        if len(set(free.tolist())) != len(free):
+            problems.append("a page is in the free stack twice")
+        if not np.array_equal(ref, counts + cached):
+            problems.append(f"refcounts != table references + cache references at pages "
+                            f"{np.flatnonzero(ref != counts + cached)[:8].tolist()}")
+        if (kinds != 1).any():
+            problems.append(f"pages neither or more than one of free / cached-idle / referenced: "
+                            f"{np.flatnonzero(kinds != 1)[:8].tolist()}")
+        prefix = self.scheduler.prefix
+        host = np.zeros(n, bool)
+        host[list(prefix.cached if prefix is not None else ())] = True
+        if not np.array_equal(host, cached):
+            problems.append(f"host prefix cache != device cached pages at {np.flatnonzero(host != cached)[:8].tolist()}")
+        for slot in range(self.config.max_seqs):
+            req = self.scheduler.running.get(slot)
+            if req is None:
+                want_ok = lens[slot] == 0
+            elif slot in self.scheduler.prefilling:
+                want_ok = lens[slot] < len(self.scheduler.prefill_tokens(req))
+            else:
+                want_ok = lens[slot] == req.num_tokens - 1
+            if not want_ok:
+                problems.append(f"slot {slot}: the device holds {int(lens[slot])} tokens, the host's request "
+                                f"{'none' if req is None else req.num_tokens}")
+        if problems:
+            raise RuntimeError("page state check failed: " + "; ".join(problems))
 
     def flush_prefix_cache(self) -> int:
         """Evicts every cached page (an idle engine only); returns how many were freed."""
