@@ -256,9 +256,39 @@ class LLMEngine:
                                    f"tokens per sequence (max_model_len {self.max_model_len}, pool "
                                    f"{self.num_pages} pages x {self.config.page_size}), and one must be left "
                                    f"for the completion")
+        if req.params.n > self.config.max_seqs:
+            return self._fail(req, f"n = {req.params.n} samples need one decode slot each; this engine has "
+                                   f"max_seqs {self.config.max_seqs}")
+        if req.params.n > 1:
+            return self._add_samples(req)
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.params.stop)
         self.scheduler.add(req)
         return req
+
+    def _add_samples(self, req: Request) -> Request:
+        """Parallel sampling: sample i of request R is the request (R, i) with seed + i. With
+        chunked prefill the prompt is computed once: the samples wait with the first one (their
+        leader), take their slots with it, and fork its pages when its last chunk is computed
+        (copy-on-write of the shared last page on the first divergent write)."""
+        self._live_ids.discard(req.request_id)
+        samples = []
+        for i in range(req.params.n):
+            params = dataclasses.replace(req.params, n=1, seed=req.params.seed + i)
+            r = Request((req.request_id, i), req.prompt, list(req.prompt_ids), params,
+                        IncrementalDetokenizer(self.tokenizer, params.stop))
+            self._live_ids.add(r.request_id)
+            samples.append(r)
+        leader = samples[0]
+        leader.num_samples = len(samples)
+        if self.config.chunked_prefill:
+            leader.siblings = samples[1:]
+            for s in samples[1:]:
+                s.leader = leader
+            self.scheduler.add(leader)
+        else:  # the separate engine has no fork: independent requests
+            for s in samples:
+                self.scheduler.add(s)
+        return leader
 
     def _fail(self, req: Request, message: str) -> Request:
         req.status, req.finish_reason, req.error = Status.FINISHED, "error", message
@@ -274,6 +304,9 @@ class LLMEngine:
         req = self.scheduler.abort(request_id)
         if req is None:
             return False
+        for sib in self.scheduler.aborted:   # samples that had not forked from an aborted leader
+            self._outbox.append(StepOutput(sib.request_id, (), "", True, sib.to_output()))
+        self.scheduler.aborted = []
         release = self.scheduler.take_releases()
         if release:
             self.scheduler.set_pages(*self.runner.retire(release))
@@ -345,8 +378,11 @@ class LLMEngine:
         """One unified device call (ragged step + decode steps) and its bookkeeping."""
         caching = self.scheduler.prefix is not None
         ps = self.config.page_size
+        index = {e.slot: i for i, e in enumerate(plan.entries)}
         entries = [(e.slot, e.q_len, e.decode, e.final, e.tokens, self._row_params(e.request) if e.final else None,
-                    e.hit_pages, len(self.scheduler.prefill_tokens(e.request)) // ps if caching and e.final else 0)
+                    e.hit_pages,
+                    len(self.scheduler.prefill_tokens(e.request)) // ps if caching and e.final and e.fork_of < 0 else 0,
+                    index[e.fork_of] if e.fork_of >= 0 else -1)
                    for e in plan.entries]
         t0, c0 = time.perf_counter(), self.runner.compile_seconds
         try:
@@ -450,13 +486,22 @@ class LLMEngine:
           prompts: list of str (or token-id lists).
           params: one SamplingParams (or dict) for all, or a list with one per prompt.
           progress: show a progress bar on stderr.
+
+        Returns:
+          One RequestOutput per prompt, in order; for a prompt with n > 1 samples, a list of n
+          RequestOutputs (sample i has request_id (R, i) and seed + i).
         """
         if params is None or isinstance(params, (SamplingParams, dict)):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"params must be one SamplingParams or one per prompt ({len(prompts)}); "
                              f"got {len(params)}")
-        ids = [self.add_request(p, sp).request_id for p, sp in zip(prompts, params)]
+        groups = []   # per prompt: the request ids of its outputs (n of them with parallel sampling)
+        for p, sp in zip(prompts, params):
+            req = self.add_request(p, sp)
+            n = req.num_samples
+            groups.append([req.request_id] if n == 1 else [(req.request_id[0], i) for i in range(n)])
+        ids = [i for g in groups for i in g]
         results: dict = {}
         bar = None
         if progress:
@@ -477,7 +522,7 @@ class LLMEngine:
         if bar is not None:
             bar.close()
         self.stats.compile_seconds = self.runner.compile_seconds
-        return [results[i] for i in ids]
+        return [results[g[0]] if len(g) == 1 else [results[i] for i in g] for g in groups]
 
     def pool_is_whole(self) -> bool:
         """True when no request holds a page and every page is free or held by the prefix cache
@@ -520,6 +565,8 @@ class LLMEngine:
         for slot in range(self.config.max_seqs):
             req = self.scheduler.running.get(slot)
             if req is None:
+                want_ok = lens[slot] == 0
+            elif slot in self.scheduler.forking:
                 want_ok = lens[slot] == 0
             elif slot in self.scheduler.prefilling:
                 want_ok = lens[slot] < len(self.scheduler.prefill_tokens(req))

@@ -29,6 +29,11 @@ class Request:
     slot: int = -1
     num_preemptions: int = 0
     admitted_at: int = -1              # admission counter of its current stay in a slot
+    # Parallel sampling (SamplingParams.n > 1): the first sample leads; the others wait in
+    # `siblings` until its prompt is computed, then fork its pages (their `leader` is set).
+    siblings: list = dataclasses.field(default_factory=list)
+    leader: "Request | None" = None
+    num_samples: int = 1               # on the first sample: how many the request asked for (n)
 
     @property
     def num_tokens(self) -> int:

@@ -37,7 +37,7 @@ import numpy as np
 from jax import lax
 
 from jpa import pages
-from jpa.cache import CacheConfig, KVCache
+from jpa.cache import CacheConfig, KVCache, copy_pages
 from jpa.engine.model import EngineModel, check_model
 from jpa.engine.sampling import sample_with_logprobs
 from jpa.sharding import POOL, REPLICATED, named
@@ -82,6 +82,16 @@ def _row_columns(n: int, make) -> dict:
     """RowParams as columns of n entries: {field: make((n,), dtype)}."""
     return {f.name: make((n,), np.float32 if f.name in ("temperature", "top_p") else np.bool_ if f.name == "ignore_eos"
                          else np.int32) for f in dataclasses.fields(RowParams)}
+
+
+def _copy_on_write(cache, cow):
+    """cache with pages cow.src copied to cow.dst (`jpa.copy_pages`), only when some pair is live:
+    a while_loop of 0 or 1 iterations, so steps without a fork cost no copy pass and the cache is
+    carried in place."""
+    any_copy = jnp.any(cow.dst >= 0).astype(jnp.int32)
+    _, cache = lax.while_loop(lambda c: c[0] < any_copy,
+                              lambda c: (c[0] + 1, copy_pages(c[1], cow.src, cow.dst)), (jnp.int32(0), cache))
+    return cache
 
 
 def _finished(slots, next_tok, seq_lens, stop_ids):
@@ -216,13 +226,13 @@ class ModelRunner:
         # The allocation for step i+1 is computed at the end of step i (look-ahead), so the loop
         # condition can stop before a step the pool cannot serve, with no lax.cond around the
         # model (a conditional would have to carry the whole cache through both branches).
-        # `ps` is the committed state; `nxt` = (state after append, slot_mapping, ok).
-        # The engine never forks (one sample per request), so no page is shared and append's
-        # copy-on-write pairs are always empty; a forking caller must apply them with
-        # jpa.copy_pages before writing.
+        # `ps` is the committed state; `nxt` = (state after append, slot_mapping, ok, cow).
+        # Parallel samples forked from one prompt share its partly filled last page: the first
+        # append of each copies it (copy-on-write) before the new token's K/V is written.
         def step(carry):
             i, cache, ps, slots, out, out_lp, nxt = carry
-            ps, slot_mapping, _ = nxt
+            ps, slot_mapping, _, cow = nxt
+            cache = _copy_on_write(cache, cow)
             seq_lens = jnp.where(slots.active, ps.seq_lens, 0)
             logits, cache = self.model.decode(params, cache, slots.tokens, seq_lens, slot_mapping, ps.block_tables,
                                               impl=self.attention_impl)
@@ -239,8 +249,7 @@ class ModelRunner:
             return i + 1, cache, ps, slots, out, out_lp, _lookahead(ps, slots)
 
         def _lookahead(ps, slots):
-            new_ps, slot_mapping, ok, _cow = pages.append(ps, slots.active)
-            return new_ps, slot_mapping, ok
+            return pages.append(ps, slots.active)
 
         def cond(carry):
             i, _, _, slots, _, _, nxt = carry
@@ -316,6 +325,8 @@ class ModelRunner:
           cache_upto i32[B]: full prompt pages a final chunk puts into the prefix cache
             (`jpa.pages.cache`); 0 = none (prefix caching off).
           evict i32[num_pages]: cached-idle pages to evict first (`jpa.pages.uncache`; -1 = padding).
+          fork_from i32[B]: for a parallel sample's entry (q_len 0, final, empty slot), the entry of
+            the request whose final chunk it forks (`jpa.pages.fork`); -1 elsewhere.
 
         The ragged step reserves each entry's pages for its rows (all or nothing, `ok`), writes
         their K/V, attends with `jpa.ragged_paged_attention`, and samples only where an entry is a
@@ -341,6 +352,8 @@ class ModelRunner:
                      jnp.zeros((num_entries, self.pages_per_seq), jnp.int32))
         page_state = pages.uncache(page_state, batch["evict"])
         hit = live & (batch["hit_tokens"] > 0)
+        sib = live & (batch["fork_from"] >= 0)
+        lead = jnp.clip(batch["fork_from"], 0, num_entries - 1)
 
         def ragged_step(carry):
             i, cache, ps, slots, _ = carry
@@ -348,8 +361,10 @@ class ModelRunner:
                                      jnp.where(hit, batch["hit_tokens"], 0))
             old = jnp.where(live, ps.seq_lens[safe], 0)  # i32[B] tokens cached before (hits included)
             new = old + q_lens
-            ps, ok = pages.reserve(ps, jnp.where(live & (q_lens > 0) & shared, ids, -1), new)
+            ps, ok, cow = pages.reserve(ps, jnp.where(live & (q_lens > 0) & shared, ids, -1), new,
+                                        return_cow=True)
             ok = ok & shared
+            cache = _copy_on_write(cache, cow)  # a forked sample's first token: its own last page
             # All or nothing: undo the hits when the reservation failed (those slots were empty).
             ps = pages.release(ps, jnp.where(hit & ~ok, ids, -1))
             pos = old[entry] + row - cu[entry]  # i32[T]
@@ -362,6 +377,12 @@ class ModelRunner:
             logits, cache = self._ragged_blocks(params, cache, tokens, jnp.where(ok_rows, pos, 0), slot_mapping,
                                                 ps.block_tables[safe], old, cu, entry,
                                                 jnp.where(ok, cu[-1], 0))
+            # Parallel samples: each sibling slot (empty) forks its leader's whole prompt (refcounts;
+            # the shared partly filled last page is copied on the first write) and samples its
+            # first token from the leader's logits with its own seed.
+            ps, forked = pages.fork(ps, jnp.where(sib & ok, ids[lead], 0), jnp.where(sib & ok, ids, -1))
+            logits = jnp.where(sib[:, None], logits[lead], logits)
+            new = jnp.where(sib, new[lead], new)
             # Final chunks install the request's sampling state in its slot before sampling.
             def put(a, v, where):  # a[ids[e]] = v[e] where where[e]
                 return a.at[jnp.where(where, ids, self.max_seqs)].set(v.astype(a.dtype), mode="drop")
@@ -374,7 +395,7 @@ class ModelRunner:
             row_slots = jax.tree_util.tree_map(lambda a: a[safe], slots)
             sampled, sampled_lp = sample_with_logprobs(logits, row_slots.temperature, row_slots.top_k,
                                                        row_slots.top_p, row_slots.seed, row_slots.num_generated)
-            emits = live & ok & (decode_row | final)
+            emits = live & ok & (decode_row | final) & (~sib | forked)
             fresh = decode_row | (rows["resume_token"] < 0)
             tok = jnp.where(fresh, sampled, rows["resume_token"])
             lp = jnp.where(fresh, sampled_lp, jnp.nan)
@@ -387,7 +408,7 @@ class ModelRunner:
             ps = pages.cache(ps, jnp.where(live & final & ok, ids, -1), batch["cache_upto"])
             tables = ps.block_tables[safe]  # i32[B, pages_per_seq], before the finished are released
             ps = pages.release(ps, jnp.where(done, ids, -1))
-            return i + 1, cache, ps, slots, (tok, lp, done, ok, tables)
+            return i + 1, cache, ps, slots, (tok, lp, done, ok & forked, tables)
 
         _, cache, page_state, slots, (tok, lp, done, ok, tables) = lax.while_loop(
             lambda c: c[0] < batch["ragged"], ragged_step,
@@ -491,7 +512,8 @@ class ModelRunner:
                      final=sds((b,), jnp.bool_), tokens=sds((num_tokens,), jnp.int32),
                      rows=_row_columns(b, sds), ragged=sds((), jnp.int32), decode_steps=sds((), jnp.int32),
                      hit_tokens=sds((b,), jnp.int32), hit_tables=sds((b, self.pages_per_seq), jnp.int32),
-                     cache_upto=sds((b,), jnp.int32), evict=sds((self.cache_config.num_pages,), jnp.int32))
+                     cache_upto=sds((b,), jnp.int32), evict=sds((self.cache_config.num_pages,), jnp.int32),
+                     fork_from=sds((b,), jnp.int32))
         if self.mesh is None:
             return batch
         return jax.tree_util.tree_map(lambda s: sds(s.shape, s.dtype, sharding=self._rep), batch)
@@ -502,8 +524,8 @@ class ModelRunner:
         Args:
           entries: list of (slot, q_len, decode_row, final, prompt chunk token ids (empty for a
             decode row), RowParams or None, hit pages (prefix-cache hit shared before the chunk),
-            full prompt pages to cache at a final chunk), at most max_seqs, their q_lens summing
-            to <= num_tokens.
+            full prompt pages to cache at a final chunk, the entry index a parallel sample forks
+            from or -1), at most max_seqs, their q_lens summing to <= num_tokens.
           num_tokens: the token budget T (static: one compiled program per budget).
           decode_steps: decode steps after the ragged step (<= steps_per_call).
           evict: cached-idle pages to evict from the prefix cache first.
@@ -523,12 +545,13 @@ class ModelRunner:
         rows["top_p"][:] = 1.0
         rows["resume_token"][:] = -1
         hit_tokens, cache_upto = np.zeros((b,), np.int32), np.zeros((b,), np.int32)
+        fork_from = np.full((b,), -1, np.int32)
         hit_tables = np.zeros((b, self.pages_per_seq), np.int32)
         evict_ids = np.full((self.cache_config.num_pages,), -1, np.int32)
         evict_ids[: len(evict)] = evict
         at = 0
-        for e, (slot, q_len, is_decode, is_final, chunk, params, hit, upto) in enumerate(entries):
-            ids[e], q_lens[e], decode_row[e], final[e] = slot, q_len, is_decode, is_final
+        for e, (slot, q_len, is_decode, is_final, chunk, params, hit, upto, fork) in enumerate(entries):
+            ids[e], q_lens[e], decode_row[e], final[e], fork_from[e] = slot, q_len, is_decode, is_final, fork
             hit_tokens[e], cache_upto[e] = len(hit) * self.cache_config.page_size, upto
             hit_tables[e, : len(hit)] = hit
             tokens[at: at + len(chunk)] = chunk
@@ -538,7 +561,7 @@ class ModelRunner:
                     rows[name][e] = getattr(params, name)
         batch = dict(seq_ids=ids, q_lens=q_lens, decode_row=decode_row, final=final, tokens=tokens, rows=rows,
                      ragged=np.int32(n > 0), decode_steps=np.int32(decode_steps), hit_tokens=hit_tokens,
-                     hit_tables=hit_tables, cache_upto=cache_upto, evict=evict_ids)
+                     hit_tables=hit_tables, cache_upto=cache_upto, evict=evict_ids, fork_from=fork_from)
         args = self.state() + (self._put(jax.tree_util.tree_map(jnp.asarray, batch)),)
         if self._step_exe is None:
             self.set_block_tokens(num_tokens)

@@ -28,6 +28,7 @@ class SamplingParams:
     greedy: bool = False
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    n: int = 1
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -41,6 +42,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1] (1 = off); got {self.top_p!r}")
         if not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 31:
             raise ValueError(f"seed must be an int in [0, 2**31); got {self.seed!r}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1; got {self.n!r}")
+        if self.seed + self.n - 1 >= 2 ** 31:
+            raise ValueError(f"seed + n - 1 must be < 2**31 (sample i uses seed + i); got seed {self.seed}, n {self.n}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop must be non-empty strings; got {self.stop!r}")

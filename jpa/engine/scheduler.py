@@ -78,6 +78,7 @@ class Entry:
     final: bool                    # a prompt chunk that ends the prompt
     tokens: tuple[int, ...] = ()   # the chunk's token ids (empty for a decode token)
     hit_pages: tuple[int, ...] = ()  # cached pages shared before the chunk (prefix-cache hit, first chunk)
+    fork_of: int = -1              # a parallel sample (q_len 0): the slot whose final chunk it forks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +140,12 @@ class Scheduler:
         # request holds (its hits, then the pages cached when its prompt completed).
         self.prefix = PrefixCache(page_size) if prefix_caching else None
         self.cache_refs: dict[int, tuple[int, ...]] = {}
+        # Parallel sampling: slots held by samples waiting to fork their leader (slot -> leader
+        # slot), and slots that may still share a partly filled last page after a fork (their
+        # next token may need a copy-on-write page).
+        self.forking: dict[int, int] = {}
+        self.cow_pending: set[int] = set()
+        self.aborted: list[Request] = []            # siblings aborted with their leader (engine drains)
         self.free_pages = num_pages                # device truth (set_pages)
         self.seq_lens = [0] * max_seqs             # device truth: tokens in the cache per slot
         self.num_preemptions = 0
@@ -162,14 +169,33 @@ class Scheduler:
         for req in self.waiting:
             if req.request_id == request_id:
                 self.waiting.remove(req)
-                return self._finish(req, "abort")
-        for slot, req in self.running.items():
+                return self._abort_siblings(self._finish(req, "abort"))
+            for sib in req.siblings:   # a sample waiting for its leader
+                if sib.request_id == request_id:
+                    req.siblings.remove(sib)
+                    return self._finish(sib, "abort")
+        for slot, req in list(self.running.items()):
             if req.request_id == request_id:
                 del self.running[slot]
                 self.prefilling.discard(slot)
+                lead = self.forking.pop(slot, None)
+                if lead is not None and lead in self.running:
+                    self.running[lead].siblings.remove(req)
+                self.cow_pending.discard(slot)
                 self._to_release.append(slot)
-                return self._finish(req, "abort")
+                for sib_slot in [s for s, ld in self.forking.items() if ld == slot]:
+                    del self.running[sib_slot], self.forking[sib_slot]
+                    self._to_release.append(sib_slot)
+                return self._abort_siblings(self._finish(req, "abort"))
         return None
+
+    def _abort_siblings(self, req: Request) -> Request:
+        """An aborted leader takes the samples that have not forked from it yet along."""
+        for sib in req.siblings:
+            if sib.status is not Status.FINISHED:
+                self.aborted.append(self._finish(sib, "abort"))
+        req.siblings = []
+        return req
 
     @property
     def has_unfinished(self) -> bool:
@@ -193,15 +219,24 @@ class Scheduler:
             return 0
         return len(self.prefill_tokens(self.running[slot])) - self.seq_lens[slot]
 
+    def _fork_pages(self) -> int:
+        """Pages a sample that forks a prompt may take over one decode call: its new tokens'
+        pages and a copy of the shared partly filled last page."""
+        return pages_for_tokens(self.steps_per_call, self.page_size) + 1
+
     def headroom(self) -> int:
         """Pages the running requests may take during the next decode call (prefilling ones: the
-        rest of their prompt too)."""
-        return sum(self._growth(self.seq_lens[s], self._prompt_left(s) + self.steps_per_call) for s in self.running)
+        rest of their prompt too; samples waiting to fork: `_fork_pages`)."""
+        return sum(self._fork_pages() if s in self.forking else
+                   self._growth(self.seq_lens[s], self._prompt_left(s) + self.steps_per_call) + (s in self.cow_pending)
+                   for s in self.running)
 
     def next_step_pages(self) -> int:
         """Pages the next step needs: one per running sequence whose last page is full (a
-        prefilling one must be able to take at least one more prompt token)."""
-        return sum(self._growth(self.seq_lens[s], 1) for s in self.running)
+        prefilling one must be able to take at least one more prompt token; a forked one may copy
+        its shared last page)."""
+        return sum(self._growth(self.seq_lens[s], 1) + (s in self.cow_pending) for s in self.running
+                   if s not in self.forking)
 
     # ------------------------------------------------------------------ admission
 
@@ -257,7 +292,7 @@ class Scheduler:
         ps = self.page_size
         referenced = self._cache_refs() if self.prefix is not None else set()
         idle = self.prefix.num_idle(referenced) if self.prefix is not None else 0
-        decoding = [s for s in sorted(self.running) if s not in self.prefilling]
+        decoding = [s for s in sorted(self.running) if s not in self.prefilling and s not in self.forking]
         left = budget - len(decoding)
         alloc = sum(self._growth(self.seq_lens[s], 1) for s in decoding)  # pages the ragged step takes
         prompt: list[Entry] = []
@@ -289,12 +324,14 @@ class Scheduler:
                     blocked_by_budget = True
                     break
                 req = self.waiting[0]
+                if len(req.siblings) + 1 > len(free_slots):
+                    break   # parallel samples are admitted together: one slot each
                 toks = self.prefill_tokens(req)
                 hit = self.prefix.lookup(toks) if self.prefix is not None else []
                 # Shared pages that were idle are no longer evictable.
                 newly_held = sum(1 for p in hit if p not in referenced)
                 h = len(hit) * ps
-                need = self._growth(h, len(toks) - h + self.steps_per_call)
+                need = self._growth(h, len(toks) - h + self.steps_per_call) + len(req.siblings) * self._fork_pages()
                 alone = not self.running
                 if avail - newly_held - need < self.watermark_pages and not (
                         alone and pages_for_tokens(len(toks), ps) - len(hit) <= self.free_pages + idle - newly_held):
@@ -311,6 +348,12 @@ class Scheduler:
                 self.running[slot] = req
                 self.prefilling.add(slot)
                 self.cache_refs[slot] = tuple(hit)
+                for sib in req.siblings:  # their slots wait for the fork of the prompt's last chunk
+                    sib_slot = free_slots.pop(0)
+                    sib.status, sib.slot, sib.admitted_at = Status.RUNNING, sib_slot, self._admissions
+                    self.running[sib_slot] = sib
+                    self.forking[sib_slot] = slot
+                    admitted.append(sib_slot)
                 referenced.update(hit)
                 if self.prefix is not None:
                     self.prefix.touch(hit)
@@ -321,7 +364,9 @@ class Scheduler:
                 avail -= newly_held + need
         if prompt:
             more = blocked_by_budget or any(not e.final for e in prompt) or len(prompt) < len(self.prefilling)
-            entries = tuple(Entry(s, self.running[s], 1, True, False) for s in decoding) + tuple(prompt)
+            forks = [Entry(s, self.running[s], 0, False, True, fork_of=e.slot)
+                     for e in prompt if e.final for s, lead in sorted(self.forking.items()) if lead == e.slot]
+            entries = tuple(Entry(s, self.running[s], 1, True, False) for s in decoding) + tuple(prompt) + tuple(forks)
             steps = 0 if more else self.steps_per_call - 1
         else:
             entries, steps, alloc = (), self.steps_per_call, 0
@@ -329,7 +374,9 @@ class Scheduler:
         if self.prefix is not None:
             # Pages the decode steps after the ragged step may take (as headroom() counts them).
             after = {e.slot: self.seq_lens[e.slot] + len(e.hit_pages) * ps + e.q_len for e in entries}
-            loop = sum(self._growth(after.get(s, self.seq_lens[s]), steps) for s in self.running
+            after.update({e.slot: after[e.fork_of] for e in entries if e.fork_of >= 0})
+            loop = sum(self._growth(after.get(s, self.seq_lens[s]), steps) + (s in self.forking or s in self.cow_pending)
+                       for s in self.running
                        if s not in self.prefilling or any(e.slot == s and e.final for e in entries))
             short = alloc + loop - self.free_pages
             if short > 0:
@@ -343,7 +390,8 @@ class Scheduler:
             self.prefilling.discard(slot)
             self.cache_refs.pop(slot, None)
             req.status, req.slot = Status.WAITING, -1
-            self.waiting.appendleft(req)
+            if self.forking.pop(slot, None) is None:   # samples stay with their leader
+                self.waiting.appendleft(req)
 
     def stepped(self, plan: RoundPlan, first_tokens, logprobs, decode_tokens, decode_logprobs,
                 active, final_tables=None) -> list[Progress]:
@@ -359,25 +407,38 @@ class Scheduler:
                 if e.slot in plan.admitted:
                     self.prefix.record_query(len(self.prefill_tokens(e.request)), len(e.hit_pages) * self.page_size)
             for e, row in zip(plan.entries, final_tables):
-                if e.final:
+                if e.final and e.fork_of >= 0:
+                    self.cache_refs[e.slot] = self.cache_refs.get(e.fork_of, ())
+                elif e.final:
                     toks = self.prefill_tokens(e.request)
                     pages = [int(p) for p in row[: len(toks) // self.page_size]]
                     self.prefix.register(toks, pages)
                     self.cache_refs[e.slot] = tuple(pages)
         new: dict[int, list] = {}
+        decoded_rows = set()
         for e, tok, lp in zip(plan.entries, first_tokens, logprobs):
             if e.decode:
                 new[e.slot] = [(int(tok), float(lp))]
+                decoded_rows.add(e.slot)
+            elif e.final and e.fork_of >= 0:
+                del self.forking[e.slot]
+                new[e.slot] = [(int(tok), float(lp))]
+                if len(self.prefill_tokens(e.request)) % self.page_size:  # a shared partly filled last page
+                    self.cow_pending.update((e.slot, e.fork_of))
+                if e.request.leader is not None:
+                    e.request.leader.siblings = []   # forked: independent requests from now on
             elif e.final:
                 self.prefilling.discard(e.slot)
                 # A resumed request's pending token is already recorded.
                 new[e.slot] = [] if e.request.output_ids else [(int(tok), float(lp))]
         events = []
         for slot in list(self.running):
-            if slot in self.prefilling:
+            if slot in self.prefilling or slot in self.forking:
                 continue
-            got = new.get(slot, []) + [(int(t), float(lp)) for t, lp in zip(decode_tokens[:, slot],
-                                                                            decode_logprobs[:, slot]) if t >= 0]
+            loop = [(int(t), float(lp)) for t, lp in zip(decode_tokens[:, slot], decode_logprobs[:, slot]) if t >= 0]
+            if loop or slot in decoded_rows:   # it has written past its (possibly shared) last page
+                self.cow_pending.discard(slot)
+            got = new.get(slot, []) + loop
             events.append(self._on_tokens(slot, [t for t, _ in got], [lp for _, lp in got],
                                           device_done=not active[slot]))
         return events
@@ -465,13 +526,19 @@ class Scheduler:
             # Pages free once `release` is released: its own pages (a sequence shares only cached
             # pages, which stay cached) plus the cached-idle pages eviction can free.
             own = sum(pages_for_tokens(self.seq_lens[s], self.page_size) - len(self.cache_refs.get(s, ()))
-                      for s in release)
+                      - (s in self.cow_pending) for s in release)
             idle = self.prefix.num_idle(self._cache_refs()) if self.prefix is not None else 0
             return self.free_pages + own + idle
 
         preempted = []
         while self.running and self.next_step_pages() > available():
             slot = max(self.running, key=lambda s: self.running[s].admitted_at)
+            slot = self.forking.get(slot, slot)   # a sample waiting to fork goes back with its leader
+            for sib_slot in [s for s, lead in self.forking.items() if lead == slot]:
+                sib = self.running.pop(sib_slot)
+                del self.forking[sib_slot]
+                sib.status, sib.slot = Status.WAITING, -1
+                release.append(sib_slot)
             req = self.running.pop(slot)
             self.prefilling.discard(slot)
             req.status, req.slot = Status.WAITING, -1
@@ -484,4 +551,5 @@ class Scheduler:
             self._preempted_last_round = True
         for slot in release:
             self.cache_refs.pop(slot, None)
+            self.cow_pending.discard(slot)
         return release, preempted
