@@ -622,6 +622,7 @@ class LLMEngine:
                                 if self.scheduler.prefix and self.scheduler.prefix.query_tokens else float("nan")),
             "cached_pages": len(self.scheduler.prefix.cached) if self.scheduler.prefix else 0,
             "peak_shared_pages": s.peak_shared_pages,
+            "cow_copies": self.runner.cow_copies,
             "tensor_parallel": self.config.tensor_parallel,
             "head_plan": (getattr(self.model, "head_plan", None).describe()
                           if getattr(self.model, "head_plan", None) is not None else None),

@@ -85,13 +85,14 @@ def _row_columns(n: int, make) -> dict:
 
 
 def _copy_on_write(cache, cow):
-    """cache with pages cow.src copied to cow.dst (`jpa.copy_pages`), only when some pair is live:
+    """(cache with pages cow.src copied to cow.dst (`jpa.copy_pages`), pages copied), the copy
+    made only when some pair is live:
     a while_loop of 0 or 1 iterations, so steps without a fork cost no copy pass and the cache is
     carried in place."""
     any_copy = jnp.any(cow.dst >= 0).astype(jnp.int32)
     _, cache = lax.while_loop(lambda c: c[0] < any_copy,
                               lambda c: (c[0] + 1, copy_pages(c[1], cow.src, cow.dst)), (jnp.int32(0), cache))
-    return cache
+    return cache, jnp.sum(cow.dst >= 0, dtype=jnp.int32)
 
 
 def _finished(slots, next_tok, seq_lens, stop_ids):
@@ -107,8 +108,8 @@ DONATE = (1, 2, 3)  # cache, page state, slots: updated in place by every compil
 # Outputs of the compiled calls: (cache, page state, slots, tokens, logprobs, steps, free, seq_lens) for
 # decode; (cache, page state, slots, tokens, logprobs, done, ok, free, seq_lens) for prefill; the
 # unified step's: (cache, page state, slots, tokens, logprobs, done, ok, out, out_lp, steps, free,
-# seq_lens, active, final tables).
-DECODE_OUTPUTS, PREFILL_OUTPUTS, STEP_OUTPUTS = 8, 9, 14
+# seq_lens, active, final tables, pages copied on write).
+DECODE_OUTPUTS, PREFILL_OUTPUTS, STEP_OUTPUTS = 8, 9, 15
 
 
 def attention_in(hlo_text: str) -> str:
@@ -147,6 +148,7 @@ class ModelRunner:
         self.decode_traces = 0
         self.prefill_traces = 0
         self.step_traces = 0
+        self.cow_copies = 0  # pages copied on write by the unified step (parallel samples' shared last pages)
         self.compile_seconds = 0.0
         self._decode_exe = None
         self._step_exe = None
@@ -208,8 +210,8 @@ class ModelRunner:
 
     def _decode_impl(self, params, cache, page_state, slots):
         self.decode_traces += 1
-        cache, page_state, slots, out, out_lp, steps = self._decode_loop(params, cache, page_state, slots,
-                                                                         self.steps_per_call)
+        cache, page_state, slots, out, out_lp, steps, _ = self._decode_loop(params, cache, page_state, slots,
+                                                                            self.steps_per_call)
         # When the loop stopped because the next step cannot get pages, the host sees it from the
         # page counts read back below and preempts.
         return (cache, page_state, slots, out, out_lp, steps, pages.num_free_pages(page_state),
@@ -219,7 +221,8 @@ class ModelRunner:
         """Up to max_steps (a traced scalar <= steps_per_call) decode steps of the active slots.
 
         Returns (cache, page_state, slots, out i32[steps_per_call, max_seqs] tokens (-1 where a slot
-        was idle or past the last step), out_lp f32[steps_per_call, max_seqs], steps taken).
+        was idle or past the last step), out_lp f32[steps_per_call, max_seqs], steps taken, pages
+        copied on write).
         """
         k, num_seqs = self.steps_per_call, self.max_seqs
 
@@ -230,9 +233,9 @@ class ModelRunner:
         # Parallel samples forked from one prompt share its partly filled last page: the first
         # append of each copies it (copy-on-write) before the new token's K/V is written.
         def step(carry):
-            i, cache, ps, slots, out, out_lp, nxt = carry
+            i, cache, ps, slots, out, out_lp, nxt, copies = carry
             ps, slot_mapping, _, cow = nxt
-            cache = _copy_on_write(cache, cow)
+            cache, n = _copy_on_write(cache, cow)
             seq_lens = jnp.where(slots.active, ps.seq_lens, 0)
             logits, cache = self.model.decode(params, cache, slots.tokens, seq_lens, slot_mapping, ps.block_tables,
                                               impl=self.attention_impl)
@@ -246,20 +249,20 @@ class ModelRunner:
             out_lp = out_lp.at[i].set(lp)
             ps = pages.release(ps, jnp.where(done, jnp.arange(num_seqs, dtype=jnp.int32), -1))
             slots = slots.replace(active=act & ~done)
-            return i + 1, cache, ps, slots, out, out_lp, _lookahead(ps, slots)
+            return i + 1, cache, ps, slots, out, out_lp, _lookahead(ps, slots), copies + n
 
         def _lookahead(ps, slots):
             return pages.append(ps, slots.active)
 
         def cond(carry):
-            i, _, _, slots, _, _, nxt = carry
+            i, _, _, slots, _, _, nxt, _ = carry
             return (i < max_steps) & nxt[2] & jnp.any(slots.active)
 
         out = jnp.full((k, num_seqs), -1, jnp.int32)
         out_lp = jnp.zeros((k, num_seqs), jnp.float32)
-        init = (jnp.int32(0), cache, page_state, slots, out, out_lp, _lookahead(page_state, slots))
-        steps, cache, page_state, slots, out, out_lp, _ = lax.while_loop(cond, step, init)
-        return cache, page_state, slots, out, out_lp, steps
+        init = (jnp.int32(0), cache, page_state, slots, out, out_lp, _lookahead(page_state, slots), jnp.int32(0))
+        steps, cache, page_state, slots, out, out_lp, _, copies = lax.while_loop(cond, step, init)
+        return cache, page_state, slots, out, out_lp, steps, copies
 
     def _ragged_blocks(self, params, cache, tokens, positions, slot_mapping, tables, old, cu, entry, num_rows):
         """The model over the ragged batch's first num_rows rows, `block_tokens` rows at a time.
@@ -349,7 +352,7 @@ class ModelRunner:
         row_live = row < cu[-1]
         empty_out = (jnp.zeros((num_entries,), jnp.int32), jnp.full((num_entries,), jnp.nan, jnp.float32),
                      jnp.zeros((num_entries,), bool), jnp.bool_(True),
-                     jnp.zeros((num_entries, self.pages_per_seq), jnp.int32))
+                     jnp.zeros((num_entries, self.pages_per_seq), jnp.int32), jnp.int32(0))
         page_state = pages.uncache(page_state, batch["evict"])
         hit = live & (batch["hit_tokens"] > 0)
         sib = live & (batch["fork_from"] >= 0)
@@ -364,7 +367,7 @@ class ModelRunner:
             ps, ok, cow = pages.reserve(ps, jnp.where(live & (q_lens > 0) & shared, ids, -1), new,
                                         return_cow=True)
             ok = ok & shared
-            cache = _copy_on_write(cache, cow)  # a forked sample's first token: its own last page
+            cache, copies = _copy_on_write(cache, cow)  # a forked sample's first token: its own last page
             # All or nothing: undo the hits when the reservation failed (those slots were empty).
             ps = pages.release(ps, jnp.where(hit & ~ok, ids, -1))
             pos = old[entry] + row - cu[entry]  # i32[T]
@@ -408,15 +411,15 @@ class ModelRunner:
             ps = pages.cache(ps, jnp.where(live & final & ok, ids, -1), batch["cache_upto"])
             tables = ps.block_tables[safe]  # i32[B, pages_per_seq], before the finished are released
             ps = pages.release(ps, jnp.where(done, ids, -1))
-            return i + 1, cache, ps, slots, (tok, lp, done, ok & forked, tables)
+            return i + 1, cache, ps, slots, (tok, lp, done, ok & forked, tables, copies)
 
-        _, cache, page_state, slots, (tok, lp, done, ok, tables) = lax.while_loop(
+        _, cache, page_state, slots, (tok, lp, done, ok, tables, copies) = lax.while_loop(
             lambda c: c[0] < batch["ragged"], ragged_step,
             (jnp.int32(0), cache, page_state, slots, empty_out))
-        cache, page_state, slots, out, out_lp, steps = self._decode_loop(
+        cache, page_state, slots, out, out_lp, steps, loop_copies = self._decode_loop(
             params, cache, page_state, slots, jnp.minimum(batch["decode_steps"], self.steps_per_call))
         return (cache, page_state, slots, tok, lp, done, ok, out, out_lp, steps, pages.num_free_pages(page_state),
-                page_state.seq_lens, slots.active, tables)
+                page_state.seq_lens, slots.active, tables, copies + loop_copies)
 
     @staticmethod
     def _retire_impl(page_state, slots, seq_ids):
@@ -572,8 +575,9 @@ class ModelRunner:
             raise ValueError(f"the unified step was compiled for a token budget of {self.step_tokens}; got "
                              f"{num_tokens}")
         self.cache, self.page_state, self.slots, *res = self._step_exe(*args)
-        tok, lp, done, ok, out, out_lp, steps, free, lens, active, tables = jax.device_get(res)
+        tok, lp, done, ok, out, out_lp, steps, free, lens, active, tables, copies = jax.device_get(res)
         steps = int(steps)
+        self.cow_copies += int(copies)
         return (tok[:n], lp[:n], done[:n], bool(ok), out[:steps], out_lp[:steps], int(free), lens, active,
                 tables[:n])
 
