@@ -97,7 +97,8 @@ def parse_args(argv=None):
     ap.add_argument("prompts", nargs="*", help="prompts (default: --prompts-file, else lines piped on "
                     "stdin, else six built-in chat prompts)")
     ap.add_argument("--prompts-file", help="one prompt per line, or JSONL objects with a 'prompt' key "
-                    "and optional per-request max_new_tokens/temperature/top_k/top_p/seed/stop/greedy")
+                    "and optional per-request max_new_tokens/temperature/top_k/top_p/seed/stop/greedy/n "
+                    "(n samples of one prompt: prefilled once, pages shared)")
     ap.add_argument("--model", default="smollm2-135m", help="model preset (default: smollm2-135m; "
                     "tiny-llama / tiny-gpt2 are random and fast) or PATH of a local Hugging Face checkpoint "
                     "directory (Llama, Mistral, Qwen2, Qwen3, Gemma-2; see models.load)")
@@ -264,18 +265,24 @@ def run(args):
 
     failed = 0
     for i, (prompt, extra) in enumerate(prompts):
-        out = by_line.get(i)
-        error = extra.get("_error") if out is None else out.error
+        outs = by_line.get(i)
+        # A request with "n" > 1 (JSONL) has n samples: one record / block each, with its index.
+        samples = [(None, outs)] if not isinstance(outs, list) else list(enumerate(outs))
+        error = extra.get("_error") if outs is None else next((o.error for _, o in samples if o.error), None)
         failed += error is not None
-        if args.json:
-            rec = {"index": i, "prompt": prompt, "error": error} if out is None else out.to_json()
-            rec.update(index=i, prompt=prompt)
-            print(json.dumps(rec, ensure_ascii=False), flush=True)
-        elif error is not None:
-            print(f"--- request {i}: ERROR: {error}\n", flush=True)
-        else:
-            print(f"--- request {i} [{out.finish_reason}, {len(out.token_ids)} tokens]\n"
-                  f">>> {prompt}\n{out.completion.strip()}\n", flush=True)
+        for k, out in samples:
+            tag = "" if k is None else f" sample {k}"
+            if args.json:
+                rec = {"index": i, "prompt": prompt, "error": error} if out is None else out.to_json()
+                rec.update(index=i, prompt=prompt)
+                if k is not None:
+                    rec.update(sample=k, request_id=list(out.request_id))
+                print(json.dumps(rec, ensure_ascii=False), flush=True)
+            elif out is None or out.error is not None:
+                print(f"--- request {i}{tag}: ERROR: {error}\n", flush=True)
+            else:
+                print(f"--- request {i}{tag} [{out.finish_reason}, {len(out.token_ids)} tokens]\n"
+                      f">>> {prompt}\n{out.completion.strip()}\n", flush=True)
         if error is not None:
             print(f"[jpa] request {i} failed: {error}", file=sys.stderr)
     s = engine.summary()

@@ -28,18 +28,20 @@ def test_jsonl_prompts_to_json_lines(tmp_path, capsys, monkeypatch):
         "a plain line",
         json.dumps({"prompt": "bad sampling", "top_p": 0.0}),
         "",
+        json.dumps({"prompt": "three samples", "max_new_tokens": 4, "n": 2, "seed": 9}),
     ]) + "\n")
     rc = load_script().main(["--model", "tiny-llama", "--prompts-file", str(prompts), "--json",
                              "--no-progress", "--max-new-tokens", "7", "--max-seqs", "2", "--no-compile-cache"])
     out, err = capsys.readouterr()
     recs = [json.loads(line) for line in out.splitlines()]
-    assert [r["index"] for r in recs] == [0, 1, 2, 3]
+    assert [r["index"] for r in recs] == [0, 1, 2, 3, 4, 4]
+    assert [r["sample"] for r in recs[4:]] == [0, 1] and all(len(r["token_ids"]) == 4 for r in recs[4:])
     assert len(recs[0]["token_ids"]) == 5 and recs[0]["error"] is None
     assert "invalid JSON" in recs[1]["error"]
     assert len(recs[2]["token_ids"]) <= 7 and recs[2]["prompt"] == "a plain line"
     assert "top_p must be in (0, 1]" in recs[3]["error"]
     assert rc == 1  # some requests failed
-    assert "4 requests (2 ok, 2 failed)" in err and "pool whole after run: True" in err
+    assert "5 requests (3 ok, 2 failed)" in err and "pool whole after run: True" in err
     assert "unified step compiled 1x" in err
     assert not (tmp_path / "cache" / "xla").exists()  # --no-compile-cache
 
