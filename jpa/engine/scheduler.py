@@ -44,6 +44,12 @@ Policies (vLLM's, in nano-vllm's split):
   each taking a chunk of min(budget left, prompt left, what the free pages hold). A round with no
   prompt work skips the ragged step and runs steps_per_call decode steps; a round with prompt work
   runs steps_per_call - 1 decode steps after it only when no prompt work is left for the next round.
+- prefix caching (with the token budget): see `plan_round` and `jpa.engine.prefix_cache`.
+- parallel sampling (SamplingParams.n): a request's samples wait with the first one (`siblings`),
+  take their slots with it (`forking`: slot -> its leader's slot) and join the plan with q_len 0
+  in the round of its last prompt chunk, when the device forks its pages to them; until each has
+  written past the shared partly filled last page (`cow_pending`), one more page is counted for
+  its copy on write. A preempted leader takes its unforked samples back to the queue with it.
 - stops: the device finishes requests on EOS, max_new_tokens and the length limit (and releases
   their pages itself); stop strings are found here, on the incremental detokenizer's text, and
   the output is cut at the token that completed the stop.
