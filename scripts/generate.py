@@ -286,6 +286,9 @@ def run(args):
         if error is not None:
             print(f"[jpa] request {i} failed: {error}", file=sys.stderr)
     s = engine.summary()
+    if args.json:  # the run's figures as the last line: {"summary": {...}} (no "index" key)
+        print(json.dumps({"summary": {k: (None if isinstance(v, float) and math.isnan(v) else v)
+                                      for k, v in s.items()}}), flush=True)
     fmt = lambda x, spec: "n/a" if isinstance(x, float) and math.isnan(x) else format(x, spec)
     print(f"[jpa] {len(prompts)} requests ({len(prompts) - failed} ok, {failed} failed) in {wall:.1f} s\n"
           + (f"[jpa] prefill {s['prefill_tokens']} tokens (in the unified step) | " if s["chunked_prefill"] else
@@ -297,7 +300,8 @@ def run(args):
           f"{fmt(100 * s['kv_utilization'], '.1f')}% (tokens stored / slots allocated) | "
           f"preemptions {s['preemptions']} | "
           + (f"prefix cache: {s['prefix_hit_tokens']} prompt tokens hit ({fmt(100 * s['prefix_hit_rate'], '.1f')}%), "
-             f"{s['cached_pages']} pages cached, {s['peak_shared_pages']} shared at peak | " if s["prefix_caching"] else "")
+             f"{s['cached_pages']} pages cached, {s['peak_shared_pages']} shared at peak, {s['cow_copies']} copied on write | "
+             if s["prefix_caching"] else "")
           + f"attention {s['attention']} | compile {s['compile_seconds']:.1f} s "
           + (f"(unified step compiled {s['step_compiles']}x, token budget {s['token_budget']})"
              if s["chunked_prefill"] else
