@@ -163,8 +163,15 @@ def test_n_choices(live):
         for c in ch.choices:
             streamed[c.index] += c.text
     assert streamed == texts
+    # The n choices are one engine request with n samples: the prompt is prefilled once (a prefix
+    # cache hit could only lower that) and the samples copy the shared partial last page on write.
+    eng = live.aengine.engine
+    before, copies = eng.stats.prefill_tokens, eng.runner.cow_copies
     g = live.client.completions.create(model=NAME, prompt=p, n=2, **GREEDY)
     assert [c.text for c in g.choices] == [live.reference[p].completion] * 2
+    n_prompt = len(live.tok.encode(p))
+    assert eng.stats.prefill_tokens - before <= n_prompt
+    assert eng.runner.cow_copies - copies == (1 if n_prompt % eng.config.page_size else 0)
     # A list of prompts with n: choices prompt-major.
     b = live.client.completions.create(model=NAME, prompt=PROMPTS[:2], n=2, **GREEDY)
     assert [c.text for c in sorted(b.choices, key=lambda c: c.index)] == \

@@ -91,6 +91,10 @@ class _Stream:
     index: int
 
 
+def _num_samples(params) -> int:
+    return getattr(params, "n", 1) if params is not None else 1
+
+
 class RequestGroup:
     """The outputs of requests submitted together (a completion with n choices, or a prompt list).
 
@@ -231,7 +235,9 @@ class AsyncEngine:
         """Queues requests together: all of them, or (overloaded) none.
 
         Args:
-          requests: list of (prompt, SamplingParams) (prompt: str or list of token ids).
+          requests: list of (prompt, SamplingParams) (prompt: str or list of token ids). A request
+            with SamplingParams.n > 1 is n entries of the group (its samples, in order), computed
+            from one prefill on shared pages (`LLMEngine` parallel sampling).
           loop: the event loop that will iterate the group (default: the running loop).
 
         Returns:
@@ -247,13 +253,18 @@ class AsyncEngine:
             if not self.alive or self._stopping:
                 raise EngineDead(f"the engine is not running{f': {self._dead}' if self._dead else ''}")
             waiting = len(self._streams) - self._num_running
-            if waiting + len(requests) > self.max_waiting:
+            count = sum(_num_samples(params) for _, params in requests)
+            if waiting + count > self.max_waiting:
                 raise EngineOverloaded(f"the server is overloaded: {waiting} requests are waiting (at most "
                                        f"{self.max_waiting}); try again later")
-            ids = [f"r{next(self._ids)}" for _ in requests]
+            rids = [f"r{next(self._ids)}" for _ in requests]
+            # One stream per sample: a request with n > 1 comes out of the engine as (rid, i).
+            ids = [rid if _num_samples(params) == 1 else (rid, i)
+                   for rid, (_, params) in zip(rids, requests) for i in range(_num_samples(params))]
             group = RequestGroup(self, ids, loop)
-            for i, (rid, (prompt, params)) in enumerate(zip(ids, requests)):
-                self._streams[rid] = _Stream(group, i)
+            for i, sid in enumerate(ids):
+                self._streams[sid] = _Stream(group, i)
+            for rid, (prompt, params) in zip(rids, requests):
                 self._commands.append(("add", rid, prompt, params))
             self._cv.notify()
         return group
@@ -327,10 +338,19 @@ class AsyncEngine:
     def _dispatch(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
             with self._cv:
-                stream = self._streams.pop(out.request_id, None) if out.finished else \
-                    self._streams.get(out.request_id)
-            if stream is not None:
-                stream.group._put((stream.index, out))
+                rid = out.request_id
+                if rid not in self._streams and (rid, 0) in self._streams:
+                    # A request with n samples that failed before it was split: each sample fails.
+                    targets = []
+                    i = 0
+                    while (rid, i) in self._streams:
+                        targets.append((dataclasses.replace(out, request_id=(rid, i)), self._streams.pop((rid, i))))
+                        i += 1
+                else:
+                    stream = self._streams.pop(rid, None) if out.finished else self._streams.get(rid)
+                    targets = [] if stream is None else [(out, stream)]
+            for o, stream in targets:
+                stream.group._put((stream.index, o))
 
     def _publish(self) -> None:
         eng = self.engine

@@ -118,6 +118,8 @@ class _API:
                  retry_after: int):
         self.engine, self.tok, self.model_name, self.metrics = engine, tokenizer, model_name, metrics
         self.max_n, self.retry_after = max_n, retry_after
+        # The most samples one engine request may have (one decode slot each).
+        self.max_samples = engine.engine.config.max_seqs if engine.engine.config.chunked_prefill else 1
         self.created = int(time.time())
         self.vocab_size = engine.engine.model.config.vocab_size
 
@@ -172,12 +174,16 @@ class _API:
                 raise APIError(400, f"this model's maximum context length is {limit} tokens; you asked for "
                                     f"{len(ids) + want} ({len(ids)} in the prompt, {want} for the completion): "
                                     f"lower max_tokens to at most {room}", param="max_tokens")
-            for j in range(body.n):
+            # n choices of one prompt are one engine request with n samples (sample j: seed base + j),
+            # prefilled once on shared pages, when the engine has a slot for each; else n requests.
+            shared = body.n <= self.max_samples and base + body.n - 1 < SEED_MOD
+            for j in range(1 if shared else body.n):
                 try:
                     sp = SamplingParams(max_new_tokens=want, temperature=1.0 if body.temperature is None
                                         else float(body.temperature), top_k=body.top_k or 0,
                                         top_p=1.0 if body.top_p is None else float(body.top_p),
-                                        seed=(base + j) % SEED_MOD, stop=stop, ignore_eos=body.ignore_eos)
+                                        seed=(base + j) % SEED_MOD, stop=stop, ignore_eos=body.ignore_eos,
+                                        n=body.n if shared else 1)
                 except ValueError as e:
                     raise APIError(400, str(e).replace("max_new_tokens", "max_tokens")) from None
                 out.append((ids, sp))
@@ -217,7 +223,8 @@ class _API:
 
     async def _serve(self, body, reqs, num_prompts: int, fmt, request: Request):
         group = self._submit(reqs)
-        prompt_tokens = sum(len(reqs[i * body.n][0]) for i in range(num_prompts))
+        per_prompt = len(reqs) // num_prompts   # 1 (n samples in one request) or n
+        prompt_tokens = sum(len(reqs[i * per_prompt][0]) for i in range(num_prompts))
         timing = Timing(self.metrics, group.arrival)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -236,7 +243,7 @@ class _API:
                 raise APIError(400, o.error or "invalid request", param="prompt")
             raise APIError(503, "the server is shutting down", type="server_error",
                            headers={"Retry-After": str(self.retry_after)})
-        outs = [results[i] for i in range(len(reqs))]
+        outs = [results[i] for i in range(len(group))]
         completion_tokens = sum(len(o.token_ids) for o in outs)
         return JSONResponse(fmt.response([fmt.choice(i, o) for i, o in enumerate(outs)],
                                          _usage(prompt_tokens, completion_tokens)))
