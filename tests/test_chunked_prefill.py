@@ -68,13 +68,16 @@ def test_unified_equals_separate_at_any_budget(tiny, case, budget, block):
 
 
 def test_preempting_prefilling_requests_keeps_outputs(tiny, case):
-    seed, prompts, params, want = case
-    # 12 pages of 8 tokens: long prompts cannot all be held; prefilling requests are preempted too.
-    eng = make(tiny, num_pages=24, watermark=0.0, max_num_batched_tokens=8)
-    outs = eng.generate(prompts, [dataclasses.replace(p, max_new_tokens=24) for p in params])
-    ref = make(tiny, num_pages=24, watermark=0.0, chunked_prefill=False).generate(
-        prompts, [dataclasses.replace(p, max_new_tokens=24) for p in params])
-    assert [o.token_ids for o in outs] == [o.token_ids for o in ref], f"seed {seed}"
+    seed, _, _, _ = case
+    rng = np.random.default_rng(seed)
+    # 16 pages of 8 tokens for 4 slots of 20-50-token prompts growing by 40 tokens: running and
+    # prefilling requests are preempted (every draw of lengths needs more than the pool).
+    prompts = random_prompts(rng, 6, tiny[0].config.vocab_size, lo=20, hi=50)
+    params = dataclasses.replace(GREEDY, max_new_tokens=40)
+    eng = make(tiny, num_pages=16, watermark=0.0, max_num_batched_tokens=8)
+    outs = [o.token_ids for o in eng.generate(prompts, params)]
+    ref = make(tiny, num_pages=16, watermark=0.0, chunked_prefill=False).generate(prompts, params)
+    assert outs == [o.token_ids for o in ref], f"seed {seed}"
     assert eng.stats.preemptions > 0
     assert eng.pool_is_whole() and compiled_once(eng)
 
