@@ -386,7 +386,7 @@ class LLMEngine:
                    for e in plan.entries]
         t0, c0 = time.perf_counter(), self.runner.compile_seconds
         try:
-            tok, lp, _done, ok, out, out_lp, free, lens, active, tables = self.runner.step(
+            tok, lp, ok, out, out_lp, free, lens, active, tables = self.runner.step(
                 entries, self.config.max_num_batched_tokens, plan.decode_steps, plan.evict)
         except BaseException:
             self.scheduler.unplan(plan)   # the call did not happen: admitted requests go back, in order
@@ -416,7 +416,7 @@ class LLMEngine:
     def num_cached_idle(self) -> int:
         """Pages held by the prefix cache alone (cached-idle: evictable, not in use)."""
         prefix = self.scheduler.prefix
-        return prefix.num_idle(self.scheduler._cache_refs()) if prefix is not None else 0
+        return prefix.num_idle(self.scheduler.held_cached_pages()) if prefix is not None else 0
 
     @property
     def pages_in_use(self) -> int:

@@ -107,9 +107,9 @@ KERNEL_CALLS = (("mosaic", 'custom_call_target="mosaic_gpu'), ("triton", 'custom
 DONATE = (1, 2, 3)  # cache, page state, slots: updated in place by every compiled call
 # Outputs of the compiled calls: (cache, page state, slots, tokens, logprobs, steps, free, seq_lens) for
 # decode; (cache, page state, slots, tokens, logprobs, done, ok, free, seq_lens) for prefill; the
-# unified step's: (cache, page state, slots, tokens, logprobs, done, ok, out, out_lp, steps, free,
-# seq_lens, active, final tables, pages copied on write).
-DECODE_OUTPUTS, PREFILL_OUTPUTS, STEP_OUTPUTS = 8, 9, 15
+# unified step's: (cache, page state, slots, tokens, logprobs, ok, out, out_lp, steps, free, seq_lens,
+# active, final tables, pages copied on write); a request it finished is one no longer active.
+DECODE_OUTPUTS, PREFILL_OUTPUTS, STEP_OUTPUTS = 8, 9, 14
 
 
 def attention_in(hlo_text: str) -> str:
@@ -351,7 +351,7 @@ class ModelRunner:
         entry = jnp.clip(jnp.searchsorted(cu[1:], row, side="right"), 0, num_entries - 1)  # i32[T]
         row_live = row < cu[-1]
         empty_out = (jnp.zeros((num_entries,), jnp.int32), jnp.full((num_entries,), jnp.nan, jnp.float32),
-                     jnp.zeros((num_entries,), bool), jnp.bool_(True),
+                     jnp.bool_(True),
                      jnp.zeros((num_entries, self.pages_per_seq), jnp.int32), jnp.int32(0))
         page_state = pages.uncache(page_state, batch["evict"])
         hit = live & (batch["hit_tokens"] > 0)
@@ -411,14 +411,14 @@ class ModelRunner:
             ps = pages.cache(ps, jnp.where(live & final & ok, ids, -1), batch["cache_upto"])
             tables = ps.block_tables[safe]  # i32[B, pages_per_seq], before the finished are released
             ps = pages.release(ps, jnp.where(done, ids, -1))
-            return i + 1, cache, ps, slots, (tok, lp, done, ok & forked, tables, copies)
+            return i + 1, cache, ps, slots, (tok, lp, ok & forked, tables, copies)
 
-        _, cache, page_state, slots, (tok, lp, done, ok, tables, copies) = lax.while_loop(
+        _, cache, page_state, slots, (tok, lp, ok, tables, copies) = lax.while_loop(
             lambda c: c[0] < batch["ragged"], ragged_step,
             (jnp.int32(0), cache, page_state, slots, empty_out))
         cache, page_state, slots, out, out_lp, steps, loop_copies = self._decode_loop(
             params, cache, page_state, slots, jnp.minimum(batch["decode_steps"], self.steps_per_call))
-        return (cache, page_state, slots, tok, lp, done, ok, out, out_lp, steps, pages.num_free_pages(page_state),
+        return (cache, page_state, slots, tok, lp, ok, out, out_lp, steps, pages.num_free_pages(page_state),
                 page_state.seq_lens, slots.active, tables, copies + loop_copies)
 
     @staticmethod
@@ -533,7 +533,7 @@ class ModelRunner:
           decode_steps: decode steps after the ragged step (<= steps_per_call).
           evict: cached-idle pages to evict from the prefix cache first.
 
-        Returns (tok i32[n], lp f32[n], done bool[n] of the entries, ok, out i32[steps, max_seqs],
+        Returns (tok i32[n], lp f32[n] of the entries, ok, out i32[steps, max_seqs],
         out_lp f32[steps, max_seqs], free pages, seq_lens i32[max_seqs], active bool[max_seqs],
         tables i32[n, pages_per_seq] (the entries' block tables once final chunks' pages were
         cached)) in one device->host transfer. When ok is False (the pool could not hold the
@@ -575,10 +575,10 @@ class ModelRunner:
             raise ValueError(f"the unified step was compiled for a token budget of {self.step_tokens}; got "
                              f"{num_tokens}")
         self.cache, self.page_state, self.slots, *res = self._step_exe(*args)
-        tok, lp, done, ok, out, out_lp, steps, free, lens, active, tables, copies = jax.device_get(res)
+        tok, lp, ok, out, out_lp, steps, free, lens, active, tables, copies = jax.device_get(res)
         steps = int(steps)
         self.cow_copies += int(copies)
-        return (tok[:n], lp[:n], done[:n], bool(ok), out[:steps], out_lp[:steps], int(free), lens, active,
+        return (tok[:n], lp[:n], bool(ok), out[:steps], out_lp[:steps], int(free), lens, active,
                 tables[:n])
 
     def retire(self, seq_ids):

@@ -279,7 +279,7 @@ class Scheduler:
         slots, reqs, toks = zip(*chosen)
         return PrefillBatch(slots, reqs, toks, bucket(len(chosen), 1), bucket(width, 16))
 
-    def _cache_refs(self) -> set:
+    def held_cached_pages(self) -> set:
         """Cached pages that running requests hold (not evictable)."""
         return {p for slot in self.running for p in self.cache_refs.get(slot, ())}
 
@@ -296,7 +296,7 @@ class Scheduler:
             raise ValueError(f"the token budget ({budget}) must be >= max_seqs ({self.max_seqs}): every decoding "
                              f"sequence takes one token of it")
         ps = self.page_size
-        referenced = self._cache_refs() if self.prefix is not None else set()
+        referenced = self.held_cached_pages() if self.prefix is not None else set()
         idle = self.prefix.num_idle(referenced) if self.prefix is not None else 0
         decoding = [s for s in sorted(self.running) if s not in self.prefilling and s not in self.forking]
         left = budget - len(decoding)
@@ -533,7 +533,7 @@ class Scheduler:
             # pages, which stay cached) plus the cached-idle pages eviction can free.
             own = sum(pages_for_tokens(self.seq_lens[s], self.page_size) - len(self.cache_refs.get(s, ()))
                       - (s in self.cow_pending) for s in release)
-            idle = self.prefix.num_idle(self._cache_refs()) if self.prefix is not None else 0
+            idle = self.prefix.num_idle(self.held_cached_pages()) if self.prefix is not None else 0
             return self.free_pages + own + idle
 
         preempted = []
