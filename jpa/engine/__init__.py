@@ -4,10 +4,11 @@
 from jpa.engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded, RequestGroup, Snapshot
 from jpa.engine.engine import EngineConfig, EngineStats, LLMEngine
 from jpa.engine.model import EngineModel, ModelSizes
-from jpa.engine.request import Request, RequestOutput, Status, StepOutput
-from jpa.engine.sampling import SamplingParams
+from jpa.engine.batch import StepBatch, StepResult
+from jpa.engine.request import Phase, Request, RequestOutput, StepOutput
+from jpa.engine.sampling import SamplingParams, SlotParams
 from jpa.engine.scheduler import Scheduler
 
 __all__ = ["AsyncEngine", "EngineConfig", "EngineDead", "EngineModel", "EngineOverloaded", "EngineStats", "LLMEngine",
-           "ModelSizes", "Request", "RequestGroup", "RequestOutput", "SamplingParams", "Scheduler", "Snapshot",
-           "Status", "StepOutput"]
+           "ModelSizes", "Phase", "Request", "RequestGroup", "RequestOutput", "SamplingParams", "Scheduler",
+           "SlotParams", "Snapshot", "StepBatch", "StepOutput", "StepResult"]

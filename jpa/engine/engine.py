@@ -1,17 +1,16 @@
-"""LLMEngine: continuous batching on the host around the jitted device loop.
+"""LLMEngine: continuous batching on the host around the jitted unified step.
 
-Per round (`step()`), with chunked prefill (the default): the scheduler plans a token budget (one
-token per decoding request, then chunks of partly prefilled and newly admitted prompts), and ONE
-device call runs the ragged step over it and then up to `steps_per_call` decode steps (all of them
-when no prompt work is pending, none when the next round has prompt work). Without chunked
-prefill: the scheduler admits waiting requests into free slots (one bucketed prefill call), then
-up to `steps_per_call` decode steps run on the device (one call). Either way the new tokens are
-read back together with the page state. Requests the device finished (EOS, max_new_tokens, length
-limit) have already released their pages; stop strings are found on the host by incremental
-detokenization and those requests are released; if the next step still cannot get pages, the
-newest running request is preempted by recompute (its pages released, back to the front of the
-queue with its generated tokens kept; on re-admission they are prefilled again and decoding
-resumes where it stopped). See `jpa.engine.scheduler` for the policies.
+Per round (`step()`): the scheduler plans a token budget (one token per decoding request, then
+chunks of partly prefilled and newly admitted prompts), `make_step_batch` turns the plan into the
+step's typed input, and ONE device call runs the ragged step over it and then up to
+`steps_per_call` decode steps (all of them when no prompt work is pending, none when the next
+round has prompt work). The new tokens come back together with the page state (`StepResult`).
+Requests the device finished (EOS, max_new_tokens, length limit) have already released their
+pages; stop strings are found on the host by incremental detokenization and those requests are
+released; if the next step still cannot get pages, the newest running request is preempted by
+recompute (its pages released, back to the front of the queue with its generated tokens kept; on
+re-admission they are prefilled again and decoding resumes where it stopped). See
+`jpa.engine.scheduler` for the policies.
 
 A long-lived engine (a server) keeps nothing of a finished request: step() hands each one out
 once, in the round it finishes, and the statistics are running sums.
@@ -27,12 +26,13 @@ import jax
 import numpy as np
 
 from jpa.cache import CacheConfig
+from jpa.engine.batch import make_step_batch
 from jpa.engine.detokenizer import IncrementalDetokenizer
 from jpa.engine.model import EngineModel, check_model
-from jpa.engine.request import Request, RequestOutput, Status, StepOutput
-from jpa.engine.runner import ModelRunner, RowParams
+from jpa.engine.request import Phase, Request, RequestOutput, StepOutput
+from jpa.engine.runner import ModelRunner
 from jpa.engine.sampling import SamplingParams
-from jpa.engine.scheduler import PrefillBatch, Progress, RoundPlan, Scheduler
+from jpa.engine.scheduler import Progress, RoundPlan, Scheduler
 from jpa.sharding import tp_mesh
 
 
@@ -52,15 +52,12 @@ class EngineConfig:
       steps_per_call: decode steps per host round trip.
       watermark: fraction of the pool kept free at admission (vLLM's watermark), so running
         requests can grow before anyone is preempted.
-      max_prefill_tokens: padded tokens (rows x width) per prefill call (chunked_prefill=False).
-      chunked_prefill: True (default): every round is ONE compiled program, the unified step: a
-        ragged batch of decode tokens and prompt chunks over a token budget
-        (`jpa.ragged_paged_attention`), then the multi-step decode loop; prompts longer than the
-        budget span rounds, and running sequences keep decoding while a long prompt is
-        prefilled. False: separate prefill calls (bucketed shapes, one compile per bucket) and
-        decode calls.
-      max_num_batched_tokens: the unified step's token budget T (vLLM's name); >= max_seqs.
-      prefix_caching: automatic prefix caching (with chunked_prefill; ignored without): full
+      max_num_batched_tokens: the token budget T of a round (vLLM's name; >= max_seqs). Every
+        round is ONE compiled program, the unified step: a ragged batch of decode tokens and
+        prompt chunks over this budget (`jpa.ragged_paged_attention`), then the multi-step decode
+        loop; prompts longer than the budget span rounds, and running sequences keep decoding
+        while a long prompt is prefilled.
+      prefix_caching: automatic prefix caching: full
         prompt pages stay cached after their request (cached-idle, evicted least recently used
         first when the pool runs short), and a request whose prompt starts with cached pages
         shares them (refcounts) and prefills only the rest. See `jpa.engine.prefix_cache`.
@@ -84,18 +81,15 @@ class EngineConfig:
     max_model_len: int | None = None
     steps_per_call: int = 8
     watermark: float = 0.01
-    max_prefill_tokens: int = 2048
     cache_dtype: str | None = None
     attention_impl: str = "auto"
     tensor_parallel: int = 1
-    chunked_prefill: bool = True
     max_num_batched_tokens: int = 512
     ragged_block_tokens: int | None = None
     prefix_caching: bool = True
 
     def __post_init__(self):
-        for name in ("max_seqs", "page_size", "steps_per_call", "max_prefill_tokens", "tensor_parallel",
-                     "max_num_batched_tokens"):
+        for name in ("max_seqs", "page_size", "steps_per_call", "tensor_parallel", "max_num_batched_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"EngineConfig.{name} must be an int >= 1; got {v!r}")
@@ -109,9 +103,7 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.watermark must be in [0, 1); got {self.watermark!r}")
         if not isinstance(self.prefix_caching, bool):
             raise ValueError(f"EngineConfig.prefix_caching must be a bool; got {self.prefix_caching!r}")
-        if not isinstance(self.chunked_prefill, bool):
-            raise ValueError(f"EngineConfig.chunked_prefill must be a bool; got {self.chunked_prefill!r}")
-        if self.chunked_prefill and self.max_num_batched_tokens < self.max_seqs:
+        if self.max_num_batched_tokens < self.max_seqs:
             raise ValueError(f"EngineConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                              f"max_seqs ({self.max_seqs}): every decoding sequence takes one token of the budget")
         if self.attention_impl not in ATTENTION_IMPLS:
@@ -123,16 +115,17 @@ class EngineConfig:
 class EngineStats:
     """Counters of one engine (cumulative running sums: constant memory in a long-lived engine)."""
     prefill_tokens: int = 0
-    prefill_seconds: float = 0.0
+    prefill_seconds: float = 0.0      # wall time of the rounds that computed prompt tokens (one program
+                                      # also runs their decode rows and steps: an upper bound)
     decode_tokens: int = 0
-    decode_seconds: float = 0.0       # wall time of decode calls (dispatch + device work + readback)
-    host_seconds: float = 0.0         # Python bookkeeping between decode calls (tokens, stops, preemption)
+    decode_seconds: float = 0.0       # wall time of every device call (dispatch + device work + readback)
+    host_seconds: float = 0.0         # Python bookkeeping between device calls (tokens, stops, preemption)
     compile_seconds: float = 0.0
     decode_calls: int = 0
     decode_steps: int = 0
     preemptions: int = 0
     peak_pages_used: int = 0
-    util_sum: float = 0.0             # sum over decode calls of tokens stored / slots allocated
+    util_sum: float = 0.0             # sum over device calls of tokens stored / slots allocated
     util_count: int = 0
     peak_shared_pages: int = 0        # prefix caching: most pages held by two or more running requests
 
@@ -155,7 +148,7 @@ class LLMEngine:
 
     Args:
       model: an EngineModel (e.g. `models.GPTForEngine(gpt)`): config sizes, dtype, params,
-        prefill and decode.
+        ragged and decode.
       tokenizer: with encode/decode, eos_token_id and (optionally) stop_token_ids.
       config: EngineConfig.
     """
@@ -170,10 +163,6 @@ class LLMEngine:
             self.mesh = tp_mesh(config.tensor_parallel)
             model = model.shard(self.mesh)
             check_model(model)
-        if config.chunked_prefill and not callable(getattr(model, "ragged", None)):
-            raise TypeError(f"EngineConfig(chunked_prefill=True) needs a model with ragged() (the unified step; "
-                            f"models.GPTForEngine has it); {type(model).__name__} has none: pass "
-                            f"chunked_prefill=False")
         self.model, self.tokenizer, self.config = model, tokenizer, config
         mc = model.config  # under tensor parallelism: the head counts the shards hold
         self.max_model_len = min(config.max_model_len or mc.max_seq_len, mc.max_seq_len)
@@ -200,11 +189,14 @@ class LLMEngine:
         self.scheduler = Scheduler(
             max_seqs=config.max_seqs, page_size=config.page_size, num_pages=self.num_pages,
             max_model_len=self.max_model_len, steps_per_call=config.steps_per_call,
-            watermark=config.watermark, max_prefill_tokens=config.max_prefill_tokens,
-            stop_ids=self.stop_ids, prefix_caching=config.prefix_caching and config.chunked_prefill)
+            watermark=config.watermark, stop_ids=self.stop_ids, prefix_caching=config.prefix_caching)
         self.stats = EngineStats()
         self._outbox: list[StepOutput] = []    # finished outside a round (errors, aborts)
-        self._live_ids: set = set()            # ids of requests not handed out as finished yet
+        # Ids not handed out as finished yet: each request's, and a parallel-sampling request's own
+        # id R too (with how many of its samples (R, i) are live), so no id can be reused while any
+        # sample of it runs.
+        self._live_ids: set = set()
+        self._live_samples: dict = {}
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------ requests
@@ -225,11 +217,14 @@ class LLMEngine:
         Returns:
           The Request (its request_id identifies it in step() outputs and abort()).
         """
+        n = params.get("n", 1) if isinstance(params, dict) else getattr(params, "n", 1)
+        taken = lambda rid: rid in self._live_ids or (  # noqa: E731  (its samples' ids too)
+            isinstance(n, int) and n > 1 and any((rid, i) in self._live_ids for i in range(n)))
         if request_id is None:
             request_id = next(self._ids)
-            while request_id in self._live_ids:
+            while taken(request_id):
                 request_id = next(self._ids)
-        elif request_id in self._live_ids:
+        elif taken(request_id):
             raise ValueError(f"request_id {request_id!r} is already used by an unfinished request")
         self._live_ids.add(request_id)
         text = prompt if isinstance(prompt, str) else ""
@@ -266,11 +261,10 @@ class LLMEngine:
         return req
 
     def _add_samples(self, req: Request) -> Request:
-        """Parallel sampling: sample i of request R is the request (R, i) with seed + i. With
-        chunked prefill the prompt is computed once: the samples wait with the first one (their
-        leader), take their slots with it, and fork its pages when its last chunk is computed
-        (copy-on-write of the shared last page on the first divergent write)."""
-        self._live_ids.discard(req.request_id)
+        """Parallel sampling: sample i of request R is the request (R, i) with seed + i. The prompt
+        is computed once: the samples wait with the first one (their leader), take their slots
+        with it, and fork its pages when its last chunk is computed (copy-on-write of the shared
+        last page on the first divergent write). R stays live until every sample is handed out."""
         samples = []
         for i in range(req.params.n):
             params = dataclasses.replace(req.params, n=1, seed=req.params.seed + i)
@@ -278,20 +272,17 @@ class LLMEngine:
                         IncrementalDetokenizer(self.tokenizer, params.stop))
             self._live_ids.add(r.request_id)
             samples.append(r)
+        self._live_samples[req.request_id] = len(samples)
         leader = samples[0]
         leader.num_samples = len(samples)
-        if self.config.chunked_prefill:
-            leader.siblings = samples[1:]
-            for s in samples[1:]:
-                s.leader = leader
-            self.scheduler.add(leader)
-        else:  # the separate engine has no fork: independent requests
-            for s in samples:
-                self.scheduler.add(s)
+        leader.siblings = samples[1:]
+        for s in samples[1:]:
+            s.leader = leader
+        self.scheduler.add(leader)
         return leader
 
     def _fail(self, req: Request, message: str) -> Request:
-        req.status, req.finish_reason, req.error = Status.FINISHED, "error", message
+        req.phase, req.finish_reason, req.error = Phase.FINISHED, "error", message
         self._outbox.append(StepOutput(req.request_id, (), "", True, req.to_output()))
         return req
 
@@ -301,17 +292,15 @@ class LLMEngine:
         The next step() hands it out with finish_reason "abort" and the tokens it had. Returns
         False if no unfinished request has this id (unknown, or already handed out as finished).
         """
-        req = self.scheduler.abort(request_id)
-        if req is None:
+        aborted = self.scheduler.abort(request_id)
+        if not aborted:
             return False
-        for sib in self.scheduler.aborted:   # samples that had not forked from an aborted leader
-            self._outbox.append(StepOutput(sib.request_id, (), "", True, sib.to_output()))
-        self.scheduler.aborted = []
         release = self.scheduler.take_releases()
         if release:
             self.scheduler.set_pages(*self.runner.retire(release))
-        self._outbox.append(StepOutput(req.request_id, (), req.detokenizer.take_delta(True), True,
-                                       req.to_output()))
+        for req in aborted:   # the request, then samples that had not forked from it
+            self._outbox.append(StepOutput(req.request_id, (), req.detokenizer.take_delta(True), True,
+                                           req.to_output()))
         return True
 
     @property
@@ -327,88 +316,41 @@ class LLMEngine:
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
-    # ------------------------------------------------------------------ device calls
+    # ------------------------------------------------------------------ the round
 
-    def _prefill(self, batch: PrefillBatch) -> list[Progress]:
-        rows = [self._row_params(req) for req in batch.requests]
-        t0, c0 = time.perf_counter(), self.runner.compile_seconds
-        tok, lp, done, ok, free, lens = self.runner.prefill(list(batch.slots), [list(t) for t in batch.tokens],
-                                                        rows, batch.num_rows, batch.width)
-        self.stats.prefill_seconds += time.perf_counter() - t0 - (self.runner.compile_seconds - c0)
-        if not ok:
-            # The scheduler admits only what the device's free page count holds, with the rule
-            # the device applies, so this cannot happen; if it does, nothing changed on the device
-            # and no request is lost: they go back to the queue, in order.
-            self.scheduler.requeue(batch)
-            raise RuntimeError(f"prefill could not reserve pages for {len(batch.slots)} requests the "
-                               f"scheduler counted {self.scheduler.free_pages} free pages for (a bug); the "
-                               f"requests are back in the queue")
-        self.scheduler.set_pages(free, lens)
-        self.stats.peak_pages_used = max(self.stats.peak_pages_used, self.num_pages - free)
-        self.stats.prefill_tokens += sum(len(t) for t in batch.tokens)
-        return self.scheduler.admitted(batch, tok, done, lp)
-
-    def _decode(self) -> tuple[list[Progress], float]:
-        t0, c0 = time.perf_counter(), self.runner.compile_seconds
-        out, lp, free, lens, active = self.runner.decode()
-        t1 = time.perf_counter()
-        # The first call compiles; compile time is reported on its own, not as decode time.
-        # The call's own dispatch is counted as decode time: on a CPU backend JAX may run the
-        # program inline in the call, so dispatch and device work cannot be told apart there.
-        self.stats.decode_seconds += t1 - t0 - (self.runner.compile_seconds - c0)
-        self.stats.decode_calls += 1
-        self.stats.decode_steps += len(out)
-        self.stats.decode_tokens += int((out >= 0).sum())
-        self._record_pages(free, lens)
-        per_slot = [out[:, s][out[:, s] >= 0] for s in range(self.config.max_seqs)]
-        lp_per_slot = [lp[:, s][out[:, s] >= 0] for s in range(self.config.max_seqs)]
-        return self.scheduler.decoded(per_slot, active, lp_per_slot), t1
-
-    # ------------------------------------------------------------------ the loop
-
-    def _row_params(self, req: Request) -> RowParams:
-        p = req.params
-        return RowParams(max_new=p.max_new_tokens, max_len=self.max_model_len,
-                         temperature=0.0 if p.is_greedy else float(p.temperature),
-                         top_k=p.top_k, top_p=float(p.top_p), seed=p.seed,
-                         ignore_eos=p.ignore_eos, num_generated=len(req.output_ids),
-                         resume_token=req.output_ids[-1] if req.output_ids else -1)
-
-    def _unified(self, plan: RoundPlan) -> tuple[list[Progress], float]:
-        """One unified device call (ragged step + decode steps) and its bookkeeping."""
-        caching = self.scheduler.prefix is not None
-        ps = self.config.page_size
-        index = {e.slot: i for i, e in enumerate(plan.entries)}
-        entries = [(e.slot, e.q_len, e.decode, e.final, e.tokens, self._row_params(e.request) if e.final else None,
-                    e.hit_pages,
-                    len(self.scheduler.prefill_tokens(e.request)) // ps if caching and e.final and e.fork_of < 0 else 0,
-                    index[e.fork_of] if e.fork_of >= 0 else -1)
-                   for e in plan.entries]
+    def _run(self, plan: RoundPlan) -> tuple[list[Progress], float]:
+        """One device call (ragged step + decode steps) and its bookkeeping."""
+        batch = make_step_batch(plan, max_seqs=self.config.max_seqs, num_tokens=self.config.max_num_batched_tokens,
+                                pages_per_seq=self.pages_per_seq, num_pages=self.num_pages,
+                                page_size=self.config.page_size, max_model_len=self.max_model_len)
         t0, c0 = time.perf_counter(), self.runner.compile_seconds
         try:
-            tok, lp, ok, out, out_lp, free, lens, active, tables = self.runner.step(
-                entries, self.config.max_num_batched_tokens, plan.decode_steps, plan.evict)
+            result = self.runner.step(batch)
         except BaseException:
             self.scheduler.unplan(plan)   # the call did not happen: admitted requests go back, in order
             raise
         t1 = time.perf_counter()
-        if not ok:
+        if not result.ok:
             # The scheduler plans only what the device's free page count holds, with the rule the
-            # device applies, so this cannot happen; if it does, the ragged step changed nothing.
+            # device applies, so this cannot happen; if it does, the device changed nothing.
             self.scheduler.unplan(plan)
-            raise RuntimeError(f"the unified step could not reserve pages for {len(entries)} entries the "
-                               f"scheduler counted {self.scheduler.free_pages} free pages for (a bug); admitted "
-                               f"requests are back in the queue")
-        self.stats.decode_seconds += t1 - t0 - (self.runner.compile_seconds - c0)
+            raise RuntimeError(f"the unified step could not reserve pages for {len(plan.entries)} entries the "
+                               f"scheduler counted {self.scheduler.free_pages} free pages for (a bug); the device "
+                               f"state is unchanged and admitted requests are back in the queue")
+        # The first call compiles; compile time is reported on its own. The call's own dispatch is
+        # counted as device time: on a CPU backend JAX may run the program inline in the call.
+        seconds = t1 - t0 - (self.runner.compile_seconds - c0)
+        self.stats.decode_seconds += seconds
+        if plan.num_prompt_tokens:
+            self.stats.prefill_seconds += seconds
         self.stats.decode_calls += 1
-        self.stats.decode_steps += len(out)
+        self.stats.decode_steps += len(result.out)
         self.stats.prefill_tokens += plan.num_prompt_tokens
-        self.stats.decode_tokens += int((out >= 0).sum()) + sum(e.decode for e in plan.entries)
-        self.scheduler.set_pages(free, lens)
-        events = self.scheduler.stepped(plan, tok, lp, out, out_lp, active, tables)
-        self._record_pages(free, lens)
-        if caching:
-            held = collections.Counter(p for s in self.scheduler.running for p in self.scheduler.cache_refs.get(s, ()))
+        self.stats.decode_tokens += int((result.out >= 0).sum()) + sum(e.decode for e in plan.entries)
+        events = self.scheduler.stepped(plan, result)
+        self._record_pages()
+        if self.scheduler.prefix is not None:
+            held = collections.Counter(p for r in self.scheduler.running.values() for p in r.cache_refs)
             self.stats.peak_shared_pages = max(self.stats.peak_shared_pages, sum(1 for c in held.values() if c > 1))
         return events, t1
 
@@ -423,12 +365,12 @@ class LLMEngine:
         """Pages held by requests (cached-idle pages are not in use: eviction frees them)."""
         return self.num_pages - self.scheduler.free_pages - self.num_cached_idle
 
-    def _record_pages(self, free, lens) -> None:
-        self.scheduler.set_pages(free, lens)
+    def _record_pages(self) -> None:
         used = self.pages_in_use
         self.stats.peak_pages_used = max(self.stats.peak_pages_used, used)
         if used:
-            self.stats.util_sum += int(np.sum(lens)) / (used * self.config.page_size)
+            tokens = sum(r.num_computed_tokens for r in self.scheduler.running.values())
+            self.stats.util_sum += tokens / (used * self.config.page_size)
             self.stats.util_count += 1
 
     def step(self) -> list[StepOutput]:
@@ -441,24 +383,14 @@ class LLMEngine:
         """
         outputs, self._outbox = self._outbox, []
         events, t_host = [], None
-        if self.config.chunked_prefill:
-            plan = self.scheduler.plan_round(self.config.max_num_batched_tokens)
-            admitted_none = not plan.entries and not self.scheduler.running
-            if not admitted_none:
-                events, t_host = self._unified(plan)
-        else:
-            batch = self.scheduler.schedule()
-            if batch is not None:
-                events += self._prefill(batch)
-            admitted_none = batch is None and not self.scheduler.running
-            if self.scheduler.running:
-                decoded, t_host = self._decode()
-                events += decoded
-        if admitted_none and self.scheduler.waiting:
+        plan = self.scheduler.plan_round(self.config.max_num_batched_tokens)
+        if plan.entries or self.scheduler.running:
+            events, t_host = self._run(plan)
+        elif self.scheduler.waiting:
             # An idle engine admits any request that passed add_request's checks, so this is a bug;
             # the requests stay queued.
-            raise RuntimeError(f"the scheduler admitted none of {len(self.scheduler.waiting)} waiting "
-                               f"requests into an idle engine ({self.scheduler.free_pages} free pages)")
+            raise RuntimeError(f"the scheduler admitted none of {self.num_waiting} waiting requests into an "
+                               f"idle engine ({self.scheduler.free_pages} free pages)")
         release, preempted = self.scheduler.end_round()
         if release:
             self.scheduler.set_pages(*self.runner.retire(release))
@@ -471,10 +403,20 @@ class LLMEngine:
                                           req.to_output() if ev.finished else None, ev.new_logprobs))
         for o in outputs:
             if o.finished:
-                self._live_ids.discard(o.request_id)
+                self._handed_out(o.request_id)
         if t_host is not None:
             self.stats.host_seconds += time.perf_counter() - t_host
         return outputs
+
+    def _handed_out(self, request_id) -> None:
+        """A finished request left the engine: its id (and, with its last sample, its group's) is free."""
+        self._live_ids.discard(request_id)
+        group = request_id[0] if isinstance(request_id, tuple) and len(request_id) == 2 else None
+        if group in self._live_samples:
+            self._live_samples[group] -= 1
+            if not self._live_samples[group]:
+                del self._live_samples[group]
+                self._live_ids.discard(group)
 
     def generate(self, prompts, params=None, *, progress: bool = False) -> list[RequestOutput]:
         """Runs prompts to completion with continuous batching; outputs in submission order.
@@ -563,18 +505,14 @@ class LLMEngine:
         if not np.array_equal(host, cached):
             problems.append(f"host prefix cache != device cached pages at {np.flatnonzero(host != cached)[:8].tolist()}")
         for slot in range(self.config.max_seqs):
+            lo, hi = self.scheduler.expected_seq_len(slot)
             req = self.scheduler.running.get(slot)
-            if req is None:
-                want_ok = lens[slot] == 0
-            elif slot in self.scheduler.forking:
-                want_ok = lens[slot] == 0
-            elif slot in self.scheduler.prefilling:
-                want_ok = lens[slot] < len(self.scheduler.prefill_tokens(req))
-            else:
-                want_ok = lens[slot] == req.num_tokens - 1
-            if not want_ok:
-                problems.append(f"slot {slot}: the device holds {int(lens[slot])} tokens, the host's request "
-                                f"{'none' if req is None else req.num_tokens}")
+            if not lo <= lens[slot] <= hi:
+                problems.append(f"slot {slot}: the device holds {int(lens[slot])} tokens, the host expects "
+                                f"{lo}..{hi} ({'no request' if req is None else req.phase.value})")
+            elif req is not None and req.num_computed_tokens != lens[slot]:
+                problems.append(f"slot {slot}: the host's num_computed_tokens {req.num_computed_tokens} != the "
+                                f"device's {int(lens[slot])}")
         if problems:
             raise RuntimeError("page state check failed: " + "; ".join(problems))
 
@@ -602,11 +540,8 @@ class LLMEngine:
             "decode_seconds": wall,
             "host_overhead": s.host_overhead,
             "compile_seconds": self.runner.compile_seconds,
-            "decode_compiles": self.runner.decode_traces,
-            "prefill_compiles": self.runner.prefill_traces,
-            "step_compiles": self.runner.step_traces,    # the unified step (chunked prefill)
-            "chunked_prefill": self.config.chunked_prefill,
-            "token_budget": self.config.max_num_batched_tokens if self.config.chunked_prefill else None,
+            "step_compiles": self.runner.step_traces,    # the unified step: 1 once it ran
+            "token_budget": self.config.max_num_batched_tokens,
             "ragged_block_tokens": self.runner.block_tokens,  # rows per model pass (set at compile)
             "steps_per_call": self.config.steps_per_call,
             "decode_steps": s.decode_steps,

@@ -1,8 +1,9 @@
 """What the engine needs from a model: a small protocol, so `jpa.engine` never imports `models`.
 
 Any object with these attributes can be served; `models.GPTForEngine(gpt)` adapts the project's
-Flax GPT. The engine jits `prefill` and `decode` itself with `params` passed as an argument (not
-closed over, so weights are not baked into the executable as constants) and the cache donated.
+Flax GPT. The engine traces `ragged` and `decode` into its one compiled step with `params` passed
+as an argument (not closed over, so weights are not baked into the executable as constants) and
+the cache donated.
 """
 
 from typing import Any, Protocol, runtime_checkable
@@ -28,10 +29,10 @@ class EngineModel(Protocol):
     Attributes:
       config: a ModelSizes.
       dtype: dtype of the parameters; the KV cache defaults to it.
-      params: the parameter pytree handed to prefill/decode.
+      params: the parameter pytree handed to ragged/decode.
 
-    Both functions must be pure and traceable under `jax.jit` (the engine traces them once per
-    shape), read and write `cache` (a `jpa.KVCache` of `config.num_layers` layers) and return
+    Both functions must be pure and traceable under `jax.jit` (the engine traces them once, into
+    its unified step), read and write `cache` (a `jpa.KVCache` of `config.num_layers` layers) and return
     (logits, cache).
 
     Optional, for `EngineConfig(tensor_parallel=N)`: `shard(mesh) -> EngineModel`, the model on
@@ -43,22 +44,6 @@ class EngineModel(Protocol):
     config: ModelSizes
     dtype: Any
     params: Any
-
-    def prefill(self, params, cache, tokens, start, chunk_lens, slot_mapping, block_tables):
-        """A right-padded chunk of prompt tokens per sequence.
-
-        Args:
-          params: the parameter pytree.
-          cache: jpa.KVCache.
-          tokens: i32[num_seqs, num_tokens], right-padded.
-          start: i32[num_seqs]; tokens already cached before this chunk.
-          chunk_lens: i32[num_seqs]; valid tokens of each row (0 = empty row).
-          slot_mapping: i32[num_seqs, num_tokens]; cache slot of each token (-1 = padding).
-          block_tables: i32[num_seqs, pages_per_seq].
-
-        Returns:
-          (f32[num_seqs, vocab_size] logits at each row's last valid token, the updated cache).
-        """
 
     def decode(self, params, cache, tokens, seq_lens, slot_mapping, block_tables, *, impl="auto"):
         """One new token per sequence: write its K/V first, then attend over seq_lens tokens.
@@ -80,8 +65,7 @@ class EngineModel(Protocol):
                *, impl="auto"):
         """A ragged batch: prefill chunks and decode tokens back to back (the unified step).
 
-        Required for EngineConfig(chunked_prefill=True), the default. Write every row's K/V at its
-        slot first, then attend as `jpa.ragged_paged_attention` does.
+        Write every row's K/V at its slot first, then attend as `jpa.ragged_paged_attention` does.
 
         Args:
           params: the parameter pytree.
@@ -102,7 +86,7 @@ class EngineModel(Protocol):
 def check_model(model) -> None:
     """Raises TypeError naming what `model` lacks to satisfy EngineModel."""
     missing = [a for a in ("config", "dtype", "params") if not hasattr(model, a)]
-    missing += [f"{a}()" for a in ("prefill", "decode") if not callable(getattr(model, a, None))]
+    missing += [f"{a}()" for a in ("ragged", "decode") if not callable(getattr(model, a, None))]
     config = getattr(model, "config", None)
     if config is not None:
         for name in SIZE_FIELDS:

@@ -7,10 +7,24 @@ from jpa.engine.detokenizer import IncrementalDetokenizer
 from jpa.engine.sampling import SamplingParams
 
 
-class Status(enum.Enum):
-    WAITING = "waiting"      # in the queue (new, or preempted and waiting to be recomputed)
-    RUNNING = "running"      # holds a slot and pages
+class Phase(enum.Enum):
+    """Where a request is in its life. Only `Scheduler._move` changes it, along `NEXT_PHASES`."""
+    WAITING = "waiting"        # queued: new, or preempted and waiting to be recomputed (or a parallel
+                               # sample waiting with its leader)
+    PREFILLING = "prefilling"  # holds a slot; its prompt (or recompute) is not all in the cache yet
+    FORKING = "forking"        # a parallel sample holding an empty slot until its leader's last chunk
+    DECODING = "decoding"      # holds a slot and decodes
     FINISHED = "finished"
+
+
+# The transitions a request may make (anything else is a scheduler bug and raises).
+NEXT_PHASES = {
+    Phase.WAITING: {Phase.PREFILLING, Phase.FORKING, Phase.FINISHED},
+    Phase.PREFILLING: {Phase.DECODING, Phase.WAITING, Phase.FINISHED},
+    Phase.FORKING: {Phase.DECODING, Phase.WAITING, Phase.FINISHED},
+    Phase.DECODING: {Phase.WAITING, Phase.FINISHED},
+    Phase.FINISHED: set(),
+}
 
 
 @dataclasses.dataclass(eq=False)
@@ -23,12 +37,18 @@ class Request:
     detokenizer: IncrementalDetokenizer | None = None
     output_ids: list[int] = dataclasses.field(default_factory=list)
     output_logprobs: list[float] = dataclasses.field(default_factory=list)  # one per output id
-    status: Status = Status.WAITING
+    phase: Phase = Phase.WAITING
     finish_reason: str | None = None   # "stop" (EOS or stop string), "length", "abort" or "error"
     error: str | None = None
     slot: int = -1
     num_preemptions: int = 0
     admitted_at: int = -1              # admission counter of its current stay in a slot
+    # Device mirror, set at admission and from the device's seq_lens after every call: tokens of
+    # this request in its slot's cache (its prompt, then its prompt and all but the pending token).
+    num_computed_tokens: int = 0
+    cache_refs: tuple[int, ...] = ()   # prefix-cache pages it holds (its hits, then its cached prompt pages)
+    cow_pending: bool = False          # may still share a partly filled last page after a fork (its next
+                                       # token may take a copy-on-write page)
     # Parallel sampling (SamplingParams.n > 1): the first sample leads; the others wait in
     # `siblings` until its prompt is computed, then fork its pages (their `leader` is set).
     siblings: list = dataclasses.field(default_factory=list)
@@ -39,6 +59,10 @@ class Request:
     def num_tokens(self) -> int:
         """Tokens of the sequence so far (prompt + generated)."""
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.phase is Phase.FINISHED
 
     @property
     def text(self) -> str:

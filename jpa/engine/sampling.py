@@ -8,8 +8,10 @@ which other requests share its batch, on its slot, or on preemption and recomput
 import dataclasses
 import math
 
+import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 
@@ -56,6 +58,50 @@ class SamplingParams:
         return self.greedy or self.temperature == 0
 
 
+def _column(dtype, pad):
+    """A SlotParams field: its dtype and the value of a padding (unused) row."""
+    return flax.struct.field(metadata={"dtype": dtype, "pad": pad})
+
+
+@flax.struct.dataclass
+class SlotParams:
+    """Per-slot sampling and stopping parameters as columns (each array [n]): the one schema the
+    scheduler's plan fills (`from_rows`), the runner keeps per slot (`Slots.params`) and the
+    sampler reads (`sample_slots`). A new per-request control is one field here plus its value
+    in `row`."""
+    temperature: jax.Array = _column(np.float32, 0.0)   # f32: 0 = greedy
+    top_k: jax.Array = _column(np.int32, 0)             # i32: 0 = off
+    top_p: jax.Array = _column(np.float32, 1.0)         # f32: 1 = off
+    seed: jax.Array = _column(np.int32, 0)              # i32
+    max_new: jax.Array = _column(np.int32, 0)           # i32: the request's max_new_tokens
+    max_len: jax.Array = _column(np.int32, 0)           # i32: longest sequence (prompt + generated) it may reach
+    ignore_eos: jax.Array = _column(np.bool_, False)    # bool
+
+    @staticmethod
+    def row(params: SamplingParams, max_len: int) -> dict:
+        """One request's values (a dict of the fields)."""
+        return dict(temperature=0.0 if params.is_greedy else float(params.temperature), top_k=params.top_k,
+                    top_p=float(params.top_p), seed=params.seed, max_new=params.max_new_tokens, max_len=max_len,
+                    ignore_eos=params.ignore_eos)
+
+    @classmethod
+    def from_rows(cls, rows, n: int) -> "SlotParams":
+        """Host (numpy) columns of n rows: rows[i] (a `row` dict) or padding where rows[i] is None."""
+        cols = {}
+        for f in dataclasses.fields(cls):
+            col = np.full((n,), f.metadata["pad"], f.metadata["dtype"])
+            for i, r in enumerate(rows):
+                if r is not None:
+                    col[i] = r[f.name]
+            cols[f.name] = col
+        return cls(**cols)
+
+    @classmethod
+    def empty(cls, n: int) -> "SlotParams":
+        """Device columns of n padding rows."""
+        return jax.tree_util.tree_map(jnp.asarray, cls.from_rows((), n))
+
+
 def _order_key(x):
     """f32 -> u32 keys with the same order (IEEE trick: flip negatives, set the sign bit of positives)."""
     u = lax.bitcast_convert_type(x, jnp.uint32)
@@ -73,6 +119,11 @@ def _bisect(pred, num_rows):
     lo = jnp.zeros((num_rows,), jnp.uint32)
     hi = jnp.full((num_rows,), 0xFFFFFFFF, jnp.uint32)
     return lax.fori_loop(0, 32, step, (lo, hi))[1]
+
+
+def sample_slots(logits, params: SlotParams, counters):
+    """`sample_with_logprobs` with each row's parameters from SlotParams columns."""
+    return sample_with_logprobs(logits, params.temperature, params.top_k, params.top_p, params.seed, counters)
 
 
 def sample(logits, temperature, top_k, top_p, seeds, counters):

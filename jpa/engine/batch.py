@@ -1,0 +1,122 @@
+"""The typed contract between the scheduler's plan and the runner's compiled step.
+
+`make_step_batch(plan, ...)` is the one place a `RoundPlan` becomes device input (`StepBatch`);
+the compiled unified step returns a `StepResult`, read back to the host in one transfer and
+handed to `Scheduler.stepped`. Shapes use design.md's legend: B = max_seqs (entries of the
+ragged step, live entries first, then padding), T = the token budget (max_num_batched_tokens),
+P = num_pages, steps = steps_per_call.
+"""
+
+import flax.struct
+import jax
+import numpy as np
+
+from jpa.engine.sampling import SlotParams
+
+
+@flax.struct.dataclass
+class StepBatch:
+    """One unified round's device input.
+
+    Attributes:
+      seq_ids: i32[B]; the slot of each entry (-1 = padding).
+      q_lens: i32[B]; its query rows this round (1 for a decode row, the chunk length for a prompt
+        chunk, 0 for a parallel sample that forks).
+      decode_row: bool[B]; the entry feeds its slot's pending token (the rest are prompt chunks).
+      final: bool[B]; a prompt chunk that ends the prompt (the slot starts decoding after it).
+      tokens: i32[T]; the prompt chunks' token ids back to back (decode rows are filled on the device).
+      params: SlotParams [B]; a final chunk's request parameters, installed in its slot.
+      num_generated: i32[B]; tokens a final chunk's request has generated (> 0: a resumed request).
+      resume_token: i32[B]; a resumed request's pending token (-1: sample it from the logits).
+      hit_tokens: i32[B]; prefix-cache hit tokens shared into the (empty) slot before its first chunk.
+      hit_tables: i32[B, pages_per_seq]; the hit's pages.
+      cache_upto: i32[B]; full prompt pages a final chunk puts into the prefix cache (0 = none).
+      fork_from: i32[B]; for a parallel sample (q_len 0, final, empty slot) the entry whose final
+        chunk it forks; -1 elsewhere.
+      evict: i32[P]; cached-idle pages evicted before anything is reserved (-1 = padding).
+      run_ragged: i32[]; 1 to run the ragged step, 0 for a decode-only round.
+      decode_steps: i32[]; decode steps after it (<= steps_per_call).
+    """
+    seq_ids: jax.Array
+    q_lens: jax.Array
+    decode_row: jax.Array
+    final: jax.Array
+    tokens: jax.Array
+    params: SlotParams
+    num_generated: jax.Array
+    resume_token: jax.Array
+    hit_tokens: jax.Array
+    hit_tables: jax.Array
+    cache_upto: jax.Array
+    fork_from: jax.Array
+    evict: jax.Array
+    run_ragged: jax.Array
+    decode_steps: jax.Array
+
+
+@flax.struct.dataclass
+class StepResult:
+    """What one unified round returns to the host (besides the donated state).
+
+    Attributes:
+      tokens: i32[B]; each entry's sampled (or resumed) token where it is a decode row or a final
+        chunk.
+      logprobs: f32[B]; their log-probabilities (NaN for a resumed request's pending token).
+      ok: bool[]; False when the pool could not hold the entries' rows: then the round changed
+        nothing on the device (no eviction, no reservation, no decode step).
+      out: i32[steps, max_seqs]; tokens of the decode steps (-1 = none).
+      out_logprobs: f32[steps, max_seqs].
+      steps: i32[]; decode steps run (rows of `out` past it are -1).
+      num_free: i32[]; free pages after the round.
+      seq_lens: i32[max_seqs]; tokens cached per slot after the round.
+      active: bool[max_seqs]; slots still decoding (False: finished and released on the device).
+      tables: i32[B, pages_per_seq]; the entries' block-table rows once the final chunks' prompt
+        pages were cached (the host's prefix cache reads their page ids).
+      cow_copies: i32[]; pages copied on write this round.
+    """
+    tokens: jax.Array
+    logprobs: jax.Array
+    ok: jax.Array
+    out: jax.Array
+    out_logprobs: jax.Array
+    steps: jax.Array
+    num_free: jax.Array
+    seq_lens: jax.Array
+    active: jax.Array
+    tables: jax.Array
+    cow_copies: jax.Array
+
+
+def make_step_batch(plan, *, max_seqs: int, num_tokens: int, pages_per_seq: int, num_pages: int,
+                    page_size: int, max_model_len: int) -> StepBatch:
+    """The StepBatch (numpy arrays) of a `scheduler.RoundPlan` for a budget of num_tokens."""
+    entries, b = plan.entries, max_seqs
+    if len(entries) > b or sum(e.q_len for e in entries) > num_tokens:
+        raise ValueError(f"a plan of {len(entries)} entries and {sum(e.q_len for e in entries)} rows does not fit "
+                         f"{b} entries and a budget of {num_tokens} tokens")
+    index = {e.slot: i for i, e in enumerate(entries)}
+    col = lambda fill, dt=np.int32: np.full((b,), fill, dt)  # noqa: E731
+    seq_ids, q_lens, num_generated, resume = col(-1), col(0), col(0), col(-1)
+    decode_row, final = col(False, bool), col(False, bool)
+    hit_tokens, cache_upto, fork_from = col(0), col(0), col(-1)
+    hit_tables = np.zeros((b, pages_per_seq), np.int32)
+    tokens = np.zeros((num_tokens,), np.int32)
+    rows = [None] * b
+    at = 0
+    for i, e in enumerate(entries):
+        seq_ids[i], q_lens[i], decode_row[i], final[i] = e.slot, e.q_len, e.decode, e.final
+        hit_tokens[i], cache_upto[i] = len(e.hit_pages) * page_size, e.cache_upto
+        hit_tables[i, : len(e.hit_pages)] = e.hit_pages
+        fork_from[i] = index[e.fork_of] if e.fork_of >= 0 else -1
+        tokens[at: at + len(e.tokens)] = e.tokens
+        at += e.q_len
+        if e.final:
+            out = e.request.output_ids
+            rows[i] = SlotParams.row(e.request.params, max_model_len)
+            num_generated[i], resume[i] = len(out), (out[-1] if out else -1)
+    evict = np.full((num_pages,), -1, np.int32)
+    evict[: len(plan.evict)] = plan.evict
+    return StepBatch(seq_ids=seq_ids, q_lens=q_lens, decode_row=decode_row, final=final, tokens=tokens,
+                     params=SlotParams.from_rows(rows, b), num_generated=num_generated, resume_token=resume,
+                     hit_tokens=hit_tokens, hit_tables=hit_tables, cache_upto=cache_upto, fork_from=fork_from,
+                     evict=evict, run_ragged=np.int32(len(entries) > 0), decode_steps=np.int32(plan.decode_steps))
