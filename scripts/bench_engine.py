@@ -275,13 +275,13 @@ class Concat(StaticBaseline):
 
 
 def run_jpa(eng, prompt_ids, params):
-    c0, t0 = eng.runner.compile_seconds, (eng.runner.decode_traces, eng.runner.prefill_traces)
+    c0, t0 = eng.runner.compile_seconds, eng.runner.compiles
     eng.stats = EngineStats()
     start = time.perf_counter()
     outs = eng.generate(prompt_ids, params)
     wall = time.perf_counter() - start
     compiled = eng.runner.compile_seconds - c0
-    traces = (eng.runner.decode_traces - t0[0]) + (eng.runner.prefill_traces - t0[1])
+    traces = eng.runner.compiles - t0
     ids = [list(o.token_ids) for o in outs]
     s = eng.summary()
     return ids, dict(wall_seconds=wall, compile_seconds_in_run=compiled, compiles_in_run=traces,

@@ -306,7 +306,7 @@ def main(argv=None):
                       shared_prefix_tokens=shared, prompt_tokens=lens, max_new_tokens=args.max_new,
                       greedy=True, ignore_eos=True, arrivals="all at t0", questions=qs[:args.num_requests],
                       system_prompt=system, warmup_requests=args.warmup_requests, quick=args.quick),
-        engine_config=dict(cfg, chunked_prefill=True, prefix_caching={"off": False, "on": True}),
+        engine_config=dict(cfg, prefix_caching={"off": False, "on": True}),
         timing=("wall time from adding all requests to the last one finishing, after a warm-up run of "
                 f"{args.warmup_requests} requests per engine (compiles; the prefix cache is flushed after it, "
                 "so the 'on' run starts cold); TTFT = step() return with the first token - t0 (queueing "

@@ -67,7 +67,6 @@ def parse_args(argv=None):
     # Server settings (when this script starts it).
     ap.add_argument("--max-seqs", type=int, default=8)
     ap.add_argument("--steps-per-call", type=int, default=4)
-    ap.add_argument("--max-prefill-tokens", type=int, default=1024)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "serving.json"))
     ap.add_argument("--plot", default=os.path.join(ROOT, "benchmarks", "serving.png"))
@@ -174,25 +173,14 @@ async def run_rate(url, args, rate, seed):
 
 
 async def warmup(url, args):
-    """Compiles every (rows, width) prefill bucket the run can meet: n copies of one prompt arrive
-    together and are prefilled in one call of `rows` rows."""
+    """Compiles the engine's one program (the unified step) with a first request."""
     import httpx
 
-    # A preempted request is prefilled again with its output so far: up to input + output tokens.
-    longest = min(args.max_input + args.max_output, args.max_model_len)
-    widths = [w for w in (16, 32, 64, 128, 256, 512, 1024, 2048) if w // 2 < longest]
     lo, _ = token_range(args.model)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(900.0)) as client:
-        for rows in (1, 2, 4, 8, 16, 32):
-            if rows > args.max_seqs:
-                break
-            for w in widths:
-                if rows * w > args.max_prefill_tokens and rows > 1:
-                    continue
-                prompt = [lo + i % 90 for i in range(min(w, longest - 2))]
-                r = await client.post("/v1/completions", json={"model": args.model, "prompt": prompt, "n": rows,
-                                                               "max_tokens": 2, "temperature": 0})
-                r.raise_for_status()
+        r = await client.post("/v1/completions", json={"model": args.model, "prompt": [lo + i for i in range(16)],
+                                                       "max_tokens": 2, "temperature": 0})
+        r.raise_for_status()
 
 
 # ---------------------------------------------------------------------- server
@@ -202,7 +190,7 @@ def start_server(args, log_path):
     env.setdefault("JAX_PLATFORMS", "cpu")
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "serve.py"), "--model", args.model, "--port", "0",
            "--max-seqs", str(args.max_seqs), "--steps-per-call", str(args.steps_per_call),
-           "--max-prefill-tokens", str(args.max_prefill_tokens), "--max-model-len", str(args.max_model_len),
+           "--max-model-len", str(args.max_model_len),
            "--max-n", str(max(args.max_seqs, 1))]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stderr=log, stdout=log, env=env)
@@ -312,7 +300,7 @@ def main(argv=None):
         "command": "scripts/bench_serving.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "model": args.model, "server": None if args.url else {
             "max_seqs": args.max_seqs, "steps_per_call": args.steps_per_call,
-            "max_prefill_tokens": args.max_prefill_tokens, "max_model_len": args.max_model_len},
+            "max_model_len": args.max_model_len},
         "workload": {"num_prompts_per_rate": args.num_prompts, "input_mean": args.input_mean,
                      "output_mean": args.output_mean, "max_input": args.max_input, "max_output": args.max_output,
                      "sigma": 1.0, "seed": args.seed, "sampling": "greedy, ignore_eos"},

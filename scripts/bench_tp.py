@@ -45,7 +45,7 @@ def run(model: str, tp: int, max_seqs: int, new_tokens: int, gpt, tok) -> dict:
     engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, greedy=True, ignore_eos=True))
     wall = time.perf_counter() - t0
     s = engine.summary()
-    coll = collectives(engine.runner._decode_exe.as_text())
+    coll = collectives(engine.runner._step_exe.as_text())
     c = engine.model.config
     step = collective_summary(coll["step"], c.num_layers)
     step_bytes = sum(v["bytes"] for v in step.values())
@@ -58,7 +58,7 @@ def run(model: str, tp: int, max_seqs: int, new_tokens: int, gpt, tok) -> dict:
                 bytes_per_step=step_bytes, bytes_per_token=step_bytes / max_seqs,
                 wire_bytes_per_token=ring * step_bytes / max_seqs,
                 param_bytes_per_device=per_dev_params, kv_bytes_per_device=engine.cache_config.nbytes // tp,
-                decode_tok_s=s["decode_tok_s"], wall_s=round(wall, 1), decode_compiles=s["decode_compiles"])
+                decode_tok_s=s["decode_tok_s"], wall_s=round(wall, 1), step_compiles=s["step_compiles"])
 
 
 def main(argv=None):

@@ -61,8 +61,6 @@ def add_engine_args(ap, *, steps_per_call: int, steps_help: str):
                     "step (decode tokens + prompt chunks per round; default 512, >= --max-seqs)")
     ap.add_argument("--no-prefix-caching", action="store_true", help="do not keep full prompt pages cached "
                     "for later requests with the same prefix (automatic prefix caching is on by default)")
-    ap.add_argument("--no-chunked-prefill", action="store_true", help="separate bucketed prefill calls and "
-                    "decode calls instead of the unified step (the engine before chunked prefill)")
 
 
 def check_engine_args(args, extra_counts=()):
@@ -85,7 +83,6 @@ def engine_config(args, **extra):
         return EngineConfig(max_seqs=args.max_seqs, page_size=args.page_size, num_pages=args.num_pages,
                             kv_memory_bytes=int(args.kv_memory * 2 ** 20), max_model_len=args.max_model_len,
                             steps_per_call=args.steps_per_call, attention_impl=args.attention,
-                            chunked_prefill=not args.no_chunked_prefill,
                             prefix_caching=not args.no_prefix_caching,
                             max_num_batched_tokens=args.max_num_batched_tokens, **extra)
     except ValueError as e:
@@ -291,8 +288,8 @@ def run(args):
                                       for k, v in s.items()}}), flush=True)
     fmt = lambda x, spec: "n/a" if isinstance(x, float) and math.isnan(x) else format(x, spec)
     print(f"[jpa] {len(prompts)} requests ({len(prompts) - failed} ok, {failed} failed) in {wall:.1f} s\n"
-          + (f"[jpa] prefill {s['prefill_tokens']} tokens (in the unified step) | " if s["chunked_prefill"] else
-             f"[jpa] prefill {s['prefill_tokens']} tokens at {fmt(s['prefill_tok_s'], '.1f')} tok/s | ") +
+          + f"[jpa] prefill {s['prefill_tokens']} tokens at {fmt(s['prefill_tok_s'], '.1f')} tok/s (rounds with "
+          f"prompt work) | " +
           f"decode {s['decode_tokens']} tokens at {fmt(s['decode_tok_s'], '.1f')} tok/s "
           f"({s['decode_steps']} steps, {s['steps_per_call']} per host round trip, host overhead "
           f"{fmt(100 * s['host_overhead'], '.1f')}% of decode time)\n"
@@ -303,9 +300,7 @@ def run(args):
              f"{s['cached_pages']} pages cached, {s['peak_shared_pages']} shared at peak, {s['cow_copies']} copied on write | "
              if s["prefix_caching"] else "")
           + f"attention {s['attention']} | compile {s['compile_seconds']:.1f} s "
-          + (f"(unified step compiled {s['step_compiles']}x, token budget {s['token_budget']})"
-             if s["chunked_prefill"] else
-             f"(decode step compiled {s['decode_compiles']}x, prefill {s['prefill_compiles']} shapes)") +
+          + f"(unified step compiled {s['step_compiles']}x, token budget {s['token_budget']})" +
           f" | pool whole after run: {engine.pool_is_whole()}", file=sys.stderr)
     return 1 if failed else 0
 

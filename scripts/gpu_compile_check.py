@@ -470,10 +470,9 @@ def check_ragged(compiler: Compiler, impls, log=print) -> list:
 # ---- 3. The engine's jitted steps, SmolLM2-135M in bfloat16 ----
 
 def engine_steps(pool_gib: float = 1.5, max_seqs: int = 64, page_size: int = 16, max_model_len: int = 2048,
-                 steps_per_call: int = 8, prefill_rows: int = 8, prefill_width: int = 256, budget: int = 512):
-    """[(name, fn, args, donate_argnums, pool shapes, expected kernel calls)] of the engine's
-    unified step (a ragged step over `budget` tokens in one pass, then the decode loop), its
-    decode loop and a prefill call of the separate engine (chunked_prefill=False).
+                 steps_per_call: int = 8, budget: int = 512):
+    """[(name, fn, args, donate_argnums, pool shapes, expected kernel calls)] of the engine's one
+    program, the unified step: a ragged step over `budget` tokens in one pass, then the decode loop.
 
     The model and the engine's state are abstract (nnx.eval_shape; a runner with allocate=False):
     no weights are read and no pool is allocated, so this runs without the model package.
@@ -501,17 +500,12 @@ def engine_steps(pool_gib: float = 1.5, max_seqs: int = 64, page_size: int = 16,
         (f"engine unified step (SmolLM2 bf16, {budget}-token budget + {steps_per_call} decode steps, "
          f"{max_seqs} seqs, {cache_cfg.num_pages} pages)",
          runner._step_impl, runner.state() + (runner.step_inputs(budget),), DONATE, pools, 3 * config.num_layers),
-        (f"engine decode loop (SmolLM2 bf16, {max_seqs} seqs, {steps_per_call} steps, {cache_cfg.num_pages} pages)",
-         runner._decode_impl, runner.state(), DONATE, pools, config.num_layers),
-        (f"engine prefill (SmolLM2 bf16, {prefill_rows}x{prefill_width} tokens, {cache_cfg.num_pages} pages)",
-         runner._prefill_impl, runner.state() + runner.prefill_inputs(prefill_rows, prefill_width), DONATE,
-         pools, 0),
     ]
 
 
 def check_engine(compiler: Compiler, log=print, **sizes) -> list:
-    """Compiles the engine's steps with impl="auto": the decode loop must hold the target's kernel
-    (Mosaic on an H100, Triton on an A100) once per layer."""
+    """Compiles the engine's unified step with impl="auto": it must hold the target's kernels (Mosaic
+    on an H100, Triton on an A100) three times per layer (ragged tiles, last rows, decode loop)."""
     from jpa.engine.runner import attention_in
     records = []
     expected = "mosaic" if TARGETS[compiler.target]["cc"][0] == 9 else "triton"
@@ -603,18 +597,19 @@ def collective_summary(items: list, num_layers: int) -> dict:
 
 def tp_engine_steps(compiler: Compiler, config: dict | None = None, pool_gib_per_device: float = 8.0,
                     max_seqs: int = 64, page_size: int = 16, max_model_len: int = 4096, steps_per_call: int = 8,
-                    prefill_rows: int = 4, prefill_width: int = 512, embeddings: str = "vocab"):
-    """The engine's decode loop and a prefill call of a tensor-parallel model on compiler.tp_mesh.
+                    budget: int = 512, embeddings: str = "vocab"):
+    """The engine's unified step (a `budget`-token ragged pass, then the decode loop) of a
+    tensor-parallel model on compiler.tp_mesh.
 
     The model is abstract (nnx.eval_shape) and sharded by models.sharding (params become
     ShapeDtypeStructs carrying their NamedShardings); the runner's state is abstract and sharded
     as the engine shards it. Returns (records' inputs, details): [(name, fn, args, jit_options,
-    per-device pool shapes, expected kernel calls)] and a dict of the sizes.
+    per-device pool shapes, expected kernel calls, model passes)] and a dict of the sizes.
     """
     from flax import nnx
 
     from jpa.cache import CacheConfig
-    from jpa.engine.runner import DECODE_OUTPUTS, PREFILL_OUTPUTS, ModelRunner
+    from jpa.engine.runner import ModelRunner
     from models import GPT, GPTForEngine, ModelConfig
 
     mesh = compiler.tp_mesh
@@ -627,7 +622,9 @@ def tp_engine_steps(compiler: Compiler, config: dict | None = None, pool_gib_per
                                         num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
                                         page_size=page_size, dtype="bfloat16")
     runner = ModelRunner(model, cache_cfg, max_seqs=max_seqs, pages_per_seq=max_model_len // page_size,
-                         steps_per_call=steps_per_call, stop_ids=(mc.eos_token_id,), allocate=False, mesh=mesh)
+                         steps_per_call=steps_per_call, stop_ids=(mc.eos_token_id,), allocate=False, mesh=mesh,
+                         block_tokens=budget)
+    runner.set_block_tokens(budget)   # the GPU default: the whole budget in one pass
     local_pool = ((mc.num_kv_heads // tp, cache_cfg.num_pages, page_size, mc.head_dim), "bfloat16")
     pools = [local_pool] * (2 * mc.num_layers)
     param_bytes = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize
@@ -640,44 +637,43 @@ def tp_engine_steps(compiler: Compiler, config: dict | None = None, pool_gib_per
                    pool_spec=str(runner.cache.k[0].sharding.spec),
                    param_specs={n: str(getattr(model.params["layers"][0], n).sharding.spec)
                                 for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")})
+    # Two model passes (the ragged pass and the decode loop's body), each with the kernel calls of
+    # a ragged op (2 per layer) or a decode (1 per layer).
     steps = [
-        (f"tp={tp} decode loop ({max_seqs} seqs, {steps_per_call} steps, {cache_cfg.num_pages} pages)",
-         runner._decode_impl, runner.state(), runner.jit_options(DECODE_OUTPUTS), pools, mc.num_layers),
-        (f"tp={tp} prefill ({prefill_rows}x{prefill_width} tokens)", runner._prefill_impl,
-         runner.state() + runner.prefill_inputs(prefill_rows, prefill_width), runner.jit_options(PREFILL_OUTPUTS), pools, 0),
+        (f"tp={tp} unified step ({budget}-token budget + {steps_per_call} decode steps, {max_seqs} seqs, "
+         f"{cache_cfg.num_pages} pages)", runner._step_impl, runner.state() + (runner.step_inputs(budget),),
+         runner.jit_options(), pools, 3 * mc.num_layers, 2),
     ]
     return steps, details
 
 
 def check_tp(compiler: Compiler, log=print, **sizes) -> list:
-    """Compiles a Llama-shaped model's engine steps over compiler.tp_mesh and checks the data
-    movement: in the decode loop exactly two all-reduces per layer (after wo and w_down) plus a
-    fixed few for sampling, no all-gather/all-to-all, the target's kernel once per layer, the
-    donated pool shards aliased and no pool copy."""
+    """Compiles a Llama-shaped model's unified step over compiler.tp_mesh and checks the data
+    movement: exactly two f32[tokens, d_model] all-reduces per layer and model pass (after wo and
+    w_down; the ragged pass and the decode loop) plus a fixed few for sampling, no
+    all-gather/all-to-all, the target's kernels three times per layer, the donated pool shards
+    aliased and no pool copy."""
     records = []
     expected = "mosaic" if TARGETS[compiler.target]["cc"][0] == 9 else "triton"
     steps, details = tp_engine_steps(compiler, **sizes)
     num_layers = details["num_layers"]
-    for name, fn, args, opts, pools, kernel_calls in steps:
+    for name, fn, args, opts, pools, kernel_calls, passes in steps:
         rec = compiler.compile(name, fn, args, jit_options=opts, pool_shapes=pools, keep_hlo=True)
         hlo = rec.pop("hlo", "")
         rec.update(kind="tp", **details)
         if "error" not in rec:
             coll = collectives(hlo)
-            loop = kernel_calls > 0
-            rec["collectives_per_step" if loop else "collectives_per_call"] = collective_summary(
-                coll["step"] if loop else coll["step"] + coll["outside"], num_layers)
-            if loop:
-                rec["collectives_outside_loop"] = collective_summary(coll["outside"], num_layers)
-            items = coll["step"] if loop else coll["step"] + coll["outside"]
+            rec["collectives_per_step"] = collective_summary(coll["step"], num_layers)
+            rec["collectives_outside_loop"] = collective_summary(coll["outside"], num_layers)
+            items = coll["step"] + coll["outside"]
             # The row-parallel sums: f32[tokens..., d_model] all-reduces, two per layer.
             row = [c for c in items if c["op"] == "all-reduce" and c["type"].startswith("f32[")
                    and c["type"].endswith(f",{details['d_model']}]")]
             rec["row_parallel_all_reduces"] = len(row)
             rec["other_collectives"] = collective_summary([c for c in items if c not in row], num_layers)
-            if len(row) != 2 * num_layers:
-                rec["problems"].append(f"expected 2 row-parallel all-reduces per layer ({2 * num_layers}); "
-                                       f"found {len(row)}")
+            if len(row) != 2 * passes * num_layers:
+                rec["problems"].append(f"expected 2 row-parallel all-reduces per layer and model pass "
+                                       f"({2 * passes * num_layers}); found {len(row)}")
             # Nothing with a head axis (K/V, q, attention outputs) or a pool dimension may move.
             h, pages = details["head_dim"], details["num_pages"]
             moved = [c for c in items if f",{h}]" in c["type"] or f"{pages}," in c["type"]
@@ -689,7 +685,7 @@ def check_tp(compiler: Compiler, log=print, **sizes) -> list:
             rec["ok"] = not rec["problems"]
         records.append(rec)
         log(_line(rec))
-        for key in ("collectives_per_step", "collectives_per_call", "collectives_outside_loop"):
+        for key in ("collectives_per_step", "collectives_outside_loop"):
             if key in rec:
                 log(f"      {key}: " + "; ".join(f"{op} x{v['count']} ({v['per_layer']:.2f}/layer) {v['types']} "
                                                   f"{v['bytes'] / 2**20:.2f} MiB" for op, v in rec[key].items()))

@@ -37,8 +37,6 @@ def parse_args(argv=None):
                     help="require `Authorization: Bearer KEY` (default: $JPA_API_KEY, else no key)")
     add_engine_args(ap, steps_per_call=4, steps_help="decode steps per engine round (tokens stream once per "
                     "round: fewer = smoother streaming, more = higher throughput)")
-    ap.add_argument("--max-prefill-tokens", type=int, default=2048, help="with --no-chunked-prefill: padded "
-                    "prompt tokens (rows x width) per prefill call; each (rows, width) bucket met compiles once")
     ap.add_argument("--max-waiting", type=int, default=256, help="most requests waiting for a slot; beyond "
                     "it new requests get 503 with Retry-After")
     ap.add_argument("--max-n", type=int, default=16, help="largest `n` (choices per request)")
@@ -53,7 +51,7 @@ def parse_args(argv=None):
 
 
 def check_args(args):
-    check_engine_args(args, ("max_prefill_tokens", "max_waiting", "max_n"))
+    check_engine_args(args, ("max_waiting", "max_n"))
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in [0, 65535]; got {args.port}")
     if args.api_key is not None and not args.api_key:
@@ -116,7 +114,7 @@ def run(args, sock):
 
     t0 = time.perf_counter()
     print(f"[jpa] loading {args.model} ({dtype}) on {jax.devices()[0].platform}...", file=sys.stderr)
-    config = engine_config(args, max_prefill_tokens=args.max_prefill_tokens)
+    config = engine_config(args)
     try:
         gpt, tok = models.load(args.model, dtype=jnp.dtype(dtype))
     except (ValueError, FileNotFoundError) as e:  # a bad checkpoint directory

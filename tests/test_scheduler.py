@@ -9,14 +9,16 @@ import math
 import numpy as np
 import pytest
 
+from jpa.engine.batch import StepResult
 from jpa.engine.detokenizer import IncrementalDetokenizer
-from jpa.engine.request import Request, Status
+from jpa.engine.request import Phase, Request
 from jpa.engine.sampling import SamplingParams
 from jpa.engine.scheduler import Scheduler
 from models.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 EOS = TOK.EOS
+BUDGET = 1024
 
 
 class Pool:
@@ -37,7 +39,7 @@ class Pool:
 def make(num_pages=16, page_size=4, max_seqs=4, steps=2, watermark=0.0, max_model_len=None):
     sched = Scheduler(max_seqs=max_seqs, page_size=page_size, num_pages=num_pages,
                       max_model_len=max_model_len or num_pages * page_size, steps_per_call=steps,
-                      watermark=watermark, max_prefill_tokens=4096, stop_ids=(EOS,))
+                      watermark=watermark, stop_ids=(EOS,))
     return sched, Pool(num_pages, page_size, max_seqs)
 
 
@@ -50,32 +52,46 @@ def req(n_prompt, stop=(), ignore_eos=False, max_new=100):
     return Request(next(_ids), "", [int(t) for t in prompt], params, IncrementalDetokenizer(TOK, stop))
 
 
+def play(sched, pool, plan, first_token=ord("a"), loop=None, finished_on_device=()):
+    """Plays the device for one round of `plan`: each entry's rows are cached (a fork copies its
+    leader's length), decode rows and final chunks emit first_token, then the decoding slots emit
+    loop[slot] (each token stored before it; the device may run fewer steps than planned); slots
+    in finished_on_device are finished and released by the device. Returns stepped()'s events."""
+    loop = loop or {}
+    b, n = len(pool.lens), len(plan.entries)
+    for e in plan.entries:
+        pool.lens[e.slot] = pool.lens[e.fork_of] if e.fork_of >= 0 else pool.lens[e.slot] + e.q_len
+    decoding = [s for s, r in sched.running.items()
+                if r.phase is Phase.DECODING or any(e.slot == s and e.final for e in plan.entries)]
+    steps = max((len(loop.get(s, [])) for s in decoding), default=0)
+    out = np.full((steps, b), -1, np.int32)
+    for s in decoding:
+        toks = loop.get(s, [])
+        out[: len(toks), s] = toks
+        pool.lens[s] += len(toks)
+    active = np.array([s in decoding and s not in finished_on_device for s in range(b)])
+    for s in finished_on_device:
+        pool.lens[s] = 0
+    assert pool.free() >= 0, "the scheduler over-committed the pool"
+    result = StepResult(tokens=np.full((n,), first_token, np.int32), logprobs=np.zeros((n,), np.float32),
+                        ok=np.bool_(True), out=out, out_logprobs=np.zeros(out.shape, np.float32),
+                        steps=np.int32(steps), num_free=np.int32(pool.free()), seq_lens=np.array(pool.lens),
+                        active=active, tables=np.zeros((n, 1), np.int32), cow_copies=np.int32(0))
+    return sched.stepped(plan, result)
+
+
 def admit(sched, pool, first_token=ord("a")):
-    """schedule() + a simulated prefill; returns the batch's requests."""
-    batch = sched.schedule()
-    if batch is None:
-        return []
-    for slot, toks in zip(batch.slots, batch.tokens):
-        pool.lens[slot] = len(toks)
-    pool.report(sched)
-    sched.admitted(batch, [first_token] * len(batch.slots), [False] * len(batch.slots))
-    return list(batch.requests)
+    """A round with the whole budget and no decode steps; returns the requests it admitted."""
+    plan = sched.plan_round(BUDGET)
+    play(sched, pool, plan, first_token)
+    return [r for r in (sched.running.get(s) for s in plan.admitted) if r is not None]
 
 
 def decode(sched, pool, tokens_by_slot, finished_on_device=()):
-    """A simulated decode call: tokens_by_slot[slot] = tokens produced (each one stored before it)."""
-    per_slot, active = [], []
-    for slot in range(len(pool.lens)):
-        toks = tokens_by_slot.get(slot, [])
-        if slot in sched.running:
-            pool.lens[slot] += len(toks)
-        done = slot in finished_on_device
-        if done:
-            pool.lens[slot] = 0
-        per_slot.append(toks)
-        active.append(slot in sched.running and not done)
-    pool.report(sched)
-    return sched.decoded(per_slot, active)
+    """A decode-only round: tokens_by_slot[slot] = tokens produced."""
+    plan = sched.plan_round(BUDGET)
+    assert not plan.entries, "expected a decode-only round"
+    return play(sched, pool, plan, loop=tokens_by_slot, finished_on_device=finished_on_device)
 
 
 def end_round(sched, pool):
@@ -93,18 +109,31 @@ def test_admission_is_first_come_first_served_into_free_slots():
         sched.add(r)
     got = admit(sched, pool)
     assert got == reqs[:2]
-    assert [r.slot for r in got] == [0, 1] and all(r.status is Status.RUNNING for r in got)
+    assert [r.slot for r in got] == [0, 1] and all(r.phase is Phase.DECODING for r in got)
     assert list(sched.waiting) == reqs[2:]
-    assert sched.schedule() is None  # no free slot
+    assert sched.plan_round(BUDGET).admitted == ()  # no free slot
 
 
-def test_admission_batch_shape_is_bucketed():
+def test_token_budget_chunks_prompts_in_admission_order():
+    """Decoding requests take one token each first; prompts are cut into chunks of what is left,
+    in admission order, and finish over rounds (PREFILLING until their last chunk)."""
     sched, pool = make(num_pages=64, max_seqs=4)
-    for n in (5, 17, 3):
-        sched.add(req(n))
-    batch = sched.schedule()
-    assert (batch.num_rows, batch.width) == (4, 32)
-    assert [len(t) for t in batch.tokens] == [5, 17, 3]
+    a = req(3)
+    sched.add(a)
+    admit(sched, pool)
+    b, c = req(9), req(6)
+    sched.add(b)
+    sched.add(c)
+    plan = sched.plan_round(8)                            # a's token + 7 prompt tokens
+    assert [(e.slot, e.q_len, e.decode, e.final) for e in plan.entries] == [(0, 1, True, False), (1, 7, False, False)]
+    assert plan.decode_steps == 0 and b.phase is Phase.PREFILLING and c.phase is Phase.WAITING
+    play(sched, pool, plan)
+    assert b.num_computed_tokens == 7 and b.phase is Phase.PREFILLING
+    plan = sched.plan_round(8)                            # a, the rest of b, then c's first 5
+    assert [(e.slot, e.q_len, e.final) for e in plan.entries] == [(0, 1, False), (1, 2, True), (2, 5, False)]
+    assert plan.entries[2].tokens == tuple(c.prompt_ids[:5])
+    play(sched, pool, plan)
+    assert b.phase is Phase.DECODING and c.phase is Phase.PREFILLING and b.output_ids == [ord("a")]
 
 
 def test_headroom_holds_admission_back():
@@ -130,9 +159,9 @@ def test_watermark_boundary_and_idle_engine():
     b = req(10)                                           # needs 3: 7 - 0 - 3 = 4, not < 3
     sched.add(b)
     assert admit(sched, pool) == [b]
-    c = req(6)                                            # needs 2: 4 - 0 - 2 = 2 < 3
+    c = req(6)                                            # needs 2: 4 - 1 - 2 = 1 < 3 (a decoded: headroom 1)
     sched.add(c)
-    assert sched.schedule() is None and list(sched.waiting) == [c]
+    assert sched.plan_round(BUDGET).admitted == () and list(sched.waiting) == [c]
     # An idle engine admits a prompt that breaks the watermark, as long as it fits in the pool.
     sched2, pool2 = make(num_pages=10, page_size=4, steps=2, watermark=0.5)
     big = req(30)                                         # 8 pages (10 with growth) > 10 - 5
@@ -152,10 +181,10 @@ def test_preemption_takes_the_newest_until_the_step_fits():
     release, preempted = end_round(sched, pool)
     # Preempting the newest frees 2 pages; the two left need 2: one preemption is enough.
     assert preempted == [reqs[2]] and release == [2]
-    assert reqs[2].status is Status.WAITING and reqs[2].num_preemptions == 1
+    assert reqs[2].phase is Phase.WAITING and reqs[2].num_preemptions == 1
     assert list(sched.waiting) == [reqs[2]] and sched.num_preemptions == 1
     assert reqs[2].output_ids == [ord("a")] * 6           # generated tokens are kept
-    assert sched.schedule() is None                       # no admission right after a preemption
+    assert sched.plan_round(BUDGET).admitted == ()        # no admission right after a preemption
 
 
 def test_several_preemptions_keep_queue_order():
@@ -193,7 +222,7 @@ def test_admission_after_a_preemption_and_an_abort_of_the_rest():
     admit(sched, pool)
     decode(sched, pool, {0: [97], 1: [97]})
     assert end_round(sched, pool) == ([1], [b])
-    assert sched.abort(a.request_id) is a                 # between steps
+    assert sched.abort(a.request_id) == [a]               # between steps
     pool.lens[sched.take_releases()[0]] = 0
     pool.report(sched)
     assert admit(sched, pool) == [b]
@@ -210,7 +239,7 @@ def test_stop_and_exhaustion_in_the_same_round():
     # before the end of the call.
     events = decode(sched, pool, {0: [ord(c) for c in "qqxyz"], 1: [ord("q")] * 5})
     assert pool.free() == 0
-    assert a.status is Status.FINISHED and a.finish_reason == "stop"
+    assert a.phase is Phase.FINISHED and a.finish_reason == "stop"
     assert a.output_ids == [ord(c) for c in "aqqxy"]      # ends at the stop, not at "z"
     assert a.text == "aqq" and sched.next_step_pages() == 1
     assert [e.request for e in events if e.finished] == [a]
@@ -222,7 +251,8 @@ def test_stop_and_exhaustion_in_the_same_round():
 def test_empty_running_set():
     sched, pool = make()
     assert end_round(sched, pool) == ([], [])
-    assert sched.schedule() is None and sched.decoded([[]] * 4, [False] * 4) == []
+    plan = sched.plan_round(BUDGET)
+    assert plan.entries == () and play(sched, pool, plan) == []
     # Everyone finishing on the device in a round that also ran the pool out: nothing to preempt.
     sched, pool = make(num_pages=2, page_size=4, max_seqs=2, steps=1)
     a, b = req(3), req(3)
@@ -251,20 +281,51 @@ def test_abort_waiting_and_running():
     sched.add(a)
     sched.add(b)
     admit(sched, pool)
-    assert sched.abort(b.request_id) is b and b.finish_reason == "abort" and not sched.waiting
-    assert sched.abort(a.request_id) is a and a.finish_reason == "abort" and not sched.running
+    assert sched.abort(b.request_id) == [b] and b.finish_reason == "abort" and not sched.waiting
+    assert sched.abort(a.request_id) == [a] and a.finish_reason == "abort" and not sched.running
     assert sched.take_releases() == [0]
-    assert sched.abort("nobody") is None
+    assert sched.abort("nobody") == []
 
 
-def test_requeue_keeps_order():
+def test_unplan_keeps_order():
     sched, pool = make(max_seqs=2)
     reqs = [req(3) for _ in range(3)]
     for r in reqs:
         sched.add(r)
-    batch = sched.schedule()
-    sched.requeue(batch)
-    assert list(sched.waiting) == reqs
+    plan = sched.plan_round(BUDGET)
+    assert len(plan.admitted) == 2
+    sched.unplan(plan)
+    assert list(sched.waiting) == reqs and not sched.running
+    assert all(r.phase is Phase.WAITING and r.slot == -1 for r in reqs)
+
+
+def test_phases_change_only_along_their_transitions():
+    sched, pool = make()
+    a = req(3)
+    sched.add(a)
+    with pytest.raises(RuntimeError, match="no transition waiting -> decoding"):
+        sched._move(a, Phase.DECODING)
+    admit(sched, pool)
+    assert a.phase is Phase.DECODING
+    with pytest.raises(RuntimeError, match="no transition decoding -> prefilling"):
+        sched._move(a, Phase.PREFILLING)
+    with pytest.raises(RuntimeError, match="only new requests"):
+        sched.add(a)
+
+
+def test_a_sample_finished_at_its_fork_charges_nothing_later():
+    """Regression: the copy-on-write page of a fork was charged to the slot, not the request, so a
+    sample the device finished at the fork (max_new_tokens 1) left its slot charged one page."""
+    sched, pool = make(num_pages=16, page_size=4, max_seqs=2)
+    lead = req(5, max_new=1)
+    sib = Request((lead.request_id, 1), "", list(lead.prompt_ids), lead.params, IncrementalDetokenizer(TOK))
+    lead.siblings, sib.leader = [sib], lead
+    sched.add(lead)
+    plan = sched.plan_round(BUDGET)
+    assert sib.phase is Phase.FORKING and [e.fork_of for e in plan.entries] == [-1, lead.slot]
+    play(sched, pool, plan, finished_on_device={0, 1})
+    assert lead.finished and sib.finished and not sched.running
+    assert sched.headroom() == 0 and sched.next_step_pages() == 0
 
 
 def test_resumed_request_recomputes_all_but_its_pending_token():
@@ -275,16 +336,14 @@ def test_resumed_request_recomputes_all_but_its_pending_token():
     admit(sched, pool)
     decode(sched, pool, {s: [98] * 5 for s in range(3)})
     end_round(sched, pool)
-    sched.schedule()                                      # the round after a preemption: nothing
-    decode(sched, pool, {0: [99], 1: [99]}, finished_on_device={0, 1})
+    decode(sched, pool, {0: [99], 1: [99]}, finished_on_device={0, 1})   # no admission in this round
     end_round(sched, pool)
-    batch = sched.schedule()
+    plan = sched.plan_round(BUDGET)
     victim = reqs[2]
-    assert batch.requests == (victim,)
-    assert list(batch.tokens[0]) == victim.prompt_ids + victim.output_ids[:-1]
-    pool.lens[batch.slots[0]] = len(batch.tokens[0])
-    pool.report(sched)
-    events = sched.admitted(batch, [victim.output_ids[-1]], [False])
+    (e,) = plan.entries
+    assert e.request is victim and e.final
+    assert list(e.tokens) == victim.prompt_ids + victim.output_ids[:-1]
+    events = play(sched, pool, plan, first_token=0)
     assert events[0].new_token_ids == () and len(victim.output_ids) == 6
 
 

@@ -88,13 +88,10 @@ class Live:
 @pytest.fixture(scope="module")
 def live():
     model, tok = models.load("tiny-llama", seed=1)
-    # max_prefill_tokens=16: one prompt per prefill call, so the few prompt widths the tests use are
-    # the only prefill shapes compiled (each costs seconds on a CPU); the server is what is tested.
     # Long requests (LONG below) must outlive the client's disconnect by far: max_model_len 2048,
     # and a pool that holds 8 of them at once (no preemption).
     eng = LLMEngine(models.GPTForEngine(model), tok, EngineConfig(max_seqs=8, page_size=16, num_pages=1100,
-                                                                  steps_per_call=4, max_model_len=MAX_LEN,
-                                                                  max_prefill_tokens=16))
+                                                                  steps_per_call=4, max_model_len=MAX_LEN))
     # Offline greedy results (and the compilations the server then reuses).
     reference = dict(zip(PROMPTS, eng.generate(PROMPTS, SamplingParams(max_new_tokens=24, greedy=True,
                                                                          ignore_eos=True))))

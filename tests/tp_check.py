@@ -102,8 +102,7 @@ def main(out_path, full=False):
             params = engine.model.params
             layer = params["layers"][0]
             rec = dict(model=name, tp=tp, tokens=[list(o.token_ids) for o in outs],
-                       step_compiles=s["step_compiles"], decode_compiles=s["decode_compiles"],
-                       prefill_compiles=s["prefill_compiles"], head_plan=s["head_plan"],
+                       step_compiles=s["step_compiles"], head_plan=s["head_plan"],
                        pool_whole=engine.pool_is_whole(), seconds=0.0)
             if tp > 1:
                 spec = lambda x: list(x.sharding.spec)  # noqa: E731
