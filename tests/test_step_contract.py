@@ -1,0 +1,115 @@
+"""The contract between the scheduler's plan and the compiled step: StepBatch in, StepResult out,
+and a round whose pages cannot be reserved changes nothing on the device (fault injection)."""
+
+import jax
+import numpy as np
+import pytest
+
+import models
+from jpa.engine import EngineConfig, LLMEngine, Phase, SamplingParams, SlotParams
+from jpa.engine.batch import StepBatch, make_step_batch
+
+CFG = dict(max_seqs=4, page_size=4, num_pages=48, max_model_len=96, max_num_batched_tokens=16, steps_per_call=3)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    gpt, tok = models.load("tiny-llama", seed=3)
+    return models.GPTForEngine(gpt), tok
+
+
+def prompts(rng, n):
+    return ["".join(chr(97 + x) for x in rng.integers(0, 26, rng.integers(6, 30))) for _ in range(n)]
+
+
+def test_step_batch_has_the_legend_shapes(tiny):
+    eng = LLMEngine(*tiny, EngineConfig(**CFG))
+    for p in prompts(np.random.default_rng(0), 3):
+        eng.add_request(p, SamplingParams(max_new_tokens=4, temperature=0.7, seed=5))
+    plan = eng.scheduler.plan_round(CFG["max_num_batched_tokens"])
+    batch = make_step_batch(plan, max_seqs=4, num_tokens=16, pages_per_seq=eng.pages_per_seq,
+                            num_pages=eng.num_pages, page_size=4, max_model_len=eng.max_model_len)
+    assert isinstance(batch, StepBatch) and isinstance(batch.params, SlotParams)
+    b, t = 4, 16
+    for name, shape in dict(seq_ids=(b,), q_lens=(b,), decode_row=(b,), final=(b,), tokens=(t,),
+                            num_generated=(b,), resume_token=(b,), hit_tokens=(b,),
+                            hit_tables=(b, eng.pages_per_seq), cache_upto=(b,), fork_from=(b,),
+                            evict=(eng.num_pages,), run_ragged=(), decode_steps=()).items():
+        assert getattr(batch, name).shape == shape, name
+    n = len(plan.entries)
+    assert n and sum(batch.q_lens) == sum(e.q_len for e in plan.entries) <= t
+    assert list(batch.seq_ids[:n]) == [e.slot for e in plan.entries] and (batch.seq_ids[n:] == -1).all()
+    # Final chunks carry their request's parameters; every other row is padding (top_p 1 = off).
+    for i, e in enumerate(plan.entries):
+        assert batch.params.temperature[i] == (np.float32(0.7) if e.final else 0.0)
+    assert (batch.params.top_p[n:] == 1.0).all()
+    eng.scheduler.unplan(plan)
+
+
+def test_a_failed_reservation_changes_nothing_on_the_device(tiny):
+    """Regression: a round whose reservation failed still ran its decode steps and its evictions,
+    so the device held tokens the host never saw. Fault injection: the host is told the pool has
+    more free pages than it does, plans past it, and the round must leave the device as it was."""
+    rng = np.random.default_rng(7)
+    # Two 17-token prompts hold 10 of the 12 pages once prefilled: any chunk of another prompt the
+    # host admits (up to 14 tokens, 4 pages) cannot be reserved.
+    ps = ["".join(chr(97 + x) for x in rng.integers(0, 26, 17 if i < 2 else 20)) for i in range(6)]
+    params = [SamplingParams(max_new_tokens=12, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True)
+              for i in range(6)]
+    cfg = EngineConfig(**{**CFG, "num_pages": 12})
+    ref = LLMEngine(*tiny, cfg).generate(ps, params)
+
+    eng = LLMEngine(*tiny, cfg)
+    for p, sp in zip(ps[:2], params[:2]):
+        eng.add_request(p, sp)
+    out = {}
+    for _ in range(3):   # two requests decoding
+        out.update({o.request_id: o.output for o in eng.step() if o.finished})
+    assert eng.scheduler.phase_count(Phase.DECODING) == 2
+    before_device = jax.device_get((eng.runner.page_state, eng.runner.slots))
+    before_host = {s: (r.num_computed_tokens, list(r.output_ids)) for s, r in eng.scheduler.running.items()}
+    for i, (p, sp) in enumerate(zip(ps[2:], params[2:])):
+        eng.add_request(p, sp, request_id=i + 2)
+    truth = eng.scheduler.free_pages
+    assert truth <= 2
+    eng.scheduler.free_pages = 10 * eng.num_pages            # the fault: the host believes in 120 free pages
+    with pytest.raises(RuntimeError, match="could not reserve pages"):
+        eng.step()
+    after_device = jax.device_get((eng.runner.page_state, eng.runner.slots))
+    for a, b in zip(jax.tree_util.tree_leaves(before_device), jax.tree_util.tree_leaves(after_device)):
+        np.testing.assert_array_equal(a, b)
+    assert {s: (r.num_computed_tokens, list(r.output_ids)) for s, r in eng.scheduler.running.items()} == before_host
+    assert [r.request_id for r in eng.scheduler.waiting] == [2, 3, 4, 5]   # admitted ones are back, in order
+    eng.scheduler.free_pages = truth
+    eng.check_page_state()
+    while eng.has_unfinished:
+        out.update({o.request_id: o.output for o in eng.step() if o.finished})
+        eng.check_page_state()
+    for i, r in enumerate(ref):
+        got = out[i]
+        assert got.token_ids == r.token_ids
+        np.testing.assert_allclose(got.logprobs, r.logprobs, atol=1e-5)
+    assert eng.pool_is_whole()
+
+
+def test_a_group_id_stays_taken_until_every_sample_is_out(tiny):
+    """Regression: add_request(request_id="x", n=2) twice was accepted while the first ran; two
+    live requests shared the ids ("x", 0) and ("x", 1), and the first to finish made
+    has_unfinished False while the other still held slots and pages."""
+    eng = LLMEngine(*tiny, EngineConfig(**CFG))
+    sp = SamplingParams(max_new_tokens=6, temperature=0.8, seed=1, n=2)
+    eng.add_request("abcdefgh", sp, request_id="x")
+    with pytest.raises(ValueError, match="already used"):
+        eng.add_request("ijklmnop", sp, request_id="x")
+    with pytest.raises(ValueError, match="already used"):
+        eng.add_request("ijklmnop", request_id=("x", 1))
+    with pytest.raises(ValueError, match="already used"):   # a group whose sample ids are taken
+        eng.add_request("ijklmnop", SamplingParams(n=3), request_id="x")
+    done = []
+    while eng.has_unfinished:
+        done += [o.request_id for o in eng.step() if o.finished]
+    assert sorted(done) == [("x", 0), ("x", 1)] and eng.pool_is_whole()
+    eng.add_request("ijklmnop", sp, request_id="x")          # free again
+    while eng.has_unfinished:
+        eng.step()
+    assert eng.pool_is_whole()
