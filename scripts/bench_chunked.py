@@ -1,5 +1,9 @@
 #!/usr/bin/env python3
-"""Benchmark: today's separate prefill + decode engine against the unified (chunked-prefill) step.
+"""Benchmark: chunked prefill (token budgets) against whole-prompt rounds, on the one unified step.
+
+History: this script compared the separate prefill + decode engine with the unified step (issue 13;
+BENCHMARKS.md keeps those figures). The separate engine is gone; its policy, every prompt prefilled
+whole in one round, is now the "separate" system: the same step with a budget of max_model_len.
 
 Issue 13 asks, on CPU with SmolLM2, in one run: does one jitted call per round over a ragged batch
 (decode tokens first, then prompt chunks up to a token budget) keep throughput, cut the p99
@@ -7,9 +11,9 @@ inter-token latency that running decodes see while a long prompt is prefilled, a
 
 Systems (same model and weights, same EngineConfig apart from the two fields below; prefix
 caching off, since the warm passes repeat the prompts and the separate engine has none):
-- separate: `EngineConfig(chunked_prefill=False)`: bucketed prefill calls (one compile per
-  (rows, width) bucket) and the multi-step decode loop (`--steps-per-call` steps per call).
-- unified-B for each B in `--budgets`: `EngineConfig(chunked_prefill=True, max_num_batched_tokens=B)`.
+- separate: `EngineConfig(max_num_batched_tokens=max_model_len)`: whole prompts in one round, then
+  the multi-step decode loop (`--steps-per-call` steps per call).
+- unified-B for each B in `--budgets`: `EngineConfig(max_num_batched_tokens=B)`.
 
 Workload (deterministic, `--seed`): `--num-short` short chat prompts (SmolLM2's ChatML template,
 20-40 tokens) start together and decode `--max-new` tokens each. `--num-long` long prompts
@@ -100,7 +104,6 @@ def parse_args(argv=None):
     ap.add_argument("--max-seqs", type=int, default=8)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--steps-per-call", type=int, default=8, help="decode steps per call (both systems)")
-    ap.add_argument("--max-prefill-tokens", type=int, default=2048, help="separate engine: tokens per prefill call")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--quick", action="store_true", help="smoke run: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()))
     ap.add_argument("--tiny", action="store_true", help="the random tiny-llama preset (byte tokenizer), for tests")
@@ -352,22 +355,18 @@ def main(argv=None):
           f"({', '.join(str(len(r[1])) for r in longs)} prompt tokens, {args.long_new} new) arriving after "
           f"{[r[3] for r in longs]} tokens of s0", file=sys.stderr)
 
-    have_unified = "chunked_prefill" in EngineConfig.__dataclass_fields__
+    have_unified = True   # the unified step is the only engine; kept for the report's schema
+    # Off: the warm passes repeat the cold pass's prompts; this benchmark measures prefill, not
+    # cache hits.
     base = dict(max_seqs=args.max_seqs, page_size=args.page_size, steps_per_call=args.steps_per_call,
-                max_model_len=args.max_model_len, max_prefill_tokens=args.max_prefill_tokens,
+                max_model_len=args.max_model_len, prefix_caching=False,
                 num_pages=sum(-(-(prompt_len[r[0]] + r[2]) // args.page_size) for r in shorts + longs)
                 + args.max_seqs)
-    if "prefix_caching" in EngineConfig.__dataclass_fields__:
-        # Off: the warm passes repeat the cold pass's prompts, and the separate engine has no
-        # prefix cache; this benchmark measures prefill, not cache hits.
-        base["prefix_caching"] = False
-    configs = {"separate": dict(chunked_prefill=False) if have_unified else {}}
-    if have_unified:
-        for b in args.budgets:
-            configs[f"unified-{b}"] = dict(chunked_prefill=True, max_num_batched_tokens=b)
-    else:
-        print("this engine has no EngineConfig.chunked_prefill (the unified step is not merged): "
-              "only the separate engine is measured", file=sys.stderr)
+    # "separate" is now a planning policy over the same step: a budget of max_model_len takes
+    # every prompt whole in one round, as the removed separate prefill call did.
+    configs = {"separate": dict(max_num_batched_tokens=max(args.max_model_len, args.max_seqs))}
+    for b in args.budgets:
+        configs[f"unified-{b}"] = dict(max_num_batched_tokens=b)
 
     engines, cold, warm_runs = {}, {}, {n: [] for n in configs}
     for sysname, extra in configs.items():  # cold: a fresh engine each, compilation included
