@@ -113,3 +113,25 @@ def test_a_group_id_stays_taken_until_every_sample_is_out(tiny):
     while eng.has_unfinished:
         eng.step()
     assert eng.pool_is_whole()
+
+
+def test_the_prefix_key_table_holds_no_more_keys_than_cached_pages():
+    """Regression: keys were never dropped; 1,000 register/evict cycles left 2,000 keys."""
+    from jpa.engine.prefix_cache import PrefixCache
+
+    rng = np.random.default_rng(11)
+    cache, page = PrefixCache(4), 0
+    for _ in range(1000):
+        tokens = rng.integers(0, 50, 9).tolist()              # two full pages
+        cache.register(tokens, [page, page + 1])
+        assert cache.lookup(tokens + [1]) == [page, page + 1]
+        cache.forget(cache.victims(2, referenced=set()))
+        page += 2
+        assert cache.num_keys <= len(cache.cached) <= 2
+    assert cache.num_keys == 0 and not cache.page_of
+    # A key whose parent was evicted (and re-registered under a new id) is never matched.
+    a = rng.integers(0, 50, 8).tolist()
+    cache.register(a, [1, 2])
+    cache.forget([1])                                          # the parent page goes
+    cache.register(a[:4], [3])                                 # the same first page, a new key id
+    assert cache.lookup(a + [0]) == [3]                        # page 2's key hangs off the old id

@@ -2,7 +2,10 @@
 
 A full page of a sequence is identified by its tokens and everything before them, as in vLLM v1
 and nano-vllm: the key of page j is (id of page j-1's key, the page's page_size token ids), an
-exact key (dict equality, no hash collision can map a prompt to another's page). The device half
+exact key (dict equality, no hash collision can map a prompt to another's page). A key lives as
+long as the page it names: evicting the page drops the key, so the table never holds more keys
+than cached pages. Key ids are never reused, so a key whose parent was dropped can never be
+matched by a new chain (its page just ages out of the LRU order). The device half
 is `jpa.pages` (`cache`, `share`, `uncache`): a cached page carries one reference of the cache in
 its refcount, so it survives its sequence's release as a cached-idle page, and is evicted only
 when the host says so.
@@ -15,6 +18,7 @@ the next call's allocations, so the device never runs out of pages while cached-
 """
 
 import collections
+import itertools
 
 
 class PrefixCache:
@@ -26,9 +30,11 @@ class PrefixCache:
 
     def __init__(self, page_size: int):
         self.page_size = page_size
-        self._ids: dict = {}                       # key -> small int id (the chain's parent id)
+        self._ids: dict = {}                       # key -> int id (the chain's parent id); one per keyed page
+        self._next_id = itertools.count()          # ids are never reused
         self.page_of: dict[int, int] = {}          # key id -> cached page holding it
         self.key_of: dict[int, int] = {}           # cached page -> key id (absent: an unkeyed duplicate)
+        self._key_of_id: dict = {}                 # key id -> key (to drop it with its page)
         self.lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # cached pages, LRU first
         self.hit_tokens = 0                        # prompt tokens served from the cache
         self.query_tokens = 0                      # prompt tokens of admitted requests
@@ -39,6 +45,8 @@ class PrefixCache:
         return self.lru.keys()
 
     def _key_ids(self, tokens, num_pages: int, *, create: bool) -> list:
+        """Ids of the chained keys of tokens' first num_pages pages (up to the first unknown one
+        unless create); returns (key, id) pairs."""
         ps, parent, out = self.page_size, -1, []
         for j in range(num_pages):
             key = (parent, tuple(tokens[j * ps:(j + 1) * ps]))
@@ -46,10 +54,15 @@ class PrefixCache:
             if kid is None:
                 if not create:
                     break
-                kid = self._ids[key] = len(self._ids)
-            out.append(kid)
+                kid = next(self._next_id)
+            out.append((key, kid))
             parent = kid
         return out
+
+    @property
+    def num_keys(self) -> int:
+        """Keys in the table (at most the number of cached pages)."""
+        return len(self._ids)
 
     def lookup(self, tokens) -> list[int]:
         """Pages holding the longest cached full-page prefix of tokens.
@@ -58,7 +71,7 @@ class PrefixCache:
         (its logits start the completion), so a fully cached prompt recomputes its last page.
         """
         pages = []
-        for kid in self._key_ids(tokens, (len(tokens) - 1) // self.page_size, create=False):
+        for _, kid in self._key_ids(tokens, (len(tokens) - 1) // self.page_size, create=False):
             page = self.page_of.get(kid)
             if page is None:
                 break
@@ -81,14 +94,16 @@ class PrefixCache:
         page (two requests computed the same prefix at once) is kept unkeyed, first in line for
         eviction.
         """
-        kids = self._key_ids(tokens, len(pages), create=True)
-        for kid, page in zip(kids, pages):
+        keys = self._key_ids(tokens, len(pages), create=True)
+        for (key, kid), page in zip(keys, pages):
             if page in self.lru:
                 continue
             self.lru[page] = None
             if kid in self.page_of:
                 self.lru.move_to_end(page, last=False)
             else:
+                self._ids[key] = kid
+                self._key_of_id[kid] = key
                 self.page_of[kid], self.key_of[page] = page, kid
 
     def victims(self, count: int, referenced) -> list[int]:
@@ -109,6 +124,7 @@ class PrefixCache:
             kid = self.key_of.pop(page, None)
             if kid is not None:
                 del self.page_of[kid]
+                del self._ids[self._key_of_id.pop(kid)]
 
     def num_idle(self, referenced) -> int:
         """Cached pages no running sequence holds (what eviction can free)."""
@@ -120,4 +136,6 @@ class PrefixCache:
         self.lru.clear()
         self.page_of.clear()
         self.key_of.clear()
+        self._ids.clear()
+        self._key_of_id.clear()
         return out
