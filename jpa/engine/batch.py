@@ -112,7 +112,7 @@ def make_step_batch(plan, *, max_seqs: int, num_tokens: int, pages_per_seq: int,
         at += e.q_len
         if e.final:
             out = e.request.output_ids
-            rows[i] = SlotParams.row(e.request.params, max_model_len)
+            rows[i] = SlotParams.row(e.request.params, max_model_len, len(e.request.prompt_ids))
             num_generated[i], resume[i] = len(out), (out[-1] if out else -1)
     evict = np.full((num_pages,), -1, np.int32)
     evict[: len(plan.evict)] = plan.evict

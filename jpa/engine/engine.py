@@ -245,6 +245,8 @@ class LLMEngine:
             return self._fail(req, "empty prompt: nothing to condition on")
         if any(not 0 <= t < vocab for t in ids):
             return self._fail(req, f"prompt token ids must be in [0, {vocab})")
+        if any(t >= vocab for t in req.params.token_ids_used):
+            return self._fail(req, f"logit_bias and stop_token_ids must name token ids in [0, {vocab})")
         limit = self.max_model_len
         if len(ids) >= limit:
             return self._fail(req, f"prompt has {len(ids)} tokens; this engine holds at most {limit} "

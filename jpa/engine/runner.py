@@ -47,33 +47,60 @@ from jpa.sharding import POOL, REPLICATED, named
 
 @flax.struct.dataclass
 class Slots:
-    """Per-slot decode state, arrays [max_seqs]."""
+    """Per-slot decode state, arrays [max_seqs], and the token id held at each cache slot."""
     tokens: jax.Array         # i32: the pending token (sampled, not yet in the cache)
     active: jax.Array         # bool: slot is decoding
     num_generated: jax.Array  # i32: tokens generated so far (pending one included)
     params: SlotParams        # the request's sampling and stopping parameters
+    # i32[num_pages, page_size]: the token whose K/V each cache slot holds, written with it. It
+    # lives with the pages, so prefix-cache hits and forks share a sequence's history for free;
+    # the logit controls (penalties) read a sequence's tokens through its block table.
+    page_tokens: jax.Array
 
     @classmethod
-    def empty(cls, max_seqs: int) -> "Slots":
+    def empty(cls, max_seqs: int, num_pages: int, page_size: int) -> "Slots":
         z = lambda dt: jnp.zeros((max_seqs,), dt)  # noqa: E731
-        return cls(z(jnp.int32), z(bool), z(jnp.int32), SlotParams.empty(max_seqs))
+        return cls(z(jnp.int32), z(bool), z(jnp.int32), SlotParams.empty(max_seqs),
+                   jnp.zeros((num_pages, page_size), jnp.int32))
+
+    def write_tokens(self, tokens, slot_mapping) -> "Slots":
+        """Records tokens i32[T] at cache slots i32[T] (-1 = padding, not written)."""
+        flat = self.page_tokens.reshape(-1)
+        flat = flat.at[jnp.where(slot_mapping >= 0, slot_mapping, flat.shape[0])].set(tokens, mode="drop")
+        return self.replace(page_tokens=flat.reshape(self.page_tokens.shape))
+
+    def rows(self, idx) -> "Slots":
+        """The per-slot state of slots idx i32[n] (page_tokens stays whole: it is per page)."""
+        return jax.tree_util.tree_map(lambda a: a[idx], self.replace(page_tokens=None)).replace(
+            page_tokens=self.page_tokens)
+
+    def history(self, block_tables):
+        """i32[B, pages_per_seq * page_size]: each table's tokens by position."""
+        return self.page_tokens[block_tables].reshape(block_tables.shape[0], -1)
 
 
-def _copy_on_write(cache, cow):
-    """(cache with pages cow.src copied to cow.dst (`jpa.copy_pages`), pages copied), the copy
-    made only when some pair is live:
-    a while_loop of 0 or 1 iterations, so steps without a fork cost no copy pass and the cache is
-    carried in place."""
+def _copy_on_write(cache, slots, cow):
+    """(cache and slots with pages cow.src copied to cow.dst (`jpa.copy_pages`, and their token
+    ids), pages copied), the copy made only when some pair is live: a while_loop of 0 or 1
+    iterations, so steps without a fork cost no copy pass and the cache is carried in place."""
     any_copy = jnp.any(cow.dst >= 0).astype(jnp.int32)
-    _, cache = lax.while_loop(lambda c: c[0] < any_copy,
-                              lambda c: (c[0] + 1, copy_pages(c[1], cow.src, cow.dst)), (jnp.int32(0), cache))
-    return cache, jnp.sum(cow.dst >= 0, dtype=jnp.int32)
+
+    def copy(c):
+        i, cache, slots = c
+        toks = slots.page_tokens
+        dst = jnp.where(cow.dst >= 0, cow.dst, toks.shape[0])
+        toks = toks.at[dst].set(toks[jnp.maximum(cow.src, 0)], mode="drop")
+        return i + 1, copy_pages(cache, cow.src, cow.dst), slots.replace(page_tokens=toks)
+
+    _, cache, slots = lax.while_loop(lambda c: c[0] < any_copy, copy, (jnp.int32(0), cache, slots))
+    return cache, slots, jnp.sum(cow.dst >= 0, dtype=jnp.int32)
 
 
 def _finished(slots, next_tok, seq_lens, stop_ids):
     """bool[B]: which slots stop after emitting next_tok (their cache holds seq_lens tokens)."""
     p = slots.params
-    is_stop = jnp.any(next_tok[:, None] == stop_ids[None, :], axis=-1) & ~p.ignore_eos
+    is_stop = (jnp.any(next_tok[:, None] == stop_ids[None, :], axis=-1) & ~p.ignore_eos) | jnp.any(
+        next_tok[:, None] == p.stop_token_ids, axis=-1)
     # The next token would go to position seq_lens; it must stay below max_len to be fed back.
     return is_stop | (slots.num_generated >= p.max_new) | (seq_lens + 1 >= p.max_len)
 
@@ -120,7 +147,7 @@ class ModelRunner:
         self.cache = make(lambda: KVCache.create(cache_config), self._pool)
         self.page_state = make(lambda: pages.init(cache_config.num_pages, max_seqs, pages_per_seq,
                                                   cache_config.page_size), self._rep)
-        self.slots = make(lambda: Slots.empty(max_seqs), self._rep)
+        self.slots = make(lambda: Slots.empty(max_seqs, cache_config.num_pages, cache_config.page_size), self._rep)
         self.stop_ids = jnp.asarray(sorted(set(stop_ids)) or [-1], jnp.int32)
         self.step_traces = 0
         self.cow_copies = 0  # pages copied on write (parallel samples' shared last pages)
@@ -170,11 +197,13 @@ class ModelRunner:
         def step(carry):
             i, cache, ps, slots, out, out_lp, nxt, copies = carry
             ps, slot_mapping, _, cow = nxt
-            cache, n = _copy_on_write(cache, cow)
+            cache, slots, n = _copy_on_write(cache, slots, cow)
             seq_lens = jnp.where(slots.active, ps.seq_lens, 0)
             logits, cache = self.model.decode(params, cache, slots.tokens, seq_lens, slot_mapping, ps.block_tables,
                                               impl=self.attention_impl)
-            tok, lp = sample_slots(logits, slots.params, slots.num_generated)
+            slots = slots.write_tokens(slots.tokens, jnp.where(slots.active, slot_mapping, -1))
+            tok, lp = sample_slots(logits, slots.params, slots.num_generated, lambda: slots.history(ps.block_tables),
+                                   seq_lens, self.stop_ids)
             act = slots.active
             slots = slots.replace(num_generated=slots.num_generated + act.astype(jnp.int32),
                                   tokens=jnp.where(act, tok, slots.tokens))
@@ -288,7 +317,7 @@ class ModelRunner:
 
         def ragged_step(carry):
             i, cache, ps, slots, _ = carry
-            cache, copies = _copy_on_write(cache, cow)  # a forked sample's first token: its own last page
+            cache, slots, copies = _copy_on_write(cache, slots, cow)  # a forked sample's first token: its own last page
             pos = old[entry] + row - cu[entry]  # i32[T]
             page = jnp.take_along_axis(ps.block_tables[safe[entry]], (pos // ps_)[:, None], axis=1,
                                        mode="clip")[:, 0]
@@ -296,6 +325,7 @@ class ModelRunner:
             tokens = jnp.where(decode_row[entry], slots.tokens[safe[entry]], batch.tokens)
             logits, cache = self._ragged_blocks(params, cache, tokens, jnp.where(row_live, pos, 0), slot_mapping,
                                                 ps.block_tables[safe], old, cu, entry, cu[-1])
+            slots = slots.write_tokens(tokens, slot_mapping)
             logits = jnp.where(sib[:, None], logits[lead], logits)  # a sample draws from its leader's logits
 
             def put(a, v, where):  # a[ids[e]] = v[e] where where[e]
@@ -306,8 +336,9 @@ class ModelRunner:
             slots = slots.replace(
                 num_generated=put(slots.num_generated, batch.num_generated, start),
                 params=jax.tree_util.tree_map(lambda a, v: put(a, v, start), slots.params, batch.params))
-            row_slots = jax.tree_util.tree_map(lambda a: a[safe], slots)
-            sampled, sampled_lp = sample_slots(logits, row_slots.params, row_slots.num_generated)
+            row_slots = slots.rows(safe)
+            sampled, sampled_lp = sample_slots(logits, row_slots.params, row_slots.num_generated,
+                                               lambda: slots.history(ps.block_tables[safe]), new, self.stop_ids)
             emits = live & (decode_row | final)
             fresh = decode_row | (batch.resume_token < 0)
             tok = jnp.where(fresh, sampled, batch.resume_token)

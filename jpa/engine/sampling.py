@@ -19,8 +19,18 @@ from jax import lax
 class SamplingParams:
     """How one request picks its tokens and when it stops.
 
-    temperature 0 (or greedy=True) means greedy. top_k 0 and top_p 1.0 disable those filters.
-    Stop strings are matched on the decoded text; the completion is cut before the stop string.
+    temperature 0 (or greedy=True) means greedy. top_k 0, top_p 1.0 and min_p 0 disable those
+    filters. Stop strings are matched on the decoded text; the completion is cut before the stop
+    string. The logit controls follow vLLM's sampling parameters and run on the device, in the
+    order penalties -> logit_bias -> min_tokens -> temperature -> top-k/top-p/min-p:
+    - repetition_penalty (> 0, 1 = off): logits of tokens in the prompt or the output so far are
+      divided by it where positive and multiplied where negative;
+    - presence_penalty, frequency_penalty (in [-2, 2], 0 = off): subtract penalty x (token was
+      generated) and penalty x (times it was generated), over the output so far;
+    - logit_bias: {token id: bias in [-100, 100]}, at most 300 entries, added to the logits;
+    - min_tokens: the stop tokens (EOS and stop_token_ids) cannot be drawn before this many tokens;
+    - stop_token_ids: more token ids that finish the request (finish_reason "stop"; like EOS the
+      token is kept in token_ids and left out of the text), even with ignore_eos.
     """
     max_new_tokens: int = 64
     temperature: float = 1.0
@@ -31,6 +41,13 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     n: int = 1
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    logit_bias: tuple = ()            # ((token id, bias), ...); a dict is accepted and sorted
+    min_tokens: int = 0
+    stop_token_ids: tuple = ()
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -48,6 +65,34 @@ class SamplingParams:
             raise ValueError(f"n must be an int >= 1; got {self.n!r}")
         if self.seed + self.n - 1 >= 2 ** 31:
             raise ValueError(f"seed + n - 1 must be < 2**31 (sample i uses seed + i); got seed {self.seed}, n {self.n}")
+        num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
+        if not (num(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be a number > 0 (1 = off); got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (num(v) and -2 <= v <= 2):
+                raise ValueError(f"{name} must be a number in [-2, 2] (0 = off); got {v!r}")
+        if not (num(self.min_p) and 0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be in [0, 1] (0 = off); got {self.min_p!r}")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        try:
+            bias = tuple(sorted((int(t) if isinstance(t, str) and t.strip().isdigit() else t, b) for t, b in bias))
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias must map token ids to biases; got {self.logit_bias!r}") from None
+        if len(bias) > MAX_LOGIT_BIAS or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 or
+                                             not num(b) or not -100 <= b <= 100 for t, b in bias):
+            raise ValueError(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids (ints >= 0) to biases in "
+                             f"[-100, 100]; got {self.logit_bias!r}")
+        object.__setattr__(self, "logit_bias", bias)
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or not (
+                0 <= self.min_tokens <= self.max_new_tokens):
+            raise ValueError(f"min_tokens must be an int in [0, max_new_tokens = {self.max_new_tokens}]; "
+                             f"got {self.min_tokens!r}")
+        ids = (self.stop_token_ids,) if isinstance(self.stop_token_ids, int) else tuple(self.stop_token_ids)
+        if len(ids) > MAX_STOP_TOKEN_IDS or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
+            raise ValueError(f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} token ids (ints >= 0); "
+                             f"got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", ids)
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop must be non-empty strings; got {self.stop!r}")
@@ -57,10 +102,21 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.greedy or self.temperature == 0
 
+    @property
+    def token_ids_used(self) -> tuple:
+        """Token ids the parameters name (logit_bias, stop_token_ids): the engine checks them
+        against the vocabulary."""
+        return tuple(t for t, _ in self.logit_bias) + self.stop_token_ids
 
-def _column(dtype, pad):
-    """A SlotParams field: its dtype and the value of a padding (unused) row."""
-    return flax.struct.field(metadata={"dtype": dtype, "pad": pad})
+
+MAX_LOGIT_BIAS = 300      # entries of logit_bias (OpenAI's limit)
+MAX_STOP_TOKEN_IDS = 8    # stop_token_ids per request (a fixed width on the device)
+
+
+def _column(dtype, pad, width=None):
+    """A SlotParams field: its dtype, the value of a padding (unused) row, and the width of a 2-D
+    column ([n, width]; None: [n])."""
+    return flax.struct.field(metadata={"dtype": dtype, "pad": pad, "width": width})
 
 
 @flax.struct.dataclass
@@ -76,23 +132,43 @@ class SlotParams:
     max_new: jax.Array = _column(np.int32, 0)           # i32: the request's max_new_tokens
     max_len: jax.Array = _column(np.int32, 0)           # i32: longest sequence (prompt + generated) it may reach
     ignore_eos: jax.Array = _column(np.bool_, False)    # bool
+    min_p: jax.Array = _column(np.float32, 0.0)         # f32: 0 = off
+    repetition_penalty: jax.Array = _column(np.float32, 1.0)  # f32: 1 = off
+    presence_penalty: jax.Array = _column(np.float32, 0.0)    # f32: 0 = off
+    frequency_penalty: jax.Array = _column(np.float32, 0.0)   # f32: 0 = off
+    min_tokens: jax.Array = _column(np.int32, 0)        # i32: stop tokens barred before this many tokens
+    prompt_len: jax.Array = _column(np.int32, 0)        # i32: the request's prompt tokens (its history
+                                                        #   splits there into prompt and output)
+    bias_ids: jax.Array = _column(np.int32, -1, MAX_LOGIT_BIAS)         # i32[n, 300]: -1 = none
+    bias_values: jax.Array = _column(np.float32, 0.0, MAX_LOGIT_BIAS)   # f32[n, 300]
+    stop_token_ids: jax.Array = _column(np.int32, -1, MAX_STOP_TOKEN_IDS)  # i32[n, 8]: -1 = none
 
     @staticmethod
-    def row(params: SamplingParams, max_len: int) -> dict:
+    def row(params: SamplingParams, max_len: int, prompt_len: int = 0) -> dict:
         """One request's values (a dict of the fields)."""
+        bias = params.logit_bias
         return dict(temperature=0.0 if params.is_greedy else float(params.temperature), top_k=params.top_k,
                     top_p=float(params.top_p), seed=params.seed, max_new=params.max_new_tokens, max_len=max_len,
-                    ignore_eos=params.ignore_eos)
+                    ignore_eos=params.ignore_eos, min_p=float(params.min_p),
+                    repetition_penalty=float(params.repetition_penalty),
+                    presence_penalty=float(params.presence_penalty),
+                    frequency_penalty=float(params.frequency_penalty), min_tokens=params.min_tokens,
+                    prompt_len=prompt_len, bias_ids=[t for t, _ in bias], bias_values=[float(b) for _, b in bias],
+                    stop_token_ids=list(params.stop_token_ids))
 
     @classmethod
     def from_rows(cls, rows, n: int) -> "SlotParams":
         """Host (numpy) columns of n rows: rows[i] (a `row` dict) or padding where rows[i] is None."""
         cols = {}
         for f in dataclasses.fields(cls):
-            col = np.full((n,), f.metadata["pad"], f.metadata["dtype"])
+            width = f.metadata["width"]
+            col = np.full((n,) if width is None else (n, width), f.metadata["pad"], f.metadata["dtype"])
             for i, r in enumerate(rows):
                 if r is not None:
-                    col[i] = r[f.name]
+                    if width is None:
+                        col[i] = r[f.name]
+                    else:
+                        col[i, : len(r[f.name])] = r[f.name]
             cols[f.name] = col
         return cls(**cols)
 
@@ -121,9 +197,57 @@ def _bisect(pred, num_rows):
     return lax.fori_loop(0, 32, step, (lo, hi))[1]
 
 
-def sample_slots(logits, params: SlotParams, counters):
-    """`sample_with_logprobs` with each row's parameters from SlotParams columns."""
-    return sample_with_logprobs(logits, params.temperature, params.top_k, params.top_p, params.seed, counters)
+def controls_active(params: SlotParams):
+    """bool[]: some row uses a logit control (penalties, logit_bias, min_tokens)."""
+    return jnp.any((params.repetition_penalty != 1) | (params.presence_penalty != 0) | (params.frequency_penalty != 0)
+                   | (params.min_tokens > 0) | jnp.any(params.bias_ids >= 0, axis=-1))
+
+
+def apply_controls(logits, params: SlotParams, history, num_cached, counters, stop_ids):
+    """The logit controls of SamplingParams, before temperature and the filters (vLLM's order).
+
+    Args:
+      logits: f32[n, vocab].
+      params: SlotParams [n].
+      history: i32[n, L]; the row's tokens by position (prompt, then output); positions >=
+        num_cached are ignored.
+      num_cached: i32[n]; tokens of the history that count (the prompt and the output so far).
+      counters: i32[n]; tokens generated before the one being sampled (for min_tokens).
+      stop_ids: i32[m]; the engine's stop tokens (EOS), barred with stop_token_ids under min_tokens.
+
+    Returns:
+      f32[n, vocab].
+    """
+    n, vocab = logits.shape
+    pos = jnp.arange(history.shape[1], dtype=jnp.int32)[None, :]
+    seen = pos < num_cached[:, None]  # bool[n, L]
+    is_out = seen & (pos >= params.prompt_len[:, None])
+    rows = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[:, None], history.shape)
+    tok = jnp.clip(history, 0, vocab - 1)
+    counts = jnp.zeros((n, vocab), jnp.float32).at[rows, tok].add(is_out.astype(jnp.float32))  # output counts
+    anywhere = jnp.zeros((n, vocab), bool).at[rows, tok].max(seen)  # in the prompt or the output
+    rp = params.repetition_penalty[:, None]
+    logits = jnp.where(anywhere, jnp.where(logits > 0, logits / rp, logits * rp), logits)
+    logits = logits - params.presence_penalty[:, None] * (counts > 0) - params.frequency_penalty[:, None] * counts
+    bias_rows = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[:, None], params.bias_ids.shape)
+    bias_ids = jnp.where(params.bias_ids >= 0, params.bias_ids, vocab)  # out of range: dropped
+    logits = logits.at[bias_rows, bias_ids].add(params.bias_values, mode="drop")
+    barred = jnp.concatenate([jnp.broadcast_to(stop_ids[None, :], (n, stop_ids.shape[0])), params.stop_token_ids], 1)
+    barred = jnp.where((counters < params.min_tokens)[:, None] & (barred >= 0), barred, vocab)
+    stop_rows = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[:, None], barred.shape)
+    return logits.at[stop_rows, barred].set(-jnp.inf, mode="drop")
+
+
+def sample_slots(logits, params: SlotParams, counters, history_fn=None, num_cached=None, stop_ids=None):
+    """`sample_with_logprobs` with each row's parameters from SlotParams columns. With history_fn
+    (() -> i32[n, L], see `apply_controls`) the logit controls run first, only when some row uses
+    one (the history is gathered inside that branch)."""
+    if history_fn is not None:
+        logits = lax.cond(controls_active(params),
+                          lambda x: apply_controls(x, params, history_fn(), num_cached, counters, stop_ids),
+                          lambda x: x, logits.astype(jnp.float32))
+    return sample_with_logprobs(logits, params.temperature, params.top_k, params.top_p, params.seed, counters,
+                                min_p=params.min_p)
 
 
 def sample(logits, temperature, top_k, top_p, seeds, counters):
@@ -131,11 +255,11 @@ def sample(logits, temperature, top_k, top_p, seeds, counters):
     return sample_with_logprobs(logits, temperature, top_k, top_p, seeds, counters)[0]
 
 
-def sample_with_logprobs(logits, temperature, top_k, top_p, seeds, counters):
+def sample_with_logprobs(logits, temperature, top_k, top_p, seeds, counters, *, min_p=None):
     """Picks one token per row and returns its log-probability.
 
     The log-probability is taken under the distribution the token was drawn from:
-    softmax(logits / temperature) restricted by top-k/top-p. A greedy row has no such
+    softmax(logits / temperature) restricted by top-k/top-p/min-p. A greedy row has no such
     distribution (it is a point mass), so its token's log-probability is the model's own,
     log_softmax(logits) (temperature 1, no filter), as OpenAI and vLLM report for greedy decoding.
 
@@ -145,6 +269,8 @@ def sample_with_logprobs(logits, temperature, top_k, top_p, seeds, counters):
       top_k: i32[num_seqs]; 0 = off.
       top_p: f32[num_seqs]; 1 = off.
       seeds: i32[num_seqs] per-request seeds.
+      min_p: f32[num_seqs] or None; keep tokens whose probability is >= min_p x the top one's
+        (after top-k/top-p); 0 = off.
       counters: i32[num_seqs] index of the token being sampled within its request.
 
     Returns:
@@ -171,9 +297,11 @@ def sample_with_logprobs(logits, temperature, top_k, top_p, seeds, counters):
         t_p = _bisect(lambda t: jnp.sum(jnp.where(pkey > t[:, None], probs, 0.0), axis=-1) < top_p,
                       x.shape[0])
         keep = keep & jnp.where(top_p[:, None] < 1.0, pkey >= t_p[:, None], True)
+        if min_p is not None:
+            keep = keep & (probs >= min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True))
         return jnp.where(keep, x, -jnp.inf)
 
-    needs_filter = jnp.any((top_k > 0) | (top_p < 1.0))
+    needs_filter = jnp.any((top_k > 0) | (top_p < 1.0) | (False if min_p is None else jnp.any(min_p > 0)))
     scaled = lax.cond(needs_filter, filtered, lambda x: x, scaled)
 
     def draw(x):

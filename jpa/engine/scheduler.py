@@ -414,7 +414,8 @@ class Scheduler:
 
     def _device_reason(self, req: Request) -> str:
         last = req.output_ids[-1]
-        return "stop" if last in self.stop_ids and not req.params.ignore_eos else "length"
+        stop = (last in self.stop_ids and not req.params.ignore_eos) or last in req.params.stop_token_ids
+        return "stop" if stop else "length"
 
     def _on_tokens(self, req: Request, new: list[int], new_logprobs: list[float], *, device_done: bool) -> Progress:
         n_before = len(req.output_ids)

@@ -1,0 +1,147 @@
+"""Sampling controls on the device (vLLM's names): repetition/presence/frequency penalties,
+logit_bias, min_tokens, stop_token_ids and min_p, against a numpy reference and through the engine
+(where the token history comes from the pool's page_tokens, shared by prefix hits and forks)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import models
+from jpa.engine import EngineConfig, LLMEngine, SamplingParams, SlotParams
+from jpa.engine.sampling import apply_controls, sample_with_logprobs
+
+
+def reference_controls(logits, rows, history, num_cached, counters, stop_ids):
+    out = logits.astype(np.float64).copy()
+    for b, r in enumerate(rows):
+        toks = history[b, : num_cached[b]]
+        counts = np.bincount(toks[r["prompt_len"]:], minlength=out.shape[1]).astype(np.float64)
+        for v in set(toks.tolist()):
+            out[b, v] = out[b, v] / r["repetition_penalty"] if out[b, v] > 0 else out[b, v] * r["repetition_penalty"]
+        out[b] -= r["presence_penalty"] * (counts > 0) + r["frequency_penalty"] * counts
+        for t, bias in zip(r["bias_ids"], r["bias_values"]):
+            out[b, t] += bias
+        if counters[b] < r["min_tokens"]:
+            out[b, list(stop_ids) + list(r["stop_token_ids"])] = -np.inf
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_controls_equal_a_numpy_reference(seed):
+    rng = np.random.default_rng(seed)
+    n, vocab, length = 5, 64, 40
+    logits = rng.normal(0, 3, (n, vocab)).astype(np.float32)
+    history = rng.integers(0, 12, (n, length)).astype(np.int32)   # a small alphabet: many repeats
+    num_cached = rng.integers(0, length + 1, n).astype(np.int32)
+    counters = rng.integers(0, 6, n).astype(np.int32)
+    rows = []
+    for _ in range(n):
+        bias = sorted({int(t): float(rng.uniform(-100, 100)) for t in rng.integers(0, vocab, rng.integers(0, 6))}.items())
+        sp = SamplingParams(max_new_tokens=8, repetition_penalty=float(rng.uniform(0.5, 2)),
+                            presence_penalty=float(rng.uniform(-2, 2)), frequency_penalty=float(rng.uniform(-2, 2)),
+                            logit_bias=bias, min_tokens=int(rng.integers(0, 5)),
+                            stop_token_ids=tuple(int(t) for t in rng.integers(0, vocab, rng.integers(0, 3))))
+        rows.append(SlotParams.row(sp, 100, prompt_len=int(rng.integers(0, length))))
+    params = jax.tree_util.tree_map(jnp.asarray, SlotParams.from_rows(rows, n))
+    stop_ids = np.array([vocab - 1], np.int32)
+    got = np.asarray(apply_controls(jnp.asarray(logits), params, jnp.asarray(history), jnp.asarray(num_cached),
+                                    jnp.asarray(counters), jnp.asarray(stop_ids)))
+    want = reference_controls(logits, rows, history, num_cached, counters, stop_ids)
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+    np.testing.assert_allclose(got[np.isfinite(got)], want[np.isfinite(want)], rtol=1e-5, atol=1e-4)
+
+
+def test_min_p_keeps_only_tokens_near_the_top():
+    rng = np.random.default_rng(3)
+    logits = jnp.asarray(np.tile(rng.normal(0, 1.5, (1, 50)).astype(np.float32), (4, 1)))  # one row, 4 min_p
+    min_p = jnp.asarray([0.0, 0.1, 0.5, 1.0], jnp.float32)
+    probs = np.asarray(jax.nn.softmax(logits, axis=-1))
+    seen = [set() for _ in range(4)]
+    draw = jax.jit(lambda c: sample_with_logprobs(logits, jnp.ones(4), jnp.zeros(4, jnp.int32), jnp.ones(4),
+                                                  jnp.arange(4, dtype=jnp.int32), jnp.full(4, c, jnp.int32),
+                                                  min_p=min_p)[0])
+    for c in range(200):
+        for b, t in enumerate(np.asarray(draw(c))):
+            assert probs[b, t] >= float(min_p[b]) * probs[b].max() - 1e-7
+            seen[b].add(int(t))
+    assert len(seen[0]) > len(seen[1]) > len(seen[2]) >= len(seen[3]) == 1
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    gpt, tok = models.load("tiny-llama", seed=2)
+    return models.GPTForEngine(gpt), tok
+
+
+CFG = dict(max_seqs=4, page_size=4, num_pages=200, max_model_len=128, max_num_batched_tokens=32, steps_per_call=4)
+
+
+def run(tiny, prompts, params, **cfg):
+    eng = LLMEngine(*tiny, EngineConfig(**{**CFG, **cfg}))
+    outs = eng.generate(prompts, params)
+    assert eng.pool_is_whole()
+    return outs, eng
+
+
+def test_each_control_changes_outputs_as_specified(tiny):
+    rng = np.random.default_rng(5)
+    prompts = ["".join(chr(97 + x) for x in rng.integers(0, 26, 12)) for _ in range(4)]
+    greedy = SamplingParams(max_new_tokens=24, greedy=True, ignore_eos=True)
+    base, _ = run(tiny, prompts, greedy)
+    # logit_bias -100 on every token the greedy run produced: none of them appears again.
+    banned = sorted({t for o in base for t in o.token_ids})
+    got, _ = run(tiny, prompts, SamplingParams(max_new_tokens=24, greedy=True, ignore_eos=True,
+                                               logit_bias={t: -100 for t in banned}))
+    assert all(not set(o.token_ids) & set(banned) for o in got)
+    # frequency_penalty: fewer repeated tokens than the greedy run (which loops).
+    rep = lambda outs: sum(len(o.token_ids) - len(set(o.token_ids)) for o in outs)  # noqa: E731
+    got, _ = run(tiny, prompts, SamplingParams(max_new_tokens=24, greedy=True, ignore_eos=True,
+                                               frequency_penalty=2.0))
+    assert rep(got) < rep(base), (rep(got), rep(base))
+    # stop_token_ids: the request ends at the first such token, finish_reason "stop"; with
+    # min_tokens the token is barred until min_tokens tokens were made.
+    first = base[0].token_ids[0]
+    stop, _ = run(tiny, prompts[:1], SamplingParams(max_new_tokens=24, greedy=True, stop_token_ids=(first,)))
+    assert stop[0].token_ids == (first,) and stop[0].finish_reason == "stop"
+    held, _ = run(tiny, prompts[:1], SamplingParams(max_new_tokens=24, greedy=True, stop_token_ids=(first,),
+                                                    min_tokens=6))
+    assert first not in held[0].token_ids[:6] and len(held[0].token_ids) >= 7
+
+
+def test_controls_survive_preemption_prefix_hits_and_forks(tiny):
+    """The history the penalties read comes from the pool's page_tokens: a recomputed request, a
+    request whose prompt starts with cached pages, and forked samples must see exactly the tokens
+    a run that neither preempts nor shares sees."""
+    rng = np.random.default_rng(9)
+    shared = "".join(chr(97 + x) for x in rng.integers(0, 26, 13))
+    prompts = [shared + "".join(chr(97 + x) for x in rng.integers(0, 26, rng.integers(1, 9))) for _ in range(6)]
+    params = [SamplingParams(max_new_tokens=20, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True,
+                             repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.7,
+                             logit_bias={3: 5.0, 7: -3.0}, n=2 if i == 4 else 1) for i in range(6)]
+    ref, _ = run(tiny, prompts, params, prefix_caching=False, num_pages=400)
+    got, eng = run(tiny, prompts, params, num_pages=14)        # preempts, shares cached prefixes, forks
+    assert eng.stats.preemptions > 0 and eng.summary()["prefix_hit_tokens"] > 0 and eng.runner.cow_copies > 0
+    flat = lambda outs: [x for o in outs for x in (o if isinstance(o, list) else [o])]  # noqa: E731
+    for a, b in zip(flat(ref), flat(got)):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_bad_control_values_are_refused():
+    for kw, msg in [(dict(repetition_penalty=0), "repetition_penalty"), (dict(presence_penalty=3), "presence_penalty"),
+                    (dict(frequency_penalty=float("nan")), "frequency_penalty"), (dict(min_p=1.5), "min_p"),
+                    (dict(logit_bias={1: 101}), "logit_bias"), (dict(logit_bias={-1: 1}), "logit_bias"),
+                    (dict(logit_bias={i: 1 for i in range(301)}), "logit_bias"),
+                    (dict(min_tokens=9, max_new_tokens=8), "min_tokens"), (dict(stop_token_ids=(-1,)), "stop_token_ids")]:
+        with pytest.raises(ValueError, match=msg):
+            SamplingParams(**kw)
+    assert SamplingParams(logit_bias={"5": 1.0}).logit_bias == ((5, 1.0),)   # JSON object keys are strings
+
+
+def test_token_ids_past_the_vocabulary_fail_the_request(tiny):
+    eng = LLMEngine(*tiny, EngineConfig(**CFG))
+    req = eng.add_request("abc", SamplingParams(logit_bias={10 ** 6: 1.0}))
+    (out,) = eng.step()
+    assert out.request_id == req.request_id and out.output.finish_reason == "error"
+    assert "logit_bias and stop_token_ids" in out.output.error
