@@ -94,8 +94,10 @@ def parse_args(argv=None):
     ap.add_argument("prompts", nargs="*", help="prompts (default: --prompts-file, else lines piped on "
                     "stdin, else six built-in chat prompts)")
     ap.add_argument("--prompts-file", help="one prompt per line, or JSONL objects with a 'prompt' key "
-                    "and optional per-request max_new_tokens/temperature/top_k/top_p/seed/stop/greedy/n "
-                    "(n samples of one prompt: prefilled once, pages shared)")
+                    "and optional per-request SamplingParams fields (max_new_tokens, temperature, top_k, top_p, "
+                    "min_p, seed, stop, greedy, n (n samples of one prompt: prefilled once, pages shared), "
+                    "repetition_penalty, presence_penalty, frequency_penalty, logit_bias ({token id: bias}), "
+                    "min_tokens, stop_token_ids, ignore_eos)")
     ap.add_argument("--model", default="smollm2-135m", help="model preset (default: smollm2-135m; "
                     "tiny-llama / tiny-gpt2 are random and fast) or PATH of a local Hugging Face checkpoint "
                     "directory (Llama, Mistral, Qwen2, Qwen3, Gemma-2; see models.load)")
@@ -109,6 +111,16 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0, help="request i samples with seed + i")
     ap.add_argument("--greedy", action="store_true", help="argmax decoding (ignores temperature)")
     ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    ap.add_argument("--min-p", type=float, default=0.0, help="keep tokens with probability >= this x the top one's")
+    ap.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages tokens of the prompt "
+                    "and the output so far (vLLM's; 1 = off)")
+    ap.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]: subtracted from tokens "
+                    "already generated (OpenAI's; 0 = off)")
+    ap.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]: subtracted once per "
+                    "time a token was generated (OpenAI's; 0 = off)")
+    ap.add_argument("--min-tokens", type=int, default=0, help="stop tokens cannot end a request before this many")
+    ap.add_argument("--stop-token-id", type=int, action="append", default=[], help="a token id that ends a "
+                    "request (repeatable)")
     add_engine_args(ap, steps_per_call=8, steps_help="decode steps per host round trip")
     ap.add_argument("--tp", type=int, default=1, help="tensor parallel: shard the model and the KV pool (on its "
                     "kv heads) over this many devices (default 1); --kv-memory is then per device")
@@ -146,10 +158,18 @@ def check_args(args):
     from jpa.engine import SamplingParams
 
     try:
-        SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                       top_p=args.top_p, seed=args.seed, greedy=args.greedy, stop=tuple(args.stop))
+        SamplingParams(**sampling_flags(args, 0))
     except ValueError as e:
         raise UsageError(f"sampling flags: {e}") from None
+
+
+def sampling_flags(args, i: int) -> dict:
+    """The SamplingParams fields the flags give request i (seed + i)."""
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                top_p=args.top_p, min_p=args.min_p, seed=args.seed + i, greedy=args.greedy, stop=tuple(args.stop),
+                repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                frequency_penalty=args.frequency_penalty, min_tokens=args.min_tokens,
+                stop_token_ids=tuple(args.stop_token_id))
 
 
 def cache_dir() -> pathlib.Path:
@@ -249,8 +269,7 @@ def run(args):
     for i, (prompt, extra) in enumerate(prompts):
         if "_error" in extra:
             continue  # a line we could not parse: reported below, in its place
-        p = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                 top_p=args.top_p, seed=args.seed + i, greedy=args.greedy, stop=tuple(args.stop))
+        p = sampling_flags(args, i)
         p.update(extra)  # per-request values from JSONL; invalid ones fail that request only
         texts.append(tok.apply_chat_template(prompt, system=args.system) if chat else prompt)
         params.append(p)
