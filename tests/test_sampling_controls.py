@@ -160,3 +160,38 @@ def test_generate_script_refuses_bad_control_flags(capsys):
                            "--repetition-penalty", "1.2", "hi"])
     p = gen.sampling_flags(args, 2)
     assert (p["min_p"], p["stop_token_ids"], p["repetition_penalty"], p["seed"]) == (0.1, (5, 9), 1.2, 2)
+
+
+def test_top_logprobs_equal_the_dense_models_top_k(tiny):
+    """Greedy rows report the model's own distribution: each output token's top_logprobs are the
+    top-k of log_softmax of a full forward pass (no cache) at that position; sampled rows report
+    the distribution they were drawn from, so the token's own log-probability is in its list when
+    it ranks in the top k."""
+    rng = np.random.default_rng(4)
+    prompts = ["".join(chr(97 + x) for x in rng.integers(0, 26, rng.integers(5, 20))) for _ in range(3)]
+    eng = LLMEngine(*tiny, EngineConfig(**CFG))
+    outs = eng.generate(prompts, [SamplingParams(max_new_tokens=7, greedy=True, ignore_eos=True, top_logprobs=5),
+                                  SamplingParams(max_new_tokens=7, greedy=True, ignore_eos=True),
+                                  SamplingParams(max_new_tokens=7, temperature=0.8, top_k=30, seed=3,
+                                                 ignore_eos=True, top_logprobs=20)])
+    gpt = models.load("tiny-llama", seed=2)[0]
+    o = outs[0]
+    ids = list(o.prompt_ids) + list(o.token_ids)
+    logits = np.asarray(models.forward_dense(gpt, jnp.asarray([ids], jnp.int32))[0], np.float64)
+    lsm = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+    assert len(o.top_logprobs) == len(o.token_ids) == 7 and outs[1].top_logprobs == ()
+    for i, top in enumerate(o.top_logprobs):
+        row = lsm[len(o.prompt_ids) - 1 + i]
+        want = np.argsort(-row)[:5]
+        assert [t for t, _ in top] == want.tolist()
+        np.testing.assert_allclose([v for _, v in top], row[want], atol=1e-5)
+        assert top[0][0] == o.token_ids[i] and abs(top[0][1] - o.logprobs[i]) < 1e-6
+    s = outs[2]
+    assert all(len(top) == 20 for top in s.top_logprobs)
+    for t, lp, top in zip(s.token_ids, s.logprobs, s.top_logprobs):
+        assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+        d = dict(top)
+        if t in d:
+            assert abs(d[t] - lp) < 1e-6
+    with pytest.raises(ValueError, match="top_logprobs"):
+        SamplingParams(top_logprobs=21)

@@ -65,8 +65,8 @@ class Snapshot:
       last_abort_rounds: rounds that ran between the latest abort's arrival and the release of
         its pages (0 or 1: aborts are applied before the next round); -1 before any abort.
       alive: the engine thread is running.
-      compilations / compile_seconds: programs the engine compiled so far (the unified step; without
-        chunked prefill: the decode loop + one per prefill shape) and the time it took.
+      compilations / compile_seconds: programs the engine compiled so far (its one program, the
+        unified step: 1 once it ran) and the time it took.
     """
     num_running: int = 0
     num_waiting: int = 0

@@ -62,10 +62,14 @@ class StepResult:
       tokens: i32[B]; each entry's sampled (or resumed) token where it is a decode row or a final
         chunk.
       logprobs: f32[B]; their log-probabilities (NaN for a resumed request's pending token).
+      top_ids: i32[B, top_n]; the most likely tokens of the distribution each was drawn from, when
+        some row asked for top_logprobs (-1 otherwise); top_n = min(20, vocab).
+      top_logprobs: f32[B, top_n]; their log-probabilities.
       ok: bool[]; False when the pool could not hold the entries' rows: then the round changed
         nothing on the device (no eviction, no reservation, no decode step).
       out: i32[steps, max_seqs]; tokens of the decode steps (-1 = none).
       out_logprobs: f32[steps, max_seqs].
+      out_top_ids: i32[steps, max_seqs, top_n]; out_top_logprobs: f32[steps, max_seqs, top_n].
       steps: i32[]; decode steps run (rows of `out` past it are -1).
       num_free: i32[]; free pages after the round.
       seq_lens: i32[max_seqs]; tokens cached per slot after the round.
@@ -76,9 +80,13 @@ class StepResult:
     """
     tokens: jax.Array
     logprobs: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
     ok: jax.Array
     out: jax.Array
     out_logprobs: jax.Array
+    out_top_ids: jax.Array
+    out_top_logprobs: jax.Array
     steps: jax.Array
     num_free: jax.Array
     seq_lens: jax.Array

@@ -402,7 +402,8 @@ class LLMEngine:
             text = req.detokenizer.take_delta(ev.finished)
             if ev.new_token_ids or text or ev.finished:
                 outputs.append(StepOutput(req.request_id, ev.new_token_ids, text, ev.finished,
-                                          req.to_output() if ev.finished else None, ev.new_logprobs))
+                                          req.to_output() if ev.finished else None, ev.new_logprobs,
+                                          ev.new_top_logprobs))
         for o in outputs:
             if o.finished:
                 self._handed_out(o.request_id)

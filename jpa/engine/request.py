@@ -37,6 +37,8 @@ class Request:
     detokenizer: IncrementalDetokenizer | None = None
     output_ids: list[int] = dataclasses.field(default_factory=list)
     output_logprobs: list[float] = dataclasses.field(default_factory=list)  # one per output id
+    output_top_logprobs: list[tuple] = dataclasses.field(default_factory=list)  # one per output id when
+                                                                                 # params.top_logprobs > 0
     phase: Phase = Phase.WAITING
     finish_reason: str | None = None   # "stop" (EOS or stop string), "length", "abort" or "error"
     error: str | None = None
@@ -72,7 +74,7 @@ class Request:
     def to_output(self) -> "RequestOutput":
         return RequestOutput(self.request_id, self.prompt, self.text, tuple(self.prompt_ids),
                              tuple(self.output_ids), self.finish_reason, self.error, self.num_preemptions,
-                             tuple(self.output_logprobs))
+                             tuple(self.output_logprobs), tuple(self.output_top_logprobs))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +89,9 @@ class RequestOutput:
     error: str | None = None
     num_preemptions: int = 0
     logprobs: tuple[float, ...] = ()   # of each token id, under the distribution it was sampled from
+    # With SamplingParams.top_logprobs = k: per token id, ((token id, log-probability), ...) of the k
+    # most likely tokens of that same distribution; () otherwise.
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
 
     def to_json(self) -> dict:
         return {"request_id": self.request_id, "prompt": self.prompt, "completion": self.completion,
@@ -109,6 +114,8 @@ class StepOutput:
       finished: the request is done; `output` holds its result and it will not appear again.
       output: the RequestOutput when finished, else None.
       new_logprobs: log-probability of each of new_token_ids (see `sampling.sample_with_logprobs`).
+      new_top_logprobs: with SamplingParams.top_logprobs, the top tokens of each new token (as in
+        RequestOutput.top_logprobs).
     """
     request_id: object
     new_token_ids: tuple[int, ...]
@@ -116,3 +123,4 @@ class StepOutput:
     finished: bool
     output: RequestOutput | None = None
     new_logprobs: tuple[float, ...] = ()
+    new_top_logprobs: tuple = ()

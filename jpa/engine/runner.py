@@ -41,7 +41,7 @@ from jpa import pages
 from jpa.cache import CacheConfig, KVCache, copy_pages
 from jpa.engine.batch import StepBatch, StepResult, make_step_batch
 from jpa.engine.model import EngineModel, check_model
-from jpa.engine.sampling import SlotParams, sample_slots
+from jpa.engine.sampling import MAX_TOP_LOGPROBS, SlotParams, sample_slots
 from jpa.sharding import POOL, REPLICATED, named
 
 
@@ -182,9 +182,10 @@ class ModelRunner:
     def _decode_loop(self, params, cache, page_state, slots, max_steps):
         """Up to max_steps (a traced scalar <= steps_per_call) decode steps of the active slots.
 
-        Returns (cache, page_state, slots, out i32[steps_per_call, max_seqs] tokens (-1 where a slot
-        was idle or past the last step), out_lp f32[steps_per_call, max_seqs], steps taken, pages
-        copied on write).
+        Returns (cache, page_state, slots, (out i32[steps_per_call, max_seqs] tokens (-1 where a slot
+        was idle or past the last step), out_lp f32[steps_per_call, max_seqs], their top tokens
+        i32[steps_per_call, max_seqs, top_n] and log-probabilities), steps taken, pages copied on
+        write).
         """
         k, num_seqs = self.steps_per_call, self.max_seqs
 
@@ -195,37 +196,39 @@ class ModelRunner:
         # Parallel samples forked from one prompt share its partly filled last page: the first
         # append of each copies it (copy-on-write) before the new token's K/V is written.
         def step(carry):
-            i, cache, ps, slots, out, out_lp, nxt, copies = carry
+            i, cache, ps, slots, (out, out_lp, out_ids, out_tops), nxt, copies = carry
             ps, slot_mapping, _, cow = nxt
             cache, slots, n = _copy_on_write(cache, slots, cow)
             seq_lens = jnp.where(slots.active, ps.seq_lens, 0)
             logits, cache = self.model.decode(params, cache, slots.tokens, seq_lens, slot_mapping, ps.block_tables,
                                               impl=self.attention_impl)
             slots = slots.write_tokens(slots.tokens, jnp.where(slots.active, slot_mapping, -1))
-            tok, lp = sample_slots(logits, slots.params, slots.num_generated, lambda: slots.history(ps.block_tables),
-                                   seq_lens, self.stop_ids)
+            tok, lp, top_ids, top_lps = sample_slots(logits, slots.params, slots.num_generated,
+                                                     lambda: slots.history(ps.block_tables), seq_lens, self.stop_ids)
             act = slots.active
             slots = slots.replace(num_generated=slots.num_generated + act.astype(jnp.int32),
                                   tokens=jnp.where(act, tok, slots.tokens))
             done = act & _finished(slots, tok, seq_lens, self.stop_ids)
             out = out.at[i].set(jnp.where(act, tok, -1))
             out_lp = out_lp.at[i].set(lp)
+            out_ids, out_tops = out_ids.at[i].set(top_ids), out_tops.at[i].set(top_lps)
             ps = pages.release(ps, jnp.where(done, jnp.arange(num_seqs, dtype=jnp.int32), -1))
             slots = slots.replace(active=act & ~done)
-            return i + 1, cache, ps, slots, out, out_lp, _lookahead(ps, slots), copies + n
+            return i + 1, cache, ps, slots, (out, out_lp, out_ids, out_tops), _lookahead(ps, slots), copies + n
 
         def _lookahead(ps, slots):
             return pages.append(ps, slots.active)
 
         def cond(carry):
-            i, _, _, slots, _, _, nxt, _ = carry
+            i, _, _, slots, _, nxt, _ = carry
             return (i < max_steps) & nxt[2] & jnp.any(slots.active)
 
-        out = jnp.full((k, num_seqs), -1, jnp.int32)
-        out_lp = jnp.zeros((k, num_seqs), jnp.float32)
-        init = (jnp.int32(0), cache, page_state, slots, out, out_lp, _lookahead(page_state, slots), jnp.int32(0))
-        steps, cache, page_state, slots, out, out_lp, _, copies = lax.while_loop(cond, step, init)
-        return cache, page_state, slots, out, out_lp, steps, copies
+        tn = min(MAX_TOP_LOGPROBS, self.model.config.vocab_size)
+        outs = (jnp.full((k, num_seqs), -1, jnp.int32), jnp.zeros((k, num_seqs), jnp.float32),
+                jnp.full((k, num_seqs, tn), -1, jnp.int32), jnp.full((k, num_seqs, tn), -jnp.inf, jnp.float32))
+        init = (jnp.int32(0), cache, page_state, slots, outs, _lookahead(page_state, slots), jnp.int32(0))
+        steps, cache, page_state, slots, outs, _, copies = lax.while_loop(cond, step, init)
+        return cache, page_state, slots, outs, steps, copies
 
     def _ragged_blocks(self, params, cache, tokens, positions, slot_mapping, tables, old, cu, entry, num_rows):
         """The model over the ragged batch's first num_rows rows, `block_tokens` rows at a time.
@@ -337,12 +340,14 @@ class ModelRunner:
                 num_generated=put(slots.num_generated, batch.num_generated, start),
                 params=jax.tree_util.tree_map(lambda a, v: put(a, v, start), slots.params, batch.params))
             row_slots = slots.rows(safe)
-            sampled, sampled_lp = sample_slots(logits, row_slots.params, row_slots.num_generated,
-                                               lambda: slots.history(ps.block_tables[safe]), new, self.stop_ids)
+            sampled, sampled_lp, top_ids, top_lps = sample_slots(
+                logits, row_slots.params, row_slots.num_generated, lambda: slots.history(ps.block_tables[safe]), new,
+                self.stop_ids)
             emits = live & (decode_row | final)
             fresh = decode_row | (batch.resume_token < 0)
             tok = jnp.where(fresh, sampled, batch.resume_token)
             lp = jnp.where(fresh, sampled_lp, jnp.nan)
+            top_ids = jnp.where(fresh[:, None], top_ids, -1)   # a resumed token's were recorded before
             row_slots = row_slots.replace(num_generated=row_slots.num_generated + fresh.astype(jnp.int32))
             done = emits & fresh & _finished(row_slots, tok, new, self.stop_ids)
             slots = slots.replace(tokens=put(slots.tokens, tok, emits),
@@ -351,18 +356,21 @@ class ModelRunner:
             ps = pages.cache(ps, jnp.where(live & final, ids, -1), batch.cache_upto)
             tables = ps.block_tables[safe]  # i32[B, pages_per_seq], before the finished are released
             ps = pages.release(ps, jnp.where(done, ids, -1))
-            return i + 1, cache, ps, slots, (tok, lp, tables, copies)
+            return i + 1, cache, ps, slots, (tok, lp, top_ids, top_lps, tables, copies)
 
+        tn = min(MAX_TOP_LOGPROBS, self.model.config.vocab_size)
         empty_out = (jnp.zeros((num_entries,), jnp.int32), jnp.full((num_entries,), jnp.nan, jnp.float32),
+                     jnp.full((num_entries, tn), -1, jnp.int32), jnp.full((num_entries, tn), -jnp.inf, jnp.float32),
                      jnp.zeros((num_entries, self.pages_per_seq), jnp.int32), jnp.int32(0))
-        _, cache, page_state, slots, (tok, lp, tables, copies) = lax.while_loop(
+        _, cache, page_state, slots, (tok, lp, top_ids, top_lps, tables, copies) = lax.while_loop(
             lambda c: c[0] < batch.run_ragged * ok.astype(jnp.int32), ragged_step,
             (jnp.int32(0), cache, page_state, slots, empty_out))
         decode_steps = jnp.where(ok, jnp.minimum(batch.decode_steps, self.steps_per_call), 0)
-        cache, page_state, slots, out, out_lp, steps, loop_copies = self._decode_loop(
+        cache, page_state, slots, (out, out_lp, out_ids, out_tops), steps, loop_copies = self._decode_loop(
             params, cache, page_state, slots, decode_steps)
         return cache, page_state, slots, StepResult(
-            tokens=tok, logprobs=lp, ok=ok, out=out, out_logprobs=out_lp, steps=steps,
+            tokens=tok, logprobs=lp, top_ids=top_ids, top_logprobs=top_lps, ok=ok, out=out, out_logprobs=out_lp,
+            out_top_ids=out_ids, out_top_logprobs=out_tops, steps=steps,
             num_free=pages.num_free_pages(page_state), seq_lens=page_state.seq_lens, active=slots.active,
             tables=tables, cow_copies=copies + loop_copies)
 
@@ -429,7 +437,8 @@ class ModelRunner:
         res = jax.device_get(res)
         steps = int(res.steps)
         self.cow_copies += int(res.cow_copies)
-        return res.replace(out=res.out[:steps], out_logprobs=res.out_logprobs[:steps])
+        return res.replace(out=res.out[:steps], out_logprobs=res.out_logprobs[:steps],
+                           out_top_ids=res.out_top_ids[:steps], out_top_logprobs=res.out_top_logprobs[:steps])
 
     def retire(self, seq_ids):
         """Releases slots (finished on the host, aborted or preempted).

@@ -31,6 +31,8 @@ class SamplingParams:
     - min_tokens: the stop tokens (EOS and stop_token_ids) cannot be drawn before this many tokens;
     - stop_token_ids: more token ids that finish the request (finish_reason "stop"; like EOS the
       token is kept in token_ids and left out of the text), even with ignore_eos.
+    top_logprobs (<= 20): with each output token, the most likely tokens and log-probabilities of
+    the distribution its own log-probability is taken under (see `sample_with_logprobs`).
     """
     max_new_tokens: int = 64
     temperature: float = 1.0
@@ -48,6 +50,7 @@ class SamplingParams:
     logit_bias: tuple = ()            # ((token id, bias), ...); a dict is accepted and sorted
     min_tokens: int = 0
     stop_token_ids: tuple = ()
+    top_logprobs: int = 0             # also return this many most likely tokens per output token
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -93,6 +96,9 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} token ids (ints >= 0); "
                              f"got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", ids)
+        if not isinstance(self.top_logprobs, int) or isinstance(self.top_logprobs, bool) or not (
+                0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}]; got {self.top_logprobs!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop must be non-empty strings; got {self.stop!r}")
@@ -111,6 +117,7 @@ class SamplingParams:
 
 MAX_LOGIT_BIAS = 300      # entries of logit_bias (OpenAI's limit)
 MAX_STOP_TOKEN_IDS = 8    # stop_token_ids per request (a fixed width on the device)
+MAX_TOP_LOGPROBS = 20     # top_logprobs per token (OpenAI's limit)
 
 
 def _column(dtype, pad, width=None):
@@ -142,6 +149,7 @@ class SlotParams:
     bias_ids: jax.Array = _column(np.int32, -1, MAX_LOGIT_BIAS)         # i32[n, 300]: -1 = none
     bias_values: jax.Array = _column(np.float32, 0.0, MAX_LOGIT_BIAS)   # f32[n, 300]
     stop_token_ids: jax.Array = _column(np.int32, -1, MAX_STOP_TOKEN_IDS)  # i32[n, 8]: -1 = none
+    top_logprobs: jax.Array = _column(np.int32, 0)      # i32: top tokens wanted per output token
 
     @staticmethod
     def row(params: SamplingParams, max_len: int, prompt_len: int = 0) -> dict:
@@ -154,7 +162,7 @@ class SlotParams:
                     presence_penalty=float(params.presence_penalty),
                     frequency_penalty=float(params.frequency_penalty), min_tokens=params.min_tokens,
                     prompt_len=prompt_len, bias_ids=[t for t, _ in bias], bias_values=[float(b) for _, b in bias],
-                    stop_token_ids=list(params.stop_token_ids))
+                    stop_token_ids=list(params.stop_token_ids), top_logprobs=params.top_logprobs)
 
     @classmethod
     def from_rows(cls, rows, n: int) -> "SlotParams":
@@ -247,7 +255,7 @@ def sample_slots(logits, params: SlotParams, counters, history_fn=None, num_cach
                           lambda x: apply_controls(x, params, history_fn(), num_cached, counters, stop_ids),
                           lambda x: x, logits.astype(jnp.float32))
     return sample_with_logprobs(logits, params.temperature, params.top_k, params.top_p, params.seed, counters,
-                                min_p=params.min_p)
+                                min_p=params.min_p, top_n=MAX_TOP_LOGPROBS, want_top=params.top_logprobs > 0)
 
 
 def sample(logits, temperature, top_k, top_p, seeds, counters):
@@ -255,7 +263,8 @@ def sample(logits, temperature, top_k, top_p, seeds, counters):
     return sample_with_logprobs(logits, temperature, top_k, top_p, seeds, counters)[0]
 
 
-def sample_with_logprobs(logits, temperature, top_k, top_p, seeds, counters, *, min_p=None):
+def sample_with_logprobs(logits, temperature, top_k, top_p, seeds, counters, *, min_p=None, top_n=None,
+                         want_top=None):
     """Picks one token per row and returns its log-probability.
 
     The log-probability is taken under the distribution the token was drawn from:
@@ -271,10 +280,14 @@ def sample_with_logprobs(logits, temperature, top_k, top_p, seeds, counters, *, 
       seeds: i32[num_seqs] per-request seeds.
       min_p: f32[num_seqs] or None; keep tokens whose probability is >= min_p x the top one's
         (after top-k/top-p); 0 = off.
+      top_n: with it, also the top_n tokens of the distribution each log-probability is taken under
+        (computed only when some row of want_top, bool[num_seqs], is True).
       counters: i32[num_seqs] index of the token being sampled within its request.
 
     Returns:
-      (i32[num_seqs] token ids, f32[num_seqs] their log-probabilities).
+      (i32[num_seqs] token ids, f32[num_seqs] their log-probabilities), and with top_n
+      (i32[num_seqs, top_n] top token ids, f32[num_seqs, top_n] their log-probabilities; -1 / -inf
+      when no row wants them).
     """
     logits = logits.astype(jnp.float32)
     greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -313,5 +326,17 @@ def sample_with_logprobs(logits, temperature, top_k, top_p, seeds, counters, *, 
     drawn = lax.cond(jnp.any(temperature > 0), draw, lambda x: greedy_tok, scaled)
     tok = jnp.where(temperature > 0, drawn, greedy_tok)  # i32[B]
     dist = jnp.where((temperature > 0)[:, None], scaled, logits)  # f32[B, V]; -inf = filtered out
+    lse = jax.nn.logsumexp(dist, axis=-1)
     picked = jnp.take_along_axis(dist, tok[:, None], axis=-1)[:, 0]
-    return tok, picked - jax.nn.logsumexp(dist, axis=-1)
+    if top_n is None:
+        return tok, picked - lse
+
+    top_n = min(top_n, vocab)
+
+    def top(d):  # the top_n of the same distribution, as (log-probabilities, ids)
+        return tuple(lax.top_k(d - lse[:, None], top_n))
+
+    empty = lambda d: (jnp.full((d.shape[0], top_n), -jnp.inf, jnp.float32),  # noqa: E731
+                       jnp.full((d.shape[0], top_n), -1, jnp.int32))
+    top_lps, top_ids = lax.cond(jnp.any(want_top), top, empty, dist)
+    return tok, picked - lse, top_ids.astype(jnp.int32), top_lps

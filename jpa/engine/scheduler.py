@@ -87,6 +87,7 @@ class Progress:
     new_token_ids: tuple[int, ...]
     finished: bool
     new_logprobs: tuple[float, ...] = ()   # one per new token
+    new_top_logprobs: tuple = ()           # one per new token when the request asked for top_logprobs
 
 
 class Scheduler:
@@ -384,8 +385,8 @@ class Scheduler:
                     self.prefix.register(self.prefill_tokens(e.request), pages)
                     e.request.cache_refs = tuple(pages)
         new: dict[int, list] = {}
-        for e, tok, lp in zip(plan.entries, result.tokens, result.logprobs):
-            first = [(int(tok), float(lp))]
+        for i, (e, tok, lp) in enumerate(zip(plan.entries, result.tokens, result.logprobs)):
+            first = [(int(tok), float(lp), (result.top_ids[i], result.top_logprobs[i]))]
             if e.decode:
                 new[e.slot] = first
                 e.request.cow_pending = False   # it has written past its (possibly shared) last page
@@ -404,12 +405,11 @@ class Scheduler:
         for slot, req in list(self.running.items()):
             if req.phase is not Phase.DECODING:
                 continue
-            loop = [(int(t), float(lp)) for t, lp in zip(result.out[:, slot], result.out_logprobs[:, slot]) if t >= 0]
+            loop = [(int(t), float(lp), (result.out_top_ids[i, slot], result.out_top_logprobs[i, slot]))
+                    for i, (t, lp) in enumerate(zip(result.out[:, slot], result.out_logprobs[:, slot])) if t >= 0]
             if loop:
                 req.cow_pending = False
-            got = new.get(slot, []) + loop
-            events.append(self._on_tokens(req, [t for t, _ in got], [lp for _, lp in got],
-                                          device_done=not result.active[slot]))
+            events.append(self._on_tokens(req, new.get(slot, []) + loop, device_done=not result.active[slot]))
         return events
 
     def _device_reason(self, req: Request) -> str:
@@ -417,22 +417,30 @@ class Scheduler:
         stop = (last in self.stop_ids and not req.params.ignore_eos) or last in req.params.stop_token_ids
         return "stop" if stop else "length"
 
-    def _on_tokens(self, req: Request, new: list[int], new_logprobs: list[float], *, device_done: bool) -> Progress:
+    def _on_tokens(self, req: Request, got: list, *, device_done: bool) -> Progress:
+        """Records (token, log-probability, (top ids, top log-probabilities)) triples."""
         n_before = len(req.output_ids)
+        new = [t for t, _, _ in got]
         req.output_ids.extend(new)
-        req.output_logprobs.extend(new_logprobs)
+        req.output_logprobs.extend(lp for _, lp, _ in got)
+        k = req.params.top_logprobs
+        if k:
+            req.output_top_logprobs.extend(tuple((int(i), float(v)) for i, v in zip(ids[:k], vals[:k]) if i >= 0)
+                                           for _, _, (ids, vals) in got)
         eos_last = device_done and self._device_reason(req) == "stop"
         text_ids = new[:-1] if eos_last and new else new   # an EOS token is not part of the text
         kept = req.detokenizer.add(text_ids, final=device_done)
         if req.detokenizer.stopped:
             del req.output_ids[n_before + kept:]
             del req.output_logprobs[n_before + kept:]
+            del req.output_top_logprobs[n_before + kept:]
             if not device_done:   # the device is still decoding it: its pages must be released
                 self._to_release.append((req.slot, req))
             self._finish(req, "stop")
         elif device_done:
             self._finish(req, self._device_reason(req))
-        return Progress(req, tuple(req.output_ids[n_before:]), req.finished, tuple(req.output_logprobs[n_before:]))
+        return Progress(req, tuple(req.output_ids[n_before:]), req.finished, tuple(req.output_logprobs[n_before:]),
+                        tuple(req.output_top_logprobs[n_before:]))
 
     # ------------------------------------------------------------------ end of round: preemption
 
