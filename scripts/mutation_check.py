@@ -198,7 +198,7 @@ def git_describe(repo: pathlib.Path) -> dict:
     return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
 
 
-def parse_args(argv=None):
+def parse_args(argv=None, names=tuple(m.name for m in MUTATIONS)):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repo", type=pathlib.Path, default=REPO, help="the repository to copy (default: this script's)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per pytest run (default 900)")
@@ -210,7 +210,6 @@ def parse_args(argv=None):
                     "every test that catches the fault")
     ap.add_argument("--json", metavar="PATH", help="write the results here")
     args = ap.parse_args(argv)
-    names = {m.name for m in MUTATIONS}
     unknown = [n for n in args.only if n not in names]
     if unknown:
         ap.error(f"--only {', '.join(unknown)}: unknown; the mutations are {', '.join(sorted(names))}")
@@ -220,7 +219,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None, mutations=MUTATIONS) -> int:
-    args = parse_args(argv)
+    args = parse_args(argv, [m.name for m in mutations])
     repo = args.repo.resolve()
     chosen = [m for m in mutations if not args.only or m.name in args.only]
     report = {"repo": str(repo), **git_describe(repo), "timeout": args.timeout, "dry_run": args.dry_run,
