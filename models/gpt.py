@@ -502,7 +502,8 @@ def decode(model: GPT, cache: KVCache, tokens, seq_lens, slot_mapping, block_tab
       slot_mapping: i32[B] cache slot of the new token (-1 for inactive slots).
       block_tables: i32[B, pages_per_seq].
       impl: the `jpa.paged_decode` implementation ("auto", "xla", "triton", "mosaic"); the engine
-        passes what `jpa.resolve_decode_impl` chose for its shapes at set-up.
+        passes its `attention_impl` as given. With "auto", `jpa.paged_decode` picks the kernel while
+        this step is traced, for the device it is compiled for and these exact shapes.
       mesh: as `prefill` (tensor parallelism; the kernel then runs on each device's heads).
 
     Returns:

@@ -240,12 +240,11 @@ def run(args):
     if not args.no_compile_cache:
         enable_compile_cache(cache_dir() / "xla")
 
-    on_gpu = jax.default_backend() == "gpu"
-    dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
     import jax.numpy as jnp
     import models
-    from jpa.engine import LLMEngine
+    from jpa.llm import LLM, default_dtype
 
+    dtype = args.dtype or default_dtype()
     prompts, builtin = read_prompts(args)
     chat = args.chat or builtin
     t0 = time.perf_counter()
@@ -256,9 +255,10 @@ def run(args):
     except (ValueError, FileNotFoundError) as e:  # a bad checkpoint directory: CheckpointError names it
         raise UsageError(f"--model {args.model}: {e}") from None
     try:
-        engine = LLMEngine(models.GPTForEngine(gpt), tok, config)  # the script wires model -> engine
+        llm = LLM.from_model(gpt, tok, engine_config=config)  # the application layer wires model -> engine
     except ValueError as e:  # e.g. a memory budget too small for one page, or --tp above the device count
         raise UsageError(str(e)) from None
+    engine = llm.engine
     print(f"[jpa] model ready in {time.perf_counter() - t0:.1f} s; KV cache: {engine.cache_config.describe()}",
           file=sys.stderr)
     if args.tp > 1:
@@ -275,7 +275,7 @@ def run(args):
         params.append(p)
         index.append(i)
     t1 = time.perf_counter()
-    results = engine.generate(texts, params, progress=not args.no_progress)
+    results = llm.generate(texts, params, use_tqdm=not args.no_progress)
     wall = time.perf_counter() - t1
     by_line = dict(zip(index, results))
 

