@@ -67,8 +67,8 @@ MUTATIONS = (
     Mutation(
         name="slot-off-by-one",
         file="jpa/engine/runner.py",
-        old="slot_mapping = jnp.where(ok_rows, page * ps_ + pos % ps_, -1)",
-        new="slot_mapping = jnp.where(ok_rows, page * ps_ + (pos + 1) % ps_, -1)",
+        old="slot_mapping = jnp.where(row_live, page * ps_ + pos % ps_, -1)",
+        new="slot_mapping = jnp.where(row_live, page * ps_ + (pos + 1) % ps_, -1)",
         selection=("tests/test_engine.py::test_engine_logprobs_match_the_dense_model",
                    "tests/test_chunked_prefill.py::test_unified_equals_separate_at_any_budget"),
         why="the unified step writes each row's K/V one slot further into its page",
