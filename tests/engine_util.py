@@ -77,6 +77,11 @@ class Engines:
             settle(eng)
         return eng
 
+    def discard(self, eng) -> None:
+        """Drops eng (left in an unknown state, e.g. by a failed test) so that no later test gets it."""
+        for key in [k for k, v in self._cache.items() if v is eng]:
+            del self._cache[key]
+
     def reference(self, prompts, params):
         """Outputs of prompts on the reference engine; n > 1 runs as n separate requests (seed + i)."""
         ref = self.get(**REFERENCE)
