@@ -1,18 +1,19 @@
 #!/usr/bin/env python3
-"""Randomized soak of the engine under page pressure (tiny-llama, random weights).
+"""Randomized soak of the engine under page pressure (tiny-llama with context-dependent random weights).
 
 Random prompts, max_new_tokens, stop strings and sampling parameters go through engines with tiny
 page pools (forcing preemptions), driven round by round with step(): requests arrive in waves
 between steps and a few are aborted. Every result is checked against the same requests run on an
-ample pool, where nothing is preempted:
+ample pool without prefix caching, where nothing is preempted or shared:
 
 - lost / duplicated: every request comes out of step() exactly once as finished;
 - leaked: after each run every page is free (and, after every round, the device's free pages plus
   the pages the running sequences hold add up to the pool, and each running request's seq_len
   matches its tokens);
 - streamed tokens and text concatenate to the final token_ids and completion;
-- greedy mismatches: a greedy request's tokens differ from the ample run (must be 0); sampled
-  requests are compared too (same per-request keys) and reported;
+- mismatches: a request's tokens, completion or finish reason differ from the ample run, greedy
+  and seeded-sampled alike (same per-request keys; must be 0), or a logprob differs by more than
+  1e-5 (float32);
 - stop strings: a "stop" completion never contains its stop string, and its tokens end at it.
 
     .venv/bin/python scripts/soak_engine.py                      # 1000 requests, <= 10 minutes
@@ -22,6 +23,7 @@ tests/test_engine_random.py runs the same driver at CI size.
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import pathlib
@@ -34,7 +36,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import models  # noqa: E402
+sys.path.insert(0, str(ROOT / "tests"))
+from engine_util import LOGPROB_ATOL, context_llama  # noqa: E402
 from jpa.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
 # Tiny pools: (max_seqs, page_size, num_pages, steps_per_call). max_model_len = the whole pool.
@@ -43,7 +46,8 @@ LETTERS = "abcdefghij klmnop"
 
 
 def make_workload(rng, n: int, max_len: int, *, max_prompt: int = 30, max_new: int = 40):
-    """n random (prompt, SamplingParams) pairs whose prompts fit in max_len."""
+    """n random (prompt, SamplingParams) pairs whose prompts fit in max_len (no stop strings:
+    `with_stops` adds them)."""
     out = []
     for _ in range(n):
         plen = int(rng.integers(1, min(max_prompt, max_len - 1) + 1))
@@ -56,14 +60,25 @@ def make_workload(rng, n: int, max_len: int, *, max_prompt: int = 30, max_new: i
         else:
             p.update(temperature=float(rng.uniform(0.3, 1.5)), top_k=int(rng.choice([0, 3, 50])),
                      top_p=float(rng.choice([1.0, 0.9, 0.5])))
-        if rng.random() < 0.4:
-            # tiny-llama's greedy text tends to repeat the prompt's last character: a run of it
-            # hits at a random point; a random string of letters mostly does not.
-            stop = [prompt[-1] * int(rng.integers(1, 8))]
-            if rng.random() < 0.5:
-                stop.append("".join(rng.choice(list(LETTERS[:10]), int(rng.integers(1, 4)))))
-            p.update(stop=tuple(s for s in stop if s.strip()) or ("zz",))
         out.append((prompt, SamplingParams(**p)))
+    return out
+
+
+def with_stops(rng, workload, ref, p: float = 0.4):
+    """The workload with stop strings on a fraction p of its requests: a piece of the request's
+    own reference completion (`ref[i]`: request i's output without stops), so that most of them
+    hit, plus sometimes a string that does not occur."""
+    out = []
+    for i, (prompt, params) in enumerate(workload):
+        text = ref[i].completion
+        pieces = [text[i:i + k] for k in (1, 2, 3) for i in range(len(text) - k + 1)
+                  if text[i:i + k].strip() and "\ufffd" not in text[i:i + k]]
+        if pieces and rng.random() < p:
+            stop = [pieces[int(rng.integers(0, len(pieces)))]]
+            if rng.random() < 0.3:
+                stop.append("".join(rng.choice(list(LETTERS[:10]), 3)))
+            params = dataclasses.replace(params, stop=tuple(stop))
+        out.append((prompt, params))
     return out
 
 
@@ -114,16 +129,21 @@ def run(eng, workload, rng=None, *, abort_p=0.0, wave=None, check=False):
 
 def compare(workload, ref, got, tokenizer):
     """Mismatch counts of got against the ample-pool reference (aborted requests: prefix only)."""
-    m = dict(greedy_mismatch=0, sampled_mismatch=0, aborted=0, abort_not_prefix=0, bad_stop=0, errors=0)
+    m = dict(greedy_mismatch=0, sampled_mismatch=0, logprob_mismatch=0, aborted=0, abort_not_prefix=0, bad_stop=0,
+             errors=0)
     for i, (_, params) in enumerate(workload):
         g, r = got[i], ref[i]
         m["errors"] += g.error is not None
         if g.finish_reason == "abort":
             m["aborted"] += 1
-            m["abort_not_prefix"] += g.token_ids != r.token_ids[: len(g.token_ids)]
+            n = len(g.token_ids)
+            m["abort_not_prefix"] += g.token_ids != r.token_ids[:n]
+            m["logprob_mismatch"] += not _close(g.logprobs, r.logprobs[:n])
             continue
         if (g.token_ids, g.completion, g.finish_reason) != (r.token_ids, r.completion, r.finish_reason):
             m["greedy_mismatch" if params.is_greedy else "sampled_mismatch"] += 1
+        elif not _close(g.logprobs, r.logprobs):
+            m["logprob_mismatch"] += 1
         if params.stop and g.finish_reason == "stop" and g.token_ids and g.token_ids[-1] < 256:
             text = lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True)
             hits = lambda t: any(s in t for s in params.stop)
@@ -133,21 +153,25 @@ def compare(workload, ref, got, tokenizer):
     return m
 
 
+def _close(a, b) -> bool:
+    return len(a) == len(b) and bool(np.all(np.abs(np.asarray(a) - np.asarray(b)) <= LOGPROB_ATOL))
+
+
 def engine(model, tok, pool, *, ample=False):
+    """The tiny pool's engine, or (ample) the reference: 8x the pages, no prefix caching."""
     max_seqs, page_size, num_pages, steps = pool
     return LLMEngine(model, tok, EngineConfig(
         max_seqs=max_seqs, page_size=page_size, num_pages=num_pages * (8 if ample else 1),
-        steps_per_call=steps, max_model_len=num_pages * page_size, watermark=0.0))
+        steps_per_call=steps, max_model_len=num_pages * page_size, watermark=0.0, prefix_caching=not ample))
 
 
 def soak(n_requests: int, time_limit: float, seed: int, *, pools=TINY_POOLS, check=False, abort_p=0.01):
-    model, tok = models.load("tiny-llama", seed=seed)
-    model = models.GPTForEngine(model)
+    model, tok = context_llama(seed)
     rng = np.random.default_rng(seed)
     t0 = time.perf_counter()
     total = dict(requests=0, preemptions=0, lost=0, duplicated=0, leaked_runs=0, stream_mismatch=0,
-                 greedy=0, greedy_mismatch=0, sampled_mismatch=0, aborted=0, abort_not_prefix=0,
-                 bad_stop=0, errors=0, stop_finishes=0, rounds=0)
+                 greedy=0, sampled=0, greedy_mismatch=0, sampled_mismatch=0, logprob_mismatch=0, aborted=0,
+                 abort_not_prefix=0, bad_stop=0, errors=0, stop_finishes=0, rounds=0, reference_preemptions=0)
     engines = {pool: (engine(model, tok, pool), engine(model, tok, pool, ample=True)) for pool in pools}
     batch = max(1, n_requests // (4 * len(pools)))
     k = 0
@@ -157,7 +181,10 @@ def soak(n_requests: int, time_limit: float, seed: int, *, pools=TINY_POOLS, che
         tiny, ample = engines[pool]
         n = min(batch, n_requests - total["requests"])
         workload = make_workload(rng, n, pool[1] * pool[2])
+        workload = with_stops(rng, workload, run(ample, workload)[0])
+        r0 = ample.stats.preemptions
         ref, _ = run(ample, workload)
+        total["reference_preemptions"] += ample.stats.preemptions - r0
         p0 = tiny.stats.preemptions
         got, counts = run(tiny, workload, rng, abort_p=abort_p, wave=max(1, n // 4), check=check)
         total["preemptions"] += tiny.stats.preemptions - p0
@@ -167,6 +194,7 @@ def soak(n_requests: int, time_limit: float, seed: int, *, pools=TINY_POOLS, che
         for key, v in compare(workload, ref, got, tok).items():
             total[key] += v
         total["greedy"] += sum(p.is_greedy for _, p in workload)
+        total["sampled"] += sum(not p.is_greedy for _, p in workload)
         total["stop_finishes"] += sum(bool(p.stop) and got[i].finish_reason == "stop"
                                       for i, (_, p) in enumerate(workload))
         total["requests"] += n
@@ -196,7 +224,8 @@ def main(argv=None):
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(total, indent=1) + "\n")
     bad = total["lost"] + total["duplicated"] + total["leaked_runs"] + total["greedy_mismatch"] \
-        + total["stream_mismatch"] + total["abort_not_prefix"] + total["bad_stop"] + total["errors"]
+        + total["sampled_mismatch"] + total["logprob_mismatch"] + total["stream_mismatch"] \
+        + total["abort_not_prefix"] + total["bad_stop"] + total["errors"] + total["reference_preemptions"]
     return 1 if bad else 0
 
 

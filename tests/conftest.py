@@ -8,3 +8,23 @@ one (it asks for a compile-only topology explicitly).
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def ctx_model():
+    """(GPTForEngine, tokenizer): tiny-llama whose greedy output depends on the context
+    (tests/engine_util.context_llama), the model of the engine equivalence tests."""
+    from engine_util import context_llama
+
+    return context_llama(seed=1)
+
+
+@pytest.fixture(scope="session")
+def engines(ctx_model):
+    """Engines over ctx_model shared by the whole session, one per EngineConfig (each compiles
+    its step once): `engines.get(**config)`, `engines.reference(prompts, params)`."""
+    from engine_util import Engines
+
+    return Engines(*ctx_model)

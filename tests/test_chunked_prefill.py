@@ -1,9 +1,9 @@
-"""The unified engine step (chunked prefill over a token budget) against the separate-call engine.
+"""The unified engine step: prompt chunks and decode tokens over a token budget.
 
-The separate engine (EngineConfig(chunked_prefill=False): bucketed prefill calls, then the decode
-loop) is the reference: with the same model and requests, the unified step must give the same
-tokens, whatever the budget, the pool pressure (preemption of prefilling requests) or the mix of
-prompt lengths, and compile exactly one program.
+Whatever the budget, the rows per model pass (ragged_block_tokens), the pool pressure (preemption
+of prefilling requests) or the mix of prompt lengths, outputs (token ids and per-token logprobs,
+greedy and seeded-sampled) equal the reference engine's (tests/engine_util: no preemption, no
+sharing, a budget that holds every prompt), and one program is compiled per engine.
 """
 
 import dataclasses
@@ -11,7 +11,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-import models
+from engine_util import (assert_same, compiled_once, fresh_seed, mixed_params, random_prompts, run, snapshot)
 from jpa.engine import EngineConfig, LLMEngine, SamplingParams
 from jpa.engine.scheduler import Scheduler
 from jpa.engine.detokenizer import IncrementalDetokenizer
@@ -22,133 +22,126 @@ GREEDY = SamplingParams(max_new_tokens=24, greedy=True, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    model, tok = models.load("tiny-llama", seed=4)
-    return models.GPTForEngine(model), tok
-
-
-def make(tiny, **kw):
-    model, tok = tiny
-    cfg = dict(max_seqs=4, page_size=8, num_pages=64, steps_per_call=4, max_model_len=192)
-    cfg.update(kw)
-    return LLMEngine(model, tok, EngineConfig(**cfg))
-
-
-def random_prompts(rng, n, vocab, lo=1, hi=100):
-    """Token-id prompts of random lengths in [lo, hi] (crossing pages and any budget)."""
-    return [rng.integers(3, vocab, rng.integers(lo, hi + 1)).tolist() for _ in range(n)]
-
-
-@pytest.fixture(scope="module")
-def case(tiny):
-    """Fresh random prompts and their outputs from the separate engine (the reference)."""
-    seed = int(np.random.SeedSequence().entropy % 2**31)
+def case(engines):
+    """Fresh random prompts (1-100 tokens: crossing pages and any budget), greedy and seeded
+    requests, and their reference outputs."""
+    seed = fresh_seed()
+    print(f"seed {seed}")
     rng = np.random.default_rng(seed)
-    prompts = random_prompts(rng, 7, tiny[0].config.vocab_size)
-    params = [dataclasses.replace(GREEDY, max_new_tokens=int(rng.integers(1, 30))) for _ in prompts]
-    ref = make(tiny, chunked_prefill=False).generate(prompts, params)
-    return seed, prompts, params, [o.token_ids for o in ref]
+    prompts = random_prompts(rng, 7)
+    params = mixed_params(rng, 7, lo=1, hi=30)
+    return seed, prompts, params, engines.reference(prompts, params)
 
 
-def compiled_once(eng):
-    r = eng.runner
-    return (r.step_traces, r.decode_traces, r.prefill_traces) == (1, 0, 0)
-
-
-@pytest.mark.parametrize("budget,block", [(4, None), (16, None), (64, 8), (37, 5)])
-def test_unified_equals_separate_at_any_budget(tiny, case, budget, block):
+@pytest.mark.parametrize("budget,block", [(4, None), (32, None), (64, 8), (37, 5)])
+def test_chunks_equal_the_reference_at_any_budget(engines, case, budget, block):
     """block: rows per model pass of the ragged step (chunks cut at block boundaries too)."""
     seed, prompts, params, want = case
-    eng = make(tiny, max_num_batched_tokens=budget, ragged_block_tokens=block)
-    got = [o.token_ids for o in eng.generate(prompts, params)]
-    assert got == want, f"seed {seed}"
+    eng = engines.get(max_num_batched_tokens=budget, ragged_block_tokens=block)
+    before = snapshot(eng)
+    assert_same(run(eng, prompts, params), want, f"seed {seed}, budget {budget}, block {block}")
     assert compiled_once(eng), "one compiled program, whatever the prompt lengths"
     assert eng.pool_is_whole()
-    assert eng.stats.prefill_tokens == sum(len(p) for p in prompts), "each prompt token computed once"
+    assert eng.stats.prefill_tokens - before.prefill_tokens == sum(len(p) for p in prompts), \
+        "each prompt token computed once"
 
 
-def test_preempting_prefilling_requests_keeps_outputs(tiny, case):
-    seed, _, _, _ = case
+def test_preempting_prefilling_requests_keeps_outputs(engines, case):
+    seed = case[0]
     rng = np.random.default_rng(seed)
-    # 16 pages of 8 tokens for 4 slots of 20-50-token prompts growing by 40 tokens: running and
-    # prefilling requests are preempted (every draw of lengths needs more than the pool).
-    prompts = random_prompts(rng, 6, tiny[0].config.vocab_size, lo=20, hi=50)
-    params = dataclasses.replace(GREEDY, max_new_tokens=40)
-    eng = make(tiny, num_pages=16, watermark=0.0, max_num_batched_tokens=8)
-    outs = [o.token_ids for o in eng.generate(prompts, params)]
-    ref = make(tiny, num_pages=16, watermark=0.0, chunked_prefill=False).generate(prompts, params)
-    assert outs == [o.token_ids for o in ref], f"seed {seed}"
-    assert eng.stats.preemptions > 0
+    # 16 pages of 8 tokens for 4 slots of 20-50-token prompts growing by 40 tokens, an 8-token
+    # budget: running and prefilling requests are preempted (every draw needs more than the pool).
+    prompts = random_prompts(rng, 6, lo=20, hi=50)
+    params = mixed_params(rng, 6, lo=40, hi=40)
+    want = engines.reference(prompts, params)
+    eng = engines.get(num_pages=16, max_num_batched_tokens=8)
+    before = snapshot(eng)
+    got = run(eng, prompts, params)
+    assert eng.stats.preemptions > before.preemptions
+    assert_same(got, want, f"seed {seed}")
     assert eng.pool_is_whole() and compiled_once(eng)
 
 
-def test_seeded_sampling_and_stops_equal_separate(tiny, case):
+def test_seeded_sampling_and_stop_strings_equal_the_reference(engines, case):
     seed, prompts, _, _ = case
-    params = [SamplingParams(max_new_tokens=20, temperature=0.9, top_k=40, top_p=0.95, seed=seed + i,
-                             stop=("e",) if i % 3 == 0 else ()) for i in range(len(prompts))]
-    got = make(tiny, max_num_batched_tokens=16).generate(prompts, params)
-    want = make(tiny, chunked_prefill=False).generate(prompts, params)
-    for g, w in zip(got, want):
-        assert (g.token_ids, g.finish_reason, g.completion) == (w.token_ids, w.finish_reason, w.completion), \
-            f"seed {seed}"
-        np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=1e-4, atol=1e-4)
+    rng = np.random.default_rng(seed + 1)
+    params = mixed_params(rng, len(prompts), lo=20, hi=20)
+    # Stop strings taken from the middle of the reference completions: they do stop.
+    free = engines.reference(prompts, params)
+    stops = []
+    for o in free:
+        text = o.completion
+        pieces = [text[i:i + 2] for i in range(len(text) // 3, len(text) - 1) if text[i:i + 2].strip()
+                  and "\ufffd" not in text[i:i + 2]]
+        stops.append((pieces[0],) if pieces else ())
+    params = [dataclasses.replace(p, stop=s) for p, s in zip(params, stops)]
+    want = engines.reference(prompts, params)
+    got = run(engines.get(max_num_batched_tokens=4), prompts, params)
+    assert_same(got, want, f"seed {seed}")
+    assert sum(o.finish_reason == "stop" for o in got) >= 2, [o.finish_reason for o in got]
 
 
-def test_long_prompt_does_not_stall_running_decodes(tiny):
-    """A prompt 8x the budget spans 8+ rounds; a running request gets one token in every one."""
+def test_long_prompt_does_not_stall_running_decodes(engines):
+    """A prompt 5x the budget spans 5+ rounds; a running request gets a token in every one."""
     rng = np.random.default_rng()
-    vocab = tiny[0].config.vocab_size
-    eng = make(tiny, max_num_batched_tokens=16, max_model_len=256)
-    short = eng.add_request(rng.integers(3, vocab, 5).tolist(), SamplingParams(max_new_tokens=60, greedy=True,
-                                                                               ignore_eos=True))
-    while not short.output_ids:
-        eng.step()
-    long = eng.add_request(rng.integers(3, vocab, 128).tolist(), GREEDY)
+    eng = engines.get()   # budget 32
+    short = eng.add_request(random_prompts(rng, 1, lo=5, hi=5)[0],
+                            SamplingParams(max_new_tokens=60, greedy=True, ignore_eos=True)).request_id
+    got = {}
+
+    def step():
+        new = {}
+        for o in eng.step():
+            new[o.request_id] = len(o.new_token_ids)
+        eng.check_page_state()
+        for k, v in new.items():
+            got[k] = got.get(k, 0) + v
+        return new
+
+    while not got.get(short):
+        step()
+    long = eng.add_request(random_prompts(rng, 1, lo=150, hi=150)[0], GREEDY).request_id
     gained = []
-    while not long.output_ids:
-        before = len(short.output_ids)
-        eng.step()
-        gained.append(len(short.output_ids) - before)
-    # 128 prompt tokens, 16 - 1 per round next to the decoding request; one decode token per
-    # round while the prompt is prefilled, then the round of its last chunk runs the decode loop.
-    assert len(gained) == -(-128 // 15)
-    assert gained == [1] * (len(gained) - 1) + [eng.config.steps_per_call]
+    while not got.get(long):
+        gained.append(step().get(short, 0))
+    assert len(gained) >= 150 // 32, "the long prompt spans rounds"
+    assert min(gained) >= 1, f"the running request stalled while the prompt was prefilled: {gained}"
     while eng.has_unfinished:
-        eng.step()
+        step()
     assert eng.pool_is_whole()
 
 
-def test_abort_while_prefilling_frees_its_pages(tiny):
+def test_abort_while_prefilling_frees_its_pages(engines):
     rng = np.random.default_rng()
-    eng = make(tiny, max_num_batched_tokens=8)
-    req = eng.add_request(rng.integers(3, 200, 100).tolist(), GREEDY)
-    eng.step()
-    eng.step()
-    assert eng.scheduler.prefilling and eng.scheduler.free_pages < eng.num_pages
-    assert eng.abort(req.request_id)
+    eng = engines.get(max_num_batched_tokens=4)
+    req = eng.add_request(random_prompts(rng, 1, lo=100, hi=100)[0], GREEDY).request_id
+    for _ in range(2):
+        assert not any(o.new_token_ids for o in eng.step()), "the prompt is still being prefilled"
+        eng.check_page_state()
+    assert eng.num_running == 1
+    assert eng.abort(req)
     outs = eng.step()
-    assert [o.output.finish_reason for o in outs] == ["abort"] and not req.output_ids
-    assert eng.pool_is_whole()
+    assert [(o.request_id, o.output.finish_reason, o.output.token_ids) for o in outs] == [(req, "abort", ())]
+    eng.check_page_state()
+    assert eng.pool_is_whole() and not eng.has_unfinished
 
 
-def test_budget_below_max_seqs_is_refused(tiny):
+def test_budget_below_max_seqs_is_refused():
     with pytest.raises(ValueError, match="max_num_batched_tokens .* must be >= max_seqs"):
         EngineConfig(max_seqs=8, max_num_batched_tokens=4)
-    EngineConfig(max_seqs=8, max_num_batched_tokens=4, chunked_prefill=False)  # unused there
 
 
-def test_model_without_ragged_needs_separate_calls(tiny):
+def test_model_without_ragged_is_refused(ctx_model):
     class NoRagged:
         def __init__(self, inner):
             self.config, self.dtype, self.params = inner.config, inner.dtype, inner.params
-            self.prefill, self.decode = inner.prefill, inner.decode
+            for name in ("prefill", "decode"):  # every method of the protocol but ragged()
+                if hasattr(inner, name):
+                    setattr(self, name, getattr(inner, name))
 
-    model, tok = tiny
-    with pytest.raises(TypeError, match="needs a model with ragged"):
+    model, tok = ctx_model
+    with pytest.raises(TypeError, match="ragged"):
         LLMEngine(NoRagged(model), tok, EngineConfig(max_seqs=2, num_pages=16, page_size=8))
-    eng = LLMEngine(NoRagged(model), tok, EngineConfig(max_seqs=2, num_pages=16, page_size=8,
-                                                       chunked_prefill=False, max_model_len=64))
-    assert len(eng.generate(["hello"], GREEDY)[0].token_ids) == 24
 
 
 # ---------------------------------------------------------------- the planner alone (no device)

@@ -1,11 +1,12 @@
 """Randomized engine test at CI size (scripts/soak_engine.py is the long version, same driver).
 
-Random prompt lengths, max_new_tokens, stop strings and sampling parameters on a tiny pool (2
-slots, 8 pages of 4 tokens) with requests arriving between steps and random aborts. Checked: no
-request lost or duplicated, the device page state consistent after every round and the pool whole
-at the end, preemptions happened, streamed pieces add up to the results, stop strings cut right,
-and every greedy output identical to the same request run alone in the pool (where it has all of
-it: an ample pool, with the same compiled programs, which keeps this test fast).
+Random prompt lengths, max_new_tokens, stop strings and sampling parameters (greedy and seeded)
+on a tiny pool (2 slots, 8 pages of 4 tokens) with requests arriving between steps and random
+aborts. Checked: no request lost or duplicated, the device page state consistent after every
+round and the pool whole at the end, preemptions happened, streamed pieces add up to the
+results, stop strings cut right, and every output (token ids, finish reason, completion and
+per-token logprobs, greedy and sampled alike) identical to the reference engine's (no preemption,
+no sharing: tests/engine_util).
 """
 
 import importlib.util
@@ -14,7 +15,6 @@ import pathlib
 
 import numpy as np
 
-import models
 from jpa.engine import EngineConfig, LLMEngine, SamplingParams
 
 SCRIPT = pathlib.Path(__file__).parents[1] / "scripts" / "soak_engine.py"
@@ -27,28 +27,39 @@ def load_soak():
     return mod
 
 
-def test_random_requests_under_page_pressure():
+def test_random_requests_under_page_pressure(engines, ctx_model):
     soak = load_soak()
     seed = int(os.environ.get("JPA_TEST_SEED") or np.random.SeedSequence().entropy % 2 ** 32)
     print(f"seed {seed}")  # shown on failure: reproduce with JPA_TEST_SEED=seed
     rng = np.random.default_rng(seed)
-    gpt, tok = models.load("tiny-llama", seed=int(rng.integers(0, 100)))
-    eng = LLMEngine(models.GPTForEngine(gpt), tok, EngineConfig(
-        max_seqs=2, page_size=4, num_pages=8, steps_per_call=3, max_model_len=32, watermark=0.0))
-    # Two long greedy requests first: together they need twice the pool, so preemption must happen.
+    eng = LLMEngine(*ctx_model, EngineConfig(max_seqs=2, page_size=4, num_pages=8, steps_per_call=3,
+                                             max_model_len=32, watermark=0.0))
+    # Two long requests first (greedy, seeded): together they need twice the pool: preemption.
     long = SamplingParams(max_new_tokens=20, greedy=True, ignore_eos=True)
-    workload = [("abcdefghijkl", long), ("mnopqrstuvwx", long)]
+    workload = [("abcdefghijkl", long), ("mnopqrstuvwx", SamplingParams(max_new_tokens=20, seed=int(rng.integers(
+        1 << 30)), ignore_eos=True))]
     workload += soak.make_workload(rng, 22, 32, max_prompt=12, max_new=20)
 
-    ref = {i: soak.run(eng, [w])[0][0] for i, w in enumerate(workload)}
-    assert eng.stats.preemptions == 0 and eng.pool_is_whole()
+    from engine_util import REFERENCE
+    ref_eng = engines.get(**REFERENCE)
+    p0 = ref_eng.stats.preemptions
+    # Stop strings on the random requests (not on the two long ones).
+    free = soak.run(ref_eng, workload)[0]
+    workload = workload[:2] + soak.with_stops(rng, workload[2:], [free[i] for i in range(2, len(workload))])
+    ref, _ = soak.run(ref_eng, workload)
+    assert ref_eng.stats.preemptions == p0 and ref_eng.pool_is_whole()
 
     got, counts = soak.run(eng, workload, rng, abort_p=0.03, wave=6, check=True)
-    assert counts["lost"] == 0 and counts["duplicated"] == 0 and counts["stream_mismatch"] == 0
+    assert counts["lost"] == 0 and counts["duplicated"] == 0 and counts["stream_mismatch"] == 0, counts
     assert eng.stats.preemptions > 0
     assert eng.pool_is_whole()
-    m = soak.compare(workload, ref, got, tok)
-    print(m, counts, eng.stats.preemptions, sum(o.finish_reason == "stop" for o in got.values()))
-    assert m["greedy_mismatch"] == 0, m
+    m = soak.compare(workload, ref, got, ctx_model[1])
+    stops = sum(o.finish_reason == "stop" for o in got.values())
+    print(m, counts, eng.stats.preemptions, stops)
+    assert m["greedy_mismatch"] == 0 and m["sampled_mismatch"] == 0 and m["logprob_mismatch"] == 0, m
     assert m["abort_not_prefix"] == 0 and m["bad_stop"] == 0 and m["errors"] == 0, m
-    assert got[0].token_ids == ref[0].token_ids and len(got[0].token_ids) == 20
+    assert sum(not p.is_greedy for _, p in workload) >= 5, "seeded samples are compared too"
+    assert stops >= 1, "stop strings are checked"
+    for i in (0, 1):
+        if got[i].finish_reason != "abort":
+            assert got[i].token_ids == ref[i].token_ids and len(got[i].token_ids) == 20

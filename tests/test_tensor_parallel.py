@@ -63,6 +63,19 @@ def test_greedy_outputs_identical_to_one_device(report):
                     ("gemma2", 2), ("qwen3", 2)}
 
 
+def test_sampled_outputs_and_logprobs_identical_to_one_device(report):
+    """tiny-llama (the context-dependent weights of tests/engine_util) on random prompts, greedy and
+    seeded-sampled: the same token ids and per-token logprobs (f32: within 1e-5) at every tp."""
+    ref = next(r for r in report if r["model"] == "tiny-llama" and r["tp"] == 1)
+    assert sum(ref["sampled"]) >= 2 and not all(ref["sampled"])
+    runs = [r for r in report if r["model"] == "tiny-llama" and r["tp"] > 1]
+    assert {r["tp"] for r in runs} >= {2, 4}
+    for r in runs:
+        assert r["tokens"] == ref["tokens"], r["tp"]
+        for k, (got, want) in enumerate(zip(r["logprobs"], ref["logprobs"])):
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-5, err_msg=f"tp {r['tp']} request {k}")
+
+
 def test_logits_match_one_device(report):
     gaps = [(r["model"], r["tp"], r["logits_gap"]) for r in _sharded(report) if "logits_gap" in r]
     assert gaps and all(g < 1e-5 for _, _, g in gaps), gaps
@@ -151,7 +164,10 @@ def test_engine_config_and_model_checks():
 
     class NoShard:  # an EngineModel without shard()
         config, dtype, params = adapter.config, adapter.dtype, adapter.params
-        prefill, decode = adapter.prefill, adapter.decode
+
+    for name in ("prefill", "decode", "ragged"):   # every method of the protocol but shard()
+        if hasattr(adapter, name):
+            setattr(NoShard, name, staticmethod(getattr(adapter, name)))
 
     with pytest.raises(TypeError, match="needs a model with shard"):
         LLMEngine(NoShard(), tok, EngineConfig(tensor_parallel=2, num_pages=8))

@@ -29,6 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import models  # noqa: E402
+from engine_util import context_gpt, mixed_params, random_prompts  # noqa: E402
 from jpa.cache import KVCache  # noqa: E402
 from jpa.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
@@ -87,21 +88,30 @@ def main(out_path, full=False):
     report = []
     for name, sizes in {**CASES, **(FULL if full else {})}.items():
         gpt, tok = (models.load(name) if name.startswith("/") else
+                    context_gpt(int(rng.integers(1 << 30))) if name == "tiny-llama" else
                     models.load(name, seed=int(rng.integers(1 << 30))))
+        prompts = PROMPTS[name]
+        sparams = [SamplingParams(max_new_tokens=NEW_TOKENS[name], greedy=True, ignore_eos=True)] * len(prompts)
+        if name == "tiny-llama":
+            # The context-dependent tiny model (tests/engine_util): random prompts across pages
+            # too, greedy and seeded-sampled; logprobs compared as well.
+            extra = random_prompts(rng, 4, hi=60)
+            prompts = prompts + extra
+            sparams = sparams + mixed_params(rng, len(extra), lo=NEW_TOKENS[name], hi=NEW_TOKENS[name])
         if name in LOGITS_GAP:
             inputs = gap_inputs(gpt.config, rng)
             reference = logits(gpt, None, inputs)
         for tp in sizes:
             t0 = time.perf_counter()
             cfg = EngineConfig(max_seqs=4, num_pages=96, page_size=8, max_model_len=256, steps_per_call=4,
-                               tensor_parallel=tp)
+                               tensor_parallel=tp, prefix_caching=False)
             engine = LLMEngine(models.GPTForEngine(gpt), tok, cfg)
-            outs = engine.generate(PROMPTS[name], SamplingParams(max_new_tokens=NEW_TOKENS[name], greedy=True,
-                                                                  ignore_eos=True))
+            outs = engine.generate(prompts, sparams)
             s = engine.summary()
             params = engine.model.params
             layer = params["layers"][0]
             rec = dict(model=name, tp=tp, tokens=[list(o.token_ids) for o in outs],
+                       logprobs=[list(o.logprobs) for o in outs], sampled=[not p.is_greedy for p in sparams],
                        step_compiles=s["step_compiles"], head_plan=s["head_plan"],
                        pool_whole=engine.pool_is_whole(), seconds=0.0)
             if tp > 1:
