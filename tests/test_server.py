@@ -9,6 +9,7 @@ the module; one test starts scripts/serve.py itself and stops it with SIGTERM.
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import re
 import signal
@@ -29,7 +30,7 @@ pytest.importorskip("prometheus_client")
 
 import models  # noqa: E402
 from jpa.engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from jpa.server import build_app  # noqa: E402
+from jpa.server import attach, build_app, server_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "tiny"
@@ -39,12 +40,13 @@ MAX_LEN = 2048
 
 
 @contextlib.contextmanager
-def serving(app):
-    """Serves `app` on a free 127.0.0.1 port in a thread; yields its base URL; always stops it."""
+def serving(app, **config):
+    """Serves `app` on a free 127.0.0.1 port in a thread (uvicorn configured as scripts/serve.py
+    does, `config` overriding); yields its base URL; always stops it."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     sock.listen(256)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="error"))
+    server = uvicorn.Server(server_config(app, **{"log_level": "error", **config}))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
@@ -233,12 +235,11 @@ BAD = [
     ({"model": NAME, "prompt": "hi", "temperature": -0.1}, "temperature", "greater than or equal to 0"),
     ({"model": NAME, "prompt": "hi", "top_p": 0}, "top_p", "greater than 0"),
     ({"model": NAME, "prompt": "hi", "top_p": 1.5}, "top_p", "less than or equal to 1"),
-    ({"model": NAME, "prompt": "hi", "top_k": -1}, "top_k", "greater than or equal to 0"),
+    ({"model": NAME, "prompt": "hi", "top_k": -2}, "top_k", "greater than or equal to -1"),
     ({"model": NAME, "prompt": "hi", "n": 0}, "n", "greater than or equal to 1"),
     ({"model": NAME, "prompt": "hi", "n": MAX_N + 1}, "n", f"must be <= {MAX_N}"),
     ({"model": NAME, "prompt": "hi", "seed": -1}, "seed", "greater than or equal to 0"),
-    ({"model": NAME, "prompt": "hi", "max_tokenz": 5}, "max_tokenz", "unknown parameter"),
-    ({"model": NAME, "prompt": "hi", "best_of": 2}, "best_of", "unknown parameter"),
+    ({"model": NAME, "prompt": "hi", "best_of": 2}, "best_of", "not supported"),
     ({"model": NAME, "prompt": ""}, "prompt", "empty"),
     ({"model": NAME, "prompt": []}, "prompt", "empty"),
     ({"model": NAME, "prompt": ["ok", ""]}, "prompt", "empty"),
@@ -254,6 +255,29 @@ BAD = [
     ({"model": NAME, "prompt": "hi", "presence_penalty": 0.5}, "presence_penalty", "not supported"),
     ({"model": NAME, "prompt": "hi", "echo": True}, "echo", "'echo'"),
     ({"model": NAME, "prompt": "hi", "stream": "yes"}, "stream", "valid boolean"),
+    # Known fields: strict types and values, whatever unknown fields are allowed.
+    ({"model": NAME, "prompt": "hi", "temperature": "0.5"}, "temperature", "valid number"),
+    ({"model": NAME, "prompt": "hi", "store": "yes"}, "store", "valid boolean"),
+    ({"model": NAME, "prompt": "hi", "metadata": {"k": 1}}, "metadata", "metadata.k"),
+    ({"model": NAME, "prompt": "hi", "response_format": {"type": "json_object"}}, "response_format",
+     "structured outputs"),
+    ({"model": NAME, "prompt": "hi", "response_format": {"type": "xml"}}, "response_format", "response_format.type"),
+    ({"model": NAME, "prompt": "hi", "no_stop_trim": True}, "no_stop_trim", "not supported"),
+    ({"model": NAME, "prompt": "hi", "skip_special_tokens": False}, "skip_special_tokens", "not supported"),
+    ({"model": NAME, "prompt": "hi", "include_stop_str_in_output": True}, "include_stop_str_in_output",
+     "not supported"),
+    # Device-side sampling controls (not implemented yet): refused by name, never ignored.
+    ({"model": NAME, "prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty", "not supported"),
+    ({"model": NAME, "prompt": "hi", "repetition_penalty": 1.2}, "repetition_penalty", "not supported"),
+    ({"model": NAME, "prompt": "hi", "min_p": 0.1}, "min_p", "not supported"),
+    ({"model": NAME, "prompt": "hi", "logit_bias": {"5": 10}}, "logit_bias", "not supported"),
+    ({"model": NAME, "prompt": "hi", "min_tokens": 4}, "min_tokens", "not supported"),
+    ({"model": NAME, "prompt": "hi", "stop_token_ids": [5]}, "stop_token_ids", "not supported"),
+    ({"model": NAME, "prompt": "hi", "prompt_logprobs": 1}, "prompt_logprobs", "not supported"),
+    ({"model": NAME, "prompt": "hi", "use_beam_search": True}, "use_beam_search", "not supported"),
+    ({"model": NAME, "prompt": "hi", "guided_json": {"type": "object"}}, "guided_json", "not supported"),
+    ({"model": NAME, "prompt": "hi", "suffix": "end"}, "suffix", "not supported"),
+    ({"model": NAME, "prompt": "hi", "min_p": "0"}, "min_p", "valid number"),
 ]
 
 BAD_CHAT = [
@@ -266,6 +290,19 @@ BAD_CHAT = [
     ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
       "max_completion_tokens": 5}, "max_tokens", "not both"),
     ({"model": NAME, "messages": [{"role": "user", "content": "hi" * MAX_LEN}]}, "prompt", "maximum context length"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function":
+      {"name": "f"}}]}, "tools", "tool calling is not supported"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"}, "tool_choice",
+     "tool calling is not supported"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema",
+      "json_schema": {"name": "x", "schema": {}}}}, "response_format", "structured outputs"),
+    ({"model": NAME, "messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}]}, "messages",
+     "messages.0.tool_calls"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "continue_final_message": True},
+     "continue_final_message", "not supported"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 1}, "presence_penalty",
+     "not supported"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, "logprobs", "valid boolean"),
 ]
 
 
@@ -304,6 +341,39 @@ def test_malformed_and_unknown(live):
     assert live.client.completions.create(model=NAME, prompt=PROMPTS[0], **GREEDY).choices[0].text == \
         live.reference[PROMPTS[0]].completion
     assert live.metrics()['jpa_http_errors_total{status="400"}'] >= len(BAD) + len(BAD_CHAT)
+
+
+def test_unknown_fields_are_ignored_and_logged_once(live, caplog):
+    """What SDKs and routers add (vllm-router: no_stop_trim, skip_special_tokens, separate_reasoning,
+    ...; SDKs: store, metadata, response_format text, tools []) does not change the answer; a field
+    no model declares is ignored and logged once per name, nested ones included."""
+    p = PROMPTS[1]
+    extra = {"ignore_eos": True, "no_stop_trim": False, "skip_special_tokens": True, "echo": False,
+             "return_hidden_states": False, "frobnicate_x": 1, "store": True, "metadata": {"who": "test"},
+             "response_format": {"type": "text"}, "stream_options": None}
+    with caplog.at_level(logging.WARNING, logger="jpa.server"):
+        for _ in range(2):
+            r = live.client.completions.create(model=NAME, prompt=p, temperature=0, max_tokens=24, extra_body=extra)
+            assert r.choices[0].text == live.reference[p].completion
+        msgs = [{"role": "user", "content": "hi", "refusal_x": None}]
+        chat_extra = {"no_stop_trim": False, "continue_final_message": False, "separate_reasoning": True,
+                      "stream_reasoning": True, "include_reasoning": True, "tools": [], "parallel_tool_calls": False,
+                      "skip_special_tokens": True}
+        kw = dict(model=NAME, messages=msgs, temperature=0, max_tokens=8, store=False, metadata={"a": "b"},
+                  response_format={"type": "text"}, extra_body=chat_extra)
+        a = live.client.chat.completions.create(**kw)
+        b = live.client.chat.completions.create(**{**kw, "messages": [{"role": "user", "content": "hi"}],
+                                                   "extra_body": {}})
+        assert a.choices[0].message.content == b.choices[0].message.content
+        chunks = list(live.client.chat.completions.create(
+            stream=True, stream_options={"include_usage": True, "continuous_usage_stats_x": False}, **kw))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == a.choices[0].message.content
+    logged = [r.getMessage() for r in caplog.records if r.name == "jpa.server"]
+    for name in ("frobnicate_x", "return_hidden_states", "separate_reasoning", "include_reasoning",
+                 "messages[].refusal_x", "stream_options.continuous_usage_stats_x"):
+        assert sum(f"'{name}'" in m for m in logged) == 1, (name, logged)
+    # Declared fields are never reported as unknown.
+    assert not any(f"'{name}'" in m for m in logged for name in ("no_stop_trim", "store", "metadata", "tools"))
 
 
 # ---------------------------------------------------------------------- overload, disconnects, keys
@@ -459,10 +529,12 @@ def test_serve_script_bad_flags():
 
 
 def test_serve_script_end_to_end(tmp_path):
-    """`scripts/serve.py --port 0` on loopback: serves a request, stops cleanly on SIGTERM."""
+    """`scripts/serve.py --port 0` on loopback: listens at once and answers /health 503 (and
+    requests 503 with Retry-After) while the model loads and compiles, then 200; serves a request;
+    stops cleanly on SIGTERM."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JPA_CACHE_DIR": str(tmp_path), "JAX_PLATFORMS": "cpu"}
     proc = subprocess.Popen([sys.executable, "scripts/serve.py", "--model", "tiny-llama", "--port", "0",
-                             "--max-model-len", "128", "--num-pages", "64", "--no-warmup"],
+                             "--max-model-len", "128", "--num-pages", "64"],
                             cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     try:
         url = None
@@ -472,6 +544,16 @@ def test_serve_script_end_to_end(tmp_path):
                 url = m.group(1)
                 break
         assert url, "the server did not say where it listens"
+        # The loader thread has just started (importing JAX alone takes seconds): still loading.
+        r = httpx.get(f"{url}/health", timeout=10)
+        assert r.status_code == 503 and r.json() == {"status": "loading"} and r.headers["retry-after"] == "1"
+        r = httpx.post(f"{url}/v1/completions", json={"model": "tiny-llama", "prompt": "hi"}, timeout=10)
+        _check_error(r, 503, None, "loading")
+        assert r.json()["error"]["code"] == "model_loading" and r.headers["retry-after"] == "1"
+        t0 = time.monotonic()
+        while httpx.get(f"{url}/health", timeout=10).status_code != 200:
+            assert proc.poll() is None and time.monotonic() - t0 < 240, "the model never became ready"
+            time.sleep(0.1)
         r = httpx.post(f"{url}/v1/completions", json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 3},
                        timeout=120)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
