@@ -25,7 +25,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
-pytest.importorskip("fastapi")
+FastAPI = pytest.importorskip("fastapi").FastAPI
 pytest.importorskip("prometheus_client")
 
 import models  # noqa: E402
@@ -374,6 +374,243 @@ def test_unknown_fields_are_ignored_and_logged_once(live, caplog):
         assert sum(f"'{name}'" in m for m in logged) == 1, (name, logged)
     # Declared fields are never reported as unknown.
     assert not any(f"'{name}'" in m for m in logged for name in ("no_stop_trim", "store", "metadata", "tools"))
+
+
+# ---------------------------------------------------------------------- defects of issue 23
+
+def _post_raw(url, path, body: bytes):
+    """POSTs bytes as they are (a lone-surrogate escape or NaN survives; httpx's json= would not)."""
+    return httpx.post(f"{url}{path}", content=body, headers={"content-type": "application/json"}, timeout=30)
+
+
+def test_lone_surrogates_are_400_naming_the_field(live):
+    """"\ud800" is valid JSON but not Unicode: a 400 naming the field, never a 500 or an exception text."""
+    cases = [
+        ("/v1/completions", b'{"model": "tiny", "prompt": "a\\ud800b"}', "prompt", "'prompt'"),
+        ("/v1/completions", b'{"model": "tiny", "prompt": ["ok", "x\\udfff"]}', "prompt", "'prompt.1'"),
+        ("/v1/completions", b'{"model": "t\\ud800iny", "prompt": "hi"}', "model", "'model'"),
+        ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "\\ud800x": 1}', None, "'\\ud800x'"),
+        ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800"}]}',
+         "messages", "'messages.0.content'"),
+        ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", '
+                                 b'"text": "\\udbff"}]}]}', "messages", "'messages.0.content.0.text'"),
+        ("/tokenize", b'{"model": "tiny", "prompt": "\\ud800"}', "prompt", "'prompt'"),
+    ]
+    for path, body, param, where in cases:
+        r = _post_raw(live.url, path, body)
+        _check_error(r, 400, param, "lone UTF-16 surrogate")
+        msg = r.json()["error"]["message"]
+        assert msg.startswith(where) and "Error" not in msg and "Traceback" not in msg, msg
+    # A correctly paired surrogate escape is ordinary text.
+    r = _post_raw(live.url, "/v1/completions", b'{"model": "tiny", "prompt": "\\ud83d\\ude00", "max_tokens": 2}')
+    assert r.status_code == 200, r.text
+
+
+def test_non_finite_numbers_name_their_field(live):
+    for value in (b"Infinity", b"-Infinity", b"NaN"):
+        for field in (b"temperature", b"top_p", b"presence_penalty"):
+            r = _post_raw(live.url, "/v1/completions", b'{"model": "tiny", "prompt": "hi", "' + field + b'": ' + value + b"}")
+            _check_error(r, 400, field.decode(), "finite number")
+
+
+def test_stream_options_need_stream(live):
+    body = {"model": NAME, "prompt": "hi", "max_tokens": 2, "stream_options": {"include_usage": True}}
+    for stream in (False, None):
+        b = {**body, "stream": stream} if stream is not None else body
+        _check_error(httpx.post(f"{live.url}/v1/completions", json=b), 400, "stream_options", "'stream': true")
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": False}}
+    _check_error(httpx.post(f"{live.url}/v1/chat/completions", json=chat), 400, "stream_options", "'stream': true")
+    with httpx.stream("POST", f"{live.url}/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200 and "[DONE]" in r.read().decode()
+
+
+def test_seeds_are_used_as_given(live):
+    """Seeds are not wrapped modulo 2**31 (0, 2**31 and 2**32 gave the same text): a seed the engine
+    cannot use as given is a 400 naming `seed`."""
+    kw = {"model": NAME, "prompt": PROMPTS[3], "max_tokens": 8, "temperature": 1.0, "ignore_eos": True}
+    for seed, n in ((2 ** 31, 1), (2 ** 32, 1), (2 ** 63, 1), (2 ** 31 - 1, 2), (2 ** 31 - 3, 4)):
+        r = httpx.post(f"{live.url}/v1/completions", json={**kw, "seed": seed, "n": n})
+        _check_error(r, 400, "seed", "'seed'")
+    top = httpx.post(f"{live.url}/v1/completions", json={**kw, "seed": 2 ** 31 - 1})
+    assert top.status_code == 200, top.text
+    two = httpx.post(f"{live.url}/v1/completions", json={**kw, "seed": 2 ** 31 - 2, "n": 2}).json()
+    assert [c["text"] for c in sorted(two["choices"], key=lambda c: c["index"])][1] == top.json()["choices"][0]["text"]
+
+
+def _raw_exchange(url, request: bytes, timeout=10.0) -> bytes:
+    """Sends raw bytes on a fresh connection; returns everything the server sends until it closes."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as s:
+        s.sendall(request)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+        return out
+
+
+def test_request_body_limit_is_413_before_reading(live):
+    app = build_app(live.aengine, live.tok, model_name=NAME, max_request_bytes=4096)
+    with serving(app) as url:
+        # A declared 100 MB body: refused from its headers; the server does not wait for the body.
+        t0 = time.monotonic()
+        out = _raw_exchange(url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                 b"Content-Length: 100000000\r\n\r\n{\"model\"")
+        assert time.monotonic() - t0 < 5 and out.startswith(b"HTTP/1.1 413 "), out[:200]
+        head, _, payload = out.partition(b"\r\n\r\n")
+        assert b"x-request-id: " in head.lower()
+        assert json.loads(payload)["error"]["code"] == "request_too_large"
+        # A chunked body (no Content-Length) is counted as it arrives.
+        r = httpx.post(f"{url}/v1/completions", content=iter([b" " * 2048] * 4),
+                       headers={"content-type": "application/json"})
+        _check_error(r, 413, None, "larger than this server accepts (4096 bytes)")
+        # At the limit: served.
+        body = json.dumps({"model": NAME, "prompt": "hi", "max_tokens": 2})
+        body = body[:-1] + ', "user": "' + "u" * (4096 - len(body) - 12) + '"}'
+        assert len(body) <= 4096
+        assert httpx.post(f"{url}/v1/completions", content=body,
+                          headers={"content-type": "application/json"}).status_code == 200
+    # The default limit (8 MiB) on the live server.
+    out = _raw_exchange(live.url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 9000000\r\n\r\n")
+    assert out.startswith(b"HTTP/1.1 413 "), out[:200]
+
+
+class _SpyTokenizer:
+    """The tokenizer, recording which thread encodes and renders (and how many characters)."""
+
+    def __init__(self, tok):
+        self.tok, self.calls = tok, []
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def encode(self, text):
+        self.calls.append(("encode", threading.current_thread(), len(text)))
+        return self.tok.encode(text)
+
+    def render_chat(self, messages, **kw):
+        self.calls.append(("render_chat", threading.current_thread(), 0))
+        return self.tok.render_chat(messages, **kw)
+
+
+def test_big_prompts_do_not_stall_the_server(live):
+    """Parsing, rendering and tokenizing run on worker threads, never on the event loop; a prompt far
+    beyond the context is refused without being tokenized; /health answers while an 11.5 MB prompt
+    is handled (before: 1-2 s stalls of /health and of every stream)."""
+    spy = _SpyTokenizer(live.tok)
+    app = build_app(live.aengine, spy, model_name=NAME, max_request_bytes=20 * 2 ** 20)
+    with serving(app) as url:
+        spy.calls.clear()
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        assert client.completions.create(model=NAME, prompt="hi", max_tokens=2).choices
+        assert client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=2).choices
+        assert httpx.post(f"{url}/tokenize", json={"prompt": "hi"}).status_code == 200
+        assert [c[0] for c in spy.calls] == ["encode", "render_chat", "encode", "encode"]
+        # The loop's default executor names its workers asyncio_N (uvloop: uvloop_N); the loop runs elsewhere.
+        assert all(c[1].name.startswith(("asyncio_", "uvloop_")) for c in spy.calls), \
+            [(c[0], c[1].name) for c in spy.calls]
+        spy.calls.clear()
+        body = json.dumps({"model": NAME, "prompt": "word " * (11_500_000 // 5), "max_tokens": 4}).encode()
+        request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        result, latencies = {}, []
+        sender = threading.Thread(target=lambda: result.update(out=_raw_exchange(url, request, timeout=60)))
+        with httpx.Client(base_url=url, timeout=30) as c:
+            c.get("/health")
+            sender.start()
+            while sender.is_alive():
+                t0 = time.monotonic()
+                assert c.get("/health").status_code == 200
+                latencies.append(time.monotonic() - t0)
+                time.sleep(0.005)
+            sender.join()
+        out = result["out"]
+        assert out.startswith(b"HTTP/1.1 400 ") and b"maximum context length is 2048 tokens" in out, out[:300]
+        assert spy.calls == [], "the 11.5 MB prompt must be refused before it is tokenized"
+        assert len(latencies) >= 3 and max(latencies) < 1.0, latencies
+
+
+def test_idle_and_slow_connections_are_closed():
+    """A connection that never sends a request, one that sends its head a byte at a time
+    (slowloris), and an idle keep-alive connection are all closed within the timeouts."""
+    app = FastAPI()
+
+    @app.get("/ping")
+    def ping():
+        return {"ok": True}
+
+    with serving(app, timeout_header=1.0, timeout_keep_alive=1.0) as url:
+        port = int(url.rsplit(":", 1)[1])
+
+        def closed_after(sock, trickle: bytes = b"", limit=6.0):
+            """Seconds until the server closes `sock` (sending `trickle` one byte per 0.1 s meanwhile)."""
+            sock.settimeout(0.1)
+            t0 = time.monotonic()
+            i = 0
+            while time.monotonic() - t0 < limit:
+                if i < len(trickle):
+                    try:
+                        sock.send(trickle[i:i + 1])
+                    except OSError:
+                        return time.monotonic() - t0
+                    i += 1
+                try:
+                    data = sock.recv(4096)
+                except TimeoutError:
+                    continue
+                except OSError:
+                    return time.monotonic() - t0
+                if not data:
+                    return time.monotonic() - t0
+            raise AssertionError(f"still open after {limit} s")
+
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(20)]
+        t0 = time.monotonic()
+        for s in idle:
+            assert closed_after(s, limit=6.0 - (time.monotonic() - t0)) >= 0
+        assert 0.5 < time.monotonic() - t0 < 6
+        for s in idle:
+            s.close()
+        with socket.create_connection(("127.0.0.1", port)) as s:   # slowloris
+            assert 0.5 < closed_after(s, b"GET /ping HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100) < 4
+        with socket.create_connection(("127.0.0.1", port)) as s:   # keep-alive, then idle
+            s.sendall(b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert s.recv(4096).startswith(b"HTTP/1.1 200 ")
+            assert 0.5 < closed_after(s) < 4
+        assert httpx.get(f"{url}/ping").json() == {"ok": True}
+    # Connection limit: beyond it, requests are refused with 503.
+    with serving(app, limit_concurrency=3) as url:
+        port = int(url.rsplit(":", 1)[1])
+        held = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+        time.sleep(0.2)
+        assert httpx.get(f"{url}/ping").status_code == 503
+        for s in held:
+            s.close()
+        time.sleep(0.2)
+        assert httpx.get(f"{url}/ping").status_code == 200
+
+
+def test_health_is_503_until_the_engine_is_attached(live):
+    app = build_app(None, None, model_name=NAME)
+    with serving(app) as url:
+        r = httpx.get(f"{url}/health")
+        assert r.status_code == 503 and r.json() == {"status": "loading"} and r.headers["retry-after"] == "1"
+        for method, path, body in (("POST", "/v1/completions", {"model": NAME, "prompt": "hi"}),
+                                   ("POST", "/v1/chat/completions", {"model": NAME, "messages": []}),
+                                   ("GET", "/v1/models", None), ("POST", "/tokenize", {"prompt": "hi"})):
+            r = httpx.request(method, f"{url}{path}", json=body)
+            _check_error(r, 503, None, "loading")
+            assert r.json()["error"]["code"] == "model_loading" and r.headers["retry-after"] == "1"
+        assert httpx.get(f"{url}/version").status_code == 200
+        m = httpx.get(f"{url}/metrics")
+        assert m.status_code == 200 and "jpa_engine_alive 0.0" in m.text
+        attach(app, live.aengine, live.tok)
+        assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+        r = httpx.post(f"{url}/v1/completions", json={"model": NAME, "prompt": PROMPTS[0], **{
+            k: v for k, v in GREEDY.items() if k != "extra_body"}, "ignore_eos": True})
+        assert r.json()["choices"][0]["text"] == live.reference[PROMPTS[0]].completion
+        with pytest.raises(RuntimeError, match="already has an engine"):
+            attach(app, live.aengine, live.tok)
 
 
 # ---------------------------------------------------------------------- overload, disconnects, keys

@@ -160,8 +160,9 @@ def attach(app: FastAPI, engine: AsyncEngine, tokenizer) -> None:
 
 class _BodyTooLarge(APIError):
     def __init__(self, limit: int):
+        # Connection: close: the rest of the body is never read, so the connection cannot carry more.
         super().__init__(413, f"the request body is larger than this server accepts ({limit} bytes)",
-                         code="request_too_large")
+                         code="request_too_large", headers={"Connection": "close"})
 
 
 class _Gate:
@@ -230,6 +231,12 @@ class _API:
         self.vocab_size = engine.engine.model.config.vocab_size
         # The most samples one engine request may have (one decode slot each).
         self.max_samples = engine.engine.config.max_seqs
+        # No token stands for more text than the longest token's (special tokens spelled out), so a
+        # text of more than max_model_len x that many characters cannot fit; the factor 2 leaves
+        # room for normalizers that compose characters (NFC) before tokenizing.
+        longest = max(max(len(tokenizer.decode([t])), len(self.token_bytes(t)))
+                      for t in range(min(self.vocab_size, tokenizer.vocab_size)))
+        self.max_prompt_chars = 2 * engine.max_model_len * max(longest, 1)
         self.engine = engine   # last: requests see a complete API once this is set
 
     def ready(self) -> "_API":
@@ -267,9 +274,15 @@ class _API:
     # (these run on a worker thread: parsing and tokenizing a big body must not stall the loop)
 
     def _encode(self, text: str, param: str) -> list[int]:
+        # A text far longer than any prompt that fits is refused before it is tokenized: tokenizing
+        # megabytes takes seconds (and tokenizers' encode holds the GIL, stalling every other request).
+        if len(text) > self.max_prompt_chars:
+            raise APIError(400, f"this model's maximum context length is {self.engine.max_model_len} tokens; the "
+                                f"{param} has {len(text)} characters, more than that many tokens can hold",
+                           param="prompt")
         try:
             return self.tok.encode(text)
-        except Exception as e:  # a tokenizer that cannot take this text (e.g. no template for it)
+        except Exception as e:  # a tokenizer that cannot take this text
             raise APIError(400, f"'{param}' could not be tokenized: {type(e).__name__}", param=param) from None
 
     def _prompts(self, prompt) -> list[list[int]]:
@@ -279,10 +292,14 @@ class _API:
         if not prompt:
             raise APIError(400, "'prompt' is empty", param="prompt")
         out = []
+        limit = self.engine.max_model_len
         for p in prompt:
             ids = self._encode(p, "prompt") if isinstance(p, str) else list(p)
             if not ids:
                 raise APIError(400, "'prompt' is empty: nothing to condition on", param="prompt")
+            if len(ids) >= limit:   # before the id check: a huge prompt is refused in O(1)
+                raise APIError(400, f"this model's maximum context length is {limit} tokens; the prompt has "
+                                    f"{len(ids)} tokens and no room is left for the completion", param="prompt")
             self._check_ids(ids, "prompt")
             out.append(ids)
         return out

@@ -83,10 +83,10 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 def _find_surrogate(obj, path: list) -> list | None:
     """Path of the first string (key or value) holding a lone surrogate, or None."""
     if isinstance(obj, str):
-        return path if _SURROGATE.search(obj) else None
+        return path if not obj.isascii() and _SURROGATE.search(obj) else None
     if isinstance(obj, dict):
         for k, v in obj.items():
-            if _SURROGATE.search(k):
+            if not k.isascii() and _SURROGATE.search(k):
                 return path + [k]
             found = _find_surrogate(v, path + [k])
             if found is not None:
@@ -111,9 +111,12 @@ def parse_json(raw: bytes):
         raise APIError(400, f"malformed JSON body: {e}", code="json_invalid") from None
     bad = _find_surrogate(obj, [])
     if bad is not None:
-        where = ".".join(str(x) for x in bad)
+        # The path itself may hold the surrogate (a key): spelled with escapes, never raw.
+        where = ".".join(str(x) for x in bad).encode("ascii", "backslashreplace").decode()
+        head = str(bad[0]) if bad else ""
+        param = head if head and not _SURROGATE.search(head) else None
         raise APIError(400, f"'{where}' holds a lone UTF-16 surrogate (an escape such as \\ud800 without its "
-                            f"pair): not valid Unicode text", param=str(bad[0]) if bad else None)
+                            f"pair): not valid Unicode text", param=param)
     return obj
 
 
