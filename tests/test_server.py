@@ -437,6 +437,97 @@ def test_seeds_are_used_as_given(live):
     assert [c["text"] for c in sorted(two["choices"], key=lambda c: c["index"])][1] == top.json()["choices"][0]["text"]
 
 
+def _stream_completion(url, body) -> tuple[str, list, list, list]:
+    """(text, tokens, text_offset, token_logprobs) of a streamed completion with logprobs, chunk by chunk."""
+    text, tokens, offsets, lps = "", [], [], []
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            c = json.loads(line[6:])["choices"][0]
+            text += c["text"]
+            if c["logprobs"]:
+                tokens.append(c["logprobs"]["tokens"])
+                offsets.append(c["logprobs"]["text_offset"])
+                lps.append(c["logprobs"]["token_logprobs"])
+    return text, tokens, offsets, lps
+
+
+def test_logprob_tokens_follow_incremental_detokenization(live):
+    """The tiny model's tokens are bytes: a multi-byte character spans tokens. Each token's text is
+    what it adds to the text ("" for leading bytes, the whole character for the last), never
+    U+FFFD; "".join(tokens) == text; text_offset indexes the text and continues across streamed
+    chunks; chat `bytes` are each token's real byte."""
+    msgs = [{"role": "user", "content": "say something"}]
+    prompt = live.tok.render_chat(msgs)        # the chat endpoint's prompt, as a completion prompt
+    body = {"model": NAME, "prompt": prompt, "max_tokens": 48, "temperature": 1.0, "ignore_eos": True, "logprobs": 0}
+    for seed in range(200):
+        r = httpx.post(f"{live.url}/v1/completions", json={**body, "seed": seed}).json()
+        text = r["choices"][0]["text"]
+        wide = [c for c in text if ord(c) > 127 and c != "\ufffd"]
+        if wide:
+            break
+    else:
+        pytest.fail("no seed gave a multi-byte character")
+    body["seed"] = seed
+    lp = r["choices"][0]["logprobs"]
+    tokens, offsets = lp["tokens"], lp["text_offset"]
+    assert "".join(tokens) == text
+    assert len(tokens) == len(lp["token_logprobs"]) == r["usage"]["completion_tokens"] == 48
+    assert offsets == [sum(map(len, tokens[:i])) for i in range(len(tokens))] and max(offsets) <= len(text)
+    c = wide[0]
+    # The token that completes the character carries all of it (after a U+FFFD for a stray byte
+    # before it, if any); its leading bytes carry nothing (not U+FFFD each).
+    k = next(i for i, t in enumerate(tokens) if c in t)
+    lead = len(c.encode("utf-8")) - 1
+    assert tokens[k].endswith(c) and tokens[k - lead:k] == [""] * lead, tokens
+    # Streamed: the same tokens and offsets, the offsets continuing across chunks.
+    s_text, s_tokens, s_offsets, s_lps = _stream_completion(live.url, body)
+    assert s_text == text and sum(s_tokens, []) == tokens and sum(s_offsets, []) == offsets
+    assert sum(s_lps, []) == pytest.approx(lp["token_logprobs"], abs=1e-5)
+    assert len(s_offsets) > 2 and offsets[-1] > 0   # several chunks, offsets not restarting at 0 in each
+    # Cut by a stop string inside the text: the tokens still join to the (shorter) text.
+    cut = text.index(c)
+    r2 = httpx.post(f"{live.url}/v1/completions", json={**body, "stop": [c]}).json()["choices"][0]
+    assert r2["text"] == text[:cut] and "".join(r2["logprobs"]["tokens"]) == r2["text"]
+    s2 = _stream_completion(live.url, {**body, "stop": [c]})
+    assert s2[0] == text[:cut] and "".join(sum(s2[1], [])) == s2[0]
+    # Chat: the same sampled tokens (same prompt ids and seed); bytes are the real bytes.
+    chat = live.client.chat.completions.create(model=NAME, messages=msgs, max_tokens=48, temperature=1.0,
+                                               seed=seed, logprobs=True, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert chat.choices[0].message.content == text and [t.token for t in content] == tokens
+    assert content[k].bytes == list(c.encode("utf-8")[-1:])
+    assert [t.bytes for t in content[k - lead:k]] == [[b] for b in c.encode("utf-8")[:-1]]
+    assert all(t.bytes == list(t.token.encode()) for t in content if t.token.isascii() and t.token)
+    assert all(len(t.bytes) <= 1 for t in content)   # byte tokens (or nothing: ids that decode to "")
+    streamed = [t for ch in live.client.chat.completions.create(
+        model=NAME, messages=msgs, max_tokens=48, temperature=1.0, seed=seed, logprobs=True, stream=True,
+        extra_body={"ignore_eos": True}) if ch.choices and ch.choices[0].logprobs
+        for t in ch.choices[0].logprobs.content]
+    assert [(t.token, t.bytes) for t in streamed] == [(t.token, t.bytes) for t in content]
+
+
+def test_token_bytes_of_a_byte_level_bpe():
+    """TokenBytes on a byte-level BPE vocabulary (SmolLM2's kind, built small here): a piece maps
+    back to its bytes, partial characters included; a special token contributes nothing."""
+    from jpa.server.logprobs import ChoiceTokens, TokenBytes, _byte_alphabet
+    from models.tokenizer import Tokenizer
+
+    alphabet = sorted(_byte_alphabet(), key=_byte_alphabet().get)      # the 256 byte pieces, by byte
+    tokens = alphabet + ["Ã©", "<|im_end|>"]                            # + "é" merged, + a control token
+    tok = Tokenizer(tokens, ["Ã ©"], [1] * 257 + [3], bos_token_id=257, eos_token_id=257)
+    tb = TokenBytes(tok)
+    ids = tok.encode("aé€")
+    assert [tb(t) for t in ids] == [b"a", "é".encode(), b"\xe2", b"\x82", b"\xac"]
+    assert tb(257) == b""
+    ct = ChoiceTokens(tok, tb)
+    out = ct.feed(ids + [257], [0.0] * 6, "aé€", True)
+    assert [(t[0], t[1], t[3]) for t in out] == [("a", b"a", 0), ("é", "é".encode(), 1), ("", b"\xe2", 2),
+                                                 ("", b"\x82", 2), ("€", b"\xac", 2), ("", b"", 3)]
+
+
 def _raw_exchange(url, request: bytes, timeout=10.0) -> bytes:
     """Sends raw bytes on a fresh connection; returns everything the server sends until it closes."""
     host, port = url.removeprefix("http://").split(":")
