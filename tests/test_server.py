@@ -704,6 +704,126 @@ def test_health_is_503_until_the_engine_is_attached(live):
             attach(app, live.aengine, live.tok)
 
 
+# ---------------------------------------------------------------------- endpoints and headers (vLLM's)
+
+def test_tokenize_and_detokenize(live):
+    text = "The paged cache: é€"
+    r = httpx.post(f"{live.url}/tokenize", json={"model": NAME, "prompt": text})
+    assert r.status_code == 200
+    ids = live.tok.encode(text)
+    assert r.json() == {"count": len(ids), "max_model_len": MAX_LEN, "tokens": ids, "token_strs": None}
+    strs = httpx.post(f"{live.url}/tokenize", json={"prompt": text, "return_token_strs": True}).json()["token_strs"]
+    assert len(strs) == len(ids) and strs[:3] == ["T", "h", "e"] and strs[-3:] == ["<0xE2>", "<0x82>", "<0xAC>"]
+    # A conversation: the chat endpoint's prompt, token for token.
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    chat = httpx.post(f"{live.url}/tokenize", json={"model": NAME, "messages": msgs}).json()
+    assert chat["tokens"] == live.tok.encode(live.tok.render_chat(msgs))
+    used = live.client.chat.completions.create(model=NAME, messages=msgs, max_tokens=1).usage.prompt_tokens
+    assert chat["count"] == used
+    no_gen = httpx.post(f"{live.url}/tokenize", json={"messages": msgs, "add_generation_prompt": False}).json()
+    assert no_gen["tokens"] == live.tok.encode(live.tok.render_chat(msgs, add_generation_prompt=False))
+    assert no_gen["count"] < chat["count"]
+    r = httpx.post(f"{live.url}/detokenize", json={"model": NAME, "tokens": ids})
+    assert r.status_code == 200 and r.json() == {"prompt": text}
+    assert httpx.post(f"{live.url}/detokenize", json={"tokens": []}).json() == {"prompt": ""}
+    for path, body, status, param, fragment in (
+            ("/tokenize", {"model": "gpt-4", "prompt": "x"}, 404, "model", "does not exist"),
+            ("/tokenize", {"prompt": 5}, 400, "prompt", "valid string"),
+            ("/tokenize", {"prompt": "x", "add_special_tokens": False}, 400, "add_special_tokens", "not supported"),
+            ("/tokenize", {"messages": msgs, "add_special_tokens": True}, 400, "add_special_tokens", "not supported"),
+            ("/tokenize", {"messages": msgs, "continue_final_message": True}, 400, "continue_final_message",
+             "not supported"),
+            ("/tokenize", {"messages": msgs, "chat_template": "{{ x }}"}, 400, "chat_template", "not supported"),
+            ("/tokenize", {"messages": []}, 400, "messages", "at least 1 item"),
+            ("/tokenize", {}, 400, "prompt", "'prompt' is required"),
+            ("/tokenize", {"prompt": "x" * 50_000}, 400, "prompt", "maximum context length"),
+            ("/detokenize", {"tokens": [1, 512]}, 400, "tokens", "token ids must be in [0, 512)"),
+            ("/detokenize", {"tokens": [-1]}, 400, "tokens", "token ids must be in"),
+            ("/detokenize", {"tokens": "1 2"}, 400, "tokens", "valid list"),
+            ("/detokenize", {"model": "gpt-4", "tokens": [1]}, 404, "model", "does not exist")):
+        _check_error(httpx.post(f"{live.url}{path}", json=body), status, param, fragment)
+
+
+def test_version(live):
+    import jpa
+    assert httpx.get(f"{live.url}/version").json() == {"version": jpa.__version__}
+
+
+def test_request_id_is_echoed(live):
+    body = {"model": NAME, "prompt": "hi", "max_tokens": 2}
+    r = httpx.post(f"{live.url}/v1/completions", json=body, headers={"X-Request-Id": "trace-42.a_b:c"})
+    assert r.headers["x-request-id"] == "trace-42.a_b:c" and r.json()["id"] == "cmpl-trace-42.a_b:c"
+    r = httpx.post(f"{live.url}/v1/completions", json=body)
+    rid = r.headers["x-request-id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", rid) and r.json()["id"] == f"cmpl-{rid}"
+    for bad in ("x" * 129, "a b", "é"):     # too long, or characters a header should not carry back
+        r = httpx.post(f"{live.url}/v1/completions", json=body, headers={"X-Request-Id": bad.encode()})
+        assert re.fullmatch(r"[0-9a-f]{32}", r.headers["x-request-id"])
+    # On errors and streams too.
+    r = httpx.post(f"{live.url}/v1/completions", json={"model": NAME}, headers={"X-Request-Id": "e1"})
+    assert r.status_code == 400 and r.headers["x-request-id"] == "e1"
+    with httpx.stream("POST", f"{live.url}/v1/chat/completions", headers={"X-Request-Id": "s1"}, json={
+            "model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}) as r:
+        assert r.headers["x-request-id"] == "s1"
+        first = next(line for line in r.iter_lines() if line.startswith("data: "))
+        assert json.loads(first[6:])["id"] == "chatcmpl-s1"
+
+
+def test_cors(live):
+    app = build_app(live.aengine, live.tok, model_name=NAME, allowed_origins=["http://ui.example"], api_key="k")
+    with serving(app) as url:
+        pre = httpx.options(f"{url}/v1/chat/completions", headers={
+            "Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type"})
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "http://ui.example"
+        assert "POST" in pre.headers["access-control-allow-methods"]
+        r = httpx.get(f"{url}/v1/models", headers={"Origin": "http://ui.example", "Authorization": "Bearer k"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://ui.example"
+        assert "x-request-id" in r.headers["access-control-expose-headers"].lower()
+        other = httpx.get(f"{url}/v1/models", headers={"Origin": "http://evil.example", "Authorization": "Bearer k"})
+        assert "access-control-allow-origin" not in other.headers
+        bad = httpx.options(f"{url}/v1/models", headers={"Origin": "http://evil.example",
+                                                         "Access-Control-Request-Method": "GET"})
+        assert bad.status_code == 400
+    # Without --allowed-origins: no CORS headers at all.
+    r = httpx.get(f"{live.url}/v1/models", headers={"Origin": "http://ui.example"})
+    assert "access-control-allow-origin" not in r.headers
+
+
+def test_vllm_metric_names(live):
+    """jpa's metrics keep their names; vLLM's, which routers and autoscalers read, are added."""
+    live.wait_idle()
+    text = httpx.get(f"{live.url}/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
+        assert re.search(rf'^{re.escape(name)}{{model_name="{NAME}"}} ', text, re.M), name
+    m = live.metrics()
+    label = f'{{model_name="{NAME}"}}'
+    assert m[f"vllm:num_requests_running{label}"] == m["jpa_num_requests_running"] == 0
+    assert m[f"vllm:kv_cache_usage_perc{label}"] == 0
+    # A prompt of several pages, twice: the second finds its full pages in the prefix cache.
+    prompt = "prefix caching counts " * 4     # 88 tokens: 5 full pages of 16
+    before = m
+    for _ in range(2):
+        live.client.completions.create(model=NAME, prompt=prompt, max_tokens=2)
+    after = live.wait_idle()
+    q, h = f"vllm:prefix_cache_queries_total{label}", f"vllm:prefix_cache_hits_total{label}"
+    assert after[q] - before[q] == 2 * 88
+    assert after[h] - before[h] >= 5 * 16
+    # While a long request runs: one running, pages in use.
+    async def main():
+        async with httpx.AsyncClient(base_url=live.url, timeout=30) as client:
+            ctx, _lines = await _first_chunk(client, LONG)
+            m = live.metrics()
+            await ctx.__aexit__(None, None, None)
+            return m
+    during = asyncio.run(main())
+    assert during[f"vllm:num_requests_running{label}"] == 1
+    usage = during[f"vllm:kv_cache_usage_perc{label}"]
+    assert usage > 0 and usage == pytest.approx(during["jpa_kv_pages_used"] / during["jpa_kv_pages_total"])
+    live.wait_idle()
+
+
 # ---------------------------------------------------------------------- overload, disconnects, keys
 
 LONG = {"model": NAME, "prompt": "a long one", "max_tokens": 2000, "ignore_eos": True, "temperature": 0}
