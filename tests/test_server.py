@@ -969,11 +969,28 @@ def test_serve_script_bad_flags():
     busy.listen()
     for args, msg in ((["--port", "70000"], "--port must be in"), (["--model", "nope"], "--model 'nope' is unknown"),
                       (["--max-seqs", "0"], "--max-seqs must be >= 1"),
+                      (["--max-request-bytes", "0"], "--max-request-bytes must be >= 1"),
+                      (["--timeout-header", "0"], "--timeout-header must be a positive number"),
+                      (["--timeout-keep-alive", "-1"], "--timeout-keep-alive must be a positive number"),
+                      (["--limit-concurrency", "0"], "--limit-concurrency must be >= 1"),
+                      (["--allowed-origins", "[1]"], "--allowed-origins must be a list of origin strings"),
+                      (["--allowed-origins", "[oops"], "--allowed-origins: not a JSON list"),
                       (["--model", "tiny-llama", "--port", str(busy.getsockname()[1])], "Address already in use")):
         r = subprocess.run([sys.executable, "scripts/serve.py", *args], cwd=ROOT, capture_output=True, text=True,
                            env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
         assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and msg in r.stderr, r.stderr
     busy.close()
+
+
+def test_serve_script_allowed_origins():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import serve
+
+    assert serve.parse_origins(None) == []
+    assert serve.parse_origins("http://a.example, http://b.example") == ["http://a.example", "http://b.example"]
+    assert serve.parse_origins('["*"]') == ["*"]
+    with pytest.raises(serve.UsageError, match="at least one origin"):
+        serve.parse_origins(" , ")
 
 
 def test_serve_script_end_to_end(tmp_path):
