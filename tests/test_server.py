@@ -406,6 +406,27 @@ def test_lone_surrogates_are_400_naming_the_field(live):
     assert r.status_code == 200, r.text
 
 
+def test_a_bug_is_a_500_without_the_exception_text(live, caplog):
+    class Broken(_SpyTokenizer):
+        broken = False
+
+        def id_to_token(self, t):
+            if self.broken:
+                raise RuntimeError("secret /path/of/the/server")
+            return None
+
+    tok = Broken(live.tok)
+    app = build_app(live.aengine, tok, model_name=NAME)
+    tok.broken = True
+    with serving(app) as url, caplog.at_level(logging.ERROR, logger="jpa.server"):
+        r = httpx.post(f"{url}/tokenize", json={"prompt": "hi", "return_token_strs": True},
+                       headers={"X-Request-Id": "bug-1"})
+        _check_error(r, 500, None, "internal server error (request id bug-1)")
+        assert "secret" not in r.text and r.headers["x-request-id"] == "bug-1"
+        assert any("secret" in (rec.exc_text or "") or rec.exc_info for rec in caplog.records if rec.name == "jpa.server")
+        assert httpx.post(f"{url}/tokenize", json={"prompt": "hi"}).status_code == 200
+
+
 def test_non_finite_numbers_name_their_field(live):
     for value in (b"Infinity", b"-Infinity", b"NaN"):
         for field in (b"temperature", b"top_p", b"presence_penalty"):
