@@ -158,8 +158,9 @@ def run(args, sock):
     print(f"[jpa] serving {name!r} on http://{host}:{port} (OpenAI API at /v1; /health, /metrics); /health "
           f"answers 503 until the model is loaded{'; API key required' if args.api_key else ''}",
           file=sys.stderr, flush=True)
-    threading.Thread(target=loader.run, name="jpa-loader", daemon=True).start()
+    thread = threading.Thread(target=loader.run, name="jpa-loader", daemon=True)
     try:
+        thread.start()
         server.run(sockets=[sock])  # until SIGINT/SIGTERM: uvicorn drains, then re-raises the signal
     except (KeyboardInterrupt, _Stop):
         pass
@@ -167,6 +168,13 @@ def run(args, sock):
         loader.stop()
     if loader.error is not None:
         raise loader.error
+    if thread.is_alive():
+        # Stopped while the model loads: the loader is inside JAX (loading, compiling) and cannot be
+        # interrupted, and finalizing the interpreter under it aborts the process. Nothing is held
+        # yet (no engine thread was started), so leave at once.
+        print("[jpa] server stopped (while loading the model)", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(0)
     print("[jpa] server stopped", file=sys.stderr)
     return 0
 

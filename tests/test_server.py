@@ -1003,6 +1003,24 @@ def test_serve_script_bad_flags():
     busy.close()
 
 
+def test_serve_script_stops_while_loading(tmp_path):
+    """SIGTERM while the model loads (JAX busy on the loader thread): a clean exit, code 0."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JPA_CACHE_DIR": str(tmp_path), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen([sys.executable, "scripts/serve.py", "--model", "tiny-llama", "--port", "0",
+                             "--max-model-len", "128", "--num-pages", "64"],
+                            cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "serving 'tiny-llama'" in proc.stderr.readline()
+        assert "[jpa] loading tiny-llama" in proc.stderr.readline()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert "server stopped (while loading the model)" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_serve_script_allowed_origins():
     sys.path.insert(0, str(ROOT / "scripts"))
     import serve
