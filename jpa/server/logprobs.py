@@ -24,7 +24,7 @@ from jpa.engine.detokenizer import IncrementalDetokenizer
 @functools.lru_cache(maxsize=1)
 def _byte_alphabet() -> dict[str, int]:
     """GPT-2's byte-level alphabet (each byte spelled as one printable character), inverted."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs = bs[:]
     n = 0
     for b in range(256):
