@@ -146,7 +146,9 @@ class Tokenizer:
         """Token ids of `text`; special tokens written in the text (e.g. "<|im_start|>") stay whole."""
         if not isinstance(text, str):
             raise ValueError(f"encode: text must be a str; got {type(text).__name__}")
-        ids = self._tk.encode(text, add_special_tokens=False).ids
+        # encode_batch releases Python's lock while it works (encode holds it: a long prompt
+        # would stall every other thread, e.g. a server's event loop).
+        ids = self._tk.encode_batch([text], add_special_tokens=False)[0].ids
         return [self._bos, *ids] if self._add_bos else ids
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
@@ -357,7 +359,7 @@ class HFTokenizer:
         if not isinstance(text, str):
             raise ValueError(f"encode: text must be a str; got {type(text).__name__}")
         add = not (self._bos_text and text.startswith(self._bos_text))
-        return self._tk.encode(text, add_special_tokens=add).ids
+        return self._tk.encode_batch([text], add_special_tokens=add)[0].ids   # releases the lock (see above)
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         """Text of `ids` (ints >= 0). Ids past the tokenizer's vocabulary (the padding rows of a

@@ -7,18 +7,23 @@ Examples:
   ./run serve --api-key secret --max-seqs 32
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (the model's chat template), GET
-/v1/models, GET /health, GET /metrics (Prometheus). The model's name in requests is --served-model-name
-(default: the --model preset). The server binds 127.0.0.1 unless --host says otherwise; with
---api-key (or $JPA_API_KEY) every endpoint but /health needs `Authorization: Bearer <key>`.
+/v1/models, POST /tokenize, POST /detokenize, GET /version, GET /health, GET /metrics (Prometheus).
+The model's name in requests is --served-model-name (default: the --model preset). The server binds
+127.0.0.1 unless --host says otherwise; with --api-key (or $JPA_API_KEY) every endpoint but /health
+needs `Authorization: Bearer <key>`. It listens at once and loads the model in the background:
+/health answers 503 until the engine is ready (and compiled, unless --no-warmup), then 200.
 `--port 0` picks a free port; the line "[jpa] serving ... on http://HOST:PORT" on stderr says
-which. Bad flags or values print one line on stderr and exit with code 2.
+which, "[jpa] model ready" when requests are served. Bad flags or values print one line on stderr
+and exit with code 2.
 """
 
 import argparse
+import json
 import os
 import signal
 import socket
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -41,6 +46,17 @@ def parse_args(argv=None):
                     "it new requests get 503 with Retry-After")
     ap.add_argument("--max-n", type=int, default=16, help="largest `n` (choices per request)")
     ap.add_argument("--no-warmup", action="store_true", help="do not compile with a first request before serving")
+    ap.add_argument("--max-request-bytes", type=int, default=8 * 2 ** 20, help="largest request body in bytes "
+                    "(default 8 MiB); a larger one is answered 413 before it is read")
+    ap.add_argument("--timeout-keep-alive", type=float, default=5, help="seconds an idle keep-alive connection "
+                    "stays open after a response (default 5)")
+    ap.add_argument("--timeout-header", type=float, default=20, help="seconds a connection has to send a "
+                    "complete request head, from opening or from its previous response (default 20); "
+                    "slower ones are closed")
+    ap.add_argument("--limit-concurrency", type=int, default=1024, help="open connections or requests in "
+                    "flight beyond which new requests get 503 (default 1024)")
+    ap.add_argument("--allowed-origins", default=None, help="origins browsers may call the API from (CORS): "
+                    "comma-separated or a JSON list, '*' for any (default: none, no CORS headers)")
     ap.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                     help="uvicorn's log level (default warning: no line per request)")
     ap.add_argument("--no-compile-cache", action="store_true", help="do not use JAX's persistent "
@@ -51,7 +67,12 @@ def parse_args(argv=None):
 
 
 def check_args(args):
-    check_engine_args(args, ("max_waiting", "max_n"))
+    check_engine_args(args, ("max_waiting", "max_n", "max_request_bytes", "limit_concurrency"))
+    for name in ("timeout_keep_alive", "timeout_header"):
+        v = getattr(args, name)
+        if not v > 0 or v == float("inf"):
+            raise UsageError(f"--{name.replace('_', '-')} must be a positive number of seconds; got {v}")
+    args.allowed_origins = parse_origins(args.allowed_origins)
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in [0, 65535]; got {args.port}")
     if args.api_key is not None and not args.api_key:
@@ -66,6 +87,24 @@ def check_args(args):
         import uvicorn  # noqa: F401
     except ImportError as e:
         raise UsageError(f"the server needs the `serve` extra (pip install -e '.[serve]'): {e}") from None
+
+
+def parse_origins(value: str | None) -> list[str]:
+    """--allowed-origins as a list: a JSON list (vLLM's form) or comma-separated origins."""
+    if value is None:
+        return []
+    if value.lstrip().startswith("["):
+        try:
+            origins = json.loads(value)
+        except ValueError as e:
+            raise UsageError(f"--allowed-origins: not a JSON list: {e}") from None
+        if not (isinstance(origins, list) and all(isinstance(o, str) and o for o in origins)):
+            raise UsageError(f"--allowed-origins must be a list of origin strings; got {value!r}")
+    else:
+        origins = [o.strip() for o in value.split(",") if o.strip()]
+    if not origins:
+        raise UsageError("--allowed-origins must name at least one origin (or '*')")
+    return origins
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -100,47 +139,101 @@ def main(argv=None):
 
 
 def run(args, sock):
-    import jax
-
-    if not args.no_compile_cache:
-        enable_compile_cache(cache_dir() / "xla")
-    dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
-    import jax.numpy as jnp
     import uvicorn
 
-    import models
-    from jpa.engine import AsyncEngine, LLMEngine, SamplingParams
-    from jpa.server import build_app
+    from jpa.server import build_app, server_config
 
-    t0 = time.perf_counter()
-    print(f"[jpa] loading {args.model} ({dtype}) on {jax.devices()[0].platform}...", file=sys.stderr)
-    config = engine_config(args)
-    try:
-        gpt, tok = models.load(args.model, dtype=jnp.dtype(dtype))
-    except (ValueError, FileNotFoundError) as e:  # a bad checkpoint directory
-        raise UsageError(f"--model {args.model}: {e}") from None
-    try:
-        engine = LLMEngine(models.GPTForEngine(gpt), tok, config)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    if not args.no_warmup:  # compile the engine's program (the unified step) before the first client waits
-        engine.generate(["Hello"], SamplingParams(max_new_tokens=2, greedy=True))
-    print(f"[jpa] model ready in {time.perf_counter() - t0:.1f} s; KV cache: {engine.cache_config.describe()}; "
-          f"max_model_len {engine.max_model_len}", file=sys.stderr)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
-    with AsyncEngine(engine, max_waiting=args.max_waiting) as aengine:
-        app = build_app(aengine, tok, model_name=name, api_key=args.api_key, max_n=args.max_n)
-        server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))
-        host, port = sock.getsockname()[:2]
-        host = f"[{host}]" if ":" in host else host
-        print(f"[jpa] serving {name!r} on http://{host}:{port} (OpenAI API at /v1; /health, /metrics)"
-              f"{'; API key required' if args.api_key else ''}", file=sys.stderr, flush=True)
-        try:
-            server.run(sockets=[sock])  # until SIGINT/SIGTERM: uvicorn drains, then re-raises the signal
-        except (KeyboardInterrupt, _Stop):
-            pass
+    app = build_app(None, None, model_name=name, api_key=args.api_key, max_n=args.max_n,
+                    max_request_bytes=args.max_request_bytes, allowed_origins=args.allowed_origins)
+    server = uvicorn.Server(server_config(app, log_level=args.log_level, timeout_keep_alive=args.timeout_keep_alive,
+                                          timeout_header=args.timeout_header,
+                                          limit_concurrency=args.limit_concurrency))
+    loader = _Loader(args, app, server)
+    host, port = sock.getsockname()[:2]
+    host = f"[{host}]" if ":" in host else host
+    print(f"[jpa] serving {name!r} on http://{host}:{port} (OpenAI API at /v1; /health, /metrics); /health "
+          f"answers 503 until the model is loaded{'; API key required' if args.api_key else ''}",
+          file=sys.stderr, flush=True)
+    thread = threading.Thread(target=loader.run, name="jpa-loader", daemon=True)
+    try:
+        thread.start()
+        server.run(sockets=[sock])  # until SIGINT/SIGTERM: uvicorn drains, then re-raises the signal
+    except (KeyboardInterrupt, _Stop):
+        pass
+    finally:
+        loader.stop()
+    if loader.error is not None:
+        raise loader.error
+    if thread.is_alive():
+        # Stopped while the model loads: the loader is inside JAX (loading, compiling) and cannot be
+        # interrupted, and finalizing the interpreter under it aborts the process. Nothing is held
+        # yet (no engine thread was started), so leave at once.
+        print("[jpa] server stopped (while loading the model)", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(0)
     print("[jpa] server stopped", file=sys.stderr)
     return 0
+
+
+class _Loader:
+    """Loads the model, builds and warms up the engine and attaches it to the app, on a thread
+    of its own while the server already answers (/health: 503, then 200 once attached). A failure
+    stops the server; `run` then re-raises it on the main thread."""
+
+    def __init__(self, args, app, server):
+        self.args, self.app, self.server = args, app, server
+        self.error: Exception | None = None
+        self.aengine = None
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    def run(self):
+        try:
+            self._load()
+        except Exception as e:
+            self.error = e if isinstance(e, UsageError) else UsageError(f"loading failed: {type(e).__name__}: {e}")
+            self.server.should_exit = True
+
+    def _load(self):
+        args = self.args
+        import jax
+
+        if not args.no_compile_cache:
+            enable_compile_cache(cache_dir() / "xla")
+        dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+        import jax.numpy as jnp
+
+        import models
+        from jpa.engine import AsyncEngine, LLMEngine, SamplingParams
+        from jpa.server import attach
+
+        t0 = time.perf_counter()
+        print(f"[jpa] loading {args.model} ({dtype}) on {jax.devices()[0].platform}...", file=sys.stderr)
+        config = engine_config(args)
+        try:
+            gpt, tok = models.load(args.model, dtype=jnp.dtype(dtype))
+        except (ValueError, FileNotFoundError) as e:  # a bad checkpoint directory
+            raise UsageError(f"--model {args.model}: {e}") from None
+        try:
+            engine = LLMEngine(models.GPTForEngine(gpt), tok, config)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        if not args.no_warmup:  # compile the engine's program (the unified step) before the first client waits
+            engine.generate(["Hello"], SamplingParams(max_new_tokens=2, greedy=True))
+        with self._lock:
+            if self._stopped:   # the server stopped while we loaded
+                return
+            self.aengine = AsyncEngine(engine, max_waiting=args.max_waiting).start()
+            attach(self.app, self.aengine, tok)
+        print(f"[jpa] model ready in {time.perf_counter() - t0:.1f} s; KV cache: {engine.cache_config.describe()}; "
+              f"max_model_len {engine.max_model_len}", file=sys.stderr, flush=True)
+
+    def stop(self):
+        with self._lock:
+            self._stopped = True
+            if self.aengine is not None:
+                self.aengine.shutdown()
 
 
 class _Stop(Exception):

@@ -9,6 +9,7 @@ the module; one test starts scripts/serve.py itself and stops it with SIGTERM.
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import re
 import signal
@@ -24,12 +25,12 @@ import pytest
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
-pytest.importorskip("fastapi")
+FastAPI = pytest.importorskip("fastapi").FastAPI
 pytest.importorskip("prometheus_client")
 
 import models  # noqa: E402
 from jpa.engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from jpa.server import build_app  # noqa: E402
+from jpa.server import attach, build_app, server_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "tiny"
@@ -39,12 +40,13 @@ MAX_LEN = 2048
 
 
 @contextlib.contextmanager
-def serving(app):
-    """Serves `app` on a free 127.0.0.1 port in a thread; yields its base URL; always stops it."""
+def serving(app, **config):
+    """Serves `app` on a free 127.0.0.1 port in a thread (uvicorn configured as scripts/serve.py
+    does, `config` overriding); yields its base URL; always stops it."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     sock.listen(256)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="error"))
+    server = uvicorn.Server(server_config(app, **{"log_level": "error", **config}))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
@@ -230,12 +232,11 @@ BAD = [
     ({"model": NAME, "prompt": "hi", "temperature": -0.1}, "temperature", "greater than or equal to 0"),
     ({"model": NAME, "prompt": "hi", "top_p": 0}, "top_p", "greater than 0"),
     ({"model": NAME, "prompt": "hi", "top_p": 1.5}, "top_p", "less than or equal to 1"),
-    ({"model": NAME, "prompt": "hi", "top_k": -1}, "top_k", "greater than or equal to 0"),
+    ({"model": NAME, "prompt": "hi", "top_k": -2}, "top_k", "greater than or equal to -1"),
     ({"model": NAME, "prompt": "hi", "n": 0}, "n", "greater than or equal to 1"),
     ({"model": NAME, "prompt": "hi", "n": MAX_N + 1}, "n", f"must be <= {MAX_N}"),
     ({"model": NAME, "prompt": "hi", "seed": -1}, "seed", "greater than or equal to 0"),
-    ({"model": NAME, "prompt": "hi", "max_tokenz": 5}, "max_tokenz", "unknown parameter"),
-    ({"model": NAME, "prompt": "hi", "best_of": 2}, "best_of", "unknown parameter"),
+    ({"model": NAME, "prompt": "hi", "best_of": 2}, "best_of", "not supported"),
     ({"model": NAME, "prompt": ""}, "prompt", "empty"),
     ({"model": NAME, "prompt": []}, "prompt", "empty"),
     ({"model": NAME, "prompt": ["ok", ""]}, "prompt", "empty"),
@@ -251,6 +252,29 @@ BAD = [
     ({"model": NAME, "prompt": "hi", "presence_penalty": 0.5}, "presence_penalty", "not supported"),
     ({"model": NAME, "prompt": "hi", "echo": True}, "echo", "'echo'"),
     ({"model": NAME, "prompt": "hi", "stream": "yes"}, "stream", "valid boolean"),
+    # Known fields: strict types and values, whatever unknown fields are allowed.
+    ({"model": NAME, "prompt": "hi", "temperature": "0.5"}, "temperature", "valid number"),
+    ({"model": NAME, "prompt": "hi", "store": "yes"}, "store", "valid boolean"),
+    ({"model": NAME, "prompt": "hi", "metadata": {"k": 1}}, "metadata", "metadata.k"),
+    ({"model": NAME, "prompt": "hi", "response_format": {"type": "json_object"}}, "response_format",
+     "structured outputs"),
+    ({"model": NAME, "prompt": "hi", "response_format": {"type": "xml"}}, "response_format", "response_format.type"),
+    ({"model": NAME, "prompt": "hi", "no_stop_trim": True}, "no_stop_trim", "not supported"),
+    ({"model": NAME, "prompt": "hi", "skip_special_tokens": False}, "skip_special_tokens", "not supported"),
+    ({"model": NAME, "prompt": "hi", "include_stop_str_in_output": True}, "include_stop_str_in_output",
+     "not supported"),
+    # Device-side sampling controls (not implemented yet): refused by name, never ignored.
+    ({"model": NAME, "prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty", "not supported"),
+    ({"model": NAME, "prompt": "hi", "repetition_penalty": 1.2}, "repetition_penalty", "not supported"),
+    ({"model": NAME, "prompt": "hi", "min_p": 0.1}, "min_p", "not supported"),
+    ({"model": NAME, "prompt": "hi", "logit_bias": {"5": 10}}, "logit_bias", "not supported"),
+    ({"model": NAME, "prompt": "hi", "min_tokens": 4}, "min_tokens", "not supported"),
+    ({"model": NAME, "prompt": "hi", "stop_token_ids": [5]}, "stop_token_ids", "not supported"),
+    ({"model": NAME, "prompt": "hi", "prompt_logprobs": 1}, "prompt_logprobs", "not supported"),
+    ({"model": NAME, "prompt": "hi", "use_beam_search": True}, "use_beam_search", "not supported"),
+    ({"model": NAME, "prompt": "hi", "guided_json": {"type": "object"}}, "guided_json", "not supported"),
+    ({"model": NAME, "prompt": "hi", "suffix": "end"}, "suffix", "not supported"),
+    ({"model": NAME, "prompt": "hi", "min_p": "0"}, "min_p", "valid number"),
 ]
 
 BAD_CHAT = [
@@ -263,6 +287,19 @@ BAD_CHAT = [
     ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
       "max_completion_tokens": 5}, "max_tokens", "not both"),
     ({"model": NAME, "messages": [{"role": "user", "content": "hi" * MAX_LEN}]}, "prompt", "maximum context length"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function":
+      {"name": "f"}}]}, "tools", "tool calling is not supported"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"}, "tool_choice",
+     "tool calling is not supported"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema",
+      "json_schema": {"name": "x", "schema": {}}}}, "response_format", "structured outputs"),
+    ({"model": NAME, "messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}]}, "messages",
+     "messages.0.tool_calls"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "continue_final_message": True},
+     "continue_final_message", "not supported"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 1}, "presence_penalty",
+     "not supported"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, "logprobs", "valid boolean"),
 ]
 
 
@@ -301,6 +338,510 @@ def test_malformed_and_unknown(live):
     assert live.client.completions.create(model=NAME, prompt=PROMPTS[0], **GREEDY).choices[0].text == \
         live.reference[PROMPTS[0]].completion
     assert live.metrics()['jpa_http_errors_total{status="400"}'] >= len(BAD) + len(BAD_CHAT)
+
+
+def test_unknown_fields_are_ignored_and_logged_once(live, caplog):
+    """What SDKs and routers add (vllm-router: no_stop_trim, skip_special_tokens, separate_reasoning,
+    ...; SDKs: store, metadata, response_format text, tools []) does not change the answer; a field
+    no model declares is ignored and logged once per name, nested ones included."""
+    p = PROMPTS[1]
+    extra = {"ignore_eos": True, "no_stop_trim": False, "skip_special_tokens": True, "echo": False,
+             "return_hidden_states": False, "frobnicate_x": 1, "store": True, "metadata": {"who": "test"},
+             "response_format": {"type": "text"}, "stream_options": None}
+    with caplog.at_level(logging.WARNING, logger="jpa.server"):
+        for _ in range(2):
+            r = live.client.completions.create(model=NAME, prompt=p, temperature=0, max_tokens=24, extra_body=extra)
+            assert r.choices[0].text == live.reference[p].completion
+        msgs = [{"role": "user", "content": "hi", "refusal_x": None}]
+        chat_extra = {"no_stop_trim": False, "continue_final_message": False, "separate_reasoning": True,
+                      "stream_reasoning": True, "include_reasoning": True, "tools": [], "parallel_tool_calls": False,
+                      "skip_special_tokens": True}
+        kw = dict(model=NAME, messages=msgs, temperature=0, max_tokens=8, store=False, metadata={"a": "b"},
+                  response_format={"type": "text"}, extra_body=chat_extra)
+        a = live.client.chat.completions.create(**kw)
+        b = live.client.chat.completions.create(**{**kw, "messages": [{"role": "user", "content": "hi"}],
+                                                   "extra_body": {}})
+        assert a.choices[0].message.content == b.choices[0].message.content
+        chunks = list(live.client.chat.completions.create(
+            stream=True, stream_options={"include_usage": True, "continuous_usage_stats_x": False}, **kw))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == a.choices[0].message.content
+    logged = [r.getMessage() for r in caplog.records if r.name == "jpa.server"]
+    for name in ("frobnicate_x", "return_hidden_states", "separate_reasoning", "include_reasoning",
+                 "messages[].refusal_x", "stream_options.continuous_usage_stats_x"):
+        assert sum(f"'{name}'" in m for m in logged) == 1, (name, logged)
+    # Declared fields are never reported as unknown.
+    assert not any(f"'{name}'" in m for m in logged for name in ("no_stop_trim", "store", "metadata", "tools"))
+
+
+# ---------------------------------------------------------------------- defects of issue 23
+
+def _post_raw(url, path, body: bytes):
+    """POSTs bytes as they are (a lone-surrogate escape or NaN survives; httpx's json= would not)."""
+    return httpx.post(f"{url}{path}", content=body, headers={"content-type": "application/json"}, timeout=30)
+
+
+def test_lone_surrogates_are_400_naming_the_field(live):
+    """"\ud800" is valid JSON but not Unicode: a 400 naming the field, never a 500 or an exception text."""
+    cases = [
+        ("/v1/completions", b'{"model": "tiny", "prompt": "a\\ud800b"}', "prompt", "'prompt'"),
+        ("/v1/completions", b'{"model": "tiny", "prompt": ["ok", "x\\udfff"]}', "prompt", "'prompt.1'"),
+        ("/v1/completions", b'{"model": "t\\ud800iny", "prompt": "hi"}', "model", "'model'"),
+        ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "\\ud800x": 1}', None, "'\\ud800x'"),
+        ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800"}]}',
+         "messages", "'messages.0.content'"),
+        ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", '
+                                 b'"text": "\\udbff"}]}]}', "messages", "'messages.0.content.0.text'"),
+        ("/tokenize", b'{"model": "tiny", "prompt": "\\ud800"}', "prompt", "'prompt'"),
+    ]
+    for path, body, param, where in cases:
+        r = _post_raw(live.url, path, body)
+        _check_error(r, 400, param, "lone UTF-16 surrogate")
+        msg = r.json()["error"]["message"]
+        assert msg.startswith(where) and "Error" not in msg and "Traceback" not in msg, msg
+    # A correctly paired surrogate escape is ordinary text.
+    r = _post_raw(live.url, "/v1/completions", b'{"model": "tiny", "prompt": "\\ud83d\\ude00", "max_tokens": 2}')
+    assert r.status_code == 200, r.text
+
+
+def test_a_bug_is_a_500_without_the_exception_text(live, caplog):
+    class Broken(_SpyTokenizer):
+        broken = False
+
+        def id_to_token(self, t):
+            if self.broken:
+                raise RuntimeError("secret /path/of/the/server")
+            return None
+
+    tok = Broken(live.tok)
+    app = build_app(live.aengine, tok, model_name=NAME)
+    tok.broken = True
+    with serving(app) as url, caplog.at_level(logging.ERROR, logger="jpa.server"):
+        r = httpx.post(f"{url}/tokenize", json={"prompt": "hi", "return_token_strs": True},
+                       headers={"X-Request-Id": "bug-1"})
+        _check_error(r, 500, None, "internal server error (request id bug-1)")
+        assert "secret" not in r.text and r.headers["x-request-id"] == "bug-1"
+        logged = [rec for rec in caplog.records if rec.name == "jpa.server" and rec.exc_info]
+        assert logged and "secret" in str(logged[-1].exc_info[1])
+        assert httpx.post(f"{url}/tokenize", json={"prompt": "hi"}).status_code == 200
+
+
+def test_non_finite_numbers_name_their_field(live):
+    for value in (b"Infinity", b"-Infinity", b"NaN"):
+        for field in (b"temperature", b"top_p", b"presence_penalty"):
+            body = b'{"model": "tiny", "prompt": "hi", "' + field + b'": ' + value + b"}"
+            r = _post_raw(live.url, "/v1/completions", body)
+            _check_error(r, 400, field.decode(), "finite number")
+
+
+def test_stream_options_need_stream(live):
+    body = {"model": NAME, "prompt": "hi", "max_tokens": 2, "stream_options": {"include_usage": True}}
+    for stream in (False, None):
+        b = {**body, "stream": stream} if stream is not None else body
+        _check_error(httpx.post(f"{live.url}/v1/completions", json=b), 400, "stream_options", "'stream': true")
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": False}}
+    _check_error(httpx.post(f"{live.url}/v1/chat/completions", json=chat), 400, "stream_options", "'stream': true")
+    with httpx.stream("POST", f"{live.url}/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200 and "[DONE]" in r.read().decode()
+
+
+def test_seeds_are_used_as_given(live):
+    """Seeds are not wrapped modulo 2**31 (0, 2**31 and 2**32 gave the same text): a seed the engine
+    cannot use as given is a 400 naming `seed`."""
+    kw = {"model": NAME, "prompt": PROMPTS[3], "max_tokens": 8, "temperature": 1.0, "ignore_eos": True}
+    for seed, n in ((2 ** 31, 1), (2 ** 32, 1), (2 ** 63, 1), (2 ** 31 - 1, 2), (2 ** 31 - 3, 4)):
+        r = httpx.post(f"{live.url}/v1/completions", json={**kw, "seed": seed, "n": n})
+        _check_error(r, 400, "seed", "'seed'")
+    top = httpx.post(f"{live.url}/v1/completions", json={**kw, "seed": 2 ** 31 - 1})
+    assert top.status_code == 200, top.text
+    two = httpx.post(f"{live.url}/v1/completions", json={**kw, "seed": 2 ** 31 - 2, "n": 2}).json()
+    assert [c["text"] for c in sorted(two["choices"], key=lambda c: c["index"])][1] == top.json()["choices"][0]["text"]
+
+
+def _stream_completion(url, body) -> tuple[str, list, list, list]:
+    """(text, tokens, text_offset, token_logprobs) of a streamed completion with logprobs, chunk by chunk."""
+    text, tokens, offsets, lps = "", [], [], []
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            c = json.loads(line[6:])["choices"][0]
+            text += c["text"]
+            if c["logprobs"]:
+                tokens.append(c["logprobs"]["tokens"])
+                offsets.append(c["logprobs"]["text_offset"])
+                lps.append(c["logprobs"]["token_logprobs"])
+    return text, tokens, offsets, lps
+
+
+def test_logprob_tokens_follow_incremental_detokenization(live):
+    """The tiny model's tokens are bytes: a multi-byte character spans tokens. Each token's text is
+    what it adds to the text ("" for leading bytes, the whole character for the last), never
+    U+FFFD; "".join(tokens) == text; text_offset indexes the text and continues across streamed
+    chunks; chat `bytes` are each token's real byte."""
+    msgs = [{"role": "user", "content": "say something"}]
+    prompt = live.tok.render_chat(msgs)        # the chat endpoint's prompt, as a completion prompt
+    body = {"model": NAME, "prompt": prompt, "max_tokens": 48, "temperature": 1.0, "ignore_eos": True, "logprobs": 0}
+    for seed in range(200):
+        r = httpx.post(f"{live.url}/v1/completions", json={**body, "seed": seed}).json()
+        text = r["choices"][0]["text"]
+        wide = [c for c in text if ord(c) > 127 and c != "\ufffd"]
+        if wide:
+            break
+    else:
+        pytest.fail("no seed gave a multi-byte character")
+    body["seed"] = seed
+    lp = r["choices"][0]["logprobs"]
+    tokens, offsets = lp["tokens"], lp["text_offset"]
+    assert "".join(tokens) == text
+    assert len(tokens) == len(lp["token_logprobs"]) == r["usage"]["completion_tokens"] == 48
+    assert offsets == [sum(map(len, tokens[:i])) for i in range(len(tokens))] and max(offsets) <= len(text)
+    c = wide[0]
+    # The token that completes the character carries all of it (after a U+FFFD for a stray byte
+    # before it, if any); its leading bytes carry nothing (not U+FFFD each).
+    k = next(i for i, t in enumerate(tokens) if c in t)
+    lead = len(c.encode("utf-8")) - 1
+    assert tokens[k].endswith(c) and tokens[k - lead:k] == [""] * lead, tokens
+    # Streamed: the same tokens and offsets, the offsets continuing across chunks.
+    s_text, s_tokens, s_offsets, s_lps = _stream_completion(live.url, body)
+    assert s_text == text and sum(s_tokens, []) == tokens and sum(s_offsets, []) == offsets
+    assert sum(s_lps, []) == pytest.approx(lp["token_logprobs"], abs=1e-5)
+    assert len(s_offsets) > 2 and offsets[-1] > 0   # several chunks, offsets not restarting at 0 in each
+    # Cut by a stop string inside the text: the tokens still join to the (shorter) text.
+    cut = text.index(c)
+    r2 = httpx.post(f"{live.url}/v1/completions", json={**body, "stop": [c]}).json()["choices"][0]
+    assert r2["text"] == text[:cut] and "".join(r2["logprobs"]["tokens"]) == r2["text"]
+    s2 = _stream_completion(live.url, {**body, "stop": [c]})
+    assert s2[0] == text[:cut] and "".join(sum(s2[1], [])) == s2[0]
+    # Chat: the same sampled tokens (same prompt ids and seed); bytes are the real bytes.
+    chat = live.client.chat.completions.create(model=NAME, messages=msgs, max_tokens=48, temperature=1.0,
+                                               seed=seed, logprobs=True, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert chat.choices[0].message.content == text and [t.token for t in content] == tokens
+    assert content[k].bytes == list(c.encode("utf-8")[-1:])
+    assert [t.bytes for t in content[k - lead:k]] == [[b] for b in c.encode("utf-8")[:-1]]
+    assert all(t.bytes == list(t.token.encode()) for t in content if t.token.isascii() and t.token)
+    assert all(len(t.bytes) <= 1 for t in content)   # byte tokens (or nothing: ids that decode to "")
+    streamed = [t for ch in live.client.chat.completions.create(
+        model=NAME, messages=msgs, max_tokens=48, temperature=1.0, seed=seed, logprobs=True, stream=True,
+        extra_body={"ignore_eos": True}) if ch.choices and ch.choices[0].logprobs
+        for t in ch.choices[0].logprobs.content]
+    assert [(t.token, t.bytes) for t in streamed] == [(t.token, t.bytes) for t in content]
+
+
+def test_token_bytes_of_a_byte_level_bpe():
+    """TokenBytes on a byte-level BPE vocabulary (SmolLM2's kind, built small here): a piece maps
+    back to its bytes, partial characters included; a special token contributes nothing."""
+    from jpa.server.logprobs import ChoiceTokens, TokenBytes, _byte_alphabet
+    from models.tokenizer import Tokenizer
+
+    alphabet = sorted(_byte_alphabet(), key=_byte_alphabet().get)      # the 256 byte pieces, by byte
+    tokens = alphabet + ["Ã©", "<|im_end|>"]                            # + "é" merged, + a control token
+    tok = Tokenizer(tokens, ["Ã ©"], [1] * 257 + [3], bos_token_id=257, eos_token_id=257)
+    tb = TokenBytes(tok)
+    ids = tok.encode("aé€")
+    assert [tb(t) for t in ids] == [b"a", "é".encode(), b"\xe2", b"\x82", b"\xac"]
+    assert tb(257) == b""
+    ct = ChoiceTokens(tok, tb)
+    out = ct.feed(ids + [257], [0.0] * 6, "aé€", True)
+    assert [(t[0], t[1], t[3]) for t in out] == [("a", b"a", 0), ("é", "é".encode(), 1), ("", b"\xe2", 2),
+                                                 ("", b"\x82", 2), ("€", b"\xac", 2), ("", b"", 3)]
+
+
+def _raw_exchange(url, request: bytes, timeout=10.0) -> bytes:
+    """Sends raw bytes on a fresh connection; returns everything the server sends until it closes."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as s:
+        s.sendall(request)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+        return out
+
+
+def test_request_body_limit_is_413_before_reading(live):
+    app = build_app(live.aengine, live.tok, model_name=NAME, max_request_bytes=4096)
+    with serving(app) as url:
+        # A declared 100 MB body: refused from its headers; the server does not wait for the body.
+        t0 = time.monotonic()
+        out = _raw_exchange(url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                 b"Content-Length: 100000000\r\n\r\n{\"model\"")
+        assert time.monotonic() - t0 < 5 and out.startswith(b"HTTP/1.1 413 "), out[:200]
+        head, _, payload = out.partition(b"\r\n\r\n")
+        assert b"x-request-id: " in head.lower()
+        assert json.loads(payload)["error"]["code"] == "request_too_large"
+        # A chunked body (no Content-Length) is counted as it arrives.
+        r = httpx.post(f"{url}/v1/completions", content=iter([b" " * 2048] * 4),
+                       headers={"content-type": "application/json"})
+        _check_error(r, 413, None, "larger than this server accepts (4096 bytes)")
+        # At the limit: served.
+        body = json.dumps({"model": NAME, "prompt": "hi", "max_tokens": 2})
+        body = body[:-1] + ', "user": "' + "u" * (4096 - len(body) - 12) + '"}'
+        assert len(body) <= 4096
+        assert httpx.post(f"{url}/v1/completions", content=body,
+                          headers={"content-type": "application/json"}).status_code == 200
+    # The default limit (8 MiB) on the live server.
+    out = _raw_exchange(live.url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 9000000\r\n\r\n")
+    assert out.startswith(b"HTTP/1.1 413 "), out[:200]
+
+
+class _SpyTokenizer:
+    """The tokenizer, recording which thread encodes and renders (and how many characters)."""
+
+    def __init__(self, tok):
+        self.tok, self.calls = tok, []
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def encode(self, text):
+        self.calls.append(("encode", threading.current_thread(), len(text)))
+        return self.tok.encode(text)
+
+    def render_chat(self, messages, **kw):
+        self.calls.append(("render_chat", threading.current_thread(), 0))
+        return self.tok.render_chat(messages, **kw)
+
+
+def test_big_prompts_do_not_stall_the_server(live):
+    """Parsing, rendering and tokenizing run on worker threads, never on the event loop; a prompt far
+    beyond the context is refused without being tokenized; /health answers while an 11.5 MB prompt
+    is handled (before: 1-2 s stalls of /health and of every stream)."""
+    spy = _SpyTokenizer(live.tok)
+    app = build_app(live.aengine, spy, model_name=NAME, max_request_bytes=20 * 2 ** 20)
+    with serving(app) as url:
+        spy.calls.clear()
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        assert client.completions.create(model=NAME, prompt="hi", max_tokens=2).choices
+        assert client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=2).choices
+        assert httpx.post(f"{url}/tokenize", json={"prompt": "hi"}).status_code == 200
+        assert [c[0] for c in spy.calls] == ["encode", "render_chat", "encode", "encode"]
+        # The loop's default executor names its workers asyncio_N (uvloop: uvloop_N); the loop runs elsewhere.
+        assert all(c[1].name.startswith(("asyncio_", "uvloop_")) for c in spy.calls), \
+            [(c[0], c[1].name) for c in spy.calls]
+        spy.calls.clear()
+        body = json.dumps({"model": NAME, "prompt": "word " * (11_500_000 // 5), "max_tokens": 4}).encode()
+        request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        result, latencies = {}, []
+        sender = threading.Thread(target=lambda: result.update(out=_raw_exchange(url, request, timeout=60)))
+        with httpx.Client(base_url=url, timeout=30) as c:
+            c.get("/health")
+            sender.start()
+            while sender.is_alive():
+                t0 = time.monotonic()
+                assert c.get("/health").status_code == 200
+                latencies.append(time.monotonic() - t0)
+                time.sleep(0.005)
+            sender.join()
+        out = result["out"]
+        assert out.startswith(b"HTTP/1.1 400 ") and b"maximum context length is 2048 tokens" in out, out[:300]
+        assert spy.calls == [], "the 11.5 MB prompt must be refused before it is tokenized"
+        assert len(latencies) >= 3 and max(latencies) < 1.0, latencies
+
+
+def test_idle_and_slow_connections_are_closed():
+    """A connection that never sends a request, one that sends its head a byte at a time
+    (slowloris), and an idle keep-alive connection are all closed within the timeouts."""
+    app = FastAPI()
+
+    @app.get("/ping")
+    def ping():
+        return {"ok": True}
+
+    with serving(app, timeout_header=1.0, timeout_keep_alive=1.0) as url:
+        port = int(url.rsplit(":", 1)[1])
+
+        def closed_after(sock, trickle: bytes = b"", limit=6.0):
+            """Seconds until the server closes `sock` (sending `trickle` one byte per 0.1 s meanwhile)."""
+            sock.settimeout(0.1)
+            t0 = time.monotonic()
+            i = 0
+            while time.monotonic() - t0 < limit:
+                if i < len(trickle):
+                    try:
+                        sock.send(trickle[i:i + 1])
+                    except OSError:
+                        return time.monotonic() - t0
+                    i += 1
+                try:
+                    data = sock.recv(4096)
+                except TimeoutError:
+                    continue
+                except OSError:
+                    return time.monotonic() - t0
+                if not data:
+                    return time.monotonic() - t0
+            raise AssertionError(f"still open after {limit} s")
+
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(20)]
+        t0 = time.monotonic()
+        for s in idle:
+            assert closed_after(s, limit=6.0 - (time.monotonic() - t0)) >= 0
+        assert 0.5 < time.monotonic() - t0 < 6
+        for s in idle:
+            s.close()
+        with socket.create_connection(("127.0.0.1", port)) as s:   # slowloris
+            assert 0.5 < closed_after(s, b"GET /ping HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100) < 4
+        with socket.create_connection(("127.0.0.1", port)) as s:   # keep-alive, then idle
+            s.sendall(b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert s.recv(4096).startswith(b"HTTP/1.1 200 ")
+            assert 0.5 < closed_after(s) < 4
+        assert httpx.get(f"{url}/ping").json() == {"ok": True}
+    # Connection limit: beyond it, requests are refused with 503.
+    with serving(app, limit_concurrency=3) as url:
+        port = int(url.rsplit(":", 1)[1])
+        held = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+        time.sleep(0.2)
+        assert httpx.get(f"{url}/ping").status_code == 503
+        for s in held:
+            s.close()
+        time.sleep(0.2)
+        assert httpx.get(f"{url}/ping").status_code == 200
+
+
+def test_health_is_503_until_the_engine_is_attached(live):
+    app = build_app(None, None, model_name=NAME)
+    with serving(app) as url:
+        r = httpx.get(f"{url}/health")
+        assert r.status_code == 503 and r.json() == {"status": "loading"} and r.headers["retry-after"] == "1"
+        for method, path, body in (("POST", "/v1/completions", {"model": NAME, "prompt": "hi"}),
+                                   ("POST", "/v1/chat/completions", {"model": NAME, "messages": []}),
+                                   ("GET", "/v1/models", None), ("POST", "/tokenize", {"prompt": "hi"})):
+            r = httpx.request(method, f"{url}{path}", json=body)
+            _check_error(r, 503, None, "loading")
+            assert r.json()["error"]["code"] == "model_loading" and r.headers["retry-after"] == "1"
+        assert httpx.get(f"{url}/version").status_code == 200
+        m = httpx.get(f"{url}/metrics")
+        assert m.status_code == 200 and "jpa_engine_alive 0.0" in m.text
+        attach(app, live.aengine, live.tok)
+        assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+        r = httpx.post(f"{url}/v1/completions", json={"model": NAME, "prompt": PROMPTS[0], **{
+            k: v for k, v in GREEDY.items() if k != "extra_body"}, "ignore_eos": True})
+        assert r.json()["choices"][0]["text"] == live.reference[PROMPTS[0]].completion
+        with pytest.raises(RuntimeError, match="already has an engine"):
+            attach(app, live.aengine, live.tok)
+
+
+# ---------------------------------------------------------------------- endpoints and headers (vLLM's)
+
+def test_tokenize_and_detokenize(live):
+    text = "The paged cache: é€"
+    r = httpx.post(f"{live.url}/tokenize", json={"model": NAME, "prompt": text})
+    assert r.status_code == 200
+    ids = live.tok.encode(text)
+    assert r.json() == {"count": len(ids), "max_model_len": MAX_LEN, "tokens": ids, "token_strs": None}
+    strs = httpx.post(f"{live.url}/tokenize", json={"prompt": text, "return_token_strs": True}).json()["token_strs"]
+    assert len(strs) == len(ids) and strs[:3] == ["T", "h", "e"] and strs[-3:] == ["<0xE2>", "<0x82>", "<0xAC>"]
+    # A conversation: the chat endpoint's prompt, token for token.
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    chat = httpx.post(f"{live.url}/tokenize", json={"model": NAME, "messages": msgs}).json()
+    assert chat["tokens"] == live.tok.encode(live.tok.render_chat(msgs))
+    used = live.client.chat.completions.create(model=NAME, messages=msgs, max_tokens=1).usage.prompt_tokens
+    assert chat["count"] == used
+    no_gen = httpx.post(f"{live.url}/tokenize", json={"messages": msgs, "add_generation_prompt": False}).json()
+    assert no_gen["tokens"] == live.tok.encode(live.tok.render_chat(msgs, add_generation_prompt=False))
+    assert no_gen["count"] < chat["count"]
+    r = httpx.post(f"{live.url}/detokenize", json={"model": NAME, "tokens": ids})
+    assert r.status_code == 200 and r.json() == {"prompt": text}
+    assert httpx.post(f"{live.url}/detokenize", json={"tokens": []}).json() == {"prompt": ""}
+    for path, body, status, param, fragment in (
+            ("/tokenize", {"model": "gpt-4", "prompt": "x"}, 404, "model", "does not exist"),
+            ("/tokenize", {"prompt": 5}, 400, "prompt", "valid string"),
+            ("/tokenize", {"prompt": "x", "add_special_tokens": False}, 400, "add_special_tokens", "not supported"),
+            ("/tokenize", {"messages": msgs, "add_special_tokens": True}, 400, "add_special_tokens", "not supported"),
+            ("/tokenize", {"messages": msgs, "continue_final_message": True}, 400, "continue_final_message",
+             "not supported"),
+            ("/tokenize", {"messages": msgs, "chat_template": "{{ x }}"}, 400, "chat_template", "not supported"),
+            ("/tokenize", {"messages": []}, 400, "messages", "at least 1 item"),
+            ("/tokenize", {}, 400, "prompt", "'prompt' is required"),
+            ("/tokenize", {"prompt": "x" * 50_000}, 400, "prompt", "maximum context length"),
+            ("/detokenize", {"tokens": [1, 512]}, 400, "tokens", "token ids must be in [0, 512)"),
+            ("/detokenize", {"tokens": [-1]}, 400, "tokens", "token ids must be in"),
+            ("/detokenize", {"tokens": "1 2"}, 400, "tokens", "valid list"),
+            ("/detokenize", {"model": "gpt-4", "tokens": [1]}, 404, "model", "does not exist")):
+        _check_error(httpx.post(f"{live.url}{path}", json=body), status, param, fragment)
+
+
+def test_version(live):
+    import jpa
+    assert httpx.get(f"{live.url}/version").json() == {"version": jpa.__version__}
+
+
+def test_request_id_is_echoed(live):
+    body = {"model": NAME, "prompt": "hi", "max_tokens": 2}
+    r = httpx.post(f"{live.url}/v1/completions", json=body, headers={"X-Request-Id": "trace-42.a_b:c"})
+    assert r.headers["x-request-id"] == "trace-42.a_b:c" and r.json()["id"] == "cmpl-trace-42.a_b:c"
+    r = httpx.post(f"{live.url}/v1/completions", json=body)
+    rid = r.headers["x-request-id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", rid) and r.json()["id"] == f"cmpl-{rid}"
+    for bad in ("x" * 129, "a b", "é"):     # too long, or characters a header should not carry back
+        r = httpx.post(f"{live.url}/v1/completions", json=body, headers={"X-Request-Id": bad.encode()})
+        assert re.fullmatch(r"[0-9a-f]{32}", r.headers["x-request-id"])
+    # On errors and streams too.
+    r = httpx.post(f"{live.url}/v1/completions", json={"model": NAME}, headers={"X-Request-Id": "e1"})
+    assert r.status_code == 400 and r.headers["x-request-id"] == "e1"
+    with httpx.stream("POST", f"{live.url}/v1/chat/completions", headers={"X-Request-Id": "s1"}, json={
+            "model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}) as r:
+        assert r.headers["x-request-id"] == "s1"
+        first = next(line for line in r.iter_lines() if line.startswith("data: "))
+        assert json.loads(first[6:])["id"] == "chatcmpl-s1"
+
+
+def test_cors(live):
+    app = build_app(live.aengine, live.tok, model_name=NAME, allowed_origins=["http://ui.example"], api_key="k")
+    with serving(app) as url:
+        pre = httpx.options(f"{url}/v1/chat/completions", headers={
+            "Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type"})
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "http://ui.example"
+        assert "POST" in pre.headers["access-control-allow-methods"]
+        r = httpx.get(f"{url}/v1/models", headers={"Origin": "http://ui.example", "Authorization": "Bearer k"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://ui.example"
+        assert "x-request-id" in r.headers["access-control-expose-headers"].lower()
+        other = httpx.get(f"{url}/v1/models", headers={"Origin": "http://evil.example", "Authorization": "Bearer k"})
+        assert "access-control-allow-origin" not in other.headers
+        bad = httpx.options(f"{url}/v1/models", headers={"Origin": "http://evil.example",
+                                                         "Access-Control-Request-Method": "GET"})
+        assert bad.status_code == 400
+    # Without --allowed-origins: no CORS headers at all.
+    r = httpx.get(f"{live.url}/v1/models", headers={"Origin": "http://ui.example"})
+    assert "access-control-allow-origin" not in r.headers
+
+
+def test_vllm_metric_names(live):
+    """jpa's metrics keep their names; vLLM's, which routers and autoscalers read, are added."""
+    live.wait_idle()
+    text = httpx.get(f"{live.url}/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
+        assert re.search(rf'^{re.escape(name)}{{model_name="{NAME}"}} ', text, re.M), name
+    m = live.metrics()
+    label = f'{{model_name="{NAME}"}}'
+    assert m[f"vllm:num_requests_running{label}"] == m["jpa_num_requests_running"] == 0
+    assert m[f"vllm:kv_cache_usage_perc{label}"] == 0
+    # A prompt of several pages, twice: the second finds its full pages in the prefix cache.
+    prompt = "prefix caching counts " * 4     # 88 tokens: 5 full pages of 16
+    before = m
+    for _ in range(2):
+        live.client.completions.create(model=NAME, prompt=prompt, max_tokens=2)
+    after = live.wait_idle()
+    q, h = f"vllm:prefix_cache_queries_total{label}", f"vllm:prefix_cache_hits_total{label}"
+    assert after[q] - before[q] == 2 * 88
+    assert after[h] - before[h] >= 5 * 16
+    # While a long request runs: one running, pages in use.
+    async def main():
+        async with httpx.AsyncClient(base_url=live.url, timeout=30) as client:
+            ctx, _lines = await _first_chunk(client, LONG)
+            m = live.metrics()
+            await ctx.__aexit__(None, None, None)
+            return m
+    during = asyncio.run(main())
+    assert during[f"vllm:num_requests_running{label}"] == 1
+    usage = during[f"vllm:kv_cache_usage_perc{label}"]
+    assert usage > 0 and usage == pytest.approx(during["jpa_kv_pages_used"] / during["jpa_kv_pages_total"])
+    live.wait_idle()
 
 
 # ---------------------------------------------------------------------- overload, disconnects, keys
@@ -448,6 +989,12 @@ def test_serve_script_bad_flags():
     busy.listen()
     for args, msg in ((["--port", "70000"], "--port must be in"), (["--model", "nope"], "--model 'nope' is unknown"),
                       (["--max-seqs", "0"], "--max-seqs must be >= 1"),
+                      (["--max-request-bytes", "0"], "--max-request-bytes must be >= 1"),
+                      (["--timeout-header", "0"], "--timeout-header must be a positive number"),
+                      (["--timeout-keep-alive", "-1"], "--timeout-keep-alive must be a positive number"),
+                      (["--limit-concurrency", "0"], "--limit-concurrency must be >= 1"),
+                      (["--allowed-origins", "[1]"], "--allowed-origins must be a list of origin strings"),
+                      (["--allowed-origins", "[oops"], "--allowed-origins: not a JSON list"),
                       (["--model", "tiny-llama", "--port", str(busy.getsockname()[1])], "Address already in use")):
         r = subprocess.run([sys.executable, "scripts/serve.py", *args], cwd=ROOT, capture_output=True, text=True,
                            env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
@@ -455,11 +1002,42 @@ def test_serve_script_bad_flags():
     busy.close()
 
 
-def test_serve_script_end_to_end(tmp_path):
-    """`scripts/serve.py --port 0` on loopback: serves a request, stops cleanly on SIGTERM."""
+def test_serve_script_stops_while_loading(tmp_path):
+    """SIGTERM while the model loads (JAX busy on the loader thread): a clean exit, code 0."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JPA_CACHE_DIR": str(tmp_path), "JAX_PLATFORMS": "cpu"}
     proc = subprocess.Popen([sys.executable, "scripts/serve.py", "--model", "tiny-llama", "--port", "0",
-                             "--max-model-len", "128", "--num-pages", "64", "--no-warmup"],
+                             "--max-model-len", "128", "--num-pages", "64"],
+                            cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "serving 'tiny-llama'" in proc.stderr.readline()
+        assert "[jpa] loading tiny-llama" in proc.stderr.readline()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert "server stopped (while loading the model)" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_serve_script_allowed_origins():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import serve
+
+    assert serve.parse_origins(None) == []
+    assert serve.parse_origins("http://a.example, http://b.example") == ["http://a.example", "http://b.example"]
+    assert serve.parse_origins('["*"]') == ["*"]
+    with pytest.raises(serve.UsageError, match="at least one origin"):
+        serve.parse_origins(" , ")
+
+
+def test_serve_script_end_to_end(tmp_path):
+    """`scripts/serve.py --port 0` on loopback: listens at once and answers /health 503 (and
+    requests 503 with Retry-After) while the model loads and compiles, then 200; serves a request;
+    stops cleanly on SIGTERM."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JPA_CACHE_DIR": str(tmp_path), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen([sys.executable, "scripts/serve.py", "--model", "tiny-llama", "--port", "0",
+                             "--max-model-len", "128", "--num-pages", "64"],
                             cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     try:
         url = None
@@ -469,6 +1047,16 @@ def test_serve_script_end_to_end(tmp_path):
                 url = m.group(1)
                 break
         assert url, "the server did not say where it listens"
+        # The loader thread has just started (importing JAX alone takes seconds): still loading.
+        r = httpx.get(f"{url}/health", timeout=10)
+        assert r.status_code == 503 and r.json() == {"status": "loading"} and r.headers["retry-after"] == "1"
+        r = httpx.post(f"{url}/v1/completions", json={"model": "tiny-llama", "prompt": "hi"}, timeout=10)
+        _check_error(r, 503, None, "loading")
+        assert r.json()["error"]["code"] == "model_loading" and r.headers["retry-after"] == "1"
+        t0 = time.monotonic()
+        while httpx.get(f"{url}/health", timeout=10).status_code != 200:
+            assert proc.poll() is None and time.monotonic() - t0 < 240, "the model never became ready"
+            time.sleep(0.1)
         r = httpx.post(f"{url}/v1/completions", json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 3},
                        timeout=120)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3

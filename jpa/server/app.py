@@ -1,13 +1,22 @@
 """The OpenAI-compatible HTTP API over an AsyncEngine (FastAPI).
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics (Prometheus text). Errors are OpenAI error objects: 400 for bad input (naming the
-field), 401 for a missing/wrong API key, 404 for an unknown model or route, 503 with Retry-After
-when the waiting queue is full or the engine is down.
+Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize and
+/detokenize (vLLM's shapes), GET /version, GET /health, GET /metrics (Prometheus text). Errors are
+OpenAI error objects: 400 for bad input (naming the field), 401 for a missing/wrong API key, 404
+for an unknown model or route, 413 for a body over `max_request_bytes` (refused before it is
+read), 503 with Retry-After while the model loads, when the waiting queue is full or the engine is
+down.
 
-`n` choices are n engine requests with seeds seed, seed + 1, ... (a random base seed when the
-request has none), grouped into one response; they share nothing on the device (prefix-sharing
-parallel sampling is a later step). Greedy choices are therefore identical.
+The app can exist before its engine: `build_app(None, None, ...)` answers /health (and every
+request) with 503 until `attach(app, engine, tokenizer)`, so a server can listen while it loads
+the model and routers see it come up.
+
+Request bodies are parsed, validated, tokenized and rendered (chat template) on a worker thread,
+not on the event loop, so a huge prompt does not stall /health or other clients' streams.
+
+`n` choices of a prompt are one engine request with n samples: the prompt is prefilled once and
+its pages are shared (parallel sampling); sample j draws with seed + j (a random base seed when
+the request has none). Greedy choices are therefore identical.
 
 A client that disconnects (streaming or not) has its requests aborted; the engine applies the
 abort before its next round, which releases the pages.
@@ -16,78 +25,87 @@ abort before its next round, which releases the pages.
 import asyncio
 import hmac
 import json
+import logging
 import math
 import random
+import threading
 import time
 import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jpa.engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded, RequestGroup
 from jpa.engine.sampling import SamplingParams
+from jpa.server.logprobs import ChoiceTokens, TokenBytes
 from jpa.server.metrics import ServerMetrics, Timing
-from jpa.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_messages,
-                                 check_unsupported, error_body, stop_strings, validation_error)
+from jpa.server.protocol import (SEED_LIMIT, APIError, ChatCompletionRequest, CompletionRequest,
+                                 DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, chat_messages,
+                                 check_unsupported, error_body, parse_body, parse_json, stop_strings,
+                                 unknown_fields, validation_error)
 
-SEED_MOD = 2 ** 31   # the engine's seed range
+log = logging.getLogger("jpa.server")
+
+DEFAULT_MAX_REQUEST_BYTES = 8 * 2 ** 20
+_REQUEST_ID_OK = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
 
 
-def build_app(engine: AsyncEngine, tokenizer, *, model_name: str, api_key: str | None = None,
-              max_n: int = 16, retry_after: int = 1) -> FastAPI:
+def build_app(engine: AsyncEngine | None, tokenizer, *, model_name: str, api_key: str | None = None,
+              max_n: int = 16, retry_after: int = 1, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              allowed_origins=(), version: str | None = None) -> FastAPI:
     """The FastAPI app serving `engine` (started by the caller) under the name `model_name`.
 
     Args:
-      engine: a started AsyncEngine.
-      tokenizer: the engine's tokenizer (encode, decode, render_chat).
+      engine: a started AsyncEngine, or None while the model loads (then `attach` it).
+      tokenizer: the engine's tokenizer (encode, decode, render_chat), or None with engine None.
       model_name: the `model` value requests must name (else 404).
       api_key: if set, every endpoint but /health needs `Authorization: Bearer <api_key>`.
       max_n: largest `n` accepted (larger: 400).
       retry_after: seconds in the Retry-After header of 503 answers.
+      max_request_bytes: largest request body; a larger one is answered 413 without being read.
+      allowed_origins: origins browsers may call from (CORS; "*" for any); empty: no CORS headers.
+      version: what GET /version reports (default: jpa's version).
     """
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be >= 1; got {max_request_bytes!r}")
     app = FastAPI(title="jpa", docs_url=None, redoc_url=None, openapi_url=None)
-    metrics = ServerMetrics(engine)
-    api = _API(engine, tokenizer, model_name, metrics, max_n, retry_after)
-    app.state.metrics = metrics
-
-    def error(e: APIError) -> JSONResponse:
-        metrics.errors.labels(str(e.status)).inc()
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+    api = _API(model_name, max_n, retry_after)
+    metrics = api.metrics
+    app.state.jpa = api
+    if version is None:
+        import jpa
+        version = jpa.__version__
+    if engine is not None:
+        api.attach(engine, tokenizer)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
-        return error(e)
+        return api.error(e)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, e: RequestValidationError):
-        return error(validation_error(list(e.errors())))
+        return api.error(validation_error(list(e.errors())))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return error(APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", type=kind))
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, e: Exception):
-        return error(APIError(500, f"internal server error: {type(e).__name__}: {e}", type="server_error"))
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key is not None and request.url.path != "/health":
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return error(APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
-                                      type="authentication_error", code="invalid_api_key"))
-        return await call_next(request)
+        return api.error(APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", type=kind))
 
     @app.get("/health")
     async def health():
-        if not engine.alive:
-            return JSONResponse({"status": "engine not running"}, status_code=503)
+        if api.engine is None:
+            return JSONResponse({"status": "loading"}, status_code=503, headers=api.retry_headers)
+        if not api.engine.alive:
+            return JSONResponse({"status": "engine not running"}, status_code=503, headers=api.retry_headers)
         return {"status": "ok"}
+
+    @app.get("/version")
+    async def get_version():
+        return {"version": version}
 
     @app.get("/metrics")
     async def prometheus():
@@ -95,33 +113,149 @@ def build_app(engine: AsyncEngine, tokenizer, *, model_name: str, api_key: str |
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [api.model_card()]}
+        return {"object": "list", "data": [api.ready().model_card()]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        api.check_model(model_id)
+        api.ready().check_model(model_id)
         return api.model_card()
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        return await api.completions(body, request)
+    async def completions(request: Request):
+        return await api.serve(request, api.prepare_completion)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await api.chat(body, request)
+    async def chat_completions(request: Request):
+        return await api.serve(request, api.prepare_chat)
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        raw = await request.body()
+        return await asyncio.to_thread(api.ready().tokenize, raw)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        raw = await request.body()
+        return await asyncio.to_thread(api.ready().detokenize, raw)
+
+    app.add_middleware(_Gate, api=api, api_key=api_key, max_request_bytes=max_request_bytes)
+    origins = list(allowed_origins)
+    if origins:   # outermost: a browser's preflight (OPTIONS) carries no key
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"],
+                           expose_headers=["X-Request-Id"])
     return app
 
 
+def attach(app: FastAPI, engine: AsyncEngine, tokenizer) -> None:
+    """Gives an app built with engine None its (started) engine: it starts serving requests."""
+    app.state.jpa.attach(engine, tokenizer)
+
+
+class _BodyTooLarge(APIError):
+    def __init__(self, limit: int):
+        # Connection: close: the rest of the body is never read, so the connection cannot carry more.
+        super().__init__(413, f"the request body is larger than this server accepts ({limit} bytes)",
+                         code="request_too_large", headers={"Connection": "close"})
+
+
+class _Gate:
+    """ASGI middleware in front of every route: the request id (X-Request-Id, taken from the
+    request or made, echoed on the response), the API key, and the body size limit (a declared
+    Content-Length over it is refused before the body is read; a chunked body is counted)."""
+
+    def __init__(self, app, *, api: "_API", api_key: str | None, max_request_bytes: int):
+        self.app, self.api, self.api_key, self.limit = app, api, api_key, max_request_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        rid = headers.get(b"x-request-id", b"").decode("latin-1")
+        if not (0 < len(rid) <= 128 and set(rid) <= _REQUEST_ID_OK):
+            rid = uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+
+        started = False
+
+        async def send_with_id(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid.encode())]}
+            await send(message)
+
+        error = None
+        if self.api_key is not None and scope["path"] != "/health":
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
+                error = APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
+                                 type="authentication_error", code="invalid_api_key")
+        length = headers.get(b"content-length")
+        if error is None and length is not None and length.isdigit() and int(length) > self.limit:
+            error = _BodyTooLarge(self.limit)
+        if error is not None:
+            return await self.api.error(error)(scope, receive, send_with_id)
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise _BodyTooLarge(self.limit)
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send_with_id)
+        except Exception as e:
+            # A bug: the client gets a 500 with the request id, never the exception text (the log
+            # has it). Past the response's start nothing can be sent: the connection is dropped.
+            log.error("request %s failed", rid, exc_info=e)
+            if started:
+                raise
+            await self.api.error(APIError(500, f"internal server error (request id {rid})",
+                                          type="server_error"))(scope, receive, send_with_id)
+
+
 class _API:
-    def __init__(self, engine: AsyncEngine, tokenizer, model_name: str, metrics: ServerMetrics, max_n: int,
-                 retry_after: int):
-        self.engine, self.tok, self.model_name, self.metrics = engine, tokenizer, model_name, metrics
-        self.max_n, self.retry_after = max_n, retry_after
-        # The most samples one engine request may have (one decode slot each).
-        self.max_samples = engine.engine.config.max_seqs if engine.engine.config.chunked_prefill else 1
+    def __init__(self, model_name: str, max_n: int, retry_after: int):
+        self.engine: AsyncEngine | None = None
+        self.tok = None
+        self.model_name, self.max_n, self.retry_after = model_name, max_n, retry_after
+        self.retry_headers = {"Retry-After": str(retry_after)}
+        self.metrics = ServerMetrics(lambda: self.engine, model_name)
         self.created = int(time.time())
+        self._unknown_logged: set[str] = set()
+        self._lock = threading.Lock()
+
+    def attach(self, engine: AsyncEngine, tokenizer) -> None:
+        if self.engine is not None:
+            raise RuntimeError("the app already has an engine")
+        self.tok = tokenizer
+        self.token_bytes = TokenBytes(tokenizer)
         self.vocab_size = engine.engine.model.config.vocab_size
+        # The most samples one engine request may have (one decode slot each).
+        self.max_samples = engine.engine.config.max_seqs
+        # No token stands for more text than the longest token's (special tokens spelled out), so a
+        # text of more than max_model_len x that many characters cannot fit; the factor 2 leaves
+        # room for normalizers that compose characters (NFC) before tokenizing.
+        longest = max(max(len(tokenizer.decode([t])), len(self.token_bytes(t)))
+                      for t in range(min(self.vocab_size, tokenizer.vocab_size)))
+        self.max_prompt_chars = 2 * engine.max_model_len * max(longest, 1)
+        self.engine = engine   # last: requests see a complete API once this is set
+
+    def ready(self) -> "_API":
+        if self.engine is None:
+            raise APIError(503, "the model is loading; try again shortly", type="server_error",
+                           code="model_loading", headers=self.retry_headers)
+        return self
+
+    def error(self, e: APIError) -> Response:
+        self.metrics.errors.labels(str(e.status)).inc()
+        # ASCII JSON: an error message never fails to encode, whatever it quotes.
+        return Response(json.dumps(e.body(), ensure_ascii=True), status_code=e.status, headers=e.headers,
+                        media_type="application/json")
 
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "jpa",
@@ -129,10 +263,33 @@ class _API:
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
-            raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}'",
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                            param="model", type="not_found_error", code="model_not_found")
 
+    def note_unknown(self, body, endpoint: str) -> None:
+        """Logs each ignored field name once per server (as vLLM warns about ignored fields)."""
+        names = unknown_fields(body)
+        with self._lock:
+            new = [n for n in names if n not in self._unknown_logged]
+            self._unknown_logged.update(new)
+        for name in new:
+            log.warning("ignoring the unknown request field %r (first seen on %s; logged once per name)",
+                        name, endpoint)
+
     # ------------------------------------------------------------------ request -> engine requests
+    # (these run on a worker thread: parsing and tokenizing a big body must not stall the loop)
+
+    def _encode(self, text: str, param: str) -> list[int]:
+        # A text far longer than any prompt that fits is refused before it is tokenized: tokenizing
+        # megabytes takes seconds (and tokenizers' encode holds the GIL, stalling every other request).
+        if len(text) > self.max_prompt_chars:
+            raise APIError(400, f"this model's maximum context length is {self.engine.max_model_len} tokens; the "
+                                f"{param} has {len(text)} characters, more than that many tokens can hold",
+                           param="prompt")
+        try:
+            return self.tok.encode(text)
+        except Exception as e:  # a tokenizer that cannot take this text
+            raise APIError(400, f"'{param}' could not be tokenized: {type(e).__name__}", param=param) from None
 
     def _prompts(self, prompt) -> list[list[int]]:
         """Token ids of each prompt of a completion request (str, [str], [int] or [[int]])."""
@@ -141,20 +298,32 @@ class _API:
         if not prompt:
             raise APIError(400, "'prompt' is empty", param="prompt")
         out = []
+        limit = self.engine.max_model_len
         for p in prompt:
-            ids = self.tok.encode(p) if isinstance(p, str) else list(p)
+            ids = self._encode(p, "prompt") if isinstance(p, str) else list(p)
             if not ids:
                 raise APIError(400, "'prompt' is empty: nothing to condition on", param="prompt")
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise APIError(400, f"'prompt' token ids must be in [0, {self.vocab_size}); got {bad[:5]}",
-                               param="prompt")
+            if len(ids) >= limit:   # before the id check: a huge prompt is refused in O(1)
+                raise APIError(400, f"this model's maximum context length is {limit} tokens; the prompt has "
+                                    f"{len(ids)} tokens and no room is left for the completion", param="prompt")
+            self._check_ids(ids, "prompt")
             out.append(ids)
         return out
 
+    def _check_ids(self, ids: list[int], param: str) -> None:
+        lo, hi = min(ids), max(ids)
+        if lo < 0 or hi >= self.vocab_size:
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            raise APIError(400, f"'{param}' token ids must be in [0, {self.vocab_size}); got {bad[:5]}", param=param)
+
+    def _render(self, messages, add_generation_prompt: bool = True) -> str:
+        try:
+            return self.tok.render_chat(chat_messages(messages), add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # ValueError, or a template's own raise_exception (jinja2 TemplateError)
+            raise APIError(400, f"'messages': {e}"[:500], param="messages") from None
+
     def _params(self, body, prompts: list[list[int]], max_tokens: int | None, default_max: int | None):
-        """[(prompt ids, SamplingParams)] for every choice: prompt-major, n per prompt."""
-        check_unsupported(body)
+        """[(prompt ids, SamplingParams)]: per prompt, one request with n samples, or n requests."""
         if body.n > self.max_n:
             raise APIError(400, f"'n' must be <= {self.max_n}; got {body.n}", param="n")
         if len(prompts) * body.n > self.engine.max_waiting:
@@ -162,7 +331,8 @@ class _API:
                                 f"queues at once ({self.engine.max_waiting})", param="n")
         stop = stop_strings(body.stop)
         limit = self.engine.max_model_len
-        base = body.seed if body.seed is not None else random.randrange(SEED_MOD)
+        # Seeds are used as given (check_unsupported bounds seed + n - 1), never wrapped.
+        base = body.seed if body.seed is not None else random.randrange(SEED_LIMIT - body.n + 1)
         out = []
         for ids in prompts:
             room = limit - len(ids)
@@ -176,52 +346,101 @@ class _API:
                                     f"lower max_tokens to at most {room}", param="max_tokens")
             # n choices of one prompt are one engine request with n samples (sample j: seed base + j),
             # prefilled once on shared pages, when the engine has a slot for each; else n requests.
-            shared = body.n <= self.max_samples and base + body.n - 1 < SEED_MOD
+            shared = body.n <= self.max_samples
             for j in range(1 if shared else body.n):
                 try:
                     sp = SamplingParams(max_new_tokens=want, temperature=1.0 if body.temperature is None
-                                        else float(body.temperature), top_k=body.top_k or 0,
+                                        else float(body.temperature), top_k=max(body.top_k or 0, 0),
                                         top_p=1.0 if body.top_p is None else float(body.top_p),
-                                        seed=(base + j) % SEED_MOD, stop=stop, ignore_eos=body.ignore_eos,
+                                        seed=base + j, stop=stop, ignore_eos=body.ignore_eos,
                                         n=body.n if shared else 1)
                 except ValueError as e:
                     raise APIError(400, str(e).replace("max_new_tokens", "max_tokens")) from None
                 out.append((ids, sp))
         return out
 
+    def prepare_completion(self, raw: bytes):
+        body = parse_body(raw, CompletionRequest)
+        self.note_unknown(body, "/v1/completions")
+        self.check_model(body.model)
+        check_unsupported(body)
+        prompts = self._prompts(body.prompt)
+        return body, self._params(body, prompts, body.max_tokens, 16), len(prompts), _CompletionFormat
+
+    def prepare_chat(self, raw: bytes):
+        body = parse_body(raw, ChatCompletionRequest)
+        self.note_unknown(body, "/v1/chat/completions")
+        self.check_model(body.model)
+        check_unsupported(body)
+        if body.max_tokens is not None and body.max_completion_tokens is not None:
+            raise APIError(400, "give 'max_tokens' or 'max_completion_tokens', not both", param="max_tokens")
+        prompts = [self._encode(self._render(body.messages), "messages")]
+        return body, self._params(body, prompts, body.max_completion_tokens or body.max_tokens, None), 1, _ChatFormat
+
+    def tokenize(self, raw: bytes) -> dict:
+        obj = parse_json(raw)
+        chat = isinstance(obj, dict) and "messages" in obj
+        body = parse_body(raw, TokenizeChatRequest if chat else TokenizeCompletionRequest)
+        self.note_unknown(body, "/tokenize")
+        if body.model is not None:
+            self.check_model(body.model)
+        if chat:
+            for name, ok in (("add_special_tokens", not body.add_special_tokens),
+                             ("continue_final_message", not body.continue_final_message),
+                             ("chat_template", body.chat_template is None),
+                             ("chat_template_kwargs", not body.chat_template_kwargs),
+                             ("tools", not body.tools)):
+                if not ok:
+                    raise APIError(400, f"'{name}' is not supported here (only its default: what "
+                                        f"/v1/chat/completions does)", param=name)
+            ids = self._encode(self._render(body.messages, body.add_generation_prompt), "messages")
+        else:
+            if not body.add_special_tokens:
+                raise APIError(400, "'add_special_tokens' false is not supported (only true: what /v1/completions "
+                                    "does)", param="add_special_tokens")
+            ids = self._encode(body.prompt, "prompt")
+        out = {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids, "token_strs": None}
+        if body.return_token_strs:
+            out["token_strs"] = [self._token_str(t) for t in ids]
+        return out
+
+    def _token_str(self, t: int) -> str:
+        """The vocabulary's spelling of a token (vLLM: convert_ids_to_tokens)."""
+        piece = self.tok.id_to_token(t) if hasattr(self.tok, "id_to_token") else None
+        if isinstance(piece, str):
+            return piece
+        b = self.token_bytes(t)
+        try:
+            return b.decode("utf-8")
+        except UnicodeDecodeError:
+            return "".join(f"<0x{x:02X}>" for x in b)
+
+    def detokenize(self, raw: bytes) -> dict:
+        body = parse_body(raw, DetokenizeRequest)
+        self.note_unknown(body, "/detokenize")
+        if body.model is not None:
+            self.check_model(body.model)
+        if body.tokens:
+            self._check_ids(body.tokens, "tokens")
+        return {"prompt": self.tok.decode(body.tokens)}
+
+    # ------------------------------------------------------------------ serving
+
     def _submit(self, requests) -> RequestGroup:
         try:
             return self.engine.submit(requests)
         except EngineOverloaded as e:
             raise APIError(503, str(e), type="overloaded_error", code="overloaded",
-                           headers={"Retry-After": str(self.retry_after)}) from None
+                           headers=self.retry_headers) from None
         except EngineDead as e:
             raise APIError(503, str(e), type="server_error", code="engine_unavailable",
-                           headers={"Retry-After": str(self.retry_after)}) from None
+                           headers=self.retry_headers) from None
 
-    # ------------------------------------------------------------------ endpoints
-
-    async def completions(self, body: CompletionRequest, request: Request):
-        self.check_model(body.model)
-        prompts = self._prompts(body.prompt)
-        reqs = self._params(body, prompts, body.max_tokens, 16)
-        fmt = _CompletionFormat(self, body)
-        return await self._serve(body, reqs, len(prompts), fmt, request)
-
-    async def chat(self, body: ChatCompletionRequest, request: Request):
-        self.check_model(body.model)
-        if body.max_tokens is not None and body.max_completion_tokens is not None:
-            raise APIError(400, "give 'max_tokens' or 'max_completion_tokens', not both", param="max_tokens")
-        try:
-            text = self.tok.render_chat(chat_messages(body))
-        except Exception as e:  # ValueError, or a template's own raise_exception (jinja2 TemplateError)
-            raise APIError(400, f"'messages': {e}", param="messages") from None
-        prompts = [self.tok.encode(text)]
-        reqs = self._params(body, prompts, body.max_completion_tokens or body.max_tokens, None)
-        fmt = _ChatFormat(self, body)
-        return await self._serve(body, reqs, 1, fmt, request)
-
-    async def _serve(self, body, reqs, num_prompts: int, fmt, request: Request):
+    async def serve(self, request: Request, prepare):
+        self.ready()
+        raw = await request.body()
+        body, reqs, num_prompts, fmt_class = await asyncio.to_thread(prepare, raw)
+        fmt = fmt_class(self, body, request.scope["state"]["request_id"])
         group = self._submit(reqs)
         per_prompt = len(reqs) // num_prompts   # 1 (n samples in one request) or n
         prompt_tokens = sum(len(reqs[i * per_prompt][0]) for i in range(num_prompts))
@@ -241,8 +460,7 @@ class _API:
             o = bad[0]
             if o.finish_reason == "error":
                 raise APIError(400, o.error or "invalid request", param="prompt")
-            raise APIError(503, "the server is shutting down", type="server_error",
-                           headers={"Retry-After": str(self.retry_after)})
+            raise APIError(503, "the server is shutting down", type="server_error", headers=self.retry_headers)
         outs = [results[i] for i in range(len(group))]
         completion_tokens = sum(len(o.token_ids) for o in outs)
         return JSONResponse(fmt.response([fmt.choice(i, o) for i, o in enumerate(outs)],
@@ -323,19 +541,28 @@ def _finite(x: float):
 
 
 class _Format:
-    """OpenAI's response and chunk shapes for one endpoint."""
+    """OpenAI's response and chunk shapes for one endpoint, and each choice's logprob tokens."""
 
-    def __init__(self, api: _API, body):
+    def __init__(self, api: _API, body, request_id: str):
         self.api, self.body = api, body
-        self.id = f"{self.PREFIX}-{uuid.uuid4().hex}"
+        self.id = f"{self.PREFIX}-{request_id}"   # as vLLM: the X-Request-Id when the client sent one
         self.created = int(time.time())
+        self._choice_tokens: dict[int, ChoiceTokens] = {}
 
-    def _tokens(self, token_ids, logprobs, final_reason) -> tuple[list, list]:
+    def _kept(self, token_ids, logprobs, final_reason) -> tuple[list, list]:
         """Token ids and logprobs to report: a final stop token (EOS) is not part of the text."""
         ids, lps = list(token_ids), list(logprobs)
         if final_reason == "stop" and ids and ids[-1] in self.api.engine.stop_ids and not self.body.ignore_eos:
             ids, lps = ids[:-1], lps[:-1]
         return ids, lps
+
+    def _tokens(self, index: int, token_ids, logprobs, reason, new_text: str) -> list[tuple]:
+        """(text, bytes, logprob, text_offset) of the tokens whose text the client now has."""
+        ids, lps = self._kept(token_ids, logprobs, reason)
+        ct = self._choice_tokens.get(index)
+        if ct is None:
+            ct = self._choice_tokens[index] = ChoiceTokens(self.api.tok, self.api.token_bytes)
+        return ct.feed(ids, lps, new_text, reason is not None)
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.api.model_name}
@@ -353,48 +580,41 @@ class _Format:
 class _CompletionFormat(_Format):
     PREFIX, OBJECT, CHUNK = "cmpl", "text_completion", "text_completion"
 
-    def _logprobs(self, ids, lps, offset: int = 0):
+    def _logprobs(self, index, token_ids, lps, reason, text):
         if self.body.logprobs is None:
             return None
-        toks = [self.api.tok.decode([t]) for t in ids]
-        offsets, pos = [], offset
-        for t in toks:
-            offsets.append(pos)
-            pos += len(t)
-        return {"tokens": toks, "token_logprobs": [_finite(x) for x in lps], "top_logprobs": None,
-                "text_offset": offsets}
+        toks = self._tokens(index, token_ids, lps, reason, text)
+        return {"tokens": [t[0] for t in toks], "token_logprobs": [_finite(t[2]) for t in toks],
+                "top_logprobs": None, "text_offset": [t[3] for t in toks]}
 
     def choice(self, index: int, out) -> dict:
-        ids, lps = self._tokens(out.token_ids, out.logprobs, out.finish_reason)
-        return {"index": index, "text": out.completion, "logprobs": self._logprobs(ids, lps),
+        return {"index": index, "text": out.completion,
+                "logprobs": self._logprobs(index, out.token_ids, out.logprobs, out.finish_reason, out.completion),
                 "finish_reason": out.finish_reason}
 
     def chunk(self, index: int, out):
         reason = out.output.finish_reason if out.finished else None
-        ids, lps = self._tokens(out.new_token_ids, out.new_logprobs, reason)
-        if not (out.new_text or reason or (ids and self.body.logprobs is not None)):
+        lp = self._logprobs(index, out.new_token_ids, out.new_logprobs, reason, out.new_text)
+        if not (out.new_text or reason or (lp and lp["tokens"])):
             return None
         return {**self._head(self.CHUNK), "choices": [
-            {"index": index, "text": out.new_text, "logprobs": self._logprobs(ids, lps), "finish_reason": reason}]}
+            {"index": index, "text": out.new_text, "logprobs": lp, "finish_reason": reason}]}
 
 
 class _ChatFormat(_Format):
     PREFIX, OBJECT, CHUNK = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
-    def _logprobs(self, ids, lps):
+    def _logprobs(self, index, token_ids, lps, reason, text):
         if not self.body.logprobs:
             return None
-        content = []
-        for t, lp in zip(ids, lps):
-            s = self.api.tok.decode([t])
-            content.append({"token": s, "logprob": _finite(lp), "bytes": list(s.encode("utf-8")),
-                            "top_logprobs": []})
-        return {"content": content}
+        toks = self._tokens(index, token_ids, lps, reason, text)
+        return {"content": [{"token": t, "logprob": _finite(lp), "bytes": list(b), "top_logprobs": []}
+                            for t, b, lp, _ in toks]}
 
     def choice(self, index: int, out) -> dict:
-        ids, lps = self._tokens(out.token_ids, out.logprobs, out.finish_reason)
         return {"index": index, "message": {"role": "assistant", "content": out.completion},
-                "logprobs": self._logprobs(ids, lps), "finish_reason": out.finish_reason}
+                "logprobs": self._logprobs(index, out.token_ids, out.logprobs, out.finish_reason, out.completion),
+                "finish_reason": out.finish_reason}
 
     def first_chunks(self, n: int) -> list:
         return [{**self._head(self.CHUNK), "choices": [
@@ -403,9 +623,9 @@ class _ChatFormat(_Format):
 
     def chunk(self, index: int, out):
         reason = out.output.finish_reason if out.finished else None
-        ids, lps = self._tokens(out.new_token_ids, out.new_logprobs, reason)
-        if not (out.new_text or reason or (ids and self.body.logprobs)):
+        lp = self._logprobs(index, out.new_token_ids, out.new_logprobs, reason, out.new_text)
+        if not (out.new_text or reason or (lp and lp["content"])):
             return None
         delta = {"content": out.new_text} if out.new_text else {}
         return {**self._head(self.CHUNK), "choices": [
-            {"index": index, "delta": delta, "logprobs": self._logprobs(ids, lps), "finish_reason": reason}]}
+            {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}]}

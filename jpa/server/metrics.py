@@ -2,9 +2,17 @@
 
 Engine gauges are read from the AsyncEngine's latest Snapshot at scrape time; latencies are
 observed by the request handlers as outputs reach them (what a client sees, minus the network).
+
+Besides jpa's own names, the engine state is exported under vLLM's names, which routers and
+autoscalers read (labelled with model_name, as vLLM does): `vllm:num_requests_running`,
+`vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc` (a fraction in [0, 1] despite the name;
+pages held by requests, cached-idle pages count as free as in vLLM), and the counters
+`vllm:prefix_cache_queries` / `vllm:prefix_cache_hits` (prompt tokens looked up in the prefix
+cache / found there; exposed with Prometheus' `_total` suffix).
 """
 
 import time
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -16,11 +24,18 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.
 
 
 class _EngineCollector:
-    def __init__(self, engine: AsyncEngine):
-        self.engine = engine
+    def __init__(self, get_engine: Callable[[], AsyncEngine | None], model_name: str):
+        self.get_engine, self.model_name = get_engine, model_name
 
     def collect(self):
-        s = self.engine.snapshot
+        engine = self.get_engine()
+        if engine is None:   # the model is still loading
+            g = GaugeMetricFamily("jpa_engine_alive", "1 while the engine thread runs")
+            g.add_metric([], 0.0)
+            yield g
+            return
+        yield from self._vllm(engine)
+        s = engine.snapshot
         gauges = [
             ("jpa_num_requests_running", "requests holding a decode slot", s.num_running),
             ("jpa_num_requests_waiting", "requests accepted and not running yet", s.num_waiting),
@@ -29,7 +44,7 @@ class _EngineCollector:
             ("jpa_kv_pages_total", "KV cache pages in the pool", s.num_pages),
             ("jpa_kv_cache_usage_ratio", "fraction of KV pages in use", s.pages_used / max(s.num_pages, 1)),
             ("jpa_generation_tokens_per_second", "generated tokens per second over the last "
-             f"{self.engine.rate_window:g} s (0 when idle)", s.tokens_per_s),
+             f"{engine.rate_window:g} s (0 when idle)", s.tokens_per_s),
             ("jpa_kv_pool_whole", "1 when the engine is idle and every KV page is free (checked on the "
              "device), else 0", 1.0 if s.pool_whole else 0.0),
             ("jpa_last_abort_release_rounds", "engine rounds between the latest abort's arrival and the "
@@ -50,13 +65,39 @@ class _EngineCollector:
             c.add_metric([], float(value))
             yield c
 
+    def _vllm(self, engine: AsyncEngine):
+        s = engine.snapshot
+        label = (["model_name"], [self.model_name])
+        for name, doc, value in (
+                ("vllm:num_requests_running", "Number of requests in model execution batches.", s.num_running),
+                ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", s.num_waiting),
+                ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                 s.pages_used / max(s.num_pages, 1))):
+            g = GaugeMetricFamily(name, doc, labels=label[0])
+            g.add_metric(label[1], float(value))
+            yield g
+        # The prefix cache's running totals (plain ints the engine thread adds to; read as they are).
+        prefix = getattr(getattr(engine.engine, "scheduler", None), "prefix", None)
+        queries, hits = (prefix.query_tokens, prefix.hit_tokens) if prefix is not None else (0, 0)
+        for name, doc, value in (
+                ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", queries),
+                ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", hits)):
+            c = CounterMetricFamily(name, doc, labels=label[0])
+            c.add_metric(label[1], float(value))
+            yield c
+
 
 class ServerMetrics:
-    """The server's registry: engine gauges plus request latency histograms and counters."""
+    """The server's registry: engine gauges plus request latency histograms and counters.
 
-    def __init__(self, engine: AsyncEngine):
+    Args:
+      get_engine: returns the AsyncEngine, or None while the model loads.
+      model_name: the served model's name (the model_name label of vLLM's metrics).
+    """
+
+    def __init__(self, get_engine: Callable[[], AsyncEngine | None], model_name: str):
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine))
+        self.registry.register(_EngineCollector(get_engine, model_name))
         r = self.registry
         self.ttft = Histogram("jpa_time_to_first_token_seconds", "arrival to the first generated token",
                               buckets=_LATENCY_BUCKETS, registry=r)

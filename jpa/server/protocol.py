@@ -1,13 +1,23 @@
-"""OpenAI request bodies (pydantic) and their checks, and OpenAI-style error objects.
+"""OpenAI request bodies (pydantic), how a raw body becomes one, and OpenAI-style error objects.
 
-Every model forbids unknown fields and is strict (no "5" for 5, no true for 1), so a misspelled or
-mistyped parameter is a 400 that names it rather than a silent default. Fields OpenAI defines that
-jpa does not implement are accepted only at their neutral value (e.g. presence_penalty 0).
+Lenient on unknown fields, strict on known ones (as vLLM): a field no model here declares is
+ignored (the app logs its name once), so what SDKs and routers add (vllm-router's `no_stop_trim`,
+`skip_special_tokens`, `separate_reasoning`, ...) does not fail the request. A declared field is
+strict (no "5" for 5, no true for 1, no NaN or Infinity): a bad type or value is a 400 naming it.
+Fields that OpenAI or vLLM define and jpa does not implement are declared too, and accepted only
+at their neutral value (`NEUTRAL`); any other value is a 400 naming the field, never a silent
+default, since it would change the result.
+
+`parse_body` turns raw bytes into a model: JSON (NaN/Infinity read as floats so the field that
+holds one is named), then a scan for lone UTF-16 surrogates (`"\\ud800"` is valid JSON but not
+Unicode: tokenizers and the response encoder fail on it), then validation.
 """
 
-from typing import Literal
+import json
+import re
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 # What each field may be, for error messages about union-typed fields.
 FIELD_TYPES = {
@@ -17,6 +27,7 @@ FIELD_TYPES = {
     "content": "a string or a list of {type: 'text', text} parts",
 }
 MAX_STOP = 16
+SEED_LIMIT = 2 ** 31   # the engine's seeds are in [0, 2**31); choice j of n uses seed + j
 
 
 class APIError(Exception):
@@ -38,25 +49,20 @@ def error_body(message: str, *, param: str | None = None, type: str = "invalid_r
 
 
 def validation_error(errors: list[dict]) -> APIError:
-    """A 400 naming the field of the first pydantic/FastAPI validation error."""
+    """A 400 naming the field of the first pydantic validation error."""
     if not errors:
         return APIError(400, "invalid request body")
     e = errors[0]
-    loc = [x for x in e.get("loc", ()) if x != "body"]
-    if e.get("type") == "json_invalid":
-        detail = (e.get("ctx") or {}).get("error", "")
-        return APIError(400, f"malformed JSON body{': ' + str(detail) if detail else ''}", code="json_invalid")
+    loc = list(e.get("loc", ()))
     if not loc:
         return APIError(400, "the request body must be a JSON object")
     field = str(loc[0])
     # The path (e.g. messages.2.content) without pydantic's union-member tags ("str", "list[int]",
     # "TextPart"): field names are lower-case words.
     path = ".".join(str(x) for x in loc if isinstance(x, int) or not _is_union_tag(str(x)))
-    if e.get("type") == "extra_forbidden":
-        return APIError(400, f"unknown parameter '{path}'", param=field)
     if e.get("type") == "missing":
         return APIError(400, f"'{path}' is required", param=field)
-    same_field = [x for x in errors if [y for y in x.get("loc", ()) if y != "body"][:1] == [loc[0]]]
+    same_field = [x for x in errors if list(x.get("loc", ()))[:1] == [loc[0]]]
     last = path.split(".")[-1]
     if len(same_field) > 1 and (field in FIELD_TYPES or last in FIELD_TYPES):
         what = FIELD_TYPES.get(last, FIELD_TYPES.get(field))
@@ -69,47 +75,154 @@ def _is_union_tag(x: str) -> bool:
     return x in ("str", "int", "float", "bool", "none") or "[" in x or x[:1].isupper()
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+# ---------------------------------------------------------------------- raw body -> model
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-class StreamOptions(_Strict):
+def _find_surrogate(obj, path: list) -> list | None:
+    """Path of the first string (key or value) holding a lone surrogate, or None."""
+    if isinstance(obj, str):
+        return path if not obj.isascii() and _SURROGATE.search(obj) else None
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if not k.isascii() and _SURROGATE.search(k):
+                return path + [k]
+            found = _find_surrogate(v, path + [k])
+            if found is not None:
+                return found
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            found = _find_surrogate(v, path + [i])
+            if found is not None:
+                return found
+    return None
+
+
+def parse_json(raw: bytes):
+    """The JSON value of a request body; 400 for malformed JSON and for lone surrogates."""
+    try:
+        obj = json.loads(raw)
+    except RecursionError:
+        raise APIError(400, "malformed JSON body: nested too deeply", code="json_invalid") from None
+    except UnicodeDecodeError:
+        raise APIError(400, "malformed JSON body: not UTF-8", code="json_invalid") from None
+    except ValueError as e:
+        raise APIError(400, f"malformed JSON body: {e}", code="json_invalid") from None
+    bad = _find_surrogate(obj, [])
+    if bad is not None:
+        # The path itself may hold the surrogate (a key): spelled with escapes, never raw.
+        where = ".".join(str(x) for x in bad).encode("ascii", "backslashreplace").decode()
+        head = str(bad[0]) if bad else ""
+        param = head if head and not _SURROGATE.search(head) else None
+        raise APIError(400, f"'{where}' holds a lone UTF-16 surrogate (an escape such as \\ud800 without its "
+                            f"pair): not valid Unicode text", param=param)
+    return obj
+
+
+def parse_body(raw: bytes, model: type["_Lenient"]) -> "_Lenient":
+    """The request model of a raw body (any failure: an APIError 400 naming the field)."""
+    obj = parse_json(raw)
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        raise validation_error(e.errors()) from None
+
+
+def unknown_fields(m: BaseModel, prefix: str = "") -> list[str]:
+    """Names (dotted, list items as []) of the fields of `m` and its nested models that no model
+    declares: they were ignored."""
+    out = [f"{prefix}{k}" for k in (m.model_extra or {})]
+    for name in type(m).model_fields:
+        v = getattr(m, name)
+        items = v if isinstance(v, list) else [v]
+        for item in items:
+            if isinstance(item, BaseModel):
+                out += unknown_fields(item, f"{prefix}{name}{'[]' if isinstance(v, list) else ''}.")
+    return list(dict.fromkeys(out))
+
+
+# ---------------------------------------------------------------------- request models
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+def _finite(default=None, **kw):
+    return Field(default, allow_inf_nan=False, **kw)
+
+
+class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
-class _Sampling(_Strict):
+class ResponseFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class _Sampling(_Lenient):
     """Parameters shared by /v1/completions and /v1/chat/completions."""
     model: str
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)                  # extension (vLLM); 0 = off
+    temperature: float | None = _finite(ge=0)
+    top_p: float | None = _finite(gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)                 # extension (vLLM); 0 or -1 = off
     n: int = Field(1, ge=1)
-    seed: int | None = Field(None, ge=0, lt=2 ** 63)
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool = False                               # extension (vLLM)
-    presence_penalty: float | None = None                  # accepted only at 0: not implemented
-    frequency_penalty: float | None = None
+    # Accepted, with no effect on generation: jpa stores nothing (OpenAI's `store`, `metadata`).
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    response_format: ResponseFormat | None = None          # only {"type": "text"} (structured outputs: later)
+    # Declared so that values other than the neutral one are refused (see NEUTRAL), not ignored.
+    presence_penalty: float | None = _finite()
+    frequency_penalty: float | None = _finite()
+    repetition_penalty: float | None = _finite()
+    min_p: float | None = _finite()
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
+    best_of: int | None = None
+    use_beam_search: bool | None = None
+    length_penalty: float | None = _finite()
+    include_stop_str_in_output: bool | None = None
+    no_stop_trim: bool | None = None                       # SGLang's name for the same (vllm-router sends it)
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict | None = None
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(None, ge=1)             # default 16, as OpenAI
     logprobs: int | None = Field(None, ge=0)               # only 0: the sampled tokens' logprobs
-    echo: Literal[False] = False
+    echo: bool | None = None
+    suffix: str | None = None
 
 
-class TextPart(_Strict):
+class TextPart(_Lenient):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Strict):
+class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
     name: str | None = None
+    tool_calls: list[dict] | None = None                   # only empty: no tool calling yet
 
 
 class ChatCompletionRequest(_Sampling):
@@ -118,6 +231,105 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)           # only 0: the sampled token's logprob
+    tools: list[dict] | None = None                        # only empty: no tool calling yet
+    tool_choice: str | dict | None = None                  # only "none"
+    parallel_tool_calls: bool | None = None                # meaningless without tools: accepted
+    functions: list[dict] | None = None                    # OpenAI's older tools: only empty
+    function_call: str | dict | None = None                # only "none"
+    continue_final_message: bool | None = None
+    add_generation_prompt: bool | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict | None = None
+
+
+class TokenizeCompletionRequest(_Lenient):
+    """vLLM's /tokenize body for a prompt."""
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True                        # only True: what /v1/completions does
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(_Lenient):
+    """vLLM's /tokenize body for a conversation (rendered by the chat template first)."""
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    return_token_strs: bool | None = False
+    continue_final_message: bool = False                   # only False
+    add_special_tokens: bool = False                       # only False: what /v1/chat/completions does
+    chat_template: str | None = None                       # only the model's own
+    chat_template_kwargs: dict | None = None
+    tools: list[dict] | None = None                        # only empty
+
+
+class DetokenizeRequest(_Lenient):
+    """vLLM's /detokenize body."""
+    model: str | None = None
+    tokens: list[int]
+
+
+# Known fields jpa does not implement -> the values that leave the result unchanged (None, i.e.
+# absent or null, always does), for both endpoints and for each. Checked by `check_unsupported`.
+NEUTRAL = {
+    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "min_p": (0,),
+    "logit_bias": ({},), "min_tokens": (0,), "stop_token_ids": ([],), "bad_words": ([],),
+    "allowed_token_ids": (), "prompt_logprobs": (), "use_beam_search": (False,), "length_penalty": (1,),
+    "include_stop_str_in_output": (False,), "no_stop_trim": (False,), "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
+    "return_tokens_as_token_ids": (False,), "guided_json": (), "guided_regex": (), "guided_choice": (),
+    "guided_grammar": (), "structured_outputs": (),
+}
+NEUTRAL_COMPLETION = {"echo": (False,), "suffix": ("",), "logprobs": (0,)}
+NEUTRAL_CHAT = {
+    "top_logprobs": (0,), "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "continue_final_message": (False,), "add_generation_prompt": (True,), "chat_template": (),
+    "chat_template_kwargs": ({},),
+}
+_WHY = {
+    "logprobs": "this server returns the sampled token's log-probability only, not alternatives (0 or absent)",
+    "top_logprobs": "this server returns the sampled token's log-probability only, not alternatives (0 or absent)",
+    "tools": "tool calling is not supported (only an empty list)",
+    "tool_choice": "tool calling is not supported (only 'none')",
+    "functions": "function calling is not supported (only an empty list)",
+    "function_call": "function calling is not supported (only 'none')",
+    "echo": "echoing the prompt (with its logprobs) is not supported (only false)",
+    "prompt_logprobs": "prompt logprobs are not supported",
+    "add_generation_prompt": "the chat endpoint always adds the generation prompt (only true)",
+}
+
+
+def _is_neutral(v, neutral) -> bool:
+    # bool is an int in Python: False must not pass for 0, nor 0 for False.
+    return v is None or any(isinstance(v, bool) == isinstance(x, bool) and v == x for x in neutral)
+
+
+def check_unsupported(req: _Sampling) -> None:
+    """400 naming the first known-but-unimplemented field set to a value that would change results."""
+    chat = isinstance(req, ChatCompletionRequest)
+    for name, neutral in {**NEUTRAL, **(NEUTRAL_CHAT if chat else NEUTRAL_COMPLETION)}.items():
+        v = getattr(req, name)
+        if _is_neutral(v, neutral):
+            continue
+        why = _WHY.get(name, "not supported")
+        allowed = f" (only {', '.join(repr(x) for x in neutral)} or absent)" if neutral and name not in _WHY else ""
+        raise APIError(400, f"'{name}': {why}{allowed}; got {v!r}"[:500], param=name)
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(400, f"'best_of' is not supported (only equal to n, {req.n}); got {req.best_of}",
+                       param="best_of")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise APIError(400, f"'response_format' {req.response_format.type!r} is not supported yet (structured "
+                            f"outputs); only {{\"type\": \"text\"}}", param="response_format")
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options")
+    if req.seed is not None and req.seed + req.n - 1 >= SEED_LIMIT:
+        raise APIError(400, f"'seed' + n - 1 must be < 2**31 (choice j samples with seed + j); got seed "
+                            f"{req.seed} with n {req.n}", param="seed")
+    if chat:
+        for i, m in enumerate(req.messages):
+            if m.tool_calls:
+                raise APIError(400, f"'messages.{i}.tool_calls': tool calling is not supported (only an "
+                                    f"empty list)", param="messages")
 
 
 def stop_strings(stop) -> tuple[str, ...]:
@@ -127,24 +339,11 @@ def stop_strings(stop) -> tuple[str, ...]:
     return stops
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+def chat_messages(messages: list[ChatMessage]) -> list[dict]:
     """Messages as {role, content} dicts for the tokenizer's chat template ("developer" is OpenAI's
     new name for "system"; content parts are joined)."""
     out = []
-    for m in req.messages:
+    for m in messages:
         content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)
         out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
     return out
-
-
-def check_unsupported(req: _Sampling) -> None:
-    """400 for OpenAI parameters set to values jpa does not implement (they would change results)."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = getattr(req, name)
-        if v not in (None, 0):
-            raise APIError(400, f"'{name}' is not supported (only 0); got {v!r}", param=name)
-    name = "logprobs" if isinstance(req, CompletionRequest) else "top_logprobs"
-    v = getattr(req, name)
-    if v not in (None, 0):
-        raise APIError(400, f"'{name}' must be 0 or absent: this server returns the sampled token's "
-                            f"log-probability only, not alternatives; got {v!r}", param=name)
