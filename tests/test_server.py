@@ -222,6 +222,41 @@ def test_logprobs(live):
     assert len(content) <= chat.usage.completion_tokens
 
 
+def test_sampling_controls_through_the_openai_client(live):
+    """Each control changes outputs as specified: a token banned by logit_bias -100 never appears,
+    frequency_penalty lowers repeats, min_tokens holds a stop token back, and top_logprobs are the
+    engine's (greedy: the model's own distribution) in OpenAI's shapes on both endpoints."""
+    p = PROMPTS[1]
+    ref = live.reference[p]
+    banned = sorted(set(ref.token_ids))
+    r = live.client.completions.create(model=NAME, prompt=p, logit_bias={str(t): -100 for t in banned}, **GREEDY)
+    ids = live.tok.encode(r.choices[0].text)
+    assert r.choices[0].text != ref.completion and not set(ids) & set(banned)
+    rep = lambda ids: len(ids) - len(set(ids))  # noqa: E731
+    r = live.client.completions.create(model=NAME, prompt=p, frequency_penalty=2.0, **GREEDY)
+    assert rep(live.tok.encode(r.choices[0].text)) < rep(list(ref.token_ids))
+    first = ref.token_ids[0]
+    stop = dict(temperature=0, max_tokens=24, extra_body={"stop_token_ids": [first]})
+    r = live.client.completions.create(model=NAME, prompt=p, **stop)
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 1 and r.choices[0].text == ""
+    r = live.client.completions.create(model=NAME, prompt=p, **{**stop, "extra_body": {"stop_token_ids": [first],
+                                                                                       "min_tokens": 5}})
+    assert r.usage.completion_tokens >= 6 or r.choices[0].finish_reason == "length"
+    # top_logprobs: completions ({text: logprob} per token), chat (token, logprob, bytes).
+    r = live.client.completions.create(model=NAME, prompt=p, logprobs=3, **GREEDY)
+    lp = r.choices[0].logprobs
+    assert len(lp.top_logprobs) == 24 and all(len(t) <= 3 for t in lp.top_logprobs)
+    for tok_lp, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert max(top.values()) == pytest.approx(tok_lp, abs=1e-5)   # greedy: the token is the top one
+    chat = live.client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": p}], logprobs=True,
+                                               top_logprobs=5, **GREEDY)
+    for t in chat.choices[0].logprobs.content:
+        assert len(t.top_logprobs) == 5 and t.top_logprobs[0].logprob == pytest.approx(t.logprob, abs=1e-5)
+        assert [a.logprob for a in t.top_logprobs] == sorted((a.logprob for a in t.top_logprobs), reverse=True)
+        assert all(bytes(a.bytes) == live.tok.token_bytes(a.token) if hasattr(live.tok, "token_bytes") else True
+                   for a in t.top_logprobs)
+
+
 # ---------------------------------------------------------------------- bad input (raw HTTP)
 
 BAD = [
@@ -248,8 +283,8 @@ BAD = [
     ({"model": NAME, "prompt": "x" * MAX_LEN}, "prompt", f"maximum context length is {MAX_LEN}"),
     ({"model": NAME, "prompt": "hi", "stop": ""}, "stop", "'stop' must be"),
     ({"model": NAME, "prompt": "hi", "stop": ["a"] * 17}, "stop", "'stop' must be"),
-    ({"model": NAME, "prompt": "hi", "logprobs": 2}, "logprobs", "sampled token's log-probability only"),
-    ({"model": NAME, "prompt": "hi", "presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    ({"model": NAME, "prompt": "hi", "logprobs": 21}, "logprobs", "less than or equal to 20"),
+    ({"model": NAME, "prompt": "hi", "presence_penalty": 2.5}, "presence_penalty", "presence_penalty must be"),
     ({"model": NAME, "prompt": "hi", "echo": True}, "echo", "'echo'"),
     ({"model": NAME, "prompt": "hi", "stream": "yes"}, "stream", "valid boolean"),
     # Known fields: strict types and values, whatever unknown fields are allowed.
@@ -263,13 +298,15 @@ BAD = [
     ({"model": NAME, "prompt": "hi", "skip_special_tokens": False}, "skip_special_tokens", "not supported"),
     ({"model": NAME, "prompt": "hi", "include_stop_str_in_output": True}, "include_stop_str_in_output",
      "not supported"),
-    # Device-side sampling controls (not implemented yet): refused by name, never ignored.
-    ({"model": NAME, "prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty", "not supported"),
-    ({"model": NAME, "prompt": "hi", "repetition_penalty": 1.2}, "repetition_penalty", "not supported"),
-    ({"model": NAME, "prompt": "hi", "min_p": 0.1}, "min_p", "not supported"),
-    ({"model": NAME, "prompt": "hi", "logit_bias": {"5": 10}}, "logit_bias", "not supported"),
-    ({"model": NAME, "prompt": "hi", "min_tokens": 4}, "min_tokens", "not supported"),
-    ({"model": NAME, "prompt": "hi", "stop_token_ids": [5]}, "stop_token_ids", "not supported"),
+    # Device-side sampling controls: out-of-range values are refused by name.
+    ({"model": NAME, "prompt": "hi", "frequency_penalty": -3}, "frequency_penalty", "frequency_penalty must be"),
+    ({"model": NAME, "prompt": "hi", "repetition_penalty": 0}, "repetition_penalty", "repetition_penalty must be"),
+    ({"model": NAME, "prompt": "hi", "min_p": 1.5}, "min_p", "min_p must be"),
+    ({"model": NAME, "prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias", "logit_bias must"),
+    ({"model": NAME, "prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias", "keys must be token ids"),
+    ({"model": NAME, "prompt": "hi", "logit_bias": {"512": 1}}, "logit_bias", "token ids must be in [0, 512)"),
+    ({"model": NAME, "prompt": "hi", "min_tokens": 40, "max_tokens": 4}, "min_tokens", "min_tokens must be"),
+    ({"model": NAME, "prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids", "token ids must be in [0, 512)"),
     ({"model": NAME, "prompt": "hi", "prompt_logprobs": 1}, "prompt_logprobs", "not supported"),
     ({"model": NAME, "prompt": "hi", "use_beam_search": True}, "use_beam_search", "not supported"),
     ({"model": NAME, "prompt": "hi", "guided_json": {"type": "object"}}, "guided_json", "not supported"),
@@ -283,7 +320,9 @@ BAD_CHAT = [
     ({"model": NAME, "messages": [{"role": "user"}]}, "messages", "'messages.0.content' is required"),
     ({"model": NAME, "messages": [{"role": "user", "content": 3}]}, "messages", "'messages.0.content' must be"),
     ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, "top_logprobs",
-     "sampled token's log-probability only"),
+     "needs 'logprobs': true"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs", "less than or equal to 20"),
     ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
       "max_completion_tokens": 5}, "max_tokens", "not both"),
     ({"model": NAME, "messages": [{"role": "user", "content": "hi" * MAX_LEN}]}, "prompt", "maximum context length"),
@@ -297,8 +336,8 @@ BAD_CHAT = [
      "messages.0.tool_calls"),
     ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "continue_final_message": True},
      "continue_final_message", "not supported"),
-    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 1}, "presence_penalty",
-     "not supported"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 3}, "presence_penalty",
+     "presence_penalty must be"),
     ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, "logprobs", "valid boolean"),
 ]
 

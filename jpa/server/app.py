@@ -42,6 +42,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from jpa.engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded, RequestGroup
 from jpa.engine.sampling import SamplingParams
 from jpa.server.logprobs import ChoiceTokens, TokenBytes
+
+# Request fields passed to jpa.engine.SamplingParams as they are (vLLM's names).
+CONTROL_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "min_tokens",
+                  "stop_token_ids", "top_logprobs")
 from jpa.server.metrics import ServerMetrics, Timing
 from jpa.server.protocol import (SEED_LIMIT, APIError, ChatCompletionRequest, CompletionRequest,
                                  DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, chat_messages,
@@ -330,6 +334,22 @@ class _API:
             raise APIError(400, f"{len(prompts)} prompts x n = {body.n} is more requests than this server ever "
                                 f"queues at once ({self.engine.max_waiting})", param="n")
         stop = stop_strings(body.stop)
+        controls = {k: getattr(body, k, None) for k in CONTROL_FIELDS if getattr(body, k, None) is not None}
+        # Chat: logprobs true + top_logprobs k; completions: logprobs k (the sampled token's and k alternatives).
+        controls["top_logprobs"] = (body.top_logprobs or 0) if isinstance(body.logprobs, bool) else (body.logprobs or 0)
+        if "logit_bias" in controls:
+            try:
+                controls["logit_bias"] = {int(t): b for t, b in controls["logit_bias"].items()}
+            except ValueError:
+                raise APIError(400, f"'logit_bias' keys must be token ids; got {list(body.logit_bias)[:5]}",
+                               param="logit_bias") from None
+        if "stop_token_ids" in controls:
+            controls["stop_token_ids"] = tuple(controls["stop_token_ids"])
+        vocab = self.vocab_size
+        bad = [t for t in [*controls.get("logit_bias", {}), *controls.get("stop_token_ids", ())] if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token ids must be in [0, {vocab}); got {bad[:5]}",
+                           param="logit_bias" if any(t in controls.get("logit_bias", {}) for t in bad) else "stop_token_ids")
         limit = self.engine.max_model_len
         # Seeds are used as given (check_unsupported bounds seed + n - 1), never wrapped.
         base = body.seed if body.seed is not None else random.randrange(SEED_LIMIT - body.n + 1)
@@ -353,9 +373,11 @@ class _API:
                                         else float(body.temperature), top_k=max(body.top_k or 0, 0),
                                         top_p=1.0 if body.top_p is None else float(body.top_p),
                                         seed=base + j, stop=stop, ignore_eos=body.ignore_eos,
-                                        n=body.n if shared else 1)
+                                        n=body.n if shared else 1, **controls)
                 except ValueError as e:
-                    raise APIError(400, str(e).replace("max_new_tokens", "max_tokens")) from None
+                    msg = str(e).replace("max_new_tokens", "max_tokens")
+                    field = msg.split(" ", 1)[0]
+                    raise APIError(400, msg, param=field if field in CONTROL_FIELDS else None) from None
                 out.append((ids, sp))
         return out
 
@@ -550,15 +572,22 @@ class _Format:
         self._choice_tokens: dict[int, ChoiceTokens] = {}
 
     def _kept(self, token_ids, logprobs, final_reason) -> tuple[list, list]:
-        """Token ids and logprobs to report: a final stop token (EOS) is not part of the text."""
+        """Token ids and logprobs to report: a final stop token (EOS, stop_token_ids) is not part of the text."""
         ids, lps = list(token_ids), list(logprobs)
-        if final_reason == "stop" and ids and ids[-1] in self.api.engine.stop_ids and not self.body.ignore_eos:
+        if final_reason == "stop" and ids and ((ids[-1] in self.api.engine.stop_ids and not self.body.ignore_eos)
+                                               or ids[-1] in (self.body.stop_token_ids or ())):
             ids, lps = ids[:-1], lps[:-1]
         return ids, lps
 
-    def _tokens(self, index: int, token_ids, logprobs, reason, new_text: str) -> list[tuple]:
-        """(text, bytes, logprob, text_offset) of the tokens whose text the client now has."""
-        ids, lps = self._kept(token_ids, logprobs, reason)
+    def _alternatives(self, top) -> list:
+        """(text, bytes, logprob) of a token's top alternatives ((id, logprob) pairs)."""
+        return [(self.api.tok.decode([t]), self.api.token_bytes(t), lp) for t, lp in top]
+
+    def _tokens(self, index: int, token_ids, logprobs, reason, new_text: str, tops=()) -> list[tuple]:
+        """(text, bytes, (logprob, top alternatives), text_offset) of the tokens whose text the
+        client now has."""
+        tops = list(tops) or [()] * len(token_ids)
+        ids, lps = self._kept(token_ids, list(zip(logprobs, tops)), reason)
         ct = self._choice_tokens.get(index)
         if ct is None:
             ct = self._choice_tokens[index] = ChoiceTokens(self.api.tok, self.api.token_bytes)
@@ -580,21 +609,25 @@ class _Format:
 class _CompletionFormat(_Format):
     PREFIX, OBJECT, CHUNK = "cmpl", "text_completion", "text_completion"
 
-    def _logprobs(self, index, token_ids, lps, reason, text):
+    def _logprobs(self, index, token_ids, lps, reason, text, tops):
         if self.body.logprobs is None:
             return None
-        toks = self._tokens(index, token_ids, lps, reason, text)
-        return {"tokens": [t[0] for t in toks], "token_logprobs": [_finite(t[2]) for t in toks],
-                "top_logprobs": None, "text_offset": [t[3] for t in toks]}
+        toks = self._tokens(index, token_ids, lps, reason, text, tops)
+        top = None
+        if self.body.logprobs:   # OpenAI's shape: {token text: logprob} per token
+            top = [{a: _finite(v) for a, _, v in self._alternatives(t[2][1])} for t in toks]
+        return {"tokens": [t[0] for t in toks], "token_logprobs": [_finite(t[2][0]) for t in toks],
+                "top_logprobs": top, "text_offset": [t[3] for t in toks]}
 
     def choice(self, index: int, out) -> dict:
         return {"index": index, "text": out.completion,
-                "logprobs": self._logprobs(index, out.token_ids, out.logprobs, out.finish_reason, out.completion),
+                "logprobs": self._logprobs(index, out.token_ids, out.logprobs, out.finish_reason, out.completion,
+                                           out.top_logprobs),
                 "finish_reason": out.finish_reason}
 
     def chunk(self, index: int, out):
         reason = out.output.finish_reason if out.finished else None
-        lp = self._logprobs(index, out.new_token_ids, out.new_logprobs, reason, out.new_text)
+        lp = self._logprobs(index, out.new_token_ids, out.new_logprobs, reason, out.new_text, out.new_top_logprobs)
         if not (out.new_text or reason or (lp and lp["tokens"])):
             return None
         return {**self._head(self.CHUNK), "choices": [
@@ -604,16 +637,19 @@ class _CompletionFormat(_Format):
 class _ChatFormat(_Format):
     PREFIX, OBJECT, CHUNK = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
-    def _logprobs(self, index, token_ids, lps, reason, text):
+    def _logprobs(self, index, token_ids, lps, reason, text, tops):
         if not self.body.logprobs:
             return None
-        toks = self._tokens(index, token_ids, lps, reason, text)
-        return {"content": [{"token": t, "logprob": _finite(lp), "bytes": list(b), "top_logprobs": []}
-                            for t, b, lp, _ in toks]}
+        toks = self._tokens(index, token_ids, lps, reason, text, tops)
+        return {"content": [{"token": t, "logprob": _finite(lp), "bytes": list(b),
+                             "top_logprobs": [{"token": a, "logprob": _finite(v), "bytes": list(ab)}
+                                              for a, ab, v in self._alternatives(top)]}
+                            for t, b, (lp, top), _ in toks]}
 
     def choice(self, index: int, out) -> dict:
         return {"index": index, "message": {"role": "assistant", "content": out.completion},
-                "logprobs": self._logprobs(index, out.token_ids, out.logprobs, out.finish_reason, out.completion),
+                "logprobs": self._logprobs(index, out.token_ids, out.logprobs, out.finish_reason, out.completion,
+                                           out.top_logprobs),
                 "finish_reason": out.finish_reason}
 
     def first_chunks(self, n: int) -> list:
@@ -623,7 +659,7 @@ class _ChatFormat(_Format):
 
     def chunk(self, index: int, out):
         reason = out.output.finish_reason if out.finished else None
-        lp = self._logprobs(index, out.new_token_ids, out.new_logprobs, reason, out.new_text)
+        lp = self._logprobs(index, out.new_token_ids, out.new_logprobs, reason, out.new_text, out.new_top_logprobs)
         if not (out.new_text or reason or (lp and lp["content"])):
             return None
         delta = {"content": out.new_text} if out.new_text else {}

@@ -177,7 +177,7 @@ class _Sampling(_Lenient):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     response_format: ResponseFormat | None = None          # only {"type": "text"} (structured outputs: later)
-    # Declared so that values other than the neutral one are refused (see NEUTRAL), not ignored.
+    # Sampling controls, run on the device (ranges checked by jpa.engine.SamplingParams).
     presence_penalty: float | None = _finite()
     frequency_penalty: float | None = _finite()
     repetition_penalty: float | None = _finite()
@@ -185,6 +185,7 @@ class _Sampling(_Lenient):
     logit_bias: dict[str, float] | None = None
     min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
+    # Declared so that values other than the neutral one are refused (see NEUTRAL), not ignored.
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
@@ -208,7 +209,7 @@ class _Sampling(_Lenient):
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(None, ge=1)             # default 16, as OpenAI
-    logprobs: int | None = Field(None, ge=0)               # only 0: the sampled tokens' logprobs
+    logprobs: int | None = Field(None, ge=0, le=20)        # the sampled tokens' logprobs and this many alternatives
     echo: bool | None = None
     suffix: str | None = None
 
@@ -230,7 +231,7 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: int | None = Field(None, ge=1)             # default: the rest of the context
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)           # only 0: the sampled token's logprob
+    top_logprobs: int | None = Field(None, ge=0, le=20)    # alternatives per token (with logprobs: true)
     tools: list[dict] | None = None                        # only empty: no tool calling yet
     tool_choice: str | dict | None = None                  # only "none"
     parallel_tool_calls: bool | None = None                # meaningless without tools: accepted
@@ -272,23 +273,20 @@ class DetokenizeRequest(_Lenient):
 # Known fields jpa does not implement -> the values that leave the result unchanged (None, i.e.
 # absent or null, always does), for both endpoints and for each. Checked by `check_unsupported`.
 NEUTRAL = {
-    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "min_p": (0,),
-    "logit_bias": ({},), "min_tokens": (0,), "stop_token_ids": ([],), "bad_words": ([],),
+    "bad_words": ([],),
     "allowed_token_ids": (), "prompt_logprobs": (), "use_beam_search": (False,), "length_penalty": (1,),
     "include_stop_str_in_output": (False,), "no_stop_trim": (False,), "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
     "return_tokens_as_token_ids": (False,), "guided_json": (), "guided_regex": (), "guided_choice": (),
     "guided_grammar": (), "structured_outputs": (),
 }
-NEUTRAL_COMPLETION = {"echo": (False,), "suffix": ("",), "logprobs": (0,)}
+NEUTRAL_COMPLETION = {"echo": (False,), "suffix": ("",)}
 NEUTRAL_CHAT = {
-    "top_logprobs": (0,), "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
     "continue_final_message": (False,), "add_generation_prompt": (True,), "chat_template": (),
     "chat_template_kwargs": ({},),
 }
 _WHY = {
-    "logprobs": "this server returns the sampled token's log-probability only, not alternatives (0 or absent)",
-    "top_logprobs": "this server returns the sampled token's log-probability only, not alternatives (0 or absent)",
     "tools": "tool calling is not supported (only an empty list)",
     "tool_choice": "tool calling is not supported (only 'none')",
     "functions": "function calling is not supported (only an empty list)",
@@ -320,6 +318,8 @@ def check_unsupported(req: _Sampling) -> None:
     if req.response_format is not None and req.response_format.type != "text":
         raise APIError(400, f"'response_format' {req.response_format.type!r} is not supported yet (structured "
                             f"outputs); only {{\"type\": \"text\"}}", param="response_format")
+    if chat and req.top_logprobs and not req.logprobs:
+        raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options")
     if req.seed is not None and req.seed + req.n - 1 >= SEED_LIMIT:
