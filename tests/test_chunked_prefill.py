@@ -148,10 +148,25 @@ def test_model_without_ragged_is_refused(ctx_model):
 
 
 def scheduler(**kw):
-    args = dict(max_seqs=4, page_size=4, num_pages=32, max_model_len=128, steps_per_call=4, watermark=0.0,
-                max_prefill_tokens=64)
+    args = dict(max_seqs=4, page_size=4, num_pages=32, max_model_len=128, steps_per_call=4, watermark=0.0)
     args.update(kw)
     return Scheduler(**args)
+
+
+def result(tokens, free, seq_lens, steps=0, max_seqs=4):
+    """A StepResult as the device would return it: each entry's token, `steps` decode steps that
+    produced nothing, every slot still active, the page counts."""
+    from jpa.engine.batch import StepResult
+
+    n = len(tokens)
+    return StepResult(tokens=np.asarray(tokens, np.int32), logprobs=np.zeros(n, np.float32),
+                      top_ids=np.full((n, 1), -1, np.int32), top_logprobs=np.zeros((n, 1), np.float32),
+                      ok=np.bool_(True), out=np.full((steps, max_seqs), -1, np.int32),
+                      out_logprobs=np.zeros((steps, max_seqs), np.float32),
+                      out_top_ids=np.full((steps, max_seqs, 1), -1, np.int32),
+                      out_top_logprobs=np.zeros((steps, max_seqs, 1), np.float32), steps=np.int32(steps),
+                      num_free=np.int32(free), seq_lens=np.asarray(seq_lens, np.int32),
+                      active=np.ones(max_seqs, bool), tables=np.zeros((n, 32), np.int32), cow_copies=np.int32(0))
 
 
 def request(i, n):
@@ -172,8 +187,7 @@ def test_plan_decode_first_then_chunks_in_admission_order():
     # The first prompt ends (2 tokens), the second is admitted whole (3), the third starts (3).
     assert [(e.slot, e.q_len, e.final) for e in plan.entries] == [(0, 2, True), (1, 3, True), (2, 3, False)]
     assert plan.entries[0].tokens == tuple(range(9, 11))
-    s.set_pages(s.num_pages - 3 - 1 - 1, [10, 3, 3, 0])
-    s.stepped(plan, [7, 7, 0], [0.0] * 3, np.full((0, 4), -1), np.zeros((0, 4)), [True] * 4)
+    s.stepped(plan, result([7, 7, 0], s.num_pages - 3 - 1 - 1, [10, 3, 3, 0]))
     plan = s.plan_round(8)
     assert [(e.slot, e.decode, e.q_len) for e in plan.entries] == [(0, True, 1), (1, True, 1), (2, False, 6)]
     assert plan.num_prompt_tokens == 6
@@ -184,8 +198,7 @@ def test_plan_without_prompt_work_is_decode_only():
     s.add(request(0, 3))
     plan = s.plan_round(8)
     assert plan.decode_steps == 3, "the last chunk: steps_per_call - 1 decode steps follow"
-    s.set_pages(31, [3, 0, 0, 0])
-    s.stepped(plan, [5], [0.0], np.full((3, 4), -1), np.zeros((3, 4)), [True] * 4)
+    s.stepped(plan, result([5], 31, [3, 0, 0, 0], steps=3))
     plan = s.plan_round(8)
     assert plan.entries == () and plan.decode_steps == 4
 
@@ -210,4 +223,5 @@ def test_unplan_puts_admissions_back_in_order():
     plan = s.plan_round(64)
     assert plan.admitted == (0, 1, 2) and not s.waiting
     s.unplan(plan)
-    assert [r.request_id for r in s.waiting] == [0, 1, 2] and not s.running and not s.prefilling
+    assert [r.request_id for r in s.waiting] == [0, 1, 2] and not s.running
+    assert all(r.phase.value == "waiting" and r.slot == -1 for r in s.waiting)
