@@ -151,6 +151,60 @@ def parse_ptxas(log: str) -> dict:
     return out
 
 
+MOSAIC_DUMP_ENV = "MOSAIC_GPU_DUMP_TO"
+
+
+@contextlib.contextmanager
+def mosaic_dump(dump_dir):
+    """Sets MOSAIC_GPU_DUMP_TO=dump_dir for the duration, restoring the previous value after.
+
+    Mosaic GPU kernels are `mosaic_gpu` custom calls, compiled to a cubin by the CUDA plugin when
+    XLA builds the executable (JAX >= 0.9.1; no driver call, so this works deviceless). The
+    lowering reads this variable and records it in each kernel's module: the lowering writes
+    `<kernel>_<n>.resources.txt` (SMEM scratch), the compile `<kernel>_<n>.ptx` and `.ptxas` (ptxas
+    -v: registers, spill bytes). A kernel module already compiled in this process is taken from
+    the plugin's cache and leaves no `.ptxas` the second time.
+    """
+    old = os.environ.get(MOSAIC_DUMP_ENV)
+    os.environ[MOSAIC_DUMP_ENV] = str(dump_dir)
+    try:
+        yield pathlib.Path(dump_dir)
+    finally:
+        if old is None:
+            os.environ.pop(MOSAIC_DUMP_ENV, None)
+        else:
+            os.environ[MOSAIC_DUMP_ENV] = old
+
+
+def read_mosaic_dump(dump_dir) -> dict:
+    """{kernel name: {registers, spill_stores, spill_loads, stack, shared_memory, threads, modules,
+    ptxas_reports}} from a MOSAIC_GPU_DUMP_TO directory; several modules of one kernel name (e.g.
+    one per layer) report their worst registers and spills. A generic hook: any section that
+    compiles Mosaic kernels under `mosaic_dump` can call it."""
+    dump_dir = pathlib.Path(dump_dir)
+    out = {}
+    for res in sorted(dump_dir.glob("*.resources.txt")):
+        module = res.name[: -len(".resources.txt")]
+        name = re.sub(r"_\d+$", "", module)
+        k = out.setdefault(name, dict(modules=0, ptxas_reports=0))
+        k["modules"] += 1
+        m = re.search(r"smem_scratch_bytes=(\d+)", res.read_text())
+        if m:
+            k["shared_memory"] = max(k.get("shared_memory", 0), int(m.group(1)))
+        ptx = dump_dir / f"{module}.ptx"
+        if ptx.exists():
+            t = re.search(r"\.maxntid (\d+), (\d+), (\d+)", ptx.read_text())
+            if t:
+                k["threads"] = [int(x) for x in t.groups()]
+        rep = dump_dir / f"{module}.ptxas"
+        if rep.exists():
+            for info in parse_ptxas(rep.read_text()).values():
+                k["ptxas_reports"] += 1
+                for f in ("registers", "spill_stores", "spill_loads", "stack"):
+                    k[f] = max(k.get(f, 0), info[f])
+    return out
+
+
 def hlo_type(shape, dtype) -> str:
     names = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "int8": "s8",
              "float8_e4m3fn": "f8e4m3fn", "float8_e5m2": "f8e5m2", "int32": "s32"}
@@ -220,8 +274,10 @@ class Compiler:
         with tempfile.TemporaryDirectory() as dump, warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # Pallas Triton's deprecation notice
             warnings.simplefilter("ignore", UserWarning)  # dispatch's "compiling for an absent GPU"
+            mdump = pathlib.Path(dump) / "mosaic"
+            mdump.mkdir()
             try:
-                with captured_stderr() as log:
+                with captured_stderr() as log, mosaic_dump(mdump):
                     with jax.sharding.use_abstract_mesh(self.mesh):
                         opts = jit_options or dict(donate_argnums=donate_argnums)
                         lowered = jax.jit(fn, **opts).lower(
@@ -233,12 +289,15 @@ class Compiler:
                            seconds=round(time.perf_counter() - t0, 2))
                 return rec
             kernels = parse_thunks(pathlib.Path(dump))
+            mosaic_kernels = read_mosaic_dump(mdump)
         ptx = parse_ptxas(log[0])
         m = re.search(r"Using (\S*ptxas) with version ([\d.]+)", log[0])
         if m:
             self.ptxas = f"{m.group(2)} ({m.group(1)})"
         for kname, info in kernels.items():
             info.update(ptx.get(kname, {}))
+        for kname, info in mosaic_kernels.items():  # opaque to XLA's thunk dump: no grid there
+            kernels[kname] = dict(grid=None, **info)
         hlo = compiled.as_text()
         mem = compiled.memory_analysis()
         copies = pool_copies(hlo, pool_types)
@@ -265,7 +324,14 @@ class Compiler:
             problems.append(f"donated pools not aliased: {mem.alias_size_in_bytes} of {pool_bytes} bytes")
         spills = {k: v["spill_stores"] for k, v in rec["kernels"].items() if v.get("spill_stores")}
         if spills:
-            rec["spills"] = spills  # reported, not a failure: ptxas still produced a kernel
+            # A jpa kernel that spills is a failure: every configuration an unsupported_reason
+            # accepts must compile without spills (re-tile it or refuse it there).
+            rec["spills"] = spills
+            problems.append("ptxas spills registers: " + ", ".join(f"{k} {v} B" for k, v in spills.items()))
+        unreported = [k for k, v in mosaic_kernels.items() if v["ptxas_reports"] == 0]
+        if unreported:
+            # Compiled earlier in this process (the plugin's cache): no new ptxas report.
+            rec["mosaic_ptxas_cached"] = unreported
         rec["problems"] = problems
         rec["ok"] = not problems
         if keep_hlo:
@@ -701,11 +767,10 @@ def _line(rec) -> str:
         return f"FAIL  {rec['name']}: {rec['error']}"
     if not rec["ok"]:
         return f"FAIL  {rec['name']}: {'; '.join(rec['problems'])}"
-    ks = "; ".join(f"{k} grid {v['grid']} smem {v['shared_memory']} regs {v.get('registers', '?')}"
+    ks = "; ".join(f"{k}" + (f" grid {v['grid']}" if v.get("grid") else "")
+                   + f" smem {v.get('shared_memory', '?')} regs {v.get('registers', '?')}"
                    + (f" SPILLS {v['spill_stores']}B" if v.get("spill_stores") else "")
                    for k, v in rec.get("kernels", {}).items())
-    if rec.get("mosaic_calls") and "mosaic_smem_planned" in rec:
-        ks = f"mosaic_gpu x{rec['mosaic_calls']} (SMEM planned {rec['mosaic_smem_planned']})"
     return (f"ok    {rec['name']} [{rec['seconds']}s] {ks} | temp {rec['temp_bytes']} alias {rec['alias_bytes']}"
             f" pools {rec['pool_bytes']}")
 
@@ -718,13 +783,11 @@ def markdown(reports) -> str:
         for r in rep["records"]:
             if "refused" in r or not r["ok"]:
                 continue
-            if r.get("mosaic_calls"):
-                smem = r.get("mosaic_smem_planned", "")
-                lines.append(f"| {r['target']} | {r['name']} | mosaic_gpu x{r['mosaic_calls']} | - | - | "
-                             f"{smem} (plan) | n/a (PTX at load) | n/a |")
             for k, v in r.get("kernels", {}).items():
-                lines.append(f"| {r['target']} | {r['name']} | {k} | {v['grid']} | {v['threads'][0]} | "
-                             f"{v['shared_memory']} | {v.get('registers', '?')} | {v.get('spill_stores', '?')} |")
+                threads = v.get("threads") or ["?"]
+                lines.append(f"| {r['target']} | {r['name']} | {k} | {v.get('grid') or '-'} | {threads[0]} | "
+                             f"{v.get('shared_memory', '?')} | {v.get('registers', '?')} | "
+                             f"{v.get('spill_stores', '?')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -16,7 +16,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import jpa
-from jpa.pallas import mosaic_decode
+from jpa.pallas import compat, mosaic_decode
 from jpa.pallas.spec import DecodeSpec
 from jpa.reference import paged_decode_xla
 from kernel_cases import Case, make_inputs, np_reference, tolerance
@@ -147,7 +147,10 @@ def test_one_block_by_hand():
 
 
 def _race_params():
-    return plgpu.InterpretGPUParams(detect_races=True, on_race="raise")
+    return compat.gpu_interpret_params(raise_on_race=True)
+
+
+needs_on_race = pytest.mark.skipif(not compat.RAISE_ON_RACE, reason=compat.RAISE_ON_RACE_MISSING)
 
 
 @pytest.mark.parametrize("case", [
@@ -156,6 +159,7 @@ def _race_params():
     Case((450, 9), num_q_heads=8, num_kv_heads=1, head_dim=64, page_size=32, pages_per_seq=15,
          alibi=True, sliding_window=400, q_dtype="float16", cache_dtype="int8", seed=13),
 ], ids=str)
+@needs_on_race
 def test_no_races(case):
     # The race detector runs the kernel with happens-before tracking of every SMEM/GMEM access,
     # TMA and barrier; with on_race="raise" a race is an exception. Partitions of up to 6
@@ -172,6 +176,7 @@ def test_no_races(case):
     _check(case, got, args, opts)
 
 
+@needs_on_race
 def test_race_detector_catches_a_missing_barrier_wait():
     # The negative control for test_no_races: reading SMEM that a TMA is still writing (the
     # barrier_wait is missing) must be reported under the same parameters.
@@ -224,3 +229,19 @@ def test_unsupported_reason_refuses_what_does_not_lower():
     assert mosaic_decode.unsupported_reason(base._replace(page_size=256)) is None
     for cc in (8.0, 8.9, 10.0, 12.0):
         assert "Hopper" in mosaic_decode.unsupported_reason(base, cc)
+
+
+def test_compat_race_params_follow_the_jax_version():
+    """The shim's raise-on-race parameters exist exactly when this JAX has `on_race`; asking for
+    them on a JAX without it is an error that names the missing keyword, never a silent no-op."""
+    import inspect
+    has = "on_race" in inspect.signature(plgpu.InterpretGPUParams).parameters
+    assert compat.RAISE_ON_RACE == has
+    if has:
+        params = compat.gpu_interpret_params(raise_on_race=True)
+        assert params.detect_races and params.on_race == "raise"
+    else:
+        with pytest.raises(NotImplementedError, match="on_race"):
+            compat.gpu_interpret_params(raise_on_race=True)
+    assert compat.gpu_interpret_params(detect_races=True).detect_races
+    assert not compat.gpu_interpret_params().detect_races

@@ -415,8 +415,9 @@ def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_ca
     # One barrier arrival per TMA: a page of K (V), and of its scales when quantized.
     arrivals = block_pages * (2 if quantized else 1)
 
-    def body(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, ks_ref, vs_ref,
-             acc_out, m_out, l_out):
+    # The body's name is the kernel's name (ptxas reports and MOSAIC_GPU_DUMP_TO files).
+    def jpa_mosaic_decode(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, ks_ref, vs_ref,
+                          acc_out, m_out, l_out):
         pl.run_scoped(
             lambda *bars: kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref,
                                  slopes_ref if alibi_slopes is not None else None,
@@ -433,7 +434,7 @@ def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_ca
         jax.ShapeDtypeStruct((num_seqs, num_kv_heads, parts, rows_out), jnp.float32),
     )
     acc, m, l = plgpu.kernel(
-        body, out_type=out_type, grid=(num_seqs, num_kv_heads, parts),
+        jpa_mosaic_decode, out_type=out_type, grid=(num_seqs, num_kv_heads, parts),
         grid_names=("seq", "kv_head", "part"),
         # Lane semantics: layouts are explicit (WGMMA layout for every register tile).
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
