@@ -487,6 +487,22 @@ RAGGED_CONFIGS = (("bfloat16", "bfloat16", 4, 128, 16), ("bfloat16", "bfloat16",
 RAGGED_SIZES = dict(num_tokens=512, max_num_seqs=64, num_kv_heads=8, num_pages=4096, max_tokens=4096)
 
 
+def ragged_grid(subset: str = "full") -> list:
+    """RAGGED_CONFIGS ("fast") plus, for "full", every head dim with a 16-bit, an int8, an fp8 and
+    a float32 cache, q_per_kv and page size cycling through the grid's values."""
+    out = list(RAGGED_CONFIGS)
+    if subset == "full":
+        pairs = (("bfloat16", "bfloat16"), ("bfloat16", "int8"), ("float16", "float8_e5m2"),
+                 ("float32", "float32"))
+        i = 0
+        for hd in HEAD_DIMS:
+            for q_dtype, cache_dtype in pairs:
+                out.append((q_dtype, cache_dtype, Q_PER_KV[i % len(Q_PER_KV)], hd,
+                            PAGE_SIZES[(i * 7) % len(PAGE_SIZES)]))
+                i += 1
+    return list(dict.fromkeys(out))
+
+
 def ragged_call(impl, q_dtype, cache_dtype, q_per_kv, head_dim, page_size):
     """(spec, fn, args, pool shapes) of one ragged_paged_attention call with the impl forced."""
     import jpa
@@ -508,14 +524,14 @@ def ragged_call(impl, q_dtype, cache_dtype, q_per_kv, head_dim, page_size):
     return spec, fn, args, [(pool, cache_dtype)] * 2
 
 
-def check_ragged(compiler: Compiler, impls, log=print) -> list:
+def check_ragged(compiler: Compiler, impls, log=print, subset: str = "fast") -> list:
     """Each ragged kernel over RAGGED_CONFIGS: the ragged kernel plus the decode kernel that serves
     every sequence's last row, both in the one program."""
     from jpa import ragged
     cc = float(".".join(map(str, TARGETS[compiler.target]["cc"])))
     records = []
     for impl in impls:
-        for cfg in RAGGED_CONFIGS:
+        for cfg in ragged_grid(subset):
             spec, fn, args, pools = ragged_call(impl, *cfg)
             name = f"ragged {impl} q={cfg[0]} kv={cfg[1]} G={cfg[2]} hd={cfg[3]} ps={cfg[4]}"
             reason = ragged.unsupported_reason(impl, spec, cc)
@@ -830,7 +846,7 @@ def main(argv=None) -> int:
     if args.only in ("kernels", "all"):
         records += check_kernels(compiler, impls, args.subset, random=args.random, seed=args.seed)
     if args.only in ("ragged", "all"):
-        records += check_ragged(compiler, impls)
+        records += check_ragged(compiler, impls, subset=args.subset)
     if args.only in ("engine", "all"):
         records += check_engine(compiler)
     if args.only == "tp":

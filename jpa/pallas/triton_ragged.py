@@ -45,12 +45,18 @@ from jax.experimental.pallas import triton as plgpu
 from jpa.pallas import triton_decode
 from jpa.pallas.common import MASK_VALUE, decode_last_rows, max_query_tiles, query_tiles
 from jpa.pallas.spec import RaggedSpec
-from jpa.pallas.triton_decode import MIN_BLOCK_K, TILE_ELEMENTS, _compute_dtype, _next_pow2
+from jpa.pallas.triton_decode import MIN_BLOCK_K, _compute_dtype, _next_pow2
 
-# ---- Tuning (see `plan`; unmeasured here, no GPU) ----
+# ---- Tuning (see `plan`; speed unmeasured here, no GPU; registers measured by ptxas) ----
 TILE_ROWS = 64            # MMA rows per program for head_dim <= 128 (tile_tokens * q_per_kv)
 TILE_ROWS_WIDE = 32       # for head_dim > 128: acc [rows, head_dim_pad] f32 must fit in registers
-NUM_WARPS = 4
+# Key tile elements (block_k * head_dim_pad) per step, half the decode kernel's, over 8 warps:
+# the [rows, block_k] scores and the [rows, head_dim_pad] accumulator are per program here, not
+# per kv head's q_per_kv rows. With the decode kernel's 8192 elements and 4 warps ptxas spilled
+# (A100: 16-240 bytes at 255 registers for bf16/hd128, f16 q + int8 cache/hd64, f32, fp8/hd80;
+# H100: f32); with these settings the compile tier's grid uses at most ~170 registers, no spills.
+TILE_ELEMENTS = 4096
+NUM_WARPS = 8
 NUM_STAGES = 2
 
 
@@ -69,8 +75,8 @@ def plan(num_tokens: int, max_num_seqs: int, q_per_kv: int, head_dim: int, page_
 
     - rows: TILE_ROWS (TILE_ROWS_WIDE for head_dim > 128), at least q_per_kv rounded up to a
       power of two (one token's heads always fit a tile), or `rows` when given.
-    - block_k: TILE_ELEMENTS / head_dim_pad key tokens per step (the decode kernel's rule), at
-      least 16, at most the longest context rounded up to a power of two.
+    - block_k: TILE_ELEMENTS / head_dim_pad key tokens per step, at least 16, at most the
+      longest context rounded up to a power of two.
     - num_tiles: `max_query_tiles(num_tokens, max_num_seqs, tile_tokens)`.
     """
     head_dim_pad = max(16, _next_pow2(head_dim))
