@@ -3,25 +3,29 @@
 XLA compiles for a GPU it does not have when given a target description (GpuTargetConfigProto):
 `jax.experimental.topologies.get_topology_desc(..., target_config=...)` yields compile-only
 devices, and `jax.jit(f).lower(<ShapeDtypeStructs on such a device>).compile()` runs XLA's whole
-GPU pipeline: fusion, buffer assignment, Triton's compilation of Pallas Triton kernels, and
-ptxas on every kernel. This script does that for
+GPU pipeline: fusion, buffer assignment, Triton's compilation of Pallas Triton kernels, the
+CUDA plugin's compilation of Mosaic GPU kernels (JAX >= 0.9.1 compiles the `mosaic_gpu` custom
+call to a cubin when the executable is built, with no driver call), and ptxas on every kernel.
+This script does that for
 
 1. every decode-kernel configuration of a covering grid that the kernel's `unsupported_reason`
    accepts for the target (page sizes 8-256, head dims 64-256, q_per_kv 1-16, 16-bit, int8 and
    fp8 caches, every option, split-K on and off);
-2. the ragged kernels (`jpa.ragged_paged_attention`) at a serving size, five dtype/shape configs;
+2. the ragged kernels (`jpa.ragged_paged_attention`) at a serving size: five dtype/shape configs
+   ("fast"), plus every head dim with a 16-bit, int8, fp8 and float32 cache ("full");
 3. the engine's jitted decode loop and a prefill call for SmolLM2-135M in bfloat16 with a pool
    of >= 1 GiB, attention chosen by `impl="auto"` for the target.
 
-For each it reports: compiled or the error; each kernel's grid, threads and shared memory (XLA's
-thunk sequence) and registers and spills (ptxas -v); whether the page pools reach the kernels
-uncopied (no copy/slice of a pool-shaped array in the optimized HLO; donated pools aliased to
-outputs; temporaries far below the pool size). It exits non-zero on any failure.
+For each it reports: compiled or the error; each kernel's grid, threads and shared memory and
+registers and spills: Triton kernels from XLA's thunk sequence and ptxas -v in XLA's log, Mosaic
+GPU kernels from the files each leaves in MOSAIC_GPU_DUMP_TO (set per compile: `.ptxas`, ptxas
+-v; `.resources.txt`, the SMEM scratch; `.ptx`, the threads); whether the page pools reach the
+kernels uncopied (no copy/slice of a pool-shaped array in the optimized HLO; donated pools aliased
+to outputs; temporaries far below the pool size). A jpa kernel that spills registers fails its
+record. It exits non-zero on any failure.
 
-Not covered here (needs a GPU or is not reachable without one): Mosaic GPU kernels are opaque
-`mosaic_gpu` custom calls to XLA and become PTX only when the program is loaded on a device, so
-their registers and ptxas stage are not checked (their SMEM is reported from the kernel's own
-plan); numerics and speed of compiled code (`scripts/gpu_validate.py` on a GPU).
+Not covered here (needs a GPU): numerics and speed of compiled code (`scripts/gpu_validate.py`);
+Mosaic GPU for an A100 (scripts/mosaic_ampere_spike.py: jpa's Mosaic kernels are Hopper-only).
 
 Needs the compile-only GPU packages: `pip install -e ".[gpu]"` (./run test installs them).
 
@@ -180,28 +184,33 @@ def read_mosaic_dump(dump_dir) -> dict:
     """{kernel name: {registers, spill_stores, spill_loads, stack, shared_memory, threads, modules,
     ptxas_reports}} from a MOSAIC_GPU_DUMP_TO directory; several modules of one kernel name (e.g.
     one per layer) report their worst registers and spills. A generic hook: any section that
-    compiles Mosaic kernels under `mosaic_dump` can call it."""
+    compiles Mosaic kernels under `mosaic_dump` can call it.
+
+    Files are `<kernel>_<n>.<ext>`, but the lowering (`.resources.txt`) and the compile (`.ptx`,
+    `.ptxas`) number modules with separate counters, so they are matched by kernel name only."""
     dump_dir = pathlib.Path(dump_dir)
     out = {}
+
+    def entry(path, ext):
+        name = re.sub(r"_\d+$", "", path.name[: -len(ext)])
+        return out.setdefault(name, dict(modules=0, ptxas_reports=0))
+
     for res in sorted(dump_dir.glob("*.resources.txt")):
-        module = res.name[: -len(".resources.txt")]
-        name = re.sub(r"_\d+$", "", module)
-        k = out.setdefault(name, dict(modules=0, ptxas_reports=0))
+        k = entry(res, ".resources.txt")
         k["modules"] += 1
         m = re.search(r"smem_scratch_bytes=(\d+)", res.read_text())
         if m:
             k["shared_memory"] = max(k.get("shared_memory", 0), int(m.group(1)))
-        ptx = dump_dir / f"{module}.ptx"
-        if ptx.exists():
-            t = re.search(r"\.maxntid (\d+), (\d+), (\d+)", ptx.read_text())
-            if t:
-                k["threads"] = [int(x) for x in t.groups()]
-        rep = dump_dir / f"{module}.ptxas"
-        if rep.exists():
-            for info in parse_ptxas(rep.read_text()).values():
-                k["ptxas_reports"] += 1
-                for f in ("registers", "spill_stores", "spill_loads", "stack"):
-                    k[f] = max(k.get(f, 0), info[f])
+    for ptx in sorted(dump_dir.glob("*.ptx")):
+        t = re.search(r"\.maxntid (\d+), (\d+), (\d+)", ptx.read_text())
+        if t:
+            entry(ptx, ".ptx")["threads"] = [int(x) for x in t.groups()]
+    for rep in sorted(dump_dir.glob("*.ptxas")):
+        k = entry(rep, ".ptxas")
+        for info in parse_ptxas(rep.read_text()).values():
+            k["ptxas_reports"] += 1
+            for f in ("registers", "spill_stores", "spill_loads", "stack"):
+                k[f] = max(k.get(f, 0), info[f])
     return out
 
 

@@ -55,6 +55,12 @@ CASES = [
     # everything at once.
     Case((0, 1, 25, 64), num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
          soft_cap=10.0, alibi=True, sliding_window=19, share_page=True, seed=10, **BF16),
+    # 8-bit cache at head_dim 192 (K/V widened and invisible V rows zeroed a column slice at a
+    # time), blocks cut at the sequence end; an 8-bit page of 256 tokens read in 64-token slices.
+    Case((5, 70, 129), num_q_heads=4, num_kv_heads=2, head_dim=192, page_size=64, pages_per_seq=3,
+         q_dtype="bfloat16", cache_dtype="int8", seed=20),
+    Case((1, 100, 256), num_q_heads=6, num_kv_heads=2, head_dim=64, page_size=256, pages_per_seq=1,
+         q_dtype="float16", cache_dtype="float8_e5m2", seed=21),
     # quantized caches (unwritten slots carry NaN scales): int8, float8_e4m3fn, float8_e5m2.
     Case((0, 32, 33, 100), num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=32,
          q_dtype="bfloat16", cache_dtype="int8", share_page=True, seed=14),
@@ -229,6 +235,26 @@ def test_unsupported_reason_refuses_what_does_not_lower():
     assert mosaic_decode.unsupported_reason(base._replace(page_size=256)) is None
     for cc in (8.0, 8.9, 10.0, 12.0):
         assert "Hopper" in mosaic_decode.unsupported_reason(base, cc)
+    # Measured spills are refused with the reason (auto then takes the Triton kernel).
+    quant = base._replace(quantized=True, cache_dtype="int8", page_size=32)
+    assert mosaic_decode.unsupported_reason(quant._replace(head_dim=192)) is None
+    assert "8-bit cache" in mosaic_decode.unsupported_reason(quant._replace(head_dim=256))
+
+
+def test_blocks_stay_64_tokens_and_wide_tiles_are_sliced():
+    """Every page size is read as 64-token blocks (whole small pages, or 64-token slices of large
+    ones: 128/256-token blocks spilled), and register tiles wider than 128 columns are processed
+    in slices that are whole SMEM tiles and cover head_dim exactly once."""
+    for ps in (8, 16, 32, 64, 128, 256):
+        bt = mosaic_decode.block_tokens(128, ps)
+        assert bt == 64 and (bt % ps == 0 or ps % bt == 0)
+        assert mosaic_decode.num_blocks(3, ps, bt) * bt >= 3 * ps > (mosaic_decode.num_blocks(3, ps, bt) - 1) * bt
+    assert mosaic_decode.tmas_per_block(16, 64, True) == 8 and mosaic_decode.tmas_per_block(256, 64, False) == 1
+    for hd, dtypes, width in ((128, ("bfloat16",), 128), (192, ("bfloat16",), 64), (256, ("float16",), 64),
+                              (192, ("int8", "bfloat16"), 64), (160, ("bfloat16",), 32)):
+        chunks = mosaic_decode.col_chunks(hd, *dtypes)
+        assert {w for _, w in chunks} == {width}, (hd, dtypes, chunks)
+        assert [c for c, _ in chunks] == list(range(0, hd, width))
 
 
 def test_compat_race_params_follow_the_jax_version():

@@ -89,6 +89,11 @@ def unsupported_reason(spec: DecodeSpec, compute_capability: float | None = None
     if spec.head_dim % 16 or spec.head_dim > 256:
         return (f"head_dim = {spec.head_dim} is not supported: it must be a multiple of 16 (rows "
                 f"of a 16-bit WGMMA operand are swizzled in >= 32-byte units) and at most 256")
+    if spec.quantized and spec.head_dim > MAX_QUANT_HEAD_DIM:
+        return (f"head_dim = {spec.head_dim} with an 8-bit cache is not supported: above "
+                f"{MAX_QUANT_HEAD_DIM} the widened K/V tiles next to the f32 accumulator keep this "
+                f"kernel at ptxas's 255-register cap, and it spills (head_dim 256, int8, soft cap: "
+                f"8 bytes); the Triton kernel serves it")
     if spec.quantized and spec.head_dim % 32:
         return (f"head_dim = {spec.head_dim} is not supported with an 8-bit cache: it must be a "
                 f"multiple of 32 (8-bit SMEM pages are swizzled in >= 32-byte units)")
@@ -112,6 +117,8 @@ def unsupported_reason(spec: DecodeSpec, compute_capability: float | None = None
 # a whole [block_tokens, head_dim] tile would be live next to the accumulator (zeroing invisible V
 # rows, widening 8-bit K/V): at head_dim 192/256 the whole tile made ptxas spill.
 MAX_TILE_COLS = 128
+# Largest head_dim with an 8-bit cache (measured: head_dim 256 spills with a soft cap).
+MAX_QUANT_HEAD_DIM = 192
 
 
 def block_tokens(head_dim: int, page_size: int) -> int:
