@@ -27,7 +27,7 @@ The output buffer (zeros with the last rows scattered in) is aliased into and ou
 each program scatters its live rows into it, so padding rows stay zero.
 
 Trade-offs (static, from shapes; lengths are data):
-- rows = 64 MMA rows (32 for head_dim > 128): a prefill tile of 64 / q_per_kv tokens reads its
+- rows = 64 MMA rows (16 for head_dim > 128): a prefill tile of 64 / q_per_kv tokens reads its
   sequence's K/V once for all of them.
 - Prefill tiles have no split-K (their parallelism comes from the tiles themselves); a chunk's
   last row is read once more by the decode kernel (1 / num_tiles_of_the_chunk extra traffic).
@@ -49,7 +49,10 @@ from jpa.pallas.triton_decode import MIN_BLOCK_K, _compute_dtype, _next_pow2
 
 # ---- Tuning (see `plan`; speed unmeasured here, no GPU; registers measured by ptxas) ----
 TILE_ROWS = 64            # MMA rows per program for head_dim <= 128 (tile_tokens * q_per_kv)
-TILE_ROWS_WIDE = 32       # for head_dim > 128: acc [rows, head_dim_pad] f32 must fit in registers
+# For head_dim > 128: the [rows, head_dim_pad] f32 accumulator and the row/column index tensors of
+# q's gather and the output's scatter stay live across the key loop; with 32 rows ptxas spilled
+# 8 bytes (H100, bf16, head_dim 256), with 16 it uses 94-157 registers.
+TILE_ROWS_WIDE = 16
 # Key tile elements (block_k * head_dim_pad) per step, half the decode kernel's (a quarter with
 # float32 q): the [rows, block_k] scores and the [rows, head_dim_pad] accumulator are 64 rows here.
 # Measured by ptxas (scripts/gpu_compile_check.py): with the decode kernel's 8192 elements it
