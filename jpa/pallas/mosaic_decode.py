@@ -104,9 +104,8 @@ def unsupported_reason(spec: DecodeSpec, compute_capability: float | None = None
                 f"{QUANT_MIN_PAGE_SIZE}")
     bt = block_tokens(spec.head_dim, ps)
     if ps < 8 or (ps < bt and bt % ps) or (ps >= bt and ps % bt) or ps > MAX_PAGE_SIZE:
-        return (f"page_size = {ps} is not supported with head_dim {spec.head_dim}: it must divide "
-                f"the kernel's {bt}-token key block (>= 8) or be a multiple of it, at most "
-                f"{MAX_PAGE_SIZE}")
+        return (f"page_size = {ps} is not supported: it must divide {bt} (>= 8) or be a multiple "
+                f"of {bt} up to {MAX_PAGE_SIZE} (the kernel reads keys in {bt}-token blocks)")
     if num_slots(spec.head_dim, ps, 2, 1 if spec.quantized else 2) == 0:
         return (f"head_dim = {spec.head_dim} with page_size = {ps} needs more than "
                 f"{SMEM_BUDGET // 1024} KiB of SMEM for two K/V blocks")
