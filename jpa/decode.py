@@ -69,8 +69,10 @@ def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale=None, sof
       k_scales, v_scales: f32[num_kv_heads, num_pages, page_size], required for quantized caches.
       impl: "xla" (plain JAX), "triton" or "mosaic" (Pallas GPU kernels), or "auto": for the
         device being compiled for, a GPU kernel on an NVIDIA GPU after a one-time self-check
-        there (under an AOT compile for an absent GPU: the kernel its `unsupported_reason`
-        accepts), otherwise "xla". See `jpa.dispatch`.
+        there: the first of Mosaic (Hopper) and Triton whose `unsupported_reason` accepts the
+        configuration and whose check passes (one warning names the ones passed over and why),
+        else "xla"; under an AOT compile for an absent GPU, the first kernel its
+        `unsupported_reason` accepts. See `jpa.dispatch`.
       interpret: run a Pallas kernel in interpret mode (CPU); ignored by "xla".
 
     Returns:

@@ -11,13 +11,17 @@ Three rules make `impl="auto"` safe where it is used, i.e. inside `jax.jit`:
    asks for too many registers or too much shared memory fails here, not in the caller's
    compile) and run on a small random case with the same static configuration, compared with the
    reference. The check runs concretely even while the caller's jit is tracing
-   (`jax.ensure_compile_time_eval`), so jitted and eager calls choose alike. A failure warns once
-   and falls back to the reference path; it never raises.
+   (`jax.ensure_compile_time_eval`), so jitted and eager calls choose alike. It never raises.
+   When the preferred kernel refuses the configuration (its `unsupported_reason`) or fails its
+   self-check, `auto` tries the next kernel of AUTO_ORDER that serves the device, and only then
+   the reference path; it warns once per configuration, saying which kernel was passed over, why,
+   and what runs instead.
 3. Under an AOT compile for a device that is not here nothing can run, so `auto` picks the first
    kernel whose `unsupported_reason` accepts the configuration for that device, and says so once.
 
-The engine calls `resolve_decode_impl` once at set-up with its real shapes, so its compiled step
-names the chosen kernel explicitly and the summary can report it.
+The engine passes impl="auto" through: the kernel is chosen while its jitted step is traced,
+with the step's exact shapes, and the engine reads which one ran off the compiled program
+(`jpa.engine.runner`). `resolve_decode_impl` gives a caller the same choice before tracing.
 """
 
 import functools
@@ -248,11 +252,17 @@ def self_check(impl: str, spec, target: Target, op: Op | None = None) -> str | N
             f"result differs from the reference by {err:.3g} (tolerance {tol})")
     except Exception as e:  # compile or runtime failure on this device: fall back, never crash
         reason = _first_line(e)
-    if reason is not None:
-        warnings.warn(f"jpa: the {impl} {op_desc.name} kernel failed its self-check on "
-                      f"{target.device_kind} for {spec}; using the reference path. Reason: {reason}",
-                      RuntimeWarning, stacklevel=2)
     return reason
+
+
+@functools.lru_cache(maxsize=None)
+def _announce_fallback(skipped: tuple, chosen: str, spec, target: Target, op_name: str) -> None:
+    """Warns once per configuration that `auto` passed over preferred kernels: skipped is
+    ((impl, "refuses this configuration" | "failed its self-check", reason), ...) in AUTO_ORDER."""
+    why = "; ".join(f"the {impl} {op_name} kernel {how}: {reason}" for impl, how, reason in skipped)
+    instead = "the reference path (plain JAX)" if chosen == "xla" else f"the {chosen} kernel"
+    warnings.warn(f"jpa: impl='auto' on {target.device_kind}: {why}. Using {instead} "
+                  f"for {spec}.", RuntimeWarning, stacklevel=3)
 
 
 @functools.lru_cache(maxsize=None)
@@ -281,15 +291,28 @@ def choose_impl(impl: str, spec, target: Target | None = None, op: Op | None = N
         return impl
     if cc is None:
         return "xla"
+    op_name = (op or DECODE).name
+    skipped = []  # preferred kernels passed over on this device, with why
+    chosen = "xla"
     for name, lo, hi in AUTO_ORDER:
-        if not lo <= cc < hi or unsupported_reason(name, spec, cc, op) is not None:
+        if not lo <= cc < hi:
+            continue
+        reason = unsupported_reason(name, spec, cc, op)
+        if reason is not None:
+            skipped.append((name, "refuses this configuration", reason))
             continue
         if not target.executable:
-            _announce_aot(name, spec, target, (op or DECODE).name)
-            return name
-        if self_check(name, spec, target, op) is None:
-            return name
-    return "xla"
+            _announce_aot(name, spec, target, op_name)
+            chosen = name
+            break
+        reason = self_check(name, spec, target, op)
+        if reason is None:
+            chosen = name
+            break
+        skipped.append((name, "failed its self-check", reason))
+    if skipped and target.executable:
+        _announce_fallback(tuple(skipped), chosen, spec, target, op_name)
+    return chosen
 
 
 # Paged decode's kernels are looked up in KERNEL_MODULES (op=None everywhere above); this

@@ -3,25 +3,29 @@
 XLA compiles for a GPU it does not have when given a target description (GpuTargetConfigProto):
 `jax.experimental.topologies.get_topology_desc(..., target_config=...)` yields compile-only
 devices, and `jax.jit(f).lower(<ShapeDtypeStructs on such a device>).compile()` runs XLA's whole
-GPU pipeline: fusion, buffer assignment, Triton's compilation of Pallas Triton kernels, and
-ptxas on every kernel. This script does that for
+GPU pipeline: fusion, buffer assignment, Triton's compilation of Pallas Triton kernels, the
+CUDA plugin's compilation of Mosaic GPU kernels (JAX >= 0.9.1 compiles the `mosaic_gpu` custom
+call to a cubin when the executable is built, with no driver call), and ptxas on every kernel.
+This script does that for
 
 1. every decode-kernel configuration of a covering grid that the kernel's `unsupported_reason`
    accepts for the target (page sizes 8-256, head dims 64-256, q_per_kv 1-16, 16-bit, int8 and
    fp8 caches, every option, split-K on and off);
-2. the ragged kernels (`jpa.ragged_paged_attention`) at a serving size, five dtype/shape configs;
+2. the ragged kernels (`jpa.ragged_paged_attention`) at a serving size: five dtype/shape configs
+   ("fast"), plus every head dim with a 16-bit, int8, fp8 and float32 cache ("full");
 3. the engine's jitted decode loop and a prefill call for SmolLM2-135M in bfloat16 with a pool
    of >= 1 GiB, attention chosen by `impl="auto"` for the target.
 
-For each it reports: compiled or the error; each kernel's grid, threads and shared memory (XLA's
-thunk sequence) and registers and spills (ptxas -v); whether the page pools reach the kernels
-uncopied (no copy/slice of a pool-shaped array in the optimized HLO; donated pools aliased to
-outputs; temporaries far below the pool size). It exits non-zero on any failure.
+For each it reports: compiled or the error; each kernel's grid, threads and shared memory and
+registers and spills: Triton kernels from XLA's thunk sequence and ptxas -v in XLA's log, Mosaic
+GPU kernels from the files each leaves in MOSAIC_GPU_DUMP_TO (set per compile: `.ptxas`, ptxas
+-v; `.resources.txt`, the SMEM scratch; `.ptx`, the threads); whether the page pools reach the
+kernels uncopied (no copy/slice of a pool-shaped array in the optimized HLO; donated pools aliased
+to outputs; temporaries far below the pool size). A jpa kernel that spills registers fails its
+record. It exits non-zero on any failure.
 
-Not covered here (needs a GPU or is not reachable without one): Mosaic GPU kernels are opaque
-`mosaic_gpu` custom calls to XLA and become PTX only when the program is loaded on a device, so
-their registers and ptxas stage are not checked (their SMEM is reported from the kernel's own
-plan); numerics and speed of compiled code (`scripts/gpu_validate.py` on a GPU).
+Not covered here (needs a GPU): numerics and speed of compiled code (`scripts/gpu_validate.py`);
+Mosaic GPU for an A100 (scripts/mosaic_ampere_spike.py: jpa's Mosaic kernels are Hopper-only).
 
 Needs the compile-only GPU packages: `pip install -e ".[gpu]"` (./run test installs them).
 
@@ -151,6 +155,65 @@ def parse_ptxas(log: str) -> dict:
     return out
 
 
+MOSAIC_DUMP_ENV = "MOSAIC_GPU_DUMP_TO"
+
+
+@contextlib.contextmanager
+def mosaic_dump(dump_dir):
+    """Sets MOSAIC_GPU_DUMP_TO=dump_dir for the duration, restoring the previous value after.
+
+    Mosaic GPU kernels are `mosaic_gpu` custom calls, compiled to a cubin by the CUDA plugin when
+    XLA builds the executable (JAX >= 0.9.1; no driver call, so this works deviceless). The
+    lowering reads this variable and records it in each kernel's module: the lowering writes
+    `<kernel>_<n>.resources.txt` (SMEM scratch), the compile `<kernel>_<n>.ptx` and `.ptxas` (ptxas
+    -v: registers, spill bytes). A kernel module already compiled in this process is taken from
+    the plugin's cache and leaves no `.ptxas` the second time.
+    """
+    old = os.environ.get(MOSAIC_DUMP_ENV)
+    os.environ[MOSAIC_DUMP_ENV] = str(dump_dir)
+    try:
+        yield pathlib.Path(dump_dir)
+    finally:
+        if old is None:
+            os.environ.pop(MOSAIC_DUMP_ENV, None)
+        else:
+            os.environ[MOSAIC_DUMP_ENV] = old
+
+
+def read_mosaic_dump(dump_dir) -> dict:
+    """{kernel name: {registers, spill_stores, spill_loads, stack, shared_memory, threads, modules,
+    ptxas_reports}} from a MOSAIC_GPU_DUMP_TO directory; several modules of one kernel name (e.g.
+    one per layer) report their worst registers and spills. A generic hook: any section that
+    compiles Mosaic kernels under `mosaic_dump` can call it.
+
+    Files are `<kernel>_<n>.<ext>`, but the lowering (`.resources.txt`) and the compile (`.ptx`,
+    `.ptxas`) number modules with separate counters, so they are matched by kernel name only."""
+    dump_dir = pathlib.Path(dump_dir)
+    out = {}
+
+    def entry(path, ext):
+        name = re.sub(r"_\d+$", "", path.name[: -len(ext)])
+        return out.setdefault(name, dict(modules=0, ptxas_reports=0))
+
+    for res in sorted(dump_dir.glob("*.resources.txt")):
+        k = entry(res, ".resources.txt")
+        k["modules"] += 1
+        m = re.search(r"smem_scratch_bytes=(\d+)", res.read_text())
+        if m:
+            k["shared_memory"] = max(k.get("shared_memory", 0), int(m.group(1)))
+    for ptx in sorted(dump_dir.glob("*.ptx")):
+        t = re.search(r"\.maxntid (\d+), (\d+), (\d+)", ptx.read_text())
+        if t:
+            entry(ptx, ".ptx")["threads"] = [int(x) for x in t.groups()]
+    for rep in sorted(dump_dir.glob("*.ptxas")):
+        k = entry(rep, ".ptxas")
+        for info in parse_ptxas(rep.read_text()).values():
+            k["ptxas_reports"] += 1
+            for f in ("registers", "spill_stores", "spill_loads", "stack"):
+                k[f] = max(k.get(f, 0), info[f])
+    return out
+
+
 def hlo_type(shape, dtype) -> str:
     names = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "int8": "s8",
              "float8_e4m3fn": "f8e4m3fn", "float8_e5m2": "f8e5m2", "int32": "s32"}
@@ -220,8 +283,10 @@ class Compiler:
         with tempfile.TemporaryDirectory() as dump, warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # Pallas Triton's deprecation notice
             warnings.simplefilter("ignore", UserWarning)  # dispatch's "compiling for an absent GPU"
+            mdump = pathlib.Path(dump) / "mosaic"
+            mdump.mkdir()
             try:
-                with captured_stderr() as log:
+                with captured_stderr() as log, mosaic_dump(mdump):
                     with jax.sharding.use_abstract_mesh(self.mesh):
                         opts = jit_options or dict(donate_argnums=donate_argnums)
                         lowered = jax.jit(fn, **opts).lower(
@@ -233,12 +298,15 @@ class Compiler:
                            seconds=round(time.perf_counter() - t0, 2))
                 return rec
             kernels = parse_thunks(pathlib.Path(dump))
+            mosaic_kernels = read_mosaic_dump(mdump)
         ptx = parse_ptxas(log[0])
         m = re.search(r"Using (\S*ptxas) with version ([\d.]+)", log[0])
         if m:
             self.ptxas = f"{m.group(2)} ({m.group(1)})"
         for kname, info in kernels.items():
             info.update(ptx.get(kname, {}))
+        for kname, info in mosaic_kernels.items():  # opaque to XLA's thunk dump: no grid there
+            kernels[kname] = dict(grid=None, **info)
         hlo = compiled.as_text()
         mem = compiled.memory_analysis()
         copies = pool_copies(hlo, pool_types)
@@ -265,7 +333,14 @@ class Compiler:
             problems.append(f"donated pools not aliased: {mem.alias_size_in_bytes} of {pool_bytes} bytes")
         spills = {k: v["spill_stores"] for k, v in rec["kernels"].items() if v.get("spill_stores")}
         if spills:
-            rec["spills"] = spills  # reported, not a failure: ptxas still produced a kernel
+            # A jpa kernel that spills is a failure: every configuration an unsupported_reason
+            # accepts must compile without spills (re-tile it or refuse it there).
+            rec["spills"] = spills
+            problems.append("ptxas spills registers: " + ", ".join(f"{k} {v} B" for k, v in spills.items()))
+        unreported = [k for k, v in mosaic_kernels.items() if v["ptxas_reports"] == 0]
+        if unreported:
+            # Compiled earlier in this process (the plugin's cache): no new ptxas report.
+            rec["mosaic_ptxas_cached"] = unreported
         rec["problems"] = problems
         rec["ok"] = not problems
         if keep_hlo:
@@ -421,6 +496,22 @@ RAGGED_CONFIGS = (("bfloat16", "bfloat16", 4, 128, 16), ("bfloat16", "bfloat16",
 RAGGED_SIZES = dict(num_tokens=512, max_num_seqs=64, num_kv_heads=8, num_pages=4096, max_tokens=4096)
 
 
+def ragged_grid(subset: str = "full") -> list:
+    """RAGGED_CONFIGS ("fast") plus, for "full", every head dim with a 16-bit, an int8, an fp8 and
+    a float32 cache, q_per_kv and page size cycling through the grid's values."""
+    out = list(RAGGED_CONFIGS)
+    if subset == "full":
+        pairs = (("bfloat16", "bfloat16"), ("bfloat16", "int8"), ("float16", "float8_e5m2"),
+                 ("float32", "float32"))
+        i = 0
+        for hd in HEAD_DIMS:
+            for q_dtype, cache_dtype in pairs:
+                out.append((q_dtype, cache_dtype, Q_PER_KV[i % len(Q_PER_KV)], hd,
+                            PAGE_SIZES[(i * 7) % len(PAGE_SIZES)]))
+                i += 1
+    return list(dict.fromkeys(out))
+
+
 def ragged_call(impl, q_dtype, cache_dtype, q_per_kv, head_dim, page_size):
     """(spec, fn, args, pool shapes) of one ragged_paged_attention call with the impl forced."""
     import jpa
@@ -442,14 +533,14 @@ def ragged_call(impl, q_dtype, cache_dtype, q_per_kv, head_dim, page_size):
     return spec, fn, args, [(pool, cache_dtype)] * 2
 
 
-def check_ragged(compiler: Compiler, impls, log=print) -> list:
+def check_ragged(compiler: Compiler, impls, log=print, subset: str = "fast") -> list:
     """Each ragged kernel over RAGGED_CONFIGS: the ragged kernel plus the decode kernel that serves
     every sequence's last row, both in the one program."""
     from jpa import ragged
     cc = float(".".join(map(str, TARGETS[compiler.target]["cc"])))
     records = []
     for impl in impls:
-        for cfg in RAGGED_CONFIGS:
+        for cfg in ragged_grid(subset):
             spec, fn, args, pools = ragged_call(impl, *cfg)
             name = f"ragged {impl} q={cfg[0]} kv={cfg[1]} G={cfg[2]} hd={cfg[3]} ps={cfg[4]}"
             reason = ragged.unsupported_reason(impl, spec, cc)
@@ -697,11 +788,10 @@ def _line(rec) -> str:
         return f"FAIL  {rec['name']}: {rec['error']}"
     if not rec["ok"]:
         return f"FAIL  {rec['name']}: {'; '.join(rec['problems'])}"
-    ks = "; ".join(f"{k} grid {v['grid']} smem {v['shared_memory']} regs {v.get('registers', '?')}"
+    ks = "; ".join(f"{k}" + (f" grid {v['grid']}" if v.get("grid") else "")
+                   + f" smem {v.get('shared_memory', '?')} regs {v.get('registers', '?')}"
                    + (f" SPILLS {v['spill_stores']}B" if v.get("spill_stores") else "")
                    for k, v in rec.get("kernels", {}).items())
-    if rec.get("mosaic_calls") and "mosaic_smem_planned" in rec:
-        ks = f"mosaic_gpu x{rec['mosaic_calls']} (SMEM planned {rec['mosaic_smem_planned']})"
     return (f"ok    {rec['name']} [{rec['seconds']}s] {ks} | temp {rec['temp_bytes']} alias {rec['alias_bytes']}"
             f" pools {rec['pool_bytes']}")
 
@@ -714,13 +804,11 @@ def markdown(reports) -> str:
         for r in rep["records"]:
             if "refused" in r or not r["ok"]:
                 continue
-            if r.get("mosaic_calls"):
-                smem = r.get("mosaic_smem_planned", "")
-                lines.append(f"| {r['target']} | {r['name']} | mosaic_gpu x{r['mosaic_calls']} | - | - | "
-                             f"{smem} (plan) | n/a (PTX at load) | n/a |")
             for k, v in r.get("kernels", {}).items():
-                lines.append(f"| {r['target']} | {r['name']} | {k} | {v['grid']} | {v['threads'][0]} | "
-                             f"{v['shared_memory']} | {v.get('registers', '?')} | {v.get('spill_stores', '?')} |")
+                threads = v.get("threads") or ["?"]
+                lines.append(f"| {r['target']} | {r['name']} | {k} | {v.get('grid') or '-'} | {threads[0]} | "
+                             f"{v.get('shared_memory', '?')} | {v.get('registers', '?')} | "
+                             f"{v.get('spill_stores', '?')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -763,7 +851,7 @@ def main(argv=None) -> int:
     if args.only in ("kernels", "all"):
         records += check_kernels(compiler, impls, args.subset, random=args.random, seed=args.seed)
     if args.only in ("ragged", "all"):
-        records += check_ragged(compiler, impls)
+        records += check_ragged(compiler, impls, subset=args.subset)
     if args.only in ("engine", "all"):
         records += check_engine(compiler)
     if args.only == "tp":

@@ -1,184 +1,664 @@
-"""Everything only a GPU can show, in one command: run it the day an NVIDIA GPU is attached.
+"""Everything only a GPU can show, in one command, on a bare GPU image.
 
-    pip install -e ".[cuda12,test,model]"      # JAX's CUDA runtime instead of the compile-only extra
-    python scripts/gpu_validate.py [--out results/gpu_validate.json] [--quick]
+    PYTHONPATH=. python3 scripts/gpu_validate.py --out DIR [--quick]
+    PYTHONPATH=. python3 scripts/gpu_validate.py --plan            # the sections and what each needs
+    PYTHONPATH=. python3 scripts/gpu_validate.py --profile decode:mosaic:bfloat16:bfloat16:64:4096:8:4:128:16
 
-1. Kernels, natively (`interpret=False`): every case of the kernel test grids
-   (tests/test_triton_decode.py, tests/test_mosaic_decode.py) that the kernel's
-   `unsupported_reason` accepts on this GPU, against the float64 NumPy oracle with the tests'
-   tolerances. Also `impl="auto"` under jit: which kernel the dispatch picks and whether its
-   self-check passed.
-2. `scripts/bench_kernels.py`: achieved GB/s and % of peak HBM bandwidth per kernel.
-3. The real model: SmolLM2-135M-Instruct through the engine with impl="auto" on this GPU,
-   (a) float32, greedy: completions must equal the CPU reference path's token for token;
-   (b) bfloat16, greedy: the auto-chosen kernel against impl="xla" on the same GPU (bf16
-   rounding may flip near-tied tokens, so the token agreement is reported, and must be high).
+Needs only JAX with its CUDA plugin (0.11.2 or 0.12), flax, chex and numpy: no pip install, no
+download, no tokenizer package. Models are random weights at real shapes (SmolLM2-135M and a
+4-layer Llama-3-8B-shaped model). Sections (each in its own subprocess: a crash, even an abort in
+a compiler, is recorded and the others still run; DIR/report.json and DIR/report.md are rewritten
+as each section finishes):
 
-Writes one JSON report and exits non-zero if any check failed. On a machine without a GPU it
-refuses at once (exit 2): nothing here can pass on a CPU. Budget: under 10 minutes on one H100.
+1. kernels    every kernel (Triton and Mosaic decode, Triton and Mosaic ragged) natively on a
+              covering grid (page sizes, GQA ratios, head dims incl. 80/96/192/256, 16-bit,
+              int8 and fp8 caches, soft cap, ALiBi, window, NaN-poisoned unused slots) against
+              the float64 NumPy oracle, float32 dots at HIGHEST precision (no TF32).
+2. auto       `impl="auto"` under jax.jit for decode and ragged, per q dtype: which kernel the
+              compiled program holds, and each candidate kernel's self-check result.
+3. bandwidth  decode and ragged GB/s per kernel and % of the roofline, the roofline being a
+              device-to-device copy of the same number of bytes measured in the same run.
+4. peers      on the same GPU and shapes: JAX's `jax.experimental.pallas.ops.gpu.paged_attention`
+              and dense XLA attention over a contiguous cache, next to jpa's kernels.
+5. engine     the engine (public API) with SmolLM2-shaped and 8B-shaped random models, 64
+              sequences x 2k context: tokens/s (bf16 and f32), and greedy float32 token ids
+              with impl="auto" equal to the plain-JAX path's.
+
+On a machine without an NVIDIA GPU it refuses (exit 2). Exit 1 if any section failed.
 """
 
 import argparse
-import importlib.util
+import contextlib
+import dataclasses
 import json
 import os
 import pathlib
 import subprocess
 import sys
 import time
+import traceback
 import warnings
-
-import jax
-import jax.numpy as jnp
-import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-import jpa  # noqa: E402
-from jpa import dispatch  # noqa: E402
+sys.path.insert(0, str(ROOT / "tests"))  # kernel_cases: the oracle (numpy only)
 
-PROMPTS = ["What is a paged KV cache?", "Name three rivers in Europe.", "Write a haiku about the sea.",
-           "Explain gradient descent in one sentence.", "What is 17 * 23?", "Give me a fun fact about owls.",
-           "Translate 'good morning' into French.", "List the planets of the solar system."]
+SECTIONS = {
+    "kernels": "GPU; jpa, numpy. Every kernel natively vs the float64 oracle (f32 dots at HIGHEST "
+               "precision). ~2-4 min on an H100 (one compile per case).",
+    "auto": "GPU. impl='auto' under jit (decode, ragged) per q dtype: kernel in the compiled program, "
+            "each candidate's self-check. ~1 min.",
+    "bandwidth": "GPU, ~4 GiB free. Decode and ragged GB/s per kernel, % of a same-size device-to-device "
+                 "copy (the roofline). ~2 min.",
+    "peers": "GPU, ~4 GiB free; jax.experimental.pallas.ops.gpu.paged_attention (JAX's deprecated "
+             "Triton op; recorded as unavailable if it does not import). Same shapes as jpa. ~1 min.",
+    "engine": "GPU, ~20 GiB free; flax. jpa.engine.LLMEngine with random SmolLM2-shaped and 4-layer "
+              "Llama-3-8B-shaped models, 64 seqs x 2k context (--quick: 8 x 512): tokens/s, greedy "
+              "f32 equality auto vs impl='xla'. ~5-10 min.",
+}
 
 
-def _load_test_module(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tests" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+# ---------------------------------------------------------------- helpers (run in the child)
+
+def _jax():
+    import jax
+    return jax
 
 
-def check_kernels(target, quick: bool) -> dict:
-    """The kernel test grids, natively, against the float64 oracle."""
-    from kernel_cases import make_inputs, np_reference, tolerance
-    from jpa.decode import decode_spec
+def _err(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"[:500]
+
+
+def _time(fn, *args, iters: int):
+    """Median-free steady-state time per call: one warm-up, then `iters` calls back to back with
+    one sync at the end (async dispatch hides host overhead behind the previous call)."""
+    jax = _jax()
+    jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    out = None
+    for _ in range(iters):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / iters
+
+
+def _copy_seconds(nbytes: int, iters: int) -> float:
+    """Seconds of a device-to-device copy of nbytes (read nbytes + write nbytes)."""
+    jax = _jax()
+    import jax.numpy as jnp
+    x = jnp.zeros((max(1, nbytes // 4),), jnp.uint32)
+    return _time(jax.jit(lambda a: jnp.copy(a) + jnp.uint32(1)), x, iters=iters)
+
+
+@contextlib.contextmanager
+def _highest_precision():
+    jax = _jax()
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+# ---------------------------------------------------------------- 1. kernels
+
+def decode_grid(quick: bool):
+    from kernel_cases import Case
+    f32, bf16 = dict(q_dtype="float32", cache_dtype="float32"), dict(q_dtype="bfloat16", cache_dtype="bfloat16")
+    cases = [
+        Case((1, 17, 64, 0), num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16, pages_per_seq=4, **bf16),
+        Case((300, 1, 129), num_q_heads=9, num_kv_heads=3, head_dim=64, page_size=16, pages_per_seq=20,
+             share_page=True, **bf16),
+        Case((1000, 4), num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16, pages_per_seq=64, **bf16),
+        Case((257, 31), num_q_heads=16, num_kv_heads=8, head_dim=256, page_size=32, pages_per_seq=9,
+             soft_cap=50.0, **bf16),
+        Case((200, 65), num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=128, pages_per_seq=2,
+             q_dtype="float16", cache_dtype="float16"),
+        Case((450, 9), num_q_heads=8, num_kv_heads=1, head_dim=64, page_size=32, pages_per_seq=15,
+             alibi=True, sliding_window=400, q_dtype="float16", cache_dtype="int8"),
+        Case((333, 64), num_q_heads=16, num_kv_heads=4, head_dim=128, page_size=64, pages_per_seq=6,
+             q_dtype="bfloat16", cache_dtype="float8_e4m3fn"),
+        Case((70, 3), num_q_heads=4, num_kv_heads=2, head_dim=192, page_size=64, pages_per_seq=2,
+             q_dtype="bfloat16", cache_dtype="int8", sliding_window=50),
+        Case((100, 40), num_q_heads=4, num_kv_heads=2, head_dim=80, page_size=8, pages_per_seq=13, **f32),
+        Case((96, 33), num_q_heads=12, num_kv_heads=4, head_dim=96, page_size=32, pages_per_seq=3,
+             soft_cap=30.0, alibi=True, **f32),
+        Case((4000,), num_q_heads=8, num_kv_heads=8, head_dim=128, page_size=16, pages_per_seq=256, **bf16),
+        Case((120, 7), num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=256, pages_per_seq=1,
+             q_dtype="float16", cache_dtype="float8_e5m2"),
+    ]
+    return cases[:4] if quick else cases
+
+
+def ragged_grid(quick: bool):
+    from kernel_cases import RaggedCase
+    bf16 = dict(q_dtype="bfloat16", cache_dtype="bfloat16")
+    cases = [
+        RaggedCase((1, 300, 140), q_lens=(1, 20, 70), num_tokens=96, max_num_seqs=4, num_q_heads=4,
+                   num_kv_heads=2, head_dim=64, page_size=16, pages_per_seq=19, alibi=True,
+                   sliding_window=200, **bf16),
+        RaggedCase((513, 1, 90, 5), q_lens=(64, 1, 90, 5), num_tokens=192, max_num_seqs=6,
+                   num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16, pages_per_seq=33, **bf16),
+        RaggedCase((200, 77), q_lens=(120, 1), num_tokens=128, max_num_seqs=2, num_q_heads=8,
+                   num_kv_heads=2, head_dim=256, page_size=128, pages_per_seq=2, q_dtype="bfloat16",
+                   cache_dtype="int8", soft_cap=30.0),
+        RaggedCase((60, 33, 47), q_lens=(30, 1, 2), num_tokens=40, max_num_seqs=4, num_q_heads=8,
+                   num_kv_heads=2, head_dim=80, page_size=8, pages_per_seq=8),
+    ]
+    return cases[:2] if quick else cases
+
+
+def _spec_of(op, args, opts):
+    if op == "decode":
+        from jpa.decode import decode_spec
+        return decode_spec(args[0], args[1], args[3], soft_cap=opts.get("soft_cap"),
+                           alibi_slopes=opts.get("alibi_slopes"), sliding_window=opts.get("sliding_window"))
+    from jpa.ragged import ragged_spec
+    return ragged_spec(args[0], args[1], args[3], soft_cap=opts.get("soft_cap"),
+                       alibi_slopes=opts.get("alibi_slopes"), sliding_window=opts.get("sliding_window"))
+
+
+def section_kernels(ctx) -> dict:
+    import numpy as np
+
+    import jpa
+    from jpa import dispatch, ragged
+    from kernel_cases import make_inputs, make_ragged_inputs, np_ragged_reference, np_reference, tolerance
+    cc, interpret = ctx["cc"], ctx["interpret"]
     rows = []
-    for impl, test_file in (("triton", "test_triton_decode"), ("mosaic", "test_mosaic_decode")):
-        cases = _load_test_module(test_file).CASES
-        for case in cases[: 4 if quick else None]:
-            args, opts = make_inputs(case)
-            spec = decode_spec(args[0], args[1], args[3], soft_cap=opts.get("soft_cap"),
-                               alibi_slopes=opts.get("alibi_slopes"), sliding_window=opts.get("sliding_window"))
-            row = dict(impl=impl, case=str(case))
-            reason = dispatch.unsupported_reason(impl, spec, target.compute_capability)
+    plan = [("decode", impl, c) for impl in ("triton", "mosaic") for c in decode_grid(ctx["quick"])]
+    plan += [("ragged", impl, c) for impl in ("triton", "mosaic") for c in ragged_grid(ctx["quick"])]
+    if interpret:  # --debug-cpu-interpret: the report machinery on a CPU, one small case per op
+        plan = [("decode", "triton", decode_grid(True)[0]), ("ragged", "triton", ragged_grid(True)[0])]
+    for op, impl, case in plan:
+        row = dict(op=op, impl=impl, case=str(case))
+        try:
+            if op == "decode":
+                args, opts = make_inputs(case)
+                reason = dispatch.unsupported_reason(impl, _spec_of(op, args, opts), cc)
+                call = lambda: jpa.paged_decode(*args, **opts, impl=impl, interpret=interpret)  # noqa: E731
+                want = lambda: np_reference(*args, **opts)  # noqa: E731
+            else:
+                args, opts = make_ragged_inputs(case)
+                reason = ragged.unsupported_reason(impl, _spec_of(op, args, opts), cc)
+                call = lambda: jpa.ragged_paged_attention(*args, **opts, impl=impl, interpret=interpret)  # noqa: E731
+                want = lambda: np_ragged_reference(*args, **opts)  # noqa: E731
             if reason is not None:
                 rows.append({**row, "refused": reason, "ok": True})
                 continue
-            try:
-                got = np.asarray(jpa.paged_decode(*args, **opts, impl=impl, interpret=False), np.float64)
-                err = float(np.max(np.abs(got - np_reference(*args, **opts)))) if got.size else 0.0
-                rows.append({**row, "max_abs_err": err, "tolerance": tolerance(case),
-                             "ok": bool(np.isfinite(got).all() and err <= tolerance(case))})
-            except Exception as e:  # report every failing case, not only the first
-                rows.append({**row, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-                             "ok": False})
-            print(f"  {'ok ' if rows[-1]['ok'] else 'FAIL'} {impl} {case}")
-    return dict(ok=all(r["ok"] for r in rows), cases=rows,
-                ran=sum("refused" not in r for r in rows), refused=sum("refused" in r for r in rows))
+            with _highest_precision():
+                got = np.asarray(call(), np.float64)
+            ref = want()
+            live = np.isfinite(ref)
+            err = float(np.max(np.abs(got - ref)[live])) if live.any() else 0.0
+            tol = tolerance(case)
+            rows.append({**row, "max_abs_err": err, "tolerance": tol,
+                         "ok": bool(np.isfinite(got[live]).all() and err <= tol)})
+        except Exception as e:  # every failing case is reported, not only the first
+            rows.append({**row, "error": _err(e), "ok": False})
+        print(f"  {'ok  ' if rows[-1]['ok'] else 'FAIL'} {op} {impl} {case}", flush=True)
+    return dict(ok=all(r["ok"] for r in rows), cases=rows, ran=sum("refused" not in r for r in rows),
+                refused=sum("refused" in r for r in rows), failed=sum(not r["ok"] for r in rows))
 
 
-def check_auto_under_jit() -> dict:
-    """Which kernel a jitted impl="auto" call uses, per common serving dtype, and its self-check."""
+# ---------------------------------------------------------------- 2. auto
+
+def section_auto(ctx) -> dict:
+    jax = _jax()
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jpa
+    from jpa import dispatch, ragged
+    target = dispatch.current_target()
     out = {}
     rng = np.random.default_rng(0)
     for dtype in ("bfloat16", "float16", "float32"):
-        q = jnp.asarray(rng.standard_normal((8, 32, 128)), dtype)
-        k = jnp.asarray(rng.standard_normal((8, 64, 16, 128)), dtype)
-        tables = jnp.asarray(rng.integers(0, 64, (8, 8)), jnp.int32)
-        lens = jnp.asarray(rng.integers(1, 129, (8,)), jnp.int32)
-        with warnings.catch_warnings(record=True) as w:
-            warnings.simplefilter("always")
-            chosen = jpa.resolve_decode_impl(q, k, tables)
-            text = jax.jit(lambda *a: jpa.paged_decode(*a)).lower(q, k, k, tables, lens).as_text()
-        in_hlo = ("mosaic" if "mosaic_gpu" in text else "triton" if "__gpu$xla.gpu.triton" in text else "xla")
-        out[dtype] = dict(chosen=chosen, in_jitted_hlo=in_hlo, warnings=[str(x.message)[:300] for x in w],
-                          ok=chosen != "xla" and in_hlo == chosen)
-    return dict(ok=all(v["ok"] for v in out.values()), by_dtype=out)
+        q = jnp.asarray(rng.standard_normal((16, 32, 128)), dtype)
+        k = jnp.asarray(rng.standard_normal((8, 256, 16, 128)), dtype)
+        tables = jnp.asarray(rng.permutation(256)[:16 * 16].reshape(16, 16), jnp.int32)
+        lens = jnp.asarray(rng.integers(1, 257, (16,)), jnp.int32)
+        cu = jnp.asarray(np.concatenate([[0], np.cumsum(rng.integers(1, 5, 16))]), jnp.int32)
+        rq = jnp.asarray(rng.standard_normal((64, 32, 128)), dtype)
+        for op in ("decode", "ragged"):
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                if op == "decode":
+                    fn = jax.jit(lambda *a: jpa.paged_decode(*a))
+                    args = (q, k, k, tables, lens)
+                    spec = _spec_of(op, args, {})
+                    modules = dispatch.KERNEL_MODULES
+                    check = lambda impl: dispatch.self_check(impl, spec, target)  # noqa: E731
+                else:
+                    fn = jax.jit(lambda *a: jpa.ragged_paged_attention(*a))
+                    args = (rq, k, k, tables, jnp.maximum(lens, cu[1:] - cu[:-1]), cu, jnp.int32(16))
+                    spec = _spec_of(op, args, {})
+                    modules = dict(ragged.RAGGED.modules)
+                    check = lambda impl: dispatch.self_check(impl, spec, target, ragged.RAGGED)  # noqa: E731
+                text = fn.lower(*args).compile().as_text()
+                in_hlo = ("mosaic" if 'custom_call_target="mosaic_gpu' in text else
+                          "triton" if "__gpu$xla.gpu.triton" in text else "xla")
+                checks = {}
+                for impl in modules:
+                    reason = dispatch.unsupported_reason(impl, spec, target.compute_capability,
+                                                         None if op == "decode" else ragged.RAGGED)
+                    checks[impl] = ("refused: " + reason) if reason else (check(impl) or "passed")
+            out[f"{op} {dtype}"] = dict(in_compiled_program=in_hlo, self_checks=checks,
+                                        warnings=[str(x.message)[:400] for x in w],
+                                        ok=in_hlo != "xla" and checks.get(in_hlo) == "passed")
+    return dict(ok=all(v["ok"] for v in out.values()), by_op_dtype=out)
 
 
-def run_bench(out_dir: pathlib.Path, quick: bool) -> dict:
-    path = out_dir / "bench_kernels.json"
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench_kernels.py"), "--out", str(path)]
-    if quick:
-        cmd += ["--batch-sizes", "8,64", "--context-lens", "512,4096", "--q-per-kv", "4"]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420)
-    res = dict(ok=proc.returncode == 0, seconds=round(time.perf_counter() - t0, 1), stdout_tail=proc.stdout[-4000:])
-    if path.exists():
-        res["report"] = json.loads(path.read_text())
-    if proc.returncode:
-        res["stderr_tail"] = proc.stderr[-4000:]
-    return res
+# ---------------------------------------------------------------- 3. bandwidth and 4. peers
+
+# (name, num_seqs, context, num_kv_heads, q_per_kv, head_dim, page_size, dtype)
+DECODE_SHAPES = [("smollm2 B64 ctx2048", 64, 2048, 3, 3, 64, 16, "bfloat16"),
+                 ("llama8b B64 ctx2048", 64, 2048, 8, 4, 128, 16, "bfloat16"),
+                 ("llama8b B8 ctx16384", 8, 16384, 8, 4, 128, 16, "bfloat16"),
+                 ("llama8b B256 ctx1024", 256, 1024, 8, 4, 128, 16, "bfloat16"),
+                 ("gemma hd256 B32 ctx4096", 32, 4096, 8, 2, 256, 16, "bfloat16"),
+                 ("llama8b int8 B64 ctx2048", 64, 2048, 8, 4, 128, 32, "int8")]
 
 
-def engine_outputs(dtype, attention_impl, device, max_new_tokens):
-    """Greedy SmolLM2 completions of PROMPTS through the engine on `device`."""
+def decode_problem(shape, seed=0):
+    """(args, opts, bytes read) of a decode call with every sequence at `context` tokens."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jpa.quant import quantize
+    _, b, ctx, kh, g, h, ps, dtype = shape
+    rng = np.random.default_rng(seed)
+    pps = ctx // ps
+    num_pages = b * pps
+    q_dtype = "bfloat16" if dtype in ("int8", "float8_e4m3fn") else dtype
+    q = jnp.asarray(rng.standard_normal((b, kh * g, h)), q_dtype)
+    opts = dict(scale=h ** -0.5)
+    pools = []
+    for _ in range(2):
+        x = jnp.asarray(rng.standard_normal((kh, num_pages, ps, h)), jnp.float32)
+        if dtype in ("int8", "float8_e4m3fn"):
+            vals, scales = quantize(x, dtype)
+            pools.append(vals)
+            opts["k_scales" if len(pools) == 1 else "v_scales"] = scales
+        else:
+            pools.append(x.astype(dtype))
+    tables = jnp.asarray(rng.permutation(num_pages).reshape(b, pps), jnp.int32)
+    lens = jnp.full((b,), ctx, jnp.int32)
+    nbytes = 2 * kh * b * ctx * h * np.dtype(pools[0].dtype).itemsize + (2 * kh * b * ctx * 4 if "k_scales" in opts else 0)
+    return (q, pools[0], pools[1], tables, lens), opts, nbytes
+
+
+def section_bandwidth(ctx) -> dict:
+    jax = _jax()
+    import jpa
+    from jpa import dispatch
+    rows = []
+    iters = 10 if ctx["quick"] else 30
+    shapes = DECODE_SHAPES[:2] if ctx["quick"] else DECODE_SHAPES
+    for shape in shapes:
+        args, opts, nbytes = decode_problem(shape)
+        copy_s = _copy_seconds(nbytes, iters)
+        copy_gbps = 2 * nbytes / copy_s / 1e9
+        spec = _spec_of("decode", args, opts)
+        for impl in ("mosaic", "triton", "xla"):
+            row = dict(op="decode", shape=shape[0], impl=impl, bytes=nbytes, copy_gbps_read_write=round(copy_gbps, 1))
+            reason = None if impl == "xla" else dispatch.unsupported_reason(impl, spec, ctx["cc"])
+            if reason:
+                rows.append({**row, "refused": reason})
+                continue
+            try:
+                fn = jax.jit(lambda *a, impl=impl: jpa.paged_decode(*a, **opts, impl=impl))
+                s = _time(fn, *args, iters=iters)
+                gbps = nbytes / s / 1e9
+                rows.append({**row, "us": round(s * 1e6, 1), "gbps": round(gbps, 1),
+                             "pct_of_copy_roofline": round(100 * gbps / copy_gbps, 1)})
+            except Exception as e:
+                rows.append({**row, "error": _err(e)})
+            print(f"  {row['shape']} {impl}: {rows[-1].get('gbps', rows[-1].get('error', rows[-1].get('refused')))}",
+                  flush=True)
+    rows += _ragged_bandwidth(ctx, iters)
+    ok = all("error" not in r for r in rows) and any("gbps" in r for r in rows)
+    return dict(ok=ok, rows=rows, roofline="a device-to-device copy of the same bytes in this run: "
+                "copy GB/s counts read + write; a kernel's GB/s counts the K/V (+ scales) it must read")
+
+
+def _ragged_bandwidth(ctx, iters):
+    """A prefill-heavy mixed batch: 4 chunks of 448 tokens after 1536 cached tokens + 64 decodes."""
+    jax = _jax()
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jpa
+    from jpa import ragged
+    rng = np.random.default_rng(1)
+    kh, g, h, ps, ctx_len = 8, 4, 128, 16, 2048
+    chunks, decodes = 4, 64
+    b = chunks + decodes
+    pps = ctx_len // ps
+    q_lens = np.array([448] * chunks + [1] * decodes)
+    t = int(q_lens.sum())
+    k = jnp.asarray(rng.standard_normal((kh, b * pps, ps, h)), jnp.bfloat16)
+    args = (jnp.asarray(rng.standard_normal((t, kh * g, h)), jnp.bfloat16), k, k,
+            jnp.asarray(rng.permutation(b * pps).reshape(b, pps), jnp.int32),
+            jnp.asarray([1984] * chunks + [ctx_len] * decodes, jnp.int32),
+            jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32), jnp.int32(b))
+    # Bytes a kernel must read: each sequence's visible K/V once (a prefill tile re-reads them).
+    nbytes = 2 * kh * h * 2 * int(1984 * chunks + ctx_len * decodes)
+    copy_gbps = 2 * nbytes / _copy_seconds(nbytes, iters) / 1e9
+    spec = _spec_of("ragged", args, {})
+    rows = []
+    for impl in ("mosaic", "triton", "xla"):
+        row = dict(op="ragged", shape=f"{chunks}x448-token chunks + {decodes} decodes, ctx 2048, K8 G4 H128",
+                   impl=impl, bytes=nbytes, copy_gbps_read_write=round(copy_gbps, 1))
+        reason = None if impl == "xla" else ragged.unsupported_reason(impl, spec, ctx["cc"])
+        if reason:
+            rows.append({**row, "refused": reason})
+            continue
+        try:
+            fn = jax.jit(lambda *a, impl=impl: jpa.ragged_paged_attention(*a, impl=impl))
+            s = _time(fn, *args, iters=iters)
+            gbps = nbytes / s / 1e9
+            rows.append({**row, "us": round(s * 1e6, 1), "gbps": round(gbps, 1),
+                         "pct_of_copy_roofline": round(100 * gbps / copy_gbps, 1)})
+        except Exception as e:
+            rows.append({**row, "error": _err(e)})
+    return rows
+
+
+def dense_attention(q, k, v, lens, scale):
+    """Dense XLA attention over a contiguous cache: q [B, N, H], k/v [B, K, T, H], lens i32[B]."""
+    import jax
+    import jax.numpy as jnp
+    b, n, h = q.shape
+    kh, t = k.shape[1], k.shape[2]
+    qg = q.reshape(b, kh, n // kh, h)  # [B, K, G, H]
+    s = jnp.einsum("BKGH,BKSH->BKGS", qg, k, preferred_element_type=jnp.float32) * scale
+    s = jnp.where(jnp.arange(t)[None, None, None, :] < lens[:, None, None, None], s, -1e30)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("BKGS,BKSH->BKGH", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o.reshape(b, n, h).astype(q.dtype)
+
+
+def section_peers(ctx) -> dict:
+    jax = _jax()
+    import jax.numpy as jnp
+
+    import jpa
+    rows = []
+    iters = 10 if ctx["quick"] else 30
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
+        peer_error = None
+    except Exception as e:
+        jax_pa, peer_error = None, _err(e)
+    shapes = [s for s in DECODE_SHAPES if s[7] in ("bfloat16", "float16")]
+    for shape in shapes[:2] if ctx["quick"] else shapes:
+        args, opts, nbytes = decode_problem(shape)
+        q, kp, vp, tables, lens = args
+        b, ctx_len, kh, _, h = shape[1], shape[2], shape[3], shape[4], shape[5]
+        copy_gbps = 2 * nbytes / _copy_seconds(nbytes, iters) / 1e9
+        # The contiguous cache the dense path reads: [B, K, T, H], the same tokens.
+        gather = jax.jit(lambda p, t: jnp.swapaxes(p[:, t].reshape(kh, b, ctx_len, h), 0, 1))
+        kc, vc = gather(kp, tables), gather(vp, tables)
+        cands = [("jpa auto", jax.jit(lambda *a: jpa.paged_decode(*a, **opts)), args),
+                 ("dense XLA (contiguous cache)",
+                  jax.jit(lambda q, k, v, l: dense_attention(q, k, v, l, opts["scale"])), (q, kc, vc, lens))]
+        if jax_pa is not None:
+            cands.append(("jax.experimental paged_attention", jax.jit(
+                lambda q, k, v, t, l: jax_pa.paged_attention(q * opts["scale"], k, v, t, l)), args))
+        for name, fn, a in cands:
+            row = dict(shape=shape[0], impl=name, bytes=nbytes, copy_gbps_read_write=round(copy_gbps, 1))
+            try:
+                s = _time(fn, *a, iters=iters)
+                gbps = nbytes / s / 1e9
+                rows.append({**row, "us": round(s * 1e6, 1), "gbps": round(gbps, 1),
+                             "pct_of_copy_roofline": round(100 * gbps / copy_gbps, 1)})
+            except Exception as e:
+                rows.append({**row, "error": _err(e)})
+            print(f"  {shape[0]} {name}: {rows[-1].get('gbps', rows[-1].get('error'))}", flush=True)
+        del kc, vc
+    return dict(ok=any(r["impl"] == "jpa auto" and "gbps" in r for r in rows), rows=rows,
+                jax_paged_attention_import_error=peer_error)
+
+
+# ---------------------------------------------------------------- 5. engine
+
+LLAMA8B_4L = dict(family="llama", vocab_size=128256, d_model=4096, num_layers=4, num_q_heads=32,
+                  num_kv_heads=8, head_dim=128, ffn_dim=14336, max_seq_len=8192, rope_base=500000.0,
+                  tie_embeddings=False, bos_token_id=0, eos_token_id=1)
+
+
+class IdTokenizer:
+    """A tokenizer for random-weight models: prompts are token ids; decode prints the ids."""
+
+    def __init__(self, vocab_size: int, eos_token_id: int, bos_token_id: int = 0):
+        self.vocab_size, self.eos_token_id, self.bos_token_id = vocab_size, eos_token_id, bos_token_id
+        self.stop_token_ids = (eos_token_id,)
+
+    def encode(self, text: str) -> list:
+        return [int(t) % self.vocab_size for t in text.split()]
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return "".join(f" {int(i)}" for i in ids)
+
+
+def _engine_config(**want):
+    """jpa.engine.EngineConfig with the fields it has (the engine's config may gain or lose
+    fields; the dropped ones are reported)."""
+    from jpa.engine import EngineConfig
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    return EngineConfig(**{k: v for k, v in want.items() if k in names}), sorted(set(want) - names)
+
+
+def _engine_run(model_name, config, dtype, impl, prompts, max_new, max_model_len):
+    import jax.numpy as jnp
+    from flax import nnx
+
     import models
-    from jpa.engine import EngineConfig, LLMEngine, SamplingParams
-    from models.engine_model import GPTForEngine
-    with jax.default_device(device):
-        gpt, tokenizer = models.load("smollm2-135m", dtype=dtype)
-        engine = LLMEngine(GPTForEngine(gpt), tokenizer,
-                           EngineConfig(max_seqs=8, page_size=16, num_pages=512, attention_impl=attention_impl))
-        chats = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
-        outs = engine.generate(chats, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens))
-        return [list(o.token_ids) for o in outs], engine.summary()
+    from jpa.engine import LLMEngine, SamplingParams
+    gpt = models.GPT(config, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0))
+    tok = IdTokenizer(config.vocab_size, config.eos_token_id, config.bos_token_id)
+    page_size = 16
+    num_pages = len(prompts) * (-(-max_model_len // page_size)) + 64
+    cfg, dropped = _engine_config(max_seqs=len(prompts), page_size=page_size, num_pages=num_pages,
+                                  max_model_len=max_model_len, attention_impl=impl)
+    engine = LLMEngine(models.GPTForEngine(gpt), tok, cfg)
+    params = SamplingParams(max_new_tokens=max_new, greedy=True, ignore_eos=True)
+    t0 = time.perf_counter()
+    engine.generate(prompts[:2], SamplingParams(max_new_tokens=4, greedy=True, ignore_eos=True))  # compile
+    warm = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    secs = time.perf_counter() - t0
+    ids = [list(o.token_ids) for o in outs]
+    summary = engine.summary() if hasattr(engine, "summary") else {}
+    generated = sum(len(x) for x in ids)
+    return ids, dict(model=model_name, dtype=dtype, impl=impl, seqs=len(prompts), prompt_tokens=len(prompts[0]),
+                     generated_tokens=generated, seconds=round(secs, 2), warmup_seconds=round(warm, 1),
+                     tokens_per_s=round(generated / secs, 1),
+                     prompt_and_generated_tokens_per_s=round((generated + sum(map(len, prompts))) / secs, 1),
+                     attention=summary.get("attention"), dropped_config_fields=dropped)
 
 
-def check_engine(quick: bool) -> dict:
-    n = 16 if quick else 48
-    gpu, cpu = jax.devices()[0], jax.devices("cpu")[0]
-    res = {}
-    want, _ = engine_outputs(jnp.float32, "xla", cpu, n)
-    got, summ = engine_outputs(jnp.float32, "auto", gpu, n)
-    res["float32_vs_cpu"] = dict(attention=summ.get("attention"), identical=got == want,
-                                 mismatched_requests=[i for i, (a, b) in enumerate(zip(got, want)) if a != b])
-    ref, _ = engine_outputs(jnp.bfloat16, "xla", gpu, n)
-    got16, summ16 = engine_outputs(jnp.bfloat16, "auto", gpu, n)
-    same = sum(a == b for g, r in zip(got16, ref) for a, b in zip(g, r))
-    total = sum(max(len(g), len(r)) for g, r in zip(got16, ref))
-    res["bfloat16_vs_xla_on_gpu"] = dict(attention=summ16.get("attention"), token_agreement=same / max(total, 1),
-                                         decode_tok_s=summ16.get("decode_tok_s"),
-                                         xla_identical=got16 == ref)
-    res["ok"] = bool(res["float32_vs_cpu"]["identical"] and res["bfloat16_vs_xla_on_gpu"]["token_agreement"] >= 0.9)
-    return res
+def section_engine(ctx) -> dict:
+    import numpy as np
+
+    import models
+    from models import ModelConfig
+    seqs, ctx_len, gen = (8, 512, 32) if ctx["quick"] else (64, 2048, 128)
+    runs, equal = [], {}
+    for name, config in (("smollm2-135m shape", models.PRESETS["smollm2-135m"]),
+                         ("llama-3-8b shape, 4 layers", ModelConfig(**LLAMA8B_4L))):
+        rng = np.random.default_rng(0)
+        prompts = [[int(t) for t in rng.integers(2, config.vocab_size, ctx_len - gen)] for _ in range(seqs)]
+        got = {}
+        for dtype, impl in (("float32", "auto"), ("float32", "xla"), ("bfloat16", "auto")):
+            try:
+                ids, run = _engine_run(name, config, dtype, impl, prompts, gen, ctx_len)
+                got[(dtype, impl)] = ids
+            except Exception as e:
+                run = dict(model=name, dtype=dtype, impl=impl, error=_err(e), trace=traceback.format_exc()[-2000:])
+            runs.append(run)
+            print(f"  {name} {dtype} {impl}: {run.get('tokens_per_s', run.get('error'))} tok/s", flush=True)
+        a, x = got.get(("float32", "auto")), got.get(("float32", "xla"))
+        if a is not None and x is not None:
+            diverged = [dict(seq=i, first_token=next(j for j, (p, q) in enumerate(zip(u, v)) if p != q)
+                             if any(p != q for p, q in zip(u, v)) else min(len(u), len(v)))
+                        for i, (u, v) in enumerate(zip(a, x)) if u != v]
+            equal[name] = dict(identical=not diverged, diverged=diverged[:8])
+        else:
+            equal[name] = dict(identical=False, diverged="a run failed")
+    ok = all(v["identical"] for v in equal.values()) and all("error" not in r for r in runs)
+    return dict(ok=ok, greedy_f32_auto_vs_xla=equal, runs=runs)
+
+
+SECTION_FNS = dict(kernels=section_kernels, auto=section_auto, bandwidth=section_bandwidth,
+                   peers=section_peers, engine=section_engine)
+
+
+# ---------------------------------------------------------------- profile (Nsight Compute)
+
+def profile(config: str, iters: int) -> int:
+    """`decode:IMPL:DTYPE:B:CTX:K:G:H:PS`: runs one decode call `iters` times, e.g. under
+    `ncu --set full -k regex:jpa -c 3 python3 scripts/gpu_validate.py --profile ...`."""
+    jax = _jax()
+    import jpa
+    parts = config.split(":")
+    if len(parts) != 9 or parts[0] != "decode":
+        print(f"gpu_validate: --profile expects decode:IMPL:DTYPE:B:CTX:K:G:H:PS (e.g. "
+              f"decode:mosaic:bfloat16:64:4096:8:4:128:16); got {config!r}", file=sys.stderr)
+        return 2
+    _, impl, dtype, *nums = parts
+    b, ctx_len, kh, g, h, ps = map(int, nums)
+    args, opts, nbytes = decode_problem(("profile", b, ctx_len, kh, g, h, ps, dtype))
+    fn = jax.jit(lambda *a: jpa.paged_decode(*a, **opts, impl=impl))
+    s = _time(fn, *args, iters=iters)
+    print(f"{config}: {s * 1e6:.1f} us/call, {nbytes / s / 1e9:.1f} GB/s over {iters} calls")
+    return 0
+
+
+# ---------------------------------------------------------------- the parent: report
+
+def markdown(report: dict) -> str:
+    lines = [f"# gpu_validate: {report.get('device_kind')} (cc {report.get('compute_capability')}), "
+             f"JAX {report.get('jax')}", "", "| section | result | seconds | note |", "|---|---|---|---|"]
+    for name in report.get("sections", {}):
+        r = report["sections"][name]
+        note = r.get("error", "")[:200] if isinstance(r.get("error"), str) else ""
+        lines.append(f"| {name} | {'ok' if r.get('ok') else 'FAILED'} | {r.get('seconds', '')} | {note} |")
+    for name in ("bandwidth", "peers"):
+        rows = report.get("sections", {}).get(name, {}).get("rows", [])
+        if rows:
+            lines += ["", f"## {name}", "", "| shape | impl | us | GB/s | % of copy roofline | note |",
+                      "|---|---|---|---|---|---|"]
+            for r in rows:
+                lines.append(f"| {r.get('shape')} | {r.get('impl')} | {r.get('us', '')} | {r.get('gbps', '')} | "
+                             f"{r.get('pct_of_copy_roofline', '')} | {(r.get('error') or r.get('refused') or '')[:120]} |")
+    eng = report.get("sections", {}).get("engine", {})
+    if eng.get("runs"):
+        lines += ["", "## engine", "", "| model | dtype | impl | attention | tokens/s | note |", "|---|---|---|---|---|---|"]
+        for r in eng["runs"]:
+            lines.append(f"| {r.get('model')} | {r.get('dtype')} | {r.get('impl')} | {r.get('attention', '')} | "
+                         f"{r.get('tokens_per_s', '')} | {r.get('error', '')[:120]} |")
+        for m, v in eng.get("greedy_f32_auto_vs_xla", {}).items():
+            lines.append(f"\ngreedy f32 auto == xla for {m}: {v['identical']}")
+    kern = report.get("sections", {}).get("kernels", {})
+    bad = [c for c in kern.get("cases", []) if not c.get("ok")]
+    if bad:
+        lines += ["", "## failing kernel cases", ""] + [f"- {c['op']} {c['impl']} {c['case']}: "
+                                                       f"{c.get('error') or c.get('max_abs_err')}" for c in bad]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(out: pathlib.Path, report: dict):
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    (out / "report.md").write_text(markdown(report))
+
+
+def run_child(args) -> int:
+    """One section in this process: writes DIR/section-NAME.json."""
+    jax = _jax()
+    from jpa import dispatch
+    target = dispatch.current_target()
+    if args.debug_crash == args.section:
+        os.abort()  # the isolation test: a crash the parent must record
+    ctx = dict(quick=args.quick, cc=target.compute_capability if target.is_nvidia_gpu else None,
+               interpret=args.debug_cpu_interpret)
+    t0 = time.perf_counter()
+    try:
+        res = SECTION_FNS[args.section](ctx)
+    except Exception as e:  # recorded; the parent goes on with the next section
+        res = dict(ok=False, error=_err(e), trace=traceback.format_exc()[-4000:])
+    res["seconds"] = round(time.perf_counter() - t0, 1)
+    res["jax"] = jax.__version__
+    (args.out / f"section-{args.section}.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
+    return 0
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=pathlib.Path, default=ROOT / "results" / "gpu_validate.json")
-    p.add_argument("--quick", action="store_true", help="a smaller grid and shorter generations")
+    p.add_argument("--out", type=pathlib.Path, default=ROOT / "results" / "gpu_validate")
+    p.add_argument("--quick", action="store_true", help="smaller grids, shapes and generations")
+    p.add_argument("--plan", action="store_true", help="list the sections and what each needs, then exit")
+    p.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset of the sections")
+    p.add_argument("--profile", metavar="CONFIG", help="decode:IMPL:DTYPE:B:CTX:K:G:H:PS in a loop (Nsight Compute)")
+    p.add_argument("--iters", type=int, default=20, help="--profile: calls")
+    p.add_argument("--section", help=argparse.SUPPRESS)  # internal: run one section in this process
+    p.add_argument("--debug-cpu-interpret", action="store_true",
+                   help="debug: run on a CPU, kernels in interpret mode (tests the report machinery; "
+                        "proves nothing about a GPU)")
+    p.add_argument("--debug-crash", metavar="SECTION", help="debug: abort the process of this section")
     args = p.parse_args(argv)
+    if args.plan:
+        for name, need in SECTIONS.items():
+            print(f"{name:10s} {need}")
+        print("\nEach section runs in its own subprocess; DIR/report.json and DIR/report.md after each.")
+        return 0
+    unknown = [s for s in args.sections.split(",") if s not in SECTIONS]
+    if unknown:
+        p.error(f"--sections: unknown {unknown}; the sections are {list(SECTIONS)}")
+    jax = _jax()
+    from jpa import dispatch
     target = dispatch.current_target()
-    if not (target.is_nvidia_gpu and target.executable):
+    if not (target.is_nvidia_gpu and target.executable) and not args.debug_cpu_interpret:
         print(f"gpu_validate: needs an NVIDIA GPU, and JAX sees {target.platform} ({target.device_kind}). "
-              f"Nothing here can pass without one. Install JAX's CUDA runtime (pip install -e '.[cuda12]') "
-              f"on a GPU machine; deviceless compile checks are scripts/gpu_compile_check.py.", file=sys.stderr)
+              f"Nothing here can pass without one. On a GPU machine JAX needs its CUDA plugin "
+              f"(jax[cuda12] or jax[cuda13]); deviceless compile checks are scripts/gpu_compile_check.py.",
+              file=sys.stderr)
         return 2
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
+    if args.section:
+        return run_child(args)
+    if args.profile:
+        return profile(args.profile, args.iters)
     report = dict(device_kind=target.device_kind, compute_capability=target.compute_capability,
-                  jax=jax.__version__, started=time.strftime("%Y-%m-%d %H:%M:%S"))
-    for name, fn in (("kernels", lambda: check_kernels(target, args.quick)),
-                     ("auto_under_jit", check_auto_under_jit),
-                     ("bench_kernels", lambda: run_bench(args.out.parent, args.quick)),
-                     ("engine", lambda: check_engine(args.quick))):
+                  jax=jax.__version__, quick=args.quick, started=time.strftime("%Y-%m-%d %H:%M:%S"),
+                  sections={})
+    t0 = time.perf_counter()
+    for name in args.sections.split(","):
         print(f"== {name}", flush=True)
+        out_file = args.out / f"section-{name}.json"
+        args.out.mkdir(parents=True, exist_ok=True)
+        out_file.unlink(missing_ok=True)
+        cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--section", name, "--out", str(args.out)]
+        cmd += ["--quick"] * args.quick + ["--debug-cpu-interpret"] * args.debug_cpu_interpret
+        cmd += ["--debug-crash", args.debug_crash] if args.debug_crash else []
         t = time.perf_counter()
-        try:
-            report[name] = fn()
-        except Exception as e:  # record and go on: one report with every section
-            report[name] = dict(ok=False, error=f"{type(e).__name__}: {e}"[:2000])
-        report[name]["seconds"] = round(time.perf_counter() - t, 1)
-        print(f"   {'ok' if report[name]['ok'] else 'FAILED'} ({report[name]['seconds']} s)", flush=True)
-        args.out.write_text(json.dumps(report, indent=1, default=str) + "\n")  # partial results survive
+        proc = subprocess.run(cmd, stdout=None, stderr=subprocess.PIPE, text=True)
+        if out_file.exists():
+            res = json.loads(out_file.read_text())
+        else:  # the child died (abort, segfault, out of memory): recorded, the next section runs
+            res = dict(ok=False, error=f"section process exited with {proc.returncode} and no result",
+                       stderr_tail=proc.stderr[-4000:], seconds=round(time.perf_counter() - t, 1))
+        report["sections"][name] = res
+        print(f"   {'ok' if res.get('ok') else 'FAILED'} ({res.get('seconds')} s)", flush=True)
+        write_report(args.out, report)
     report["seconds"] = round(time.perf_counter() - t0, 1)
-    report["ok"] = all(report[k]["ok"] for k in ("kernels", "auto_under_jit", "bench_kernels", "engine"))
-    args.out.write_text(json.dumps(report, indent=1, default=str) + "\n")
-    print(f"gpu_validate: {'PASSED' if report['ok'] else 'FAILED'} in {report['seconds']} s; report {args.out}")
+    report["ok"] = all(r.get("ok") for r in report["sections"].values())
+    write_report(args.out, report)
+    print(f"gpu_validate: {'PASSED' if report['ok'] else 'FAILED'} in {report['seconds']} s; "
+          f"{args.out / 'report.json'}, {args.out / 'report.md'}")
     return 0 if report["ok"] else 1
 
 

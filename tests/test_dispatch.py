@@ -58,9 +58,11 @@ def fake_gpu(monkeypatch):
         if target is not None:
             monkeypatch.setattr(dispatch, "current_target", lambda: target)
         dispatch.self_check.cache_clear()
+        dispatch._announce_fallback.cache_clear()
         return calls
     yield install
     dispatch.self_check.cache_clear()
+    dispatch._announce_fallback.cache_clear()
 
 
 def case(head_dim=32, num_seqs=2):
@@ -181,12 +183,43 @@ def test_hopper_falls_back_from_mosaic_to_triton(fake_gpu):
         assert kernels_in(fresh_jit(), *args) == {"fake_triton_good"}
 
 
+def test_hopper_tries_triton_when_mosaic_refuses_and_says_why(fake_gpu, monkeypatch):
+    """A configuration the Mosaic kernel refuses (e.g. one that would spill registers) goes to
+    the next kernel of AUTO_ORDER, Triton, after its self-check, with one warning naming the
+    refusal; plain JAX is not used while a kernel can serve the call."""
+    calls = fake_gpu(H100)
+    monkeypatch.setattr(sys.modules["fake_mosaic_good"], "unsupported_reason",
+                        lambda spec, cc=None: "it would spill registers (simulated)")
+    args = case()
+    with pytest.warns(RuntimeWarning, match="mosaic paged-decode kernel refuses this configuration: it "
+                                            "would spill registers.*Using the triton kernel"):
+        assert kernels_in(fresh_jit(), *args) == {"fake_triton_good"}
+    assert "fake_mosaic_good" not in calls
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per configuration
+        np.testing.assert_allclose(np.asarray(fresh_jit()(*args)), want(args), atol=1e-6)
+
+
+def test_hopper_falls_back_to_reference_only_after_both_kernels_fail(fake_gpu):
+    calls = fake_gpu(H100, mosaic="wrong", triton="raise")
+    args = case()
+    with pytest.warns(RuntimeWarning) as record:
+        out = fresh_jit()(*args)
+    np.testing.assert_allclose(np.asarray(out), want(args), atol=1e-6)
+    messages = [str(w.message) for w in record if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1, messages
+    assert ("mosaic paged-decode kernel failed its self-check: result differs" in messages[0]
+            and "triton paged-decode kernel failed its self-check: RuntimeError: PTX" in messages[0]
+            and "Using the reference path" in messages[0])
+    assert {"fake_mosaic_wrong", "fake_triton_raise"} <= set(calls)
+
+
 def test_unsupported_config_routes_to_reference_or_raises(fake_gpu):
     calls = fake_gpu(H100)
     args = case(head_dim=48)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        out = fresh_jit()(*args)  # auto: both kernels say no -> reference, silently
+    with pytest.warns(RuntimeWarning, match="mosaic paged-decode kernel refuses.*head_dim 48.*triton "
+                                            "paged-decode kernel refuses.*Using the reference path"):
+        out = fresh_jit()(*args)  # auto: both kernels say no -> reference, with one warning
     np.testing.assert_allclose(np.asarray(out), want(args), atol=1e-6)
     assert calls == []
     with pytest.raises(ValueError, match="impl='mosaic' cannot serve this call: head_dim 48 unsupported"):
@@ -297,6 +330,7 @@ def test_ragged_auto_self_checks_like_decode(monkeypatch, behaviour):
     monkeypatch.setattr(ragged, "RAGGED", ragged.RAGGED._replace(modules=(("triton", name),)))
     monkeypatch.setattr(dispatch, "current_target", lambda: A100)
     dispatch.self_check.cache_clear()
+    dispatch._announce_fallback.cache_clear()
     rng = np.random.default_rng()
     q = jnp.asarray(rng.standard_normal((16, 4, 32)), jnp.float32)
     k = jnp.asarray(rng.standard_normal((2, 12, 8, 32)), jnp.float32)

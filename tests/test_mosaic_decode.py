@@ -16,7 +16,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import jpa
-from jpa.pallas import mosaic_decode
+from jpa.pallas import compat, mosaic_decode
 from jpa.pallas.spec import DecodeSpec
 from jpa.reference import paged_decode_xla
 from kernel_cases import Case, make_inputs, np_reference, tolerance
@@ -55,6 +55,12 @@ CASES = [
     # everything at once.
     Case((0, 1, 25, 64), num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
          soft_cap=10.0, alibi=True, sliding_window=19, share_page=True, seed=10, **BF16),
+    # 8-bit cache at head_dim 192 (K/V widened and invisible V rows zeroed a column slice at a
+    # time), blocks cut at the sequence end; an 8-bit page of 256 tokens read in 64-token slices.
+    Case((5, 70, 129), num_q_heads=4, num_kv_heads=2, head_dim=192, page_size=64, pages_per_seq=3,
+         q_dtype="bfloat16", cache_dtype="int8", seed=20),
+    Case((1, 100, 256), num_q_heads=6, num_kv_heads=2, head_dim=64, page_size=256, pages_per_seq=1,
+         q_dtype="float16", cache_dtype="float8_e5m2", seed=21),
     # quantized caches (unwritten slots carry NaN scales): int8, float8_e4m3fn, float8_e5m2.
     Case((0, 32, 33, 100), num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=32,
          q_dtype="bfloat16", cache_dtype="int8", share_page=True, seed=14),
@@ -147,7 +153,10 @@ def test_one_block_by_hand():
 
 
 def _race_params():
-    return plgpu.InterpretGPUParams(detect_races=True, on_race="raise")
+    return compat.gpu_interpret_params(raise_on_race=True)
+
+
+needs_on_race = pytest.mark.skipif(not compat.RAISE_ON_RACE, reason=compat.RAISE_ON_RACE_MISSING)
 
 
 @pytest.mark.parametrize("case", [
@@ -156,6 +165,7 @@ def _race_params():
     Case((450, 9), num_q_heads=8, num_kv_heads=1, head_dim=64, page_size=32, pages_per_seq=15,
          alibi=True, sliding_window=400, q_dtype="float16", cache_dtype="int8", seed=13),
 ], ids=str)
+@needs_on_race
 def test_no_races(case):
     # The race detector runs the kernel with happens-before tracking of every SMEM/GMEM access,
     # TMA and barrier; with on_race="raise" a race is an exception. Partitions of up to 6
@@ -172,6 +182,7 @@ def test_no_races(case):
     _check(case, got, args, opts)
 
 
+@needs_on_race
 def test_race_detector_catches_a_missing_barrier_wait():
     # The negative control for test_no_races: reading SMEM that a TMA is still writing (the
     # barrier_wait is missing) must be reported under the same parameters.
@@ -224,3 +235,39 @@ def test_unsupported_reason_refuses_what_does_not_lower():
     assert mosaic_decode.unsupported_reason(base._replace(page_size=256)) is None
     for cc in (8.0, 8.9, 10.0, 12.0):
         assert "Hopper" in mosaic_decode.unsupported_reason(base, cc)
+    # Measured spills are refused with the reason (auto then takes the Triton kernel).
+    quant = base._replace(quantized=True, cache_dtype="int8", page_size=32)
+    assert mosaic_decode.unsupported_reason(quant._replace(head_dim=192)) is None
+    assert "8-bit cache" in mosaic_decode.unsupported_reason(quant._replace(head_dim=256))
+
+
+def test_blocks_stay_64_tokens_and_wide_tiles_are_sliced():
+    """Every page size is read as 64-token blocks (whole small pages, or 64-token slices of large
+    ones: 128/256-token blocks spilled), and register tiles wider than 128 columns are processed
+    in slices that are whole SMEM tiles and cover head_dim exactly once."""
+    for ps in (8, 16, 32, 64, 128, 256):
+        bt = mosaic_decode.block_tokens(128, ps)
+        assert bt == 64 and (bt % ps == 0 or ps % bt == 0)
+        assert mosaic_decode.num_blocks(3, ps, bt) * bt >= 3 * ps > (mosaic_decode.num_blocks(3, ps, bt) - 1) * bt
+    assert mosaic_decode.tmas_per_block(16, 64, True) == 8 and mosaic_decode.tmas_per_block(256, 64, False) == 1
+    for hd, dtypes, width in ((128, ("bfloat16",), 128), (192, ("bfloat16",), 64), (256, ("float16",), 64),
+                              (192, ("int8", "bfloat16"), 64), (160, ("bfloat16",), 32)):
+        chunks = mosaic_decode.col_chunks(hd, *dtypes)
+        assert {w for _, w in chunks} == {width}, (hd, dtypes, chunks)
+        assert [c for c, _ in chunks] == list(range(0, hd, width))
+
+
+def test_compat_race_params_follow_the_jax_version():
+    """The shim's raise-on-race parameters exist exactly when this JAX has `on_race`; asking for
+    them on a JAX without it is an error that names the missing keyword, never a silent no-op."""
+    import inspect
+    has = "on_race" in inspect.signature(plgpu.InterpretGPUParams).parameters
+    assert compat.RAISE_ON_RACE == has
+    if has:
+        params = compat.gpu_interpret_params(raise_on_race=True)
+        assert params.detect_races and params.on_race == "raise"
+    else:
+        with pytest.raises(NotImplementedError, match="on_race"):
+            compat.gpu_interpret_params(raise_on_race=True)
+    assert compat.gpu_interpret_params(detect_races=True).detect_races
+    assert not compat.gpu_interpret_params().detect_races

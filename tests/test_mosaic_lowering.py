@@ -12,6 +12,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 import jpa
 from jpa.pallas import mosaic_decode
+from jpa.pallas.spec import DecodeSpec
 
 H100 = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="cuda")
 
@@ -116,12 +117,21 @@ def _call(q_dtype="bfloat16", cache_dtype=None, num_q_heads=4, num_kv_heads=2, h
     (dict(page_size=4), "page_size = 4 is not supported"),
     (dict(page_size=96), "page_size = 96 is not supported"),
     (dict(num_q_heads=130, num_kv_heads=2), "q_per_kv = 65 exceeds the 64-row WGMMA q tile"),
-    (dict(head_dim=256, page_size=128),
-     "head_dim = 256 with page_size = 128 needs more than 200 KiB of SMEM"),
+    (dict(head_dim=256, cache_dtype="int8", quantized=True, page_size=32),
+     "head_dim = 256 with an 8-bit cache is not supported"),
 ], ids=lambda x: str(x))
 def test_unsupported_configurations_raise(kwargs, message):
     with pytest.raises(ValueError, match=r"impl='mosaic' cannot serve this call: " + message):
         _call(**kwargs)
+
+
+def test_smem_overflow_is_refused(monkeypatch):
+    """With 64-token blocks every accepted shape fits an H100's SMEM (head_dim 256: 2 slots in
+    168 KiB); a smaller budget shows the refusal that keeps an overflow out of the compile."""
+    spec = DecodeSpec("bfloat16", "bfloat16", 8, 2, 256, 128, 4, False, False, False, False)
+    assert mosaic_decode.unsupported_reason(spec, 9.0) is None
+    monkeypatch.setattr(mosaic_decode, "SMEM_BUDGET", 96 * 1024)
+    assert "needs more than 96 KiB of SMEM" in mosaic_decode.unsupported_reason(spec, 9.0)
 
 
 def test_partitions_fill_an_h100():

@@ -47,11 +47,14 @@ from jpa.pallas.spec import DecodeSpec
 
 # WGMMA's M: rows of the q tile.
 BLOCK_Q = 64
-# Minimum key tokens per block: one WGMMA K-step of the P @ V matmul spans 64 rows comfortably
-# and fewer, larger blocks mean fewer barrier round trips per page.
-MIN_BLOCK_TOKENS = 64
-# Most key tokens per block: they are the N dimension of the Q @ K^T WGMMA, which is at most 256.
-MAX_BLOCK_TOKENS = 256
+# Key tokens per block (`block_tokens`): the N of the Q @ K^T WGMMA and the K of P @ V. The
+# f32 scores of a block live in registers next to the [64, head_dim] f32 accumulator (head_dim / 2
+# registers per thread), so blocks stay small: ptxas (read by scripts/gpu_compile_check.py) spills
+# with 128- and 256-token blocks (pages of 128/256 tokens are now read a 64-token slice at a time).
+BLOCK_TOKENS = 64
+# Pages may be smaller than a block (a block is several pages, one TMA each) or larger (a block is
+# a slice of a page); both must tile a block or be tiled by it. Larger pages are not tested.
+MAX_PAGE_SIZE = 256
 # Blocks buffered in SMEM per program (slots - 1 in flight during each block's compute): as many
 # as fit SMEM_BUDGET, up to MAX_SLOTS. H100: 227 KiB of SMEM per block at most.
 MAX_SLOTS = 4
@@ -86,6 +89,11 @@ def unsupported_reason(spec: DecodeSpec, compute_capability: float | None = None
     if spec.head_dim % 16 or spec.head_dim > 256:
         return (f"head_dim = {spec.head_dim} is not supported: it must be a multiple of 16 (rows "
                 f"of a 16-bit WGMMA operand are swizzled in >= 32-byte units) and at most 256")
+    if spec.quantized and spec.head_dim > MAX_QUANT_HEAD_DIM:
+        return (f"head_dim = {spec.head_dim} with an 8-bit cache is not supported: above "
+                f"{MAX_QUANT_HEAD_DIM} the widened K/V tiles next to the f32 accumulator keep this "
+                f"kernel at ptxas's 255-register cap, and it spills (head_dim 256, int8, soft cap: "
+                f"8 bytes); the Triton kernel serves it")
     if spec.quantized and spec.head_dim % 32:
         return (f"head_dim = {spec.head_dim} is not supported with an 8-bit cache: it must be a "
                 f"multiple of 32 (8-bit SMEM pages are swizzled in >= 32-byte units)")
@@ -94,20 +102,119 @@ def unsupported_reason(spec: DecodeSpec, compute_capability: float | None = None
         return (f"page_size = {ps} is too small for a quantized cache: a page's f32 scales "
                 f"({ps * 4} bytes) must be a TMA of >= 128 bytes, so page_size >= "
                 f"{QUANT_MIN_PAGE_SIZE}")
-    if ps < 8 or (ps < MIN_BLOCK_TOKENS and MIN_BLOCK_TOKENS % ps) or (
-            ps >= MIN_BLOCK_TOKENS and ps % MIN_BLOCK_TOKENS) or ps > MAX_BLOCK_TOKENS:
-        return (f"page_size = {ps} is not supported: it must divide {MIN_BLOCK_TOKENS} (>= 8) "
-                f"or be a multiple of {MIN_BLOCK_TOKENS} up to {MAX_BLOCK_TOKENS} (a block's "
-                f"tokens are the N of the Q @ K^T WGMMA, at most 256)")
+    bt = block_tokens(spec.head_dim, ps)
+    if ps < 8 or (ps < bt and bt % ps) or (ps >= bt and ps % bt) or ps > MAX_PAGE_SIZE:
+        return (f"page_size = {ps} is not supported: it must divide {bt} (>= 8) or be a multiple "
+                f"of {bt} up to {MAX_PAGE_SIZE} (the kernel reads keys in {bt}-token blocks)")
     if num_slots(spec.head_dim, ps, 2, 1 if spec.quantized else 2) == 0:
         return (f"head_dim = {spec.head_dim} with page_size = {ps} needs more than "
                 f"{SMEM_BUDGET // 1024} KiB of SMEM for two K/V blocks")
     return None
 
 
-def _block_pages(page_size: int) -> int:
-    """Pages per block: blocks hold at least MIN_BLOCK_TOKENS tokens."""
-    return max(1, MIN_BLOCK_TOKENS // page_size)
+# Register tiles wider than this many columns are processed a column slice at a time where
+# a whole [block_tokens, head_dim] tile would be live next to the accumulator (zeroing invisible V
+# rows, widening 8-bit K/V): at head_dim 192/256 the whole tile made ptxas spill.
+MAX_TILE_COLS = 128
+# Largest head_dim with an 8-bit cache (measured: head_dim 256 spills with a soft cap).
+MAX_QUANT_HEAD_DIM = 192
+
+
+def block_tokens(head_dim: int, page_size: int) -> int:
+    """Key tokens per block (see BLOCK_TOKENS): `block_tokens // page_size` whole pages, or a
+    slice of one page when pages are larger."""
+    del head_dim, page_size  # one size serves every shape accepted (measured: no spills)
+    return BLOCK_TOKENS
+
+
+def _tile_cols(dtype, minor: int) -> int:
+    """Columns of one SMEM tile (`_operand_transforms`) of a row of `minor` elements."""
+    bits = np.dtype(dtype).itemsize * 8
+    return plgpu.find_swizzle(minor * bits, "a WGMMA operand tile") * 8 // bits
+
+
+def col_chunks(head_dim: int, *dtypes) -> list:
+    """[(first column, width)] slices covering head_dim for register tiles of SMEM buffers of
+    `dtypes`: one slice up to MAX_TILE_COLS, else the widest slice <= 64 (128 with an 8-bit
+    dtype) that is whole SMEM tiles of every dtype and divides head_dim."""
+    if head_dim <= MAX_TILE_COLS:
+        return [(0, head_dim)]
+    unit = int(np.lcm.reduce([_tile_cols(d, head_dim) for d in dtypes]))
+    cap = 128 if any(np.dtype(d).itemsize == 1 for d in dtypes) else 64
+    width = max(w for w in range(unit, max(unit, cap) + 1, unit) if head_dim % w == 0)
+    return [(c, width) for c in range(0, head_dim, width)]
+
+
+def _cols(ref, c0, width, head_dim):
+    """ref[..., c0:c0 + width] (ref itself when that is every column)."""
+    return ref if width == head_dim else ref.at[:, pl.ds(c0, width)]
+
+
+def _widen_tile(src, dst, dtype, head_dim):
+    """dst[...] = src widened to dtype (8-bit cache block -> q's dtype), a column slice at a time."""
+    for c0, width in col_chunks(head_dim, src.dtype, dtype):
+        _cols(dst, c0, width, head_dim)[...] = _widen(_cols(src, c0, width, head_dim)[...], dtype)
+
+
+def _mask_rows(src, dst, visible, block_start, block_tokens, dtype, head_dim):
+    """dst[t] = src[t] (widened to dtype) where visible(position of key t), else 0; src may be
+    dst. Column slice by column slice, so only a slice is in registers at once."""
+    for c0, width in col_chunks(head_dim, src.dtype, dtype):
+        tok = block_start + plgpu.broadcasted_iota(
+            jnp.int32, (block_tokens, width), 0, layout=plgpu.Layout.WGMMA)
+        vals = _cols(src, c0, width, head_dim)[...]
+        _cols(dst, c0, width, head_dim)[...] = jnp.where(
+            visible(tok), _widen(vals, dtype) if vals.dtype != dtype else vals, jnp.zeros((), dtype))
+
+
+def _block_source(tables_ref, seq, blk, *, page_size, block_tokens, pages_per_seq, num_pages):
+    """Where block `blk` (i32) of sequence `seq` is in the pool: a tuple of i32 scalars, the
+    physical pages of its whole pages, or (page, first row) when a block is a slice of a page.
+
+    Pages past the table or the sequence are still copied (a barrier's byte count is static)
+    from a clamped in-range page; their tokens are masked by the caller."""
+    if page_size <= block_tokens:
+        n = block_tokens // page_size
+        pages = []
+        for i in range(n):
+            page = tables_ref[seq, jnp.minimum(blk * n + i, pages_per_seq - 1)]
+            pages.append(jnp.clip(page, 0, num_pages - 1))
+        return tuple(pages)
+    splits = page_size // block_tokens
+    page = tables_ref[seq, jnp.minimum(lax.div(blk, splits), pages_per_seq - 1)]
+    return jnp.clip(page, 0, num_pages - 1), lax.rem(blk, splits) * block_tokens
+
+
+def _copy_block(src, slot, kh, refs, smem, bars, *, page_size, block_tokens):
+    """Starts the TMA copies of one block (`_block_source`'s src) into `slot`: K, V and, for a
+    quantized cache, their per-token scales. refs: (k_ref, v_ref, ks_ref, vs_ref) in GMEM (scales
+    None unless quantized); smem: the matching [slots, S, H] / [slots, S] buffers; bars: (k_bars,
+    v_bars). Each barrier gets `tmas_per_block` arrivals."""
+    k_ref, v_ref, ks_ref, vs_ref = refs
+    k_smem, v_smem, ks_smem, vs_smem = smem
+    k_bars, v_bars = bars
+    if page_size <= block_tokens:
+        pieces = [(page, pl.ds(0, page_size), pl.ds(i * page_size, page_size)) for i, page in enumerate(src)]
+    else:
+        page, row = src
+        pieces = [(page, pl.ds(row, block_tokens), pl.ds(0, block_tokens))]
+    for page, src_rows, rows in pieces:
+        plgpu.copy_gmem_to_smem(k_ref.at[kh, page, src_rows], k_smem.at[slot, rows], k_bars.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[kh, page, src_rows], v_smem.at[slot, rows], v_bars.at[slot])
+        if ks_ref is not None:
+            plgpu.copy_gmem_to_smem(ks_ref.at[kh, page, src_rows], ks_smem.at[slot, rows], k_bars.at[slot])
+            plgpu.copy_gmem_to_smem(vs_ref.at[kh, page, src_rows], vs_smem.at[slot, rows], v_bars.at[slot])
+
+
+def tmas_per_block(page_size: int, block_tokens: int, quantized: bool) -> int:
+    """TMA copies per block and per barrier (K's or V's): one per page (or page slice), twice
+    for a quantized cache (values and scales)."""
+    return max(1, block_tokens // page_size) * (2 if quantized else 1)
+
+
+def num_blocks(pages_per_seq: int, page_size: int, block_tokens: int) -> int:
+    """Blocks that cover a sequence of pages_per_seq pages."""
+    return -(-(pages_per_seq * page_size) // block_tokens)
 
 
 def num_partitions(num_seqs: int, num_kv_heads: int, num_blocks: int) -> int:
@@ -136,18 +243,18 @@ def smem_bytes(head_dim: int, page_size: int, itemsize: int = 2, cache_itemsize:
     slots, peak = _smem_plan(head_dim, page_size, itemsize, cache_itemsize)
     if not register_acc:
         return peak
-    block_tokens = _block_pages(page_size) * page_size
+    bt = block_tokens(head_dim, page_size)
     epilogue = BLOCK_Q * head_dim * 4 + 2 * BLOCK_Q * 4
-    return max(peak - BLOCK_Q * block_tokens * itemsize, epilogue)
+    return max(peak - BLOCK_Q * bt * itemsize, epilogue)
 
 
 def _smem_plan(head_dim, page_size, itemsize, cache_itemsize):
-    block_tokens = _block_pages(page_size) * page_size
-    per_slot = 2 * block_tokens * head_dim * cache_itemsize  # K and V
-    fixed = (BLOCK_Q * head_dim + BLOCK_Q * block_tokens) * itemsize + BLOCK_Q * 4  # q, p, slopes
+    bt = block_tokens(head_dim, page_size)
+    per_slot = 2 * bt * head_dim * cache_itemsize  # K and V
+    fixed = (BLOCK_Q * head_dim + BLOCK_Q * bt) * itemsize + BLOCK_Q * 4  # q, p, slopes
     if cache_itemsize == 1:
-        per_slot += 2 * block_tokens * 4  # K and V scales
-        fixed += 2 * block_tokens * head_dim * itemsize  # widened K and V
+        per_slot += 2 * bt * 4  # K and V scales
+        fixed += 2 * bt * head_dim * itemsize  # widened K and V
     fit = (SMEM_BUDGET - fixed) // per_slot
     slots = int(min(MAX_SLOTS, fit)) if fit >= 2 else 0
     epilogue = BLOCK_Q * head_dim * 4 + 2 * BLOCK_Q * 4
@@ -156,7 +263,7 @@ def _smem_plan(head_dim, page_size, itemsize, cache_itemsize):
 
 def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, ks_ref, vs_ref,  # GMEM
             acc_out, m_out, l_out,  # outputs (GMEM)
-            bars, *, scale, soft_cap, sliding_window, q_per_kv, page_size, block_pages,
+            bars, *, scale, soft_cap, sliding_window, q_per_kv, page_size, block_tokens,
             blocks_per_part, slots, rows_out, register_acc):
     # q_ref [num_seqs * num_q_heads + BLOCK_Q, head_dim]; k_ref, v_ref [K, P, S_p, H];
     # tables_ref i32[num_seqs, pages_per_seq]; lens_ref i32[num_seqs];
@@ -173,7 +280,6 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, ks_ref, vs_re
     part = lax.axis_index("part")
     num_kv_heads, num_pages, _, head_dim = k_ref.shape
     pages_per_seq = tables_ref.shape[1]
-    block_tokens = block_pages * page_size
     dtype = q_ref.dtype
     quantized = ks_ref is not None
     col_layout = plgpu.Layout.WGMMA.reduce(0)
@@ -202,27 +308,14 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, ks_ref, vs_re
                                     q_bar.at[1])
 
         def lookup(step):
-            """Physical pages of block lo + step: i32 scalars read from the block table."""
-            pages = []
-            for i in range(block_pages):
-                logical = (lo + step) * block_pages + i
-                # Pages past the table or the sequence are still copied (the barrier's byte count
-                # is static), from a clamped in-range page; their tokens are masked below.
-                page = tables_ref[b, jnp.minimum(logical, pages_per_seq - 1)]
-                pages.append(jnp.clip(page, 0, num_pages - 1))
-            return tuple(pages)
+            """Where block lo + step is: i32 scalars read from the block table."""
+            return _block_source(tables_ref, b, lo + step, page_size=page_size, block_tokens=block_tokens,
+                                 pages_per_seq=pages_per_seq, num_pages=num_pages)
 
-        def issue(pages, slot):
-            """Starts the TMA copies of one block's pages into slot, one per page."""
-            for i, page in enumerate(pages):
-                rows = pl.ds(i * page_size, page_size)
-                plgpu.copy_gmem_to_smem(k_ref.at[kh, page], k_smem.at[slot, rows], k_bars.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[kh, page], v_smem.at[slot, rows], v_bars.at[slot])
-                if quantized:
-                    plgpu.copy_gmem_to_smem(ks_ref.at[kh, page], ks_smem.at[slot, rows],
-                                            k_bars.at[slot])
-                    plgpu.copy_gmem_to_smem(vs_ref.at[kh, page], vs_smem.at[slot, rows],
-                                            v_bars.at[slot])
+        def issue(src, slot):
+            """Starts the TMA copies of one block into slot."""
+            _copy_block(src, slot, kh, (k_ref, v_ref, ks_ref, vs_ref), (k_smem, v_smem, ks_smem, vs_smem),
+                        (k_bars, v_bars), page_size=page_size, block_tokens=block_tokens)
 
         for s in range(slots - 1):
             pl.when(s < num_steps)(functools.partial(issue, lookup(s), s))
@@ -248,7 +341,7 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, ks_ref, vs_re
             if quantized:
                 # WGMMA operands share one dtype: widen the 8-bit block into q's dtype (exact
                 # for int8 and both float8 formats); the per-token scale multiplies the logits.
-                kd_smem[...] = _widen(k_smem.at[slot][...], dtype)
+                _widen_tile(k_smem.at[slot], kd_smem, dtype, head_dim)
                 plgpu.commit_smem()
                 k_op = kd_smem
             else:
@@ -287,10 +380,8 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, ks_ref, vs_re
                 p_smem[...] = p.astype(dtype)  # interpret mode: SMEM operands only
             if quantized:
                 # The widened copy is written whole, invisible tokens as 0 (see below).
-                tok = block_start + plgpu.broadcasted_iota(
-                    jnp.int32, (block_tokens, head_dim), 0, layout=plgpu.Layout.WGMMA)
-                vd_smem[...] = jnp.where((tok < seq_len) & (tok >= start),
-                                         _widen(v_smem.at[slot][...], dtype), jnp.zeros((), dtype))
+                _mask_rows(v_smem.at[slot], vd_smem, lambda tok: (tok < seq_len) & (tok >= start),
+                           block_start, block_tokens, dtype, head_dim)
                 v_op = vd_smem
             else:
                 v_op = v_smem.at[slot]
@@ -299,11 +390,9 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, ks_ref, vs_re
                 @pl.when(partial_block)
                 def _zero_invisible_v():
                     # p = 0 there, but 0 * (garbage NaN/inf in a recycled page) would be NaN.
-                    vs = v_smem.at[slot]
-                    tok = block_start + plgpu.broadcasted_iota(
-                        jnp.int32, (block_tokens, head_dim), 0, layout=plgpu.Layout.WGMMA)
-                    vs[...] = jnp.where((tok < seq_len) & (tok >= start), vs[...],
-                                        jnp.zeros((), dtype))
+                    _mask_rows(v_smem.at[slot], v_smem.at[slot],
+                               lambda tok: (tok < seq_len) & (tok >= start), block_start,
+                               block_tokens, dtype, head_dim)
                     if register_acc:
                         plgpu.commit_smem()  # only blocks that were rewritten need the fence
 
@@ -338,8 +427,9 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, ks_ref, vs_re
         plgpu.SMEM((BLOCK_Q, head_dim), dtype, transforms=transforms),
         plgpu.SMEM((slots, block_tokens, head_dim), cache_dtype, transforms=cache_transforms),
         plgpu.SMEM((slots, block_tokens, head_dim), cache_dtype, transforms=cache_transforms),
-        # Interpret mode: p in SMEM, swizzled like the rhs (V, minor dimension head_dim).
-        None if register_acc else plgpu.SMEM((BLOCK_Q, block_tokens), dtype, transforms=transforms),
+        # Interpret mode: p in SMEM (the lhs of P @ V, minor dimension block_tokens).
+        None if register_acc else plgpu.SMEM((BLOCK_Q, block_tokens), dtype,
+                                             transforms=_operand_transforms(dtype, block_tokens)),
         plgpu.SMEM((BLOCK_Q,), jnp.float32) if slopes_ref is not None else None,
         # Quantized caches: the widened K and V blocks and the per-token scales.
         plgpu.SMEM((block_tokens, head_dim), dtype, transforms=transforms) if quantized else None,
@@ -389,11 +479,11 @@ def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_ca
     num_kv_heads, _, page_size, _ = k_pages.shape
     pages_per_seq = block_tables.shape[1]
     q_per_kv = num_q_heads // num_kv_heads
-    block_pages = _block_pages(page_size)
-    num_blocks = -(-pages_per_seq // block_pages)
+    bt = block_tokens(head_dim, page_size)
+    blocks = num_blocks(pages_per_seq, page_size, bt)
     if blocks_per_part is None:
-        blocks_per_part = -(-num_blocks // num_partitions(num_seqs, num_kv_heads, num_blocks))
-    parts = -(-num_blocks // blocks_per_part)
+        blocks_per_part = -(-blocks // num_partitions(num_seqs, num_kv_heads, blocks))
+    parts = -(-blocks // blocks_per_part)
     rows_out = -(-q_per_kv // ROW_ALIGN) * ROW_ALIGN
     dtype = q.dtype
     quantized = k_scales is not None
@@ -401,22 +491,27 @@ def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_ca
 
     # q is tiny next to the cache: flatten it (free) and pad BLOCK_Q rows so the 64-row q tile
     # of the last kv head stays in bounds. The page pools go in whole, never sliced.
+    # Row counts are padded to a multiple of 8 as well: Mosaic GPU's TMA tiles a GMEM operand's
+    # rows by 8 (found by the compile tier: 4 sequences x 1 head = 68 rows did not lower).
+    q_pad = BLOCK_Q + (-(num_seqs * num_q_heads)) % ROW_ALIGN
     q_rows = jnp.pad(q.reshape(num_seqs * num_q_heads, head_dim),
-                     ((0, BLOCK_Q), (0, 0)))  # [num_seqs * num_q_heads + BLOCK_Q, head_dim]
+                     ((0, q_pad), (0, 0)))  # [num_seqs * num_q_heads + q_pad, head_dim]
     if alibi_slopes is not None:
-        slopes = jnp.pad(alibi_slopes.astype(jnp.float32), (0, BLOCK_Q))  # f32[N + BLOCK_Q]
+        slopes = jnp.pad(alibi_slopes.astype(jnp.float32),
+                         (0, BLOCK_Q + (-num_q_heads) % ROW_ALIGN))  # f32[N + BLOCK_Q, rounded up to 8]
     else:
         slopes = jnp.zeros((ROW_ALIGN,), jnp.float32)  # unused placeholder operand
 
     kernel = functools.partial(
         _kernel, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
-        q_per_kv=q_per_kv, page_size=page_size, block_pages=block_pages,
+        q_per_kv=q_per_kv, page_size=page_size, block_tokens=bt,
         blocks_per_part=blocks_per_part, slots=slots, rows_out=rows_out, register_acc=not interpret)
-    # One barrier arrival per TMA: a page of K (V), and of its scales when quantized.
-    arrivals = block_pages * (2 if quantized else 1)
+    # One barrier arrival per TMA: a page (or page slice) of K (V), and of its scales when quantized.
+    arrivals = tmas_per_block(page_size, bt, quantized)
 
-    def body(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, ks_ref, vs_ref,
-             acc_out, m_out, l_out):
+    # The body's name is the kernel's name (ptxas reports and MOSAIC_GPU_DUMP_TO files).
+    def jpa_mosaic_decode(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, ks_ref, vs_ref,
+                          acc_out, m_out, l_out):
         pl.run_scoped(
             lambda *bars: kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref,
                                  slopes_ref if alibi_slopes is not None else None,
@@ -433,7 +528,7 @@ def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_ca
         jax.ShapeDtypeStruct((num_seqs, num_kv_heads, parts, rows_out), jnp.float32),
     )
     acc, m, l = plgpu.kernel(
-        body, out_type=out_type, grid=(num_seqs, num_kv_heads, parts),
+        jpa_mosaic_decode, out_type=out_type, grid=(num_seqs, num_kv_heads, parts),
         grid_names=("seq", "kv_head", "part"),
         # Lane semantics: layouts are explicit (WGMMA layout for every register tile).
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),

@@ -37,7 +37,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jpa.pallas import mosaic_decode
 from jpa.pallas.common import MASK_VALUE, decode_last_rows, max_query_tiles, query_tiles
-from jpa.pallas.mosaic_decode import BLOCK_Q, _block_pages, _operand_transforms, _widen, num_slots
+from jpa.pallas.mosaic_decode import (BLOCK_Q, _block_source, _copy_block, _mask_rows, _operand_transforms,
+                                     _widen_tile, block_tokens as block_tokens_for, num_slots,
+                                     tmas_per_block)
 from jpa.pallas.spec import RaggedSpec
 
 # Placeholder operand for absent optional inputs (Mosaic GPU kernels take a fixed operand list).
@@ -57,7 +59,7 @@ def tile_tokens(q_per_kv: int) -> int:
 
 def _kernel(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref, pos0_ref, slopes_ref,
             ks_ref, vs_ref, out_ref, bars, *, scale, soft_cap, sliding_window, q_per_kv,
-            page_size, block_pages, slots, rows_per_head, register_acc):
+            page_size, block_tokens, slots, rows_per_head, register_acc):
     # q_ref [K * rows_per_head, H]: kv head h's rows start at h * rows_per_head, token t's
     #   q_per_kv heads at + t * q_per_kv (rows_per_head = T * q_per_kv + BLOCK_Q, padded).
     # k_ref, v_ref [K, P, S_p, H]; tables_ref i32[max_num_seqs, pages_per_seq];
@@ -70,7 +72,6 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref, pos0_r
     kh = lax.axis_index("kv_head")
     _, num_pages, _, head_dim = k_ref.shape
     pages_per_seq = tables_ref.shape[1]
-    block_tokens = block_pages * page_size
     dtype = q_ref.dtype
     quantized = ks_ref is not None
     col_layout = plgpu.Layout.WGMMA.reduce(0)
@@ -95,24 +96,13 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref, pos0_r
             plgpu.copy_gmem_to_smem(slopes_ref.at[kh], slopes_smem, q_bar.at[1])
 
         def lookup(step):
-            """Physical pages of block lo + step (clamped in range; see mosaic_decode)."""
-            pages = []
-            for i in range(block_pages):
-                logical = (lo + step) * block_pages + i
-                page = tables_ref[seq, jnp.minimum(logical, pages_per_seq - 1)]
-                pages.append(jnp.clip(page, 0, num_pages - 1))
-            return tuple(pages)
+            """Where block lo + step is (clamped in range; see mosaic_decode._block_source)."""
+            return _block_source(tables_ref, seq, lo + step, page_size=page_size, block_tokens=block_tokens,
+                                 pages_per_seq=pages_per_seq, num_pages=num_pages)
 
-        def issue(pages, slot):
-            for i, page in enumerate(pages):
-                rows = pl.ds(i * page_size, page_size)
-                plgpu.copy_gmem_to_smem(k_ref.at[kh, page], k_smem.at[slot, rows], k_bars.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[kh, page], v_smem.at[slot, rows], v_bars.at[slot])
-                if quantized:
-                    plgpu.copy_gmem_to_smem(ks_ref.at[kh, page], ks_smem.at[slot, rows],
-                                            k_bars.at[slot])
-                    plgpu.copy_gmem_to_smem(vs_ref.at[kh, page], vs_smem.at[slot, rows],
-                                            v_bars.at[slot])
+        def issue(src, slot):
+            _copy_block(src, slot, kh, (k_ref, v_ref, ks_ref, vs_ref), (k_smem, v_smem, ks_smem, vs_smem),
+                        (k_bars, v_bars), page_size=page_size, block_tokens=block_tokens)
 
         for s in range(slots - 1):
             pl.when(s < num_steps)(functools.partial(issue, lookup(s), s))
@@ -135,7 +125,7 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref, pos0_r
             block_start = (lo + step) * block_tokens
             plgpu.barrier_wait(k_bars.at[slot])
             if quantized:
-                kd_smem[...] = _widen(k_smem.at[slot][...], dtype)
+                _widen_tile(k_smem.at[slot], kd_smem, dtype, head_dim)
                 plgpu.commit_smem()
                 k_op = kd_smem
             else:
@@ -174,10 +164,8 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref, pos0_r
             if not register_acc:
                 p_smem[...] = p.astype(dtype)  # interpret mode: SMEM operands only
             if quantized:
-                tok = block_start + plgpu.broadcasted_iota(
-                    jnp.int32, (block_tokens, head_dim), 0, layout=plgpu.Layout.WGMMA)
-                vd_smem[...] = jnp.where((tok < kv_end) & (tok >= kv_lo),
-                                         _widen(v_smem.at[slot][...], dtype), jnp.zeros((), dtype))
+                _mask_rows(v_smem.at[slot], vd_smem, lambda tok: (tok < kv_end) & (tok >= kv_lo),
+                           block_start, block_tokens, dtype, head_dim)
                 v_op = vd_smem
             else:
                 v_op = v_smem.at[slot]
@@ -186,11 +174,9 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref, pos0_r
                 @pl.when(partial_block)
                 def _zero_invisible_v():
                     # p = 0 there, but 0 * (garbage NaN/inf in an unwritten slot) would be NaN.
-                    vs = v_smem.at[slot]
-                    tok = block_start + plgpu.broadcasted_iota(
-                        jnp.int32, (block_tokens, head_dim), 0, layout=plgpu.Layout.WGMMA)
-                    vs[...] = jnp.where((tok < kv_end) & (tok >= kv_lo), vs[...],
-                                        jnp.zeros((), dtype))
+                    _mask_rows(v_smem.at[slot], v_smem.at[slot],
+                               lambda tok: (tok < kv_end) & (tok >= kv_lo), block_start,
+                               block_tokens, dtype, head_dim)
                     if register_acc:
                         plgpu.commit_smem()  # only blocks that were rewritten need the fence
 
@@ -227,7 +213,8 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref, pos0_r
         plgpu.SMEM((BLOCK_Q, head_dim), dtype, transforms=transforms),
         plgpu.SMEM((slots, block_tokens, head_dim), k_ref.dtype, transforms=cache_transforms),
         plgpu.SMEM((slots, block_tokens, head_dim), k_ref.dtype, transforms=cache_transforms),
-        None if register_acc else plgpu.SMEM((BLOCK_Q, block_tokens), dtype, transforms=transforms),
+        None if register_acc else plgpu.SMEM((BLOCK_Q, block_tokens), dtype,
+                                             transforms=_operand_transforms(dtype, block_tokens)),
         plgpu.SMEM((BLOCK_Q,), jnp.float32) if slopes_ref is not None else None,
         plgpu.SMEM((block_tokens, head_dim), dtype, transforms=transforms) if quantized else None,
         plgpu.SMEM((block_tokens, head_dim), dtype, transforms=transforms) if quantized else None,
@@ -255,15 +242,17 @@ def _tile_rows(q, k_pages, v_pages, block_tables, tiles, alibi_slopes, k_scales,
     num_kv_heads, _, page_size, _ = k_pages.shape
     q_per_kv = num_q_heads // num_kv_heads
     num_tiles = tiles[0].shape[0]
-    block_pages = _block_pages(page_size)
+    bt = block_tokens_for(head_dim, page_size)
     quantized = k_scales is not None
     # Planned as if p were in SMEM on both paths (mosaic_decode's rule): same pipeline depth.
     slots = num_slots(head_dim, page_size, q.dtype.itemsize, k_pages.dtype.itemsize)
-    rows_per_head = num_tokens * q_per_kv + BLOCK_Q
+    # Padded to a multiple of 8 rows (Mosaic GPU's TMA tiles GMEM rows by 8; see mosaic_decode).
+    rows_per_head = num_tokens * q_per_kv + BLOCK_Q + (-(num_tokens * q_per_kv)) % 8
     # [K, T * G (+ BLOCK_Q padding), H]: a tile's rows for one kv head are consecutive.
     q_rows = jnp.swapaxes(q.reshape(num_tokens, num_kv_heads, q_per_kv, head_dim), 0, 1)
     q_rows = jnp.pad(q_rows.reshape(num_kv_heads, num_tokens * q_per_kv, head_dim),
-                     ((0, 0), (0, BLOCK_Q), (0, 0))).reshape(num_kv_heads * rows_per_head, head_dim)
+                     ((0, 0), (0, rows_per_head - num_tokens * q_per_kv), (0, 0))
+                     ).reshape(num_kv_heads * rows_per_head, head_dim)
     placeholder = jnp.zeros((_PLACEHOLDER_ROWS,), jnp.float32)
     if alibi_slopes is not None:
         # Row r of a tile is q head kh * q_per_kv + r % q_per_kv.
@@ -271,12 +260,13 @@ def _tile_rows(q, k_pages, v_pages, block_tables, tiles, alibi_slopes, k_scales,
         slopes = alibi_slopes.astype(jnp.float32).reshape(num_kv_heads, q_per_kv)[:, r]  # [K, BLOCK_Q]
     kernel = functools.partial(
         _kernel, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
-        q_per_kv=q_per_kv, page_size=page_size, block_pages=block_pages, slots=slots,
+        q_per_kv=q_per_kv, page_size=page_size, block_tokens=bt, slots=slots,
         rows_per_head=rows_per_head, register_acc=not interpret)
-    arrivals = block_pages * (2 if quantized else 1)
+    arrivals = tmas_per_block(page_size, bt, quantized)
 
-    def body(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref, pos0_ref, slopes_ref,
-             ks_ref, vs_ref, out_ref):
+    # The body's name is the kernel's name (ptxas reports and MOSAIC_GPU_DUMP_TO files).
+    def jpa_mosaic_ragged(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref, pos0_ref,
+                          slopes_ref, ks_ref, vs_ref, out_ref):
         pl.run_scoped(
             lambda *bars: kernel(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref,
                                  pos0_ref, slopes_ref if alibi_slopes is not None else None,
@@ -288,7 +278,7 @@ def _tile_rows(q, k_pages, v_pages, block_tables, tiles, alibi_slopes, k_scales,
         )
 
     return plgpu.kernel(
-        body,
+        jpa_mosaic_ragged,
         out_type=jax.ShapeDtypeStruct((num_tiles, num_kv_heads, BLOCK_Q, head_dim), q.dtype),
         grid=(num_tiles, num_kv_heads), grid_names=("tile", "kv_head"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),

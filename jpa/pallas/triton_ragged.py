@@ -27,7 +27,7 @@ The output buffer (zeros with the last rows scattered in) is aliased into and ou
 each program scatters its live rows into it, so padding rows stay zero.
 
 Trade-offs (static, from shapes; lengths are data):
-- rows = 64 MMA rows (32 for head_dim > 128): a prefill tile of 64 / q_per_kv tokens reads its
+- rows = 64 MMA rows (16 for head_dim > 128): a prefill tile of 64 / q_per_kv tokens reads its
   sequence's K/V once for all of them.
 - Prefill tiles have no split-K (their parallelism comes from the tiles themselves); a chunk's
   last row is read once more by the decode kernel (1 / num_tiles_of_the_chunk extra traffic).
@@ -45,11 +45,22 @@ from jax.experimental.pallas import triton as plgpu
 from jpa.pallas import triton_decode
 from jpa.pallas.common import MASK_VALUE, decode_last_rows, max_query_tiles, query_tiles
 from jpa.pallas.spec import RaggedSpec
-from jpa.pallas.triton_decode import MIN_BLOCK_K, TILE_ELEMENTS, _compute_dtype, _next_pow2
+from jpa.pallas.triton_decode import MIN_BLOCK_K, _compute_dtype, _next_pow2
 
-# ---- Tuning (see `plan`; unmeasured here, no GPU) ----
+# ---- Tuning (see `plan`; speed unmeasured here, no GPU; registers measured by ptxas) ----
 TILE_ROWS = 64            # MMA rows per program for head_dim <= 128 (tile_tokens * q_per_kv)
-TILE_ROWS_WIDE = 32       # for head_dim > 128: acc [rows, head_dim_pad] f32 must fit in registers
+# For head_dim > 128: the [rows, head_dim_pad] f32 accumulator and the row/column index tensors of
+# q's gather and the output's scatter stay live across the key loop; with 32 rows ptxas spilled
+# 8 bytes (H100, bf16, head_dim 256), with 16 it uses 94-157 registers.
+TILE_ROWS_WIDE = 16
+# Key tile elements (block_k * head_dim_pad) per step, half the decode kernel's (a quarter with
+# float32 q): the [rows, block_k] scores and the [rows, head_dim_pad] accumulator are 64 rows here.
+# Measured by ptxas (scripts/gpu_compile_check.py): with the decode kernel's 8192 elements it
+# spilled 16-240 bytes at 255 registers (A100: bf16/hd128, f16 q + int8 cache/hd64, f32,
+# fp8/hd80; H100: f32). 8 warps are no way out: Triton then caps registers at 128 and fp8/hd192
+# and bf16/hd80/q_per_kv 16 spilled.
+TILE_ELEMENTS = 4096
+TILE_ELEMENTS_F32 = 2048
 NUM_WARPS = 4
 NUM_STAGES = 2
 
@@ -64,13 +75,13 @@ class Plan(NamedTuple):
 
 
 def plan(num_tokens: int, max_num_seqs: int, q_per_kv: int, head_dim: int, page_size: int,
-         pages_per_seq: int, rows: int | None = None) -> Plan:
+         pages_per_seq: int, rows: int | None = None, f32: bool = False) -> Plan:
     """Chooses tile sizes from static shapes.
 
     - rows: TILE_ROWS (TILE_ROWS_WIDE for head_dim > 128), at least q_per_kv rounded up to a
       power of two (one token's heads always fit a tile), or `rows` when given.
-    - block_k: TILE_ELEMENTS / head_dim_pad key tokens per step (the decode kernel's rule), at
-      least 16, at most the longest context rounded up to a power of two.
+    - block_k: TILE_ELEMENTS (TILE_ELEMENTS_F32 when `f32`, float32 compute) / head_dim_pad key
+      tokens per step, at least 16, at most the longest context rounded up to a power of two.
     - num_tiles: `max_query_tiles(num_tokens, max_num_seqs, tile_tokens)`.
     """
     head_dim_pad = max(16, _next_pow2(head_dim))
@@ -79,7 +90,8 @@ def plan(num_tokens: int, max_num_seqs: int, q_per_kv: int, head_dim: int, page_
     rows = max(16, _next_pow2(rows), _next_pow2(q_per_kv))
     tile_tokens = rows // q_per_kv
     max_tokens = pages_per_seq * page_size
-    block_k = max(MIN_BLOCK_K, min(TILE_ELEMENTS // head_dim_pad, _next_pow2(max_tokens)))
+    tile = TILE_ELEMENTS_F32 if f32 else TILE_ELEMENTS
+    block_k = max(MIN_BLOCK_K, min(tile // head_dim_pad, _next_pow2(max_tokens)))
     num_tiles = max_query_tiles(num_tokens, max_num_seqs, tile_tokens)
     return Plan(rows, tile_tokens, block_k, head_dim_pad, num_tiles)
 
@@ -220,7 +232,9 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
     max_num_seqs, pages_per_seq = block_tables.shape
     q_per_kv = num_q_heads // num_kv_heads
-    p = plan(num_tokens, max_num_seqs, q_per_kv, head_dim, page_size, pages_per_seq, rows)
+    compute_dtype = _compute_dtype(q.dtype, k_pages.dtype)
+    p = plan(num_tokens, max_num_seqs, q_per_kv, head_dim, page_size, pages_per_seq, rows,
+             f32=compute_dtype == jnp.float32)
     hp = p.head_dim_pad
     num_seqs = jnp.asarray(num_seqs, jnp.int32)
     opts = dict(scale=scale, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
@@ -239,7 +253,7 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
         _kernel, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
         page_size=page_size, num_pages=num_pages, pages_per_seq=pages_per_seq, q_per_kv=q_per_kv,
         head_dim=head_dim, rows=p.rows, block_k=p.block_k,
-        compute_dtype=_compute_dtype(q.dtype, k_pages.dtype))
+        compute_dtype=compute_dtype)
     whole = lambda shape: pl.BlockSpec(shape, lambda w, h: (0,) * len(shape))  # noqa: E731
     tile_spec = whole((p.num_tiles,))
     pool_spec = pl.BlockSpec((None, num_pages, page_size, hp), lambda w, h: (h, 0, 0, 0))
