@@ -3,9 +3,9 @@
 Einsum letters: B num_seqs, K num_kv_heads, G q_per_kv, H head_dim, S key tokens of one block.
 
 One program per (sequence, kv head, partition). A program owns the G query heads that share
-its kv head and walks its partition of the sequence's keys a *block* at a time: a block is
-`pages_per_block` consecutive logical pages (at least 64 tokens), each page copied GMEM -> SMEM
-by its own TMA, the source page picked from the block table. `slots` blocks are buffered
+its kv head and walks its partition of the sequence's keys a *block* (64 tokens) at a time: a
+block is 64 / page_size consecutive logical pages, each copied GMEM -> SMEM by its own TMA, or a
+64-token slice of one larger page (one TMA); the source page is picked from the block table. `slots` blocks are buffered
 (`num_slots`: up to 4, as SMEM allows): while block j is computed, blocks j+1 .. j+slots-1 are
 already in flight.
 
@@ -29,8 +29,10 @@ Split-K: each partition writes its unnormalized (acc, m, l); `merge_partitions` 
 Rejected (see `unsupported_reason`): targets other than Hopper (9.x), float32 q (WGMMA is
 tf32-only for f32), a 16-bit cache whose dtype differs from q's, q_per_kv > 64, head_dim not a
 multiple of 16 (32 for 8-bit caches: Mosaic GPU swizzles SMEM rows in 32/64/128-byte units) or
-> 256, page sizes that neither divide nor are multiples of 64 or exceed 256 (a block's tokens
-are a WGMMA N), quantized pages under 32 tokens, and shapes whose two K/V blocks do not fit SMEM.
+> 256, 8-bit caches above head_dim 192 (they spill registers), page sizes that neither divide
+nor are multiples of 64 or exceed 256, quantized pages under 32 tokens, and shapes whose two K/V
+blocks do not fit SMEM. Every accepted configuration compiles for an H100 without register
+spills (scripts/gpu_compile_check.py reads ptxas's report).
 """
 
 import functools
