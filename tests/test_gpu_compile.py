@@ -149,8 +149,13 @@ def jpa_spill(x):
 rec = g.Compiler("h100").compile("spill", jpa_spill, (jax.ShapeDtypeStruct((64, 128), jnp.float32),))
 print("RESULT", rec["ok"], rec.get("spills"), rec.get("problems"), rec.get("error", ""))
 """)
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=ROOT)
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
+    # Once in a loaded full-suite run the compile left no ptxas report to read (the record had no
+    # kernel at all, "RESULT True None"); a second compile in a fresh process did. Retry that case only.
+    for _ in range(3):
+        proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+        line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
+        if not line.startswith("RESULT True None"):
+            break
     assert line.startswith("RESULT False {'jpa_spill':") and "ptxas spills registers" in line, line
 
 
