@@ -304,14 +304,8 @@ def section_bandwidth(ctx) -> dict:
             if reason:
                 rows.append({**row, "refused": reason})
                 continue
-            try:
-                fn = jax.jit(lambda *a, impl=impl: jpa.paged_decode(*a, **opts, impl=impl))
-                s = _time(fn, *args, iters=iters)
-                gbps = nbytes / s / 1e9
-                rows.append({**row, "us": round(s * 1e6, 1), "gbps": round(gbps, 1),
-                             "pct_of_copy_roofline": round(100 * gbps / copy_gbps, 1)})
-            except Exception as e:
-                rows.append({**row, "error": _err(e)})
+            rows.append(_timed_row(row, jax.jit(lambda *a, impl=impl: jpa.paged_decode(*a, **opts, impl=impl)), args,
+                                   iters, nbytes, copy_gbps))
             print(f"  {row['shape']} {impl}: {rows[-1].get('gbps', rows[-1].get('error', rows[-1].get('refused')))}",
                   flush=True)
     rows += _ragged_bandwidth(ctx, iters)
@@ -352,15 +346,19 @@ def _ragged_bandwidth(ctx, iters):
         if reason:
             rows.append({**row, "refused": reason})
             continue
-        try:
-            fn = jax.jit(lambda *a, impl=impl: jpa.ragged_paged_attention(*a, impl=impl))
-            s = _time(fn, *args, iters=iters)
-            gbps = nbytes / s / 1e9
-            rows.append({**row, "us": round(s * 1e6, 1), "gbps": round(gbps, 1),
-                         "pct_of_copy_roofline": round(100 * gbps / copy_gbps, 1)})
-        except Exception as e:
-            rows.append({**row, "error": _err(e)})
+        rows.append(_timed_row(row, jax.jit(lambda *a, impl=impl: jpa.ragged_paged_attention(*a, impl=impl)), args,
+                               iters, nbytes, copy_gbps))
     return rows
+
+
+def _timed_row(row, fn, args, iters, nbytes, copy_gbps) -> dict:
+    """row + the kernel's time, GB/s and % of the copy roofline (or the error it raised)."""
+    try:
+        s = _time(fn, *args, iters=iters)
+    except Exception as e:
+        return {**row, "error": _err(e)}
+    gbps = nbytes / s / 1e9
+    return {**row, "us": round(s * 1e6, 1), "gbps": round(gbps, 1), "pct_of_copy_roofline": round(100 * gbps / copy_gbps, 1)}
 
 
 def dense_attention(q, k, v, lens, scale):
