@@ -139,7 +139,7 @@ def run(eng: LLMEngine, prompt_ids, params) -> tuple[list[list[int]], dict]:
         rounds += 1
         # Pages running requests hold (shared ones once), between rounds: the pool's used pages
         # minus cached-idle ones (which the engine's peak_pages_used counts, as they are not free).
-        idle = prefix.num_idle({p for s in sch.running for p in sch.cache_refs.get(s, ())}) if prefix else 0
+        idle = prefix.num_idle(sch.held_cached_pages()) if prefix else 0
         peak_live = max(peak_live, eng.num_pages - sch.free_pages - idle)
         for o in outs:
             if o.new_token_ids and o.request_id not in first:
