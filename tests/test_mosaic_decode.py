@@ -226,12 +226,12 @@ def test_smem_fits_and_pages_in_flight():
 
 
 def test_unsupported_reason_refuses_what_does_not_lower():
-    """Pages over 256 tokens (a WGMMA N > 256) and non-Hopper targets are refused."""
+    """Pages over 256 tokens (the kernel reads keys in 64-token blocks, pages up to 256) and non-Hopper targets are refused."""
     base = DecodeSpec("bfloat16", "bfloat16", 8, 2, 32, 64, 4, False, False, False, False)
     assert mosaic_decode.unsupported_reason(base) is None
     assert mosaic_decode.unsupported_reason(base, 9.0) is None
     for ps in (320, 512):
-        assert "at most 256" in mosaic_decode.unsupported_reason(base._replace(page_size=ps))
+        assert "up to 256" in mosaic_decode.unsupported_reason(base._replace(page_size=ps))
     assert mosaic_decode.unsupported_reason(base._replace(page_size=256)) is None
     for cc in (8.0, 8.9, 10.0, 12.0):
         assert "Hopper" in mosaic_decode.unsupported_reason(base, cc)

@@ -111,7 +111,10 @@ def test_requests_through_vllm_router(through_router):
         for i in range(4):
             r = c.post("/v1/completions", json={"model": NAME, "prompt": f"request {i}", "max_tokens": 4})
             assert r.status_code == 200, r.text
+        # Sampling controls pass through the router to the engine.
+        r = c.post("/v1/completions", json={"model": NAME, "prompt": "hi", "max_tokens": 4, "presence_penalty": 0.5})
+        assert r.status_code == 200, r.text
         # A request the router forwards but jpa refuses comes back as jpa's 400 naming the field.
         # (The router answers some bad values itself, e.g. max_tokens -1 with its own 422.)
-        r = c.post("/v1/completions", json={"model": NAME, "prompt": "hi", "presence_penalty": 0.5})
-        assert r.status_code == 400 and json.loads(r.text)["error"]["param"] == "presence_penalty", r.text
+        r = c.post("/v1/completions", json={"model": NAME, "prompt": "hi", "min_tokens": 50, "max_tokens": 4})
+        assert r.status_code == 400 and json.loads(r.text)["error"]["param"] == "min_tokens", r.text
