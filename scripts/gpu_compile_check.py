@@ -44,8 +44,11 @@ import os
 # Before JAX loads XLA: CPU as the runtime platform, and ptxas's -v report in XLA's log (read
 # from stderr during each compile for registers and spills).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "0")
-os.environ.setdefault("TF_CPP_VMODULE", "subprocess_compilation=3")
+# ptxas -v reaches us only through XLA's INFO-level log: set the level outright (a parent process,
+# e.g. pytest after importing JAX's CUDA plugin, may hand down TF_CPP_MIN_LOG_LEVEL=1, and then no
+# Triton kernel would have a register or spill reading).
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"
+os.environ["TF_CPP_VMODULE"] = "subprocess_compilation=3"
 
 
 def _pin_ptxas():

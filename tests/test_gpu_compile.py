@@ -149,13 +149,11 @@ def jpa_spill(x):
 rec = g.Compiler("h100").compile("spill", jpa_spill, (jax.ShapeDtypeStruct((64, 128), jnp.float32),))
 print("RESULT", rec["ok"], rec.get("spills"), rec.get("problems"), rec.get("error", ""))
 """)
-    # Once in a loaded full-suite run the compile left no ptxas report to read (the record had no
-    # kernel at all, "RESULT True None"); a second compile in a fresh process did. Retry that case only.
-    for _ in range(3):
-        proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=ROOT)
-        line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
-        if not line.startswith("RESULT True None"):
-            break
+    # (In the full suite pytest's process has TF_CPP_MIN_LOG_LEVEL=1 from JAX's CUDA plugin, which
+    # hid ptxas's report until gpu_compile_check set the level itself: this must hold in that env.)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="1")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
     assert line.startswith("RESULT False {'jpa_spill':") and "ptxas spills registers" in line, line
 
 
