@@ -131,7 +131,9 @@ def test_quantized_cache_close_to_float_cache():
     args, _ = make_case(rng, num_seqs=3, num_kv_heads=2, q_per_kv=2, head_dim=64, page_size=16,
                         pages_per_seq=4, seq_lens=[10, 33, 64])
     want = np.asarray(jpa.paged_decode(*args))
-    for dtype, tol in (("int8", 0.03), ("float8_e4m3fn", 0.1), ("float8_e5m2", 0.2)):
+    # Tolerances ~1.8x the worst error over 40 seeds (int8 0.016, e4m3 0.115, e5m2 0.167; outputs
+    # ~1): e4m3 at 0.1 failed 1 seed in 40. A dequantization bug (a scale ignored) gives errors ~1.
+    for dtype, tol in (("int8", 0.03), ("float8_e4m3fn", 0.2), ("float8_e5m2", 0.3)):
         kq, ks = quantize(args[1], dtype)
         vq, vs = quantize(args[2], dtype)
         got = jpa.paged_decode(args[0], kq, vq, *args[3:], k_scales=ks, v_scales=vs)
