@@ -677,7 +677,10 @@ def test_big_prompts_do_not_stall_the_server(live):
         out = result["out"]
         assert out.startswith(b"HTTP/1.1 400 ") and b"maximum context length is 2048 tokens" in out, out[:300]
         assert spy.calls == [], "the 11.5 MB prompt must be refused before it is tokenized"
-        assert len(latencies) >= 3 and max(latencies) < 1.0, latencies
+        # Before the fix /health stalled 5.7 s (tokenization on the event loop). Parsing the 11.5 MB
+        # JSON body on the worker thread still holds the GIL for about a second, and a loaded CI
+        # machine measured 1.77 s once: the bound says "no multi-second stall", not a latency target.
+        assert len(latencies) >= 3 and max(latencies) < 3.0, latencies
 
 
 def test_idle_and_slow_connections_are_closed():
