@@ -5,8 +5,9 @@ from typing import NamedTuple
 # Derived sizes shared by both specs (NamedTuples cannot share a base class with methods).
 _Q_PER_KV = property(lambda self: self.num_q_heads // self.num_kv_heads, doc="num_q_heads // num_kv_heads")
 _POOL_ELEMENTS = property(
-    lambda self: self.num_kv_heads * self.num_pages * self.page_size * self.head_dim,
-    doc="Elements of one page pool (K or V): num_kv_heads * num_pages * page_size * head_dim.")
+    lambda self: self.num_layers * self.num_kv_heads * self.num_pages * self.page_size * self.head_dim,
+    doc="Elements of one page pool operand (K or V): num_layers * num_kv_heads * num_pages * page_size "
+        "* head_dim (num_layers is 1 for a per-layer pool, L for a stacked [L, K, P, S_p, H] pool).")
 
 
 class DecodeSpec(NamedTuple):
@@ -26,6 +27,8 @@ class DecodeSpec(NamedTuple):
     # limits (32-bit offsets) depend on num_pages. Defaults describe a small call.
     num_seqs: int = 1
     num_pages: int = 1
+    # Layers of a stacked pool [num_layers, K, P, S_p, H] read at a layer index; 1 = a per-layer pool.
+    num_layers: int = 1
 
     q_per_kv = _Q_PER_KV
     pool_elements = _POOL_ELEMENTS
