@@ -50,6 +50,8 @@ class RaggedSpec(NamedTuple):
     alibi: bool
     sliding_window: bool
     quantized: bool
+    # Layers of a stacked pool [num_layers, K, P, S_p, H] read at a layer index; 1 = a per-layer pool.
+    num_layers: int = 1
 
     q_per_kv = _Q_PER_KV
     pool_elements = _POOL_ELEMENTS
