@@ -1,9 +1,11 @@
-"""The paged KV cache: page pools per layer, cache writes (vLLM reshape_and_cache) and page copies.
+"""The paged KV cache: stacked page pools, cache writes (vLLM reshape_and_cache) and page copies.
 
-Layout per layer: K and V each `[num_kv_heads, num_pages, page_size, head_dim]`, plus
-`f32[num_kv_heads, num_pages, page_size]` scales for int8/float8 caches. Each layer is its own
-buffer (a tuple entry, not a slice of one stacked array): a slice handed to a kernel would be
-materialized as a copy of the whole pool every layer of every step.
+Layout: K and V each one array `[num_layers, num_kv_heads, num_pages, page_size, head_dim]`, plus
+`f32[num_layers, num_kv_heads, num_pages, page_size]` scales for int8/float8 caches. One layer is
+`[num_kv_heads, num_pages, page_size, head_dim]` (the per-layer form the attention functions also
+take). The stack is what a model's scan over layers carries: every layer's write and attention
+get the WHOLE stacked pool plus the layer index (`layer=`), never a per-layer slice, which XLA
+would materialize as a copy of the pool every layer of every step.
 
 The cache is immutable: every function returns new arrays. Jit the step that calls them with the
 cache donated (`donate_argnums`) and XLA updates the buffers in place.
@@ -17,26 +19,26 @@ import jax.numpy as jnp
 import numpy as np
 
 from jpa.quant import is_quantized, quantize
-from jpa.validate import CACHE_DTYPES, check_cache_pair, check_dtype, check_ndim, is_concrete
+from jpa.validate import CACHE_DTYPES, check_cache_pair, check_dtype, check_layer, check_ndim, is_concrete
 
 
-def _scatter_tokens(pages, x, slots):
-    """pages [K, P, S_p, H] <- x [T, K, H] at flat slots i32[T] (out of range = skipped)."""
-    num_kv_heads, num_pages, page_size, head_dim = pages.shape
-    flat = pages.reshape(num_kv_heads, num_pages * page_size, head_dim)  # [K, P * S_p, H]
-    flat = flat.at[:, slots].set(jnp.swapaxes(x, 0, 1).astype(pages.dtype), mode="drop",
-                                 unique_indices=False)
+def _scatter(pages, x, slots, layer):
+    """pages [K, P, S_p, ...] (or [L, K, P, S_p, ...] at i32[] layer) <- x [T, K, ...] at flat
+    slots i32[T] (out of range = skipped)."""
+    if layer is None:
+        num_kv_heads, num_pages, page_size = pages.shape[:3]
+        flat = pages.reshape(num_kv_heads, num_pages * page_size, *pages.shape[3:])  # [K, P * S_p, ...]
+        flat = flat.at[:, slots].set(jnp.swapaxes(x, 0, 1).astype(pages.dtype), mode="drop",
+                                     unique_indices=False)
+        return flat.reshape(pages.shape)
+    num_layers, num_kv_heads, num_pages, page_size = pages.shape[:4]
+    flat = pages.reshape(num_layers, num_kv_heads, num_pages * page_size, *pages.shape[4:])  # [L, K, P * S_p, ...]
+    # A scalar and an index array split by a slice: the update is indexed [T, K, ...], x's own order.
+    flat = flat.at[layer, :, slots].set(x.astype(pages.dtype), mode="drop", unique_indices=False)
     return flat.reshape(pages.shape)
 
 
-def _scatter_scales(scales, s, slots):
-    """scales f32[K, P, S_p] <- s f32[T, K] at flat slots i32[T]."""
-    num_kv_heads, num_pages, page_size = scales.shape
-    flat = scales.reshape(num_kv_heads, num_pages * page_size)
-    return flat.at[:, slots].set(jnp.swapaxes(s, 0, 1), mode="drop").reshape(scales.shape)
-
-
-def write_kv(k_pages, v_pages, k, v, slot_mapping, *, k_scales=None, v_scales=None):
+def write_kv(k_pages, v_pages, k, v, slot_mapping, *, k_scales=None, v_scales=None, layer=None):
     """Writes new tokens' keys and values into their cache slots (vLLM's reshape_and_cache).
 
     Args:
@@ -46,12 +48,19 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping, *, k_scales=None, v_scales=No
         and are skipped. If two tokens name the same slot, which one lands is unspecified.
       k_scales, v_scales: f32[num_kv_heads, num_pages, page_size] for int8/float8 caches; the new
         values are quantized on write with one scale per token and head.
+      layer: with stacked pools `[num_layers, num_kv_heads, num_pages, page_size, head_dim]` (scales
+        `f32[num_layers, ...]`), the layer to write: an int or an i32[] (traced inside a scan over
+        layers: clamped to [0, num_layers)). The stacked pools are updated in place as a whole.
+        None with per-layer pools.
 
     Returns:
       (k_pages, v_pages) for float caches, (k_pages, v_pages, k_scales, v_scales) for quantized
       ones. Under `jax.jit` with the pools donated, the update happens in place.
     """
-    num_kv_heads, num_pages, page_size, head_dim = check_cache_pair(k_pages, v_pages, k_scales, v_scales)
+    num_kv_heads, num_pages, page_size, head_dim = check_cache_pair(k_pages, v_pages, k_scales, v_scales,
+                                                                    layer)
+    if layer is not None:
+        layer = check_layer(layer, k_pages.shape[0])
     for name, x in (("k", k), ("v", v)):
         check_ndim(name, x, 3, "[num_tokens, num_kv_heads, head_dim]")
         check_dtype(name, x, (np.float32, jnp.bfloat16, np.float16))
@@ -74,16 +83,17 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping, *, k_scales=None, v_scales=No
     # Negative slots must be skipped, not wrapped around as numpy indexing would: send them past the end.
     slots = jnp.where(slot_mapping >= 0, slot_mapping, num_slots)
     if not is_quantized(k_pages.dtype):
-        return _scatter_tokens(k_pages, k, slots), _scatter_tokens(v_pages, v, slots)
+        return _scatter(k_pages, k, slots, layer), _scatter(v_pages, v, slots, layer)
     kq, ks = quantize(k, k_pages.dtype)  # [T, K, H], f32[T, K]
     vq, vs = quantize(v, v_pages.dtype)
-    return (_scatter_tokens(k_pages, kq, slots), _scatter_tokens(v_pages, vq, slots),
-            _scatter_scales(k_scales, ks, slots), _scatter_scales(v_scales, vs, slots))
+    return (_scatter(k_pages, kq, slots, layer), _scatter(v_pages, vq, slots, layer),
+            _scatter(k_scales, ks, slots, layer), _scatter(v_scales, vs, slots, layer))
 
 
 def _copy(pages, src, dst):
-    # Gather every source first, then scatter: overlapping src/dst pairs read the old contents.
-    return pages.at[:, dst].set(jnp.take(pages, src, axis=1, mode="clip"), mode="drop")
+    """Pages src -> dst of a stacked [L, K, P, ...] array, every layer at once. Every source is
+    gathered first, then scattered: overlapping src/dst pairs read the old contents."""
+    return pages.at[:, :, dst].set(jnp.take(pages, src, axis=2, mode="clip"), mode="drop")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,53 +160,62 @@ class CacheConfig:
 
 @flax.struct.dataclass
 class KVCache:
-    """One K and one V page pool per layer (tuples, never a stacked array), plus scales if quantized.
+    """The K and V page pools of every layer, stacked, plus scales if quantized.
 
     Attributes:
-      k, v: tuples of num_layers arrays [num_kv_heads, num_pages, page_size, head_dim].
-      k_scales, v_scales: tuples of f32[num_kv_heads, num_pages, page_size], or None for float caches.
+      k, v: [num_layers, num_kv_heads, num_pages, page_size, head_dim].
+      k_scales, v_scales: f32[num_layers, num_kv_heads, num_pages, page_size], or None for float caches.
     """
-    k: tuple
-    v: tuple
-    k_scales: tuple | None = None
-    v_scales: tuple | None = None
+    k: jax.Array
+    v: jax.Array
+    k_scales: jax.Array | None = None
+    v_scales: jax.Array | None = None
+
+    def __post_init__(self):
+        if getattr(self.k, "ndim", 5) != 5 or getattr(self.v, "ndim", 5) != 5:
+            raise ValueError(f"KVCache.k and .v must be stacked pools [num_layers, num_kv_heads, num_pages, "
+                             f"page_size, head_dim]; got shapes {getattr(self.k, 'shape', type(self.k).__name__)} "
+                             f"and {getattr(self.v, 'shape', type(self.v).__name__)} (stack per-layer pools "
+                             f"with jnp.stack)")
 
     @classmethod
     def create(cls, config: CacheConfig) -> "KVCache":
-        shape = (config.num_kv_heads, config.num_pages, config.page_size, config.head_dim)
-        zeros = lambda: tuple(jnp.zeros(shape, config.dtype) for _ in range(config.num_layers))
+        shape = (config.num_layers, config.num_kv_heads, config.num_pages, config.page_size, config.head_dim)
+        zeros = lambda: jnp.zeros(shape, config.dtype)
         if not config.quantized:
             return cls(zeros(), zeros())
-        ones = lambda: tuple(jnp.ones(shape[:3], jnp.float32) for _ in range(config.num_layers))
+        ones = lambda: jnp.ones(shape[:4], jnp.float32)
         return cls(zeros(), zeros(), ones(), ones())
 
     @property
     def num_layers(self) -> int:
-        return len(self.k)
+        return self.k.shape[0]
 
     @property
     def nbytes(self) -> int:
         """Device memory held by the cache."""
         return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(self))
 
+    def pools(self):
+        """(k, v, k_scales, v_scales): the stacked arrays the attention functions take with `layer=`."""
+        return self.k, self.v, self.k_scales, self.v_scales
+
     def layer(self, i: int):
-        """(k_pages, v_pages, k_scales, v_scales) of layer i (scales None for float caches)."""
+        """(k_pages, v_pages, k_scales, v_scales) of layer i as per-layer arrays (scales None for float
+        caches). These are slices (copies under jit): for inspection and tests; a jitted step passes
+        the stacked pools and `layer=i` instead."""
         if self.k_scales is None:
             return self.k[i], self.v[i], None, None
         return self.k[i], self.v[i], self.k_scales[i], self.v_scales[i]
 
-    def write(self, i: int, k, v, slot_mapping) -> "KVCache":
-        """Writes k, v [num_tokens, num_kv_heads, head_dim] into layer i at slot_mapping."""
-        kp, vp, ks, vs = self.layer(i)
-        return self.with_layer(i, *write_kv(kp, vp, k, v, slot_mapping, k_scales=ks, v_scales=vs))
+    def write(self, i, k, v, slot_mapping) -> "KVCache":
+        """Writes k, v [num_tokens, num_kv_heads, head_dim] into layer i (an int or i32[]) at slot_mapping."""
+        return self.replace_pools(*write_kv(self.k, self.v, k, v, slot_mapping, k_scales=self.k_scales,
+                                            v_scales=self.v_scales, layer=i))
 
-    def with_layer(self, i: int, k_pages, v_pages, k_scales=None, v_scales=None) -> "KVCache":
-        """The cache with layer i's buffers replaced (as `layer(i)` returns them)."""
-        put = lambda t, x: t[:i] + (x,) + t[i + 1:]
-        if self.k_scales is None:
-            return self.replace(k=put(self.k, k_pages), v=put(self.v, v_pages))
-        return self.replace(k=put(self.k, k_pages), v=put(self.v, v_pages),
-                            k_scales=put(self.k_scales, k_scales), v_scales=put(self.v_scales, v_scales))
+    def replace_pools(self, k, v, k_scales=None, v_scales=None) -> "KVCache":
+        """The cache with its stacked pools replaced (as `pools()` / `write_kv(..., layer=)` return them)."""
+        return self.replace(k=k, v=v, k_scales=k_scales, v_scales=v_scales)
 
 
 def copy_pages(cache: KVCache, src, dst) -> KVCache:
@@ -215,7 +234,7 @@ def copy_pages(cache: KVCache, src, dst) -> KVCache:
     check_dtype("dst", dst, (np.int32,))
     if src.shape != dst.shape:
         raise ValueError(f"src and dst must have the same shape; got {src.shape} and {dst.shape}")
-    num_pages = cache.k[0].shape[1]
+    num_pages = cache.k.shape[2]
     dst = jnp.where(dst >= 0, dst, num_pages)  # padding pairs land past the end and are dropped
-    cp = lambda t: None if t is None else tuple(_copy(x, src, dst) for x in t)
+    cp = lambda x: None if x is None else _copy(x, src, dst)
     return KVCache(cp(cache.k), cp(cache.v), cp(cache.k_scales), cp(cache.v_scales))

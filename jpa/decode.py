@@ -6,19 +6,20 @@ from jpa import dispatch
 from jpa.pallas.spec import DecodeSpec
 from jpa.quant import is_quantized
 from jpa.reference import paged_decode_xla
-from jpa.validate import check_decode_args
+from jpa.validate import check_decode_args, check_layer
 
 
 def decode_spec(q, k_pages, block_tables, *, soft_cap, alibi_slopes, sliding_window) -> DecodeSpec:
     """The static configuration of a (validated) paged_decode call: shapes, dtypes, options."""
-    num_kv_heads, num_pages, page_size, head_dim = k_pages.shape
+    num_kv_heads, num_pages, page_size, head_dim = k_pages.shape[-4:]
     num_seqs, pages_per_seq = block_tables.shape
     return DecodeSpec(
         q_dtype=np.dtype(q.dtype).name, cache_dtype=np.dtype(k_pages.dtype).name,
         num_q_heads=q.shape[1], num_kv_heads=num_kv_heads, head_dim=head_dim,
         page_size=page_size, pages_per_seq=pages_per_seq, soft_cap=soft_cap is not None,
         alibi=alibi_slopes is not None, sliding_window=sliding_window is not None,
-        quantized=is_quantized(k_pages.dtype), num_seqs=num_seqs, num_pages=num_pages)
+        quantized=is_quantized(k_pages.dtype), num_seqs=num_seqs, num_pages=num_pages,
+        num_layers=k_pages.shape[0] if k_pages.ndim == 5 else 1)
 
 
 def resolve_decode_impl(q, k_pages, block_tables, *, soft_cap=None, alibi_slopes=None,
@@ -32,7 +33,8 @@ def resolve_decode_impl(q, k_pages, block_tables, *, soft_cap=None, alibi_slopes
 
     Args:
       q: [num_seqs, num_q_heads, head_dim] (its shape and dtype are used).
-      k_pages: [num_kv_heads, num_pages, page_size, head_dim] (shape and dtype).
+      k_pages: [num_kv_heads, num_pages, page_size, head_dim], or a stacked
+        [num_layers, num_kv_heads, num_pages, page_size, head_dim] pool (shape and dtype).
       block_tables: i32[num_seqs, pages_per_seq] (shape).
       soft_cap, alibi_slopes, sliding_window: as `paged_decode` (only whether each is set matters).
       impl: as `paged_decode`.
@@ -47,7 +49,7 @@ def resolve_decode_impl(q, k_pages, block_tables, *, soft_cap=None, alibi_slopes
 
 def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale=None, soft_cap=None,
                  alibi_slopes=None, sliding_window=None, k_scales=None, v_scales=None,
-                 impl="auto", interpret=False):
+                 impl="auto", interpret=False, layer=None):
     """Decode attention (one query token per sequence) over a paged KV cache.
 
     Sequence b attends to its first `seq_lens[b]` cached tokens; token t lives in physical page
@@ -67,6 +69,11 @@ def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale=None, sof
       alibi_slopes: f32[num_q_heads]; adds slope_h * (pos - seq_len + 1) to the logits (vLLM).
       sliding_window: attend only to the last `sliding_window` tokens.
       k_scales, v_scales: f32[num_kv_heads, num_pages, page_size], required for quantized caches.
+      layer: with stacked pools `[num_layers, num_kv_heads, num_pages, page_size, head_dim]` (scales
+        `f32[num_layers, num_kv_heads, num_pages, page_size]`, as `jpa.KVCache` holds them), the
+        layer to attend over: an int or an i32[] (traced, e.g. the index of a scan over layers:
+        clamped to [0, num_layers)). The whole stacked pool goes to the kernel, never a per-layer
+        slice (which XLA would copy). None with per-layer pools.
       impl: "xla" (plain JAX), "triton" or "mosaic" (Pallas GPU kernels), or "auto": for the
         device being compiled for, a GPU kernel on an NVIDIA GPU after a one-time self-check
         there: the first of Mosaic (Hopper) and Triton whose `unsupported_reason` accepts the
@@ -80,12 +87,16 @@ def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale=None, sof
     """
     check_decode_args(q, k_pages, v_pages, block_tables, seq_lens, scale=scale, soft_cap=soft_cap,
                       alibi_slopes=alibi_slopes, sliding_window=sliding_window, k_scales=k_scales,
-                      v_scales=v_scales, impl=impl, interpret=interpret)
+                      v_scales=v_scales, impl=impl, interpret=interpret, layer=layer)
+    if layer is not None:
+        layer = check_layer(layer, k_pages.shape[0])
     scale = float(scale) if scale is not None else float(q.shape[-1]) ** -0.5
     soft_cap = float(soft_cap) if soft_cap is not None else None
     sliding_window = int(sliding_window) if sliding_window is not None else None
     opts = dict(scale=scale, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
                 sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales)
+    if layer is not None:
+        opts["layer"] = layer
     chosen = "xla" if impl == "xla" else dispatch.choose_impl(
         impl, decode_spec(q, k_pages, block_tables, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
                           sliding_window=sliding_window))

@@ -164,8 +164,14 @@ def random_pools_and_options(rng, spec, num_pages: int, max_len: int):
     """Random K and V pools of `num_pages` pages in spec's cache dtype (quantized with scales when
     spec.quantized) and every option spec turns on, at values that make it matter within max_len
     tokens. Returns (k_pages, v_pages, opts) with opts' scale, soft_cap, alibi_slopes,
-    sliding_window, k_scales and v_scales. Shared by every op's self-check case."""
+    sliding_window, k_scales and v_scales. Shared by every op's self-check case.
+
+    For a stacked-pool spec (num_layers > 1) the pools hold two layers (the check reads the second,
+    so a kernel that ignores the layer index fails it) and opts has the i32[] `layer`."""
     shape = (spec.num_kv_heads, num_pages, spec.page_size, spec.head_dim)
+    stacked = getattr(spec, "num_layers", 1) > 1
+    if stacked:
+        shape = (2,) + shape
     kv = []
     for _ in range(2):
         x = rng.standard_normal(shape).astype(np.float32)
@@ -181,6 +187,8 @@ def random_pools_and_options(rng, spec, num_pages: int, max_len: int):
                       if spec.alibi else None),
         sliding_window=max(1, max_len // 3) if spec.sliding_window else None,
         k_scales=kv[0][1], v_scales=kv[1][1])
+    if stacked:
+        opts["layer"] = jnp.int32(1)
     return kv[0][0], kv[1][0], opts
 
 
@@ -209,14 +217,26 @@ def self_check_inputs(spec: DecodeSpec, seed: int = 0):
 def decode_shapes(spec: DecodeSpec, opts: dict):
     """ShapeDtypeStructs of a call with `spec`'s EXACT shapes (num_pages included) and its options."""
     sds = jax.ShapeDtypeStruct
-    pool = (spec.num_kv_heads, spec.num_pages, spec.page_size, spec.head_dim)
+    pool = pool_shape(spec)
     args = (sds((spec.num_seqs, spec.num_q_heads, spec.head_dim), spec.q_dtype),
             sds(pool, spec.cache_dtype), sds(pool, spec.cache_dtype),
             sds((spec.num_seqs, spec.pages_per_seq), jnp.int32), sds((spec.num_seqs,), jnp.int32))
-    arrays = {k: (sds(pool[:3], jnp.float32) if k in ("k_scales", "v_scales") else
-                  sds((spec.num_q_heads,), jnp.float32)) for k in ("alibi_slopes", "k_scales", "v_scales")
-              if opts.get(k) is not None}
-    return args, arrays
+    return args, option_shapes(spec, opts)
+
+
+def pool_shape(spec) -> tuple:
+    """The exact page-pool shape of a spec: [K, P, S_p, H], or [L, K, P, S_p, H] when stacked."""
+    pool = (spec.num_kv_heads, spec.num_pages, spec.page_size, spec.head_dim)
+    return ((spec.num_layers,) + pool) if spec.num_layers > 1 else pool
+
+
+def option_shapes(spec, opts: dict) -> dict:
+    """ShapeDtypeStructs of the array options in `opts` (alibi_slopes, scales, layer) at spec's exact shapes."""
+    sds = jax.ShapeDtypeStruct
+    shapes = {"alibi_slopes": sds((spec.num_q_heads,), jnp.float32), "layer": sds((), jnp.int32),
+              "k_scales": sds(pool_shape(spec)[:-1], jnp.float32),
+              "v_scales": sds(pool_shape(spec)[:-1], jnp.float32)}
+    return {k: v for k, v in shapes.items() if opts.get(k) is not None}
 
 
 def _first_line(e: Exception) -> str:

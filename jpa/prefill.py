@@ -22,19 +22,19 @@ from jax import lax
 
 from jpa.quant import FLOAT_DTYPES
 from jpa.reference import MASK_VALUE, _dequant, chunk_pages
-from jpa.validate import (check_cache_pair, check_dtype, check_ndim, check_options, check_tables,
-                          check_used_pages, is_concrete)
+from jpa.validate import (check_cache_pair, check_dtype, check_layer, check_ndim, check_options,
+                          check_tables, check_used_pages, is_concrete)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window"))
 def _paged_prefill_xla(q, k_pages, v_pages, block_tables, start, chunk_lens, *, scale,
                        soft_cap=None, alibi_slopes=None, sliding_window=None, k_scales=None,
-                       v_scales=None):
+                       v_scales=None, layer=None):
     """Plain-JAX prefill (arguments validated). soft_cap, alibi_slopes and sliding_window are as
     in `jpa.paged_decode`, for a query at position p: ALiBi adds slope * (k_pos - p) and the
     window keeps keys in (p - sliding_window, p]. Returns [B, T, N, H] in q's dtype."""
     num_seqs, num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads, _, page_size, _ = k_pages.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape[-4:]  # layer: i32[] of a stacked pool, or None
     pages_per_seq = block_tables.shape[1]
     q_per_kv = num_q_heads // num_kv_heads
     ppc = chunk_pages(page_size, pages_per_seq)
@@ -58,8 +58,8 @@ def _paged_prefill_xla(q, k_pages, v_pages, block_tables, start, chunk_lens, *, 
     def body(c, carry):
         m, l, acc = carry  # [B, K, G, T], [B, K, G, T], [B, K, G, T, H]
         tbl = lax.dynamic_slice_in_dim(block_tables, c * ppc, ppc, axis=1)  # i32[B, ppc]
-        k = _dequant(k_pages, k_scales, tbl)  # [K, B, S, H]
-        v = _dequant(v_pages, v_scales, tbl)  # [K, B, S, H]
+        k = _dequant(k_pages, k_scales, tbl, layer)  # [K, B, S, H]
+        v = _dequant(v_pages, v_scales, tbl, layer)  # [K, B, S, H]
         k_pos = c * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)  # i32[S]
         valid = (k_pos[None, None, :] <= q_pos[:, :, None]) & q_live[:, :, None]  # [B, T, S]
         if sliding_window is not None:
@@ -105,17 +105,18 @@ def _paged_prefill_xla(q, k_pages, v_pages, block_tables, start, chunk_lens, *, 
 
 
 def _check_prefill_args(q, k_pages, v_pages, block_tables, start, chunk_lens, scale, soft_cap,
-                        sliding_window, k_scales, v_scales):
+                        sliding_window, k_scales, v_scales, layer=None):
     check_ndim("q", q, 4, "[num_seqs, num_tokens, num_q_heads, head_dim]")
     check_dtype("q", q, FLOAT_DTYPES)
-    num_kv_heads, num_pages, page_size, head_dim = check_cache_pair(k_pages, v_pages, k_scales, v_scales)
+    num_kv_heads, num_pages, page_size, head_dim = check_cache_pair(k_pages, v_pages, k_scales, v_scales,
+                                                                    layer)
     num_seqs, num_tokens, num_q_heads, q_head_dim = q.shape
     if q_head_dim != head_dim:
         raise ValueError(f"q's head_dim (q.shape[3] = {q_head_dim}) must equal the cache's "
                          f"head_dim {head_dim}")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads (q.shape[2] = {num_q_heads}) must be a multiple of "
-                         f"num_kv_heads (k_pages.shape[0] = {num_kv_heads})")
+                         f"num_kv_heads (k_pages.shape[-4] = {num_kv_heads})")
     pages_per_seq = check_tables(block_tables, num_seqs)
     for name, x in (("start", start), ("chunk_lens", chunk_lens)):
         check_ndim(name, x, 1, "i32[num_seqs]")
@@ -143,7 +144,7 @@ def _check_prefill_args(q, k_pages, v_pages, block_tables, start, chunk_lens, sc
 
 
 def paged_prefill(q, k_pages, v_pages, block_tables, start, chunk_lens, *, scale=None,
-                  soft_cap=None, sliding_window=None, k_scales=None, v_scales=None):
+                  soft_cap=None, sliding_window=None, k_scales=None, v_scales=None, layer=None):
     """Causal attention of a chunk of new tokens per sequence over a paged KV cache.
 
     Write the chunk's K/V into the cache with `jpa.write_kv` first. Query token t of sequence b
@@ -166,16 +167,22 @@ def paged_prefill(q, k_pages, v_pages, block_tables, start, chunk_lens, *, scale
       sliding_window: query position p attends only to positions (p - sliding_window, p], the last
         `sliding_window` tokens including itself (as `jpa.paged_decode`).
       k_scales, v_scales: f32[num_kv_heads, num_pages, page_size], required for quantized caches.
+      layer: with stacked pools `[num_layers, num_kv_heads, num_pages, page_size, head_dim]` (scales
+        `f32[num_layers, num_kv_heads, num_pages, page_size]`), the layer to attend over: an int or
+        an i32[] (traced, e.g. a scan's layer index: clamped to [0, num_layers)). None with
+        per-layer pools.
 
     Returns:
       [num_seqs, num_tokens, num_q_heads, head_dim] in q's dtype; zeros at padding positions
       (t >= chunk_lens[b]).
     """
     _check_prefill_args(q, k_pages, v_pages, block_tables, start, chunk_lens, scale, soft_cap,
-                        sliding_window, k_scales, v_scales)
+                        sliding_window, k_scales, v_scales, layer)
+    if layer is not None:
+        layer = check_layer(layer, k_pages.shape[0])
     scale = float(scale) if scale is not None else float(q.shape[-1]) ** -0.5
     soft_cap = float(soft_cap) if soft_cap is not None else None
     sliding_window = int(sliding_window) if sliding_window is not None else None
     return _paged_prefill_xla(q, k_pages, v_pages, block_tables, start, chunk_lens, scale=scale,
                               soft_cap=soft_cap, sliding_window=sliding_window, k_scales=k_scales,
-                              v_scales=v_scales)
+                              v_scales=v_scales, layer=layer)

@@ -40,8 +40,8 @@ from jpa.pallas.spec import RaggedSpec
 from jpa.prefill import _paged_prefill_xla
 from jpa.quant import FLOAT_DTYPES, is_quantized
 from jpa.reference import paged_decode_xla
-from jpa.validate import (check_cache_pair, check_dtype, check_ndim, check_options, check_tables,
-                          check_used_pages, is_concrete)
+from jpa.validate import (check_cache_pair, check_dtype, check_layer, check_ndim, check_options,
+                          check_tables, check_used_pages, is_concrete)
 
 # Query rows per tile of the plain-JAX prefill loop: one tile is one loop iteration with a
 # [tile_tokens * q_per_kv, keys] score block per kv head, large enough to amortize the loop on a
@@ -54,21 +54,22 @@ KERNEL_MODULES = {"triton": "jpa.pallas.triton_ragged", "mosaic": "jpa.pallas.mo
 
 def ragged_spec(q, k_pages, block_tables, *, soft_cap, alibi_slopes, sliding_window) -> RaggedSpec:
     """The static configuration of a (validated) ragged_paged_attention call."""
-    num_kv_heads, _, page_size, head_dim = k_pages.shape
+    num_kv_heads, num_pages, page_size, head_dim = k_pages.shape[-4:]
     return RaggedSpec(
         q_dtype=np.dtype(q.dtype).name, cache_dtype=np.dtype(k_pages.dtype).name,
         num_tokens=q.shape[0], max_num_seqs=block_tables.shape[0], num_q_heads=q.shape[1],
         num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
-        pages_per_seq=block_tables.shape[1], num_pages=k_pages.shape[1], soft_cap=soft_cap is not None,
+        pages_per_seq=block_tables.shape[1], num_pages=num_pages, soft_cap=soft_cap is not None,
         alibi=alibi_slopes is not None, sliding_window=sliding_window is not None,
-        quantized=is_quantized(k_pages.dtype))
+        quantized=is_quantized(k_pages.dtype), num_layers=k_pages.shape[0] if k_pages.ndim == 5 else 1)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "tile_tokens"))
 def ragged_paged_attention_xla(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, num_seqs,
                                *, scale, soft_cap=None, alibi_slopes=None, sliding_window=None,
-                               k_scales=None, v_scales=None, tile_tokens=None):
-    """Ragged paged attention in plain JAX. Arguments as `ragged_paged_attention` (validated).
+                               k_scales=None, v_scales=None, tile_tokens=None, layer=None):
+    """Ragged paged attention in plain JAX. Arguments as `ragged_paged_attention` (validated;
+    `layer` an i32[] with stacked pools).
 
     Returns:
       [num_tokens, num_q_heads, head_dim] in q's dtype; zero rows for padding.
@@ -77,7 +78,7 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, block_tables, seq_lens, cu_q
     max_num_seqs = seq_lens.shape[0]
     tile = tile_tokens or min(XLA_TILE_TOKENS, num_tokens)
     opts = dict(scale=scale, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
-                sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales)
+                sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales, layer=layer)
     num_seqs = jnp.asarray(num_seqs, jnp.int32)
     # 1. Last rows: decode queries at position seq_len - 1, one batched decode call.
     out = decode_last_rows(paged_decode_xla, q, k_pages, v_pages, block_tables, seq_lens,
@@ -107,11 +108,13 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, block_tables, seq_lens, cu_q
 
 
 def check_ragged_args(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, num_seqs, *, scale,
-                      soft_cap, alibi_slopes, sliding_window, k_scales, v_scales, impl, interpret):
+                      soft_cap, alibi_slopes, sliding_window, k_scales, v_scales, impl, interpret,
+                      layer=None):
     """Validates `ragged_paged_attention`'s arguments; raises ValueError on the first problem."""
     check_ndim("q", q, 3, "[num_tokens, num_q_heads, head_dim]")
     check_dtype("q", q, FLOAT_DTYPES)
-    num_kv_heads, num_pages, page_size, head_dim = check_cache_pair(k_pages, v_pages, k_scales, v_scales)
+    num_kv_heads, num_pages, page_size, head_dim = check_cache_pair(k_pages, v_pages, k_scales, v_scales,
+                                                                    layer)
     num_tokens, num_q_heads, q_head_dim = q.shape
     if num_tokens < 1:
         raise ValueError("q must hold at least one token row (num_tokens = q.shape[0] >= 1); got 0")
@@ -119,7 +122,7 @@ def check_ragged_args(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, nu
         raise ValueError(f"q's head_dim must equal the cache's head_dim {head_dim}; got {q_head_dim}")
     if num_kv_heads < 1 or num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads (q.shape[1] = {num_q_heads}) must be a multiple of "
-                         f"num_kv_heads (k_pages.shape[0] = {num_kv_heads})")
+                         f"num_kv_heads (k_pages.shape[-4] = {num_kv_heads})")
     check_ndim("seq_lens", seq_lens, 1, "i32[max_num_seqs]")
     check_dtype("seq_lens", seq_lens, (np.int32,))
     max_num_seqs = seq_lens.shape[0]
@@ -168,7 +171,7 @@ def check_ragged_args(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, nu
 
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, num_seqs, *,
                            scale=None, soft_cap=None, alibi_slopes=None, sliding_window=None,
-                           k_scales=None, v_scales=None, impl="auto", interpret=False):
+                           k_scales=None, v_scales=None, impl="auto", interpret=False, layer=None):
     """Attention for a ragged batch of prefill chunks and decode tokens over a paged KV cache.
 
     Sequence i < num_seqs owns query rows cu_q_lens[i]:cu_q_lens[i + 1] (q_len_i rows), the last
@@ -196,6 +199,10 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
       alibi_slopes: f32[num_q_heads]; adds slope_h * (key_pos - p) to the logits (vLLM).
       sliding_window: the query at position p attends only to keys (p - sliding_window, p].
       k_scales, v_scales: f32[num_kv_heads, num_pages, page_size], required for quantized caches.
+      layer: with stacked pools `[num_layers, num_kv_heads, num_pages, page_size, head_dim]` (scales
+        `f32[num_layers, num_kv_heads, num_pages, page_size]`), the layer to attend over: an int or
+        an i32[] (traced, e.g. a scan's layer index: clamped to [0, num_layers)); the whole pool
+        goes to the kernel. None with per-layer pools.
       impl: "xla" (plain JAX), "triton" (Pallas Triton-backend kernels, sm_80+), "mosaic"
         (Pallas Mosaic GPU kernels, Hopper), or "auto": as `jpa.paged_decode` (`jpa.dispatch`):
         the kernel for the GPU being compiled for after a one-time self-check, else "xla".
@@ -207,13 +214,17 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
     check_ragged_args(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, num_seqs,
                       scale=scale, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
                       sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales,
-                      impl=impl, interpret=interpret)
+                      impl=impl, interpret=interpret, layer=layer)
+    if layer is not None:
+        layer = check_layer(layer, k_pages.shape[0])
     scale = float(scale) if scale is not None else float(q.shape[-1]) ** -0.5
     soft_cap = float(soft_cap) if soft_cap is not None else None
     sliding_window = int(sliding_window) if sliding_window is not None else None
     num_seqs = jnp.asarray(num_seqs, jnp.int32)
     opts = dict(scale=scale, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
                 sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales)
+    if layer is not None:
+        opts["layer"] = layer
     args = (q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, num_seqs)
     chosen = choose_impl(impl, ragged_spec(q, k_pages, block_tables, soft_cap=soft_cap,
                                            alibi_slopes=alibi_slopes,
@@ -279,14 +290,12 @@ def self_check_inputs(spec: RaggedSpec, seed: int = 0):
 def exact_shapes(spec: RaggedSpec, opts: dict):
     """ShapeDtypeStructs of a call with `spec`'s real shapes (the whole pool) and its array options."""
     sds = jax.ShapeDtypeStruct
-    pool = (spec.num_kv_heads, spec.num_pages, spec.page_size, spec.head_dim)
+    pool = dispatch.pool_shape(spec)
     b = spec.max_num_seqs
     args = (sds((spec.num_tokens, spec.num_q_heads, spec.head_dim), spec.q_dtype), sds(pool, spec.cache_dtype),
             sds(pool, spec.cache_dtype), sds((b, spec.pages_per_seq), jnp.int32), sds((b,), jnp.int32),
             sds((b + 1,), jnp.int32), sds((), jnp.int32))
-    arrays = {k: (sds(pool[:3], jnp.float32) if k != "alibi_slopes" else sds((spec.num_q_heads,), jnp.float32))
-              for k in ("alibi_slopes", "k_scales", "v_scales") if opts.get(k) is not None}
-    return args, arrays
+    return args, dispatch.option_shapes(spec, opts)
 
 
 RAGGED = dispatch.Op("ragged", tuple(KERNEL_MODULES.items()), "ragged_paged_attention",

@@ -29,14 +29,29 @@ def chunk_pages(page_size: int, pages_per_seq: int) -> int:
     return max(1, min(pages_per_seq, CHUNK_TOKENS // page_size))
 
 
-def _dequant(pages, scales, tbl):
-    """Gathers pages [K, P, S_p, H] through tbl i32[B, C] -> f32[K, B, C * S_p, H]."""
-    num_kv_heads, _, page_size, head_dim = pages.shape
+def gather_pages(pages, tbl, layer=None):
+    """pages [K, P, ...] (or a stacked [L, K, P, ...] read at i32[] `layer`) gathered through
+    tbl i32[B, C] -> [K, B, C, ...]. The stacked pool is indexed in one gather, never sliced to a
+    per-layer copy first (the pool is the carry of a scan over layers)."""
+    if layer is None:
+        return jnp.take(pages, tbl, axis=1, mode="clip")  # [K, B, C, ...]
+    # One XLA gather of (layer, page) pairs on the whole stacked pool: never a per-layer slice.
+    idx = jnp.stack([jnp.broadcast_to(layer, tbl.shape), tbl], axis=-1)  # i32[B, C, 2]
+    dnums = lax.GatherDimensionNumbers(offset_dims=(0,) + tuple(range(3, pages.ndim)),
+                                       collapsed_slice_dims=(0, 2), start_index_map=(0, 2))
+    return lax.gather(pages, idx, dnums, (1, pages.shape[1], 1) + pages.shape[3:],
+                      mode=lax.GatherScatterMode.CLIP)  # [K, B, C, ...]
+
+
+def _dequant(pages, scales, tbl, layer=None):
+    """Gathers pages [K, P, S_p, H] (or [L, K, P, S_p, H] at `layer`) through tbl i32[B, C]
+    -> f32[K, B, C * S_p, H]."""
+    num_kv_heads, _, page_size, head_dim = pages.shape[-4:]
     num_seqs, num_chunk_pages = tbl.shape
-    x = jnp.take(pages, tbl, axis=1, mode="clip")  # [K, B, C, S_p, H]
+    x = gather_pages(pages, tbl, layer)  # [K, B, C, S_p, H]
     x = x.astype(jnp.float32)
     if scales is not None:
-        s = jnp.take(scales, tbl, axis=1, mode="clip")  # [K, B, C, S_p]
+        s = gather_pages(scales, tbl, layer)  # [K, B, C, S_p]
         x = x * s[..., None]
     return x.reshape(num_kv_heads, num_seqs, num_chunk_pages * page_size, head_dim)
 
@@ -45,14 +60,15 @@ def _dequant(pages, scales, tbl):
     jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "pages_per_chunk"))
 def paged_decode_xla(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap=None,
                      alibi_slopes=None, sliding_window=None, k_scales=None, v_scales=None,
-                     pages_per_chunk=None):
-    """Paged decode attention in plain JAX. Arguments as `jpa.paged_decode` (already validated).
+                     pages_per_chunk=None, layer=None):
+    """Paged decode attention in plain JAX. Arguments as `jpa.paged_decode` (already validated;
+    `layer` an i32[] with stacked [L, K, P, S_p, H] pools, None with per-layer pools).
 
     Returns:
       [num_seqs, num_q_heads, head_dim] in q's dtype.
     """
     num_seqs, num_q_heads, head_dim = q.shape
-    num_kv_heads, _, page_size, _ = k_pages.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape[-4:]
     pages_per_seq = block_tables.shape[1]
     q_per_kv = num_q_heads // num_kv_heads
     ppc = pages_per_chunk or chunk_pages(page_size, pages_per_seq)
@@ -79,8 +95,8 @@ def paged_decode_xla(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft
     def body(c, carry):
         m, l, acc = carry  # [K, B, G], [K, B, G], [K, B, G, H]
         tbl = lax.dynamic_slice_in_dim(block_tables, c * ppc, ppc, axis=1)  # i32[B, ppc]
-        k = _dequant(k_pages, k_scales, tbl)  # [K, B, S, H]
-        v = _dequant(v_pages, v_scales, tbl)  # [K, B, S, H]
+        k = _dequant(k_pages, k_scales, tbl, layer)  # [K, B, S, H]
+        v = _dequant(v_pages, v_scales, tbl, layer)  # [K, B, S, H]
         pos = c * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)  # i32[S]
         valid = (pos[None, :] < seq_lens[:, None]) & (pos[None, :] >= start[:, None])  # [B, S]
         s = jnp.einsum("KBGH,KBSH->KBGS", qg, k, preferred_element_type=jnp.float32)

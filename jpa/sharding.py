@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 TP = "tp"            # the mesh axis name of tensor parallelism
 POOL = P(TP)         # [num_kv_heads, num_pages, page_size, head_dim] pools and f32[K, P, S_p] scales
+STACKED_POOL = P(None, TP)  # jpa.KVCache's [num_layers, num_kv_heads, num_pages, page_size, head_dim] pools
 HEADS = P(None, TP)  # [num_seqs or num_tokens, heads, head_dim]: q of a decode step, new k/v
 HEADS_T = P(None, None, TP)  # [num_seqs, num_tokens, heads, head_dim]: q of a prefill chunk
 REPLICATED = P()     # block tables, seq_lens, slot mappings, page state

@@ -29,31 +29,77 @@ def check_dtype(name, x, allowed):
         raise ValueError(f"{name} must have dtype in ({_names(allowed)}); got {np.dtype(x.dtype).name}")
 
 
-def check_cache_pair(k_pages, v_pages, k_scales, v_scales):
-    """Validates K/V page pools and their scales. Returns (num_kv_heads, num_pages, page_size, head_dim)."""
-    check_ndim("k_pages", k_pages, 4, "[num_kv_heads, num_pages, page_size, head_dim]")
-    check_ndim("v_pages", v_pages, 4, "[num_kv_heads, num_pages, page_size, head_dim]")
+POOL_DOC = "[num_kv_heads, num_pages, page_size, head_dim]"
+STACKED_POOL_DOC = "[num_layers, num_kv_heads, num_pages, page_size, head_dim]"
+
+
+def check_layer(layer, num_layers):
+    """Validates the layer index of a stacked pool of `num_layers` layers.
+
+    Args:
+      layer: a Python int in [0, num_layers), or an integer scalar array (a tracer inside a jit or
+        a scan over layers: clamped to [0, num_layers - 1], since it cannot be looked at).
+
+    Returns:
+      The layer as an i32[] array.
+    """
+    if isinstance(layer, bool) or not (isinstance(layer, (int, np.integer)) or hasattr(layer, "dtype")):
+        raise ValueError(f"layer must be an int or an integer scalar array (the layer of a stacked "
+                         f"{STACKED_POOL_DOC} pool); got {layer!r}")
+    if hasattr(layer, "dtype"):
+        if not np.issubdtype(np.dtype(layer.dtype), np.integer) or np.shape(layer) != ():
+            raise ValueError(f"layer must be an integer scalar (shape ()); got "
+                             f"{np.dtype(layer.dtype).name}{list(np.shape(layer))}")
+    if is_concrete(layer):
+        i = int(layer)
+        if not 0 <= i < num_layers:
+            raise ValueError(f"layer must be in [0, num_layers = {num_layers}) (k_pages.shape[0]); got {i}")
+        return jax.numpy.asarray(i, jax.numpy.int32)
+    return jax.numpy.clip(layer.astype(jax.numpy.int32), 0, num_layers - 1)
+
+
+def check_cache_pair(k_pages, v_pages, k_scales, v_scales, layer=None):
+    """Validates K/V page pools and their scales: per-layer pools `[K, P, S_p, H]` (layer None), or
+    stacked pools `[L, K, P, S_p, H]` read at `layer` (scales `f32[L, K, P, S_p]`).
+
+    Returns (num_kv_heads, num_pages, page_size, head_dim) of one layer."""
+    stacked = getattr(k_pages, "ndim", None) == 5
+    if stacked:
+        if layer is None:
+            raise ValueError(f"k_pages is a stacked {STACKED_POOL_DOC} pool (shape {list(k_pages.shape)}): "
+                             f"pass layer= (which layer to read and write)")
+        check_ndim("v_pages", v_pages, 5, STACKED_POOL_DOC)
+    else:
+        if layer is not None:
+            raise ValueError(f"layer= is for a stacked {STACKED_POOL_DOC} pool; k_pages has shape "
+                             f"{getattr(k_pages, 'shape', None)} (a per-layer pool takes no layer)")
+        check_ndim("k_pages", k_pages, 4, f"{POOL_DOC} or {STACKED_POOL_DOC} with layer=")
+        check_ndim("v_pages", v_pages, 4, POOL_DOC)
     if k_pages.shape != v_pages.shape:
         raise ValueError(f"v_pages must have the shape of k_pages {k_pages.shape}; got {v_pages.shape}")
     check_dtype("k_pages", k_pages, CACHE_DTYPES)
     if v_pages.dtype != k_pages.dtype:
         raise ValueError(f"v_pages must have the dtype of k_pages ({np.dtype(k_pages.dtype).name}); "
                          f"got {np.dtype(v_pages.dtype).name}")
-    num_kv_heads, num_pages, page_size, head_dim = k_pages.shape
+    num_kv_heads, num_pages, page_size, head_dim = k_pages.shape[-4:]
+    scale_shape = tuple(k_pages.shape[:-1])
+    scale_doc = ("[num_layers, num_kv_heads, num_pages, page_size]" if stacked
+                 else "[num_kv_heads, num_pages, page_size]")
     if is_quantized(k_pages.dtype):
         for name, s in (("k_scales", k_scales), ("v_scales", v_scales)):
             if s is None:
                 raise ValueError(f"{name} is required for a {np.dtype(k_pages.dtype).name} cache: "
-                                 f"f32[num_kv_heads, num_pages, page_size] = f32{list(k_pages.shape[:3])}")
-            if tuple(s.shape) != tuple(k_pages.shape[:3]):
-                raise ValueError(f"{name} must have shape [num_kv_heads, num_pages, page_size] = "
-                                 f"{list(k_pages.shape[:3])}; got {list(s.shape)}")
+                                 f"f32{scale_doc} = f32{list(scale_shape)}")
+            if tuple(s.shape) != scale_shape:
+                raise ValueError(f"{name} must have shape {scale_doc} = {list(scale_shape)}; got {list(s.shape)}")
             check_dtype(name, s, (np.float32,))
     else:
         for name, s in (("k_scales", k_scales), ("v_scales", v_scales)):
             if s is not None:
                 raise ValueError(f"{name} is only for int8/float8 caches; the cache dtype is "
                                  f"{np.dtype(k_pages.dtype).name}, so {name} must be None")
+    if stacked:
+        check_layer(layer, k_pages.shape[0])
     return num_kv_heads, num_pages, page_size, head_dim
 
 
@@ -112,17 +158,18 @@ def check_options(num_q_heads, *, scale, soft_cap, alibi_slopes, sliding_window,
 
 
 def check_decode_args(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap,
-                      alibi_slopes, sliding_window, k_scales, v_scales, impl, interpret):
+                      alibi_slopes, sliding_window, k_scales, v_scales, impl, interpret, layer=None):
     """Validates `paged_decode`'s arguments; raises ValueError on the first problem found."""
     check_ndim("q", q, 3, "[num_seqs, num_q_heads, head_dim]")
     check_dtype("q", q, FLOAT_DTYPES)
-    num_kv_heads, num_pages, page_size, head_dim = check_cache_pair(k_pages, v_pages, k_scales, v_scales)
+    num_kv_heads, num_pages, page_size, head_dim = check_cache_pair(k_pages, v_pages, k_scales, v_scales,
+                                                                    layer)
     num_seqs, num_q_heads, q_head_dim = q.shape
     if q_head_dim != head_dim:
         raise ValueError(f"q's head_dim must equal the cache's head_dim {head_dim}; got {q_head_dim}")
     if num_kv_heads < 1 or num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads (q.shape[1] = {num_q_heads}) must be a multiple of "
-                         f"num_kv_heads (k_pages.shape[0] = {num_kv_heads})")
+                         f"num_kv_heads (k_pages.shape[-4] = {num_kv_heads})")
     pages_per_seq = check_tables(block_tables, num_seqs)
     check_ndim("seq_lens", seq_lens, 1, "i32[num_seqs]")
     check_dtype("seq_lens", seq_lens, (np.int32,))

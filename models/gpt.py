@@ -26,8 +26,14 @@ the cache donated (`graphdef, params = nnx.split(model)`, then `nnx.merge` insid
 Precision: parameters are stored in `dtype` (float32 or bfloat16); matmuls take inputs in
 `dtype` and accumulate in float32; the residual stream, norms, RoPE and softmax are float32.
 
-Layers are a Python loop (unrolled under jit, 30 for SmolLM2): each layer reads and writes its own
-cache buffer (`KVCache` tuples), so no stacked pool is ever sliced.
+Layers are a `jax.lax.scan` (issue 24: the compiled program holds one layer body, not 30 or 80, so
+compile time does not grow with depth). The layer parameters are stacked (`model.layers` is one
+`Block` whose every parameter has a leading num_layers axis), and the scan carries the stacked KV
+pools (`jpa.KVCache`, `[num_layers, K, P, S_p, H]`): each layer writes and attends through
+`layer=` with the WHOLE pool, never a per-layer slice (which XLA would copy every layer of every
+step). Per-layer attention options (Gemma-2's sliding window on alternate layers) are static, so
+the scan body holds one period of the layer pattern (`GPT.layer_period`: 1 for most models, 2 for
+Gemma-2) and steps over groups of that many layers.
 
 Einsum letters: B num_seqs, T query tokens, S key tokens, N q heads, K kv heads, G q_per_kv,
 H head_dim.
@@ -44,7 +50,7 @@ from jpa.cache import CacheConfig, KVCache, write_kv
 from jpa.decode import paged_decode
 from jpa.prefill import paged_prefill
 from jpa.ragged import ragged_paged_attention
-from jpa.sharding import HEADS, HEADS_T, POOL, REPLICATED, head_parallel
+from jpa.sharding import HEADS, HEADS_T, REPLICATED, STACKED_POOL, head_parallel
 from models.config import ModelConfig
 
 PARAM_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))
@@ -208,6 +214,13 @@ class Block(nnx.Module):
         return x + (self._norm(h, self.post_ffn_norm) if c.post_norms else h)
 
 
+def stack_blocks(blocks: list) -> Block:
+    """One Block whose parameters are the given blocks' stacked on a new leading axis (a scan's xs)."""
+    graphdef = nnx.graphdef(blocks[0])
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(b) for b in blocks])
+    return nnx.merge(graphdef, stacked)
+
+
 class GPT(nnx.Module):
     """Decoder-only transformer (gpt2 or llama family) with parameters in `dtype`."""
 
@@ -223,7 +236,8 @@ class GPT(nnx.Module):
         self.tok_embeddings = _param(rngs, (c.vocab_size, c.d_model), dtype)  # [vocab, d_model]
         if c.family == "gpt2":
             self.pos_embeddings = _param(rngs, (c.max_seq_len, c.d_model), dtype, std=0.01)
-        self.layers = nnx.List([Block(c, dtype=dtype, rngs=rngs) for _ in range(c.num_layers)])
+        # Built one by one (the same random draws as a list of blocks), then stacked on a leading axis.
+        self.layers = stack_blocks([Block(c, dtype=dtype, rngs=rngs) for _ in range(c.num_layers)])
         self.norm = nnx.Param(jnp.full((c.d_model,), 1.0 - c.norm_weight_offset, dtype))
         if c.family == "gpt2":
             self.norm_bias = nnx.Param(jnp.zeros((c.d_model,), dtype))
@@ -253,6 +267,17 @@ class GPT(nnx.Module):
         else:
             out = _dense(h, self.output)
         return _soft_cap(out, self.config.final_soft_cap)
+
+    def layer_period(self) -> int:
+        """The smallest p dividing num_layers such that layer i has layer i % p's attention options:
+        the number of layers one scan step runs (1 unless layers alternate, e.g. Gemma-2's 2)."""
+        c = self.config
+        return next(p for p in range(1, c.num_layers + 1) if c.num_layers % p == 0 and all(
+            self.attention_options(i) == self.attention_options(i % p) for i in range(c.num_layers)))
+
+    def layer_params(self, i: int) -> dict:
+        """{name: array} of layer i (slices of the stacked parameters; for inspection and tests)."""
+        return {name: var[...][i] for name, var in vars(self.layers).items() if isinstance(var, nnx.Param)}
 
     def attention_options(self, layer: int) -> dict:
         """Keyword options of jpa.paged_decode / paged_prefill for `layer`: scale, soft_cap,
@@ -297,9 +322,8 @@ class GPT(nnx.Module):
         put(model.norm, weights["norm"])
         if not config.tie_embeddings:
             put(model.output, weights["output"])
-        for block, lw in zip(model.layers, weights["layers"]):
-            for name in expected["layers"]:
-                put(getattr(block, name), lw[name])
+        for name in expected["layers"]:
+            put(getattr(model.layers, name), np.stack([np.asarray(lw[name], np.float32) for lw in weights["layers"]]))
         return model
 
 
@@ -358,12 +382,30 @@ def _check_weights(weights, expected, config):
 
 
 def _run(model: GPT, tokens, positions, attend, state):
-    """Embeds, runs every block with `attend(i, q, k, v, state) -> (attn, state)`, returns (x, state)."""
+    """Embeds, runs every block in a scan over the layers, returns (x, state).
+
+    attend(r, layer, q, k, v, state) -> (attn, state): r the static position of the layer in its
+    period (its attention options are `model.attention_options(r)`), layer the traced i32[] layer
+    index. `state` (the KV pools) is the scan's carry: every layer updates it whole.
+    """
+    c = model.config
     x = model.embed(tokens, positions)  # f32[B, T, d_model]
-    for i, block in enumerate(model.layers):
-        q, k, v = block.qkv(x, positions)
-        attn, state = attend(i, q, k, v, state)
-        x = block.finish(x, attn)
+    graphdef, params = nnx.split(model.layers)
+    period = model.layer_period()
+    groups = c.num_layers // period
+    grouped = jax.tree.map(lambda a: a.reshape(groups, period, *a.shape[1:]), params)
+
+    def body(carry, xs):
+        x, state = carry
+        group, g = xs
+        for r in range(period):
+            block = nnx.merge(graphdef, jax.tree.map(lambda a: a[r], group))
+            q, k, v = block.qkv(x, positions)
+            attn, state = attend(r, g * period + r, q, k, v, state)
+            x = block.finish(x, attn)
+        return (x, state), None
+
+    (x, state), _ = jax.lax.scan(body, (x, state), (grouped, jnp.arange(groups, dtype=jnp.int32)))
     return x, state
 
 
@@ -373,9 +415,9 @@ def _check_cache(model: GPT, cache: KVCache):
         raise ValueError(f"cache must be a jpa.KVCache; got {type(cache).__name__}")
     if cache.num_layers != c.num_layers:
         raise ValueError(f"cache must have num_layers = {c.num_layers} layers; got {cache.num_layers}")
-    shape = tuple(cache.k[0].shape)
-    if shape[0] != c.num_kv_heads or shape[3] != c.head_dim:
-        raise ValueError(f"cache pages must have shape [num_kv_heads = {c.num_kv_heads}, num_pages, "
+    shape = tuple(cache.k.shape)
+    if shape[1] != c.num_kv_heads or shape[4] != c.head_dim:
+        raise ValueError(f"cache pools must have shape [num_layers, num_kv_heads = {c.num_kv_heads}, num_pages, "
                          f"page_size, head_dim = {c.head_dim}]; got {list(shape)}")
 
 
@@ -409,8 +451,8 @@ def forward_dense(model: GPT, tokens):
     t = jnp.arange(num_tokens)
     causal = t[None, :] <= t[:, None]  # [T, S]
 
-    def attend(i, q, k, v, state):
-        opts = model.attention_options(i)
+    def attend(r, layer, q, k, v, state):
+        opts = model.attention_options(r)
         qg = q.reshape(batch, num_tokens, c.num_kv_heads, c.q_per_kv, c.head_dim)
         # Round q/k/v as the cache path does (q in the model dtype, k/v in the cache dtype).
         qg, k, v = (a.astype(model.dtype).astype(jnp.float32) for a in (qg, k, v))
@@ -428,10 +470,10 @@ def forward_dense(model: GPT, tokens):
     return model.logits(x)
 
 
-def _write(layer, k, v, slot_mapping):
-    """One layer's (k_pages, v_pages, k_scales, v_scales) after writing k, v [T, K, H] at slot_mapping."""
-    kp, vp, ks, vs = layer
-    out = write_kv(kp, vp, k, v, slot_mapping, k_scales=ks, v_scales=vs)
+def _write(pools, k, v, slot_mapping, layer):
+    """The stacked (k_pages, v_pages, k_scales, v_scales) after writing k, v [T, K, H] of `layer` at slot_mapping."""
+    kp, vp, ks, vs = pools
+    out = write_kv(kp, vp, k, v, slot_mapping, k_scales=ks, v_scales=vs, layer=layer)
     return out if len(out) == 4 else (*out, None, None)
 
 
@@ -469,21 +511,21 @@ def prefill(model: GPT, cache: KVCache, tokens, start, chunk_lens, slot_mapping,
     positions = start[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)  # i32[B, T]
     slots = slot_mapping.reshape(batch * num_tokens)  # i32[B * T]
 
-    def layer_step(layer, q, k, v, slots, block_tables, start, chunk_lens, *, opts):  # per device under a mesh
-        layer = _write(layer, k, v, slots)
-        kp, vp, ks, vs = layer
-        out = paged_prefill(q, kp, vp, block_tables, start, chunk_lens, k_scales=ks, v_scales=vs, **opts)
-        return out, layer  # [B, T, N, H]
+    def layer_step(pools, q, k, v, slots, block_tables, start, chunk_lens, layer, *, opts):  # per device
+        pools = _write(pools, k, v, slots, layer)
+        kp, vp, ks, vs = pools
+        out = paged_prefill(q, kp, vp, block_tables, start, chunk_lens, k_scales=ks, v_scales=vs, layer=layer,
+                            **opts)
+        return out, pools  # [B, T, N, H]
 
-    def attend(i, q, k, v, cache):
+    def attend(r, layer, q, k, v, pools):
         flat = lambda a: a.reshape(batch * num_tokens, c.num_kv_heads, c.head_dim)  # [B * T, K, H]
-        step = head_parallel(functools.partial(layer_step, opts=model.attention_options(i)), mesh,
-                             (POOL, HEADS_T, HEADS, HEADS) + (REPLICATED,) * 4, (HEADS_T, POOL))
-        out, layer = step(cache.layer(i), q.astype(model.dtype), flat(k), flat(v), slots, block_tables,
-                          start, chunk_lens)
-        return out, cache.with_layer(i, *layer)
+        step = head_parallel(functools.partial(layer_step, opts=model.attention_options(r)), mesh,
+                             (STACKED_POOL, HEADS_T, HEADS, HEADS) + (REPLICATED,) * 5, (HEADS_T, STACKED_POOL))
+        return step(pools, q.astype(model.dtype), flat(k), flat(v), slots, block_tables, start, chunk_lens, layer)
 
-    x, cache = _run(model, tokens, positions, attend, cache)
+    x, pools = _run(model, tokens, positions, attend, cache.pools())
+    cache = cache.replace_pools(*pools)
     last = jnp.maximum(chunk_lens - 1, 0)  # i32[B]
     x_last = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # f32[B, d_model]
     return model.logits(x_last), cache
@@ -520,20 +562,22 @@ def decode(model: GPT, cache: KVCache, tokens, seq_lens, slot_mapping, block_tab
                          f"got {getattr(block_tables, 'shape', None)}")
     positions = jnp.maximum(seq_lens - 1, 0)[:, None]  # i32[B, 1]
 
-    def layer_step(layer, q, k, v, slot_mapping, block_tables, seq_lens, *, opts):  # per device under a mesh
-        layer = _write(layer, k, v, slot_mapping)
-        kp, vp, ks, vs = layer
-        out = paged_decode(q, kp, vp, block_tables, seq_lens, k_scales=ks, v_scales=vs, impl=impl, **opts)
-        return out, layer  # [B, N, H]
+    def layer_step(pools, q, k, v, slot_mapping, block_tables, seq_lens, layer, *, opts):  # per device
+        pools = _write(pools, k, v, slot_mapping, layer)
+        kp, vp, ks, vs = pools
+        out = paged_decode(q, kp, vp, block_tables, seq_lens, k_scales=ks, v_scales=vs, impl=impl, layer=layer,
+                           **opts)
+        return out, pools  # [B, N, H]
 
-    def attend(i, q, k, v, cache):
-        step = head_parallel(functools.partial(layer_step, opts=model.attention_options(i)), mesh,
-                             (POOL, HEADS, HEADS, HEADS) + (REPLICATED,) * 3, (HEADS, POOL))
-        out, layer = step(cache.layer(i), q[:, 0].astype(model.dtype), k[:, 0], v[:, 0], slot_mapping,
-                          block_tables, seq_lens)
-        return out[:, None], cache.with_layer(i, *layer)
+    def attend(r, layer, q, k, v, pools):
+        step = head_parallel(functools.partial(layer_step, opts=model.attention_options(r)), mesh,
+                             (STACKED_POOL, HEADS, HEADS, HEADS) + (REPLICATED,) * 4, (HEADS, STACKED_POOL))
+        out, pools = step(pools, q[:, 0].astype(model.dtype), k[:, 0], v[:, 0], slot_mapping, block_tables,
+                          seq_lens, layer)
+        return out[:, None], pools
 
-    x, cache = _run(model, tokens[:, None], positions, attend, cache)
+    x, pools = _run(model, tokens[:, None], positions, attend, cache.pools())
+    cache = cache.replace_pools(*pools)
     return model.logits(x[:, 0]), cache
 
 
@@ -576,20 +620,21 @@ def ragged(model: GPT, cache: KVCache, tokens, positions, slot_mapping, block_ta
                          f"got {getattr(block_tables, 'shape', None)}")
     num_seqs = jnp.asarray(num_seqs, jnp.int32)
 
-    def layer_step(layer, q, k, v, slots, block_tables, seq_lens, cu_q_lens, num_seqs, *, opts):
-        layer = _write(layer, k, v, slots)
-        kp, vp, ks, vs = layer
+    def layer_step(pools, q, k, v, slots, block_tables, seq_lens, cu_q_lens, num_seqs, layer, *, opts):
+        pools = _write(pools, k, v, slots, layer)
+        kp, vp, ks, vs = pools
         out = ragged_paged_attention(q, kp, vp, block_tables, seq_lens, cu_q_lens, num_seqs, k_scales=ks,
-                                     v_scales=vs, impl=impl, **opts)
-        return out, layer  # [T, N, H]
+                                     v_scales=vs, impl=impl, layer=layer, **opts)
+        return out, pools  # [T, N, H]
 
-    def attend(i, q, k, v, cache):
-        step = head_parallel(functools.partial(layer_step, opts=model.attention_options(i)), mesh,
-                             (POOL, HEADS, HEADS, HEADS) + (REPLICATED,) * 5, (HEADS, POOL))
-        out, layer = step(cache.layer(i), q[0].astype(model.dtype), k[0], v[0], slot_mapping, block_tables,
-                          seq_lens, cu_q_lens, num_seqs)
-        return out[None], cache.with_layer(i, *layer)
+    def attend(r, layer, q, k, v, pools):
+        step = head_parallel(functools.partial(layer_step, opts=model.attention_options(r)), mesh,
+                             (STACKED_POOL, HEADS, HEADS, HEADS) + (REPLICATED,) * 6, (HEADS, STACKED_POOL))
+        out, pools = step(pools, q[0].astype(model.dtype), k[0], v[0], slot_mapping, block_tables, seq_lens,
+                          cu_q_lens, num_seqs, layer)
+        return out[None], pools
 
-    x, cache = _run(model, tokens[None], positions[None], attend, cache)  # x: f32[1, T, d_model]
+    x, pools = _run(model, tokens[None], positions[None], attend, cache.pools())  # x: f32[1, T, d_model]
+    cache = cache.replace_pools(*pools)
     last = jnp.clip(cu_q_lens[1:] - 1, 0, num_tokens - 1)  # i32[max_num_seqs]
     return model.logits(x[0, last]), cache

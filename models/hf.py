@@ -290,7 +290,7 @@ def load(path, dtype=None):
     import jax.numpy as jnp
     from flax import nnx
 
-    from models.gpt import GPT, PARAM_DTYPES
+    from models.gpt import GPT, PARAM_DTYPES, expected_shapes
     from models.tokenizer import HFTokenizer
 
     if dtype is None:
@@ -317,20 +317,16 @@ def load(path, dtype=None):
     plan = _plan(config, cfg["model_type"], _tensor_index(path), path)
 
     model = nnx.eval_shape(lambda: GPT(config, dtype=np_dtype, rngs=nnx.Rngs(0)))
+    shapes_layers = expected_shapes(config)["layers"]
+    # A layer parameter is stacked over the layers ([num_layers, ...]): its tensors are read as a group,
+    # {parameter: [our paths, in layer order]}.
+    groups = {}
+    for ours in plan:
+        groups.setdefault(ours.rsplit(".", 1)[-1], []).append(ours)
+    var = lambda param: getattr(model.layers if param in shapes_layers else model, param)
     # Largest tensors first: their transient copies then come while little else is resident.
-    order = sorted(plan, key=lambda k: -math.prod(_shape_of(model, k)))
-    for ours in order:
-        file, name, transpose, _ = plan[ours]
-        _param_of(model, ours).set_value(jnp.asarray(_read(file, name, transpose, np_dtype)))
+    for param in sorted(groups, key=lambda p: -math.prod(var(p).shape)):
+        members = sorted(groups[param], key=lambda k: int(k.split(".")[1]) if k.startswith("layers.") else 0)
+        values = [_read(*plan[m][:3], np_dtype) for m in members]
+        var(param).set_value(jnp.asarray(np.stack(values) if param in shapes_layers else values[0]))
     return model, tokenizer
-
-
-def _param_of(model, ours: str):
-    if ours.startswith("layers."):
-        _, i, name = ours.split(".")
-        return getattr(model.layers[int(i)], name)
-    return getattr(model, ours)
-
-
-def _shape_of(model, ours: str):
-    return tuple(_param_of(model, ours).shape)

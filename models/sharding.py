@@ -167,6 +167,11 @@ def _name(path) -> str:
     return next(k for k in reversed(keys) if isinstance(k, str) and k != "value")
 
 
+def _stacked(path) -> bool:
+    """Whether a state path is a layer parameter (stacked: a leading num_layers axis before the rule's axes)."""
+    return any(getattr(k, "key", getattr(k, "name", k)) == "layers" for k in path)
+
+
 def with_heads(model, plan: HeadPlan):
     """The model rebuilt with the plan's head counts and ffn size (itself when nothing changes)."""
     from models.gpt import GPT  # models.gpt imports jpa.sharding only; no cycle at import time
@@ -183,7 +188,11 @@ def with_heads(model, plan: HeadPlan):
         if isinstance(x, jax.ShapeDtypeStruct):  # an abstract model (deviceless compile): shapes only
             var.set_value(jax.ShapeDtypeStruct(var.shape, var.dtype))
             continue
-        y = _transform(_name(path), np.asarray(x.astype(jnp.float32)), c, plan)
+        x = np.asarray(x.astype(jnp.float32))
+        if _stacked(path):
+            y = np.stack([_transform(_name(path), layer, c, plan) for layer in x])
+        else:
+            y = _transform(_name(path), x, c, plan)
         var.set_value(jnp.asarray(y, dtype=model.dtype))
     return new
 
@@ -202,7 +211,8 @@ def param_specs(params, *, embeddings: str = "vocab"):
         if name not in rules:
             raise ValueError(f"parameter {name!r} has no tensor-parallel rule; add one to "
                              f"models.sharding.RULES (column-, row-parallel or replicated)")
-        return rules[name]
+        # A layer parameter carries the stack's num_layers axis first, never split.
+        return P(None, *rules[name]) if _stacked(path) else rules[name]
 
     return jax.tree_util.tree_map_with_path(spec, params)
 

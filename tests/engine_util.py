@@ -36,10 +36,9 @@ def context_gpt(seed: int = 1):
     import models
 
     gpt, tok = models.load("tiny-llama", seed=seed)
-    for layer in gpt.layers:
-        for name in ("wq", "wk", "wv", "wo"):
-            p = getattr(layer, name)
-            p.set_value(p.get_value() * QK_VO)
+    for name in ("wq", "wk", "wv", "wo"):  # every layer's (the parameters are stacked)
+        p = getattr(gpt.layers, name)
+        p.set_value(p.get_value() * QK_VO)
     gpt.tok_embeddings.set_value(gpt.tok_embeddings.get_value() * EMB)
     return gpt, tok
 

@@ -128,9 +128,9 @@ def test_copy_pages_in_place(dtype):
     copy = jax.jit(jpa.copy_pages, donate_argnums=0)
     src, dst = jnp.array([1, 4, 0], jnp.int32), jnp.array([3, 5, -1], jnp.int32)
     after = copy(cache, src, dst)
-    assert cache.k[0].is_deleted()
+    assert cache.k.is_deleted()
     for old, new in zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(after)):
-        new = np.asarray(new)
-        np.testing.assert_array_equal(new[:, 3], old[:, 1])
-        np.testing.assert_array_equal(new[:, 5], old[:, 4])
-        np.testing.assert_array_equal(new[:, [0, 1, 2, 4]], old[:, [0, 1, 2, 4]])
+        new = np.asarray(new)  # [num_layers, num_kv_heads, num_pages, ...]: every layer's pages copied
+        np.testing.assert_array_equal(new[:, :, 3], old[:, :, 1])
+        np.testing.assert_array_equal(new[:, :, 5], old[:, :, 4])
+        np.testing.assert_array_equal(new[:, :, [0, 1, 2, 4]], old[:, :, [0, 1, 2, 4]])

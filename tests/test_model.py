@@ -5,6 +5,7 @@ donated), pages interleaved round-robin across sequences and then permuted over 
 """
 
 import dataclasses
+import types
 import functools
 
 import chex
@@ -35,12 +36,13 @@ def randomize(model: GPT, seed: int) -> GPT:
     def draw(path, x):
         name = jax.tree_util.keystr(path)
         n = jax.random.normal(next(keys), x.shape, jnp.float32)
+        shape = x.shape[1:] if "layers" in name else x.shape  # a layer parameter's stack axis comes first
         if "embeddings" in name:
             y = n
-        elif x.ndim == 1:
+        elif len(shape) == 1:
             y = 1.0 + 0.1 * n if "norm" in name and "bias" not in name else 0.1 * n
         else:
-            y = n / np.sqrt(x.shape[0])
+            y = n / np.sqrt(shape[0])
         return y.astype(x.dtype)
 
     nnx.update(model, jax.tree_util.tree_map_with_path(draw, state))
@@ -240,7 +242,8 @@ def test_donated_steps_update_the_cache_in_place():
     # A cache far bigger than the model: a step that copied it would need temp space of its size.
     model = make_model("tiny-llama")
     params, prefill_step, decode_step, _ = jitted_steps(model)
-    cache = jpa.KVCache.create(model.cache_config(1024, 16))  # 2 layers x K,V x 2 MiB = 8 MiB
+    # 2 layers x K,V x 4 MiB = 16 MiB: a copy of even one layer's K pool (4 MiB) breaks the bound.
+    cache = jpa.KVCache.create(model.cache_config(2048, 16))
     i32 = lambda *s: jnp.zeros(s, jnp.int32)
     tables = i32(4, 8)
     compiled = [
@@ -276,7 +279,8 @@ def _gpt2_float64(model: GPT, tokens):
     ln = lambda x, g, b: (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + c.norm_eps) * g + b
     gelu = lambda x: 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
     x = get(model.tok_embeddings)[tokens] + get(model.pos_embeddings)[:num_tokens]
-    for blk in model.layers:
+    for i in range(c.num_layers):
+        blk = types.SimpleNamespace(**model.layer_params(i))
         h = ln(x, get(blk.attn_norm), get(blk.attn_norm_bias))
         q = (h @ get(blk.wq) + get(blk.bq)).reshape(num_tokens, c.num_q_heads, head_dim)
         k = (h @ get(blk.wk) + get(blk.bk)).reshape(num_tokens, c.num_kv_heads, head_dim)
@@ -458,7 +462,7 @@ def test_model_and_step_value_errors():
     with pytest.raises(ValueError, match=r"cache must have num_layers = 2 layers; got 1"):
         decode(model, jpa.KVCache(cache.k[:1], cache.v[:1]), i32(2), i32(2), i32(2), tables)
     other = jpa.KVCache.create(jpa.CacheConfig(2, 4, 16, 4, PAGE_SIZE))
-    with pytest.raises(ValueError, match=r"cache pages must have shape \[num_kv_heads = 2"):
+    with pytest.raises(ValueError, match=r"cache pools must have shape \[num_layers, num_kv_heads = 2"):
         decode(model, other, i32(2), i32(2), i32(2), tables)
     with pytest.raises(ValueError, match=r"tokens must have shape i32\[num_seqs\]"):
         decode(model, cache, i32(2, 1), i32(2), i32(2), tables)

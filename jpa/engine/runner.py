@@ -42,7 +42,7 @@ from jpa.cache import CacheConfig, KVCache, copy_pages
 from jpa.engine.batch import StepBatch, StepResult, make_step_batch
 from jpa.engine.model import EngineModel, check_model
 from jpa.engine.sampling import MAX_TOP_LOGPROBS, SlotParams, sample_slots
-from jpa.sharding import POOL, REPLICATED, named
+from jpa.sharding import REPLICATED, STACKED_POOL, named
 
 
 @flax.struct.dataclass
@@ -141,7 +141,7 @@ class ModelRunner:
         self.block_tokens = None  # rows per model pass of the ragged step, fixed at its compile
         self.step_tokens = None   # the token budget the step was compiled for
         self.attention = None     # the implementation in the compiled step, once compiled
-        self._pool = None if mesh is None else named(mesh, POOL)
+        self._pool = None if mesh is None else named(mesh, STACKED_POOL)
         self._rep = None if mesh is None else named(mesh, REPLICATED)
         make = lambda f, sharding: self._make(f, sharding, allocate)  # noqa: E731
         self.cache = make(lambda: KVCache.create(cache_config), self._pool)
