@@ -214,6 +214,14 @@ class Block(nnx.Module):
         return x + (self._norm(h, self.post_ffn_norm) if c.post_norms else h)
 
 
+def layer_period(config: ModelConfig) -> int:
+    """The smallest p dividing num_layers such that layer i has layer i % p's attention options
+    (sliding window): the layers one scan step runs (1 unless layers alternate, e.g. Gemma-2's 2)."""
+    n = config.num_layers
+    return next(p for p in range(1, n + 1) if n % p == 0 and all(
+        config.layer_window(i) == config.layer_window(i % p) for i in range(n)))
+
+
 def stack_blocks(blocks: list) -> Block:
     """One Block whose parameters are the given blocks' stacked on a new leading axis (a scan's xs)."""
     graphdef = nnx.graphdef(blocks[0])
@@ -269,11 +277,8 @@ class GPT(nnx.Module):
         return _soft_cap(out, self.config.final_soft_cap)
 
     def layer_period(self) -> int:
-        """The smallest p dividing num_layers such that layer i has layer i % p's attention options:
-        the number of layers one scan step runs (1 unless layers alternate, e.g. Gemma-2's 2)."""
-        c = self.config
-        return next(p for p in range(1, c.num_layers + 1) if c.num_layers % p == 0 and all(
-            self.attention_options(i) == self.attention_options(i % p) for i in range(c.num_layers)))
+        """Layers one step of the scan over layers runs (`layer_period(config)`)."""
+        return layer_period(self.config)
 
     def layer_params(self, i: int) -> dict:
         """{name: array} of layer i (slices of the stacked parameters; for inspection and tests)."""

@@ -223,8 +223,9 @@ class Concat(StaticBaseline):
 
     def __init__(self, model, *a, **kw):
         super().__init__(model, *a, **kw)
-        self.block_graphdef = nnx.split(model.layers[0])[0]  # the same structure for every block
-        self.block_params = [nnx.split(b)[1] for b in model.layers]
+        # The model's layer parameters are stacked: one block's structure, each layer's slice of them.
+        self.block_graphdef, stacked = nnx.split(model.layers)
+        self.block_params = [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(model.config.num_layers)]
         self._embed = jax.jit(self._embed_impl)
         self._head = jax.jit(self._head_impl)
         self._qkv = jax.jit(self._qkv_impl)        # static shapes: compiled once
@@ -366,13 +367,13 @@ def profile_decode_step(model, eng, dense, max_seqs, seq_len):
     @jax.jit
     def no_attention(params):
         m = nnx.merge(gd, params)
-        x, _ = _run(m, tokens[:, None], (seq_lens - 1)[:, None], lambda i, q, k, v, s: (q, s), None)
+        x, _ = _run(m, tokens[:, None], (seq_lens - 1)[:, None], lambda r, i, q, k, v, s: (q, s), None)
         return jnp.argmax(m.logits(x[:, 0]), -1)
 
     @jax.jit
     def blocks_only(params):
         m = nnx.merge(gd, params)
-        x, _ = _run(m, tokens[:, None], (seq_lens - 1)[:, None], lambda i, q, k, v, s: (q, s), None)
+        x, _ = _run(m, tokens[:, None], (seq_lens - 1)[:, None], lambda r, i, q, k, v, s: (q, s), None)
         return x
 
     @jax.jit
@@ -381,7 +382,7 @@ def profile_decode_step(model, eng, dense, max_seqs, seq_len):
 
     @jax.jit
     def attention_only(cache, q):
-        outs = [paged_decode_xla(q, cache.k[i], cache.v[i], tables, seq_lens, scale=scale)
+        outs = [paged_decode_xla(q, cache.k, cache.v, tables, seq_lens, scale=scale, layer=jnp.int32(i))
                 for i in range(c.num_layers)]
         return jnp.stack(outs)
 
@@ -390,7 +391,7 @@ def profile_decode_step(model, eng, dense, max_seqs, seq_len):
         # The same reference path visiting only the occupied 64-token chunks (pages_per_chunk is
         # its static option; the engine uses the default, CHUNK_TOKENS = 512 tokens per chunk).
         ppc = max(1, 64 // cc.page_size)
-        outs = [paged_decode_xla(q, cache.k[i], cache.v[i], tables, seq_lens, scale=scale,
+        outs = [paged_decode_xla(q, cache.k, cache.v, tables, seq_lens, scale=scale, layer=jnp.int32(i),
                                  pages_per_chunk=ppc) for i in range(c.num_layers)]
         return jnp.stack(outs)
 

@@ -319,7 +319,9 @@ def run(args):
              f"{s['cached_pages']} pages cached, {s['peak_shared_pages']} shared at peak, {s['cow_copies']} copied on write | "
              if s["prefix_caching"] else "")
           + f"attention {s['attention']} | compile {s['compile_seconds']:.1f} s "
-          + f"(unified step compiled {s['step_compiles']}x, token budget {s['token_budget']})" +
+          + f"(unified step compiled {s['step_compiles']}x"
+          + (", from the persistent compilation cache" if s["step_from_cache"] else "")
+          + f", token budget {s['token_budget']})" +
           f" | pool whole after run: {engine.pool_is_whole()}", file=sys.stderr)
     return 1 if failed else 0
 

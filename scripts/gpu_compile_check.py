@@ -586,14 +586,15 @@ def engine_steps(pool_gib: float = 1.5, max_seqs: int = 64, page_size: int = 16,
                          steps_per_call=steps_per_call, stop_ids=(config.eos_token_id,), allocate=False,
                          block_tokens=budget)
     runner.set_block_tokens(budget)   # the GPU default: the whole budget in one pass
-    pool = ((config.num_kv_heads, cache_cfg.num_pages, page_size, config.head_dim), "bfloat16")
-    pools = [pool] * (2 * config.num_layers)
+    pool = ((config.num_layers, config.num_kv_heads, cache_cfg.num_pages, page_size, config.head_dim), "bfloat16")
+    pools = [pool] * 2  # the stacked K and V pools (jpa.KVCache)
     return [
         # The ragged op is two kernel calls (prompt tiles + the last rows' decode kernel) per layer,
-        # the decode loop one.
+        # the decode loop one; the layers are a scan, so the program holds one layer body of each
+        # (layer_period() layers: 1 for SmolLM2).
         (f"engine unified step (SmolLM2 bf16, {budget}-token budget + {steps_per_call} decode steps, "
          f"{max_seqs} seqs, {cache_cfg.num_pages} pages)",
-         runner._step_impl, runner.state() + (runner.step_inputs(budget),), DONATE, pools, 3 * config.num_layers),
+         runner._step_impl, runner.state() + (runner.step_inputs(budget),), DONATE, pools, 3),
     ]
 
 
@@ -705,6 +706,7 @@ def tp_engine_steps(compiler: Compiler, config: dict | None = None, pool_gib_per
     from jpa.cache import CacheConfig
     from jpa.engine.runner import ModelRunner
     from models import GPT, GPTForEngine, ModelConfig
+    from models.gpt import layer_period
 
     mesh = compiler.tp_mesh
     tp = mesh.shape["tp"]
@@ -719,24 +721,25 @@ def tp_engine_steps(compiler: Compiler, config: dict | None = None, pool_gib_per
                          steps_per_call=steps_per_call, stop_ids=(mc.eos_token_id,), allocate=False, mesh=mesh,
                          block_tokens=budget)
     runner.set_block_tokens(budget)   # the GPU default: the whole budget in one pass
-    local_pool = ((mc.num_kv_heads // tp, cache_cfg.num_pages, page_size, mc.head_dim), "bfloat16")
-    pools = [local_pool] * (2 * mc.num_layers)
+    local_pool = ((mc.num_layers, mc.num_kv_heads // tp, cache_cfg.num_pages, page_size, mc.head_dim), "bfloat16")
+    pools = [local_pool] * 2  # the stacked K and V pools, each device's heads
     param_bytes = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize
                       for x in jax.tree_util.tree_leaves(model.params))
     details = dict(tp=tp, head_plan=model.head_plan.describe(), embeddings=model.head_plan.embeddings,
-                   num_layers=mc.num_layers, d_model=mc.d_model, num_q_heads=mc.num_q_heads,
+                   num_layers=mc.num_layers, layers_per_body=layer_period(mc),
+                   d_model=mc.d_model, num_q_heads=mc.num_q_heads,
                    num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, vocab_size=mc.vocab_size,
                    num_pages=cache_cfg.num_pages, max_seqs=max_seqs, steps_per_call=steps_per_call,
                    param_bytes_per_device=param_bytes, pool_bytes_per_device=cache_cfg.nbytes // tp,
-                   pool_spec=str(runner.cache.k[0].sharding.spec),
-                   param_specs={n: str(getattr(model.params["layers"][0], n).sharding.spec)
+                   pool_spec=str(runner.cache.k.sharding.spec),
+                   param_specs={n: str(model.params["layers"][n].sharding.spec)
                                 for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")})
     # Two model passes (the ragged pass and the decode loop's body), each with the kernel calls of
     # a ragged op (2 per layer) or a decode (1 per layer).
     steps = [
         (f"tp={tp} unified step ({budget}-token budget + {steps_per_call} decode steps, {max_seqs} seqs, "
          f"{cache_cfg.num_pages} pages)", runner._step_impl, runner.state() + (runner.step_inputs(budget),),
-         runner.jit_options(), pools, 3 * mc.num_layers, 2),
+         runner.jit_options(), pools, 3, 2),
     ]
     return steps, details
 
@@ -750,7 +753,9 @@ def check_tp(compiler: Compiler, log=print, **sizes) -> list:
     records = []
     expected = "mosaic" if TARGETS[compiler.target]["cc"][0] == 9 else "triton"
     steps, details = tp_engine_steps(compiler, **sizes)
-    num_layers = details["num_layers"]
+    # The layers are a scan: the program text holds one body of layer_period() layers (1 here), so
+    # per-layer counts are read per body (an XLA pass that unrolled the loop would show up as more).
+    num_layers = details["layers_per_body"]
     for name, fn, args, opts, pools, kernel_calls, passes in steps:
         rec = compiler.compile(name, fn, args, jit_options=opts, pool_shapes=pools, keep_hlo=True)
         hlo = rec.pop("hlo", "")

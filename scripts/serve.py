@@ -226,8 +226,11 @@ class _Loader:
                 return
             self.aengine = AsyncEngine(engine, max_waiting=args.max_waiting).start()
             attach(self.app, self.aengine, tok)
-        print(f"[jpa] model ready in {time.perf_counter() - t0:.1f} s; KV cache: {engine.cache_config.describe()}; "
-              f"max_model_len {engine.max_model_len}", file=sys.stderr, flush=True)
+        compiled = ("" if args.no_warmup else
+                    f"; unified step compiled in {engine.runner.compile_seconds:.1f} s"
+                    + (" (from the persistent compilation cache)" if engine.runner.step_from_cache else ""))
+        print(f"[jpa] model ready in {time.perf_counter() - t0:.1f} s{compiled}; KV cache: "
+              f"{engine.cache_config.describe()}; max_model_len {engine.max_model_len}", file=sys.stderr, flush=True)
 
     def stop(self):
         with self._lock:

@@ -90,11 +90,12 @@ def test_compiled_once_per_run(report):
 
 def test_cache_and_weight_shardings(report):
     for r in _sharded(report, presets_only=True):
-        assert r["cache_specs"] == ["['tp']"] and r["cache_devices"] == r["tp"], r
+        # The stacked pools [num_layers, K, P, S_p, H] are split on their head axis only.
+        assert r["cache_specs"] == ["[None, 'tp']"] and r["cache_devices"] == r["tp"], r
         # The page state and per-slot state are replicated: one allocation decision for all shards.
         assert r["page_state_specs"] == ["[]"] and r["slot_specs"] == ["[]"], r
-        for name, spec in r["weight_specs"].items():
-            assert spec == WEIGHT_SPECS[name], (r["model"], name, spec)
+        for name, spec in r["weight_specs"].items():  # stacked layer parameters: the layer axis unsplit
+            assert spec == [None] + WEIGHT_SPECS[name], (r["model"], name, spec)
         vocab = PRESETS[r["model"]].vocab_size
         assert r["embedding_spec"] == (["tp", None] if vocab % r["tp"] == 0 else []), r
 
@@ -185,6 +186,7 @@ def test_abstract_model_shards_to_sharded_shapes():
     abstract = nnx.eval_shape(lambda: models.GPT(c, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
     mesh = tp_mesh(1)
     gpt, plan = sharding.shard(abstract, mesh)
-    wk = gpt.layers[0].wk.get_value()
-    assert isinstance(wk, jax.ShapeDtypeStruct) and wk.sharding.spec == jax.sharding.PartitionSpec(None, "tp")
+    wk = gpt.layers.wk.get_value()  # stacked: [num_layers, d_model, K * H], the layer axis never split
+    assert isinstance(wk, jax.ShapeDtypeStruct) and wk.sharding.spec == jax.sharding.PartitionSpec(None, None, "tp")
+    assert wk.shape == (c.num_layers, c.d_model, 3 * c.head_dim)
     assert plan.mode == "split" and gpt.config.num_kv_heads == 3

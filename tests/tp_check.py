@@ -76,7 +76,7 @@ def logits(model, mesh, inputs):
     (num_pages, page_size), pre_args, dec_args = inputs
     cache = KVCache.create(model.cache_config(num_pages, page_size))
     if mesh is not None:
-        cache = jax.device_put(cache, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("tp")))
+        cache = jax.device_put(cache, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "tp")))
     lp, cache = jax.jit(lambda mod, ca, *a: models.prefill(mod, ca, *a, mesh=mesh))(model, cache, *pre_args)
     ld, cache = jax.jit(lambda mod, ca, *a: models.decode(mod, ca, *a, mesh=mesh))(model, cache, *dec_args)
     return np.asarray(lp), np.asarray(ld)
@@ -109,7 +109,7 @@ def main(out_path, full=False):
             outs = engine.generate(prompts, sparams)
             s = engine.summary()
             params = engine.model.params
-            layer = params["layers"][0]
+            layer = params["layers"]  # the stacked layer parameters ([num_layers, ...] each)
             rec = dict(model=name, tp=tp, tokens=[list(o.token_ids) for o in outs],
                        logprobs=[list(o.logprobs) for o in outs], sampled=[not p.is_greedy for p in sparams],
                        step_compiles=s["step_compiles"], head_plan=s["head_plan"],
@@ -119,11 +119,11 @@ def main(out_path, full=False):
                 rec.update(
                     mode=engine.model.head_plan.mode,
                     cache_specs=sorted({str(spec(x)) for x in jax.tree_util.tree_leaves(engine.runner.cache)}),
-                    cache_devices=len(engine.runner.cache.k[0].sharding.device_set),
-                    local_kv_heads=engine.runner.cache.k[0].addressable_shards[0].data.shape[0],
+                    cache_devices=len(engine.runner.cache.k.sharding.device_set),
+                    local_kv_heads=engine.runner.cache.k.addressable_shards[0].data.shape[1],
                     page_state_specs=sorted({str(spec(x)) for x in jax.tree_util.tree_leaves(engine.runner.page_state)}),
                     slot_specs=sorted({str(spec(x)) for x in jax.tree_util.tree_leaves(engine.runner.slots)}),
-                    weight_specs={k: spec(getattr(layer, k)) for k in ("wq", "wk", "wv", "wo", "w_up", "w_down")
+                    weight_specs={k: spec(layer[k]) for k in ("wq", "wk", "wv", "wo", "w_up", "w_down")
                                   + (("w_gate",) if gpt.config.family == "llama" else ("bq", "bo", "b_up", "b_down"))},
                     embedding_spec=spec(params["tok_embeddings"]))
                 if name in LOGITS_GAP:

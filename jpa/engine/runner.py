@@ -46,6 +46,19 @@ from jpa.sharding import REPLICATED, STACKED_POOL, named
 
 
 @flax.struct.dataclass
+
+# Executables served by JAX's persistent compilation cache in this process (a monitoring event
+# JAX records on each hit); compile_step compares it before and after its compile.
+_CACHE_HITS = [0]
+
+
+def _count_cache_hits(event: str, **_):
+    if event == "/jax/compilation_cache/cache_hits":
+        _CACHE_HITS[0] += 1
+
+
+jax.monitoring.register_event_listener(_count_cache_hits)
+
 class Slots:
     """Per-slot decode state, arrays [max_seqs], and the token id held at each cache slot."""
     tokens: jax.Array         # i32: the pending token (sampled, not yet in the cache)
@@ -152,6 +165,7 @@ class ModelRunner:
         self.step_traces = 0
         self.cow_copies = 0  # pages copied on write (parallel samples' shared last pages)
         self.compile_seconds = 0.0
+        self.step_from_cache = None  # set by compile_step
         self._step_exe = None
         self._retire = jax.jit(self._retire_impl, donate_argnums=(0, 1),
                                **({} if mesh is None else dict(out_shardings=self._rep)))
@@ -411,11 +425,14 @@ class ModelRunner:
         return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, **sharding), batch)
 
     def compile_step(self, num_tokens: int):
-        """Compiles the unified step for a token budget (done by the first `step`)."""
+        """Compiles the unified step for a token budget (done by the first `step`). Sets
+        `step_from_cache`: whether JAX's persistent compilation cache served the executable."""
         self.set_block_tokens(num_tokens)
         t0 = time.perf_counter()
+        hits = _CACHE_HITS[0]
         self._step_exe = jax.jit(self._step_impl, **self.jit_options()).lower(
             *self.state(), self.step_inputs(num_tokens)).compile()
+        self.step_from_cache = _CACHE_HITS[0] > hits
         self.compile_seconds += time.perf_counter() - t0
         self.attention = attention_in(self._step_exe.as_text())
         self.step_tokens = num_tokens
