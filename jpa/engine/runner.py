@@ -45,8 +45,6 @@ from jpa.engine.sampling import MAX_TOP_LOGPROBS, SlotParams, sample_slots
 from jpa.sharding import REPLICATED, STACKED_POOL, named
 
 
-@flax.struct.dataclass
-
 # Executables served by JAX's persistent compilation cache in this process (a monitoring event
 # JAX records on each hit); compile_step compares it before and after its compile.
 _CACHE_HITS = [0]
@@ -59,6 +57,8 @@ def _count_cache_hits(event: str, **_):
 
 jax.monitoring.register_event_listener(_count_cache_hits)
 
+
+@flax.struct.dataclass
 class Slots:
     """Per-slot decode state, arrays [max_seqs], and the token id held at each cache slot."""
     tokens: jax.Array         # i32: the pending token (sampled, not yet in the cache)
