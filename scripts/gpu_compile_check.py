@@ -13,6 +13,11 @@ This script does that for
    fp8 caches, every option, split-K on and off);
 2. the ragged kernels (`jpa.ragged_paged_attention`) at a serving size: five dtype/shape configs
    ("fast"), plus every head dim with a 16-bit, int8, fp8 and float32 cache ("full");
+   after each of 1. and 2. (or alone: `--only stacked`), stacked page pools: the kernels called
+   in a loop over layers on ONE [L, K, P, S_p, H] pool per K/V (carried and written each layer,
+   donated) with the loop index as the layer, as the layer-scanned model calls them: one ragged
+   config of 40 layers, 5 GiB per pool ("fast"), plus decode and ragged configs of 4-32 layers
+   ("full"), each next to the registers of its per-layer twin;
 3. the engine's jitted decode loop and a prefill call for SmolLM2-135M in bfloat16 with a pool
    of >= 1 GiB, attention chosen by `impl="auto"` for the target.
 
@@ -30,6 +35,7 @@ Mosaic GPU for an A100 (scripts/mosaic_ampere_spike.py: jpa's Mosaic kernels are
 Needs the compile-only GPU packages: `pip install -e ".[gpu]"` (./run test installs them).
 
     python scripts/gpu_compile_check.py --target h100 [--subset fast|full] [--json PATH]
+    python scripts/gpu_compile_check.py --target h100 --only stacked [--subset fast|full]
     python scripts/gpu_compile_check.py --target h100 --only tp --tp 8   # 3. below
 
 3. (`--only tp`) tensor parallelism: the engine's decode loop and a prefill call of a
@@ -561,6 +567,204 @@ def check_ragged(compiler: Compiler, impls, log=print, subset: str = "fast") -> 
     return records
 
 
+# ---- 2b. Stacked page pools: a loop over layers, the layer a traced index ----
+
+# The layer-scanned model's shape of a call: ONE pool per K and V, [L, K, P, S_p, H] (scales
+# f32[L, K, P, S_p]), carried through a loop over layers; each layer writes its new tokens into the
+# carried pool, then calls the kernel on the WHOLE pool with the loop index as its layer. Checked:
+# it compiles, the kernel is in the loop body once, no pool-shaped copy (of the stacked shape), the
+# donated pools aliased, temporaries far below the pools, and the kernel's registers and spills
+# against its per-layer twin (the same configuration over a [K, P, S_p, H] pool): taken from the
+# records of the grid compiled before it in the same run, or (full subset) compiled here.
+#
+# The fast subset is one ragged configuration per kernel family: the ragged op runs both kernels
+# (the tile kernel and the decode kernel of the last rows) over the stacked pool. Its 40 bf16
+# layers make each pool 5 GiB, over 2**32 bytes: Pallas Triton's 64-bit offsets.
+#
+# (decode KernelConfig overrides, num_layers). The 4-layer bf16 pool is 1 GiB per K/V (32-bit
+# offsets in Triton); the 32-layer one 8 GiB (64-bit offsets; the Llama-3-8B shape of pool).
+STACKED_KERNEL_CONFIGS = (
+    ({}, 4),
+    ({}, 32),
+    (dict(cache_dtype="int8", page_size=32), 4),
+    (dict(split_k=True, soft_cap=True, alibi=True, sliding_window=True), 4),
+    (dict(q_dtype="float16", cache_dtype="float8_e5m2", head_dim=64, q_per_kv=3, num_kv_heads=3), 30),
+)
+# (RAGGED_CONFIGS entry, num_layers, in the fast subset).
+STACKED_RAGGED_CONFIGS = (
+    (RAGGED_CONFIGS[0], 40, True),
+    (RAGGED_CONFIGS[0], 4, False),
+    (RAGGED_CONFIGS[2], 4, False),
+    (RAGGED_CONFIGS[4], 4, False),
+)
+
+
+def _stacked_loop(call, num_layers: int, num_extra: int, quantized: bool):
+    """fn(q, k_pages, v_pages, block_tables, seq_lens, *extra, *scales) -> (k_pages, v_pages,
+    *scales, out): `num_layers` iterations of "write one token per sequence into layer l of the
+    carried pools (the model's cache write), then `call(q, k, v, tables, lens, *extra, k_scales,
+    v_scales, layer=l)`", the outputs summed. `extra` are num_extra index arrays (ragged: cu_q_lens,
+    num_seqs)."""
+    from jax import lax
+
+    def fn(q, k_pages, v_pages, tables, lens, *rest):
+        extra, scales = rest[:num_extra], rest[num_extra:]
+        num_seqs, page_size = tables.shape[0], k_pages.shape[3]
+        num_kv_heads, num_pages = k_pages.shape[1], k_pages.shape[2]
+        pos = jnp.maximum(lens - 1, 0)
+        page = jnp.clip(tables[jnp.arange(num_seqs), pos // page_size], 0, num_pages - 1)  # i32[B]
+        off = pos % page_size  # i32[B]
+
+        def body(layer, carry):
+            k, v, *sc, out = carry
+            new = q[:num_seqs, :num_kv_heads].astype(k.dtype)  # [B, K, H]
+            k = k.at[layer, :, page, off].set(new)
+            v = v.at[layer, :, page, off].set(new)
+            sc = [s.at[layer, :, page, off].set(1.0) for s in sc]
+            o = call(q, k, v, tables, lens, *extra, k_scales=sc[0] if quantized else None,
+                     v_scales=sc[1] if quantized else None, layer=layer)
+            return (k, v, *sc, out + o.astype(jnp.float32))
+
+        init = (k_pages, v_pages, *scales, jnp.zeros(q.shape, jnp.float32))
+        return lax.fori_loop(0, num_layers, body, init)
+
+    return fn
+
+
+def _stacked_args(q_shape, q_dtype, pool, cache_dtype, num_layers, index_args, quantized):
+    sds = jax.ShapeDtypeStruct
+    stacked = (num_layers, *pool)
+    args = (sds(q_shape, q_dtype), sds(stacked, cache_dtype), sds(stacked, cache_dtype), *index_args)
+    scale_shapes = [(stacked[:4], "float32")] * 2 if quantized else []
+    args += tuple(sds(s, d) for s, d in scale_shapes)
+    donate = (1, 2) + tuple(range(len(args) - len(scale_shapes), len(args)))
+    return args, donate, [(stacked, cache_dtype)] * 2 + scale_shapes
+
+
+def _kernel_twin(records, name):
+    """{kernel: {registers, spill_stores, shared_memory}} of an already compiled record `name`."""
+    for r in records:
+        if r.get("name") == name and "kernels" in r:
+            return {k: {f: v.get(f) for f in ("registers", "spill_stores", "shared_memory")}
+                    for k, v in r["kernels"].items()}
+    return None
+
+
+def _compare_twin(rec, twin):
+    """Records the per-layer twin's kernel resources next to the stacked ones; more registers than
+    the twin is reported in `register_growth` (a problem only when it brings spills, which
+    `Compiler.compile` already fails)."""
+    rec["per_layer_kernels"] = twin
+    if not twin or not rec.get("kernels"):
+        return
+    growth = {}
+    for k, v in rec["kernels"].items():
+        t = twin.get(k)
+        if t and v.get("registers") is not None and t.get("registers") is not None:
+            growth[k] = v["registers"] - t["registers"]
+            if v.get("spill_stores", 0) > (t.get("spill_stores") or 0):
+                rec["problems"].append(f"{k} spills {v['spill_stores']} B over a stacked pool, "
+                                       f"{t.get('spill_stores') or 0} B per layer")
+                rec["ok"] = False
+    rec["register_growth"] = growth
+
+
+def check_stacked_kernels(compiler: Compiler, impls, subset: str, records=(), log=print) -> list:
+    """Each decode kernel over a stacked pool in a loop over layers (STACKED_KERNEL_CONFIGS, full
+    subset only); the per-layer twin is taken from `records` (the grid) or compiled here."""
+    from jpa.pallas import mosaic_decode, triton_decode
+    cc = float(".".join(map(str, TARGETS[compiler.target]["cc"])))
+    modules = dict(triton=triton_decode, mosaic=mosaic_decode)
+    out, records = [], list(records)
+    for impl in impls:
+        for overrides, num_layers in STACKED_KERNEL_CONFIGS:
+            if subset == "fast":
+                continue
+            cfg = dataclasses.replace(KernelConfig(impl), **overrides)
+            spec = cfg.spec()._replace(num_layers=num_layers)
+            name = f"{cfg.name} stacked L={num_layers}"
+            reason = modules[impl].unsupported_reason(spec, cc)
+            if reason is not None:
+                out.append(dict(name=name, target=compiler.target, kind="stacked", ok=True, refused=reason))
+                continue
+            twin = _kernel_twin(records, cfg.name)
+            if twin is None and dispatch.unsupported_reason(impl, cfg.spec(), cc) is None:
+                fn, args, kwargs, pools = kernel_call(cfg)
+                trec = compiler.compile(cfg.name, fn, args, kwargs=kwargs, pool_shapes=pools)
+                records.append(trec)
+                twin = _kernel_twin(records, cfg.name)
+            pool = (spec.num_kv_heads, spec.num_pages, spec.page_size, spec.head_dim)
+            index_args = (jax.ShapeDtypeStruct((spec.num_seqs, spec.pages_per_seq), jnp.int32),
+                          jax.ShapeDtypeStruct((spec.num_seqs,), jnp.int32))
+            args, donate, pools = _stacked_args((spec.num_seqs, spec.num_q_heads, spec.head_dim), spec.q_dtype,
+                                                pool, spec.cache_dtype, num_layers, index_args, spec.quantized)
+            call = functools.partial(modules[impl].paged_decode, scale=spec.head_dim ** -0.5,
+                                     soft_cap=30.0 if spec.soft_cap else None,
+                                     sliding_window=1024 if spec.sliding_window else None)
+            if spec.alibi:
+                slopes = 2.0 ** -jnp.linspace(0.5, 8, spec.num_q_heads)
+                call = functools.partial(call, alibi_slopes=slopes)
+            fn = _stacked_loop(call, num_layers, 0, spec.quantized)
+            rec = compiler.compile(name, fn, args, donate_argnums=donate, pool_shapes=pools)
+            rec.update(kind="stacked", num_layers=num_layers, config=dataclasses.asdict(cfg))
+            want = "triton_calls" if impl == "triton" else "mosaic_calls"
+            if rec["ok"] and rec[want] != 1:
+                rec["ok"] = False
+                rec["problems"].append(f"expected one {impl} kernel call (in the loop body), found {rec[want]}")
+            _compare_twin(rec, twin)
+            out.append(rec)
+            log(_line(rec) + _growth(rec))
+    return out
+
+
+def check_stacked_ragged(compiler: Compiler, impls, subset: str, records=(), log=print) -> list:
+    """Each ragged kernel (its tile kernel and the decode kernel of the last rows) over a stacked
+    pool in a loop over layers (STACKED_RAGGED_CONFIGS); twins from `records` or (full subset)
+    compiled here."""
+    from jpa import ragged
+    from jpa.pallas import mosaic_ragged, triton_ragged
+    cc = float(".".join(map(str, TARGETS[compiler.target]["cc"])))
+    modules = dict(triton=triton_ragged, mosaic=mosaic_ragged)
+    out, records = [], list(records)
+    for impl in impls:
+        for cfg, num_layers, fast in STACKED_RAGGED_CONFIGS:
+            if subset == "fast" and not fast:
+                continue
+            spec, twin_fn, twin_args, twin_pools = ragged_call(impl, *cfg)
+            twin_name = f"ragged {impl} q={cfg[0]} kv={cfg[1]} G={cfg[2]} hd={cfg[3]} ps={cfg[4]}"
+            name = f"{twin_name} stacked L={num_layers}"
+            reason = modules[impl].unsupported_reason(spec._replace(num_layers=num_layers), cc)
+            if reason is not None:
+                out.append(dict(name=name, target=compiler.target, kind="stacked", ok=True, refused=reason))
+                continue
+            twin = _kernel_twin(records, twin_name)
+            if twin is None and subset == "full" and ragged.unsupported_reason(impl, spec, cc) is None:
+                records.append(compiler.compile(twin_name, twin_fn, twin_args, pool_shapes=twin_pools))
+                twin = _kernel_twin(records, twin_name)
+            pool = twin_args[1].shape
+            args, donate, pools = _stacked_args(twin_args[0].shape, spec.q_dtype, pool, spec.cache_dtype,
+                                                num_layers, twin_args[3:7], spec.quantized)
+            call = functools.partial(modules[impl].ragged_paged_attention, scale=spec.head_dim ** -0.5,
+                                     soft_cap=30.0, sliding_window=1024)
+            fn = _stacked_loop(call, num_layers, 2, spec.quantized)
+            rec = compiler.compile(name, fn, args, donate_argnums=donate, pool_shapes=pools)
+            rec.update(kind="stacked", num_layers=num_layers)
+            calls = rec.get("triton_calls" if impl == "triton" else "mosaic_calls", 0)
+            if rec["ok"] and calls != 2:
+                rec["ok"] = False
+                rec["problems"].append(f"expected two {impl} kernel calls (ragged + decode, in the loop body), "
+                                       f"found {calls}")
+            _compare_twin(rec, twin)
+            out.append(rec)
+            log(_line(rec) + _growth(rec))
+    return out
+
+
+def _growth(rec) -> str:
+    g = rec.get("register_growth")
+    return (" | registers vs per-layer: " + ", ".join(f"{k} {v:+d}" for k, v in g.items())) if g else ""
+
+
 # ---- 3. The engine's jitted steps, SmolLM2-135M in bfloat16 ----
 
 def engine_steps(pool_gib: float = 1.5, max_seqs: int = 64, page_size: int = 16, max_model_len: int = 2048,
@@ -826,8 +1030,10 @@ def main(argv=None) -> int:
     p.add_argument("--target", choices=sorted(TARGETS))
     p.add_argument("--subset", choices=("fast", "full"), default="full",
                    help="fast: a spread-out subset of the kernel grid (CI); full: the covering grid")
-    p.add_argument("--only", choices=("kernels", "ragged", "engine", "all", "tp"), default="all",
-                   help="tp: the engine's steps of a Llama-shaped model (32 layers, 32 q / 8 kv heads, head_dim "
+    p.add_argument("--only", choices=("kernels", "ragged", "stacked", "engine", "all", "tp"), default="all",
+                   help="stacked: only the stacked-pool configurations of kernels and ragged (a loop over "
+                        "layers, one [L, K, P, S_p, H] pool, the layer a traced index); "
+                        "tp: the engine's steps of a Llama-shaped model (32 layers, 32 q / 8 kv heads, head_dim "
                         "128, bf16) tensor-parallel over --tp GPUs of one host (not part of 'all')")
     p.add_argument("--tp", type=int, default=8, help="GPUs of the tensor-parallel compile (--only tp)")
     p.add_argument("--embeddings", choices=("replicated", "vocab"), default="vocab",
@@ -858,8 +1064,12 @@ def main(argv=None) -> int:
     records = []
     if args.only in ("kernels", "all"):
         records += check_kernels(compiler, impls, args.subset, random=args.random, seed=args.seed)
+    if args.only in ("kernels", "stacked", "all") and not args.random:
+        records += check_stacked_kernels(compiler, impls, args.subset, records)
     if args.only in ("ragged", "all"):
         records += check_ragged(compiler, impls, subset=args.subset)
+    if args.only in ("ragged", "stacked", "all"):
+        records += check_stacked_ragged(compiler, impls, args.subset, records)
     if args.only in ("engine", "all"):
         records += check_engine(compiler)
     if args.only == "tp":

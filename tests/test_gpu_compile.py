@@ -64,6 +64,28 @@ def test_kernel_grid_subset_compiles(tmp_path, target, kernel_names):
     assert report["summary"]["ptxas"], "ptxas did not run: registers cannot have been read"
 
 
+@pytest.mark.parametrize("target,kernel_names", [("h100", ("triton", "mosaic")), ("a100", ("triton",))])
+def test_stacked_pool_in_a_layer_loop_compiles(tmp_path, target, kernel_names):
+    """The layer-scanned model's call: a loop over 40 layers, ONE [L, K, P, S_p, H] pool per K/V
+    (5 GiB each: Pallas Triton's 64-bit offsets) carried, written each layer and donated, the
+    ragged op (tile kernel + decode kernel) called on the whole pool with the loop index as its
+    layer. Both kernels sit once in the loop body; the pools reach them uncopied and aliased."""
+    proc, report = run_check(tmp_path, "--target", target, "--subset", "fast", "--only", "stacked")
+    failed = [(r["name"], r.get("error") or r.get("problems")) for r in report["records"] if not r["ok"]]
+    assert proc.returncode == 0 and not failed, failed
+    recs = compiled(report)
+    assert sorted(r["name"].split()[1] for r in recs) == sorted(kernel_names)
+    for r in recs:
+        assert r["kind"] == "stacked" and r["num_layers"] == 40, r["name"]
+        assert r["pool_bytes"] > 2 * 2 ** 32 and r["alias_bytes"] >= r["pool_bytes"], r["name"]
+        assert r["pool_copies"] == [] and r["temp_bytes"] < r["pool_bytes"] // 4, r["name"]
+        calls = r["triton_calls" if r["name"].split()[1] == "triton" else "mosaic_calls"]
+        assert calls == 2, r["name"]   # the tile kernel and the last rows' decode kernel
+        assert len(r["kernels"]) == 2, r["kernels"]
+        for k in r["kernels"].values():
+            assert 0 < k["registers"] <= 255 and k["spill_stores"] == 0, r["name"]
+
+
 def test_random_accepted_configs_compile(tmp_path):
     """Whatever unsupported_reason accepts for the target compiles (fresh random configurations)."""
     seed = int(np.random.default_rng().integers(1 << 30))

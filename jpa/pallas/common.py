@@ -8,11 +8,37 @@ combined with a log-sum-exp merge:
 
 An empty partition has m_p = MASK_VALUE, l_p = 0 and acc_p = 0, so it contributes nothing; a
 sequence with no keys at all gets l = 0 and a zero output (never NaN).
+
+Pool layouts (every kernel takes both): a per-layer pool `[K, P, S_p, H]` with `layer=None`, or a
+stacked pool `[L, K, P, S_p, H]` (all layers in one buffer, carried through a scan over layers)
+with a layer index, passed to the kernel whole next to the index (`pool_layout`, `layer_operand`).
 """
 
 import jax.numpy as jnp
 
 from jpa.reference import MASK_VALUE  # noqa: F401  (re-exported: kernels use the same mask)
+
+
+def pool_layout(k_pages, layer):
+    """(num_layers or None, num_kv_heads, num_pages, page_size, head_dim) of a page pool, checking
+    that its rank matches `layer`: 4-D [K, P, S_p, H] with layer None, 5-D [L, K, P, S_p, H] with
+    a layer index. num_layers is None for a per-layer pool."""
+    if layer is None:
+        if k_pages.ndim != 4:
+            raise ValueError(f"with layer=None the page pools are [num_kv_heads, num_pages, page_size, "
+                             f"head_dim]; got shape {k_pages.shape} (a stacked 5-D pool needs `layer`)")
+        return (None, *k_pages.shape)
+    if k_pages.ndim != 5:
+        raise ValueError(f"with a layer index the page pools are stacked [num_layers, num_kv_heads, "
+                         f"num_pages, page_size, head_dim]; got shape {k_pages.shape}")
+    if jnp.shape(layer) not in ((), (1,)) or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+        raise ValueError(f"layer must be an integer scalar; got {layer!r}")
+    return tuple(k_pages.shape)
+
+
+def layer_operand(layer):
+    """The layer index as the kernels' i32[1] operand (a free reshape of an i32 scalar)."""
+    return jnp.asarray(layer, jnp.int32).reshape(1)
 
 
 def merge_partitions(acc, m, l, out_dtype):

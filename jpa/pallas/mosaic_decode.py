@@ -26,6 +26,14 @@ are widened in SMEM to q's dtype for the WGMMA (exact), and their per-token scal
 to the logits (K) and to the columns of p (V) instead of to the values.
 
 Split-K: each partition writes its unnormalized (acc, m, l); `merge_partitions` combines them.
+
+Pool layouts (`paged_decode`'s `layer`): per layer `[K, P, S_p, H]` (`layer=None`), or stacked
+`[L, K, P, S_p, H]` with a layer index (an i32 scalar, traced in a scan over layers). Either way
+the pools are whole GMEM operands (a custom-call operand that is a slice of the cache would be
+materialized: a copy per layer per step); the layer travels as an `i32[1]` operand, read like the
+block table, and each TMA copies `k_ref.at[layer, kv_head, page, rows]`. Mosaic folds the squeezed
+(layer, kv head, page) indices of a TMA source into one coordinate of at most L * K * P, which TMA
+holds in 32 bits (`unsupported_reason`).
 Rejected (see `unsupported_reason`): targets other than Hopper (9.x), float32 q (WGMMA is
 tf32-only for f32), a 16-bit cache whose dtype differs from q's, q_per_kv > 64, head_dim not a
 multiple of 16 (32 for 8-bit caches: Mosaic GPU swizzles SMEM rows in 32/64/128-byte units) or
@@ -44,7 +52,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jpa.pallas.common import MASK_VALUE, merge_partitions
+from jpa.pallas.common import MASK_VALUE, layer_operand, merge_partitions, pool_layout
 from jpa.pallas.spec import DecodeSpec
 
 # WGMMA's M: rows of the q tile.
@@ -111,7 +119,17 @@ def unsupported_reason(spec: DecodeSpec, compute_capability: float | None = None
     if num_slots(spec.head_dim, ps, 2, 1 if spec.quantized else 2) == 0:
         return (f"head_dim = {spec.head_dim} with page_size = {ps} needs more than "
                 f"{SMEM_BUDGET // 1024} KiB of SMEM for two K/V blocks")
+    # A TMA's coordinates are signed 32-bit: the (layer, kv head, page) index of a page, which
+    # Mosaic folds into one coordinate, must stay below 2**31.
+    pages = spec.num_layers * spec.num_kv_heads * spec.num_pages
+    if pages >= MAX_TMA_COORD:
+        return (f"num_layers x num_kv_heads x num_pages = {pages} pages: a TMA coordinate (32-bit) "
+                f"cannot address them (at most {MAX_TMA_COORD - 1}); use fewer pages")
     return None
+
+
+# TMA coordinates are signed 32-bit integers.
+MAX_TMA_COORD = 2 ** 31
 
 
 # Register tiles wider than this many columns are processed a column slice at a time where
@@ -187,9 +205,10 @@ def _block_source(tables_ref, seq, blk, *, page_size, block_tokens, pages_per_se
     return jnp.clip(page, 0, num_pages - 1), lax.rem(blk, splits) * block_tokens
 
 
-def _copy_block(src, slot, kh, refs, smem, bars, *, page_size, block_tokens):
+def _copy_block(src, slot, head, refs, smem, bars, *, page_size, block_tokens):
     """Starts the TMA copies of one block (`_block_source`'s src) into `slot`: K, V and, for a
-    quantized cache, their per-token scales. refs: (k_ref, v_ref, ks_ref, vs_ref) in GMEM (scales
+    quantized cache, their per-token scales. head: the leading pool indices, (kv head,) or
+    (layer, kv head) for a stacked pool; refs: (k_ref, v_ref, ks_ref, vs_ref) in GMEM (scales
     None unless quantized); smem: the matching [slots, S, H] / [slots, S] buffers; bars: (k_bars,
     v_bars). Each barrier gets `tmas_per_block` arrivals."""
     k_ref, v_ref, ks_ref, vs_ref = refs
@@ -201,11 +220,13 @@ def _copy_block(src, slot, kh, refs, smem, bars, *, page_size, block_tokens):
         page, row = src
         pieces = [(page, pl.ds(row, block_tokens), pl.ds(0, block_tokens))]
     for page, src_rows, rows in pieces:
-        plgpu.copy_gmem_to_smem(k_ref.at[kh, page, src_rows], k_smem.at[slot, rows], k_bars.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[kh, page, src_rows], v_smem.at[slot, rows], v_bars.at[slot])
+        plgpu.copy_gmem_to_smem(k_ref.at[(*head, page, src_rows)], k_smem.at[slot, rows], k_bars.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[(*head, page, src_rows)], v_smem.at[slot, rows], v_bars.at[slot])
         if ks_ref is not None:
-            plgpu.copy_gmem_to_smem(ks_ref.at[kh, page, src_rows], ks_smem.at[slot, rows], k_bars.at[slot])
-            plgpu.copy_gmem_to_smem(vs_ref.at[kh, page, src_rows], vs_smem.at[slot, rows], v_bars.at[slot])
+            plgpu.copy_gmem_to_smem(ks_ref.at[(*head, page, src_rows)], ks_smem.at[slot, rows],
+                                    k_bars.at[slot])
+            plgpu.copy_gmem_to_smem(vs_ref.at[(*head, page, src_rows)], vs_smem.at[slot, rows],
+                                    v_bars.at[slot])
 
 
 def tmas_per_block(page_size: int, block_tokens: int, quantized: bool) -> int:
@@ -263,13 +284,14 @@ def _smem_plan(head_dim, page_size, itemsize, cache_itemsize):
     return slots, max(fixed + slots * per_slot, epilogue)
 
 
-def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, ks_ref, vs_ref,  # GMEM
+def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, ks_ref, vs_ref, layer_ref,  # GMEM
             acc_out, m_out, l_out,  # outputs (GMEM)
             bars, *, scale, soft_cap, sliding_window, q_per_kv, page_size, block_tokens,
             blocks_per_part, slots, rows_out, register_acc):
-    # q_ref [num_seqs * num_q_heads + BLOCK_Q, head_dim]; k_ref, v_ref [K, P, S_p, H];
+    # q_ref [num_seqs * num_q_heads + BLOCK_Q, head_dim]; k_ref, v_ref [K, P, S_p, H], or
+    # [L, K, P, S_p, H] for a stacked pool (layer_ref i32[1] then holds the layer, else None);
     # tables_ref i32[num_seqs, pages_per_seq]; lens_ref i32[num_seqs];
-    # slopes_ref f32[num_q_heads + BLOCK_Q] or None; ks_ref, vs_ref f32[K, P, S_p] or None.
+    # slopes_ref f32[num_q_heads + BLOCK_Q] or None; ks_ref, vs_ref f32[(L,) K, P, S_p] or None.
     # acc_out f32[B, K, parts, rows_out, H]; m_out, l_out f32[B, K, parts, rows_out].
     # register_acc: the hardware path. P @ V accumulates into `acc` in place (`pl.run_state` on
     # a WGMMA accumulator initialised from it) with p as a register operand. GPU interpret mode
@@ -280,7 +302,8 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, ks_ref, vs_re
     b = lax.axis_index("seq")
     kh = lax.axis_index("kv_head")
     part = lax.axis_index("part")
-    num_kv_heads, num_pages, _, head_dim = k_ref.shape
+    num_kv_heads, num_pages, _, head_dim = k_ref.shape[-4:]
+    head = (kh,) if layer_ref is None else (_layer(layer_ref, k_ref.shape[0]), kh)
     pages_per_seq = tables_ref.shape[1]
     dtype = q_ref.dtype
     quantized = ks_ref is not None
@@ -316,7 +339,7 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, ks_ref, vs_re
 
         def issue(src, slot):
             """Starts the TMA copies of one block into slot."""
-            _copy_block(src, slot, kh, (k_ref, v_ref, ks_ref, vs_ref), (k_smem, v_smem, ks_smem, vs_smem),
+            _copy_block(src, slot, head, (k_ref, v_ref, ks_ref, vs_ref), (k_smem, v_smem, ks_smem, vs_smem),
                         (k_bars, v_bars), page_size=page_size, block_tokens=block_tokens)
 
         for s in range(slots - 1):
@@ -459,6 +482,12 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, ks_ref, vs_re
     )
 
 
+def _layer(layer_ref, num_layers):
+    """The layer of a stacked pool, read from its i32[1] GMEM operand and clamped into
+    [0, num_layers) (like a page: an out-of-range layer must never address outside the pool)."""
+    return jnp.minimum(jnp.maximum(layer_ref[0], 0), num_layers - 1)
+
+
 def _widen(x, dtype):
     """8-bit cache values -> q's dtype. float8 goes through f32: sm_90 converts float8 only to
     f16 directly, and f32 -> bf16/f16 of a float8 value is exact."""
@@ -476,9 +505,10 @@ def _operand_transforms(dtype, minor):
 
 def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap, alibi_slopes,
                   sliding_window, k_scales=None, v_scales=None, interpret,
-                  blocks_per_part=None, detect_races=False):
+                  blocks_per_part=None, detect_races=False, layer=None):
     num_seqs, num_q_heads, head_dim = q.shape
-    num_kv_heads, _, page_size, _ = k_pages.shape
+    num_layers, num_kv_heads, _, page_size, _ = pool_layout(k_pages, layer)
+    stacked = num_layers is not None
     pages_per_seq = block_tables.shape[1]
     q_per_kv = num_q_heads // num_kv_heads
     bt = block_tokens(head_dim, page_size)
@@ -512,13 +542,15 @@ def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_ca
     arrivals = tmas_per_block(page_size, bt, quantized)
 
     # The body's name is the kernel's name (ptxas reports and MOSAIC_GPU_DUMP_TO files).
+    # A stacked pool adds one operand, the layer (i32[1]), after the others.
     def jpa_mosaic_decode(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, ks_ref, vs_ref,
-                          acc_out, m_out, l_out):
+                          *rest):
+        layer_ref, (acc_out, m_out, l_out) = (rest[0], rest[1:]) if stacked else (None, rest)
         pl.run_scoped(
             lambda *bars: kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref,
                                  slopes_ref if alibi_slopes is not None else None,
                                  ks_ref if quantized else None, vs_ref if quantized else None,
-                                 acc_out, m_out, l_out, bars),
+                                 layer_ref, acc_out, m_out, l_out, bars),
             plgpu.Barrier(num_barriers=2),
             plgpu.Barrier(num_arrivals=arrivals, num_barriers=slots),
             plgpu.Barrier(num_arrivals=arrivals, num_barriers=slots),
@@ -536,7 +568,8 @@ def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_ca
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=plgpu.InterpretGPUParams(detect_races=detect_races) if interpret else None,
     )(q_rows, k_pages, v_pages, block_tables, seq_lens.astype(jnp.int32), slopes,
-      k_scales if quantized else slopes, v_scales if quantized else slopes)
+      k_scales if quantized else slopes, v_scales if quantized else slopes,
+      *([layer_operand(layer)] if stacked else []))
     acc = acc[..., :q_per_kv, :]  # [B, K, parts, G, H]
     out = merge_partitions(acc, m[..., :q_per_kv], l[..., :q_per_kv], dtype)  # [B, K, G, H]
     return out.reshape(num_seqs, num_q_heads, head_dim)
@@ -545,9 +578,14 @@ def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_ca
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "interpret"))
 def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap=None,
                  alibi_slopes=None, sliding_window=None, k_scales=None, v_scales=None,
-                 interpret=False):
+                 interpret=False, layer=None):
     """Paged decode attention with the Mosaic GPU kernel. Arguments as `jpa.paged_decode`
     (already validated, and `unsupported_reason` is None for their DecodeSpec).
+
+    k_pages, v_pages are [K, P, S_p, H] with layer None, or a stacked pool [L, K, P, S_p, H]
+    (scales f32[L, K, P, S_p]) with `layer`, the layer to attend over: a Python int or a traced
+    i32[] (one compiled kernel serves every layer), expected in [0, L) and clamped into it.
+    The pools go to the kernel whole either way.
 
     Returns:
       [num_seqs, num_q_heads, head_dim] in q's dtype.
@@ -555,4 +593,4 @@ def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap
     return _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, scale=scale,
                          soft_cap=soft_cap, alibi_slopes=alibi_slopes,
                          sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales,
-                         interpret=interpret)
+                         interpret=interpret, layer=layer)

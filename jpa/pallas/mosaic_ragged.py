@@ -23,6 +23,11 @@ Each live program writes its 64 output rows (normalized, q's dtype) to its own s
 sequences are adjacent in q's rows); the wrapper gathers the live rows back into [T, N, H].
 Tile slots past the live count skip their loads and their store.
 
+Pool layouts: per layer `[K, P, S_p, H]` (`layer=None`) or stacked `[L, K, P, S_p, H]` with a
+layer index (an i32 scalar, traced in a scan over layers), as in `mosaic_decode`: both kernels get
+the whole pools and the layer as an `i32[1]` operand, and TMA from `k_ref.at[layer, kv_head, page,
+rows]`.
+
 Rejected: everything `mosaic_decode.unsupported_reason` rejects (the same WGMMA, TMA and SMEM
 limits apply to both kernels).
 """
@@ -36,9 +41,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jpa.pallas import mosaic_decode
-from jpa.pallas.common import MASK_VALUE, decode_last_rows, max_query_tiles, query_tiles
-from jpa.pallas.mosaic_decode import (BLOCK_Q, _block_source, _copy_block, _mask_rows, _operand_transforms,
-                                     _widen_tile, block_tokens as block_tokens_for, num_slots,
+from jpa.pallas.common import (MASK_VALUE, decode_last_rows, layer_operand, max_query_tiles, pool_layout,
+                               query_tiles)
+from jpa.pallas.mosaic_decode import (BLOCK_Q, _block_source, _copy_block, _layer, _mask_rows,
+                                     _operand_transforms, _widen_tile, block_tokens as block_tokens_for, num_slots,
                                      tmas_per_block)
 from jpa.pallas.spec import RaggedSpec
 
@@ -58,19 +64,21 @@ def tile_tokens(q_per_kv: int) -> int:
 
 
 def _kernel(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref, pos0_ref, slopes_ref,
-            ks_ref, vs_ref, out_ref, bars, *, scale, soft_cap, sliding_window, q_per_kv,
+            ks_ref, vs_ref, layer_ref, out_ref, bars, *, scale, soft_cap, sliding_window, q_per_kv,
             page_size, block_tokens, slots, rows_per_head, register_acc):
     # q_ref [K * rows_per_head, H]: kv head h's rows start at h * rows_per_head, token t's
     #   q_per_kv heads at + t * q_per_kv (rows_per_head = T * q_per_kv + BLOCK_Q, padded).
-    # k_ref, v_ref [K, P, S_p, H]; tables_ref i32[max_num_seqs, pages_per_seq];
+    # k_ref, v_ref [K, P, S_p, H], or [L, K, P, S_p, H] for a stacked pool (layer_ref i32[1] then
+    # holds the layer, else None); tables_ref i32[max_num_seqs, pages_per_seq];
     # seq_ref, row0_ref, ntok_ref, pos0_ref i32[num_tiles]; slopes_ref f32[K, BLOCK_Q] or None;
-    # ks_ref, vs_ref f32[K, P, S_p] or None; out_ref [num_tiles, K, BLOCK_Q, H] in q's dtype.
+    # ks_ref, vs_ref f32[(L,) K, P, S_p] or None; out_ref [num_tiles, K, BLOCK_Q, H] in q's dtype.
     # register_acc: as in mosaic_decode, the hardware path (P @ V accumulated in place, p a
     # register operand); False in GPU interpret mode (p through SMEM, a fresh accumulator added).
     q_bar, k_bars, v_bars = bars
     w = lax.axis_index("tile")
     kh = lax.axis_index("kv_head")
-    _, num_pages, _, head_dim = k_ref.shape
+    _, num_pages, _, head_dim = k_ref.shape[-4:]
+    head = (kh,) if layer_ref is None else (_layer(layer_ref, k_ref.shape[0]), kh)
     pages_per_seq = tables_ref.shape[1]
     dtype = q_ref.dtype
     quantized = ks_ref is not None
@@ -101,7 +109,7 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref, pos0_r
                                  pages_per_seq=pages_per_seq, num_pages=num_pages)
 
         def issue(src, slot):
-            _copy_block(src, slot, kh, (k_ref, v_ref, ks_ref, vs_ref), (k_smem, v_smem, ks_smem, vs_smem),
+            _copy_block(src, slot, head, (k_ref, v_ref, ks_ref, vs_ref), (k_smem, v_smem, ks_smem, vs_smem),
                         (k_bars, v_bars), page_size=page_size, block_tokens=block_tokens)
 
         for s in range(slots - 1):
@@ -235,11 +243,12 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref, pos0_r
 
 
 def _tile_rows(q, k_pages, v_pages, block_tables, tiles, alibi_slopes, k_scales, v_scales, *,
-               scale, soft_cap, sliding_window, interpret):
+               scale, soft_cap, sliding_window, interpret, layer=None):
     """Runs the tile kernel. Returns out_tiles [num_tiles, K, BLOCK_Q, H] in q's dtype (rows
     of dead tiles, and rows past a tile's tokens, are unspecified)."""
     num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads, _, page_size, _ = k_pages.shape
+    num_layers, num_kv_heads, _, page_size, _ = pool_layout(k_pages, layer)
+    stacked = num_layers is not None
     q_per_kv = num_q_heads // num_kv_heads
     num_tiles = tiles[0].shape[0]
     bt = block_tokens_for(head_dim, page_size)
@@ -265,13 +274,15 @@ def _tile_rows(q, k_pages, v_pages, block_tables, tiles, alibi_slopes, k_scales,
     arrivals = tmas_per_block(page_size, bt, quantized)
 
     # The body's name is the kernel's name (ptxas reports and MOSAIC_GPU_DUMP_TO files).
+    # A stacked pool adds one operand, the layer (i32[1]), after the others.
     def jpa_mosaic_ragged(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref, pos0_ref,
-                          slopes_ref, ks_ref, vs_ref, out_ref):
+                          slopes_ref, ks_ref, vs_ref, *rest):
+        layer_ref, (out_ref,) = (rest[0], rest[1:]) if stacked else (None, rest)
         pl.run_scoped(
             lambda *bars: kernel(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref,
                                  pos0_ref, slopes_ref if alibi_slopes is not None else None,
                                  ks_ref if quantized else None, vs_ref if quantized else None,
-                                 out_ref, bars),
+                                 layer_ref, out_ref, bars),
             plgpu.Barrier(num_barriers=2),
             plgpu.Barrier(num_arrivals=arrivals, num_barriers=slots),
             plgpu.Barrier(num_arrivals=arrivals, num_barriers=slots),
@@ -285,27 +296,33 @@ def _tile_rows(q, k_pages, v_pages, block_tables, tiles, alibi_slopes, k_scales,
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(q_rows, k_pages, v_pages, block_tables, *tiles,
       slopes if alibi_slopes is not None else placeholder,
-      k_scales if quantized else placeholder, v_scales if quantized else placeholder)
+      k_scales if quantized else placeholder, v_scales if quantized else placeholder,
+      *([layer_operand(layer)] if stacked else []))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "interpret"))
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, num_seqs, *,
                            scale, soft_cap=None, alibi_slopes=None, sliding_window=None,
-                           k_scales=None, v_scales=None, interpret=False):
+                           k_scales=None, v_scales=None, interpret=False, layer=None):
     """Ragged paged attention with the Mosaic GPU kernels. Arguments as
     `jpa.ragged_paged_attention` (already validated; `unsupported_reason` is None for them).
+
+    k_pages, v_pages are [K, P, S_p, H] with layer None, or a stacked pool [L, K, P, S_p, H]
+    (scales f32[L, K, P, S_p]) with `layer`, the layer to attend over: a Python int or a traced
+    i32[] (one compiled program serves every layer), expected in [0, L) and clamped into it.
+    Both kernels get the pools whole either way.
 
     Returns:
       [num_tokens, num_q_heads, head_dim] in q's dtype; zeros at padding rows.
     """
     num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_pages.shape[0]
+    num_kv_heads = pool_layout(k_pages, layer)[1]
     q_per_kv = num_q_heads // num_kv_heads
     num_seqs = jnp.asarray(num_seqs, jnp.int32)
     opts = dict(scale=scale, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
                 sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales)
     # 1. Last rows (all decode tokens) through the split-K decode kernel.
-    decode = functools.partial(mosaic_decode.paged_decode, interpret=interpret)
+    decode = functools.partial(mosaic_decode.paged_decode, interpret=interpret, layer=layer)
     out = decode_last_rows(decode, q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,
                            num_seqs, **opts)  # [T, N, H]
     # 2. The other rows through the tile kernel.
@@ -315,7 +332,7 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
                         skip_last=True)  # 4 x i32[num_tiles]
     out_tiles = _tile_rows(q, k_pages, v_pages, block_tables, tiles, alibi_slopes, k_scales,
                            v_scales, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
-                           interpret=interpret)  # [W, K, BLOCK_Q, H]
+                           interpret=interpret, layer=layer)  # [W, K, BLOCK_Q, H]
     # Gather each tiled row back: row t is token t - row0[w] of its tile w.
     _, row0, ntok, _ = tiles
     j = jnp.arange(tt, dtype=jnp.int32)  # i32[tt]

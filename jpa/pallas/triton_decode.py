@@ -13,6 +13,16 @@ Why the page pools are whole operands: a custom-call operand that is a slice of 
 materialized by XLA (a full copy per layer per step). The pools go in untouched; the block spec
 only selects the kv head (an in-kernel pointer offset), and the page gather is in-kernel.
 
+Two pool layouts (`paged_decode`'s `layer`):
+- per layer, `[K, P, S_p, H]` (`layer=None`): one buffer per layer, the kernel reads all of it;
+- stacked, `[L, K, P, S_p, H]` with a layer index (an i32 scalar, traced inside a scan over layers):
+  the WHOLE stacked pool is the operand. The layer travels as an `i32[1]` operand; the block spec
+  spans the layer axis (block `(L, None, P, S_p, H_pad)`, kv head h selected as before) and the
+  kernel adds the layer to its gather index (`k_ref.at[layer, page, offset, column]`), so a layer
+  costs a scalar offset, never a copy. Pallas Triton forms offsets in 32 bits unless the whole
+  operand is above 2**32 bytes, so a stacked pool over 4 GiB gets 64-bit offsets (see
+  `unsupported_reason` for the one size it refuses).
+
 Why the loop bounds are dynamic: lengths are data. A program whose partition lies past its
 sequence's end (or wholly before a sliding window) runs zero iterations and loads no page.
 
@@ -34,7 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jpa.pallas.common import MASK_VALUE, merge_partitions
+from jpa.pallas.common import MASK_VALUE, layer_operand, merge_partitions, pool_layout
 from jpa.pallas.spec import DecodeSpec
 from jpa.quant import is_quantized
 
@@ -99,7 +109,7 @@ def plan(num_seqs: int, num_kv_heads: int, q_per_kv: int, head_dim: int, page_si
     return Plan(block_k, partition_tokens, num_partitions, rows, head_dim_pad)
 
 
-def _kernel(seq_lens_ref, tables_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, slopes_ref,
+def _kernel(seq_lens_ref, tables_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, slopes_ref, layer_ref,
             acc_ref, m_ref, l_ref, *, scale, soft_cap, sliding_window, page_size, num_pages,
             pages_per_seq, q_per_kv, head_dim, block_k, partition_tokens, compute_dtype):
     """One (sequence b, kv head, partition) program.
@@ -107,8 +117,10 @@ def _kernel(seq_lens_ref, tables_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, slope
     Refs (block views):
       seq_lens_ref: i32[num_seqs] (whole); tables_ref: i32[pages_per_seq] (row b)
       q_ref: [rows, head_dim_pad] view of q [B, K, G, H] (masked to G x H)
-      k_ref, v_ref: [num_pages, page_size, head_dim_pad] view of this kv head's whole pool
-      ks_ref, vs_ref: f32[num_pages, page_size] or None; slopes_ref: f32[rows] view or None
+      k_ref, v_ref: [num_pages, page_size, head_dim_pad] view of this kv head's whole pool, or
+        [num_layers, num_pages, page_size, head_dim_pad] for a stacked pool (layer_ref given)
+      ks_ref, vs_ref: f32[(num_layers,) num_pages, page_size] or None; slopes_ref: f32[rows] view or None
+      layer_ref: i32[1], the layer of a stacked pool, or None (per-layer pool)
       acc_ref: f32[rows, head_dim_pad]; m_ref, l_ref: f32[rows] (views of [B, K, parts, G(, H)])
     """
     b = pl.program_id(0)
@@ -121,6 +133,10 @@ def _kernel(seq_lens_ref, tables_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, slope
     q = q.astype(compute_dtype)
     if slopes_ref is not None:
         slopes = plgpu.load(slopes_ref, mask=row_ok, other=0.0).astype(jnp.float32)  # [rows]
+
+    if layer_ref is not None:
+        # Clamped like a page: a layer outside the pool must never form a wild pointer.
+        layer = jnp.minimum(jnp.maximum(layer_ref[0], 0), k_ref.shape[0] - 1)
 
     seq_len = seq_lens_ref[b]
     # First visible token: the sliding window hides everything before it.
@@ -148,16 +164,21 @@ def _kernel(seq_lens_ref, tables_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, slope
         page_ix = jnp.broadcast_to(page[:, None], tile)
         off_ix = jnp.broadcast_to(off[:, None], tile)
         col_ix = jnp.broadcast_to(cols[None, :], tile)
+        kv_ix = (page_ix, off_ix, col_ix)
+        scale_ix = (page, off)
+        if layer_ref is not None:  # stacked pool: the layer is one more (uniform) index
+            kv_ix = (jnp.full(tile, layer, jnp.int32),) + kv_ix
+            scale_ix = (jnp.full_like(page, layer),) + scale_ix
         # Masked gathers: tokens outside [start, seq_len) cost no memory traffic and read as 0
         # (garbage, even NaN, in unused slots cannot reach the result).
         zero = 0 if jnp.issubdtype(k_ref.dtype, jnp.integer) else 0.0
-        k = plgpu.load(k_ref.at[page_ix, off_ix, col_ix], mask=tile_ok, other=zero)  # [S, head_dim_pad]
-        v = plgpu.load(v_ref.at[page_ix, off_ix, col_ix], mask=tile_ok, other=zero)  # [S, head_dim_pad]
+        k = plgpu.load(k_ref.at[kv_ix], mask=tile_ok, other=zero)  # [S, head_dim_pad]
+        v = plgpu.load(v_ref.at[kv_ix], mask=tile_ok, other=zero)  # [S, head_dim_pad]
         s = lax.dot_general(q, k.astype(compute_dtype), (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32)  # [rows, S] "GH,SH->GS"
         if ks_ref is not None:
             # One scale per key token: it scales a column of the scores.
-            s = s * plgpu.load(ks_ref.at[page, off], mask=valid, other=0.0)[None, :]
+            s = s * plgpu.load(ks_ref.at[scale_ix], mask=valid, other=0.0)[None, :]
         s = s * scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
@@ -173,7 +194,7 @@ def _kernel(seq_lens_ref, tables_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, slope
         l_new = l * alpha + jnp.sum(p, axis=1)
         if vs_ref is not None:
             # One scale per value token: it scales a column of p (the contraction index).
-            p = p * plgpu.load(vs_ref.at[page, off], mask=valid, other=0.0)[None, :]
+            p = p * plgpu.load(vs_ref.at[scale_ix], mask=valid, other=0.0)[None, :]
         pv = lax.dot_general(p.astype(compute_dtype), v.astype(compute_dtype),
                              (((1,), (0,)), ((), ())),
                              preferred_element_type=jnp.float32)  # [rows, head_dim_pad] "GS,SH->GH"
@@ -196,11 +217,11 @@ def _compute_dtype(q_dtype, cache_dtype):
     return np.dtype(jnp.float32)
 
 
-def _partials(q, k_pages, v_pages, block_tables, seq_lens, alibi_slopes, k_scales, v_scales, *,
+def _partials(q, k_pages, v_pages, block_tables, seq_lens, alibi_slopes, k_scales, v_scales, layer, *,
               scale, soft_cap, sliding_window, interpret, partition_tokens):
     """Runs the kernel. Returns (acc f32[B, K, parts, G, H], m f32[B, K, parts, G], l likewise)."""
     num_seqs, num_q_heads, head_dim = q.shape
-    num_kv_heads, num_pages, page_size, _ = k_pages.shape
+    num_layers, num_kv_heads, num_pages, page_size, _ = pool_layout(k_pages, layer)
     pages_per_seq = block_tables.shape[1]
     q_per_kv = num_q_heads // num_kv_heads
     p = plan(num_seqs, num_kv_heads, q_per_kv, head_dim, page_size, pages_per_seq, partition_tokens)
@@ -213,8 +234,13 @@ def _partials(q, k_pages, v_pages, block_tables, seq_lens, alibi_slopes, k_scale
         page_size=page_size, num_pages=num_pages, pages_per_seq=pages_per_seq, q_per_kv=q_per_kv,
         head_dim=head_dim, block_k=p.block_k, partition_tokens=p.partition_tokens,
         compute_dtype=_compute_dtype(q.dtype, k_pages.dtype))
-    pool_spec = pl.BlockSpec((None, num_pages, page_size, hp), lambda b, h, j: (h, 0, 0, 0))
-    scale_spec = pl.BlockSpec((None, num_pages, page_size), lambda b, h, j: (h, 0, 0))
+    if num_layers is None:
+        pool_spec = pl.BlockSpec((None, num_pages, page_size, hp), lambda b, h, j: (h, 0, 0, 0))
+        scale_spec = pl.BlockSpec((None, num_pages, page_size), lambda b, h, j: (h, 0, 0))
+    else:  # stacked: every layer of kv head h; the kernel indexes the layer
+        pool_spec = pl.BlockSpec((num_layers, None, num_pages, page_size, hp),
+                                 lambda b, h, j: (0, h, 0, 0, 0))
+        scale_spec = pl.BlockSpec((num_layers, None, num_pages, page_size), lambda b, h, j: (0, h, 0, 0))
     in_specs = [
         pl.BlockSpec((num_seqs,), lambda b, h, j: (0,)),  # seq_lens, whole
         pl.BlockSpec((None, pages_per_seq), lambda b, h, j: (b, 0)),  # block_tables row b
@@ -222,9 +248,11 @@ def _partials(q, k_pages, v_pages, block_tables, seq_lens, alibi_slopes, k_scale
         pool_spec, pool_spec,  # k_pages, v_pages: whole pools, kv head h selected in-kernel
         scale_spec if quantized else None, scale_spec if quantized else None,
         pl.BlockSpec((None, rows), lambda b, h, j: (h, 0)) if alibi_slopes is not None else None,
+        pl.BlockSpec((1,), lambda b, h, j: (0,)) if num_layers is not None else None,  # layer
     ]
     slopes = (alibi_slopes.astype(jnp.float32).reshape(num_kv_heads, q_per_kv)  # [K, G]
               if alibi_slopes is not None else None)
+    layer_arr = layer_operand(layer) if num_layers is not None else None  # i32[1]
     out_specs = [
         pl.BlockSpec((None, None, None, rows, hp), lambda b, h, j: (b, h, j, 0, 0)),
         pl.BlockSpec((None, None, None, rows), lambda b, h, j: (b, h, j, 0)),
@@ -244,7 +272,7 @@ def _partials(q, k_pages, v_pages, block_tables, seq_lens, alibi_slopes, k_scale
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
         name=f"jpa_paged_decode_bk{p.block_k}_parts{parts}",
-    )(seq_lens, block_tables, qg, k_pages, v_pages, k_scales, v_scales, slopes)
+    )(seq_lens, block_tables, qg, k_pages, v_pages, k_scales, v_scales, slopes, layer_arr)
 
 
 def unsupported_reason(spec: DecodeSpec, compute_capability: float | None = None) -> str | None:
@@ -258,16 +286,20 @@ def unsupported_reason(spec: DecodeSpec, compute_capability: float | None = None
     if spec.cache_dtype == "float8_e4m3fn" and compute_capability is not None and compute_capability < 8.9:
         return (f"float8_e4m3fn caches need compute capability >= 8.9 in Triton; the target has "
                 f"{compute_capability}")
-    # Pallas Triton addresses a ref with 32-bit element offsets unless the whole array is larger
-    # than 2**32 bytes. A 1-byte pool of 2**31 .. 2**32 elements would be read through offsets
-    # that wrap negative, so it is refused (16-bit and wider pools of that many elements exceed
-    # 2**32 bytes and get 64-bit offsets).
+    # Pallas Triton addresses a ref with 32-bit element offsets unless the whole operand is larger
+    # than 2**32 bytes. The operand is the whole pool: with a stacked pool, all num_layers layers
+    # (offsets count from layer 0, so `spec.pool_elements` includes num_layers). A 1-byte pool of
+    # 2**31 .. 2**32 elements would be read through offsets that wrap negative, so it is refused
+    # (16-bit and wider pools of that many elements exceed 2**32 bytes and get 64-bit offsets).
+    # The f32 scales of such a pool have the same element count and 4 bytes each: 64-bit offsets.
     itemsize = np.dtype(jnp.dtype(spec.cache_dtype)).itemsize
     elements = spec.pool_elements
     if elements > 2 ** 31 and elements * itemsize <= 2 ** 32:
-        return (f"a {spec.cache_dtype} page pool of {elements} elements (num_kv_heads x num_pages x "
-                f"page_size x head_dim) needs 64-bit offsets, which Pallas Triton uses only above "
-                f"2**32 bytes: use at most 2**31 elements per pool (fewer pages) or a 16-bit cache")
+        layers = f"{spec.num_layers} layers x " if spec.num_layers > 1 else ""
+        return (f"a {spec.cache_dtype} page pool of {elements} elements ({layers}num_kv_heads x "
+                f"num_pages x page_size x head_dim) needs 64-bit offsets, which Pallas Triton uses "
+                f"only above 2**32 bytes: use at most 2**31 elements per pool operand (fewer pages) "
+                f"or a 16-bit cache")
     return None
 
 
@@ -275,18 +307,26 @@ def unsupported_reason(spec: DecodeSpec, compute_capability: float | None = None
                                              "partition_tokens"))
 def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap=None,
                  alibi_slopes=None, sliding_window=None, k_scales=None, v_scales=None,
-                 interpret=False, partition_tokens=None):
+                 interpret=False, partition_tokens=None, layer=None):
     """Paged decode attention with the Triton-backend Pallas kernel. Arguments as
     `jpa.paged_decode` (already validated there).
 
     Args:
       q: [num_seqs, num_q_heads, head_dim].
-      k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim] (passed to the kernel whole).
+      k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim] with layer None, or a
+        stacked pool [num_layers, num_kv_heads, num_pages, page_size, head_dim] with a layer
+        index. Either way passed to the kernel whole (never sliced).
       block_tables: i32[num_seqs, pages_per_seq].
       seq_lens: i32[num_seqs].
-      scale, soft_cap, alibi_slopes, sliding_window, k_scales, v_scales: as `jpa.paged_decode`.
+      scale, soft_cap, alibi_slopes, sliding_window: as `jpa.paged_decode`.
+      k_scales, v_scales: f32[(num_layers,) num_kv_heads, num_pages, page_size] for quantized
+        caches (stacked like the pools), else None.
       interpret: run on CPU in Pallas interpret mode.
       partition_tokens: override the split-K partition size (tests, tuning); None = `plan`.
+      layer: None (per-layer pools), or the layer of a stacked pool to attend over: an integer
+        scalar, a Python int or a traced i32[] (e.g. a scan's loop index); one compiled kernel
+        serves every layer. Expected in [0, num_layers) (the public API validates it); the
+        kernel clamps it into range.
 
     Returns:
       [num_seqs, num_q_heads, head_dim] in q's dtype.
@@ -297,7 +337,8 @@ def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap
             and partition_tokens >= 1):
         raise ValueError(f"partition_tokens must be a positive int or None; got {partition_tokens!r}")
     acc, m, l = _partials(q, k_pages, v_pages, block_tables, seq_lens, alibi_slopes, k_scales,
-                          v_scales, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
-                          interpret=interpret, partition_tokens=partition_tokens)
+                          v_scales, layer, scale=scale, soft_cap=soft_cap,
+                          sliding_window=sliding_window, interpret=interpret,
+                          partition_tokens=partition_tokens)
     out = merge_partitions(acc, m, l, q.dtype)  # [B, K, G, H]
     return out.reshape(num_seqs, num_q_heads, head_dim)

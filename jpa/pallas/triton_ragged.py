@@ -23,6 +23,11 @@ copied), with the decode kernel's online softmax (running max m, sum l, f32 accu
 row is masked causally (key pos <= its own query pos) and by the window; masked loads make keys
 outside the tile's range cost no memory traffic, so NaN in unused slots never reaches the result.
 
+Pool layouts: per layer `[K, P, S_p, H]` (`layer=None`) or stacked `[L, K, P, S_p, H]` with a
+layer index (an i32 scalar, traced in a scan over layers), as in `triton_decode`: both kernels get
+the whole pools (block `(L, None, P, S_p, H_pad)`: every layer of kv head h) and the layer as an
+`i32[1]` operand, added to the in-kernel gather index (`k_ref.at[layer, page, offset, column]`).
+
 The output buffer (zeros with the last rows scattered in) is aliased into and out of the kernel;
 each program scatters its live rows into it, so padding rows stay zero.
 
@@ -43,7 +48,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jpa.pallas import triton_decode
-from jpa.pallas.common import MASK_VALUE, decode_last_rows, max_query_tiles, query_tiles
+from jpa.pallas.common import (MASK_VALUE, decode_last_rows, layer_operand, max_query_tiles, pool_layout,
+                               query_tiles)
 from jpa.pallas.spec import RaggedSpec
 from jpa.pallas.triton_decode import MIN_BLOCK_K, _compute_dtype, _next_pow2
 
@@ -97,7 +103,7 @@ def plan(num_tokens: int, max_num_seqs: int, q_per_kv: int, head_dim: int, page_
 
 
 def _kernel(seq_ref, row0_ref, ntok_ref, pos0_ref, tables_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref,
-            slopes_ref, _out_in_ref, out_ref, *, scale, soft_cap, sliding_window, page_size,
+            slopes_ref, layer_ref, _out_in_ref, out_ref, *, scale, soft_cap, sliding_window, page_size,
             num_pages, pages_per_seq, q_per_kv, head_dim, rows, block_k, compute_dtype):
     """One (query tile w, kv head h) program.
 
@@ -105,9 +111,11 @@ def _kernel(seq_ref, row0_ref, ntok_ref, pos0_ref, tables_ref, q_ref, k_ref, v_r
       seq_ref, row0_ref, ntok_ref, pos0_ref: i32[num_tiles], the tile map (`query_tiles`).
       tables_ref: i32[max_num_seqs, pages_per_seq].
       q_ref: [num_tokens, num_q_heads, head_dim_pad] view of q (masked to head_dim).
-      k_ref, v_ref: [num_pages, page_size, head_dim_pad] view of kv head h's whole pool.
-      ks_ref, vs_ref: f32[num_pages, page_size] views (kv head h) or None.
+      k_ref, v_ref: [num_pages, page_size, head_dim_pad] view of kv head h's whole pool, or
+        [num_layers, num_pages, page_size, head_dim_pad] for a stacked pool (layer_ref given).
+      ks_ref, vs_ref: f32[(num_layers,) num_pages, page_size] views (kv head h) or None.
       slopes_ref: f32[num_q_heads] or None.
+      layer_ref: i32[1], the layer of a stacked pool, or None (per-layer pool).
       _out_in_ref: the output buffer as an input (aliased to out_ref; unused).
       out_ref: [num_tokens, num_q_heads, head_dim_pad] view of the output.
     """
@@ -132,6 +140,9 @@ def _kernel(seq_ref, row0_ref, ntok_ref, pos0_ref, tables_ref, q_ref, k_ref, v_r
     q = q.astype(compute_dtype)
     if slopes_ref is not None:
         slopes = plgpu.load(slopes_ref.at[head], mask=row_ok, other=0.0).astype(jnp.float32)  # [rows]
+    if layer_ref is not None:
+        # Clamped like a page: a layer outside the pool must never form a wild pointer.
+        layer = jnp.minimum(jnp.maximum(layer_ref[0], 0), k_ref.shape[0] - 1)
     q_pos = pos0 + tok  # i32[rows], position of each row's query in its sequence
     # Keys any row of the tile may see: [kv_lo, kv_end). kv_end - 1 is the last query position.
     kv_end = pos0 + ntok
@@ -153,14 +164,19 @@ def _kernel(seq_ref, row0_ref, ntok_ref, pos0_ref, tables_ref, q_ref, k_ref, v_r
         page_ix = jnp.broadcast_to(page[:, None], tile)
         off_ix = jnp.broadcast_to(off[:, None], tile)
         kcol_ix = jnp.broadcast_to(cols[None, :], tile)
+        kv_ix = (page_ix, off_ix, kcol_ix)
+        scale_ix = (page, off)
+        if layer_ref is not None:  # stacked pool: the layer is one more (uniform) index
+            kv_ix = (jnp.full(tile, layer, jnp.int32),) + kv_ix
+            scale_ix = (jnp.full_like(page, layer),) + scale_ix
         zero = 0 if jnp.issubdtype(k_ref.dtype, jnp.integer) else 0.0
-        k = plgpu.load(k_ref.at[page_ix, off_ix, kcol_ix], mask=tile_ok, other=zero)  # [S, head_dim_pad]
-        v = plgpu.load(v_ref.at[page_ix, off_ix, kcol_ix], mask=tile_ok, other=zero)  # [S, head_dim_pad]
+        k = plgpu.load(k_ref.at[kv_ix], mask=tile_ok, other=zero)  # [S, head_dim_pad]
+        v = plgpu.load(v_ref.at[kv_ix], mask=tile_ok, other=zero)  # [S, head_dim_pad]
         s = lax.dot_general(q, k.astype(compute_dtype), (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32)  # [rows, S]
         if ks_ref is not None:
             # One scale per key token: it scales a column of the scores.
-            s = s * plgpu.load(ks_ref.at[page, off], mask=valid, other=0.0)[None, :]
+            s = s * plgpu.load(ks_ref.at[scale_ix], mask=valid, other=0.0)[None, :]
         s = s * scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
@@ -180,7 +196,7 @@ def _kernel(seq_ref, row0_ref, ntok_ref, pos0_ref, tables_ref, q_ref, k_ref, v_r
         l_new = l * alpha + jnp.sum(p, axis=1)
         if vs_ref is not None:
             # One scale per value token: it scales a column of p (the contraction index).
-            p = p * plgpu.load(vs_ref.at[page, off], mask=valid, other=0.0)[None, :]
+            p = p * plgpu.load(vs_ref.at[scale_ix], mask=valid, other=0.0)[None, :]
         pv = lax.dot_general(p.astype(compute_dtype), v.astype(compute_dtype),
                              (((1,), (0,)), ((), ())),
                              preferred_element_type=jnp.float32)  # [rows, head_dim_pad]
@@ -209,27 +225,34 @@ def unsupported_reason(spec: RaggedSpec, compute_capability: float | None = None
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, num_seqs, *,
                            scale, soft_cap=None, alibi_slopes=None, sliding_window=None,
                            k_scales=None, v_scales=None, interpret=False, rows=None,
-                           partition_tokens=None):
+                           partition_tokens=None, layer=None):
     """Ragged paged attention with the Triton-backend Pallas kernel. Arguments as
     `jpa.ragged_paged_attention` (already validated there).
 
     Args:
       q: [num_tokens, num_q_heads, head_dim].
-      k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim] (passed to the kernel whole).
+      k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim] with layer None, or a
+        stacked pool [num_layers, num_kv_heads, num_pages, page_size, head_dim] with a layer
+        index. Either way passed to both kernels whole (never sliced).
       block_tables: i32[max_num_seqs, pages_per_seq].
       seq_lens: i32[max_num_seqs].
       cu_q_lens: i32[max_num_seqs + 1].
       num_seqs: i32[].
-      scale, soft_cap, alibi_slopes, sliding_window, k_scales, v_scales: as the public function.
+      scale, soft_cap, alibi_slopes, sliding_window: as the public function.
+      k_scales, v_scales: f32[(num_layers,) num_kv_heads, num_pages, page_size] (stacked like the
+        pools) for quantized caches, else None.
       interpret: run on CPU in Pallas interpret mode.
       rows: override the MMA rows per program (tests, tuning); None = `plan`.
       partition_tokens: override the decode kernel's split-K partition size; None = its plan.
+      layer: None (per-layer pools), or the layer of a stacked pool: a Python int or a traced
+        i32[] (one compiled program serves every layer), expected in [0, num_layers) and clamped
+        into it by the kernels.
 
     Returns:
       [num_tokens, num_q_heads, head_dim] in q's dtype; zeros at padding rows.
     """
     num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads, num_pages, page_size, _ = k_pages.shape
+    num_layers, num_kv_heads, num_pages, page_size, _ = pool_layout(k_pages, layer)
     max_num_seqs, pages_per_seq = block_tables.shape
     q_per_kv = num_q_heads // num_kv_heads
     compute_dtype = _compute_dtype(q.dtype, k_pages.dtype)
@@ -241,7 +264,7 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
                 sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales)
     # 1. Each sequence's last row (every decode token) through the split-K decode kernel.
     decode = functools.partial(triton_decode.paged_decode, interpret=interpret,
-                               partition_tokens=partition_tokens)
+                               partition_tokens=partition_tokens, layer=layer)
     out = decode_last_rows(decode, q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,
                            num_seqs, **opts)  # [T, N, H]
     # 2. The other rows through this file's kernel, written into the same buffer.
@@ -256,8 +279,12 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
         compute_dtype=compute_dtype)
     whole = lambda shape: pl.BlockSpec(shape, lambda w, h: (0,) * len(shape))  # noqa: E731
     tile_spec = whole((p.num_tiles,))
-    pool_spec = pl.BlockSpec((None, num_pages, page_size, hp), lambda w, h: (h, 0, 0, 0))
-    scale_spec = pl.BlockSpec((None, num_pages, page_size), lambda w, h: (h, 0, 0))
+    if num_layers is None:
+        pool_spec = pl.BlockSpec((None, num_pages, page_size, hp), lambda w, h: (h, 0, 0, 0))
+        scale_spec = pl.BlockSpec((None, num_pages, page_size), lambda w, h: (h, 0, 0))
+    else:  # stacked: every layer of kv head h; the kernel indexes the layer
+        pool_spec = pl.BlockSpec((num_layers, None, num_pages, page_size, hp), lambda w, h: (0, h, 0, 0, 0))
+        scale_spec = pl.BlockSpec((num_layers, None, num_pages, page_size), lambda w, h: (0, h, 0, 0))
     io_spec = whole((num_tokens, num_q_heads, hp))
     in_specs = [
         tile_spec, tile_spec, tile_spec, tile_spec,
@@ -266,10 +293,12 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
         pool_spec, pool_spec,  # k_pages, v_pages: whole pools, kv head h selected by the index map
         scale_spec if quantized else None, scale_spec if quantized else None,
         whole((num_q_heads,)) if alibi_slopes is not None else None,
+        whole((1,)) if num_layers is not None else None,  # layer
         io_spec,  # the output buffer, last rows already filled
     ]
     slopes = alibi_slopes.astype(jnp.float32) if alibi_slopes is not None else None
-    operands = (*tiles, block_tables, q, k_pages, v_pages, k_scales, v_scales, slopes, out)
+    layer_arr = layer_operand(layer) if num_layers is not None else None  # i32[1]
+    operands = (*tiles, block_tables, q, k_pages, v_pages, k_scales, v_scales, slopes, layer_arr, out)
     out_index = sum(x is not None for x in operands) - 1  # None operands are dropped
     return pl.pallas_call(
         kernel,
