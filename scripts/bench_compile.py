@@ -42,7 +42,13 @@ generate: `scripts/generate.py --no-progress` (what `./run generate` runs, the b
   setup`'s virtual environment.
 
 Every measurement records the load average (os.getloadavg, before and after: the machine is
-shared) and the JSON records the JAX version and git commit.
+shared) and the JSON records the JAX version and git commit. On a loaded machine compare the CPU
+seconds (process CPU time, all threads) and the minima, not the wall medians: two runs of this
+script on the same code at load 4-7 on 2 cores differed by up to 2.7x in wall time per figure
+(the 80/8-layer wall ratio read 7.8x, then 2.9x) and by at most 16% in CPU seconds.
+
+benchmarks/compile_before.json holds the numbers before issue 24's change (git 6581945, the
+unrolled layers; measured at load 4-7, see each run's loadavg).
 
     python scripts/bench_compile.py --json benchmarks/compile_before.json   # committed: before the scan
     python scripts/bench_compile.py --json benchmarks/compile_after.json    # after it
@@ -529,6 +535,8 @@ def _flat(rep: dict) -> dict:
         out["throughput cold wall_seconds"] = t["cold"]["wall_seconds"]
         out["throughput warm tok_s (median)"] = t["warm_tok_s_median"]
     for name, r in (rep.get("generate") or {}).get("runs", {}).items():
+        if r["returncode"]:
+            continue  # a failed run's wall time is no figure
         out[f"generate {name} wall_seconds"] = r["wall_seconds"]
         if "compile_seconds" in r:
             out[f"generate {name} compile_seconds"] = r["compile_seconds"]
