@@ -300,6 +300,7 @@ class Compiler:
                         opts = jit_options or dict(donate_argnums=donate_argnums)
                         lowered = jax.jit(fn, **opts).lower(
                             *self.place(args), **self.place(kwargs or {}))
+                    rec["lower_seconds"] = round(time.perf_counter() - t0, 2)  # trace + lower
                     compiled = lowered.compile({"xla_dump_to": dump})
             except Exception as e:  # the point of the tier: report, never crash
                 text = str(e).strip()
@@ -768,20 +769,24 @@ def _growth(rec) -> str:
 # ---- 3. The engine's jitted steps, SmolLM2-135M in bfloat16 ----
 
 def engine_steps(pool_gib: float = 1.5, max_seqs: int = 64, page_size: int = 16, max_model_len: int = 2048,
-                 steps_per_call: int = 8, budget: int = 512):
+                 steps_per_call: int = 8, budget: int = 512, config=None, label: str = "SmolLM2"):
     """[(name, fn, args, donate_argnums, pool shapes, expected kernel calls)] of the engine's one
     program, the unified step: a ragged step over `budget` tokens in one pass, then the decode loop.
 
-    The model and the engine's state are abstract (nnx.eval_shape; a runner with allocate=False):
-    no weights are read and no pool is allocated, so this runs without the model package.
+    config: the models.ModelConfig (or a dict of its fields) to compile, named `label` in the
+    record; default SmolLM2-135M's. The model and the engine's state are abstract (nnx.eval_shape;
+    a runner with allocate=False): no weights are read and no pool is allocated, so this runs
+    without the model package.
     """
     from flax import nnx
 
     from jpa.cache import CacheConfig
     from jpa.engine.runner import DONATE, ModelRunner
-    from models import GPT, PRESETS, GPTForEngine
+    from models import GPT, PRESETS, GPTForEngine, ModelConfig
+    from models.gpt import layer_period
 
-    config = PRESETS["smollm2-135m"]
+    config = PRESETS["smollm2-135m"] if config is None else config
+    config = ModelConfig(**config) if isinstance(config, dict) else config
     model = GPTForEngine(nnx.eval_shape(lambda: GPT(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))
     cache_cfg = CacheConfig.from_memory(int(pool_gib * 2 ** 30), num_layers=config.num_layers,
                                         num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
@@ -796,15 +801,17 @@ def engine_steps(pool_gib: float = 1.5, max_seqs: int = 64, page_size: int = 16,
         # The ragged op is two kernel calls (prompt tiles + the last rows' decode kernel) per layer,
         # the decode loop one; the layers are a scan, so the program holds one layer body of each
         # (layer_period() layers: 1 for SmolLM2).
-        (f"engine unified step (SmolLM2 bf16, {budget}-token budget + {steps_per_call} decode steps, "
+        (f"engine unified step ({label} bf16, {budget}-token budget + {steps_per_call} decode steps, "
          f"{max_seqs} seqs, {cache_cfg.num_pages} pages)",
-         runner._step_impl, runner.state() + (runner.step_inputs(budget),), DONATE, pools, 3),
+         runner._step_impl, runner.state() + (runner.step_inputs(budget),), DONATE, pools,
+         3 * layer_period(config)),
     ]
 
 
 def check_engine(compiler: Compiler, log=print, **sizes) -> list:
     """Compiles the engine's unified step with impl="auto": it must hold the target's kernels (Mosaic
-    on an H100, Triton on an A100) three times per layer (ragged tiles, last rows, decode loop)."""
+    on an H100, Triton on an A100) three times per layer of the scanned body (ragged tiles, last rows,
+    decode loop)."""
     from jpa.engine.runner import attention_in
     records = []
     expected = "mosaic" if TARGETS[compiler.target]["cc"][0] == 9 else "triton"
