@@ -398,13 +398,14 @@ def _run(model: GPT, tokens, positions, attend, state):
     graphdef, params = nnx.split(model.layers)
     period = model.layer_period()
     groups = c.num_layers // period
-    grouped = jax.tree.map(lambda a: a.reshape(groups, period, *a.shape[1:]), params)
+    # Period 1 scans the stacked parameters as they are (each step's slice is one layer's).
+    grouped = params if period == 1 else jax.tree.map(lambda a: a.reshape(groups, period, *a.shape[1:]), params)
 
     def body(carry, xs):
         x, state = carry
         group, g = xs
         for r in range(period):
-            block = nnx.merge(graphdef, jax.tree.map(lambda a: a[r], group))
+            block = nnx.merge(graphdef, group if period == 1 else jax.tree.map(lambda a: a[r], group))
             q, k, v = block.qkv(x, positions)
             attn, state = attend(r, g * period + r, q, k, v, state)
             x = block.finish(x, attn)
