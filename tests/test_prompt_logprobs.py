@@ -248,3 +248,56 @@ def test_include_stop_str_and_special_tokens_through_the_engine(engines):
                                         dict(include_stop_str_in_output=True))])
     assert all(o.token_ids == (ByteTokenizer.EOS,) and o.finish_reason == "stop" for o in outs)
     assert [o.completion for o in outs] == ["", "<eos>", ""]
+
+
+def test_a_prompt_preempted_mid_prefill_asks_only_for_what_it_lacks(ctx_model, engines):
+    """A request preempted while its prompt is half computed keeps the prompt logprobs it has; its
+    recompute asks the device only for the missing rows, and the result equals the dense forward."""
+    seed = fresh_seed()
+    print("seed", seed)
+    rng = np.random.default_rng(seed)
+    model, _ = ctx_model
+    eng = engines.get()
+    sched = eng.scheduler
+    eng.add_request(rng.integers(3, 256, 10).tolist(), SamplingParams(max_new_tokens=40, greedy=True, ignore_eos=True))
+    eng.step()
+    prompt = rng.integers(3, 256, int(rng.integers(80, 150))).tolist()
+    b = eng.add_request(prompt, SamplingParams(max_new_tokens=5, greedy=True, ignore_eos=True, prompt_logprobs=3))
+    eng.step()
+    assert b.phase.value == "prefilling" and 0 < len(b.prompt_lp) < len(prompt) - 1
+    # The pool "runs short" at the end of the next round: the newest admitted (b, mid-prefill) goes.
+    at_preemption = []
+
+    def short():
+        if b.slot >= 0 and b.phase.value == "prefilling":
+            at_preemption.append(len(b.prompt_lp))
+            return 10 ** 6
+        return 0
+
+    sched.next_step_pages = short
+    try:
+        eng.step()
+    finally:
+        del sched.next_step_pages
+    assert b.phase.value == "waiting" and b.num_preemptions == 1
+    assert 0 < at_preemption[0] < len(prompt) - 1 and len(b.prompt_lp) == at_preemption[0]
+    outs, rows = {}, [0]
+    step = eng.runner.step
+
+    def counting(batch):
+        rows[0] += int((np.asarray(batch.prompt_targets) >= 0).sum())
+        return step(batch)
+
+    eng.runner.step = counting
+    try:
+        while eng.has_unfinished:
+            for o in eng.step():
+                if o.finished:
+                    outs[o.request_id] = o.output
+            eng.check_page_state()
+    finally:
+        del eng.runner.step
+    assert rows[0] == len(prompt) - 1 - at_preemption[0]   # the recompute asked only for what was missing
+    out = outs[b.request_id]
+    assert out.num_preemptions == 1
+    check_prompt_logprobs(model, out, 3)

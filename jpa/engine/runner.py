@@ -12,6 +12,12 @@ when every slot is idle or when the pool runs out of pages (the host then preemp
 Every round reads back, in the same device->host transfer as its tokens, the PageState's free
 page count and seq_lens: the scheduler's only source of page counts.
 
+Prompt logprobs (SamplingParams.prompt_logprobs): with the model's optional ragged_hidden/head
+pair, the ragged step keeps every row's hidden state; rows the plan gives a target (the next
+prompt token) get log_softmax of the head, the target's logprob and rank and a top-20, in the same
+program, under a lax.cond that rounds without such rows skip (`_prompt_logprobs`). They are read
+back only in rounds that asked.
+
 The model is anything that meets `jpa.engine.model.EngineModel`; its params are an argument of
 the compiled step (never a closed-over constant) and the cache, page state and slots are donated.
 
