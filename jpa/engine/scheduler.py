@@ -40,6 +40,10 @@ Policies (vLLM v1's, in nano-vllm's split):
   prompt chunk, when the device forks its pages to them; until each has written past the shared
   partly filled last page (`cow_pending`), one more page is counted for its copy on write. A
   preempted leader takes its unforked samples back to the queue with it.
+- prompt logprobs (SamplingParams.prompt_logprobs): a chunk of such a request names, per row, the
+  prompt token after it (`Entry.targets`, only for positions it has no logprob for yet, so a
+  recompute asks nothing twice); `stepped` stores what the device returns per position. Such a
+  request does not read the prefix cache while it still needs some.
 - stops: the device finishes requests on EOS, max_new_tokens and the length limit (and releases
   their pages itself); stop strings are found here, on the incremental detokenizer's text, and
   the output is cut at the token that completed the stop.
