@@ -7,7 +7,7 @@ back inside the engine's jit, so the weights are jit arguments, not constants.
 
 from flax import nnx
 
-from models.gpt import GPT, decode, prefill, ragged
+from models.gpt import GPT, decode, prefill, ragged, ragged_hidden
 
 
 class GPTForEngine:
@@ -56,3 +56,14 @@ class GPTForEngine:
         model = nnx.merge(self.graphdef, params)
         return ragged(model, cache, tokens, positions, slot_mapping, block_tables, seq_lens, cu_q_lens, num_seqs,
                       impl=impl, mesh=self.mesh)
+
+    def ragged_hidden(self, params, cache, tokens, positions, slot_mapping, block_tables, seq_lens, cu_q_lens,
+                      num_seqs, *, impl="auto"):
+        """EngineModel's optional pair, with `head`: `ragged` as (hidden f32[T, d_model], cache)."""
+        model = nnx.merge(self.graphdef, params)
+        return ragged_hidden(model, cache, tokens, positions, slot_mapping, block_tables, seq_lens, cu_q_lens,
+                             num_seqs, impl=impl, mesh=self.mesh)
+
+    def head(self, params, hidden):
+        """hidden f32[..., d_model] -> logits f32[..., vocab] (final norm and output layer)."""
+        return nnx.merge(self.graphdef, params).logits(hidden)

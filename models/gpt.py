@@ -591,6 +591,23 @@ def ragged(model: GPT, cache: KVCache, tokens, positions, slot_mapping, block_ta
            num_seqs, *, impl="auto", mesh=None):
     """A ragged batch (prefill chunks and decode tokens back to back) through the model and the cache.
 
+    `ragged_hidden` (same arguments), then the head at each sequence's last row.
+
+    Returns:
+      (logits f32[max_num_seqs, vocab] at each sequence's last row (finite garbage for i >=
+       num_seqs and for empty sequences), the updated cache).
+    """
+    x, cache = ragged_hidden(model, cache, tokens, positions, slot_mapping, block_tables, seq_lens, cu_q_lens,
+                             num_seqs, impl=impl, mesh=mesh)
+    last = jnp.clip(cu_q_lens[1:] - 1, 0, x.shape[0] - 1)  # i32[max_num_seqs]
+    return model.logits(x[last]), cache
+
+
+def ragged_hidden(model: GPT, cache: KVCache, tokens, positions, slot_mapping, block_tables, seq_lens, cu_q_lens,
+                  num_seqs, *, impl="auto", mesh=None):
+    """`ragged` without the head: the final hidden rows of every token (`model.logits` of a row is
+    its logits; prompt logprobs need them at every prompt row, not only the last).
+
     Sequence i < num_seqs owns token rows cu_q_lens[i]:cu_q_lens[i + 1], the last q_len_i of its
     seq_lens[i] cached tokens (`jpa.ragged_paged_attention`'s legend). Each row's K/V is written at
     its slot first, then every row attends causally to its sequence's cache.
@@ -609,8 +626,8 @@ def ragged(model: GPT, cache: KVCache, tokens, positions, slot_mapping, block_ta
       mesh: as `prefill` (tensor parallelism).
 
     Returns:
-      (logits f32[max_num_seqs, vocab] at each sequence's last row (finite garbage for i >=
-       num_seqs and for empty sequences), the updated cache).
+      (hidden f32[T, d_model] of every row before the final norm (finite garbage for padding
+       rows), the updated cache).
     """
     _check_cache(model, cache)
     _check_ndim("tokens", tokens, 1, "i32[num_tokens]")
@@ -641,6 +658,4 @@ def ragged(model: GPT, cache: KVCache, tokens, positions, slot_mapping, block_ta
         return out[None], pools
 
     x, pools = _run(model, tokens[None], positions[None], attend, cache.pools())  # x: f32[1, T, d_model]
-    cache = cache.replace_pools(*pools)
-    last = jnp.clip(cu_q_lens[1:] - 1, 0, num_tokens - 1)  # i32[max_num_seqs]
-    return model.logits(x[0, last]), cache
+    return x[0], cache.replace_pools(*pools)

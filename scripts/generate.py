@@ -97,7 +97,8 @@ def parse_args(argv=None):
                     "and optional per-request SamplingParams fields (max_new_tokens, temperature, top_k, top_p, "
                     "min_p, seed, stop, greedy, n (n samples of one prompt: prefilled once, pages shared), "
                     "repetition_penalty, presence_penalty, frequency_penalty, logit_bias ({token id: bias}), "
-                    "min_tokens, stop_token_ids, ignore_eos)")
+                    "min_tokens, stop_token_ids, ignore_eos, top_logprobs, prompt_logprobs, "
+                    "include_stop_str_in_output, skip_special_tokens)")
     ap.add_argument("--model", default="smollm2-135m", help="model preset (default: smollm2-135m; "
                     "tiny-llama / tiny-gpt2 are random and fast) or PATH of a local Hugging Face checkpoint "
                     "directory (Llama, Mistral, Qwen2, Qwen3, Gemma-2; see models.load)")
@@ -121,6 +122,13 @@ def parse_args(argv=None):
     ap.add_argument("--min-tokens", type=int, default=0, help="stop tokens cannot end a request before this many")
     ap.add_argument("--stop-token-id", type=int, action="append", default=[], help="a token id that ends a "
                     "request (repeatable)")
+    ap.add_argument("--prompt-logprobs", type=int, default=None, metavar="K", help="score each prompt: every "
+                    "prompt token's logprob given the tokens before it, its rank and the K (0-20) most likely "
+                    "tokens there (--json: a 'prompt_logprobs' list; text: their sum)")
+    ap.add_argument("--include-stop-str-in-output", action="store_true", help="keep the stop string (or final "
+                    "stop token's text) that ended a request in its completion")
+    ap.add_argument("--no-skip-special-tokens", action="store_true", help="keep special tokens (e.g. <|im_end|>) "
+                    "in the completion text")
     add_engine_args(ap, steps_per_call=8, steps_help="decode steps per host round trip")
     ap.add_argument("--tp", type=int, default=1, help="tensor parallel: shard the model and the KV pool (on its "
                     "kv heads) over this many devices (default 1); --kv-memory is then per device")
@@ -169,7 +177,9 @@ def sampling_flags(args, i: int) -> dict:
                 top_p=args.top_p, min_p=args.min_p, seed=args.seed + i, greedy=args.greedy, stop=tuple(args.stop),
                 repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                 frequency_penalty=args.frequency_penalty, min_tokens=args.min_tokens,
-                stop_token_ids=tuple(args.stop_token_id))
+                stop_token_ids=tuple(args.stop_token_id), prompt_logprobs=args.prompt_logprobs,
+                include_stop_str_in_output=args.include_stop_str_in_output,
+                skip_special_tokens=not args.no_skip_special_tokens)
 
 
 def cache_dir() -> pathlib.Path:
@@ -297,8 +307,12 @@ def run(args):
             elif out is None or out.error is not None:
                 print(f"--- request {i}{tag}: ERROR: {error}\n", flush=True)
             else:
+                scored = ""
+                if out.prompt_logprobs is not None and k in (None, 0):
+                    total = sum(e.logprob for e in out.prompt_logprobs[1:])
+                    scored = f"\n(prompt logprob {total:.4f} over {len(out.prompt_logprobs) - 1} tokens)"
                 print(f"--- request {i}{tag} [{out.finish_reason}, {len(out.token_ids)} tokens]\n"
-                      f">>> {prompt}\n{out.completion.strip()}\n", flush=True)
+                      f">>> {prompt}\n{out.completion.strip()}{scored}\n", flush=True)
         if error is not None:
             print(f"[jpa] request {i} failed: {error}", file=sys.stderr)
     s = engine.summary()

@@ -48,6 +48,29 @@ def test_jsonl_prompts_to_json_lines(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "cache" / "xla").exists()  # --no-compile-cache
 
 
+def test_prompt_logprobs_and_text_flags(tmp_path, capsys):
+    """--prompt-logprobs K scores every prompt (JSON: a 'prompt_logprobs' list, None first; text: the
+    sum), a JSONL line can turn it off; --no-skip-special-tokens / --include-stop-str-in-output pass
+    through to SamplingParams."""
+    gen = load_script()
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hello there", "greedy": True}) + "\n"
+                       + json.dumps({"prompt": "no scores", "prompt_logprobs": None}) + "\n")
+    rc = gen.main(["--model", "tiny-llama", "--prompts-file", str(prompts), "--json", "--no-progress",
+                   "--max-new-tokens", "2", "--prompt-logprobs", "2", "--no-compile-cache"])
+    out, _ = capsys.readouterr()
+    a, b, _ = [json.loads(line) for line in out.splitlines()]
+    assert rc == 0 and a["prompt_logprobs"][0] is None and len(a["prompt_logprobs"]) == a["num_prompt_tokens"] == 11
+    assert all(len(e["top"]) == 2 and e["rank"] >= 1 and e["logprob"] <= 0 for e in a["prompt_logprobs"][1:])
+    assert a["prompt_token_ids"] == list(b"hello there") and "prompt_logprobs" not in b
+    rc = gen.main(["--model", "tiny-llama", "--no-progress", "--max-new-tokens", "2", "--prompt-logprobs", "0",
+                   "--no-compile-cache", "hi there"])
+    assert rc == 0 and "(prompt logprob -" in capsys.readouterr().out
+    args = gen.parse_args(["--no-skip-special-tokens", "--include-stop-str-in-output", "x"])
+    p = gen.sampling_flags(args, 0)
+    assert (p["skip_special_tokens"], p["include_stop_str_in_output"], p["prompt_logprobs"]) == (False, True, None)
+
+
 @pytest.mark.parametrize("argv,msg", [
     (["--page-size", "0"], "--page-size must be >= 1; got 0"),
     (["--prompts-file", "/no/such/prompts.jsonl"], "no such file"),
@@ -59,6 +82,7 @@ def test_jsonl_prompts_to_json_lines(tmp_path, capsys, monkeypatch):
     (["--steps-per-call", "-1"], "--steps-per-call must be >= 1"),
     (["--top-p", "1.5"], "top_p must be in (0, 1]"),
     (["--temperature", "-1"], "temperature must be a finite number >= 0"),
+    (["--prompt-logprobs", "21"], "prompt_logprobs must be None (off) or an int in [0, 20]"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["--model", "tiny-llama", "--kv-memory", "0.001", "--no-compile-cache", "x"], "holds no page"),
     (["--tp", "0"], "--tp must be >= 1; got 0"),

@@ -20,6 +20,9 @@ import threading
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 httpx = pytest.importorskip("httpx")
@@ -63,8 +66,8 @@ def serving(app, **config):
 
 
 class Live:
-    def __init__(self, url, aengine, tokenizer, reference):
-        self.url, self.aengine, self.tok, self.reference = url, aengine, tokenizer, reference
+    def __init__(self, url, aengine, tokenizer, reference, gpt):
+        self.url, self.aengine, self.tok, self.reference, self.gpt = url, aengine, tokenizer, reference, gpt
         self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
 
     def metrics(self) -> dict:
@@ -100,7 +103,7 @@ def live():
     with AsyncEngine(eng, max_waiting=32) as aengine:
         app = build_app(aengine, tok, model_name=NAME, max_n=MAX_N)
         with serving(app) as url:
-            yield Live(url, aengine, tok, reference)
+            yield Live(url, aengine, tok, reference, model)
 
 
 GREEDY = dict(temperature=0, max_tokens=24, extra_body={"ignore_eos": True})
@@ -261,8 +264,8 @@ def test_sampling_controls_through_the_openai_client(live):
 
 BAD = [
     # (body, expected param, fragment of the message)
-    ({"model": NAME, "prompt": "hi", "max_tokens": -5}, "max_tokens", "greater than or equal to 1"),
-    ({"model": NAME, "prompt": "hi", "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+    ({"model": NAME, "prompt": "hi", "max_tokens": -5}, "max_tokens", "greater than or equal to 0"),
+    ({"model": NAME, "prompt": "hi", "max_tokens": 0}, "max_tokens", "needs 'echo': true"),
     ({"model": NAME, "prompt": "hi", "max_tokens": "5"}, "max_tokens", "valid integer"),
     ({"model": NAME, "prompt": "hi", "temperature": -0.1}, "temperature", "greater than or equal to 0"),
     ({"model": NAME, "prompt": "hi", "top_p": 0}, "top_p", "greater than 0"),
@@ -285,7 +288,7 @@ BAD = [
     ({"model": NAME, "prompt": "hi", "stop": ["a"] * 17}, "stop", "'stop' must be"),
     ({"model": NAME, "prompt": "hi", "logprobs": 21}, "logprobs", "less than or equal to 20"),
     ({"model": NAME, "prompt": "hi", "presence_penalty": 2.5}, "presence_penalty", "presence_penalty must be"),
-    ({"model": NAME, "prompt": "hi", "echo": True}, "echo", "'echo'"),
+    ({"model": NAME, "prompt": "hi", "echo": "yes"}, "echo", "valid boolean"),
     ({"model": NAME, "prompt": "hi", "stream": "yes"}, "stream", "valid boolean"),
     # Known fields: strict types and values, whatever unknown fields are allowed.
     ({"model": NAME, "prompt": "hi", "temperature": "0.5"}, "temperature", "valid number"),
@@ -294,10 +297,9 @@ BAD = [
     ({"model": NAME, "prompt": "hi", "response_format": {"type": "json_object"}}, "response_format",
      "structured outputs"),
     ({"model": NAME, "prompt": "hi", "response_format": {"type": "xml"}}, "response_format", "response_format.type"),
-    ({"model": NAME, "prompt": "hi", "no_stop_trim": True}, "no_stop_trim", "not supported"),
-    ({"model": NAME, "prompt": "hi", "skip_special_tokens": False}, "skip_special_tokens", "not supported"),
-    ({"model": NAME, "prompt": "hi", "include_stop_str_in_output": True}, "include_stop_str_in_output",
-     "not supported"),
+    ({"model": NAME, "prompt": "hi", "skip_special_tokens": 0}, "skip_special_tokens", "valid boolean"),
+    ({"model": NAME, "prompt": "hi", "include_stop_str_in_output": "true"}, "include_stop_str_in_output",
+     "valid boolean"),
     # Device-side sampling controls: out-of-range values are refused by name.
     ({"model": NAME, "prompt": "hi", "frequency_penalty": -3}, "frequency_penalty", "frequency_penalty must be"),
     ({"model": NAME, "prompt": "hi", "repetition_penalty": 0}, "repetition_penalty", "repetition_penalty must be"),
@@ -307,7 +309,10 @@ BAD = [
     ({"model": NAME, "prompt": "hi", "logit_bias": {"512": 1}}, "logit_bias", "token ids must be in [0, 512)"),
     ({"model": NAME, "prompt": "hi", "min_tokens": 40, "max_tokens": 4}, "min_tokens", "min_tokens must be"),
     ({"model": NAME, "prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids", "token ids must be in [0, 512)"),
-    ({"model": NAME, "prompt": "hi", "prompt_logprobs": 1}, "prompt_logprobs", "not supported"),
+    ({"model": NAME, "prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs", "less than or equal to 20"),
+    ({"model": NAME, "prompt": "hi", "prompt_logprobs": -1}, "prompt_logprobs", "greater than or equal to 0"),
+    ({"model": NAME, "prompt": "hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs",
+     "not available with 'stream'"),
     ({"model": NAME, "prompt": "hi", "use_beam_search": True}, "use_beam_search", "not supported"),
     ({"model": NAME, "prompt": "hi", "guided_json": {"type": "object"}}, "guided_json", "not supported"),
     ({"model": NAME, "prompt": "hi", "suffix": "end"}, "suffix", "not supported"),
@@ -585,6 +590,155 @@ def test_token_bytes_of_a_byte_level_bpe():
     out = ct.feed(ids + [257], [0.0] * 6, "aé€", True)
     assert [(t[0], t[1], t[3]) for t in out] == [("a", b"a", 0), ("é", "é".encode(), 1), ("", b"\xe2", 2),
                                                  ("", b"\x82", 2), ("€", b"\xac", 2), ("", b"", 3)]
+
+
+# ---------------------------------------------------------------------- echo, prompt_logprobs, text options
+
+def _dense_log_softmax(live, ids) -> np.ndarray:
+    """f32[len(ids), vocab]: the served model's log_softmax over a dense forward pass (no cache)."""
+    logits = models.forward_dense(live.gpt, jnp.asarray([ids], jnp.int32))[0]
+    return np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
+
+
+def _fresh_prompt() -> str:
+    """A fresh ASCII prompt with a two- and a three-byte character (tokens that are parts of one)."""
+    rng = np.random.default_rng()
+    words = ["".join(chr(97 + x) for x in rng.integers(0, 26, rng.integers(2, 8))) for _ in range(8)]
+    return " ".join(words[:4]) + " é " + " ".join(words[4:]) + " €"
+
+
+def test_echo_with_logprobs_and_no_tokens_scores_the_prompt(live):
+    """lm-eval's loglikelihood request (echo, logprobs, max_tokens 0) with the openai client: the text
+    is the prompt; its tokens' logprobs equal a dense forward pass (the first null); tokens join to
+    the text and text_offset indexes it; nothing is generated or counted."""
+    prompt = _fresh_prompt()
+    ids = live.tok.encode(prompt)
+    r = live.client.completions.create(model=NAME, prompt=prompt, echo=True, logprobs=3, max_tokens=0, temperature=0)
+    (c,) = r.choices
+    assert c.text == prompt and c.finish_reason == "length"
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 0
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == len(lp.top_logprobs) == len(ids)
+    assert "".join(lp.tokens) == prompt and "\ufffd" not in prompt
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(ids))]
+    lsm = _dense_log_softmax(live, ids)
+    want = lsm[np.arange(len(ids) - 1), ids[1:]]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(want.tolist(), abs=1e-4)
+    for row, top in zip(lsm[:-1], lp.top_logprobs[1:]):
+        assert 1 <= len(top) <= 3 and max(top.values()) == pytest.approx(float(row.max()), abs=1e-4)
+    # A token-id prompt echoes its decoded text, and the same scores.
+    t = live.client.completions.create(model=NAME, prompt=ids, echo=True, logprobs=0, max_tokens=0)
+    assert t.choices[0].text == prompt and t.choices[0].logprobs.token_logprobs == lp.token_logprobs
+    assert t.choices[0].logprobs.top_logprobs is None
+    # Streamed: one chunk with the prompt, its scores and finish_reason "length".
+    text, tokens, offsets, lps = _stream_completion(live.url, {"model": NAME, "prompt": prompt, "echo": True,
+                                                               "logprobs": 3, "max_tokens": 0})
+    assert text == prompt and sum(tokens, []) == lp.tokens and sum(offsets, []) == lp.text_offset
+    assert sum(lps, []) == lp.token_logprobs
+
+
+def test_echo_with_a_completion(live):
+    """echo with max_tokens > 0: the prompt's text, then the completion's; with logprobs the prompt's
+    tokens come first and text_offset runs on into the completion's (offset by the prompt); the
+    completion part equals the same request without echo; streamed alike."""
+    prompt = _fresh_prompt()
+    n = len(live.tok.encode(prompt))
+    kw = dict(model=NAME, prompt=prompt, max_tokens=10, temperature=0, logprobs=2, extra_body={"ignore_eos": True})
+    plain = live.client.completions.create(**kw).choices[0]
+    c = live.client.completions.create(echo=True, **kw).choices[0]
+    assert c.text == prompt + plain.text and c.finish_reason == plain.finish_reason == "length"
+    lp, pl = c.logprobs, plain.logprobs
+    assert "".join(lp.tokens) == c.text and lp.tokens[n:] == pl.tokens
+    assert lp.token_logprobs[n:] == pytest.approx(pl.token_logprobs, abs=1e-5) and lp.token_logprobs[0] is None
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+    assert lp.text_offset[n:] == [len(prompt) + o for o in pl.text_offset]
+    body = {k: v for k, v in kw.items() if k != "extra_body"} | {"ignore_eos": True, "echo": True}
+    text, tokens, offsets, lps = _stream_completion(live.url, body)
+    assert text == c.text and sum(tokens, []) == lp.tokens and sum(offsets, []) == lp.text_offset
+    assert len(tokens) > 1   # the prompt came with the first chunk, the completion after it
+    # Without logprobs: the text only; with n: every choice echoes.
+    e = live.client.completions.create(model=NAME, prompt=prompt, max_tokens=10, temperature=0, echo=True, n=2,
+                                       extra_body={"ignore_eos": True})
+    assert [ch.text for ch in e.choices] == [prompt + plain.text] * 2 and e.choices[0].logprobs is None
+
+
+def test_prompt_logprobs_field(live):
+    """vLLM's prompt_logprobs extra field: per prompt token None (the first), then {token id:
+    {logprob, rank, decoded_token}} with the prompt token first and the k most likely after it, equal
+    to a dense forward pass; on each completion choice, once on a chat response; the completion is
+    unchanged."""
+    prompt = _fresh_prompt()
+    ids = live.tok.encode(prompt)
+    body = {"model": NAME, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    plain = httpx.post(f"{live.url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    r = httpx.post(f"{live.url}/v1/completions", json={**body, "prompt_logprobs": 2, "n": 2}, timeout=60).json()
+    a, b = sorted(r["choices"], key=lambda c: c["index"])
+    assert a["text"] == b["text"] == plain["text"] and "prompt_logprobs" not in plain
+    assert a["prompt_logprobs"] == b["prompt_logprobs"]
+
+    def check(plp, ids, k):
+        lsm = _dense_log_softmax(live, ids)
+        assert len(plp) == len(ids) and plp[0] is None
+        for p, d in enumerate(plp[1:]):
+            t, row = ids[p + 1], lsm[p]
+            keys = list(d)
+            assert keys[0] == str(t) and len(d) in (k, k + 1)
+            e = d[str(t)]
+            assert e["logprob"] == pytest.approx(float(row[t]), abs=1e-4)
+            assert int((row > row[t] + 1e-4).sum()) + 1 <= e["rank"] <= int((row >= row[t] - 1e-4).sum())
+            assert e["decoded_token"] == live.tok.decode([t])
+            tops = sorted((v["rank"], v["logprob"], float(row[int(key)])) for v, key in zip(d.values(), d)
+                          if v["rank"] <= k)   # the top k (the prompt token among them when it ranks there)
+            assert [x[0] for x in tops] == list(range(1, k + 1))
+            for _, got, dense in tops:
+                assert got == pytest.approx(dense, abs=1e-4)
+            assert not tops or tops[0][1] == pytest.approx(float(row.max()), abs=1e-4)
+
+    check(a["prompt_logprobs"], ids, 2)
+    msgs = [{"role": "user", "content": prompt}]
+    chat = httpx.post(f"{live.url}/v1/chat/completions", json={"model": NAME, "messages": msgs, "max_tokens": 3,
+                                                               "prompt_logprobs": 0}, timeout=60).json()
+    check(chat["prompt_logprobs"], live.tok.encode(live.tok.render_chat(msgs)), 0)
+    assert all("prompt_logprobs" not in c for c in chat["choices"])
+
+
+def test_include_stop_str_and_skip_special_tokens(live):
+    """include_stop_str_in_output (and SGLang's no_stop_trim) keep the stop string that ended the
+    text; skip_special_tokens false spells special tokens out in the text, the logprob tokens and
+    the chat bytes."""
+    for seed in range(20):
+        kw = dict(model=NAME, prompt=PROMPTS[1], max_tokens=24, temperature=1.0, seed=seed)
+        ref = live.client.completions.create(extra_body={"ignore_eos": True}, **kw).choices[0].text
+        cuts = [i for i in range(2, len(ref)) if ref[i].isascii() and ref[i].isalnum() and ref.find(ref[i]) == i]
+        if cuts:
+            break
+    cut = cuts[0]
+    for extra in ({"include_stop_str_in_output": True}, {"no_stop_trim": True},
+                  {"no_stop_trim": True, "include_stop_str_in_output": False}):
+        keep = extra.get("include_stop_str_in_output", True)
+        r = live.client.completions.create(stop=[ref[cut]], extra_body={"ignore_eos": True, **extra}, **kw)
+        assert r.choices[0].text == ref[:cut + keep] and r.choices[0].finish_reason == "stop", extra
+        chunks = list(live.client.completions.create(stop=ref[cut], stream=True,
+                                                     extra_body={"ignore_eos": True, **extra}, **kw))
+        assert "".join(c.choices[0].text for c in chunks) == ref[:cut + keep]
+    pad = {str(live.tok.PAD): 100}
+    kw = dict(model=NAME, prompt=PROMPTS[0], max_tokens=3, temperature=0, logit_bias=pad, logprobs=0)
+    hidden = live.client.completions.create(**kw).choices[0]
+    shown = live.client.completions.create(extra_body={"skip_special_tokens": False}, **kw).choices[0]
+    assert hidden.text == "" and shown.text == "<pad>" * 3
+    assert shown.logprobs.tokens == ["<pad>"] * 3 and shown.logprobs.text_offset == [0, 5, 10]
+    chat = live.client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                               temperature=0, logit_bias=pad, logprobs=True,
+                                               extra_body={"skip_special_tokens": False})
+    assert chat.choices[0].message.content == "<pad>" * 2
+    assert [t.bytes for t in chat.choices[0].logprobs.content] == [list(b"<pad>")] * 2
+    # A final EOS is kept with include_stop_str_in_output (vLLM), spelled out without skipping.
+    eos = {str(live.tok.EOS): 100}
+    e = live.client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=3, temperature=0, logit_bias=eos,
+                                       logprobs=0, extra_body={"skip_special_tokens": False,
+                                                               "include_stop_str_in_output": True}).choices[0]
+    assert e.text == "<eos>" and e.finish_reason == "stop" and e.logprobs.tokens == ["<eos>"]
 
 
 def _raw_exchange(url, request: bytes, timeout=10.0) -> bytes:

@@ -5,10 +5,10 @@ from jpa.engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded, R
 from jpa.engine.engine import EngineConfig, EngineStats, LLMEngine
 from jpa.engine.model import EngineModel, ModelSizes
 from jpa.engine.batch import StepBatch, StepResult
-from jpa.engine.request import Phase, Request, RequestOutput, StepOutput
+from jpa.engine.request import Phase, PromptLogprob, Request, RequestOutput, StepOutput
 from jpa.engine.sampling import SamplingParams, SlotParams
 from jpa.engine.scheduler import Scheduler
 
 __all__ = ["AsyncEngine", "EngineConfig", "EngineDead", "EngineModel", "EngineOverloaded", "EngineStats", "LLMEngine",
-           "ModelSizes", "Phase", "Request", "RequestGroup", "RequestOutput", "SamplingParams", "Scheduler",
+           "ModelSizes", "Phase", "PromptLogprob", "Request", "RequestGroup", "RequestOutput", "SamplingParams", "Scheduler",
            "SlotParams", "Snapshot", "StepBatch", "StepOutput", "StepResult"]

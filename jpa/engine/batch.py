@@ -25,6 +25,9 @@ class StepBatch:
       decode_row: bool[B]; the entry feeds its slot's pending token (the rest are prompt chunks).
       final: bool[B]; a prompt chunk that ends the prompt (the slot starts decoding after it).
       tokens: i32[T]; the prompt chunks' token ids back to back (decode rows are filled on the device).
+      prompt_targets: i32[T]; for a prompt row whose request asks for prompt logprobs, the next
+        prompt token (the one the row's logits predict); -1 elsewhere (no prompt logprobs: the
+        step skips their work when every row is -1).
       params: SlotParams [B]; a final chunk's request parameters, installed in its slot.
       num_generated: i32[B]; tokens a final chunk's request has generated (> 0: a resumed request).
       resume_token: i32[B]; a resumed request's pending token (-1: sample it from the logits).
@@ -42,6 +45,7 @@ class StepBatch:
     decode_row: jax.Array
     final: jax.Array
     tokens: jax.Array
+    prompt_targets: jax.Array
     params: SlotParams
     num_generated: jax.Array
     resume_token: jax.Array
@@ -77,6 +81,12 @@ class StepResult:
       tables: i32[B, pages_per_seq]; the entries' block-table rows once the final chunks' prompt
         pages were cached (the host's prefix cache reads their page ids).
       cow_copies: i32[]; pages copied on write this round.
+      prompt_logprobs: f32[T]; where batch.prompt_targets >= 0, the target's log-probability under
+        the row's raw logits (log_softmax); NaN elsewhere.
+      prompt_ranks: i32[T]; the target's rank there (tokens at least as likely; 1 = the top).
+      prompt_top_ids: i32[T, top_n]; the row's most likely tokens (-1 where not asked);
+        prompt_top_logprobs: f32[T, top_n], their log-probabilities. The host reads these four
+        back only in rounds that asked (`ModelRunner.step`; None on the host otherwise).
     """
     tokens: jax.Array
     logprobs: jax.Array
@@ -93,6 +103,10 @@ class StepResult:
     active: jax.Array
     tables: jax.Array
     cow_copies: jax.Array
+    prompt_logprobs: jax.Array | None = None
+    prompt_ranks: jax.Array | None = None
+    prompt_top_ids: jax.Array | None = None
+    prompt_top_logprobs: jax.Array | None = None
 
 
 def make_step_batch(plan, *, max_seqs: int, num_tokens: int, pages_per_seq: int, num_pages: int,
@@ -109,6 +123,7 @@ def make_step_batch(plan, *, max_seqs: int, num_tokens: int, pages_per_seq: int,
     hit_tokens, cache_upto, fork_from = col(0), col(0), col(-1)
     hit_tables = np.zeros((b, pages_per_seq), np.int32)
     tokens = np.zeros((num_tokens,), np.int32)
+    targets = np.full((num_tokens,), -1, np.int32)
     rows = [None] * b
     at = 0
     for i, e in enumerate(entries):
@@ -117,6 +132,7 @@ def make_step_batch(plan, *, max_seqs: int, num_tokens: int, pages_per_seq: int,
         hit_tables[i, : len(e.hit_pages)] = e.hit_pages
         fork_from[i] = index[e.fork_of] if e.fork_of >= 0 else -1
         tokens[at: at + len(e.tokens)] = e.tokens
+        targets[at: at + len(e.targets)] = e.targets
         at += e.q_len
         if e.final:
             out = e.request.output_ids
@@ -125,6 +141,7 @@ def make_step_batch(plan, *, max_seqs: int, num_tokens: int, pages_per_seq: int,
     evict = np.full((num_pages,), -1, np.int32)
     evict[: len(plan.evict)] = plan.evict
     return StepBatch(seq_ids=seq_ids, q_lens=q_lens, decode_row=decode_row, final=final, tokens=tokens,
+                     prompt_targets=targets,
                      params=SlotParams.from_rows(rows, b), num_generated=num_generated, resume_token=resume,
                      hit_tokens=hit_tokens, hit_tables=hit_tables, cache_upto=cache_upto, fork_from=fork_from,
                      evict=evict, run_ragged=np.int32(len(entries) > 0), decode_steps=np.int32(plan.decode_steps))

@@ -5,8 +5,8 @@ request. `IncrementalDetokenizer` decodes only a small window per update: the to
 previous update (context, so tokenizers that merge across tokens render correctly) plus the new
 ones (the prefix-offset / read-offset scheme of Hugging Face TGI and vLLM). Text is held back
 while it ends in an incomplete UTF-8 sequence (U+FFFD), so the pieces concatenate to the full
-decode. Special tokens are skipped both in the text returned and in the stop-string search, so the
-two always agree.
+decode. Special tokens are skipped (or, with skip_special_tokens=False, kept) both in the text
+returned and in the stop-string search, so the two always agree.
 """
 
 
@@ -15,18 +15,26 @@ class IncrementalDetokenizer:
 
     Args:
       tokenizer: has `decode(ids, skip_special_tokens=...)`.
-      stop: stop strings; the text is cut before the earliest one found.
+      stop: stop strings; the text is cut before the earliest one found (after it with
+        include_stop).
+      include_stop: keep the stop string that ended the text (vLLM's include_stop_str_in_output).
+      skip_special_tokens: leave special tokens out of the text (vLLM's default).
 
     Attributes:
       text: the completion text so far (after a stop: cut before the stop string).
       stopped: True once a stop string was found.
     """
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), *, include_stop: bool = False,
+                 skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
         self.stop = tuple(stop)
-        # A stop string may be completed by later tokens: keep its possible beginning unstreamed.
-        self._hold = max((len(s) for s in self.stop), default=1) - 1
+        self.include_stop = include_stop
+        self.skip_special_tokens = skip_special_tokens
+        # A stop string may be completed by later tokens: the stop search looks this far back, and
+        # (unless the stop string stays in the text) its possible beginning is kept unstreamed.
+        self._search = max((len(s) for s in self.stop), default=1) - 1
+        self._hold = 0 if include_stop else self._search
         self._window: list[int] = []   # ids decoded as context + ids not yet turned into text
         self._read = 0                 # window[:read] is context already in self.text
         self._prefix_text = ""         # decode(window[:read])
@@ -35,7 +43,7 @@ class IncrementalDetokenizer:
         self.stopped = False
 
     def _decode(self, ids) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
+        return self._tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _advance(self, new_ids, final: bool) -> tuple[str, str]:
         """Adds tokens to the window. Returns (delta, visible): delta is the text they complete
@@ -53,16 +61,19 @@ class IncrementalDetokenizer:
         self._prefix_text = self._decode(self._window)
         return delta, delta
 
-    def _find_stop(self, new_text: str) -> int | None:
-        """Earliest start (in self.text + new_text) of a stop string that ends inside new_text.
+    def _find_stop(self, new_text: str) -> tuple[int, int] | None:
+        """(start, end) in self.text + new_text of the earliest stop string that ends inside new_text.
 
         Only the last (longest stop - 1) chars of self.text are searched with it: O(new text).
         """
-        base = max(0, len(self.text) - self._hold)
+        base = max(0, len(self.text) - self._search)
         window = self.text[base:] + new_text
         searched = len(self.text) - base
-        cuts = [c for s in self.stop if (c := window.find(s, max(0, searched - len(s) + 1))) >= 0]
-        return base + min(cuts) if cuts else None
+        cuts = [(c, c + len(s)) for s in self.stop if (c := window.find(s, max(0, searched - len(s) + 1))) >= 0]
+        if not cuts:
+            return None
+        start, end = min(cuts)
+        return base + start, base + end
 
     def add(self, new_ids, *, final: bool = False) -> int:
         """Feeds the next tokens (one update per engine round).
@@ -96,7 +107,7 @@ class IncrementalDetokenizer:
                 kept = i + 1
                 break
             done += d
-        self.text, self.stopped = (self.text + visible)[:cut], True
+        self.text, self.stopped = (self.text + visible)[:cut[1] if self.include_stop else cut[0]], True
         return kept
 
     def take_delta(self, finished: bool) -> str:

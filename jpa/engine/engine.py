@@ -28,7 +28,7 @@ import numpy as np
 from jpa.cache import CacheConfig
 from jpa.engine.batch import make_step_batch
 from jpa.engine.detokenizer import IncrementalDetokenizer
-from jpa.engine.model import EngineModel, check_model
+from jpa.engine.model import EngineModel, check_model, has_hidden
 from jpa.engine.request import Phase, Request, RequestOutput, StepOutput
 from jpa.engine.runner import ModelRunner
 from jpa.engine.sampling import SamplingParams
@@ -256,22 +256,33 @@ class LLMEngine:
         if req.params.n > self.config.max_seqs:
             return self._fail(req, f"n = {req.params.n} samples need one decode slot each; this engine has "
                                    f"max_seqs {self.config.max_seqs}")
+        if req.params.prompt_logprobs is not None:
+            if not has_hidden(self.model):
+                return self._fail(req, f"prompt_logprobs needs a model with EngineModel's optional ragged_hidden() "
+                                       f"and head() (models.GPTForEngine has them); {type(self.model).__name__} "
+                                       f"lacks them")
+            req.prompt_lp = {}
         if req.params.n > 1:
             return self._add_samples(req)
-        req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.params.stop)
+        req.detokenizer = self._detokenizer(req.params)
         self.scheduler.add(req)
         return req
+
+    def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer, params.stop, include_stop=params.include_stop_str_in_output,
+                                      skip_special_tokens=params.skip_special_tokens)
 
     def _add_samples(self, req: Request) -> Request:
         """Parallel sampling: sample i of request R is the request (R, i) with seed + i. The prompt
         is computed once: the samples wait with the first one (their leader), take their slots
         with it, and fork its pages when its last chunk is computed (copy-on-write of the shared
-        last page on the first divergent write). R stays live until every sample is handed out."""
+        last page on the first divergent write). R stays live until every sample is handed out.
+        Prompt logprobs are computed once, by the leader, into a dict every sample shares."""
         samples = []
         for i in range(req.params.n):
             params = dataclasses.replace(req.params, n=1, seed=req.params.seed + i)
-            r = Request((req.request_id, i), req.prompt, list(req.prompt_ids), params,
-                        IncrementalDetokenizer(self.tokenizer, params.stop))
+            r = Request((req.request_id, i), req.prompt, list(req.prompt_ids), params, self._detokenizer(params),
+                        prompt_lp=req.prompt_lp)   # prompt logprobs: computed once (by the leader), shared
             self._live_ids.add(r.request_id)
             samples.append(r)
         self._live_samples[req.request_id] = len(samples)
@@ -400,10 +411,11 @@ class LLMEngine:
         for ev in events:
             req = ev.request
             text = req.detokenizer.take_delta(ev.finished)
-            if ev.new_token_ids or text or ev.finished:
+            prompt_lps = req.take_prompt_logprobs()
+            if ev.new_token_ids or text or ev.finished or prompt_lps is not None:
                 outputs.append(StepOutput(req.request_id, ev.new_token_ids, text, ev.finished,
                                           req.to_output() if ev.finished else None, ev.new_logprobs,
-                                          ev.new_top_logprobs))
+                                          ev.new_top_logprobs, prompt_lps))
         for o in outputs:
             if o.finished:
                 self._handed_out(o.request_id)

@@ -40,6 +40,15 @@ class EngineModel(Protocol):
     kv heads (`jpa.sharding.head_parallel`), and `config.num_kv_heads` the head count the pool
     must hold (a multiple of N). The engine shards the pool on that head axis and replicates
     everything else. `models.GPTForEngine` has it.
+
+    Optional, for `SamplingParams.prompt_logprobs` (and the server's `echo`): the pair
+    `ragged_hidden(params, cache, <ragged's arguments>) -> (hidden f32[T, d_model], cache)`, the
+    final hidden row of EVERY token row, and `head(params, hidden f32[..., d_model]) -> f32[...,
+    vocab]`, so that `head(hidden[last rows])` is what `ragged` returns. With the pair the engine
+    runs the ragged step through it (the head over the last rows, as `ragged` does) and takes the
+    head over prompt rows only in rounds where a request asks for prompt logprobs. A model without
+    it serves everything else; a request for prompt logprobs then fails with an error naming the
+    pair. `models.GPTForEngine` has it.
     """
     config: ModelSizes
     dtype: Any
@@ -82,6 +91,11 @@ class EngineModel(Protocol):
         Returns:
           (f32[max_num_seqs, vocab_size] logits at each sequence's last row, the updated cache).
         """
+
+def has_hidden(model) -> bool:
+    """True when `model` has EngineModel's optional ragged_hidden/head pair (prompt logprobs)."""
+    return callable(getattr(model, "ragged_hidden", None)) and callable(getattr(model, "head", None))
+
 
 def check_model(model) -> None:
     """Raises TypeError naming what `model` lacks to satisfy EngineModel."""

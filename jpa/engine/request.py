@@ -2,6 +2,7 @@
 
 import dataclasses
 import enum
+from typing import NamedTuple
 
 from jpa.engine.detokenizer import IncrementalDetokenizer
 from jpa.engine.sampling import SamplingParams
@@ -25,6 +26,21 @@ NEXT_PHASES = {
     Phase.DECODING: {Phase.WAITING, Phase.FINISHED},
     Phase.FINISHED: set(),
 }
+
+
+class PromptLogprob(NamedTuple):
+    """One prompt token's entry of `RequestOutput.prompt_logprobs` (vLLM's Logprob, per position).
+
+    Attributes:
+      logprob: log-probability of the token given the prompt before it (the model's raw
+        distribution).
+      rank: its rank there (1 = the most likely; vLLM's count of tokens at least as likely).
+      top: ((token id, log-probability), ...) of the k most likely tokens there, best first
+        (k = SamplingParams.prompt_logprobs).
+    """
+    logprob: float
+    rank: int
+    top: tuple = ()
 
 
 @dataclasses.dataclass(eq=False)
@@ -56,6 +72,32 @@ class Request:
     siblings: list = dataclasses.field(default_factory=list)
     leader: "Request | None" = None
     num_samples: int = 1               # on the first sample: how many the request asked for (n)
+    # params.prompt_logprobs set: position -> PromptLogprob of the prompt tokens 1.. computed so far
+    # (filled chunk by chunk; a recompute after preemption fills nothing twice). The samples of a
+    # parallel-sampling request share their leader's dict: computed once, reported with each.
+    prompt_lp: dict | None = None
+    prompt_lp_sent: bool = False       # handed out in a StepOutput already
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It asks for prompt logprobs and some are not computed yet."""
+        return self.prompt_lp is not None and len(self.prompt_lp) < len(self.prompt_ids) - 1
+
+    @property
+    def prompt_logprobs(self) -> tuple | None:
+        """(None, PromptLogprob, ...) per prompt token once all are computed, else None."""
+        lp = self.prompt_lp
+        if lp is None or len(lp) < len(self.prompt_ids) - 1:
+            return None
+        return (None, *(lp[p] for p in range(1, len(self.prompt_ids))))
+
+    def take_prompt_logprobs(self) -> tuple | None:
+        """prompt_logprobs the first time they are complete (a stream carries them once), else None."""
+        if self.prompt_lp_sent:
+            return None
+        out = self.prompt_logprobs
+        self.prompt_lp_sent = out is not None
+        return out
 
     @property
     def num_tokens(self) -> int:
@@ -74,7 +116,7 @@ class Request:
     def to_output(self) -> "RequestOutput":
         return RequestOutput(self.request_id, self.prompt, self.text, tuple(self.prompt_ids),
                              tuple(self.output_ids), self.finish_reason, self.error, self.num_preemptions,
-                             tuple(self.output_logprobs), tuple(self.output_top_logprobs))
+                             tuple(self.output_logprobs), tuple(self.output_top_logprobs), self.prompt_logprobs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,12 +134,21 @@ class RequestOutput:
     # With SamplingParams.top_logprobs = k: per token id, ((token id, log-probability), ...) of the k
     # most likely tokens of that same distribution; () otherwise.
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing
+    # before it), a PromptLogprob for each other; None when not asked for (or not computed).
+    prompt_logprobs: tuple | None = None
 
     def to_json(self) -> dict:
-        return {"request_id": self.request_id, "prompt": self.prompt, "completion": self.completion,
-                "token_ids": list(self.token_ids), "num_prompt_tokens": len(self.prompt_ids),
-                "finish_reason": self.finish_reason, "error": self.error,
-                "num_preemptions": self.num_preemptions}
+        out = {"request_id": self.request_id, "prompt": self.prompt, "completion": self.completion,
+               "token_ids": list(self.token_ids), "num_prompt_tokens": len(self.prompt_ids),
+               "finish_reason": self.finish_reason, "error": self.error,
+               "num_preemptions": self.num_preemptions}
+        if self.prompt_logprobs is not None:
+            out["prompt_token_ids"] = list(self.prompt_ids)
+            out["prompt_logprobs"] = [None if e is None else
+                                      {"logprob": e.logprob, "rank": e.rank, "top": [list(t) for t in e.top]}
+                                      for e in self.prompt_logprobs]
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +167,9 @@ class StepOutput:
       new_logprobs: log-probability of each of new_token_ids (see `sampling.sample_with_logprobs`).
       new_top_logprobs: with SamplingParams.top_logprobs, the top tokens of each new token (as in
         RequestOutput.top_logprobs).
+      prompt_logprobs: with SamplingParams.prompt_logprobs, the request's prompt_logprobs (as in
+        RequestOutput) in the first output after they are all computed (with its first token),
+        else None.
     """
     request_id: object
     new_token_ids: tuple[int, ...]
@@ -124,3 +178,4 @@ class StepOutput:
     output: RequestOutput | None = None
     new_logprobs: tuple[float, ...] = ()
     new_top_logprobs: tuple = ()
+    prompt_logprobs: tuple | None = None

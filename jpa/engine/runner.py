@@ -12,6 +12,12 @@ when every slot is idle or when the pool runs out of pages (the host then preemp
 Every round reads back, in the same device->host transfer as its tokens, the PageState's free
 page count and seq_lens: the scheduler's only source of page counts.
 
+Prompt logprobs (SamplingParams.prompt_logprobs): with the model's optional ragged_hidden/head
+pair, the ragged step keeps every row's hidden state; rows the plan gives a target (the next
+prompt token) get log_softmax of the head, the target's logprob and rank and a top-20, in the same
+program, under a lax.cond that rounds without such rows skip (`_prompt_logprobs`). They are read
+back only in rounds that asked.
+
 The model is anything that meets `jpa.engine.model.EngineModel`; its params are an argument of
 the compiled step (never a closed-over constant) and the cache, page state and slots are donated.
 
@@ -40,7 +46,7 @@ from jax import lax
 from jpa import pages
 from jpa.cache import CacheConfig, KVCache, copy_pages
 from jpa.engine.batch import StepBatch, StepResult, make_step_batch
-from jpa.engine.model import EngineModel, check_model
+from jpa.engine.model import EngineModel, check_model, has_hidden
 from jpa.engine.sampling import MAX_TOP_LOGPROBS, SlotParams, sample_slots
 from jpa.sharding import REPLICATED, STACKED_POOL, named
 
@@ -121,6 +127,11 @@ def _finished(slots, next_tok, seq_lens, stop_ids):
 # Custom-call targets of the Pallas GPU kernels in a compiled program's HLO.
 KERNEL_CALLS = (("mosaic", 'custom_call_target="mosaic_gpu'), ("triton", 'custom_call_target="__gpu$xla.gpu.triton"'))
 DONATE = (1, 2, 3)  # cache, page state, slots: updated in place by the compiled step
+# Prompt logprobs: the head runs over at most this many logits at once (rows x vocab; 16 MiB of
+# f32), so a whole-budget block of a big vocabulary never materializes T x vocab logits. XLA
+# reserves these buffers in every step, asked for or not: measured on SmolLM2's H100 unified step
+# (deviceless compile), temporaries stay at 63 MiB as before prompt logprobs (142 MiB with 1 << 24).
+PROMPT_LOGITS_ELEMENTS = 1 << 22
 
 
 def attention_in(hlo_text: str) -> str:
@@ -152,6 +163,7 @@ class ModelRunner:
         self.attention_impl = attention_impl
         self._block_tokens = block_tokens
         self.block_tokens = None  # rows per model pass of the ragged step, fixed at its compile
+        self.prompt_chunk = None  # rows per head pass of prompt logprobs, fixed with block_tokens
         self.step_tokens = None   # the token budget the step was compiled for
         self.attention = None     # the implementation in the compiled step, once compiled
         self._pool = None if mesh is None else named(mesh, STACKED_POOL)
@@ -244,7 +256,48 @@ class ModelRunner:
         steps, cache, page_state, slots, outs, _, copies = lax.while_loop(cond, step, init)
         return cache, page_state, slots, outs, steps, copies
 
-    def _ragged_blocks(self, params, cache, tokens, positions, slot_mapping, tables, old, cu, entry, num_rows):
+    def _prompt_logprobs(self, params, hidden, targets, b0, acc):
+        """Prompt logprobs of one block's rows, written into acc at rows b0.. (see StepResult).
+
+        The head runs over `prompt_chunk` rows at a time, and only over chunks where some row asks
+        (targets >= 0), under lax.cond: a round without prompt logprobs pays for the test alone.
+
+        Args: hidden f32[tb, d_model]; targets i32[tb] (the next prompt token, -1 = not asked); b0
+          i32[] the block's first row; acc (f32[R], i32[R], i32[R, top_n], f32[R, top_n]) over
+          R >= b0 + tb + prompt_chunk rows.
+        """
+        c = self.prompt_chunk
+        num_chunks = -(-hidden.shape[0] // c)
+        pad = num_chunks * c - hidden.shape[0]
+        hidden = jnp.pad(hidden, ((0, pad), (0, 0)))  # [num_chunks * c, d_model]
+        targets = jnp.pad(targets, (0, pad), constant_values=-1)
+        tn = acc[2].shape[1]
+
+        def chunk(i, acc):
+            r0 = i * c
+            t = lax.dynamic_slice_in_dim(targets, r0, c)  # i32[c]
+
+            def compute(acc):
+                logits = self.model.head(params, lax.dynamic_slice_in_dim(hidden, r0, c)).astype(jnp.float32)
+                lsm = jax.nn.log_softmax(logits, axis=-1)  # f32[c, vocab]
+                lp = jnp.take_along_axis(lsm, jnp.maximum(t, 0)[:, None], axis=1)[:, 0]
+                rank = jnp.sum(lsm >= lp[:, None], axis=-1, dtype=jnp.int32)  # vLLM's rank: 1 = the top
+                top_lps, top_ids = lax.top_k(lsm, tn)
+                want = t >= 0
+
+                def put(a, v):  # rows that asked take v; the others keep what they hold
+                    old = lax.dynamic_slice_in_dim(a, b0 + r0, c)
+                    w = want.reshape((c,) + (1,) * (v.ndim - 1))
+                    return lax.dynamic_update_slice_in_dim(a, jnp.where(w, v.astype(a.dtype), old), b0 + r0, 0)
+
+                return tuple(put(a, v) for a, v in zip(acc, (lp, rank, top_ids, top_lps)))
+
+            return lax.cond(jnp.any(t >= 0), compute, lambda a: a, acc)
+
+        return lax.fori_loop(0, num_chunks, chunk, acc)
+
+    def _ragged_blocks(self, params, cache, tokens, positions, slot_mapping, tables, old, cu, entry, num_rows,
+                       targets):
         """The model over the ragged batch's first num_rows rows, `block_tokens` rows at a time.
 
         A while_loop over the live blocks only, so a round costs its live rows rounded up to a
@@ -254,21 +307,32 @@ class ModelRunner:
         `ragged_paged_attention` serves. Each block is re-based so its sequences are entries
         0..n_b - 1 (no live sequence without rows).
 
+        With the model's ragged_hidden/head pair (EngineModel), each block's hidden rows give the
+        last rows' logits through the head, and the prompt logprobs of rows that ask
+        (`_prompt_logprobs`); without it, `ragged` gives the logits and no row can ask.
+
         Args: tokens, positions, slot_mapping i32[T]; tables i32[B, pages_per_seq] per entry; old
           i32[B] tokens cached per entry before the step; cu i32[B + 1] row offsets; entry i32[T]
-          the entry of each row.
+          the entry of each row; targets i32[T] each row's next prompt token where it asks for
+          prompt logprobs (-1 elsewhere).
 
-        Returns (logits f32[B, vocab] at each entry's last row, cache).
+        Returns (logits f32[B, vocab] at each entry's last row, cache, (prompt logprobs f32[T],
+        ranks i32[T], top ids i32[T, top_n], top logprobs f32[T, top_n])).
         """
-        tb, num_entries = self.block_tokens, old.shape[0]
+        tb, num_entries, num_tokens = self.block_tokens, old.shape[0], tokens.shape[0]
         pad = lambda a, v: jnp.pad(a, (0, tb), constant_values=v)  # noqa: E731  (whole-block slices)
         tokens, positions, slot_mapping = pad(tokens, 0), pad(positions, 0), pad(slot_mapping, -1)
-        entry = pad(entry, num_entries - 1)
+        entry, targets = pad(entry, num_entries - 1), pad(targets, -1)
         k = jnp.arange(num_entries + 1, dtype=jnp.int32)
         vocab = self.model.config.vocab_size
+        hidden_pair = has_hidden(self.model)
+        rows = num_tokens + tb + self.prompt_chunk  # every chunk write of every block fits
+        tn = min(MAX_TOP_LOGPROBS, vocab)
+        prompt = (jnp.full((rows,), jnp.nan, jnp.float32), jnp.zeros((rows,), jnp.int32),
+                  jnp.full((rows, tn), -1, jnp.int32), jnp.full((rows, tn), -jnp.inf, jnp.float32))
 
         def block(carry):
-            j, cache, logits = carry
+            j, cache, logits, prompt = carry
             b0 = j * tb
             b1 = jnp.minimum(b0 + tb, num_rows)
             e0, e1 = entry[b0], entry[b1 - 1]  # the block's entries: e0..e1
@@ -278,17 +342,22 @@ class ModelRunner:
             in_block = k[:-1] <= e1 - e0
             seq_b = jnp.where(in_block, old[jnp.minimum(e, num_entries - 1)] + jnp.clip(cu[e + 1], b0, b1) - cu[e], 0)
             sl = lambda a: lax.dynamic_slice_in_dim(a, b0, tb)  # noqa: E731
-            out, cache = self.model.ragged(params, cache, sl(tokens), sl(positions), sl(slot_mapping),
-                                           tables[jnp.minimum(e, num_entries - 1)], seq_b, cu_b, e1 - e0 + 1,
-                                           impl=self.attention_impl)
+            args = (sl(tokens), sl(positions), sl(slot_mapping), tables[jnp.minimum(e, num_entries - 1)], seq_b,
+                    cu_b, e1 - e0 + 1)
+            if hidden_pair:
+                hidden, cache = self.model.ragged_hidden(params, cache, *args, impl=self.attention_impl)
+                out = self.model.head(params, hidden[jnp.clip(cu_b[1:] - 1, 0, tb - 1)])  # as `ragged` does
+                prompt = self._prompt_logprobs(params, hidden, sl(targets), b0, prompt)
+            else:
+                out, cache = self.model.ragged(params, cache, *args, impl=self.attention_impl)
             # Entries whose last row is in this block take their logits from it.
             ends = in_block & (cu[e + 1] <= b1) & (cu[e + 1] > cu[e])
             logits = logits.at[jnp.where(ends, e, num_entries)].set(out, mode="drop")
-            return j + 1, cache, logits
+            return j + 1, cache, logits, prompt
 
-        init = (jnp.int32(0), cache, jnp.zeros((num_entries, vocab), jnp.float32))
-        _, cache, logits = lax.while_loop(lambda c: c[0] * tb < num_rows, block, init)
-        return logits, cache
+        init = (jnp.int32(0), cache, jnp.zeros((num_entries, vocab), jnp.float32), prompt)
+        _, cache, logits, prompt = lax.while_loop(lambda c: c[0] * tb < num_rows, block, init)
+        return logits, cache, tuple(a[:num_tokens] for a in prompt)
 
     def _step_impl(self, params, cache, page_state, slots, batch: StepBatch):
         """The unified round: a ragged step over a token budget, then up to batch.decode_steps
@@ -340,8 +409,9 @@ class ModelRunner:
                                        mode="clip")[:, 0]
             slot_mapping = jnp.where(row_live, page * ps_ + pos % ps_, -1)  # i32[T]
             tokens = jnp.where(decode_row[entry], slots.tokens[safe[entry]], batch.tokens)
-            logits, cache = self._ragged_blocks(params, cache, tokens, jnp.where(row_live, pos, 0), slot_mapping,
-                                                ps.block_tables[safe], old, cu, entry, cu[-1])
+            logits, cache, prompt = self._ragged_blocks(params, cache, tokens, jnp.where(row_live, pos, 0),
+                                                        slot_mapping, ps.block_tables[safe], old, cu, entry, cu[-1],
+                                                        jnp.where(row_live, batch.prompt_targets, -1))
             slots = slots.write_tokens(tokens, slot_mapping)
             logits = jnp.where(sib[:, None], logits[lead], logits)  # a sample draws from its leader's logits
 
@@ -370,13 +440,15 @@ class ModelRunner:
             ps = pages.cache(ps, jnp.where(live & final, ids, -1), batch.cache_upto)
             tables = ps.block_tables[safe]  # i32[B, pages_per_seq], before the finished are released
             ps = pages.release(ps, jnp.where(done, ids, -1))
-            return i + 1, cache, ps, slots, (tok, lp, top_ids, top_lps, tables, copies)
+            return i + 1, cache, ps, slots, (tok, lp, top_ids, top_lps, tables, copies, prompt)
 
         tn = min(MAX_TOP_LOGPROBS, self.model.config.vocab_size)
+        empty_prompt = (jnp.full((num_tokens,), jnp.nan, jnp.float32), jnp.zeros((num_tokens,), jnp.int32),
+                        jnp.full((num_tokens, tn), -1, jnp.int32), jnp.full((num_tokens, tn), -jnp.inf, jnp.float32))
         empty_out = (jnp.zeros((num_entries,), jnp.int32), jnp.full((num_entries,), jnp.nan, jnp.float32),
                      jnp.full((num_entries, tn), -1, jnp.int32), jnp.full((num_entries, tn), -jnp.inf, jnp.float32),
-                     jnp.zeros((num_entries, self.pages_per_seq), jnp.int32), jnp.int32(0))
-        _, cache, page_state, slots, (tok, lp, top_ids, top_lps, tables, copies) = lax.while_loop(
+                     jnp.zeros((num_entries, self.pages_per_seq), jnp.int32), jnp.int32(0), empty_prompt)
+        _, cache, page_state, slots, (tok, lp, top_ids, top_lps, tables, copies, prompt) = lax.while_loop(
             lambda c: c[0] < batch.run_ragged * ok.astype(jnp.int32), ragged_step,
             (jnp.int32(0), cache, page_state, slots, empty_out))
         decode_steps = jnp.where(ok, jnp.minimum(batch.decode_steps, self.steps_per_call), 0)
@@ -386,7 +458,8 @@ class ModelRunner:
             tokens=tok, logprobs=lp, top_ids=top_ids, top_logprobs=top_lps, ok=ok, out=out, out_logprobs=out_lp,
             out_top_ids=out_ids, out_top_logprobs=out_tops, steps=steps,
             num_free=pages.num_free_pages(page_state), seq_lens=page_state.seq_lens, active=slots.active,
-            tables=tables, cow_copies=copies + loop_copies)
+            tables=tables, cow_copies=copies + loop_copies, prompt_logprobs=prompt[0], prompt_ranks=prompt[1],
+            prompt_top_ids=prompt[2], prompt_top_logprobs=prompt[3])
 
     @staticmethod
     def _retire_impl(page_state, slots, seq_ids):
@@ -413,6 +486,7 @@ class ModelRunner:
         whole budget elsewhere (one pass; a GPU reads the weights once per pass)."""
         default = 64 if jax.default_backend() == "cpu" else num_tokens
         self.block_tokens = min(self._block_tokens or default, num_tokens)
+        self.prompt_chunk = max(1, min(self.block_tokens, PROMPT_LOGITS_ELEMENTS // self.model.config.vocab_size))
         return self.block_tokens
 
     def step_inputs(self, num_tokens: int):
@@ -451,6 +525,8 @@ class ModelRunner:
                              f"{num_tokens}")
         self.cache, self.page_state, self.slots, res = self._step_exe(
             *self.state(), self._put(jax.tree_util.tree_map(jnp.asarray, batch)))
+        if not (np.asarray(batch.prompt_targets) >= 0).any():  # nobody asked: not read back
+            res = res.replace(prompt_logprobs=None, prompt_ranks=None, prompt_top_ids=None, prompt_top_logprobs=None)
         res = jax.device_get(res)
         steps = int(res.steps)
         self.cow_copies += int(res.cow_copies)

@@ -33,6 +33,18 @@ class SamplingParams:
       token is kept in token_ids and left out of the text), even with ignore_eos.
     top_logprobs (<= 20): with each output token, the most likely tokens and log-probabilities of
     the distribution its own log-probability is taken under (see `sample_with_logprobs`).
+    prompt_logprobs (None = off, else k in [0, 20]): for each prompt token after the first, its
+    log-probability given the tokens before it, its rank, and the k most likely tokens there
+    (`RequestOutput.prompt_logprobs`), from the model's raw distribution (vLLM's; no temperature
+    or controls). Computed on the device in the ragged pass, only in rounds that need it; such a
+    request does not read the prefix cache (cached prompt tokens have no logits; as vLLM v1).
+    Text (vLLM's detokenization options):
+    - include_stop_str_in_output: a stop string that ends the request stays in the text (and, as
+      in vLLM, so does a final stop token's text: EOS or a stop_token_id);
+    - skip_special_tokens (default True): False keeps special tokens (e.g. "<|im_end|>") in the text;
+    - spaces_between_special_tokens: accepted for vLLM compatibility; the project's tokenizers
+      (Hugging Face `tokenizers`, byte-level) decode special tokens without added spaces either
+      way, as vLLM does with a fast tokenizer.
     """
     max_new_tokens: int = 64
     temperature: float = 1.0
@@ -51,6 +63,10 @@ class SamplingParams:
     min_tokens: int = 0
     stop_token_ids: tuple = ()
     top_logprobs: int = 0             # also return this many most likely tokens per output token
+    prompt_logprobs: int | None = None  # None = off; k: the prompt tokens' logprobs and k alternatives
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -99,6 +115,14 @@ class SamplingParams:
         if not isinstance(self.top_logprobs, int) or isinstance(self.top_logprobs, bool) or not (
                 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
             raise ValueError(f"top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}]; got {self.top_logprobs!r}")
+        if self.prompt_logprobs is not None and (
+                not isinstance(self.prompt_logprobs, int) or isinstance(self.prompt_logprobs, bool)
+                or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be None (off) or an int in [0, {MAX_TOP_LOGPROBS}]; "
+                             f"got {self.prompt_logprobs!r}")
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool; got {getattr(self, name)!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop must be non-empty strings; got {self.stop!r}")

@@ -40,6 +40,10 @@ Policies (vLLM v1's, in nano-vllm's split):
   prompt chunk, when the device forks its pages to them; until each has written past the shared
   partly filled last page (`cow_pending`), one more page is counted for its copy on write. A
   preempted leader takes its unforked samples back to the queue with it.
+- prompt logprobs (SamplingParams.prompt_logprobs): a chunk of such a request names, per row, the
+  prompt token after it (`Entry.targets`, only for positions it has no logprob for yet, so a
+  recompute asks nothing twice); `stepped` stores what the device returns per position. Such a
+  request does not read the prefix cache while it still needs some.
 - stops: the device finishes requests on EOS, max_new_tokens and the length limit (and releases
   their pages itself); stop strings are found here, on the incremental detokenizer's text, and
   the output is cut at the token that completed the stop.
@@ -49,7 +53,7 @@ import collections
 import dataclasses
 
 from jpa.engine.prefix_cache import PrefixCache
-from jpa.engine.request import NEXT_PHASES, Phase, Request
+from jpa.engine.request import NEXT_PHASES, Phase, PromptLogprob, Request
 from jpa.pages import pages_for_tokens
 
 
@@ -65,6 +69,9 @@ class Entry:
     hit_pages: tuple[int, ...] = ()  # cached pages shared before the chunk (prefix-cache hit, first chunk)
     fork_of: int = -1              # a parallel sample (q_len 0): the slot whose final chunk it forks
     cache_upto: int = 0            # full prompt pages a final chunk puts into the prefix cache
+    start: int = 0                 # position of the chunk's first row in its sequence
+    targets: tuple[int, ...] = ()  # prompt logprobs: per row, the next prompt token it predicts (-1: none
+                                   # wanted); empty when no row of the chunk asks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,7 +287,8 @@ class Scheduler:
             toks = self.prefill_tokens(req)
             final = done + n == len(toks)
             upto = len(toks) // ps if final and self.prefix is not None else 0
-            return Entry(req.slot, req, n, False, final, tuple(toks[done:done + n]), tuple(hit), cache_upto=upto)
+            return Entry(req.slot, req, n, False, final, tuple(toks[done:done + n]), tuple(hit), cache_upto=upto,
+                         start=done, targets=self.prompt_targets(req, done, n))
 
         for req in prefilling:
             done = req.num_computed_tokens
@@ -306,7 +314,9 @@ class Scheduler:
                 if len(req.siblings) + 1 > len(free_slots):
                     break   # parallel samples are admitted together: one slot each
                 toks = self.prefill_tokens(req)
-                hit = self.prefix.lookup(toks) if self.prefix is not None else []
+                # A request that still needs prompt logprobs computes its whole prompt (cached
+                # pages have no logits; vLLM v1 does the same). It still caches its pages.
+                hit = self.prefix.lookup(toks) if self.prefix is not None and not req.needs_prompt_logprobs else []
                 # Shared pages that were idle are no longer evictable.
                 newly_held = sum(1 for p in hit if p not in referenced)
                 h = len(hit) * ps
@@ -358,6 +368,28 @@ class Scheduler:
                 evict = tuple(self.prefix.victims(short, referenced))
         return RoundPlan(entries, steps, tuple(admitted), evict)
 
+    @staticmethod
+    def prompt_targets(req: Request, start: int, n: int) -> tuple[int, ...]:
+        """Per row of a chunk of rows start..start + n - 1: the prompt token after it, where the
+        request asks for prompt logprobs and that position has none yet (a recompute after
+        preemption asks nothing twice), else -1; () when no row asks."""
+        if not req.needs_prompt_logprobs:
+            return ()
+        ids, have = req.prompt_ids, req.prompt_lp
+        out = tuple(ids[p + 1] if p + 1 < len(ids) and p + 1 not in have else -1 for p in range(start, start + n))
+        return out if any(t >= 0 for t in out) else ()
+
+    def _record_prompt_logprobs(self, e: Entry, at: int, result) -> None:
+        """Stores the prompt logprobs of entry e's rows (rows at.. of the round) in its request."""
+        req, k = e.request, e.request.params.prompt_logprobs
+        for i, t in enumerate(e.targets):
+            if t >= 0:
+                r = at + i
+                top = tuple((int(a), float(b)) for a, b in zip(result.prompt_top_ids[r, :k],
+                                                                 result.prompt_top_logprobs[r, :k]))
+                req.prompt_lp[e.start + i + 1] = PromptLogprob(float(result.prompt_logprobs[r]),
+                                                               int(result.prompt_ranks[r]), top)
+
     def unplan(self, plan: RoundPlan) -> None:
         """Undoes plan_round's admissions (their device call did not happen): back to the queue, in order."""
         for slot in reversed(plan.admitted):
@@ -384,6 +416,11 @@ class Scheduler:
                     pages = [int(p) for p in row[: e.cache_upto]]
                     self.prefix.register(self.prefill_tokens(e.request), pages)
                     e.request.cache_refs = tuple(pages)
+        at = 0
+        for e in plan.entries:
+            if e.targets:
+                self._record_prompt_logprobs(e, at, result)
+            at += e.q_len
         new: dict[int, list] = {}
         for i, (e, tok, lp) in enumerate(zip(plan.entries, result.tokens, result.logprobs)):
             first = [(int(tok), float(lp), (result.top_ids[i], result.top_logprobs[i]))]
@@ -428,7 +465,9 @@ class Scheduler:
             req.output_top_logprobs.extend(tuple((int(i), float(v)) for i, v in zip(ids[:k], vals[:k]) if i >= 0)
                                            for _, _, (ids, vals) in got)
         eos_last = device_done and self._device_reason(req) == "stop"
-        text_ids = new[:-1] if eos_last and new else new   # an EOS token is not part of the text
+        # A final stop token (EOS, stop_token_ids) is not part of the text, unless the request keeps
+        # what stopped it (include_stop_str_in_output, as vLLM).
+        text_ids = new[:-1] if eos_last and new and not req.params.include_stop_str_in_output else new
         kept = req.detokenizer.add(text_ids, final=device_done)
         if req.detokenizer.stopped:
             del req.output_ids[n_before + kept:]

@@ -23,7 +23,9 @@ abort before its next round, which releases the pages.
 """
 
 import asyncio
+import functools
 import hmac
+import itertools
 import json
 import logging
 import math
@@ -41,7 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jpa.engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded, RequestGroup
 from jpa.engine.sampling import SamplingParams
-from jpa.server.logprobs import ChoiceTokens, TokenBytes
+from jpa.server.logprobs import ChoiceTokens, TokenBytes, prompt_pieces
 
 # Request fields passed to jpa.engine.SamplingParams as they are (vLLM's names).
 CONTROL_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "min_tokens",
@@ -238,6 +240,7 @@ class _API:
             raise RuntimeError("the app already has an engine")
         self.tok = tokenizer
         self.token_bytes = TokenBytes(tokenizer)
+        self.token_bytes_special = TokenBytes(tokenizer, skip_special_tokens=False)  # skip_special_tokens: false
         self.vocab_size = engine.engine.model.config.vocab_size
         # The most samples one engine request may have (one decode slot each).
         self.max_samples = engine.engine.config.max_seqs
@@ -335,6 +338,19 @@ class _API:
                                 f"queues at once ({self.engine.max_waiting})", param="n")
         stop = stop_strings(body.stop)
         controls = {k: getattr(body, k, None) for k in CONTROL_FIELDS if getattr(body, k, None) is not None}
+        # vLLM: echo with logprobs k scores the prompt with k alternatives (prompt_logprobs k);
+        # max_tokens 0 with echo generates one token that the response leaves out.
+        echo = bool(getattr(body, "echo", None))
+        controls["prompt_logprobs"] = body.prompt_logprobs
+        if controls["prompt_logprobs"] is None and echo:
+            controls["prompt_logprobs"] = body.logprobs
+        if echo and max_tokens == 0:
+            max_tokens = 1
+        # include_stop_str_in_output (vLLM) wins over no_stop_trim (SGLang's name; vllm-router sends false).
+        controls["include_stop_str_in_output"] = bool(body.no_stop_trim if body.include_stop_str_in_output is None
+                                                      else body.include_stop_str_in_output)
+        for name in ("skip_special_tokens", "spaces_between_special_tokens"):
+            controls[name] = True if getattr(body, name) is None else getattr(body, name)
         # Chat: logprobs true + top_logprobs k; completions: logprobs k (the sampled token's and k alternatives).
         controls["top_logprobs"] = (body.top_logprobs or 0) if isinstance(body.logprobs, bool) else (body.logprobs or 0)
         if "logit_bias" in controls:
@@ -387,7 +403,13 @@ class _API:
         self.check_model(body.model)
         check_unsupported(body)
         prompts = self._prompts(body.prompt)
-        return body, self._params(body, prompts, body.max_tokens, 16), len(prompts), _CompletionFormat
+        texts = body.prompt if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str) \
+            else [body.prompt] if isinstance(body.prompt, str) else None
+        if body.echo:   # the echoed text: the prompt as given, token-id prompts decoded
+            skip = body.skip_special_tokens is not False
+            texts = texts or [self.tok.decode(ids, skip_special_tokens=skip) for ids in prompts]
+        fmt = functools.partial(_CompletionFormat, prompts=list(zip(texts or [None] * len(prompts), prompts)))
+        return body, self._params(body, prompts, body.max_tokens, 16), len(prompts), fmt
 
     def prepare_chat(self, raw: bytes):
         body = parse_body(raw, ChatCompletionRequest)
@@ -484,9 +506,9 @@ class _API:
                 raise APIError(400, o.error or "invalid request", param="prompt")
             raise APIError(503, "the server is shutting down", type="server_error", headers=self.retry_headers)
         outs = [results[i] for i in range(len(group))]
-        completion_tokens = sum(len(o.token_ids) for o in outs)
+        completion_tokens = 0 if fmt.score_only else sum(len(o.token_ids) for o in outs)
         return JSONResponse(fmt.response([fmt.choice(i, o) for i, o in enumerate(outs)],
-                                         _usage(prompt_tokens, completion_tokens)))
+                                         _usage(prompt_tokens, completion_tokens), outs))
 
     async def _collect(self, group: RequestGroup, timing: Timing, request: Request):
         """Finished outputs by index, or None if the client disconnected first (then aborted)."""
@@ -526,7 +548,7 @@ class _API:
                 yield _sse(chunk)
             async for i, out in group:
                 timing.on_output(i, out)
-                completion_tokens += len(out.new_token_ids)
+                completion_tokens += 0 if fmt.score_only else len(out.new_token_ids)
                 if out.finished:
                     reason = out.output.finish_reason
                     if reason not in ("stop", "length"):
@@ -565,19 +587,51 @@ def _finite(x: float):
 class _Format:
     """OpenAI's response and chunk shapes for one endpoint, and each choice's logprob tokens."""
 
+    score_only = False   # completions with echo and max_tokens 0: no completion tokens are reported
+
     def __init__(self, api: _API, body, request_id: str):
         self.api, self.body = api, body
         self.id = f"{self.PREFIX}-{request_id}"   # as vLLM: the X-Request-Id when the client sent one
         self.created = int(time.time())
         self._choice_tokens: dict[int, ChoiceTokens] = {}
+        self.skip_special = body.skip_special_tokens is not False
+        self.include_stop = bool(body.no_stop_trim if body.include_stop_str_in_output is None
+                                 else body.include_stop_str_in_output)
+
+    @property
+    def token_bytes(self) -> TokenBytes:
+        return self.api.token_bytes if self.skip_special else self.api.token_bytes_special
 
     def _kept(self, token_ids, logprobs, final_reason) -> tuple[list, list]:
-        """Token ids and logprobs to report: a final stop token (EOS, stop_token_ids) is not part of the text."""
+        """Token ids and logprobs to report: a final stop token (EOS, stop_token_ids) is not part of the text
+        (unless include_stop_str_in_output keeps it, as the engine keeps its text)."""
         ids, lps = list(token_ids), list(logprobs)
-        if final_reason == "stop" and ids and ((ids[-1] in self.api.engine.stop_ids and not self.body.ignore_eos)
-                                               or ids[-1] in (self.body.stop_token_ids or ())):
+        if final_reason == "stop" and ids and not self.include_stop and (
+                (ids[-1] in self.api.engine.stop_ids and not self.body.ignore_eos)
+                or ids[-1] in (self.body.stop_token_ids or ())):
             ids, lps = ids[:-1], lps[:-1]
         return ids, lps
+
+    def _choice_base(self, index: int) -> int:
+        """Characters of the choice's text before its first completion token's (an echoed prompt)."""
+        return 0
+
+    def prompt_logprobs_json(self, prompt_ids, plp) -> list | None:
+        """vLLM's `prompt_logprobs`: per prompt token, None for the first, then {token id: {logprob,
+        rank, decoded_token}} holding the prompt token and its top-k alternatives (-inf clamped to
+        -9999, as vLLM)."""
+        if plp is None:
+            return None
+        tok = self.api.tok
+        entry = lambda t, lp, rank: {"logprob": max(lp, -9999.0), "rank": rank,  # noqa: E731
+                                     "decoded_token": tok.decode([t])}
+        out = [None]
+        for t, e in zip(prompt_ids[1:], plp[1:]):
+            d = {str(t): entry(t, e.logprob, e.rank)}
+            for rank, (a, v) in enumerate(e.top, 1):
+                d.setdefault(str(a), entry(a, v, rank))
+            out.append(d)
+        return out
 
     def _alternatives(self, top) -> list:
         """(text, bytes, logprob) of a token's top alternatives ((id, logprob) pairs)."""
@@ -590,13 +644,14 @@ class _Format:
         ids, lps = self._kept(token_ids, list(zip(logprobs, tops)), reason)
         ct = self._choice_tokens.get(index)
         if ct is None:
-            ct = self._choice_tokens[index] = ChoiceTokens(self.api.tok, self.api.token_bytes)
+            ct = self._choice_tokens[index] = ChoiceTokens(self.api.tok, self.token_bytes,
+                                                           base=self._choice_base(index))
         return ct.feed(ids, lps, new_text, reason is not None)
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.api.model_name}
 
-    def response(self, choices: list, usage: dict) -> dict:
+    def response(self, choices: list, usage: dict, outs=()) -> dict:
         return {**self._head(self.OBJECT), "choices": choices, "usage": usage}
 
     def usage_chunk(self, usage: dict) -> dict:
@@ -607,35 +662,92 @@ class _Format:
 
 
 class _CompletionFormat(_Format):
+    """Completions, with OpenAI's echo: the prompt's text before the completion's, and with
+    logprobs its tokens first in the logprobs object (the first token's logprob null; text_offset
+    runs on into the completion's tokens); with max_tokens 0 only the prompt (vLLM generates one
+    token and leaves it out; so does jpa)."""
     PREFIX, OBJECT, CHUNK = "cmpl", "text_completion", "text_completion"
+
+    def __init__(self, api: _API, body, request_id: str, prompts=()):
+        super().__init__(api, body, request_id)
+        self.prompts = prompts       # per prompt: (its text (None unless echo), its token ids)
+        self.echo = bool(body.echo)
+        self.score_only = self.echo and body.max_tokens == 0
+        self._echoed: set[int] = set()
+
+    def _prompt(self, index: int):
+        return self.prompts[index // self.body.n]
+
+    def _choice_base(self, index: int) -> int:
+        return len(self._prompt(index)[0]) if self.echo else 0
 
     def _logprobs(self, index, token_ids, lps, reason, text, tops):
         if self.body.logprobs is None:
             return None
-        toks = self._tokens(index, token_ids, lps, reason, text, tops)
+        toks = [] if self.score_only else self._tokens(index, token_ids, lps, reason, text, tops)
         top = None
         if self.body.logprobs:   # OpenAI's shape: {token text: logprob} per token
-            top = [{a: _finite(v) for a, _, v in self._alternatives(t[2][1])} for t in toks]
+            top = [self._top_dict(t[2][1]) for t in toks]
         return {"tokens": [t[0] for t in toks], "token_logprobs": [_finite(t[2][0]) for t in toks],
                 "top_logprobs": top, "text_offset": [t[3] for t in toks]}
 
+    def _top_dict(self, top) -> dict:
+        """OpenAI's {token text: logprob} of a token's alternatives (best first). Tokens that decode
+        to the same text (byte pieces of characters, unused ids) share a key: it keeps the most
+        likely one's logprob."""
+        out = {}
+        for a, _, v in self._alternatives(top):
+            out.setdefault(a, _finite(v))
+        return out
+
+    def _echo(self, index: int, plp, text: str, lp):
+        """(prompt text + text, the prompt tokens' logprobs + lp): the choice's echo, once."""
+        self._echoed.add(index)
+        ptext, ids = self._prompt(index)
+        if lp is None:
+            return ptext + text, None
+        pieces = prompt_pieces(self.api.tok, ids, self.skip_special)
+        offsets = list(itertools.accumulate((len(p) for p in pieces[:-1]), initial=0))
+        entries = [None] + list(plp[1:]) if plp is not None else [None] * len(ids)
+        head = {"tokens": pieces, "token_logprobs": [None if e is None else _finite(e.logprob) for e in entries],
+                "top_logprobs": None if lp["top_logprobs"] is None else [
+                    None if e is None else self._top_dict(e.top) for e in entries],
+                "text_offset": offsets}
+        return ptext + text, {k: head[k] + (lp[k] or []) if head[k] is not None else None for k in head}
+
     def choice(self, index: int, out) -> dict:
-        return {"index": index, "text": out.completion,
-                "logprobs": self._logprobs(index, out.token_ids, out.logprobs, out.finish_reason, out.completion,
-                                           out.top_logprobs),
-                "finish_reason": out.finish_reason}
+        text = "" if self.score_only else out.completion
+        lp = self._logprobs(index, out.token_ids, out.logprobs, out.finish_reason, text, out.top_logprobs)
+        if self.echo:
+            text, lp = self._echo(index, out.prompt_logprobs, text, lp)
+        choice = {"index": index, "text": text, "logprobs": lp,
+                  "finish_reason": "length" if self.score_only else out.finish_reason}
+        if out.prompt_logprobs is not None:   # asked for (prompt_logprobs, or echo with logprobs): vLLM's field
+            choice["prompt_logprobs"] = self.prompt_logprobs_json(self._prompt(index)[1], out.prompt_logprobs)
+        return choice
 
     def chunk(self, index: int, out):
         reason = out.output.finish_reason if out.finished else None
-        lp = self._logprobs(index, out.new_token_ids, out.new_logprobs, reason, out.new_text, out.new_top_logprobs)
-        if not (out.new_text or reason or (lp and lp["tokens"])):
+        new_text = out.new_text
+        if self.score_only:
+            reason, new_text = ("length" if out.finished else None), ""
+        lp = self._logprobs(index, out.new_token_ids, out.new_logprobs, reason, new_text, out.new_top_logprobs)
+        if self.echo and index not in self._echoed:
+            new_text, lp = self._echo(index, out.prompt_logprobs, new_text, lp)
+        if not (new_text or reason or (lp and lp["tokens"])):
             return None
         return {**self._head(self.CHUNK), "choices": [
-            {"index": index, "text": out.new_text, "logprobs": lp, "finish_reason": reason}]}
+            {"index": index, "text": new_text, "logprobs": lp, "finish_reason": reason}]}
 
 
 class _ChatFormat(_Format):
     PREFIX, OBJECT, CHUNK = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    def response(self, choices: list, usage: dict, outs=()) -> dict:
+        out = super().response(choices, usage, outs)
+        if self.body.prompt_logprobs is not None and outs:   # vLLM's: once, for the (one) prompt
+            out["prompt_logprobs"] = self.prompt_logprobs_json(outs[0].prompt_ids, outs[0].prompt_logprobs)
+        return out
 
     def _logprobs(self, index, token_ids, lps, reason, text, tops):
         if not self.body.logprobs:

@@ -47,10 +47,13 @@ class TokenBytes:
     0..255 are the bytes themselves (jpa's ByteTokenizer: checked by encoding a non-ASCII string)
     gives the byte. Each piece is checked against the tokenizer's own decode of the token; where it
     disagrees (special tokens, which the text skips), the token's bytes are its decoded text's.
+    With skip_special_tokens=False (the request keeps special tokens in its text) a special
+    token's bytes are its spelled-out text's.
     """
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self.tok = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.id_to_token = getattr(tokenizer, "id_to_token", None)
         probe = "aé€"
         try:
@@ -60,7 +63,7 @@ class TokenBytes:
         self._cache: dict[int, bytes] = {}
 
     def _decoded(self, t: int) -> str:
-        return self.tok.decode([t], skip_special_tokens=True)
+        return self.tok.decode([t], skip_special_tokens=self.skip_special_tokens)
 
     def _compute(self, t: int) -> bytes:
         if self.raw_bytes and t < 256:
@@ -88,6 +91,17 @@ class TokenBytes:
         return b
 
 
+def prompt_pieces(tokenizer, ids, skip_special_tokens: bool = True) -> list[str]:
+    """Each prompt token's text by incremental detokenization (they join to the decoded prompt)."""
+    det = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
+    out = []
+    for i, t in enumerate(ids):
+        before = len(det.text)
+        det.add([t], final=i == len(ids) - 1)
+        out.append(det.text[before:])
+    return out
+
+
 class ChoiceTokens:
     """Per-token text, bytes and text offset of one choice's output, released with its text.
 
@@ -95,12 +109,14 @@ class ChoiceTokens:
     the client has now received, as (text, bytes, logprob, text_offset) tuples.
     """
 
-    def __init__(self, tokenizer, token_bytes: TokenBytes):
-        self.det = IncrementalDetokenizer(tokenizer)     # no stop strings: every token's own text
+    def __init__(self, tokenizer, token_bytes: TokenBytes, *, base: int = 0):
+        # No stop strings: every token's own text (special tokens as the request's text has them).
+        self.det = IncrementalDetokenizer(tokenizer, skip_special_tokens=token_bytes.skip_special_tokens)
         self.token_bytes = token_bytes
         self.pending: list[list] = []   # [text, bytes, logprob] fed, not released yet
         self.made = 0                   # chars of token text made so far (released + pending)
-        self.offset = 0                 # chars of token text released (text_offset of the next token)
+        self.offset = 0                 # chars of token text released (text_offset of the next token - base)
+        self.base = base                # text before the first token's (an echoed prompt)
         self.released_text = 0          # chars of the choice's text the client has received
 
     def feed(self, token_ids, logprobs, new_text: str, finished: bool) -> list[tuple]:
@@ -137,6 +153,6 @@ class ChoiceTokens:
             if finished:  # the final text may be shorter (a stop string cut): clip to it
                 text = text[:max(0, self.released_text - self.offset)]
             self.pending.pop(0)
-            out.append((text, b, lp, self.offset))
+            out.append((text, b, lp, self.base + self.offset))
             self.offset += len(text)
         return out

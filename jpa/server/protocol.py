@@ -185,17 +185,18 @@ class _Sampling(_Lenient):
     logit_bias: dict[str, float] | None = None
     min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
-    # Declared so that values other than the neutral one are refused (see NEUTRAL), not ignored.
-    bad_words: list[str] | None = None
-    allowed_token_ids: list[int] | None = None
-    prompt_logprobs: int | None = None
-    best_of: int | None = None
-    use_beam_search: bool | None = None
-    length_penalty: float | None = _finite()
+    # vLLM's extras: the prompt tokens' logprobs (with k alternatives), detokenization options.
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
     include_stop_str_in_output: bool | None = None
     no_stop_trim: bool | None = None                       # SGLang's name for the same (vllm-router sends it)
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
+    # Declared so that values other than the neutral one are refused (see NEUTRAL), not ignored.
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    best_of: int | None = None
+    use_beam_search: bool | None = None
+    length_penalty: float | None = _finite()
     truncate_prompt_tokens: int | None = None
     add_special_tokens: bool | None = None
     return_tokens_as_token_ids: bool | None = None
@@ -208,9 +209,9 @@ class _Sampling(_Lenient):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(None, ge=1)             # default 16, as OpenAI
+    max_tokens: int | None = Field(None, ge=0)             # default 16, as OpenAI; 0 only with echo (score the prompt)
     logprobs: int | None = Field(None, ge=0, le=20)        # the sampled tokens' logprobs and this many alternatives
-    echo: bool | None = None
+    echo: bool | None = None                               # the prompt first (with logprobs: its tokens' too)
     suffix: str | None = None
 
 
@@ -274,13 +275,11 @@ class DetokenizeRequest(_Lenient):
 # absent or null, always does), for both endpoints and for each. Checked by `check_unsupported`.
 NEUTRAL = {
     "bad_words": ([],),
-    "allowed_token_ids": (), "prompt_logprobs": (), "use_beam_search": (False,), "length_penalty": (1,),
-    "include_stop_str_in_output": (False,), "no_stop_trim": (False,), "skip_special_tokens": (True,),
-    "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
+    "allowed_token_ids": (), "use_beam_search": (False,), "length_penalty": (1,), "truncate_prompt_tokens": (),
     "return_tokens_as_token_ids": (False,), "guided_json": (), "guided_regex": (), "guided_choice": (),
     "guided_grammar": (), "structured_outputs": (),
 }
-NEUTRAL_COMPLETION = {"echo": (False,), "suffix": ("",)}
+NEUTRAL_COMPLETION = {"suffix": ("",)}
 NEUTRAL_CHAT = {
     "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
     "continue_final_message": (False,), "add_generation_prompt": (True,), "chat_template": (),
@@ -291,8 +290,6 @@ _WHY = {
     "tool_choice": "tool calling is not supported (only 'none')",
     "functions": "function calling is not supported (only an empty list)",
     "function_call": "function calling is not supported (only 'none')",
-    "echo": "echoing the prompt (with its logprobs) is not supported (only false)",
-    "prompt_logprobs": "prompt logprobs are not supported",
     "add_generation_prompt": "the chat endpoint always adds the generation prompt (only true)",
 }
 
@@ -320,6 +317,12 @@ def check_unsupported(req: _Sampling) -> None:
                             f"outputs); only {{\"type\": \"text\"}}", param="response_format")
     if chat and req.top_logprobs and not req.logprobs:
         raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    if not chat and req.max_tokens == 0 and not req.echo:
+        raise APIError(400, "'max_tokens' 0 needs 'echo': true (it scores the prompt and generates nothing)",
+                       param="max_tokens")
+    if req.prompt_logprobs is not None and req.stream:
+        raise APIError(400, "'prompt_logprobs' are not available with 'stream': true (as in vLLM; echo with "
+                            "logprobs streams the prompt's logprobs)", param="prompt_logprobs")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options")
     if req.seed is not None and req.seed + req.n - 1 >= SEED_LIMIT:
