@@ -38,7 +38,7 @@ GEMMA2, QWEN3 = str(HF / "gemma2"), str(HF / "qwen3")  # tiny Hugging Face check
 CASES = {  # model -> tensor-parallel sizes (1 first: the reference)
     "tiny-llama": (1, 2, 4),      # 4 q / 2 kv heads: split, replicate (--full: and 3, pad)
     "tiny-gpt2": (1, 3),          # 4 heads with biases: pad (q/k/v biases, ffn 256 -> 258)
-    "smollm2-135m": (1, 3, 2),    # 9 q / 3 kv heads: split at 3, pad at 2 (--full: and 4, pad)
+    "smollm2-135m": (1, 2),       # 9 q / 3 kv heads: pad at 2 (--full: and split at 3, pad at 4)
     GEMMA2: (1, 2),               # soft caps, sliding window on alternating layers, post-norms
     QWEN3: (1, 2),                # q/k RMSNorm
 }
