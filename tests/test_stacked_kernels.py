@@ -139,7 +139,7 @@ def test_scan_over_layers_with_traced_layer(param):
     q, k_pages, v_pages, *rest = args
     arrays = {k: v for k, v in opts.items() if isinstance(v, jax.Array)}
     static = {k: v for k, v in opts.items() if not isinstance(v, jax.Array)}
-    traces = []
+    traces, calls = [], []
 
     @jax.jit
     def all_layers(q, k_pages, v_pages, rest, arrays):
@@ -147,6 +147,7 @@ def test_scan_over_layers_with_traced_layer(param):
 
         def body(carry, layer):
             k, v = carry
+            calls.append(1)
             out = fn(q, k, v, *rest, **arrays, **static, interpret=True, layer=layer)
             return (k, v), out
 
@@ -157,9 +158,8 @@ def test_scan_over_layers_with_traced_layer(param):
     assert len(traces) == 1
     for layer in range(NUM_LAYERS):
         check_layer(case, outs[layer], want[layer], layer)
-    # The kernel sits once in the scan's body: one call site serves every layer.
-    jaxpr = str(jax.make_jaxpr(all_layers)(q, k_pages, v_pages, rest, arrays))
-    assert jaxpr.count("scan[") == 1
+    # The kernel sits once in the scan's body: one call, traced once, serves every layer.
+    assert len(calls) == 1
 
 
 def test_layer_out_of_range_is_clamped():
