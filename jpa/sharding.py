@@ -1,7 +1,8 @@
 """Tensor parallelism at the attention layer: each device runs the kernels on its own kv heads.
 
-A tensor-parallel mesh has one axis, "tp", of N devices. The KV pools of every layer are sharded
-on their kv-head axis (`[num_kv_heads, num_pages, page_size, head_dim]` -> `P("tp")`): device d
+A tensor-parallel mesh has one axis, "tp", of N devices. The KV pools are sharded on their
+kv-head axis (`jpa.KVCache`'s stacked `[num_layers, num_kv_heads, num_pages, page_size, head_dim]`
+-> `STACKED_POOL = P(None, "tp")`; a single layer's `[num_kv_heads, ...]` pool -> `POOL`): device d
 holds heads [d * K/N, (d + 1) * K/N) of EVERY page, so a page id means the same page on every
 device and page allocation (`jpa.pages`), block tables and slot mappings are replicated, one
 decision for all shards.
@@ -57,7 +58,7 @@ def head_parallel(fn, mesh: Mesh | None, in_specs, out_specs):
 
     Args:
       fn: a function of one layer's attention step whose arrays are either split on their head
-        axis (specs POOL, HEADS, HEADS_T) or replicated (REPLICATED).
+        axis (specs STACKED_POOL or POOL, HEADS, HEADS_T) or replicated (REPLICATED).
       mesh: a Mesh with a "tp" axis, or None.
       in_specs, out_specs: PartitionSpecs (pytree prefixes) of fn's arguments and results.
 

@@ -62,7 +62,8 @@ def check_cache_pair(k_pages, v_pages, k_scales, v_scales, layer=None):
     """Validates K/V page pools and their scales: per-layer pools `[K, P, S_p, H]` (layer None), or
     stacked pools `[L, K, P, S_p, H]` read at `layer` (scales `f32[L, K, P, S_p]`).
 
-    Returns (num_kv_heads, num_pages, page_size, head_dim) of one layer."""
+    Returns (num_kv_heads, num_pages, page_size, head_dim) of one layer. The layer index itself is
+    checked (and normalized) by `check_layer`, which every public entry calls next."""
     stacked = getattr(k_pages, "ndim", None) == 5
     if stacked:
         if layer is None:
@@ -98,8 +99,6 @@ def check_cache_pair(k_pages, v_pages, k_scales, v_scales, layer=None):
             if s is not None:
                 raise ValueError(f"{name} is only for int8/float8 caches; the cache dtype is "
                                  f"{np.dtype(k_pages.dtype).name}, so {name} must be None")
-    if stacked:
-        check_layer(layer, k_pages.shape[0])
     return num_kv_heads, num_pages, page_size, head_dim
 
 

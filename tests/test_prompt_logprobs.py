@@ -10,6 +10,7 @@ read the prefix cache), are preempted and recomputed (nothing computed twice) an
 samples (computed once, reported with each).
 """
 
+import contextlib
 import dataclasses
 
 import jax
@@ -58,10 +59,9 @@ def check_prompt_logprobs(model, out, k: int):
             np.testing.assert_allclose(row[top_ids], np.asarray(top_vals), rtol=0, atol=ATOL)
 
 
-def drive(eng, prompts, params):
-    """Runs requests with add_request/step (page state checked every round); returns (outputs,
-    how many StepOutputs of each request carried prompt_logprobs (always the final ones), prompt
-    rows the device was asked for in total)."""
+@contextlib.contextmanager
+def counting_prompt_rows(eng):
+    """Counts the prompt rows the device is asked to score (rows[0]) while the block runs."""
     rows = [0]
     step = eng.runner.step
 
@@ -71,6 +71,16 @@ def drive(eng, prompts, params):
 
     eng.runner.step = counting
     try:
+        yield rows
+    finally:
+        del eng.runner.step
+
+
+def drive(eng, prompts, params):
+    """Runs requests with add_request/step (page state checked every round); returns (outputs,
+    how many StepOutputs of each request carried prompt_logprobs (always the final ones), prompt
+    rows the device was asked for in total)."""
+    with counting_prompt_rows(eng) as rows:
         tag = object()
         for k, (p, sp) in enumerate(zip(prompts, params)):
             eng.add_request(p, sp, request_id=(tag, k))
@@ -82,8 +92,6 @@ def drive(eng, prompts, params):
                 if o.finished:
                     final[o.request_id] = o.output
             eng.check_page_state()
-    finally:
-        del eng.runner.step
     for rid, seen in carried.items():
         assert all(s == final[rid].prompt_logprobs for s in seen), rid
     carried = {rid: len(seen) for rid, seen in carried.items()}
@@ -285,22 +293,13 @@ def test_a_prompt_preempted_mid_prefill_asks_only_for_what_it_lacks(ctx_model, e
         del sched.next_step_pages
     assert b.phase.value == "waiting" and b.num_preemptions == 1
     assert 0 < at_preemption[0] < len(prompt) - 1 and len(b.prompt_lp) == at_preemption[0]
-    outs, rows = {}, [0]
-    step = eng.runner.step
-
-    def counting(batch):
-        rows[0] += int((np.asarray(batch.prompt_targets) >= 0).sum())
-        return step(batch)
-
-    eng.runner.step = counting
-    try:
+    outs = {}
+    with counting_prompt_rows(eng) as rows:
         while eng.has_unfinished:
             for o in eng.step():
                 if o.finished:
                     outs[o.request_id] = o.output
             eng.check_page_state()
-    finally:
-        del eng.runner.step
     assert rows[0] == len(prompt) - 1 - at_preemption[0]   # the recompute asked only for what was missing
     out = outs[b.request_id]
     assert out.num_preemptions == 1

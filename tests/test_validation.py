@@ -139,3 +139,26 @@ def test_cache_config_errors(kwargs, msg):
 def test_cache_from_memory_too_small():
     with pytest.raises(ValueError, match=r"memory_bytes=100 holds no page: one page costs"):
         jpa.CacheConfig.from_memory(100, num_layers=2, num_kv_heads=2, head_dim=8)
+
+
+@pytest.mark.parametrize("fn", ["paged_decode", "write_kv", "ragged_paged_attention"])
+def test_stacked_pool_layer_errors(fn):
+    """A stacked [L, K, P, S_p, H] pool needs an integer layer in [0, L); a per-layer pool takes none."""
+    stacked, single = jnp.zeros((3, 2, 4, 8, 16)), jnp.zeros((2, 4, 8, 16))
+    i32 = lambda *s: jnp.zeros(s, jnp.int32)
+    calls = {
+        "paged_decode": lambda k, **kw: jpa.paged_decode(jnp.zeros((2, 4, 16)), k, k, i32(2, 2), i32(2), **kw),
+        "write_kv": lambda k, **kw: jpa.write_kv(k, k, jnp.zeros((2, 2, 16)), jnp.zeros((2, 2, 16)), i32(2), **kw),
+        "ragged_paged_attention": lambda k, **kw: jpa.ragged_paged_attention(
+            jnp.zeros((4, 4, 16)), k, k, i32(2, 2), jnp.ones(2, jnp.int32), jnp.array([0, 1, 2], jnp.int32), 2, **kw),
+    }
+    call = calls[fn]
+    with pytest.raises(ValueError, match=r"stacked .* pool .*: pass layer="):
+        call(stacked)
+    with pytest.raises(ValueError, match=r"layer must be in \[0, num_layers = 3\).*got 3"):
+        call(stacked, layer=3)
+    with pytest.raises(ValueError, match=r"layer must be an int or an integer scalar array"):
+        call(stacked, layer=1.0)
+    with pytest.raises(ValueError, match=r"layer= is for a stacked"):
+        call(single, layer=0)
+    call(stacked, layer=jnp.int32(2))  # a valid layer passes
