@@ -157,15 +157,28 @@ def flat(outs):
     return [o for x in outs for o in (x if isinstance(x, list) else [x])]
 
 
+# A sampled token's logprob is taken under the top-p-filtered distribution. Logit noise of 1e-6
+# (a different batch shape after preemption or chunking) can move a token at the nucleus edge in or
+# out of the nucleus, which shifts the normaliser by that token's mass (seen: 1.1e-3, CI of stop 29).
+# One such position per request is allowed; a wrong cache or position moves most of them, and far more.
+NUCLEUS_EDGE_ATOL = 2e-2
+
+
 def assert_same(got, want, msg=""):
-    """Same token ids, finish reasons and completions, and per-token logprobs within LOGPROB_ATOL."""
+    """Same token ids, finish reasons and completions, and per-token logprobs within LOGPROB_ATOL
+    (but for at most one position per request within NUCLEUS_EDGE_ATOL: a top-p edge flip)."""
     got, want = flat(got), flat(want)
     assert len(got) == len(want)
     for k, (g, w) in enumerate(zip(got, want)):
         where = f"{msg} request {k}"
         assert g.token_ids == w.token_ids, f"{where}: token ids differ\n got  {g.token_ids}\n want {w.token_ids}"
         assert (g.finish_reason, g.completion) == (w.finish_reason, w.completion), where
-        np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=0, atol=LOGPROB_ATOL, err_msg=where)
+        gl, wl = np.asarray(g.logprobs, np.float64), np.asarray(w.logprobs, np.float64)
+        assert gl.shape == wl.shape, where
+        off = np.abs(gl - wl) > LOGPROB_ATOL
+        if off.sum() == 1 and np.abs(gl - wl)[off].max() <= NUCLEUS_EDGE_ATOL:
+            continue
+        np.testing.assert_allclose(gl, wl, rtol=0, atol=LOGPROB_ATOL, err_msg=where)
 
 
 def random_prompts(rng, n: int, lo: int = 1, hi: int = 100, vocab: int = 256):
