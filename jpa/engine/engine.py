@@ -33,6 +33,7 @@ from jpa.engine.request import Phase, Request, RequestOutput, StepOutput
 from jpa.engine.runner import ModelRunner
 from jpa.engine.sampling import SamplingParams
 from jpa.engine.scheduler import Progress, RoundPlan, Scheduler
+from jpa.engine.speculative import SpeculativeConfig
 from jpa.sharding import tp_mesh
 
 
@@ -73,6 +74,10 @@ class EngineConfig:
         first N of jax.devices()); the model must offer `shard(mesh)` (models.GPTForEngine
         does). kv_memory_bytes is then the budget of EACH device (each holds its heads of every
         page). See README "Tensor parallelism".
+      speculative: speculative decoding (`jpa.engine.speculative.SpeculativeConfig`, or its dict or
+        JSON string as vLLM's --speculative-config spells it); None = off. The decode loop then
+        verifies up to k drafts per sequence per step; outputs are identical to decoding without
+        it (greedy and seeded sampling alike). See README "Speculative decoding".
     """
     max_seqs: int = 16
     page_size: int = 16
@@ -87,8 +92,11 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     ragged_block_tokens: int | None = None
     prefix_caching: bool = True
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self):
+        if self.speculative is not None:
+            object.__setattr__(self, "speculative", SpeculativeConfig.parse(self.speculative))
         for name in ("max_seqs", "page_size", "steps_per_call", "tensor_parallel", "max_num_batched_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -128,6 +136,10 @@ class EngineStats:
     util_sum: float = 0.0             # sum over device calls of tokens stored / slots allocated
     util_count: int = 0
     peak_shared_pages: int = 0        # prefix caching: most pages held by two or more running requests
+    spec_draft_tokens: int = 0        # speculative decoding: draft tokens verified
+    spec_accepted_tokens: int = 0     # of them, accepted
+    spec_drafts: int = 0              # (sequence, verify step) pairs that had drafts (vLLM's num_drafts)
+    spec_accepted_per_pos: list = dataclasses.field(default_factory=list)  # accepted drafts by position
 
     @property
     def kv_utilization(self) -> float:
@@ -185,7 +197,7 @@ class LLMEngine:
                                   pages_per_seq=self.pages_per_seq,
                                   steps_per_call=config.steps_per_call, stop_ids=self.stop_ids,
                                   attention_impl=config.attention_impl, mesh=self.mesh,
-                                  block_tokens=config.ragged_block_tokens)
+                                  block_tokens=config.ragged_block_tokens, speculative=config.speculative)
         self.scheduler = Scheduler(
             max_seqs=config.max_seqs, page_size=config.page_size, num_pages=self.num_pages,
             max_model_len=self.max_model_len, steps_per_call=config.steps_per_call,
@@ -357,7 +369,14 @@ class LLMEngine:
         if plan.num_prompt_tokens:
             self.stats.prefill_seconds += seconds
         self.stats.decode_calls += 1
-        self.stats.decode_steps += len(result.out)
+        self.stats.decode_steps += int(result.steps)
+        if self.config.speculative is not None:
+            st = self.stats
+            st.spec_draft_tokens += int(result.spec_drafted.sum())
+            st.spec_accepted_tokens += int(result.spec_accepted.sum())
+            st.spec_drafts += int(result.spec_steps.sum())
+            per_pos = [int(x) for x in result.spec_accepted_per_pos]
+            st.spec_accepted_per_pos = [a + b for a, b in zip(st.spec_accepted_per_pos or [0] * len(per_pos), per_pos)]
         self.stats.prefill_tokens += plan.num_prompt_tokens
         self.stats.decode_tokens += int((result.out >= 0).sum()) + sum(e.decode for e in plan.entries)
         events = self.scheduler.stepped(plan, result)
@@ -531,6 +550,23 @@ class LLMEngine:
         if problems:
             raise RuntimeError("page state check failed: " + "; ".join(problems))
 
+    def _spec_summary(self) -> dict | None:
+        """Speculative decoding's figures (None when it is off): vLLM's counters, the acceptance
+        rate (accepted / drafted) and the mean accepted length (tokens per verify step that had
+        drafts: accepted drafts + the target's own token)."""
+        spec = self.config.speculative
+        if spec is None:
+            return None
+        s = self.stats
+        return {
+            "method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
+            "verify_rows": self.runner.verify_rows, "num_drafts": s.spec_drafts,
+            "num_draft_tokens": s.spec_draft_tokens, "num_accepted_tokens": s.spec_accepted_tokens,
+            "acceptance_rate": s.spec_accepted_tokens / s.spec_draft_tokens if s.spec_draft_tokens else float("nan"),
+            "mean_accepted_length": 1 + s.spec_accepted_tokens / s.spec_drafts if s.spec_drafts else float("nan"),
+            "accepted_per_pos": list(s.spec_accepted_per_pos),
+        }
+
     def flush_prefix_cache(self) -> int:
         """Evicts every cached page (an idle engine only); returns how many were freed."""
         prefix = self.scheduler.prefix
@@ -575,6 +611,7 @@ class LLMEngine:
             "peak_shared_pages": s.peak_shared_pages,
             "cow_copies": self.runner.cow_copies,
             "tensor_parallel": self.config.tensor_parallel,
+            "speculative": self._spec_summary(),
             "head_plan": (getattr(self.model, "head_plan", None).describe()
                           if getattr(self.model, "head_plan", None) is not None else None),
         }
