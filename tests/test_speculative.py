@@ -248,3 +248,36 @@ def test_max_new_tokens_and_length_limit_hold_with_drafts(engines, rng):
     assert_same(got, want, "limits")
     assert [len(o.token_ids) for o in got[:3]] == [1, 2, 7]
     assert got[3].finish_reason == "length" and len(got[3].prompt_ids) + len(got[3].token_ids) == limit
+
+
+def test_server_streams_speculative_outputs_and_vllm_metrics(engines, rng):
+    """The OpenAI server over a speculative engine: completions (streamed and not) equal the plain
+    engine's greedy outputs, and /metrics carries vLLM's spec-decode counters. Runs last: the
+    engine is handed to the server's thread and then discarded."""
+    openai = pytest.importorskip("openai")
+    httpx = pytest.importorskip("httpx")
+    from jpa.engine import AsyncEngine
+    from jpa.server import build_app
+    from server_util import serving
+
+    prompts = repetitive_prompts(rng, 3, 20, 30)
+    params = SamplingParams(max_new_tokens=24, greedy=True, ignore_eos=True)
+    want = run(engines.get(**TIGHT), prompts, params)
+    eng = spec_engine(engines)
+    engines.discard(eng)
+    with AsyncEngine(eng, max_waiting=8) as aengine, serving(build_app(aengine, engines.tokenizer, model_name="m")) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        kw = dict(model="m", max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+        for p, w in zip(prompts, want):
+            r = client.completions.create(prompt=p, **kw)
+            assert r.choices[0].text == w.completion and r.usage.completion_tokens == 24
+            streamed = "".join(c.choices[0].text for c in client.completions.create(prompt=p, stream=True, **kw)
+                               if c.choices)
+            assert streamed == w.completion
+        metrics = httpx.get(f"{url}/metrics").text
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+              if line.startswith("vllm:spec_decode")}
+    drafted = values['vllm:spec_decode_num_draft_tokens_total{model_name="m"}']
+    accepted = values['vllm:spec_decode_num_accepted_tokens_total{model_name="m"}']
+    assert drafted >= accepted > 0 and values['vllm:spec_decode_num_drafts_total{model_name="m"}'] > 0
+    assert sum(v for k, v in values.items() if "per_pos" in k and k.endswith('"}') and "_created" not in k) == accepted
