@@ -66,6 +66,12 @@ def add_engine_args(ap, *, steps_per_call: int, steps_help: str):
                     "(outputs are identical to decoding without it; see README 'Speculative decoding')")
 
 
+def _known_model(name: str) -> bool:
+    """A preset name or a checkpoint directory (what models.load takes)."""
+    from models import PRESETS  # light: configs only, no JAX work
+    return name in PRESETS or os.path.isdir(name)
+
+
 def check_engine_args(args, extra_counts=()):
     """UsageError for engine flags no request could run with; extra_counts: more flags that must be >= 1."""
     for name in ("page_size", "max_seqs", "max_model_len", "steps_per_call", "max_num_batched_tokens",
@@ -83,8 +89,9 @@ def check_engine_args(args, extra_counts=()):
             spec = SpeculativeConfig.parse(args.speculative_config)
         except ValueError as e:
             raise UsageError(f"--speculative-config: {e}") from None
-        if spec.method == "draft_model":
-            raise UsageError("--speculative-config: method 'draft_model' is not served yet (use 'ngram')")
+        if spec.method == "draft_model" and not _known_model(spec.model):
+            raise UsageError(f"--speculative-config: draft model {spec.model!r} is unknown: a preset name or a "
+                             f"checkpoint directory")
 
 
 def engine_config(args, **extra):

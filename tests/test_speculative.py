@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from engine_util import assert_same, fresh_seed, mixed_params, run, snapshot
+from engine_util import BASE, assert_same, fresh_seed, mixed_params, run, snapshot
 from jpa import pages
 from jpa.engine import SamplingParams, SpeculativeConfig
 from jpa.engine.speculative import accepted_prefix, propose_ngram
@@ -281,3 +281,26 @@ def test_server_streams_speculative_outputs_and_vllm_metrics(engines, rng):
     accepted = values['vllm:spec_decode_num_accepted_tokens_total{model_name="m"}']
     assert drafted >= accepted > 0 and values['vllm:spec_decode_num_drafts_total{model_name="m"}'] > 0
     assert sum(v for k, v in values.items() if "per_pos" in k and k.endswith('"}') and "_created" not in k) == accepted
+
+
+def test_draft_model_outputs_equal_without_speculation(engines, rng):
+    """A draft model (a tiny-llama of another seed: it often disagrees, so drafts are accepted and
+    rejected) with its own cache on the same pages: outputs equal the plain engine's under
+    preemption and prefix-cache hits, and nothing leaks."""
+    import models
+    from jpa.engine import EngineConfig, LLMEngine
+
+    draft = models.GPTForEngine(models.load("tiny-llama", seed=5)[0])
+    eng = LLMEngine(engines.model, engines.tokenizer, EngineConfig(**{**BASE, **TIGHT}, speculative=SpeculativeConfig(
+        method="draft_model", model="tiny-llama", num_speculative_tokens=3, verify_rows=16)), draft_model=draft)
+    prompts = repetitive_prompts(rng, 6, 20, 45)
+    prompts[3] = prompts[2][:32] + prompts[3][:8]   # a prefix-cache hit
+    params = mixed_params(rng, 6, lo=25, hi=35)
+    want = run(engines.get(**TIGHT), prompts, params)
+    got = run(eng, prompts, params)
+    assert_same(got, want, "draft model, tight pool")
+    assert eng.stats.preemptions > 0 and eng.summary()["prefix_hit_tokens"] > 0
+    assert 0 < eng.stats.spec_accepted_tokens < eng.stats.spec_draft_tokens
+    assert eng.pool_is_whole() and "draft model" in eng.summary()["kv_cache"]
+    with pytest.raises(ValueError, match="needs the draft model"):
+        LLMEngine(engines.model, engines.tokenizer, eng.config)

@@ -165,8 +165,13 @@ class LLMEngine:
       config: EngineConfig.
     """
 
-    def __init__(self, model: EngineModel, tokenizer, config: EngineConfig = EngineConfig()):
+    def __init__(self, model: EngineModel, tokenizer, config: EngineConfig = EngineConfig(), *,
+                 draft_model: EngineModel | None = None):
         check_model(model)
+        spec = config.speculative
+        if (draft_model is not None) != (spec is not None and spec.method == "draft_model"):
+            raise ValueError("speculative method 'draft_model' needs the draft model (LLMEngine(..., draft_model=...)), "
+                             "and a draft model needs that method")
         self.mesh = None
         if config.tensor_parallel > 1:
             if not callable(getattr(model, "shard", None)):
@@ -180,13 +185,25 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or mc.max_seq_len, mc.max_seq_len)
         self.pages_per_seq = -(-self.max_model_len // config.page_size)
         dtype = config.cache_dtype or np.dtype(model.dtype).name
+        draft_cfg = None
+        if draft_model is not None:   # its own cache, same pages: a page costs the target's bytes + the draft's
+            check_model(draft_model)
+            dc = draft_model.config
+            draft_cfg = CacheConfig(dc.num_layers, dc.num_kv_heads, dc.head_dim, 1, config.page_size, dtype)
         if config.num_pages is not None:
             self.cache_config = CacheConfig(mc.num_layers, mc.num_kv_heads, mc.head_dim,
                                             config.num_pages, config.page_size, dtype)
         else:
+            budget = config.kv_memory_bytes * config.tensor_parallel
+            if draft_cfg is not None:
+                target = CacheConfig(mc.num_layers, mc.num_kv_heads, mc.head_dim, 1, config.page_size, dtype)
+                budget = budget * target.bytes_per_page // (target.bytes_per_page + draft_cfg.bytes_per_page)
             self.cache_config = CacheConfig.from_memory(
-                config.kv_memory_bytes * config.tensor_parallel, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
+                budget, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
                 head_dim=mc.head_dim, page_size=config.page_size, dtype=dtype)
+        if draft_cfg is not None:
+            draft_cfg = dataclasses.replace(draft_cfg, num_pages=self.cache_config.num_pages)
+        self.draft_cache_config = draft_cfg
         self.num_pages = self.cache_config.num_pages
         # A sequence must be able to reach its length limit alone in the pool, or preemption
         # could never make room for it.
@@ -197,7 +214,8 @@ class LLMEngine:
                                   pages_per_seq=self.pages_per_seq,
                                   steps_per_call=config.steps_per_call, stop_ids=self.stop_ids,
                                   attention_impl=config.attention_impl, mesh=self.mesh,
-                                  block_tokens=config.ragged_block_tokens, speculative=config.speculative)
+                                  block_tokens=config.ragged_block_tokens, speculative=config.speculative,
+                                  draft=draft_model, draft_cache_config=draft_cfg)
         self.scheduler = Scheduler(
             max_seqs=config.max_seqs, page_size=config.page_size, num_pages=self.num_pages,
             max_model_len=self.max_model_len, steps_per_call=config.steps_per_call,
@@ -601,7 +619,8 @@ class LLMEngine:
             "num_pages": self.num_pages,
             "kv_utilization": s.kv_utilization,
             "preemptions": s.preemptions,
-            "kv_cache": self.cache_config.describe(),
+            "kv_cache": self.cache_config.describe() + (
+                f"; draft model: {self.draft_cache_config.describe()}" if self.draft_cache_config else ""),
             "attention": self.runner.attention,  # what the compiled decode loop runs (None before)
             "prefix_caching": self.scheduler.prefix is not None,
             "prefix_hit_tokens": self.scheduler.prefix.hit_tokens if self.scheduler.prefix else 0,

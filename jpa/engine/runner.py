@@ -48,7 +48,7 @@ from jpa.cache import CacheConfig, KVCache, copy_pages
 from jpa.engine.batch import StepBatch, StepResult, make_step_batch
 from jpa.engine.model import EngineModel, check_model, has_hidden
 from jpa.engine.sampling import MAX_TOP_LOGPROBS, SlotParams, sample_slots
-from jpa.engine.speculative import SpeculativeConfig, accepted_prefix, propose_ngram
+from jpa.engine.speculative import DraftPair, SpeculativeConfig, accepted_prefix, propose_ngram
 from jpa.sharding import REPLICATED, STACKED_POOL, named
 
 
@@ -110,7 +110,9 @@ def _copy_on_write(cache, slots, cow):
         toks = slots.page_tokens
         dst = jnp.where(cow.dst >= 0, cow.dst, toks.shape[0])
         toks = toks.at[dst].set(toks[jnp.maximum(cow.src, 0)], mode="drop")
-        return i + 1, copy_pages(cache, cow.src, cow.dst), slots.replace(page_tokens=toks)
+        cache = (tuple(copy_pages(c, cow.src, cow.dst) for c in cache) if isinstance(cache, tuple)
+                 else copy_pages(cache, cow.src, cow.dst))   # a draft model's cache too (DraftPair)
+        return i + 1, cache, slots.replace(page_tokens=toks)
 
     _, cache, slots = lax.while_loop(lambda c: c[0] < any_copy, copy, (jnp.int32(0), cache, slots))
     return cache, slots, jnp.sum(cow.dst >= 0, dtype=jnp.int32)
@@ -155,12 +157,19 @@ class ModelRunner:
 
     def __init__(self, model: EngineModel, cache_config: CacheConfig, *, max_seqs: int, pages_per_seq: int,
                  steps_per_call: int, stop_ids, attention_impl: str = "auto", allocate: bool = True,
-                 mesh=None, block_tokens: int | None = None, speculative: SpeculativeConfig | None = None):
+                 mesh=None, block_tokens: int | None = None, speculative: SpeculativeConfig | None = None,
+                 draft=None, draft_cache_config: CacheConfig | None = None):
         check_model(model)
         self.spec = speculative
+        if (draft is not None) != (speculative is not None and speculative.method == "draft_model"):
+            raise ValueError("a draft model goes with speculative method 'draft_model' (and that method needs one)")
+        if draft is not None:
+            check_model(draft)
+            if mesh is not None:
+                raise ValueError("speculative method 'draft_model' runs on one device (tensor_parallel=1); "
+                                 "use method 'ngram' with tensor parallelism")
+            model = DraftPair(model, draft)
         if speculative is not None:
-            if speculative.method != "ngram":
-                raise ValueError(f"the runner proposes drafts for method 'ngram' only; got {speculative.method!r}")
             if not has_hidden(model):
                 raise TypeError(f"speculative decoding needs a model with EngineModel's optional ragged_hidden() "
                                 f"and head() (every row's logits); {type(model).__name__} lacks them")
@@ -180,7 +189,8 @@ class ModelRunner:
         self._pool = None if mesh is None else named(mesh, STACKED_POOL)
         self._rep = None if mesh is None else named(mesh, REPLICATED)
         make = lambda f, sharding: self._make(f, sharding, allocate)  # noqa: E731
-        self.cache = make(lambda: KVCache.create(cache_config), self._pool)
+        self.cache = make(lambda: KVCache.create(cache_config) if draft is None else (
+            KVCache.create(cache_config), KVCache.create(draft_cache_config)), self._pool)
         self.page_state = make(lambda: pages.init(cache_config.num_pages, max_seqs, pages_per_seq,
                                                   cache_config.page_size), self._rep)
         self.slots = make(lambda: Slots.empty(max_seqs, cache_config.num_pages, cache_config.page_size), self._rep)
@@ -294,10 +304,13 @@ class ModelRunner:
             """(lens, drafts, num, state with the rows reserved, ok, cow) for the next step."""
             act = slots.active
             lens = jnp.where(act, ps.seq_lens, 0)  # tokens cached (the pending one is not)
-            hist = slots.history(ps.block_tables)
-            hist = jnp.where(jnp.arange(hist.shape[1])[None, :] == lens[:, None], slots.tokens[:, None], hist)
-            drafts, num = propose_ngram(hist, jnp.where(act, lens + 1, 0), k, spec.prompt_lookup_min,
-                                        spec.prompt_lookup_max)
+            if spec.method == "ngram":
+                hist = slots.history(ps.block_tables)
+                hist = jnp.where(jnp.arange(hist.shape[1])[None, :] == lens[:, None], slots.tokens[:, None], hist)
+                drafts, num = propose_ngram(hist, jnp.where(act, lens + 1, 0), k, spec.prompt_lookup_min,
+                                            spec.prompt_lookup_max)
+            else:   # the draft model proposes in the step, once its rows are reserved
+                drafts, num = jnp.zeros((num_seqs, k), jnp.int32), jnp.full((num_seqs,), k, jnp.int32)
             # Never draft past what the request may still emit (max_new_tokens, its length limit),
             # and share the rows left after one per active slot equally.
             p = slots.params
@@ -331,8 +344,12 @@ class ModelRunner:
             page = jnp.take_along_axis(ps.block_tables[s], (pos // ps_)[:, None], axis=1, mode="clip")[:, 0]
             slot_mapping = jnp.where(live, page * ps_ + pos % ps_, -1)
             seq = jnp.where(act, lens + 1 + num, 0)[order]
-            hidden, cache = self.model.ragged_hidden(params, cache, tok, pos, slot_mapping, ps.block_tables[order], seq,
-                                                     cu, jnp.sum(act, dtype=jnp.int32), impl=self.attention_impl)
+            args = (tok, pos, slot_mapping, ps.block_tables[order], seq, cu, jnp.sum(act, dtype=jnp.int32))
+            if draft is None:
+                hidden, cache = self.model.ragged_hidden(params, cache, *args, impl=self.attention_impl)
+            else:   # the draft passes have written the draft's cache for these rows
+                hidden, tc = self.model.target.ragged_hidden(params[0], cache[0], *args, impl=self.attention_impl)
+                cache = (tc, cache[1])
             slots = slots.write_tokens(tok, slot_mapping)
             rs = slots.rows(s)
             y = sample_slots(self.model.head(params, hidden), rs.params, rs.num_generated + j,
@@ -354,6 +371,31 @@ class ModelRunner:
                              seq_lens, self.stop_ids)
             return cache, slots, tuple(jnp.repeat(a[:, None], width, axis=1) for a in y)
 
+        draft = self.model.draft if isinstance(self.model, DraftPair) else None
+
+        def draft_pass(params, cache, ps, slots, lens, num):
+            """The draft model's greedy drafts: passes j = 0..max(num) feed the pending token, then
+            draft j - 1, at position lens + j (writing the draft's cache there, so it holds every
+            token the target may accept) and take draft j as the argmax."""
+            act = slots.active
+
+            def body(c):
+                j, dc, tok, drafts = c
+                feed = act & (j <= num)
+                pos = lens + j
+                page = jnp.take_along_axis(ps.block_tables, (pos // ps_)[:, None], axis=1, mode="clip")[:, 0]
+                logits, dc = draft.decode(params[1], dc, tok, jnp.where(feed, pos + 1, 0),
+                                          jnp.where(feed, page * ps_ + pos % ps_, -1), ps.block_tables,
+                                          impl=self.attention_impl)
+                nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+                drafts = jnp.where((jnp.arange(k)[None, :] == j) & (feed & (j < num))[:, None], nxt[:, None], drafts)
+                return j + 1, dc, jnp.where(feed, nxt, tok), drafts
+
+            init = (jnp.int32(0), cache[1], slots.tokens, jnp.zeros((num_seqs, k), jnp.int32))
+            last = jnp.where(jnp.any(num > 0), jnp.max(jnp.where(act, num, -1)), -1)  # no drafts: no pass
+            _, dc, _, drafts = lax.while_loop(lambda c: c[0] <= last, body, init)
+            return (cache[0], dc), drafts
+
         def once(run, pred, cache, slots, ys):
             """run() under a while_loop of 0 or 1 iterations (the cache is carried in place)."""
             def body(c):
@@ -370,6 +412,8 @@ class ModelRunner:
             ys = (jnp.zeros((num_seqs, width), jnp.int32), jnp.zeros((num_seqs, width), jnp.float32),
                   jnp.zeros((num_seqs, width, tn), jnp.int32), jnp.zeros((num_seqs, width, tn), jnp.float32))
             drafting = jnp.any(num > 0)
+            if draft is not None:
+                cache, drafts = draft_pass(params, cache, ps, slots, lens, num)
             cache, slots, ys = once(lambda c, sl: verify_pass(params, c, ps, sl, lens, drafts, num), drafting,
                                     cache, slots, ys)
             cache, slots, ys = once(lambda c, sl: decode_pass(params, c, ps, sl, lens), ~drafting, cache, slots, ys)

@@ -162,3 +162,37 @@ def accepted_prefix(target, drafts, num):
     k = drafts.shape[1]
     ok = (target[:, :k] == drafts) & (jnp.arange(k)[None, :] < num[:, None])
     return jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+
+
+class DraftPair:
+    """The EngineModel the runner drives with a draft model: params (target's, draft's), cache
+    (target's jpa.KVCache, draft's), both indexed by the same pages. Every pass of the ragged step
+    and the plain decode pass runs both models, so the draft's cache holds every token the target's
+    does (prompts, recomputed prefixes, copies on write); the logits are the target's. The verify
+    steps call `target` and `draft` separately (`ModelRunner._spec_loop`)."""
+
+    def __init__(self, target, draft):
+        if draft.config.vocab_size != target.config.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size}) must be the target's "
+                             f"({target.config.vocab_size}): drafts are token ids of the target")
+        self.target, self.draft = target, draft
+        self.config, self.dtype = target.config, target.dtype
+        self.params = (target.params, draft.params)
+
+    def decode(self, params, cache, tokens, seq_lens, slot_mapping, block_tables, *, impl="auto"):
+        logits, tc = self.target.decode(params[0], cache[0], tokens, seq_lens, slot_mapping, block_tables, impl=impl)
+        _, dc = self.draft.decode(params[1], cache[1], tokens, seq_lens, slot_mapping, block_tables, impl=impl)
+        return logits, (tc, dc)
+
+    def ragged(self, params, cache, *args, impl="auto"):
+        logits, tc = self.target.ragged(params[0], cache[0], *args, impl=impl)
+        _, dc = self.draft.ragged(params[1], cache[1], *args, impl=impl)
+        return logits, (tc, dc)
+
+    def ragged_hidden(self, params, cache, *args, impl="auto"):
+        hidden, tc = self.target.ragged_hidden(params[0], cache[0], *args, impl=impl)
+        _, dc = self.draft.ragged(params[1], cache[1], *args, impl=impl)
+        return hidden, (tc, dc)
+
+    def head(self, params, hidden):
+        return self.target.head(params[0], hidden)
