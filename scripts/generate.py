@@ -346,8 +346,8 @@ def run(args):
           f"({s['decode_steps']} steps, {s['steps_per_call']} per host round trip, host overhead "
           f"{fmt(100 * s['host_overhead'], '.1f')}% of decode time)\n"
           + (f"[jpa] speculative {sp['method']} k={sp['num_speculative_tokens']}: {sp['num_accepted_tokens']}/"
-             f"{sp['num_draft_tokens']} drafts accepted ({fmt(100 * sp['acceptance_rate'], '.1f')}%), mean accepted "
-             f"length {fmt(sp['mean_accepted_length'], '.2f')} tokens per verify step\n"
+             f"{sp['num_draft_tokens']} drafts accepted ({fmt(100 * (sp['acceptance_rate'] or 0), '.1f')}%), mean "
+             f"accepted length {fmt(sp['mean_accepted_length'] or 1, '.2f')} tokens per verify step with drafts\n"
              if (sp := s["speculative"]) else "") +
           f"[jpa] pages used at peak {s['peak_pages_used']}/{s['num_pages']} | KV utilization "
           f"{fmt(100 * s['kv_utilization'], '.1f')}% (tokens stored / slots allocated) | "

@@ -580,8 +580,9 @@ class LLMEngine:
             "method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
             "verify_rows": self.runner.verify_rows, "num_drafts": s.spec_drafts,
             "num_draft_tokens": s.spec_draft_tokens, "num_accepted_tokens": s.spec_accepted_tokens,
-            "acceptance_rate": s.spec_accepted_tokens / s.spec_draft_tokens if s.spec_draft_tokens else float("nan"),
-            "mean_accepted_length": 1 + s.spec_accepted_tokens / s.spec_drafts if s.spec_drafts else float("nan"),
+            # None, not NaN, before any draft: this dict is nested in --json's summary line.
+            "acceptance_rate": s.spec_accepted_tokens / s.spec_draft_tokens if s.spec_draft_tokens else None,
+            "mean_accepted_length": 1 + s.spec_accepted_tokens / s.spec_drafts if s.spec_drafts else None,
             "accepted_per_pos": list(s.spec_accepted_per_pos),
         }
 
