@@ -14,8 +14,7 @@ def test_tiny_run(tmp_path):
     out = tmp_path / "spec.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_spec.py"), "--model", "tiny-llama",
-                           "--batches", "2", "--max-new", "12", "--workloads", "grounded", "--out", str(out),
-                           "--spec", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'],
+                           "--batches", "2", "--max-new", "16", "--workloads", "grounded", "--out", str(out)],
                           capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads(out.read_text())
