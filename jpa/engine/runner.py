@@ -304,13 +304,6 @@ class ModelRunner:
             """(lens, drafts, num, state with the rows reserved, ok, cow) for the next step."""
             act = slots.active
             lens = jnp.where(act, ps.seq_lens, 0)  # tokens cached (the pending one is not)
-            if spec.method == "ngram":
-                hist = slots.history(ps.block_tables)
-                hist = jnp.where(jnp.arange(hist.shape[1])[None, :] == lens[:, None], slots.tokens[:, None], hist)
-                drafts, num = propose_ngram(hist, jnp.where(act, lens + 1, 0), k, spec.prompt_lookup_min,
-                                            spec.prompt_lookup_max)
-            else:   # the draft model proposes in the step, once its rows are reserved
-                drafts, num = jnp.zeros((num_seqs, k), jnp.int32), jnp.full((num_seqs,), k, jnp.int32)
             # Never draft past what the request may still emit (max_new_tokens, its length limit),
             # and share the rows left after one per active slot equally.
             p = slots.params
@@ -319,13 +312,27 @@ class ModelRunner:
             share = (rows - n_act) // jnp.maximum(n_act, 1)
             if spec.disable_by_batch_size is not None:
                 share = jnp.where(n_act >= spec.disable_by_batch_size, 0, share)
-            num = jnp.where(act, jnp.clip(jnp.minimum(num, jnp.minimum(room, share)), 0, k), 0)
+            cap = jnp.where(act, jnp.clip(jnp.minimum(room, share), 0, k), 0)
+            none = (jnp.zeros((num_seqs, k), jnp.int32), jnp.zeros((num_seqs,), jnp.int32))
+            if spec.method == "ngram":
+                def propose(_):
+                    hist = slots.history(ps.block_tables)
+                    hist = jnp.where(jnp.arange(hist.shape[1])[None, :] == lens[:, None], slots.tokens[:, None], hist)
+                    return propose_ngram(hist, jnp.where(act, lens + 1, 0), k, spec.prompt_lookup_min,
+                                         spec.prompt_lookup_max)
+                # A full batch leaves no row for drafts: no lookup either.
+                drafts, num = lax.cond(jnp.any(cap > 0), propose, lambda _: none, None)
+            else:   # the draft model proposes in the step, once its rows are reserved
+                drafts, num = none[0], jnp.full((num_seqs,), k, jnp.int32)
+            num = jnp.minimum(num, cap)
             ids = jnp.where(act, slot_ids, -1)
+            plain = lambda: pages.reserve(ps, ids, jnp.where(act, lens + 1, 0), return_cow=True)  # noqa: E731
             ps1, ok1, cow1 = pages.reserve(ps, ids, jnp.where(act, lens + 1 + num, 0), return_cow=True)
             # Pages too short for the drafts: the plain step (one token each) may still fit.
-            ps0, ok0, cow0 = pages.reserve(ps, ids, jnp.where(act, lens + 1, 0), return_cow=True)
-            num = jnp.where(ok1, num, 0)
-            return lens, drafts, num, _select(ok1, ps1, ps0), ok1 | ok0, _select(ok1, cow1, cow0)
+            retry = ~ok1 & jnp.any(num > 0)
+            ps1, ok1, cow1 = lax.cond(retry, lambda _: plain(), lambda _: (ps1, ok1, cow1), None)
+            num = jnp.where(retry, 0, num)
+            return lens, drafts, num, ps1, ok1, cow1
 
         def verify_pass(params, cache, ps, slots, lens, drafts, num):
             """Per slot [num_seqs, width]: tokens, logprobs, top ids, top logprobs of rows 0..num."""
