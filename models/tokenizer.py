@@ -158,6 +158,11 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str:
         return self._tokens[token_id]
 
+    @property
+    def backend_tokenizer(self):
+        """The Hugging Face `tokenizers.Tokenizer` underneath (structured outputs read its JSON)."""
+        return self._tk
+
     def apply_chat_template(self, prompt: str, system: str | None = None) -> str:
         """One user turn in ChatML, ending with the assistant's generation prompt.
 
@@ -227,6 +232,14 @@ class ByteTokenizer:
                 out.append(self._NAMES[i])
         out.append(run.decode("utf-8", errors="replace"))
         return "".join(out)
+
+    def token_bytes_table(self) -> tuple[list[bytes], list[int]]:
+        """(the bytes of each id, the special ids): the vocabulary as structured outputs read it.
+        Special tokens are spelled by their names; unused ids are empty (never allowed)."""
+        table = [bytes([i]) for i in range(256)] + [b""] * (self.VOCAB_SIZE - 256)
+        for i, name in self._NAMES.items():
+            table[i] = name.encode()
+        return table, sorted(self._NAMES)
 
     def apply_chat_template(self, prompt: str, system: str | None = None) -> str:
         return _chatml(prompt, system)
@@ -371,6 +384,11 @@ class HFTokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tk.id_to_token(token_id)
+
+    @property
+    def backend_tokenizer(self):
+        """The Hugging Face `tokenizers.Tokenizer` (structured outputs read its JSON)."""
+        return self._tk
 
     def render_chat(self, messages, add_generation_prompt: bool = True, **kwargs) -> str:
         """The conversation rendered by the checkpoint's chat template (models.chat_template.render)."""

@@ -33,6 +33,7 @@ from jpa.engine.request import Phase, Request, RequestOutput, StepOutput
 from jpa.engine.runner import ModelRunner
 from jpa.engine.sampling import SamplingParams
 from jpa.engine.scheduler import Progress, RoundPlan, Scheduler
+from jpa.engine.structured import Grammars
 from jpa.sharding import tp_mesh
 
 
@@ -191,6 +192,8 @@ class LLMEngine:
             max_model_len=self.max_model_len, steps_per_call=config.steps_per_call,
             watermark=config.watermark, stop_ids=self.stop_ids, prefix_caching=config.prefix_caching)
         self.stats = EngineStats()
+        # Structured outputs: the tokenizer as llguidance reads it, built with the first constrained request.
+        self.grammars = Grammars(tokenizer, model.config.vocab_size, self.stop_ids)
         self._outbox: list[StepOutput] = []    # finished outside a round (errors, aborts)
         # Ids not handed out as finished yet: each request's, and a parallel-sampling request's own
         # id R too (with how many of its samples (R, i) are live), so no id can be reused while any
@@ -262,6 +265,11 @@ class LLMEngine:
                                        f"and head() (models.GPTForEngine has them); {type(self.model).__name__} "
                                        f"lacks them")
             req.prompt_lp = {}
+        if req.params.structured is not None:
+            try:
+                req.matcher = self.grammars.matcher(req.params.structured)
+            except ValueError as e:
+                return self._fail(req, str(e))
         if req.params.n > 1:
             return self._add_samples(req)
         req.detokenizer = self._detokenizer(req.params)
@@ -282,7 +290,8 @@ class LLMEngine:
         for i in range(req.params.n):
             params = dataclasses.replace(req.params, n=1, seed=req.params.seed + i)
             r = Request((req.request_id, i), req.prompt, list(req.prompt_ids), params, self._detokenizer(params),
-                        prompt_lp=req.prompt_lp)   # prompt logprobs: computed once (by the leader), shared
+                        prompt_lp=req.prompt_lp,   # prompt logprobs: computed once (by the leader), shared
+                        matcher=req.matcher.copy() if req.matcher is not None else None)   # each its own
             self._live_ids.add(r.request_id)
             samples.append(r)
         self._live_samples[req.request_id] = len(samples)
@@ -333,9 +342,15 @@ class LLMEngine:
 
     def _run(self, plan: RoundPlan) -> tuple[list[Progress], float]:
         """One device call (ragged step + decode steps) and its bookkeeping."""
+        # Structured outputs: the grammar mask of each entry that samples under one (a decode row, or
+        # a final chunk that draws the request's first token; a resumed request's is already drawn).
+        constrained = [(i, e.request.matcher) for i, e in enumerate(plan.entries) if e.request.matcher is not None
+                       and (e.decode or (e.final and not e.request.output_ids))]
         batch = make_step_batch(plan, max_seqs=self.config.max_seqs, num_tokens=self.config.max_num_batched_tokens,
                                 pages_per_seq=self.pages_per_seq, num_pages=self.num_pages,
-                                page_size=self.config.page_size, max_model_len=self.max_model_len)
+                                page_size=self.config.page_size, max_model_len=self.max_model_len,
+                                vocab_size=self.model.config.vocab_size,
+                                masks=self.grammars.masks(constrained) if constrained else None)
         t0, c0 = time.perf_counter(), self.runner.compile_seconds
         try:
             result = self.runner.step(batch)
@@ -575,6 +590,12 @@ class LLMEngine:
             "peak_shared_pages": s.peak_shared_pages,
             "cow_copies": self.runner.cow_copies,
             "tensor_parallel": self.config.tensor_parallel,
+            # Structured outputs (llguidance): grammar compilations, masks computed (one per constrained
+            # token) and their host time.
+            "grammar_compiles": self.grammars.compiles,
+            "grammar_compile_seconds": self.grammars.compile_seconds,
+            "grammar_masks": self.grammars.masks_computed,
+            "grammar_mask_seconds": self.grammars.mask_seconds,
             "head_plan": (getattr(self.model, "head_plan", None).describe()
                           if getattr(self.model, "head_plan", None) is not None else None),
         }

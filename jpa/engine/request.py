@@ -77,6 +77,9 @@ class Request:
     # parallel-sampling request share their leader's dict: computed once, reported with each.
     prompt_lp: dict | None = None
     prompt_lp_sent: bool = False       # handed out in a StepOutput already
+    # params.structured set: its grammar state (`jpa.engine.structured.Matcher`), fed every output
+    # token; each parallel sample has its own.
+    matcher: object = None
 
     @property
     def needs_prompt_logprobs(self) -> bool:
