@@ -59,8 +59,10 @@ def _llguidance():
 
 
 def _short(message: str) -> str:
-    """The first lines of an llguidance error (it appends the grammar and parser state)."""
-    return " ".join(message.strip().split("\n")[:3])[:400]
+    """An llguidance error on one line, without the parser state and grammar it appends."""
+    for marker in ("<state>", "<grammar>"):
+        message = message.split(marker)[0]
+    return " ".join(message.split())[:400]
 
 
 @functools.lru_cache(maxsize=256)
