@@ -12,6 +12,10 @@ recompute (its pages released, back to the front of the queue with its generated
 re-admission they are prefilled again and decoding resumes where it stopped). See
 `jpa.engine.scheduler` for the policies.
 
+Structured outputs (SamplingParams.structured): each constrained request has a grammar matcher
+(`jpa.engine.structured`); `_run` computes the allowed-token bitmask of every entry that samples
+under one and sends it with the round; such requests sample only in the ragged step.
+
 A long-lived engine (a server) keeps nothing of a finished request: step() hands each one out
 once, in the round it finishes, and the statistics are running sums.
 """
