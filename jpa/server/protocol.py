@@ -403,7 +403,9 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
     its tool_call_id (and name)."""
     out = []
     for m in messages:
-        content = m.content if isinstance(m.content, str) or m.content is None else "".join(p.text for p in m.content)
+        # A tool-calling assistant turn without content gets "" (templates such as Qwen2.5's read
+        # message.content, and None-valued keys are dropped before rendering, as transformers does).
+        content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or ())
         d = {"role": "system" if m.role == "developer" else m.role, "content": content}
         if m.tool_calls:
             d["tool_calls"] = [{"id": c.id, "type": "function",
