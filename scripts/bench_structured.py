@@ -61,6 +61,9 @@ def main(argv=None):
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--steps-per-call", type=int, default=8)
+    ap.add_argument("--ragged-block-tokens", type=int, default=None,
+                    help="EngineConfig.ragged_block_tokens (rows per model pass of the ragged step; default: 64 on a "
+                         "CPU): a constrained round's ragged step costs one such block")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--compiles", type=int, default=16, help="fresh schemas compiled for the compile time")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
@@ -76,7 +79,8 @@ def main(argv=None):
     gpt, tok = models.load(name)
     n = args.num_requests
     eng = LLMEngine(models.GPTForEngine(gpt), tok, EngineConfig(
-        max_seqs=n, max_model_len=512, steps_per_call=args.steps_per_call, prefix_caching=False))
+        max_seqs=n, max_model_len=512, steps_per_call=args.steps_per_call, prefix_caching=False,
+        ragged_block_tokens=args.ragged_block_tokens))
     prompts = [tok.apply_chat_template(f"{QUESTIONS[i % len(QUESTIONS)]} Answer in JSON. (#{i})") for i in range(n)]
     free = SamplingParams(max_new_tokens=args.max_new, greedy=True, ignore_eos=True)
     # The constrained half may run longer than the free half (one token per round): room for it.
@@ -129,6 +133,7 @@ def main(argv=None):
     mask_ms = 1000 * best["mixed"]["mask_seconds"] / max(best["mixed"]["masks"], 1)
     report = dict(
         model=name, num_requests=n, max_new=args.max_new, steps_per_call=args.steps_per_call, reps=args.reps,
+        ragged_block_tokens=eng.runner.block_tokens,
         machine=machine(), systems=best,
         free_tok_s_ratio=best["mixed"]["free_tok_s"] / best["none"]["free_tok_s"],
         mask_ms_per_token=mask_ms, compile_ms_mean=1000 * statistics.mean(compile_s),
