@@ -93,21 +93,30 @@ class LLM:
         self._wire(gpt, tokenizer, config)
 
     @classmethod
-    def from_model(cls, model, tokenizer, *, engine_config: EngineConfig | None = None,
+    def from_model(cls, model, tokenizer, *, engine_config: EngineConfig | None = None, draft_model=None,
                    **engine_options) -> "LLM":
         """An LLM around a model already loaded (a `models.GPT`, e.g. from `models.load`, or any
-        `jpa.engine.EngineModel`) and its tokenizer; engine options as the constructor's."""
+        `jpa.engine.EngineModel`) and its tokenizer; engine options as the constructor's.
+        draft_model: the loaded draft of speculative method "draft_model" (default: loaded by the
+        name the speculative config gives, in the model's dtype)."""
         config = _engine_config(engine_config, engine_options)
         self = cls.__new__(cls)
-        self._wire(model, tokenizer, config)
+        self._wire(model, tokenizer, config, draft_model)
         return self
 
-    def _wire(self, model, tokenizer, config: EngineConfig) -> None:
+    def _wire(self, model, tokenizer, config: EngineConfig, draft=None) -> None:
+        import jax.numpy as jnp
+
         import models  # the application layer wires model -> engine (the engine never imports models)
 
         if isinstance(model, models.GPT):
             model = models.GPTForEngine(model)
-        self.engine = LLMEngine(model, tokenizer, config)
+        spec = config.speculative
+        if spec is not None and spec.method == "draft_model" and draft is None:
+            draft, _ = models.load(spec.model, dtype=jnp.dtype(model.dtype))
+        if isinstance(draft, models.GPT):
+            draft = models.GPTForEngine(draft)
+        self.engine = LLMEngine(model, tokenizer, config, draft_model=draft)
         self.tokenizer = tokenizer
 
     def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = False) -> list:

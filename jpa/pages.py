@@ -338,6 +338,24 @@ def _release(state, ids):
 
 
 @jax.jit
+def _truncate(state, ids, num_tokens):
+    num_pages, (max_seqs, pages_per_seq) = state.num_pages, state.block_tables.shape
+    safe, _, _ = _select(ids, max_seqs)
+    # Per sequence the new length: min(current, asked) where selected (truncate never grows).
+    target = state.seq_lens.at[safe].min(num_tokens, mode="drop")  # i32[max_seqs]
+    j = jnp.arange(pages_per_seq, dtype=_I32)[None, :]
+    held = pages_for_tokens(state.seq_lens, state.page_size)[:, None]
+    keep = pages_for_tokens(target, state.page_size)[:, None]
+    gone = (j >= keep) & (j < held)  # bool[max_seqs, pages_per_seq]
+    drop = jnp.zeros((num_pages,), _I32).at[jnp.where(gone, state.block_tables, num_pages).ravel()].add(
+        1, mode="drop")
+    refcounts = state.refcounts - drop
+    free_pages, num_free = _push_free(state, refcounts, drop > 0)
+    return state.replace(free_pages=free_pages, num_free=num_free, refcounts=refcounts,
+                         block_tables=jnp.where(gone, 0, state.block_tables), seq_lens=target)
+
+
+@jax.jit
 def _fork(state, src, dst):
     num_pages, (max_seqs, pages_per_seq) = state.num_pages, state.block_tables.shape
     pair = dst >= 0
@@ -440,6 +458,30 @@ def release(state: PageState, seq_ids) -> PageState:
     _check_state(state)
     ids = _as_ids("seq_ids", seq_ids, state.max_seqs, unique=False)
     return _release(state, ids)
+
+
+def truncate(state: PageState, seq_ids, num_tokens) -> PageState:
+    """Shrinks sequences to `num_tokens` tokens (speculative decoding's rollback of rejected drafts).
+
+    seq_lens becomes min(seq_len, num_tokens); the pages past `pages_for_tokens(num_tokens)` are
+    dropped from the table (refcount - 1; back to the free pool at 0, ascending page ids). The
+    pages kept are untouched, so a partly filled last page keeps its refcount (shared or not).
+    num_tokens >= seq_len changes nothing for that sequence; a repeated id truncates to the
+    smaller count.
+
+    Args:
+      state: the PageState.
+      seq_ids: int, list or i32[n]; -1 = padding. Concrete ids outside [0, max_seqs) raise
+        ValueError; traced ones are ignored.
+      num_tokens: int or i32[n] in [0, pages_per_seq * page_size].
+
+    Returns:
+      The new state.
+    """
+    _check_state(state)
+    ids = _as_ids("seq_ids", seq_ids, state.max_seqs, unique=False)
+    counts = _as_counts("num_tokens", num_tokens, ids.shape[0], state.max_seq_len)
+    return _truncate(state, ids, counts)
 
 
 def fork(state: PageState, src_ids, dst_ids):

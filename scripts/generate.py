@@ -61,6 +61,15 @@ def add_engine_args(ap, *, steps_per_call: int, steps_help: str):
                     "step (decode tokens + prompt chunks per round; default 512, >= --max-seqs)")
     ap.add_argument("--no-prefix-caching", action="store_true", help="do not keep full prompt pages cached "
                     "for later requests with the same prefix (automatic prefix caching is on by default)")
+    ap.add_argument("--speculative-config", default=None, metavar="JSON", help="speculative decoding, as vLLM "
+                    "spells it: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' "
+                    "(outputs are identical to decoding without it; see README 'Speculative decoding')")
+
+
+def _known_model(name: str) -> bool:
+    """A preset name or a checkpoint directory (what models.load takes)."""
+    from models import PRESETS  # light: configs only, no JAX work
+    return name in PRESETS or os.path.isdir(name)
 
 
 def check_engine_args(args, extra_counts=()):
@@ -74,6 +83,15 @@ def check_engine_args(args, extra_counts=()):
         raise UsageError(f"--num-pages must be >= 1; got {args.num_pages}")
     if not (math.isfinite(args.kv_memory) and args.kv_memory > 0):
         raise UsageError(f"--kv-memory must be a positive number of MiB; got {args.kv_memory}")
+    if args.speculative_config is not None:
+        from jpa.engine import SpeculativeConfig
+        try:
+            spec = SpeculativeConfig.parse(args.speculative_config)
+        except ValueError as e:
+            raise UsageError(f"--speculative-config: {e}") from None
+        if spec.method == "draft_model" and not _known_model(spec.model):
+            raise UsageError(f"--speculative-config: draft model {spec.model!r} is unknown: a preset name or a "
+                             f"checkpoint directory")
 
 
 def engine_config(args, **extra):
@@ -84,7 +102,8 @@ def engine_config(args, **extra):
                             kv_memory_bytes=int(args.kv_memory * 2 ** 20), max_model_len=args.max_model_len,
                             steps_per_call=args.steps_per_call, attention_impl=args.attention,
                             prefix_caching=not args.no_prefix_caching,
-                            max_num_batched_tokens=args.max_num_batched_tokens, **extra)
+                            max_num_batched_tokens=args.max_num_batched_tokens,
+                            speculative=args.speculative_config, **extra)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -326,6 +345,10 @@ def run(args):
           f"decode {s['decode_tokens']} tokens at {fmt(s['decode_tok_s'], '.1f')} tok/s "
           f"({s['decode_steps']} steps, {s['steps_per_call']} per host round trip, host overhead "
           f"{fmt(100 * s['host_overhead'], '.1f')}% of decode time)\n"
+          + (f"[jpa] speculative {sp['method']} k={sp['num_speculative_tokens']}: {sp['num_accepted_tokens']}/"
+             f"{sp['num_draft_tokens']} drafts accepted ({fmt(100 * (sp['acceptance_rate'] or 0), '.1f')}%), mean "
+             f"accepted length {fmt(sp['mean_accepted_length'] or 1, '.2f')} tokens per verify step with drafts\n"
+             if (sp := s["speculative"]) else "") +
           f"[jpa] pages used at peak {s['peak_pages_used']}/{s['num_pages']} | KV utilization "
           f"{fmt(100 * s['kv_utilization'], '.1f')}% (tokens stored / slots allocated) | "
           f"preemptions {s['preemptions']} | "

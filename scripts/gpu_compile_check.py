@@ -769,9 +769,11 @@ def _growth(rec) -> str:
 # ---- 3. The engine's jitted steps, SmolLM2-135M in bfloat16 ----
 
 def engine_steps(pool_gib: float = 1.5, max_seqs: int = 64, page_size: int = 16, max_model_len: int = 2048,
-                 steps_per_call: int = 8, budget: int = 512, config=None, label: str = "SmolLM2"):
+                 steps_per_call: int = 8, budget: int = 512, config=None, label: str = "SmolLM2",
+                 which=("plain", "spec")):
     """[(name, fn, args, donate_argnums, pool shapes, expected kernel calls)] of the engine's one
-    program, the unified step: a ragged step over `budget` tokens in one pass, then the decode loop.
+    program, the unified step: a ragged step over `budget` tokens in one pass, then the decode loop
+    ("plain"), and the same with n-gram speculation ("spec"); `which` picks.
 
     config: the models.ModelConfig (or a dict of its fields) to compile, named `label` in the
     record; default SmolLM2-135M's. The model and the engine's state are abstract (nnx.eval_shape;
@@ -791,13 +793,24 @@ def engine_steps(pool_gib: float = 1.5, max_seqs: int = 64, page_size: int = 16,
     cache_cfg = CacheConfig.from_memory(int(pool_gib * 2 ** 30), num_layers=config.num_layers,
                                         num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
                                         page_size=page_size, dtype="bfloat16")
-    runner = ModelRunner(model, cache_cfg, max_seqs=max_seqs, pages_per_seq=max_model_len // page_size,
-                         steps_per_call=steps_per_call, stop_ids=(config.eos_token_id,), allocate=False,
-                         block_tokens=budget)
-    runner.set_block_tokens(budget)   # the GPU default: the whole budget in one pass
+    from jpa.engine.speculative import SpeculativeConfig
+
+    def runner_for(spec=None):
+        r = ModelRunner(model, cache_cfg, max_seqs=max_seqs, pages_per_seq=max_model_len // page_size,
+                        steps_per_call=steps_per_call, stop_ids=(config.eos_token_id,), allocate=False,
+                        block_tokens=budget, speculative=spec)
+        r.set_block_tokens(budget)   # the GPU default: the whole budget in one pass
+        return r
+
+    runner = runner_for()
+    # Speculative decoding as a GPU runs it: k = 4 n-gram drafts, a verify pass of max_seqs x (k + 1)
+    # rows (the GPU default; set explicitly: this machine's backend is the CPU).
+    k = 4
+    spec = runner_for(SpeculativeConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_max=4,
+                                        verify_rows=max_seqs * (k + 1)))
     pool = ((config.num_layers, config.num_kv_heads, cache_cfg.num_pages, page_size, config.head_dim), "bfloat16")
     pools = [pool] * 2  # the stacked K and V pools (jpa.KVCache)
-    return [
+    steps = [
         # The ragged op is two kernel calls (prompt tiles + the last rows' decode kernel) per layer,
         # the decode loop one; the layers are a scan, so the program holds one layer body of each
         # (layer_period() layers: 1 for SmolLM2).
@@ -805,13 +818,20 @@ def engine_steps(pool_gib: float = 1.5, max_seqs: int = 64, page_size: int = 16,
          f"{max_seqs} seqs, {cache_cfg.num_pages} pages)",
          runner._step_impl, runner.state() + (runner.step_inputs(budget),), DONATE, pools,
          3 * layer_period(config)),
+        # With speculation the decode loop holds the verify pass (a ragged op over k + 1 rows per
+        # sequence: two kernel calls) and the plain decode pass of steps without drafts (one).
+        (f"engine unified step, n-gram speculation k={k} ({label} bf16, verify pass of {max_seqs * (k + 1)} rows, "
+         f"{max_seqs} seqs, {cache_cfg.num_pages} pages)",
+         spec._step_impl, spec.state() + (spec.step_inputs(budget),), DONATE, pools,
+         5 * layer_period(config)),
     ]
+    return [s for s, kind in zip(steps, ("plain", "spec")) if kind in which]
 
 
 def check_engine(compiler: Compiler, log=print, **sizes) -> list:
     """Compiles the engine's unified step with impl="auto": it must hold the target's kernels (Mosaic
     on an H100, Triton on an A100) three times per layer of the scanned body (ragged tiles, last rows,
-    decode loop)."""
+    decode loop), five with speculation (the verify pass's two besides)."""
     from jpa.engine.runner import attention_in
     records = []
     expected = "mosaic" if TARGETS[compiler.target]["cc"][0] == 9 else "triton"
@@ -1042,6 +1062,8 @@ def main(argv=None) -> int:
                         "layers, one [L, K, P, S_p, H] pool, the layer a traced index); "
                         "tp: the engine's steps of a Llama-shaped model (32 layers, 32 q / 8 kv heads, head_dim "
                         "128, bf16) tensor-parallel over --tp GPUs of one host (not part of 'all')")
+    p.add_argument("--engine-steps", default="plain,spec", help="the engine programs of --only engine: plain "
+                   "and/or spec (n-gram speculative decoding), comma-separated")
     p.add_argument("--tp", type=int, default=8, help="GPUs of the tensor-parallel compile (--only tp)")
     p.add_argument("--embeddings", choices=("replicated", "vocab"), default="vocab",
                    help="how --only tp places the embeddings and the output head")
@@ -1078,7 +1100,7 @@ def main(argv=None) -> int:
     if args.only in ("ragged", "stacked", "all"):
         records += check_stacked_ragged(compiler, impls, args.subset, records)
     if args.only in ("engine", "all"):
-        records += check_engine(compiler)
+        records += check_engine(compiler, which=tuple(args.engine_steps.split(",")))
     if args.only == "tp":
         config = dict(LLAMA_SHAPED, **({"num_layers": args.layers} if args.layers else {}))
         records += check_tp(compiler, config=config, embeddings=args.embeddings)

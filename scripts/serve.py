@@ -216,7 +216,10 @@ class _Loader:
         except (ValueError, FileNotFoundError) as e:  # a bad checkpoint directory
             raise UsageError(f"--model {args.model}: {e}") from None
         try:
-            engine = LLMEngine(models.GPTForEngine(gpt), tok, config)
+            spec = config.speculative
+            draft = (models.GPTForEngine(models.load(spec.model, dtype=jnp.dtype(dtype))[0])
+                     if spec is not None and spec.method == "draft_model" else None)
+            engine = LLMEngine(models.GPTForEngine(gpt), tok, config, draft_model=draft)
         except ValueError as e:
             raise UsageError(str(e)) from None
         if not args.no_warmup:  # compile the engine's program (the unified step) before the first client waits

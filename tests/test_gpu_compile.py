@@ -125,19 +125,23 @@ print("RESULT", rec["ok"], rec.get("error", ""))
 
 def test_engine_steps_compile_with_the_targets_kernel(tmp_path):
     """SmolLM2 bf16 with a >= 1 GiB pool: the engine's one program, the unified step, names the
-    H100's Mosaic kernels (A100: Triton) three times in the program text: the layers are a scan,
-    so its one layer body holds the ragged tiles' and last rows' calls and the decode loop's one
-    (an unrolled model, or an XLA pass unrolling the scan, would show 90); donated pools aliased,
-    no pool copy, small temporaries."""
-    for target, call in (("h100", "mosaic_calls"), ("a100", "triton_calls")):
-        proc, report = run_check(tmp_path, "--target", target, "--only", "engine")
+    A100's Triton kernels three times in the program text: the layers are a scan, so its one
+    layer body holds the ragged tiles' and last rows' calls and the decode loop's one (an unrolled
+    model, or an XLA pass unrolling the scan, would show 90); with speculation (H100, Mosaic) five;
+    donated pools aliased, no pool copy, small temporaries."""
+    # One program per target (both: scripts/gpu_compile_check.py --only engine, recorded in
+    # benchmarks/gpu_compile_spec_*.json): the A100 the plain step, the H100 the speculative one,
+    # whose decode loop adds the verify pass (a ragged op over k + 1 rows per sequence) to the plain
+    # step's ragged step and decode pass.
+    for target, call, steps, calls in (("h100", "mosaic_calls", "spec", 5), ("a100", "triton_calls", "plain", 3)):
+        proc, report = run_check(tmp_path, "--target", target, "--only", "engine", "--engine-steps", steps)
         recs = report["records"]
         assert proc.returncode == 0 and all(r["ok"] for r in recs), [r.get("problems") or r.get("error")
                                                                      for r in recs]
         (unified,) = recs
-        assert "unified step" in unified["name"]
+        assert "unified step" in unified["name"] and ("speculation" in unified["name"]) == (steps == "spec")
         assert unified["attention"] == ("mosaic" if target == "h100" else "triton")
-        assert unified[call] == 3
+        assert unified[call] == calls
         for r in recs:
             assert r["pool_bytes"] >= 2 ** 30
             assert r["alias_bytes"] >= r["pool_bytes"], r["name"]

@@ -24,6 +24,7 @@ j_reserve_strict = jax.jit(lambda s, ids, n: pages.reserve(s, ids, n))
 j_append = jax.jit(pages.append)
 j_release = jax.jit(pages.release)
 j_fork = jax.jit(pages.fork)
+j_truncate = jax.jit(pages.truncate)
 j_free = jax.jit(pages.num_free_pages)
 j_needed = jax.jit(pages.pages_needed)
 
@@ -98,6 +99,23 @@ class Model:
                     freed.add(p)
             self.tables[b] = 0
             self.lens[b] = 0
+        self.stack.extend(sorted(freed))
+
+    def truncate(self, ids, counts):
+        """Sequence b keeps min(len, count) tokens (the smallest count of a repeated id)."""
+        target = {}
+        for b, n in zip(ids, counts):
+            if 0 <= b < self.B:
+                target[b] = min(target.get(b, int(self.lens[b])), n)
+        freed = set()
+        for b, n in target.items():
+            for j in range(_cdiv(n, self.ps), self.npages(b)):
+                p = int(self.tables[b, j])
+                self.ref[p] -= 1
+                if self.ref[p] == 0:
+                    freed.add(p)
+                self.tables[b, j] = 0
+            self.lens[b] = n
         self.stack.extend(sorted(freed))
 
     def fork(self, pairs):
@@ -269,6 +287,8 @@ op_st = st.one_of(
     st.tuples(st.just("append"), st.lists(st.booleans(), min_size=4, max_size=4)),
     st.tuples(st.just("append"), st.lists(st.booleans(), min_size=4, max_size=4)),
     st.tuples(st.just("release"), ids_st),
+    # Speculative rollback: counts are how many tokens to take off (0..3).
+    st.tuples(st.just("truncate"), ids_st, st.lists(st.integers(0, 3), min_size=NUM_IDS, max_size=NUM_IDS)),
     # to_empty=True: dst d >= 0 means the d-th empty sequence (forks that can succeed).
     st.tuples(st.just("fork"), st.lists(st.integers(0, 3), min_size=NUM_IDS, max_size=NUM_IDS),
               ids_st, st.booleans()),
@@ -383,6 +403,15 @@ def run_ops(config, ops):
                 if 0 <= b < B:
                     cache.contents[b] = []
             state, want_ok = j_release(state, np.array(ids, np.int32)), True
+        elif kind == "truncate":
+            _, ids, cut = op
+            counts = [max(0, int(model.lens[b]) - c) if 0 <= b < B else 0 for b, c in zip(ids, cut)]
+            model.truncate(ids, counts)
+            for b in range(B):
+                del cache.contents[b][int(model.lens[b]):]
+            state, want_ok = j_truncate(state, np.array(ids, np.int32), np.array(counts, np.int32)), True
+            if any(c for b, c in zip(ids, cut) if 0 <= b < B):
+                event("truncate shrank")
         else:
             _, src, dst, to_empty = op
             empty = [b for b in range(B) if model.lens[b] == 0]

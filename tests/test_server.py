@@ -7,7 +7,6 @@ the module; one test starts scripts/serve.py itself and stops it with SIGTERM.
 """
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -33,36 +32,14 @@ pytest.importorskip("prometheus_client")
 
 import models  # noqa: E402
 from jpa.engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from jpa.server import attach, build_app, server_config  # noqa: E402
+from jpa.server import attach, build_app  # noqa: E402
+from server_util import serving  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "tiny"
 PROMPTS = ["The paged cache", "hello there", "continuous batching keeps slots busy", "jax"]
 MAX_N = 4
 MAX_LEN = 2048
-
-
-@contextlib.contextmanager
-def serving(app, **config):
-    """Serves `app` on a free 127.0.0.1 port in a thread (uvicorn configured as scripts/serve.py
-    does, `config` overriding); yields its base URL; always stops it."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(256)
-    server = uvicorn.Server(server_config(app, **{"log_level": "error", **config}))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        t0 = time.monotonic()
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() - t0 < 30, "server did not start"
-            time.sleep(0.01)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(15)
-        sock.close()
-        assert not thread.is_alive(), "the server thread did not stop"
 
 
 class Live:
@@ -1195,6 +1172,7 @@ def test_serve_script_bad_flags():
                       (["--limit-concurrency", "0"], "--limit-concurrency must be >= 1"),
                       (["--allowed-origins", "[1]"], "--allowed-origins must be a list of origin strings"),
                       (["--allowed-origins", "[oops"], "--allowed-origins: not a JSON list"),
+                      (["--speculative-config", '{"method": "ngram", "k": 4}'], "unknown speculative config key"),
                       (["--model", "tiny-llama", "--port", str(busy.getsockname()[1])], "Address already in use")):
         r = subprocess.run([sys.executable, "scripts/serve.py", *args], cwd=ROOT, capture_output=True, text=True,
                            env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)

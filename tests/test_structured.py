@@ -172,3 +172,21 @@ def test_bad_constraint_fails_only_its_request(engines):
     assert bad.finish_reason == "error" and "structured.regex" in bad.error
     text = outs[0].completion   # any JSON object: a random model may run out of tokens inside it
     assert isinstance(json.loads(text), dict) if outs[0].finish_reason == "stop" else text.startswith("{")
+
+
+def test_with_speculative_decoding(engines):
+    """Speculative decoding (n-gram drafts) drafts for the unconstrained requests only: constrained
+    ones keep sampling in the ragged step under their mask, and every output equals the engine
+    without speculation."""
+    from jpa.engine import SpeculativeConfig
+
+    rng = np.random.default_rng(fresh_seed())
+    reqs = _requests(rng, n_json=2, n_regex=1, n_choice=1, n_grammar=0)
+    params = [sp for _, _, sp in reqs] + [SamplingParams(max_new_tokens=40, temperature=1.0, seed=i, ignore_eos=True)
+                                          for i in range(2)]
+    prompts = random_prompts(rng, len(params), 3, 30)
+    spec = engines.get(speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+    outs = run(spec, prompts, params)
+    for (kind, c, _), o in zip(reqs, outs):
+        _check(kind, c, o)
+    assert_same(outs, run(engines.get(), prompts, params))

@@ -78,6 +78,13 @@ def test_sampled_outputs_and_logprobs_identical_to_one_device(report):
             np.testing.assert_allclose(got, want, rtol=0, atol=1e-5, err_msg=f"tp {r['tp']} request {k}")
 
 
+def test_speculative_decoding_under_tensor_parallelism(report):
+    """n-gram speculation at tp=2 (tp_check.py's extra tiny-llama run): drafts verified and
+    accepted on the sharded model, and (the tests above) its outputs and logprobs are tp=1's."""
+    (r,) = [r for r in report if r["speculative"]]
+    assert r["tp"] == 2 and r["speculative"]["num_accepted_tokens"] > 0, r["speculative"]
+
+
 def test_logits_match_one_device(report):
     gaps = [(r["model"], r["tp"], r["logits_gap"]) for r in _sharded(report) if "logits_gap" in r]
     assert gaps and all(g < 1e-5 for _, _, g in gaps), gaps

@@ -51,6 +51,7 @@ PROMPTS = {
     QWEN3: ["hello world", "the quick brown fox"],
 }
 NEW_TOKENS = {"tiny-llama": 12, "tiny-gpt2": 12, "smollm2-135m": 16, GEMMA2: 12, QWEN3: 12}
+SPEC = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2, verify_rows=16)
 # Logits compared directly on random inputs (4 more compiles per case: kept to the fast models; the
 # greedy tokens of a real model are the check for SmolLM2).
 LOGITS_GAP = ("tiny-llama", "tiny-gpt2")
@@ -101,10 +102,12 @@ def main(out_path, full=False):
         if name in LOGITS_GAP:
             inputs = gap_inputs(gpt.config, rng)
             reference = logits(gpt, None, inputs)
-        for tp in sizes:
+        # tiny-llama also runs with n-gram speculation at tp=2: its outputs must be tp=1's too.
+        runs = [(tp, None) for tp in sizes] + ([(2, SPEC)] if name == "tiny-llama" else [])
+        for tp, spec_cfg in runs:
             t0 = time.perf_counter()
             cfg = EngineConfig(max_seqs=4, num_pages=96, page_size=8, max_model_len=256, steps_per_call=4,
-                               tensor_parallel=tp, prefix_caching=False)
+                               tensor_parallel=tp, prefix_caching=False, speculative=spec_cfg)
             engine = LLMEngine(models.GPTForEngine(gpt), tok, cfg)
             outs = engine.generate(prompts, sparams)
             s = engine.summary()
@@ -113,7 +116,7 @@ def main(out_path, full=False):
             rec = dict(model=name, tp=tp, tokens=[list(o.token_ids) for o in outs],
                        logprobs=[list(o.logprobs) for o in outs], sampled=[not p.is_greedy for p in sparams],
                        step_compiles=s["step_compiles"], head_plan=s["head_plan"],
-                       pool_whole=engine.pool_is_whole(), seconds=0.0)
+                       pool_whole=engine.pool_is_whole(), seconds=0.0, speculative=s["speculative"])
             if tp > 1:
                 spec = lambda x: list(x.sharding.spec)  # noqa: E731
                 rec.update(
@@ -126,7 +129,7 @@ def main(out_path, full=False):
                     weight_specs={k: spec(layer[k]) for k in ("wq", "wk", "wv", "wo", "w_up", "w_down")
                                   + (("w_gate",) if gpt.config.family == "llama" else ("bq", "bo", "b_up", "b_down"))},
                     embedding_spec=spec(params["tok_embeddings"]))
-                if name in LOGITS_GAP:
+                if name in LOGITS_GAP and spec_cfg is None:
                     got = logits(_sharded_gpt(engine), engine.mesh, inputs)
                     rec["logits_gap"] = float(max(np.max(np.abs(a - b)) for a, b in zip(got, reference)))
             rec["seconds"] = round(time.perf_counter() - t0, 1)

@@ -76,9 +76,11 @@ class StepResult:
       top_logprobs: f32[B, top_n]; their log-probabilities.
       ok: bool[]; False when the pool could not hold the entries' rows: then the round changed
         nothing on the device (no eviction, no reservation, no decode step).
-      out: i32[steps, max_seqs]; tokens of the decode steps (-1 = none).
-      out_logprobs: f32[steps, max_seqs].
-      out_top_ids: i32[steps, max_seqs, top_n]; out_top_logprobs: f32[steps, max_seqs, top_n].
+      out: i32[steps * width, max_seqs]; tokens of the decode steps (-1 = none), in order per slot;
+        width = 1, or k + 1 with speculative decoding (row i * width + j: the j-th token a slot
+        emitted in verify step i).
+      out_logprobs: f32[steps * width, max_seqs].
+      out_top_ids: i32[steps * width, max_seqs, top_n]; out_top_logprobs: the same, f32.
       steps: i32[]; decode steps run (rows of `out` past it are -1).
       num_free: i32[]; free pages after the round.
       seq_lens: i32[max_seqs]; tokens cached per slot after the round.
@@ -92,6 +94,11 @@ class StepResult:
       prompt_top_ids: i32[T, top_n]; the row's most likely tokens (-1 where not asked);
         prompt_top_logprobs: f32[T, top_n], their log-probabilities. The host reads these four
         back only in rounds that asked (`ModelRunner.step`; None on the host otherwise).
+      spec_drafted: i32[max_seqs]; draft tokens each slot verified this round (speculative decoding;
+        zeros without it).
+      spec_accepted: i32[max_seqs]; of them, accepted.
+      spec_steps: i32[max_seqs]; verify steps in which the slot had drafts.
+      spec_accepted_per_pos: i32[k]; accepted drafts by position (vLLM's per-position count).
     """
     tokens: jax.Array
     logprobs: jax.Array
@@ -112,6 +119,10 @@ class StepResult:
     prompt_ranks: jax.Array | None = None
     prompt_top_ids: jax.Array | None = None
     prompt_top_logprobs: jax.Array | None = None
+    spec_drafted: jax.Array | None = None
+    spec_accepted: jax.Array | None = None
+    spec_steps: jax.Array | None = None
+    spec_accepted_per_pos: jax.Array | None = None
 
 
 def make_step_batch(plan, *, max_seqs: int, num_tokens: int, pages_per_seq: int, num_pages: int,

@@ -37,6 +37,7 @@ from jpa.engine.request import Phase, Request, RequestOutput, StepOutput
 from jpa.engine.runner import ModelRunner
 from jpa.engine.sampling import SamplingParams
 from jpa.engine.scheduler import Progress, RoundPlan, Scheduler
+from jpa.engine.speculative import SpeculativeConfig
 from jpa.engine.structured import Grammars
 from jpa.sharding import tp_mesh
 
@@ -78,6 +79,10 @@ class EngineConfig:
         first N of jax.devices()); the model must offer `shard(mesh)` (models.GPTForEngine
         does). kv_memory_bytes is then the budget of EACH device (each holds its heads of every
         page). See README "Tensor parallelism".
+      speculative: speculative decoding (`jpa.engine.speculative.SpeculativeConfig`, or its dict or
+        JSON string as vLLM's --speculative-config spells it); None = off. The decode loop then
+        verifies up to k drafts per sequence per step; outputs are identical to decoding without
+        it (greedy and seeded sampling alike). See README "Speculative decoding".
     """
     max_seqs: int = 16
     page_size: int = 16
@@ -92,8 +97,11 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     ragged_block_tokens: int | None = None
     prefix_caching: bool = True
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self):
+        if self.speculative is not None:
+            object.__setattr__(self, "speculative", SpeculativeConfig.parse(self.speculative))
         for name in ("max_seqs", "page_size", "steps_per_call", "tensor_parallel", "max_num_batched_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -133,6 +141,10 @@ class EngineStats:
     util_sum: float = 0.0             # sum over device calls of tokens stored / slots allocated
     util_count: int = 0
     peak_shared_pages: int = 0        # prefix caching: most pages held by two or more running requests
+    spec_draft_tokens: int = 0        # speculative decoding: draft tokens verified
+    spec_accepted_tokens: int = 0     # of them, accepted
+    spec_drafts: int = 0              # (sequence, verify step) pairs that had drafts (vLLM's num_drafts)
+    spec_accepted_per_pos: list = dataclasses.field(default_factory=list)  # accepted drafts by position
 
     @property
     def kv_utilization(self) -> float:
@@ -158,8 +170,13 @@ class LLMEngine:
       config: EngineConfig.
     """
 
-    def __init__(self, model: EngineModel, tokenizer, config: EngineConfig = EngineConfig()):
+    def __init__(self, model: EngineModel, tokenizer, config: EngineConfig = EngineConfig(), *,
+                 draft_model: EngineModel | None = None):
         check_model(model)
+        spec = config.speculative
+        if (draft_model is not None) != (spec is not None and spec.method == "draft_model"):
+            raise ValueError("speculative method 'draft_model' needs the draft model (LLMEngine(..., draft_model=...)), "
+                             "and a draft model needs that method")
         self.mesh = None
         if config.tensor_parallel > 1:
             if not callable(getattr(model, "shard", None)):
@@ -173,13 +190,25 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or mc.max_seq_len, mc.max_seq_len)
         self.pages_per_seq = -(-self.max_model_len // config.page_size)
         dtype = config.cache_dtype or np.dtype(model.dtype).name
+        draft_cfg = None
+        if draft_model is not None:   # its own cache, same pages: a page costs the target's bytes + the draft's
+            check_model(draft_model)
+            dc = draft_model.config
+            draft_cfg = CacheConfig(dc.num_layers, dc.num_kv_heads, dc.head_dim, 1, config.page_size, dtype)
         if config.num_pages is not None:
             self.cache_config = CacheConfig(mc.num_layers, mc.num_kv_heads, mc.head_dim,
                                             config.num_pages, config.page_size, dtype)
         else:
+            budget = config.kv_memory_bytes * config.tensor_parallel
+            if draft_cfg is not None:
+                target = CacheConfig(mc.num_layers, mc.num_kv_heads, mc.head_dim, 1, config.page_size, dtype)
+                budget = budget * target.bytes_per_page // (target.bytes_per_page + draft_cfg.bytes_per_page)
             self.cache_config = CacheConfig.from_memory(
-                config.kv_memory_bytes * config.tensor_parallel, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
+                budget, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
                 head_dim=mc.head_dim, page_size=config.page_size, dtype=dtype)
+        if draft_cfg is not None:
+            draft_cfg = dataclasses.replace(draft_cfg, num_pages=self.cache_config.num_pages)
+        self.draft_cache_config = draft_cfg
         self.num_pages = self.cache_config.num_pages
         # A sequence must be able to reach its length limit alone in the pool, or preemption
         # could never make room for it.
@@ -190,7 +219,8 @@ class LLMEngine:
                                   pages_per_seq=self.pages_per_seq,
                                   steps_per_call=config.steps_per_call, stop_ids=self.stop_ids,
                                   attention_impl=config.attention_impl, mesh=self.mesh,
-                                  block_tokens=config.ragged_block_tokens)
+                                  block_tokens=config.ragged_block_tokens, speculative=config.speculative,
+                                  draft=draft_model, draft_cache_config=draft_cfg)
         self.scheduler = Scheduler(
             max_seqs=config.max_seqs, page_size=config.page_size, num_pages=self.num_pages,
             max_model_len=self.max_model_len, steps_per_call=config.steps_per_call,
@@ -376,7 +406,14 @@ class LLMEngine:
         if plan.num_prompt_tokens:
             self.stats.prefill_seconds += seconds
         self.stats.decode_calls += 1
-        self.stats.decode_steps += len(result.out)
+        self.stats.decode_steps += int(result.steps)
+        if self.config.speculative is not None:
+            st = self.stats
+            st.spec_draft_tokens += int(result.spec_drafted.sum())
+            st.spec_accepted_tokens += int(result.spec_accepted.sum())
+            st.spec_drafts += int(result.spec_steps.sum())
+            per_pos = [int(x) for x in result.spec_accepted_per_pos]
+            st.spec_accepted_per_pos = [a + b for a, b in zip(st.spec_accepted_per_pos or [0] * len(per_pos), per_pos)]
         self.stats.prefill_tokens += plan.num_prompt_tokens
         self.stats.decode_tokens += int((result.out >= 0).sum()) + sum(e.decode for e in plan.entries)
         events = self.scheduler.stepped(plan, result)
@@ -550,6 +587,24 @@ class LLMEngine:
         if problems:
             raise RuntimeError("page state check failed: " + "; ".join(problems))
 
+    def _spec_summary(self) -> dict | None:
+        """Speculative decoding's figures (None when it is off): vLLM's counters, the acceptance
+        rate (accepted / drafted) and the mean accepted length (tokens per verify step that had
+        drafts: accepted drafts + the target's own token)."""
+        spec = self.config.speculative
+        if spec is None:
+            return None
+        s = self.stats
+        return {
+            "method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
+            "verify_rows": self.runner.verify_rows, "num_drafts": s.spec_drafts,
+            "num_draft_tokens": s.spec_draft_tokens, "num_accepted_tokens": s.spec_accepted_tokens,
+            # None, not NaN, before any draft: this dict is nested in --json's summary line.
+            "acceptance_rate": s.spec_accepted_tokens / s.spec_draft_tokens if s.spec_draft_tokens else None,
+            "mean_accepted_length": 1 + s.spec_accepted_tokens / s.spec_drafts if s.spec_drafts else None,
+            "accepted_per_pos": list(s.spec_accepted_per_pos),
+        }
+
     def flush_prefix_cache(self) -> int:
         """Evicts every cached page (an idle engine only); returns how many were freed."""
         prefix = self.scheduler.prefix
@@ -584,7 +639,8 @@ class LLMEngine:
             "num_pages": self.num_pages,
             "kv_utilization": s.kv_utilization,
             "preemptions": s.preemptions,
-            "kv_cache": self.cache_config.describe(),
+            "kv_cache": self.cache_config.describe() + (
+                f"; draft model: {self.draft_cache_config.describe()}" if self.draft_cache_config else ""),
             "attention": self.runner.attention,  # what the compiled decode loop runs (None before)
             "prefix_caching": self.scheduler.prefix is not None,
             "prefix_hit_tokens": self.scheduler.prefix.hit_tokens if self.scheduler.prefix else 0,
@@ -594,6 +650,7 @@ class LLMEngine:
             "peak_shared_pages": s.peak_shared_pages,
             "cow_copies": self.runner.cow_copies,
             "tensor_parallel": self.config.tensor_parallel,
+            "speculative": self._spec_summary(),
             # Structured outputs (llguidance): grammar compilations, masks computed (one per constrained
             # token) and their host time.
             "grammar_compiles": self.grammars.compiles,

@@ -77,6 +77,8 @@ class Request:
     # parallel-sampling request share their leader's dict: computed once, reported with each.
     prompt_lp: dict | None = None
     prompt_lp_sent: bool = False       # handed out in a StepOutput already
+    num_draft_tokens: int = 0          # speculative decoding: drafts verified for it
+    num_accepted_tokens: int = 0       # of them, accepted
     # params.structured set: its grammar state (`jpa.engine.structured.Matcher`), fed every output
     # token; each parallel sample has its own.
     matcher: object = None
@@ -119,7 +121,8 @@ class Request:
     def to_output(self) -> "RequestOutput":
         return RequestOutput(self.request_id, self.prompt, self.text, tuple(self.prompt_ids),
                              tuple(self.output_ids), self.finish_reason, self.error, self.num_preemptions,
-                             tuple(self.output_logprobs), tuple(self.output_top_logprobs), self.prompt_logprobs)
+                             tuple(self.output_logprobs), tuple(self.output_top_logprobs), self.prompt_logprobs,
+                             self.num_draft_tokens, self.num_accepted_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,12 +143,19 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing
     # before it), a PromptLogprob for each other; None when not asked for (or not computed).
     prompt_logprobs: tuple | None = None
+    # Speculative decoding: draft tokens verified for this request and how many were accepted (0
+    # without it). Its tokens are those it would have without speculation either way.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def to_json(self) -> dict:
         out = {"request_id": self.request_id, "prompt": self.prompt, "completion": self.completion,
                "token_ids": list(self.token_ids), "num_prompt_tokens": len(self.prompt_ids),
                "finish_reason": self.finish_reason, "error": self.error,
                "num_preemptions": self.num_preemptions}
+        if self.num_draft_tokens:
+            out["num_draft_tokens"] = self.num_draft_tokens
+            out["num_accepted_tokens"] = self.num_accepted_tokens
         if self.prompt_logprobs is not None:
             out["prompt_token_ids"] = list(self.prompt_ids)
             out["prompt_logprobs"] = [None if e is None else

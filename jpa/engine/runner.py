@@ -48,6 +48,7 @@ from jpa.cache import CacheConfig, KVCache, copy_pages
 from jpa.engine.batch import StepBatch, StepResult, make_step_batch
 from jpa.engine.model import EngineModel, check_model, has_hidden
 from jpa.engine.sampling import MAX_TOP_LOGPROBS, SlotParams, allowed_tokens, sample_slots
+from jpa.engine.speculative import DraftPair, SpeculativeConfig, accepted_prefix, propose_ngram
 from jpa.sharding import REPLICATED, STACKED_POOL, named
 
 
@@ -109,7 +110,9 @@ def _copy_on_write(cache, slots, cow):
         toks = slots.page_tokens
         dst = jnp.where(cow.dst >= 0, cow.dst, toks.shape[0])
         toks = toks.at[dst].set(toks[jnp.maximum(cow.src, 0)], mode="drop")
-        return i + 1, copy_pages(cache, cow.src, cow.dst), slots.replace(page_tokens=toks)
+        cache = (tuple(copy_pages(c, cow.src, cow.dst) for c in cache) if isinstance(cache, tuple)
+                 else copy_pages(cache, cow.src, cow.dst))   # a draft model's cache too (DraftPair)
+        return i + 1, cache, slots.replace(page_tokens=toks)
 
     _, cache, slots = lax.while_loop(lambda c: c[0] < any_copy, copy, (jnp.int32(0), cache, slots))
     return cache, slots, jnp.sum(cow.dst >= 0, dtype=jnp.int32)
@@ -154,8 +157,25 @@ class ModelRunner:
 
     def __init__(self, model: EngineModel, cache_config: CacheConfig, *, max_seqs: int, pages_per_seq: int,
                  steps_per_call: int, stop_ids, attention_impl: str = "auto", allocate: bool = True,
-                 mesh=None, block_tokens: int | None = None):
+                 mesh=None, block_tokens: int | None = None, speculative: SpeculativeConfig | None = None,
+                 draft=None, draft_cache_config: CacheConfig | None = None):
         check_model(model)
+        self.spec = speculative
+        if (draft is not None) != (speculative is not None and speculative.method == "draft_model"):
+            raise ValueError("a draft model goes with speculative method 'draft_model' (and that method needs one)")
+        if draft is not None:
+            check_model(draft)
+            if mesh is not None:
+                raise ValueError("speculative method 'draft_model' runs on one device (tensor_parallel=1); "
+                                 "use method 'ngram' with tensor parallelism")
+            model = DraftPair(model, draft)
+        if speculative is not None:
+            if not has_hidden(model):
+                raise TypeError(f"speculative decoding needs a model with EngineModel's optional ragged_hidden() "
+                                f"and head() (every row's logits); {type(model).__name__} lacks them")
+            backend = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
+            self.verify_rows = speculative.rows(max_seqs, backend)
+        self.width = 1 if speculative is None else speculative.num_speculative_tokens + 1
         self.mesh = mesh
         self.model, self.params = model, model.params
         self.cache_config = cache_config
@@ -169,7 +189,8 @@ class ModelRunner:
         self._pool = None if mesh is None else named(mesh, STACKED_POOL)
         self._rep = None if mesh is None else named(mesh, REPLICATED)
         make = lambda f, sharding: self._make(f, sharding, allocate)  # noqa: E731
-        self.cache = make(lambda: KVCache.create(cache_config), self._pool)
+        self.cache = make(lambda: KVCache.create(cache_config) if draft is None else (
+            KVCache.create(cache_config), KVCache.create(draft_cache_config)), self._pool)
         self.page_state = make(lambda: pages.init(cache_config.num_pages, max_seqs, pages_per_seq,
                                                   cache_config.page_size), self._rep)
         self.slots = make(lambda: Slots.empty(max_seqs, cache_config.num_pages, cache_config.page_size), self._rep)
@@ -255,6 +276,185 @@ class ModelRunner:
         init = (jnp.int32(0), cache, page_state, slots, outs, _lookahead(page_state, slots), jnp.int32(0))
         steps, cache, page_state, slots, outs, _, copies = lax.while_loop(cond, step, init)
         return cache, page_state, slots, outs, steps, copies
+
+    def _spec_loop(self, params, cache, page_state, slots, max_steps):
+        """`_decode_loop` with speculation: up to max_steps verify steps (see jpa.engine.speculative).
+
+        Each step every active slot feeds its pending token and num[b] <= k n-gram drafts
+        (proposed on the device from its history, look-ahead like the decode loop's page append)
+        as one entry of a ragged pass of `verify_rows` rows; every row is sampled exactly as the
+        decode loop samples (the request's key for that token index, controls and filters), and
+        the slot emits its rows' tokens up to and including the first that differs from its
+        draft (or the first that stops it). The cache then holds the pending token and the
+        accepted drafts: rejected drafts are rolled back by `pages.truncate`, which releases the
+        pages reserved for them in the same step. A step where no slot has a draft runs the
+        plain decode pass over max_seqs rows instead (no extra rows computed).
+
+        Returns what `_decode_loop` returns, with `out`'s rows per step `width` = k + 1 (row
+        i * width + j: a slot's j-th token of step i, -1 past what it emitted), plus the
+        speculation counters (drafted, accepted, steps with drafts: i32[max_seqs] each;
+        accepted per draft position: i32[k]).
+        """
+        spec, num_seqs, ps_ = self.spec, self.max_seqs, self.cache_config.page_size
+        k, width, rows = spec.num_speculative_tokens, self.width, self.verify_rows
+        slot_ids = jnp.arange(num_seqs, dtype=jnp.int32)
+        jj = jnp.arange(width, dtype=jnp.int32)
+
+        def lookahead(ps, slots):
+            """(lens, drafts, num, state with the rows reserved, ok, cow) for the next step."""
+            act = slots.active
+            lens = jnp.where(act, ps.seq_lens, 0)  # tokens cached (the pending one is not)
+            if spec.method == "ngram":
+                hist = slots.history(ps.block_tables)
+                hist = jnp.where(jnp.arange(hist.shape[1])[None, :] == lens[:, None], slots.tokens[:, None], hist)
+                drafts, num = propose_ngram(hist, jnp.where(act, lens + 1, 0), k, spec.prompt_lookup_min,
+                                            spec.prompt_lookup_max)
+            else:   # the draft model proposes in the step, once its rows are reserved
+                drafts, num = jnp.zeros((num_seqs, k), jnp.int32), jnp.full((num_seqs,), k, jnp.int32)
+            # Never draft past what the request may still emit (max_new_tokens, its length limit),
+            # and share the rows left after one per active slot equally.
+            p = slots.params
+            room = jnp.minimum(p.max_new - slots.num_generated - 1, p.max_len - lens - 2)
+            n_act = jnp.sum(act, dtype=jnp.int32)
+            share = (rows - n_act) // jnp.maximum(n_act, 1)
+            if spec.disable_by_batch_size is not None:
+                share = jnp.where(n_act >= spec.disable_by_batch_size, 0, share)
+            num = jnp.where(act, jnp.clip(jnp.minimum(num, jnp.minimum(room, share)), 0, k), 0)
+            ids = jnp.where(act, slot_ids, -1)
+            ps1, ok1, cow1 = pages.reserve(ps, ids, jnp.where(act, lens + 1 + num, 0), return_cow=True)
+            # Pages too short for the drafts: the plain step (one token each) may still fit.
+            ps0, ok0, cow0 = pages.reserve(ps, ids, jnp.where(act, lens + 1, 0), return_cow=True)
+            num = jnp.where(ok1, num, 0)
+            return lens, drafts, num, _select(ok1, ps1, ps0), ok1 | ok0, _select(ok1, cow1, cow0)
+
+        def verify_pass(params, cache, ps, slots, lens, drafts, num):
+            """Per slot [num_seqs, width]: tokens, logprobs, top ids, top logprobs of rows 0..num."""
+            act = slots.active
+            order = jnp.argsort(~act, stable=True).astype(jnp.int32)  # entries: active slots first
+            q = jnp.where(act, 1 + num, 0)[order]
+            cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q, dtype=jnp.int32)])
+            row = jnp.arange(rows, dtype=jnp.int32)
+            e = jnp.clip(jnp.searchsorted(cu[1:], row, side="right"), 0, num_seqs - 1).astype(jnp.int32)
+            s, j = order[e], row - cu[e]
+            live = row < cu[-1]
+            tok = jnp.where(j == 0, slots.tokens[s], jnp.take_along_axis(drafts[s], jnp.clip(j - 1, 0, k - 1)[:, None],
+                                                                          axis=1)[:, 0])
+            tok = jnp.where(live, tok, 0)
+            pos = jnp.where(live, lens[s] + j, 0)
+            page = jnp.take_along_axis(ps.block_tables[s], (pos // ps_)[:, None], axis=1, mode="clip")[:, 0]
+            slot_mapping = jnp.where(live, page * ps_ + pos % ps_, -1)
+            seq = jnp.where(act, lens + 1 + num, 0)[order]
+            args = (tok, pos, slot_mapping, ps.block_tables[order], seq, cu, jnp.sum(act, dtype=jnp.int32))
+            if draft is None:
+                hidden, cache = self.model.ragged_hidden(params, cache, *args, impl=self.attention_impl)
+            else:   # the draft passes have written the draft's cache for these rows
+                hidden, tc = self.model.target.ragged_hidden(params[0], cache[0], *args, impl=self.attention_impl)
+                cache = (tc, cache[1])
+            slots = slots.write_tokens(tok, slot_mapping)
+            rs = slots.rows(s)
+            y = sample_slots(self.model.head(params, hidden), rs.params, rs.num_generated + j,
+                             lambda: slots.history(ps.block_tables[s]), lens[s] + 1 + j, self.stop_ids)
+            start = cu[jnp.argsort(order)]  # i32[num_seqs]: each slot's first row
+            ridx = jnp.clip(start[:, None] + jj[None, :], 0, rows - 1)
+            return cache, slots, tuple(a[ridx] for a in y)
+
+        def decode_pass(params, cache, ps, slots, lens):
+            """No drafts anywhere: the decode loop's pass over max_seqs rows, as [num_seqs, width]."""
+            act = slots.active
+            page = jnp.take_along_axis(ps.block_tables, (lens // ps_)[:, None], axis=1, mode="clip")[:, 0]
+            slot_mapping = jnp.where(act, page * ps_ + lens % ps_, -1)
+            seq_lens = jnp.where(act, lens + 1, 0)
+            logits, cache = self.model.decode(params, cache, slots.tokens, seq_lens, slot_mapping, ps.block_tables,
+                                              impl=self.attention_impl)
+            slots = slots.write_tokens(slots.tokens, slot_mapping)
+            y = sample_slots(logits, slots.params, slots.num_generated, lambda: slots.history(ps.block_tables),
+                             seq_lens, self.stop_ids)
+            return cache, slots, tuple(jnp.repeat(a[:, None], width, axis=1) for a in y)
+
+        draft = self.model.draft if isinstance(self.model, DraftPair) else None
+
+        def draft_pass(params, cache, ps, slots, lens, num):
+            """The draft model's greedy drafts: passes j = 0..max(num) feed the pending token, then
+            draft j - 1, at position lens + j (writing the draft's cache there, so it holds every
+            token the target may accept) and take draft j as the argmax."""
+            act = slots.active
+
+            def body(c):
+                j, dc, tok, drafts = c
+                feed = act & (j <= num)
+                pos = lens + j
+                page = jnp.take_along_axis(ps.block_tables, (pos // ps_)[:, None], axis=1, mode="clip")[:, 0]
+                logits, dc = draft.decode(params[1], dc, tok, jnp.where(feed, pos + 1, 0),
+                                          jnp.where(feed, page * ps_ + pos % ps_, -1), ps.block_tables,
+                                          impl=self.attention_impl)
+                nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+                drafts = jnp.where((jnp.arange(k)[None, :] == j) & (feed & (j < num))[:, None], nxt[:, None], drafts)
+                return j + 1, dc, jnp.where(feed, nxt, tok), drafts
+
+            init = (jnp.int32(0), cache[1], slots.tokens, jnp.zeros((num_seqs, k), jnp.int32))
+            last = jnp.where(jnp.any(num > 0), jnp.max(jnp.where(act, num, -1)), -1)  # no drafts: no pass
+            _, dc, _, drafts = lax.while_loop(lambda c: c[0] <= last, body, init)
+            return (cache[0], dc), drafts
+
+        def once(run, pred, cache, slots, ys):
+            """run() under a while_loop of 0 or 1 iterations (the cache is carried in place)."""
+            def body(c):
+                _, cache, slots, _ = c
+                return (jnp.int32(1),) + run(cache, slots)
+            return lax.while_loop(lambda c: c[0] < pred.astype(jnp.int32), body, (jnp.int32(0), cache, slots, ys))[1:]
+
+        def step(carry):
+            i, cache, ps, slots, outs, nxt, copies, counts = carry
+            lens, drafts, num, ps, _, cow = nxt
+            cache, slots, n = _copy_on_write(cache, slots, cow)
+            act = slots.active
+            tn = outs[2].shape[-1]
+            ys = (jnp.zeros((num_seqs, width), jnp.int32), jnp.zeros((num_seqs, width), jnp.float32),
+                  jnp.zeros((num_seqs, width, tn), jnp.int32), jnp.zeros((num_seqs, width, tn), jnp.float32))
+            drafting = jnp.any(num > 0)
+            if draft is not None:
+                cache, drafts = draft_pass(params, cache, ps, slots, lens, num)
+            cache, slots, ys = once(lambda c, sl: verify_pass(params, c, ps, sl, lens, drafts, num), drafting,
+                                    cache, slots, ys)
+            cache, slots, ys = once(lambda c, sl: decode_pass(params, c, ps, sl, lens), ~drafting, cache, slots, ys)
+            y, lp, top_ids, top_lps = ys
+            a = jnp.where(act, accepted_prefix(y, drafts, num), 0)
+            # Stop checks token by token: emitted token j is decode step j of the plain loop.
+            stops = jnp.stack([_finished(slots.replace(num_generated=slots.num_generated + t + 1), y[:, t],
+                                         lens + 1 + t, self.stop_ids) for t in range(width)], axis=1)
+            stops = stops & (jj[None, :] <= a[:, None])
+            stopped = act & jnp.any(stops, axis=1)
+            emitted = jnp.where(act, jnp.where(stopped, jnp.argmax(stops, axis=1) + 1, a + 1), 0).astype(jnp.int32)
+            emit = jj[None, :] < emitted[:, None]  # bool[num_seqs, width]
+            last = jnp.take_along_axis(y, jnp.maximum(emitted - 1, 0)[:, None], axis=1)[:, 0]
+            slots = slots.replace(tokens=jnp.where(act, last, slots.tokens),
+                                  num_generated=slots.num_generated + emitted)
+            ids = jnp.where(act, slot_ids, -1)
+            ps = pages.truncate(ps, ids, jnp.where(act, lens + emitted, 0))  # rejected drafts rolled back
+            ps = pages.release(ps, jnp.where(stopped, slot_ids, -1))
+            slots = slots.replace(active=act & ~stopped)
+            r0 = i * width
+            put = lambda buf, v: lax.dynamic_update_slice_in_dim(buf, jnp.moveaxis(v, 0, 1), r0, 0)  # noqa: E731
+            outs = (put(outs[0], jnp.where(emit, y, -1)), put(outs[1], lp),
+                    put(outs[2], jnp.where(emit[..., None], top_ids, -1)), put(outs[3], top_lps))
+            drafted, accepted, spec_steps, per_pos = counts
+            counts = (drafted + num, accepted + a, spec_steps + (num > 0).astype(jnp.int32),
+                      per_pos + jnp.sum(jj[None, :k] < a[:, None], axis=0, dtype=jnp.int32))
+            return i + 1, cache, ps, slots, outs, lookahead(ps, slots), copies + n, counts
+
+        def cond(carry):
+            i, _, _, slots, _, nxt, _, _ = carry
+            return (i < max_steps) & nxt[4] & jnp.any(slots.active)
+
+        tn = min(MAX_TOP_LOGPROBS, self.model.config.vocab_size)
+        total = self.steps_per_call * width
+        outs = (jnp.full((total, num_seqs), -1, jnp.int32), jnp.zeros((total, num_seqs), jnp.float32),
+                jnp.full((total, num_seqs, tn), -1, jnp.int32), jnp.full((total, num_seqs, tn), -jnp.inf, jnp.float32))
+        zeros = jnp.zeros((num_seqs,), jnp.int32)
+        counts = (zeros, zeros, zeros, jnp.zeros((k,), jnp.int32))
+        init = (jnp.int32(0), cache, page_state, slots, outs, lookahead(page_state, slots), jnp.int32(0), counts)
+        steps, cache, page_state, slots, outs, _, copies, counts = lax.while_loop(cond, step, init)
+        return cache, page_state, slots, outs, steps, copies, counts
 
     def _prompt_logprobs(self, params, hidden, targets, b0, acc):
         """Prompt logprobs of one block's rows, written into acc at rows b0.. (see StepResult).
@@ -455,17 +655,26 @@ class ModelRunner:
             (jnp.int32(0), cache, page_state, slots, empty_out))
         decode_steps = jnp.where(ok, jnp.minimum(batch.decode_steps, self.steps_per_call), 0)
         # Structured outputs: constrained slots sample only in the ragged step (under the host's
-        # grammar mask); the decode loop runs without them and they come back as they were.
+        # grammar mask); the decode loop (speculative or not) runs without them and they come back
+        # as they were.
         held = slots.active & slots.params.constrained
-        cache, page_state, slots, (out, out_lp, out_ids, out_tops), steps, loop_copies = self._decode_loop(
-            params, cache, page_state, slots.replace(active=slots.active & ~held), decode_steps)
+        loop_slots = slots.replace(active=slots.active & ~held)
+        if self.spec is None:
+            cache, page_state, slots, (out, out_lp, out_ids, out_tops), steps, loop_copies = self._decode_loop(
+                params, cache, page_state, loop_slots, decode_steps)
+            zeros = jnp.zeros((self.max_seqs,), jnp.int32)
+            spec_counts = (zeros, zeros, zeros, jnp.zeros((1,), jnp.int32))
+        else:
+            cache, page_state, slots, (out, out_lp, out_ids, out_tops), steps, loop_copies, spec_counts = \
+                self._spec_loop(params, cache, page_state, loop_slots, decode_steps)
         slots = slots.replace(active=slots.active | held)
         return cache, page_state, slots, StepResult(
             tokens=tok, logprobs=lp, top_ids=top_ids, top_logprobs=top_lps, ok=ok, out=out, out_logprobs=out_lp,
             out_top_ids=out_ids, out_top_logprobs=out_tops, steps=steps,
             num_free=pages.num_free_pages(page_state), seq_lens=page_state.seq_lens, active=slots.active,
             tables=tables, cow_copies=copies + loop_copies, prompt_logprobs=prompt[0], prompt_ranks=prompt[1],
-            prompt_top_ids=prompt[2], prompt_top_logprobs=prompt[3])
+            prompt_top_ids=prompt[2], prompt_top_logprobs=prompt[3], spec_drafted=spec_counts[0],
+            spec_accepted=spec_counts[1], spec_steps=spec_counts[2], spec_accepted_per_pos=spec_counts[3])
 
     @staticmethod
     def _retire_impl(page_state, slots, seq_ids):
@@ -534,10 +743,10 @@ class ModelRunner:
         if not (np.asarray(batch.prompt_targets) >= 0).any():  # nobody asked: not read back
             res = res.replace(prompt_logprobs=None, prompt_ranks=None, prompt_top_ids=None, prompt_top_logprobs=None)
         res = jax.device_get(res)
-        steps = int(res.steps)
+        rows = int(res.steps) * self.width
         self.cow_copies += int(res.cow_copies)
-        return res.replace(out=res.out[:steps], out_logprobs=res.out_logprobs[:steps],
-                           out_top_ids=res.out_top_ids[:steps], out_top_logprobs=res.out_top_logprobs[:steps])
+        return res.replace(out=res.out[:rows], out_logprobs=res.out_logprobs[:rows],
+                           out_top_ids=res.out_top_ids[:rows], out_top_logprobs=res.out_top_logprobs[:rows])
 
     def retire(self, seq_ids):
         """Releases slots (finished on the host, aborted or preempted).

@@ -461,6 +461,9 @@ class Scheduler:
                     for i, (t, lp) in enumerate(zip(result.out[:, slot], result.out_logprobs[:, slot])) if t >= 0]
             if loop:
                 req.cow_pending = False
+            if result.spec_drafted is not None:
+                req.num_draft_tokens += int(result.spec_drafted[slot])
+                req.num_accepted_tokens += int(result.spec_accepted[slot])
             events.append(self._on_tokens(req, new.get(slot, []) + loop, device_done=not result.active[slot]))
         return events
 

@@ -8,7 +8,10 @@ autoscalers read (labelled with model_name, as vLLM does): `vllm:num_requests_ru
 `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc` (a fraction in [0, 1] despite the name;
 pages held by requests, cached-idle pages count as free as in vLLM), and the counters
 `vllm:prefix_cache_queries` / `vllm:prefix_cache_hits` (prompt tokens looked up in the prefix
-cache / found there; exposed with Prometheus' `_total` suffix).
+cache / found there; exposed with Prometheus' `_total` suffix). With speculative decoding, vLLM's
+`vllm:spec_decode_num_drafts`, `vllm:spec_decode_num_draft_tokens`,
+`vllm:spec_decode_num_accepted_tokens` and `vllm:spec_decode_num_accepted_tokens_per_pos`
+(labelled with the draft position) count verify steps with drafts, drafts verified and accepted.
 """
 
 import time
@@ -85,6 +88,22 @@ class _EngineCollector:
             c = CounterMetricFamily(name, doc, labels=label[0])
             c.add_metric(label[1], float(value))
             yield c
+        inner = getattr(engine, "engine", None)
+        if getattr(getattr(inner, "config", None), "speculative", None) is None:
+            return
+        st = inner.stats   # running sums the engine thread adds to (read as they are)
+        for name, doc, value in (
+                ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", st.spec_drafts),
+                ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", st.spec_draft_tokens),
+                ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", st.spec_accepted_tokens)):
+            c = CounterMetricFamily(name, doc, labels=label[0])
+            c.add_metric(label[1], float(value))
+            yield c
+        c = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+                                labels=["model_name", "position"])
+        for pos, value in enumerate(list(st.spec_accepted_per_pos)):
+            c.add_metric([self.model_name, str(pos)], float(value))
+        yield c
 
 
 class ServerMetrics:
