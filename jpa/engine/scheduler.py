@@ -24,8 +24,8 @@ Policies (vLLM v1's, in nano-vllm's split):
 - token budget: every decoding request gets its one token first, then prefilling requests
   continue in admission order, then waiting requests are admitted, each taking a chunk of
   min(budget left, prompt left, what the free pages hold). A round with no prompt work skips the
-  ragged step and runs steps_per_call decode steps (if a constrained request decodes, its decode
-  row runs in a ragged step first: see structured outputs below); a round with prompt work runs steps_per_call - 1 decode steps after
+  ragged step and runs steps_per_call decode steps (unless a constrained request decodes: see
+  structured outputs below); a round with prompt work runs steps_per_call - 1 decode steps after
   it only when no prompt work is left for the next round.
 - admission: first come, first served, into free slots, while the pool holds the prompt plus its
   growth during the next decode call, the running requests' growth (headroom) and a watermark of
@@ -50,8 +50,8 @@ Policies (vLLM v1's, in nano-vllm's split):
   the output is cut at the token that completed the stop.
 - structured outputs (SamplingParams.structured): a constrained request samples only in the
   ragged step (the device's decode loop skips it; see `jpa.engine.structured`), so while one
-  decodes a round without prompt work runs a ragged step over the constrained requests' decode
-  rows, then steps_per_call decode steps for the unconstrained ones. Each new token is fed to the request's grammar
+  decodes every round has a ragged step with a decode row per decoding request, then
+  steps_per_call - 1 decode steps for the unconstrained ones. Each new token is fed to the request's grammar
   matcher here; once the grammar admits nothing more the request finishes ("stop"), as with a
   stop string. A token the grammar rejects (a bug: the sampler draws only allowed tokens)
   finishes the request with "error".
@@ -354,19 +354,18 @@ class Scheduler:
                 alloc += self._growth(h, n)
                 avail -= newly_held + need
         # A constrained request (structured outputs) samples only in the ragged step, under its
-        # grammar mask: a round without prompt work runs the ragged step over the constrained
-        # requests' decode rows alone, then steps_per_call decode steps for the others.
-        constrained = [s for s in decoding if self.running[s].matcher is not None]
-        if prompt:
+        # grammar mask: while one decodes, a round without prompt work still runs the ragged step
+        # (every decoding request's decode row), then steps_per_call - 1 decode steps for the
+        # unconstrained ones. (The ragged pass costs about a block of rows however few are live, so
+        # the unconstrained requests' first token of the round is better made there than in an
+        # extra decode step: measured in BENCHMARKS.md.)
+        if prompt or any(self.running[s].matcher is not None for s in decoding):
             more = blocked_by_budget or any(not e.final for e in prompt) or len(prompt) < len(
                 [r for r in self.running.values() if r.phase is Phase.PREFILLING])
             forks = [Entry(sib.slot, sib, 0, False, True, fork_of=e.slot)
                      for e in prompt if e.final for sib in e.request.siblings if sib.phase is Phase.FORKING]
             entries = tuple(Entry(s, self.running[s], 1, True, False) for s in decoding) + tuple(prompt) + tuple(forks)
             steps = 0 if more else self.steps_per_call - 1
-        elif constrained:
-            entries, steps = tuple(Entry(s, self.running[s], 1, True, False) for s in constrained), self.steps_per_call
-            alloc = sum(self._growth(self.running[s].num_computed_tokens, 1) for s in constrained)
         else:
             entries, steps, alloc = (), self.steps_per_call, 0
         evict = ()
