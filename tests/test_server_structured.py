@@ -147,6 +147,8 @@ def test_tool_messages_are_rendered(live):
     assert r.usage.prompt_tokens == len(live.tok.encode(rendered))
     bad = live.post("/v1/chat/completions", {"messages": MSGS + [{"role": "tool", "content": "x"}]})
     assert bad.status_code == 400 and "tool_call_id" in bad.json()["error"]["message"]
+    bad = httpx.post(f"{live.url}/tokenize", json={"messages": [{"role": "user"}]}, timeout=60)
+    assert bad.status_code == 400 and "'messages.0.content' is required" in bad.json()["error"]["message"]
 
 
 def test_completions_structured_outputs(live):

@@ -52,7 +52,7 @@ from jpa.server.metrics import ServerMetrics, Timing
 from jpa.server.tools import ToolStream, parse_output, parser_format, request_constraint, tool_mode
 from jpa.server.protocol import (SEED_LIMIT, APIError, ChatCompletionRequest, CompletionRequest,
                                  DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, chat_messages,
-                                 check_unsupported, error_body, parse_body, parse_json, stop_strings,
+                                 check_messages, check_unsupported, error_body, parse_body, parse_json, stop_strings,
                                  unknown_fields, validation_error)
 
 log = logging.getLogger("jpa.server")
@@ -447,6 +447,7 @@ class _API:
                 if not ok:
                     raise APIError(400, f"'{name}' is not supported here (only its default: what "
                                         f"/v1/chat/completions does)", param=name)
+            check_messages(body.messages)
             ids = self._encode(self._render(body.messages, body.add_generation_prompt), "messages")
         else:
             if not body.add_special_tokens:

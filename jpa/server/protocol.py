@@ -378,15 +378,21 @@ def check_unsupported(req: _Sampling) -> None:
         raise APIError(400, f"'seed' + n - 1 must be < 2**31 (choice j samples with seed + j); got seed "
                             f"{req.seed} with n {req.n}", param="seed")
     if chat:
-        for i, m in enumerate(req.messages):
-            if m.tool_calls and m.role != "assistant":
-                raise APIError(400, f"'messages.{i}.tool_calls': only assistant messages make tool calls",
-                               param="messages")
-            if m.content is None and not (m.role == "assistant" and m.tool_calls):
-                raise APIError(400, f"'messages.{i}.content' is required (only an assistant message with "
-                                    f"tool_calls may leave it out)", param="messages")
-            if m.role == "tool" and not m.tool_call_id:
-                raise APIError(400, f"'messages.{i}.tool_call_id' is required in a tool message", param="messages")
+        check_messages(req.messages)
+
+
+def check_messages(messages) -> None:
+    """400 naming the message: tool calls only on assistant messages, content required unless an
+    assistant message makes tool calls, a tool message names its call (tool_call_id)."""
+    for i, m in enumerate(messages):
+        if m.tool_calls and m.role != "assistant":
+            raise APIError(400, f"'messages.{i}.tool_calls': only assistant messages make tool calls",
+                           param="messages")
+        if m.content is None and not (m.role == "assistant" and m.tool_calls):
+            raise APIError(400, f"'messages.{i}.content' is required (only an assistant message with "
+                                f"tool_calls may leave it out)", param="messages")
+        if m.role == "tool" and not m.tool_call_id:
+            raise APIError(400, f"'messages.{i}.tool_call_id' is required in a tool message", param="messages")
 
 
 def stop_strings(stop) -> tuple[str, ...]:
