@@ -66,7 +66,7 @@ def compile_template(source: str):
         raise ChatTemplateError(f"the chat template is not valid Jinja: {e}") from e
 
 
-def render(source: str, messages, *, add_generation_prompt: bool = True, special_tokens=None,
+def render(source: str, messages, *, add_generation_prompt: bool = True, special_tokens=None, tools=None,
            **kwargs) -> str:
     """Renders `messages` with the chat template `source`, as transformers' apply_chat_template(
     tokenize=False) does.
@@ -76,6 +76,8 @@ def render(source: str, messages, *, add_generation_prompt: bool = True, special
       messages: a list of {"role": ..., "content": ...} dicts.
       add_generation_prompt: end with the header of an assistant turn.
       special_tokens: {"bos_token": "<bos>", ...}: the tokenizer's named special tokens.
+      tools: OpenAI-style tool definitions ([{"type": "function", "function": {...}}]) for templates
+        that render them (transformers' `tools`), or None.
       **kwargs: further template variables (they override special tokens of the same name).
 
     Returns:
@@ -94,7 +96,7 @@ def render(source: str, messages, *, add_generation_prompt: bool = True, special
     chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
     variables = {**(special_tokens or {}), **kwargs}
     try:
-        return compile_template(source).render(messages=chat, tools=None, documents=None,
+        return compile_template(source).render(messages=chat, tools=tools or None, documents=None,
                                                add_generation_prompt=add_generation_prompt, **variables)
     except ChatTemplateError:
         raise

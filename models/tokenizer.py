@@ -30,18 +30,50 @@ def _chatml(prompt: str, system: str | None) -> str:
     return f"{head}{CHATML_START}user\n{prompt}{CHATML_END}\n{CHATML_START}assistant\n"
 
 
-def _chatml_messages(messages, default_system: str | None, add_generation_prompt: bool = True) -> str:
+# Tool calling in ChatML, the Hermes way, as Qwen2.5's chat template renders it (tools listed in the
+# system turn, calls as <tool_call> JSON, results as <tool_response> in a user turn).
+_TOOLS_HEAD = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided "
+               "with function signatures within <tools></tools> XML tags:\n<tools>")
+_TOOLS_TAIL = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+               "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+               "<args-json-object>}\n</tool_call>")
+
+
+def _chatml_messages(messages, default_system: str | None, add_generation_prompt: bool = True, tools=None) -> str:
     """ChatML for a conversation (ending with the assistant's generation prompt if asked);
-    `default_system` (if any) is added in front when the first message is not a system message."""
+    `default_system` (if any) is added in front when the first message is not a system message.
+    With `tools` (OpenAI tool definitions) the tools are rendered as Qwen2.5's template does
+    (Hermes style): listed in the system turn; an assistant message's `tool_calls` become
+    <tool_call> JSON blocks, `tool` messages <tool_response> blocks in a user turn."""
+    import json
+
     if not messages:
         raise ValueError("render_chat: messages must not be empty")
     for i, m in enumerate(messages):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+        calls = isinstance(m, dict) and m.get("role") == "assistant" and m.get("tool_calls")
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                and (isinstance(m.get("content"), str) or (calls and m.get("content") is None))):
             raise ValueError(f"render_chat: messages[{i}] must be a dict with str 'role' and 'content'")
-    head = []
-    if default_system is not None and messages[0]["role"] != "system":
-        head = [{"role": "system", "content": default_system}]
-    turns = "".join(f"{CHATML_START}{m['role']}\n{m['content']}{CHATML_END}\n" for m in head + list(messages))
+    messages = list(messages)
+    system = messages.pop(0)["content"] if messages[0]["role"] == "system" else default_system
+    if tools:
+        listed = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
+        system = (f"{system}\n\n" if system else "") + _TOOLS_HEAD + listed + _TOOLS_TAIL
+    turns = [] if system is None else [f"{CHATML_START}system\n{system}{CHATML_END}\n"]
+    for i, m in enumerate(messages):
+        content = m.get("content") or ""
+        if m["role"] == "tool":   # consecutive tool results share one user turn
+            first = i == 0 or messages[i - 1]["role"] != "tool"
+            last = i == len(messages) - 1 or messages[i + 1]["role"] != "tool"
+            turns.append((f"{CHATML_START}user" if first else "") + f"\n<tool_response>\n{content}\n</tool_response>"
+                         + (f"{CHATML_END}\n" if last else ""))
+            continue
+        for call in m.get("tool_calls") or ():
+            f = call.get("function", call)
+            content += ("\n" if content else "") + "<tool_call>\n" + json.dumps(
+                {"name": f.get("name"), "arguments": f.get("arguments")}, ensure_ascii=False) + "\n</tool_call>"
+        turns.append(f"{CHATML_START}{m['role']}\n{content}{CHATML_END}\n")
+    turns = "".join(turns)
     return f"{turns}{CHATML_START}assistant\n" if add_generation_prompt else turns
 
 
@@ -158,6 +190,11 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str:
         return self._tokens[token_id]
 
+    @property
+    def backend_tokenizer(self):
+        """The Hugging Face `tokenizers.Tokenizer` underneath (structured outputs read its JSON)."""
+        return self._tk
+
     def apply_chat_template(self, prompt: str, system: str | None = None) -> str:
         """One user turn in ChatML, ending with the assistant's generation prompt.
 
@@ -169,13 +206,14 @@ class Tokenizer:
             raise ValueError("apply_chat_template: this tokenizer's GGUF file has no ChatML chat template")
         return _chatml(prompt, self._default_system if system is None else system)
 
-    def render_chat(self, messages, add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages, add_generation_prompt: bool = True, tools=None) -> str:
         """A conversation [{"role": ..., "content": ...}, ...] in ChatML (with the generation prompt
         unless told otherwise), as the file's template renders it (its default system message
-        added when the first message is not a system message)."""
+        added when the first message is not a system message). The file's template has no tool
+        section: `tools` are rendered Hermes-style, as Qwen2.5's template does (`_chatml_messages`)."""
         if not self._chat_ok:
             raise ValueError("render_chat: this tokenizer's GGUF file has no ChatML chat template")
-        return _chatml_messages(messages, self._default_system, add_generation_prompt)
+        return _chatml_messages(messages, self._default_system, add_generation_prompt, tools)
 
 
 class ByteTokenizer:
@@ -228,11 +266,19 @@ class ByteTokenizer:
         out.append(run.decode("utf-8", errors="replace"))
         return "".join(out)
 
+    def token_bytes_table(self) -> tuple[list[bytes], list[int]]:
+        """(the bytes of each id, the special ids): the vocabulary as structured outputs read it.
+        Special tokens are spelled by their names; unused ids are empty (never allowed)."""
+        table = [bytes([i]) for i in range(256)] + [b""] * (self.VOCAB_SIZE - 256)
+        for i, name in self._NAMES.items():
+            table[i] = name.encode()
+        return table, sorted(self._NAMES)
+
     def apply_chat_template(self, prompt: str, system: str | None = None) -> str:
         return _chatml(prompt, system)
 
-    def render_chat(self, messages, add_generation_prompt: bool = True) -> str:
-        return _chatml_messages(messages, None, add_generation_prompt)
+    def render_chat(self, messages, add_generation_prompt: bool = True, tools=None) -> str:
+        return _chatml_messages(messages, None, add_generation_prompt, tools)
 
 class HFTokenizer:
     """A Hugging Face tokenizer directory: tokenizer.json (via `tokenizers`), the chat template and
@@ -371,6 +417,11 @@ class HFTokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tk.id_to_token(token_id)
+
+    @property
+    def backend_tokenizer(self):
+        """The Hugging Face `tokenizers.Tokenizer` (structured outputs read its JSON)."""
+        return self._tk
 
     def render_chat(self, messages, add_generation_prompt: bool = True, **kwargs) -> str:
         """The conversation rendered by the checkpoint's chat template (models.chat_template.render)."""

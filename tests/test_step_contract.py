@@ -28,13 +28,15 @@ def test_step_batch_has_the_legend_shapes(tiny):
         eng.add_request(p, SamplingParams(max_new_tokens=4, temperature=0.7, seed=5))
     plan = eng.scheduler.plan_round(CFG["max_num_batched_tokens"])
     batch = make_step_batch(plan, max_seqs=4, num_tokens=16, pages_per_seq=eng.pages_per_seq,
-                            num_pages=eng.num_pages, page_size=4, max_model_len=eng.max_model_len)
+                            num_pages=eng.num_pages, page_size=4, max_model_len=eng.max_model_len,
+                            vocab_size=eng.model.config.vocab_size)
     assert isinstance(batch, StepBatch) and isinstance(batch.params, SlotParams)
     b, t = 4, 16
     for name, shape in dict(seq_ids=(b,), q_lens=(b,), decode_row=(b,), final=(b,), tokens=(t,),
                             num_generated=(b,), resume_token=(b,), hit_tokens=(b,),
                             hit_tables=(b, eng.pages_per_seq), cache_upto=(b,), fork_from=(b,),
-                            evict=(eng.num_pages,), run_ragged=(), decode_steps=()).items():
+                            evict=(eng.num_pages,), allowed=(b, eng.model.config.vocab_size // 32), constrained=(b,),
+                            run_ragged=(), decode_steps=()).items():
         assert getattr(batch, name).shape == shape, name
     n = len(plan.entries)
     assert n and sum(batch.q_lens) == sum(e.q_len for e in plan.entries) <= t

@@ -9,7 +9,8 @@ from jpa.engine.request import Phase, PromptLogprob, Request, RequestOutput, Ste
 from jpa.engine.sampling import SamplingParams, SlotParams
 from jpa.engine.scheduler import Scheduler
 from jpa.engine.speculative import SpeculativeConfig
+from jpa.engine.structured import StructuredOutputs
 
 __all__ = ["AsyncEngine", "EngineConfig", "EngineDead", "EngineModel", "EngineOverloaded", "EngineStats", "LLMEngine",
            "ModelSizes", "Phase", "PromptLogprob", "Request", "RequestGroup", "RequestOutput", "SamplingParams", "Scheduler",
-           "SlotParams", "Snapshot", "SpeculativeConfig", "StepBatch", "StepOutput", "StepResult"]
+           "SlotParams", "Snapshot", "SpeculativeConfig", "StepBatch", "StepOutput", "StepResult", "StructuredOutputs"]

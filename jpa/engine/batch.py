@@ -37,6 +37,9 @@ class StepBatch:
       fork_from: i32[B]; for a parallel sample (q_len 0, final, empty slot) the entry whose final
         chunk it forks; -1 elsewhere.
       evict: i32[P]; cached-idle pages evicted before anything is reserved (-1 = padding).
+      allowed: i32[B, ceil(vocab / 32)]; structured outputs: the allowed-token bitmask of an entry
+        that samples under a grammar (bit t % 32 of word t // 32 = token t; `jpa.engine.structured`).
+      constrained: bool[B]; the entry samples under its `allowed` row (False: no mask).
       run_ragged: i32[]; 1 to run the ragged step, 0 for a decode-only round.
       decode_steps: i32[]; decode steps after it (<= steps_per_call).
     """
@@ -54,6 +57,8 @@ class StepBatch:
     cache_upto: jax.Array
     fork_from: jax.Array
     evict: jax.Array
+    allowed: jax.Array
+    constrained: jax.Array
     run_ragged: jax.Array
     decode_steps: jax.Array
 
@@ -121,8 +126,10 @@ class StepResult:
 
 
 def make_step_batch(plan, *, max_seqs: int, num_tokens: int, pages_per_seq: int, num_pages: int,
-                    page_size: int, max_model_len: int) -> StepBatch:
-    """The StepBatch (numpy arrays) of a `scheduler.RoundPlan` for a budget of num_tokens."""
+                    page_size: int, max_model_len: int, vocab_size: int, masks=None) -> StepBatch:
+    """The StepBatch (numpy arrays) of a `scheduler.RoundPlan` for a budget of num_tokens; masks:
+    {entry index: i32[ceil(vocab_size / 32)] allowed-token bitmask} of the entries that sample under
+    a grammar (`jpa.engine.structured.Grammars.masks`)."""
     entries, b = plan.entries, max_seqs
     if len(entries) > b or sum(e.q_len for e in entries) > num_tokens:
         raise ValueError(f"a plan of {len(entries)} entries and {sum(e.q_len for e in entries)} rows does not fit "
@@ -151,8 +158,12 @@ def make_step_batch(plan, *, max_seqs: int, num_tokens: int, pages_per_seq: int,
             num_generated[i], resume[i] = len(out), (out[-1] if out else -1)
     evict = np.full((num_pages,), -1, np.int32)
     evict[: len(plan.evict)] = plan.evict
+    allowed = np.full((b, -(-vocab_size // 32)), -1, np.int32)   # all ones: no row is masked by default
+    constrained = col(False, bool)
+    for i, row in (masks or {}).items():
+        allowed[i], constrained[i] = row, True
     return StepBatch(seq_ids=seq_ids, q_lens=q_lens, decode_row=decode_row, final=final, tokens=tokens,
                      prompt_targets=targets,
                      params=SlotParams.from_rows(rows, b), num_generated=num_generated, resume_token=resume,
                      hit_tokens=hit_tokens, hit_tables=hit_tables, cache_upto=cache_upto, fork_from=fork_from,
-                     evict=evict, run_ragged=np.int32(len(entries) > 0), decode_steps=np.int32(plan.decode_steps))
+                     evict=evict, allowed=allowed, constrained=constrained, run_ragged=np.int32(len(entries) > 0), decode_steps=np.int32(plan.decode_steps))

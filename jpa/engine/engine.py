@@ -12,6 +12,10 @@ recompute (its pages released, back to the front of the queue with its generated
 re-admission they are prefilled again and decoding resumes where it stopped). See
 `jpa.engine.scheduler` for the policies.
 
+Structured outputs (SamplingParams.structured): each constrained request has a grammar matcher
+(`jpa.engine.structured`); `_run` computes the allowed-token bitmask of every entry that samples
+under one and sends it with the round; such requests sample only in the ragged step.
+
 A long-lived engine (a server) keeps nothing of a finished request: step() hands each one out
 once, in the round it finishes, and the statistics are running sums.
 """
@@ -34,6 +38,7 @@ from jpa.engine.runner import ModelRunner
 from jpa.engine.sampling import SamplingParams
 from jpa.engine.scheduler import Progress, RoundPlan, Scheduler
 from jpa.engine.speculative import SpeculativeConfig
+from jpa.engine.structured import Grammars
 from jpa.sharding import tp_mesh
 
 
@@ -221,6 +226,8 @@ class LLMEngine:
             max_model_len=self.max_model_len, steps_per_call=config.steps_per_call,
             watermark=config.watermark, stop_ids=self.stop_ids, prefix_caching=config.prefix_caching)
         self.stats = EngineStats()
+        # Structured outputs: the tokenizer as llguidance reads it, built with the first constrained request.
+        self.grammars = Grammars(tokenizer, model.config.vocab_size, self.stop_ids)
         self._outbox: list[StepOutput] = []    # finished outside a round (errors, aborts)
         # Ids not handed out as finished yet: each request's, and a parallel-sampling request's own
         # id R too (with how many of its samples (R, i) are live), so no id can be reused while any
@@ -292,6 +299,11 @@ class LLMEngine:
                                        f"and head() (models.GPTForEngine has them); {type(self.model).__name__} "
                                        f"lacks them")
             req.prompt_lp = {}
+        if req.params.structured is not None:
+            try:
+                req.matcher = self.grammars.matcher(req.params.structured)
+            except ValueError as e:
+                return self._fail(req, str(e))
         if req.params.n > 1:
             return self._add_samples(req)
         req.detokenizer = self._detokenizer(req.params)
@@ -312,7 +324,8 @@ class LLMEngine:
         for i in range(req.params.n):
             params = dataclasses.replace(req.params, n=1, seed=req.params.seed + i)
             r = Request((req.request_id, i), req.prompt, list(req.prompt_ids), params, self._detokenizer(params),
-                        prompt_lp=req.prompt_lp)   # prompt logprobs: computed once (by the leader), shared
+                        prompt_lp=req.prompt_lp,   # prompt logprobs: computed once (by the leader), shared
+                        matcher=req.matcher.copy() if req.matcher is not None else None)   # each its own
             self._live_ids.add(r.request_id)
             samples.append(r)
         self._live_samples[req.request_id] = len(samples)
@@ -363,9 +376,15 @@ class LLMEngine:
 
     def _run(self, plan: RoundPlan) -> tuple[list[Progress], float]:
         """One device call (ragged step + decode steps) and its bookkeeping."""
+        # Structured outputs: the grammar mask of each entry that samples under one (a decode row, or
+        # a final chunk that draws the request's first token; a resumed request's is already drawn).
+        constrained = [(i, e.request.matcher) for i, e in enumerate(plan.entries) if e.request.matcher is not None
+                       and (e.decode or (e.final and not e.request.output_ids))]
         batch = make_step_batch(plan, max_seqs=self.config.max_seqs, num_tokens=self.config.max_num_batched_tokens,
                                 pages_per_seq=self.pages_per_seq, num_pages=self.num_pages,
-                                page_size=self.config.page_size, max_model_len=self.max_model_len)
+                                page_size=self.config.page_size, max_model_len=self.max_model_len,
+                                vocab_size=self.model.config.vocab_size,
+                                masks=self.grammars.masks(constrained) if constrained else None)
         t0, c0 = time.perf_counter(), self.runner.compile_seconds
         try:
             result = self.runner.step(batch)
@@ -632,6 +651,12 @@ class LLMEngine:
             "cow_copies": self.runner.cow_copies,
             "tensor_parallel": self.config.tensor_parallel,
             "speculative": self._spec_summary(),
+            # Structured outputs (llguidance): grammar compilations, masks computed (one per constrained
+            # token) and their host time.
+            "grammar_compiles": self.grammars.compiles,
+            "grammar_compile_seconds": self.grammars.compile_seconds,
+            "grammar_masks": self.grammars.masks_computed,
+            "grammar_mask_seconds": self.grammars.mask_seconds,
             "head_plan": (getattr(self.model, "head_plan", None).describe()
                           if getattr(self.model, "head_plan", None) is not None else None),
         }

@@ -79,6 +79,9 @@ class Request:
     prompt_lp_sent: bool = False       # handed out in a StepOutput already
     num_draft_tokens: int = 0          # speculative decoding: drafts verified for it
     num_accepted_tokens: int = 0       # of them, accepted
+    # params.structured set: its grammar state (`jpa.engine.structured.Matcher`), fed every output
+    # token; each parallel sample has its own.
+    matcher: object = None
 
     @property
     def needs_prompt_logprobs(self) -> bool:

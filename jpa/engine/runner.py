@@ -47,7 +47,7 @@ from jpa import pages
 from jpa.cache import CacheConfig, KVCache, copy_pages
 from jpa.engine.batch import StepBatch, StepResult, make_step_batch
 from jpa.engine.model import EngineModel, check_model, has_hidden
-from jpa.engine.sampling import MAX_TOP_LOGPROBS, SlotParams, sample_slots
+from jpa.engine.sampling import MAX_TOP_LOGPROBS, SlotParams, allowed_tokens, sample_slots
 from jpa.engine.speculative import DraftPair, SpeculativeConfig, accepted_prefix, propose_ngram
 from jpa.sharding import REPLICATED, STACKED_POOL, named
 
@@ -631,9 +631,11 @@ class ModelRunner:
                 num_generated=put(slots.num_generated, batch.num_generated, start),
                 params=jax.tree_util.tree_map(lambda a, v: put(a, v, start), slots.params, batch.params))
             row_slots = slots.rows(safe)
+            # Structured outputs: the host's grammar mask of each constrained row (else all allowed).
+            allowed = ~batch.constrained[:, None] | allowed_tokens(batch.allowed, logits.shape[-1])  # bool[B, vocab]
             sampled, sampled_lp, top_ids, top_lps = sample_slots(
                 logits, row_slots.params, row_slots.num_generated, lambda: slots.history(ps.block_tables[safe]), new,
-                self.stop_ids)
+                self.stop_ids, allowed=allowed)
             emits = live & (decode_row | final)
             fresh = decode_row | (batch.resume_token < 0)
             tok = jnp.where(fresh, sampled, batch.resume_token)
@@ -659,14 +661,20 @@ class ModelRunner:
             lambda c: c[0] < batch.run_ragged * ok.astype(jnp.int32), ragged_step,
             (jnp.int32(0), cache, page_state, slots, empty_out))
         decode_steps = jnp.where(ok, jnp.minimum(batch.decode_steps, self.steps_per_call), 0)
+        # Structured outputs: constrained slots sample only in the ragged step (under the host's
+        # grammar mask); the decode loop (speculative or not) runs without them and they come back
+        # as they were.
+        held = slots.active & slots.params.constrained
+        loop_slots = slots.replace(active=slots.active & ~held)
         if self.spec is None:
             cache, page_state, slots, (out, out_lp, out_ids, out_tops), steps, loop_copies = self._decode_loop(
-                params, cache, page_state, slots, decode_steps)
+                params, cache, page_state, loop_slots, decode_steps)
             zeros = jnp.zeros((self.max_seqs,), jnp.int32)
             spec_counts = (zeros, zeros, zeros, jnp.zeros((1,), jnp.int32))
         else:
             cache, page_state, slots, (out, out_lp, out_ids, out_tops), steps, loop_copies, spec_counts = \
-                self._spec_loop(params, cache, page_state, slots, decode_steps)
+                self._spec_loop(params, cache, page_state, loop_slots, decode_steps)
+        slots = slots.replace(active=slots.active | held)
         return cache, page_state, slots, StepResult(
             tokens=tok, logprobs=lp, top_ids=top_ids, top_logprobs=top_lps, ok=ok, out=out, out_logprobs=out_lp,
             out_top_ids=out_ids, out_top_logprobs=out_tops, steps=steps,
@@ -708,7 +716,7 @@ class ModelRunner:
         empty = types.SimpleNamespace(entries=(), evict=(), decode_steps=0)  # only the shapes matter
         batch = make_step_batch(empty, max_seqs=self.max_seqs, num_tokens=num_tokens, pages_per_seq=self.pages_per_seq,
                                 num_pages=self.cache_config.num_pages, page_size=self.cache_config.page_size,
-                                max_model_len=1)
+                                max_model_len=1, vocab_size=self.model.config.vocab_size)
         sharding = {} if self.mesh is None else dict(sharding=self._rep)
         return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, **sharding), batch)
 

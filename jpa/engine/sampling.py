@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jpa.engine.structured import StructuredOutputs
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -45,6 +47,10 @@ class SamplingParams:
     - spaces_between_special_tokens: accepted for vLLM compatibility; the project's tokenizers
       (Hugging Face `tokenizers`, byte-level) decode special tokens without added spaces either
       way, as vLLM does with a fast tokenizer.
+    structured (None = off): a `jpa.engine.structured.StructuredOutputs` (or a dict of its fields):
+    the output must match a JSON schema, a regex, a choice or a grammar. The grammar's mask applies
+    after the logit controls and before temperature and the filters; logprobs are under the masked
+    distribution (see `jpa.engine.structured`).
     """
     max_new_tokens: int = 64
     temperature: float = 1.0
@@ -67,6 +73,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    structured: StructuredOutputs | None = None
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -127,6 +134,7 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop must be non-empty strings; got {self.stop!r}")
         object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "structured", StructuredOutputs.of(self.structured))
 
     @property
     def is_greedy(self) -> bool:
@@ -174,6 +182,8 @@ class SlotParams:
     bias_values: jax.Array = _column(np.float32, 0.0, MAX_LOGIT_BIAS)   # f32[n, 300]
     stop_token_ids: jax.Array = _column(np.int32, -1, MAX_STOP_TOKEN_IDS)  # i32[n, 8]: -1 = none
     top_logprobs: jax.Array = _column(np.int32, 0)      # i32: top tokens wanted per output token
+    constrained: jax.Array = _column(np.bool_, False)   # bool: structured outputs (samples only in the
+                                                        #   ragged step, under the host's grammar mask)
 
     @staticmethod
     def row(params: SamplingParams, max_len: int, prompt_len: int = 0) -> dict:
@@ -186,7 +196,8 @@ class SlotParams:
                     presence_penalty=float(params.presence_penalty),
                     frequency_penalty=float(params.frequency_penalty), min_tokens=params.min_tokens,
                     prompt_len=prompt_len, bias_ids=[t for t, _ in bias], bias_values=[float(b) for _, b in bias],
-                    stop_token_ids=list(params.stop_token_ids), top_logprobs=params.top_logprobs)
+                    stop_token_ids=list(params.stop_token_ids), top_logprobs=params.top_logprobs,
+                    constrained=params.structured is not None)
 
     @classmethod
     def from_rows(cls, rows, n: int) -> "SlotParams":
@@ -270,14 +281,27 @@ def apply_controls(logits, params: SlotParams, history, num_cached, counters, st
     return logits.at[stop_rows, barred].set(-jnp.inf, mode="drop")
 
 
-def sample_slots(logits, params: SlotParams, counters, history_fn=None, num_cached=None, stop_ids=None):
+def allowed_tokens(bitmask, vocab: int):
+    """bool[n, vocab] from an allowed-token bitmask i32[n, ceil(vocab / 32)] (llguidance's layout:
+    bit t % 32 of word t // 32 is token t)."""
+    t = jnp.arange(vocab, dtype=jnp.int32)
+    return ((bitmask[:, t // 32] >> (t % 32)) & 1).astype(bool)
+
+
+def sample_slots(logits, params: SlotParams, counters, history_fn=None, num_cached=None, stop_ids=None,
+                 allowed=None):
     """`sample_with_logprobs` with each row's parameters from SlotParams columns. With history_fn
     (() -> i32[n, L], see `apply_controls`) the logit controls run first, only when some row uses
-    one (the history is gathered inside that branch)."""
+    one (the history is gathered inside that branch). allowed (bool[n, vocab], structured outputs)
+    then sets the logits of disallowed tokens to -inf, before temperature and the filters: the
+    token and its logprobs come from the masked distribution."""
+    logits = logits.astype(jnp.float32)
     if history_fn is not None:
         logits = lax.cond(controls_active(params),
                           lambda x: apply_controls(x, params, history_fn(), num_cached, counters, stop_ids),
-                          lambda x: x, logits.astype(jnp.float32))
+                          lambda x: x, logits)
+    if allowed is not None:
+        logits = jnp.where(allowed, logits, -jnp.inf)
     return sample_with_logprobs(logits, params.temperature, params.top_k, params.top_p, params.seed, counters,
                                 min_p=params.min_p, top_n=MAX_TOP_LOGPROBS, want_top=params.top_logprobs > 0)
 

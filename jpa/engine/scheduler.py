@@ -24,8 +24,9 @@ Policies (vLLM v1's, in nano-vllm's split):
 - token budget: every decoding request gets its one token first, then prefilling requests
   continue in admission order, then waiting requests are admitted, each taking a chunk of
   min(budget left, prompt left, what the free pages hold). A round with no prompt work skips the
-  ragged step and runs steps_per_call decode steps; a round with prompt work runs
-  steps_per_call - 1 decode steps after it only when no prompt work is left for the next round.
+  ragged step and runs steps_per_call decode steps (unless a constrained request decodes: see
+  structured outputs below); a round with prompt work runs steps_per_call - 1 decode steps after
+  it only when no prompt work is left for the next round.
 - admission: first come, first served, into free slots, while the pool holds the prompt plus its
   growth during the next decode call, the running requests' growth (headroom) and a watermark of
   free pages; an idle engine admits any prompt that fits in the whole pool. No admission in the
@@ -47,6 +48,13 @@ Policies (vLLM v1's, in nano-vllm's split):
 - stops: the device finishes requests on EOS, max_new_tokens and the length limit (and releases
   their pages itself); stop strings are found here, on the incremental detokenizer's text, and
   the output is cut at the token that completed the stop.
+- structured outputs (SamplingParams.structured): a constrained request samples only in the
+  ragged step (the device's decode loop skips it; see `jpa.engine.structured`), so while one
+  decodes every round has a ragged step with a decode row per decoding request, then
+  steps_per_call - 1 decode steps for the unconstrained ones. Each new token is fed to the request's grammar
+  matcher here; once the grammar admits nothing more the request finishes ("stop"), as with a
+  stop string. A token the grammar rejects (a bug: the sampler draws only allowed tokens)
+  finishes the request with "error".
 """
 
 import collections
@@ -345,7 +353,13 @@ class Scheduler:
                 left -= n
                 alloc += self._growth(h, n)
                 avail -= newly_held + need
-        if prompt:
+        # A constrained request (structured outputs) samples only in the ragged step, under its
+        # grammar mask: while one decodes, a round without prompt work still runs the ragged step
+        # (every decoding request's decode row), then steps_per_call - 1 decode steps for the
+        # unconstrained ones. (The ragged pass costs about a block of rows however few are live, so
+        # the unconstrained requests' first token of the round is better made there than in an
+        # extra decode step: measured in BENCHMARKS.md.)
+        if prompt or any(self.running[s].matcher is not None for s in decoding):
             more = blocked_by_budget or any(not e.final for e in prompt) or len(prompt) < len(
                 [r for r in self.running.values() if r.phase is Phase.PREFILLING])
             forks = [Entry(sib.slot, sib, 0, False, True, fork_of=e.slot)
@@ -468,11 +482,22 @@ class Scheduler:
             req.output_top_logprobs.extend(tuple((int(i), float(v)) for i, v in zip(ids[:k], vals[:k]) if i >= 0)
                                            for _, _, (ids, vals) in got)
         eos_last = device_done and self._device_reason(req) == "stop"
+        grammar_error, grammar_done = None, False
+        if req.matcher is not None and not device_done:
+            grammar_error = req.matcher.advance(req.output_ids)
+            grammar_done = grammar_error is None and req.matcher.done
         # A final stop token (EOS, stop_token_ids) is not part of the text, unless the request keeps
         # what stopped it (include_stop_str_in_output, as vLLM).
         text_ids = new[:-1] if eos_last and new and not req.params.include_stop_str_in_output else new
-        kept = req.detokenizer.add(text_ids, final=device_done)
-        if req.detokenizer.stopped:
+        kept = req.detokenizer.add(text_ids, final=device_done or grammar_done or grammar_error is not None)
+        if grammar_error is not None and not req.detokenizer.stopped:
+            self._to_release.append((req.slot, req))
+            self._finish(req, "error")
+            req.error = grammar_error
+        elif grammar_done and not req.detokenizer.stopped:   # the output is complete: the device still decodes it
+            self._to_release.append((req.slot, req))
+            self._finish(req, "stop")
+        elif req.detokenizer.stopped:
             del req.output_ids[n_before + kept:]
             del req.output_logprobs[n_before + kept:]
             del req.output_top_logprobs[n_before + kept:]

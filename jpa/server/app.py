@@ -49,9 +49,10 @@ from jpa.server.logprobs import ChoiceTokens, TokenBytes, prompt_pieces
 CONTROL_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "min_tokens",
                   "stop_token_ids", "top_logprobs")
 from jpa.server.metrics import ServerMetrics, Timing
+from jpa.server.tools import ToolStream, parse_output, parser_format, request_constraint, tool_mode
 from jpa.server.protocol import (SEED_LIMIT, APIError, ChatCompletionRequest, CompletionRequest,
                                  DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, chat_messages,
-                                 check_unsupported, error_body, parse_body, parse_json, stop_strings,
+                                 check_messages, check_unsupported, error_body, parse_body, parse_json, stop_strings,
                                  unknown_fields, validation_error)
 
 log = logging.getLogger("jpa.server")
@@ -323,14 +324,18 @@ class _API:
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             raise APIError(400, f"'{param}' token ids must be in [0, {self.vocab_size}); got {bad[:5]}", param=param)
 
-    def _render(self, messages, add_generation_prompt: bool = True) -> str:
+    def _render(self, messages, add_generation_prompt: bool = True, tools=None) -> str:
+        # Tools go to the chat template (Hugging Face templates take `tools`).
+        extra = {"tools": [t.model_dump(exclude_none=True, by_alias=True) for t in tools]} if tools else {}
         try:
-            return self.tok.render_chat(chat_messages(messages), add_generation_prompt=add_generation_prompt)
+            return self.tok.render_chat(chat_messages(messages), add_generation_prompt=add_generation_prompt, **extra)
         except Exception as e:  # ValueError, or a template's own raise_exception (jinja2 TemplateError)
             raise APIError(400, f"'messages': {e}"[:500], param="messages") from None
 
-    def _params(self, body, prompts: list[list[int]], max_tokens: int | None, default_max: int | None):
-        """[(prompt ids, SamplingParams)]: per prompt, one request with n samples, or n requests."""
+    def _params(self, body, prompts: list[list[int]], max_tokens: int | None, default_max: int | None,
+                structured=None):
+        """[(prompt ids, SamplingParams)]: per prompt, one request with n samples, or n requests;
+        structured: the request's constraint (`jpa.server.tools.request_constraint`), or None."""
         if body.n > self.max_n:
             raise APIError(400, f"'n' must be <= {self.max_n}; got {body.n}", param="n")
         if len(prompts) * body.n > self.engine.max_waiting:
@@ -342,6 +347,7 @@ class _API:
         # max_tokens 0 with echo generates one token that the response leaves out.
         echo = bool(getattr(body, "echo", None))
         controls["prompt_logprobs"] = body.prompt_logprobs
+        controls["structured"] = structured
         if controls["prompt_logprobs"] is None and echo:
             controls["prompt_logprobs"] = body.logprobs
         if echo and max_tokens == 0:
@@ -409,7 +415,8 @@ class _API:
             skip = body.skip_special_tokens is not False
             texts = texts or [self.tok.decode(ids, skip_special_tokens=skip) for ids in prompts]
         fmt = functools.partial(_CompletionFormat, prompts=list(zip(texts or [None] * len(prompts), prompts)))
-        return body, self._params(body, prompts, body.max_tokens, 16), len(prompts), fmt
+        structured = request_constraint(body, chat=False)
+        return body, self._params(body, prompts, body.max_tokens, 16, structured), len(prompts), fmt
 
     def prepare_chat(self, raw: bytes):
         body = parse_body(raw, ChatCompletionRequest)
@@ -418,8 +425,11 @@ class _API:
         check_unsupported(body)
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise APIError(400, "give 'max_tokens' or 'max_completion_tokens', not both", param="max_tokens")
-        prompts = [self._encode(self._render(body.messages), "messages")]
-        return body, self._params(body, prompts, body.max_completion_tokens or body.max_tokens, None), 1, _ChatFormat
+        structured = request_constraint(body, chat=True)   # also checks tool_choice against tools
+        tools = body.tools if body.tool_choice != "none" else None
+        prompts = [self._encode(self._render(body.messages, tools=tools), "messages")]
+        return body, self._params(body, prompts, body.max_completion_tokens or body.max_tokens, None,
+                                  structured), 1, _ChatFormat
 
     def tokenize(self, raw: bytes) -> dict:
         obj = parse_json(raw)
@@ -437,6 +447,7 @@ class _API:
                 if not ok:
                     raise APIError(400, f"'{name}' is not supported here (only its default: what "
                                         f"/v1/chat/completions does)", param=name)
+            check_messages(body.messages)
             ids = self._encode(self._render(body.messages, body.add_generation_prompt), "messages")
         else:
             if not body.add_special_tokens:
@@ -741,7 +752,21 @@ class _CompletionFormat(_Format):
 
 
 class _ChatFormat(_Format):
+    """Chat responses; with tools, tool calls by `jpa.server.tools` (parsed per choice, streamed by a
+    ToolStream per choice)."""
     PREFIX, OBJECT, CHUNK = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, api: _API, body, request_id: str):
+        super().__init__(api, body, request_id)
+        self.tool_mode = tool_mode(body)
+        self.tool_format = parser_format(api.tok)
+        self.tool_name = body.tool_choice.function.name if self.tool_mode == "named" else None
+        self.parallel = body.parallel_tool_calls is not False
+        self._tool_streams: dict[int, ToolStream] = {}
+
+    def _reason(self, reason, calls):
+        """finish_reason "tool_calls" when an auto/required output made calls (OpenAI's)."""
+        return "tool_calls" if calls and reason == "stop" and self.tool_mode in ("auto", "required") else reason
 
     def response(self, choices: list, usage: dict, outs=()) -> dict:
         out = super().response(choices, usage, outs)
@@ -759,10 +784,14 @@ class _ChatFormat(_Format):
                             for t, b, (lp, top), _ in toks]}
 
     def choice(self, index: int, out) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": out.completion},
+        message = {"role": "assistant", "content": out.completion}
+        content, calls = parse_output(out.completion, self.tool_mode, self.tool_format, self.tool_name, self.parallel)
+        if calls:
+            message = {"role": "assistant", "content": content, "tool_calls": calls}
+        return {"index": index, "message": message,
                 "logprobs": self._logprobs(index, out.token_ids, out.logprobs, out.finish_reason, out.completion,
                                            out.top_logprobs),
-                "finish_reason": out.finish_reason}
+                "finish_reason": self._reason(out.finish_reason, calls)}
 
     def first_chunks(self, n: int) -> list:
         return [{**self._head(self.CHUNK), "choices": [
@@ -772,8 +801,17 @@ class _ChatFormat(_Format):
     def chunk(self, index: int, out):
         reason = out.output.finish_reason if out.finished else None
         lp = self._logprobs(index, out.new_token_ids, out.new_logprobs, reason, out.new_text, out.new_top_logprobs)
-        if not (out.new_text or reason or (lp and lp["content"])):
+        text, calls = out.new_text, []
+        if self.tool_mode is not None:
+            stream = self._tool_streams.setdefault(index, ToolStream(self.tool_mode, self.tool_format, self.tool_name,
+                                                                     self.parallel))
+            text, calls = stream.feed(out.new_text, out.finished)
+            if reason is not None:
+                reason = self._reason(reason, stream.calls or calls)
+        if not (text or calls or reason or (lp and lp["content"])):
             return None
-        delta = {"content": out.new_text} if out.new_text else {}
+        delta = {"content": text} if text else {}
+        if calls:
+            delta["tool_calls"] = calls
         return {**self._head(self.CHUNK), "choices": [
             {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}]}

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 FIELD_TYPES = {
     "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
     "stop": "a string or a list of up to 16 non-empty strings",
-    "messages": "a non-empty list of {role, content} objects",
+    "messages": "a non-empty list of {role, content} objects (assistant: or tool_calls; tool: with tool_call_id)",
     "content": "a string or a list of {type: 'text', text} parts",
 }
 MAX_STOP = 16
@@ -156,8 +156,29 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Lenient):
+    """OpenAI's response_format.json_schema."""
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Lenient):
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(_Lenient):
+    """vLLM's `structured_outputs` (one of json, regex, choice, grammar, json_object)."""
+    json_: Any = Field(None, alias="json")                 # a JSON schema (object) or its JSON text
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None                             # Lark (llguidance's dialect) or GBNF
+    json_object: bool | None = None
+    # Declared so that they are refused (400), not ignored: jpa does not implement them.
+    structural_tag: Any = None
+    whitespace_pattern: str | None = None
 
 
 class _Sampling(_Lenient):
@@ -176,7 +197,7 @@ class _Sampling(_Lenient):
     # Accepted, with no effect on generation: jpa stores nothing (OpenAI's `store`, `metadata`).
     store: bool | None = None
     metadata: dict[str, str] | None = None
-    response_format: ResponseFormat | None = None          # only {"type": "text"} (structured outputs: later)
+    response_format: ResponseFormat | None = None          # text, json_object, json_schema (structured outputs)
     # Sampling controls, run on the device (ranges checked by jpa.engine.SamplingParams).
     presence_penalty: float | None = _finite()
     frequency_penalty: float | None = _finite()
@@ -200,11 +221,12 @@ class _Sampling(_Lenient):
     truncate_prompt_tokens: int | None = None
     add_special_tokens: bool | None = None
     return_tokens_as_token_ids: bool | None = None
+    # Structured outputs (vLLM's field and its older guided_* names); see jpa.server.tools.
+    structured_outputs: StructuredOutputsBody | None = None
     guided_json: Any = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    structured_outputs: dict | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -220,11 +242,44 @@ class TextPart(_Lenient):
     text: str
 
 
+class ToolCallFunction(_Lenient):
+    name: str
+    arguments: str                                         # JSON text, as OpenAI returns it
+
+
+class ToolCall(_Lenient):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Lenient):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None            # None only for an assistant's tool calls
     name: str | None = None
-    tool_calls: list[dict] | None = None                   # only empty: no tool calling yet
+    tool_calls: list[ToolCall] | None = None               # assistant: calls it made
+    tool_call_id: str | None = None                        # tool: the call this result answers
+
+
+class FunctionDef(_Lenient):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None                         # a JSON schema (object); None: no arguments
+    strict: bool | None = None
+
+
+class Tool(_Lenient):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Sampling):
@@ -233,9 +288,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)    # alternatives per token (with logprobs: true)
-    tools: list[dict] | None = None                        # only empty: no tool calling yet
-    tool_choice: str | dict | None = None                  # only "none"
-    parallel_tool_calls: bool | None = None                # meaningless without tools: accepted
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None                # false: at most one call
     functions: list[dict] | None = None                    # OpenAI's older tools: only empty
     function_call: str | dict | None = None                # only "none"
     continue_final_message: bool | None = None
@@ -276,18 +331,15 @@ class DetokenizeRequest(_Lenient):
 NEUTRAL = {
     "bad_words": ([],),
     "allowed_token_ids": (), "use_beam_search": (False,), "length_penalty": (1,), "truncate_prompt_tokens": (),
-    "return_tokens_as_token_ids": (False,), "guided_json": (), "guided_regex": (), "guided_choice": (),
-    "guided_grammar": (), "structured_outputs": (),
+    "return_tokens_as_token_ids": (False,),
 }
 NEUTRAL_COMPLETION = {"suffix": ("",)}
 NEUTRAL_CHAT = {
-    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "functions": ([],), "function_call": ("none",),
     "continue_final_message": (False,), "add_generation_prompt": (True,), "chat_template": (),
     "chat_template_kwargs": ({},),
 }
 _WHY = {
-    "tools": "tool calling is not supported (only an empty list)",
-    "tool_choice": "tool calling is not supported (only 'none')",
     "functions": "function calling is not supported (only an empty list)",
     "function_call": "function calling is not supported (only 'none')",
     "add_generation_prompt": "the chat endpoint always adds the generation prompt (only true)",
@@ -312,9 +364,6 @@ def check_unsupported(req: _Sampling) -> None:
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, f"'best_of' is not supported (only equal to n, {req.n}); got {req.best_of}",
                        param="best_of")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise APIError(400, f"'response_format' {req.response_format.type!r} is not supported yet (structured "
-                            f"outputs); only {{\"type\": \"text\"}}", param="response_format")
     if chat and req.top_logprobs and not req.logprobs:
         raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     if not chat and req.max_tokens == 0 and not req.echo:
@@ -329,10 +378,21 @@ def check_unsupported(req: _Sampling) -> None:
         raise APIError(400, f"'seed' + n - 1 must be < 2**31 (choice j samples with seed + j); got seed "
                             f"{req.seed} with n {req.n}", param="seed")
     if chat:
-        for i, m in enumerate(req.messages):
-            if m.tool_calls:
-                raise APIError(400, f"'messages.{i}.tool_calls': tool calling is not supported (only an "
-                                    f"empty list)", param="messages")
+        check_messages(req.messages)
+
+
+def check_messages(messages) -> None:
+    """400 naming the message: tool calls only on assistant messages, content required unless an
+    assistant message makes tool calls, a tool message names its call (tool_call_id)."""
+    for i, m in enumerate(messages):
+        if m.tool_calls and m.role != "assistant":
+            raise APIError(400, f"'messages.{i}.tool_calls': only assistant messages make tool calls",
+                           param="messages")
+        if m.content is None and not (m.role == "assistant" and m.tool_calls):
+            raise APIError(400, f"'messages.{i}.content' is required (only an assistant message with "
+                                f"tool_calls may leave it out)", param="messages")
+        if m.role == "tool" and not m.tool_call_id:
+            raise APIError(400, f"'messages.{i}.tool_call_id' is required in a tool message", param="messages")
 
 
 def stop_strings(stop) -> tuple[str, ...]:
@@ -344,9 +404,29 @@ def stop_strings(stop) -> tuple[str, ...]:
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict]:
     """Messages as {role, content} dicts for the tokenizer's chat template ("developer" is OpenAI's
-    new name for "system"; content parts are joined)."""
+    new name for "system"; content parts are joined). An assistant's tool calls carry their
+    arguments parsed (templates render them with tojson, as vLLM hands them over); a tool message
+    its tool_call_id (and name)."""
     out = []
     for m in messages:
-        content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        # A tool-calling assistant turn without content gets "" (templates such as Qwen2.5's read
+        # message.content, and None-valued keys are dropped before rendering, as transformers does).
+        content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or ())
+        d = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        if m.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": "function",
+                                "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                               for c in m.tool_calls]
+        if m.role == "tool":
+            d["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                d["name"] = m.name
+        out.append(d)
     return out
+
+
+def _arguments(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text

@@ -1,0 +1,293 @@
+"""Structured outputs: a request's output constrained by a JSON schema, a regex, a choice or a grammar.
+
+Host side of constrained decoding, on llguidance (the grammar library vLLM and SGLang use; Rust,
+an abi3 wheel, no PyTorch). Three pieces:
+
+- `StructuredOutputs` (`SamplingParams.structured`): what the output must match, validated and
+  compiled once when it is made (a bad schema, regex or grammar is a ValueError naming the field).
+- `Grammars` (one per engine): the engine tokenizer's vocabulary as an llguidance `LLTokenizer`
+  (built on first use), compiled grammars (cached by grammar text), and `masks`: the allowed-token
+  bitmask of every constrained row of a round, from each request's matcher.
+- `Matcher` (`Request.matcher`): one request's grammar state, fed the request's output tokens
+  as they arrive (`Scheduler._on_tokens`). Each parallel sample has its own copy.
+
+How masks reach the device (see `jpa.engine.runner`): a constrained request samples only in the
+ragged step of a round, where it has one decode row; the host computes that row's bitmask from
+its matcher (which has consumed every output token so far) and sends it in the StepBatch
+(`allowed`, `constrained`). The sampler sets disallowed logits to -inf after the logit controls
+(penalties, logit_bias, min_tokens) and before temperature and top-k/top-p/min-p, so a token's
+logprob (and top_logprobs) is under the masked distribution, as in vLLM. The decode loop runs
+without constrained slots (their `SlotParams.constrained`), so unconstrained requests in the same
+batch keep their `steps_per_call` tokens per round; a constrained request makes one token per
+round.
+
+EOS: the mask allows the engine's stop tokens only where the grammar accepts. Once the grammar
+admits nothing more (`Matcher.done`, e.g. the closing brace of a JSON object), the request
+finishes with finish_reason "stop" on the host, without waiting for an EOS token (as with a stop
+string; with ignore_eos too).
+
+Preemption by recompute keeps a request's output tokens, and its matcher with them: it has
+consumed exactly those tokens, so decoding resumes in the same grammar state.
+
+Tokenizer protocol (`Grammars(tokenizer, ...)`): a tokenizer with `backend_tokenizer`, a Hugging
+Face `tokenizers.Tokenizer` (jpa's SmolLM2 and Hugging Face tokenizers), is read from its JSON
+(special tokens, byte-level pieces and SentencePiece byte fallback as the file defines them); a
+tokenizer with `token_bytes_table()` -> (bytes of each id, special ids) (jpa's ByteTokenizer) is
+wrapped as it is.
+"""
+
+import dataclasses
+import functools
+import json
+import time
+
+import numpy as np
+
+# JSON schemas compile to compact JSON (no whitespace between tokens) unless the schema's own
+# "x-guidance" options say otherwise: with arbitrary whitespace allowed, small models are known to
+# emit newlines forever (vLLM added `disable_any_whitespace` for this).
+JSON_DEFAULTS = {"whitespace_flexible": False}
+FIELDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def _llguidance():
+    try:
+        import llguidance
+    except ImportError as e:  # an optional dependency (extras serve/model/test)
+        raise ValueError("structured outputs need the llguidance package (pip install llguidance)") from e
+    return llguidance
+
+
+def _short(message: str) -> str:
+    """An llguidance error on one line, without the parser state and grammar it appends."""
+    for marker in ("<state>", "<grammar>"):
+        message = message.split(marker)[0]
+    return " ".join(message.split())[:400]
+
+
+@functools.lru_cache(maxsize=256)
+def _grammar_text(kind: str, value) -> str:
+    """The llguidance grammar of a constraint; ValueError with llguidance's message if it does not
+    compile (a malformed regex or Lark grammar, a JSON schema it cannot handle)."""
+    llg = _llguidance()
+    if kind == "json":
+        text = llg.LLMatcher.grammar_from_json_schema(value, defaults=JSON_DEFAULTS)
+    elif kind == "json_object":
+        text = llg.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_DEFAULTS)
+    elif kind == "regex":
+        text = llg.LLMatcher.grammar_from_regex(value)
+    elif kind == "choice":
+        text = llg.grammar_from("choice", list(value))
+    else:  # a Lark grammar (llguidance's dialect) or a GBNF one (converted)
+        try:
+            text = llg.grammar_from("grammar", value)
+        except ValueError as e:
+            raise ValueError(_short(str(e))) from None
+    error = llg.LLMatcher.validate_grammar(text)
+    if error:
+        raise ValueError(_short(error))
+    return text
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputs:
+    """What a request's output must match (vLLM's StructuredOutputsParams): exactly one of
+
+    Attributes:
+      json: a JSON schema (a dict, or its JSON text; kept as text so the params stay hashable).
+        Output is compact JSON (see JSON_DEFAULTS; a schema's "x-guidance" options override it).
+      json_object: True: any JSON object (OpenAI's response_format json_object).
+      regex: a regular expression the whole output matches (Rust `regex` syntax).
+      choice: one of these strings exactly.
+      grammar: a context-free grammar, Lark syntax as llguidance reads it (GBNF is converted).
+
+    Raises:
+      ValueError naming the field: none or more than one given, a wrong type, or a constraint
+      llguidance cannot compile (its message).
+    """
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self):
+        given = [f for f in FIELDS if getattr(self, f) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured outputs need exactly one of {', '.join(FIELDS)}; got "
+                             f"{', '.join(given) or 'none'}")
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"structured.json_object must be a bool; got {self.json_object!r}")
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as e:
+                    raise ValueError(f"structured.json: not valid JSON: {e}") from None
+            if not isinstance(schema, dict):
+                raise ValueError(f"structured.json must be a JSON schema object (a dict or its JSON text); "
+                                 f"got {type(schema).__name__}")
+            try:
+                text = json.dumps(schema, ensure_ascii=False, allow_nan=False)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"structured.json: the schema is not serializable as JSON: {e}") from None
+            object.__setattr__(self, "json", text)
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"structured.{name} must be a non-empty string; got {v!r}")
+        if self.choice is not None:
+            choice = (self.choice,) if isinstance(self.choice, str) else self.choice
+            if not isinstance(choice, (list, tuple)) or not choice or any(not isinstance(c, str) or not c
+                                                                          for c in choice):
+                raise ValueError(f"structured.choice must be a non-empty list of non-empty strings; got "
+                                 f"{self.choice!r}")
+            object.__setattr__(self, "choice", tuple(choice))
+        try:
+            self.grammar_text()
+        except ValueError as e:
+            raise ValueError(f"structured.{self.kind}: {e}") from None
+
+    @property
+    def kind(self) -> str:
+        """The field that is set: "json", "json_object", "regex", "choice" or "grammar"."""
+        return next(f for f in FIELDS if getattr(self, f) not in (None, False))
+
+    def grammar_text(self) -> str:
+        """The llguidance grammar (compiled-checked; cached)."""
+        kind = self.kind
+        return _grammar_text(kind, None if kind == "json_object" else getattr(self, kind))
+
+    @classmethod
+    def of(cls, value) -> "StructuredOutputs | None":
+        """A StructuredOutputs from itself, a dict of its fields, or None."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - set(FIELDS))
+            if unknown:
+                raise ValueError(f"structured: unknown field(s) {unknown}; the fields are {', '.join(FIELDS)}")
+            return cls(**value)
+        raise ValueError(f"structured must be a StructuredOutputs or a dict of its fields; got "
+                         f"{type(value).__name__}")
+
+
+class Matcher:
+    """One request's grammar state: an llguidance LLMatcher and how many output tokens it consumed."""
+
+    def __init__(self, matcher):
+        self._m = matcher
+        self.consumed = 0
+
+    def copy(self) -> "Matcher":
+        """An independent copy in the same state (a parallel sample's own matcher)."""
+        other = Matcher(self._m.deep_copy())
+        other.consumed = self.consumed
+        return other
+
+    def advance(self, output_ids) -> str | None:
+        """Consumes the output tokens it has not seen (output_ids: the request's whole output).
+        Returns None, or an error message when a token does not satisfy the grammar (the sampler
+        only draws allowed tokens, so this means a bug)."""
+        new = list(output_ids[self.consumed:])
+        if new and not self._m.consume_tokens(new):
+            return f"structured outputs: the grammar rejected an output token ({_short(self._m.get_error())})"
+        self.consumed += len(new)
+        return None
+
+    @property
+    def done(self) -> bool:
+        """The grammar admits nothing more (but EOS): the output is complete."""
+        return self._m.is_stopped()
+
+    def fill(self, row: np.ndarray) -> None:
+        """Writes the allowed-token bitmask of the next token into row (i32[ceil(vocab / 32)]):
+        bit t % 32 of word t // 32 is set where token t is allowed."""
+        self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+
+
+class Grammars:
+    """An engine's grammar side: its tokenizer for llguidance, compiled grammars, the round's masks.
+
+    Args:
+      tokenizer: the engine's tokenizer (see the module doc for what it must offer).
+      vocab_size: the model's vocabulary (the width of its logits; ids past the tokenizer's
+        vocabulary are never allowed).
+      stop_ids: the engine's stop tokens (EOS): allowed where the grammar accepts.
+
+    Attributes (running sums): compile_seconds / compiles (grammar compilations, cache misses),
+      mask_seconds / masks (bitmask computations, one per constrained row), tokenizer_seconds.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, stop_ids):
+        self.tokenizer, self.vocab_size, self.stop_ids = tokenizer, int(vocab_size), sorted(stop_ids)
+        self.words = -(-self.vocab_size // 32)
+        self._llt = None
+        self._compiled: dict[str, object] = {}   # grammar text -> a pristine LLMatcher (copied per request)
+        self.compile_seconds, self.compiles = 0.0, 0
+        self.mask_seconds, self.masks_computed = 0.0, 0
+        self.tokenizer_seconds = 0.0
+
+    def llg_tokenizer(self):
+        """The llguidance LLTokenizer of the engine's vocabulary (built once; ~0.5 s for 49k tokens)."""
+        if self._llt is None:
+            llg = _llguidance()
+            t0 = time.perf_counter()
+            tok = self.tokenizer
+            backend = getattr(tok, "backend_tokenizer", None)
+            if backend is not None:
+                source = backend.to_str()
+            elif callable(getattr(tok, "token_bytes_table", None)):
+                source = llg.TokenizerWrapper(_TableTokenizer(tok))
+            else:
+                raise ValueError(f"structured outputs need a tokenizer with `backend_tokenizer` (a Hugging Face "
+                                 f"tokenizers.Tokenizer) or `token_bytes_table()`; {type(tok).__name__} has neither")
+            try:
+                self._llt = llg.LLTokenizer(source, n_vocab=self.vocab_size, eos_token=self.stop_ids)
+            except Exception as e:  # llguidance raises plain exceptions for vocabularies it cannot read
+                raise ValueError(f"structured outputs: llguidance cannot read this tokenizer: {_short(str(e))}") from e
+            self.tokenizer_seconds = time.perf_counter() - t0
+        return self._llt
+
+    def matcher(self, spec: StructuredOutputs) -> Matcher:
+        """A fresh Matcher for spec (compiled once per grammar text, then copied)."""
+        text = spec.grammar_text()
+        base = self._compiled.get(text)
+        if base is None:
+            llg = _llguidance()
+            t0 = time.perf_counter()
+            base = llg.LLMatcher(self.llg_tokenizer(), text, log_level=0)
+            self.compile_seconds += time.perf_counter() - t0
+            self.compiles += 1
+            if base.is_error():
+                raise ValueError(f"structured.{spec.kind}: {_short(base.get_error())}")
+            if len(self._compiled) >= 256:   # a long-lived server: forget the oldest
+                self._compiled.pop(next(iter(self._compiled)))
+            self._compiled[text] = base
+        return Matcher(base.deep_copy())
+
+    def masks(self, rows) -> dict[int, np.ndarray]:
+        """{row: i32[words] allowed-token bitmask} for rows, a list of (row, Matcher)."""
+        out = {}
+        t0 = time.perf_counter()
+        for i, m in rows:
+            row = np.zeros((self.words,), np.int32)
+            m.fill(row)
+            out[i] = row
+        self.mask_seconds += time.perf_counter() - t0
+        self.masks_computed += len(out)
+        return out
+
+
+class _TableTokenizer:
+    """llguidance's "gtokenizer" protocol over `token_bytes_table()` (bytes per id, special ids)."""
+
+    def __init__(self, tokenizer):
+        self._tok = tokenizer
+        self.tokens, self.special_token_ids = tokenizer.token_bytes_table()
+        self.eos_token_id = tokenizer.eos_token_id
+        self.bos_token_id = getattr(tokenizer, "bos_token_id", None)
+
+    def __call__(self, text: str) -> list[int]:
+        return list(self._tok.encode(text))

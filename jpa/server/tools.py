@@ -1,0 +1,259 @@
+"""Structured outputs and tool calling for the OpenAI API (host side; the engine enforces constraints).
+
+`request_constraint(body)` turns a request's `response_format` (json_object, json_schema),
+`structured_outputs` (vLLM's json / regex / choice / grammar / json_object), the older `guided_*`
+fields, or a chat's `tool_choice` ("required", a named function) into one
+`jpa.engine.structured.StructuredOutputs`, or a 400 naming the field when it is invalid or when
+two of them are given.
+
+Tool calling (chat): the tools are rendered by the chat template; then, by `tool_choice`:
+- "none" (or no tools): plain text;
+- a named function: the output is constrained to the function's parameters (a JSON object) and
+  returned as one call of it (finish_reason "stop", as OpenAI does for a forced function);
+- "required": the output is constrained to a JSON array of {"name", "parameters"} calls of the
+  given functions (one at most with parallel_tool_calls false), returned as tool_calls
+  (finish_reason "tool_calls");
+- "auto" (the default with tools): the model decides; calls are parsed from its text by format:
+  Hermes `<tool_call>{"name", "arguments"}</tool_call>` blocks (Qwen2.5, Qwen3, and the ChatML
+  models here, whose tools are rendered that way) or Llama-3.1 JSON (`{"name", "parameters"}`, after
+  an optional <|python_tag|>, `;`-separated), picked from the chat template. Text before the
+  first call is the message content (None if it is only whitespace). finish_reason "tool_calls" when
+  calls were found.
+Streaming (`ToolStream`): content streams as it comes (held back where it may begin a tool call);
+a named function's arguments stream as they are generated; parsed calls ("auto", "required") are
+sent whole, once complete, in one delta at the end (OpenAI clients accumulate deltas either way).
+"""
+
+import json
+import re
+import uuid
+
+from jpa.engine.structured import StructuredOutputs
+from jpa.server.protocol import APIError
+
+HERMES, LLAMA3_JSON = "hermes", "llama3_json"
+_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+_OPEN = "<tool_call>"
+
+
+def _spec(param: str, **fields) -> StructuredOutputs:
+    try:
+        return StructuredOutputs(**fields)
+    except ValueError as e:
+        raise APIError(400, f"'{param}': {e}"[:600], param=param.split(".")[0]) from None
+
+
+def tool_mode(body) -> str | None:
+    """None (no tool calling), "auto", "required" or "named" for a chat request (400 when the
+    tool_choice names no given tool, or asks for tools without any)."""
+    tools, choice = getattr(body, "tools", None) or [], getattr(body, "tool_choice", None)
+    if choice is None:
+        return "auto" if tools else None
+    if choice == "none":
+        return None
+    if not tools:
+        raise APIError(400, f"'tool_choice' {choice if isinstance(choice, str) else 'a named function'!r} needs "
+                            f"'tools'", param="tool_choice")
+    if isinstance(choice, str):
+        return choice
+    if choice.function.name not in [t.function.name for t in tools]:
+        raise APIError(400, f"'tool_choice' names the function {choice.function.name!r}, which is not in 'tools' "
+                            f"({', '.join(t.function.name for t in tools)})", param="tool_choice")
+    return "named"
+
+
+def _parameters(fn) -> dict:
+    return fn.parameters if fn.parameters is not None else {"type": "object", "properties": {},
+                                                            "additionalProperties": False}
+
+
+def required_schema(tools, parallel: bool) -> dict:
+    """A JSON array of one or more {"name", "parameters"} calls of the tools (vLLM's form)."""
+    calls = [{"type": "object", "properties": {"name": {"enum": [t.function.name]},
+                                               "parameters": _parameters(t.function)},
+              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+    schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def request_constraint(body, chat: bool) -> StructuredOutputs | None:
+    """The one constraint a request asks for (see the module doc), or None."""
+    found = []
+    rf = body.response_format
+    if rf is not None and rf.type == "json_object":
+        found.append(("response_format", lambda: _spec("response_format", json_object=True)))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise APIError(400, "'response_format.json_schema.schema' is required with type 'json_schema'",
+                           param="response_format")
+        found.append(("response_format",
+                      lambda: _spec("response_format.json_schema.schema", json=rf.json_schema.schema_)))
+    so = body.structured_outputs
+    if so is not None:
+        for name in ("structural_tag", "whitespace_pattern"):
+            if getattr(so, name) is not None:
+                raise APIError(400, f"'structured_outputs.{name}' is not supported", param="structured_outputs")
+        given = {k: v for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                   ("grammar", so.grammar), ("json_object", so.json_object or None))
+                 if v is not None}
+        if len(given) != 1:
+            raise APIError(400, f"'structured_outputs' needs exactly one of json, regex, choice, grammar, "
+                                f"json_object; got {', '.join(given) or 'none'}", param="structured_outputs")
+        (k, v), = given.items()
+        found.append(("structured_outputs", lambda k=k, v=v: _spec(f"structured_outputs.{k}", **{k: v})))
+    for name, field in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                        ("guided_grammar", "grammar")):
+        v = getattr(body, name)
+        if v is not None:
+            found.append((name, lambda name=name, field=field, v=v: _spec(name, **{field: v})))
+    mode = tool_mode(body) if chat else None
+    if mode == "named":
+        fn = next(t.function for t in body.tools if t.function.name == body.tool_choice.function.name)
+        found.append(("tool_choice", lambda: _spec(f"tools.{fn.name}.parameters", json=_parameters(fn))))
+    elif mode == "required":
+        found.append(("tool_choice", lambda: _spec("tools", json=required_schema(
+            body.tools, body.parallel_tool_calls is not False))))
+    if len(found) > 1:
+        raise APIError(400, f"give one constraint at a time; got {', '.join(n for n, _ in found)}",
+                       param=found[1][0])
+    return found[0][1]() if found else None
+
+
+def parser_format(tokenizer) -> str:
+    """The tool-call format of a model, from its chat template: Llama-3.1 JSON where the template
+    speaks of <|python_tag|> / ipython and not of <tool_call>, else Hermes."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if "<tool_call>" not in template and ("<|python_tag|>" in template or "ipython" in template):
+        return LLAMA3_JSON
+    return HERMES
+
+
+def _call(name: str, arguments) -> dict:
+    """An OpenAI tool call; arguments: a dict (serialized) or the JSON text as the model wrote it."""
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": text}}
+
+
+def _as_call(obj) -> dict | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    return _call(obj["name"], args) if isinstance(args, dict) else None
+
+
+def parse_tool_calls(text: str, fmt: str) -> tuple[str | None, list[dict]]:
+    """(content, calls) of an "auto" output; no calls (and the whole text as content) when it
+    holds none or a call does not parse."""
+    if fmt == HERMES:
+        blocks = _CALL.findall(text)
+        if not blocks:
+            return text, []
+        calls = []
+        for b in blocks:
+            try:
+                call = _as_call(json.loads(b))
+            except ValueError:
+                call = None
+            if call is None:
+                return text, []
+            calls.append(call)
+        content = text[: text.index(_OPEN)]   # as streamed (vLLM's Hermes parser does not strip it either)
+        return content if content.strip() else None, calls
+    body = text.replace("<|python_tag|>", "").strip()
+    if not body.startswith("{"):
+        return text, []
+    calls, at, dec = [], 0, json.JSONDecoder()
+    while at < len(body):
+        try:
+            obj, end = dec.raw_decode(body, at)
+        except ValueError:
+            return text, []
+        call = _as_call(obj)
+        if call is None:
+            return text, []
+        calls.append(call)
+        at = end
+        while at < len(body) and body[at] in " \n\t;":
+            at += 1
+    return None, calls
+
+
+def parse_output(text: str, mode: str | None, fmt: str, name: str | None = None,
+                 parallel: bool = True) -> tuple[str | None, list[dict]]:
+    """(content, tool calls) of a whole chat output under a tool mode."""
+    if mode == "named":
+        try:
+            json.loads(text)
+        except ValueError:   # cut by max_tokens: not a call
+            return text, []
+        return None, [_call(name, text)]   # the arguments as generated (and streamed)
+    if mode == "required":
+        try:
+            calls = [_as_call(c) for c in json.loads(text)]
+        except (ValueError, TypeError):
+            return text, []
+        return (None, calls) if calls and all(calls) else (text, [])
+    if mode == "auto":
+        content, calls = parse_tool_calls(text, fmt)
+        return content, calls if parallel else calls[:1]
+    return text, []
+
+
+class ToolStream:
+    """One streamed choice's text under a tool mode: turns text deltas into (content delta, tool-call
+    deltas) (see the module doc)."""
+
+    def __init__(self, mode: str, fmt: str, name: str | None = None, parallel: bool = True):
+        self.mode, self.fmt, self.name, self.parallel = mode, fmt, name, parallel
+        self.text, self.sent = "", 0        # all text so far; chars of it sent as content
+        self.call_id = None
+        self.calls: list[dict] = []
+
+    def feed(self, delta: str, final: bool) -> tuple[str, list[dict]]:
+        self.text += delta
+        if self.mode == "named":
+            out = []
+            if delta or (final and self.call_id is None):
+                if self.call_id is None:
+                    call = _call(self.name, "")
+                    self.call_id = call["id"]
+                    out = [{"index": 0, "id": self.call_id, "type": "function",
+                            "function": {"name": self.name, "arguments": delta}}]
+                else:
+                    out = [{"index": 0, "function": {"arguments": delta}}]
+            return "", out
+        if not final:
+            return self._content(self._safe_end()), []
+        content, calls = parse_output(self.text, self.mode, self.fmt, self.name, self.parallel)
+        if not calls:
+            return self._content(len(self.text)), []
+        self.calls = calls
+        head = self._content(self.text.index(_OPEN) if self.fmt == HERMES and self.mode == "auto" else self.sent)
+        return head, [{"index": i, **c} for i, c in enumerate(calls)]
+
+    def _content(self, end: int) -> str:
+        end = max(end, self.sent)
+        out, self.sent = self.text[self.sent:end], end
+        return out
+
+    def _safe_end(self) -> int:
+        """How much text may be sent as content now: everything but what may be a tool call."""
+        if self.mode == "required":
+            return self.sent
+        if self.fmt == LLAMA3_JSON:
+            body = self.text.replace("<|python_tag|>", "").lstrip()
+            return self.sent if not body or body.startswith("{") else len(self.text)
+        at = self.text.find(_OPEN)
+        if at >= 0:
+            return at
+        for k in range(min(len(_OPEN) - 1, len(self.text)), 0, -1):   # a suffix that may begin <tool_call>
+            if _OPEN.startswith(self.text[-k:]):
+                return len(self.text) - k
+        return len(self.text)
