@@ -8,6 +8,8 @@ import pathlib
 
 import pytest
 
+pytestmark = pytest.mark.bench   # CI's bench tier (.ci/run), not ./run test
+
 SCRIPT = pathlib.Path(__file__).parents[1] / "scripts" / "bench_chunked.py"
 SMALL = ["--tiny", "--quick", "--long-min", "200", "--long-max", "300", "--max-new", "16", "--long-new", "3",
          "--steps-per-call", "2", "--max-model-len", "512", "--budgets", "32"]

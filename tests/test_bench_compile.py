@@ -9,6 +9,8 @@ import pathlib
 
 import pytest
 
+pytestmark = pytest.mark.bench   # CI's bench tier (.ci/run), not ./run test
+
 SCRIPT = pathlib.Path(__file__).parents[1] / "scripts" / "bench_compile.py"
 
 

@@ -8,6 +8,10 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.bench   # CI's bench tier (.ci/run), not ./run test
+
 SCRIPT = pathlib.Path(__file__).parents[1] / "scripts" / "bench_prefix.py"
 
 

@@ -7,6 +7,10 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.bench   # CI's bench tier (.ci/run), not ./run test
+
 ROOT = pathlib.Path(__file__).parents[1]
 
 

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.bench   # CI's bench tier (.ci/run), not ./run test
+
 pytest.importorskip("llguidance")
 pytest.importorskip("jsonschema")
 ROOT = pathlib.Path(__file__).parents[1]

@@ -43,8 +43,8 @@ def report(tmp_path_factory):
                           text=True, timeout=900, env=env, cwd=ROOT)
     assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
     recs = json.loads(out.read_text())
-    assert {pathlib.Path(r["model"]).name for r in recs} == {"tiny-llama", "tiny-gpt2", "smollm2-135m", "gemma2",
-                                                             "qwen3"}
+    # The real SmolLM2 runs with tp_check.py --full (scripts' time, not the suite's).
+    assert {pathlib.Path(r["model"]).name for r in recs} == {"tiny-llama", "tiny-gpt2", "gemma2", "qwen3"}
     return recs
 
 
@@ -59,10 +59,9 @@ def test_greedy_outputs_identical_to_one_device(report):
         assert r["tokens"] == ref[r["model"]], (r["model"], r["tp"])
         assert all(len(t) > 0 for t in r["tokens"])
     runs = {(pathlib.Path(r["model"]).name, r["tp"]) for r in report}
-    # Split (tiny-llama 2), replicate (tiny-llama 4) and pad (tiny-gpt2 3, SmolLM2 2); SmolLM2's split
-    # at 3 and pad at 4 run with tp_check.py --full.
-    assert runs >= {("tiny-llama", 2), ("tiny-llama", 4), ("tiny-gpt2", 3), ("smollm2-135m", 2),
-                    ("gemma2", 2), ("qwen3", 2)}
+    # Split (tiny-llama 2), replicate (tiny-llama 4) and pad (tiny-gpt2 3); SmolLM2's pad at 2 and 4
+    # and split at 3 run with tp_check.py --full.
+    assert runs >= {("tiny-llama", 2), ("tiny-llama", 4), ("tiny-gpt2", 3), ("gemma2", 2), ("qwen3", 2)}
 
 
 def test_sampled_outputs_and_logprobs_identical_to_one_device(report):
