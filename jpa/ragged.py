@@ -47,6 +47,9 @@ from jpa.validate import (check_cache_pair, check_dtype, check_layer, check_ndim
 # [tile_tokens * q_per_kv, keys] score block per kv head, large enough to amortize the loop on a
 # CPU, and capped at T so that small budgets do not compute padding rows.
 XLA_TILE_TOKENS = 128
+# When no live sequence has more query rows than this, the plain-JAX path runs every row as its own
+# decode query (one batched call) instead of tiles (speculative verify passes: k + 1 <= 17 rows).
+SHORT_QUERY_ROWS = 17
 # Kernel modules behind impl="triton"/"mosaic" (each exposes `unsupported_reason(RaggedSpec,
 # compute_capability)` and `ragged_paged_attention` with this module's argument order).
 KERNEL_MODULES = {"triton": "jpa.pallas.triton_ragged", "mosaic": "jpa.pallas.mosaic_ragged"}
@@ -80,6 +83,35 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, block_tables, seq_lens, cu_q
     opts = dict(scale=scale, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
                 sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales, layer=layer)
     num_seqs = jnp.asarray(num_seqs, jnp.int32)
+    live = jnp.arange(max_num_seqs + 1, dtype=jnp.int32) <= num_seqs
+    cu = jnp.where(live, cu_q_lens, cu_q_lens[num_seqs])  # entries past num_seqs ignored
+    max_q = jnp.max(cu[1:] - cu[:-1])
+
+    def per_row(_):
+        # Only short sequences (decode tokens, speculative verify rows): every row is a decode
+        # query of its own at its position, all in one batched decode call (the tiles below would
+        # each pad one sequence's few rows to a whole tile, one sequence at a time).
+        row = jnp.arange(num_tokens, dtype=jnp.int32)
+        seq = jnp.clip(jnp.searchsorted(cu[1:], row, side="right"), 0, max_num_seqs - 1).astype(jnp.int32)
+        row_live = row < cu[-1]
+        pos = seq_lens[seq] - (cu[seq + 1] - cu[seq]) + (row - cu[seq])
+        o = paged_decode_xla(jnp.where(row_live[:, None, None], q, 0), k_pages, v_pages, block_tables[seq],
+                             jnp.where(row_live, pos + 1, 0), **opts)  # [T, N, H]
+        return jnp.where(row_live[:, None, None], o, 0).astype(q.dtype)
+
+    def tiles(_):
+        return _ragged_tiles_xla(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, num_seqs, tile, opts)
+
+    if tile_tokens is not None:   # tiles asked for by size: always tiles
+        return tiles(None)
+    return lax.cond(max_q <= SHORT_QUERY_ROWS, per_row, tiles, None)
+
+
+def _ragged_tiles_xla(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, num_seqs, tile, opts):
+    """`ragged_paged_attention_xla` for any query lengths: each sequence's last row as a decode
+    query (one batched call), the other rows in tiles of one sequence at a time."""
+    num_tokens = q.shape[0]
+    max_num_seqs = seq_lens.shape[0]
     # 1. Last rows: decode queries at position seq_len - 1, one batched decode call.
     out = decode_last_rows(paged_decode_xla, q, k_pages, v_pages, block_tables, seq_lens,
                            cu_q_lens, num_seqs, **opts)  # [T, N, H]
