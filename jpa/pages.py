@@ -321,23 +321,6 @@ def _append(state, active):
 
 
 @jax.jit
-def _release(state, ids):
-    num_pages, (max_seqs, pages_per_seq) = state.num_pages, state.block_tables.shape
-    safe, _, _ = _select(ids, max_seqs)
-    sel = jnp.zeros((max_seqs,), bool).at[safe].set(True, mode="drop")  # duplicates are idempotent
-    j = jnp.arange(pages_per_seq, dtype=_I32)[None, :]
-    live = sel[:, None] & (j < pages_for_tokens(state.seq_lens, state.page_size)[:, None])
-    drop = jnp.zeros((num_pages,), _I32).at[
-        jnp.where(live, state.block_tables, num_pages).ravel()].add(1, mode="drop")
-    refcounts = state.refcounts - drop
-    free_pages, num_free = _push_free(state, refcounts, drop > 0)
-    return state.replace(
-        free_pages=free_pages, num_free=num_free,
-        refcounts=refcounts, block_tables=jnp.where(sel[:, None], 0, state.block_tables),
-        seq_lens=jnp.where(sel, 0, state.seq_lens))
-
-
-@jax.jit
 def _truncate(state, ids, num_tokens):
     num_pages, (max_seqs, pages_per_seq) = state.num_pages, state.block_tables.shape
     safe, _, _ = _select(ids, max_seqs)
@@ -353,6 +336,10 @@ def _truncate(state, ids, num_tokens):
     free_pages, num_free = _push_free(state, refcounts, drop > 0)
     return state.replace(free_pages=free_pages, num_free=num_free, refcounts=refcounts,
                          block_tables=jnp.where(gone, 0, state.block_tables), seq_lens=target)
+
+
+def _release(state, ids):
+    return _truncate(state, ids, jnp.zeros(ids.shape, _I32))   # a release is a truncation to nothing
 
 
 @jax.jit
