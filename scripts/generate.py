@@ -64,6 +64,16 @@ def add_engine_args(ap, *, steps_per_call: int, steps_help: str):
     ap.add_argument("--speculative-config", default=None, metavar="JSON", help="speculative decoding, as vLLM "
                     "spells it: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' "
                     "(outputs are identical to decoding without it; see README 'Speculative decoding')")
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallel: shard the model and the KV pool (on its "
+                    "kv heads) over this many devices (default 1); --kv-memory is then per device")
+    ap.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="several processes (hosts) run "
+                    "one engine: process 0's address; with --num-processes and --process-id (README, More than "
+                    "one machine). --tp must then count every process's devices")
+    ap.add_argument("--num-processes", type=int, default=None, help="several processes: how many")
+    ap.add_argument("--process-id", type=int, default=None, help="several processes: this one's index (0 "
+                    "owns the requests; the others follow it)")
+    ap.add_argument("--peer-timeout", type=float, default=60, help="several processes: seconds before a dead "
+                    "or hung process makes the others exit (default 60)")
 
 
 def _known_model(name: str) -> bool:
@@ -74,7 +84,7 @@ def _known_model(name: str) -> bool:
 
 def check_engine_args(args, extra_counts=()):
     """UsageError for engine flags no request could run with; extra_counts: more flags that must be >= 1."""
-    for name in ("page_size", "max_seqs", "max_model_len", "steps_per_call", "max_num_batched_tokens",
+    for name in ("page_size", "max_seqs", "max_model_len", "steps_per_call", "max_num_batched_tokens", "tp",
                  *extra_counts):
         v = getattr(args, name)
         if v < 1:
@@ -83,6 +93,18 @@ def check_engine_args(args, extra_counts=()):
         raise UsageError(f"--num-pages must be >= 1; got {args.num_pages}")
     if not (math.isfinite(args.kv_memory) and args.kv_memory > 0):
         raise UsageError(f"--kv-memory must be a positive number of MiB; got {args.kv_memory}")
+    multi = (args.coordinator, args.num_processes, args.process_id)
+    if any(v is not None for v in multi):
+        if any(v is None for v in multi):
+            raise UsageError("--coordinator, --num-processes and --process-id go together")
+        if args.num_processes < 1 or not 0 <= args.process_id < args.num_processes:
+            raise UsageError(f"--process-id must be in [0, --num-processes = {args.num_processes}); "
+                             f"got {args.process_id}")
+        host, _, port = args.coordinator.rpartition(":")
+        if not host or not port.isdigit():
+            raise UsageError(f"--coordinator must be HOST:PORT; got {args.coordinator!r}")
+    if not (math.isfinite(args.peer_timeout) and args.peer_timeout > 0):
+        raise UsageError(f"--peer-timeout must be a positive number of seconds; got {args.peer_timeout}")
     if args.speculative_config is not None:
         from jpa.engine import SpeculativeConfig
         try:
@@ -94,6 +116,27 @@ def check_engine_args(args, extra_counts=()):
                              f"checkpoint directory")
 
 
+def join_processes(args) -> int:
+    """Several processes (--coordinator): joins the job before JAX starts a backend, so jax.devices()
+    lists every process's devices. Returns this process's index (0 without --coordinator)."""
+    if args.coordinator is None:
+        return 0
+    import jax
+
+    from jpa.engine import multihost
+    # The collectives' library (Gloo on CPU) prints its connection lines on the C-level stdout: send
+    # those to stderr and keep this process's own stdout (the completions, --json) clean.
+    sys.stdout.flush()
+    out = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = os.fdopen(out, "w", buffering=1, encoding="utf-8")
+    multihost.initialize(args.coordinator, args.num_processes, args.process_id, peer_timeout=args.peer_timeout)
+    print(f"[jpa] process {jax.process_index()} of {jax.process_count()} joined {args.coordinator}: "
+          f"{jax.local_device_count()} local of {jax.device_count()} devices"
+          + ("" if jax.process_index() == 0 else "; following process 0"), file=sys.stderr, flush=True)
+    return jax.process_index()
+
+
 def engine_config(args, **extra):
     """The EngineConfig of the engine flags (UsageError when EngineConfig refuses them)."""
     from jpa.engine import EngineConfig
@@ -103,7 +146,8 @@ def engine_config(args, **extra):
                             steps_per_call=args.steps_per_call, attention_impl=args.attention,
                             prefix_caching=not args.no_prefix_caching,
                             max_num_batched_tokens=args.max_num_batched_tokens,
-                            speculative=args.speculative_config, **extra)
+                            speculative=args.speculative_config, tensor_parallel=args.tp,
+                            peer_timeout=args.peer_timeout, **extra)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -149,13 +193,6 @@ def parse_args(argv=None):
     ap.add_argument("--no-skip-special-tokens", action="store_true", help="keep special tokens (e.g. <|im_end|>) "
                     "in the completion text")
     add_engine_args(ap, steps_per_call=8, steps_help="decode steps per host round trip")
-    ap.add_argument("--tp", type=int, default=1, help="tensor parallel: shard the model and the KV pool (on its "
-                    "kv heads) over this many devices (default 1); --kv-memory is then per device")
-    ap.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="several hosts: process 0's "
-                    "address; with --num-processes and --process-id, calls jax.distributed.initialize first "
-                    "(README, Tensor parallelism)")
-    ap.add_argument("--num-processes", type=int, default=None, help="several hosts: how many processes")
-    ap.add_argument("--process-id", type=int, default=None, help="several hosts: this process's index")
     ap.add_argument("--json", action="store_true", help="JSON lines on stdout")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--no-compile-cache", action="store_true", help="do not use JAX's persistent "
@@ -167,14 +204,7 @@ def parse_args(argv=None):
 
 def check_args(args):
     """Raises UsageError for values no request could run with (per-request values fail alone)."""
-    check_engine_args(args, ("max_new_tokens", "tp"))
-    multi = (args.coordinator, args.num_processes, args.process_id)
-    if any(v is not None for v in multi):
-        if any(v is None for v in multi):
-            raise UsageError("--coordinator, --num-processes and --process-id go together")
-        if args.num_processes < 1 or not 0 <= args.process_id < args.num_processes:
-            raise UsageError(f"--process-id must be in [0, --num-processes = {args.num_processes}); "
-                             f"got {args.process_id}")
+    check_engine_args(args, ("max_new_tokens",))
     if args.prompts_file is not None and not os.path.isfile(args.prompts_file):
         raise UsageError(f"--prompts-file {args.prompts_file!r}: no such file")
     from models import PRESETS  # light: configs only, no JAX work
@@ -260,12 +290,7 @@ def main(argv=None):
 def run(args):
     import jax
 
-    if args.coordinator is not None:  # before JAX starts a backend: every host's devices in one job
-        jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
-                                   process_id=args.process_id)
-        if jax.process_index() != 0:  # every process runs the same program; process 0 reports
-            sys.stdout = open(os.devnull, "w")
-            args.no_progress = True
+    leader = join_processes(args) == 0   # process 0 reads the prompts and reports; the others follow it
     if not args.no_compile_cache:
         enable_compile_cache(cache_dir() / "xla")
 
@@ -274,11 +299,11 @@ def run(args):
     from jpa.llm import LLM, default_dtype
 
     dtype = args.dtype or default_dtype()
-    prompts, builtin = read_prompts(args)
+    prompts, builtin = read_prompts(args) if leader else ([], False)
     chat = args.chat or builtin
     t0 = time.perf_counter()
     print(f"[jpa] loading {args.model} ({dtype}) on {jax.devices()[0].platform}...", file=sys.stderr)
-    config = engine_config(args, tensor_parallel=args.tp)
+    config = engine_config(args)
     try:
         gpt, tok = models.load(args.model, dtype=jnp.dtype(dtype))
     except (ValueError, FileNotFoundError) as e:  # a bad checkpoint directory: CheckpointError names it
@@ -288,6 +313,11 @@ def run(args):
     except ValueError as e:  # e.g. a memory budget too small for one page, or --tp above the device count
         raise UsageError(str(e)) from None
     engine = llm.engine
+    if not leader:
+        ok = engine.follow()
+        print(f"[jpa] process {args.process_id}: process 0 {'finished' if ok else 'stopped on an error'}",
+              file=sys.stderr)
+        return 0 if ok else 1
     print(f"[jpa] model ready in {time.perf_counter() - t0:.1f} s; KV cache: {engine.cache_config.describe()}",
           file=sys.stderr)
     if args.tp > 1:
@@ -306,6 +336,7 @@ def run(args):
     t1 = time.perf_counter()
     results = llm.generate(texts, params, use_tqdm=not args.no_progress)
     wall = time.perf_counter() - t1
+    engine.close()   # several processes: the others return from follow()
     by_line = dict(zip(index, results))
 
     failed = 0

@@ -28,7 +28,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from generate import (UsageError, _Parser, add_engine_args, cache_dir, check_engine_args,  # noqa: E402
-                      enable_compile_cache, engine_config)
+                      enable_compile_cache, engine_config, join_processes)
 
 
 def parse_args(argv=None):
@@ -129,7 +129,10 @@ def main(argv=None):
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         args = parse_args(argv)
+        if args.coordinator is not None and args.process_id != 0:
+            return follow(args)   # several processes: process 0 serves HTTP, this one follows its device calls
         sock = bind(args.host, args.port)  # fail on a busy port before loading anything
+        join_processes(args)
         return run(args, sock)
     except UsageError as e:
         print(f"serve.py: error: {e}", file=sys.stderr)
@@ -176,6 +179,41 @@ def run(args, sock):
     return 0
 
 
+def build_engine(args):
+    """(LLMEngine, tokenizer) of the flags: the model (and a draft model) loaded and wired."""
+    import jax
+    import jax.numpy as jnp
+
+    import models
+    from jpa.engine import LLMEngine
+
+    if not args.no_compile_cache:
+        enable_compile_cache(cache_dir() / "xla")
+    dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+    print(f"[jpa] loading {args.model} ({dtype}) on {jax.devices()[0].platform}...", file=sys.stderr)
+    config = engine_config(args)
+    try:
+        gpt, tok = models.load(args.model, dtype=jnp.dtype(dtype))
+    except (ValueError, FileNotFoundError) as e:  # a bad checkpoint directory
+        raise UsageError(f"--model {args.model}: {e}") from None
+    try:
+        spec = config.speculative
+        draft = (models.GPTForEngine(models.load(spec.model, dtype=jnp.dtype(dtype))[0])
+                 if spec is not None and spec.method == "draft_model" else None)
+        return LLMEngine(models.GPTForEngine(gpt), tok, config, draft_model=draft), tok
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def follow(args) -> int:
+    """A process other than 0 of a multi-process server: the same engine, driven by process 0."""
+    join_processes(args)
+    engine, _ = build_engine(args)
+    ok = engine.follow()
+    print(f"[jpa] process {args.process_id}: process 0 {'stopped' if ok else 'stopped on an error'}", file=sys.stderr)
+    return 0 if ok else 1
+
+
 class _Loader:
     """Loads the model, builds and warms up the engine and attaches it to the app, on a thread
     of its own while the server already answers (/health: 503, then 200 once attached). A failure
@@ -185,6 +223,7 @@ class _Loader:
         self.args, self.app, self.server = args, app, server
         self.error: Exception | None = None
         self.aengine = None
+        self.engine = None
         self._lock = threading.Lock()
         self._stopped = False
 
@@ -197,31 +236,12 @@ class _Loader:
 
     def _load(self):
         args = self.args
-        import jax
-
-        if not args.no_compile_cache:
-            enable_compile_cache(cache_dir() / "xla")
-        dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
-        import jax.numpy as jnp
-
-        import models
-        from jpa.engine import AsyncEngine, LLMEngine, SamplingParams
+        from jpa.engine import AsyncEngine, SamplingParams
         from jpa.server import attach
 
         t0 = time.perf_counter()
-        print(f"[jpa] loading {args.model} ({dtype}) on {jax.devices()[0].platform}...", file=sys.stderr)
-        config = engine_config(args)
-        try:
-            gpt, tok = models.load(args.model, dtype=jnp.dtype(dtype))
-        except (ValueError, FileNotFoundError) as e:  # a bad checkpoint directory
-            raise UsageError(f"--model {args.model}: {e}") from None
-        try:
-            spec = config.speculative
-            draft = (models.GPTForEngine(models.load(spec.model, dtype=jnp.dtype(dtype))[0])
-                     if spec is not None and spec.method == "draft_model" else None)
-            engine = LLMEngine(models.GPTForEngine(gpt), tok, config, draft_model=draft)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
+        engine, tok = build_engine(args)
+        self.engine = engine
         if not args.no_warmup:  # compile the engine's program (the unified step) before the first client waits
             engine.generate(["Hello"], SamplingParams(max_new_tokens=2, greedy=True))
         with self._lock:
@@ -240,6 +260,7 @@ class _Loader:
             self._stopped = True
             if self.aengine is not None:
                 self.aengine.shutdown()
+                self.engine.close()   # several processes: the others stop following
 
 
 class _Stop(Exception):

@@ -99,6 +99,9 @@ class StepResult:
       spec_accepted: i32[max_seqs]; of them, accepted.
       spec_steps: i32[max_seqs]; verify steps in which the slot had drafts.
       spec_accepted_per_pos: i32[k]; accepted drafts by position (vLLM's per-position count).
+      peak_pages: i32[]; the most pages sequences held at once during the round (after its
+        reservations, before its releases; prefix-cached pages nobody holds are not counted).
+      peak_tokens: i32[]; tokens cached in the sequences' pages at that moment.
     """
     tokens: jax.Array
     logprobs: jax.Array
@@ -123,6 +126,8 @@ class StepResult:
     spec_accepted: jax.Array | None = None
     spec_steps: jax.Array | None = None
     spec_accepted_per_pos: jax.Array | None = None
+    peak_pages: jax.Array | None = None
+    peak_tokens: jax.Array | None = None
 
 
 def make_step_batch(plan, *, max_seqs: int, num_tokens: int, pages_per_seq: int, num_pages: int,

@@ -20,6 +20,7 @@ A long-lived engine (a server) keeps nothing of a finished request: step() hands
 once, in the round it finishes, and the statistics are running sums.
 """
 
+import atexit
 import collections
 import dataclasses
 import itertools
@@ -31,6 +32,7 @@ import numpy as np
 
 from jpa.cache import CacheConfig
 from jpa.engine.batch import make_step_batch
+from jpa.engine import multihost
 from jpa.engine.detokenizer import IncrementalDetokenizer
 from jpa.engine.model import EngineModel, check_model, has_hidden
 from jpa.engine.request import Phase, Request, RequestOutput, StepOutput
@@ -83,6 +85,8 @@ class EngineConfig:
         JSON string as vLLM's --speculative-config spells it); None = off. The decode loop then
         verifies up to k drafts per sequence per step; outputs are identical to decoding without
         it (greedy and seeded sampling alike). See README "Speculative decoding".
+      peer_timeout: several processes (`jax.distributed`, see `jpa.engine.multihost`): seconds a
+        device call may wait for the other processes before this one gives up on them and exits.
     """
     max_seqs: int = 16
     page_size: int = 16
@@ -98,6 +102,7 @@ class EngineConfig:
     ragged_block_tokens: int | None = None
     prefix_caching: bool = True
     speculative: SpeculativeConfig | None = None
+    peer_timeout: float = 60.0
 
     def __post_init__(self):
         if self.speculative is not None:
@@ -112,6 +117,9 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be an int >= 1 or None; got {v!r}")
         if self.num_pages is None and (not isinstance(self.kv_memory_bytes, int) or self.kv_memory_bytes < 1):
             raise ValueError(f"EngineConfig.kv_memory_bytes must be an int >= 1; got {self.kv_memory_bytes!r}")
+        if not isinstance(self.peer_timeout, (int, float)) or isinstance(self.peer_timeout, bool) \
+                or not self.peer_timeout > 0:
+            raise ValueError(f"EngineConfig.peer_timeout must be a number of seconds > 0; got {self.peer_timeout!r}")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"EngineConfig.watermark must be in [0, 1); got {self.watermark!r}")
         if not isinstance(self.prefix_caching, bool):
@@ -221,6 +229,20 @@ class LLMEngine:
                                   attention_impl=config.attention_impl, mesh=self.mesh,
                                   block_tokens=config.ragged_block_tokens, speculative=config.speculative,
                                   draft=draft_model, draft_cache_config=draft_cfg)
+        # Several processes: process 0 leads (its device calls are sent to the others), the others follow.
+        self.process_index, self.num_processes = jax.process_index(), jax.process_count()
+        self._follower = None
+        if self.num_processes > 1:
+            if config.tensor_parallel != jax.device_count():
+                raise ValueError(f"a job of {self.num_processes} processes runs one engine over all of its "
+                                 f"{jax.device_count()} devices: tensor_parallel must be {jax.device_count()}; got "
+                                 f"{config.tensor_parallel} (for independent replicas, run one job per replica)")
+            lockstep = dict(peer_timeout=config.peer_timeout)
+            if self.process_index == 0:
+                self.runner = multihost.Leader(self.runner, **lockstep)
+                atexit.register(self.close, ok=False)   # an exit without close(): the followers stop too
+            else:
+                self._follower = multihost.Follower(self.runner, **lockstep)
         self.scheduler = Scheduler(
             max_seqs=config.max_seqs, page_size=config.page_size, num_pages=self.num_pages,
             max_model_len=self.max_model_len, steps_per_call=config.steps_per_call,
@@ -254,6 +276,7 @@ class LLMEngine:
         Returns:
           The Request (its request_id identifies it in step() outputs and abort()).
         """
+        self._leader_only("add_request")
         n = params.get("n", 1) if isinstance(params, dict) else getattr(params, "n", 1)
         taken = lambda rid: rid in self._live_ids or (  # noqa: E731  (its samples' ids too)
             isinstance(n, int) and n > 1 and any((rid, i) in self._live_ids for i in range(n)))
@@ -309,6 +332,26 @@ class LLMEngine:
         req.detokenizer = self._detokenizer(req.params)
         self.scheduler.add(req)
         return req
+
+    def _leader_only(self, what: str) -> None:
+        if self._follower is not None:
+            raise RuntimeError(f"process {self.process_index} of {self.num_processes} follows process 0, which owns "
+                               f"the requests: call follow() here, not {what}()")
+
+    def follow(self) -> bool:
+        """A process other than 0 of a multi-process job: runs process 0's device calls until it
+        closes its engine (`close()`). Returns True when process 0 closed it normally, False when it
+        stopped on an error or exited without closing. See `jpa.engine.multihost`."""
+        if self._follower is None:
+            raise RuntimeError("follow() is for processes other than 0 of a multi-process job (jax.distributed); "
+                               f"this is process {self.process_index} of {self.num_processes}")
+        return self._follower.run()
+
+    def close(self, ok: bool = True) -> None:
+        """Process 0 of a multi-process job: releases the other processes from follow() (idempotent;
+        a single-process engine has nothing to release). `ok=False` tells them it stopped on an error."""
+        if isinstance(self.runner, multihost.Leader):
+            self.runner.close(ok)
 
     def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, params.stop, include_stop=params.include_stop_str_in_output,
@@ -417,7 +460,7 @@ class LLMEngine:
         self.stats.prefill_tokens += plan.num_prompt_tokens
         self.stats.decode_tokens += int((result.out >= 0).sum()) + sum(e.decode for e in plan.entries)
         events = self.scheduler.stepped(plan, result)
-        self._record_pages()
+        self._record_pages(int(result.peak_pages), int(result.peak_tokens))
         if self.scheduler.prefix is not None:
             held = collections.Counter(p for r in self.scheduler.running.values() for p in r.cache_refs)
             self.stats.peak_shared_pages = max(self.stats.peak_shared_pages, sum(1 for c in held.values() if c > 1))
@@ -434,11 +477,11 @@ class LLMEngine:
         """Pages held by requests (cached-idle pages are not in use: eviction frees them)."""
         return self.num_pages - self.scheduler.free_pages - self.num_cached_idle
 
-    def _record_pages(self) -> None:
-        used = self.pages_in_use
+    def _record_pages(self, used: int, tokens: int) -> None:
+        """The round's peak (the device's count: pages held by sequences at the round's fullest
+        moment, and the tokens they held then)."""
         self.stats.peak_pages_used = max(self.stats.peak_pages_used, used)
         if used:
-            tokens = sum(r.num_computed_tokens for r in self.scheduler.running.values())
             self.stats.util_sum += tokens / (used * self.config.page_size)
             self.stats.util_count += 1
 
@@ -450,6 +493,7 @@ class LLMEngine:
           failed validation or were aborted since the last round). A finished request appears
           exactly once, with its RequestOutput; the engine keeps nothing of it afterwards.
         """
+        self._leader_only("step")
         outputs, self._outbox = self._outbox, []
         events, t_host = [], None
         plan = self.scheduler.plan_round(self.config.max_num_batched_tokens)

@@ -2,6 +2,7 @@
 
 import dataclasses
 import enum
+import math
 from typing import NamedTuple
 
 from jpa.engine.detokenizer import IncrementalDetokenizer
@@ -152,7 +153,9 @@ class RequestOutput:
         out = {"request_id": self.request_id, "prompt": self.prompt, "completion": self.completion,
                "token_ids": list(self.token_ids), "num_prompt_tokens": len(self.prompt_ids),
                "finish_reason": self.finish_reason, "error": self.error,
-               "num_preemptions": self.num_preemptions}
+               "num_preemptions": self.num_preemptions,
+               # each token's log-probability (None where it is not a number)
+               "logprobs": [lp if math.isfinite(lp) else None for lp in map(float, self.logprobs)]}
         if self.num_draft_tokens:
             out["num_draft_tokens"] = self.num_draft_tokens
             out["num_accepted_tokens"] = self.num_accepted_tokens

@@ -118,6 +118,20 @@ def _copy_on_write(cache, slots, cow):
     return cache, slots, jnp.sum(cow.dst >= 0, dtype=jnp.int32)
 
 
+def _tally(acc, copies, ps):
+    """acc = (pages copied on write, most pages in use, tokens cached then) after one more step
+    that copied `copies` pages and runs on page state ps. A page is in use when a sequence holds
+    it (refcount above the prefix cache's own reference): the round's peak, which the host
+    cannot see (sequences that finish inside the call release their pages before it returns)."""
+    n, used, tokens = acc
+    now = jnp.sum(ps.refcounts > ps.cached.astype(ps.refcounts.dtype), dtype=jnp.int32)
+    more = now > used
+    return n + copies, jnp.where(more, now, used), jnp.where(more, jnp.sum(ps.seq_lens, dtype=jnp.int32), tokens)
+
+
+NO_COPIES = (0, 0, 0)   # the `_tally` of no step
+
+
 def _finished(slots, next_tok, seq_lens, stop_ids):
     """bool[B]: which slots stop after emitting next_tok (their cache holds seq_lens tokens)."""
     p = slots.params
@@ -231,8 +245,8 @@ class ModelRunner:
 
         Returns (cache, page_state, slots, (out i32[steps_per_call, max_seqs] tokens (-1 where a slot
         was idle or past the last step), out_lp f32[steps_per_call, max_seqs], their top tokens
-        i32[steps_per_call, max_seqs, top_n] and log-probabilities), steps taken, pages copied on
-        write).
+        i32[steps_per_call, max_seqs, top_n] and log-probabilities), steps taken, (pages copied on
+        write, peak pages in use, tokens then): see `_tally`).
         """
         k, num_seqs = self.steps_per_call, self.max_seqs
 
@@ -261,7 +275,8 @@ class ModelRunner:
             out_ids, out_tops = out_ids.at[i].set(top_ids), out_tops.at[i].set(top_lps)
             ps = pages.release(ps, jnp.where(done, jnp.arange(num_seqs, dtype=jnp.int32), -1))
             slots = slots.replace(active=act & ~done)
-            return i + 1, cache, ps, slots, (out, out_lp, out_ids, out_tops), _lookahead(ps, slots), copies + n
+            return (i + 1, cache, ps, slots, (out, out_lp, out_ids, out_tops), _lookahead(ps, slots),
+                    _tally(copies, n, nxt[0]))
 
         def _lookahead(ps, slots):
             return pages.append(ps, slots.active)
@@ -273,7 +288,8 @@ class ModelRunner:
         tn = min(MAX_TOP_LOGPROBS, self.model.config.vocab_size)
         outs = (jnp.full((k, num_seqs), -1, jnp.int32), jnp.zeros((k, num_seqs), jnp.float32),
                 jnp.full((k, num_seqs, tn), -1, jnp.int32), jnp.full((k, num_seqs, tn), -jnp.inf, jnp.float32))
-        init = (jnp.int32(0), cache, page_state, slots, outs, _lookahead(page_state, slots), jnp.int32(0))
+        init = (jnp.int32(0), cache, page_state, slots, outs, _lookahead(page_state, slots),
+                jax.tree_util.tree_map(jnp.int32, NO_COPIES))
         steps, cache, page_state, slots, outs, _, copies = lax.while_loop(cond, step, init)
         return cache, page_state, slots, outs, steps, copies
 
@@ -447,7 +463,7 @@ class ModelRunner:
             drafted, accepted, spec_steps, per_pos = counts
             counts = (drafted + num, accepted + a, spec_steps + (num > 0).astype(jnp.int32),
                       per_pos + jnp.sum(jj[None, :k] < a[:, None], axis=0, dtype=jnp.int32))
-            return i + 1, cache, ps, slots, outs, lookahead(ps, slots), copies + n, counts
+            return i + 1, cache, ps, slots, outs, lookahead(ps, slots), _tally(copies, n, nxt[3]), counts
 
         def cond(carry):
             i, _, _, slots, _, nxt, _, _ = carry
@@ -459,7 +475,8 @@ class ModelRunner:
                 jnp.full((total, num_seqs, tn), -1, jnp.int32), jnp.full((total, num_seqs, tn), -jnp.inf, jnp.float32))
         zeros = jnp.zeros((num_seqs,), jnp.int32)
         counts = (zeros, zeros, zeros, jnp.zeros((k,), jnp.int32))
-        init = (jnp.int32(0), cache, page_state, slots, outs, lookahead(page_state, slots), jnp.int32(0), counts)
+        init = (jnp.int32(0), cache, page_state, slots, outs, lookahead(page_state, slots),
+                jax.tree_util.tree_map(jnp.int32, NO_COPIES), counts)
         steps, cache, page_state, slots, outs, _, copies, counts = lax.while_loop(cond, step, init)
         return cache, page_state, slots, outs, steps, copies, counts
 
@@ -657,6 +674,7 @@ class ModelRunner:
         empty_out = (jnp.zeros((num_entries,), jnp.int32), jnp.full((num_entries,), jnp.nan, jnp.float32),
                      jnp.full((num_entries, tn), -1, jnp.int32), jnp.full((num_entries, tn), -jnp.inf, jnp.float32),
                      jnp.zeros((num_entries, self.pages_per_seq), jnp.int32), jnp.int32(0), empty_prompt)
+        usage = _tally(jax.tree_util.tree_map(jnp.int32, NO_COPIES), 0, page_state)  # the entries' pages reserved
         _, cache, page_state, slots, (tok, lp, top_ids, top_lps, tables, copies, prompt) = lax.while_loop(
             lambda c: c[0] < batch.run_ragged * ok.astype(jnp.int32), ragged_step,
             (jnp.int32(0), cache, page_state, slots, empty_out))
@@ -675,13 +693,16 @@ class ModelRunner:
             cache, page_state, slots, (out, out_lp, out_ids, out_tops), steps, loop_copies, spec_counts = \
                 self._spec_loop(params, cache, page_state, loop_slots, decode_steps)
         slots = slots.replace(active=slots.active | held)
+        loop_copies, peak, peak_tokens = (loop_copies[0],) + tuple(
+            jnp.where(loop_copies[1] > usage[1], a, b) for a, b in zip(loop_copies[1:], usage[1:]))
         return cache, page_state, slots, StepResult(
             tokens=tok, logprobs=lp, top_ids=top_ids, top_logprobs=top_lps, ok=ok, out=out, out_logprobs=out_lp,
             out_top_ids=out_ids, out_top_logprobs=out_tops, steps=steps,
             num_free=pages.num_free_pages(page_state), seq_lens=page_state.seq_lens, active=slots.active,
             tables=tables, cow_copies=copies + loop_copies, prompt_logprobs=prompt[0], prompt_ranks=prompt[1],
             prompt_top_ids=prompt[2], prompt_top_logprobs=prompt[3], spec_drafted=spec_counts[0],
-            spec_accepted=spec_counts[1], spec_steps=spec_counts[2], spec_accepted_per_pos=spec_counts[3])
+            spec_accepted=spec_counts[1], spec_steps=spec_counts[2], spec_accepted_per_pos=spec_counts[3],
+            peak_pages=peak, peak_tokens=peak_tokens)
 
     @staticmethod
     def _retire_impl(page_state, slots, seq_ids):
