@@ -1084,12 +1084,14 @@ def host_collectives(hlo: str, partition_hosts: list) -> list:
 
 
 def host_table(items: list, layers_per_body: int) -> list:
-    """Rows of `host_collectives` entries grouped by (op, type, where, cross_host): count in the
-    program text, per layer (layer-body entries: count / layers_per_body), executions per call."""
+    """Rows of `host_collectives` entries grouped by (op, type, where, enclosing loops, hosts
+    spanned): count in the program text, per layer (layer-body entries: count / layers_per_body),
+    executions per call (None when a loop's trip count is data: the engine's decode loop and
+    ragged blocks). where: "layer" (in a layer scan's body), "loop" (in another loop) or "once"."""
     rows = {}
     for c in items:
         where = "layer" if c["layer_body"] else ("loop" if c["loops"] else "once")
-        key = (c["op"], c["type"], where, c["cross_host"], c["hosts_per_group"], c["group_size"])
+        key = (c["op"], c["type"], where, tuple(c["loops"]), c["cross_host"], c["hosts_per_group"], c["group_size"])
         r = rows.setdefault(key, dict(op=c["op"], type=c["type"], where=where, cross_host=c["cross_host"],
                                       hosts_per_group=c["hosts_per_group"], group_size=c["group_size"],
                                       bytes_each=c["bytes"], count=0, executions=0, loops=c["loops"]))
