@@ -37,12 +37,18 @@ Needs the compile-only GPU packages: `pip install -e ".[gpu]"` (./run test insta
     python scripts/gpu_compile_check.py --target h100 [--subset fast|full] [--json PATH]
     python scripts/gpu_compile_check.py --target h100 --only stacked [--subset fast|full]
     python scripts/gpu_compile_check.py --target h100 --only tp --tp 8   # 3. below
+    python scripts/gpu_compile_check.py --target h100 --only tp --tp 16 --hosts 2 --model llama3-70b \
+        --pool-gib 56 --max-seqs 128 --max-model-len 8192
 
-3. (`--only tp`) tensor parallelism: the engine's decode loop and a prefill call of a
-   Llama-shaped model (Llama-3-8B's shapes, random abstract weights, bf16) sharded over N
-   compile-only GPUs of one host: collectives per decode step and per layer (exactly two
-   all-reduces per layer, no all-gather), the kernel once per layer on every device, the donated
-   pool shards aliased, per-device memory.
+3. (`--only tp`) tensor parallelism: the engine's unified step of a Llama-shaped model
+   (`--model`: Llama-3-8B's or -70B's shapes, random abstract weights, bf16) sharded over N
+   compile-only GPUs: collectives per step and per layer (exactly two row-parallel all-reduces per
+   layer and model pass, nothing with a head axis or a pool dimension moved), the kernels once per
+   layer body on every device, the donated pool shards aliased, per-device memory within the
+   GPU's. With `--hosts H` the GPUs are spread over H hosts (topology "Hx1x(N/H)") and every
+   collective is classified by the hosts its replica groups span: in a layer only the
+   row-parallel all-reduces may cross hosts, outside the layers only the embedding lookup's and
+   sampling's fixed few per step.
 """
 
 import os
