@@ -184,7 +184,9 @@ def with_heads(model, plan: HeadPlan):
     new = nnx.eval_shape(lambda: GPT(new_c, dtype=model.dtype, rngs=nnx.Rngs(0)))
     old = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     for path, var in nnx.to_flat_state(nnx.state(new, nnx.Param)):
-        x = old[path][...]
+        # The variable's value, not `[...]` of it: an abstract model's is a ShapeDtypeStruct,
+        # which cannot be indexed.
+        x = old[path].get_value()
         if isinstance(x, jax.ShapeDtypeStruct):  # an abstract model (deviceless compile): shapes only
             var.set_value(jax.ShapeDtypeStruct(var.shape, var.dtype))
             continue

@@ -37,12 +37,18 @@ Needs the compile-only GPU packages: `pip install -e ".[gpu]"` (./run test insta
     python scripts/gpu_compile_check.py --target h100 [--subset fast|full] [--json PATH]
     python scripts/gpu_compile_check.py --target h100 --only stacked [--subset fast|full]
     python scripts/gpu_compile_check.py --target h100 --only tp --tp 8   # 3. below
+    python scripts/gpu_compile_check.py --target h100 --only tp --tp 16 --hosts 2 --model llama3-70b \
+        --pool-gib 56 --max-seqs 128 --max-model-len 8192
 
-3. (`--only tp`) tensor parallelism: the engine's decode loop and a prefill call of a
-   Llama-shaped model (Llama-3-8B's shapes, random abstract weights, bf16) sharded over N
-   compile-only GPUs of one host: collectives per decode step and per layer (exactly two
-   all-reduces per layer, no all-gather), the kernel once per layer on every device, the donated
-   pool shards aliased, per-device memory.
+3. (`--only tp`) tensor parallelism: the engine's unified step of a Llama-shaped model
+   (`--model`: Llama-3-8B's or -70B's shapes, random abstract weights, bf16) sharded over N
+   compile-only GPUs: collectives per step and per layer (exactly two row-parallel all-reduces per
+   layer and model pass, nothing with a head axis or a pool dimension moved), the kernels once per
+   layer body on every device, the donated pool shards aliased, per-device memory within the
+   GPU's. With `--hosts H` the GPUs are spread over H hosts (topology "Hx1x(N/H)") and every
+   collective is classified by the hosts its replica groups span: in a layer only the
+   row-parallel all-reduces may cross hosts, outside the layers only the embedding lookup's and
+   sampling's fixed few per step.
 """
 
 import os
@@ -245,19 +251,34 @@ def pool_copies(hlo: str, pool_types) -> list:
 class Compiler:
     """Compiles jitted functions for one deviceless target and inspects the result.
 
-    num_devices > 1 gives that many compile-only GPUs of the target in one host (topology
-    "1x1xN", NVLink-connected as in one DGX/HGX box) and `tp_mesh`, a "tp" mesh over them, for
-    tensor-parallel programs: arguments that carry a NamedSharding on it keep it.
+    num_devices > 1 gives that many compile-only GPUs of the target and `tp_mesh`, a "tp" mesh
+    over them, for tensor-parallel programs: arguments that carry a NamedSharding on it keep it.
+    hosts spreads them over that many hosts of num_devices // hosts GPUs each.
+
+    The CUDA plugin's topology string is "<slices>x<hosts per slice>x<devices per host>", a slice
+    being one NVLink domain (XLA's GpuTopologyProto). One host is "1x1xN" (one DGX/HGX box);
+    H hosts are "Hx1x(N/H)": H NVLink domains of one host each, joined by the inter-host network
+    (InfiniBand/Ethernet), as H HGX boxes are. ("1xHx(N/H)" would be one NVLink domain spanning
+    H hosts, a multi-node NVLink rack.) Each compile-only device's `process_index` is its host:
+    devices [h*G, (h+1)*G) are host h's, and the tp mesh takes them in that order.
     """
 
-    def __init__(self, target: str, num_devices: int = 1):
+    def __init__(self, target: str, num_devices: int = 1, hosts: int = 1):
         from jax.experimental import topologies
         t = TARGETS[target]
+        if hosts < 1 or num_devices % hosts:
+            raise ValueError(f"num_devices ({num_devices}) must be a multiple of hosts ({hosts})")
         self.target = target
         self.ptxas = None  # version and path, once XLA reports it
+        self.hosts = hosts
+        self.topology = f"{hosts}x1x{num_devices // hosts}"
         topo = topologies.get_topology_desc("jpa", "cuda", target_config=target_config(target),
-                                            topology=f"1x1x{num_devices}")
+                                            topology=self.topology)
         self.devices = topo.devices
+        found = sorted({d.process_index for d in self.devices})
+        if len(self.devices) != num_devices or found != list(range(hosts)):
+            raise RuntimeError(f"topology {self.topology} gave {len(self.devices)} devices on hosts {found}; "
+                               f"expected {num_devices} on {hosts}")
         self.device = topo.devices[0]
         self.sharding = SingleDeviceSharding(self.device)
         abstract = AbstractDevice(device_kind=self.device.device_kind, num_cores=t["core_count"], platform="cuda")
@@ -856,6 +877,10 @@ def check_engine(compiler: Compiler, log=print, **sizes) -> list:
 LLAMA_SHAPED = dict(family="llama", vocab_size=128256, d_model=4096, num_layers=32, num_q_heads=32,
                     num_kv_heads=8, head_dim=128, ffn_dim=14336, max_seq_len=8192, rope_base=500000.0,
                     tie_embeddings=False, bos_token_id=0, eos_token_id=1)
+# Llama-3-70B's shapes (its config.json: 80 layers, hidden 8192, 64 heads, 8 kv heads, head_dim 128,
+# intermediate 28672, vocab 128256, rope_theta 500000, 8192 positions, untied head).
+LLAMA3_70B_SHAPED = dict(LLAMA_SHAPED, d_model=8192, num_layers=80, num_q_heads=64, ffn_dim=28672)
+MODEL_SHAPES = {"llama3-8b": LLAMA_SHAPED, "llama3-70b": LLAMA3_70B_SHAPED}
 COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
                   "collective-broadcast")
 _ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1, "s64": 8,
@@ -921,6 +946,209 @@ def collective_summary(items: list, num_layers: int) -> dict:
     return out
 
 
+# ---- Which collectives cross hosts ----
+
+def _braced(text: str, start: int) -> str:
+    """The balanced {...} of text that opens at text[start]."""
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[start:i + 1]
+    raise ValueError(f"unbalanced braces: {text[start:start + 80]!r}")
+
+
+def _mesh_axes_groups(axes: str, device_ids: str | None, grouped: str, num_partitions: int) -> list:
+    """Groups of XLA's mesh-axes spelling (xla/hlo/ir/replica_group.cc, MeshAxesReplicaGroupList):
+    the devices of the mesh that differ only along the grouped axes (or sub-axes) form a group."""
+    mesh = [(n.strip("'\""), int(z)) for n, z in re.findall(r"([^=,\s]+)=(\d+)", axes)]
+    names, sizes = [n for n, _ in mesh], [z for _, z in mesh]
+    n = int(np.prod(sizes))
+    ids = [int(x) for x in re.findall(r"\d+", device_ids)][-n:] if device_ids else list(range(n))
+    refs = []  # (mesh dim, pre_size, size) in the order written
+    for name, pre, size in re.findall(r"([^,:()\s]+)(?::\((\d+)\)(\d+))?", grouped):
+        d = names.index(name.strip("'\""))
+        refs.append((d, int(pre), int(size)) if pre else (d, 1, sizes[d]))
+    shape, where = [], {}  # each mesh dim split into factors; where[ref index] = its factor's axis
+    for d, full in enumerate(sizes):
+        mine = sorted((i for i, r in enumerate(refs) if r[0] == d), key=lambda i: refs[i][1])
+        prefix = 1
+        for i in mine:
+            _, pre, size = refs[i]
+            if pre != prefix:
+                shape.append(pre // prefix)
+                prefix = pre
+            where[i] = len(shape)
+            shape.append(size)
+            prefix *= size
+        if prefix != full or not mine:
+            shape.append(full // prefix)
+    group_axes = [where[i] for i in range(len(refs))]
+    order = [a for a in range(len(shape)) if a not in group_axes] + group_axes
+    size = int(np.prod([shape[a] for a in group_axes])) if group_axes else 1
+    return np.asarray(ids).reshape(shape).transpose(order).reshape(-1, size).tolist()
+
+
+def replica_groups(line: str, num_partitions: int) -> list:
+    """The device groups of one collective instruction of an optimized HLO, as lists of ids.
+
+    In a GSPMD program (one replica, use_global_device_ids) an id is a partition: the position of
+    a device in the program's device assignment (the mesh's devices, flattened). Reads the
+    spellings XLA prints:
+
+    - lists: `replica_groups={{0,1},{2,3}}`; `{}` is one group of every partition;
+    - iota: `replica_groups=[2,8]<=[16]`, `[8,2]<=[2,8]T(1,0)`: iota(16) reshaped to the dims
+      after `<=`, transposed by T, reshaped to [groups, group size];
+    - mesh axes: `replica_groups=mesh['x'=2,'tp'=8] {'tp'}` (plus `, device_ids=(...)` for a mesh
+      that is not an iota; a sub-axis is written 'tp':(1)2): devices differing only along the
+      named axes form a group;
+    - a collective-permute's `source_target_pairs={{0,1},...}`: each pair is a group.
+    No attribute at all means one group of every partition.
+    """
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(([^)]*)\))? \{([^}]*)\}", line)
+    if m:
+        return _mesh_axes_groups(m.group(1), m.group(2), m.group(3), num_partitions)
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    if m:
+        dims = [int(x) for x in m.group(3).split(",")]
+        ids = np.arange(int(np.prod(dims))).reshape(dims)
+        if m.group(4):
+            ids = ids.transpose([int(x) for x in m.group(4).split(",")])
+        return ids.reshape(int(m.group(1)), int(m.group(2))).tolist()
+    for attr in ("replica_groups", "source_target_pairs"):
+        i = line.find(f"{attr}={{")
+        if i >= 0:
+            text = _braced(line, i + len(attr) + 1)
+            groups = [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", text[1:-1])]
+            return groups or [list(range(num_partitions))]
+    return [list(range(num_partitions))]
+
+
+def _loops(comps: dict) -> tuple:
+    """({computation: [(while body, known trip count or None), ...] of its enclosing loops,
+    outermost first}, {computation: the computations it calls other than as a while body})."""
+    parent, calls = {}, {}
+    for cname, lines in comps.items():
+        for line in lines:
+            trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+            for b in re.findall(r"body=%?([\w.-]+)", line):
+                parent.setdefault(b, (cname, (b, int(trip.group(1)) if trip else None)))
+            others = re.findall(r"(?:calls|condition|to_apply|true_computation|false_computation)=%?([\w.-]+)", line)
+            for branches in re.findall(r"branch_computations=\{([^}]*)\}", line):
+                others += [x.strip().lstrip("%") for x in branches.split(",")]
+            for c in others:
+                parent.setdefault(c, (cname, None))
+                calls.setdefault(cname, set()).add(c)
+    memo = {}
+
+    def chain(c, seen=()):
+        if c not in memo:
+            up = parent.get(c)
+            memo[c] = [] if up is None or up[0] in seen else chain(up[0], seen + (c,)) + ([up[1]] if up[1] else [])
+        return memo[c]
+
+    return {c: chain(c) for c in comps}, calls
+
+
+def host_collectives(hlo: str, partition_hosts: list) -> list:
+    """Every collective of an optimized HLO module with the hosts it spans.
+
+    partition_hosts[p]: the host (process_index) of partition p's device. Each entry: op, type,
+    bytes (as in `collectives`), group_size, num_groups, hosts_per_group (the most hosts one
+    group spans), cross_host (a group spans more than one host), loops (the known trip counts of
+    the enclosing while loops, outermost first; None where XLA knows none), layer_body (its
+    innermost loop is a layer scan: a loop whose body calls the attention kernel outside any
+    inner loop) and executions (the product of loops, None if one is unknown).
+    """
+    comps = _computations(hlo)
+    nesting, calls = _loops(comps)
+    kernel = {c for c, lines in comps.items() if any(TRITON_CALL in x or MOSAIC_CALL in x for x in lines)}
+
+    def reaches_kernel(c, seen=frozenset()):
+        return c in kernel or any(reaches_kernel(d, seen | {c}) for d in calls.get(c, ()) if d not in seen)
+
+    layer_bodies = {b for chain in nesting.values() for b, _ in chain if reaches_kernel(b)}
+    ops = "|".join(COLLECTIVE_OPS)
+    out = []
+    for cname, lines in comps.items():
+        for line in lines:
+            m = re.match(rf"\s*(?:ROOT )?%?[\w.-]+ = (.+?) ({ops})(-start)?\(", line)
+            if not m:
+                continue
+            arrays = [(t, [int(d) for d in dims.split(",") if d]) for t, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1))]
+            sizes = [_ITEMSIZE.get(t, 4) * int(np.prod(d or [1])) for t, d in arrays]
+            big = int(np.argmax(sizes))
+            groups = replica_groups(line, len(partition_hosts))
+            spans = [len({partition_hosts[p] for p in g}) for g in groups]
+            loops = [trip for _, trip in nesting.get(cname, [])]
+            out.append(dict(op=m.group(2), type=f"{arrays[big][0]}[{','.join(map(str, arrays[big][1]))}]",
+                            bytes=sizes[big], group_size=max(map(len, groups)), num_groups=len(groups),
+                            hosts_per_group=max(spans), cross_host=max(spans) > 1, loops=loops,
+                            layer_body=bool(nesting.get(cname)) and nesting[cname][-1][0] in layer_bodies,
+                            executions=None if None in loops else int(np.prod(loops or [1]))))
+    return out
+
+
+def host_table(items: list, layers_per_body: int) -> list:
+    """Rows of `host_collectives` entries grouped by (op, type, where, enclosing loops, hosts
+    spanned): count in the program text, per layer (layer-body entries: count / layers_per_body),
+    executions per call (None when a loop's trip count is data: the engine's decode loop and
+    ragged blocks). where: "layer" (in a layer scan's body), "loop" (in another loop) or "once"."""
+    rows = {}
+    for c in items:
+        where = "layer" if c["layer_body"] else ("loop" if c["loops"] else "once")
+        key = (c["op"], c["type"], where, tuple(c["loops"]), c["cross_host"], c["hosts_per_group"], c["group_size"])
+        r = rows.setdefault(key, dict(op=c["op"], type=c["type"], where=where, cross_host=c["cross_host"],
+                                      hosts_per_group=c["hosts_per_group"], group_size=c["group_size"],
+                                      bytes_each=c["bytes"], count=0, executions=0, loops=c["loops"]))
+        r["count"] += 1
+        r["executions"] = None if r["executions"] is None or c["executions"] is None else r["executions"] + c["executions"]
+    for r in rows.values():
+        r["per_layer"] = r["count"] / layers_per_body if r["where"] == "layer" else None
+    return sorted(rows.values(), key=lambda r: (r["where"] != "layer", r["op"], -r["bytes_each"]))
+
+
+def moves_heads_or_pool(c: dict, head_dim: int, num_pages: int) -> bool:
+    """Whether a collective moves something with a head axis (K/V, q, attention outputs) or a pool
+    dimension, or is an all-to-all/permute (the shape of a head or page exchange)."""
+    return (f",{head_dim}]" in c["type"] or f"{num_pages}," in c["type"]
+            or c["op"] in ("all-to-all", "collective-permute"))
+
+
+def cross_host_problems(items: list, *, d_model: int, head_dim: int, num_pages: int, max_tokens: int) -> list:
+    """What is wrong with the cross-host collectives of `host_collectives` entries, under the rule
+    of a tensor-parallel model spread over hosts: in a layer only the row-parallel f32[tokens,
+    d_model] all-reduces (after wo and w_down) cross hosts; outside the layers only a fixed few
+    per step do, all-reduces and all-gathers no bigger than the embedding lookup's bf16[tokens,
+    d_model] (the lookup itself and sampling over the vocabulary shards); nothing with a head
+    axis or a pool dimension ever does. Returns [] when the rule holds."""
+    problems = []
+    lookup_bytes = max_tokens * d_model * 2
+    for c in items:
+        if not c["cross_host"]:
+            continue
+        what = f"{c['op']} {c['type']} over {c['hosts_per_group']} hosts"
+        row = c["op"] == "all-reduce" and c["type"].startswith("f32[") and c["type"].endswith(f",{d_model}]")
+        if moves_heads_or_pool(c, head_dim, num_pages):
+            problems.append(f"{what} moves heads, K/V or the pool across hosts")
+        elif c["layer_body"] and not row:
+            problems.append(f"{what} in a layer crosses hosts (only the row-parallel all-reduces may)")
+        elif not c["layer_body"] and not row and (c["op"] not in ("all-reduce", "all-gather")
+                                                   or c["bytes"] > lookup_bytes):
+            problems.append(f"{what} ({c['bytes']} bytes) crosses hosts outside the layers: not a lookup or "
+                            f"sampling collective (all-reduce/all-gather of at most {lookup_bytes} bytes)")
+    return problems
+
+
+def cross_host_role(c: dict, d_model: int) -> str:
+    """What a collective is for in the engine's tensor-parallel step, read from its op and type."""
+    if c["op"] == "all-reduce" and c["type"].startswith("f32[") and c["type"].endswith(f",{d_model}]"):
+        return "row-parallel sum (after wo / w_down)"
+    if c["op"] == "all-reduce" and c["type"].startswith("bf16[") and c["type"].endswith(f",{d_model}]"):
+        return "embedding lookup (vocabulary-parallel)"
+    return "sampling / logprobs over the vocabulary shards"
+
+
 def tp_engine_steps(compiler: Compiler, config: dict | None = None, pool_gib_per_device: float = 8.0,
                     max_seqs: int = 64, page_size: int = 16, max_model_len: int = 4096, steps_per_call: int = 8,
                     budget: int = 512, embeddings: str = "vocab"):
@@ -957,6 +1185,8 @@ def tp_engine_steps(compiler: Compiler, config: dict | None = None, pool_gib_per
     param_bytes = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize
                       for x in jax.tree_util.tree_leaves(model.params))
     details = dict(tp=tp, head_plan=model.head_plan.describe(), embeddings=model.head_plan.embeddings,
+                   head_plan_mode=model.head_plan.mode, orig_kv_heads=model.head_plan.orig_kv_heads,
+                   budget=budget, max_model_len=max_model_len, pool_gib_per_device=pool_gib_per_device,
                    num_layers=mc.num_layers, layers_per_body=layer_period(mc),
                    d_model=mc.d_model, num_q_heads=mc.num_q_heads,
                    num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, vocab_size=mc.vocab_size,
@@ -973,6 +1203,34 @@ def tp_engine_steps(compiler: Compiler, config: dict | None = None, pool_gib_per
          runner.jit_options(), pools, 3, 2),
     ]
     return steps, details
+
+
+def check_hosts(rec: dict, hlo: str, compiler: Compiler, details: dict) -> list:
+    """The cross-host analysis of a tensor-parallel record over several hosts: adds the collective
+    table (each kind with its role, where it runs, whether it crosses hosts) and the hosts of
+    each kv head's copies to rec; returns the problems of `cross_host_problems`."""
+    partition_hosts = [d.process_index for d in compiler.tp_mesh.devices.flat]
+    items = host_collectives(hlo, partition_hosts)
+    table = host_table(items, details["layers_per_body"])
+    for r in table:
+        r["role"] = cross_host_role(r, details["d_model"])
+    tp, orig_k = details["tp"], details["orig_kv_heads"]
+    # Which hosts hold each of the model's kv heads (informational: a copy is computed on its device
+    # from replicated wk/wv columns, so copies on two hosts would move nothing either). Device i
+    # holds pool heads [i*K'/tp, (i+1)*K'/tp); under "replicate" pool head j is a copy of kv head
+    # j // (K'/K), under "split" it is head j; "pad" appends zero heads (not listed).
+    kv_hosts = None
+    if details["head_plan_mode"] in ("split", "replicate"):
+        per_dev, copies = details["num_kv_heads"] // tp, details["num_kv_heads"] // orig_k
+        kv_hosts = [sorted({partition_hosts[i] for i in range(tp) for j in range(i * per_dev, (i + 1) * per_dev)
+                            if j // copies == k}) for k in range(orig_k)]
+    rec.update(topology=compiler.topology, hosts=compiler.hosts, devices_per_host=tp // compiler.hosts,
+               partition_hosts=partition_hosts, kv_head_hosts=kv_hosts, host_collectives=table,
+               cross_host_collectives=sum(r["count"] for r in table if r["cross_host"]),
+               within_host_collectives=sum(r["count"] for r in table if not r["cross_host"]))
+    problems = cross_host_problems(items, d_model=details["d_model"], head_dim=details["head_dim"],
+                                   num_pages=details["num_pages"], max_tokens=details["budget"])
+    return problems
 
 
 def check_tp(compiler: Compiler, log=print, **sizes) -> list:
@@ -1006,10 +1264,14 @@ def check_tp(compiler: Compiler, log=print, **sizes) -> list:
                                        f"({2 * passes * num_layers}); found {len(row)}")
             # Nothing with a head axis (K/V, q, attention outputs) or a pool dimension may move.
             h, pages = details["head_dim"], details["num_pages"]
-            moved = [c for c in items if f",{h}]" in c["type"] or f"{pages}," in c["type"]
-                     or c["op"] in ("all-to-all", "collective-permute")]
+            moved = [c for c in items if moves_heads_or_pool(c, h, pages)]
             if moved:
                 rec["problems"].append(f"K/V, heads or pool moved between devices: {moved[:3]}")
+            if compiler.hosts > 1:
+                rec["problems"] += check_hosts(rec, hlo, compiler, details)
+            if rec["temp_bytes"] + rec["argument_bytes"] + rec["output_bytes"] - rec["alias_bytes"] > \
+                    TARGETS[compiler.target]["device_memory_size"]:
+                rec["problems"].append("arguments + outputs + temporaries exceed the device's memory")
             if kernel_calls and rec[f"{expected}_calls"] != kernel_calls:
                 rec["problems"].append(f"expected {kernel_calls} {expected} kernel calls; found {rec[f'{expected}_calls']}")
             rec["ok"] = not rec["problems"]
@@ -1019,6 +1281,13 @@ def check_tp(compiler: Compiler, log=print, **sizes) -> list:
             if key in rec:
                 log(f"      {key}: " + "; ".join(f"{op} x{v['count']} ({v['per_layer']:.2f}/layer) {v['types']} "
                                                   f"{v['bytes'] / 2**20:.2f} MiB" for op, v in rec[key].items()))
+        for r in rec.get("host_collectives", []):
+            loops = "x".join("?" if t is None else str(t) for t in r["loops"])
+            where = (f"{r['per_layer']:g} per layer" if r["where"] == "layer"
+                     else f"x{r['count']} ({'in loops ' + loops if loops else 'once'})")
+            log(f"      {'CROSS-HOST' if r['cross_host'] else 'in-host   '} {r['op']} {r['type']} {where}, "
+                f"{r['bytes_each'] / 2**20:.3f} MiB each, groups of {r['group_size']} over {r['hosts_per_group']} "
+                f"host(s): {r['role']}")
     return records
 
 
@@ -1060,15 +1329,23 @@ def main(argv=None) -> int:
     p.add_argument("--only", choices=("kernels", "ragged", "stacked", "engine", "all", "tp"), default="all",
                    help="stacked: only the stacked-pool configurations of kernels and ragged (a loop over "
                         "layers, one [L, K, P, S_p, H] pool, the layer a traced index); "
-                        "tp: the engine's steps of a Llama-shaped model (32 layers, 32 q / 8 kv heads, head_dim "
-                        "128, bf16) tensor-parallel over --tp GPUs of one host (not part of 'all')")
+                        "tp: the engine's unified step of a Llama-shaped model (--model) tensor-parallel over --tp "
+                        "GPUs of --hosts hosts (not part of 'all')")
     p.add_argument("--engine-steps", default="plain,spec", help="the engine programs of --only engine: plain "
                    "and/or spec (n-gram speculative decoding), comma-separated")
     p.add_argument("--tp", type=int, default=8, help="GPUs of the tensor-parallel compile (--only tp)")
     p.add_argument("--embeddings", choices=("replicated", "vocab"), default="vocab",
                    help="how --only tp places the embeddings and the output head")
     p.add_argument("--layers", type=int, default=None, help="--only tp: layers of the Llama-shaped model "
-                   "(default 32)")
+                   "(default: the --model's)")
+    p.add_argument("--model", choices=sorted(MODEL_SHAPES), default="llama3-8b",
+                   help="--only tp: the model shapes (random abstract bf16 weights)")
+    p.add_argument("--hosts", type=int, default=1, help="--only tp: spread the --tp GPUs over this many hosts "
+                   "(topology HOSTSx1x(TP/HOSTS): one NVLink domain per host) and report which collectives "
+                   "cross hosts")
+    p.add_argument("--pool-gib", type=float, default=8.0, help="--only tp: KV pool per device, GiB")
+    p.add_argument("--max-seqs", type=int, default=64, help="--only tp: sequences of the decode loop")
+    p.add_argument("--max-model-len", type=int, default=4096, help="--only tp: tokens per sequence at most")
     p.add_argument("--random", type=int, default=0, metavar="N",
                    help="instead of the covering grid, N random configurations per kernel")
     p.add_argument("--seed", type=int, default=0, help="seed of --random")
@@ -1082,7 +1359,7 @@ def main(argv=None) -> int:
     if args.target is None:
         p.error("--target is required (h100 or a100)")
     try:
-        compiler = Compiler(args.target, args.tp if args.only == "tp" else 1)
+        compiler = Compiler(args.target, *((args.tp, args.hosts) if args.only == "tp" else (1, 1)))
     except Exception as e:
         print(f"gpu_compile_check: cannot get a compile-only {args.target} device ({type(e).__name__}: "
               f"{str(e).splitlines()[0] if str(e) else ''}). Install the compile-only GPU packages: "
@@ -1102,13 +1379,15 @@ def main(argv=None) -> int:
     if args.only in ("engine", "all"):
         records += check_engine(compiler, which=tuple(args.engine_steps.split(",")))
     if args.only == "tp":
-        config = dict(LLAMA_SHAPED, **({"num_layers": args.layers} if args.layers else {}))
-        records += check_tp(compiler, config=config, embeddings=args.embeddings)
+        config = dict(MODEL_SHAPES[args.model], **({"num_layers": args.layers} if args.layers else {}))
+        records += check_tp(compiler, config=config, embeddings=args.embeddings, pool_gib_per_device=args.pool_gib,
+                            max_seqs=args.max_seqs, max_model_len=args.max_model_len)
     failed = [r for r in records if not r["ok"]]
     compiled = [r for r in records if "refused" not in r]
     summary = dict(target=args.target, device_kind=TARGETS[args.target]["kind"],
                    subset=f"random {args.random} (seed {args.seed})" if args.random else args.subset,
-                   jax=jax.__version__, ptxas=compiler.ptxas, records=len(records), compiled=len(compiled),
+                   jax=jax.__version__, ptxas=compiler.ptxas, topology=compiler.topology,
+                   records=len(records), compiled=len(compiled),
                    refused=len(records) - len(compiled), failed=len(failed),
                    seconds=round(time.perf_counter() - t0, 1))
     print(f"\n{args.target}: {summary['compiled']} compiled, {summary['refused']} refused by "

@@ -202,3 +202,118 @@ def test_tensor_parallel_engine_steps_compile_for_8_h100s(tmp_path):
         assert r["pool_copies"] == [] and r["alias_bytes"] >= r["pool_bytes"] == r["pool_bytes_per_device"]
         assert r["pool_spec"] == "P(None, 'tp')" and r["param_specs"]["wo"] == "P(None, 'tp', None)"
         assert "all-to-all" not in r["other_collectives"] and "collective-permute" not in r["other_collectives"]
+
+
+@pytest.fixture(scope="module")
+def gcc():
+    """scripts/gpu_compile_check.py imported in this process for its HLO readers (no compiling).
+    Importing it sets XLA's log variables for its own compiles: restored here for everything else."""
+    saved = dict(os.environ)
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import gpu_compile_check
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+        os.environ.clear()
+        os.environ.update(saved)
+    return gpu_compile_check
+
+
+# A hand-written optimized-HLO module of a 2-host x 8-GPU program: a layer scan (the while whose
+# body calls the attention kernel) holding a row-parallel all-reduce over all 16 devices and an
+# all-gather of attention heads; one all-gather per host outside the layers; a sampling all-reduce.
+TWO_HOST_HLO = """
+HloModule two_hosts
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  ROOT %s = f32[] add(f32[] %a, f32[] %b)
+}
+
+%layer_body (p: (s32[], f32[64,4096])) -> (s32[], f32[64,4096]) {
+  %k = bf16[64,1,128]{2,1,0} custom-call(%x), custom_call_target="mosaic_gpu_v2"
+  %all-reduce-start.1 = ((f32[64,4096]{1,0}), f32[64,4096]{1,0}) all-reduce-start(%y), channel_id=1, replica_groups=mesh['tp'=16] {'tp'}, use_global_device_ids=true, to_apply=%add
+  %all-gather.2 = bf16[64,16,128]{2,1,0} all-gather(%k), channel_id=2, replica_groups=[1,16]<=[16], dimensions={1}, use_global_device_ids=true
+  ROOT %t = (s32[], f32[64,4096]) tuple(%i, %z)
+}
+
+%layer_cond (p: (s32[], f32[64,4096])) -> pred[] {
+  ROOT %c = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (x: f32[64,4096]) -> f32[64,4096] {
+  %while.1 = (s32[], f32[64,4096]) while(%init), condition=%layer_cond, body=%layer_body, backend_config={"known_trip_count":{"n":"80"}}
+  %all-gather.3 = s32[64,8]{1,0} all-gather(%ids), channel_id=3, replica_groups=[2,8]<=[16], dimensions={1}, use_global_device_ids=true
+  %all-reduce.4 = f32[64]{0} all-reduce(%m), channel_id=4, replica_groups={{0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15}}, use_global_device_ids=true, to_apply=%add
+  ROOT %r = f32[64,4096] get-tuple-element(%while.1), index=1
+}
+"""
+
+
+def test_replica_groups_spellings_map_to_hosts(gcc):
+    """XLA's three spellings of replica groups (lists, iota with a transpose, mesh axes with a
+    sub-axis and an explicit device order) read as the groups XLA means, worked out by hand."""
+    rg = gcc.replica_groups
+    assert rg("replica_groups={{0,1},{2,3}}", 4) == [[0, 1], [2, 3]]
+    assert rg("replica_groups={}", 4) == [[0, 1, 2, 3]]
+    assert rg("replica_groups=[2,8]<=[16]", 16) == [list(range(8)), list(range(8, 16))]
+    assert rg("replica_groups=[8,2]<=[2,8]T(1,0)", 16) == [[i, i + 8] for i in range(8)]
+    assert rg("replica_groups=mesh['tp'=16] {'tp'}", 16) == [list(range(16))]
+    assert rg("replica_groups=mesh['dp'=2,'tp'=8] {'tp'}", 16) == [list(range(8)), list(range(8, 16))]
+    assert rg("replica_groups=mesh['dp'=2,'tp'=8] {'dp'}", 16) == [[i, i + 8] for i in range(8)]
+    # A sub-axis 'tp':(pre)size splits the axis of 8 as [pre, size, 8 // (pre * size)], row-major;
+    # groups vary along the size factor: (1)2 is the major factor of 2, (2)4 the minor factor of 4.
+    assert rg("replica_groups=mesh['tp'=8] {'tp':(1)2}", 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert rg("replica_groups=mesh['tp'=8] {'tp':(2)4}", 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert rg("replica_groups=mesh['x'=2,'y'=2], device_ids=(3,2,1,0) {'y'}", 4) == [[3, 2], [1, 0]]
+    assert rg("source_target_pairs={{0,8},{8,0}}", 16) == [[0, 8], [8, 0]]
+
+
+def test_cross_host_classifier_flags_heads_moving_between_hosts(gcc):
+    """On 2 hosts x 8 GPUs (partitions 0-7 on host 0): the row-parallel all-reduce crosses hosts
+    and is allowed, per layer; a per-host all-gather stays within a host; the sampling all-reduce
+    crosses hosts outside the layers and is allowed; the all-gather of attention heads crosses
+    hosts inside a layer and is flagged, so a compile whose K/V or heads moved between hosts fails."""
+    hosts = [0] * 8 + [1] * 8
+    items = gcc.host_collectives(TWO_HOST_HLO, hosts)
+    by = {(c["op"], c["type"]): c for c in items}
+    row, heads = by[("all-reduce", "f32[64,4096]")], by[("all-gather", "bf16[64,16,128]")]
+    per_host, sampling = by[("all-gather", "s32[64,8]")], by[("all-reduce", "f32[64]")]
+    assert row["cross_host"] and row["layer_body"] and row["loops"] == [80] and row["executions"] == 80
+    assert heads["cross_host"] and heads["layer_body"] and heads["hosts_per_group"] == 2
+    assert not per_host["cross_host"] and per_host["group_size"] == 8 and not per_host["layer_body"]
+    assert sampling["cross_host"] and not sampling["layer_body"] and sampling["loops"] == []
+    sizes = dict(d_model=4096, head_dim=128, num_pages=32768, max_tokens=512)
+    problems = gcc.cross_host_problems(items, **sizes)
+    assert len(problems) == 1 and "bf16[64,16,128]" in problems[0] and "heads" in problems[0], problems
+    # Without the heads' all-gather the rule holds.
+    assert gcc.cross_host_problems([c for c in items if c is not heads], **sizes) == []
+    # The same all-gather within one host's 8 GPUs does not cross hosts: not flagged by this rule.
+    assert gcc.cross_host_problems([dict(heads, cross_host=False, hosts_per_group=1)], **sizes) == []
+
+
+def test_tensor_parallel_llama70b_over_2_hosts(tmp_path):
+    """Llama-3-70B's shapes (2 of its 80 layers, for time) over 2 hosts x 8 compile-only H100s
+    (topology 2x1x8, tp=16, each kv head replicated on 2 devices of one host): the unified step
+    compiles, and of its collectives the only ones in a layer are the two row-parallel
+    f32[tokens, 8192] all-reduces per model pass, which cross hosts; the rest are the per-step
+    embedding lookup and sampling over the vocabulary shards; nothing with a head axis or a pool
+    dimension moves; per-device weights + pool + temporaries fit an 80 GB H100."""
+    proc, report = run_check(tmp_path, "--target", "h100", "--only", "tp", "--tp", "16", "--hosts", "2",
+                             "--model", "llama3-70b", "--layers", "2", "--pool-gib", "2")
+    recs = report["records"]
+    assert proc.returncode == 0 and all(r["ok"] for r in recs), [(r["name"], r.get("error") or r["problems"]) for r in recs]
+    (step,) = recs
+    assert report["summary"]["topology"] == step["topology"] == "2x1x8"
+    assert step["partition_hosts"] == [0] * 8 + [1] * 8
+    assert step["head_plan"].startswith("tp=16 replicate") and step["kv_head_hosts"] == [[0], [0], [0], [0], [1], [1], [1], [1]]
+    assert step["mosaic_calls"] == 3 and step["row_parallel_all_reduces"] == 2 * 2
+    table = step["host_collectives"]
+    layer = {r["type"]: r for r in table if r["where"] == "layer"}
+    assert set(layer) == {"f32[512,8192]", "f32[64,8192]"}, layer   # ragged pass, decode loop
+    for r in layer.values():
+        assert r["op"] == "all-reduce" and r["per_layer"] == 2 and r["cross_host"] and r["hosts_per_group"] == 2
+    roles = {r["role"] for r in table if r["cross_host"] and r["where"] != "layer"}
+    assert roles == {"embedding lookup (vocabulary-parallel)", "sampling / logprobs over the vocabulary shards"}, roles
+    for r in table:
+        assert r["op"] in ("all-reduce", "all-gather") and ",128]" not in r["type"], r
+    assert step["pool_copies"] == [] and step["alias_bytes"] >= step["pool_bytes"] == step["pool_bytes_per_device"]

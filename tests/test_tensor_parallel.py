@@ -146,6 +146,21 @@ def test_replicated_or_padded_heads_compute_the_same_function(name, tp):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
 
 
+def test_abstract_model_takes_a_replicate_plan():
+    """An abstract model (nnx.eval_shape, as the deviceless compiles build one) is rebuilt with the
+    planned heads: shapes only, kv projections widened to one head per device."""
+    config = PRESETS["tiny-llama"]
+    gpt = nnx.eval_shape(lambda: models.GPT(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    plan = sharding.plan_heads(config, 4)
+    assert plan.mode == "replicate"
+    new = sharding.with_heads(gpt, plan)
+    leaves = jax.tree_util.tree_leaves(nnx.state(new, nnx.Param))
+    assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+    assert new.config.num_kv_heads == 4
+    wk = [x for path, x in nnx.to_flat_state(nnx.state(new, nnx.Param)) if sharding._name(path) == "wk"][0]
+    assert wk.shape[-1] == 4 * config.head_dim
+
+
 def test_parameter_without_a_rule_is_named():
     with pytest.raises(ValueError, match="'w_mystery' has no tensor-parallel rule"):
         sharding.param_specs({"layers": {0: {"w_mystery": jnp.ones(4)}}})
