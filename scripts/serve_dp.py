@@ -191,6 +191,44 @@ def check_port_free(host: str, port: int, flag: str) -> None:
         raise UsageError(f"{flag}: cannot bind {host}:{port}: {e.strerror}") from None
 
 
+# ---------------------------------------------------------------------- driving this script (benchmarks, tests)
+
+def start(argv: list[str], *, log_path: str, env: dict | None = None) -> subprocess.Popen:
+    """Runs this script with `argv` in a process group of its own (so `stop_group` reaches every child),
+    its output in log_path."""
+    with open(log_path, "w") as log:
+        return subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv], env=env, stdin=subprocess.DEVNULL,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_started(proc: subprocess.Popen, log_path: str, timeout: float) -> tuple[str, list[str]]:
+    """(router URL, replica URLs in order) once `proc` (from `start`) says the router is up; RuntimeError
+    with the log's tail if it exits or `timeout` seconds pass first."""
+    t0 = time.monotonic()
+    while not (m := ROUTER_LINE.search(text := open(log_path).read())):
+        if proc.poll() is not None or time.monotonic() - t0 > timeout:
+            why = f"exited with code {proc.returncode}" if proc.poll() is not None else f"not up in {timeout:g} s"
+            raise RuntimeError(f"serve_dp.py {why}; its log:\n{text[-3000:]}")
+        time.sleep(0.2)
+    return m.group(2), [url for _, url in sorted((int(r), url) for r, url in REPLICA_LINE.findall(text))]
+
+
+def stop_group(proc: subprocess.Popen, grace: float = 60.0) -> None:
+    """SIGTERM to `proc` (from `start`), which stops its children, then SIGKILL to whatever is left of its
+    process group after `grace` seconds or once it has exited."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:   # the whole group is gone
+        pass
+    proc.wait()
+
+
 # ---------------------------------------------------------------------- the children
 
 class _Child:
