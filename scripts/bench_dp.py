@@ -126,11 +126,13 @@ def run_system(args, system: str, log_dir: str) -> dict:
 
 
 def table(systems: list[dict]) -> str:
+    # rates are floats or "inf"; the table writes 8 for 8.0
+    fmt = lambda rate: rate if isinstance(rate, str) else f"{rate:g}"
     lines = ["| system | rate (req/s) | requests/s | output tok/s | TTFT p50 / p90 (ms) | TPOT p50 (ms) | "
              "requests per replica |", "|---|---|---|---|---|---|---|"]
     for s in systems:
         for r in s["results"]:
-            lines.append(f"| {s['system']} | {r['rate']} | {r['request_throughput']:.2f} | "
+            lines.append(f"| {s['system']} | {fmt(r['rate'])} | {r['request_throughput']:.2f} | "
                          f"{r['output_throughput']:.0f} | {r['ttft_ms']['p50']:.0f} / {r['ttft_ms']['p90']:.0f} | "
                          f"{r['tpot_ms']['p50']:.0f} | {' + '.join(str(int(n)) for n in r['requests_per_replica'])} |")
     return "\n".join(lines)

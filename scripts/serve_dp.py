@@ -16,8 +16,8 @@ to the replica holding the least cached text, unless the load is out of balance 
 
 The replicas start first; the router starts once every replica's /health is 200 (the model loaded
 and compiled), then this script prints one line per replica and the router's URL on stderr and
-runs until SIGINT/SIGTERM, which stop every child (replicas finish their requests first, as
-serve.py does) and exit 0. If any child dies, the others are stopped and the script exits 1 naming
+runs until SIGINT/SIGTERM, which stop the router, then the replicas (each gives requests in flight
+up to 5 s to finish, as serve.py does on SIGTERM), and exit 0. If any child dies, the others are stopped and the script exits 1 naming
 it. Children's output is copied to stderr, each line prefixed with the child's name.
 
 GPUs: with NVIDIA GPUs visible (nvidia-smi), replica r gets CUDA_VISIBLE_DEVICES = the GPUs
