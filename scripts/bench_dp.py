@@ -66,16 +66,9 @@ def parse_args(argv=None):
     return args
 
 
-def _counter(url: str, name: str) -> float:
-    import httpx
-
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
-
-
 def _replica_counts(replicas: list[str]) -> list[dict]:
-    return [{"requests": _counter(u, "jpa_requests_total"), "compilations": _counter(u, "jpa_compilations_total")}
-            for u in replicas]
+    return [{"requests": serve_dp.metric(u, "jpa_requests_total"),
+             "compilations": serve_dp.metric(u, "jpa_compilations_total")} for u in replicas]
 
 
 def _rate(rate: float) -> float | str:
@@ -153,7 +146,8 @@ def main(argv=None):
         "model": args.model,
         "server": {"max_seqs": args.max_seqs, "steps_per_call": args.steps_per_call,
                    "max_model_len": args.max_model_len},
-        "workload": {"num_prompts_per_rate": args.num_prompts, "rates": [_rate(r) for r in args.rate_list], "input_mean": args.input_mean,
+        "workload": {"num_prompts_per_rate": args.num_prompts, "rates": [_rate(r) for r in args.rate_list],
+                     "input_mean": args.input_mean,
                      "output_mean": args.output_mean, "max_input": args.max_input, "max_output": args.max_output,
                      "sigma": 1.0, "seed": args.seed, "sampling": "greedy, ignore_eos"},
         "systems": systems})

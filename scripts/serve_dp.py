@@ -10,15 +10,17 @@ Each replica is `scripts/serve.py` (its own engine, KV pool and devices; replica
 127.0.0.1 at consecutive ports from --port (default 8001; 0: free ports). vllm-router (PyPI
 `vllm-router`, the `router` extra) listens on --host:--router-port (default 127.0.0.1:8000) and
 forwards every request to one replica by --policy: `cache_aware` (default) sends a prompt to the
-replica that served the longest prefix of it (so that replica's prefix cache hits), and new prompts
-to the replica holding the least cached text, unless the load is out of balance (router flags
---balance-abs-threshold, --balance-rel-threshold, --cache-threshold: pass them with --router-args).
+replica that served the longest prefix of it (so that replica's prefix cache hits) when the match
+covers more than --cache-threshold (0.3) of it, and any other prompt to the replica with the fewest
+requests in flight, unless the load is out of balance (--balance-abs-threshold,
+--balance-rel-threshold). Pass router flags with --router-args.
 
 The replicas start first; the router starts once every replica's /health is 200 (the model loaded
 and compiled), then this script prints one line per replica and the router's URL on stderr and
 runs until SIGINT/SIGTERM, which stop the router, then the replicas (each gives requests in flight
-up to 5 s to finish, as serve.py does on SIGTERM), and exit 0. If any child dies, the others are stopped and the script exits 1 naming
-it. Children's output is copied to stderr, each line prefixed with the child's name.
+up to 5 s to finish, as serve.py does on SIGTERM), and exit 0. If any child dies, the others are
+stopped and the script exits 1 naming it. Children's output is copied to stderr, each line
+prefixed with the child's name.
 
 GPUs: with NVIDIA GPUs visible (nvidia-smi), replica r gets CUDA_VISIBLE_DEVICES = the GPUs
 [r*K, (r+1)*K) of those visible (of $CUDA_VISIBLE_DEVICES when set), K = --devices-per-replica
@@ -150,6 +152,13 @@ def http_status(url: str, timeout: float = 2.0) -> int | None:
         return e.code
     except (OSError, ValueError):
         return None
+
+
+def metric(url: str, name: str) -> float:
+    """The sum over its labels of one metric in url/metrics (Prometheus text)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
 def wait_healthy(url: str, *, timeout: float, check: Callable[[], None] = lambda: None, what: str = "server"):

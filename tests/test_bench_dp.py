@@ -21,8 +21,8 @@ def test_tiny_run(tmp_path):
     require_router()
     out = tmp_path / "dp.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu", JPA_CACHE_DIR=str(tmp_path))
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_dp.py"), "--num-prompts", "8", "--rates", "inf",
-                           "--input-mean", "32", "--output-mean", "8", "--max-input", "64", "--max-output", "16",
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_dp.py"), "--num-prompts", "8",
+                           "--rates", "inf", "--input-mean", "32", "--output-mean", "8", "--max-input", "64", "--max-output", "16",
                            "--max-model-len", "128", "--out", str(out)],
                           capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]

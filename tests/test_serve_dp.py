@@ -18,7 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 openai = pytest.importorskip("openai")
-httpx = pytest.importorskip("httpx")
 
 from router_util import ROOT, require_router, serve_dp, serve_dp_running  # noqa: E402
 
@@ -49,15 +48,10 @@ def _reference(prompts: list[str]) -> list[str]:
     return [o.completion for o in outs]
 
 
-def _metric(url: str, name: str) -> float:
-    """The sum over labels of one metric in url/metrics."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
-
-
 def _counts(replicas: list[str]) -> list[tuple[float, float]]:
     """(requests ended, prefix cache hit tokens) of each replica."""
-    return [(_metric(u, "jpa_requests_total"), _metric(u, "vllm:prefix_cache_hits_total")) for u in replicas]
+    return [(serve_dp.metric(u, "jpa_requests_total"), serve_dp.metric(u, "vllm:prefix_cache_hits_total"))
+            for u in replicas]
 
 
 def _env(tmp_path):
