@@ -56,6 +56,15 @@ def parse_args(argv=None):
     ap.add_argument("--url", default=None, help="a running server (default: start scripts/serve.py)")
     ap.add_argument("--model", default="smollm2-135m", help="model preset / served model name")
     ap.add_argument("--rates", default="0.25,0.5,1,2", help="request rates (req/s), comma-separated")
+    add_workload_args(ap)
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "serving.json"))
+    ap.add_argument("--plot", default=os.path.join(ROOT, "benchmarks", "serving.png"))
+    ap.add_argument("--no-warmup", action="store_true")
+    return ap.parse_args(argv)
+
+
+def add_workload_args(ap):
+    """The request set's flags and the settings of the servers this script starts (shared with bench_dp.py)."""
     ap.add_argument("--num-prompts", type=int, default=16, help="requests per rate")
     ap.add_argument("--input-mean", type=float, default=128)
     ap.add_argument("--output-mean", type=float, default=64)
@@ -64,14 +73,9 @@ def parse_args(argv=None):
     ap.add_argument("--slo-ttft-ms", type=float, default=2000, help="goodput SLO on time to first token")
     ap.add_argument("--slo-tpot-ms", type=float, default=250, help="goodput SLO on time per output token")
     ap.add_argument("--seed", type=int, default=0)
-    # Server settings (when this script starts it).
     ap.add_argument("--max-seqs", type=int, default=8)
     ap.add_argument("--steps-per-call", type=int, default=4)
     ap.add_argument("--max-model-len", type=int, default=1024)
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "serving.json"))
-    ap.add_argument("--plot", default=os.path.join(ROOT, "benchmarks", "serving.png"))
-    ap.add_argument("--no-warmup", action="store_true")
-    return ap.parse_args(argv)
 
 
 # ---------------------------------------------------------------------- workload
@@ -185,15 +189,22 @@ async def warmup(url, args):
 
 # ---------------------------------------------------------------------- server
 
-def start_server(args, log_path):
+def serve_flags(args) -> list[str]:
+    """scripts/serve.py's flags for the server settings in args."""
+    return ["--model", args.model, "--max-seqs", str(args.max_seqs), "--steps-per-call", str(args.steps_per_call),
+            "--max-model-len", str(args.max_model_len), "--max-n", str(max(args.max_seqs, 1))]
+
+
+def server_env() -> dict:
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.setdefault("JAX_PLATFORMS", "cpu")
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "serve.py"), "--model", args.model, "--port", "0",
-           "--max-seqs", str(args.max_seqs), "--steps-per-call", str(args.steps_per_call),
-           "--max-model-len", str(args.max_model_len),
-           "--max-n", str(max(args.max_seqs, 1))]
+    return env
+
+
+def start_server(args, log_path):
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "serve.py"), *serve_flags(args), "--port", "0"]
     log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stderr=log, stdout=log, env=env)
+    proc = subprocess.Popen(cmd, stderr=log, stdout=log, env=server_env())
     t0 = time.monotonic()
     while True:
         m = re.search(r"serving '[^']+' on (http://\S+)", open(log_path).read())

@@ -2,18 +2,12 @@
 
 The router rewrites requests before forwarding them: it adds fields of its own (`no_stop_trim`,
 `skip_special_tokens`, `separate_reasoning`, `return_hidden_states`, ...), which a server that
-refuses unknown fields answers with 400 for every request (issue 23). The router is installed from
-the package registry into a cache folder of its own (not the test environment: it is a 24 MB wheel
-with its own dependencies); the test is skipped, with the reason, when that cannot be done.
+refuses unknown fields answers with 400 for every request (issue 23). The router is the project's
+`router` extra (vllm-router, the version pinned in pyproject.toml); the test is skipped, with the
+reason, when it is not installed.
 """
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 
@@ -26,69 +20,22 @@ import models  # noqa: E402
 from jpa.engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from jpa.server import build_app  # noqa: E402
 
+from router_util import require_router, router  # noqa: E402
 from test_server import serving  # noqa: E402
 
-ROUTER = os.environ.get("JPA_VLLM_ROUTER", "vllm-router==0.1.17")   # the version this test was written against
 NAME = "tiny"
-
-
-def _router_dir() -> Path:
-    """A folder holding the vllm_router package (pip install --target), installed once."""
-    base = Path(os.environ.get("JPA_CACHE_DIR", Path.home() / ".cache" / "jpa"))
-    target = base / ("router-" + ROUTER.replace("=", "").replace("/", "_"))
-    if (target / "vllm_router" / "launch_router.py").is_file():
-        return target
-    try:
-        r = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-                            "--target", str(target), ROUTER], capture_output=True, text=True, timeout=600)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        pytest.skip(f"cannot install {ROUTER} from the package registry: {e}")
-    if r.returncode != 0 or not (target / "vllm_router").is_dir():
-        pytest.skip(f"cannot install {ROUTER} from the package registry: {(r.stderr or r.stdout).strip()[-400:]}")
-    return target
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def through_router():
-    target = _router_dir()
+    require_router()
     model, tok = models.load("tiny-llama", seed=1)
     eng = LLMEngine(models.GPTForEngine(model), tok, EngineConfig(max_seqs=4, page_size=16, num_pages=128,
                                                                   steps_per_call=4, max_model_len=256))
     ref = eng.generate(["hello there"], SamplingParams(max_new_tokens=12, greedy=True, ignore_eos=True))[0]
-    with AsyncEngine(eng, max_waiting=16) as aengine, serving(build_app(aengine, tok, model_name=NAME)) as url:
-        port = _free_port()
-        env = {**os.environ, "PYTHONPATH": str(target), "PYTHONNOUSERSITE": "1"}
-        proc = subprocess.Popen([sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1",
-                                 "--port", str(port), "--worker-urls", url, "--policy", "round_robin",
-                                 "--disable-retries", "--log-level", "warning"],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        router = f"http://127.0.0.1:{port}"
-        try:
-            t0 = time.monotonic()
-            while True:
-                if proc.poll() is not None:
-                    pytest.skip(f"{ROUTER} did not start: {proc.stdout.read()[-400:]}")
-                try:
-                    if httpx.get(f"{router}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                assert time.monotonic() - t0 < 60, "the router did not come up within 60 s"
-                time.sleep(0.2)
-            yield router, ref
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    with AsyncEngine(eng, max_waiting=16) as aengine, serving(build_app(aengine, tok, model_name=NAME)) as url, \
+            router([url], policy="round_robin", extra=["--disable-retries"]) as router_url:
+        yield router_url, ref
 
 
 def test_requests_through_vllm_router(through_router):
