@@ -24,8 +24,8 @@ prefixed with the child's name.
 
 GPUs: with NVIDIA GPUs visible (nvidia-smi), replica r gets CUDA_VISIBLE_DEVICES = the GPUs
 [r*K, (r+1)*K) of those visible (of $CUDA_VISIBLE_DEVICES when set), K = --devices-per-replica
-(default 1). serve.py runs its engine on its first device. On a machine without NVIDIA GPUs nothing
-is pinned: the replicas share the CPU cores. Bad flags or values print one line on stderr and exit
+(default 1), and with K > 1 runs its engine over them (--tp K, unless --tp is given). On a machine
+without NVIDIA GPUs nothing is pinned: the replicas share the CPU cores. Bad flags or values print one line on stderr and exit
 with code 2.
 """
 
@@ -101,9 +101,14 @@ def check_args(args, serve_argv):
     import serve  # light: argparse and checks, no JAX
 
     try:
-        serve.parse_args([*serve_argv, "--port", "0"])   # the replicas' flags, checked once here
+        replica = serve.parse_args([*serve_argv, "--port", "0"])   # the replicas' flags, checked once here
     except UsageError as e:
         raise UsageError(f"replica flags: {e}") from None
+    if replica.coordinator is not None:
+        raise UsageError("replicas are independent servers: --coordinator (one engine over several processes) "
+                         "does not go with serve_dp.py")
+    if args.devices_per_replica > 1 and "--tp" not in serve_argv:
+        serve_argv += ["--tp", str(args.devices_per_replica)]   # each replica shards over its own K devices
     if importlib.util.find_spec("vllm_router") is None:
         raise UsageError("vllm-router is not installed: pip install -e '.[router]' (./run setup installs it)")
 
