@@ -101,7 +101,8 @@ class StepResult:
       spec_accepted_per_pos: i32[k]; accepted drafts by position (vLLM's per-position count).
       peak_pages: i32[]; the most pages sequences held at once during the round (after its
         reservations, before its releases; prefix-cached pages nobody holds are not counted).
-      peak_tokens: i32[]; tokens cached in the sequences' pages at that moment.
+      peak_tokens: i32[]; tokens cached in the sequences' pages at that moment (a page shared by
+        several sequences counted once).
     """
     tokens: jax.Array
     logprobs: jax.Array

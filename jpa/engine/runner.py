@@ -122,11 +122,16 @@ def _tally(acc, copies, ps):
     """acc = (pages copied on write, most pages in use, tokens cached then) after one more step
     that copied `copies` pages and runs on page state ps. A page is in use when a sequence holds
     it (refcount above the prefix cache's own reference): the round's peak, which the host
-    cannot see (sequences that finish inside the call release their pages before it returns)."""
+    cannot see (sequences that finish inside the call release their pages before it returns).
+    Tokens count once per page: a page that k sequences share (a cached prefix, a parallel
+    sample's prompt) is taken as full, so (k - 1) x page_size come off the sum of sequence
+    lengths (a forked sample's shared last page may be partly filled: that round counts low)."""
     n, used, tokens = acc
-    now = jnp.sum(ps.refcounts > ps.cached.astype(ps.refcounts.dtype), dtype=jnp.int32)
+    held = ps.refcounts - ps.cached.astype(ps.refcounts.dtype)
+    now = jnp.sum(held > 0, dtype=jnp.int32)
+    stored = jnp.sum(ps.seq_lens, dtype=jnp.int32) - ps.page_size * jnp.sum(jnp.maximum(held - 1, 0), dtype=jnp.int32)
     more = now > used
-    return n + copies, jnp.where(more, now, used), jnp.where(more, jnp.sum(ps.seq_lens, dtype=jnp.int32), tokens)
+    return n + copies, jnp.where(more, now, used), jnp.where(more, jnp.maximum(stored, 0), tokens)
 
 
 NO_COPIES = (0, 0, 0)   # the `_tally` of no step
