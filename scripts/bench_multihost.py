@@ -35,13 +35,14 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from benchutil import machine, write_json  # noqa: E402
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _env(devices: int) -> dict:
+def cpu_env(devices: int) -> dict:
+    """This environment with JAX on the CPU, `devices` simulated devices, and the repository importable."""
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "force_host_platform_device_count" not in f]
     return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
             "XLA_FLAGS": " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])}
@@ -49,14 +50,14 @@ def _env(devices: int) -> dict:
 
 def run(name: str, processes: int, devices: int, tp: int, common: list, timeout: float) -> dict:
     """One configuration: process 0's records and summary, and the wall time of the whole job."""
-    coord = ["--coordinator", f"127.0.0.1:{_free_port()}", "--num-processes", str(processes)] if processes > 1 else []
+    coord = ["--coordinator", f"127.0.0.1:{free_port()}", "--num-processes", str(processes)] if processes > 1 else []
     with tempfile.TemporaryDirectory() as tmp:
         procs = []
         for i in range(processes):
             argv = [sys.executable, str(ROOT / "scripts" / "generate.py"), *common, "--tp", str(tp), *coord,
                     *(["--process-id", str(i)] if processes > 1 else [])]
             procs.append(subprocess.Popen(argv, stdout=open(f"{tmp}/out{i}", "w"), stderr=open(f"{tmp}/err{i}", "w"),
-                                          stdin=subprocess.DEVNULL, env=_env(devices), start_new_session=True))
+                                          stdin=subprocess.DEVNULL, env=cpu_env(devices), start_new_session=True))
         t0 = time.perf_counter()
         try:
             rcs = [p.wait(timeout) for p in procs]

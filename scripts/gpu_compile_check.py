@@ -917,6 +917,14 @@ def collectives(hlo: str) -> dict:
         in_loop.add(c)
         todo += called(comps[c])
     out = {"step": [], "outside": []}
+    for cname, line, op, typ, nbytes in _collective_lines(comps):
+        out["step" if cname in in_loop else "outside"].append(dict(op=op, type=typ, bytes=nbytes))
+    return out
+
+
+def _collective_lines(comps: dict):
+    """(computation, line, op, type of its largest array, that array's bytes) of every collective
+    instruction in `comps` (from `_computations`)."""
     ops = "|".join(COLLECTIVE_OPS)
     for cname, lines in comps.items():
         for line in lines:
@@ -927,9 +935,7 @@ def collectives(hlo: str) -> dict:
             sizes = [_ITEMSIZE.get(t, 4) * int(np.prod(d or [1])) for t, d in arrays]
             big = int(np.argmax(sizes))
             t, d = arrays[big]
-            out["step" if cname in in_loop else "outside"].append(
-                dict(op=m.group(2), type=f"{t}[{','.join(map(str, d))}]", bytes=sizes[big]))
-    return out
+            yield cname, line, m.group(2), f"{t}[{','.join(map(str, d))}]", sizes[big]
 
 
 def collective_summary(items: list, num_layers: int) -> dict:
@@ -1068,24 +1074,15 @@ def host_collectives(hlo: str, partition_hosts: list) -> list:
         return c in kernel or any(reaches_kernel(d, seen | {c}) for d in calls.get(c, ()) if d not in seen)
 
     layer_bodies = {b for chain in nesting.values() for b, _ in chain if reaches_kernel(b)}
-    ops = "|".join(COLLECTIVE_OPS)
     out = []
-    for cname, lines in comps.items():
-        for line in lines:
-            m = re.match(rf"\s*(?:ROOT )?%?[\w.-]+ = (.+?) ({ops})(-start)?\(", line)
-            if not m:
-                continue
-            arrays = [(t, [int(d) for d in dims.split(",") if d]) for t, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1))]
-            sizes = [_ITEMSIZE.get(t, 4) * int(np.prod(d or [1])) for t, d in arrays]
-            big = int(np.argmax(sizes))
-            groups = replica_groups(line, len(partition_hosts))
-            spans = [len({partition_hosts[p] for p in g}) for g in groups]
-            loops = [trip for _, trip in nesting.get(cname, [])]
-            out.append(dict(op=m.group(2), type=f"{arrays[big][0]}[{','.join(map(str, arrays[big][1]))}]",
-                            bytes=sizes[big], group_size=max(map(len, groups)), num_groups=len(groups),
-                            hosts_per_group=max(spans), cross_host=max(spans) > 1, loops=loops,
-                            layer_body=bool(nesting.get(cname)) and nesting[cname][-1][0] in layer_bodies,
-                            executions=None if None in loops else int(np.prod(loops or [1]))))
+    for cname, line, op, typ, nbytes in _collective_lines(comps):
+        groups = replica_groups(line, len(partition_hosts))
+        spans = [len({partition_hosts[p] for p in g}) for g in groups]
+        loops = [trip for _, trip in nesting.get(cname, [])]
+        out.append(dict(op=op, type=typ, bytes=nbytes, group_size=max(map(len, groups)), num_groups=len(groups),
+                        hosts_per_group=max(spans), cross_host=max(spans) > 1, loops=loops,
+                        layer_body=bool(nesting.get(cname)) and nesting[cname][-1][0] in layer_bodies,
+                        executions=None if None in loops else int(np.prod(loops or [1]))))
     return out
 
 

@@ -11,7 +11,6 @@ Every process is started in its own session and killed in a finally: nothing out
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,21 +21,13 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench_multihost import cpu_env as _env, free_port as _free_port  # noqa: E402
 MODEL = str(ROOT / "tests" / "data" / "hf" / "llama")   # 4 q heads, 2 kv heads: tp=4 replicates, tp=2 splits
 PEER_TIMEOUT = 10
 LOGPROB_ATOL = 2e-5
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env(devices: int) -> dict:
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "force_host_platform_device_count" not in f]
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
-            "XLA_FLAGS": " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])}
 
 
 def _launch(script: str, num: int, devices: int, args: list, tmp_path) -> list:
