@@ -123,7 +123,12 @@ print("RESULT", rec["ok"], rec.get("error", ""))
     assert line.startswith("RESULT False") and "RESOURCE_EXHAUSTED" in line, line
 
 
-def test_engine_steps_compile_with_the_targets_kernel(tmp_path):
+# The H100's speculative step in the main tier; the A100's plain one (another ~25 s deviceless SmolLM2
+# compile; its Triton kernels are compiled above, alone and in a layer loop) in CI's bench tier.
+@pytest.mark.parametrize("target,call,steps,calls", [
+    ("h100", "mosaic_calls", "spec", 5),
+    pytest.param("a100", "triton_calls", "plain", 3, marks=pytest.mark.bench)])
+def test_engine_steps_compile_with_the_targets_kernel(tmp_path, target, call, steps, calls):
     """SmolLM2 bf16 with a >= 1 GiB pool: the engine's one program, the unified step, names the
     A100's Triton kernels three times in the program text: the layers are a scan, so its one
     layer body holds the ragged tiles' and last rows' calls and the decode loop's one (an unrolled
@@ -133,19 +138,17 @@ def test_engine_steps_compile_with_the_targets_kernel(tmp_path):
     # benchmarks/gpu_compile_spec_*.json): the A100 the plain step, the H100 the speculative one,
     # whose decode loop adds the verify pass (a ragged op over k + 1 rows per sequence) to the plain
     # step's ragged step and decode pass.
-    for target, call, steps, calls in (("h100", "mosaic_calls", "spec", 5), ("a100", "triton_calls", "plain", 3)):
-        proc, report = run_check(tmp_path, "--target", target, "--only", "engine", "--engine-steps", steps)
-        recs = report["records"]
-        assert proc.returncode == 0 and all(r["ok"] for r in recs), [r.get("problems") or r.get("error")
-                                                                     for r in recs]
-        (unified,) = recs
-        assert "unified step" in unified["name"] and ("speculation" in unified["name"]) == (steps == "spec")
-        assert unified["attention"] == ("mosaic" if target == "h100" else "triton")
-        assert unified[call] == calls
-        for r in recs:
-            assert r["pool_bytes"] >= 2 ** 30
-            assert r["alias_bytes"] >= r["pool_bytes"], r["name"]
-            assert r["temp_bytes"] < r["pool_bytes"] // 4 and r["pool_copies"] == [], r["name"]
+    proc, report = run_check(tmp_path, "--target", target, "--only", "engine", "--engine-steps", steps)
+    recs = report["records"]
+    assert proc.returncode == 0 and all(r["ok"] for r in recs), [r.get("problems") or r.get("error") for r in recs]
+    (unified,) = recs
+    assert "unified step" in unified["name"] and ("speculation" in unified["name"]) == (steps == "spec")
+    assert unified["attention"] == ("mosaic" if target == "h100" else "triton")
+    assert unified[call] == calls
+    for r in recs:
+        assert r["pool_bytes"] >= 2 ** 30
+        assert r["alias_bytes"] >= r["pool_bytes"], r["name"]
+        assert r["temp_bytes"] < r["pool_bytes"] // 4 and r["pool_copies"] == [], r["name"]
 
 
 def test_a_spilling_kernel_fails_the_record(tmp_path):

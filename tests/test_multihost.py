@@ -114,7 +114,7 @@ def test_generate_over_two_processes_equals_one(tmp_path):
     assert "following process 0" in err1 and "process 0 finished" in err1
     *recs, summary = [json.loads(line) for line in _read(tmp_path, "out0.txt").splitlines()]  # no Gloo lines
     s = summary["summary"]
-    assert s["tensor_parallel"] == 4 and s["step_compiles"] == 1
+    assert s["tensor_parallel"] == 4 and s["step_compiles"] == 1 and s["head_plan"].startswith("tp=4 replicate")
     assert s["preemptions"] > 0 and s["prefix_hit_tokens"] > 0, s   # the run exercised both
     assert s["peak_pages_used"] > 0 and s["kv_utilization"] is not None and 0 < s["kv_utilization"] <= 1, s
     want = _reference(texts, params, _engine_config(**sizes))

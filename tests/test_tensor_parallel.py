@@ -59,9 +59,10 @@ def test_greedy_outputs_identical_to_one_device(report):
         assert r["tokens"] == ref[r["model"]], (r["model"], r["tp"])
         assert all(len(t) > 0 for t in r["tokens"])
     runs = {(pathlib.Path(r["model"]).name, r["tp"]) for r in report}
-    # Split (tiny-llama 2), replicate (tiny-llama 4) and pad (tiny-gpt2 3); SmolLM2's pad at 2 and 4
-    # and split at 3 run with tp_check.py --full.
-    assert runs >= {("tiny-llama", 2), ("tiny-llama", 4), ("tiny-gpt2", 3), ("gemma2", 2), ("qwen3", 2)}
+    # Split (tiny-llama 2) and pad (tiny-gpt2 3); replicate (the Llama test checkpoint at tp=4) runs
+    # over two processes in test_multihost.py; tiny-llama at 4 and 3 and SmolLM2's pad at 2 and 4 and
+    # split at 3 run with tp_check.py --full.
+    assert runs >= {("tiny-llama", 2), ("tiny-gpt2", 3), ("gemma2", 2), ("qwen3", 2)}
 
 
 def test_sampled_outputs_and_logprobs_identical_to_one_device(report):
@@ -70,7 +71,7 @@ def test_sampled_outputs_and_logprobs_identical_to_one_device(report):
     ref = next(r for r in report if r["model"] == "tiny-llama" and r["tp"] == 1)
     assert sum(ref["sampled"]) >= 2 and not all(ref["sampled"])
     runs = [r for r in report if r["model"] == "tiny-llama" and r["tp"] > 1]
-    assert {r["tp"] for r in runs} >= {2, 4}
+    assert {r["tp"] for r in runs} >= {2}
     for r in runs:
         assert r["tokens"] == ref["tokens"], r["tp"]
         for k, (got, want) in enumerate(zip(r["logprobs"], ref["logprobs"])):

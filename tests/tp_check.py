@@ -36,7 +36,8 @@ from jpa.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 HF = pathlib.Path(__file__).resolve().parent / "data" / "hf"
 GEMMA2, QWEN3 = str(HF / "gemma2"), str(HF / "qwen3")  # tiny Hugging Face checkpoints (test data)
 CASES = {  # model -> tensor-parallel sizes (1 first: the reference)
-    "tiny-llama": (1, 2, 4),      # 4 q / 2 kv heads: split, replicate (--full: and 3, pad)
+    "tiny-llama": (1, 2),         # 4 q / 2 kv heads: split (--full: and 4, replicate; 3, pad). Replicate at
+                                  # tp=4 is in the suite over 2 processes (tests/test_multihost.py)
     "tiny-gpt2": (1, 3),          # 4 heads with biases: pad (q/k/v biases, ffn 256 -> 258)
     GEMMA2: (1, 2),               # soft caps, sliding window on alternating layers, post-norms
     QWEN3: (1, 2),                # q/k RMSNorm
