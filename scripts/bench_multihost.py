@@ -31,6 +31,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
+os.environ.setdefault("JAX_PLATFORMS", "cpu")   # this process only reads the machine's description
 
 from benchutil import machine, write_json  # noqa: E402
 
