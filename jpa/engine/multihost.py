@@ -14,8 +14,9 @@ inputs: that is how JAX's multi-controller SPMD works. jpa keeps the host side i
   replicated, so reading them needs no communication).
 
 The messages go through the coordination service that `jax.distributed` already runs (its
-key-value store, in process 0): pickled (op, args) tuples under "jpa/m/<n>", no extra port and
-no extra dependency. A message is deleted once every follower has provably read it (after the
+key-value store, in process 0): numpy archives (`np.savez`; read back with allow_pickle=False,
+so a message can only ever be arrays, never code) under "jpa/m/<n>", no extra port and no extra
+dependency. A message is deleted once every follower has provably read it (after the
 next unified step, whose collectives need every process, completes on the leader).
 
 Failures. A device call that fails (a collective whose peer died: "Gloo ... Connection reset by
@@ -29,13 +30,14 @@ watchdog: every process compiles, then they meet at a barrier (a big model compi
 which must not count as a hang).
 """
 
+import io
 import os
-import pickle
 import sys
 import threading
 import time
 
 import jax
+import numpy as np
 
 KEY = "jpa/m/"             # message n is KEY + str(n)
 COMPILE_BARRIER = "jpa/compiled/"
@@ -68,6 +70,18 @@ def _client():
         raise RuntimeError("jax.distributed is not initialized: call jpa.engine.multihost.initialize (or "
                            "jax.distributed.initialize) before creating a multi-process engine")
     return global_state.client
+
+
+def _pack(op: str, arrays) -> bytes:
+    """A message: the operation's name and its arrays (a numpy archive: no pickled objects)."""
+    buf = io.BytesIO()
+    np.savez(buf, op=np.asarray(op), **{f"a{i}": np.asarray(a) for i, a in enumerate(arrays)})
+    return buf.getvalue()
+
+
+def _unpack(data: bytes) -> tuple[str, list]:
+    with np.load(io.BytesIO(data), allow_pickle=False) as z:
+        return str(z["op"]), [z[f"a{i}"] for i in range(len(z.files) - 1)]
 
 
 def _die(message: str) -> None:
@@ -143,11 +157,11 @@ class Leader(_Lockstep):
     def __getattr__(self, name):   # attributes not defined here: the runner's
         return getattr(self.runner, name)
 
-    def _send(self, op: str, *args) -> int:
+    def _send(self, op: str, arrays) -> int:
         if self.closed:
             raise RuntimeError("this multi-process engine was closed: its followers have stopped")
         n = self._sent
-        self.client.key_value_set_bytes(f"{KEY}{n}", pickle.dumps((op, args), protocol=pickle.HIGHEST_PROTOCOL))
+        self.client.key_value_set_bytes(f"{KEY}{n}", _pack(op, arrays))
         self._sent += 1
         return n
 
@@ -158,24 +172,24 @@ class Leader(_Lockstep):
         self._kept = max(self._kept, upto)
 
     def step(self, batch):
-        n = self._send("step", batch)
+        n = self._send("step", jax.tree_util.tree_leaves(batch))
         result = self._call("step", (batch,))
         # The step's collectives needed every process: each has read message n and all before it.
         self._forget(n)
         return result
 
     def retire(self, seq_ids):
-        self._send("retire", list(seq_ids))
+        self._send("retire", [np.asarray(list(seq_ids), np.int32)])
         return self._call("retire", (list(seq_ids),))
 
     def uncache(self, page_ids):
-        self._send("uncache", list(page_ids))
+        self._send("uncache", [np.asarray(list(page_ids), np.int32)])
         return self._call("uncache", (list(page_ids),))
 
     def close(self, ok: bool = True) -> None:
         """Tells the followers to return from follow() (idempotent)."""
         if not self.closed:
-            self._send("stop", bool(ok))
+            self._send("stop", [np.asarray(bool(ok))])
             self.closed = True
 
 
@@ -185,6 +199,7 @@ class Follower(_Lockstep):
     def __init__(self, runner, *, peer_timeout: float = 60.0, compile_timeout: float = 3600.0):
         super().__init__(runner, peer_timeout, compile_timeout)
         self.calls = 0
+        self._batch = jax.tree_util.tree_structure(runner.step_inputs(1))   # a StepBatch's pytree structure
 
     def run(self) -> bool:
         """Follows until the leader closes; returns the leader's `ok` (False: it stopped on an error).
@@ -200,9 +215,15 @@ class Follower(_Lockstep):
                 if "DEADLINE_EXCEEDED" in str(e):
                     continue
                 _die(f"lost process 0 (the leader) while waiting for its next call: {e}")
-            op, args = pickle.loads(data)
+            op, arrays = _unpack(data)
             n += 1
             if op == "stop":
-                return bool(args[0])
+                return bool(arrays[0])
+            if op == "step":
+                args = (jax.tree_util.tree_unflatten(self._batch, arrays),)
+            elif op in ("retire", "uncache"):
+                args = (arrays[0].tolist(),)
+            else:
+                _die(f"process 0 sent an unknown call {op!r} (are all processes running the same jpa?)")
             self._call(op, args)
             self.calls += 1
