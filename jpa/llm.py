@@ -80,7 +80,7 @@ class LLM:
                              f"{type(model).__name__} (an already loaded model: LLM.from_model)")
         import jax.numpy as jnp
 
-        import models
+        from jpa import models
 
         try:
             dt = jnp.dtype(default_dtype() if dtype is None else dtype)
@@ -107,7 +107,7 @@ class LLM:
     def _wire(self, model, tokenizer, config: EngineConfig, draft=None) -> None:
         import jax.numpy as jnp
 
-        import models  # the application layer wires model -> engine (the engine never imports models)
+        from jpa import models  # the application layer wires model -> engine (the engine never imports models)
 
         if isinstance(model, models.GPT):
             model = models.GPTForEngine(model)

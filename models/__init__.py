@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.config import PRESETS, ModelConfig
-from models.engine_model import GPTForEngine
-from models.gpt import GPT, decode, forward_dense, prefill
+from jpa.models.config import PRESETS, ModelConfig
+from jpa.models.engine_model import GPTForEngine
+from jpa.models.gpt import GPT, decode, forward_dense, prefill
 
 __all__ = ["GPT", "GPTForEngine", "ModelConfig", "PRESETS", "decode", "forward_dense", "load", "prefill"]
 
@@ -31,7 +31,7 @@ def load(name, *, dtype=None, seed: int = 0):
       (model: GPT, tokenizer).
     """
     if isinstance(name, os.PathLike) or (isinstance(name, str) and name not in PRESETS and os.path.isdir(name)):
-        from models import hf  # optional extras (safetensors, tokenizers, jinja2) only when needed
+        from jpa.models import hf  # optional extras (safetensors, tokenizers, jinja2) only when needed
 
         return hf.load(name, dtype=dtype)
     if name not in PRESETS:
@@ -40,12 +40,12 @@ def load(name, *, dtype=None, seed: int = 0):
     dtype = jnp.float32 if dtype is None else dtype
     config = PRESETS[name]
     if name == "smollm2-135m":
-        from models import smollm2  # optional extras (gguf, tokenizers) only when needed
+        from jpa.models import smollm2  # optional extras (gguf, tokenizers) only when needed
 
         weights, tokenizer, metadata = smollm2.load_weights_and_tokenizer()
         _check_metadata(config, metadata)
         return GPT.from_weights(config, weights, dtype), tokenizer
-    from models.tokenizer import ByteTokenizer
+    from jpa.models.tokenizer import ByteTokenizer
 
     return GPT(config, dtype=dtype, rngs=nnx.Rngs(seed)), ByteTokenizer()
 

@@ -7,7 +7,7 @@ back inside the engine's jit, so the weights are jit arguments, not constants.
 
 from flax import nnx
 
-from models.gpt import GPT, decode, prefill, ragged, ragged_hidden
+from jpa.models.gpt import GPT, decode, prefill, ragged, ragged_hidden
 
 
 class GPTForEngine:
@@ -35,7 +35,7 @@ class GPTForEngine:
         """This model on a tensor-parallel mesh (EngineModel's optional `shard`): heads planned,
         params placed by models.sharding's rules, attention run per device. options: those of
         `models.sharding.shard` (embeddings=)."""
-        from models import sharding
+        from jpa.models import sharding
 
         gpt, plan = sharding.shard(nnx.merge(self.graphdef, self.params), mesh, **options)
         out = GPTForEngine(gpt, mesh=mesh, **self.decode_options)

@@ -46,12 +46,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jpa.cache import CacheConfig, KVCache, write_kv
-from jpa.decode import paged_decode
-from jpa.prefill import paged_prefill
-from jpa.ragged import ragged_paged_attention
-from jpa.sharding import HEADS, HEADS_T, REPLICATED, STACKED_POOL, head_parallel
-from models.config import ModelConfig
+from jpa.kv.cache import CacheConfig, KVCache, write_kv
+from jpa.ops.decode import paged_decode
+from jpa.ops.prefill import paged_prefill
+from jpa.ops.ragged import ragged_paged_attention
+from jpa.core.sharding import HEADS, HEADS_T, REPLICATED, STACKED_POOL, head_parallel
+from jpa.models.config import ModelConfig
 
 PARAM_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))
 INIT_STD = 0.02  # GPT-2's initializer range
@@ -497,7 +497,7 @@ def prefill(model: GPT, cache: KVCache, tokens, start, chunk_lens, slot_mapping,
       block_tables: i32[B, pages_per_seq].
       mesh: a Mesh with a "tp" axis for tensor parallelism (params and cache sharded as
         models.sharding places them): each layer's cache write and attention run per device on
-        its heads (`jpa.sharding.head_parallel`). None: one device.
+        its heads (`jpa.core.sharding.head_parallel`). None: one device.
 
     Returns:
       (logits f32[B, vocab] at each row's last valid token (finite garbage for empty rows),

@@ -25,7 +25,7 @@ import pathlib
 
 import numpy as np
 
-from models.config import ModelConfig
+from jpa.models.config import ModelConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
 # safetensors dtype -> NumPy dtype name (bfloat16 comes from ml_dtypes, which JAX imports).
@@ -164,7 +164,7 @@ def hf_names(c: ModelConfig, model_type: str) -> dict:
     Paths are "tok_embeddings", "norm", "output", "layers.{i}.{name}" (models.gpt.expected_shapes);
     transpose means the checkpoint holds torch's [out, in] and the model x @ W's [in, out].
     """
-    from models.gpt import expected_shapes
+    from jpa.models.gpt import expected_shapes
 
     pre_ffn = "pre_feedforward_layernorm" if model_type == "gemma2" else "post_attention_layernorm"
     layer = {
@@ -231,7 +231,7 @@ def _tensor_index(path: pathlib.Path) -> dict:
 def _plan(c: ModelConfig, model_type: str, index: dict, path: pathlib.Path) -> dict:
     """Checks presence, shape and dtype of every tensor the model needs, and that the checkpoint
     holds nothing else; returns {our path: (file, name, transpose, stored dtype)}."""
-    from models.gpt import expected_shapes
+    from jpa.models.gpt import expected_shapes
 
     shapes = expected_shapes(c)
     plan = {}
@@ -290,8 +290,8 @@ def load(path, dtype=None):
     import jax.numpy as jnp
     from flax import nnx
 
-    from models.gpt import GPT, PARAM_DTYPES, expected_shapes
-    from models.tokenizer import HFTokenizer
+    from jpa.models.gpt import GPT, PARAM_DTYPES, expected_shapes
+    from jpa.models.tokenizer import HFTokenizer
 
     if dtype is None:
         dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32

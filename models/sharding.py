@@ -1,6 +1,6 @@
 """Tensor parallelism for models.GPT: Megatron-style partition specs, declared once per parameter kind.
 
-On a mesh with a "tp" axis of N devices (`jpa.sharding.tp_mesh(N)`):
+On a mesh with a "tp" axis of N devices (`jpa.core.sharding.tp_mesh(N)`):
 
 - column-parallel (output features split): wq, wk, wv (heads), w_gate, w_up (ffn), and their
   biases; each device computes its own heads / its slice of the MLP hidden layer;
@@ -49,8 +49,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jpa.sharding import TP, check_mesh, named
-from models.config import ModelConfig
+from jpa.core.sharding import TP, check_mesh, named
+from jpa.models.config import ModelConfig
 
 COL = P(None, TP)  # [in, out] split on out
 ROW = P(TP, None)  # [in, out] split on in
@@ -174,7 +174,7 @@ def _stacked(path) -> bool:
 
 def with_heads(model, plan: HeadPlan):
     """The model rebuilt with the plan's head counts and ffn size (itself when nothing changes)."""
-    from models.gpt import GPT  # models.gpt imports jpa.sharding only; no cycle at import time
+    from jpa.models.gpt import GPT  # models.gpt imports jpa.core.sharding only; no cycle at import time
 
     c = model.config
     if (plan.num_q_heads, plan.num_kv_heads, plan.ffn_dim) == (c.num_q_heads, c.num_kv_heads, c.ffn_dim):

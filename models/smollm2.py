@@ -298,7 +298,7 @@ def read_gguf_metadata(path) -> dict:
 
 def load_tokenizer(cache_dir=None):
     """SmolLM2's tokenizer alone (fetches the file if needed; skips the weights)."""
-    from models.tokenizer import Tokenizer
+    from jpa.models.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf_metadata(read_gguf_metadata(fetch_gguf(cache_dir)))
 
@@ -312,7 +312,7 @@ def load_weights_and_tokenizer(cache_dir=None):
     Returns:
       (weights, tokenizer: models.tokenizer.Tokenizer, metadata), as described in read_gguf.
     """
-    from models.tokenizer import Tokenizer
+    from jpa.models.tokenizer import Tokenizer
 
     meta, weights = read_gguf(fetch_gguf(cache_dir))
     return weights, Tokenizer.from_gguf_metadata(meta), meta

@@ -425,7 +425,7 @@ class HFTokenizer:
 
     def render_chat(self, messages, add_generation_prompt: bool = True, **kwargs) -> str:
         """The conversation rendered by the checkpoint's chat template (models.chat_template.render)."""
-        from models.chat_template import render
+        from jpa.models.chat_template import render
 
         if self._chat_template is None:
             raise ValueError(f"{self._source}: the checkpoint has no chat template (tokenizer_config.json "

@@ -1,6 +1,6 @@
 """Benchmark: what paging costs in decode attention on this CPU (paged reference vs dense attention).
 
-"paged" is `jpa.paged_decode(..., impl="xla")` under `jax.jit` (the plain-JAX reference, `jpa.reference
+"paged" is `jpa.paged_decode(..., impl="xla")` under `jax.jit` (the plain-JAX reference, `jpa.ops.reference
 .paged_decode_xla`) over a paged cache [K, P, page_size, H] whose block tables are a random
 permutation of the pool (so no sequence's pages are contiguous). "dense" is a jitted plain-jnp
 softmax attention over an already contiguous cache [B, K, S, H] holding the same tokens (every
@@ -42,7 +42,7 @@ from jax import lax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jpa  # noqa: E402
-from jpa.reference import MASK_VALUE, chunk_pages, paged_decode_xla  # noqa: E402
+from jpa.ops.reference import MASK_VALUE, chunk_pages, paged_decode_xla  # noqa: E402
 from benchutil import machine, write_json  # noqa: E402
 
 TARGET = 1.3
@@ -75,7 +75,7 @@ def gather_only(k_pages, v_pages, block_tables):
 
 @functools.partial(jax.jit, static_argnames=("scale", "pages_per_chunk"))
 def paged_kbgs(q, k_pages, v_pages, block_tables, seq_lens, *, scale, pages_per_chunk=None):
-    """Experimental variant of jpa.reference.paged_decode_xla (no soft cap/alibi/window/quant).
+    """Experimental variant of jpa.ops.reference.paged_decode_xla (no soft cap/alibi/window/quant).
 
     Differences from the reference: the online-softmax state is kept [K, B, G(, H)] so both dots
     have the gathered chunk's own batch order (K, B) and XLA never transposes the big operand; V is

@@ -63,7 +63,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax.numpy as jnp  # noqa: E402
 
-import models  # noqa: E402
+from jpa import models  # noqa: E402
 from benchutil import machine, write_json  # noqa: E402
 from jpa.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 

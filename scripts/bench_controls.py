@@ -43,7 +43,7 @@ def main(argv=None):
     if args.quick:
         args.num_prompts, args.max_new, args.reps = 4, 16, 1
 
-    import models
+    from jpa import models
     from jpa.engine import EngineConfig, LLMEngine, SamplingParams
 
     gpt, tok = models.load("tiny-llama" if args.tiny else "smollm2-135m")

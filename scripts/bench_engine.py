@@ -53,9 +53,9 @@ from flax import nnx
 from jax import lax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import models  # noqa: E402
+from jpa import models  # noqa: E402
 from jpa.engine import EngineConfig, EngineStats, LLMEngine, SamplingParams  # noqa: E402
-from models.gpt import _run  # noqa: E402  (the block loop, for baselines with the same weights)
+from jpa.models.gpt import _run  # noqa: E402  (the block loop, for baselines with the same weights)
 from benchutil import machine, write_json  # noqa: E402
 from generate import BUILTIN_PROMPTS  # noqa: E402  (the main job's prompts come first)
 
@@ -341,9 +341,9 @@ def timeit_donated(fn, cache, *args, reps=10):
 
 def profile_decode_step(model, eng, dense, max_seqs, seq_len):
     """Times the parts of one decode step at seq_len tokens per sequence (all max_seqs slots busy)."""
-    from jpa.cache import KVCache
-    from jpa.reference import paged_decode_xla
-    from models import decode
+    from jpa.kv.cache import KVCache
+    from jpa.ops.reference import paged_decode_xla
+    from jpa.models import decode
 
     c = model.config
     gd, params = nnx.split(model)
@@ -477,7 +477,7 @@ def parse_args(argv=None):
     ap.add_argument("--systems", default="jpa,dense,concat", help="comma list")
     ap.add_argument("--profile", action="store_true", help="break down one jpa decode step")
     ap.add_argument("--jpa-chunk-tokens", type=int, default=None,
-                    help="what-if experiment: override jpa.reference.CHUNK_TOKENS (key tokens per loop "
+                    help="what-if experiment: override jpa.ops.reference.CHUNK_TOKENS (key tokens per loop "
                          "iteration of jpa's CPU attention path) before the engine is built")
     ap.add_argument("--json", default="benchmarks/engine.json")
     ap.add_argument("--plot", default="benchmarks/engine_throughput.png")
@@ -501,8 +501,8 @@ def main(argv=None):
           f"max_new_tokens {min(max_new)}..{max(max_new)}, ignore_eos={ignore_eos}", file=sys.stderr)
 
     if args.jpa_chunk_tokens:
-        import jpa.reference
-        jpa.reference.CHUNK_TOKENS = args.jpa_chunk_tokens  # read by chunk_pages() at trace time
+        import jpa.ops.reference
+        jpa.ops.reference.CHUNK_TOKENS = args.jpa_chunk_tokens  # read by chunk_pages() at trace time
     cfg = EngineConfig(max_seqs=args.max_seqs, page_size=args.page_size, max_model_len=args.max_model_len,
                        num_pages=args.max_seqs * -(-args.max_model_len // args.page_size),
                        steps_per_call=args.steps_per_call)

@@ -26,7 +26,8 @@ CHILD = r"""
 import json, pathlib, sys, time
 import jax, jax.numpy as jnp
 from flax import nnx
-import models, models.hf  # noqa: F401  (imports are part of the baseline)
+from jpa import models
+import jpa.models.hf  # noqa: F401  (imports are part of the baseline)
 
 def status(key):
     for line in open("/proc/self/status"):

@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import models  # noqa: E402
+from jpa import models  # noqa: E402
 from jpa.engine import EngineConfig, EngineStats, LLMEngine, SamplingParams  # noqa: E402
 from benchutil import machine, write_json  # noqa: E402
 
@@ -46,8 +46,8 @@ def step_breakdown(model, args, steps=64, reps=5):
     from flax import nnx
     from jax import lax
 
-    from jpa import pages
-    from jpa.cache import CacheConfig, KVCache
+    from jpa.kv import pages
+    from jpa.kv.cache import CacheConfig, KVCache
     from jpa.engine.sampling import sample
 
     mc, b, ps = model.config, args.max_seqs, args.page_size

@@ -6,8 +6,8 @@ figure of merit is therefore
     GB/s = (bytes of K/V [+ scales] the step must read) / (median step time),
 
 compared with the device's peak bandwidth (PEAK_GBPS, matched on the device kind). Each impl
-is one column: "xla" (the reference path), "triton" (jpa.pallas.triton_decode), "mosaic"
-(jpa.pallas.mosaic_decode, when that module exists) and "jax_deprecated" (JAX's deprecated
+is one column: "xla" (the reference path), "triton" (jpa.pallas.triton.decode), "mosaic"
+(jpa.pallas.mosaic.decode, when that module exists) and "jax_deprecated" (JAX's deprecated
 `jax.experimental.pallas.ops.gpu.paged_attention`, when it imports). Adding an impl is one entry
 in IMPLS.
 
@@ -69,7 +69,7 @@ def _jpa_impl(name):
         if not on_gpu:
             return "GPU kernels are only timed on a GPU (interpret mode is not a timing)"
         try:
-            importlib.import_module(jpa.dispatch.KERNEL_MODULES[name])
+            importlib.import_module(jpa.ops.dispatch.KERNEL_MODULES[name])
         except ImportError as e:
             return f"cannot import: {e}"
         return None
@@ -133,7 +133,7 @@ def make_case(batch, context, num_kv_heads, q_per_kv, head_dim, page_size, dtype
     shape = (num_kv_heads, num_pages, page_size, head_dim)
     q = jax.random.normal(k1, (batch, num_kv_heads * q_per_kv, head_dim), q_dtype)
     if quantized:
-        from jpa.quant import quantize
+        from jpa.core.quant import quantize
         k_pages, k_scales = quantize(jax.random.normal(k2, shape, jnp.bfloat16), dtype)
         v_pages, v_scales = quantize(jax.random.normal(k3, shape, jnp.bfloat16), dtype)
     else:

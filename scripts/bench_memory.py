@@ -1,7 +1,7 @@
 """Benchmark: KV-cache utilization and concurrency that paging buys (the vLLM paper's memory argument).
 
 Request traces shaped like the vLLM paper's workloads are replayed step by step through the real
-`jpa.pages.PageState` (the jitted `reserve` / `append` / `release` an engine calls), and through
+`jpa.kv.pages.PageState` (the jitted `reserve` / `append` / `release` an engine calls), and through
 host-side models of the contiguous schemes the paper compares against. Every scheme gets the same
 KV budget of `--budget` token slots and serves the same trace the same way:
 
@@ -53,7 +53,7 @@ import jax
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from jpa import pages  # noqa: E402
+from jpa.kv import pages  # noqa: E402
 from benchutil import machine, write_json  # noqa: E402
 
 MAX_LEN = 2048

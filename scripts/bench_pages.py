@@ -1,4 +1,4 @@
-"""Benchmark: microseconds per jitted, donated `jpa.pages.append` (one decode step's allocation).
+"""Benchmark: microseconds per jitted, donated `jpa.kv.pages.append` (one decode step's allocation).
 
 Each call is timed from dispatch to `block_until_ready` on its outputs, so dispatch overhead is
 included; the median over many calls is reported. Every sequence is active, lengths start
@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jpa import pages
+from jpa.kv import pages
 from benchutil import write_json  # noqa: E402
 
 TARGET_US = 100.0

@@ -86,7 +86,7 @@ def main(argv=None):
     args = parse_args(argv)
     import jax.numpy as jnp
 
-    import models
+    from jpa import models
     from jpa.engine import EngineConfig, LLMEngine, SamplingParams
 
     model, tok = models.load(args.model, dtype=jnp.float32)

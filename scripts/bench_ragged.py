@@ -24,9 +24,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 from benchutil import machine, write_json  # noqa: E402
 
-from jpa.prefill import _paged_prefill_xla  # noqa: E402
-from jpa.ragged import ragged_paged_attention_xla  # noqa: E402
-from jpa.reference import paged_decode_xla  # noqa: E402
+from jpa.ops.reference import paged_prefill_xla  # noqa: E402
+from jpa.ops.ragged import ragged_paged_attention_xla  # noqa: E402
+from jpa.ops.reference import paged_decode_xla  # noqa: E402
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 9, 3, 64, 16
 NUM_TOKENS, NUM_SEQS, PAGES_PER_SEQ = 512, 32, 128
@@ -50,7 +50,7 @@ def main():
     scale = HEAD_DIM ** -0.5
     ragged = jax.jit(lambda *x: ragged_paged_attention_xla(*x, scale=scale))
     decode = jax.jit(lambda q, *x: paged_decode_xla(q, *x, scale=scale))
-    prefill = jax.jit(lambda *x: _paged_prefill_xla(*x, scale=scale))
+    prefill = jax.jit(lambda *x: paged_prefill_xla(*x, scale=scale))
 
     cu_decode = jnp.arange(NUM_SEQS + 1, dtype=jnp.int32)
     q_lens = np.ones(NUM_SEQS, np.int32)

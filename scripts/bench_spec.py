@@ -135,7 +135,7 @@ def main(argv=None):
     args = parse_args(argv)
     import jax.numpy as jnp
 
-    import models
+    from jpa import models
     from jpa.engine import EngineConfig, LLMEngine, SamplingParams, SpeculativeConfig
 
     spec = SpeculativeConfig.parse(args.spec)

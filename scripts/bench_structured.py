@@ -73,7 +73,7 @@ def main(argv=None):
     if args.quick:
         args.num_requests, args.max_new, args.reps, args.compiles = 8, 16, 1, 4
 
-    import models
+    from jpa import models
     from benchutil import machine
     from jpa.engine import EngineConfig, LLMEngine, SamplingParams
 

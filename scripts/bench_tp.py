@@ -31,7 +31,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-import models  # noqa: E402
+from jpa import models  # noqa: E402
 from gpu_compile_check import collective_summary, collectives  # noqa: E402
 from jpa.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 

@@ -78,7 +78,7 @@ def add_engine_args(ap, *, steps_per_call: int, steps_help: str):
 
 def _known_model(name: str) -> bool:
     """A preset name or a checkpoint directory (what models.load takes)."""
-    from models import PRESETS  # light: configs only, no JAX work
+    from jpa.models import PRESETS  # light: configs only, no JAX work
     return name in PRESETS or os.path.isdir(name)
 
 
@@ -207,7 +207,7 @@ def check_args(args):
     check_engine_args(args, ("max_new_tokens",))
     if args.prompts_file is not None and not os.path.isfile(args.prompts_file):
         raise UsageError(f"--prompts-file {args.prompts_file!r}: no such file")
-    from models import PRESETS  # light: configs only, no JAX work
+    from jpa.models import PRESETS  # light: configs only, no JAX work
 
     if args.model not in PRESETS and not os.path.isdir(args.model):  # a preset or a checkpoint directory
         raise UsageError(f"--model {args.model!r} is unknown; choose one of {', '.join(sorted(PRESETS))} "
@@ -295,7 +295,7 @@ def run(args):
         enable_compile_cache(cache_dir() / "xla")
 
     import jax.numpy as jnp
-    import models
+    from jpa import models
     from jpa.llm import LLM, default_dtype
 
     dtype = args.dtype or default_dtype()

@@ -94,7 +94,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, SingleDeviceSharding  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from jpa import dispatch  # noqa: E402
+from jpa.ops import dispatch  # noqa: E402
 from jpa.pallas.spec import DecodeSpec  # noqa: E402
 
 # ---- Targets: values of XLA's xla/backends/gpu/target_config/specs (see shared/design.md) ----
@@ -285,7 +285,7 @@ class Compiler:
         self.mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=abstract)
         self.tp_mesh = None
         if num_devices > 1:
-            from jpa.sharding import tp_mesh
+            from jpa.core.sharding import tp_mesh
             self.tp_mesh = tp_mesh(num_devices, self.devices)
             # shard_map inside the program must see the context mesh it was given; the concrete
             # mesh of compile-only devices knows their kind, which is what dispatch reads.
@@ -505,7 +505,7 @@ def check_kernels(compiler: Compiler, impls, subset: str, log=print, random: int
                 rec["ok"] = False
                 rec["problems"].append(f"expected one {impl} kernel call, found {rec[want]}")
             if impl == "mosaic" and rec["ok"]:
-                from jpa.pallas import mosaic_decode
+                from jpa.pallas.mosaic import decode as mosaic_decode
                 q_item = np.dtype(jnp.dtype(cfg.q_dtype)).itemsize
                 c_item = np.dtype(jnp.dtype(cfg.cache_dtype)).itemsize
                 rec["mosaic_smem_planned"] = mosaic_decode.smem_bytes(cfg.head_dim, cfg.page_size, q_item, c_item)
@@ -546,7 +546,7 @@ def ragged_grid(subset: str = "full") -> list:
 def ragged_call(impl, q_dtype, cache_dtype, q_per_kv, head_dim, page_size):
     """(spec, fn, args, pool shapes) of one ragged_paged_attention call with the impl forced."""
     import jpa
-    from jpa.ragged import ragged_spec
+    from jpa.ops.ragged import ragged_spec
     z = RAGGED_SIZES
     sds = jax.ShapeDtypeStruct
     k, n, b = z["num_kv_heads"], z["num_kv_heads"] * q_per_kv, z["max_num_seqs"]
@@ -567,7 +567,7 @@ def ragged_call(impl, q_dtype, cache_dtype, q_per_kv, head_dim, page_size):
 def check_ragged(compiler: Compiler, impls, log=print, subset: str = "fast") -> list:
     """Each ragged kernel over RAGGED_CONFIGS: the ragged kernel plus the decode kernel that serves
     every sequence's last row, both in the one program."""
-    from jpa import ragged
+    from jpa.ops import ragged
     cc = float(".".join(map(str, TARGETS[compiler.target]["cc"])))
     records = []
     for impl in impls:
@@ -694,7 +694,8 @@ def _compare_twin(rec, twin):
 def check_stacked_kernels(compiler: Compiler, impls, subset: str, records=(), log=print) -> list:
     """Each decode kernel over a stacked pool in a loop over layers (STACKED_KERNEL_CONFIGS, full
     subset only); the per-layer twin is taken from `records` (the grid) or compiled here."""
-    from jpa.pallas import mosaic_decode, triton_decode
+    from jpa.pallas.mosaic import decode as mosaic_decode
+    from jpa.pallas.triton import decode as triton_decode
     cc = float(".".join(map(str, TARGETS[compiler.target]["cc"])))
     modules = dict(triton=triton_decode, mosaic=mosaic_decode)
     out, records = [], list(records)
@@ -743,8 +744,9 @@ def check_stacked_ragged(compiler: Compiler, impls, subset: str, records=(), log
     """Each ragged kernel (its tile kernel and the decode kernel of the last rows) over a stacked
     pool in a loop over layers (STACKED_RAGGED_CONFIGS); twins from `records` or (full subset)
     compiled here."""
-    from jpa import ragged
-    from jpa.pallas import mosaic_ragged, triton_ragged
+    from jpa.ops import ragged
+    from jpa.pallas.mosaic import ragged as mosaic_ragged
+    from jpa.pallas.triton import ragged as triton_ragged
     cc = float(".".join(map(str, TARGETS[compiler.target]["cc"])))
     modules = dict(triton=triton_ragged, mosaic=mosaic_ragged)
     out, records = [], list(records)
@@ -803,10 +805,10 @@ def engine_steps(pool_gib: float = 1.5, max_seqs: int = 64, page_size: int = 16,
     """
     from flax import nnx
 
-    from jpa.cache import CacheConfig
+    from jpa.kv.cache import CacheConfig
     from jpa.engine.runner import DONATE, ModelRunner
-    from models import GPT, PRESETS, GPTForEngine, ModelConfig
-    from models.gpt import layer_period
+    from jpa.models import GPT, PRESETS, GPTForEngine, ModelConfig
+    from jpa.models.gpt import layer_period
 
     config = PRESETS["smollm2-135m"] if config is None else config
     config = ModelConfig(**config) if isinstance(config, dict) else config
@@ -1159,10 +1161,10 @@ def tp_engine_steps(compiler: Compiler, config: dict | None = None, pool_gib_per
     """
     from flax import nnx
 
-    from jpa.cache import CacheConfig
+    from jpa.kv.cache import CacheConfig
     from jpa.engine.runner import ModelRunner
-    from models import GPT, GPTForEngine, ModelConfig
-    from models.gpt import layer_period
+    from jpa.models import GPT, GPTForEngine, ModelConfig
+    from jpa.models.gpt import layer_period
 
     mesh = compiler.tp_mesh
     tp = mesh.shape["tp"]

@@ -101,7 +101,7 @@ def _highest_precision():
 # ---------------------------------------------------------------- 1. kernels
 
 def decode_grid(quick: bool):
-    from kernel_cases import Case
+    from jpa.testing.kernel_cases import Case
     f32, bf16 = dict(q_dtype="float32", cache_dtype="float32"), dict(q_dtype="bfloat16", cache_dtype="bfloat16")
     cases = [
         Case((1, 17, 64, 0), num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16, pages_per_seq=4, **bf16),
@@ -129,7 +129,7 @@ def decode_grid(quick: bool):
 
 
 def ragged_grid(quick: bool):
-    from kernel_cases import RaggedCase
+    from jpa.testing.kernel_cases import RaggedCase
     bf16 = dict(q_dtype="bfloat16", cache_dtype="bfloat16")
     cases = [
         RaggedCase((1, 300, 140), q_lens=(1, 20, 70), num_tokens=96, max_num_seqs=4, num_q_heads=4,
@@ -148,10 +148,10 @@ def ragged_grid(quick: bool):
 
 def _spec_of(op, args, opts):
     if op == "decode":
-        from jpa.decode import decode_spec
+        from jpa.ops.decode import decode_spec
         return decode_spec(args[0], args[1], args[3], soft_cap=opts.get("soft_cap"),
                            alibi_slopes=opts.get("alibi_slopes"), sliding_window=opts.get("sliding_window"))
-    from jpa.ragged import ragged_spec
+    from jpa.ops.ragged import ragged_spec
     return ragged_spec(args[0], args[1], args[3], soft_cap=opts.get("soft_cap"),
                        alibi_slopes=opts.get("alibi_slopes"), sliding_window=opts.get("sliding_window"))
 
@@ -160,8 +160,9 @@ def section_kernels(ctx) -> dict:
     import numpy as np
 
     import jpa
-    from jpa import dispatch, ragged
-    from kernel_cases import make_inputs, make_ragged_inputs, np_ragged_reference, np_reference, tolerance
+    from jpa.ops import dispatch
+    from jpa.ops import ragged
+    from jpa.testing.kernel_cases import make_inputs, make_ragged_inputs, np_ragged_reference, np_reference, tolerance
     cc, interpret = ctx["cc"], ctx["interpret"]
     rows = []
     plan = [("decode", impl, c) for impl in ("triton", "mosaic") for c in decode_grid(ctx["quick"])]
@@ -207,7 +208,8 @@ def section_auto(ctx) -> dict:
     import numpy as np
 
     import jpa
-    from jpa import dispatch, ragged
+    from jpa.ops import dispatch
+    from jpa.ops import ragged
     target = dispatch.current_target()
     out = {}
     rng = np.random.default_rng(0)
@@ -263,7 +265,7 @@ def decode_problem(shape, seed=0):
     import jax.numpy as jnp
     import numpy as np
 
-    from jpa.quant import quantize
+    from jpa.core.quant import quantize
     _, b, ctx, kh, g, h, ps, dtype = shape
     rng = np.random.default_rng(seed)
     pps = ctx // ps
@@ -289,7 +291,7 @@ def decode_problem(shape, seed=0):
 def section_bandwidth(ctx) -> dict:
     jax = _jax()
     import jpa
-    from jpa import dispatch
+    from jpa.ops import dispatch
     rows = []
     iters = 10 if ctx["quick"] else 30
     shapes = DECODE_SHAPES[:2] if ctx["quick"] else DECODE_SHAPES
@@ -321,7 +323,7 @@ def _ragged_bandwidth(ctx, iters):
     import numpy as np
 
     import jpa
-    from jpa import ragged
+    from jpa.ops import ragged
     rng = np.random.default_rng(1)
     kh, g, h, ps, ctx_len = 8, 4, 128, 16, 2048
     chunks, decodes = 4, 64
@@ -452,7 +454,7 @@ def _engine_run(model_name, config, dtype, impl, prompts, max_new, max_model_len
     import jax.numpy as jnp
     from flax import nnx
 
-    import models
+    from jpa import models
     from jpa.engine import LLMEngine, SamplingParams
     gpt = models.GPT(config, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0))
     tok = IdTokenizer(config.vocab_size, config.eos_token_id, config.bos_token_id)
@@ -481,8 +483,8 @@ def _engine_run(model_name, config, dtype, impl, prompts, max_new, max_model_len
 def section_engine(ctx) -> dict:
     import numpy as np
 
-    import models
-    from models import ModelConfig
+    from jpa import models
+    from jpa.models import ModelConfig
     seqs, ctx_len, gen = (8, 512, 32) if ctx["quick"] else (64, 2048, 128)
     runs, equal = [], {}
     for name, config in (("smollm2-135m shape", models.PRESETS["smollm2-135m"]),
@@ -577,7 +579,7 @@ def write_report(out: pathlib.Path, report: dict):
 def run_child(args) -> int:
     """One section in this process: writes DIR/section-NAME.json."""
     jax = _jax()
-    from jpa import dispatch
+    from jpa.ops import dispatch
     target = dispatch.current_target()
     if args.debug_crash == args.section:
         os.abort()  # the isolation test: a crash the parent must record
@@ -618,7 +620,7 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"--sections: unknown {unknown}; the sections are {list(SECTIONS)}")
     jax = _jax()
-    from jpa import dispatch
+    from jpa.ops import dispatch
     target = dispatch.current_target()
     if not (target.is_nvidia_gpu and target.executable) and not args.debug_cpu_interpret:
         print(f"gpu_validate: needs an NVIDIA GPU, and JAX sees {target.platform} ({target.device_kind}). "

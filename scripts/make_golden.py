@@ -6,7 +6,7 @@ jpa does not depend on, so run it from a separate virtualenv (not in CI):
 
     /root/.pyenv/versions/3.11.7/bin/python -m venv /tmp/golden-venv     # any Python >= 3.10
     /tmp/golden-venv/bin/pip install torch==2.13.0 transformers gguf tokenizers sentencepiece
-    /work/main/.venv/bin/python -c "import models.smollm2 as s; print(s.fetch_gguf())"  # the .gguf path
+    /work/main/.venv/bin/python -c "import jpa.models.smollm2 as s; print(s.fetch_gguf())"  # the .gguf path
     HF_HUB_OFFLINE=1 /tmp/golden-venv/bin/python scripts/make_golden.py --gguf <that path>
 
 (Pin torch to a CPU build: a plain `pip install torch` pulls a multi-GB CUDA build.) Everything is

@@ -59,7 +59,7 @@ def main(mode: str) -> int:
             compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane))(a, b)
         rec = compiler.compile("mosaic mma sm_80", fn, (sds((64, 64), jnp.bfloat16),) * 2)
     else:
-        from jpa.pallas import mosaic_decode
+        from jpa.pallas.mosaic import decode as mosaic_decode
         cfg = g.KernelConfig("mosaic", head_dim=64, num_kv_heads=3, q_per_kv=3)
         _, args, kwargs, pools = g.kernel_call(cfg)
         fn = lambda *a, **k: mosaic_decode.paged_decode(*a, scale=0.125, **k)  # noqa: E731

@@ -77,7 +77,7 @@ def check_args(args):
         raise UsageError(f"--port must be in [0, 65535]; got {args.port}")
     if args.api_key is not None and not args.api_key:
         raise UsageError("--api-key must not be empty")
-    from models import PRESETS  # light: configs only, no JAX work
+    from jpa.models import PRESETS  # light: configs only, no JAX work
 
     if args.model not in PRESETS and not os.path.isdir(args.model):  # a preset or a checkpoint directory
         raise UsageError(f"--model {args.model!r} is unknown; choose one of {', '.join(sorted(PRESETS))} "
@@ -184,7 +184,7 @@ def build_engine(args):
     import jax
     import jax.numpy as jnp
 
-    import models
+    from jpa import models
     from jpa.engine import LLMEngine
 
     if not args.no_compile_cache:

@@ -33,7 +33,7 @@ def context_gpt(seed: int = 1):
     """tiny-llama (float32, same shapes and compile cost) whose greedy continuation depends on the
     whole context, not only the last token (the preset's init makes attention nearly uniform and
     small; see test_context_model_depends_on_the_context). Returns (models.GPT, tokenizer)."""
-    import models
+    from jpa import models
 
     gpt, tok = models.load("tiny-llama", seed=seed)
     for name in ("wq", "wk", "wv", "wo"):  # every layer's (the parameters are stacked)
@@ -45,7 +45,7 @@ def context_gpt(seed: int = 1):
 
 def context_llama(seed: int = 1):
     """context_gpt(seed) as an engine model: (models.GPTForEngine, tokenizer)."""
-    import models
+    from jpa import models
 
     gpt, tok = context_gpt(seed)
     return models.GPTForEngine(gpt), tok

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-import models
+from jpa import models
 from jpa.engine import AsyncEngine, EngineConfig, EngineDead, EngineOverloaded, LLMEngine, SamplingParams
 
 PROMPTS = ["The paged cache", "hello", "a much longer prompt that spans several pages of the cache", "x",

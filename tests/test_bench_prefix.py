@@ -23,7 +23,7 @@ def load_script():
 
 
 def test_workload_builders():
-    from models.tokenizer import ByteTokenizer
+    from jpa.models.tokenizer import ByteTokenizer
 
     bp, tok = load_script(), ByteTokenizer()
     for n in (40, 600, 5000):  # 5000 > the policy's length: it is repeated

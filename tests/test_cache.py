@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jpa
-from jpa.quant import QUANT_MAX
+from jpa.core.quant import QUANT_MAX
 
 
 def random_pools(rng, shape, dtype="float32"):

@@ -16,7 +16,7 @@ from jpa.engine import EngineConfig, LLMEngine, SamplingParams
 from jpa.engine.scheduler import Scheduler
 from jpa.engine.detokenizer import IncrementalDetokenizer
 from jpa.engine.request import Request
-from models.tokenizer import ByteTokenizer
+from jpa.models.tokenizer import ByteTokenizer
 
 GREEDY = SamplingParams(max_new_tokens=24, greedy=True, ignore_eos=True)
 

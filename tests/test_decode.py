@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import jpa
-from jpa.quant import is_quantized, quantize
-from kernel_cases import np_reference
+from jpa.core.quant import is_quantized, quantize
+from jpa.testing.kernel_cases import np_reference
 
 # Tolerances on outputs of O(1) magnitude (q, k, v ~ N(0, 1)), per q/cache dtype.
 #   f32: only summation order differs from float64.

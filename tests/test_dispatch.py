@@ -17,8 +17,8 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 import jpa
-from jpa import dispatch
-from jpa.reference import paged_decode_xla
+from jpa.ops import dispatch
+from jpa.ops.reference import paged_decode_xla
 
 H100 = dispatch.Target("gpu", "NVIDIA H100 80GB HBM3", 9.0, True)
 A100 = dispatch.Target("gpu", "NVIDIA A100-SXM4-80GB", 8.0, True)
@@ -133,7 +133,7 @@ def test_self_check_runs_outside_the_trace(fake_gpu):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a failed self-check would warn
         assert kernels_in(fresh_jit(), *args) == {"fake_triton_good"}
-    spec = jpa.decode.decode_spec(args[0], args[1], args[3], soft_cap=None, alibi_slopes=None,
+    spec = jpa.ops.decode.decode_spec(args[0], args[1], args[3], soft_cap=None, alibi_slopes=None,
                                   sliding_window=None)
     n = len(calls)
     assert dispatch.self_check("triton", spec, A100, None) is None  # memoized: passed, not rerun
@@ -230,8 +230,8 @@ def test_engine_decode_loop_uses_the_kernel(fake_gpu, monkeypatch):
     """The engine's compiled unified step (the ragged step and the decode loop, while_loops over
     the model, jitted with donated state) traces both kernels on a GPU, and its greedy outputs
     equal the reference engine's."""
-    import models
-    from jpa import ragged
+    from jpa import models
+    from jpa.ops import ragged
     from jpa.engine import EngineConfig, LLMEngine, SamplingParams
 
     gpt, tok = models.load("tiny-llama", seed=3)
@@ -303,7 +303,7 @@ def test_aot_target_picks_its_kernel(kind, cores, call):
 
 def fake_ragged(name, behaviour, calls=None):
     mod = types.ModuleType(name)
-    from jpa.ragged import ragged_paged_attention_xla
+    from jpa.ops.ragged import ragged_paged_attention_xla
 
     def ragged_paged_attention(*args, interpret=False, **opts):
         if calls is not None:
@@ -325,7 +325,7 @@ def test_ragged_auto_self_checks_like_decode(monkeypatch, behaviour):
     """ragged_paged_attention(impl="auto") goes through the same dispatch: under jit on a
     (simulated) A100 it uses a kernel that passes its self-check, and falls back from one that
     does not, with one warning."""
-    from jpa import ragged
+    from jpa.ops import ragged
     name = f"fake_ragged_{behaviour}"
     monkeypatch.setitem(sys.modules, name, fake_ragged(name, behaviour))
     monkeypatch.setattr(ragged, "RAGGED", ragged.RAGGED._replace(modules=(("triton", name),)))

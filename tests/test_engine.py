@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 
-import models
+from jpa import models
 from engine_util import (LOGPROB_ATOL, assert_same, compiled_once, context_gpt, fresh_seed, mixed_params,
                          random_prompts, run, snapshot)
 from jpa.engine import EngineConfig, LLMEngine, SamplingParams

@@ -23,12 +23,12 @@ import pytest
 from flax import nnx
 
 import jpa
-import models
-from models import decode, forward_dense, prefill
-from models import gpt as gpt_module
-from models import hf
-from models.chat_template import ChatTemplateError
-from models.config import ModelConfig
+from jpa import models
+from jpa.models import decode, forward_dense, prefill
+from jpa.models import gpt as gpt_module
+from jpa.models import hf
+from jpa.models.chat_template import ChatTemplateError
+from jpa.models.config import ModelConfig
 
 DATA = pathlib.Path(__file__).parent / "data" / "hf"
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2"]

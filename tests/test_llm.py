@@ -1,14 +1,14 @@
 """jpa.LLM, the public face: the same engine as one built by hand, the chat template, refused
-options, and the layering (jpa and jpa.engine never import the models layer)."""
+options, and that `import jpa` / `jpa.engine` / `jpa.llm` load no model code (tests/test_layers.py checks
+the whole import graph)."""
 
-import ast
 import pathlib
 import subprocess
 import sys
 
 import pytest
 
-import models
+from jpa import models
 from jpa.engine import EngineConfig, LLMEngine, SamplingParams
 from jpa.llm import LLM
 
@@ -91,34 +91,10 @@ def test_bad_model_is_refused():
 
 
 def test_importing_jpa_and_the_engine_does_not_import_models():
-    code = ("import sys, jpa, jpa.engine; assert 'models' not in sys.modules, 'import jpa, jpa.engine'\n"
-            "from jpa import LLM, SamplingParams; assert 'models' not in sys.modules, 'from jpa import LLM'\n"
-            "import jpa.llm; assert 'models' not in sys.modules, 'import jpa.llm'\n"
+    code = ("import sys, jpa, jpa.engine; assert 'jpa.models' not in sys.modules, 'import jpa, jpa.engine'\n"
+            "from jpa import LLM, SamplingParams; assert 'jpa.models' not in sys.modules, 'from jpa import LLM'\n"
+            "import jpa.llm; assert 'jpa.models' not in sys.modules, 'import jpa.llm'\n"
             "assert jpa.LLM is jpa.llm.LLM and jpa.SamplingParams is jpa.engine.SamplingParams\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                       env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+                       env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
     assert r.returncode == 0, r.stderr
-
-
-def _imports_of_models(tree):
-    """(line, inside a function?) of every `import models...` / `from models... import` in `tree`."""
-    in_functions = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-                    for n in ast.walk(f)}
-    for node in ast.walk(tree):
-        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                 [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
-        if any(n == "models" or n.startswith("models.") for n in names):
-            yield node.lineno, id(node) in in_functions
-
-
-def test_only_jpa_llm_imports_models_and_only_inside_functions():
-    offenders, in_llm = [], []
-    for path in sorted((ROOT / "jpa").rglob("*.py")):
-        found = list(_imports_of_models(ast.parse(path.read_text(encoding="utf-8"), str(path))))
-        rel = path.relative_to(ROOT).as_posix()
-        if rel == "jpa/llm.py":
-            in_llm = found
-        elif found:
-            offenders.append((rel, [line for line, _ in found]))
-    assert not offenders, f"only jpa/llm.py may import the models layer: {offenders}"
-    assert in_llm and all(inside for _, inside in in_llm), f"jpa/llm.py imports models inside functions only: {in_llm}"

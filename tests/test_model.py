@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 import jpa
-from models import GPT, PRESETS, ModelConfig, decode, forward_dense, load, prefill
+from jpa.models import GPT, PRESETS, ModelConfig, decode, forward_dense, load, prefill
 
 FAMILIES = ["tiny-gpt2", "tiny-llama"]
 PAGE_SIZE = 4
@@ -373,7 +373,7 @@ def test_from_weights_matches_float64_llama(tied):
 
 
 def test_rope_hand_worked():
-    from models.gpt import rope
+    from jpa.models.gpt import rope
     # head_dim 2: one frequency (1.0); the pair (x1, x2) rotates by angle = position.
     x = jnp.array([[[[1.0, 0.0]], [[1.0, 0.0]], [[0.0, 2.0]]]])  # [1, 3, 1, 2]
     out = np.asarray(rope(x, jnp.array([[0, 1, 2]], jnp.int32), 10000.0))[0, :, 0]
@@ -483,7 +483,7 @@ def test_model_and_step_value_errors():
 
 
 def test_load_checks_file_metadata_against_the_preset():
-    from models import _check_metadata
+    from jpa.models import _check_metadata
 
     c = PRESETS["smollm2-135m"]
     meta = {"num_layers": 30, "d_model": 576, "norm_eps": float(np.float32(1e-5)), "rope_base": 100000.0,

@@ -16,10 +16,11 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import jpa
-from jpa.pallas import compat, mosaic_decode
+from jpa.pallas import compat
+from jpa.pallas.mosaic import decode as mosaic_decode
 from jpa.pallas.spec import DecodeSpec
-from jpa.reference import paged_decode_xla
-from kernel_cases import Case, make_inputs, np_reference, tolerance
+from jpa.ops.reference import paged_decode_xla
+from jpa.testing.kernel_cases import Case, make_inputs, np_reference, tolerance
 
 BF16 = dict(q_dtype="bfloat16", cache_dtype="bfloat16")
 F16 = dict(q_dtype="float16", cache_dtype="float16")

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 import jpa
-from jpa.pallas import mosaic_decode
+from jpa.pallas.mosaic import decode as mosaic_decode
 from jpa.pallas.spec import DecodeSpec
 
 H100 = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="cuda")

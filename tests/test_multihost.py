@@ -66,7 +66,7 @@ def _read(tmp_path, name) -> str:
 
 def _reference(texts, params, config):
     """One process, tensor_parallel=1: the outputs the job must reproduce."""
-    import models
+    from jpa import models
     from jpa.engine import LLMEngine
 
     gpt, tok = models.load(MODEL)
@@ -207,7 +207,7 @@ def test_followers_only_follow_and_watchdog(tmp_path):
     assert r.returncode == 1 and time.monotonic() - t0 < 20
     assert "the device call 'step' has not finished in 0.5 s: another process of the job is dead or hung" \
         in r.stderr, r.stderr
-    import models
+    from jpa import models
     from jpa.engine import LLMEngine
 
     gpt, tok = models.load("tiny-llama")

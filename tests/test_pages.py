@@ -1,4 +1,4 @@
-"""jpa.pages: the device-side page allocator.
+"""jpa.kv.pages: the device-side page allocator.
 
 A sequential NumPy model of the allocator is the oracle (same pop/push order, so whole states
 compare exactly); independent invariants are checked on the real state after every step; a toy
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 
 import jpa
-from jpa import pages
+from jpa.kv import pages
 
 # Compiled once per static shape; hypothesis examples reuse them (fixed-length id arrays).
 NUM_IDS = 3

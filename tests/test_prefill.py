@@ -1,12 +1,12 @@
-"""jpa.prefill.paged_prefill against a float64 NumPy dense causal reference, and its ValueErrors."""
+"""jpa.ops.prefill.paged_prefill against a float64 NumPy dense causal reference, and its ValueErrors."""
 
 import chex
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jpa.cache import write_kv
-from jpa.prefill import paged_prefill
+from jpa.kv.cache import write_kv
+from jpa.ops.prefill import paged_prefill
 
 
 def scattered_tables(rng, num_seqs, pages_per_seq, num_pages):

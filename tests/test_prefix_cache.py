@@ -16,7 +16,7 @@ import pytest
 from engine_util import PAGE_SIZE as PS
 from engine_util import assert_same, fresh_seed, mixed_params, random_prompts, run, snapshot
 from jpa.engine import SamplingParams
-from jpa.engine.prefix_cache import PrefixCache
+from jpa.kv.prefix_cache import PrefixCache
 
 GREEDY = SamplingParams(max_new_tokens=12, greedy=True, ignore_eos=True)
 SMALL = dict(max_seqs=3, num_pages=24)   # this module's own engine: its stats start here

@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import models
+from jpa import models
 from engine_util import BASE, fresh_seed, random_prompts, snapshot
 from jpa.engine import SamplingParams
 from jpa.engine.detokenizer import IncrementalDetokenizer
-from models.tokenizer import ByteTokenizer
+from jpa.models.tokenizer import ByteTokenizer
 
 ATOL = 1e-4   # f32: the paged ragged pass vs the dense forward
 

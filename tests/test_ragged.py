@@ -20,13 +20,16 @@ import pytest
 from hypothesis import given, settings
 
 import jpa
-from jpa import dispatch, ragged
+from jpa.ops import dispatch
+from jpa.ops import ragged
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jpa.pallas import compat, mosaic_ragged, triton_ragged
+from jpa.pallas import compat
+from jpa.pallas.mosaic import ragged as mosaic_ragged
+from jpa.pallas.triton import ragged as triton_ragged
 from jpa.pallas.common import max_query_tiles, query_tiles
-from jpa.ragged import ragged_paged_attention_xla
-from kernel_cases import RaggedCase, make_ragged_inputs, np_ragged_reference, tolerance
+from jpa.ops.ragged import ragged_paged_attention_xla
+from jpa.testing.kernel_cases import RaggedCase, make_ragged_inputs, np_ragged_reference, tolerance
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 

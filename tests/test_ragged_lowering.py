@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import pytest
 
 import jpa
-from jpa.pallas import triton_decode, triton_ragged
+from jpa.pallas.triton import decode as triton_decode
+from jpa.pallas.triton import ragged as triton_ragged
 from test_triton_lowering import (A100, H100, TRITON_CALL, assert_pools_untouched, lower_text,
                                   tensor_type)
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import models
+from jpa import models
 from jpa.engine import EngineConfig, LLMEngine, SamplingParams, SlotParams
 from jpa.engine.sampling import apply_controls, sample_with_logprobs
 

@@ -14,7 +14,7 @@ from jpa.engine.detokenizer import IncrementalDetokenizer
 from jpa.engine.request import Phase, Request
 from jpa.engine.sampling import SamplingParams
 from jpa.engine.scheduler import Scheduler
-from models.tokenizer import ByteTokenizer
+from jpa.models.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 EOS = TOK.EOS

@@ -39,7 +39,7 @@ def _prompts(n: int) -> list[str]:
 
 
 def _reference(prompts: list[str]) -> list[str]:
-    import models
+    from jpa import models
     from jpa.engine import EngineConfig, LLMEngine, SamplingParams
 
     model, tok = models.load("tiny-llama")   # seed 0, as scripts/serve.py loads it

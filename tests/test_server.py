@@ -30,7 +30,7 @@ uvicorn = pytest.importorskip("uvicorn")
 FastAPI = pytest.importorskip("fastapi").FastAPI
 pytest.importorskip("prometheus_client")
 
-import models  # noqa: E402
+from jpa import models  # noqa: E402
 from jpa.engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from jpa.server import attach, build_app  # noqa: E402
 from server_util import serving  # noqa: E402
@@ -558,7 +558,7 @@ def test_token_bytes_of_a_byte_level_bpe():
     """TokenBytes on a byte-level BPE vocabulary (SmolLM2's kind, built small here): a piece maps
     back to its bytes, partial characters included; a special token contributes nothing."""
     from jpa.server.logprobs import ChoiceTokens, TokenBytes, _byte_alphabet
-    from models.tokenizer import Tokenizer
+    from jpa.models.tokenizer import Tokenizer
 
     alphabet = sorted(_byte_alphabet(), key=_byte_alphabet().get)      # the 256 byte pieces, by byte
     tokens = alphabet + ["Ã©", "<|im_end|>"]                            # + "é" merged, + a control token

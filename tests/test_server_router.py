@@ -16,7 +16,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 pytest.importorskip("fastapi")
 
-import models  # noqa: E402
+from jpa import models  # noqa: E402
 from jpa.engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from jpa.server import build_app  # noqa: E402
 

@@ -19,7 +19,7 @@ pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 from pydantic import BaseModel, ConfigDict, Field  # noqa: E402
 
-import models  # noqa: E402
+from jpa import models  # noqa: E402
 from jpa.engine import AsyncEngine, EngineConfig, LLMEngine  # noqa: E402
 from jpa.server import build_app  # noqa: E402
 from test_server import serving  # noqa: E402

@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import numpy_llama
-from models import smollm2
-from models.tokenizer import ByteTokenizer, Tokenizer
+from jpa.testing import numpy_llama
+from jpa.models import smollm2
+from jpa.models.tokenizer import ByteTokenizer, Tokenizer
 
 GOLDEN = json.loads((pathlib.Path(__file__).parent / "data" / "smollm2_golden.json").read_text())
 PROMPTS = GOLDEN["prompts"]
@@ -229,7 +229,7 @@ def test_byte_tokenizer():
 
 
 def test_byte_tokenizer_agrees_with_tiny_presets():
-    from models import PRESETS
+    from jpa.models import PRESETS
 
     bt = ByteTokenizer()
     for name in ("tiny-gpt2", "tiny-llama"):
@@ -262,7 +262,7 @@ PAGE_SIZE = 16
 
 @pytest.fixture(scope="module")
 def jpa_model():
-    import models
+    from jpa import models
 
     model, tokenizer = models.load("smollm2-135m")
     return model, tokenizer
@@ -272,7 +272,7 @@ def test_jpa_prefill_and_greedy_decode_match_transformers(jpa_model):
     """All golden prompts in one ragged prefill batch, then greedy decode steps for every row:
     last-token logits and every row's greedy ids match transformers; the capital is Paris."""
     import jpa
-    from models import decode, prefill
+    from jpa.models import decode, prefill
 
     model, tokenizer = jpa_model
     assert isinstance(tokenizer, Tokenizer)

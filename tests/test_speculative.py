@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from engine_util import BASE, assert_same, fresh_seed, mixed_params, run, snapshot
-from jpa import pages
+from jpa.kv import pages
 from jpa.engine import SamplingParams, SpeculativeConfig
 from jpa.engine.speculative import accepted_prefix, propose_ngram
 
@@ -291,7 +291,7 @@ def test_draft_model_outputs_equal_without_speculation(engines, rng):
     """A draft model (a tiny-llama of another seed: it often disagrees, so drafts are accepted and
     rejected) with its own cache on the same pages: outputs equal the plain engine's under
     preemption and prefix-cache hits, and nothing leaks."""
-    import models
+    from jpa import models
     from jpa.engine import EngineConfig, LLMEngine
 
     draft = models.GPTForEngine(models.load("tiny-llama", seed=5)[0])

@@ -22,11 +22,14 @@ import numpy as np
 import pytest
 from jax import lax
 
-from jpa.pallas import mosaic_decode, mosaic_ragged, triton_decode, triton_ragged
-from jpa.quant import is_quantized, quantize
-from jpa.ragged import ragged_paged_attention_xla
-from jpa.reference import paged_decode_xla
-from kernel_cases import Case, RaggedCase, make_inputs, make_ragged_inputs, tolerance
+from jpa.pallas.mosaic import decode as mosaic_decode
+from jpa.pallas.mosaic import ragged as mosaic_ragged
+from jpa.pallas.triton import decode as triton_decode
+from jpa.pallas.triton import ragged as triton_ragged
+from jpa.core.quant import is_quantized, quantize
+from jpa.ops.ragged import ragged_paged_attention_xla
+from jpa.ops.reference import paged_decode_xla
+from jpa.testing.kernel_cases import Case, RaggedCase, make_inputs, make_ragged_inputs, tolerance
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 

@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-import models
+from jpa import models
 from jpa.engine import EngineConfig, LLMEngine, Phase, SamplingParams, SlotParams
 from jpa.engine.batch import StepBatch, make_step_batch
 
@@ -119,7 +119,7 @@ def test_a_group_id_stays_taken_until_every_sample_is_out(tiny):
 
 def test_the_prefix_key_table_holds_no_more_keys_than_cached_pages():
     """Regression: keys were never dropped; 1,000 register/evict cycles left 2,000 keys."""
-    from jpa.engine.prefix_cache import PrefixCache
+    from jpa.kv.prefix_cache import PrefixCache
 
     rng = np.random.default_rng(11)
     cache, page = PrefixCache(4), 0

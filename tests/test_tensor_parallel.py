@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import models
+from jpa import models
 from jpa.engine import EngineConfig, LLMEngine
-from jpa.sharding import head_parallel, tp_mesh
-from models import sharding
-from models.config import PRESETS, ModelConfig
+from jpa.core.sharding import head_parallel, tp_mesh
+from jpa.models import sharding
+from jpa.models.config import PRESETS, ModelConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Megatron: column-parallel q/k/v and gate/up, row-parallel o and down.

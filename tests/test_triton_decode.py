@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 import jpa
-from jpa.pallas import triton_decode
+from jpa.pallas.triton import decode as triton_decode
 from jpa.pallas.spec import DecodeSpec
-from jpa.reference import paged_decode_xla
-from kernel_cases import Case, make_inputs, np_reference, tolerance
+from jpa.ops.reference import paged_decode_xla
+from jpa.testing.kernel_cases import Case, make_inputs, np_reference, tolerance
 
 CASES = [
     # page_size 8, MHA (q_per_kv 1), edge lengths 0, 1, page multiple, +1.
@@ -150,8 +150,8 @@ def test_unsupported_reason():
     assert triton_decode.unsupported_reason(_spec(head_dim=80, cache_dtype="int8",
                                                   quantized=True)) is None
     assert "head_dim" in triton_decode.unsupported_reason(_spec(head_dim=512))
-    with pytest.raises(jpa.dispatch.KernelUnavailable, match="head_dim"):
-        jpa.dispatch.choose_impl("triton", _spec(head_dim=512))
+    with pytest.raises(jpa.ops.dispatch.KernelUnavailable, match="head_dim"):
+        jpa.ops.dispatch.choose_impl("triton", _spec(head_dim=512))
 
 
 @pytest.mark.parametrize("seed", [40, 41, 42])

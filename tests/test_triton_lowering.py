@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 import jpa
-from jpa.pallas import triton_decode
+from jpa.pallas.triton import decode as triton_decode
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 A100 = ("NVIDIA A100-SXM4-80GB", 108)

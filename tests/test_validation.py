@@ -79,7 +79,7 @@ def test_paged_decode_errors(case):
 
 
 def test_unavailable_kernel_is_a_clear_error(monkeypatch):
-    from jpa import dispatch
+    from jpa.ops import dispatch
     monkeypatch.setitem(dispatch.KERNEL_MODULES, "triton", "jpa.pallas.no_such_kernel")
     with pytest.raises(ValueError, match=r"impl='triton' cannot serve this call: cannot import"):
         call(impl="triton")

@@ -28,9 +28,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-import models  # noqa: E402
+from jpa import models  # noqa: E402
 from engine_util import context_gpt, mixed_params, random_prompts  # noqa: E402
-from jpa.cache import KVCache  # noqa: E402
+from jpa.kv.cache import KVCache  # noqa: E402
 from jpa.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
 HF = pathlib.Path(__file__).resolve().parent / "data" / "hf"

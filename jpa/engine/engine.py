@@ -30,7 +30,7 @@ import time
 import jax
 import numpy as np
 
-from jpa.cache import CacheConfig
+from jpa.kv.cache import CacheConfig
 from jpa.engine.batch import make_step_batch
 from jpa.engine import multihost
 from jpa.engine.detokenizer import IncrementalDetokenizer
@@ -41,7 +41,7 @@ from jpa.engine.sampling import SamplingParams
 from jpa.engine.scheduler import Progress, RoundPlan, Scheduler
 from jpa.engine.speculative import SpeculativeConfig
 from jpa.engine.structured import Grammars
-from jpa.sharding import tp_mesh
+from jpa.core.sharding import tp_mesh
 
 
 ATTENTION_IMPLS = ("auto", "xla", "triton", "mosaic")
@@ -68,7 +68,7 @@ class EngineConfig:
       prefix_caching: automatic prefix caching: full
         prompt pages stay cached after their request (cached-idle, evicted least recently used
         first when the pool runs short), and a request whose prompt starts with cached pages
-        shares them (refcounts) and prefills only the rest. See `jpa.engine.prefix_cache`.
+        shares them (refcounts) and prefills only the rest. See `jpa.kv.prefix_cache`.
       ragged_block_tokens: rows the ragged step runs through the model per pass (a loop over
         the live rows only, so a round costs its live rows, not the budget). None: 64 on a CPU,
         the whole budget on a GPU.

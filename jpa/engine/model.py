@@ -37,7 +37,7 @@ class EngineModel(Protocol):
 
     Optional, for `EngineConfig(tensor_parallel=N)`: `shard(mesh) -> EngineModel`, the model on
     a `jax.sharding.Mesh` with a "tp" axis: params placed on it, attention run per device on its
-    kv heads (`jpa.sharding.head_parallel`), and `config.num_kv_heads` the head count the pool
+    kv heads (`jpa.core.sharding.head_parallel`), and `config.num_kv_heads` the head count the pool
     must hold (a multiple of N). The engine shards the pool on that head axis and replicates
     everything else. `models.GPTForEngine` has it.
 

@@ -5,7 +5,7 @@ Everything a round needs lives on the device: the KV cache, the PageState, and p
 `jpa.engine.batch`) is a ragged step over the scheduler's entries (decode tokens and prompt
 chunks back to back, `jpa.ragged_paged_attention` through the model's `ragged`), then up to
 `steps_per_call` decode steps inside a `lax.while_loop` (the model's `decode`), allocating pages
-with `jpa.pages.append`, sampling, and checking stop conditions (EOS, max_new_tokens, length
+with `jpa.kv.pages.append`, sampling, and checking stop conditions (EOS, max_new_tokens, length
 limit) on the device; finished sequences release their pages inside the loop. The loop ends early
 when every slot is idle or when the pool runs out of pages (the host then preempts).
 
@@ -43,13 +43,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jpa import pages
-from jpa.cache import CacheConfig, KVCache, copy_pages
+from jpa.kv import pages
+from jpa.kv.cache import CacheConfig, KVCache, copy_pages
 from jpa.engine.batch import StepBatch, StepResult, make_step_batch
 from jpa.engine.model import EngineModel, check_model, has_hidden
 from jpa.engine.sampling import MAX_TOP_LOGPROBS, SlotParams, allowed_tokens, sample_slots
 from jpa.engine.speculative import DraftPair, SpeculativeConfig, accepted_prefix, propose_ngram
-from jpa.sharding import REPLICATED, STACKED_POOL, named
+from jpa.core.sharding import REPLICATED, STACKED_POOL, named
 
 
 # Executables served by JAX's persistent compilation cache in this process (a monitoring event
@@ -793,7 +793,7 @@ class ModelRunner:
         return int(free), lens
 
     def uncache(self, page_ids):
-        """Evicts pages from the prefix cache now (`jpa.pages.uncache`); returns (free pages, seq_lens)."""
+        """Evicts pages from the prefix cache now (`jpa.kv.pages.uncache`); returns (free pages, seq_lens)."""
         ids = np.full((self.cache_config.num_pages,), -1, np.int32)
         ids[: len(page_ids)] = list(page_ids)
         self.page_state = self._uncache(self.page_state, self._put(jnp.asarray(ids)))

@@ -18,7 +18,7 @@ a pending copy-on-write) is a field of the Request.
 
 Page counts have one source of truth: the device's PageState (free pages and seq_lens), handed
 back after every device call (`stepped`, `set_pages`). The host only projects from it with the same
-rule the device uses (`jpa.pages.pages_for_tokens`); it keeps no running count of its own.
+rule the device uses (`jpa.kv.pages.pages_for_tokens`); it keeps no running count of its own.
 
 Policies (vLLM v1's, in nano-vllm's split):
 - token budget: every decoding request gets its one token first, then prefilling requests
@@ -35,7 +35,7 @@ Policies (vLLM v1's, in nano-vllm's split):
   newest admitted is preempted (its pages released, back to the front of the queue with its
   generated tokens kept) until the step fits. A lone request always fits, because the engine caps
   max_model_len at the pool size, so preemption never empties the running set for lack of pages.
-- prefix caching: see `plan_round` and `jpa.engine.prefix_cache`.
+- prefix caching: see `plan_round` and `jpa.kv.prefix_cache`.
 - parallel sampling (SamplingParams.n): a request's samples wait with the first one (`siblings`),
   take their slots with it (FORKING) and join the plan with q_len 0 in the round of its last
   prompt chunk, when the device forks its pages to them; until each has written past the shared
@@ -60,9 +60,9 @@ Policies (vLLM v1's, in nano-vllm's split):
 import collections
 import dataclasses
 
-from jpa.engine.prefix_cache import PrefixCache
+from jpa.kv.prefix_cache import PrefixCache
 from jpa.engine.request import NEXT_PHASES, Phase, PromptLogprob, Request
-from jpa.pages import pages_for_tokens
+from jpa.kv.pages import pages_for_tokens
 
 
 @dataclasses.dataclass(frozen=True)

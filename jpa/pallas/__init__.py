@@ -1,6 +1,6 @@
 """Pallas GPU kernels behind `jpa.paged_decode`. One kernel per file.
 
-Every kernel module exposes the same two functions (the contract `jpa.dispatch` relies on):
+Every kernel module exposes the same two functions (the contract `jpa.ops.dispatch` relies on):
 
 - `unsupported_reason(spec: DecodeSpec, compute_capability: float | None = None) -> str | None`:
   why this kernel cannot serve a configuration on a GPU of that compute capability (None:

@@ -16,7 +16,7 @@ with a layer index, passed to the kernel whole next to the index (`pool_layout`,
 
 import jax.numpy as jnp
 
-from jpa.reference import MASK_VALUE  # noqa: F401  (re-exported: kernels use the same mask)
+from jpa.core.numerics import MASK_VALUE  # noqa: F401  (re-exported: kernels use the same mask)
 
 
 def pool_layout(k_pages, layer):

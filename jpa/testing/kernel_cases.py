@@ -20,7 +20,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from jpa.quant import is_quantized, quantize
+from jpa.core.quant import is_quantized, quantize
 
 # Max abs error vs the float64 oracle on O(1) outputs (q, K, V ~ N(0, 1)), per q dtype.
 #   float32: f32 accumulation order only.

@@ -36,7 +36,7 @@ import numpy as np
 
 from jpa.pallas.spec import DecodeSpec
 
-KERNEL_MODULES = {"triton": "jpa.pallas.triton_decode", "mosaic": "jpa.pallas.mosaic_decode"}
+KERNEL_MODULES = {"triton": "jpa.pallas.triton.decode", "mosaic": "jpa.pallas.mosaic.decode"}
 # impl="auto" preference order, each with the compute capabilities it serves: [min, max).
 # Mosaic GPU's kernel is built on WGMMA, which exists on Hopper (9.x) only: Blackwell (10.x)
 # has tcgen05 instead, so it is not offered there.
@@ -63,7 +63,7 @@ class Op(NamedTuple):
       modules: ((impl, module path), ...): each module has `unsupported_reason(spec,
         compute_capability)` and the kernel entry point `entry`, with the public argument order.
       entry: the kernel modules' function name.
-      reference: module path and function name of the plain-JAX path ("jpa.reference:paged_decode_xla").
+      reference: module path and function name of the plain-JAX path ("jpa.ops.reference:paged_decode_xla").
       small_case: "module:function" mapping a spec to (args, opts), a small random case of it.
       exact_shapes: "module:function" mapping (spec, opts) to (args, array kwargs) as ShapeDtypeStructs
         of the call's real shapes.
@@ -176,7 +176,7 @@ def random_pools_and_options(rng, spec, num_pages: int, max_len: int):
     for _ in range(2):
         x = rng.standard_normal(shape).astype(np.float32)
         if spec.quantized:
-            from jpa.quant import quantize
+            from jpa.core.quant import quantize
             kv.append(quantize(jnp.asarray(x), spec.cache_dtype))
         else:
             kv.append((jnp.asarray(x, spec.cache_dtype), None))
@@ -337,5 +337,5 @@ def choose_impl(impl: str, spec, target: Target | None = None, op: Op | None = N
 
 # Paged decode's kernels are looked up in KERNEL_MODULES (op=None everywhere above); this
 # describes the rest of the operation for self_check.
-DECODE = Op("paged-decode", (), "paged_decode", "jpa.reference:paged_decode_xla",
-            "jpa.dispatch:self_check_inputs", "jpa.dispatch:decode_shapes")
+DECODE = Op("paged-decode", (), "paged_decode", "jpa.ops.reference:paged_decode_xla",
+            "jpa.ops.dispatch:self_check_inputs", "jpa.ops.dispatch:decode_shapes")

@@ -46,7 +46,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jpa.pallas.common import MASK_VALUE, layer_operand, merge_partitions, pool_layout
 from jpa.pallas.spec import DecodeSpec
-from jpa.quant import is_quantized
+from jpa.core.quant import is_quantized
 
 # ---- Tuning (the heuristic; see `plan`) ----
 # Key tokens per inner step, by padded head_dim: one K and one V tile of block_k x head_dim_pad

@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jpa.quant import is_quantized, quantize
-from jpa.validate import CACHE_DTYPES, check_cache_pair, check_dtype, check_layer, check_ndim, is_concrete
+from jpa.core.quant import is_quantized, quantize
+from jpa.ops.validate import CACHE_DTYPES, check_cache_pair, check_dtype, check_layer, check_ndim, is_concrete
 
 
 def _scatter(pages, x, slots, layer):

@@ -4,7 +4,7 @@ A tensor-parallel mesh has one axis, "tp", of N devices. The KV pools are sharde
 kv-head axis (`jpa.KVCache`'s stacked `[num_layers, num_kv_heads, num_pages, page_size, head_dim]`
 -> `STACKED_POOL = P(None, "tp")`; a single layer's `[num_kv_heads, ...]` pool -> `POOL`): device d
 holds heads [d * K/N, (d + 1) * K/N) of EVERY page, so a page id means the same page on every
-device and page allocation (`jpa.pages`), block tables and slot mappings are replicated, one
+device and page allocation (`jpa.kv.pages`), block tables and slot mappings are replicated, one
 decision for all shards.
 
 `head_parallel` wraps one layer's cache write + attention (`jpa.write_kv` then `jpa.paged_decode`

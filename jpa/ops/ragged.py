@@ -34,14 +34,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jpa import dispatch
+from jpa.ops import dispatch
 from jpa.pallas.common import decode_last_rows, max_query_tiles, query_tiles
 from jpa.pallas.spec import RaggedSpec
-from jpa.prefill import _paged_prefill_xla
-from jpa.quant import FLOAT_DTYPES, is_quantized
-from jpa.reference import paged_decode_xla
-from jpa.validate import (check_cache_pair, check_dtype, check_layer, check_ndim, check_options,
-                          check_tables, check_used_pages, is_concrete)
+from jpa.core.quant import FLOAT_DTYPES, is_quantized
+from jpa.ops.reference import paged_decode_xla, paged_prefill_xla
+from jpa.ops.validate import (check_cache_pair, check_dtype, check_layer, check_ndim, check_options,
+                              check_tables, check_used_pages, is_concrete)
 
 # Query rows per tile of the plain-JAX prefill loop: one tile is one loop iteration with a
 # [tile_tokens * q_per_kv, keys] score block per kv head, large enough to amortize the loop on a
@@ -52,7 +51,7 @@ XLA_TILE_TOKENS = 128
 SHORT_QUERY_ROWS = 17
 # Kernel modules behind impl="triton"/"mosaic" (each exposes `unsupported_reason(RaggedSpec,
 # compute_capability)` and `ragged_paged_attention` with this module's argument order).
-KERNEL_MODULES = {"triton": "jpa.pallas.triton_ragged", "mosaic": "jpa.pallas.mosaic_ragged"}
+KERNEL_MODULES = {"triton": "jpa.pallas.triton.ragged", "mosaic": "jpa.pallas.mosaic.ragged"}
 
 
 def ragged_spec(q, k_pages, block_tables, *, soft_cap, alibi_slopes, sliding_window) -> RaggedSpec:
@@ -130,7 +129,7 @@ def _ragged_tiles_xla(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, nu
         # Rows past the tile belong to another sequence or are padding (maybe NaN): zeroed.
         qt = jnp.where(rows_ok, lax.dynamic_slice_in_dim(q_pad, row0[w], tile), 0)  # [tile, N, H]
         table = lax.dynamic_slice_in_dim(block_tables, seq[w], 1)  # i32[1, pages_per_seq]
-        o = _paged_prefill_xla(qt[None], k_pages, v_pages, table, pos0[w][None], ntok[w][None],
+        o = paged_prefill_xla(qt[None], k_pages, v_pages, table, pos0[w][None], ntok[w][None],
                                **opts)[0]  # [tile, N, H]
         old = lax.dynamic_slice_in_dim(out, row0[w], tile)  # [tile, N, H]
         return lax.dynamic_update_slice_in_dim(out, jnp.where(rows_ok, o, old), row0[w], 0)
@@ -236,7 +235,7 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
         an i32[] (traced, e.g. a scan's layer index: clamped to [0, num_layers)); the whole pool
         goes to the kernel. None with per-layer pools.
       impl: "xla" (plain JAX), "triton" (Pallas Triton-backend kernels, sm_80+), "mosaic"
-        (Pallas Mosaic GPU kernels, Hopper), or "auto": as `jpa.paged_decode` (`jpa.dispatch`):
+        (Pallas Mosaic GPU kernels, Hopper), or "auto": as `jpa.paged_decode` (`jpa.ops.dispatch`):
         the kernel for the GPU being compiled for after a one-time self-check, else "xla".
       interpret: run a Pallas kernel in interpret mode (CPU); ignored by "xla".
 
@@ -278,7 +277,7 @@ def unsupported_reason(impl: str, spec: RaggedSpec, compute_capability: float | 
 
 
 def choose_impl(impl: str, spec: RaggedSpec) -> str:
-    """Resolves impl for the device being compiled for, by `jpa.dispatch`'s rules: "auto" is a
+    """Resolves impl for the device being compiled for, by `jpa.ops.dispatch`'s rules: "auto" is a
     kernel on an NVIDIA GPU after its one-time self-check there (exact-shape compile + small
     run against the plain-JAX path), the kernel `unsupported_reason` accepts under an AOT compile
     for an absent GPU, and "xla" elsewhere or on any failure."""
@@ -331,5 +330,5 @@ def exact_shapes(spec: RaggedSpec, opts: dict):
 
 
 RAGGED = dispatch.Op("ragged", tuple(KERNEL_MODULES.items()), "ragged_paged_attention",
-                     "jpa.ragged:ragged_paged_attention_xla", "jpa.ragged:self_check_inputs",
-                     "jpa.ragged:exact_shapes")
+                     "jpa.ops.ragged:ragged_paged_attention_xla", "jpa.ops.ragged:self_check_inputs",
+                     "jpa.ops.ragged:exact_shapes")

@@ -9,99 +9,16 @@ been written into the cache (`jpa.write_kv`). Query token t of sequence b sits a
 prompt may be fed in several chunks (chunked prefill) or continue after a cached prefix.
 
 The keys are visited a chunk of pages at a time with the same online softmax as
-`jpa.reference.paged_decode_xla` (running max m, running sum l, f32 accumulator), and only the
+`jpa.ops.reference.paged_decode_xla` (running max m, running sum l, f32 accumulator), and only the
 chunks some sequence occupies are visited.
 """
 
-import functools
-
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-from jpa.quant import FLOAT_DTYPES
-from jpa.reference import MASK_VALUE, _dequant, chunk_pages
-from jpa.validate import (check_cache_pair, check_dtype, check_layer, check_ndim, check_options,
-                          check_tables, check_used_pages, is_concrete)
-
-
-@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window"))
-def _paged_prefill_xla(q, k_pages, v_pages, block_tables, start, chunk_lens, *, scale,
-                       soft_cap=None, alibi_slopes=None, sliding_window=None, k_scales=None,
-                       v_scales=None, layer=None):
-    """Plain-JAX prefill (arguments validated). soft_cap, alibi_slopes and sliding_window are as
-    in `jpa.paged_decode`, for a query at position p: ALiBi adds slope * (k_pos - p) and the
-    window keeps keys in (p - sliding_window, p]. Returns [B, T, N, H] in q's dtype."""
-    num_seqs, num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads, _, page_size, _ = k_pages.shape[-4:]  # layer: i32[] of a stacked pool, or None
-    pages_per_seq = block_tables.shape[1]
-    q_per_kv = num_q_heads // num_kv_heads
-    ppc = chunk_pages(page_size, pages_per_seq)
-    num_chunks = -(-pages_per_seq // ppc)
-    chunk_tokens = ppc * page_size
-    if num_chunks * ppc != pages_per_seq:
-        # Padding entries are never visible: their positions are past every query position.
-        pad = num_chunks * ppc - pages_per_seq
-        block_tables = jnp.pad(block_tables, ((0, 0), (0, pad)))  # [B, num_chunks * ppc]
-
-    qg = q.astype(jnp.float32).reshape(num_seqs, num_tokens, num_kv_heads, q_per_kv, head_dim)
-    qg = jnp.transpose(qg, (0, 2, 3, 1, 4)) * scale  # [B, K, G, T, H]
-    t = jnp.arange(num_tokens, dtype=jnp.int32)  # i32[T]
-    q_pos = start[:, None] + t[None, :]  # i32[B, T]
-    q_live = t[None, :] < chunk_lens[:, None]  # [B, T]; padding queries see nothing
-    if alibi_slopes is not None:
-        slopes = alibi_slopes.astype(jnp.float32).reshape(num_kv_heads, q_per_kv)  # [K, G]
-    # Keys some query of the sequence may see: [lo, start + chunk_lens).
-    lo = jnp.maximum(start - sliding_window + 1, 0) if sliding_window is not None else 0 * start
-
-    def body(c, carry):
-        m, l, acc = carry  # [B, K, G, T], [B, K, G, T], [B, K, G, T, H]
-        tbl = lax.dynamic_slice_in_dim(block_tables, c * ppc, ppc, axis=1)  # i32[B, ppc]
-        k = _dequant(k_pages, k_scales, tbl, layer)  # [K, B, S, H]
-        v = _dequant(v_pages, v_scales, tbl, layer)  # [K, B, S, H]
-        k_pos = c * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)  # i32[S]
-        valid = (k_pos[None, None, :] <= q_pos[:, :, None]) & q_live[:, :, None]  # [B, T, S]
-        if sliding_window is not None:
-            valid &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-        s = jnp.einsum("BKGTH,KBSH->BKGTS", qg, k, preferred_element_type=jnp.float32)
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        if alibi_slopes is not None:
-            rel = (k_pos[None, None, :] - q_pos[:, :, None]).astype(jnp.float32)  # [B, T, S]
-            s = s + slopes[None, :, :, None, None] * rel[:, None, None, :, :]
-        vmask = valid[:, None, None, :, :]  # [B, 1, 1, T, S]
-        s = jnp.where(vmask, s, MASK_VALUE)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        # Rescale what was accumulated under the old max before adding this chunk.
-        alpha = jnp.exp(m - m_new)
-        p = jnp.where(vmask, jnp.exp(s - m_new[..., None]), 0.0)
-        # Keys no query of the sequence may see can hold garbage (even NaN): 0 * NaN = NaN.
-        seen = ((k_pos[None, :] < (start + chunk_lens)[:, None])
-                & (k_pos[None, :] >= lo[:, None]))  # [B, S]
-        v = jnp.where(seen[None, :, :, None], v, 0.0)
-        l_new = l * alpha + jnp.sum(p, axis=-1)
-        acc_new = acc * alpha[..., None] + jnp.einsum(
-            "BKGTS,KBSH->BKGTH", p, v, preferred_element_type=jnp.float32)
-        return m_new, l_new, acc_new
-
-    init = (
-        jnp.full((num_seqs, num_kv_heads, q_per_kv, num_tokens), MASK_VALUE, jnp.float32),
-        jnp.zeros((num_seqs, num_kv_heads, q_per_kv, num_tokens), jnp.float32),
-        jnp.zeros((num_seqs, num_kv_heads, q_per_kv, num_tokens, head_dim), jnp.float32),
-    )
-    if num_chunks == 1:
-        m, l, acc = body(0, init)
-    else:
-        # Lengths are data, so the number of chunks visited is a while loop bound.
-        live = chunk_lens > 0
-        last = -(-jnp.max(jnp.where(live, start + chunk_lens, 0), initial=0) // chunk_tokens)
-        big = jnp.iinfo(jnp.int32).max
-        first = jnp.min(jnp.where(live, lo, big), initial=big) // chunk_tokens
-        m, l, acc = lax.fori_loop(jnp.minimum(first, last), last, body, init)
-    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
-    out = jnp.transpose(out, (0, 3, 1, 2, 4))  # [B, T, K, G, H]
-    return out.reshape(num_seqs, num_tokens, num_q_heads, head_dim).astype(q.dtype)
+from jpa.core.quant import FLOAT_DTYPES
+from jpa.ops.reference import paged_prefill_xla
+from jpa.ops.validate import (check_cache_pair, check_dtype, check_layer, check_ndim, check_options,
+                              check_tables, check_used_pages, is_concrete)
 
 
 def _check_prefill_args(q, k_pages, v_pages, block_tables, start, chunk_lens, scale, soft_cap,
@@ -183,6 +100,6 @@ def paged_prefill(q, k_pages, v_pages, block_tables, start, chunk_lens, *, scale
     scale = float(scale) if scale is not None else float(q.shape[-1]) ** -0.5
     soft_cap = float(soft_cap) if soft_cap is not None else None
     sliding_window = int(sliding_window) if sliding_window is not None else None
-    return _paged_prefill_xla(q, k_pages, v_pages, block_tables, start, chunk_lens, scale=scale,
-                              soft_cap=soft_cap, sliding_window=sliding_window, k_scales=k_scales,
-                              v_scales=v_scales, layer=layer)
+    return paged_prefill_xla(q, k_pages, v_pages, block_tables, start, chunk_lens, scale=scale,
+                             soft_cap=soft_cap, sliding_window=sliding_window, k_scales=k_scales,
+                             v_scales=v_scales, layer=layer)

@@ -47,11 +47,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jpa.pallas import triton_decode
+from jpa.pallas.triton import decode as triton_decode
 from jpa.pallas.common import (MASK_VALUE, decode_last_rows, layer_operand, max_query_tiles, pool_layout,
                                query_tiles)
 from jpa.pallas.spec import RaggedSpec
-from jpa.pallas.triton_decode import MIN_BLOCK_K, _compute_dtype, _next_pow2
+from jpa.pallas.triton.decode import MIN_BLOCK_K, _compute_dtype, _next_pow2
 
 # ---- Tuning (see `plan`; speed unmeasured here, no GPU; registers measured by ptxas) ----
 TILE_ROWS = 64            # MMA rows per program for head_dim <= 128 (tile_tokens * q_per_kv)

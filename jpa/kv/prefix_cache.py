@@ -6,7 +6,7 @@ exact key (dict equality, no hash collision can map a prompt to another's page).
 long as the page it names: evicting the page drops the key, so the table never holds more keys
 than cached pages. Key ids are never reused, so a key whose parent was dropped can never be
 matched by a new chain (its page just ages out of the LRU order). The device half
-is `jpa.pages` (`cache`, `share`, `uncache`): a cached page carries one reference of the cache in
+is `jpa.kv.pages` (`cache`, `share`, `uncache`): a cached page carries one reference of the cache in
 its refcount, so it survives its sequence's release as a cached-idle page, and is evicted only
 when the host says so.
 

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jpa.validate import is_concrete
+from jpa.ops.validate import is_concrete
 
 _I32 = jnp.int32
 
@@ -131,7 +131,7 @@ def init(num_pages: int, max_seqs: int, pages_per_seq: int, page_size: int) -> P
 
 def _check_state(state):
     if not isinstance(state, PageState):
-        raise ValueError(f"state must be a jpa.pages.PageState; got {type(state).__name__}")
+        raise ValueError(f"state must be a jpa.kv.pages.PageState; got {type(state).__name__}")
 
 
 def _as_ids(name, ids, max_seqs, *, unique):

@@ -40,12 +40,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jpa.pallas import mosaic_decode
+from jpa.pallas.mosaic import decode as mosaic_decode
 from jpa.pallas.common import (MASK_VALUE, decode_last_rows, layer_operand, max_query_tiles, pool_layout,
                                query_tiles)
-from jpa.pallas.mosaic_decode import (BLOCK_Q, _block_source, _copy_block, _layer, _mask_rows,
-                                     _operand_transforms, _widen_tile, block_tokens as block_tokens_for, num_slots,
-                                     tmas_per_block)
+from jpa.pallas.mosaic.decode import (BLOCK_Q, _block_source, _copy_block, _layer, _mask_rows,
+                                      _operand_transforms, _widen_tile, block_tokens as block_tokens_for, num_slots,
+                                      tmas_per_block)
 from jpa.pallas.spec import RaggedSpec
 
 # Placeholder operand for absent optional inputs (Mosaic GPU kernels take a fixed operand list).

@@ -2,11 +2,11 @@
 
 import numpy as np
 
-from jpa import dispatch
+from jpa.ops import dispatch
 from jpa.pallas.spec import DecodeSpec
-from jpa.quant import is_quantized
-from jpa.reference import paged_decode_xla
-from jpa.validate import check_decode_args, check_layer
+from jpa.core.quant import is_quantized
+from jpa.ops.reference import paged_decode_xla
+from jpa.ops.validate import check_decode_args, check_layer
 
 
 def decode_spec(q, k_pages, block_tables, *, soft_cap, alibi_slopes, sliding_window) -> DecodeSpec:
@@ -79,7 +79,7 @@ def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale=None, sof
         there: the first of Mosaic (Hopper) and Triton whose `unsupported_reason` accepts the
         configuration and whose check passes (one warning names the ones passed over and why),
         else "xla"; under an AOT compile for an absent GPU, the first kernel its
-        `unsupported_reason` accepts. See `jpa.dispatch`.
+        `unsupported_reason` accepts. See `jpa.ops.dispatch`.
       interpret: run a Pallas kernel in interpret mode (CPU); ignored by "xla".
 
     Returns:

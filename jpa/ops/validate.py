@@ -3,7 +3,7 @@
 import jax
 import numpy as np
 
-from jpa.quant import FLOAT_DTYPES, QUANT_MAX, is_quantized
+from jpa.core.quant import FLOAT_DTYPES, QUANT_MAX, is_quantized
 
 CACHE_DTYPES = FLOAT_DTYPES + tuple(QUANT_MAX)
 IMPLS = ("auto", "xla", "triton", "mosaic")
