@@ -2,22 +2,27 @@
 
     from jpa import LLM, SamplingParams
     llm = LLM("smollm2-135m", max_seqs=32)             # engine options are EngineConfig's fields
-    outs = llm.generate(["The capital of France is"], SamplingParams(max_new_tokens=16, greedy=True))
+    outs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16, temperature=0))
     outs = llm.chat([{"role": "user", "content": "Name three rivers."}])   # the model's chat template
     print(outs[0].completion)
 
-This module is the application layer, the same layer as `scripts/`: it wires a model from `models`
-into `jpa.engine.LLMEngine`. It imports `models` only inside its functions, so `import jpa` (and
-`jpa.engine`, which never imports `models`) stays free of the models layer; `from jpa import LLM`
-works through `jpa.__getattr__`.
+vLLM's spelling works too: `SamplingParams(max_tokens=16, temperature=0)`, and each result has
+`.outputs[j].text` / `.token_ids` / `.logprobs` (j < n) beside jpa's flat `.completion`.
+
+This module is the application layer and the one composition root: `build_engine` wires a model
+(a `jpa.models.GPT` or any `jpa.engine.EngineModel`) and its tokenizer into `jpa.engine.LLMEngine`,
+and `engine_from_args` loads the model an `EngineArgs` names and does the same (the CLI, the server
+and the benchmarks use it). It imports `jpa.models` only inside its functions, so `import jpa` (and
+`jpa.engine`, which never imports the models layer) stays free of it; `from jpa import LLM` works
+through `jpa.__getattr__`.
 """
 
 import dataclasses
 import os
 
-from jpa.engine import EngineConfig, LLMEngine, SamplingParams
+from jpa.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "default_dtype", "engine_options"]
+__all__ = ["LLM", "SamplingParams", "build_engine", "default_dtype", "engine_from_args", "engine_options"]
 
 
 def default_dtype() -> str:
@@ -105,18 +110,7 @@ class LLM:
         return self
 
     def _wire(self, model, tokenizer, config: EngineConfig, draft=None) -> None:
-        import jax.numpy as jnp
-
-        from jpa import models  # the application layer wires model -> engine (the engine never imports models)
-
-        if isinstance(model, models.GPT):
-            model = models.GPTForEngine(model)
-        spec = config.speculative
-        if spec is not None and spec.method == "draft_model" and draft is None:
-            draft, _ = models.load(spec.model, dtype=jnp.dtype(model.dtype))
-        if isinstance(draft, models.GPT):
-            draft = models.GPTForEngine(draft)
-        self.engine = LLMEngine(model, tokenizer, config, draft_model=draft)
+        self.engine = build_engine(model, tokenizer, config, draft_model=draft)
         self.tokenizer = tokenizer
 
     def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = False) -> list:
@@ -130,14 +124,16 @@ class LLM:
           use_tqdm: show a progress bar on stderr.
 
         Returns:
-          One `jpa.engine.RequestOutput` per prompt, in order (`.completion`, `.token_ids`,
-          `.logprobs`, `.finish_reason`, `.error`); for a prompt with `n` > 1 samples, a list of n.
+          One `jpa.engine.RequestOutput` per prompt, in order: vLLM's `.outputs[j].text` /
+          `.token_ids` / `.logprobs` / `.finish_reason` for each of its n samples, and jpa's flat
+          `.completion`, `.token_ids`, `.logprobs`, `.finish_reason`, `.error` (the first sample's).
           An invalid request (empty prompt, bad sampling values, too long) finishes with
           finish_reason "error" and a message in `.error`; the others still run.
         """
         if isinstance(prompts, str):
             prompts = [prompts]
-        return self.engine.generate(list(prompts), sampling_params, progress=use_tqdm)
+        outs = self.engine.generate(list(prompts), sampling_params, progress=use_tqdm)
+        return [RequestOutput.with_samples(o) if isinstance(o, list) else o for o in outs]
 
     def chat(self, messages, sampling_params=None, *, use_tqdm: bool = False) -> list:
         """Generates the assistant's next turn of each conversation, through the model's chat template.
@@ -169,3 +165,64 @@ class LLM:
     def __repr__(self) -> str:
         return f"LLM({self.engine.cache_config.describe()})"
 
+
+
+def build_engine(model, tokenizer, config: EngineConfig, *, draft_model=None) -> LLMEngine:
+    """The one place a model, its tokenizer and an engine are wired together (the composition root).
+
+    Args:
+      model: a `jpa.models.GPT` (wrapped in `jpa.models.GPTForEngine`) or any `jpa.engine.EngineModel`.
+      tokenizer: the model's tokenizer.
+      config: the EngineConfig.
+      draft_model: the draft of speculative method "draft_model" (a GPT or an EngineModel); default:
+        loaded by the name config.speculative gives, in the model's dtype.
+
+    Returns:
+      The LLMEngine (its ValueError names a config the model cannot run with).
+    """
+    import jax.numpy as jnp
+
+    from jpa import models  # the application layer wires model -> engine (the engine never imports models)
+
+    if isinstance(model, models.GPT):
+        model = models.GPTForEngine(model)
+    spec = config.speculative
+    if spec is not None and spec.method == "draft_model" and draft_model is None:
+        draft_model, _ = models.load(spec.model, dtype=jnp.dtype(model.dtype))
+    if isinstance(draft_model, models.GPT):
+        draft_model = models.GPTForEngine(draft_model)
+    return LLMEngine(model, tokenizer, config, draft_model=draft_model)
+
+
+def engine_from_args(args, *, log=True, **config_extra):
+    """(LLMEngine, tokenizer) of an `jpa.args.EngineArgs`: its model loaded (in args.dtype, default
+    `default_dtype()`) and wired by `build_engine`. Says what it loads on stderr when `log`; the
+    engine's `load_seconds` is the time taken.
+
+    Raises:
+      jpa.args.UsageError: a model that does not load or an engine config it cannot run with, one line.
+    """
+    import sys
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    from jpa import models
+    from jpa.args import UsageError
+
+    dtype = args.dtype or default_dtype()
+    t0 = time.perf_counter()
+    if log:
+        print(f"[jpa] loading {args.model} ({dtype}) on {jax.devices()[0].platform}...", file=sys.stderr)
+    config = args.engine_config(**config_extra)
+    try:
+        gpt, tok = models.load(args.model, dtype=jnp.dtype(dtype))
+    except (ValueError, FileNotFoundError) as e:  # a bad checkpoint directory: CheckpointError names it
+        raise UsageError(f"--model {args.model}: {e}") from None
+    try:
+        engine = build_engine(gpt, tok, config)
+    except ValueError as e:  # e.g. a memory budget too small for one page, or --tp above the device count
+        raise UsageError(str(e)) from None
+    engine.load_seconds = time.perf_counter() - t0
+    return engine, tok

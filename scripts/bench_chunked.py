@@ -57,14 +57,12 @@ import time
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax.numpy as jnp  # noqa: E402
 
 from jpa import models  # noqa: E402
-from benchutil import machine, write_json  # noqa: E402
+from jpa.tools.bench import machine, write_json
 from jpa.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
 QUESTIONS = [  # real chat prompts (the engine benchmark's workload): short prompts and the long documents

@@ -70,13 +70,10 @@ import tempfile
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-for _p in (REPO, REPO / "scripts"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
 
 PARTS = ("cpu", "h100", "throughput", "generate")
 CPU_MODELS = ("tiny-llama", "smollm2-135m")
-# generate.py's defaults (scripts/generate.py add_engine_args): the step a user compiles first.
+# `jpa generate`'s defaults (jpa.args.EngineArgs): the step a user compiles first.
 ENGINE = dict(max_seqs=16, page_size=16, kv_memory_bytes=256 * 2 ** 20, max_model_len=2048, steps_per_call=8,
               max_num_batched_tokens=512)
 # Small widths, Llama-3's structure (GQA, untied head, RoPE base 500000): compile cost per layer
@@ -561,7 +558,7 @@ def compare(before: dict, after: dict) -> None:
 
 
 def machine_info() -> dict:
-    from benchutil import machine
+    from jpa.tools.bench import machine
 
     m = machine()
     git = lambda *a: subprocess.run(["git", "-C", str(REPO), *a], capture_output=True, text=True).stdout.strip()
@@ -637,7 +634,7 @@ def main(argv=None) -> int:
                          uncommitted_changes=rep["machine"]["uncommitted_changes"])
     rep["total_seconds"] = time.perf_counter() - t0
     print_report(rep)
-    from benchutil import write_json
+    from jpa.tools.bench import write_json
 
     write_json(str(path), rep)
     return 0

@@ -18,7 +18,6 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 # name -> (parameters of every request, more parameters of the first request only)
 SYSTEMS = {

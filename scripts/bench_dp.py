@@ -3,7 +3,7 @@
 
 Systems (--systems, comma-separated):
   direct  one scripts/serve.py, requests straight to it;
-  dpN     scripts/serve_dp.py --dp N (N replicas behind vllm-router, --policy), requests to the router.
+  dpN     `jpa serve-dp --dp N` (N replicas behind vllm-router, --policy), requests to the router.
 Each system is started, measured and stopped before the next (they never run at the same time).
 
 The request set is scripts/bench_serving.py's (ShareGPT-shaped log-normal prompt and output
@@ -17,7 +17,7 @@ compilation counters of every replica are recorded before and after).
 On a CPU the replicas share the machine's cores (and XLA's thread pools compete for them), so two
 replicas are not expected to serve twice as fast as one: this run shows that the router and the
 replicas work under load and what the extra hop costs, not a scaling figure. On a GPU machine give
-each replica its own GPUs (serve_dp.py --devices-per-replica).
+each replica its own GPUs (`jpa serve-dp --devices-per-replica`).
 
     .venv/bin/python scripts/bench_dp.py                           # tiny-llama: direct vs dp2
     .venv/bin/python scripts/bench_dp.py --model smollm2-135m --rates 1,inf --num-prompts 32
@@ -34,9 +34,8 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_serving  # noqa: E402
-import serve_dp  # noqa: E402
+import bench_serving  # a sibling script: Python puts this directory first when it runs a script
+from jpa.cli import serve_dp
 
 CPU_NOTE = ("measured on a CPU: every replica runs on the same cores, so N replicas share one machine's compute "
             "and no N-fold speed-up is expected; the figures show the router path works under load and its cost")
@@ -101,7 +100,7 @@ def run_system(args, system: str, log_dir: str) -> dict:
     if system == "direct":
         proc, url = bench_serving.start_server(args, log)
         try:
-            serve_dp.wait_healthy(url, timeout=args.ready_timeout, what="scripts/serve.py")
+            serve_dp.wait_healthy(url, timeout=args.ready_timeout, what="jpa serve")
             print(f"[bench] direct: {url} ready after {time.monotonic() - t:.0f} s (log: {log})", file=sys.stderr)
             return measure(args, system, url, [url])
         finally:
@@ -133,7 +132,7 @@ def table(systems: list[dict]) -> str:
 
 def main(argv=None):
     args = parse_args(argv)
-    from benchutil import machine, write_json
+    from jpa.tools.bench import machine, write_json
 
     log_dir = tempfile.mkdtemp(prefix="jpa-bench-dp-")
     systems = [run_system(args, s, log_dir) for s in args.system_list]

@@ -52,12 +52,11 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jpa import models  # noqa: E402
 from jpa.engine import EngineConfig, EngineStats, LLMEngine, SamplingParams  # noqa: E402
 from jpa.models.gpt import _run  # noqa: E402  (the block loop, for baselines with the same weights)
-from benchutil import machine, write_json  # noqa: E402
-from generate import BUILTIN_PROMPTS  # noqa: E402  (the main job's prompts come first)
+from jpa.tools.bench import machine, write_json
+from jpa.cli.generate import BUILTIN_PROMPTS  # the main job's prompts come first
 
 TARGETS = {"concat": 2.0, "dense": 1.3}
 

@@ -74,8 +74,7 @@ def main(argv=None):
     worst = max(r["ratio"] for r in runs)
     print(f"worst of {len(runs)}: peak host memory {worst:.3f} x N")
     if args.json:
-        sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-        from benchutil import machine, write_json
+        from jpa.tools.bench import machine, write_json
 
         write_json(args.json, {"checkpoint": str(args.checkpoint), "safetensors_bytes": size,
                                "dtype": args.dtype, "runs": runs, "worst_ratio": worst, "machine": machine()})

@@ -28,10 +28,9 @@ import time
 import jax
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jpa import models  # noqa: E402
 from jpa.engine import EngineConfig, EngineStats, LLMEngine, SamplingParams  # noqa: E402
-from benchutil import machine, write_json  # noqa: E402
+from jpa.tools.bench import machine, write_json
 
 TARGET_RATIO = 1.5
 

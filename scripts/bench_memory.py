@@ -52,9 +52,8 @@ import time
 import jax
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jpa.kv import pages  # noqa: E402
-from benchutil import machine, write_json  # noqa: E402
+from jpa.tools.bench import machine, write_json
 
 MAX_LEN = 2048
 PAGE_SIZES = (8, 16, 32, 64)

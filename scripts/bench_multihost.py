@@ -30,23 +30,10 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")   # this process only reads the machine's description
 
-from benchutil import machine, write_json  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def cpu_env(devices: int) -> dict:
-    """This environment with JAX on the CPU, `devices` simulated devices, and the repository importable."""
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "force_host_platform_device_count" not in f]
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
-            "XLA_FLAGS": " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])}
+from jpa.testing.procs import cpu_env, free_port
+from jpa.tools.bench import machine, write_json
 
 
 def run(name: str, processes: int, devices: int, tp: int, common: list, timeout: float) -> dict:
@@ -55,7 +42,7 @@ def run(name: str, processes: int, devices: int, tp: int, common: list, timeout:
     with tempfile.TemporaryDirectory() as tmp:
         procs = []
         for i in range(processes):
-            argv = [sys.executable, str(ROOT / "scripts" / "generate.py"), *common, "--tp", str(tp), *coord,
+            argv = [sys.executable, "-m", "jpa", "generate", *common, "--tp", str(tp), *coord,
                     *(["--process-id", str(i)] if processes > 1 else [])]
             procs.append(subprocess.Popen(argv, stdout=open(f"{tmp}/out{i}", "w"), stderr=open(f"{tmp}/err{i}", "w"),
                                           stdin=subprocess.DEVNULL, env=cpu_env(devices), start_new_session=True))

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jpa.kv import pages
-from benchutil import write_json  # noqa: E402
+from jpa.tools.bench import write_json
 
 TARGET_US = 100.0
 TARGET_SEQS = 256

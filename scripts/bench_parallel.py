@@ -31,10 +31,8 @@ import time
 import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
-from benchutil import machine, write_json  # noqa: E402
+from jpa.tools.bench import machine, write_json
 
 
 def parse_args(argv=None):

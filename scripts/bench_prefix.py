@@ -39,11 +39,9 @@ import time
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from jpa import models  # noqa: E402
 from jpa.engine import EngineConfig, EngineStats, LLMEngine, SamplingParams  # noqa: E402
-from benchutil import machine, write_json  # noqa: E402
+from jpa.tools.bench import machine, write_json
 from bench_engine import PROMPTS  # noqa: E402
 
 TARGETS = {"prefill_reduction": 0.80, "throughput_ratio": 2.0}

@@ -21,8 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(__file__))
-from benchutil import machine, write_json  # noqa: E402
+from jpa.tools.bench import machine, write_json
 
 from jpa.ops.reference import paged_prefill_xla  # noqa: E402
 from jpa.ops.ragged import ragged_paged_attention_xla  # noqa: E402

@@ -16,7 +16,7 @@ Per rate it reports, as vLLM does:
     tokens), end-to-end latency: mean, p50, p90, p99 in ms;
   - goodput: requests per second that met both SLOs (--slo-ttft-ms, --slo-tpot-ms).
 
-Without --url it starts `scripts/serve.py` itself on a free loopback port (and stops it). Before
+Without --url it starts `jpa serve` itself on a free loopback port (and stops it). Before
 measuring it compiles every prefill shape the run can meet (n parallel copies of a prompt of each
 width bucket arrive in one round), so no compilation lands inside a measurement.
 
@@ -41,7 +41,6 @@ import time
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 
@@ -53,7 +52,7 @@ def token_range(model: str) -> tuple[int, int]:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", default=None, help="a running server (default: start scripts/serve.py)")
+    ap.add_argument("--url", default=None, help="a running server (default: start `jpa serve`)")
     ap.add_argument("--model", default="smollm2-135m", help="model preset / served model name")
     ap.add_argument("--rates", default="0.25,0.5,1,2", help="request rates (req/s), comma-separated")
     add_workload_args(ap)
@@ -190,7 +189,7 @@ async def warmup(url, args):
 # ---------------------------------------------------------------------- server
 
 def serve_flags(args) -> list[str]:
-    """scripts/serve.py's flags for the server settings in args."""
+    """`jpa serve`'s flags for the server settings in args."""
     return ["--model", args.model, "--max-seqs", str(args.max_seqs), "--steps-per-call", str(args.steps_per_call),
             "--max-model-len", str(args.max_model_len), "--max-n", str(max(args.max_seqs, 1))]
 
@@ -202,7 +201,7 @@ def server_env() -> dict:
 
 
 def start_server(args, log_path):
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "serve.py"), *serve_flags(args), "--port", "0"]
+    cmd = [sys.executable, "-m", "jpa", "serve", *serve_flags(args), "--port", "0"]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stderr=log, stdout=log, env=server_env())
     t0 = time.monotonic()
@@ -274,7 +273,7 @@ def main(argv=None):
     try:
         if url is None:
             log_path = os.path.join(tempfile.mkdtemp(prefix="jpa-bench-serving-"), "server.log")
-            print(f"[bench] starting scripts/serve.py --model {args.model} (log: {log_path})", file=sys.stderr)
+            print(f"[bench] starting jpa serve --model {args.model} (log: {log_path})", file=sys.stderr)
             t = time.monotonic()
             proc, url = start_server(args, log_path)
             print(f"[bench] server up at {url} after {time.monotonic() - t:.0f} s", file=sys.stderr)
@@ -304,7 +303,7 @@ def main(argv=None):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-    from benchutil import machine, write_json
+    from jpa.tools.bench import machine, write_json
 
     write_json(args.out, {
         "benchmark": "serving (Poisson arrivals, streaming /v1/completions)", "machine": machine(),

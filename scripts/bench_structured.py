@@ -27,8 +27,6 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 24},
@@ -74,7 +72,7 @@ def main(argv=None):
         args.num_requests, args.max_new, args.reps, args.compiles = 8, 16, 1, 4
 
     from jpa import models
-    from benchutil import machine
+    from jpa.tools.bench import machine
     from jpa.engine import EngineConfig, LLMEngine, SamplingParams
 
     name = "tiny-llama" if args.tiny else "smollm2-135m"

@@ -25,8 +25,6 @@ import json  # noqa: E402
 import pathlib  # noqa: E402
 import time  # noqa: E402
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

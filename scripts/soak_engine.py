@@ -33,12 +33,9 @@ import time
 import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-sys.path.insert(0, str(ROOT / "tests"))
-from engine_util import LOGPROB_ATOL, context_llama  # noqa: E402
-from jpa.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from jpa.engine import EngineConfig, LLMEngine, SamplingParams
+from jpa.testing.engine import LOGPROB_ATOL, context_llama
 
 # Tiny pools: (max_seqs, page_size, num_pages, steps_per_call). max_model_len = the whole pool.
 TINY_POOLS = [(3, 4, 12, 3), (4, 8, 8, 2)]
@@ -215,8 +212,7 @@ def main(argv=None):
                     "compilation cache ($JPA_CACHE_DIR/xla)")
     args = ap.parse_args(argv)
     if not args.no_compile_cache:
-        sys.path.insert(0, str(ROOT / "scripts"))
-        from generate import cache_dir, enable_compile_cache
+        from jpa.args import cache_dir, enable_compile_cache
 
         enable_compile_cache(cache_dir() / "xla")
     total = soak(args.requests, args.time_limit, args.seed, check=args.check_every_round)

@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 def ctx_model():
     """(GPTForEngine, tokenizer): tiny-llama whose greedy output depends on the context
     (tests/engine_util.context_llama), the model of the engine equivalence tests."""
-    from engine_util import context_llama
+    from jpa.testing.engine import context_llama
 
     return context_llama(seed=1)
 
@@ -25,6 +25,6 @@ def ctx_model():
 def engines(ctx_model):
     """Engines over ctx_model shared by the whole session, one per EngineConfig (each compiles
     its step once): `engines.get(**config)`, `engines.reference(prompts, params)`."""
-    from engine_util import Engines
+    from jpa.testing.engine import Engines
 
     return Engines(*ctx_model)

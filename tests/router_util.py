@@ -1,6 +1,6 @@
-"""vllm-router in the tests: skip without it, start it (alone or under scripts/serve_dp.py), always stop it.
+"""vllm-router in the tests: skip without it, start it (alone or under `jpa serve-dp`), always stop it.
 
-The start/wait/stop code itself is scripts/serve_dp.py's (the tests drive what users run).
+The start/wait/stop code itself is `jpa serve-dp`'s (jpa/cli/serve_dp.py) (the tests drive what users run).
 """
 
 import contextlib
@@ -12,8 +12,7 @@ import tempfile
 import pytest
 
 ROOT = pathlib.Path(__file__).parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-import serve_dp  # noqa: E402
+from jpa.cli import serve_dp
 
 
 def require_router():
@@ -46,7 +45,7 @@ def router(worker_urls: list[str], *, policy: str = "round_robin", extra=()):
 
 @contextlib.contextmanager
 def serve_dp_running(argv: list[str], *, log_path, env=None, timeout: float = 120):
-    """scripts/serve_dp.py with `argv` (its own process group, output in log_path); yields (process,
+    """`jpa serve-dp` with `argv` (its own process group, output in log_path); yields (process,
     router URL, replica URLs) once the router is up; always stops the whole group."""
     require_router()
     proc = serve_dp.start(argv, log_path=str(log_path), env=env)

@@ -12,7 +12,7 @@ from jpa.server import server_config
 
 @contextlib.contextmanager
 def serving(app, **config):
-    """Serves `app` on a free 127.0.0.1 port in a thread (uvicorn configured as scripts/serve.py
+    """Serves `app` on a free 127.0.0.1 port in a thread (uvicorn configured as `jpa serve`
     does, `config` overriding); yields its base URL; always stops it."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))

@@ -11,7 +11,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from engine_util import (assert_same, compiled_once, fresh_seed, mixed_params, random_prompts, run, snapshot)
+from jpa.testing.engine import (assert_same, compiled_once, fresh_seed, mixed_params, random_prompts, run, snapshot)
 from jpa.engine import EngineConfig, LLMEngine, SamplingParams
 from jpa.engine.scheduler import Scheduler
 from jpa.engine.detokenizer import IncrementalDetokenizer

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jpa import models
-from engine_util import (LOGPROB_ATOL, assert_same, compiled_once, context_gpt, fresh_seed, mixed_params,
+from jpa.testing.engine import (LOGPROB_ATOL, assert_same, compiled_once, context_gpt, fresh_seed, mixed_params,
                          random_prompts, run, snapshot)
 from jpa.engine import EngineConfig, LLMEngine, SamplingParams
 
@@ -394,7 +394,7 @@ def test_prefill_throughput_is_reported(engines, rng):
 def test_assert_same_allows_one_nucleus_edge_flip_only():
     """The equivalence helper forgives one top-p edge flip per request, never two, never a big one."""
     from types import SimpleNamespace as NS
-    from engine_util import NUCLEUS_EDGE_ATOL
+    from jpa.testing.engine import NUCLEUS_EDGE_ATOL
     base = np.random.default_rng(fresh_seed()).uniform(-8, -1, 12)
     out = lambda lps: NS(token_ids=(1,) * 12, finish_reason="length", completion="x", logprobs=tuple(lps))
     one = base.copy(); one[3] += 1.1e-3

@@ -40,7 +40,7 @@ def test_random_requests_under_page_pressure(engines, ctx_model):
         1 << 30)), ignore_eos=True))]
     workload += soak.make_workload(rng, 22, 32, max_prompt=12, max_new=20)
 
-    from engine_util import REFERENCE
+    from jpa.testing.engine import REFERENCE
     ref_eng = engines.get(**REFERENCE)
     p0 = ref_eng.stats.preemptions
     # Stop strings on the random requests (not on the two long ones).

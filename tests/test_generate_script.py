@@ -1,6 +1,6 @@
-"""scripts/generate.py end to end on a tiny random model: JSONL in, JSON lines out, bad lines reported."""
+"""`jpa generate` (and scripts/generate.py, its thin caller) end to end on a tiny random model: JSONL in,
+JSON lines out, bad lines reported."""
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -13,10 +13,9 @@ SCRIPT = pathlib.Path(__file__).parents[1] / "scripts" / "generate.py"
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("generate_script", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from jpa.cli import generate
+
+    return generate
 
 
 def test_jsonl_prompts_to_json_lines(tmp_path, capsys, monkeypatch):
@@ -98,7 +97,7 @@ def test_bad_flags_are_one_line_and_exit_2(argv, msg, capsys):
     out, err = capsys.readouterr()
     lines = [line for line in err.splitlines() if not line.startswith("[jpa] loading")]
     assert rc == 2 and out == ""
-    assert len(lines) == 1 and lines[0].startswith("generate.py: error: ") and msg in lines[0], err
+    assert len(lines) == 1 and lines[0].startswith("jpa generate: error: ") and msg in lines[0], err
     assert "Traceback" not in err
 
 
@@ -109,12 +108,11 @@ def test_bad_checkpoint_directory_is_one_line_and_exit_2(tmp_path, capsys):
     out, err = capsys.readouterr()
     lines = [line for line in err.splitlines() if not line.startswith("[jpa] loading")]
     assert rc == 2 and out == "" and "Traceback" not in err
-    assert len(lines) == 1 and lines[0].startswith(f"generate.py: error: --model {tmp_path}"), err
+    assert len(lines) == 1 and lines[0].startswith(f"jpa generate: error: --model {tmp_path}"), err
 
 
 def test_compile_cache_is_on_by_default(tmp_path):
-    env = dict(os.environ, JPA_CACHE_DIR=str(tmp_path), JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(SCRIPT.parents[1]))
+    env = dict(os.environ, JPA_CACHE_DIR=str(tmp_path), JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, str(SCRIPT), "--model", "tiny-llama", "--max-new-tokens", "2",
                         "--no-progress", "hi"], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr

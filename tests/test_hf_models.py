@@ -429,13 +429,8 @@ def test_variant_config_value_errors(over, match):
         ModelConfig(**{**base, **over})
 
 
-def test_generate_script_runs_a_checkpoint_directory(capsys):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "generate_script", pathlib.Path(__file__).parents[1] / "scripts" / "generate.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+def test_generate_command_runs_a_checkpoint_directory(capsys):
+    from jpa.cli import generate as mod
     g = golden("qwen2")
     rc = mod.main(["--model", str(DATA / "qwen2"), "--greedy", "--max-new-tokens", "6", "--json",
                    "--no-progress", "--max-seqs", "2", "--max-model-len", "128", "--kv-memory", "1",

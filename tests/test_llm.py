@@ -31,11 +31,20 @@ def test_llm_equals_the_engine_built_by_hand(llm):
     by_hand = LLMEngine(models.GPTForEngine(gpt), tok, EngineConfig(**OPTIONS))
     want = by_hand.generate(PROMPTS, PARAMS)
     got = llm.generate(PROMPTS, PARAMS)
-    flat = lambda outs: [o for out in outs for o in (out if isinstance(out, list) else [out])]
-    assert len(flat(got)) == len(flat(want)) == 5 and isinstance(got[3], list)
-    for g, w in zip(flat(got), flat(want)):
+    # LLM.generate answers vLLM's shape: one RequestOutput per prompt, its n samples in .outputs
+    assert len(got) == len(want) == 4 and isinstance(want[3], list) and len(got[3].outputs) == 2
+    flat_want = [o for out in want for o in (out if isinstance(out, list) else [out])]
+    flat_got = [s for out in got for s in (out.samples or (out,))]
+    assert len(flat_got) == len(flat_want) == 5
+    for g, w in zip(flat_got, flat_want):
         assert g.token_ids == w.token_ids and g.logprobs == w.logprobs and g.completion == w.completion
         assert g.error is None and len(g.token_ids) > 0
+    for out, w in zip(got, want):
+        samples = w if isinstance(w, list) else [w]
+        assert [c.text for c in out.outputs] == [s.completion for s in samples]
+        assert [c.token_ids for c in out.outputs] == [s.token_ids for s in samples]
+        assert [c.index for c in out.outputs] == list(range(len(samples)))
+        assert out.completion == samples[0].completion and out.prompt_token_ids == list(samples[0].prompt_ids)
     assert llm.engine.config == by_hand.config and llm.engine.pool_is_whole()
     # a single string is one prompt
     one = llm.generate(PROMPTS[0], PARAMS[0])
@@ -98,3 +107,25 @@ def test_importing_jpa_and_the_engine_does_not_import_models():
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
     assert r.returncode == 0, r.stderr
+
+
+def test_vllm_spelling_of_params_and_outputs(llm):
+    """What a user switching from vLLM types: max_tokens, temperature=0, logprobs=k, and
+    out.outputs[0].text / .token_ids / .logprobs ({token id: Logprob}) / .cumulative_logprob."""
+    import math
+
+    vllm = SamplingParams(max_tokens=7, temperature=0, logprobs=3, ignore_eos=True)
+    jpa_ = SamplingParams(max_new_tokens=7, greedy=True, top_logprobs=3, ignore_eos=True)
+    assert vllm.max_new_tokens == 7 and vllm.top_logprobs == 3 and vllm.is_greedy
+    (a,), (b,) = llm.generate(["vLLM users"], vllm), llm.generate(["vLLM users"], jpa_)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 7
+    c = a.outputs[0]
+    assert (c.text, c.token_ids, c.finish_reason) == (a.completion, a.token_ids, a.finish_reason)
+    assert len(c.logprobs) == 7 and math.isclose(c.cumulative_logprob, sum(a.logprobs), rel_tol=1e-6)
+    for tok, lp, entry, top in zip(a.token_ids, a.logprobs, c.logprobs, a.top_logprobs):
+        assert next(iter(entry)) == tok and entry[tok].logprob == lp   # the sampled token first
+        assert set(entry) == {tok, *(t for t, _ in top)} and entry[tok].rank == 1   # greedy: the argmax
+    with pytest.raises(ValueError, match="max_tokens .* and max_new_tokens .* name the same value"):
+        SamplingParams(max_tokens=5, max_new_tokens=6)
+    import dataclasses
+    assert dataclasses.replace(vllm, max_new_tokens=9).max_new_tokens == 9   # folded: replace() still works

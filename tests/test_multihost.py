@@ -21,8 +21,7 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-from bench_multihost import cpu_env as _env, free_port as _free_port  # noqa: E402
+from jpa.testing.procs import cpu_env as _env, free_port as _free_port
 MODEL = str(ROOT / "tests" / "data" / "hf" / "llama")   # 4 q heads, 2 kv heads: tp=4 replicates, tp=2 splits
 PEER_TIMEOUT = 10
 LOGPROB_ATOL = 2e-5
@@ -30,14 +29,14 @@ LOGPROB_ATOL = 2e-5
 
 
 
-def _launch(script: str, num: int, devices: int, args: list, tmp_path) -> list:
-    """num processes of scripts/<script> joined into one job; stdout/stderr to files in tmp_path."""
+def _launch(command: str, num: int, devices: int, args: list, tmp_path) -> list:
+    """num processes of `jpa <command>` joined into one job; stdout/stderr to files in tmp_path."""
     coord = f"127.0.0.1:{_free_port()}"
     procs = []
     for i in range(num):
         out, err = open(tmp_path / f"out{i}.txt", "w"), open(tmp_path / f"err{i}.txt", "w")
         procs.append(subprocess.Popen(
-            [sys.executable, str(ROOT / "scripts" / script), *args, "--coordinator", coord, "--num-processes", str(num),
+            [sys.executable, "-m", "jpa", command, *args, "--coordinator", coord, "--num-processes", str(num),
              "--process-id", str(i), "--peer-timeout", str(PEER_TIMEOUT), "--no-compile-cache"],
             stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=_env(devices), start_new_session=True))
     return procs
@@ -103,7 +102,7 @@ def test_generate_over_two_processes_equals_one(tmp_path):
     flags = ["--model", MODEL, "--prompts-file", str(tmp_path / "p.jsonl"), "--json", "--no-progress", "--tp", "4",
              "--page-size", "4", "--num-pages", "40", "--max-seqs", "3", "--max-num-batched-tokens", "24",
              "--max-model-len", "96", "--steps-per-call", "4"]
-    procs = _launch("generate.py", 2, 2, flags, tmp_path)
+    procs = _launch("generate", 2, 2, flags, tmp_path)
     try:
         rcs = [_wait(p, 150) for p in procs]
     finally:
@@ -134,7 +133,7 @@ def _post(url, body, timeout=60):
 
 
 def test_serve_over_two_processes_and_a_hung_peer(tmp_path):
-    """serve.py, 2 processes x 1 device, --tp 2: process 0 serves what one process would answer.
+    """`jpa serve`, 2 processes x 1 device, --tp 2: process 0 serves what one process would answer.
     Then process 1 hangs (SIGSTOP): process 0 exits with an error within the peer timeout instead
     of waiting forever, and process 1, resumed, finds process 0 gone and exits by itself."""
     httpx = pytest.importorskip("httpx")
@@ -144,7 +143,7 @@ def test_serve_over_two_processes_and_a_hung_peer(tmp_path):
     port = _free_port()
     flags = ["--model", MODEL, "--port", str(port), "--tp", "2", "--max-seqs", "4", "--page-size", "8",
              "--num-pages", "64", "--max-model-len", "128", "--steps-per-call", "4", "--max-num-batched-tokens", "32"]
-    procs = _launch("serve.py", 2, 1, flags, tmp_path)
+    procs = _launch("serve", 2, 1, flags, tmp_path)
     url = f"http://127.0.0.1:{port}"
     try:
         t0 = time.monotonic()

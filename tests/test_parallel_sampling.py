@@ -11,8 +11,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from engine_util import PAGE_SIZE as PS
-from engine_util import assert_same, compiled_once, fresh_seed, random_prompts, run, snapshot
+from jpa.testing.engine import PAGE_SIZE as PS
+from jpa.testing.engine import assert_same, compiled_once, fresh_seed, random_prompts, run, snapshot
 from jpa.engine import SamplingParams
 
 

@@ -13,8 +13,8 @@ import copy
 import numpy as np
 import pytest
 
-from engine_util import PAGE_SIZE as PS
-from engine_util import assert_same, fresh_seed, mixed_params, random_prompts, run, snapshot
+from jpa.testing.engine import PAGE_SIZE as PS
+from jpa.testing.engine import assert_same, fresh_seed, mixed_params, random_prompts, run, snapshot
 from jpa.engine import SamplingParams
 from jpa.kv.prefix_cache import PrefixCache
 
@@ -108,7 +108,7 @@ def test_eviction_frees_cached_pages_when_the_pool_runs_short(engines):
 
 
 def test_caching_off_keeps_no_cache(engines):
-    from engine_util import REFERENCE
+    from jpa.testing.engine import REFERENCE
 
     eng = engines.get(**REFERENCE)
     run(eng, [list(range(3, 60))], GREEDY)

@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 
 from jpa import models
-from engine_util import BASE, fresh_seed, random_prompts, snapshot
+from jpa.testing.engine import BASE, fresh_seed, random_prompts, snapshot
 from jpa.engine import SamplingParams
 from jpa.engine.detokenizer import IncrementalDetokenizer
 from jpa.models.tokenizer import ByteTokenizer

@@ -147,13 +147,8 @@ def test_token_ids_past_the_vocabulary_fail_the_request(tiny):
     assert "logit_bias and stop_token_ids" in out.output.error
 
 
-def test_generate_script_refuses_bad_control_flags(capsys):
-    import importlib.util
-    import pathlib
-
-    spec = importlib.util.spec_from_file_location("gen", pathlib.Path(__file__).parents[1] / "scripts" / "generate.py")
-    gen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen)
+def test_generate_command_refuses_bad_control_flags(capsys):
+    from jpa.cli import generate as gen
     assert gen.main(["--model", "tiny-llama", "--presence-penalty", "3", "hi"]) == 2
     assert "presence_penalty must be a number in [-2, 2]" in capsys.readouterr().err
     args = gen.parse_args(["--model", "tiny-llama", "--min-p", "0.1", "--stop-token-id", "5", "--stop-token-id", "9",

@@ -1,4 +1,4 @@
-"""scripts/serve_dp.py: two tiny-llama replicas behind vllm-router (cache_aware), on loopback.
+"""`jpa serve-dp`: two tiny-llama replicas behind vllm-router (cache_aware), on loopback.
 
 Through the router, every greedy answer equals one in-process engine's, both replicas serve, and
 prompts that share a long prefix all land on one replica, whose prefix cache then hits. A dying
@@ -42,7 +42,7 @@ def _reference(prompts: list[str]) -> list[str]:
     from jpa import models
     from jpa.engine import EngineConfig, LLMEngine, SamplingParams
 
-    model, tok = models.load("tiny-llama")   # seed 0, as scripts/serve.py loads it
+    model, tok = models.load("tiny-llama")   # seed 0, as `jpa serve` loads it
     engine = LLMEngine(models.GPTForEngine(model), tok, EngineConfig(**ENGINE))
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=MAX_TOKENS, greedy=True, ignore_eos=True))
     return [o.completion for o in outs]
@@ -112,7 +112,7 @@ def test_two_replicas_behind_the_router(tmp_path):
             # SIGTERM: the router and both replicas stop, the script exits 0 and leaves nothing behind.
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(60) == 0
-            assert _group_gone(proc.pid), "a child of serve_dp.py outlived it"
+            assert _group_gone(proc.pid), "a child of jpa serve-dp outlived it"
     log = (tmp_path / "serve_dp.log").read_text()
     assert "[jpa] stopping the replicas and the router" in log and log.count("[jpa] server stopped") == 2, log[-3000:]
 
@@ -127,11 +127,11 @@ def test_a_dying_replica_stops_everything(tmp_path):
     proc = serve_dp.start(argv, log_path=str(tmp_path / "log"), env=_env(tmp_path))
     try:
         assert proc.wait(120) == 1
-        assert _group_gone(proc.pid), "a child of serve_dp.py outlived it"
+        assert _group_gone(proc.pid), "a child of jpa serve-dp outlived it"
     finally:
         serve_dp.stop_group(proc)
     log = (tmp_path / "log").read_text()
-    m = re.search(r"\[jpa\] replica (\d) \(pid \d+\) exited with code 2; its last line: serve\.py: error: --model "
+    m = re.search(r"\[jpa\] replica (\d) \(pid \d+\) exited with code 2; its last line: jpa serve: error: --model "
                   r".*; stopping the others", log)
     assert m, log[-3000:]
 
@@ -148,7 +148,7 @@ def test_a_dying_replica_stops_everything(tmp_path):
     (["--no-such-flag"], "replica flags: unrecognized arguments: --no-such-flag"),
 ])
 def test_bad_flags(args, msg):
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "serve_dp.py"), *args], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "jpa", "serve-dp", *args], capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and msg in r.stderr, r.stderr
 
@@ -159,7 +159,7 @@ def test_busy_router_port():
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        r = subprocess.run([sys.executable, str(ROOT / "scripts" / "serve_dp.py"), "--router-port", str(port),
+        r = subprocess.run([sys.executable, "-m", "jpa", "serve-dp", "--router-port", str(port),
                             "--model", "tiny-llama"], capture_output=True, text=True,
                            env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
     assert r.returncode == 2 and f"--router-port: cannot bind 127.0.0.1:{port}: Address already in use" in r.stderr

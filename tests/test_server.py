@@ -3,7 +3,7 @@
 The official `openai` client drives completions, chat, streaming, n, stop, seeds and logprobs; raw
 HTTP (httpx) drives every error case, disconnects and a bounded load test. The server runs in a
 thread of this process (uvicorn on a socket bound to 127.0.0.1:0) and is stopped at the end of
-the module; one test starts scripts/serve.py itself and stops it with SIGTERM.
+the module; one test starts `jpa serve` itself and stops it with SIGTERM.
 """
 
 import asyncio
@@ -1174,7 +1174,7 @@ def test_serve_script_bad_flags():
                       (["--allowed-origins", "[oops"], "--allowed-origins: not a JSON list"),
                       (["--speculative-config", '{"method": "ngram", "k": 4}'], "unknown speculative config key"),
                       (["--model", "tiny-llama", "--port", str(busy.getsockname()[1])], "Address already in use")):
-        r = subprocess.run([sys.executable, "scripts/serve.py", *args], cwd=ROOT, capture_output=True, text=True,
+        r = subprocess.run([sys.executable, "-m", "jpa", "serve", *args], cwd=ROOT, capture_output=True, text=True,
                            env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
         assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and msg in r.stderr, r.stderr
     busy.close()
@@ -1183,7 +1183,7 @@ def test_serve_script_bad_flags():
 def test_serve_script_stops_while_loading(tmp_path):
     """SIGTERM while the model loads (JAX busy on the loader thread): a clean exit, code 0."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JPA_CACHE_DIR": str(tmp_path), "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.Popen([sys.executable, "scripts/serve.py", "--model", "tiny-llama", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "jpa", "serve", "--model", "tiny-llama", "--port", "0",
                              "--max-model-len", "128", "--num-pages", "64"],
                             cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     try:
@@ -1199,8 +1199,7 @@ def test_serve_script_stops_while_loading(tmp_path):
 
 
 def test_serve_script_allowed_origins():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import serve
+    from jpa.cli import serve
 
     assert serve.parse_origins(None) == []
     assert serve.parse_origins("http://a.example, http://b.example") == ["http://a.example", "http://b.example"]
@@ -1210,11 +1209,11 @@ def test_serve_script_allowed_origins():
 
 
 def test_serve_script_end_to_end(tmp_path):
-    """`scripts/serve.py --port 0` on loopback: listens at once and answers /health 503 (and
+    """`jpa serve --port 0` on loopback: listens at once and answers /health 503 (and
     requests 503 with Retry-After) while the model loads and compiles, then 200; serves a request;
     stops cleanly on SIGTERM."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JPA_CACHE_DIR": str(tmp_path), "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.Popen([sys.executable, "scripts/serve.py", "--model", "tiny-llama", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "jpa", "serve", "--model", "tiny-llama", "--port", "0",
                              "--max-model-len", "128", "--num-pages", "64"],
                             cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     try:

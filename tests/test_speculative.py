@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from engine_util import BASE, assert_same, fresh_seed, mixed_params, run, snapshot
+from jpa.testing.engine import BASE, assert_same, fresh_seed, mixed_params, run, snapshot
 from jpa.kv import pages
 from jpa.engine import SamplingParams, SpeculativeConfig
 from jpa.engine.speculative import accepted_prefix, propose_ngram

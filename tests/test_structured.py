@@ -14,7 +14,7 @@ import re
 import numpy as np
 import pytest
 
-from engine_util import assert_same, fresh_seed, random_prompts, run
+from jpa.testing.engine import assert_same, fresh_seed, random_prompts, run
 from jpa.engine import SamplingParams
 from jpa.engine.structured import StructuredOutputs
 from structured_util import ARITHMETIC, check_json, is_arithmetic, random_choices, random_regex, random_schema

@@ -22,14 +22,13 @@ import json  # noqa: E402
 import pathlib  # noqa: E402
 import time  # noqa: E402
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jpa import models  # noqa: E402
-from engine_util import context_gpt, mixed_params, random_prompts  # noqa: E402
+from jpa.testing.engine import context_gpt, mixed_params, random_prompts
 from jpa.kv.cache import KVCache  # noqa: E402
 from jpa.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 

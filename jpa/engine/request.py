@@ -126,9 +126,39 @@ class Request:
                              self.num_draft_tokens, self.num_accepted_tokens)
 
 
+class Logprob(NamedTuple):
+    """One token's entry in `CompletionOutput.logprobs` (vLLM's Logprob)."""
+    logprob: float
+    rank: int | None = None          # 1 = the most likely; None where not known (outside the top k)
+    decoded_token: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CompletionOutput:
+    """One sample of a request, as vLLM's `CompletionOutput` (`RequestOutput.outputs[index]`).
+
+    Attributes:
+      index: the sample's index (0 .. n - 1).
+      text, token_ids, finish_reason: the sample's completion.
+      cumulative_logprob: the sum of its tokens' logprobs.
+      logprobs: per token, {token id: Logprob} with the sampled token first and the top tokens after it
+        (SamplingParams.top_logprobs / logprobs), vLLM's shape.
+    """
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    cumulative_logprob: float | None
+    logprobs: list | None
+    finish_reason: str | None
+
+
 @dataclasses.dataclass(frozen=True)
 class RequestOutput:
-    """A finished request: what generate() returns, in submission order."""
+    """A finished request: what generate() returns, in submission order.
+
+    jpa's flat fields (`completion`, `token_ids`, `logprobs`, ...) are those of the request's (first)
+    sample; vLLM's `outputs[j]` (a CompletionOutput per sample, n of them for SamplingParams.n = n),
+    `prompt_token_ids` and `finished` read the same result the way vLLM users do."""
     request_id: object
     prompt: str
     completion: str
@@ -148,6 +178,45 @@ class RequestOutput:
     # without it). Its tokens are those it would have without speculation either way.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # n > 1: every sample's RequestOutput (this one is samples[0]), set by `with_samples`.
+    samples: tuple = dataclasses.field(default=(), repr=False, compare=False)
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """vLLM's view: one CompletionOutput per sample."""
+        return [s.completion_output(j) for j, s in enumerate(self.samples or (self,))]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """vLLM's name of prompt_ids."""
+        return list(self.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return True
+
+    def completion_output(self, index: int = 0) -> CompletionOutput:
+        """This result as sample `index` of vLLM's `outputs`."""
+        lps = [float(x) for x in self.logprobs]
+        per_token = None
+        if lps:
+            per_token = []
+            for i, (tok, lp) in enumerate(zip(self.token_ids, lps)):
+                top = self.top_logprobs[i] if i < len(self.top_logprobs) else ()
+                rank = next((r for r, (t, _) in enumerate(top, 1) if t == tok), None)
+                entry = {int(tok): Logprob(lp, rank)}
+                for r, (t, l) in enumerate(top, 1):
+                    entry.setdefault(int(t), Logprob(float(l), r))
+                per_token.append(entry)
+        return CompletionOutput(index, self.completion, tuple(self.token_ids),
+                                float(sum(lps)) if lps else None, per_token, self.finish_reason)
+
+    @staticmethod
+    def with_samples(samples) -> "RequestOutput":
+        """One RequestOutput for the n samples of a request (vLLM's shape): the first sample's fields,
+        `outputs[j]` for sample j."""
+        samples = tuple(samples)
+        return dataclasses.replace(samples[0], samples=samples)
 
     def to_json(self) -> dict:
         out = {"request_id": self.request_id, "prompt": self.prompt, "completion": self.completion,

@@ -51,6 +51,8 @@ class SamplingParams:
     the output must match a JSON schema, a regex, a choice or a grammar. The grammar's mask applies
     after the logit controls and before temperature and the filters; logprobs are under the masked
     distribution (see `jpa.engine.structured`).
+    vLLM's names are accepted too: `max_tokens` for max_new_tokens and `logprobs` for top_logprobs
+    (given alone, or equal to jpa's); they are folded into jpa's fields, which hold the value.
     """
     max_new_tokens: int = 64
     temperature: float = 1.0
@@ -74,8 +76,17 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     structured: StructuredOutputs | None = None
+    max_tokens: int | None = None     # vLLM's name of max_new_tokens (folded into it; reads None)
+    logprobs: int | None = None       # vLLM's name of top_logprobs (folded into it; reads None)
 
     def __post_init__(self):
+        for alias, name, default in (("max_tokens", "max_new_tokens", 64), ("logprobs", "top_logprobs", 0)):
+            given, own = getattr(self, alias), getattr(self, name)
+            if given is not None:
+                if own != default and own != given:
+                    raise ValueError(f"{alias} ({given!r}) and {name} ({own!r}) name the same value; give one")
+                object.__setattr__(self, name, given)
+            object.__setattr__(self, alias, None)  # folded: one field holds the value (replace() stays safe)
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1; got {self.max_new_tokens!r}")
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)

@@ -1,7 +1,7 @@
-#!/usr/bin/env python3
-"""An OpenAI-compatible server on jpa's engine (FastAPI + uvicorn).
+"""`jpa serve`: an OpenAI-compatible server on jpa's engine (FastAPI + uvicorn).
 
 Examples:
+  jpa serve --model tiny-llama                    # (from a clone: ./run serve)
   ./run serve                                     # SmolLM2-135M-Instruct on http://127.0.0.1:8000/v1
   ./run serve --model tiny-llama --port 8001      # random tiny model: fast, nonsense text
   ./run serve --api-key secret --max-seqs 32
@@ -26,21 +26,17 @@ import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from generate import (UsageError, _Parser, add_engine_args, cache_dir, check_engine_args,  # noqa: E402
-                      enable_compile_cache, engine_config, join_processes)
+from jpa.args import EngineArgs, Parser, UsageError, enable_compile_cache, join_processes
 
 
 def parse_args(argv=None):
-    ap = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m", help="model preset (default: smollm2-135m; "
-                    "tiny-llama / tiny-gpt2 are random and fast) or a Hugging Face checkpoint directory")
+    ap = Parser(prog="jpa serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--served-model-name", default=None, help="the `model` requests must name (default: --model)")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     ap.add_argument("--port", type=int, default=8000, help="port (0: a free one)")
     ap.add_argument("--api-key", default=os.environ.get("JPA_API_KEY") or None,
                     help="require `Authorization: Bearer KEY` (default: $JPA_API_KEY, else no key)")
-    add_engine_args(ap, steps_per_call=4, steps_help="decode steps per engine round (tokens stream once per "
+    EngineArgs.add_cli_args(ap, steps_per_call=4, steps_help="decode steps per engine round (tokens stream once per "
                     "round: fewer = smoother streaming, more = higher throughput)")
     ap.add_argument("--max-waiting", type=int, default=256, help="most requests waiting for a slot; beyond "
                     "it new requests get 503 with Retry-After")
@@ -59,15 +55,15 @@ def parse_args(argv=None):
                     "comma-separated or a JSON list, '*' for any (default: none, no CORS headers)")
     ap.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                     help="uvicorn's log level (default warning: no line per request)")
-    ap.add_argument("--no-compile-cache", action="store_true", help="do not use JAX's persistent "
-                    "compilation cache ($JPA_CACHE_DIR/xla, default ~/.cache/jpa/xla)")
     args = ap.parse_args(argv)
+    args.engine = EngineArgs.from_cli_args(args)
     check_args(args)
     return args
 
 
 def check_args(args):
-    check_engine_args(args, ("max_waiting", "max_n", "max_request_bytes", "limit_concurrency"))
+    args.engine.check({name: getattr(args, name) for name in ("max_waiting", "max_n", "max_request_bytes",
+                                                               "limit_concurrency")})
     for name in ("timeout_keep_alive", "timeout_header"):
         v = getattr(args, name)
         if not v > 0 or v == float("inf"):
@@ -77,11 +73,6 @@ def check_args(args):
         raise UsageError(f"--port must be in [0, 65535]; got {args.port}")
     if args.api_key is not None and not args.api_key:
         raise UsageError("--api-key must not be empty")
-    from jpa.models import PRESETS  # light: configs only, no JAX work
-
-    if args.model not in PRESETS and not os.path.isdir(args.model):  # a preset or a checkpoint directory
-        raise UsageError(f"--model {args.model!r} is unknown; choose one of {', '.join(sorted(PRESETS))} "
-                         f"or the path of a Hugging Face checkpoint directory")
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
@@ -132,10 +123,10 @@ def main(argv=None):
         if args.coordinator is not None and args.process_id != 0:
             return follow(args)   # several processes: process 0 serves HTTP, this one follows its device calls
         sock = bind(args.host, args.port)  # fail on a busy port before loading anything
-        join_processes(args)
+        join_processes(args.engine)
         return run(args, sock)
     except UsageError as e:
-        print(f"serve.py: error: {e}", file=sys.stderr)
+        print(f"jpa serve: error: {e}", file=sys.stderr)
         return 2
     except (KeyboardInterrupt, _Stop):  # stopped while loading
         return 0
@@ -181,33 +172,16 @@ def run(args, sock):
 
 def build_engine(args):
     """(LLMEngine, tokenizer) of the flags: the model (and a draft model) loaded and wired."""
-    import jax
-    import jax.numpy as jnp
+    from jpa.llm import engine_from_args
 
-    from jpa import models
-    from jpa.engine import LLMEngine
-
-    if not args.no_compile_cache:
-        enable_compile_cache(cache_dir() / "xla")
-    dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
-    print(f"[jpa] loading {args.model} ({dtype}) on {jax.devices()[0].platform}...", file=sys.stderr)
-    config = engine_config(args)
-    try:
-        gpt, tok = models.load(args.model, dtype=jnp.dtype(dtype))
-    except (ValueError, FileNotFoundError) as e:  # a bad checkpoint directory
-        raise UsageError(f"--model {args.model}: {e}") from None
-    try:
-        spec = config.speculative
-        draft = (models.GPTForEngine(models.load(spec.model, dtype=jnp.dtype(dtype))[0])
-                 if spec is not None and spec.method == "draft_model" else None)
-        return LLMEngine(models.GPTForEngine(gpt), tok, config, draft_model=draft), tok
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    if args.engine.compile_cache:
+        enable_compile_cache()
+    return engine_from_args(args.engine)
 
 
 def follow(args) -> int:
     """A process other than 0 of a multi-process server: the same engine, driven by process 0."""
-    join_processes(args)
+    join_processes(args.engine)
     engine, _ = build_engine(args)
     ok = engine.follow()
     print(f"[jpa] process {args.process_id}: process 0 {'stopped' if ok else 'stopped on an error'}", file=sys.stderr)
@@ -270,6 +244,3 @@ class _Stop(Exception):
 def _on_sigterm(signum, frame):
     raise _Stop()
 
-
-if __name__ == "__main__":
-    sys.exit(main())

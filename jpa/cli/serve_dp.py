@@ -1,12 +1,11 @@
-#!/usr/bin/env python3
-"""Data parallelism: N independent jpa servers (replicas) behind vLLM's router, on one machine.
+"""`jpa serve-dp`: data parallelism: N independent jpa servers (replicas) behind vLLM's router, on one machine.
 
 Examples:
   ./run serve-dp --dp 2                                   # SmolLM2 x 2; the API on http://127.0.0.1:8000/v1
-  ./run serve-dp --dp 2 --model tiny-llama --max-seqs 8   # any scripts/serve.py flag goes to every replica
+  ./run serve-dp --dp 2 --model tiny-llama --max-seqs 8   # any `jpa serve` flag goes to every replica
   ./run serve-dp --dp 4 --policy round_robin --router-args "--balance-abs-threshold 16"
 
-Each replica is `scripts/serve.py` (its own engine, KV pool and devices; replicas share nothing), on
+Each replica is `jpa serve` (its own engine, KV pool and devices; replicas share nothing), on
 127.0.0.1 at consecutive ports from --port (default 8001; 0: free ports). vllm-router (PyPI
 `vllm-router`, the `router` extra) listens on --host:--router-port (default 127.0.0.1:8000) and
 forwards every request to one replica by --policy: `cache_aware` (default) sends a prompt to the
@@ -18,7 +17,7 @@ requests in flight, unless the load is out of balance (--balance-abs-threshold,
 The replicas start first; the router starts once every replica's /health is 200 (the model loaded
 and compiled), then this script prints one line per replica and the router's URL on stderr and
 runs until SIGINT/SIGTERM, which stop the router, then the replicas (each gives requests in flight
-up to 5 s to finish, as serve.py does on SIGTERM), and exit 0. If any child dies, the others are
+up to 5 s to finish, as `jpa serve` does on SIGTERM), and exit 0. If any child dies, the others are
 stopped and the script exits 1 naming it. Children's output is copied to stderr, each line
 prefixed with the child's name.
 
@@ -45,10 +44,9 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from generate import UsageError, _Parser  # noqa: E402
+from jpa.args import Parser, UsageError
 
-SERVE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve.py")
+SERVE = [sys.executable, "-m", "jpa", "serve"]   # a replica: `jpa serve` on this interpreter
 POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "consistent_hash", "sticky_least_loaded")
 ROUTER_LINE = re.compile(r"\[jpa\] router \(policy (\S+)\) on (http://\S+) ")
 REPLICA_LINE = re.compile(r"\[jpa\] replica (\d+) ready on (http://\S+)")
@@ -56,8 +54,8 @@ REPLICA_LINE = re.compile(r"\[jpa\] replica (\d+) ready on (http://\S+)")
 
 def parse_args(argv=None):
     """(this script's flags, the flags every replica gets)."""
-    ap = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
-                 epilog="Every other flag is scripts/serve.py's (see `./run serve --help`) and goes to every "
+    ap = Parser(prog="jpa serve-dp", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
+                 epilog="Every other flag is `jpa serve`'s (see `./run serve --help`) and goes to every "
                         "replica, e.g. --model, --max-seqs, --num-pages, --api-key.")
     ap.add_argument("--dp", type=int, default=2, help="number of replicas (default 2)")
     ap.add_argument("--host", default="127.0.0.1", help="address the router binds (default 127.0.0.1: this "
@@ -98,7 +96,7 @@ def check_args(args, serve_argv):
         args.router_args = shlex.split(args.router_args)
     except ValueError as e:
         raise UsageError(f"--router-args: {e}") from None
-    import serve  # light: argparse and checks, no JAX
+    from jpa.cli import serve  # light: argparse and checks, no JAX
 
     try:
         replica = serve.parse_args([*serve_argv, "--port", "0"])   # the replicas' flags, checked once here
@@ -106,7 +104,7 @@ def check_args(args, serve_argv):
         raise UsageError(f"replica flags: {e}") from None
     if replica.coordinator is not None:
         raise UsageError("replicas are independent servers: --coordinator (one engine over several processes) "
-                         "does not go with serve_dp.py")
+                         "does not go with `jpa serve-dp`")
     if args.devices_per_replica > 1 and "--tp" not in serve_argv:
         serve_argv += ["--tp", str(args.devices_per_replica)]   # each replica shards over its own K devices
     if importlib.util.find_spec("vllm_router") is None:
@@ -208,10 +206,10 @@ def check_port_free(host: str, port: int, flag: str) -> None:
 # ---------------------------------------------------------------------- driving this script (benchmarks, tests)
 
 def start(argv: list[str], *, log_path: str, env: dict | None = None) -> subprocess.Popen:
-    """Runs this script with `argv` in a process group of its own (so `stop_group` reaches every child),
+    """Runs `jpa serve-dp` with `argv` in a process group of its own (so `stop_group` reaches every child),
     its output in log_path."""
     with open(log_path, "w") as log:
-        return subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv], env=env, stdin=subprocess.DEVNULL,
+        return subprocess.Popen([sys.executable, "-m", "jpa", "serve-dp", *argv], env=env, stdin=subprocess.DEVNULL,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -222,7 +220,7 @@ def wait_started(proc: subprocess.Popen, log_path: str, timeout: float) -> tuple
     while not (m := ROUTER_LINE.search(text := open(log_path).read())):
         if proc.poll() is not None or time.monotonic() - t0 > timeout:
             why = f"exited with code {proc.returncode}" if proc.poll() is not None else f"not up in {timeout:g} s"
-            raise RuntimeError(f"serve_dp.py {why}; its log:\n{text[-3000:]}")
+            raise RuntimeError(f"jpa serve-dp {why}; its log:\n{text[-3000:]}")
         time.sleep(0.2)
     return m.group(2), [url for _, url in sorted((int(r), url) for r, url in REPLICA_LINE.findall(text))]
 
@@ -310,7 +308,7 @@ def run(args, serve_argv) -> int:
             if pins[r] is not None:
                 env["CUDA_VISIBLE_DEVICES"] = pins[r]
             port = args.port + r if args.port else 0
-            children.append(_Child(f"replica {r}", [sys.executable, SERVE, *serve_argv, "--host", "127.0.0.1",
+            children.append(_Child(f"replica {r}", [*SERVE, *serve_argv, "--host", "127.0.0.1",
                                                     "--port", str(port)], env))
         t0 = time.monotonic()
         for c in children:
@@ -352,9 +350,6 @@ def main(argv=None):
         args, serve_argv = parse_args(argv)
         return run(args, serve_argv)
     except UsageError as e:
-        print(f"serve_dp.py: error: {e}", file=sys.stderr)
+        print(f"jpa serve-dp: error: {e}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())
