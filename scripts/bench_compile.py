@@ -241,11 +241,11 @@ def worker_h100(spec: dict) -> dict:
     if spec["shape"] == "llama3-8b":
         compiler = Keeping("h100", 1)
         recs = check_engine(compiler, log=lambda s: log("  " + s), config=LLAMA3_8B, label="Llama-3-8B shapes",
-                                pool_gib=8.0, max_model_len=4096, **H100_SIZES)
+                            pool_gib=8.0, max_model_len=4096, which=("plain",), **H100_SIZES)
     else:
         compiler = Keeping("h100", 8)
         recs = check_tp(compiler, log=lambda s: log("  " + s), config=LLAMA3_70B, pool_gib_per_device=8.0,
-                            max_model_len=4096, **H100_SIZES)
+                        max_model_len=4096, **H100_SIZES)
     (rec,) = recs
     rec.update(extra, shape=spec["shape"], wall_seconds=time.perf_counter() - t0, loadavg_before=before,
                process_cpu_seconds=time.process_time() - c0,
