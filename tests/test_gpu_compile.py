@@ -196,6 +196,27 @@ print("RESULT", rec["ok"], rec.get("spills"), rec.get("problems"), rec.get("erro
     assert line.startswith("RESULT False {'jpa_spill':") and "ptxas spills registers" in line, line
 
 
+def test_a_compiler_made_after_xla_started_warns(tmp_path):
+    """ptxas's report reaches XLA's log only if `configure_environment` ran before XLA started: a
+    Compiler made later (here after `jax.devices()`, with a parent's TF_CPP_MIN_LOG_LEVEL=1) says
+    its records will lack registers, rather than leaving them silently empty."""
+    script = tmp_path / "late.py"
+    script.write_text("""
+import warnings
+import jax
+from jpa.tools import deviceless
+jax.devices()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    deviceless.Compiler("a100")
+print("WARNED", [str(w.message)[:40] for w in caught if w.category is RuntimeWarning])
+""")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env=fresh_env(TF_CPP_MIN_LOG_LEVEL="1"))
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("WARNED")), proc.stderr[-3000:])
+    assert "XLA started before" in line, line
+
+
 # A hand-written optimized-HLO module of a 2-host x 8-GPU program: a layer scan (the while whose
 # body calls the attention kernel) holding a row-parallel all-reduce over all 16 devices and an
 # all-gather of attention heads; one all-gather per host outside the layers; a sampling all-reduce.
