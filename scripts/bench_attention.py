@@ -40,10 +40,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import jpa  # noqa: E402
-from jpa.ops.reference import MASK_VALUE, chunk_pages, paged_decode_xla  # noqa: E402
-from benchutil import machine, write_json  # noqa: E402
+import jpa
+from jpa.ops.reference import MASK_VALUE, chunk_pages, paged_decode_xla
+
+from benchutil import machine, write_json  # scripts/benchutil.py, beside this script
 
 TARGET = 1.3
 NUM_Q_HEADS, NUM_KV_HEADS = 8, 2

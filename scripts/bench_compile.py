@@ -4,7 +4,7 @@
 Issue 24 makes the models scan over their layers (one compiled layer body instead of one per
 layer). This script measures what that is for, through entry points that survive the change
 (`models` constructors and `models.load`, `jpa.engine.LLMEngine`/`EngineConfig` and its runner,
-`scripts/gpu_compile_check.py`'s `Compiler`, `engine_steps`, `check_engine` and `check_tp`,
+`jpa.tools`' `Compiler`, `engine_steps`, `check_engine` and `check_tp`,
 `scripts/bench_engine.py`'s `run_jpa`, `scripts/generate.py`), so the same command runs before
 and after. Four parts (`--only`, comma list; default all):
 
@@ -21,7 +21,7 @@ cpu: seconds to compile the engine's unified step on this CPU with JAX's persist
   `generate.py`'s default EngineConfig: 16 slots, page 16, 256 MiB pool, max_model_len 2048,
   8 decode steps per call, token budget 512. Goals (issue 24): SmolLM2 <= 5 s, the 80-layer
   model within 1.5x of the 8-layer one.
-h100: a deviceless compile for an H100 (design.md's recipe, `gpu_compile_check.Compiler`; needs
+h100: a deviceless compile for an H100 (design.md's recipe, `jpa.tools.deviceless.Compiler`; needs
   the `gpu` extra) of the unified step of Llama-3-8B's shapes (32 layers, bf16, 64 sequences, an
   8 GiB pool, `check_engine`) and of Llama-3-70B's shapes tensor-parallel over 8 compile-only
   H100s (80 layers, topology 1x1x8, 8 GiB of pool per device, `check_tp`): lower and compile
@@ -188,10 +188,11 @@ def worker_cpu(spec: dict) -> dict:
     return rec
 
 
-def _stacked_slice_types(gcc, pools) -> set:
+def _stacked_slice_types(pools) -> set:
     """HLO types of one layer of each [num_layers, ...] pool: a copy of that shape is a layer's
     pool materialized (design.md's first pitfall) that a whole-pool-shaped check would miss."""
-    return {gcc.hlo_type(s[1:], d) for s, d in pools if len(s) >= 5}
+    from jpa.tools.hlo import hlo_type
+    return {hlo_type(s[1:], d) for s, d in pools if len(s) >= 5}
 
 
 def _pools_of(args) -> list:
@@ -208,38 +209,40 @@ def _pools_of(args) -> list:
 
 
 def worker_h100(spec: dict) -> dict:
-    """One deviceless H100 compile, through gpu_compile_check's check_engine / check_tp."""
+    """One deviceless H100 compile, through jpa.tools' check_engine / check_tp."""
+    from jpa.tools import deviceless, hlo
+    from jpa.tools.engine_checks import check_engine, check_tp
+    deviceless.configure_environment()   # before XLA starts: ptxas's report in its log
     events = _no_persistent_cache()
-    import gpu_compile_check as gcc
 
     extra = {}
 
-    class Keeping(gcc.Compiler):
-        """gcc.Compiler that also checks the program for copies shaped like one layer of a
+    class Keeping(deviceless.Compiler):
+        """deviceless.Compiler that also checks the program for copies shaped like one layer of a
         stacked pool and counts its size (check_engine/check_tp drop the HLO)."""
 
         def compile(self, name, fn, args, **kw):
             keep = kw.get("keep_hlo", False)
             rec = super().compile(name, fn, args, **dict(kw, keep_hlo=True))
-            hlo = rec.get("hlo", "") if keep else rec.pop("hlo", "")
+            text = rec.get("hlo", "") if keep else rec.pop("hlo", "")
             pools = _pools_of(args)
-            types = _stacked_slice_types(gcc, pools)
-            extra.update(cache_leaves=[f"{gcc.hlo_type(s, d)}" for s, d in pools[:2]] + (
+            types = _stacked_slice_types(pools)
+            extra.update(cache_leaves=[f"{hlo.hlo_type(s, d)}" for s, d in pools[:2]] + (
                 [f"... {len(pools)} leaves"] if len(pools) > 2 else []),
-                layer_slice_types=sorted(types), layer_slice_copies=gcc.pool_copies(hlo, types)[:5] if types else [],
-                optimized_hlo_lines=len(hlo.splitlines()), while_loops=hlo.count(" while("))
+                layer_slice_types=sorted(types), layer_slice_copies=hlo.pool_copies(text, types)[:5] if types else [],
+                optimized_hlo_lines=len(text.splitlines()), while_loops=text.count(" while("))
             return rec
 
     t0, c0 = time.perf_counter(), time.process_time()
     before = loadavg()
     if spec["shape"] == "llama3-8b":
         compiler = Keeping("h100", 1)
-        recs = gcc.check_engine(compiler, log=lambda s: log("  " + s), config=LLAMA3_8B, label="Llama-3-8B shapes",
-                                pool_gib=8.0, max_model_len=4096, **H100_SIZES)
+        recs = check_engine(compiler, log=lambda s: log("  " + s), config=LLAMA3_8B, label="Llama-3-8B shapes",
+                            pool_gib=8.0, max_model_len=4096, which=("plain",), **H100_SIZES)
     else:
         compiler = Keeping("h100", 8)
-        recs = gcc.check_tp(compiler, log=lambda s: log("  " + s), config=LLAMA3_70B, pool_gib_per_device=8.0,
-                            max_model_len=4096, **H100_SIZES)
+        recs = check_tp(compiler, log=lambda s: log("  " + s), config=LLAMA3_70B, pool_gib_per_device=8.0,
+                        max_model_len=4096, **H100_SIZES)
     (rec,) = recs
     rec.update(extra, shape=spec["shape"], wall_seconds=time.perf_counter() - t0, loadavg_before=before,
                process_cpu_seconds=time.process_time() - c0,
@@ -301,7 +304,7 @@ def run_worker(kind: str, spec: dict, timeout: float | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_COMPILATION_CACHE_DIR",)}
     env.setdefault("JAX_PLATFORMS", "cpu")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    if kind == "h100":  # gpu_compile_check sets XLA's logging itself; a parent's must not override it
+    if kind == "h100":  # jpa.tools sets XLA's logging itself; a parent's must not override it
         for k in ("TF_CPP_MIN_LOG_LEVEL", "TF_CPP_VMODULE"):
             env.pop(k, None)
     cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--worker", kind, "--spec", json.dumps(spec)]

@@ -21,7 +21,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 import warnings
 
@@ -29,8 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import jpa  # noqa: E402
+import jpa
 
 # Peak HBM/GDDR bandwidth in GB/s by device kind (first substring match wins; most specific first).
 PEAK_GBPS = [

@@ -3,7 +3,7 @@
 
 Runs the engine (greedy, every slot busy) with the model sharded over N simulated CPU devices
 (`--xla_force_host_platform_device_count`, set here before JAX starts) and reads the collectives
-of the compiled decode loop from its optimized HLO (scripts/gpu_compile_check.collectives): how
+of the compiled decode loop from its optimized HLO (jpa.tools.hlo.collectives): how
 many, of what, how many bytes per device per step, and per generated token. CPU time means little
 for a multi-GPU method (the "devices" share this machine's cores), so the shape of the data
 movement is the result; the tokens/s column is only there to show the runs are real.
@@ -14,7 +14,6 @@ Wire bytes assume a ring all-reduce: each device sends and receives 2 (N-1)/N ti
 """
 
 import os
-import sys
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -25,12 +24,11 @@ import json  # noqa: E402
 import pathlib  # noqa: E402
 import time  # noqa: E402
 
-
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jpa import models  # noqa: E402
-from gpu_compile_check import collective_summary, collectives  # noqa: E402
+from jpa.tools.hlo import collective_summary, collectives  # noqa: E402
 from jpa.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
 

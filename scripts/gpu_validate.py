@@ -40,8 +40,6 @@ import traceback
 import warnings
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # kernel_cases: the oracle (numpy only)
 
 SECTIONS = {
     "kernels": "GPU; jpa, numpy. Every kernel natively vs the float64 oracle (f32 dots at HIGHEST "

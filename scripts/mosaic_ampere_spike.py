@@ -16,12 +16,13 @@ compute capability, so with no GPU it lowers for sm_90:
 """
 
 import os
-import pathlib
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import gpu_compile_check as g  # noqa: E402  (sets XLA's logging before JAX loads)
+
+from jpa.tools import deviceless  # noqa: E402
+
+deviceless.configure_environment()  # XLA's logging, before XLA starts
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -51,7 +52,7 @@ def main(mode: str) -> int:
         return 2
     if mode != "inferred":
         mgpu_utils._infer_arch = lambda: (8, 0)  # private: the only override there is (JAX 0.12)
-    compiler = g.Compiler("a100")
+    compiler = deviceless.Compiler("a100")
     sds = jax.ShapeDtypeStruct
     if mode == "mma":
         fn = lambda a, b: plgpu.kernel(  # noqa: E731
@@ -60,11 +61,12 @@ def main(mode: str) -> int:
         rec = compiler.compile("mosaic mma sm_80", fn, (sds((64, 64), jnp.bfloat16),) * 2)
     else:
         from jpa.pallas.mosaic import decode as mosaic_decode
-        cfg = g.KernelConfig("mosaic", head_dim=64, num_kv_heads=3, q_per_kv=3)
-        _, args, kwargs, pools = g.kernel_call(cfg)
+        from jpa.tools.kernel_checks import KernelConfig, kernel_call
+        cfg = KernelConfig("mosaic", head_dim=64, num_kv_heads=3, q_per_kv=3)
+        _, args, kwargs, pools = kernel_call(cfg)
         fn = lambda *a, **k: mosaic_decode.paged_decode(*a, scale=0.125, **k)  # noqa: E731
         rec = compiler.compile(f"jpa mosaic decode sm_80 ({mode})", fn, args, kwargs=kwargs, pool_shapes=pools)
-    print(g._line(rec))
+    print(deviceless.record_line(rec))
     return 0 if rec["ok"] else 1
 
 

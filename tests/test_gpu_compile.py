@@ -1,9 +1,11 @@
 """The deviceless GPU compile tier, fast subset: jpa's kernels and the engine's jitted steps compile
 for an H100 and an A100 that are not here (XLA's whole GPU pipeline, Triton and ptxas included).
 
-Each test runs scripts/gpu_compile_check.py as its users do (a subprocess: the script sets XLA's
-logging before JAX loads, to read ptxas's register report) and checks its JSON report. The full
-covering grid is `python scripts/gpu_compile_check.py --target h100|a100` (BENCHMARKS.md).
+Each compiling test runs in a fresh process (XLA's logging must be set before XLA starts, to read
+ptxas's register report: `jpa.tools.deviceless.configure_environment`): scripts/gpu_compile_check.py
+as its users run it, checking its JSON report, or a few lines over `jpa.tools`. The HLO readers of
+`jpa.tools.hlo` are tested here on a hand-written module. The full covering grid is
+`python scripts/gpu_compile_check.py --target h100|a100` (BENCHMARKS.md).
 """
 
 import importlib.util
@@ -16,6 +18,8 @@ import sys
 import numpy as np
 import pytest
 
+from jpa.tools import hlo
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_compile_check.py"
 
@@ -24,9 +28,16 @@ pytestmark = pytest.mark.skipif(
     reason="the compile-only GPU packages are not installed (pip install -e '.[gpu]'; ./run test does)")
 
 
+def fresh_env(**extra):
+    """The environment of a compiling subprocess: this checkout's jpa first on the path (a script's
+    own folder, not the working directory, is where Python looks first)."""
+    path = os.pathsep.join([str(ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
+    return dict(os.environ, PYTHONPATH=path, **extra)
+
+
 def run_check(tmp_path, *args, timeout=900):
     out = tmp_path / "report.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_CPP_VMODULE")}
+    env = {k: v for k, v in fresh_env().items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_CPP_VMODULE")}
     proc = subprocess.run([sys.executable, str(SCRIPT), *args, "--json", str(out)], capture_output=True,
                           text=True, timeout=timeout, env=env, cwd=ROOT)
     assert out.exists(), proc.stderr[-3000:]
@@ -101,9 +112,7 @@ def test_oversized_kernel_is_reported_not_crashed(tmp_path):
     and the tier reports it with a non-zero exit (the check that refuses to pass by accident)."""
     script = tmp_path / "oversized.py"
     script.write_text(f"""
-import sys, functools
-sys.path.insert(0, {str(ROOT / "scripts")!r})
-import gpu_compile_check as g
+from jpa.tools import deviceless as g
 import jax, jax.numpy as jnp
 from jax.experimental import pallas as pl
 
@@ -118,8 +127,9 @@ def big(x):  # a 512x512 bf16 dot in one program: its operands need ~1 MiB of sh
 rec = g.Compiler("h100").compile("oversized", big, (jax.ShapeDtypeStruct((512, 512), jnp.bfloat16),))
 print("RESULT", rec["ok"], rec.get("error", ""))
 """)
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=ROOT)
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env=fresh_env())
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT")), proc.stderr[-3000:])
     assert line.startswith("RESULT False") and "RESOURCE_EXHAUSTED" in line, line
 
 
@@ -157,9 +167,7 @@ def test_a_spilling_kernel_fails_the_record(tmp_path):
     512 values per thread, 255 registers at most) is reported with its spill bytes and ok False."""
     script = tmp_path / "spill.py"
     script.write_text(f"""
-import sys
-sys.path.insert(0, {str(ROOT / "scripts")!r})
-import gpu_compile_check as g
+from jpa.tools import deviceless as g
 import jax, jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -181,26 +189,32 @@ rec = g.Compiler("h100").compile("spill", jpa_spill, (jax.ShapeDtypeStruct((64, 
 print("RESULT", rec["ok"], rec.get("spills"), rec.get("problems"), rec.get("error", ""))
 """)
     # (In the full suite pytest's process has TF_CPP_MIN_LOG_LEVEL=1 from JAX's CUDA plugin, which
-    # hid ptxas's report until gpu_compile_check set the level itself: this must hold in that env.)
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="1")
+    # hid ptxas's report until the tools set the level themselves: this must hold in that env.)
+    env = fresh_env(TF_CPP_MIN_LOG_LEVEL="1")
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT")), proc.stderr[-3000:])
     assert line.startswith("RESULT False {'jpa_spill':") and "ptxas spills registers" in line, line
 
 
-@pytest.fixture(scope="module")
-def gcc():
-    """scripts/gpu_compile_check.py imported in this process for its HLO readers (no compiling).
-    Importing it sets XLA's log variables for its own compiles: restored here for everything else."""
-    saved = dict(os.environ)
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import gpu_compile_check
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
-        os.environ.clear()
-        os.environ.update(saved)
-    return gpu_compile_check
+def test_a_compiler_made_after_xla_started_warns(tmp_path):
+    """ptxas's report reaches XLA's log only if `configure_environment` ran before XLA started: a
+    Compiler made later (here after `jax.devices()`, with a parent's TF_CPP_MIN_LOG_LEVEL=1) says
+    its records will lack registers, rather than leaving them silently empty."""
+    script = tmp_path / "late.py"
+    script.write_text("""
+import warnings
+import jax
+from jpa.tools import deviceless
+jax.devices()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    deviceless.Compiler("a100")
+print("WARNED", [str(w.message)[:40] for w in caught if w.category is RuntimeWarning])
+""")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env=fresh_env(TF_CPP_MIN_LOG_LEVEL="1"))
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("WARNED")), proc.stderr[-3000:])
+    assert "XLA started before" in line, line
 
 
 # A hand-written optimized-HLO module of a 2-host x 8-GPU program: a layer scan (the while whose
@@ -233,10 +247,10 @@ ENTRY %main (x: f32[64,4096]) -> f32[64,4096] {
 """
 
 
-def test_replica_groups_spellings_map_to_hosts(gcc):
+def test_replica_groups_spellings_map_to_hosts():
     """XLA's three spellings of replica groups (lists, iota with a transpose, mesh axes with a
     sub-axis and an explicit device order) read as the groups XLA means, worked out by hand."""
-    rg = gcc.replica_groups
+    rg = hlo.replica_groups
     assert rg("replica_groups={{0,1},{2,3}}", 4) == [[0, 1], [2, 3]]
     assert rg("replica_groups={}", 4) == [[0, 1, 2, 3]]
     assert rg("replica_groups=[2,8]<=[16]", 16) == [list(range(8)), list(range(8, 16))]
@@ -252,13 +266,13 @@ def test_replica_groups_spellings_map_to_hosts(gcc):
     assert rg("source_target_pairs={{0,8},{8,0}}", 16) == [[0, 8], [8, 0]]
 
 
-def test_cross_host_classifier_flags_heads_moving_between_hosts(gcc):
+def test_cross_host_classifier_flags_heads_moving_between_hosts():
     """On 2 hosts x 8 GPUs (partitions 0-7 on host 0): the row-parallel all-reduce crosses hosts
     and is allowed, per layer; a per-host all-gather stays within a host; the sampling all-reduce
     crosses hosts outside the layers and is allowed; the all-gather of attention heads crosses
     hosts inside a layer and is flagged, so a compile whose K/V or heads moved between hosts fails."""
     hosts = [0] * 8 + [1] * 8
-    items = gcc.host_collectives(TWO_HOST_HLO, hosts)
+    items = hlo.host_collectives(TWO_HOST_HLO, hosts)
     by = {(c["op"], c["type"]): c for c in items}
     row, heads = by[("all-reduce", "f32[64,4096]")], by[("all-gather", "bf16[64,16,128]")]
     per_host, sampling = by[("all-gather", "s32[64,8]")], by[("all-reduce", "f32[64]")]
@@ -267,12 +281,12 @@ def test_cross_host_classifier_flags_heads_moving_between_hosts(gcc):
     assert not per_host["cross_host"] and per_host["group_size"] == 8 and not per_host["layer_body"]
     assert sampling["cross_host"] and not sampling["layer_body"] and sampling["loops"] == []
     sizes = dict(d_model=4096, head_dim=128, num_pages=32768, max_tokens=512)
-    problems = gcc.cross_host_problems(items, **sizes)
+    problems = hlo.cross_host_problems(items, **sizes)
     assert len(problems) == 1 and "bf16[64,16,128]" in problems[0] and "heads" in problems[0], problems
     # Without the heads' all-gather the rule holds.
-    assert gcc.cross_host_problems([c for c in items if c is not heads], **sizes) == []
+    assert hlo.cross_host_problems([c for c in items if c is not heads], **sizes) == []
     # The same all-gather within one host's 8 GPUs does not cross hosts: not flagged by this rule.
-    assert gcc.cross_host_problems([dict(heads, cross_host=False, hosts_per_group=1)], **sizes) == []
+    assert hlo.cross_host_problems([dict(heads, cross_host=False, hosts_per_group=1)], **sizes) == []
 
 
 def test_tensor_parallel_llama70b_over_2_hosts(tmp_path):
