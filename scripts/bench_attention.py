@@ -43,7 +43,7 @@ from jax import lax
 import jpa
 from jpa.ops.reference import MASK_VALUE, chunk_pages, paged_decode_xla
 
-from benchutil import machine, write_json  # scripts/benchutil.py, beside this script
+from jpa.tools.bench import machine, write_json
 
 TARGET = 1.3
 NUM_Q_HEADS, NUM_KV_HEADS = 8, 2

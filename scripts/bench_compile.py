@@ -577,7 +577,7 @@ def parse_args(argv=None):
     ap.add_argument("--models", default=",".join(CPU_MODELS),
                     help=f"named CPU models besides the Llama-shaped one (of {', '.join(CPU_MODELS)}; '' for none)")
     ap.add_argument("--engine", default="", metavar="FIELD=INT,...",
-                    help="cpu part: EngineConfig fields to change from generate.py's defaults (e.g. max_seqs=4)")
+                    help="cpu part: EngineConfig fields to change from `jpa generate`'s defaults (e.g. max_seqs=4)")
     ap.add_argument("--reps", type=int, default=2, help="fresh-process compiles per CPU model (median)")
     ap.add_argument("--reps-throughput", type=int, default=3, help="warm generate() runs after the cold one")
     ap.add_argument("--num-prompts", type=int, default=None, help="the first N of the 32 chats (default all)")
