@@ -83,7 +83,7 @@ MUTATIONS = (
     ),
     Mutation(
         name="prefix-hit-next-page",
-        file="jpa/engine/prefix_cache.py",
+        file="jpa/kv/prefix_cache.py",
         old="page = self.page_of.get(kid)\n",
         new="page = self.page_of.get(kid + 1)\n",
         selection=("tests/test_prefix_cache.py", "-k", "outputs_equal or warm_cache"),
