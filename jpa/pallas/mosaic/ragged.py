@@ -25,7 +25,7 @@ sequences are adjacent in q's rows); the wrapper gathers the live rows back into
 Tile slots past the live count skip their loads and their store.
 
 Pool layouts: per layer `[K, P, S_p, H]` (`layer=None`) or stacked `[L, K, P, S_p, H]` with a
-layer index (an i32 scalar, traced in a scan over layers), as in `mosaic_decode`: both kernels get
+layer index (an i32 scalar, traced in a scan over layers), as in the decode kernel: both kernels get
 the whole pools and the layer as an `i32[1]` operand, and TMA from `k_ref.at[layer, kv_head, page,
 rows]`.
 

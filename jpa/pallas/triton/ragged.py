@@ -174,6 +174,52 @@ def unsupported_reason(spec: RaggedSpec, compute_capability: float | None = None
     return triton_decode.unsupported_reason(spec, compute_capability)
 
 
+def _tile_rows(q, k_pages, v_pages, block_tables, tiles, alibi_slopes, k_scales, v_scales, layer, out, *,
+               scale, soft_cap, sliding_window, interpret, tile_plan, cdt, tuning):
+    """Runs the tile kernel with the launch `tile_plan` (`plan`) over `tiles` (`query_tiles`: 4 x
+    i32[num_tiles]), writing into `out` [T, N, H] (aliased): the other rows keep their values.
+    cdt: the dot operands' dtype. Returns the filled [T, N, H] in q's dtype."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_layers, num_kv_heads, num_pages, page_size, _ = pool_layout(k_pages, layer)
+    max_num_seqs, pages_per_seq = block_tables.shape
+    q_per_kv = num_q_heads // num_kv_heads
+    p, hp = tile_plan, tile_plan.head_dim_pad
+    quantized = k_scales is not None
+    kernel = functools.partial(
+        _kernel, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
+        page_size=page_size, pages_per_seq=pages_per_seq, q_per_kv=q_per_kv,
+        head_dim=head_dim, rows=p.rows, block_k=p.block_k, compute_dtype=cdt)
+    whole = lambda shape: pl.BlockSpec(shape, lambda w, h: (0,) * len(shape))  # noqa: E731
+    tile_spec = whole((p.num_tiles,))
+    pool_spec, scale_spec = pool_specs(num_layers, num_pages, page_size, hp)
+    io_spec = whole((num_tokens, num_q_heads, hp))
+    in_specs = [
+        tile_spec, tile_spec, tile_spec, tile_spec,
+        whole((max_num_seqs, pages_per_seq)),  # block_tables
+        io_spec,  # q
+        pool_spec, pool_spec,  # k_pages, v_pages: whole pools, kv head h selected by the index map
+        scale_spec if quantized else None, scale_spec if quantized else None,
+        whole((num_q_heads,)) if alibi_slopes is not None else None,
+        whole((1,)) if num_layers is not None else None,  # layer
+        io_spec,  # the output buffer, last rows already filled
+    ]
+    slopes = alibi_slopes.astype(jnp.float32) if alibi_slopes is not None else None
+    layer_arr = layer_operand(layer) if num_layers is not None else None  # i32[1]
+    operands = (*tiles, block_tables, q, k_pages, v_pages, k_scales, v_scales, slopes, layer_arr, out)
+    out_index = sum(x is not None for x in operands) - 1  # None operands are dropped
+    return pl.pallas_call(
+        kernel,
+        grid=(p.num_tiles, num_kv_heads),
+        in_specs=in_specs,
+        out_specs=io_spec,
+        out_shape=jax.ShapeDtypeStruct(out.shape, q.dtype),
+        input_output_aliases={out_index: 0},
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
+        name=f"jpa_ragged_rows{p.rows}_bk{p.block_k}",
+    )(*operands)
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "interpret",
                                              "rows", "partition_tokens", "tuning", "decode_tuning"))
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, num_seqs, *,
@@ -210,14 +256,13 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
       [num_tokens, num_q_heads, head_dim] in q's dtype; zeros at padding rows.
     """
     num_tokens, num_q_heads, head_dim = q.shape
-    num_layers, num_kv_heads, num_pages, page_size, _ = pool_layout(k_pages, layer)
+    _, num_kv_heads, _, page_size, _ = pool_layout(k_pages, layer)
     max_num_seqs, pages_per_seq = block_tables.shape
     q_per_kv = num_q_heads // num_kv_heads
     cdt = compute_dtype(q.dtype, k_pages.dtype)
     tuning = tuning or tuning_table.ragged_tuning(None, head_dim, cdt.name)
     p = plan(num_tokens, max_num_seqs, q_per_kv, head_dim, page_size, pages_per_seq, rows,
              f32=cdt == jnp.float32, tuning=tuning)
-    hp = p.head_dim_pad
     num_seqs = jnp.asarray(num_seqs, jnp.int32)
     opts = dict(scale=scale, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
                 sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales)
@@ -230,37 +275,6 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
     tiles = query_tiles(cu_q_lens, seq_lens, num_seqs, num_tokens=num_tokens,
                         tile_tokens=p.tile_tokens, num_tiles=p.num_tiles,
                         skip_last=True)  # 4 x i32[num_tiles]
-    quantized = k_scales is not None
-    kernel = functools.partial(
-        _kernel, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
-        page_size=page_size, pages_per_seq=pages_per_seq, q_per_kv=q_per_kv,
-        head_dim=head_dim, rows=p.rows, block_k=p.block_k, compute_dtype=cdt)
-    whole = lambda shape: pl.BlockSpec(shape, lambda w, h: (0,) * len(shape))  # noqa: E731
-    tile_spec = whole((p.num_tiles,))
-    pool_spec, scale_spec = pool_specs(num_layers, num_pages, page_size, hp)
-    io_spec = whole((num_tokens, num_q_heads, hp))
-    in_specs = [
-        tile_spec, tile_spec, tile_spec, tile_spec,
-        whole((max_num_seqs, pages_per_seq)),  # block_tables
-        io_spec,  # q
-        pool_spec, pool_spec,  # k_pages, v_pages: whole pools, kv head h selected by the index map
-        scale_spec if quantized else None, scale_spec if quantized else None,
-        whole((num_q_heads,)) if alibi_slopes is not None else None,
-        whole((1,)) if num_layers is not None else None,  # layer
-        io_spec,  # the output buffer, last rows already filled
-    ]
-    slopes = alibi_slopes.astype(jnp.float32) if alibi_slopes is not None else None
-    layer_arr = layer_operand(layer) if num_layers is not None else None  # i32[1]
-    operands = (*tiles, block_tables, q, k_pages, v_pages, k_scales, v_scales, slopes, layer_arr, out)
-    out_index = sum(x is not None for x in operands) - 1  # None operands are dropped
-    return pl.pallas_call(
-        kernel,
-        grid=(p.num_tiles, num_kv_heads),
-        in_specs=in_specs,
-        out_specs=io_spec,
-        out_shape=jax.ShapeDtypeStruct(out.shape, q.dtype),
-        input_output_aliases={out_index: 0},
-        interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
-        name=f"jpa_ragged_rows{p.rows}_bk{p.block_k}",
-    )(*operands)
+    return _tile_rows(q, k_pages, v_pages, block_tables, tiles, alibi_slopes, k_scales, v_scales,
+                      layer, out, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
+                      interpret=interpret, tile_plan=p, cdt=cdt, tuning=tuning)
