@@ -18,6 +18,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import jpa
 from jpa.pallas import compat
 from jpa.pallas.mosaic import decode as mosaic_decode
+from jpa.pallas.mosaic import pipeline as mosaic_pipeline
+from jpa.pallas.mosaic import tuning as mosaic_tuning
 from jpa.pallas.spec import DecodeSpec
 from jpa.ops.reference import paged_decode_xla
 from jpa.testing.kernel_cases import Case, make_inputs, np_reference, tolerance
@@ -102,7 +104,7 @@ def test_long_context_several_partitions_and_slots():
                 pages_per_seq=66, sliding_window=1500, seed=11, **BF16)
     args, opts = make_inputs(case)
     assert mosaic_decode.num_partitions(4, 2, 33) > 1
-    assert mosaic_decode.num_slots(64, 32) == mosaic_decode.MAX_SLOTS
+    assert mosaic_decode.num_slots(64, 32) == mosaic_tuning.lookup(None, 64).max_slots
     _check(case, jpa.paged_decode(*args, impl="mosaic", interpret=True, **opts), args, opts)
     forced = mosaic_decode._paged_decode(*args[:5], scale=opts["scale"], soft_cap=None,
                                          alibi_slopes=None, sliding_window=1500, interpret=True,
@@ -219,7 +221,7 @@ def test_smem_fits_and_pages_in_flight():
         assert mosaic_decode.num_slots(128, page_size) == 4
         assert mosaic_decode.smem_bytes(128, page_size) == 4 * 32768 + 16384 + 256
         assert mosaic_decode.smem_bytes(128, page_size, register_acc=False) == 4 * 32768 + 16384 + 8192 + 256
-    assert mosaic_decode.smem_bytes(256, 64, register_acc=False) <= mosaic_decode.SMEM_BUDGET
+    assert mosaic_decode.smem_bytes(256, 64, register_acc=False) <= mosaic_tuning.lookup(9.0, 256).smem_budget
     # int8 cache, bf16 q, head_dim 128, page_size 32: 4 slots of 8-bit K+V blocks with scales
     # (16.5 KiB each) + q, slopes + the widened K and V blocks (32 KiB).
     assert mosaic_decode.num_slots(128, 32, 2, 1) == 4
@@ -247,13 +249,13 @@ def test_blocks_stay_64_tokens_and_wide_tiles_are_sliced():
     ones: 128/256-token blocks spilled), and register tiles wider than 128 columns are processed
     in slices that are whole SMEM tiles and cover head_dim exactly once."""
     for ps in (8, 16, 32, 64, 128, 256):
-        bt = mosaic_decode.block_tokens(128, ps)
+        bt = mosaic_tuning.lookup(9.0, 128).block_tokens
         assert bt == 64 and (bt % ps == 0 or ps % bt == 0)
         assert mosaic_decode.num_blocks(3, ps, bt) * bt >= 3 * ps > (mosaic_decode.num_blocks(3, ps, bt) - 1) * bt
-    assert mosaic_decode.tmas_per_block(16, 64, True) == 8 and mosaic_decode.tmas_per_block(256, 64, False) == 1
+    assert mosaic_pipeline.tmas_per_block(16, 64, True) == 8 and mosaic_pipeline.tmas_per_block(256, 64, False) == 1
     for hd, dtypes, width in ((128, ("bfloat16",), 128), (192, ("bfloat16",), 64), (256, ("float16",), 64),
                               (192, ("int8", "bfloat16"), 64), (160, ("bfloat16",), 32)):
-        chunks = mosaic_decode.col_chunks(hd, *dtypes)
+        chunks = mosaic_pipeline.col_chunks(hd, *dtypes)
         assert {w for _, w in chunks} == {width}, (hd, dtypes, chunks)
         assert [c for c, _ in chunks] == list(range(0, hd, width))
 

@@ -2,6 +2,7 @@
 page pools to the kernel whole (no slice or copy of the cache in front of it), and every
 configuration it cannot serve is refused with a ValueError that says why."""
 
+import dataclasses
 import re
 
 import jax
@@ -12,6 +13,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 import jpa
 from jpa.pallas.mosaic import decode as mosaic_decode
+from jpa.pallas.mosaic import tuning as mosaic_tuning
 from jpa.pallas.spec import DecodeSpec
 
 H100 = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="cuda")
@@ -125,13 +127,13 @@ def test_unsupported_configurations_raise(kwargs, message):
         _call(**kwargs)
 
 
-def test_smem_overflow_is_refused(monkeypatch):
+def test_smem_overflow_is_refused():
     """With 64-token blocks every accepted shape fits an H100's SMEM (head_dim 256: 2 slots in
     168 KiB); a smaller budget shows the refusal that keeps an overflow out of the compile."""
     spec = DecodeSpec("bfloat16", "bfloat16", 8, 2, 256, 128, 4, False, False, False, False)
     assert mosaic_decode.unsupported_reason(spec, 9.0) is None
-    monkeypatch.setattr(mosaic_decode, "SMEM_BUDGET", 96 * 1024)
-    assert "needs more than 96 KiB of SMEM" in mosaic_decode.unsupported_reason(spec, 9.0)
+    small = dataclasses.replace(mosaic_tuning.lookup(9.0, 256), smem_budget=96 * 1024)
+    assert "needs more than 96 KiB of SMEM" in mosaic_decode.unsupported_reason(spec, 9.0, tuning=small)
 
 
 def test_partitions_fill_an_h100():

@@ -14,6 +14,7 @@ import pytest
 
 import jpa
 from jpa.pallas.triton import decode as triton_decode
+from jpa.pallas.triton import tuning as triton_tuning
 from jpa.pallas.spec import DecodeSpec
 from jpa.ops.reference import paged_decode_xla
 from jpa.testing.kernel_cases import Case, make_inputs, np_reference, tolerance
@@ -56,7 +57,7 @@ CASES = [
     Case((0, 1, 25, 64), num_q_heads=8, num_kv_heads=2, head_dim=80, page_size=16,
          q_dtype="bfloat16", cache_dtype="int8", soft_cap=10.0, alibi=True, sliding_window=19,
          share_page=True, seed=11),
-    # exactly one partition: max context = PARTITION_TOKENS.
+    # exactly one partition: max context = the default partition_tokens (1024).
     Case((1024, 1023, 513), num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
          pages_per_seq=64, seed=12),
     # several partitions (2560 tokens -> 3 of 1024), with a window crossing partition borders.
@@ -122,7 +123,7 @@ def test_plan_heuristic():
     short = triton_decode.plan(4, 8, 4, 128, 16, 64)  # 1024 tokens: one pass
     assert short.num_partitions == 1
     long = triton_decode.plan(1, 8, 4, 128, 16, 2048)  # 32k tokens, small batch: split
-    assert long.num_partitions == 32768 // triton_decode.PARTITION_TOKENS
+    assert long.num_partitions == 32768 // triton_tuning.decode_tuning().partition_tokens
     full = triton_decode.plan(256, 8, 4, 128, 16, 512)  # 8k tokens, 2048 programs: no split
     assert full.num_partitions == 1
     for p, page_size in ((short, 16), (long, 16), (triton_decode.plan(2, 2, 1, 80, 128, 40), 128)):

@@ -11,6 +11,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 import jpa
 from jpa.pallas.triton import decode as triton_decode
+from jpa.pallas.triton import tuning as triton_tuning
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 A100 = ("NVIDIA A100-SXM4-80GB", 108)
@@ -114,7 +115,7 @@ def test_lowers_with_whole_page_pools(device, q_dtype, cache_dtype, head_dim, pa
     # Split-K shows up as the grid's z extent: long contexts are partitioned, short are not.
     grid_z = int(re.search(r"grid_z = (\d+)", call).group(1))
     max_tokens = pages_per_seq * page_size
-    assert (grid_z > 1) == (max_tokens > triton_decode.PARTITION_TOKENS)
+    assert (grid_z > 1) == (max_tokens > triton_tuning.decode_tuning().partition_tokens)
 
 
 def test_checker_catches_a_sliced_pool():

@@ -1,4 +1,10 @@
-"""Pallas GPU kernels behind `jpa.paged_decode`. One kernel per file.
+"""Pallas GPU kernels behind `jpa.paged_decode` and `jpa.ragged_paged_attention`. One kernel per file.
+
+Layout: one folder per backend (`mosaic/`, `triton/`), each with its kernels (`decode.py`,
+`ragged.py`), the pipeline pieces both of them run (`pipeline.py`) and their tiling apart from them
+(`tuning.py`: a frozen, validated dataclass and a table of defaults by GPU generation and shape,
+passed to a kernel as `tuning=`). `common.py` holds the math both backends share (split-K merge,
+pool layouts, query tiles, the tuning-table lookup), `spec.py` the static call descriptions.
 
 Every kernel module exposes the same two functions (the contract `jpa.ops.dispatch` relies on):
 

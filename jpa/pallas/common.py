@@ -1,4 +1,5 @@
-"""Math shared by the Pallas kernels (plain jnp; runs outside the kernels).
+"""Math shared by the Pallas kernels of both backends (plain jnp; all but `layer_index` runs outside
+the kernels).
 
 Split-K (flash-decoding / vLLM v2): each partition of a sequence's keys produces an
 unnormalized accumulator acc_p, its running max m_p and running sum l_p. The partitions are
@@ -13,6 +14,9 @@ Pool layouts (every kernel takes both): a per-layer pool `[K, P, S_p, H]` with `
 stacked pool `[L, K, P, S_p, H]` (all layers in one buffer, carried through a scan over layers)
 with a layer index, passed to the kernel whole next to the index (`pool_layout`, `layer_operand`).
 """
+
+import dataclasses
+from typing import Any
 
 import jax.numpy as jnp
 
@@ -39,6 +43,12 @@ def pool_layout(k_pages, layer):
 def layer_operand(layer):
     """The layer index as the kernels' i32[1] operand (a free reshape of an i32 scalar)."""
     return jnp.asarray(layer, jnp.int32).reshape(1)
+
+
+def layer_index(layer_ref, num_layers):
+    """The layer of a stacked pool, read inside a kernel from its i32[1] operand and clamped into
+    [0, num_layers) (like a page: an out-of-range layer must never address outside the pool)."""
+    return jnp.minimum(jnp.maximum(layer_ref[0], 0), num_layers - 1)
 
 
 def merge_partitions(acc, m, l, out_dtype):
@@ -137,3 +147,38 @@ def decode_last_rows(decode_fn, q, k_pages, v_pages, block_tables, seq_lens, cu_
                          **opts)  # [max_num_seqs, N, H]
     out = jnp.zeros(q.shape, q.dtype)  # [T, N, H]
     return out.at[jnp.where(has_rows, row, num_tokens)].set(out_last, mode="drop")
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningRow:
+    """One entry of a kernel family's tuning table (`jpa/pallas/<backend>/tuning.py`).
+
+    The row serves GPUs of compute capability in [min, max) (`compute_capability` None: any GPU,
+    an unknown one and interpret mode: a fallback row, last in its table), head_dim in
+    head_dims[0] .. head_dims[1] (inclusive) and, when `compute_dtypes` is given, only those dot
+    operand dtypes (numpy names). `measured` says what was measured for this row and where; an
+    empty string marks an unmeasured default."""
+    gpus: str
+    compute_capability: tuple | None
+    tuning: Any
+    measured: str = ""
+    head_dims: tuple = (1, 1 << 30)
+    compute_dtypes: tuple | None = None
+
+    def matches(self, compute_capability, head_dim: int, compute_dtype: str | None = None) -> bool:
+        if self.compute_capability is not None:
+            lo, hi = self.compute_capability
+            if compute_capability is None or not lo <= compute_capability < hi:
+                return False
+        if not self.head_dims[0] <= head_dim <= self.head_dims[1]:
+            return False
+        return self.compute_dtypes is None or compute_dtype in self.compute_dtypes
+
+
+def lookup_tuning(table, compute_capability, head_dim: int, compute_dtype: str | None = None) -> TuningRow:
+    """The first row of `table` that serves (compute capability, head_dim, compute dtype)."""
+    for row in table:
+        if row.matches(compute_capability, head_dim, compute_dtype):
+            return row
+    raise LookupError(f"no tuning row for compute capability {compute_capability}, head_dim "
+                      f"{head_dim}, compute dtype {compute_dtype}: a table must end with fallback rows")

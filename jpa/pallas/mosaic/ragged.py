@@ -1,9 +1,9 @@
 """Ragged paged attention as Pallas Mosaic GPU kernels (Hopper, sm_90+).
 
-The same split as `triton_ragged`, in one jitted program over the whole page pools:
+The same split as `jpa.pallas.triton.ragged`, in one jitted program over the whole page pools:
 
 1. Every sequence's LAST query row (every decode token) goes through the Mosaic decode kernel
-   (`mosaic_decode`, with its split-K partitions).
+   (`jpa.pallas.mosaic.decode`, with its split-K partitions).
 2. The other rows go through this file's kernel, grid (num_tiles, num_kv_heads). A tile is up to
    BLOCK_Q // q_per_kv consecutive query tokens of ONE sequence (`query_tiles`, plain JAX in the
    wrapper). GQA is packed into WGMMA's 64 rows: q is laid out [kv head, token, q_per_kv, H] by
@@ -12,11 +12,12 @@ The same split as `triton_ragged`, in one jitted program over the whole page poo
 
 Program (w, h) walks its sequence's keys a block (>= 64 tokens, whole pages, each copied GMEM ->
 SMEM by its own TMA through the block table) at a time from the first key any row may see (sliding
-window) to its last query position, with `mosaic_decode`'s buffering (`slots` blocks, slots - 1 in
-flight), dtype widening for 8-bit caches, online softmax and in-place P @ V accumulation (GPU
-interpret mode: the same math through SMEM, as in mosaic_decode). Each row is masked causally and by
-the window on the WGMMA-layout registers; as some rows may see no key of a block, masked p are
-zeroed explicitly. V rows outside the tile's key range are zeroed in SMEM (0 * NaN is NaN).
+window) to its last query position, through the decode kernel's pipeline (`pipeline.attend`:
+`slots` blocks buffered, slots - 1 in flight, dtype widening for 8-bit caches, online softmax and
+in-place P @ V accumulation; GPU interpret mode: the same math through SMEM). This file says which
+keys each row sees: causal and by the window, on the WGMMA-layout registers; as some rows may see no
+key of a block, masked p are zeroed explicitly. V rows outside the tile's key range are zeroed in
+SMEM (0 * NaN is NaN). The tiling (`MosaicTuning`) is the decode kernel's, from the same table.
 
 Each live program writes its 64 output rows (normalized, q's dtype) to its own slot of a
 [num_tiles, K, 64, H] buffer (a TMA store needs a static row count, and tiles of different
@@ -24,7 +25,7 @@ sequences are adjacent in q's rows); the wrapper gathers the live rows back into
 Tile slots past the live count skip their loads and their store.
 
 Pool layouts: per layer `[K, P, S_p, H]` (`layer=None`) or stacked `[L, K, P, S_p, H]` with a
-layer index (an i32 scalar, traced in a scan over layers), as in `mosaic_decode`: both kernels get
+layer index (an i32 scalar, traced in a scan over layers), as in the decode kernel: both kernels get
 the whole pools and the layer as an `i32[1]` operand, and TMA from `k_ref.at[layer, kv_head, page,
 rows]`.
 
@@ -40,22 +41,24 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jpa.pallas.mosaic import decode as mosaic_decode
-from jpa.pallas.common import (MASK_VALUE, decode_last_rows, layer_operand, max_query_tiles, pool_layout,
+from jpa.pallas.common import (decode_last_rows, layer_index, layer_operand, max_query_tiles, pool_layout,
                                query_tiles)
-from jpa.pallas.mosaic.decode import (BLOCK_Q, _block_source, _copy_block, _layer, _mask_rows,
-                                      _operand_transforms, _widen_tile, block_tokens as block_tokens_for, num_slots,
-                                      tmas_per_block)
+from jpa.pallas.mosaic import decode as mosaic_decode
+from jpa.pallas.mosaic import tuning as tuning_table
+from jpa.pallas.mosaic.pipeline import (BLOCK_Q, ROW_ALIGN, KVBlocks, attend, barriers, main_loop_scratch,
+                                        num_slots, operand_transforms, prologue, tmas_per_block)
+from jpa.pallas.mosaic.tuning import MosaicTuning
 from jpa.pallas.spec import RaggedSpec
 
 # Placeholder operand for absent optional inputs (Mosaic GPU kernels take a fixed operand list).
 _PLACEHOLDER_ROWS = 8
 
 
-def unsupported_reason(spec: RaggedSpec, compute_capability: float | None = None) -> str | None:
+def unsupported_reason(spec: RaggedSpec, compute_capability: float | None = None, *,
+                       tuning: MosaicTuning | None = None) -> str | None:
     """Why these kernels cannot serve `spec` on a GPU of `compute_capability` (None: skip the
     device check), or None when they can: the decode kernel's limits, which cover this one's."""
-    return mosaic_decode.unsupported_reason(spec, compute_capability)
+    return mosaic_decode.unsupported_reason(spec, compute_capability, tuning=tuning)
 
 
 def tile_tokens(q_per_kv: int) -> int:
@@ -72,18 +75,14 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref, pos0_r
     # holds the layer, else None); tables_ref i32[max_num_seqs, pages_per_seq];
     # seq_ref, row0_ref, ntok_ref, pos0_ref i32[num_tiles]; slopes_ref f32[K, BLOCK_Q] or None;
     # ks_ref, vs_ref f32[(L,) K, P, S_p] or None; out_ref [num_tiles, K, BLOCK_Q, H] in q's dtype.
-    # register_acc: as in mosaic_decode, the hardware path (P @ V accumulated in place, p a
-    # register operand); False in GPU interpret mode (p through SMEM, a fresh accumulator added).
+    # register_acc: as in the decode kernel (`pipeline.attend`); False in GPU interpret mode.
     q_bar, k_bars, v_bars = bars
     w = lax.axis_index("tile")
     kh = lax.axis_index("kv_head")
-    _, num_pages, _, head_dim = k_ref.shape[-4:]
-    head = (kh,) if layer_ref is None else (_layer(layer_ref, k_ref.shape[0]), kh)
-    pages_per_seq = tables_ref.shape[1]
+    head_dim = k_ref.shape[-1]
+    head = (kh,) if layer_ref is None else (layer_index(layer_ref, k_ref.shape[0]), kh)
     dtype = q_ref.dtype
     quantized = ks_ref is not None
-    col_layout = plgpu.Layout.WGMMA.reduce(0)
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     seq, row0, ntok, pos0 = seq_ref[w], row0_ref[w], ntok_ref[w], pos0_ref[w]
     # Keys some row of the tile sees: [kv_lo, kv_end); kv_end - 1 is the last query position.
@@ -95,140 +94,41 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref, pos0_r
 
     def main_loop(q_smem, k_smem, v_smem, p_smem, slopes_smem, kd_smem, vd_smem, ks_smem,
                   vs_smem):
-        # As in mosaic_decode: q_smem [BLOCK_Q, H]; k_smem, v_smem [slots, S, H]; p_smem
-        # [BLOCK_Q, S] (interpret mode only, else None); slopes_smem f32[BLOCK_Q] or None; quantized: kd/vd_smem [S, H] in q's
-        # dtype, ks/vs_smem f32[slots, S]. S = block_tokens.
-        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(kh * rows_per_head + row0 * q_per_kv, BLOCK_Q)],
-                                q_smem, q_bar.at[0])
-        if slopes_smem is not None:
-            plgpu.copy_gmem_to_smem(slopes_ref.at[kh], slopes_smem, q_bar.at[1])
-
-        def lookup(step):
-            """Where block lo + step is (clamped in range; see mosaic_decode._block_source)."""
-            return _block_source(tables_ref, seq, lo + step, page_size=page_size, block_tokens=block_tokens,
-                                 pages_per_seq=pages_per_seq, num_pages=num_pages)
-
-        def issue(src, slot):
-            _copy_block(src, slot, head, (k_ref, v_ref, ks_ref, vs_ref), (k_smem, v_smem, ks_smem, vs_smem),
-                        (k_bars, v_bars), page_size=page_size, block_tokens=block_tokens)
-
-        for s in range(slots - 1):
-            pl.when(s < num_steps)(functools.partial(issue, lookup(s), s))
-
-        plgpu.barrier_wait(q_bar.at[0])
-        if slopes_smem is not None:
-            plgpu.barrier_wait(q_bar.at[1])
-            slopes = plgpu.load(slopes_smem, layout=row_layout)  # f32[BLOCK_Q]
+        # As `pipeline.main_loop_scratch` lists them.
+        blocks = KVBlocks(tables_ref, seq, lo, num_steps, head, (k_ref, v_ref, ks_ref, vs_ref),
+                          (k_smem, v_smem, ks_smem, vs_smem), (k_bars, v_bars), page_size,
+                          block_tokens, slots)
+        q_src = q_ref.at[pl.ds(kh * rows_per_head + row0 * q_per_kv, BLOCK_Q)]
+        slopes = prologue(blocks, q_src, q_smem,
+                          slopes_ref.at[kh] if slopes_ref is not None else None, slopes_smem,
+                          q_bar)  # f32[BLOCK_Q] or None
         # Position of each row's query: pos0 + token of the row.
         q_pos = pos0 + lax.div(plgpu.broadcasted_iota(
             jnp.int32, (BLOCK_Q, block_tokens), 0, layout=plgpu.Layout.WGMMA), q_per_kv)
 
-        def body(step, carry):
-            acc, m, l, nxt_pages = carry  # f32[BLOCK_Q, H], f32[BLOCK_Q], f32[BLOCK_Q], i32s
-            slot = lax.rem(step, slots)
-            nxt = step + slots - 1
-            pl.when(nxt < num_steps)(lambda: issue(nxt_pages, lax.rem(nxt, slots)))
-            nxt_pages = lookup(nxt + 1)
-
-            block_start = (lo + step) * block_tokens
-            plgpu.barrier_wait(k_bars.at[slot])
-            if quantized:
-                _widen_tile(k_smem.at[slot], kd_smem, dtype, head_dim)
-                plgpu.commit_smem()
-                k_op = kd_smem
-            else:
-                k_op = k_smem.at[slot]
-
-            def qk(s_ref):
-                plgpu.wgmma(s_ref, q_smem, k_op.transpose((1, 0)))
-                return s_ref[...]
-            s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_tokens), jnp.float32))  # [BLOCK_Q, S]
-            s = s * scale
-            if quantized:
-                k_scale = plgpu.load(ks_smem.at[slot], layout=col_layout)  # f32[S]
-                s = s * lax.broadcast_in_dim(k_scale, s.shape, [1])
-            if soft_cap is not None:
-                s = soft_cap * jnp.tanh(s * (1.0 / soft_cap))
-            pos = block_start + plgpu.broadcasted_iota(
-                jnp.int32, (BLOCK_Q, block_tokens), 1, layout=plgpu.Layout.WGMMA)
+        def logits(s, pos):
             rel = pos - q_pos  # key position - query position
-            if slopes_smem is not None:
+            if slopes is not None:
                 s = s + lax.broadcast_in_dim(slopes, s.shape, [0]) * rel.astype(jnp.float32)
             # The tile's key range, causal per row, and the window per row.
             vis = (pos < kv_end) & (pos >= kv_lo) & (rel <= 0)
             if sliding_window is not None:
                 vis = vis & (rel > -sliding_window)
-            s = jnp.where(vis, s, MASK_VALUE)
-            m_new = jnp.maximum(m, s.max(axis=1))
-            alpha = jnp.exp(m - m_new)  # rescales what was accumulated under the old max
-            # A row may see no key of this block (causal, window): its p must be 0, not exp(0).
-            p = jnp.where(vis, jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, [0])), 0.0)
-            l = l * alpha + p.sum(axis=1)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            plgpu.barrier_wait(v_bars.at[slot])
-            if quantized:
-                v_scale = plgpu.load(vs_smem.at[slot], layout=col_layout)  # f32[S]
-                p = jnp.where(vis, p * lax.broadcast_in_dim(v_scale, p.shape, [1]), 0.0)
-            if not register_acc:
-                p_smem[...] = p.astype(dtype)  # interpret mode: SMEM operands only
-            if quantized:
-                _mask_rows(v_smem.at[slot], vd_smem, lambda tok: (tok < kv_end) & (tok >= kv_lo),
-                           block_start, block_tokens, dtype, head_dim)
-                v_op = vd_smem
-            else:
-                v_op = v_smem.at[slot]
-                partial_block = (block_start < kv_lo) | (block_start + block_tokens > kv_end)
+            return s, vis
 
-                @pl.when(partial_block)
-                def _zero_invisible_v():
-                    # p = 0 there, but 0 * (garbage NaN/inf in an unwritten slot) would be NaN.
-                    _mask_rows(v_smem.at[slot], v_smem.at[slot],
-                               lambda tok: (tok < kv_end) & (tok >= kv_lo), block_start,
-                               block_tokens, dtype, head_dim)
-                    if register_acc:
-                        plgpu.commit_smem()  # only blocks that were rewritten need the fence
-
-            if quantized or not register_acc:
-                plgpu.commit_smem()  # register stores to SMEM -> visible to the WGMMA
-
-            if register_acc:
-                def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p.astype(dtype), v_op)
-                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-            else:
-                def pv(pv_ref):
-                    plgpu.wgmma(pv_ref, p_smem, v_op)
-                    return pv_ref[...]
-                acc = acc + pl.run_scoped(pv, plgpu.ACC((BLOCK_Q, head_dim), jnp.float32))
-            return acc, m_new, l, nxt_pages
-
-        init = (
-            plgpu.layout_cast(jnp.zeros((BLOCK_Q, head_dim), jnp.float32), plgpu.Layout.WGMMA),
-            plgpu.layout_cast(jnp.full((BLOCK_Q,), MASK_VALUE, jnp.float32), row_layout),
-            plgpu.layout_cast(jnp.zeros((BLOCK_Q,), jnp.float32), row_layout),
-            lookup(slots - 1),
-        )
-        acc, m, l, _ = lax.fori_loop(0, num_steps, body, init)
+        acc, m, l = attend(blocks, q_smem, p_smem, kd_smem, vd_smem, scale=scale,
+                           soft_cap=soft_cap, logits=logits, key_range=(kv_lo, kv_end),
+                           zero_masked_p=True, register_acc=register_acc)
         del m
         # Live rows see at least their own key (l > 0); the guard keeps the other rows finite.
         l = jnp.where(l > 0, l, 1.0)
         return acc / lax.broadcast_in_dim(l, acc.shape, [0])
 
-    transforms = _operand_transforms(dtype, head_dim)
-    cache_transforms = _operand_transforms(k_ref.dtype, head_dim)
     out = pl.run_scoped(
         main_loop,
-        plgpu.SMEM((BLOCK_Q, head_dim), dtype, transforms=transforms),
-        plgpu.SMEM((slots, block_tokens, head_dim), k_ref.dtype, transforms=cache_transforms),
-        plgpu.SMEM((slots, block_tokens, head_dim), k_ref.dtype, transforms=cache_transforms),
-        None if register_acc else plgpu.SMEM((BLOCK_Q, block_tokens), dtype,
-                                             transforms=_operand_transforms(dtype, block_tokens)),
-        plgpu.SMEM((BLOCK_Q,), jnp.float32) if slopes_ref is not None else None,
-        plgpu.SMEM((block_tokens, head_dim), dtype, transforms=transforms) if quantized else None,
-        plgpu.SMEM((block_tokens, head_dim), dtype, transforms=transforms) if quantized else None,
-        plgpu.SMEM((slots, block_tokens), jnp.float32) if quantized else None,
-        plgpu.SMEM((slots, block_tokens), jnp.float32) if quantized else None,
-    )  # f32[BLOCK_Q, H], WGMMA layout
+        *main_loop_scratch(dtype, k_ref.dtype, head_dim, block_tokens, slots,
+                           alibi=slopes_ref is not None, quantized=quantized,
+                           register_acc=register_acc))  # f32[BLOCK_Q, H], WGMMA layout
 
     def epilogue(o_smem):
         o_smem[...] = out.astype(dtype)
@@ -239,11 +139,12 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref, pos0_r
             plgpu.copy_smem_to_gmem(o_smem, out_ref.at[w, kh])
             plgpu.wait_smem_to_gmem(0)
 
-    pl.run_scoped(epilogue, plgpu.SMEM((BLOCK_Q, head_dim), dtype, transforms=transforms))
+    pl.run_scoped(epilogue, plgpu.SMEM((BLOCK_Q, head_dim), dtype,
+                                       transforms=operand_transforms(dtype, head_dim)))
 
 
 def _tile_rows(q, k_pages, v_pages, block_tables, tiles, alibi_slopes, k_scales, v_scales, *,
-               scale, soft_cap, sliding_window, interpret, layer=None):
+               scale, soft_cap, sliding_window, interpret, layer=None, tuning):
     """Runs the tile kernel. Returns out_tiles [num_tiles, K, BLOCK_Q, H] in q's dtype (rows
     of dead tiles, and rows past a tile's tokens, are unspecified)."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -251,12 +152,12 @@ def _tile_rows(q, k_pages, v_pages, block_tables, tiles, alibi_slopes, k_scales,
     stacked = num_layers is not None
     q_per_kv = num_q_heads // num_kv_heads
     num_tiles = tiles[0].shape[0]
-    bt = block_tokens_for(head_dim, page_size)
+    bt = tuning.block_tokens
     quantized = k_scales is not None
-    # Planned as if p were in SMEM on both paths (mosaic_decode's rule): same pipeline depth.
-    slots = num_slots(head_dim, page_size, q.dtype.itemsize, k_pages.dtype.itemsize)
-    # Padded to a multiple of 8 rows (Mosaic GPU's TMA tiles GMEM rows by 8; see mosaic_decode).
-    rows_per_head = num_tokens * q_per_kv + BLOCK_Q + (-(num_tokens * q_per_kv)) % 8
+    # Planned as if p were in SMEM on both paths (the decode kernel's rule): same pipeline depth.
+    slots = num_slots(head_dim, page_size, q.dtype.itemsize, k_pages.dtype.itemsize, tuning=tuning)
+    # Padded to a multiple of 8 rows (Mosaic GPU's TMA tiles GMEM rows by 8; see the decode kernel).
+    rows_per_head = num_tokens * q_per_kv + BLOCK_Q + (-(num_tokens * q_per_kv)) % ROW_ALIGN
     # [K, T * G (+ BLOCK_Q padding), H]: a tile's rows for one kv head are consecutive.
     q_rows = jnp.swapaxes(q.reshape(num_tokens, num_kv_heads, q_per_kv, head_dim), 0, 1)
     q_rows = jnp.pad(q_rows.reshape(num_kv_heads, num_tokens * q_per_kv, head_dim),
@@ -283,10 +184,7 @@ def _tile_rows(q, k_pages, v_pages, block_tables, tiles, alibi_slopes, k_scales,
                                  pos0_ref, slopes_ref if alibi_slopes is not None else None,
                                  ks_ref if quantized else None, vs_ref if quantized else None,
                                  layer_ref, out_ref, bars),
-            plgpu.Barrier(num_barriers=2),
-            plgpu.Barrier(num_arrivals=arrivals, num_barriers=slots),
-            plgpu.Barrier(num_arrivals=arrivals, num_barriers=slots),
-        )
+            *barriers(arrivals, slots))
 
     return plgpu.kernel(
         jpa_mosaic_ragged,
@@ -300,10 +198,11 @@ def _tile_rows(q, k_pages, v_pages, block_tables, tiles, alibi_slopes, k_scales,
       *([layer_operand(layer)] if stacked else []))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "interpret",
+                                             "tuning"))
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, num_seqs, *,
                            scale, soft_cap=None, alibi_slopes=None, sliding_window=None,
-                           k_scales=None, v_scales=None, interpret=False, layer=None):
+                           k_scales=None, v_scales=None, interpret=False, layer=None, tuning=None):
     """Ragged paged attention with the Mosaic GPU kernels. Arguments as
     `jpa.ragged_paged_attention` (already validated; `unsupported_reason` is None for them).
 
@@ -312,6 +211,9 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
     i32[] (one compiled program serves every layer), expected in [0, L) and clamped into it.
     Both kernels get the pools whole either way.
 
+    tuning: a `MosaicTuning` (static) for both kernels; None takes `tuning.lookup(None,
+    head_dim)`, the table's fallback row (the same values as its H100 row).
+
     Returns:
       [num_tokens, num_q_heads, head_dim] in q's dtype; zeros at padding rows.
     """
@@ -319,10 +221,12 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
     num_kv_heads = pool_layout(k_pages, layer)[1]
     q_per_kv = num_q_heads // num_kv_heads
     num_seqs = jnp.asarray(num_seqs, jnp.int32)
+    tuning = tuning or tuning_table.lookup(None, head_dim)
     opts = dict(scale=scale, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
                 sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales)
     # 1. Last rows (all decode tokens) through the split-K decode kernel.
-    decode = functools.partial(mosaic_decode.paged_decode, interpret=interpret, layer=layer)
+    decode = functools.partial(mosaic_decode.paged_decode, interpret=interpret, layer=layer,
+                               tuning=tuning)
     out = decode_last_rows(decode, q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,
                            num_seqs, **opts)  # [T, N, H]
     # 2. The other rows through the tile kernel.
@@ -332,7 +236,7 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
                         skip_last=True)  # 4 x i32[num_tiles]
     out_tiles = _tile_rows(q, k_pages, v_pages, block_tables, tiles, alibi_slopes, k_scales,
                            v_scales, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
-                           interpret=interpret, layer=layer)  # [W, K, BLOCK_Q, H]
+                           interpret=interpret, layer=layer, tuning=tuning)  # [W, K, BLOCK_Q, H]
     # Gather each tiled row back: row t is token t - row0[w] of its tile w.
     _, row0, ntok, _ = tiles
     j = jnp.arange(tt, dtype=jnp.int32)  # i32[tt]

@@ -32,6 +32,10 @@ each writes its unnormalized (acc, m, l), merged by `jpa.pallas.common.merge_par
 Triton blocks need power-of-two shapes: head_dim is padded to `head_dim_pad` (80 -> 128) and
 q_per_kv to `rows` (>= 16 so `tl.dot` can use tensor cores); padded columns/rows are masked on
 every load and store, so neither the cache nor the outputs are ever padded in memory.
+
+The key step (gather, scores, online softmax) is `pipeline`'s, shared with the ragged kernel; the
+tiling (`tuning.DecodeTuning`: tile size, split-K partitions, warps, stages) is an argument whose
+default comes from `tuning.DECODE_TABLE`.
 """
 
 import functools
@@ -44,33 +48,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jpa.pallas.common import MASK_VALUE, layer_operand, merge_partitions, pool_layout
+from jpa.pallas.common import layer_index, layer_operand, merge_partitions, pool_layout
 from jpa.pallas.spec import DecodeSpec
-from jpa.core.quant import is_quantized
+from jpa.pallas.triton import tuning as tuning_table
+from jpa.pallas.triton.pipeline import (MIN_BLOCK_K, MIN_ROWS, compute_dtype, load_kv, next_pow2, pool_specs,
+                                        scores, softmax_init, softmax_step)
+from jpa.pallas.triton.tuning import DecodeTuning
 
-# ---- Tuning (the heuristic; see `plan`) ----
-# Key tokens per inner step, by padded head_dim: one K and one V tile of block_k x head_dim_pad
-# are in flight per step; 8192 elements (64 x 128, the tile Triton flash-decoding kernels commonly
-# use with 4 warps) is the starting point. Unmeasured here (no GPU): tune with bench_kernels.py.
-TILE_ELEMENTS = 8192
-MIN_BLOCK_K = 16          # tl.dot needs every dim >= 16
-MIN_ROWS = 16             # ditto for the q rows (q_per_kv padded up to this)
-# Key tokens per split-K partition: 1024 tokens is 8-32 inner steps, enough work per program to
-# amortize its launch and q load, while a 32k context still yields 32 programs per (sequence,
-# kv head) to fill the SMs when the batch is small.
-PARTITION_TOKENS = 1024
-# With at least this many (sequence, kv head) programs the GPU is already full (about 4 programs
-# per SM on A100/H100, 108/132 SMs), so contexts up to NO_SPLIT_MAX_TOKENS run in one pass and
-# skip the partials' write + merge (vLLM's v1/v2 rule has the same shape).
-FULL_GRID_PROGRAMS = 512
-NO_SPLIT_MAX_TOKENS = 8192
 MAX_HEAD_DIM = 256
-NUM_WARPS = 4
-NUM_STAGES = 2
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
 
 
 class Plan(NamedTuple):
@@ -83,26 +68,31 @@ class Plan(NamedTuple):
 
 
 def plan(num_seqs: int, num_kv_heads: int, q_per_kv: int, head_dim: int, page_size: int,
-         pages_per_seq: int, partition_tokens: int | None = None) -> Plan:
+         pages_per_seq: int, partition_tokens: int | None = None, *,
+         tuning: DecodeTuning | None = None) -> Plan:
     """Chooses tile and split-K sizes from static shapes (lengths are data, so the worst case).
 
-    - block_k (key tokens per inner step) = TILE_ELEMENTS / head_dim_pad, at least 16, at most the
-      longest context rounded up to a power of two. A step spans block_k / page_size pages (or
-      part of one page when pages are larger than a step: the gather is per token).
-    - One partition (no split-K) when the longest context fits in PARTITION_TOKENS, or when
-      num_seqs * num_kv_heads already fills the GPU and contexts are at most NO_SPLIT_MAX_TOKENS.
-      Otherwise partitions of PARTITION_TOKENS tokens (a multiple of block_k and of page_size).
+    - block_k (key tokens per inner step) = tuning.tile_elements / head_dim_pad, at least 16, at
+      most the longest context rounded up to a power of two. A step spans block_k / page_size pages
+      (or part of one page when pages are larger than a step: the gather is per token).
+    - One partition (no split-K) when the longest context fits in tuning.partition_tokens, or when
+      num_seqs * num_kv_heads already fills the GPU (tuning.full_grid_programs) and contexts are at
+      most tuning.no_split_max_tokens. Otherwise partitions of tuning.partition_tokens tokens (a
+      multiple of block_k and of page_size).
+    - tuning None: `tuning.decode_tuning(None, head_dim)`.
     """
-    head_dim_pad = max(16, _next_pow2(head_dim))
-    rows = max(MIN_ROWS, _next_pow2(q_per_kv))
+    tuning = tuning or tuning_table.decode_tuning(None, head_dim)
+    head_dim_pad = max(16, next_pow2(head_dim))
+    rows = max(MIN_ROWS, next_pow2(q_per_kv))
     max_tokens = pages_per_seq * page_size
-    block_k = max(MIN_BLOCK_K, min(TILE_ELEMENTS // head_dim_pad, _next_pow2(max_tokens)))
+    block_k = max(MIN_BLOCK_K, min(tuning.tile_elements // head_dim_pad, next_pow2(max_tokens)))
     if partition_tokens is not None:  # an explicit size (tests, tuning) also bounds the step
-        block_k = max(MIN_BLOCK_K, min(block_k, _next_pow2(partition_tokens)))
+        block_k = max(MIN_BLOCK_K, min(block_k, next_pow2(partition_tokens)))
     else:
-        one_pass = max_tokens <= PARTITION_TOKENS or (
-            num_seqs * num_kv_heads >= FULL_GRID_PROGRAMS and max_tokens <= NO_SPLIT_MAX_TOKENS)
-        partition_tokens = max_tokens if one_pass else PARTITION_TOKENS
+        one_pass = max_tokens <= tuning.partition_tokens or (
+            num_seqs * num_kv_heads >= tuning.full_grid_programs
+            and max_tokens <= tuning.no_split_max_tokens)
+        partition_tokens = max_tokens if one_pass else tuning.partition_tokens
     # A partition is a whole number of steps.
     partition_tokens = -(-partition_tokens // block_k) * block_k
     num_partitions = -(-max_tokens // partition_tokens)
@@ -110,7 +100,7 @@ def plan(num_seqs: int, num_kv_heads: int, q_per_kv: int, head_dim: int, page_si
 
 
 def _kernel(seq_lens_ref, tables_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, slopes_ref, layer_ref,
-            acc_ref, m_ref, l_ref, *, scale, soft_cap, sliding_window, page_size, num_pages,
+            acc_ref, m_ref, l_ref, *, scale, soft_cap, sliding_window, page_size,
             pages_per_seq, q_per_kv, head_dim, block_k, partition_tokens, compute_dtype):
     """One (sequence b, kv head, partition) program.
 
@@ -133,10 +123,8 @@ def _kernel(seq_lens_ref, tables_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, slope
     q = q.astype(compute_dtype)
     if slopes_ref is not None:
         slopes = plgpu.load(slopes_ref, mask=row_ok, other=0.0).astype(jnp.float32)  # [rows]
-
-    if layer_ref is not None:
-        # Clamped like a page: a layer outside the pool must never form a wild pointer.
-        layer = jnp.minimum(jnp.maximum(layer_ref[0], 0), k_ref.shape[0] - 1)
+    # Clamped like a page: a layer outside the pool must never form a wild pointer.
+    layer = layer_index(layer_ref, k_ref.shape[0]) if layer_ref is not None else None
 
     seq_len = seq_lens_ref[b]
     # First visible token: the sliding window hides everything before it.
@@ -149,98 +137,48 @@ def _kernel(seq_lens_ref, tables_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, slope
     first = jnp.minimum(jnp.maximum(start - part_lo, 0) // block_k, last)
 
     def body(step, carry):
-        m, l, acc = carry  # f32[rows], f32[rows], f32[rows, head_dim_pad]
         pos = part_lo + step * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)  # i32[S]
         valid = (pos < seq_len) & (pos >= start)  # [S]
         logical = jnp.minimum(pos // page_size, pages_per_seq - 1)  # i32[S]
         page = tables_ref[logical]  # i32[S] physical page of each token
-        # Clamp: a table entry past the sequence's pages may be anything; never form a wild pointer.
-        page = jnp.minimum(jnp.maximum(page, 0), num_pages - 1)
-        off = pos % page_size  # i32[S]
-        tile_ok = valid[:, None] & col_ok[None, :]  # [S, head_dim_pad]
-        # Pure integer-array indexing (one index array per dim, all [S, head_dim_pad]): a gather
-        # that Triton lowers to one pointer tensor and interpret mode to one jnp gather.
-        tile = (block_k, head_dim_pad)
-        page_ix = jnp.broadcast_to(page[:, None], tile)
-        off_ix = jnp.broadcast_to(off[:, None], tile)
-        col_ix = jnp.broadcast_to(cols[None, :], tile)
-        kv_ix = (page_ix, off_ix, col_ix)
-        scale_ix = (page, off)
-        if layer_ref is not None:  # stacked pool: the layer is one more (uniform) index
-            kv_ix = (jnp.full(tile, layer, jnp.int32),) + kv_ix
-            scale_ix = (jnp.full_like(page, layer),) + scale_ix
-        # Masked gathers: tokens outside [start, seq_len) cost no memory traffic and read as 0
-        # (garbage, even NaN, in unused slots cannot reach the result).
-        zero = 0 if jnp.issubdtype(k_ref.dtype, jnp.integer) else 0.0
-        k = plgpu.load(k_ref.at[kv_ix], mask=tile_ok, other=zero)  # [S, head_dim_pad]
-        v = plgpu.load(v_ref.at[kv_ix], mask=tile_ok, other=zero)  # [S, head_dim_pad]
-        s = lax.dot_general(q, k.astype(compute_dtype), (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32)  # [rows, S] "GH,SH->GS"
-        if ks_ref is not None:
-            # One scale per key token: it scales a column of the scores.
-            s = s * plgpu.load(ks_ref.at[scale_ix], mask=valid, other=0.0)[None, :]
-        s = s * scale
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
+        k, v, scale_ix = load_kv(k_ref, v_ref, page, pos, valid, cols, col_ok, layer,
+                                 page_size=page_size)  # [S, head_dim_pad] each
+        s = scores(q, k, ks_ref, scale_ix, valid, scale=scale, soft_cap=soft_cap,
+                   compute_dtype=compute_dtype)  # [rows, S] "GH,SH->GS"
         if slopes_ref is not None:
             rel = (pos - seq_len + 1).astype(jnp.float32)  # [S]
             s = s + slopes[:, None] * rel[None, :]
-        s = jnp.where(valid[None, :], s, MASK_VALUE)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))  # [rows]
-        # Rescale what was accumulated under the old max before adding this step. MASK_VALUE is
-        # finite, so a row with no visible key yet gives exp(0) = 1 here rather than NaN.
-        alpha = jnp.exp(m - m_new)  # [rows]
-        p = jnp.where(valid[None, :], jnp.exp(s - m_new[:, None]), 0.0)  # [rows, S]
-        l_new = l * alpha + jnp.sum(p, axis=1)
-        if vs_ref is not None:
-            # One scale per value token: it scales a column of p (the contraction index).
-            p = p * plgpu.load(vs_ref.at[scale_ix], mask=valid, other=0.0)[None, :]
-        pv = lax.dot_general(p.astype(compute_dtype), v.astype(compute_dtype),
-                             (((1,), (0,)), ((), ())),
-                             preferred_element_type=jnp.float32)  # [rows, head_dim_pad] "GS,SH->GH"
-        return m_new, l_new, acc * alpha[:, None] + pv
+        # Every row is the query at seq_len - 1: all rows see the same keys.
+        return softmax_step(carry, s, valid[None, :], v, vs_ref, scale_ix, valid,
+                            compute_dtype=compute_dtype)
 
-    init = (jnp.full((rows,), MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32),
-            jnp.zeros((rows, head_dim_pad), jnp.float32))
-    m, l, acc = lax.fori_loop(first, last, body, init)
+    m, l, acc = lax.fori_loop(first, last, body, softmax_init(rows, head_dim_pad))
     plgpu.store(acc_ref, acc, mask=row_ok[:, None] & col_ok[None, :])
     plgpu.store(m_ref, m, mask=row_ok)
     plgpu.store(l_ref, l, mask=row_ok)
 
 
-def _compute_dtype(q_dtype, cache_dtype):
-    """dtype of the dot operands: q's 16-bit dtype when the cache converts to it exactly
-    (same dtype, or int8/float8 whose values bf16 and f16 both hold exactly), else f32."""
-    q_dtype, cache_dtype = np.dtype(q_dtype), np.dtype(cache_dtype)
-    if q_dtype != np.dtype(jnp.float32) and (cache_dtype == q_dtype or is_quantized(cache_dtype)):
-        return q_dtype
-    return np.dtype(jnp.float32)
-
-
 def _partials(q, k_pages, v_pages, block_tables, seq_lens, alibi_slopes, k_scales, v_scales, layer, *,
-              scale, soft_cap, sliding_window, interpret, partition_tokens):
+              scale, soft_cap, sliding_window, interpret, partition_tokens, tuning):
     """Runs the kernel. Returns (acc f32[B, K, parts, G, H], m f32[B, K, parts, G], l likewise)."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_layers, num_kv_heads, num_pages, page_size, _ = pool_layout(k_pages, layer)
     pages_per_seq = block_tables.shape[1]
     q_per_kv = num_q_heads // num_kv_heads
-    p = plan(num_seqs, num_kv_heads, q_per_kv, head_dim, page_size, pages_per_seq, partition_tokens)
+    cdt = compute_dtype(q.dtype, k_pages.dtype)
+    tuning = tuning or tuning_table.decode_tuning(None, head_dim, cdt.name)
+    p = plan(num_seqs, num_kv_heads, q_per_kv, head_dim, page_size, pages_per_seq, partition_tokens,
+             tuning=tuning)
     rows, hp, parts = p.rows, p.head_dim_pad, p.num_partitions
 
     qg = q.reshape(num_seqs, num_kv_heads, q_per_kv, head_dim)  # [B, K, G, H] (free reshape)
     quantized = k_scales is not None
     kernel = functools.partial(
         _kernel, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
-        page_size=page_size, num_pages=num_pages, pages_per_seq=pages_per_seq, q_per_kv=q_per_kv,
+        page_size=page_size, pages_per_seq=pages_per_seq, q_per_kv=q_per_kv,
         head_dim=head_dim, block_k=p.block_k, partition_tokens=p.partition_tokens,
-        compute_dtype=_compute_dtype(q.dtype, k_pages.dtype))
-    if num_layers is None:
-        pool_spec = pl.BlockSpec((None, num_pages, page_size, hp), lambda b, h, j: (h, 0, 0, 0))
-        scale_spec = pl.BlockSpec((None, num_pages, page_size), lambda b, h, j: (h, 0, 0))
-    else:  # stacked: every layer of kv head h; the kernel indexes the layer
-        pool_spec = pl.BlockSpec((num_layers, None, num_pages, page_size, hp),
-                                 lambda b, h, j: (0, h, 0, 0, 0))
-        scale_spec = pl.BlockSpec((num_layers, None, num_pages, page_size), lambda b, h, j: (0, h, 0, 0))
+        compute_dtype=cdt)
+    pool_spec, scale_spec = pool_specs(num_layers, num_pages, page_size, hp)
     in_specs = [
         pl.BlockSpec((num_seqs,), lambda b, h, j: (0,)),  # seq_lens, whole
         pl.BlockSpec((None, pages_per_seq), lambda b, h, j: (b, 0)),  # block_tables row b
@@ -270,7 +208,7 @@ def _partials(q, k_pages, v_pages, block_tables, seq_lens, alibi_slopes, k_scale
         out_specs=out_specs,
         out_shape=out_shape,
         interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+        compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
         name=f"jpa_paged_decode_bk{p.block_k}_parts{parts}",
     )(seq_lens, block_tables, qg, k_pages, v_pages, k_scales, v_scales, slopes, layer_arr)
 
@@ -304,10 +242,10 @@ def unsupported_reason(spec: DecodeSpec, compute_capability: float | None = None
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "interpret",
-                                             "partition_tokens"))
+                                             "partition_tokens", "tuning"))
 def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap=None,
                  alibi_slopes=None, sliding_window=None, k_scales=None, v_scales=None,
-                 interpret=False, partition_tokens=None, layer=None):
+                 interpret=False, partition_tokens=None, layer=None, tuning=None):
     """Paged decode attention with the Triton-backend Pallas kernel. Arguments as
     `jpa.paged_decode` (already validated there).
 
@@ -327,6 +265,8 @@ def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap
         scalar, a Python int or a traced i32[] (e.g. a scan's loop index); one compiled kernel
         serves every layer. Expected in [0, num_layers) (the public API validates it); the
         kernel clamps it into range.
+      tuning: a `DecodeTuning` (static); None takes `tuning.decode_tuning(None, head_dim, ...)`,
+        DECODE_TABLE's fallback row (the same values as its A100 and H100 rows).
 
     Returns:
       [num_seqs, num_q_heads, head_dim] in q's dtype.
@@ -339,6 +279,6 @@ def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap
     acc, m, l = _partials(q, k_pages, v_pages, block_tables, seq_lens, alibi_slopes, k_scales,
                           v_scales, layer, scale=scale, soft_cap=soft_cap,
                           sliding_window=sliding_window, interpret=interpret,
-                          partition_tokens=partition_tokens)
+                          partition_tokens=partition_tokens, tuning=tuning)
     out = merge_partitions(acc, m, l, q.dtype)  # [B, K, G, H]
     return out.reshape(num_seqs, num_q_heads, head_dim)

@@ -3,8 +3,9 @@
 Two kernels in one jitted program, both over the whole page pools:
 
 1. Every sequence's LAST query row is a decode query (position seq_len - 1). All of them go
-   through the decode kernel (`triton_decode`, grid (max_num_seqs, kv heads, partitions)), which
-   brings split-K for long contexts: a decode-heavy batch with few sequences still fills the GPU.
+   through the decode kernel (`jpa.pallas.triton.decode`, grid (max_num_seqs, kv heads,
+   partitions)), which brings split-K for long contexts: a decode-heavy batch with few sequences
+   still fills the GPU.
    Slots past num_seqs have length 0 and load nothing.
 2. The other rows (the body of prefill chunks) go through this file's kernel, grid
    (num_tiles, num_kv_heads). A query tile is up to `tile_tokens` consecutive rows of ONE
@@ -19,19 +20,20 @@ the `rows` rows of one operand (row r = token r // q_per_kv, q head h * q_per_kv
 so K/V of a page are loaded once for all of them. Program (w, h) walks its sequence's keys
 block_k tokens per step from the first key any of its rows may see (sliding window) to its last
 query position (causal bound), gathering each key through the block table (pages are never
-copied), with the decode kernel's online softmax (running max m, sum l, f32 accumulator). Each
-row is masked causally (key pos <= its own query pos) and by the window; masked loads make keys
-outside the tile's range cost no memory traffic, so NaN in unused slots never reaches the result.
+copied), with the decode kernel's key step (`pipeline`: gather, scores, online softmax with running
+max m, sum l, f32 accumulator). Each row is masked causally (key pos <= its own query pos) and by
+the window; masked loads make keys outside the tile's range cost no memory traffic, so NaN in
+unused slots never reaches the result.
 
 Pool layouts: per layer `[K, P, S_p, H]` (`layer=None`) or stacked `[L, K, P, S_p, H]` with a
-layer index (an i32 scalar, traced in a scan over layers), as in `triton_decode`: both kernels get
+layer index (an i32 scalar, traced in a scan over layers), as in the decode kernel: both kernels get
 the whole pools (block `(L, None, P, S_p, H_pad)`: every layer of kv head h) and the layer as an
 `i32[1]` operand, added to the in-kernel gather index (`k_ref.at[layer, page, offset, column]`).
 
 The output buffer (zeros with the last rows scattered in) is aliased into and out of the kernel;
 each program scatters its live rows into it, so padding rows stay zero.
 
-Trade-offs (static, from shapes; lengths are data):
+Trade-offs (static, from shapes; lengths are data; the values are `tuning.RAGGED_TABLE`'s):
 - rows = 64 MMA rows (16 for head_dim > 128): a prefill tile of 64 / q_per_kv tokens reads its
   sequence's K/V once for all of them.
 - Prefill tiles have no split-K (their parallelism comes from the tiles themselves); a chunk's
@@ -47,28 +49,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jpa.pallas.triton import decode as triton_decode
-from jpa.pallas.common import (MASK_VALUE, decode_last_rows, layer_operand, max_query_tiles, pool_layout,
+from jpa.pallas.common import (decode_last_rows, layer_index, layer_operand, max_query_tiles, pool_layout,
                                query_tiles)
 from jpa.pallas.spec import RaggedSpec
-from jpa.pallas.triton.decode import MIN_BLOCK_K, _compute_dtype, _next_pow2
-
-# ---- Tuning (see `plan`; speed unmeasured here, no GPU; registers measured by ptxas) ----
-TILE_ROWS = 64            # MMA rows per program for head_dim <= 128 (tile_tokens * q_per_kv)
-# For head_dim > 128: the [rows, head_dim_pad] f32 accumulator and the row/column index tensors of
-# q's gather and the output's scatter stay live across the key loop; with 32 rows ptxas spilled
-# 8 bytes (H100, bf16, head_dim 256), with 16 it uses 94-157 registers.
-TILE_ROWS_WIDE = 16
-# Key tile elements (block_k * head_dim_pad) per step, half the decode kernel's (a quarter with
-# float32 q): the [rows, block_k] scores and the [rows, head_dim_pad] accumulator are 64 rows here.
-# Measured by ptxas (scripts/gpu_compile_check.py): with the decode kernel's 8192 elements it
-# spilled 16-240 bytes at 255 registers (A100: bf16/hd128, f16 q + int8 cache/hd64, f32,
-# fp8/hd80; H100: f32). 8 warps are no way out: Triton then caps registers at 128 and fp8/hd192
-# and bf16/hd80/q_per_kv 16 spilled.
-TILE_ELEMENTS = 4096
-TILE_ELEMENTS_F32 = 2048
-NUM_WARPS = 4
-NUM_STAGES = 2
+from jpa.pallas.triton import decode as triton_decode
+from jpa.pallas.triton import tuning as tuning_table
+from jpa.pallas.triton.pipeline import (MIN_BLOCK_K, MIN_ROWS, compute_dtype, load_kv, next_pow2, pool_specs,
+                                        scores, softmax_init, softmax_step)
+from jpa.pallas.triton.tuning import DecodeTuning, RaggedTuning
 
 
 class Plan(NamedTuple):
@@ -81,30 +69,33 @@ class Plan(NamedTuple):
 
 
 def plan(num_tokens: int, max_num_seqs: int, q_per_kv: int, head_dim: int, page_size: int,
-         pages_per_seq: int, rows: int | None = None, f32: bool = False) -> Plan:
+         pages_per_seq: int, rows: int | None = None, f32: bool = False, *,
+         tuning: RaggedTuning | None = None) -> Plan:
     """Chooses tile sizes from static shapes.
 
-    - rows: TILE_ROWS (TILE_ROWS_WIDE for head_dim > 128), at least q_per_kv rounded up to a
-      power of two (one token's heads always fit a tile), or `rows` when given.
-    - block_k: TILE_ELEMENTS (TILE_ELEMENTS_F32 when `f32`, float32 compute) / head_dim_pad key
-      tokens per step, at least 16, at most the longest context rounded up to a power of two.
+    - tuning None: `tuning.ragged_tuning(None, head_dim, "float32" if f32 else None)`, whose rows
+      differ by head_dim (> 128: 16 rows) and by float32 compute (`f32`: half the key tile).
+    - rows: tuning.rows, or `rows` when given, at least q_per_kv rounded up to a power of two
+      (one token's heads always fit a tile).
+    - block_k: tuning.tile_elements / head_dim_pad key tokens per step, at least 16, at most the
+      longest context rounded up to a power of two.
     - num_tiles: `max_query_tiles(num_tokens, max_num_seqs, tile_tokens)`.
     """
-    head_dim_pad = max(16, _next_pow2(head_dim))
+    tuning = tuning or tuning_table.ragged_tuning(None, head_dim, "float32" if f32 else None)
+    head_dim_pad = max(16, next_pow2(head_dim))
     if rows is None:
-        rows = TILE_ROWS if head_dim_pad <= 128 else TILE_ROWS_WIDE
-    rows = max(16, _next_pow2(rows), _next_pow2(q_per_kv))
+        rows = tuning.rows
+    rows = max(MIN_ROWS, next_pow2(rows), next_pow2(q_per_kv))
     tile_tokens = rows // q_per_kv
     max_tokens = pages_per_seq * page_size
-    tile = TILE_ELEMENTS_F32 if f32 else TILE_ELEMENTS
-    block_k = max(MIN_BLOCK_K, min(tile // head_dim_pad, _next_pow2(max_tokens)))
+    block_k = max(MIN_BLOCK_K, min(tuning.tile_elements // head_dim_pad, next_pow2(max_tokens)))
     num_tiles = max_query_tiles(num_tokens, max_num_seqs, tile_tokens)
     return Plan(rows, tile_tokens, block_k, head_dim_pad, num_tiles)
 
 
 def _kernel(seq_ref, row0_ref, ntok_ref, pos0_ref, tables_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref,
             slopes_ref, layer_ref, _out_in_ref, out_ref, *, scale, soft_cap, sliding_window, page_size,
-            num_pages, pages_per_seq, q_per_kv, head_dim, rows, block_k, compute_dtype):
+            pages_per_seq, q_per_kv, head_dim, rows, block_k, compute_dtype):
     """One (query tile w, kv head h) program.
 
     Refs (whole arrays unless noted):
@@ -140,9 +131,8 @@ def _kernel(seq_ref, row0_ref, ntok_ref, pos0_ref, tables_ref, q_ref, k_ref, v_r
     q = q.astype(compute_dtype)
     if slopes_ref is not None:
         slopes = plgpu.load(slopes_ref.at[head], mask=row_ok, other=0.0).astype(jnp.float32)  # [rows]
-    if layer_ref is not None:
-        # Clamped like a page: a layer outside the pool must never form a wild pointer.
-        layer = jnp.minimum(jnp.maximum(layer_ref[0], 0), k_ref.shape[0] - 1)
+    # Clamped like a page: a layer outside the pool must never form a wild pointer.
+    layer = layer_index(layer_ref, k_ref.shape[0]) if layer_ref is not None else None
     q_pos = pos0 + tok  # i32[rows], position of each row's query in its sequence
     # Keys any row of the tile may see: [kv_lo, kv_end). kv_end - 1 is the last query position.
     kv_end = pos0 + ntok
@@ -151,35 +141,14 @@ def _kernel(seq_ref, row0_ref, ntok_ref, pos0_ref, tables_ref, q_ref, k_ref, v_r
     first = jnp.minimum(kv_lo // block_k, last)
 
     def body(step, carry):
-        m, l, acc = carry  # f32[rows], f32[rows], f32[rows, head_dim_pad]
         pos = step * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)  # i32[S]
         valid = (pos < kv_end) & (pos >= kv_lo)  # [S], keys some row of the tile sees
         logical = jnp.minimum(pos // page_size, pages_per_seq - 1)  # i32[S]
         page = plgpu.load(tables_ref.at[jnp.full_like(logical, seq), logical])  # i32[S]
-        # Clamp: a table entry past the sequence's pages may be anything; never a wild pointer.
-        page = jnp.minimum(jnp.maximum(page, 0), num_pages - 1)
-        off = pos % page_size  # i32[S]
-        tile = (block_k, head_dim_pad)
-        tile_ok = valid[:, None] & col_ok[None, :]  # [S, head_dim_pad]
-        page_ix = jnp.broadcast_to(page[:, None], tile)
-        off_ix = jnp.broadcast_to(off[:, None], tile)
-        kcol_ix = jnp.broadcast_to(cols[None, :], tile)
-        kv_ix = (page_ix, off_ix, kcol_ix)
-        scale_ix = (page, off)
-        if layer_ref is not None:  # stacked pool: the layer is one more (uniform) index
-            kv_ix = (jnp.full(tile, layer, jnp.int32),) + kv_ix
-            scale_ix = (jnp.full_like(page, layer),) + scale_ix
-        zero = 0 if jnp.issubdtype(k_ref.dtype, jnp.integer) else 0.0
-        k = plgpu.load(k_ref.at[kv_ix], mask=tile_ok, other=zero)  # [S, head_dim_pad]
-        v = plgpu.load(v_ref.at[kv_ix], mask=tile_ok, other=zero)  # [S, head_dim_pad]
-        s = lax.dot_general(q, k.astype(compute_dtype), (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32)  # [rows, S]
-        if ks_ref is not None:
-            # One scale per key token: it scales a column of the scores.
-            s = s * plgpu.load(ks_ref.at[scale_ix], mask=valid, other=0.0)[None, :]
-        s = s * scale
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
+        k, v, scale_ix = load_kv(k_ref, v_ref, page, pos, valid, cols, col_ok, layer,
+                                 page_size=page_size)  # [S, head_dim_pad] each
+        s = scores(q, k, ks_ref, scale_ix, valid, scale=scale, soft_cap=soft_cap,
+                   compute_dtype=compute_dtype)  # [rows, S]
         rel = pos[None, :] - q_pos[:, None]  # i32[rows, S], key pos - query pos
         if slopes_ref is not None:
             s = s + slopes[:, None] * rel.astype(jnp.float32)
@@ -187,24 +156,9 @@ def _kernel(seq_ref, row0_ref, ntok_ref, pos0_ref, tables_ref, q_ref, k_ref, v_r
         vis = valid[None, :] & (rel <= 0)  # [rows, S]
         if sliding_window is not None:
             vis = vis & (rel > -sliding_window)
-        s = jnp.where(vis, s, MASK_VALUE)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))  # [rows]
-        # Rescale what was accumulated under the old max before adding this step. MASK_VALUE is
-        # finite, so a row with no visible key yet gives exp(0) = 1 here rather than NaN.
-        alpha = jnp.exp(m - m_new)  # [rows]
-        p = jnp.where(vis, jnp.exp(s - m_new[:, None]), 0.0)  # [rows, S]
-        l_new = l * alpha + jnp.sum(p, axis=1)
-        if vs_ref is not None:
-            # One scale per value token: it scales a column of p (the contraction index).
-            p = p * plgpu.load(vs_ref.at[scale_ix], mask=valid, other=0.0)[None, :]
-        pv = lax.dot_general(p.astype(compute_dtype), v.astype(compute_dtype),
-                             (((1,), (0,)), ((), ())),
-                             preferred_element_type=jnp.float32)  # [rows, head_dim_pad]
-        return m_new, l_new, acc * alpha[:, None] + pv
+        return softmax_step(carry, s, vis, v, vs_ref, scale_ix, valid, compute_dtype=compute_dtype)
 
-    init = (jnp.full((rows,), MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32),
-            jnp.zeros((rows, head_dim_pad), jnp.float32))
-    m, l, acc = lax.fori_loop(first, last, body, init)
+    m, l, acc = lax.fori_loop(first, last, body, softmax_init(rows, head_dim_pad))
     # Every live row sees at least its own key, so l > 0 there; the guard keeps dead rows finite.
     out = acc / jnp.where(l > 0, l, 1.0)[:, None]  # [rows, head_dim_pad]
     plgpu.store(out_ref.at[tok_ix, head_ix, col_ix], out.astype(out_ref.dtype), mask=io_ok)
@@ -220,71 +174,24 @@ def unsupported_reason(spec: RaggedSpec, compute_capability: float | None = None
     return triton_decode.unsupported_reason(spec, compute_capability)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "interpret",
-                                             "rows", "partition_tokens"))
-def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, num_seqs, *,
-                           scale, soft_cap=None, alibi_slopes=None, sliding_window=None,
-                           k_scales=None, v_scales=None, interpret=False, rows=None,
-                           partition_tokens=None, layer=None):
-    """Ragged paged attention with the Triton-backend Pallas kernel. Arguments as
-    `jpa.ragged_paged_attention` (already validated there).
-
-    Args:
-      q: [num_tokens, num_q_heads, head_dim].
-      k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim] with layer None, or a
-        stacked pool [num_layers, num_kv_heads, num_pages, page_size, head_dim] with a layer
-        index. Either way passed to both kernels whole (never sliced).
-      block_tables: i32[max_num_seqs, pages_per_seq].
-      seq_lens: i32[max_num_seqs].
-      cu_q_lens: i32[max_num_seqs + 1].
-      num_seqs: i32[].
-      scale, soft_cap, alibi_slopes, sliding_window: as the public function.
-      k_scales, v_scales: f32[(num_layers,) num_kv_heads, num_pages, page_size] (stacked like the
-        pools) for quantized caches, else None.
-      interpret: run on CPU in Pallas interpret mode.
-      rows: override the MMA rows per program (tests, tuning); None = `plan`.
-      partition_tokens: override the decode kernel's split-K partition size; None = its plan.
-      layer: None (per-layer pools), or the layer of a stacked pool: a Python int or a traced
-        i32[] (one compiled program serves every layer), expected in [0, num_layers) and clamped
-        into it by the kernels.
-
-    Returns:
-      [num_tokens, num_q_heads, head_dim] in q's dtype; zeros at padding rows.
-    """
+def _tile_rows(q, k_pages, v_pages, block_tables, tiles, alibi_slopes, k_scales, v_scales, layer, out, *,
+               scale, soft_cap, sliding_window, interpret, tile_plan, cdt, tuning):
+    """Runs the tile kernel with the launch `tile_plan` (`plan`) over `tiles` (`query_tiles`: 4 x
+    i32[num_tiles]), writing into `out` [T, N, H] (aliased): the other rows keep their values.
+    cdt: the dot operands' dtype. Returns the filled [T, N, H] in q's dtype."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_layers, num_kv_heads, num_pages, page_size, _ = pool_layout(k_pages, layer)
     max_num_seqs, pages_per_seq = block_tables.shape
     q_per_kv = num_q_heads // num_kv_heads
-    compute_dtype = _compute_dtype(q.dtype, k_pages.dtype)
-    p = plan(num_tokens, max_num_seqs, q_per_kv, head_dim, page_size, pages_per_seq, rows,
-             f32=compute_dtype == jnp.float32)
-    hp = p.head_dim_pad
-    num_seqs = jnp.asarray(num_seqs, jnp.int32)
-    opts = dict(scale=scale, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
-                sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales)
-    # 1. Each sequence's last row (every decode token) through the split-K decode kernel.
-    decode = functools.partial(triton_decode.paged_decode, interpret=interpret,
-                               partition_tokens=partition_tokens, layer=layer)
-    out = decode_last_rows(decode, q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,
-                           num_seqs, **opts)  # [T, N, H]
-    # 2. The other rows through this file's kernel, written into the same buffer.
-    tiles = query_tiles(cu_q_lens, seq_lens, num_seqs, num_tokens=num_tokens,
-                        tile_tokens=p.tile_tokens, num_tiles=p.num_tiles,
-                        skip_last=True)  # 4 x i32[num_tiles]
+    p, hp = tile_plan, tile_plan.head_dim_pad
     quantized = k_scales is not None
     kernel = functools.partial(
         _kernel, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
-        page_size=page_size, num_pages=num_pages, pages_per_seq=pages_per_seq, q_per_kv=q_per_kv,
-        head_dim=head_dim, rows=p.rows, block_k=p.block_k,
-        compute_dtype=compute_dtype)
+        page_size=page_size, pages_per_seq=pages_per_seq, q_per_kv=q_per_kv,
+        head_dim=head_dim, rows=p.rows, block_k=p.block_k, compute_dtype=cdt)
     whole = lambda shape: pl.BlockSpec(shape, lambda w, h: (0,) * len(shape))  # noqa: E731
     tile_spec = whole((p.num_tiles,))
-    if num_layers is None:
-        pool_spec = pl.BlockSpec((None, num_pages, page_size, hp), lambda w, h: (h, 0, 0, 0))
-        scale_spec = pl.BlockSpec((None, num_pages, page_size), lambda w, h: (h, 0, 0))
-    else:  # stacked: every layer of kv head h; the kernel indexes the layer
-        pool_spec = pl.BlockSpec((num_layers, None, num_pages, page_size, hp), lambda w, h: (0, h, 0, 0, 0))
-        scale_spec = pl.BlockSpec((num_layers, None, num_pages, page_size), lambda w, h: (0, h, 0, 0))
+    pool_spec, scale_spec = pool_specs(num_layers, num_pages, page_size, hp)
     io_spec = whole((num_tokens, num_q_heads, hp))
     in_specs = [
         tile_spec, tile_spec, tile_spec, tile_spec,
@@ -308,6 +215,66 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
         out_shape=jax.ShapeDtypeStruct(out.shape, q.dtype),
         input_output_aliases={out_index: 0},
         interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+        compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
         name=f"jpa_ragged_rows{p.rows}_bk{p.block_k}",
     )(*operands)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "interpret",
+                                             "rows", "partition_tokens", "tuning", "decode_tuning"))
+def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, num_seqs, *,
+                           scale, soft_cap=None, alibi_slopes=None, sliding_window=None,
+                           k_scales=None, v_scales=None, interpret=False, rows=None,
+                           partition_tokens=None, layer=None, tuning: RaggedTuning | None = None,
+                           decode_tuning: DecodeTuning | None = None):
+    """Ragged paged attention with the Triton-backend Pallas kernel. Arguments as
+    `jpa.ragged_paged_attention` (already validated there).
+
+    Args:
+      q: [num_tokens, num_q_heads, head_dim].
+      k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim] with layer None, or a
+        stacked pool [num_layers, num_kv_heads, num_pages, page_size, head_dim] with a layer
+        index. Either way passed to both kernels whole (never sliced).
+      block_tables: i32[max_num_seqs, pages_per_seq].
+      seq_lens: i32[max_num_seqs].
+      cu_q_lens: i32[max_num_seqs + 1].
+      num_seqs: i32[].
+      scale, soft_cap, alibi_slopes, sliding_window: as the public function.
+      k_scales, v_scales: f32[(num_layers,) num_kv_heads, num_pages, page_size] (stacked like the
+        pools) for quantized caches, else None.
+      interpret: run on CPU in Pallas interpret mode.
+      rows: override the MMA rows per program (tests, tuning); None = `plan`.
+      partition_tokens: override the decode kernel's split-K partition size; None = its plan.
+      layer: None (per-layer pools), or the layer of a stacked pool: a Python int or a traced
+        i32[] (one compiled program serves every layer), expected in [0, num_layers) and clamped
+        into it by the kernels.
+      tuning: a `RaggedTuning` (static) for the tile kernel; None takes
+        `tuning.ragged_tuning(None, head_dim, compute dtype)` (RAGGED_TABLE's fallback rows).
+      decode_tuning: a `DecodeTuning` for the last rows' decode kernel; None: its default.
+
+    Returns:
+      [num_tokens, num_q_heads, head_dim] in q's dtype; zeros at padding rows.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, _, page_size, _ = pool_layout(k_pages, layer)
+    max_num_seqs, pages_per_seq = block_tables.shape
+    q_per_kv = num_q_heads // num_kv_heads
+    cdt = compute_dtype(q.dtype, k_pages.dtype)
+    tuning = tuning or tuning_table.ragged_tuning(None, head_dim, cdt.name)
+    p = plan(num_tokens, max_num_seqs, q_per_kv, head_dim, page_size, pages_per_seq, rows,
+             f32=cdt == jnp.float32, tuning=tuning)
+    num_seqs = jnp.asarray(num_seqs, jnp.int32)
+    opts = dict(scale=scale, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
+                sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales)
+    # 1. Each sequence's last row (every decode token) through the split-K decode kernel.
+    decode = functools.partial(triton_decode.paged_decode, interpret=interpret,
+                               partition_tokens=partition_tokens, layer=layer, tuning=decode_tuning)
+    out = decode_last_rows(decode, q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,
+                           num_seqs, **opts)  # [T, N, H]
+    # 2. The other rows through this file's kernel, written into the same buffer.
+    tiles = query_tiles(cu_q_lens, seq_lens, num_seqs, num_tokens=num_tokens,
+                        tile_tokens=p.tile_tokens, num_tiles=p.num_tiles,
+                        skip_last=True)  # 4 x i32[num_tiles]
+    return _tile_rows(q, k_pages, v_pages, block_tables, tiles, alibi_slopes, k_scales, v_scales,
+                      layer, out, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
+                      interpret=interpret, tile_plan=p, cdt=cdt, tuning=tuning)

@@ -1,0 +1,90 @@
+"""Tiling of the Mosaic GPU kernels (`decode`, `ragged`), kept apart from them: `MosaicTuning` (the
+knobs, frozen and validated) and `TABLE`, the defaults by GPU generation and head_dim.
+
+A kernel takes its tiling as an argument (`tuning=`, a static argument: the dataclass is
+hashable); `lookup` gives the default. Add a row above the fallback for a GPU or a shape that
+wants other values, and say in `measured` what was measured.
+
+What "measured" means here: the H100 row's values were checked by compiling every accepted
+configuration for an H100 on a machine without one (XLA's whole GPU pipeline and Mosaic's own
+ptxas: registers, spills, SMEM; `scripts/gpu_compile_check.py`, records in `benchmarks/gpu_truth/`,
+BENCHMARKS.md "compiled for an H100 and an A100 without one"). Speed has not been measured on any
+GPU: the values are design choices (double buffering as deep as SMEM allows, two waves of programs),
+not timings.
+
+Who picks the row: `unsupported_reason(spec, compute_capability)` checks a configuration against
+the row of the GPU it is asked about. The kernels' `tuning=None` default is the row for
+compute capability None (the fallback), because `jpa.ops` does not pass the target's tiling to the
+kernels yet; every row holds the same values today, so the two agree. A row that differs for a
+generation needs the dispatch (which knows the target) to pass `tuning=lookup(cc, ...)`.
+"""
+
+import dataclasses
+
+from jpa.pallas.common import TuningRow, lookup_tuning
+
+# H100 SXM / H200: shared memory per block with opt-in (227 KiB), the most a program may plan.
+MAX_SMEM_PER_BLOCK = 232448
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicTuning:
+    """The tiling knobs of both Mosaic GPU kernels (one program walks its keys a block at a time).
+
+    Attributes:
+      block_tokens: key tokens per block: the N of the Q @ K^T WGMMA and the K of P @ V. The f32
+        scores of a block live in registers next to the [64, head_dim] f32 accumulator, so blocks
+        stay small: ptxas spilled with 128- and 256-token blocks (pages of 128/256 tokens are read
+        a 64-token slice at a time). Pages must divide it or be multiples of it.
+      max_slots: blocks buffered in SMEM per program at most (slots - 1 in flight during each
+        block's compute); fewer when `smem_budget` holds fewer, and a shape where two do not fit
+        is refused.
+      smem_budget: bytes of SMEM a program may plan for its buffers (Mosaic's own scratch and the
+        barriers come on top), at most MAX_SMEM_PER_BLOCK.
+      target_programs: programs the decode kernel aims for when it chooses split-K partitions.
+    """
+    block_tokens: int = 64
+    max_slots: int = 4
+    smem_budget: int = 200 * 1024
+    target_programs: int = 2 * 132
+
+    def __post_init__(self):
+        bt = self.block_tokens
+        if not (isinstance(bt, int) and 16 <= bt <= 256 and bt & (bt - 1) == 0):
+            raise ValueError(f"block_tokens must be a power of two from 16 to 256 (the N of a WGMMA "
+                             f"and the K of P @ V); got {bt!r}")
+        if not (isinstance(self.max_slots, int) and self.max_slots >= 2):
+            raise ValueError(f"max_slots must be an int >= 2 (one block computed while the next "
+                             f"is copied); got {self.max_slots!r}")
+        if not (isinstance(self.smem_budget, int) and 0 < self.smem_budget <= MAX_SMEM_PER_BLOCK):
+            raise ValueError(f"smem_budget must be a positive int of at most {MAX_SMEM_PER_BLOCK} "
+                             f"bytes (227 KiB of SMEM per block); got {self.smem_budget!r}")
+        if not (isinstance(self.target_programs, int) and self.target_programs >= 1):
+            raise ValueError(f"target_programs must be a positive int; got {self.target_programs!r}")
+
+
+# First match wins; rows keyed by compute capability [min, max) and head_dim (inclusive).
+TABLE = (
+    TuningRow(
+        gpus="H100 / H200 (sm_90)", compute_capability=(9.0, 10.0),
+        # Two waves over an H100's 132 SMs: with 4 slots a program takes ~150 KiB of SMEM, so one
+        # is resident per SM; the second wave evens out partitions whose sequence ends early.
+        tuning=MosaicTuning(block_tokens=64, max_slots=4, smem_budget=200 * 1024,
+                            target_programs=2 * 132),
+        measured="ptxas, deviceless H100 compile (JAX 0.12.0.1, 2026-11-24): every accepted decode "
+                 "and ragged configuration of the covering grid, 127-255 registers, 0 spills, "
+                 "60-172 KiB SMEM (benchmarks/gpu_truth/mosaic_after.json, after_h100_ragged.json). "
+                 "Speed: not measured."),
+    # Interpret mode and any GPU without a row of its own (the kernels serve Hopper only; the
+    # dispatch refuses the others before a tiling is looked up).
+    TuningRow(
+        gpus="any other (interpret mode)", compute_capability=None,
+        tuning=MosaicTuning(),
+        measured=""),
+)
+
+
+def lookup(compute_capability: float | None = None, head_dim: int = 128) -> MosaicTuning:
+    """The default tiling for a GPU of `compute_capability` (None: interpret mode / unknown) and a
+    head_dim: the first row of TABLE that serves them."""
+    return lookup_tuning(TABLE, compute_capability, head_dim).tuning
