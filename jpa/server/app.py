@@ -48,6 +48,8 @@ from jpa.server.logprobs import ChoiceTokens, TokenBytes, prompt_pieces
 # Request fields passed to jpa.engine.SamplingParams as they are (vLLM's names).
 CONTROL_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "min_tokens",
                   "stop_token_ids", "top_logprobs")
+from jpa.engine.structured import Grammars, StructuredOutputs
+from jpa.server.limits import CompileGuard, ConstraintLimits, check_constraint, first_mask_allows_something
 from jpa.server.metrics import ServerMetrics, Timing
 from jpa.server.tools import ToolStream, parse_output, parser_format, request_constraint, tool_mode
 from jpa.server.protocol import (SEED_LIMIT, APIError, ChatCompletionRequest, CompletionRequest,
@@ -63,7 +65,8 @@ _REQUEST_ID_OK = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ
 
 def build_app(engine: AsyncEngine | None, tokenizer, *, model_name: str, api_key: str | None = None,
               max_n: int = 16, retry_after: int = 1, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-              allowed_origins=(), version: str | None = None) -> FastAPI:
+              allowed_origins=(), version: str | None = None,
+              constraint_limits: ConstraintLimits | None = None) -> FastAPI:
     """The FastAPI app serving `engine` (started by the caller) under the name `model_name`.
 
     Args:
@@ -76,11 +79,13 @@ def build_app(engine: AsyncEngine | None, tokenizer, *, model_name: str, api_key
       max_request_bytes: largest request body; a larger one is answered 413 without being read.
       allowed_origins: origins browsers may call from (CORS; "*" for any); empty: no CORS headers.
       version: what GET /version reports (default: jpa's version).
+      constraint_limits: bounds on structured-output constraints and their compile (default:
+        `jpa.server.limits.ConstraintLimits()`); beyond them a request is a 400 naming the field.
     """
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1; got {max_request_bytes!r}")
     app = FastAPI(title="jpa", docs_url=None, redoc_url=None, openapi_url=None)
-    api = _API(model_name, max_n, retry_after)
+    api = _API(model_name, max_n, retry_after, constraint_limits or ConstraintLimits())
     metrics = api.metrics
     app.state.jpa = api
     if version is None:
@@ -104,6 +109,8 @@ def build_app(engine: AsyncEngine | None, tokenizer, *, model_name: str, api_key
 
     @app.get("/health")
     async def health():
+        if api.draining:
+            return JSONResponse({"status": "shutting down"}, status_code=503, headers=api.retry_headers)
         if api.engine is None:
             return JSONResponse({"status": "loading"}, status_code=503, headers=api.retry_headers)
         if not api.engine.alive:
@@ -192,7 +199,10 @@ class _Gate:
             await send(message)
 
         error = None
-        if self.api_key is not None and scope["path"] != "/health":
+        if self.api.draining:   # shutting down (jpa.server.run): admit nothing new
+            error = APIError(503, "the server is shutting down; try again shortly", type="server_error",
+                             code="shutting_down", headers={**self.api.retry_headers, "Connection": "close"})
+        elif self.api_key is not None and scope["path"] != "/health":
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
                 error = APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
@@ -226,8 +236,13 @@ class _Gate:
 
 
 class _API:
-    def __init__(self, model_name: str, max_n: int, retry_after: int):
+    def __init__(self, model_name: str, max_n: int, retry_after: int, limits: ConstraintLimits):
         self.engine: AsyncEngine | None = None
+        self.limits = limits
+        self.draining = False   # set on SIGTERM (jpa.server.run): new requests get 503
+        self.guard = CompileGuard(limits)
+        self.grammars: Grammars | None = None   # the server's own (validation only; the engine has one)
+        self._grammars_lock = threading.Lock()
         self.tok = None
         self.model_name, self.max_n, self.retry_after = model_name, max_n, retry_after
         self.retry_headers = {"Retry-After": str(retry_after)}
@@ -251,6 +266,7 @@ class _API:
         longest = max(max(len(tokenizer.decode([t])), len(self.token_bytes(t)))
                       for t in range(min(self.vocab_size, tokenizer.vocab_size)))
         self.max_prompt_chars = 2 * engine.max_model_len * max(longest, 1)
+        self.grammars = Grammars(tokenizer, self.vocab_size, engine.stop_ids)
         self.engine = engine   # last: requests see a complete API once this is set
 
     def ready(self) -> "_API":
@@ -323,6 +339,35 @@ class _API:
         if lo < 0 or hi >= self.vocab_size:
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             raise APIError(400, f"'{param}' token ids must be in [0, {self.vocab_size}); got {bad[:5]}", param=param)
+
+    def _constraint(self, param: str, **fields) -> StructuredOutputs:
+        """A request's StructuredOutputs (`jpa.server.tools.request_constraint`'s build): limits checked
+        first, then compiled (grammar, matcher over the tokenizer, first mask) on the CompileGuard's
+        large-stack workers within the compile deadline; any failure is a 400 naming the field."""
+        (kind, value), = fields.items()
+        check_constraint(param, kind, value, self.limits)
+        with self._grammars_lock:   # built once (about 0.5 s for a 49k vocabulary), outside the deadline
+            self.grammars.llg_tokenizer()
+
+        def compile_():
+            spec = StructuredOutputs(**fields)
+            error = first_mask_allows_something(self.grammars, spec)
+            if error:
+                raise ValueError(f"structured.{spec.kind}: {error}")
+            return spec
+
+        try:
+            return self.guard.run(param, compile_)
+        except ValueError as e:
+            raise APIError(400, f"'{param}': {e}"[:600], param=param.split(".")[0]) from None
+        except RecursionError:
+            raise APIError(400, f"'{param}': nested too deeply", param=param.split(".")[0]) from None
+        except APIError:
+            raise
+        except Exception as e:   # llguidance raises plain exceptions (and Rust panics) on some inputs
+            log.warning("constraint %s failed to compile: %s: %s", param, type(e).__name__, str(e)[:300])
+            raise APIError(400, f"'{param}': the constraint could not be compiled", param=param.split(".")[0]) \
+                from None
 
     def _render(self, messages, add_generation_prompt: bool = True, tools=None) -> str:
         # Tools go to the chat template (Hugging Face templates take `tools`).
@@ -415,7 +460,7 @@ class _API:
             skip = body.skip_special_tokens is not False
             texts = texts or [self.tok.decode(ids, skip_special_tokens=skip) for ids in prompts]
         fmt = functools.partial(_CompletionFormat, prompts=list(zip(texts or [None] * len(prompts), prompts)))
-        structured = request_constraint(body, chat=False)
+        structured = request_constraint(body, chat=False, build=self._constraint)
         return body, self._params(body, prompts, body.max_tokens, 16, structured), len(prompts), fmt
 
     def prepare_chat(self, raw: bytes):
@@ -425,7 +470,7 @@ class _API:
         check_unsupported(body)
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise APIError(400, "give 'max_tokens' or 'max_completion_tokens', not both", param="max_tokens")
-        structured = request_constraint(body, chat=True)   # also checks tool_choice against tools
+        structured = request_constraint(body, chat=True, build=self._constraint)   # also checks tool_choice against tools
         tools = body.tools if body.tool_choice != "none" else None
         prompts = [self._encode(self._render(body.messages, tools=tools), "messages")]
         return body, self._params(body, prompts, body.max_completion_tokens or body.max_tokens, None,

@@ -78,18 +78,21 @@ def required_schema(tools, parallel: bool) -> dict:
     return schema
 
 
-def request_constraint(body, chat: bool) -> StructuredOutputs | None:
-    """The one constraint a request asks for (see the module doc), or None."""
+def request_constraint(body, chat: bool, build=_spec) -> StructuredOutputs | None:
+    """The one constraint a request asks for (see the module doc), or None.
+
+    build(param, **fields) makes the StructuredOutputs of the field `param` (default: at once, here;
+    the server passes one that checks limits and compiles on its guarded workers)."""
     found = []
     rf = body.response_format
     if rf is not None and rf.type == "json_object":
-        found.append(("response_format", lambda: _spec("response_format", json_object=True)))
+        found.append(("response_format", lambda: build("response_format", json_object=True)))
     elif rf is not None and rf.type == "json_schema":
         if rf.json_schema is None or rf.json_schema.schema_ is None:
             raise APIError(400, "'response_format.json_schema.schema' is required with type 'json_schema'",
                            param="response_format")
         found.append(("response_format",
-                      lambda: _spec("response_format.json_schema.schema", json=rf.json_schema.schema_)))
+                      lambda: build("response_format.json_schema.schema", json=rf.json_schema.schema_)))
     so = body.structured_outputs
     if so is not None:
         for name in ("structural_tag", "whitespace_pattern"):
@@ -102,18 +105,18 @@ def request_constraint(body, chat: bool) -> StructuredOutputs | None:
             raise APIError(400, f"'structured_outputs' needs exactly one of json, regex, choice, grammar, "
                                 f"json_object; got {', '.join(given) or 'none'}", param="structured_outputs")
         (k, v), = given.items()
-        found.append(("structured_outputs", lambda k=k, v=v: _spec(f"structured_outputs.{k}", **{k: v})))
+        found.append(("structured_outputs", lambda k=k, v=v: build(f"structured_outputs.{k}", **{k: v})))
     for name, field in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                         ("guided_grammar", "grammar")):
         v = getattr(body, name)
         if v is not None:
-            found.append((name, lambda name=name, field=field, v=v: _spec(name, **{field: v})))
+            found.append((name, lambda name=name, field=field, v=v: build(name, **{field: v})))
     mode = tool_mode(body) if chat else None
     if mode == "named":
         fn = next(t.function for t in body.tools if t.function.name == body.tool_choice.function.name)
-        found.append(("tool_choice", lambda: _spec(f"tools.{fn.name}.parameters", json=_parameters(fn))))
+        found.append(("tool_choice", lambda: build(f"tools.{fn.name}.parameters", json=_parameters(fn))))
     elif mode == "required":
-        found.append(("tool_choice", lambda: _spec("tools", json=required_schema(
+        found.append(("tool_choice", lambda: build("tools", json=required_schema(
             body.tools, body.parallel_tool_calls is not False))))
     if len(found) > 1:
         raise APIError(400, f"give one constraint at a time; got {', '.join(n for n, _ in found)}",
