@@ -180,3 +180,78 @@ def test_adversarial_constraints_never_kill_or_stall_the_server(server):
             assert "panicked" not in r.text and "backtrace" not in r.text
         assert took < 5 + 10, (i, list(body), size, took)
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+# ---------------------------------------------------------------------- defect 2: slow bodies
+
+BODY_TIMEOUT = {"timeout_body": 1.0}
+
+
+def _tiny_app():
+    from fastapi import FastAPI, Request
+
+    app = FastAPI()
+
+    @app.get("/health")
+    def health():
+        return {"status": "ok"}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return {"bytes": len(await request.body())}
+
+    return app
+
+
+def test_slow_bodies_do_not_hold_connection_slots():
+    """40 clients send a complete head with Content-Length 100 and then 10 bytes (or trickle a byte
+    every 0.3 s) against --limit-concurrency 32. Before: they were never closed and /health got 503
+    for as long as they stayed. Now: each gets 408 and is closed within the body timeout (1 s
+    here), and /health answers 200 again; a normal POST still works."""
+    from server_util import serving
+
+    with serving(_tiny_app(), limit_concurrency=32, timeout_header=20, **BODY_TIMEOUT) as url:
+        port = int(url.rsplit(":", 1)[1])
+        head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 100\r\n\r\n")
+        socks = []
+        for _ in range(40):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(head + b"0123456789")
+            s.settimeout(0.05)
+            socks.append(s)
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        statuses = []
+        while time.monotonic() - t0 < 8:
+            for i, s in enumerate(socks[:5]):   # five of them trickle: a byte now and then
+                try:
+                    s.send(b"x")
+                except OSError:
+                    pass
+            try:
+                statuses.append(httpx.get(f"{url}/health", timeout=2).status_code)
+            except httpx.HTTPError:
+                statuses.append(None)
+            if statuses[-1] == 200:
+                break
+            time.sleep(0.3)
+        assert statuses[-1] == 200, f"/health never answered 200 in 8 s: {statuses}"
+        assert time.monotonic() - t0 < 4, statuses
+        answers = []
+        for s in socks:
+            s.settimeout(5)
+            data = b""
+            try:
+                while chunk := s.recv(4096):
+                    data += chunk
+            except OSError:
+                pass
+            answers.append(data)
+            s.close()
+        # The ones uvicorn admitted (32 at most) get 408 with an error object; the rest got its 503.
+        assert sum(a.startswith(b"HTTP/1.1 408 ") for a in answers) >= 20, [a[:40] for a in answers]
+        assert all(a.startswith((b"HTTP/1.1 408 ", b"HTTP/1.1 503 ")) for a in answers), [a[:40] for a in answers]
+        timed_out = next(a for a in answers if a.startswith(b"HTTP/1.1 408 "))
+        assert json.loads(timed_out.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+        assert httpx.post(f"{url}/v1/completions", content=b"x" * 100).json() == {"bytes": 100}
