@@ -255,3 +255,63 @@ def test_slow_bodies_do_not_hold_connection_slots():
         timed_out = next(a for a in answers if a.startswith(b"HTTP/1.1 408 "))
         assert json.loads(timed_out.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
         assert httpx.post(f"{url}/v1/completions", content=b"x" * 100).json() == {"bytes": 100}
+
+
+# ---------------------------------------------------------------------- defect 3: SIGTERM drains
+
+def test_sigterm_drains_then_ends_requests_with_errors(tmp_path):
+    """SIGTERM with a long non-streamed request and a long stream in flight (--shutdown-timeout 1.5).
+    Before: after uvicorn's fixed 5 s the non-streamed request got a text/plain 500 and the stream was
+    cut without an error event or [DONE]. Now: a new request during the drain gets 503 with
+    Retry-After; after 1.5 s the non-streamed request gets a 503 OpenAI error object and the stream a
+    final error event and `data: [DONE]`; the process exits 0."""
+    import threading
+
+    p = Proc(tmp_path, "--shutdown-timeout", "1.5", "--max-model-len", "2048", "--num-pages", "600",
+             "--steps-per-call", "1")
+    try:
+        long = {"prompt": "tell me", "max_tokens": 2000, "ignore_eos": True, "temperature": 0}
+        result = {}
+
+        def plain():
+            try:
+                result["plain"] = p.post("/v1/completions", long, timeout=120)
+            except httpx.HTTPError as e:
+                result["plain"] = e
+
+        t = threading.Thread(target=plain)
+        t.start()
+        lines = []
+        with httpx.stream("POST", f"{p.url}/v1/completions", json={"model": MODEL, **long, "stream": True},
+                          timeout=120) as r:
+            assert r.status_code == 200
+            it = r.iter_lines()
+            while not (line := next(it)).startswith("data: "):
+                pass
+            lines.append(line)
+            t_sig = time.monotonic()
+            p.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.4)
+            late = httpx.post(f"{p.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2},
+                              timeout=10)
+            assert late.status_code == 503 and late.headers["retry-after"] == "1", late.text
+            assert late.json()["error"]["code"] == "shutting_down"
+            try:
+                for line in it:
+                    if line.startswith("data: "):
+                        lines.append(line)
+            except httpx.HTTPError as e:
+                raise AssertionError(f"the stream was cut: {e!r}; last lines {lines[-2:]}") from None
+        t.join(60)
+        took = time.monotonic() - t_sig
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        error = json.loads(lines[-2][6:])
+        assert error["error"]["type"] == "server_error" and "shutting down" in error["error"]["message"], lines[-2]
+        plain_r = result["plain"]
+        assert isinstance(plain_r, httpx.Response), plain_r
+        assert plain_r.status_code == 503 and plain_r.headers["content-type"] == "application/json", plain_r.text
+        assert "shutting down" in plain_r.json()["error"]["message"]
+        assert 1.4 < took < 15, took
+        assert p.proc.wait(timeout=30) == 0
+    finally:
+        p.stop()
