@@ -315,3 +315,77 @@ def test_sigterm_drains_then_ends_requests_with_errors(tmp_path):
         assert p.proc.wait(timeout=30) == 0
     finally:
         p.stop()
+
+
+# ---------------------------------------------------------------------- the in-process server (defects 4-9)
+
+NAME = "tiny"
+LONG = {"model": NAME, "prompt": "a long one", "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
+
+
+class Live:
+    def __init__(self, url, aengine, tok):
+        self.url, self.aengine, self.tok = url, aengine, tok
+        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def post(self, path, body, **kw):
+        return httpx.post(f"{self.url}{path}", json={"model": NAME, **body}, timeout=60, **kw)
+
+    def metrics(self) -> dict:
+        out = {}
+        for line in httpx.get(f"{self.url}/metrics").text.splitlines():
+            if line and not line.startswith("#"):
+                key, value = line.rsplit(" ", 1)
+                out[key] = float(value)
+        return out
+
+    def errors(self, status: str) -> float:
+        return self.metrics().get(f'jpa_http_errors_total{{status="{status}"}}', 0.0)
+
+    def wait_idle(self, timeout=20.0) -> dict:
+        t0 = time.monotonic()
+        while True:
+            m = self.metrics()
+            if m["jpa_num_requests_running"] == 0 and m["jpa_num_requests_waiting"] == 0:
+                return m
+            assert time.monotonic() - t0 < timeout, f"server not idle: {m}"
+            time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def live():
+    import models
+    from jpa.engine import AsyncEngine, EngineConfig, LLMEngine
+    from jpa.server import build_app
+    from server_util import serving
+
+    model, tok = models.load("tiny-llama", seed=1)
+    eng = LLMEngine(models.GPTForEngine(model), tok, EngineConfig(max_seqs=8, page_size=16, num_pages=600,
+                                                                  steps_per_call=4, max_model_len=2048))
+    with AsyncEngine(eng, max_waiting=32) as aengine:
+        with serving(build_app(aengine, tok, model_name=NAME, max_n=4, api_key=None)) as url:
+            yield Live(url, aengine, tok)
+
+
+# ---------------------------------------------------------------------- defect 4: clients giving up
+
+def test_a_client_giving_up_is_not_a_server_error(live):
+    """Before: a client that gave up on a non-streamed request (InvalidStateError in _collect) or
+    disconnected during its body upload (ClientDisconnect) was a 500 in jpa_http_errors_total. Now:
+    the request is aborted and nothing counts as an error."""
+    before = live.errors("500")
+    aborts = live.metrics().get('jpa_requests_total{finish_reason="abort"}', 0)
+    for _ in range(2):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{live.url}/v1/completions", json=LONG, timeout=0.5)
+    # A body upload that stops half-way: the client closes the connection.
+    body = json.dumps(LONG).encode()
+    with socket.create_connection(("127.0.0.1", int(live.url.rsplit(":", 1)[1]))) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body[:20])
+        time.sleep(0.3)
+    m = live.wait_idle()
+    time.sleep(0.3)
+    assert live.errors("500") == before
+    assert m['jpa_requests_total{finish_reason="abort"}'] == aborts + 2
+    assert httpx.get(f"{live.url}/health").status_code == 200

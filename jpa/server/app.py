@@ -40,6 +40,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from jpa.engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded, RequestGroup
 from jpa.engine.sampling import SamplingParams
@@ -225,6 +226,8 @@ class _Gate:
 
         try:
             await self.app(scope, limited_receive, send_with_id)
+        except ClientDisconnect:   # the client left during its upload: nobody to answer, not our error
+            log.info("request %s: the client disconnected before its body arrived", rid)
         except Exception as e:
             # A bug: the client gets a 500 with the request id, never the exception text (the log
             # has it). Past the response's start nothing can be sent: the connection is dropped.
@@ -538,7 +541,10 @@ class _API:
 
     async def serve(self, request: Request, prepare):
         self.ready()
-        raw = await request.body()
+        try:
+            raw = await request.body()
+        except ClientDisconnect:   # gone during the upload (or its body timed out): nobody reads an answer
+            return Response(status_code=499)
         body, reqs, num_prompts, fmt_class = await asyncio.to_thread(prepare, raw)
         fmt = fmt_class(self, body, request.scope["state"]["request_id"])
         group = self._submit(reqs)
@@ -581,15 +587,18 @@ class _API:
                 pass
 
         consumer, watcher = asyncio.ensure_future(consume()), asyncio.ensure_future(disconnected())
+        gone = True
         try:
             await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             watcher.cancel()
-            if not consumer.done():  # the client went away (or this handler was cancelled)
+            gone = not consumer.done()
+            if gone:  # the client went away (or this handler was cancelled)
+                # cancel() only asks: the task is not cancelled (nor has a result) until it runs again.
                 consumer.cancel()
                 self.metrics.finished.labels("abort").inc(group.num_unfinished)
                 group.abort()
-        if consumer.cancelled():
+        if gone:
             return None
         try:
             return consumer.result()
