@@ -389,3 +389,32 @@ def test_a_client_giving_up_is_not_a_server_error(live):
     assert live.errors("500") == before
     assert m['jpa_requests_total{finish_reason="abort"}'] == aborts + 2
     assert httpx.get(f"{live.url}/health").status_code == 200
+
+
+# ---------------------------------------------------------------------- defect 5: impossible constraints
+
+@pytest.mark.parametrize("body, param", [
+    ({"structured_outputs": {"choice": [f"option number {i}" for i in range(5000)]}}, "structured_outputs"),
+    ({"structured_outputs": {"choice": [f"o{i}" for i in range(100_000)]}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a{1000000}"}}, "structured_outputs"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}}}}, "response_format"),
+    ({"structured_outputs": {"json": {"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}},
+                                                      "required": ["next"]}}, "$ref": "#/$defs/n"}}},
+     "structured_outputs"),
+], ids=["choice-5000", "choice-100k", "regex-1e6", "recursive-required", "defs-recursive-required"])
+def test_impossible_constraints_are_400s_up_front(live, body, param):
+    """Before: accepted, then failed mid-generation with param "prompt" (a 100k-option choice burned
+    12 s and returned a Rust panic backtrace), or ran to max_tokens. Now: a 400 naming the field
+    before anything reaches the engine, with no internal text."""
+    eng = live.aengine.engine
+    compiles = eng.grammars.compiles
+    t0 = time.monotonic()
+    r = live.post("/v1/chat/completions", {"messages": MSGS, "max_tokens": 40, "temperature": 1.0, "seed": 1, **body})
+    assert time.monotonic() - t0 < 5
+    assert r.status_code == 400, r.text[:500]
+    err = r.json()["error"]
+    assert err["param"] == param, err
+    for internal in ("panicked", "backtrace", "max is", "RUST_", ".rs:"):
+        assert internal not in err["message"], err
+    assert eng.grammars.compiles == compiles   # nothing reached the engine

@@ -52,7 +52,8 @@ CONTROL_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty",
 from jpa.engine.structured import Grammars, StructuredOutputs
 from jpa.server.limits import CompileGuard, ConstraintLimits, check_constraint, first_mask_allows_something
 from jpa.server.metrics import ServerMetrics, Timing
-from jpa.server.tools import ToolStream, parse_output, parser_format, request_constraint, tool_mode
+from jpa.server.tools import (ToolStream, constraint_field, parse_output, parser_format, request_constraint,
+                              tool_mode)
 from jpa.server.protocol import (SEED_LIMIT, APIError, ChatCompletionRequest, CompletionRequest,
                                  DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, chat_messages,
                                  check_messages, check_unsupported, error_body, parse_body, parse_json, stop_strings,
@@ -555,7 +556,8 @@ class _API:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             # The background task runs after the stream ends, however it ends: if the client left
             # before the first chunk (the generator never started), this is what aborts the requests.
-            return StreamingResponse(self._stream(group, fmt, timing, prompt_tokens, include_usage),
+            return StreamingResponse(self._stream(group, fmt, timing, prompt_tokens, include_usage,
+                                                  body, request.scope["state"]["request_id"]),
                                      media_type="text/event-stream", background=BackgroundTask(group.abort),
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         results = await self._collect(group, timing, request)
@@ -565,12 +567,22 @@ class _API:
         if bad:
             o = bad[0]
             if o.finish_reason == "error":
-                raise APIError(400, o.error or "invalid request", param="prompt")
+                raise self._generation_error(body, o.error, request.scope["state"]["request_id"])
             raise APIError(503, "the server is shutting down", type="server_error", headers=self.retry_headers)
         outs = [results[i] for i in range(len(group))]
         completion_tokens = 0 if fmt.score_only else sum(len(o.token_ids) for o in outs)
         return JSONResponse(fmt.response([fmt.choice(i, o) for i, o in enumerate(outs)],
                                          _usage(prompt_tokens, completion_tokens), outs))
+
+    def _generation_error(self, body, error: str | None, rid: str) -> APIError:
+        """The error of a request the engine failed: under a constraint, a 400 naming the constraint's
+        field without the grammar library's text (logged); else the engine's message (bad input)."""
+        field = constraint_field(body)
+        if field is not None:
+            log.warning("request %s: constrained generation failed: %s", rid, (error or "")[:500])
+            return APIError(400, f"the output could not be continued under the constraint in '{field}' (request "
+                                 f"id {rid})", param=field)
+        return APIError(400, error or "invalid request", param="prompt")
 
     async def _collect(self, group: RequestGroup, timing: Timing, request: Request):
         """Finished outputs by index, or None if the client disconnected first (then aborted)."""
@@ -605,7 +617,8 @@ class _API:
         except EngineDead as e:
             raise APIError(503, str(e), type="server_error") from None
 
-    async def _stream(self, group: RequestGroup, fmt, timing: Timing, prompt_tokens: int, include_usage: bool):
+    async def _stream(self, group: RequestGroup, fmt, timing: Timing, prompt_tokens: int, include_usage: bool,
+                      body=None, rid: str = ""):
         """Server-sent events in OpenAI's chunk format, ending with [DONE]."""
         completion_tokens = 0
         try:
@@ -617,8 +630,11 @@ class _API:
                 if out.finished:
                     reason = out.output.finish_reason
                     if reason not in ("stop", "length"):
-                        msg = out.output.error if reason == "error" else "the server is shutting down"
-                        yield _sse(error_body(msg or "request failed", type="server_error"))
+                        if reason == "error":
+                            e = self._generation_error(body, out.output.error, rid)
+                            yield _sse(error_body(e.message, param=e.param))
+                        else:
+                            yield _sse(error_body("the server is shutting down", type="server_error"))
                         continue
                 chunk = fmt.chunk(i, out)
                 if chunk is not None:

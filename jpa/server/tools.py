@@ -124,6 +124,21 @@ def request_constraint(body, chat: bool, build=_spec) -> StructuredOutputs | Non
     return found[0][1]() if found else None
 
 
+def constraint_field(body) -> str | None:
+    """The request field that holds its constraint (what an error during constrained generation
+    names), or None."""
+    rf = getattr(body, "response_format", None)
+    if rf is not None and rf.type != "text":
+        return "response_format"
+    for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        if getattr(body, name, None) is not None:
+            return name
+    if getattr(body, "tool_choice", None) is not None and not isinstance(body.tool_choice, str) \
+            or getattr(body, "tool_choice", None) == "required":
+        return "tools"
+    return None
+
+
 def parser_format(tokenizer) -> str:
     """The tool-call format of a model, from its chat template: Llama-3.1 JSON where the template
     speaks of <|python_tag|> / ipython and not of <tool_call>, else Hermes."""
