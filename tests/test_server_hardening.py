@@ -418,3 +418,19 @@ def test_impossible_constraints_are_400s_up_front(live, body, param):
     for internal in ("panicked", "backtrace", "max is", "RUST_", ".rs:"):
         assert internal not in err["message"], err
     assert eng.grammars.compiles == compiles   # nothing reached the engine
+
+
+# ---------------------------------------------------------------------- defect 6: temperature
+
+def test_temperature_is_bounded(live):
+    """Before: temperature 1e38 (and 1e39, inf in float32) passed validation and broke sampling.
+    Now: above 100 is a 400 naming it; at 100 a constrained output still matches its constraint."""
+    for t in (1e38, 1e39, 100.5):
+        for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": MSGS})):
+            r = live.post(path, {**body, "max_tokens": 4, "temperature": t,
+                                 "structured_outputs": {"choice": ["yes", "no"]}})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", (t, r.text)
+    for seed in range(3):
+        r = live.post("/v1/completions", {"prompt": "x", "max_tokens": 4, "temperature": 100, "seed": seed,
+                                          "structured_outputs": {"choice": ["yes", "no"]}})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("yes", "no"), r.text

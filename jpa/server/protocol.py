@@ -27,6 +27,9 @@ FIELD_TYPES = {
     "content": "a string or a list of {type: 'text', text} parts",
 }
 MAX_STOP = 16
+# Far above any useful temperature, far below float32's range: logits / temperature stay finite and
+# the grammar mask (-inf) survives the division (1e38 and past float32's max broke sampling).
+MAX_TEMPERATURE = 100.0
 SEED_LIMIT = 2 ** 31   # the engine's seeds are in [0, 2**31); choice j of n uses seed + j
 
 
@@ -184,7 +187,7 @@ class StructuredOutputsBody(_Lenient):
 class _Sampling(_Lenient):
     """Parameters shared by /v1/completions and /v1/chat/completions."""
     model: str
-    temperature: float | None = _finite(ge=0)
+    temperature: float | None = _finite(ge=0, le=MAX_TEMPERATURE)
     top_p: float | None = _finite(gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)                 # extension (vLLM); 0 or -1 = off
     n: int = Field(1, ge=1)
