@@ -434,3 +434,35 @@ def test_temperature_is_bounded(live):
         r = live.post("/v1/completions", {"prompt": "x", "max_tokens": 4, "temperature": 100, "seed": seed,
                                           "structured_outputs": {"choice": ["yes", "no"]}})
         assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("yes", "no"), r.text
+
+
+# ---------------------------------------------------------------------- defect 7: a named call cut short
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]}, "days": {"type": "integer"}},
+        "required": ["city", "days"], "additionalProperties": False}}}
+
+
+def test_named_tool_call_cut_by_max_tokens_is_the_same_streamed_or_not(live):
+    """Before: streamed, a named call cut by max_tokens came as tool-call argument deltas; not
+    streamed, as plain content without tool_calls. Now both are the call with the arguments generated
+    so far (as vLLM), finish_reason "length"."""
+    kw = dict(model=NAME, messages=MSGS, tools=[WEATHER], max_tokens=3, temperature=0,
+              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    r = live.client.chat.completions.create(**kw)
+    c = r.choices[0]
+    assert c.finish_reason == "length"
+    assert c.message.tool_calls and c.message.tool_calls[0].function.name == "get_weather", c.message
+    assert not c.message.content
+    name, args, content, reasons = None, "", "", []
+    for ch in live.client.chat.completions.create(stream=True, **kw):
+        for choice in ch.choices:
+            content += choice.delta.content or ""
+            for call in choice.delta.tool_calls or ():
+                name = call.function.name or name
+                args += call.function.arguments or ""
+            if choice.finish_reason:
+                reasons.append(choice.finish_reason)
+    assert (name, args, content, reasons) == ("get_weather", c.message.tool_calls[0].function.arguments, "",
+                                              ["length"])

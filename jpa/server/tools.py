@@ -9,7 +9,8 @@ two of them are given.
 Tool calling (chat): the tools are rendered by the chat template; then, by `tool_choice`:
 - "none" (or no tools): plain text;
 - a named function: the output is constrained to the function's parameters (a JSON object) and
-  returned as one call of it (finish_reason "stop", as OpenAI does for a forced function);
+  returned as one call of it (finish_reason "stop", as OpenAI does for a forced function; cut by
+  max_tokens: the call with the arguments so far and finish_reason "length", streamed or not);
 - "required": the output is constrained to a JSON array of {"name", "parameters"} calls of the
   given functions (one at most with parallel_tool_calls false), returned as tool_calls
   (finish_reason "tool_calls");
@@ -207,11 +208,9 @@ def parse_output(text: str, mode: str | None, fmt: str, name: str | None = None,
                  parallel: bool = True) -> tuple[str | None, list[dict]]:
     """(content, tool calls) of a whole chat output under a tool mode."""
     if mode == "named":
-        try:
-            json.loads(text)
-        except ValueError:   # cut by max_tokens: not a call
-            return text, []
-        return None, [_call(name, text)]   # the arguments as generated (and streamed)
+        # The arguments as generated (and streamed), even when max_tokens cut them (finish_reason
+        # "length", as vLLM): streamed and non-streamed answers are the same call.
+        return None, [_call(name, text)]
     if mode == "required":
         try:
             calls = [_as_call(c) for c in json.loads(text)]
