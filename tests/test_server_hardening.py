@@ -466,3 +466,23 @@ def test_named_tool_call_cut_by_max_tokens_is_the_same_streamed_or_not(live):
                 reasons.append(choice.finish_reason)
     assert (name, args, content, reasons) == ("get_weather", c.message.tool_calls[0].function.arguments, "",
                                               ["length"])
+
+
+# ---------------------------------------------------------------------- defect 8: top_logprobs under a constraint
+
+def test_top_logprobs_under_a_constraint_are_numbers(live):
+    """Before: under a constraint top_logprobs were padded with forbidden tokens whose logprob was
+    null (OpenAI's schema has a number). Now: -9999 (as vLLM, and jpa's prompt_logprobs)."""
+    r = live.client.chat.completions.create(model=NAME, messages=MSGS, max_tokens=4, temperature=0, logprobs=True,
+                                            top_logprobs=5, extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    content = r.choices[0].logprobs.content
+    assert content and r.choices[0].message.content in ("yes", "no")
+    for t in content:
+        assert isinstance(t.logprob, float) and len(t.top_logprobs) == 5
+        assert all(isinstance(a.logprob, float) and a.logprob >= -9999 for a in t.top_logprobs), t.top_logprobs
+        assert any(a.logprob == -9999 for a in t.top_logprobs)   # forbidden tokens pad the list
+    c = live.post("/v1/completions", {"prompt": "x", "max_tokens": 4, "temperature": 0, "logprobs": 5,
+                                      "structured_outputs": {"choice": ["yes", "no"]}}).json()
+    lp = c["choices"][0]["logprobs"]
+    assert all(isinstance(v, float) for v in lp["token_logprobs"])
+    assert all(isinstance(v, float) for top in lp["top_logprobs"] for v in top.values()), lp["top_logprobs"]

@@ -665,6 +665,12 @@ def _finite(x: float):
     return x if math.isfinite(x) else None
 
 
+def _logprob(x: float):
+    """A reported logprob: -inf (a token a constraint or filter forbids) as -9999, vLLM's value (OpenAI's
+    schema has a number; jpa's prompt_logprobs do the same)."""
+    return max(x, -9999.0) if not math.isnan(x) else None
+
+
 class _Format:
     """OpenAI's response and chunk shapes for one endpoint, and each choice's logprob tokens."""
 
@@ -769,7 +775,7 @@ class _CompletionFormat(_Format):
         top = None
         if self.body.logprobs:   # OpenAI's shape: {token text: logprob} per token
             top = [self._top_dict(t[2][1]) for t in toks]
-        return {"tokens": [t[0] for t in toks], "token_logprobs": [_finite(t[2][0]) for t in toks],
+        return {"tokens": [t[0] for t in toks], "token_logprobs": [_logprob(t[2][0]) for t in toks],
                 "top_logprobs": top, "text_offset": [t[3] for t in toks]}
 
     def _top_dict(self, top) -> dict:
@@ -778,7 +784,7 @@ class _CompletionFormat(_Format):
         likely one's logprob."""
         out = {}
         for a, _, v in self._alternatives(top):
-            out.setdefault(a, _finite(v))
+            out.setdefault(a, _logprob(v))
         return out
 
     def _echo(self, index: int, plp, text: str, lp):
@@ -848,8 +854,8 @@ class _ChatFormat(_Format):
         if not self.body.logprobs:
             return None
         toks = self._tokens(index, token_ids, lps, reason, text, tops)
-        return {"content": [{"token": t, "logprob": _finite(lp), "bytes": list(b),
-                             "top_logprobs": [{"token": a, "logprob": _finite(v), "bytes": list(ab)}
+        return {"content": [{"token": t, "logprob": _logprob(lp), "bytes": list(b),
+                             "top_logprobs": [{"token": a, "logprob": _logprob(v), "bytes": list(ab)}
                                               for a, ab, v in self._alternatives(top)]}
                             for t, b, (lp, top), _ in toks]}
 
