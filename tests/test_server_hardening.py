@@ -486,3 +486,66 @@ def test_top_logprobs_under_a_constraint_are_numbers(live):
     lp = c["choices"][0]["logprobs"]
     assert all(isinstance(v, float) for v in lp["token_logprobs"])
     assert all(isinstance(v, float) for top in lp["top_logprobs"] for v in top.values()), lp["top_logprobs"]
+
+
+# ---------------------------------------------------------------------- defect 9: the nits
+
+def test_bearer_scheme_is_case_insensitive(live):
+    """Before: only `Bearer` matched (RFC 9110: the scheme is case-insensitive). The key is not."""
+    from jpa.server import build_app
+    from server_util import serving
+
+    with serving(build_app(live.aengine, live.tok, model_name=NAME, api_key="s3cret")) as url:
+        for header, status in (("Bearer s3cret", 200), ("bearer s3cret", 200), ("BEARER  s3cret", 200),
+                               ("Bearer S3CRET", 401), ("Basic s3cret", 401), ("s3cret", 401), ("bearer", 401)):
+            assert httpx.get(f"{url}/v1/models", headers={"Authorization": header}).status_code == status, header
+
+
+def test_cached_tokens_are_reported(live):
+    """Before: usage.prompt_tokens_details was never reported. Now cached_tokens counts the prompt
+    tokens found in the prefix cache (whole pages), streamed or not."""
+    prompt = "cached tokens are counted in the usage " * 4
+    kw = dict(model=NAME, prompt=prompt, max_tokens=2, temperature=0)
+    first = live.client.completions.create(**kw)
+    second = live.client.completions.create(**kw)
+    n = first.usage.prompt_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    hit = second.usage.prompt_tokens_details.cached_tokens
+    assert hit % 16 == 0 and n - 16 <= hit < n, (hit, n)
+    chunks = list(live.client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == hit
+    chat = dict(model=NAME, messages=[{"role": "user", "content": prompt}], max_tokens=2, temperature=0)
+    live.client.chat.completions.create(**chat)
+    assert live.client.chat.completions.create(**chat).usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_tokenizer_info(live):
+    """Before: 404. Now vLLM's GET /tokenizer_info (lm-eval's tokenizer_backend=remote reads it)."""
+    r = httpx.get(f"{live.url}/tokenizer_info")
+    assert r.status_code == 200, r.text
+    info = r.json()
+    assert info["eos_token_id"] == live.tok.eos_token_id and info["bos_token_id"] == live.tok.bos_token_id
+    assert info["model_max_length"] == 2048 and info["vocab_size"] == 512
+    assert {"eos_token", "bos_token", "chat_template", "tokenizer_class", "pad_token"} <= set(info)
+
+
+def test_64_bit_seeds_are_folded_into_the_key(live):
+    """Before: seeds >= 2**31 were a 400 (vLLM accepts any 64-bit seed). Now every signed or
+    unsigned 64-bit seed is accepted, reproducible, and its high bits matter (no wrap-around: 2**31,
+    2**32 and 0 differ); seeds the engine takes as they are keep their outputs."""
+    kw = {"prompt": "jax", "max_tokens": 12, "temperature": 1.0, "ignore_eos": True}
+
+    def text(seed, n=1):
+        r = live.post("/v1/completions", {**kw, "seed": seed, "n": n})
+        assert r.status_code == 200, r.text
+        return [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+
+    seeds = [0, 2 ** 31, 2 ** 32, 2 ** 32 + 1, 2 ** 63, 2 ** 64 - 1, -1, -2 ** 63, 2 ** 31 - 1 + 2 ** 40]
+    texts = {s: text(s)[0] for s in seeds}
+    assert len(set(texts.values())) == len(seeds), texts
+    for s in (2 ** 33, -5):
+        assert text(s) == text(s)
+    assert text(2 ** 31 - 2, n=2)[1] == text(2 ** 31 - 1)[0]   # in range: used as given
+    for bad in (2 ** 64, -2 ** 63 - 1):
+        r = live.post("/v1/completions", {**kw, "seed": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text

@@ -56,7 +56,8 @@ from jpa.server.tools import (ToolStream, constraint_field, parse_output, parser
                               tool_mode)
 from jpa.server.protocol import (SEED_LIMIT, APIError, ChatCompletionRequest, CompletionRequest,
                                  DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, chat_messages,
-                                 check_messages, check_unsupported, error_body, parse_body, parse_json, stop_strings,
+                                 check_messages, check_unsupported, engine_seed, error_body, parse_body, parse_json,
+                                 stop_strings,
                                  unknown_fields, validation_error)
 
 log = logging.getLogger("jpa.server")
@@ -149,6 +150,10 @@ def build_app(engine: AsyncEngine | None, tokenizer, *, model_name: str, api_key
         raw = await request.body()
         return await asyncio.to_thread(api.ready().tokenize, raw)
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return api.ready().tokenizer_info()
+
     @app.post("/detokenize")
     async def detokenize(request: Request):
         raw = await request.body()
@@ -205,8 +210,10 @@ class _Gate:
             error = APIError(503, "the server is shutting down; try again shortly", type="server_error",
                              code="shutting_down", headers={**self.api.retry_headers, "Connection": "close"})
         elif self.api_key is not None and scope["path"] != "/health":
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
+            # The scheme is case-insensitive (RFC 9110: "bearer" = "Bearer"); the key is not.
+            scheme, _, given = headers.get(b"authorization", b"").strip().partition(b" ")
+            if not (scheme.lower() == b"bearer"
+                    and hmac.compare_digest(given.strip(), self.api_key.encode())):
                 error = APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
                                  type="authentication_error", code="invalid_api_key")
         length = headers.get(b"content-length")
@@ -422,8 +429,8 @@ class _API:
             raise APIError(400, f"token ids must be in [0, {vocab}); got {bad[:5]}",
                            param="logit_bias" if any(t in controls.get("logit_bias", {}) for t in bad) else "stop_token_ids")
         limit = self.engine.max_model_len
-        # Seeds are used as given (check_unsupported bounds seed + n - 1), never wrapped.
-        base = body.seed if body.seed is not None else random.randrange(SEED_LIMIT - body.n + 1)
+        # Seeds the engine can take are used as given; other 64-bit seeds are folded (engine_seed).
+        base = engine_seed(body.seed, body.n) if body.seed is not None else random.randrange(SEED_LIMIT - body.n + 1)
         out = []
         for ids in prompts:
             room = limit - len(ids)
@@ -508,6 +515,26 @@ class _API:
             out["token_strs"] = [self._token_str(t) for t in ids]
         return out
 
+    def tokenizer_info(self) -> dict:
+        """vLLM's GET /tokenizer_info: the tokenizer's configuration (special tokens, chat template,
+        limits), what lm-eval's `tokenizer_backend=remote` reads before it calls /tokenize."""
+        tok = self.tok
+        special = getattr(tok, "_special_tokens", None) or {}
+
+        def spelled(token_id):
+            return None if token_id is None else tok.decode([token_id], skip_special_tokens=False)
+
+        info = {"tokenizer_class": type(tok).__name__, "model_max_length": self.engine.max_model_len,
+                "vocab_size": self.vocab_size, "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+                "bos_token": spelled(tok.bos_token_id), "eos_token": spelled(tok.eos_token_id),
+                "stop_token_ids": sorted(self.engine.stop_ids),
+                "chat_template": getattr(tok, "chat_template", None), "add_bos_token": bool(getattr(tok, "_add_bos",
+                                                                                                   False))}
+        for name in ("pad_token", "unk_token"):
+            v = special.get(name)
+            info[name] = v if isinstance(v, str) else (v.get("content") if isinstance(v, dict) else None)
+        return info
+
     def _token_str(self, t: int) -> str:
         """The vocabulary's spelling of a token (vLLM: convert_ids_to_tokens)."""
         piece = self.tok.id_to_token(t) if hasattr(self.tok, "id_to_token") else None
@@ -556,8 +583,9 @@ class _API:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             # The background task runs after the stream ends, however it ends: if the client left
             # before the first chunk (the generator never started), this is what aborts the requests.
+            firsts = {i * per_prompt for i in range(num_prompts)}   # one request per prompt counts its cache hits
             return StreamingResponse(self._stream(group, fmt, timing, prompt_tokens, include_usage,
-                                                  body, request.scope["state"]["request_id"]),
+                                                  body, request.scope["state"]["request_id"], firsts),
                                      media_type="text/event-stream", background=BackgroundTask(group.abort),
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         results = await self._collect(group, timing, request)
@@ -571,8 +599,9 @@ class _API:
             raise APIError(503, "the server is shutting down", type="server_error", headers=self.retry_headers)
         outs = [results[i] for i in range(len(group))]
         completion_tokens = 0 if fmt.score_only else sum(len(o.token_ids) for o in outs)
+        cached = sum(outs[i * per_prompt].num_cached_tokens for i in range(num_prompts))
         return JSONResponse(fmt.response([fmt.choice(i, o) for i, o in enumerate(outs)],
-                                         _usage(prompt_tokens, completion_tokens), outs))
+                                         _usage(prompt_tokens, completion_tokens, cached), outs))
 
     def _generation_error(self, body, error: str | None, rid: str) -> APIError:
         """The error of a request the engine failed: under a constraint, a 400 naming the constraint's
@@ -618,9 +647,9 @@ class _API:
             raise APIError(503, str(e), type="server_error") from None
 
     async def _stream(self, group: RequestGroup, fmt, timing: Timing, prompt_tokens: int, include_usage: bool,
-                      body=None, rid: str = ""):
+                      body=None, rid: str = "", firsts=frozenset({0})):
         """Server-sent events in OpenAI's chunk format, ending with [DONE]."""
-        completion_tokens = 0
+        completion_tokens = cached = 0
         try:
             for chunk in fmt.first_chunks(len(group)):
                 yield _sse(chunk)
@@ -629,6 +658,7 @@ class _API:
                 completion_tokens += 0 if fmt.score_only else len(out.new_token_ids)
                 if out.finished:
                     reason = out.output.finish_reason
+                    cached += out.output.num_cached_tokens if i in firsts else 0
                     if reason not in ("stop", "length"):
                         if reason == "error":
                             e = self._generation_error(body, out.output.error, rid)
@@ -640,7 +670,7 @@ class _API:
                 if chunk is not None:
                     yield _sse(chunk)
             if include_usage:
-                yield _sse(fmt.usage_chunk(_usage(prompt_tokens, completion_tokens)))
+                yield _sse(fmt.usage_chunk(_usage(prompt_tokens, completion_tokens, cached)))
             yield "data: [DONE]\n\n"
         except EngineDead as e:
             yield _sse(error_body(str(e), type="server_error"))
@@ -656,9 +686,11 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, allow_nan=False)}\n\n"
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage; cached_tokens: prompt tokens found in the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def _finite(x: float):

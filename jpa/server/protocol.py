@@ -13,6 +13,7 @@ holds one is named), then a scan for lone UTF-16 surrogates (`"\\ud800"` is vali
 Unicode: tokenizers and the response encoder fail on it), then validation.
 """
 
+import hashlib
 import json
 import re
 from typing import Any, Literal
@@ -31,6 +32,7 @@ MAX_STOP = 16
 # the grammar mask (-inf) survives the division (1e38 and past float32's max broke sampling).
 MAX_TEMPERATURE = 100.0
 SEED_LIMIT = 2 ** 31   # the engine's seeds are in [0, 2**31); choice j of n uses seed + j
+SEED_MIN, SEED_END = -2 ** 63, 2 ** 64   # a request's seed: any signed or unsigned 64-bit integer (vLLM: int64)
 
 
 class APIError(Exception):
@@ -191,7 +193,7 @@ class _Sampling(_Lenient):
     top_p: float | None = _finite(gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)                 # extension (vLLM); 0 or -1 = off
     n: int = Field(1, ge=1)
-    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
+    seed: int | None = Field(None, ge=SEED_MIN, lt=SEED_END)   # folded into the engine's 31 bits: engine_seed()
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -377,11 +379,22 @@ def check_unsupported(req: _Sampling) -> None:
                             "logprobs streams the prompt's logprobs)", param="prompt_logprobs")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options")
-    if req.seed is not None and req.seed + req.n - 1 >= SEED_LIMIT:
-        raise APIError(400, f"'seed' + n - 1 must be < 2**31 (choice j samples with seed + j); got seed "
-                            f"{req.seed} with n {req.n}", param="seed")
     if chat:
         check_messages(req.messages)
+
+
+def engine_seed(seed: int, n: int) -> int:
+    """The engine's seed (in [0, 2**31 - n], choice j samples with it + j) of a request's 64-bit seed.
+
+    A seed the engine can use as it is (0 <= seed and seed + n - 1 < 2**31) is used as it is, so those
+    keep their outputs (and choice j of seed s equals choice 0 of seed s + j). Any other seed has all
+    of its bits folded into the engine's 31 (a keyed hash of the 64-bit value, never a wrap-around:
+    2**31 and 0 differ); two such seeds collide with probability about 2**-31.
+    """
+    if 0 <= seed and seed + n - 1 < SEED_LIMIT:
+        return seed
+    digest = hashlib.blake2b(seed.to_bytes(9, "little", signed=True), digest_size=8, person=b"jpa-seed").digest()
+    return int.from_bytes(digest, "little") % (SEED_LIMIT - n + 1)
 
 
 def check_messages(messages) -> None:
