@@ -59,6 +59,9 @@ def parse_args(argv=None):
                     "after SIGTERM (new ones get 503) before they are ended with an error (default 30)")
     ap.add_argument("--grammar-compile-timeout", type=float, default=10, help="seconds a structured-output "
                     "constraint may take to compile (then 400; default 10)")
+    ap.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"], help="split chat "
+                    "outputs' <think>...</think> into reasoning_content (deepseek_r1: the output starts inside the "
+                    "think block; qwen3: only an output that opens one); default: none")
     ap.add_argument("--limit-concurrency", type=int, default=1024, help="open connections or requests in "
                     "flight beyond which new requests get 503 (default 1024)")
     ap.add_argument("--allowed-origins", default=None, help="origins browsers may call the API from (CORS): "
@@ -155,7 +158,8 @@ def run(args, sock):
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     app = build_app(None, None, model_name=name, api_key=args.api_key, max_n=args.max_n,
                     max_request_bytes=args.max_request_bytes, allowed_origins=args.allowed_origins,
-                    constraint_limits=ConstraintLimits(compile_timeout=args.grammar_compile_timeout))
+                    constraint_limits=ConstraintLimits(compile_timeout=args.grammar_compile_timeout),
+                    reasoning_parser=args.reasoning_parser)
     server = build_server(app, log_level=args.log_level, timeout_keep_alive=args.timeout_keep_alive,
                           timeout_header=args.timeout_header, timeout_body=args.timeout_body,
                           limit_concurrency=args.limit_concurrency, shutdown_timeout=args.shutdown_timeout)

@@ -52,6 +52,7 @@ CONTROL_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty",
 from jpa.engine.structured import Grammars, StructuredOutputs
 from jpa.server.limits import CompileGuard, ConstraintLimits, check_constraint, first_mask_allows_something
 from jpa.server.metrics import ServerMetrics, Timing
+from jpa.server.reasoning import ReasoningParser, ReasoningStream
 from jpa.server.tools import (ToolStream, constraint_field, parse_output, parser_format, request_constraint,
                               tool_mode)
 from jpa.server.protocol import (SEED_LIMIT, APIError, ChatCompletionRequest, CompletionRequest,
@@ -69,7 +70,7 @@ _REQUEST_ID_OK = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ
 def build_app(engine: AsyncEngine | None, tokenizer, *, model_name: str, api_key: str | None = None,
               max_n: int = 16, retry_after: int = 1, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
               allowed_origins=(), version: str | None = None,
-              constraint_limits: ConstraintLimits | None = None) -> FastAPI:
+              constraint_limits: ConstraintLimits | None = None, reasoning_parser: str | None = None) -> FastAPI:
     """The FastAPI app serving `engine` (started by the caller) under the name `model_name`.
 
     Args:
@@ -84,11 +85,14 @@ def build_app(engine: AsyncEngine | None, tokenizer, *, model_name: str, api_key
       version: what GET /version reports (default: jpa's version).
       constraint_limits: bounds on structured-output constraints and their compile (default:
         `jpa.server.limits.ConstraintLimits()`); beyond them a request is a 400 naming the field.
+      reasoning_parser: None, or a `jpa.server.reasoning` format ("deepseek_r1", "qwen3"): chat
+        outputs' think blocks become `reasoning_content` (see that module).
     """
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1; got {max_request_bytes!r}")
     app = FastAPI(title="jpa", docs_url=None, redoc_url=None, openapi_url=None)
     api = _API(model_name, max_n, retry_after, constraint_limits or ConstraintLimits())
+    api.reasoning = ReasoningParser(reasoning_parser) if reasoning_parser is not None else None
     metrics = api.metrics
     app.state.jpa = api
     if version is None:
@@ -380,9 +384,19 @@ class _API:
             raise APIError(400, f"'{param}': the constraint could not be compiled", param=param.split(".")[0]) \
                 from None
 
-    def _render(self, messages, add_generation_prompt: bool = True, tools=None) -> str:
+    def _render(self, messages, add_generation_prompt: bool = True, tools=None, template_kwargs=None) -> str:
         # Tools go to the chat template (Hugging Face templates take `tools`).
         extra = {"tools": [t.model_dump(exclude_none=True, by_alias=True) for t in tools]} if tools else {}
+        if template_kwargs:
+            extra.update(template_kwargs)
+            try:
+                return self.tok.render_chat(chat_messages(messages), add_generation_prompt=add_generation_prompt,
+                                            **extra)
+            except TypeError:   # jpa's ChatML renderers (GGUF, byte tokenizers) take no template variables
+                raise APIError(400, "'chat_template_kwargs': this model's chat template takes no extra variables",
+                               param="chat_template_kwargs") from None
+            except Exception as e:
+                raise APIError(400, f"'messages': {e}"[:500], param="messages") from None
         try:
             return self.tok.render_chat(chat_messages(messages), add_generation_prompt=add_generation_prompt, **extra)
         except Exception as e:  # ValueError, or a template's own raise_exception (jinja2 TemplateError)
@@ -483,7 +497,8 @@ class _API:
             raise APIError(400, "give 'max_tokens' or 'max_completion_tokens', not both", param="max_tokens")
         structured = request_constraint(body, chat=True, build=self._constraint)   # also checks tool_choice against tools
         tools = body.tools if body.tool_choice != "none" else None
-        prompts = [self._encode(self._render(body.messages, tools=tools), "messages")]
+        prompts = [self._encode(self._render(body.messages, tools=tools, template_kwargs=body.chat_template_kwargs),
+                                "messages")]
         return body, self._params(body, prompts, body.max_completion_tokens or body.max_tokens, None,
                                   structured), 1, _ChatFormat
 
@@ -871,6 +886,12 @@ class _ChatFormat(_Format):
         self.tool_name = body.tool_choice.function.name if self.tool_mode == "named" else None
         self.parallel = body.parallel_tool_calls is not False
         self._tool_streams: dict[int, ToolStream] = {}
+        # With a reasoning parser, the think block is reasoning_content and tool calls are parsed from
+        # the answer after it. Not under a constraint (response_format, structured_outputs, a named or
+        # required tool): the grammar applies to the whole output, so there is no think block to split.
+        self.reasoning = api.reasoning if (api.reasoning is not None and body.separate_reasoning is not False
+                                           and constraint_field(body) is None) else None
+        self._reasoning_streams: dict[int, ReasoningStream] = {}
 
     def _reason(self, reason, calls):
         """finish_reason "tool_calls" when an auto/required output made calls (OpenAI's)."""
@@ -892,10 +913,18 @@ class _ChatFormat(_Format):
                             for t, b, (lp, top), _ in toks]}
 
     def choice(self, index: int, out) -> dict:
-        message = {"role": "assistant", "content": out.completion}
-        content, calls = parse_output(out.completion, self.tool_mode, self.tool_format, self.tool_name, self.parallel)
+        text, reasoning = out.completion, None
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.split(out.completion)
+            text = text or ""
+        message = {"role": "assistant", "content": text}
+        content, calls = parse_output(text, self.tool_mode, self.tool_format, self.tool_name, self.parallel)
         if calls:
             message = {"role": "assistant", "content": content, "tool_calls": calls}
+        if self.reasoning is not None:
+            if not message["content"] and reasoning is not None:
+                message["content"] = None
+            message["reasoning_content"] = message["reasoning"] = reasoning   # vLLM's older and newer names
         return {"index": index, "message": message,
                 "logprobs": self._logprobs(index, out.token_ids, out.logprobs, out.finish_reason, out.completion,
                                            out.top_logprobs),
@@ -909,16 +938,21 @@ class _ChatFormat(_Format):
     def chunk(self, index: int, out):
         reason = out.output.finish_reason if out.finished else None
         lp = self._logprobs(index, out.new_token_ids, out.new_logprobs, reason, out.new_text, out.new_top_logprobs)
-        text, calls = out.new_text, []
+        text, calls, reasoning = out.new_text, [], ""
+        if self.reasoning is not None:
+            rs = self._reasoning_streams.setdefault(index, ReasoningStream(self.reasoning))
+            reasoning, text = rs.feed(out.new_text, out.finished)
         if self.tool_mode is not None:
             stream = self._tool_streams.setdefault(index, ToolStream(self.tool_mode, self.tool_format, self.tool_name,
                                                                      self.parallel))
-            text, calls = stream.feed(out.new_text, out.finished)
+            text, calls = stream.feed(text, out.finished)
             if reason is not None:
                 reason = self._reason(reason, stream.calls or calls)
-        if not (text or calls or reason or (lp and lp["content"])):
+        if not (text or calls or reason or reasoning or (lp and lp["content"])):
             return None
         delta = {"content": text} if text else {}
+        if reasoning:
+            delta["reasoning_content"] = delta["reasoning"] = reasoning
         if calls:
             delta["tool_calls"] = calls
         return {**self._head(self.CHUNK), "choices": [

@@ -301,7 +301,8 @@ class ChatCompletionRequest(_Sampling):
     continue_final_message: bool | None = None
     add_generation_prompt: bool | None = None
     chat_template: str | None = None
-    chat_template_kwargs: dict | None = None
+    chat_template_kwargs: dict | None = None               # template variables (e.g. enable_thinking)
+    separate_reasoning: bool | None = None                 # vllm-router's: false keeps reasoning in content
 
 
 class TokenizeCompletionRequest(_Lenient):
@@ -342,8 +343,10 @@ NEUTRAL_COMPLETION = {"suffix": ("",)}
 NEUTRAL_CHAT = {
     "functions": ([],), "function_call": ("none",),
     "continue_final_message": (False,), "add_generation_prompt": (True,), "chat_template": (),
-    "chat_template_kwargs": ({},),
 }
+# chat_template_kwargs may not set what the server itself passes to the template.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "special_tokens",
+                                      "documents", "chat_template", "tokenize"})
 _WHY = {
     "functions": "function calling is not supported (only an empty list)",
     "function_call": "function calling is not supported (only 'none')",
@@ -369,6 +372,11 @@ def check_unsupported(req: _Sampling) -> None:
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, f"'best_of' is not supported (only equal to n, {req.n}); got {req.best_of}",
                        param="best_of")
+    if chat and req.chat_template_kwargs:
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(req.chat_template_kwargs))
+        if reserved:
+            raise APIError(400, f"'chat_template_kwargs' may not set {', '.join(reserved)} (the server does)",
+                           param="chat_template_kwargs")
     if chat and req.top_logprobs and not req.logprobs:
         raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     if not chat and req.max_tokens == 0 and not req.echo:
