@@ -141,3 +141,23 @@ def test_reasoning_with_auto_tools_streamed_equals_not(live):
             reasoning, content, reasons = _streamed(client, **kw)
             assert (reasoning, content) == (m.model_extra["reasoning_content"], m.content or None), kind
             assert not m.tool_calls and reasons and reasons[0] in ("stop", "length")
+
+
+def test_responses_api_reasoning_items(live):
+    """/v1/responses with a reasoning parser: a reasoning item (reasoning_text) before the message,
+    streamed as response.reasoning_text.delta events that join to it."""
+    kw = dict(model=NAME, messages=MSGS, max_tokens=24, temperature=0)
+    with serving(_app(live, "deepseek_r1")) as url:
+        client = live.client(url)
+        m = client.chat.completions.create(**kw).choices[0].message
+        rkw = dict(model=NAME, input=MSGS[0]["content"], max_output_tokens=24, temperature=0)
+        r = client.responses.create(**rkw)
+        items = [o for o in r.output if o.type == "reasoning"]
+        want = m.model_extra["reasoning_content"]
+        assert [i.content[0].text for i in items] == ([want] if want else [])
+        assert (r.output_text or None) == m.content
+        with client.responses.stream(**rkw) as stream:
+            events = list(stream)
+        assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == (want or "")
+        final = events[-1].response
+        assert [o.type for o in final.output] == [o.type for o in r.output]

@@ -53,6 +53,7 @@ from jpa.engine.structured import Grammars, StructuredOutputs
 from jpa.server.limits import CompileGuard, ConstraintLimits, check_constraint, first_mask_allows_something
 from jpa.server.metrics import ServerMetrics, Timing
 from jpa.server.reasoning import ReasoningParser, ReasoningStream
+from jpa.server import responses as responses_api
 from jpa.server.tools import (ToolStream, constraint_field, parse_output, parser_format, request_constraint,
                               tool_mode)
 from jpa.server.protocol import (SEED_LIMIT, APIError, ChatCompletionRequest, CompletionRequest,
@@ -148,6 +149,10 @@ def build_app(engine: AsyncEngine | None, tokenizer, *, model_name: str, api_key
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await api.serve(request, api.prepare_chat)
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        return await api.serve_responses(request)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -258,6 +263,7 @@ class _API:
         self.guard = CompileGuard(limits)
         self.grammars: Grammars | None = None   # the server's own (validation only; the engine has one)
         self._grammars_lock = threading.Lock()
+        self.response_store = responses_api.ResponseStore()
         self.tok = None
         self.model_name, self.max_n, self.retry_after = model_name, max_n, retry_after
         self.retry_headers = {"Retry-After": str(retry_after)}
@@ -627,6 +633,90 @@ class _API:
             return APIError(400, f"the output could not be continued under the constraint in '{field}' (request "
                                  f"id {rid})", param=field)
         return APIError(400, error or "invalid request", param="prompt")
+
+    async def serve_responses(self, request: Request):
+        """POST /v1/responses: translated into a chat completion (`jpa.server.responses`)."""
+        self.ready()
+        try:
+            raw = await request.body()
+        except ClientDisconnect:
+            return Response(status_code=499)
+        rid_header = request.scope["state"]["request_id"]
+
+        def prepare():
+            obj = parse_json(raw)
+            chat, conversation = responses_api.to_chat(obj, self.response_store)
+            if chat.get("seed") is None:
+                chat.pop("seed", None)
+            body, reqs, num_prompts, fmt_class = self.prepare_chat(json.dumps(chat).encode())
+            return obj, conversation, body, reqs
+
+        obj, conversation, body, reqs = await asyncio.to_thread(prepare)
+        fmt = _ChatFormat(self, body, rid_header)
+        group = self._submit(reqs)
+        prompt_tokens = len(reqs[0][0])
+        timing = Timing(self.metrics, group.arrival)
+        resp_id = f"resp_{uuid.uuid4().hex}"
+        store = obj.get("store") is not False
+        if body.stream:
+            return StreamingResponse(self._responses_stream(group, fmt, timing, prompt_tokens, obj, conversation,
+                                                            resp_id, store, body, rid_header),
+                                     media_type="text/event-stream", background=BackgroundTask(group.abort),
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        results = await self._collect(group, timing, request)
+        if results is None:
+            return Response(status_code=499)
+        out = results[0]
+        if out.finish_reason not in ("stop", "length"):
+            if out.finish_reason == "error":
+                raise self._generation_error(body, out.error, rid_header)
+            raise APIError(503, "the server is shutting down", type="server_error", headers=self.retry_headers)
+        message = fmt.choice(0, out)["message"]
+        usage = _usage(prompt_tokens, len(out.token_ids), out.num_cached_tokens)
+        r = responses_api.response_object(resp_id, obj, self.model_name, responses_api.output_items(message), usage,
+                                          out.finish_reason, time.time())
+        if store:
+            self.response_store.put(resp_id, responses_api.stored_messages(conversation, message))
+        return JSONResponse(r)
+
+    async def _responses_stream(self, group, fmt, timing, prompt_tokens, obj, conversation, resp_id, store, body,
+                                rid):
+        events = responses_api.EventStream(resp_id, obj, self.model_name)
+
+        def sse(e):
+            return f"event: {e['type']}\ndata: {json.dumps(e, ensure_ascii=False, allow_nan=False)}\n\n"
+
+        completion_tokens = cached = 0
+        reason = None
+        try:
+            for e in events.start():
+                yield sse(e)
+            async for i, out in group:
+                timing.on_output(i, out)
+                completion_tokens += len(out.new_token_ids)
+                if out.finished:
+                    reason = out.output.finish_reason
+                    cached = out.output.num_cached_tokens
+                    if reason not in ("stop", "length"):
+                        e = (self._generation_error(body, out.output.error, rid) if reason == "error" else
+                             APIError(503, "the server is shutting down", type="server_error"))
+                        yield sse(events._event("error", code=e.code, message=e.message, param=e.param))
+                        return
+                chunk = fmt.chunk(i, out)
+                if chunk is not None:
+                    for e in events.delta(chunk["choices"][0]["delta"]):
+                        yield sse(e)
+            closing, final = events.finish(reason or "stop", _usage(prompt_tokens, completion_tokens, cached))
+            for e in closing:
+                yield sse(e)
+            if store:
+                self.response_store.put(resp_id, responses_api.stored_messages(conversation, events.message()))
+        except EngineDead as e:
+            yield sse(events._event("error", code="engine_unavailable", message=str(e), param=None))
+        finally:
+            if group.num_unfinished:
+                self.metrics.finished.labels("abort").inc(group.num_unfinished)
+                group.abort()
 
     async def _collect(self, group: RequestGroup, timing: Timing, request: Request):
         """Finished outputs by index, or None if the client disconnected first (then aborted)."""
