@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API over an AsyncEngine (FastAPI).
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize and
-/detokenize (vLLM's shapes), GET /version, GET /health, GET /metrics (Prometheus text). Errors are
+Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (over the chat
+pipeline: `jpa.server.responses`), GET /v1/models, POST /tokenize and /detokenize, GET
+/tokenizer_info (vLLM's shapes), GET /version, GET /health, GET /metrics (Prometheus text). Errors are
 OpenAI error objects: 400 for bad input (naming the field), 401 for a missing/wrong API key, 404
 for an unknown model or route, 413 for a body over `max_request_bytes` (refused before it is
 read), 503 with Retry-After while the model loads, when the waiting queue is full or the engine is
