@@ -49,6 +49,15 @@ def parse_args(argv=None):
     ap.add_argument("--timeout-header", type=float, default=20, help="seconds a connection has to send a "
                     "complete request head, from opening or from its previous response (default 20); "
                     "slower ones are closed")
+    ap.add_argument("--timeout-body", type=float, default=30, help="seconds a request has to send its body once "
+                    "its head arrived (default 30); slower ones get 408 and are closed")
+    ap.add_argument("--shutdown-timeout", type=float, default=30, help="seconds requests in flight may finish in "
+                    "after SIGTERM (new ones get 503) before they are ended with an error (default 30)")
+    ap.add_argument("--grammar-compile-timeout", type=float, default=10, help="seconds a structured-output "
+                    "constraint may take to compile (then 400; default 10)")
+    ap.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"], help="split chat "
+                    "outputs' <think>...</think> into reasoning_content (deepseek_r1: the output starts inside the "
+                    "think block; qwen3: only an output that opens one); default: none")
     ap.add_argument("--limit-concurrency", type=int, default=1024, help="open connections or requests in "
                     "flight beyond which new requests get 503 (default 1024)")
     ap.add_argument("--allowed-origins", default=None, help="origins browsers may call the API from (CORS): "
@@ -64,10 +73,12 @@ def parse_args(argv=None):
 def check_args(args):
     args.engine.check({name: getattr(args, name) for name in ("max_waiting", "max_n", "max_request_bytes",
                                                                "limit_concurrency")})
-    for name in ("timeout_keep_alive", "timeout_header"):
+    for name in ("timeout_keep_alive", "timeout_header", "timeout_body", "grammar_compile_timeout"):
         v = getattr(args, name)
         if not v > 0 or v == float("inf"):
             raise UsageError(f"--{name.replace('_', '-')} must be a positive number of seconds; got {v}")
+    if not 0 <= args.shutdown_timeout < float("inf"):
+        raise UsageError(f"--shutdown-timeout must be a number of seconds >= 0; got {args.shutdown_timeout}")
     args.allowed_origins = parse_origins(args.allowed_origins)
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in [0, 65535]; got {args.port}")
@@ -133,16 +144,16 @@ def main(argv=None):
 
 
 def run(args, sock):
-    import uvicorn
-
-    from jpa.server import build_app, server_config
+    from jpa.server import ConstraintLimits, build_app, build_server, run_server
 
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     app = build_app(None, None, model_name=name, api_key=args.api_key, max_n=args.max_n,
-                    max_request_bytes=args.max_request_bytes, allowed_origins=args.allowed_origins)
-    server = uvicorn.Server(server_config(app, log_level=args.log_level, timeout_keep_alive=args.timeout_keep_alive,
-                                          timeout_header=args.timeout_header,
-                                          limit_concurrency=args.limit_concurrency))
+                    max_request_bytes=args.max_request_bytes, allowed_origins=args.allowed_origins,
+                    constraint_limits=ConstraintLimits(compile_timeout=args.grammar_compile_timeout),
+                    reasoning_parser=args.reasoning_parser)
+    server = build_server(app, log_level=args.log_level, timeout_keep_alive=args.timeout_keep_alive,
+                          timeout_header=args.timeout_header, timeout_body=args.timeout_body,
+                          limit_concurrency=args.limit_concurrency, shutdown_timeout=args.shutdown_timeout)
     loader = _Loader(args, app, server)
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host
@@ -152,7 +163,7 @@ def run(args, sock):
     thread = threading.Thread(target=loader.run, name="jpa-loader", daemon=True)
     try:
         thread.start()
-        server.run(sockets=[sock])  # until SIGINT/SIGTERM: uvicorn drains, then re-raises the signal
+        run_server(server, sock)  # until SIGINT/SIGTERM: drains (jpa.server.run), then re-raises the signal
     except (KeyboardInterrupt, _Stop):
         pass
     finally:

@@ -66,6 +66,7 @@ class Request:
     # this request in its slot's cache (its prompt, then its prompt and all but the pending token).
     num_computed_tokens: int = 0
     cache_refs: tuple[int, ...] = ()   # prefix-cache pages it holds (its hits, then its cached prompt pages)
+    num_cached_tokens: int = 0         # prompt tokens found in the prefix cache at its first admission
     cow_pending: bool = False          # may still share a partly filled last page after a fork (its next
                                        # token may take a copy-on-write page)
     # Parallel sampling (SamplingParams.n > 1): the first sample leads; the others wait in
@@ -123,7 +124,7 @@ class Request:
         return RequestOutput(self.request_id, self.prompt, self.text, tuple(self.prompt_ids),
                              tuple(self.output_ids), self.finish_reason, self.error, self.num_preemptions,
                              tuple(self.output_logprobs), tuple(self.output_top_logprobs), self.prompt_logprobs,
-                             self.num_draft_tokens, self.num_accepted_tokens)
+                             self.num_draft_tokens, self.num_accepted_tokens, self.num_cached_tokens)
 
 
 class Logprob(NamedTuple):
@@ -178,6 +179,9 @@ class RequestOutput:
     # without it). Its tokens are those it would have without speculation either way.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # Prompt tokens found in the prefix cache when it was first admitted (OpenAI's
+    # usage.prompt_tokens_details.cached_tokens); 0 without a prefix cache.
+    num_cached_tokens: int = 0
     # n > 1: every sample's RequestOutput (this one is samples[0]), set by `with_samples`.
     samples: tuple = dataclasses.field(default=(), repr=False, compare=False)
 

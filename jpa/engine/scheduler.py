@@ -341,6 +341,8 @@ class Scheduler:
                 self._admissions += 1
                 self._move(req, Phase.PREFILLING, free_slots.pop(0))
                 req.admitted_at, req.cache_refs = self._admissions, tuple(hit)
+                if not req.num_preemptions:
+                    req.num_cached_tokens = h
                 for sib in req.siblings:  # their slots wait for the fork of the prompt's last chunk
                     self._move(sib, Phase.FORKING, free_slots.pop(0))
                     sib.admitted_at = self._admissions

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API over an AsyncEngine (FastAPI).
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize and
-/detokenize (vLLM's shapes), GET /version, GET /health, GET /metrics (Prometheus text). Errors are
+Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (over the chat
+pipeline: `jpa.server.responses`), GET /v1/models, POST /tokenize and /detokenize, GET
+/tokenizer_info (vLLM's shapes), GET /version, GET /health, GET /metrics (Prometheus text). Errors are
 OpenAI error objects: 400 for bad input (naming the field), 401 for a missing/wrong API key, 404
 for an unknown model or route, 413 for a body over `max_request_bytes` (refused before it is
 read), 503 with Retry-After while the model loads, when the waiting queue is full or the engine is
@@ -40,6 +41,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from jpa.engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded, RequestGroup
 from jpa.engine.sampling import SamplingParams
@@ -48,11 +50,17 @@ from jpa.server.logprobs import ChoiceTokens, TokenBytes, prompt_pieces
 # Request fields passed to jpa.engine.SamplingParams as they are (vLLM's names).
 CONTROL_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "min_tokens",
                   "stop_token_ids", "top_logprobs")
+from jpa.engine.structured import Grammars, StructuredOutputs
+from jpa.server.limits import CompileGuard, ConstraintLimits, check_constraint, first_mask_allows_something
 from jpa.server.metrics import ServerMetrics, Timing
-from jpa.server.tools import ToolStream, parse_output, parser_format, request_constraint, tool_mode
+from jpa.server.reasoning import ReasoningParser, ReasoningStream
+from jpa.server import responses as responses_api
+from jpa.server.tools import (ToolStream, constraint_field, parse_output, parser_format, request_constraint,
+                              tool_mode)
 from jpa.server.protocol import (SEED_LIMIT, APIError, ChatCompletionRequest, CompletionRequest,
                                  DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, chat_messages,
-                                 check_messages, check_unsupported, error_body, parse_body, parse_json, stop_strings,
+                                 check_messages, check_unsupported, engine_seed, error_body, parse_body, parse_json,
+                                 stop_strings,
                                  unknown_fields, validation_error)
 
 log = logging.getLogger("jpa.server")
@@ -63,7 +71,8 @@ _REQUEST_ID_OK = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ
 
 def build_app(engine: AsyncEngine | None, tokenizer, *, model_name: str, api_key: str | None = None,
               max_n: int = 16, retry_after: int = 1, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-              allowed_origins=(), version: str | None = None) -> FastAPI:
+              allowed_origins=(), version: str | None = None,
+              constraint_limits: ConstraintLimits | None = None, reasoning_parser: str | None = None) -> FastAPI:
     """The FastAPI app serving `engine` (started by the caller) under the name `model_name`.
 
     Args:
@@ -76,11 +85,16 @@ def build_app(engine: AsyncEngine | None, tokenizer, *, model_name: str, api_key
       max_request_bytes: largest request body; a larger one is answered 413 without being read.
       allowed_origins: origins browsers may call from (CORS; "*" for any); empty: no CORS headers.
       version: what GET /version reports (default: jpa's version).
+      constraint_limits: bounds on structured-output constraints and their compile (default:
+        `jpa.server.limits.ConstraintLimits()`); beyond them a request is a 400 naming the field.
+      reasoning_parser: None, or a `jpa.server.reasoning` format ("deepseek_r1", "qwen3"): chat
+        outputs' think blocks become `reasoning_content` (see that module).
     """
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1; got {max_request_bytes!r}")
     app = FastAPI(title="jpa", docs_url=None, redoc_url=None, openapi_url=None)
-    api = _API(model_name, max_n, retry_after)
+    api = _API(model_name, max_n, retry_after, constraint_limits or ConstraintLimits())
+    api.reasoning = ReasoningParser(reasoning_parser) if reasoning_parser is not None else None
     metrics = api.metrics
     app.state.jpa = api
     if version is None:
@@ -104,6 +118,8 @@ def build_app(engine: AsyncEngine | None, tokenizer, *, model_name: str, api_key
 
     @app.get("/health")
     async def health():
+        if api.draining:
+            return JSONResponse({"status": "shutting down"}, status_code=503, headers=api.retry_headers)
         if api.engine is None:
             return JSONResponse({"status": "loading"}, status_code=503, headers=api.retry_headers)
         if not api.engine.alive:
@@ -135,10 +151,18 @@ def build_app(engine: AsyncEngine | None, tokenizer, *, model_name: str, api_key
     async def chat_completions(request: Request):
         return await api.serve(request, api.prepare_chat)
 
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        return await api.serve_responses(request)
+
     @app.post("/tokenize")
     async def tokenize(request: Request):
         raw = await request.body()
         return await asyncio.to_thread(api.ready().tokenize, raw)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return api.ready().tokenizer_info()
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
@@ -192,9 +216,14 @@ class _Gate:
             await send(message)
 
         error = None
-        if self.api_key is not None and scope["path"] != "/health":
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
+        if self.api.draining:   # shutting down (jpa.server.run): admit nothing new
+            error = APIError(503, "the server is shutting down; try again shortly", type="server_error",
+                             code="shutting_down", headers={**self.api.retry_headers, "Connection": "close"})
+        elif self.api_key is not None and scope["path"] != "/health":
+            # The scheme is case-insensitive (RFC 9110: "bearer" = "Bearer"); the key is not.
+            scheme, _, given = headers.get(b"authorization", b"").strip().partition(b" ")
+            if not (scheme.lower() == b"bearer"
+                    and hmac.compare_digest(given.strip(), self.api_key.encode())):
                 error = APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
                                  type="authentication_error", code="invalid_api_key")
         length = headers.get(b"content-length")
@@ -215,6 +244,8 @@ class _Gate:
 
         try:
             await self.app(scope, limited_receive, send_with_id)
+        except ClientDisconnect:   # the client left during its upload: nobody to answer, not our error
+            log.info("request %s: the client disconnected before its body arrived", rid)
         except Exception as e:
             # A bug: the client gets a 500 with the request id, never the exception text (the log
             # has it). Past the response's start nothing can be sent: the connection is dropped.
@@ -226,8 +257,14 @@ class _Gate:
 
 
 class _API:
-    def __init__(self, model_name: str, max_n: int, retry_after: int):
+    def __init__(self, model_name: str, max_n: int, retry_after: int, limits: ConstraintLimits):
         self.engine: AsyncEngine | None = None
+        self.limits = limits
+        self.draining = False   # set on SIGTERM (jpa.server.run): new requests get 503
+        self.guard = CompileGuard(limits)
+        self.grammars: Grammars | None = None   # the server's own (validation only; the engine has one)
+        self._grammars_lock = threading.Lock()
+        self.response_store = responses_api.ResponseStore()
         self.tok = None
         self.model_name, self.max_n, self.retry_after = model_name, max_n, retry_after
         self.retry_headers = {"Retry-After": str(retry_after)}
@@ -251,6 +288,7 @@ class _API:
         longest = max(max(len(tokenizer.decode([t])), len(self.token_bytes(t)))
                       for t in range(min(self.vocab_size, tokenizer.vocab_size)))
         self.max_prompt_chars = 2 * engine.max_model_len * max(longest, 1)
+        self.grammars = Grammars(tokenizer, self.vocab_size, engine.stop_ids)
         self.engine = engine   # last: requests see a complete API once this is set
 
     def ready(self) -> "_API":
@@ -324,9 +362,48 @@ class _API:
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             raise APIError(400, f"'{param}' token ids must be in [0, {self.vocab_size}); got {bad[:5]}", param=param)
 
-    def _render(self, messages, add_generation_prompt: bool = True, tools=None) -> str:
+    def _constraint(self, param: str, **fields) -> StructuredOutputs:
+        """A request's StructuredOutputs (`jpa.server.tools.request_constraint`'s build): limits checked
+        first, then compiled (grammar, matcher over the tokenizer, first mask) on the CompileGuard's
+        large-stack workers within the compile deadline; any failure is a 400 naming the field."""
+        (kind, value), = fields.items()
+        check_constraint(param, kind, value, self.limits)
+        with self._grammars_lock:   # built once (about 0.5 s for a 49k vocabulary), outside the deadline
+            self.grammars.llg_tokenizer()
+
+        def compile_():
+            spec = StructuredOutputs(**fields)
+            error = first_mask_allows_something(self.grammars, spec)
+            if error:
+                raise ValueError(f"structured.{spec.kind}: {error}")
+            return spec
+
+        try:
+            return self.guard.run(param, compile_)
+        except ValueError as e:
+            raise APIError(400, f"'{param}': {e}"[:600], param=param.split(".")[0]) from None
+        except RecursionError:
+            raise APIError(400, f"'{param}': nested too deeply", param=param.split(".")[0]) from None
+        except APIError:
+            raise
+        except Exception as e:   # llguidance raises plain exceptions (and Rust panics) on some inputs
+            log.warning("constraint %s failed to compile: %s: %s", param, type(e).__name__, str(e)[:300])
+            raise APIError(400, f"'{param}': the constraint could not be compiled", param=param.split(".")[0]) \
+                from None
+
+    def _render(self, messages, add_generation_prompt: bool = True, tools=None, template_kwargs=None) -> str:
         # Tools go to the chat template (Hugging Face templates take `tools`).
         extra = {"tools": [t.model_dump(exclude_none=True, by_alias=True) for t in tools]} if tools else {}
+        if template_kwargs:
+            extra.update(template_kwargs)
+            try:
+                return self.tok.render_chat(chat_messages(messages), add_generation_prompt=add_generation_prompt,
+                                            **extra)
+            except TypeError:   # jpa's ChatML renderers (GGUF, byte tokenizers) take no template variables
+                raise APIError(400, "'chat_template_kwargs': this model's chat template takes no extra variables",
+                               param="chat_template_kwargs") from None
+            except Exception as e:
+                raise APIError(400, f"'messages': {e}"[:500], param="messages") from None
         try:
             return self.tok.render_chat(chat_messages(messages), add_generation_prompt=add_generation_prompt, **extra)
         except Exception as e:  # ValueError, or a template's own raise_exception (jinja2 TemplateError)
@@ -373,8 +450,8 @@ class _API:
             raise APIError(400, f"token ids must be in [0, {vocab}); got {bad[:5]}",
                            param="logit_bias" if any(t in controls.get("logit_bias", {}) for t in bad) else "stop_token_ids")
         limit = self.engine.max_model_len
-        # Seeds are used as given (check_unsupported bounds seed + n - 1), never wrapped.
-        base = body.seed if body.seed is not None else random.randrange(SEED_LIMIT - body.n + 1)
+        # Seeds the engine can take are used as given; other 64-bit seeds are folded (engine_seed).
+        base = engine_seed(body.seed, body.n) if body.seed is not None else random.randrange(SEED_LIMIT - body.n + 1)
         out = []
         for ids in prompts:
             room = limit - len(ids)
@@ -415,7 +492,7 @@ class _API:
             skip = body.skip_special_tokens is not False
             texts = texts or [self.tok.decode(ids, skip_special_tokens=skip) for ids in prompts]
         fmt = functools.partial(_CompletionFormat, prompts=list(zip(texts or [None] * len(prompts), prompts)))
-        structured = request_constraint(body, chat=False)
+        structured = request_constraint(body, chat=False, build=self._constraint)
         return body, self._params(body, prompts, body.max_tokens, 16, structured), len(prompts), fmt
 
     def prepare_chat(self, raw: bytes):
@@ -425,9 +502,10 @@ class _API:
         check_unsupported(body)
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise APIError(400, "give 'max_tokens' or 'max_completion_tokens', not both", param="max_tokens")
-        structured = request_constraint(body, chat=True)   # also checks tool_choice against tools
+        structured = request_constraint(body, chat=True, build=self._constraint)   # also checks tool_choice against tools
         tools = body.tools if body.tool_choice != "none" else None
-        prompts = [self._encode(self._render(body.messages, tools=tools), "messages")]
+        prompts = [self._encode(self._render(body.messages, tools=tools, template_kwargs=body.chat_template_kwargs),
+                                "messages")]
         return body, self._params(body, prompts, body.max_completion_tokens or body.max_tokens, None,
                                   structured), 1, _ChatFormat
 
@@ -458,6 +536,26 @@ class _API:
         if body.return_token_strs:
             out["token_strs"] = [self._token_str(t) for t in ids]
         return out
+
+    def tokenizer_info(self) -> dict:
+        """vLLM's GET /tokenizer_info: the tokenizer's configuration (special tokens, chat template,
+        limits), what lm-eval's `tokenizer_backend=remote` reads before it calls /tokenize."""
+        tok = self.tok
+        special = getattr(tok, "_special_tokens", None) or {}
+
+        def spelled(token_id):
+            return None if token_id is None else tok.decode([token_id], skip_special_tokens=False)
+
+        info = {"tokenizer_class": type(tok).__name__, "model_max_length": self.engine.max_model_len,
+                "vocab_size": self.vocab_size, "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+                "bos_token": spelled(tok.bos_token_id), "eos_token": spelled(tok.eos_token_id),
+                "stop_token_ids": sorted(self.engine.stop_ids),
+                "chat_template": getattr(tok, "chat_template", None), "add_bos_token": bool(getattr(tok, "_add_bos",
+                                                                                                   False))}
+        for name in ("pad_token", "unk_token"):
+            v = special.get(name)
+            info[name] = v if isinstance(v, str) else (v.get("content") if isinstance(v, dict) else None)
+        return info
 
     def _token_str(self, t: int) -> str:
         """The vocabulary's spelling of a token (vLLM: convert_ids_to_tokens)."""
@@ -493,7 +591,10 @@ class _API:
 
     async def serve(self, request: Request, prepare):
         self.ready()
-        raw = await request.body()
+        try:
+            raw = await request.body()
+        except ClientDisconnect:   # gone during the upload (or its body timed out): nobody reads an answer
+            return Response(status_code=499)
         body, reqs, num_prompts, fmt_class = await asyncio.to_thread(prepare, raw)
         fmt = fmt_class(self, body, request.scope["state"]["request_id"])
         group = self._submit(reqs)
@@ -504,7 +605,9 @@ class _API:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             # The background task runs after the stream ends, however it ends: if the client left
             # before the first chunk (the generator never started), this is what aborts the requests.
-            return StreamingResponse(self._stream(group, fmt, timing, prompt_tokens, include_usage),
+            firsts = {i * per_prompt for i in range(num_prompts)}   # one request per prompt counts its cache hits
+            return StreamingResponse(self._stream(group, fmt, timing, prompt_tokens, include_usage,
+                                                  body, request.scope["state"]["request_id"], firsts),
                                      media_type="text/event-stream", background=BackgroundTask(group.abort),
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         results = await self._collect(group, timing, request)
@@ -514,12 +617,107 @@ class _API:
         if bad:
             o = bad[0]
             if o.finish_reason == "error":
-                raise APIError(400, o.error or "invalid request", param="prompt")
+                raise self._generation_error(body, o.error, request.scope["state"]["request_id"])
             raise APIError(503, "the server is shutting down", type="server_error", headers=self.retry_headers)
         outs = [results[i] for i in range(len(group))]
         completion_tokens = 0 if fmt.score_only else sum(len(o.token_ids) for o in outs)
+        cached = sum(outs[i * per_prompt].num_cached_tokens for i in range(num_prompts))
         return JSONResponse(fmt.response([fmt.choice(i, o) for i, o in enumerate(outs)],
-                                         _usage(prompt_tokens, completion_tokens), outs))
+                                         _usage(prompt_tokens, completion_tokens, cached), outs))
+
+    def _generation_error(self, body, error: str | None, rid: str) -> APIError:
+        """The error of a request the engine failed: under a constraint, a 400 naming the constraint's
+        field without the grammar library's text (logged); else the engine's message (bad input)."""
+        field = constraint_field(body)
+        if field is not None:
+            log.warning("request %s: constrained generation failed: %s", rid, (error or "")[:500])
+            return APIError(400, f"the output could not be continued under the constraint in '{field}' (request "
+                                 f"id {rid})", param=field)
+        return APIError(400, error or "invalid request", param="prompt")
+
+    async def serve_responses(self, request: Request):
+        """POST /v1/responses: translated into a chat completion (`jpa.server.responses`)."""
+        self.ready()
+        try:
+            raw = await request.body()
+        except ClientDisconnect:
+            return Response(status_code=499)
+        rid_header = request.scope["state"]["request_id"]
+
+        def prepare():
+            obj = parse_json(raw)
+            chat, conversation = responses_api.to_chat(obj, self.response_store)
+            if chat.get("seed") is None:
+                chat.pop("seed", None)
+            body, reqs, num_prompts, fmt_class = self.prepare_chat(json.dumps(chat).encode())
+            return obj, conversation, body, reqs
+
+        obj, conversation, body, reqs = await asyncio.to_thread(prepare)
+        fmt = _ChatFormat(self, body, rid_header)
+        group = self._submit(reqs)
+        prompt_tokens = len(reqs[0][0])
+        timing = Timing(self.metrics, group.arrival)
+        resp_id = f"resp_{uuid.uuid4().hex}"
+        store = obj.get("store") is not False
+        if body.stream:
+            return StreamingResponse(self._responses_stream(group, fmt, timing, prompt_tokens, obj, conversation,
+                                                            resp_id, store, body, rid_header),
+                                     media_type="text/event-stream", background=BackgroundTask(group.abort),
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        results = await self._collect(group, timing, request)
+        if results is None:
+            return Response(status_code=499)
+        out = results[0]
+        if out.finish_reason not in ("stop", "length"):
+            if out.finish_reason == "error":
+                raise self._generation_error(body, out.error, rid_header)
+            raise APIError(503, "the server is shutting down", type="server_error", headers=self.retry_headers)
+        message = fmt.choice(0, out)["message"]
+        usage = _usage(prompt_tokens, len(out.token_ids), out.num_cached_tokens)
+        r = responses_api.response_object(resp_id, obj, self.model_name, responses_api.output_items(message), usage,
+                                          out.finish_reason, time.time())
+        if store:
+            self.response_store.put(resp_id, responses_api.stored_messages(conversation, message))
+        return JSONResponse(r)
+
+    async def _responses_stream(self, group, fmt, timing, prompt_tokens, obj, conversation, resp_id, store, body,
+                                rid):
+        events = responses_api.EventStream(resp_id, obj, self.model_name)
+
+        def sse(e):
+            return f"event: {e['type']}\ndata: {json.dumps(e, ensure_ascii=False, allow_nan=False)}\n\n"
+
+        completion_tokens = cached = 0
+        reason = None
+        try:
+            for e in events.start():
+                yield sse(e)
+            async for i, out in group:
+                timing.on_output(i, out)
+                completion_tokens += len(out.new_token_ids)
+                if out.finished:
+                    reason = out.output.finish_reason
+                    cached = out.output.num_cached_tokens
+                    if reason not in ("stop", "length"):
+                        e = (self._generation_error(body, out.output.error, rid) if reason == "error" else
+                             APIError(503, "the server is shutting down", type="server_error"))
+                        yield sse(events._event("error", code=e.code, message=e.message, param=e.param))
+                        return
+                chunk = fmt.chunk(i, out)
+                if chunk is not None:
+                    for e in events.delta(chunk["choices"][0]["delta"]):
+                        yield sse(e)
+            closing, final = events.finish(reason or "stop", _usage(prompt_tokens, completion_tokens, cached))
+            for e in closing:
+                yield sse(e)
+            if store:
+                self.response_store.put(resp_id, responses_api.stored_messages(conversation, events.message()))
+        except EngineDead as e:
+            yield sse(events._event("error", code="engine_unavailable", message=str(e), param=None))
+        finally:
+            if group.num_unfinished:
+                self.metrics.finished.labels("abort").inc(group.num_unfinished)
+                group.abort()
 
     async def _collect(self, group: RequestGroup, timing: Timing, request: Request):
         """Finished outputs by index, or None if the client disconnected first (then aborted)."""
@@ -536,24 +734,28 @@ class _API:
                 pass
 
         consumer, watcher = asyncio.ensure_future(consume()), asyncio.ensure_future(disconnected())
+        gone = True
         try:
             await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             watcher.cancel()
-            if not consumer.done():  # the client went away (or this handler was cancelled)
+            gone = not consumer.done()
+            if gone:  # the client went away (or this handler was cancelled)
+                # cancel() only asks: the task is not cancelled (nor has a result) until it runs again.
                 consumer.cancel()
                 self.metrics.finished.labels("abort").inc(group.num_unfinished)
                 group.abort()
-        if consumer.cancelled():
+        if gone:
             return None
         try:
             return consumer.result()
         except EngineDead as e:
             raise APIError(503, str(e), type="server_error") from None
 
-    async def _stream(self, group: RequestGroup, fmt, timing: Timing, prompt_tokens: int, include_usage: bool):
+    async def _stream(self, group: RequestGroup, fmt, timing: Timing, prompt_tokens: int, include_usage: bool,
+                      body=None, rid: str = "", firsts=frozenset({0})):
         """Server-sent events in OpenAI's chunk format, ending with [DONE]."""
-        completion_tokens = 0
+        completion_tokens = cached = 0
         try:
             for chunk in fmt.first_chunks(len(group)):
                 yield _sse(chunk)
@@ -562,15 +764,19 @@ class _API:
                 completion_tokens += 0 if fmt.score_only else len(out.new_token_ids)
                 if out.finished:
                     reason = out.output.finish_reason
+                    cached += out.output.num_cached_tokens if i in firsts else 0
                     if reason not in ("stop", "length"):
-                        msg = out.output.error if reason == "error" else "the server is shutting down"
-                        yield _sse(error_body(msg or "request failed", type="server_error"))
+                        if reason == "error":
+                            e = self._generation_error(body, out.output.error, rid)
+                            yield _sse(error_body(e.message, param=e.param))
+                        else:
+                            yield _sse(error_body("the server is shutting down", type="server_error"))
                         continue
                 chunk = fmt.chunk(i, out)
                 if chunk is not None:
                     yield _sse(chunk)
             if include_usage:
-                yield _sse(fmt.usage_chunk(_usage(prompt_tokens, completion_tokens)))
+                yield _sse(fmt.usage_chunk(_usage(prompt_tokens, completion_tokens, cached)))
             yield "data: [DONE]\n\n"
         except EngineDead as e:
             yield _sse(error_body(str(e), type="server_error"))
@@ -586,13 +792,21 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, allow_nan=False)}\n\n"
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage; cached_tokens: prompt tokens found in the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def _finite(x: float):
     return x if math.isfinite(x) else None
+
+
+def _logprob(x: float):
+    """A reported logprob: -inf (a token a constraint or filter forbids) as -9999, vLLM's value (OpenAI's
+    schema has a number; jpa's prompt_logprobs do the same)."""
+    return max(x, -9999.0) if not math.isnan(x) else None
 
 
 class _Format:
@@ -699,7 +913,7 @@ class _CompletionFormat(_Format):
         top = None
         if self.body.logprobs:   # OpenAI's shape: {token text: logprob} per token
             top = [self._top_dict(t[2][1]) for t in toks]
-        return {"tokens": [t[0] for t in toks], "token_logprobs": [_finite(t[2][0]) for t in toks],
+        return {"tokens": [t[0] for t in toks], "token_logprobs": [_logprob(t[2][0]) for t in toks],
                 "top_logprobs": top, "text_offset": [t[3] for t in toks]}
 
     def _top_dict(self, top) -> dict:
@@ -708,7 +922,7 @@ class _CompletionFormat(_Format):
         likely one's logprob."""
         out = {}
         for a, _, v in self._alternatives(top):
-            out.setdefault(a, _finite(v))
+            out.setdefault(a, _logprob(v))
         return out
 
     def _echo(self, index: int, plp, text: str, lp):
@@ -763,6 +977,12 @@ class _ChatFormat(_Format):
         self.tool_name = body.tool_choice.function.name if self.tool_mode == "named" else None
         self.parallel = body.parallel_tool_calls is not False
         self._tool_streams: dict[int, ToolStream] = {}
+        # With a reasoning parser, the think block is reasoning_content and tool calls are parsed from
+        # the answer after it. Not under a constraint (response_format, structured_outputs, a named or
+        # required tool): the grammar applies to the whole output, so there is no think block to split.
+        self.reasoning = api.reasoning if (api.reasoning is not None and body.separate_reasoning is not False
+                                           and constraint_field(body) is None) else None
+        self._reasoning_streams: dict[int, ReasoningStream] = {}
 
     def _reason(self, reason, calls):
         """finish_reason "tool_calls" when an auto/required output made calls (OpenAI's)."""
@@ -778,16 +998,24 @@ class _ChatFormat(_Format):
         if not self.body.logprobs:
             return None
         toks = self._tokens(index, token_ids, lps, reason, text, tops)
-        return {"content": [{"token": t, "logprob": _finite(lp), "bytes": list(b),
-                             "top_logprobs": [{"token": a, "logprob": _finite(v), "bytes": list(ab)}
+        return {"content": [{"token": t, "logprob": _logprob(lp), "bytes": list(b),
+                             "top_logprobs": [{"token": a, "logprob": _logprob(v), "bytes": list(ab)}
                                               for a, ab, v in self._alternatives(top)]}
                             for t, b, (lp, top), _ in toks]}
 
     def choice(self, index: int, out) -> dict:
-        message = {"role": "assistant", "content": out.completion}
-        content, calls = parse_output(out.completion, self.tool_mode, self.tool_format, self.tool_name, self.parallel)
+        text, reasoning = out.completion, None
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.split(out.completion)
+            text = text or ""
+        message = {"role": "assistant", "content": text}
+        content, calls = parse_output(text, self.tool_mode, self.tool_format, self.tool_name, self.parallel)
         if calls:
             message = {"role": "assistant", "content": content, "tool_calls": calls}
+        if self.reasoning is not None:
+            if not message["content"] and reasoning is not None:
+                message["content"] = None
+            message["reasoning_content"] = message["reasoning"] = reasoning   # vLLM's older and newer names
         return {"index": index, "message": message,
                 "logprobs": self._logprobs(index, out.token_ids, out.logprobs, out.finish_reason, out.completion,
                                            out.top_logprobs),
@@ -801,16 +1029,21 @@ class _ChatFormat(_Format):
     def chunk(self, index: int, out):
         reason = out.output.finish_reason if out.finished else None
         lp = self._logprobs(index, out.new_token_ids, out.new_logprobs, reason, out.new_text, out.new_top_logprobs)
-        text, calls = out.new_text, []
+        text, calls, reasoning = out.new_text, [], ""
+        if self.reasoning is not None:
+            rs = self._reasoning_streams.setdefault(index, ReasoningStream(self.reasoning))
+            reasoning, text = rs.feed(out.new_text, out.finished)
         if self.tool_mode is not None:
             stream = self._tool_streams.setdefault(index, ToolStream(self.tool_mode, self.tool_format, self.tool_name,
                                                                      self.parallel))
-            text, calls = stream.feed(out.new_text, out.finished)
+            text, calls = stream.feed(text, out.finished)
             if reason is not None:
                 reason = self._reason(reason, stream.calls or calls)
-        if not (text or calls or reason or (lp and lp["content"])):
+        if not (text or calls or reason or reasoning or (lp and lp["content"])):
             return None
         delta = {"content": text} if text else {}
+        if reasoning:
+            delta["reasoning_content"] = delta["reasoning"] = reasoning
         if calls:
             delta["tool_calls"] = calls
         return {**self._head(self.CHUNK), "choices": [

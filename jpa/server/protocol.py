@@ -13,6 +13,7 @@ holds one is named), then a scan for lone UTF-16 surrogates (`"\\ud800"` is vali
 Unicode: tokenizers and the response encoder fail on it), then validation.
 """
 
+import hashlib
 import json
 import re
 from typing import Any, Literal
@@ -27,7 +28,11 @@ FIELD_TYPES = {
     "content": "a string or a list of {type: 'text', text} parts",
 }
 MAX_STOP = 16
+# Far above any useful temperature, far below float32's range: logits / temperature stay finite and
+# the grammar mask (-inf) survives the division (1e38 and past float32's max broke sampling).
+MAX_TEMPERATURE = 100.0
 SEED_LIMIT = 2 ** 31   # the engine's seeds are in [0, 2**31); choice j of n uses seed + j
+SEED_MIN, SEED_END = -2 ** 63, 2 ** 64   # a request's seed: any signed or unsigned 64-bit integer (vLLM: int64)
 
 
 class APIError(Exception):
@@ -184,11 +189,11 @@ class StructuredOutputsBody(_Lenient):
 class _Sampling(_Lenient):
     """Parameters shared by /v1/completions and /v1/chat/completions."""
     model: str
-    temperature: float | None = _finite(ge=0)
+    temperature: float | None = _finite(ge=0, le=MAX_TEMPERATURE)
     top_p: float | None = _finite(gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)                 # extension (vLLM); 0 or -1 = off
     n: int = Field(1, ge=1)
-    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
+    seed: int | None = Field(None, ge=SEED_MIN, lt=SEED_END)   # folded into the engine's 31 bits: engine_seed()
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -296,7 +301,8 @@ class ChatCompletionRequest(_Sampling):
     continue_final_message: bool | None = None
     add_generation_prompt: bool | None = None
     chat_template: str | None = None
-    chat_template_kwargs: dict | None = None
+    chat_template_kwargs: dict | None = None               # template variables (e.g. enable_thinking)
+    separate_reasoning: bool | None = None                 # vllm-router's: false keeps reasoning in content
 
 
 class TokenizeCompletionRequest(_Lenient):
@@ -337,8 +343,10 @@ NEUTRAL_COMPLETION = {"suffix": ("",)}
 NEUTRAL_CHAT = {
     "functions": ([],), "function_call": ("none",),
     "continue_final_message": (False,), "add_generation_prompt": (True,), "chat_template": (),
-    "chat_template_kwargs": ({},),
 }
+# chat_template_kwargs may not set what the server itself passes to the template.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "special_tokens",
+                                      "documents", "chat_template", "tokenize"})
 _WHY = {
     "functions": "function calling is not supported (only an empty list)",
     "function_call": "function calling is not supported (only 'none')",
@@ -364,6 +372,11 @@ def check_unsupported(req: _Sampling) -> None:
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, f"'best_of' is not supported (only equal to n, {req.n}); got {req.best_of}",
                        param="best_of")
+    if chat and req.chat_template_kwargs:
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(req.chat_template_kwargs))
+        if reserved:
+            raise APIError(400, f"'chat_template_kwargs' may not set {', '.join(reserved)} (the server does)",
+                           param="chat_template_kwargs")
     if chat and req.top_logprobs and not req.logprobs:
         raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     if not chat and req.max_tokens == 0 and not req.echo:
@@ -374,11 +387,22 @@ def check_unsupported(req: _Sampling) -> None:
                             "logprobs streams the prompt's logprobs)", param="prompt_logprobs")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options")
-    if req.seed is not None and req.seed + req.n - 1 >= SEED_LIMIT:
-        raise APIError(400, f"'seed' + n - 1 must be < 2**31 (choice j samples with seed + j); got seed "
-                            f"{req.seed} with n {req.n}", param="seed")
     if chat:
         check_messages(req.messages)
+
+
+def engine_seed(seed: int, n: int) -> int:
+    """The engine's seed (in [0, 2**31 - n], choice j samples with it + j) of a request's 64-bit seed.
+
+    A seed the engine can use as it is (0 <= seed and seed + n - 1 < 2**31) is used as it is, so those
+    keep their outputs (and choice j of seed s equals choice 0 of seed s + j). Any other seed has all
+    of its bits folded into the engine's 31 (a keyed hash of the 64-bit value, never a wrap-around:
+    2**31 and 0 differ); two such seeds collide with probability about 2**-31.
+    """
+    if 0 <= seed and seed + n - 1 < SEED_LIMIT:
+        return seed
+    digest = hashlib.blake2b(seed.to_bytes(9, "little", signed=True), digest_size=8, person=b"jpa-seed").digest()
+    return int.from_bytes(digest, "little") % (SEED_LIMIT - n + 1)
 
 
 def check_messages(messages) -> None:

@@ -9,7 +9,8 @@ two of them are given.
 Tool calling (chat): the tools are rendered by the chat template; then, by `tool_choice`:
 - "none" (or no tools): plain text;
 - a named function: the output is constrained to the function's parameters (a JSON object) and
-  returned as one call of it (finish_reason "stop", as OpenAI does for a forced function);
+  returned as one call of it (finish_reason "stop", as OpenAI does for a forced function; cut by
+  max_tokens: the call with the arguments so far and finish_reason "length", streamed or not);
 - "required": the output is constrained to a JSON array of {"name", "parameters"} calls of the
   given functions (one at most with parallel_tool_calls false), returned as tool_calls
   (finish_reason "tool_calls");
@@ -20,20 +21,17 @@ Tool calling (chat): the tools are rendered by the chat template; then, by `tool
   first call is the message content (None if it is only whitespace). finish_reason "tool_calls" when
   calls were found.
 Streaming (`ToolStream`): content streams as it comes (held back where it may begin a tool call);
-a named function's arguments stream as they are generated; parsed calls ("auto", "required") are
-sent whole, once complete, in one delta at the end (OpenAI clients accumulate deltas either way).
+calls stream as they are generated: a call's name once complete, then its arguments piece by piece
+(`jpa.server.toolcalls`); the non-streamed answer is the same parser fed the whole text, so the two
+are equal, a call cut by max_tokens included (its arguments as written so far).
 """
 
 import json
-import re
 import uuid
 
 from jpa.engine.structured import StructuredOutputs
 from jpa.server.protocol import APIError
-
-HERMES, LLAMA3_JSON = "hermes", "llama3_json"
-_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
-_OPEN = "<tool_call>"
+from jpa.server.toolcalls import HERMES, LLAMA3_JSON, REQUIRED, CallStream
 
 
 def _spec(param: str, **fields) -> StructuredOutputs:
@@ -78,18 +76,21 @@ def required_schema(tools, parallel: bool) -> dict:
     return schema
 
 
-def request_constraint(body, chat: bool) -> StructuredOutputs | None:
-    """The one constraint a request asks for (see the module doc), or None."""
+def request_constraint(body, chat: bool, build=_spec) -> StructuredOutputs | None:
+    """The one constraint a request asks for (see the module doc), or None.
+
+    build(param, **fields) makes the StructuredOutputs of the field `param` (default: at once, here;
+    the server passes one that checks limits and compiles on its guarded workers)."""
     found = []
     rf = body.response_format
     if rf is not None and rf.type == "json_object":
-        found.append(("response_format", lambda: _spec("response_format", json_object=True)))
+        found.append(("response_format", lambda: build("response_format", json_object=True)))
     elif rf is not None and rf.type == "json_schema":
         if rf.json_schema is None or rf.json_schema.schema_ is None:
             raise APIError(400, "'response_format.json_schema.schema' is required with type 'json_schema'",
                            param="response_format")
         found.append(("response_format",
-                      lambda: _spec("response_format.json_schema.schema", json=rf.json_schema.schema_)))
+                      lambda: build("response_format.json_schema.schema", json=rf.json_schema.schema_)))
     so = body.structured_outputs
     if so is not None:
         for name in ("structural_tag", "whitespace_pattern"):
@@ -102,23 +103,38 @@ def request_constraint(body, chat: bool) -> StructuredOutputs | None:
             raise APIError(400, f"'structured_outputs' needs exactly one of json, regex, choice, grammar, "
                                 f"json_object; got {', '.join(given) or 'none'}", param="structured_outputs")
         (k, v), = given.items()
-        found.append(("structured_outputs", lambda k=k, v=v: _spec(f"structured_outputs.{k}", **{k: v})))
+        found.append(("structured_outputs", lambda k=k, v=v: build(f"structured_outputs.{k}", **{k: v})))
     for name, field in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                         ("guided_grammar", "grammar")):
         v = getattr(body, name)
         if v is not None:
-            found.append((name, lambda name=name, field=field, v=v: _spec(name, **{field: v})))
+            found.append((name, lambda name=name, field=field, v=v: build(name, **{field: v})))
     mode = tool_mode(body) if chat else None
     if mode == "named":
         fn = next(t.function for t in body.tools if t.function.name == body.tool_choice.function.name)
-        found.append(("tool_choice", lambda: _spec(f"tools.{fn.name}.parameters", json=_parameters(fn))))
+        found.append(("tool_choice", lambda: build(f"tools.{fn.name}.parameters", json=_parameters(fn))))
     elif mode == "required":
-        found.append(("tool_choice", lambda: _spec("tools", json=required_schema(
+        found.append(("tool_choice", lambda: build("tools", json=required_schema(
             body.tools, body.parallel_tool_calls is not False))))
     if len(found) > 1:
         raise APIError(400, f"give one constraint at a time; got {', '.join(n for n, _ in found)}",
                        param=found[1][0])
     return found[0][1]() if found else None
+
+
+def constraint_field(body) -> str | None:
+    """The request field that holds its constraint (what an error during constrained generation
+    names), or None."""
+    rf = getattr(body, "response_format", None)
+    if rf is not None and rf.type != "text":
+        return "response_format"
+    for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        if getattr(body, name, None) is not None:
+            return name
+    if getattr(body, "tool_choice", None) is not None and not isinstance(body.tool_choice, str) \
+            or getattr(body, "tool_choice", None) == "required":
+        return "tools"
+    return None
 
 
 def parser_format(tokenizer) -> str:
@@ -136,88 +152,35 @@ def _call(name: str, arguments) -> dict:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": text}}
 
 
-def _as_call(obj) -> dict | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return None
-    return _call(obj["name"], args) if isinstance(args, dict) else None
-
-
-def parse_tool_calls(text: str, fmt: str) -> tuple[str | None, list[dict]]:
-    """(content, calls) of an "auto" output; no calls (and the whole text as content) when it
-    holds none or a call does not parse."""
-    if fmt == HERMES:
-        blocks = _CALL.findall(text)
-        if not blocks:
-            return text, []
-        calls = []
-        for b in blocks:
-            try:
-                call = _as_call(json.loads(b))
-            except ValueError:
-                call = None
-            if call is None:
-                return text, []
-            calls.append(call)
-        content = text[: text.index(_OPEN)]   # as streamed (vLLM's Hermes parser does not strip it either)
-        return content if content.strip() else None, calls
-    body = text.replace("<|python_tag|>", "").strip()
-    if not body.startswith("{"):
-        return text, []
-    calls, at, dec = [], 0, json.JSONDecoder()
-    while at < len(body):
-        try:
-            obj, end = dec.raw_decode(body, at)
-        except ValueError:
-            return text, []
-        call = _as_call(obj)
-        if call is None:
-            return text, []
-        calls.append(call)
-        at = end
-        while at < len(body) and body[at] in " \n\t;":
-            at += 1
-    return None, calls
-
-
 def parse_output(text: str, mode: str | None, fmt: str, name: str | None = None,
                  parallel: bool = True) -> tuple[str | None, list[dict]]:
-    """(content, tool calls) of a whole chat output under a tool mode."""
+    """(content, tool calls) of a whole chat output under a tool mode: for "auto" and "required",
+    the stream parser (`jpa.server.toolcalls.CallStream`) fed the whole text, so a non-streamed
+    answer equals the streamed one."""
     if mode == "named":
-        try:
-            json.loads(text)
-        except ValueError:   # cut by max_tokens: not a call
-            return text, []
-        return None, [_call(name, text)]   # the arguments as generated (and streamed)
-    if mode == "required":
-        try:
-            calls = [_as_call(c) for c in json.loads(text)]
-        except (ValueError, TypeError):
-            return text, []
-        return (None, calls) if calls and all(calls) else (text, [])
-    if mode == "auto":
-        content, calls = parse_tool_calls(text, fmt)
-        return content, calls if parallel else calls[:1]
+        # The arguments as generated (and streamed), even when max_tokens cut them (finish_reason
+        # "length", as vLLM): streamed and non-streamed answers are the same call.
+        return None, [_call(name, text)]
+    if mode in ("auto", "required"):
+        return CallStream(REQUIRED if mode == "required" else fmt, parallel).content_and_calls(text)
     return text, []
 
 
 class ToolStream:
-    """One streamed choice's text under a tool mode: turns text deltas into (content delta, tool-call
-    deltas) (see the module doc)."""
+    """One streamed choice's text under a tool mode: text deltas -> (content delta, tool-call deltas).
+    A named function's arguments stream as they are generated; "auto" and "required" calls stream
+    as they are parsed: the name once complete, then the arguments piece by piece."""
 
     def __init__(self, mode: str, fmt: str, name: str | None = None, parallel: bool = True):
-        self.mode, self.fmt, self.name, self.parallel = mode, fmt, name, parallel
-        self.text, self.sent = "", 0        # all text so far; chars of it sent as content
+        self.mode, self.name = mode, name
         self.call_id = None
-        self.calls: list[dict] = []
+        self._calls = None if mode == "named" else CallStream(REQUIRED if mode == "required" else fmt, parallel)
+
+    @property
+    def calls(self) -> list[dict]:
+        return self._calls.calls if self._calls is not None else []
 
     def feed(self, delta: str, final: bool) -> tuple[str, list[dict]]:
-        self.text += delta
         if self.mode == "named":
             out = []
             if delta or (final and self.call_id is None):
@@ -229,31 +192,4 @@ class ToolStream:
                 else:
                     out = [{"index": 0, "function": {"arguments": delta}}]
             return "", out
-        if not final:
-            return self._content(self._safe_end()), []
-        content, calls = parse_output(self.text, self.mode, self.fmt, self.name, self.parallel)
-        if not calls:
-            return self._content(len(self.text)), []
-        self.calls = calls
-        head = self._content(self.text.index(_OPEN) if self.fmt == HERMES and self.mode == "auto" else self.sent)
-        return head, [{"index": i, **c} for i, c in enumerate(calls)]
-
-    def _content(self, end: int) -> str:
-        end = max(end, self.sent)
-        out, self.sent = self.text[self.sent:end], end
-        return out
-
-    def _safe_end(self) -> int:
-        """How much text may be sent as content now: everything but what may be a tool call."""
-        if self.mode == "required":
-            return self.sent
-        if self.fmt == LLAMA3_JSON:
-            body = self.text.replace("<|python_tag|>", "").lstrip()
-            return self.sent if not body or body.startswith("{") else len(self.text)
-        at = self.text.find(_OPEN)
-        if at >= 0:
-            return at
-        for k in range(min(len(_OPEN) - 1, len(self.text)), 0, -1):   # a suffix that may begin <tool_call>
-            if _OPEN.startswith(self.text[-k:]):
-                return len(self.text) - k
-        return len(self.text)
+        return self._calls.feed(delta, final)

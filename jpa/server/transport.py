@@ -4,27 +4,39 @@ uvicorn closes a keep-alive connection that stays idle after a response (`timeou
 it has no timeout for the request itself: a connection that never sends a request, or sends its
 headers a byte at a time (slowloris), stays open for ever and holds a file descriptor. The
 protocol here adds one: a connection must deliver a complete request head within
-`timeout_header` seconds of opening (or of its previous response), else it is closed. With
-`limit_concurrency`, uvicorn answers 503 once that many connections or requests are open.
+`timeout_header` seconds of opening (or of its previous response), else it is closed; and a
+request's body must arrive within `timeout_body` seconds of its head, else the client gets 408
+(an OpenAI error object) and the connection is closed, so a client that sends a head and then
+trickles its body, or stops, never holds a connection slot for long. With `limit_concurrency`,
+uvicorn answers 503 once that many connections or requests are open.
 """
 
 import asyncio
+import json
 
+import h11
 from uvicorn import Config
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 DEFAULT_TIMEOUT_KEEP_ALIVE = 5      # seconds (uvicorn's and vLLM's default)
 DEFAULT_TIMEOUT_HEADER = 20         # seconds to deliver a request head (nginx 60, Apache 20-40)
+DEFAULT_TIMEOUT_BODY = 30           # seconds to deliver a request body once its head arrived
 DEFAULT_LIMIT_CONCURRENCY = 1024    # open connections + requests in flight, then 503
+_BODY_TIMEOUT = json.dumps({"error": {"message": "the request body did not arrive in time", "type":
+                                      "invalid_request_error", "param": None, "code": "request_timeout"}}).encode()
 
 
 class HeaderTimeoutProtocol(H11Protocol):
-    """uvicorn's h11 protocol, closing connections that do not deliver a request head in time."""
+    """uvicorn's h11 protocol, closing connections that do not deliver a request head, or a
+    request's body, in time."""
 
     timeout_header: float = DEFAULT_TIMEOUT_HEADER
+    timeout_body: float = DEFAULT_TIMEOUT_BODY
 
     def connection_made(self, transport) -> None:
         self._header_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
+        self._body_cycle = None
         super().connection_made(transport)
         self._arm()
 
@@ -41,6 +53,44 @@ class HeaderTimeoutProtocol(H11Protocol):
     def _check_head(self) -> None:
         if self._header_timer is not None and self.cycle is not self._waiting_cycle:
             self._disarm()
+        self._check_body()
+
+    def _check_body(self) -> None:
+        """Arms the body timer when a request's head has arrived and its body has not (once per
+        request: trickling bytes does not re-arm it); disarms it once the body is complete."""
+        cycle = self.cycle
+        if cycle is not None and cycle.more_body and not cycle.disconnected:
+            if self._body_cycle is not cycle:
+                self._disarm_body()
+                self._body_cycle = cycle
+                self._body_timer = self.loop.call_later(self.timeout_body, self._on_body_timeout)
+        elif self._body_timer is not None:
+            self._disarm_body()
+
+    def _disarm_body(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _on_body_timeout(self) -> None:
+        self._body_timer = None
+        cycle = self.cycle
+        if cycle is None or cycle is not self._body_cycle or not cycle.more_body or self.transport.is_closing():
+            return
+        if not cycle.response_started:   # 408 with an error object, then close
+            try:
+                self.transport.write(self.conn.send(h11.Response(status_code=408, reason=b"Request Timeout", headers=[
+                    (b"content-type", b"application/json"), (b"connection", b"close"),
+                    (b"content-length", str(len(_BODY_TIMEOUT)).encode())])))
+                self.transport.write(self.conn.send(h11.Data(data=_BODY_TIMEOUT)))
+                self.transport.write(self.conn.send(h11.EndOfMessage()))
+            except h11.LocalProtocolError:
+                pass
+            cycle.response_started = cycle.response_complete = True
+        # The app (waiting for the body) is told the client is gone; its answer goes nowhere.
+        cycle.disconnected = True
+        cycle.message_event.set()
+        self.transport.close()
 
     def _on_header_timeout(self) -> None:
         self._header_timer = None
@@ -59,11 +109,12 @@ class HeaderTimeoutProtocol(H11Protocol):
 
     def connection_lost(self, exc) -> None:
         self._disarm()
+        self._disarm_body()
         super().connection_lost(exc)
 
 
 def server_config(app, *, timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE,
-                  timeout_header: float = DEFAULT_TIMEOUT_HEADER,
+                  timeout_header: float = DEFAULT_TIMEOUT_HEADER, timeout_body: float = DEFAULT_TIMEOUT_BODY,
                   limit_concurrency: int | None = DEFAULT_LIMIT_CONCURRENCY, log_level: str = "warning",
                   timeout_graceful_shutdown: int | None = 5) -> Config:
     """A uvicorn Config serving `app` with the limits above (run it with `uvicorn.Server(config)`).
@@ -71,14 +122,18 @@ def server_config(app, *, timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE
     Args:
       timeout_keep_alive: seconds an idle keep-alive connection stays open after a response.
       timeout_header: seconds a connection has to deliver a complete request head.
+      timeout_body: seconds a request has to deliver its body once its head arrived (then 408 and
+        the connection is closed).
       limit_concurrency: open connections or requests in flight beyond which uvicorn answers 503
         (None: no limit).
     """
-    for name, v in (("timeout_keep_alive", timeout_keep_alive), ("timeout_header", timeout_header)):
+    for name, v in (("timeout_keep_alive", timeout_keep_alive), ("timeout_header", timeout_header),
+                    ("timeout_body", timeout_body)):
         if not v > 0:
             raise ValueError(f"{name} must be > 0 seconds; got {v!r}")
     if limit_concurrency is not None and limit_concurrency < 1:
         raise ValueError(f"limit_concurrency must be >= 1 or None; got {limit_concurrency!r}")
-    protocol = type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,), {"timeout_header": float(timeout_header)})
+    protocol = type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,), {"timeout_header": float(timeout_header),
+                                                                         "timeout_body": float(timeout_body)})
     return Config(app, http=protocol, timeout_keep_alive=timeout_keep_alive, limit_concurrency=limit_concurrency,
                   log_level=log_level, timeout_graceful_shutdown=timeout_graceful_shutdown)
