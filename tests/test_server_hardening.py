@@ -1,6 +1,6 @@
 """A server no client can take down (issue 37's defects), each reproduced against a live server.
 
-Structured-output attacks, slow bodies and SIGTERM run against `scripts/serve.py` as a real
+Structured-output attacks, slow bodies and SIGTERM run against `jpa serve` as a real
 subprocess (tiny random llama): a crash there is a dead process the test sees, not a dead pytest.
 The rest uses the in-process server of tests/server_util.py. Every load or adversarial loop is
 bounded in count and time and stops by itself.
@@ -31,11 +31,11 @@ MSGS = [{"role": "user", "content": "hi"}]
 
 
 class Proc:
-    """scripts/serve.py in a subprocess, with the worktree's code."""
+    """`jpa serve` in a subprocess (`python -m jpa serve`, run from the repository root)."""
 
     def __init__(self, tmp, *args, ready=True):
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "JPA_CACHE_DIR": str(tmp), "JAX_PLATFORMS": "cpu"}
-        self.proc = subprocess.Popen([sys.executable, "scripts/serve.py", "--model", MODEL, "--port", "0",
+        env = {**os.environ, "JPA_CACHE_DIR": str(tmp), "JAX_PLATFORMS": "cpu"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "jpa", "serve", "--model", MODEL, "--port", "0",
                                       "--max-model-len", "256", "--num-pages", "96", "--max-seqs", "4", *args],
                                      cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
         self.url = None
