@@ -63,10 +63,12 @@ def test_random_constraints_are_met(engines):
 
 def test_under_preemption_with_parallel_samples(engines):
     """A pool too small for the batch: constrained requests are preempted and recomputed (their
-    matchers keep the output tokens' state), n = 2 samples each have their own matcher."""
-    seed = fresh_seed()
-    print("seed", seed)
-    rng = np.random.default_rng(seed)
+    matchers keep the output tokens' state), n = 2 samples each have their own matcher.
+
+    Whether the pool runs short depends on how long the constrained outputs get (a JSON value may
+    close after a few tokens), so on the draw: the seed is fixed (this draw preempts, the same every
+    run); every output is still checked against its constraint and the ample pool's."""
+    rng = np.random.default_rng(20)
     eng = engines.get(num_pages=20)
     before = eng.stats.preemptions
     schemas = [random_schema(rng) for _ in range(3)]
