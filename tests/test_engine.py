@@ -155,6 +155,8 @@ class StopAt:
 
 def test_stops_on_eos_and_max_new_tokens(engines, ctx_model, rng):
     # A prompt whose greedy continuation has a token that first appears at index >= 3: made EOS.
+    # 15 of 200 measured prompts (seeds 3000-3024) had none, so all 8 lack one with p = 1e-9
+    # (2.5e-7 at the 99.9% upper bound of that rate, 15%).
     prompts = random_prompts(rng, 8, lo=5, hi=40)
     for prompt, out in zip(prompts, engines.reference(prompts, [GREEDY] * 8)):
         ref = out.token_ids
