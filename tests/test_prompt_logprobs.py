@@ -112,7 +112,8 @@ def test_prompt_logprobs_equal_the_dense_forward_chunked(ctx_model, engines):
     model, _ = ctx_model
     # The first (it asks for prompt logprobs) longer than the budget by construction: 6 draws in
     # [2, 120] all within it were a 3e-4 event.
-    prompts = random_prompts(rng, 1, lo=BASE["max_num_batched_tokens"] + 1, hi=120) + random_prompts(rng, 7, lo=2, hi=120)
+    prompts = (random_prompts(rng, 1, lo=BASE["max_num_batched_tokens"] + 1, hi=120)
+               + random_prompts(rng, 7, lo=2, hi=120))
     ks = [int(rng.choice([0, 1, 5, 20])) if i % 4 != 3 else None for i in range(8)]
     base = [SamplingParams(max_new_tokens=int(rng.integers(1, 12)), greedy=bool(i % 2), temperature=0.9,
                            seed=int(rng.integers(0, 2 ** 30)), ignore_eos=True) for i in range(8)]
