@@ -50,8 +50,11 @@ def test_preempting_prefilling_requests_keeps_outputs(engines, case):
     seed = case[0]
     rng = np.random.default_rng(seed)
     # 16 pages of 8 tokens for 4 slots of 20-50-token prompts growing by 40 tokens, an 8-token
-    # budget: running and prefilling requests are preempted (every draw needs more than the pool).
-    prompts = random_prompts(rng, 6, lo=20, hi=50)
+    # budget: running and prefilling requests are preempted. Whether they are is a function of the
+    # prompt lengths alone (ignore_eos, fixed max_new_tokens, random tokens share no page), which
+    # no arithmetic here pins for every draw: the lengths are seeded (this schedule preempts, the
+    # same every run), the tokens and sampling parameters stay fresh.
+    prompts = [random_prompts(rng, 1, lo=int(n), hi=int(n))[0] for n in np.random.default_rng(20).integers(20, 51, 6)]
     params = mixed_params(rng, 6, lo=40, hi=40)
     want = engines.reference(prompts, params)
     eng = engines.get(num_pages=16, max_num_batched_tokens=8)
@@ -65,15 +68,23 @@ def test_preempting_prefilling_requests_keeps_outputs(engines, case):
 def test_seeded_sampling_and_stop_strings_equal_the_reference(engines, case):
     seed, prompts, _, _ = case
     rng = np.random.default_rng(seed + 1)
-    params = mixed_params(rng, len(prompts), lo=20, hi=20)
-    # Stop strings taken from the middle of the reference completions: they do stop.
-    free = engines.reference(prompts, params)
-    stops = []
-    for o in free:
-        text = o.completion
-        pieces = [text[i:i + 2] for i in range(len(text) // 3, len(text) - 1) if text[i:i + 2].strip()
-                  and "\ufffd" not in text[i:i + 2]]
-        stops.append((pieces[0],) if pieces else ())
+    # Stop strings taken from the middle of the reference completions: they do stop. A completion
+    # may have no clean 2-character piece (bytes that decode to U+FFFD, spaces): fewer than 2 of the
+    # 7 had one in 3 of 300 measured draws (seeds 0-299), about 1 run in 100. So the parameters are
+    # drawn again (new seeds for the sampled requests) until 2 have one: those 3 draws took 2, 3
+    # and 3 attempts; 16 attempts failing is < 1e-8 (1% x 0.35^15, 0.35 = two of three sampled
+    # requests without a piece at 0.6 each).
+    for _ in range(16):
+        params = mixed_params(rng, len(prompts), lo=20, hi=20)
+        free = engines.reference(prompts, params)
+        stops = []
+        for o in free:
+            text = o.completion
+            pieces = [text[i:i + 2] for i in range(len(text) // 3, len(text) - 1) if text[i:i + 2].strip()
+                      and "\ufffd" not in text[i:i + 2]]
+            stops.append((pieces[0],) if pieces else ())
+        if sum(map(bool, stops)) >= 2:
+            break
     params = [dataclasses.replace(p, stop=s) for p, s in zip(params, stops)]
     want = engines.reference(prompts, params)
     got = run(engines.get(max_num_batched_tokens=4), prompts, params)

@@ -126,8 +126,13 @@ def test_dtypes_match_numpy_reference(q_dtype, cache_dtype):
 
 
 def test_quantized_cache_close_to_float_cache():
-    """int8/fp8 storage error stays small relative to the float result (storage, not compute)."""
-    rng = np.random.default_rng()
+    """int8/fp8 storage error stays small relative to the float result (storage, not compute).
+
+    The error depends on the draw with a heavy tail: over 2000 seeds the worst was int8 0.0247
+    (mean 0.0103), e4m3 0.137 (0.054), e5m2 0.222 (0.108), so no measured figure bounds a fresh
+    draw's failure below 1e-6 under these tolerances. The seed is fixed (its errors sit well inside
+    them: 0.016, 0.057, 0.115); a dequantization bug (a scale ignored) gives errors ~1 on any draw."""
+    rng = np.random.default_rng(0)
     args, _ = make_case(rng, num_seqs=3, num_kv_heads=2, q_per_kv=2, head_dim=64, page_size=16,
                         pages_per_seq=4, seq_lens=[10, 33, 64])
     want = np.asarray(jpa.paged_decode(*args))

@@ -29,7 +29,12 @@ def load_soak():
 
 def test_random_requests_under_page_pressure(engines, ctx_model):
     soak = load_soak()
-    seed = int(os.environ.get("JPA_TEST_SEED") or np.random.SeedSequence().entropy % 2 ** 32)
+    # A fixed seed unless JPA_TEST_SEED names another: what this test asserts besides equality
+    # depends on the draw (random aborts may take the two long requests before they preempt, and
+    # the workload's own coin flips: fewer than 5 seeded samples in 1 run of 2300, no stop string
+    # in 0.6^22 and more), so a fresh draw could fail without a bug. scripts/soak_engine.py runs
+    # fresh seeds (its checks are the equalities only).
+    seed = int(os.environ.get("JPA_TEST_SEED") or 20)
     print(f"seed {seed}")  # shown on failure: reproduce with JPA_TEST_SEED=seed
     rng = np.random.default_rng(seed)
     eng = LLMEngine(*ctx_model, EngineConfig(max_seqs=2, page_size=4, num_pages=8, steps_per_call=3,

@@ -110,7 +110,10 @@ def test_prompt_logprobs_equal_the_dense_forward_chunked(ctx_model, engines):
     print("seed", seed)
     rng = np.random.default_rng(seed)
     model, _ = ctx_model
-    prompts = random_prompts(rng, 8, lo=2, hi=120)
+    # The first (it asks for prompt logprobs) longer than the budget by construction: 6 draws in
+    # [2, 120] all within it were a 3e-4 event.
+    prompts = (random_prompts(rng, 1, lo=BASE["max_num_batched_tokens"] + 1, hi=120)
+               + random_prompts(rng, 7, lo=2, hi=120))
     ks = [int(rng.choice([0, 1, 5, 20])) if i % 4 != 3 else None for i in range(8)]
     base = [SamplingParams(max_new_tokens=int(rng.integers(1, 12)), greedy=bool(i % 2), temperature=0.9,
                            seed=int(rng.integers(0, 2 ** 30)), ignore_eos=True) for i in range(8)]
@@ -166,10 +169,14 @@ def test_prompt_logprobs_survive_preemption_and_forks(ctx_model, engines):
     print("seed", seed)
     rng = np.random.default_rng(seed)
     model, _ = ctx_model
-    # Any two of these outgrow the pool together (>= 110 tokens = 14 pages each, of 26).
-    prompts = random_prompts(rng, 6, lo=60, hi=90)
-    params = [SamplingParams(max_new_tokens=int(rng.integers(50, 70)), temperature=0.8, seed=i, ignore_eos=True,
-                             prompt_logprobs=int(rng.choice([0, 4])), n=3 if i == 2 else 1) for i in range(6)]
+    # Any two of these outgrow the pool together (>= 110 tokens = 14 pages each, of 26), but
+    # whether two run together long enough is the schedule's, a function of the lengths (ignore_eos;
+    # random tokens share no page): lengths and max_new_tokens are seeded (this schedule preempts,
+    # the same every run), the tokens stay fresh.
+    sizes = np.random.default_rng(20)
+    prompts = [random_prompts(rng, 1, lo=int(n), hi=int(n))[0] for n in sizes.integers(60, 91, 6)]
+    params = [SamplingParams(max_new_tokens=int(sizes.integers(50, 70)), temperature=0.8, seed=i, ignore_eos=True,
+                             prompt_logprobs=int(sizes.choice([0, 4])), n=3 if i == 2 else 1) for i in range(6)]
     eng = engines.get(num_pages=26)
     before = snapshot(eng)
     outs, carried, rows = drive(eng, prompts, params)
