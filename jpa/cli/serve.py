@@ -58,6 +58,9 @@ def parse_args(argv=None):
     ap.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"], help="split chat "
                     "outputs' <think>...</think> into reasoning_content (deepseek_r1: the output starts inside the "
                     "think block; qwen3: only an output that opens one); default: none")
+    ap.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral", "qwen3_coder",
+                    "pythonic"], help="the format of the model's tool calls (tool_choice auto); default: from "
+                    "the chat template (Qwen3-Coder XML, Mistral [TOOL_CALLS], Llama-3.1 JSON, else Hermes)")
     ap.add_argument("--limit-concurrency", type=int, default=1024, help="open connections or requests in "
                     "flight beyond which new requests get 503 (default 1024)")
     ap.add_argument("--allowed-origins", default=None, help="origins browsers may call the API from (CORS): "
@@ -150,7 +153,7 @@ def run(args, sock):
     app = build_app(None, None, model_name=name, api_key=args.api_key, max_n=args.max_n,
                     max_request_bytes=args.max_request_bytes, allowed_origins=args.allowed_origins,
                     constraint_limits=ConstraintLimits(compile_timeout=args.grammar_compile_timeout),
-                    reasoning_parser=args.reasoning_parser)
+                    reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser)
     server = build_server(app, log_level=args.log_level, timeout_keep_alive=args.timeout_keep_alive,
                           timeout_header=args.timeout_header, timeout_body=args.timeout_body,
                           limit_concurrency=args.limit_concurrency, shutdown_timeout=args.shutdown_timeout)

@@ -55,8 +55,8 @@ from jpa.server.limits import CompileGuard, ConstraintLimits, check_constraint, 
 from jpa.server.metrics import ServerMetrics, Timing
 from jpa.server.reasoning import ReasoningParser, ReasoningStream
 from jpa.server import responses as responses_api
-from jpa.server.tools import (ToolStream, constraint_field, parse_output, parser_format, request_constraint,
-                              tool_mode)
+from jpa.server.tools import (TOOL_CALL_PARSERS, ToolStream, constraint_field, parse_output, parser_format,
+                              request_constraint, tool_mode)
 from jpa.server.protocol import (SEED_LIMIT, APIError, ChatCompletionRequest, CompletionRequest,
                                  DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, chat_messages,
                                  check_messages, check_unsupported, engine_seed, error_body, parse_body, parse_json,
@@ -72,7 +72,8 @@ _REQUEST_ID_OK = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ
 def build_app(engine: AsyncEngine | None, tokenizer, *, model_name: str, api_key: str | None = None,
               max_n: int = 16, retry_after: int = 1, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
               allowed_origins=(), version: str | None = None,
-              constraint_limits: ConstraintLimits | None = None, reasoning_parser: str | None = None) -> FastAPI:
+              constraint_limits: ConstraintLimits | None = None, reasoning_parser: str | None = None,
+              tool_call_parser: str | None = None) -> FastAPI:
     """The FastAPI app serving `engine` (started by the caller) under the name `model_name`.
 
     Args:
@@ -89,12 +90,18 @@ def build_app(engine: AsyncEngine | None, tokenizer, *, model_name: str, api_key
         `jpa.server.limits.ConstraintLimits()`); beyond them a request is a 400 naming the field.
       reasoning_parser: None, or a `jpa.server.reasoning` format ("deepseek_r1", "qwen3"): chat
         outputs' think blocks become `reasoning_content` (see that module).
+      tool_call_parser: the format "auto" tool calls are parsed in (`jpa.server.tools.TOOL_CALL_PARSERS`:
+        "hermes", "llama3_json", "mistral", "qwen3_coder", "pythonic"); None: from the chat template.
     """
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1; got {max_request_bytes!r}")
+    if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ValueError(f"tool_call_parser must be None or one of {', '.join(TOOL_CALL_PARSERS)}; "
+                         f"got {tool_call_parser!r}")
     app = FastAPI(title="jpa", docs_url=None, redoc_url=None, openapi_url=None)
     api = _API(model_name, max_n, retry_after, constraint_limits or ConstraintLimits())
     api.reasoning = ReasoningParser(reasoning_parser) if reasoning_parser is not None else None
+    api.tool_call_parser = tool_call_parser
     metrics = api.metrics
     app.state.jpa = api
     if version is None:
@@ -973,7 +980,7 @@ class _ChatFormat(_Format):
     def __init__(self, api: _API, body, request_id: str):
         super().__init__(api, body, request_id)
         self.tool_mode = tool_mode(body)
-        self.tool_format = parser_format(api.tok)
+        self.tool_format = api.tool_call_parser or parser_format(api.tok)
         self.tool_name = body.tool_choice.function.name if self.tool_mode == "named" else None
         self.parallel = body.parallel_tool_calls is not False
         self._tool_streams: dict[int, ToolStream] = {}
@@ -1009,7 +1016,8 @@ class _ChatFormat(_Format):
             reasoning, text = self.reasoning.split(out.completion)
             text = text or ""
         message = {"role": "assistant", "content": text}
-        content, calls = parse_output(text, self.tool_mode, self.tool_format, self.tool_name, self.parallel)
+        content, calls = parse_output(text, self.tool_mode, self.tool_format, self.tool_name, self.parallel,
+                                      self.body.tools)
         if calls:
             message = {"role": "assistant", "content": content, "tool_calls": calls}
         if self.reasoning is not None:
@@ -1035,7 +1043,7 @@ class _ChatFormat(_Format):
             reasoning, text = rs.feed(out.new_text, out.finished)
         if self.tool_mode is not None:
             stream = self._tool_streams.setdefault(index, ToolStream(self.tool_mode, self.tool_format, self.tool_name,
-                                                                     self.parallel))
+                                                                     self.parallel, self.body.tools))
             text, calls = stream.feed(text, out.finished)
             if reason is not None:
                 reason = self._reason(reason, stream.calls or calls)

@@ -17,7 +17,8 @@ Tool calling (chat): the tools are rendered by the chat template; then, by `tool
 - "auto" (the default with tools): the model decides; calls are parsed from its text by format:
   Hermes `<tool_call>{"name", "arguments"}</tool_call>` blocks (Qwen2.5, Qwen3, and the ChatML
   models here, whose tools are rendered that way) or Llama-3.1 JSON (`{"name", "parameters"}`, after
-  an optional <|python_tag|>, `;`-separated), picked from the chat template. Text before the
+  an optional <|python_tag|>, `;`-separated), Mistral `[TOOL_CALLS]`, Qwen3-Coder XML or pythonic
+  (`jpa.server.toolparsers`), picked from the chat template or by `--tool-call-parser`. Text before the
   first call is the message content (None if it is only whitespace). finish_reason "tool_calls" when
   calls were found.
 Streaming (`ToolStream`): content streams as it comes (held back where it may begin a tool call);
@@ -32,6 +33,9 @@ import uuid
 from jpa.engine.structured import StructuredOutputs
 from jpa.server.protocol import APIError
 from jpa.server.toolcalls import HERMES, LLAMA3_JSON, REQUIRED, CallStream
+from jpa.server.toolparsers import MISTRAL, PYTHONIC, QWEN3_CODER, SnapshotStream
+
+TOOL_CALL_PARSERS = (HERMES, LLAMA3_JSON, MISTRAL, QWEN3_CODER, PYTHONIC)   # `--tool-call-parser`
 
 
 def _spec(param: str, **fields) -> StructuredOutputs:
@@ -138,12 +142,27 @@ def constraint_field(body) -> str | None:
 
 
 def parser_format(tokenizer) -> str:
-    """The tool-call format of a model, from its chat template: Llama-3.1 JSON where the template
-    speaks of <|python_tag|> / ipython and not of <tool_call>, else Hermes."""
+    """The tool-call format of a model, from its chat template: Qwen3-Coder XML where it writes
+    `<function=` and `<parameter=`, Mistral where it writes [TOOL_CALLS], Llama-3.1 JSON where it
+    speaks of <|python_tag|> / ipython and not of <tool_call>, else Hermes. (Pythonic calls are not
+    recognised from a template: `--tool-call-parser pythonic`.)"""
     template = getattr(tokenizer, "chat_template", None) or ""
+    if "<function=" in template and "<parameter=" in template:
+        return QWEN3_CODER
+    if "[TOOL_CALLS]" in template:
+        return MISTRAL
     if "<tool_call>" not in template and ("<|python_tag|>" in template or "ipython" in template):
         return LLAMA3_JSON
     return HERMES
+
+
+def call_stream(fmt: str, parallel: bool = True, tools=None):
+    """The incremental tool-call parser of a format (`feed`, `calls`, `content_and_calls`); tools:
+    the request's tools (Qwen3-Coder converts parameters by their schemas)."""
+    if fmt in (HERMES, LLAMA3_JSON, REQUIRED):
+        return CallStream(fmt, parallel)
+    schemas = {t.function.name: _parameters(t.function) for t in tools or ()}
+    return SnapshotStream(fmt, parallel, schemas)
 
 
 def _call(name: str, arguments) -> dict:
@@ -153,7 +172,7 @@ def _call(name: str, arguments) -> dict:
 
 
 def parse_output(text: str, mode: str | None, fmt: str, name: str | None = None,
-                 parallel: bool = True) -> tuple[str | None, list[dict]]:
+                 parallel: bool = True, tools=None) -> tuple[str | None, list[dict]]:
     """(content, tool calls) of a whole chat output under a tool mode: for "auto" and "required",
     the stream parser (`jpa.server.toolcalls.CallStream`) fed the whole text, so a non-streamed
     answer equals the streamed one."""
@@ -162,7 +181,7 @@ def parse_output(text: str, mode: str | None, fmt: str, name: str | None = None,
         # "length", as vLLM): streamed and non-streamed answers are the same call.
         return None, [_call(name, text)]
     if mode in ("auto", "required"):
-        return CallStream(REQUIRED if mode == "required" else fmt, parallel).content_and_calls(text)
+        return call_stream(REQUIRED if mode == "required" else fmt, parallel, tools).content_and_calls(text)
     return text, []
 
 
@@ -171,10 +190,11 @@ class ToolStream:
     A named function's arguments stream as they are generated; "auto" and "required" calls stream
     as they are parsed: the name once complete, then the arguments piece by piece."""
 
-    def __init__(self, mode: str, fmt: str, name: str | None = None, parallel: bool = True):
+    def __init__(self, mode: str, fmt: str, name: str | None = None, parallel: bool = True, tools=None):
         self.mode, self.name = mode, name
         self.call_id = None
-        self._calls = None if mode == "named" else CallStream(REQUIRED if mode == "required" else fmt, parallel)
+        self._calls = None if mode == "named" else call_stream(REQUIRED if mode == "required" else fmt, parallel,
+                                                               tools)
 
     @property
     def calls(self) -> list[dict]:
