@@ -124,3 +124,113 @@ def test_format_from_the_chat_template_and_unknown_formats():
     assert isinstance(call_stream(PYTHONIC), SnapshotStream)
     with pytest.raises(ValueError, match="tool-call format must be one of"):
         SnapshotStream("xml")
+
+
+# ---------------------------------------------------------------------- through the server
+
+NAME = "tiny"
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]},
+                                                                          "note": {"type": "string"}},
+                                       "required": ["zone"]}}}
+MSGS = [{"role": "user", "content": "What time is it?"}]
+_TURNS = ("{% for m in messages %}{% if m.role == 'user' %}[INST]{{ m.content }}[/INST]"
+          "{% elif m.role == 'assistant' %}{{ m.content or '' }}</s>{% else %}{{ m.content }}{% endif %}{% endfor %}")
+# Chat templates in each format (tools listed, the call syntax shown), and a regex that makes the
+# tiny random model write a call in it: (template, --tool-call-parser or None for "from the
+# template", regex, content, arguments whole, the start of the arguments when cut by max_tokens).
+FORMATS = {
+    MISTRAL: ("{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}" + _TURNS +
+              "{# calls: [TOOL_CALLS]name[ARGS]{arguments} #}", None,
+              r'Sure\. \[TOOL_CALLS\]get_time\[ARGS\]\{"zone": "(UTC|CET)", "note": "[a-z]{8}"\}',
+              "Sure. ", r'\{"zone": "(UTC|CET)", "note": "[a-z]{8}"\}', 44),
+    QWEN3_CODER: ("{% if tools %}<tools>{% for t in tools %}{{ t.function | tojson }}{% endfor %}</tools>\n"
+                  "Call a tool as <tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n"
+                  "</function>\n</tool_call>\n{% endif %}" + _TURNS, None,
+                  r"Sure\. <tool_call>\n<function=get_time>\n<parameter=zone>\n(UTC|CET)\n</parameter>\n"
+                  r"<parameter=note>\n[a-z]{8}\n</parameter>\n</function>\n</tool_call>",
+                  "Sure. ", r'\{"zone": "(UTC|CET)", "note": "[a-z]{8}"\}', 80),
+    PYTHONIC: ("{% if tools %}Tools: {{ tools | tojson }}\nCall them as a Python list: "
+               "[func_name1(param1=value1), func_name2(param2=value2)]\n{% endif %}" + _TURNS, PYTHONIC,
+               r'\[get_time\(zone="(UTC|CET)", note="[a-z]{8}"\)\]', None,
+               r'\{"zone": "(UTC|CET)", "note": "[a-z]{8}"\}', 30),
+}
+
+
+class _TemplateTokenizer:
+    """The tiny model's tokenizer with a chat template written by the test."""
+
+    def __init__(self, tok, template):
+        self.tok, self.chat_template = tok, template
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def render_chat(self, messages, add_generation_prompt=True, **kw):
+        from models.chat_template import render
+        return render(self.chat_template, messages, add_generation_prompt=add_generation_prompt, **kw)
+
+
+@pytest.fixture(scope="module")
+def live():
+    pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("fastapi")
+    pytest.importorskip("llguidance")
+    import models
+    from jpa.engine import AsyncEngine, EngineConfig, LLMEngine
+
+    model, tok = models.load("tiny-llama", seed=1)
+    eng = LLMEngine(models.GPTForEngine(model), tok, EngineConfig(max_seqs=4, page_size=16, num_pages=300,
+                                                                  steps_per_call=4, max_model_len=1024))
+    with AsyncEngine(eng, max_waiting=16) as aengine:
+        yield aengine, tok
+
+
+def _streamed(client, **kw):
+    content, calls, reasons = "", {}, []
+    for ch in client.chat.completions.create(stream=True, **kw):
+        for c in ch.choices:
+            content += c.delta.content or ""
+            for d in c.delta.tool_calls or ():
+                slot = calls.setdefault(d.index, ["", ""])
+                if d.id:
+                    assert not slot[1], "the name comes first"
+                    slot[0] = d.function.name
+                slot[1] += d.function.arguments or ""
+            if c.finish_reason:
+                reasons.append(c.finish_reason)
+    return content or None, [tuple(v) for _, v in sorted(calls.items())], reasons
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_calls_in_each_format_through_the_server(live, fmt):
+    """The template renders the tools; the model writes a call in its format; the server parses it
+    (the format picked from the template, pythonic by tool_call_parser): non-streamed == streamed,
+    whole (finish_reason tool_calls, the arguments JSON) and cut by max_tokens (length, the
+    arguments so far)."""
+    import re
+
+    import openai
+    from jpa.server import build_app
+    from server_util import serving
+
+    template, parser, regex, content, args_re, cut = FORMATS[fmt]
+    aengine, tok = live
+    app = build_app(aengine, _TemplateTokenizer(tok, template), model_name=NAME, tool_call_parser=parser)
+    with serving(app) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        for max_tokens in (300, cut):
+            kw = dict(model=NAME, messages=MSGS, tools=[TIME], max_tokens=max_tokens, temperature=1.0, seed=5,
+                      extra_body={"structured_outputs": {"regex": regex}})
+            r = client.chat.completions.create(**kw).choices[0]
+            (call,) = r.message.tool_calls
+            assert call.function.name == "get_time" and r.message.content == content
+            assert _streamed(client, **kw) == (content, [("get_time", call.function.arguments)],
+                                               [r.finish_reason])
+            if max_tokens == cut:
+                assert r.finish_reason == "length" and call.function.arguments.startswith('{"zone": ')
+                assert not re.fullmatch(args_re, call.function.arguments)
+            else:
+                assert r.finish_reason == "tool_calls" and re.fullmatch(args_re, call.function.arguments)
+                assert json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
