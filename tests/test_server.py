@@ -931,7 +931,6 @@ def test_tokenize_and_detokenize(live):
     for path, body, status, param, fragment in (
             ("/tokenize", {"model": "gpt-4", "prompt": "x"}, 404, "model", "does not exist"),
             ("/tokenize", {"prompt": 5}, 400, "prompt", "valid string"),
-            ("/tokenize", {"prompt": "x", "add_special_tokens": False}, 400, "add_special_tokens", "not supported"),
             ("/tokenize", {"messages": msgs, "add_special_tokens": True}, 400, "add_special_tokens", "not supported"),
             ("/tokenize", {"messages": msgs, "continue_final_message": True}, 400, "continue_final_message",
              "not supported"),

@@ -529,6 +529,36 @@ def test_tokenizer_info(live):
     assert {"eos_token", "bos_token", "chat_template", "tokenizer_class", "pad_token"} <= set(info)
 
 
+def test_what_lm_evals_remote_tokenizer_calls(live):
+    """lm-eval's `tokenizer_backend=remote` (lm_eval.utils.RemoteTokenizer, 0.4.13): GET
+    /tokenizer_info, POST /tokenize {"prompt", "add_special_tokens": false} (before: a 400, so
+    every lm-eval run against jpa failed), POST /detokenize {"tokens"}; with a tokenizer that adds
+    a BOS (the tiny Mistral checkpoint's), false leaves it out. The same through lm-eval's own
+    class when lm_eval is installed."""
+    from jpa.server import build_app
+    from models.tokenizer import HFTokenizer
+    from server_util import serving
+
+    tok = HFTokenizer.from_dir(Path(__file__).parent / "data" / "hf" / "mistral")
+    text = "The paged cache: é€"
+    with serving(build_app(live.aengine, tok, model_name=NAME)) as url:
+        info = httpx.get(f"{url}/tokenizer_info").json()
+        assert info["bos_token_id"] == tok.bos_token_id and info["eos_token"]
+        plain = httpx.post(f"{url}/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+        full = httpx.post(f"{url}/tokenize", json={"prompt": text}).json()["tokens"]
+        assert full == tok.encode(text) == [tok.bos_token_id, *plain]
+        assert httpx.post(f"{url}/detokenize", json={"tokens": plain}).json() == {"prompt": text}
+        assert _err(httpx.post(f"{url}/tokenize", json={"prompt": "x" * 10 ** 6, "add_special_tokens": False}),
+                    400, "prompt")
+        try:
+            from lm_eval.utils import RemoteTokenizer
+        except ImportError:
+            return
+        remote = RemoteTokenizer(url)
+        assert remote.encode(text) == plain and remote.decode(plain) == text
+        assert (remote.bos_token_id, remote.eos_token_id) == (tok.bos_token_id, tok.eos_token_id)
+
+
 def test_64_bit_seeds_are_folded_into_the_key(live):
     """Before: seeds >= 2**31 were a 400 (vLLM accepts any 64-bit seed). Now every signed or
     unsigned 64-bit seed is accepted, reproducible, and its high bits matter (no wrap-around: 2**31,

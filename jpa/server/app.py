@@ -332,13 +332,28 @@ class _API:
     # ------------------------------------------------------------------ request -> engine requests
     # (these run on a worker thread: parsing and tokenizing a big body must not stall the loop)
 
-    def _encode(self, text: str, param: str) -> list[int]:
+    def _encode_plain(self, text: str, param: str) -> list[int]:
+        """Token ids of `text` without the special tokens the tokenizer adds (a BOS): /tokenize with
+        add_special_tokens false, as lm-eval's remote tokenizer asks for its contexts and continuations."""
+        backend = getattr(self.tok, "backend_tokenizer", None)
+        if backend is None:     # the byte tokenizer adds none
+            return self._encode(text, param)
+        self._check_length(text, param)
+        try:
+            return backend.encode_batch([text], add_special_tokens=False)[0].ids   # releases the lock
+        except Exception as e:
+            raise APIError(400, f"'{param}' could not be tokenized: {type(e).__name__}", param=param) from None
+
+    def _check_length(self, text: str, param: str) -> None:
         # A text far longer than any prompt that fits is refused before it is tokenized: tokenizing
         # megabytes takes seconds (and tokenizers' encode holds the GIL, stalling every other request).
         if len(text) > self.max_prompt_chars:
             raise APIError(400, f"this model's maximum context length is {self.engine.max_model_len} tokens; the "
                                 f"{param} has {len(text)} characters, more than that many tokens can hold",
                            param="prompt")
+
+    def _encode(self, text: str, param: str) -> list[int]:
+        self._check_length(text, param)
         try:
             return self.tok.encode(text)
         except Exception as e:  # a tokenizer that cannot take this text
@@ -535,10 +550,7 @@ class _API:
             check_messages(body.messages)
             ids = self._encode(self._render(body.messages, body.add_generation_prompt), "messages")
         else:
-            if not body.add_special_tokens:
-                raise APIError(400, "'add_special_tokens' false is not supported (only true: what /v1/completions "
-                                    "does)", param="add_special_tokens")
-            ids = self._encode(body.prompt, "prompt")
+            ids = (self._encode if body.add_special_tokens else self._encode_plain)(body.prompt, "prompt")
         out = {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids, "token_strs": None}
         if body.return_token_strs:
             out["token_strs"] = [self._token_str(t) for t in ids]

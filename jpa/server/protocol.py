@@ -309,7 +309,7 @@ class TokenizeCompletionRequest(_Lenient):
     """vLLM's /tokenize body for a prompt."""
     model: str | None = None
     prompt: str
-    add_special_tokens: bool = True                        # only True: what /v1/completions does
+    add_special_tokens: bool = True                        # False: without the BOS encode adds (lm-eval's)
     return_token_strs: bool | None = False
 
 
