@@ -234,3 +234,26 @@ def test_calls_in_each_format_through_the_server(live, fmt):
             else:
                 assert r.finish_reason == "tool_calls" and re.fullmatch(args_re, call.function.arguments)
                 assert json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
+
+
+def test_mistral_keeps_its_special_tokens_in_the_text(live):
+    """Mistral's [TOOL_CALLS] / [ARGS] are special tokens of its tokenizers: with tools (auto) and the
+    mistral parser, skip_special_tokens defaults to false (vLLM's), so the parser sees them; a
+    request's own value, other formats and tool_choice none keep the default (true)."""
+    from jpa.server import build_app
+
+    aengine, tok = live
+
+    def skip(template, parser=None, **body):
+        api = build_app(aengine, _TemplateTokenizer(tok, template), model_name=NAME,
+                        tool_call_parser=parser).state.jpa
+        raw = json.dumps({"model": NAME, "messages": MSGS, "tools": [TIME], **body}).encode()
+        _, params, _, _ = api.prepare_chat(raw)
+        return {p.skip_special_tokens for _, p in params}
+
+    mistral = FORMATS[MISTRAL][0]
+    assert skip(mistral) == {False} and skip(FORMATS[QWEN3_CODER][0], parser=MISTRAL) == {False}
+    assert skip(mistral, skip_special_tokens=True) == {True} and skip(mistral, tool_choice="none") == {True}
+    assert skip(FORMATS[QWEN3_CODER][0]) == {True} and skip(mistral, parser=PYTHONIC) == {True}
+    with pytest.raises(ValueError, match="tool_call_parser must be None or one of"):
+        build_app(aengine, tok, model_name=NAME, tool_call_parser="xml")

@@ -55,6 +55,7 @@ from jpa.server.limits import CompileGuard, ConstraintLimits, check_constraint, 
 from jpa.server.metrics import ServerMetrics, Timing
 from jpa.server.reasoning import ReasoningParser, ReasoningStream
 from jpa.server import responses as responses_api
+from jpa.server.toolparsers import MISTRAL
 from jpa.server.tools import (TOOL_CALL_PARSERS, ToolStream, constraint_field, parse_output, parser_format,
                               request_constraint, tool_mode)
 from jpa.server.protocol import (SEED_LIMIT, APIError, ChatCompletionRequest, CompletionRequest,
@@ -525,6 +526,11 @@ class _API:
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise APIError(400, "give 'max_tokens' or 'max_completion_tokens', not both", param="max_tokens")
         structured = request_constraint(body, chat=True, build=self._constraint)   # also checks tool_choice against tools
+        if body.skip_special_tokens is None and tool_mode(body) == "auto" and \
+                (self.tool_call_parser or parser_format(self.tok)) == MISTRAL:
+            # [TOOL_CALLS] and [ARGS] are special tokens of Mistral's tokenizers: keep them in the
+            # text the parser reads (vLLM's mistral parser does the same).
+            body = body.model_copy(update={"skip_special_tokens": False})
         tools = body.tools if body.tool_choice != "none" else None
         prompts = [self._encode(self._render(body.messages, tools=tools, template_kwargs=body.chat_template_kwargs),
                                 "messages")]
