@@ -105,6 +105,56 @@ def test_whole_and_streamed_at_every_boundary(case):
             assert got == (((content or "") if want else text), want), chunks
 
 
+def _random_output(fmt, rng):
+    """A model output in the format: content, 0-3 calls with random arguments, junk between and
+    after; then maybe cut, maybe with a stray piece of the format's syntax inserted."""
+    def value():
+        return rng.choice([1, -2.5, "x, y", 'q"uote', "é", True, None, [1, "a"], {"k": [2]}])
+
+    calls = [(rng.choice(["f", "get_weather", "a.b"]), {rng.choice("abcd"): value() for _ in range(rng.randint(0, 3))})
+             for _ in range(rng.randint(0, 3))]
+    junk = ["", " ", "\n", "text", "]", "}"]
+    if fmt == MISTRAL:
+        if rng.random() < 0.5:
+            body = "[TOOL_CALLS]" + json.dumps([{"name": n, "arguments": a} for n, a in calls]) if calls else ""
+        else:
+            body = "".join(f"[TOOL_CALLS]{n}[ARGS]{json.dumps(a)}" + rng.choice(junk[:2]) for n, a in calls)
+        syntax = ["[TOOL_CALLS]", "[ARGS]", "{", '"', "[", ","]
+    elif fmt == QWEN3_CODER:
+        body = "".join("<tool_call>\n<function=%s>\n%s</function>\n</tool_call>" % (n, "".join(
+            f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n" for k, v in a.items()))
+            + rng.choice(junk) for n, a in calls)
+        syntax = ["<tool_call>", "<function=", "<parameter=", "</parameter>", "</function>", ">", "\n"]
+    else:
+        body = ("[" + ", ".join(f"{n.replace('.', '_')}(" + ", ".join(f"{k}={v!r}" for k, v in a.items()) + ")"
+                                for n, a in calls) + "]") if calls else ""
+        syntax = ["[", "(", ")", "=", ",", "'", '"', "]"]
+    text = (rng.choice(["", "Sure. ", "é "]) if fmt != PYTHONIC else "") + body + rng.choice(junk)
+    if rng.random() < 0.4:
+        text = text[:rng.randint(0, len(text))]
+    if rng.random() < 0.3:
+        k = rng.randint(0, len(text))
+        text = text[:k] + rng.choice(syntax) + text[k:]
+    return text
+
+
+@pytest.mark.parametrize("fmt", [MISTRAL, QWEN3_CODER, PYTHONIC])
+def test_random_outputs_stream_as_they_parse_whole(fmt):
+    """Seeded random outputs (calls, junk, cuts, stray syntax): streamed with a boundary at every
+    position, and a character at a time, the result equals the whole text's."""
+    rng, found = random.Random(fmt), 0
+    for _ in range(150):
+        text = _random_output(fmt, rng)
+        for parallel in (True, False):
+            content, calls = SnapshotStream(fmt, parallel, SCHEMAS).content_and_calls(text)
+            want = ((content or "") if calls else text, [(c["function"]["name"], c["function"]["arguments"])
+                                                         for c in calls])
+            found += bool(calls)
+            for chunks in [list(text) or [""]] + [[text[:k], text[k:]] for k in range(len(text) + 1)]:
+                assert _run(fmt, chunks, parallel) == want, (text, chunks)
+    assert found > 100      # most outputs hold calls
+
+
 def test_complete_arguments_are_json():
     for fmt, text, _, calls in CASES:
         if text.rstrip().endswith(("]", "}", "</tool_call>", "<|python_end|>")) and calls:

@@ -27,6 +27,7 @@ import ast
 import json
 import re
 import uuid
+import warnings
 
 from jpa.server.toolcalls import _Obj, _partial_suffix, _skip
 
@@ -37,6 +38,8 @@ XML_OPEN, XML_CLOSE, FN_OPEN, FN_CLOSE, P_OPEN, P_CLOSE = (
 PYTHON_START = "<|python_start|>"
 _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_DQ, _SQ = re.compile(r'"(?:[^"\\]|\\.)*"', re.S), re.compile(r"'(?:[^'\\]|\\.)*'", re.S)
+_PLAIN = re.compile(r"[^\"'()\[\]{},]+")
 
 
 def _held(text: str, at: int, tag: str, final: bool) -> int:
@@ -225,31 +228,37 @@ def _qwen3_coder(t: str, final: bool, parallel: bool, tools) -> tuple[str, list]
 
 def _py_value_end(t: str, i: int) -> int | None:
     """End of a Python literal at i (the `,` or `)` that follows it at depth 0), or None when the
-    text ends first."""
-    depth, quote = 0, None
+    text ends first. Strings and runs of plain characters are skipped by regex (the scan reruns
+    per delta: a long string argument must not cost a Python step per character)."""
+    depth = 0
     while i < len(t):
         c = t[i]
-        if quote:
-            if c == "\\":
-                i += 1
-            elif c == quote:
-                quote = None
-        elif c in "\"'":
-            quote = c
-        elif c in "([{":
+        if c in "\"'":
+            m = (_DQ if c == '"' else _SQ).match(t, i)
+            if m is None:
+                return None
+            i = m.end()
+            continue
+        if c in "([{":
             depth += 1
         elif c in ")]}":
             if depth == 0:
                 return i
             depth -= 1
-        elif c == "," and depth == 0:
-            return i
+        elif c == ",":
+            if depth == 0:
+                return i
+        else:
+            i = _PLAIN.match(t, i).end()
+            continue
         i += 1
     return None
 
 
-def _py_json(text: str):
-    v = ast.literal_eval(text.strip())
+def _py_json(text: str) -> str:
+    with warnings.catch_warnings():                # "invalid escape sequence" in a model's string
+        warnings.simplefilter("ignore")
+        v = ast.literal_eval(text.strip())
     return json.dumps(v, ensure_ascii=False)       # tuples -> lists; a set or bytes raises TypeError
 
 
