@@ -307,3 +307,16 @@ def test_mistral_keeps_its_special_tokens_in_the_text(live):
     assert skip(FORMATS[QWEN3_CODER][0]) == {True} and skip(mistral, parser=PYTHONIC) == {True}
     with pytest.raises(ValueError, match="tool_call_parser must be None or one of"):
         build_app(aengine, tok, model_name=NAME, tool_call_parser="xml")
+
+
+def test_the_cli_offers_every_parser():
+    """`jpa serve --tool-call-parser` takes exactly the formats build_app takes."""
+    from jpa.cli.serve import parse_args
+    from jpa.server.tools import TOOL_CALL_PARSERS
+
+    for fmt in TOOL_CALL_PARSERS:
+        assert parse_args(["--model", "tiny-llama", "--tool-call-parser", fmt]).tool_call_parser == fmt
+    assert parse_args(["--model", "tiny-llama"]).tool_call_parser is None
+    from jpa.args import UsageError
+    with pytest.raises(UsageError, match="invalid choice: 'xml'"):
+        parse_args(["--model", "tiny-llama", "--tool-call-parser", "xml"])
