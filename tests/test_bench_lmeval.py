@@ -8,8 +8,8 @@ scores of a random model mean nothing; the test checks that the run completes wi
 answered and scores in range. Bench tier (`./run test -m bench`): it starts a server and lm-eval.
 
     python -m jpa serve --model tiny-llama --port 8000 &
-    lm_eval --model local-completions --model_args model=tiny-llama,base_url=http://127.0.0.1:8000/v1/completions,tokenizer_backend=remote,num_concurrent=2 \
-        --include_path tests/data/lmeval --tasks jpa_tiny_mc
+    lm_eval --model local-completions --include_path <dir of task yaml> --tasks <task> --model_args \
+        model=tiny-llama,base_url=http://127.0.0.1:8000/v1/completions,tokenizer_backend=remote,num_concurrent=2
 """
 
 import json
