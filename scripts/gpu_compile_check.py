@@ -837,13 +837,13 @@ def engine_steps(pool_gib: float = 1.5, max_seqs: int = 64, page_size: int = 16,
         # (layer_period() layers: 1 for SmolLM2).
         (f"engine unified step ({label} bf16, {budget}-token budget + {steps_per_call} decode steps, "
          f"{max_seqs} seqs, {cache_cfg.num_pages} pages)",
-         runner._step_impl, runner.state() + (runner.step_inputs(budget),), DONATE, pools,
+         runner.step_function, runner.state() + (runner.step_inputs(budget),), DONATE, pools,
          3 * layer_period(config)),
         # With speculation the decode loop holds the verify pass (a ragged op over k + 1 rows per
         # sequence: two kernel calls) and the plain decode pass of steps without drafts (one).
         (f"engine unified step, n-gram speculation k={k} ({label} bf16, verify pass of {max_seqs * (k + 1)} rows, "
          f"{max_seqs} seqs, {cache_cfg.num_pages} pages)",
-         spec._step_impl, spec.state() + (spec.step_inputs(budget),), DONATE, pools,
+         spec.step_function, spec.state() + (spec.step_inputs(budget),), DONATE, pools,
          5 * layer_period(config)),
     ]
     return [s for s, kind in zip(steps, ("plain", "spec")) if kind in which]
@@ -1196,7 +1196,7 @@ def tp_engine_steps(compiler: Compiler, config: dict | None = None, pool_gib_per
     # a ragged op (2 per layer) or a decode (1 per layer).
     steps = [
         (f"tp={tp} unified step ({budget}-token budget + {steps_per_call} decode steps, {max_seqs} seqs, "
-         f"{cache_cfg.num_pages} pages)", runner._step_impl, runner.state() + (runner.step_inputs(budget),),
+         f"{cache_cfg.num_pages} pages)", runner.step_function, runner.state() + (runner.step_inputs(budget),),
          runner.jit_options(), pools, 3, 2),
     ]
     return steps, details

@@ -34,6 +34,14 @@ Face `tokenizers.Tokenizer` (jpa's SmolLM2 and Hugging Face tokenizers), is read
 (special tokens, byte-level pieces and SentencePiece byte fallback as the file defines them); a
 tokenizer with `token_bytes_table()` -> (bytes of each id, special ids) (jpa's ByteTokenizer) is
 wrapped as it is.
+
+Where the feature plugs into the engine (its hook points; nothing else in the engine names it):
+- plan: `Scheduler.plan_round` gives a decoding constrained request a ragged row every round;
+- batch fields: `StepBatch.structured` (`GrammarMasks`), filled by `LLMEngine` from
+  `Grammars.masks` (`constrained_rows` picks the entries);
+- device hook on the logits: `sample_slots(allowed=...)` in the ragged pass; before the verify
+  loop, `hold_constrained` takes constrained slots out of it and `restore_held` puts them back;
+- post-process: `Scheduler._on_tokens` feeds each new token to the request's matcher.
 """
 
 import dataclasses
@@ -291,3 +299,22 @@ class _TableTokenizer:
 
     def __call__(self, text: str) -> list[int]:
         return list(self._tok.encode(text))
+
+
+def constrained_rows(plan) -> list:
+    """(entry index, matcher) of each entry of a RoundPlan that samples under a grammar: a decode
+    row, or a final chunk that draws the request's first token (a resumed request's is drawn)."""
+    return [(i, e.request.matcher) for i, e in enumerate(plan.entries) if e.request.matcher is not None
+            and (e.decode or (e.final and not e.request.output_ids))]
+
+
+def hold_constrained(slots):
+    """(slots without the active constrained ones, which those were): constrained slots sample
+    only in the ragged step (under the host's grammar mask); the verify loop runs without them."""
+    held = slots.active & slots.params.constrained
+    return slots.replace(active=slots.active & ~held), held
+
+
+def restore_held(slots, held):
+    """The slots held out of the verify loop come back as they were."""
+    return slots.replace(active=slots.active | held)
