@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from jpa.engine.sampling import SlotParams
+from jpa.engine.structured import GrammarMasks  # noqa: F401  (the structured-outputs record of StepBatch)
 
 
 @flax.struct.dataclass
@@ -72,19 +73,6 @@ class SamplingInputs:
     params: SlotParams
     num_generated: jax.Array
     resume_token: jax.Array
-
-
-@flax.struct.dataclass
-class GrammarMasks:
-    """Structured outputs (`jpa.engine.structured`): the host's grammar masks of the round.
-
-    Attributes:
-      allowed: i32[B, ceil(vocab / 32)]; the allowed-token bitmask of an entry that samples under
-        a grammar (bit t % 32 of word t // 32 = token t).
-      constrained: bool[B]; the entry samples under its `allowed` row (False: no mask).
-    """
-    allowed: jax.Array
-    constrained: jax.Array
 
 
 @flax.struct.dataclass

@@ -66,7 +66,7 @@ from jpa.engine.request import Phase, Request, RequestOutput, StepOutput
 from jpa.engine.runner import ModelRunner
 from jpa.engine.sampling import SamplingParams
 from jpa.engine.scheduler import RoundPlan, Scheduler
-from jpa.engine.speculative import SpeculativeConfig
+from jpa.engine.speculative import SpeculativeConfig, draft_cache_config, record_spec_counts, spec_summary
 from jpa.engine.shapes import EngineShapes
 from jpa.engine.structured import Grammars, constrained_rows
 from jpa.sharding import tp_mesh
@@ -225,26 +225,7 @@ class LLMEngine:
         mc = model.config  # under tensor parallelism: the head counts the shards hold
         self.max_model_len = min(config.max_model_len or mc.max_seq_len, mc.max_seq_len)
         self.pages_per_seq = -(-self.max_model_len // config.page_size)
-        dtype = config.cache_dtype or np.dtype(model.dtype).name
-        draft_cfg = None
-        if draft_model is not None:   # its own cache, same pages: a page costs the target's bytes + the draft's
-            check_model(draft_model)
-            dc = draft_model.config
-            draft_cfg = CacheConfig(dc.num_layers, dc.num_kv_heads, dc.head_dim, 1, config.page_size, dtype)
-        if config.num_pages is not None:
-            self.cache_config = CacheConfig(mc.num_layers, mc.num_kv_heads, mc.head_dim,
-                                            config.num_pages, config.page_size, dtype)
-        else:
-            budget = config.kv_memory_bytes * config.tensor_parallel
-            if draft_cfg is not None:
-                target = CacheConfig(mc.num_layers, mc.num_kv_heads, mc.head_dim, 1, config.page_size, dtype)
-                budget = budget * target.bytes_per_page // (target.bytes_per_page + draft_cfg.bytes_per_page)
-            self.cache_config = CacheConfig.from_memory(
-                budget, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
-                head_dim=mc.head_dim, page_size=config.page_size, dtype=dtype)
-        if draft_cfg is not None:
-            draft_cfg = dataclasses.replace(draft_cfg, num_pages=self.cache_config.num_pages)
-        self.draft_cache_config = draft_cfg
+        self.cache_config, self.draft_cache_config = self._cache_configs(model, draft_model, config)
         self.num_pages = self.cache_config.num_pages
         # A sequence must be able to reach its length limit alone in the pool, or preemption
         # could never make room for it.
@@ -259,7 +240,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.cache_config, shapes=self.shapes, stop_ids=self.stop_ids,
                                   attention_impl=config.attention_impl, mesh=self.mesh,
                                   block_tokens=config.ragged_block_tokens, speculative=config.speculative,
-                                  draft=draft_model, draft_cache_config=draft_cfg)
+                                  draft=draft_model, draft_cache_config=self.draft_cache_config)
         # Several processes: process 0 leads (its device calls are sent to the others), the others follow.
         self.process_index, self.num_processes = jax.process_index(), jax.process_count()
         self._follower = None
@@ -286,6 +267,26 @@ class LLMEngine:
         self._live_ids: set = set()
         self._live_samples: dict = {}
         self._ids = itertools.count()
+
+    @staticmethod
+    def _cache_configs(model, draft_model, config: EngineConfig):
+        """(the pool's CacheConfig, the draft model's or None): num_pages as configured, else as
+        many as kv_memory_bytes holds (with a draft model, a page costs the target's bytes plus
+        the draft's: `jpa.engine.speculative.draft_cache_config`)."""
+        mc = model.config
+        dtype = config.cache_dtype or np.dtype(model.dtype).name
+        draft_cfg = draft_cache_config(draft_model, config.page_size, dtype)
+        target = CacheConfig(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.num_pages or 1, config.page_size,
+                             dtype)
+        if config.num_pages is None:
+            budget = config.kv_memory_bytes * config.tensor_parallel
+            if draft_cfg is not None:
+                budget = budget * target.bytes_per_page // (target.bytes_per_page + draft_cfg.bytes_per_page)
+            target = CacheConfig.from_memory(budget, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
+                                             head_dim=mc.head_dim, page_size=config.page_size, dtype=dtype)
+        if draft_cfg is not None:
+            draft_cfg = dataclasses.replace(draft_cfg, num_pages=target.num_pages)
+        return target, draft_cfg
 
     # ------------------------------------------------------------------ requests
 
@@ -525,12 +526,7 @@ class LLMEngine:
         st.decode_calls += 1
         st.decode_steps += int(result.steps)
         if self.config.speculative is not None:
-            sc = result.spec
-            st.spec_draft_tokens += int(sc.drafted.sum())
-            st.spec_accepted_tokens += int(sc.accepted.sum())
-            st.spec_drafts += int(sc.steps.sum())
-            per_pos = [int(x) for x in sc.accepted_per_pos]
-            st.spec_accepted_per_pos = [a + b for a, b in zip(st.spec_accepted_per_pos or [0] * len(per_pos), per_pos)]
+            record_spec_counts(st, result.spec)
         st.prefill_tokens += plan.num_prompt_tokens
         st.decode_tokens += int((result.loop.tokens >= 0).sum()) + sum(e.decode for e in plan.entries)
 
@@ -675,24 +671,6 @@ class LLMEngine:
         if problems:
             raise RuntimeError("page state check failed: " + "; ".join(problems))
 
-    def _spec_summary(self) -> dict | None:
-        """Speculative decoding's figures (None when it is off): vLLM's counters, the acceptance
-        rate (accepted / drafted) and the mean accepted length (tokens per verify step that had
-        drafts: accepted drafts + the target's own token)."""
-        spec = self.config.speculative
-        if spec is None:
-            return None
-        s = self.stats
-        return {
-            "method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
-            "verify_rows": self.runner.verify_rows, "num_drafts": s.spec_drafts,
-            "num_draft_tokens": s.spec_draft_tokens, "num_accepted_tokens": s.spec_accepted_tokens,
-            # None, not NaN, before any draft: this dict is nested in --json's summary line.
-            "acceptance_rate": s.spec_accepted_tokens / s.spec_draft_tokens if s.spec_draft_tokens else None,
-            "mean_accepted_length": 1 + s.spec_accepted_tokens / s.spec_drafts if s.spec_drafts else None,
-            "accepted_per_pos": list(s.spec_accepted_per_pos),
-        }
-
     def flush_prefix_cache(self) -> int:
         """Evicts every cached page (an idle engine only); returns how many were freed."""
         prefix = self.scheduler.prefix
@@ -738,7 +716,7 @@ class LLMEngine:
             "peak_shared_pages": s.peak_shared_pages,
             "cow_copies": self.runner.cow_copies,
             "tensor_parallel": self.config.tensor_parallel,
-            "speculative": self._spec_summary(),
+            "speculative": spec_summary(self.config.speculative, s, self.runner.verify_rows),
             # Structured outputs (llguidance): grammar compilations, masks computed (one per constrained
             # token) and their host time.
             "grammar_compiles": self.grammars.compiles,

@@ -27,7 +27,8 @@ from jpa import pages
 from jpa.engine.batch import PromptLogprobs, Sampled, StepBatch
 from jpa.engine.device import copy_on_write, finished, select
 from jpa.engine.model import has_hidden
-from jpa.engine.sampling import MAX_TOP_LOGPROBS, allowed_tokens, sample_slots
+from jpa.engine.sampling import MAX_TOP_LOGPROBS, sample_slots
+from jpa.engine.structured import allowed_rows
 
 
 class RowLayout(NamedTuple):
@@ -155,8 +156,7 @@ class RaggedStep:
             params=jax.tree_util.tree_map(lambda a, v: put(a, v, start), slots.params, sampling.params))
         row_slots = slots.rows(safe)
         # Structured outputs: the host's grammar mask of each constrained row (else all allowed).
-        g = batch.structured
-        allowed = ~g.constrained[:, None] | allowed_tokens(g.allowed, logits.shape[-1])  # bool[B, vocab]
+        allowed = allowed_rows(batch.structured, logits.shape[-1])  # bool[B, vocab]
         sampled, sampled_lp, top_ids, top_lps = sample_slots(
             logits, row_slots.params, row_slots.num_generated, lambda: slots.history(ps.block_tables[safe]),
             work.new, self.stop_ids, allowed=allowed)

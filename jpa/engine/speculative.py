@@ -34,6 +34,9 @@ itself off under load and a verify step costs what a decode step costs; `disable
 import dataclasses
 import json
 
+from jpa.cache import CacheConfig
+from jpa.engine.model import check_model
+
 import jax.numpy as jnp
 from jax import lax
 
@@ -286,3 +289,41 @@ def make_proposer(spec: SpeculativeConfig | None, model, page_size: int, impl: s
     if isinstance(model, DraftPair):
         return DraftModelProposer(spec, model.draft, page_size, impl)
     return NgramProposer(spec)
+
+
+# ---------------------------------------------------------------------- host side: pool and statistics
+
+def draft_cache_config(draft_model, page_size: int, dtype: str) -> CacheConfig | None:
+    """The draft model's cache per page (1 page; the engine sets the pool's page count): its own
+    cache over the same pages, so a page costs the target's bytes + the draft's. None without one."""
+    if draft_model is None:
+        return None
+    check_model(draft_model)
+    dc = draft_model.config
+    return CacheConfig(dc.num_layers, dc.num_kv_heads, dc.head_dim, 1, page_size, dtype)
+
+
+def record_spec_counts(stats, counts) -> None:
+    """Adds a round's `SpecCounts` to the engine's running sums (`EngineStats.spec_*`)."""
+    stats.spec_draft_tokens += int(counts.drafted.sum())
+    stats.spec_accepted_tokens += int(counts.accepted.sum())
+    stats.spec_drafts += int(counts.steps.sum())
+    per_pos = [int(x) for x in counts.accepted_per_pos]
+    stats.spec_accepted_per_pos = [a + b for a, b in zip(stats.spec_accepted_per_pos or [0] * len(per_pos), per_pos)]
+
+
+def spec_summary(spec: SpeculativeConfig | None, s, verify_rows) -> dict | None:
+    """Speculative decoding's figures (None when it is off): vLLM's counters, the acceptance
+    rate (accepted / drafted) and the mean accepted length (tokens per verify step that had
+    drafts: accepted drafts + the target's own token)."""
+    if spec is None:
+        return None
+    return {
+        "method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
+        "verify_rows": verify_rows, "num_drafts": s.spec_drafts,
+        "num_draft_tokens": s.spec_draft_tokens, "num_accepted_tokens": s.spec_accepted_tokens,
+        # None, not NaN, before any draft: this dict is nested in --json's summary line.
+        "acceptance_rate": s.spec_accepted_tokens / s.spec_draft_tokens if s.spec_draft_tokens else None,
+        "mean_accepted_length": 1 + s.spec_accepted_tokens / s.spec_drafts if s.spec_drafts else None,
+        "accepted_per_pos": list(s.spec_accepted_per_pos),
+    }

@@ -49,6 +49,8 @@ import functools
 import json
 import time
 
+import flax.struct
+import jax
 import numpy as np
 
 # JSON schemas compile to compact JSON (no whitespace between tokens) unless the schema's own
@@ -299,6 +301,29 @@ class _TableTokenizer:
 
     def __call__(self, text: str) -> list[int]:
         return list(self._tok.encode(text))
+
+
+# ---------------------------------------------------------------------- the engine's hooks
+
+@flax.struct.dataclass
+class GrammarMasks:
+    """The feature's record of a round's `StepBatch` (`StepBatch.structured`).
+
+    Attributes:
+      allowed: i32[B, ceil(vocab / 32)]; the allowed-token bitmask of an entry that samples under
+        a grammar (bit t % 32 of word t // 32 = token t).
+      constrained: bool[B]; the entry samples under its `allowed` row (False: no mask).
+    """
+    allowed: jax.Array
+    constrained: jax.Array
+
+
+def allowed_rows(masks: GrammarMasks, vocab: int):
+    """bool[B, vocab]: the device hook on the ragged pass's logits: each constrained row's grammar
+    mask, everything allowed elsewhere (applied by `sample_slots(allowed=...)` after the logit
+    controls, before temperature and the filters)."""
+    from jpa.engine.sampling import allowed_tokens   # sampling imports this module (StructuredOutputs)
+    return ~masks.constrained[:, None] | allowed_tokens(masks.allowed, vocab)
 
 
 def constrained_rows(plan) -> list:
