@@ -90,6 +90,23 @@ class RaggedOut(NamedTuple):
     prompt: PromptLogprobs  # [T]
 
 
+class RaggedCarry(NamedTuple):
+    """The carry of the ragged pass's 0-or-1-iteration loop."""
+    i: jax.Array
+    cache: object
+    ps: object
+    slots: object
+    out: RaggedOut
+
+
+class BlockCarry(NamedTuple):
+    """The carry of the loop over the ragged batch's blocks of rows."""
+    j: jax.Array            # i32[]: blocks run
+    cache: object
+    logits: jax.Array       # f32[B, vocab]: at each entry's last row
+    prompt: PromptLogprobs  # [R]
+
+
 class RaggedStep:
     """The ragged pass of one round (static configuration; `__call__` is traced in the step).
 
@@ -113,14 +130,13 @@ class RaggedStep:
 
     def __call__(self, params, cache, page_state, slots, batch: StepBatch, lay: RowLayout, work: PageWork):
         """(cache, page_state, slots, RaggedOut): the pass when batch.run_ragged and work.ok, else nothing."""
-        def body(c):
-            i, cache, ps, slots, _ = c
-            return (i + 1,) + self._pass(params, cache, ps, slots, batch, lay, work)
+        def body(c: RaggedCarry) -> RaggedCarry:
+            return RaggedCarry(c.i + 1, *self._pass(params, c.cache, c.ps, c.slots, batch, lay, work))
 
-        init = (jnp.int32(0), cache, page_state, slots, self.empty(batch.rows.tokens.shape[0], lay.ids.shape[0]))
-        _, cache, page_state, slots, out = lax.while_loop(
-            lambda c: c[0] < batch.run_ragged * work.ok.astype(jnp.int32), body, init)
-        return cache, page_state, slots, out
+        init = RaggedCarry(jnp.int32(0), cache, page_state, slots,
+                           self.empty(batch.rows.tokens.shape[0], lay.ids.shape[0]))
+        c = lax.while_loop(lambda c: c.i < batch.run_ragged * work.ok.astype(jnp.int32), body, init)
+        return c.cache, c.ps, c.slots, c.out
 
     def _pass(self, params, cache, ps, slots, batch, lay, work):
         ps_, entry, safe = self.shapes.page_size, lay.entry, lay.safe
@@ -241,7 +257,7 @@ class RaggedStep:
         hidden_pair = has_hidden(self.model)
         prompt = self.empty(num_tokens + tb + self.prompt_chunk, 1).prompt  # every chunk write of every block fits
 
-        def block(carry):
+        def block(carry: BlockCarry) -> BlockCarry:
             j, cache, logits, prompt = carry
             b0 = j * tb
             b1 = jnp.minimum(b0 + tb, num_rows)
@@ -263,8 +279,8 @@ class RaggedStep:
             # Entries whose last row is in this block take their logits from it.
             ends = in_block & (cu[e + 1] <= b1) & (cu[e + 1] > cu[e])
             logits = logits.at[jnp.where(ends, e, num_entries)].set(out, mode="drop")
-            return j + 1, cache, logits, prompt
+            return BlockCarry(j + 1, cache, logits, prompt)
 
-        init = (jnp.int32(0), cache, jnp.zeros((num_entries, self.shapes.vocab_size), jnp.float32), prompt)
-        _, cache, logits, prompt = lax.while_loop(lambda c: c[0] * tb < num_rows, block, init)
+        init = BlockCarry(jnp.int32(0), cache, jnp.zeros((num_entries, self.shapes.vocab_size), jnp.float32), prompt)
+        _, cache, logits, prompt = lax.while_loop(lambda c: c.j * tb < num_rows, block, init)
         return logits, cache, jax.tree_util.tree_map(lambda a: a[:num_tokens], prompt)
