@@ -15,8 +15,8 @@ cpu: seconds to compile the engine's unified step on this CPU with JAX's persist
   real GGUF if it is in the cache dir, else random weights with its exact config, which compile
   the same program; the JSON says which) and a Llama-shaped random model with small widths
   (d_model 256, 4 q / 2 kv heads, head_dim 64, ffn 768) at `--layers` (default 8,32,80). The
-  step is compiled as `ModelRunner.compile_step` compiles it (`jax.jit(runner._step_impl,
-  **runner.jit_options()).lower(*runner.state(), runner.step_inputs(budget)).compile()`, with
+  step is compiled as `ModelRunner.compile_step` compiles it (`runner.trace(budget).lower().compile()`:
+  the step jitted with `runner.jit_options()` over `runner.state()` and `runner.step_inputs(budget)`, with
   `.trace()` first to time it apart; `compile_step`'s own total when those names are gone), with
   `generate.py`'s default EngineConfig: 16 slots, page 16, 256 MiB pool, max_model_len 2048,
   8 decode steps per call, token budget 512. Goals (issue 24): SmolLM2 <= 5 s, the 80-layer
@@ -157,12 +157,12 @@ def worker_cpu(spec: dict) -> dict:
     rec = dict(model=spec["model"], num_layers=gpt.config.num_layers, weights=weights,
                params=int(sum(x.size for x in jax.tree_util.tree_leaves(eng.model.params))),
                pool_bytes=eng.cache_config.nbytes, loadavg_before=loadavg())
-    split = all(hasattr(runner, n) for n in ("_step_impl", "jit_options", "state", "step_inputs", "set_block_tokens"))
+    split = all(hasattr(runner, n) for n in ("trace", "set_block_tokens"))
     if split:
         runner.set_block_tokens(budget)
         clock = lambda: (time.perf_counter(), time.process_time())  # noqa: E731
         t0 = clock()
-        traced = jax.jit(runner._step_impl, **runner.jit_options()).trace(*runner.state(), runner.step_inputs(budget))
+        traced = runner.trace(budget)
         t1 = clock()
         lowered = traced.lower()
         t2 = clock()
@@ -171,14 +171,14 @@ def worker_cpu(spec: dict) -> dict:
         for key, a, b in (("trace", t0, t1), ("lower", t1, t2), ("compile", t2, t3), ("total", t0, t3)):
             rec[f"{key}_seconds"] = b[0] - a[0]
             rec[f"{key}_cpu_seconds"] = b[1] - a[1]
-        rec["how"] = "jax.jit(runner._step_impl, **runner.jit_options()).trace(...).lower().compile()"
+        rec["how"] = "runner.trace(budget).lower().compile()"
         rec["stablehlo_lines"] = len(lowered.as_text().splitlines())
     else:
         t0, c0 = time.perf_counter(), time.process_time()
         runner.compile_step(budget)
         rec.update(total_seconds=time.perf_counter() - t0, total_cpu_seconds=time.process_time() - c0,
                    how="runner.compile_step(budget)")
-        compiled = runner._step_exe
+        compiled = runner.compiled_step
     rec["loadavg_after"] = loadavg()
     hlo = compiled.as_text()
     mem = compiled.memory_analysis()

@@ -41,7 +41,7 @@ def run(model: str, tp: int, max_seqs: int, new_tokens: int, gpt, tok) -> dict:
     engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, greedy=True, ignore_eos=True))
     wall = time.perf_counter() - t0
     s = engine.summary()
-    coll = collectives(engine.runner._step_exe.as_text())
+    coll = collectives(engine.runner.compiled_step.as_text())
     c = engine.model.config
     step = collective_summary(coll["step"], c.num_layers)
     step_bytes = sum(v["bytes"] for v in step.values())

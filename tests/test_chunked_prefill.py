@@ -167,17 +167,20 @@ def scheduler(**kw):
 def result(tokens, free, seq_lens, steps=0, max_seqs=4):
     """A StepResult as the device would return it: each entry's token, `steps` decode steps that
     produced nothing, every slot still active, the page counts."""
-    from jpa.engine.batch import StepResult
+    from jpa.engine.batch import DeviceCounts, PageUsage, Sampled, StepResult
 
     n = len(tokens)
-    return StepResult(tokens=np.asarray(tokens, np.int32), logprobs=np.zeros(n, np.float32),
-                      top_ids=np.full((n, 1), -1, np.int32), top_logprobs=np.zeros((n, 1), np.float32),
-                      ok=np.bool_(True), out=np.full((steps, max_seqs), -1, np.int32),
-                      out_logprobs=np.zeros((steps, max_seqs), np.float32),
-                      out_top_ids=np.full((steps, max_seqs, 1), -1, np.int32),
-                      out_top_logprobs=np.zeros((steps, max_seqs, 1), np.float32), steps=np.int32(steps),
-                      num_free=np.int32(free), seq_lens=np.asarray(seq_lens, np.int32),
-                      active=np.ones(max_seqs, bool), tables=np.zeros((n, 32), np.int32), cow_copies=np.int32(0))
+    return StepResult(
+        first=Sampled(tokens=np.asarray(tokens, np.int32), logprobs=np.zeros(n, np.float32),
+                      top_ids=np.full((n, 1), -1, np.int32), top_logprobs=np.zeros((n, 1), np.float32)),
+        ok=np.bool_(True),
+        loop=Sampled(tokens=np.full((steps, max_seqs), -1, np.int32), logprobs=np.zeros((steps, max_seqs), np.float32),
+                     top_ids=np.full((steps, max_seqs, 1), -1, np.int32),
+                     top_logprobs=np.zeros((steps, max_seqs, 1), np.float32)),
+        steps=np.int32(steps),
+        state=DeviceCounts(num_free=np.int32(free), seq_lens=np.asarray(seq_lens, np.int32),
+                           active=np.ones(max_seqs, bool), tables=np.zeros((n, 32), np.int32)),
+        usage=PageUsage(cow_copies=np.int32(0), peak_pages=np.int32(0), peak_tokens=np.int32(0)))
 
 
 def request(i, n):

@@ -66,7 +66,7 @@ def counting_prompt_rows(eng):
     step = eng.runner.step
 
     def counting(batch):
-        rows[0] += int((np.asarray(batch.prompt_targets) >= 0).sum())
+        rows[0] += int((np.asarray(batch.prompt.targets) >= 0).sum())
         return step(batch)
 
     eng.runner.step = counting

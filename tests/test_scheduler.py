@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from jpa.engine.batch import StepResult
+from jpa.engine.batch import DeviceCounts, PageUsage, Sampled, StepResult
 from jpa.engine.detokenizer import IncrementalDetokenizer
 from jpa.engine.request import Phase, Request
 from jpa.engine.sampling import SamplingParams
@@ -73,13 +73,17 @@ def play(sched, pool, plan, first_token=ord("a"), loop=None, finished_on_device=
     for s in finished_on_device:
         pool.lens[s] = 0
     assert pool.free() >= 0, "the scheduler over-committed the pool"
-    result = StepResult(tokens=np.full((n,), first_token, np.int32), logprobs=np.zeros((n,), np.float32),
-                        top_ids=np.full((n, 2), -1, np.int32), top_logprobs=np.zeros((n, 2), np.float32),
-                        ok=np.bool_(True), out=out, out_logprobs=np.zeros(out.shape, np.float32),
-                        out_top_ids=np.full(out.shape + (2,), -1, np.int32),
-                        out_top_logprobs=np.zeros(out.shape + (2,), np.float32),
-                        steps=np.int32(steps), num_free=np.int32(pool.free()), seq_lens=np.array(pool.lens),
-                        active=active, tables=np.zeros((n, 1), np.int32), cow_copies=np.int32(0))
+    result = StepResult(
+        first=Sampled(tokens=np.full((n,), first_token, np.int32), logprobs=np.zeros((n,), np.float32),
+                      top_ids=np.full((n, 2), -1, np.int32), top_logprobs=np.zeros((n, 2), np.float32)),
+        ok=np.bool_(True),
+        loop=Sampled(tokens=out, logprobs=np.zeros(out.shape, np.float32),
+                     top_ids=np.full(out.shape + (2,), -1, np.int32),
+                     top_logprobs=np.zeros(out.shape + (2,), np.float32)),
+        steps=np.int32(steps),
+        state=DeviceCounts(num_free=np.int32(pool.free()), seq_lens=np.array(pool.lens), active=active,
+                           tables=np.zeros((n, 1), np.int32)),
+        usage=PageUsage(cow_copies=np.int32(0), peak_pages=np.int32(0), peak_tokens=np.int32(0)))
     return sched.stepped(plan, result)
 
 

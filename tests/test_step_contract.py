@@ -1,6 +1,8 @@
 """The contract between the scheduler's plan and the compiled step: StepBatch in, StepResult out,
 and a round whose pages cannot be reserved changes nothing on the device (fault injection)."""
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -8,6 +10,7 @@ import pytest
 from jpa import models
 from jpa.engine import EngineConfig, LLMEngine, Phase, SamplingParams, SlotParams
 from jpa.engine.batch import StepBatch, make_step_batch
+from jpa.engine.shapes import EngineShapes
 
 CFG = dict(max_seqs=4, page_size=4, num_pages=48, max_model_len=96, max_num_batched_tokens=16, steps_per_call=3)
 
@@ -27,24 +30,27 @@ def test_step_batch_has_the_legend_shapes(tiny):
     for p in prompts(np.random.default_rng(0), 3):
         eng.add_request(p, SamplingParams(max_new_tokens=4, temperature=0.7, seed=5))
     plan = eng.scheduler.plan_round(CFG["max_num_batched_tokens"])
-    batch = make_step_batch(plan, max_seqs=4, num_tokens=16, pages_per_seq=eng.pages_per_seq,
-                            num_pages=eng.num_pages, page_size=4, max_model_len=eng.max_model_len,
-                            vocab_size=eng.model.config.vocab_size)
-    assert isinstance(batch, StepBatch) and isinstance(batch.params, SlotParams)
+    assert eng.shapes == EngineShapes(max_seqs=4, page_size=4, num_pages=eng.num_pages,
+                                      pages_per_seq=eng.pages_per_seq, max_model_len=eng.max_model_len, num_tokens=16,
+                                      steps_per_call=3, vocab_size=eng.model.config.vocab_size)
+    batch = make_step_batch(plan, eng.shapes)
+    assert isinstance(batch, StepBatch) and isinstance(batch.sampling.params, SlotParams)
     b, t = 4, 16
-    for name, shape in dict(seq_ids=(b,), q_lens=(b,), decode_row=(b,), final=(b,), tokens=(t,),
-                            num_generated=(b,), resume_token=(b,), hit_tokens=(b,),
-                            hit_tables=(b, eng.pages_per_seq), cache_upto=(b,), fork_from=(b,),
-                            evict=(eng.num_pages,), allowed=(b, eng.model.config.vocab_size // 32), constrained=(b,),
-                            run_ragged=(), decode_steps=()).items():
-        assert getattr(batch, name).shape == shape, name
+    for name, shape in {"rows.seq_ids": (b,), "rows.q_lens": (b,), "rows.decode_row": (b,), "rows.final": (b,),
+                        "rows.tokens": (t,), "rows.fork_from": (b,), "prompt.targets": (t,),
+                        "sampling.num_generated": (b,), "sampling.resume_token": (b,), "pages.hit_tokens": (b,),
+                        "pages.hit_tables": (b, eng.pages_per_seq), "pages.cache_upto": (b,),
+                        "pages.evict": (eng.num_pages,), "structured.allowed": (b, eng.model.config.vocab_size // 32),
+                        "structured.constrained": (b,), "run_ragged": (), "decode_steps": ()}.items():
+        assert functools.reduce(getattr, name.split("."), batch).shape == shape, name
+    rows, params = batch.rows, batch.sampling.params
     n = len(plan.entries)
-    assert n and sum(batch.q_lens) == sum(e.q_len for e in plan.entries) <= t
-    assert list(batch.seq_ids[:n]) == [e.slot for e in plan.entries] and (batch.seq_ids[n:] == -1).all()
+    assert n and sum(rows.q_lens) == sum(e.q_len for e in plan.entries) <= t
+    assert list(rows.seq_ids[:n]) == [e.slot for e in plan.entries] and (rows.seq_ids[n:] == -1).all()
     # Final chunks carry their request's parameters; every other row is padding (top_p 1 = off).
     for i, e in enumerate(plan.entries):
-        assert batch.params.temperature[i] == (np.float32(0.7) if e.final else 0.0)
-    assert (batch.params.top_p[n:] == 1.0).all()
+        assert params.temperature[i] == (np.float32(0.7) if e.final else 0.0)
+    assert (params.top_p[n:] == 1.0).all()
     eng.scheduler.unplan(plan)
 
 

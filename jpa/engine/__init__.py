@@ -8,9 +8,10 @@ from jpa.engine.batch import StepBatch, StepResult
 from jpa.engine.request import Phase, PromptLogprob, Request, RequestOutput, StepOutput
 from jpa.engine.sampling import SamplingParams, SlotParams
 from jpa.engine.scheduler import Scheduler
+from jpa.engine.shapes import EngineShapes
 from jpa.engine.speculative import SpeculativeConfig
 from jpa.engine.structured import StructuredOutputs
 
-__all__ = ["AsyncEngine", "EngineConfig", "EngineDead", "EngineModel", "EngineOverloaded", "EngineStats", "LLMEngine",
+__all__ = ["AsyncEngine", "EngineConfig", "EngineDead", "EngineModel", "EngineOverloaded", "EngineShapes", "EngineStats", "LLMEngine",
            "ModelSizes", "Phase", "PromptLogprob", "Request", "RequestGroup", "RequestOutput", "SamplingParams", "Scheduler",
            "SlotParams", "Snapshot", "SpeculativeConfig", "StepBatch", "StepOutput", "StepResult", "StructuredOutputs"]

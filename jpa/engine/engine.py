@@ -1,20 +1,47 @@
 """LLMEngine: continuous batching on the host around the jitted unified step.
 
-Per round (`step()`): the scheduler plans a token budget (one token per decoding request, then
-chunks of partly prefilled and newly admitted prompts), `make_step_batch` turns the plan into the
-step's typed input, and ONE device call runs the ragged step over it and then up to
-`steps_per_call` decode steps (all of them when no prompt work is pending, none when the next
-round has prompt work). The new tokens come back together with the page state (`StepResult`).
-Requests the device finished (EOS, max_new_tokens, length limit) have already released their
-pages; stop strings are found on the host by incremental detokenization and those requests are
-released; if the next step still cannot get pages, the newest running request is preempted by
-recompute (its pages released, back to the front of the queue with its generated tokens kept; on
-re-admission they are prefilled again and decoding resumes where it stopped). See
-`jpa.engine.scheduler` for the policies.
+A round (`step()`) is three verbs, as nano-vllm's `step()` and vLLM v1's engine core:
+
+    plan = engine.schedule()              # the scheduler plans a token budget
+    result = engine.execute(plan)         # make_step_batch -> ONE device call -> StepResult
+    outputs = engine.update(plan, result) # tokens, stops, preemption, outputs
+
+`schedule` gives one token to each decoding request, then chunks of partly prefilled and newly
+admitted prompts. `execute` turns the plan into the step's typed input (`make_step_batch`, over
+the engine's one `EngineShapes` record) and ONE device call runs the ragged step over it and then
+up to `steps_per_call` decode steps (all of them when no prompt work is pending, none when the
+next round has prompt work); the new tokens come back together with the page state
+(`StepResult`). In `update`, requests the device finished (EOS, max_new_tokens, length limit) have
+already released their pages; stop strings are found on the host by incremental detokenization
+and those requests are released; if the next step still cannot get pages, the newest running
+request is preempted by recompute (its pages released, back to the front of the queue with its
+generated tokens kept; on re-admission they are prefilled again and decoding resumes where it
+stopped). See `jpa.engine.scheduler` for the policies.
+
+Releases (`Scheduler.end_round` -> `ModelRunner.retire`) remain a small device call of their
+own after the step, made only in rounds that release something (a stop string, a preemption; the
+device releases EOS / length / max_new_tokens finishes inside the step itself). The next round's
+plan (admission, preemption, evictions) is made from the device's free page count and seq_lens
+after the release: the scheduler's one source of page counts (it keeps no count of its own).
+Riding the release in the next StepBatch would mean planning that round from a host projection
+of what the release frees (shared prefix pages and forked samples' last pages make that a second
+page count to keep exact), and the page-state checks between rounds (`check_page_state`,
+`pool_is_whole`) would see slots the host has released and the device not yet.
+
+Feature hook points (where a feature plugs in; see `jpa.engine.runner` for the device side):
+  plan       `Scheduler.plan_round` (e.g. structured outputs keep a ragged row per constrained
+             request; prefix caching names evictions)
+  batch      a record of `StepBatch` per feature (`structured`, `prompt`, ...), filled in `execute`
+  device     on the logits in the ragged pass (grammar masks), on acceptance in the verify loop
+             (`VerifyLoop.accept`, the proposer of `jpa.engine.speculative`)
+  post       `update`: `Scheduler.stepped` / `_on_tokens` (matchers, stop strings, prefix cache)
+KV offload would add page operations (a batch record read by the page work) and a host store
+consulted in `schedule`; LoRA would add per-entry adapter ids (a batch record read by the model
+passes).
 
 Structured outputs (SamplingParams.structured): each constrained request has a grammar matcher
-(`jpa.engine.structured`); `_run` computes the allowed-token bitmask of every entry that samples
-under one and sends it with the round; such requests sample only in the ragged step.
+(`jpa.engine.structured`); `execute` sends the allowed-token bitmask of every entry that samples
+under one (`constrained_rows`) with the round; such requests sample only in the ragged step.
 
 A long-lived engine (a server) keeps nothing of a finished request: step() hands each one out
 once, in the round it finishes, and the statistics are running sums.
@@ -31,16 +58,17 @@ import jax
 import numpy as np
 
 from jpa.kv.cache import CacheConfig
-from jpa.engine.batch import make_step_batch
+from jpa.engine.batch import StepResult, make_step_batch
 from jpa.engine import multihost
 from jpa.engine.detokenizer import IncrementalDetokenizer
 from jpa.engine.model import EngineModel, check_model, has_hidden
 from jpa.engine.request import Phase, Request, RequestOutput, StepOutput
 from jpa.engine.runner import ModelRunner
 from jpa.engine.sampling import SamplingParams
-from jpa.engine.scheduler import Progress, RoundPlan, Scheduler
-from jpa.engine.speculative import SpeculativeConfig
-from jpa.engine.structured import Grammars
+from jpa.engine.scheduler import RoundPlan, Scheduler
+from jpa.engine.speculative import SpeculativeConfig, draft_cache_config, record_spec_counts, spec_summary
+from jpa.engine.shapes import EngineShapes
+from jpa.engine.structured import Grammars, constrained_rows
 from jpa.core.sharding import tp_mesh
 
 
@@ -197,38 +225,22 @@ class LLMEngine:
         mc = model.config  # under tensor parallelism: the head counts the shards hold
         self.max_model_len = min(config.max_model_len or mc.max_seq_len, mc.max_seq_len)
         self.pages_per_seq = -(-self.max_model_len // config.page_size)
-        dtype = config.cache_dtype or np.dtype(model.dtype).name
-        draft_cfg = None
-        if draft_model is not None:   # its own cache, same pages: a page costs the target's bytes + the draft's
-            check_model(draft_model)
-            dc = draft_model.config
-            draft_cfg = CacheConfig(dc.num_layers, dc.num_kv_heads, dc.head_dim, 1, config.page_size, dtype)
-        if config.num_pages is not None:
-            self.cache_config = CacheConfig(mc.num_layers, mc.num_kv_heads, mc.head_dim,
-                                            config.num_pages, config.page_size, dtype)
-        else:
-            budget = config.kv_memory_bytes * config.tensor_parallel
-            if draft_cfg is not None:
-                target = CacheConfig(mc.num_layers, mc.num_kv_heads, mc.head_dim, 1, config.page_size, dtype)
-                budget = budget * target.bytes_per_page // (target.bytes_per_page + draft_cfg.bytes_per_page)
-            self.cache_config = CacheConfig.from_memory(
-                budget, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
-                head_dim=mc.head_dim, page_size=config.page_size, dtype=dtype)
-        if draft_cfg is not None:
-            draft_cfg = dataclasses.replace(draft_cfg, num_pages=self.cache_config.num_pages)
-        self.draft_cache_config = draft_cfg
+        self.cache_config, self.draft_cache_config = self._cache_configs(model, draft_model, config)
         self.num_pages = self.cache_config.num_pages
         # A sequence must be able to reach its length limit alone in the pool, or preemption
         # could never make room for it.
         self.max_model_len = min(self.max_model_len, self.num_pages * config.page_size)
         stop_ids = set(getattr(tokenizer, "stop_token_ids", ()) or ()) | {tokenizer.eos_token_id}
         self.stop_ids = frozenset(i for i in stop_ids if i is not None)
-        self.runner = ModelRunner(model, self.cache_config, max_seqs=config.max_seqs,
-                                  pages_per_seq=self.pages_per_seq,
-                                  steps_per_call=config.steps_per_call, stop_ids=self.stop_ids,
+        # The engine's sizes, fixed once: every layer reads them from this record.
+        self.shapes = EngineShapes(max_seqs=config.max_seqs, page_size=config.page_size, num_pages=self.num_pages,
+                                   pages_per_seq=self.pages_per_seq, max_model_len=self.max_model_len,
+                                   num_tokens=config.max_num_batched_tokens, steps_per_call=config.steps_per_call,
+                                   vocab_size=mc.vocab_size)
+        self.runner = ModelRunner(model, self.cache_config, shapes=self.shapes, stop_ids=self.stop_ids,
                                   attention_impl=config.attention_impl, mesh=self.mesh,
                                   block_tokens=config.ragged_block_tokens, speculative=config.speculative,
-                                  draft=draft_model, draft_cache_config=draft_cfg)
+                                  draft=draft_model, draft_cache_config=self.draft_cache_config)
         # Several processes: process 0 leads (its device calls are sent to the others), the others follow.
         self.process_index, self.num_processes = jax.process_index(), jax.process_count()
         self._follower = None
@@ -243,10 +255,8 @@ class LLMEngine:
                 atexit.register(self.close, ok=False)   # an exit without close(): the followers stop too
             else:
                 self._follower = multihost.Follower(self.runner, **lockstep)
-        self.scheduler = Scheduler(
-            max_seqs=config.max_seqs, page_size=config.page_size, num_pages=self.num_pages,
-            max_model_len=self.max_model_len, steps_per_call=config.steps_per_call,
-            watermark=config.watermark, stop_ids=self.stop_ids, prefix_caching=config.prefix_caching)
+        self.scheduler = Scheduler.for_shapes(self.shapes, watermark=config.watermark, stop_ids=self.stop_ids,
+                                              prefix_caching=config.prefix_caching)
         self.stats = EngineStats()
         # Structured outputs: the tokenizer as llguidance reads it, built with the first constrained request.
         self.grammars = Grammars(tokenizer, model.config.vocab_size, self.stop_ids)
@@ -257,6 +267,26 @@ class LLMEngine:
         self._live_ids: set = set()
         self._live_samples: dict = {}
         self._ids = itertools.count()
+
+    @staticmethod
+    def _cache_configs(model, draft_model, config: EngineConfig):
+        """(the pool's CacheConfig, the draft model's or None): num_pages as configured, else as
+        many as kv_memory_bytes holds (with a draft model, a page costs the target's bytes plus
+        the draft's: `jpa.engine.speculative.draft_cache_config`)."""
+        mc = model.config
+        dtype = config.cache_dtype or np.dtype(model.dtype).name
+        draft_cfg = draft_cache_config(draft_model, config.page_size, dtype)
+        target = CacheConfig(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.num_pages or 1, config.page_size,
+                             dtype)
+        if config.num_pages is None:
+            budget = config.kv_memory_bytes * config.tensor_parallel
+            if draft_cfg is not None:
+                budget = budget * target.bytes_per_page // (target.bytes_per_page + draft_cfg.bytes_per_page)
+            target = CacheConfig.from_memory(budget, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
+                                             head_dim=mc.head_dim, page_size=config.page_size, dtype=dtype)
+        if draft_cfg is not None:
+            draft_cfg = dataclasses.replace(draft_cfg, num_pages=target.num_pages)
+        return target, draft_cfg
 
     # ------------------------------------------------------------------ requests
 
@@ -417,24 +447,29 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the round
 
-    def _run(self, plan: RoundPlan) -> tuple[list[Progress], float]:
-        """One device call (ragged step + decode steps) and its bookkeeping."""
-        # Structured outputs: the grammar mask of each entry that samples under one (a decode row, or
-        # a final chunk that draws the request's first token; a resumed request's is already drawn).
-        constrained = [(i, e.request.matcher) for i, e in enumerate(plan.entries) if e.request.matcher is not None
-                       and (e.decode or (e.final and not e.request.output_ids))]
-        batch = make_step_batch(plan, max_seqs=self.config.max_seqs, num_tokens=self.config.max_num_batched_tokens,
-                                pages_per_seq=self.pages_per_seq, num_pages=self.num_pages,
-                                page_size=self.config.page_size, max_model_len=self.max_model_len,
-                                vocab_size=self.model.config.vocab_size,
-                                masks=self.grammars.masks(constrained) if constrained else None)
+    def schedule(self) -> RoundPlan:
+        """Verb 1 of a round: the scheduler's plan over the token budget (decode rows, prompt
+        chunks, admissions, evictions)."""
+        plan = self.scheduler.plan_round(self.config.max_num_batched_tokens)
+        if not plan.entries and not self.scheduler.running and self.scheduler.waiting:
+            # An idle engine admits any request that passed add_request's checks, so this is a bug;
+            # the requests stay queued.
+            raise RuntimeError(f"the scheduler admitted none of {self.num_waiting} waiting requests into an "
+                               f"idle engine ({self.scheduler.free_pages} free pages)")
+        return plan
+
+    def execute(self, plan: RoundPlan) -> StepResult:
+        """Verb 2: the plan as a StepBatch, ONE device call (page work, ragged pass, verify loop),
+        its StepResult read back. A failed call or reservation leaves the plan undone."""
+        # Structured outputs (batch fields): the grammar mask of each entry that samples under one.
+        constrained = constrained_rows(plan)
+        batch = make_step_batch(plan, self.shapes, masks=self.grammars.masks(constrained) if constrained else None)
         t0, c0 = time.perf_counter(), self.runner.compile_seconds
         try:
             result = self.runner.step(batch)
         except BaseException:
             self.scheduler.unplan(plan)   # the call did not happen: admitted requests go back, in order
             raise
-        t1 = time.perf_counter()
         if not result.ok:
             # The scheduler plans only what the device's free page count holds, with the rule the
             # device applies, so this cannot happen; if it does, the device changed nothing.
@@ -444,27 +479,56 @@ class LLMEngine:
                                f"state is unchanged and admitted requests are back in the queue")
         # The first call compiles; compile time is reported on its own. The call's own dispatch is
         # counted as device time: on a CPU backend JAX may run the program inline in the call.
-        seconds = t1 - t0 - (self.runner.compile_seconds - c0)
-        self.stats.decode_seconds += seconds
+        self._record_call(plan, result, time.perf_counter() - t0 - (self.runner.compile_seconds - c0))
+        return result
+
+    def update(self, plan: RoundPlan, result: StepResult | None) -> list[StepOutput]:
+        """Verb 3: the host's post-process. Tokens, stops and the device's page counts go to the
+        scheduler (`stepped`); then the end of the round (`end_round`: host-finished requests and
+        preemptions, whose pages the device releases, `retire`); then the outputs."""
+        t_host = time.perf_counter()
+        events = []
+        if result is not None:
+            events = self.scheduler.stepped(plan, result)
+            self._record_pages(int(result.usage.peak_pages), int(result.usage.peak_tokens))
+            if self.scheduler.prefix is not None:
+                held = collections.Counter(p for r in self.scheduler.running.values() for p in r.cache_refs)
+                self.stats.peak_shared_pages = max(self.stats.peak_shared_pages,
+                                                   sum(1 for c in held.values() if c > 1))
+        # Releases stay a call of their own: the next round's plan needs the free page count
+        # after them, which only the device knows (see `retire`).
+        release, preempted = self.scheduler.end_round()
+        if release:
+            self.scheduler.set_pages(*self.runner.retire(release))
+        self.stats.preemptions += len(preempted)
+        outputs, self._outbox = self._outbox, []
+        for ev in events:
+            req = ev.request
+            text = req.detokenizer.take_delta(ev.finished)
+            prompt_lps = req.take_prompt_logprobs()
+            if ev.new_token_ids or text or ev.finished or prompt_lps is not None:
+                outputs.append(StepOutput(req.request_id, ev.new_token_ids, text, ev.finished,
+                                          req.to_output() if ev.finished else None, ev.new_logprobs,
+                                          ev.new_top_logprobs, prompt_lps))
+        for o in outputs:
+            if o.finished:
+                self._handed_out(o.request_id)
+        if result is not None:
+            self.stats.host_seconds += time.perf_counter() - t_host
+        return outputs
+
+    def _record_call(self, plan: RoundPlan, result: StepResult, seconds: float) -> None:
+        """The statistics of one device call."""
+        st = self.stats
+        st.decode_seconds += seconds
         if plan.num_prompt_tokens:
-            self.stats.prefill_seconds += seconds
-        self.stats.decode_calls += 1
-        self.stats.decode_steps += int(result.steps)
+            st.prefill_seconds += seconds
+        st.decode_calls += 1
+        st.decode_steps += int(result.steps)
         if self.config.speculative is not None:
-            st = self.stats
-            st.spec_draft_tokens += int(result.spec_drafted.sum())
-            st.spec_accepted_tokens += int(result.spec_accepted.sum())
-            st.spec_drafts += int(result.spec_steps.sum())
-            per_pos = [int(x) for x in result.spec_accepted_per_pos]
-            st.spec_accepted_per_pos = [a + b for a, b in zip(st.spec_accepted_per_pos or [0] * len(per_pos), per_pos)]
-        self.stats.prefill_tokens += plan.num_prompt_tokens
-        self.stats.decode_tokens += int((result.out >= 0).sum()) + sum(e.decode for e in plan.entries)
-        events = self.scheduler.stepped(plan, result)
-        self._record_pages(int(result.peak_pages), int(result.peak_tokens))
-        if self.scheduler.prefix is not None:
-            held = collections.Counter(p for r in self.scheduler.running.values() for p in r.cache_refs)
-            self.stats.peak_shared_pages = max(self.stats.peak_shared_pages, sum(1 for c in held.values() if c > 1))
-        return events, t1
+            record_spec_counts(st, result.spec)
+        st.prefill_tokens += plan.num_prompt_tokens
+        st.decode_tokens += int((result.loop.tokens >= 0).sum()) + sum(e.decode for e in plan.entries)
 
     @property
     def num_cached_idle(self) -> int:
@@ -486,7 +550,8 @@ class LLMEngine:
             self.stats.util_count += 1
 
     def step(self) -> list[StepOutput]:
-        """One round: admission and prefill (chunks), decode steps, stops and preemption.
+        """One round, three verbs: schedule -> execute -> update (admission and prefill chunks,
+        the device call with its decode steps, then tokens, stops and preemption).
 
         Returns:
           One StepOutput per request that got tokens or finished this round (plus requests that
@@ -494,34 +559,9 @@ class LLMEngine:
           exactly once, with its RequestOutput; the engine keeps nothing of it afterwards.
         """
         self._leader_only("step")
-        outputs, self._outbox = self._outbox, []
-        events, t_host = [], None
-        plan = self.scheduler.plan_round(self.config.max_num_batched_tokens)
-        if plan.entries or self.scheduler.running:
-            events, t_host = self._run(plan)
-        elif self.scheduler.waiting:
-            # An idle engine admits any request that passed add_request's checks, so this is a bug;
-            # the requests stay queued.
-            raise RuntimeError(f"the scheduler admitted none of {self.num_waiting} waiting requests into an "
-                               f"idle engine ({self.scheduler.free_pages} free pages)")
-        release, preempted = self.scheduler.end_round()
-        if release:
-            self.scheduler.set_pages(*self.runner.retire(release))
-        self.stats.preemptions += len(preempted)
-        for ev in events:
-            req = ev.request
-            text = req.detokenizer.take_delta(ev.finished)
-            prompt_lps = req.take_prompt_logprobs()
-            if ev.new_token_ids or text or ev.finished or prompt_lps is not None:
-                outputs.append(StepOutput(req.request_id, ev.new_token_ids, text, ev.finished,
-                                          req.to_output() if ev.finished else None, ev.new_logprobs,
-                                          ev.new_top_logprobs, prompt_lps))
-        for o in outputs:
-            if o.finished:
-                self._handed_out(o.request_id)
-        if t_host is not None:
-            self.stats.host_seconds += time.perf_counter() - t_host
-        return outputs
+        plan = self.schedule()
+        result = self.execute(plan) if plan.entries or self.scheduler.running else None
+        return self.update(plan, result)
 
     def _handed_out(self, request_id) -> None:
         """A finished request left the engine: its id (and, with its last sample, its group's) is free."""
@@ -631,24 +671,6 @@ class LLMEngine:
         if problems:
             raise RuntimeError("page state check failed: " + "; ".join(problems))
 
-    def _spec_summary(self) -> dict | None:
-        """Speculative decoding's figures (None when it is off): vLLM's counters, the acceptance
-        rate (accepted / drafted) and the mean accepted length (tokens per verify step that had
-        drafts: accepted drafts + the target's own token)."""
-        spec = self.config.speculative
-        if spec is None:
-            return None
-        s = self.stats
-        return {
-            "method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
-            "verify_rows": self.runner.verify_rows, "num_drafts": s.spec_drafts,
-            "num_draft_tokens": s.spec_draft_tokens, "num_accepted_tokens": s.spec_accepted_tokens,
-            # None, not NaN, before any draft: this dict is nested in --json's summary line.
-            "acceptance_rate": s.spec_accepted_tokens / s.spec_draft_tokens if s.spec_draft_tokens else None,
-            "mean_accepted_length": 1 + s.spec_accepted_tokens / s.spec_drafts if s.spec_drafts else None,
-            "accepted_per_pos": list(s.spec_accepted_per_pos),
-        }
-
     def flush_prefix_cache(self) -> int:
         """Evicts every cached page (an idle engine only); returns how many were freed."""
         prefix = self.scheduler.prefix
@@ -694,7 +716,7 @@ class LLMEngine:
             "peak_shared_pages": s.peak_shared_pages,
             "cow_copies": self.runner.cow_copies,
             "tensor_parallel": self.config.tensor_parallel,
-            "speculative": self._spec_summary(),
+            "speculative": spec_summary(self.config.speculative, s, self.runner.verify_rows),
             # Structured outputs (llguidance): grammar compilations, masks computed (one per constrained
             # token) and their host time.
             "grammar_compiles": self.grammars.compiles,

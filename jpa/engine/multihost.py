@@ -129,8 +129,8 @@ class _Lockstep:
         self._compiles = 0
 
     def _call(self, op: str, args: tuple):
-        if op == "step" and self.runner._step_exe is None:
-            self.runner.compile_step(args[0].tokens.shape[0])
+        if op == "step" and self.runner.compiled_step is None:
+            self.runner.compile_step(args[0].rows.tokens.shape[0])
             # Every process compiled: only then do the collectives start (a slow compile is no hang).
             self.client.wait_at_barrier(f"{COMPILE_BARRIER}{self._compiles}", int(self.compile_timeout * 1000))
             self._compiles += 1

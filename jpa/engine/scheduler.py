@@ -3,10 +3,10 @@
 Plain Python over request metadata and page counts; no model and no device work (unit tests drive
 it directly). The engine glues it to the device, one round at a time:
 
-    plan = scheduler.plan_round(budget)           # decode rows, prompt chunks, admissions
-    result = runner.step(make_step_batch(plan))   # one device call: ragged step + decode steps
-    events = scheduler.stepped(plan, result)      # tokens, stops, the device's page counts
-    release, preempted = scheduler.end_round()    # slots whose pages the device must release
+    plan = scheduler.plan_round(budget)                   # schedule: decode rows, prompt chunks, admissions
+    result = runner.step(make_step_batch(plan, shapes))   # execute: ONE device call (ragged step + decode steps)
+    events = scheduler.stepped(plan, result)              # update: tokens, stops, the device's page counts
+    release, preempted = scheduler.end_round()            # slots whose pages the device must release
     scheduler.set_pages(*runner.retire(release))
 
 A request's life is its `phase` (`jpa.engine.request.Phase`), changed only by `_move`: WAITING in
@@ -95,6 +95,18 @@ class RoundPlan:
         return sum(e.q_len for e in self.entries if not e.decode)
 
 
+@dataclasses.dataclass
+class _RoundDraft:
+    """plan_round's working state over one round (mutable while it plans)."""
+    left: int                 # tokens of the budget not yet given out
+    alloc: int                # pages the ragged step takes
+    idle: int                 # cached-idle pages (evictable, so counted as free)
+    referenced: set           # cached pages running (or just admitted) requests hold
+    prompt: list = dataclasses.field(default_factory=list)     # prompt chunk entries, in order
+    admitted: list = dataclasses.field(default_factory=list)   # slots admitted by this plan
+    blocked_by_budget: bool = False
+
+
 @dataclasses.dataclass(frozen=True)
 class Progress:
     """What a round did to one request: tokens kept this round and whether it finished."""
@@ -136,6 +148,13 @@ class Scheduler:
         self._to_release: list[tuple[int, Request]] = []   # (slot, request) finished on the host, pages held
         self._admissions = 0
         self._preempted_last_round = False
+
+    @classmethod
+    def for_shapes(cls, shapes, *, watermark: float, stop_ids=(), prefix_caching: bool = False) -> "Scheduler":
+        """The scheduler of an engine whose sizes are `shapes` (`jpa.engine.shapes.EngineShapes`)."""
+        return cls(max_seqs=shapes.max_seqs, page_size=shapes.page_size, num_pages=shapes.num_pages,
+                   max_model_len=shapes.max_model_len, steps_per_call=shapes.steps_per_call, watermark=watermark,
+                   stop_ids=stop_ids, prefix_caching=prefix_caching)
 
     # ------------------------------------------------------------------ the one place phases change
 
@@ -277,84 +296,97 @@ class Scheduler:
         if budget < self.max_seqs:
             raise ValueError(f"the token budget ({budget}) must be >= max_seqs ({self.max_seqs}): every decoding "
                              f"sequence takes one token of it")
-        ps = self.page_size
         referenced = self.held_cached_pages() if self.prefix is not None else set()
-        idle = self.prefix.num_idle(referenced) if self.prefix is not None else 0
         decoding = [s for s in sorted(self.running) if self.running[s].phase is Phase.DECODING]
-        prefilling = sorted((r for r in self.running.values() if r.phase is Phase.PREFILLING),
-                            key=lambda r: r.admitted_at)
-        left = budget - len(decoding)
-        alloc = sum(self._growth(self.running[s].num_computed_tokens, 1) for s in decoding)  # pages the ragged step takes
-        prompt: list[Entry] = []
-        admitted: list[int] = []
-
-        def fit(seq_len: int) -> int:  # tokens a sequence holding seq_len can add within the free pages
-            return max(0, self.free_pages + idle - alloc) * ps + pages_for_tokens(seq_len, ps) * ps - seq_len
-
-        def chunk(req: Request, done: int, n: int, hit=()) -> Entry:
-            toks = self.prefill_tokens(req)
-            final = done + n == len(toks)
-            upto = len(toks) // ps if final and self.prefix is not None else 0
-            return Entry(req.slot, req, n, False, final, tuple(toks[done:done + n]), tuple(hit), cache_upto=upto,
-                         start=done, targets=self.prompt_targets(req, done, n))
-
-        for req in prefilling:
-            done = req.num_computed_tokens
-            n = min(left, len(self.prefill_tokens(req)) - done, fit(done))
-            if n <= 0:
-                continue
-            prompt.append(chunk(req, done, n))
-            left -= n
-            alloc += self._growth(done, n)
-        blocked_by_budget = False
+        r = _RoundDraft(left=budget - len(decoding),
+                        alloc=sum(self._growth(self.running[s].num_computed_tokens, 1) for s in decoding),
+                        idle=self.prefix.num_idle(referenced) if self.prefix is not None else 0,
+                        referenced=referenced)
+        self._continue_prefills(r)
         admit = True
         if self._preempted_last_round:
             self._preempted_last_round = False
             admit = not self.running
         if admit:
-            free_slots = [s for s in range(self.max_seqs) if s not in self.running]
-            avail = self.free_pages + idle - self.headroom()
-            while self.waiting and free_slots:
-                if left <= 0:
-                    blocked_by_budget = True
-                    break
-                req = self.waiting[0]
-                if len(req.siblings) + 1 > len(free_slots):
-                    break   # parallel samples are admitted together: one slot each
-                toks = self.prefill_tokens(req)
-                # A request that still needs prompt logprobs computes its whole prompt (cached
-                # pages have no logits; vLLM v1 does the same). It still caches its pages.
-                hit = self.prefix.lookup(toks) if self.prefix is not None and not req.needs_prompt_logprobs else []
-                # Shared pages that were idle are no longer evictable.
-                newly_held = sum(1 for p in hit if p not in referenced)
-                h = len(hit) * ps
-                need = self._growth(h, len(toks) - h + self.steps_per_call) + len(req.siblings) * self._fork_pages()
-                alone = not self.running
-                if avail - newly_held - need < self.watermark_pages and not (
-                        alone and pages_for_tokens(len(toks), ps) - len(hit) <= self.free_pages + idle - newly_held):
-                    break
-                n = min(left, len(toks) - h, fit(h))
-                if n <= 0:
-                    break
-                idle -= newly_held
-                self.waiting.popleft()
-                self._admissions += 1
-                self._move(req, Phase.PREFILLING, free_slots.pop(0))
-                req.admitted_at, req.cache_refs = self._admissions, tuple(hit)
-                if not req.num_preemptions:
-                    req.num_cached_tokens = h
-                for sib in req.siblings:  # their slots wait for the fork of the prompt's last chunk
-                    self._move(sib, Phase.FORKING, free_slots.pop(0))
-                    sib.admitted_at = self._admissions
-                    admitted.append(sib.slot)
-                referenced.update(hit)
-                if self.prefix is not None:
-                    self.prefix.touch(hit)
-                admitted.append(req.slot)
-                prompt.append(chunk(req, h, n, hit))
-                left -= n
-                alloc += self._growth(h, n)
-                avail -= newly_held + need
+            self._admit(r)
+        entries, steps = self._entries(r, decoding)
+        return RoundPlan(entries, steps, tuple(r.admitted), self._evictions(r, entries, steps))
+
+    def _fit(self, r: "_RoundDraft", seq_len: int) -> int:
+        """Tokens a sequence holding seq_len can add within the free pages."""
+        ps = self.page_size
+        return max(0, self.free_pages + r.idle - r.alloc) * ps + pages_for_tokens(seq_len, ps) * ps - seq_len
+
+    def _chunk(self, req: Request, done: int, n: int, hit=()) -> Entry:
+        toks = self.prefill_tokens(req)
+        final = done + n == len(toks)
+        upto = len(toks) // self.page_size if final and self.prefix is not None else 0
+        return Entry(req.slot, req, n, False, final, tuple(toks[done:done + n]), tuple(hit), cache_upto=upto,
+                     start=done, targets=self.prompt_targets(req, done, n))
+
+    def _continue_prefills(self, r: "_RoundDraft") -> None:
+        """Prefilling requests continue in admission order, each a chunk within the budget and pages."""
+        for req in sorted((q for q in self.running.values() if q.phase is Phase.PREFILLING),
+                          key=lambda q: q.admitted_at):
+            done = req.num_computed_tokens
+            n = min(r.left, len(self.prefill_tokens(req)) - done, self._fit(r, done))
+            if n <= 0:
+                continue
+            r.prompt.append(self._chunk(req, done, n))
+            r.left -= n
+            r.alloc += self._growth(done, n)
+
+    def _admit(self, r: "_RoundDraft") -> None:
+        """Waiting requests are admitted first come, first served, into free slots, while the pool
+        holds them (see the module doc); each takes its first chunk."""
+        ps = self.page_size
+        free_slots = [s for s in range(self.max_seqs) if s not in self.running]
+        avail = self.free_pages + r.idle - self.headroom()
+        while self.waiting and free_slots:
+            if r.left <= 0:
+                r.blocked_by_budget = True
+                break
+            req = self.waiting[0]
+            if len(req.siblings) + 1 > len(free_slots):
+                break   # parallel samples are admitted together: one slot each
+            toks = self.prefill_tokens(req)
+            # A request that still needs prompt logprobs computes its whole prompt (cached
+            # pages have no logits; vLLM v1 does the same). It still caches its pages.
+            hit = self.prefix.lookup(toks) if self.prefix is not None and not req.needs_prompt_logprobs else []
+            # Shared pages that were idle are no longer evictable.
+            newly_held = sum(1 for p in hit if p not in r.referenced)
+            h = len(hit) * ps
+            need = self._growth(h, len(toks) - h + self.steps_per_call) + len(req.siblings) * self._fork_pages()
+            alone = not self.running
+            if avail - newly_held - need < self.watermark_pages and not (
+                    alone and pages_for_tokens(len(toks), ps) - len(hit) <= self.free_pages + r.idle - newly_held):
+                break
+            n = min(r.left, len(toks) - h, self._fit(r, h))
+            if n <= 0:
+                break
+            r.idle -= newly_held
+            self.waiting.popleft()
+            self._admissions += 1
+            self._move(req, Phase.PREFILLING, free_slots.pop(0))
+            req.admitted_at, req.cache_refs = self._admissions, tuple(hit)
+            if not req.num_preemptions:   # OpenAI usage.prompt_tokens_details.cached_tokens
+                req.num_cached_tokens = h
+            for sib in req.siblings:  # their slots wait for the fork of the prompt's last chunk
+                self._move(sib, Phase.FORKING, free_slots.pop(0))
+                sib.admitted_at = self._admissions
+                r.admitted.append(sib.slot)
+            r.referenced.update(hit)
+            if self.prefix is not None:
+                self.prefix.touch(hit)
+            r.admitted.append(req.slot)
+            r.prompt.append(self._chunk(req, h, n, hit))
+            r.left -= n
+            r.alloc += self._growth(h, n)
+            avail -= newly_held + need
+
+    def _entries(self, r: "_RoundDraft", decoding: list) -> tuple[tuple[Entry, ...], int]:
+        """(the ragged step's entries, decode steps after it)."""
+        prompt = r.prompt
         # A constrained request (structured outputs) samples only in the ragged step, under its
         # grammar mask: while one decodes, a round without prompt work still runs the ragged step
         # (every decoding request's decode row), then steps_per_call - 1 decode steps for the
@@ -362,27 +394,30 @@ class Scheduler:
         # the unconstrained requests' first token of the round is better made there than in an
         # extra decode step: measured in BENCHMARKS.md.)
         if prompt or any(self.running[s].matcher is not None for s in decoding):
-            more = blocked_by_budget or any(not e.final for e in prompt) or len(prompt) < len(
-                [r for r in self.running.values() if r.phase is Phase.PREFILLING])
+            more = r.blocked_by_budget or any(not e.final for e in prompt) or len(prompt) < len(
+                [q for q in self.running.values() if q.phase is Phase.PREFILLING])
             forks = [Entry(sib.slot, sib, 0, False, True, fork_of=e.slot)
                      for e in prompt if e.final for sib in e.request.siblings if sib.phase is Phase.FORKING]
             entries = tuple(Entry(s, self.running[s], 1, True, False) for s in decoding) + tuple(prompt) + tuple(forks)
-            steps = 0 if more else self.steps_per_call - 1
-        else:
-            entries, steps, alloc = (), self.steps_per_call, 0
-        evict = ()
-        if self.prefix is not None:
-            # Pages the decode steps after the ragged step may take (as headroom() counts them).
-            after = {e.slot: e.request.num_computed_tokens + len(e.hit_pages) * ps + e.q_len for e in entries}
-            after.update({e.slot: after[e.fork_of] for e in entries if e.fork_of >= 0})
-            finals = {e.slot for e in entries if e.final}
-            loop = sum(self._growth(after.get(s, r.num_computed_tokens), steps)
-                       + (r.phase is Phase.FORKING or r.cow_pending)
-                       for s, r in self.running.items() if r.phase is not Phase.PREFILLING or s in finals)
-            short = alloc + loop - self.free_pages
-            if short > 0:
-                evict = tuple(self.prefix.victims(short, referenced))
-        return RoundPlan(entries, steps, tuple(admitted), evict)
+            return entries, 0 if more else self.steps_per_call - 1
+        r.alloc = 0
+        return (), self.steps_per_call
+
+    def _evictions(self, r: "_RoundDraft", entries, steps: int) -> tuple[int, ...]:
+        """Cached-idle pages the device must evict first so that every allocation of the call
+        (the ragged step's and the decode steps') finds a free page."""
+        if self.prefix is None:
+            return ()
+        ps = self.page_size
+        # Pages the decode steps after the ragged step may take (as headroom() counts them).
+        after = {e.slot: e.request.num_computed_tokens + len(e.hit_pages) * ps + e.q_len for e in entries}
+        after.update({e.slot: after[e.fork_of] for e in entries if e.fork_of >= 0})
+        finals = {e.slot for e in entries if e.final}
+        loop = sum(self._growth(after.get(s, q.num_computed_tokens), steps)
+                   + (q.phase is Phase.FORKING or q.cow_pending)
+                   for s, q in self.running.items() if q.phase is not Phase.PREFILLING or s in finals)
+        short = r.alloc + loop - self.free_pages
+        return tuple(self.prefix.victims(short, r.referenced)) if short > 0 else ()
 
     @staticmethod
     def prompt_targets(req: Request, start: int, n: int) -> tuple[int, ...]:
@@ -401,10 +436,10 @@ class Scheduler:
         for i, t in enumerate(e.targets):
             if t >= 0:
                 r = at + i
-                top = tuple((int(a), float(b)) for a, b in zip(result.prompt_top_ids[r, :k],
-                                                                 result.prompt_top_logprobs[r, :k]))
-                req.prompt_lp[e.start + i + 1] = PromptLogprob(float(result.prompt_logprobs[r]),
-                                                               int(result.prompt_ranks[r]), top)
+                top = tuple((int(a), float(b)) for a, b in zip(result.prompt.top_ids[r, :k],
+                                                                 result.prompt.top_logprobs[r, :k]))
+                req.prompt_lp[e.start + i + 1] = PromptLogprob(float(result.prompt.logprobs[r]),
+                                                               int(result.prompt.ranks[r]), top)
 
     def unplan(self, plan: RoundPlan) -> None:
         """Undoes plan_round's admissions (their device call did not happen): back to the queue, in order."""
@@ -417,13 +452,13 @@ class Scheduler:
     # ------------------------------------------------------------------ recording a round
 
     def stepped(self, plan: RoundPlan, result) -> list[Progress]:
-        """Records a round's StepResult (numpy, `out` cut to the steps run): the device's page
+        """Records a round's StepResult (numpy, `loop` cut to the steps run): the device's page
         counts, then each entry's token (read where the entry is a decode row or a final chunk),
         then the decode steps' tokens and whether the device still decodes each slot."""
-        self.set_pages(result.num_free, result.seq_lens)
+        self.set_pages(result.state.num_free, result.state.seq_lens)
         if self.prefix is not None:
             self.prefix.forget(plan.evict)
-            for e, row in zip(plan.entries, result.tables):
+            for e, row in zip(plan.entries, result.state.tables):
                 if e.slot in plan.admitted and e.fork_of < 0:
                     self.prefix.record_query(len(self.prefill_tokens(e.request)), len(e.hit_pages) * self.page_size)
                 if e.final and e.fork_of >= 0:
@@ -438,8 +473,8 @@ class Scheduler:
                 self._record_prompt_logprobs(e, at, result)
             at += e.q_len
         new: dict[int, list] = {}
-        for i, (e, tok, lp) in enumerate(zip(plan.entries, result.tokens, result.logprobs)):
-            first = [(int(tok), float(lp), (result.top_ids[i], result.top_logprobs[i]))]
+        for i, (e, tok, lp) in enumerate(zip(plan.entries, result.first.tokens, result.first.logprobs)):
+            first = [(int(tok), float(lp), (result.first.top_ids[i], result.first.top_logprobs[i]))]
             if e.decode:
                 new[e.slot] = first
                 e.request.cow_pending = False   # it has written past its (possibly shared) last page
@@ -458,14 +493,14 @@ class Scheduler:
         for slot, req in list(self.running.items()):
             if req.phase is not Phase.DECODING:
                 continue
-            loop = [(int(t), float(lp), (result.out_top_ids[i, slot], result.out_top_logprobs[i, slot]))
-                    for i, (t, lp) in enumerate(zip(result.out[:, slot], result.out_logprobs[:, slot])) if t >= 0]
+            loop = [(int(t), float(lp), (result.loop.top_ids[i, slot], result.loop.top_logprobs[i, slot]))
+                    for i, (t, lp) in enumerate(zip(result.loop.tokens[:, slot], result.loop.logprobs[:, slot])) if t >= 0]
             if loop:
                 req.cow_pending = False
-            if result.spec_drafted is not None:
-                req.num_draft_tokens += int(result.spec_drafted[slot])
-                req.num_accepted_tokens += int(result.spec_accepted[slot])
-            events.append(self._on_tokens(req, new.get(slot, []) + loop, device_done=not result.active[slot]))
+            if result.spec is not None:
+                req.num_draft_tokens += int(result.spec.drafted[slot])
+                req.num_accepted_tokens += int(result.spec.accepted[slot])
+            events.append(self._on_tokens(req, new.get(slot, []) + loop, device_done=not result.state.active[slot]))
         return events
 
     def _device_reason(self, req: Request) -> str:

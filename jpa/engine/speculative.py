@@ -1,6 +1,6 @@
 """Speculative decoding: the configuration, the device-side n-gram proposer and the verifier.
 
-The engine's decode loop becomes a loop of verify steps (`ModelRunner._spec_loop`): each active
+The engine's decode loop is a loop of verify steps (`jpa.engine.verify.VerifyLoop`): each active
 sequence feeds its pending token plus up to k draft tokens as one entry of the ragged pass, the
 target model scores every row, and the sequence keeps the longest prefix of drafts the target
 itself would have produced, plus the target's own next token.
@@ -12,7 +12,14 @@ the row's sampled token equals it. For a deterministic proposal (the n-gram look
 model's greedy token) this IS Leviathan et al.'s rejection sampling: the draft's proposal
 distribution q is a point mass, so draft d is accepted with probability p(d) = min(1, p(d)/q(d)),
 and on rejection the emitted token follows p restricted to tokens other than d, renormalised
-(max(0, p - q) normalised). Sharing the key makes it stronger than equal in distribution: a
+(max(0, p - q) normalised).
+
+Proposers (`make_proposer`): the verify loop asks one object for drafts, so plain decoding is the
+loop with `NoDraft` (k = 0: one row per sequence, nothing to verify), and n-gram lookup
+(`NgramProposer`) and a draft model (`DraftModelProposer`) are the two ways to fill the rows.
+A proposer has two device hooks: `propose` at look-ahead (before the step's pages are reserved:
+drafts and how many) and `draft` inside the step (after the reservation: a draft model runs its
+passes there), plus `target_hidden`, the target's pass over the verify rows. Sharing the key makes it stronger than equal in distribution: a
 seeded request emits exactly the tokens it emits without speculation, with the same
 log-probabilities, whatever was drafted, so outputs stay reproducible and independent of the
 batch, of preemption and of whether speculation switched itself off.
@@ -27,7 +34,11 @@ itself off under load and a verify step costs what a decode step costs; `disable
 import dataclasses
 import json
 
+from jpa.kv.cache import CacheConfig
+from jpa.engine.model import check_model
+
 import jax.numpy as jnp
+from jax import lax
 
 METHODS = ("ngram", "draft_model")
 
@@ -169,7 +180,7 @@ class DraftPair:
     (target's jpa.KVCache, draft's), both indexed by the same pages. Every pass of the ragged step
     and the plain decode pass runs both models, so the draft's cache holds every token the target's
     does (prompts, recomputed prefixes, copies on write); the logits are the target's. The verify
-    steps call `target` and `draft` separately (`ModelRunner._spec_loop`)."""
+    steps call `target` and `draft` separately (`DraftModelProposer`)."""
 
     def __init__(self, target, draft):
         if draft.config.vocab_size != target.config.vocab_size:
@@ -196,3 +207,123 @@ class DraftPair:
 
     def head(self, params, hidden):
         return self.target.head(params[0], hidden)
+
+
+class NoDraft:
+    """Plain decoding: the verify loop with no drafts (k = 0, one row per sequence)."""
+    k = 0
+
+    def propose(self, ps, slots, lens, cap):
+        b = lens.shape[0]
+        return jnp.zeros((b, 0), jnp.int32), jnp.zeros((b,), jnp.int32)
+
+    def draft(self, params, cache, ps, slots, lens, num, drafts):
+        return cache, drafts
+
+    def target_hidden(self, model, params, cache, args, impl):
+        return model.ragged_hidden(params, cache, *args, impl=impl)
+
+
+class NgramProposer(NoDraft):
+    """Prompt lookup on the device (`propose_ngram`), from each sequence's own history."""
+
+    def __init__(self, spec: SpeculativeConfig):
+        self.k, self.n_min, self.n_max = spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+
+    def propose(self, ps, slots, lens, cap):
+        act = slots.active
+        none = (jnp.zeros((lens.shape[0], self.k), jnp.int32), jnp.zeros((lens.shape[0],), jnp.int32))
+
+        def lookup(_):
+            hist = slots.history(ps.block_tables)
+            hist = jnp.where(jnp.arange(hist.shape[1])[None, :] == lens[:, None], slots.tokens[:, None], hist)
+            return propose_ngram(hist, jnp.where(act, lens + 1, 0), self.k, self.n_min, self.n_max)
+
+        # A full batch leaves no row for drafts: no lookup either.
+        return lax.cond(jnp.any(cap > 0), lookup, lambda _: none, None)
+
+
+class DraftModelProposer(NoDraft):
+    """A draft model (`DraftPair.draft`) proposes greedily inside the step, once its rows are
+    reserved; the target's passes read `params[0]` / `cache[0]` of the pair."""
+
+    def __init__(self, spec: SpeculativeConfig, draft, page_size: int, impl: str):
+        self.k, self.model, self.page_size, self.impl = spec.num_speculative_tokens, draft, page_size, impl
+
+    def propose(self, ps, slots, lens, cap):
+        return jnp.zeros((lens.shape[0], self.k), jnp.int32), jnp.full((lens.shape[0],), self.k, jnp.int32)
+
+    def draft(self, params, cache, ps, slots, lens, num, drafts):
+        """The draft model's greedy drafts: passes j = 0..max(num) feed the pending token, then
+        draft j - 1, at position lens + j (writing the draft's cache there, so it holds every
+        token the target may accept) and take draft j as the argmax."""
+        act, k, ps_ = slots.active, self.k, self.page_size
+
+        def body(c):
+            j, dc, tok, drafts = c
+            feed = act & (j <= num)
+            pos = lens + j
+            page = jnp.take_along_axis(ps.block_tables, (pos // ps_)[:, None], axis=1, mode="clip")[:, 0]
+            logits, dc = self.model.decode(params[1], dc, tok, jnp.where(feed, pos + 1, 0),
+                                           jnp.where(feed, page * ps_ + pos % ps_, -1), ps.block_tables,
+                                           impl=self.impl)
+            nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            drafts = jnp.where((jnp.arange(k)[None, :] == j) & (feed & (j < num))[:, None], nxt[:, None], drafts)
+            return j + 1, dc, jnp.where(feed, nxt, tok), drafts
+
+        init = (jnp.int32(0), cache[1], slots.tokens, jnp.zeros((lens.shape[0], k), jnp.int32))
+        last = jnp.where(jnp.any(num > 0), jnp.max(jnp.where(act, num, -1)), -1)  # no drafts: no pass
+        _, dc, _, drafts = lax.while_loop(lambda c: c[0] <= last, body, init)
+        return (cache[0], dc), drafts
+
+    def target_hidden(self, model, params, cache, args, impl):
+        # The draft passes have written the draft's cache for these rows.
+        hidden, tc = model.target.ragged_hidden(params[0], cache[0], *args, impl=impl)
+        return hidden, (tc, cache[1])
+
+
+def make_proposer(spec: SpeculativeConfig | None, model, page_size: int, impl: str):
+    """The proposer of a runner's verify loop: NoDraft without speculation."""
+    if spec is None:
+        return NoDraft()
+    if isinstance(model, DraftPair):
+        return DraftModelProposer(spec, model.draft, page_size, impl)
+    return NgramProposer(spec)
+
+
+# ---------------------------------------------------------------------- host side: pool and statistics
+
+def draft_cache_config(draft_model, page_size: int, dtype: str) -> CacheConfig | None:
+    """The draft model's cache per page (1 page; the engine sets the pool's page count): its own
+    cache over the same pages, so a page costs the target's bytes + the draft's. None without one."""
+    if draft_model is None:
+        return None
+    check_model(draft_model)
+    dc = draft_model.config
+    return CacheConfig(dc.num_layers, dc.num_kv_heads, dc.head_dim, 1, page_size, dtype)
+
+
+def record_spec_counts(stats, counts) -> None:
+    """Adds a round's `SpecCounts` to the engine's running sums (`EngineStats.spec_*`)."""
+    stats.spec_draft_tokens += int(counts.drafted.sum())
+    stats.spec_accepted_tokens += int(counts.accepted.sum())
+    stats.spec_drafts += int(counts.steps.sum())
+    per_pos = [int(x) for x in counts.accepted_per_pos]
+    stats.spec_accepted_per_pos = [a + b for a, b in zip(stats.spec_accepted_per_pos or [0] * len(per_pos), per_pos)]
+
+
+def spec_summary(spec: SpeculativeConfig | None, s, verify_rows) -> dict | None:
+    """Speculative decoding's figures (None when it is off): vLLM's counters, the acceptance
+    rate (accepted / drafted) and the mean accepted length (tokens per verify step that had
+    drafts: accepted drafts + the target's own token)."""
+    if spec is None:
+        return None
+    return {
+        "method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
+        "verify_rows": verify_rows, "num_drafts": s.spec_drafts,
+        "num_draft_tokens": s.spec_draft_tokens, "num_accepted_tokens": s.spec_accepted_tokens,
+        # None, not NaN, before any draft: this dict is nested in --json's summary line.
+        "acceptance_rate": s.spec_accepted_tokens / s.spec_draft_tokens if s.spec_draft_tokens else None,
+        "mean_accepted_length": 1 + s.spec_accepted_tokens / s.spec_drafts if s.spec_drafts else None,
+        "accepted_per_pos": list(s.spec_accepted_per_pos),
+    }

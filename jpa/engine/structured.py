@@ -34,6 +34,14 @@ Face `tokenizers.Tokenizer` (jpa's SmolLM2 and Hugging Face tokenizers), is read
 (special tokens, byte-level pieces and SentencePiece byte fallback as the file defines them); a
 tokenizer with `token_bytes_table()` -> (bytes of each id, special ids) (jpa's ByteTokenizer) is
 wrapped as it is.
+
+Where the feature plugs into the engine (its hook points; nothing else in the engine names it):
+- plan: `Scheduler.plan_round` gives a decoding constrained request a ragged row every round;
+- batch fields: `StepBatch.structured` (`GrammarMasks`), filled by `LLMEngine` from
+  `Grammars.masks` (`constrained_rows` picks the entries);
+- device hook on the logits: `sample_slots(allowed=...)` in the ragged pass; before the verify
+  loop, `hold_constrained` takes constrained slots out of it and `restore_held` puts them back;
+- post-process: `Scheduler._on_tokens` feeds each new token to the request's matcher.
 """
 
 import dataclasses
@@ -41,6 +49,8 @@ import functools
 import json
 import time
 
+import flax.struct
+import jax
 import numpy as np
 
 # JSON schemas compile to compact JSON (no whitespace between tokens) unless the schema's own
@@ -291,3 +301,45 @@ class _TableTokenizer:
 
     def __call__(self, text: str) -> list[int]:
         return list(self._tok.encode(text))
+
+
+# ---------------------------------------------------------------------- the engine's hooks
+
+@flax.struct.dataclass
+class GrammarMasks:
+    """The feature's record of a round's `StepBatch` (`StepBatch.structured`).
+
+    Attributes:
+      allowed: i32[B, ceil(vocab / 32)]; the allowed-token bitmask of an entry that samples under
+        a grammar (bit t % 32 of word t // 32 = token t).
+      constrained: bool[B]; the entry samples under its `allowed` row (False: no mask).
+    """
+    allowed: jax.Array
+    constrained: jax.Array
+
+
+def allowed_rows(masks: GrammarMasks, vocab: int):
+    """bool[B, vocab]: the device hook on the ragged pass's logits: each constrained row's grammar
+    mask, everything allowed elsewhere (applied by `sample_slots(allowed=...)` after the logit
+    controls, before temperature and the filters)."""
+    from jpa.engine.sampling import allowed_tokens   # sampling imports this module (StructuredOutputs)
+    return ~masks.constrained[:, None] | allowed_tokens(masks.allowed, vocab)
+
+
+def constrained_rows(plan) -> list:
+    """(entry index, matcher) of each entry of a RoundPlan that samples under a grammar: a decode
+    row, or a final chunk that draws the request's first token (a resumed request's is drawn)."""
+    return [(i, e.request.matcher) for i, e in enumerate(plan.entries) if e.request.matcher is not None
+            and (e.decode or (e.final and not e.request.output_ids))]
+
+
+def hold_constrained(slots):
+    """(slots without the active constrained ones, which those were): constrained slots sample
+    only in the ragged step (under the host's grammar mask); the verify loop runs without them."""
+    held = slots.active & slots.params.constrained
+    return slots.replace(active=slots.active & ~held), held
+
+
+def restore_held(slots, held):
+    """The slots held out of the verify loop come back as they were."""
+    return slots.replace(active=slots.active | held)

@@ -26,11 +26,9 @@ def step_program(runner, num_tokens: int):
     """(fn, args, jit_options) of a ModelRunner's unified step for a budget of num_tokens:
     `jax.jit(fn, **jit_options).lower(*args)` is the program the engine compiles and runs.
 
-    The one call into runner internals in jpa.tools (`_step_impl`, the step function before jit):
-    when the runner has a public way to hand out its step (e.g. `ModelRunner.lower(...)`), change
-    it here only.
+    Through the runner's public methods (`step_function`, `state`, `step_inputs`, `jit_options`).
     """
-    return runner._step_impl, (*runner.state(), runner.step_inputs(num_tokens)), runner.jit_options()
+    return runner.step_function(), (*runner.state(), runner.step_inputs(num_tokens)), runner.jit_options()
 
 
 def _expected_attention(target: str) -> str:
