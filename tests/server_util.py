@@ -31,3 +31,27 @@ def serving(app, **config):
         thread.join(15)
         sock.close()
         assert not thread.is_alive(), "the server thread did not stop"
+
+
+@contextlib.contextmanager
+def tiny_engine(*, max_seqs=4, num_pages=300, max_model_len=1024, max_waiting=16):
+    """The server tests' engine: tiny-llama (seed 1) in a running AsyncEngine; yields (aengine, tokenizer)."""
+    from jpa import models
+    from jpa.engine import AsyncEngine, EngineConfig, LLMEngine
+
+    model, tok = models.load("tiny-llama", seed=1)
+    eng = LLMEngine(models.GPTForEngine(model), tok, EngineConfig(max_seqs=max_seqs, page_size=16, num_pages=num_pages,
+                                                                  steps_per_call=4, max_model_len=max_model_len))
+    with AsyncEngine(eng, max_waiting=max_waiting) as aengine:
+        yield aengine, tok
+
+
+@contextlib.contextmanager
+def tiny_server(*, engine: dict | None = None, **app_options):
+    """`tiny_engine` behind `build_app(..., model_name="tiny", **app_options)` on a loopback port; yields
+    (url, aengine, tokenizer)."""
+    from jpa.server import build_app
+
+    with tiny_engine(**(engine or {})) as (aengine, tok):
+        with serving(build_app(aengine, tok, **{"model_name": "tiny", **app_options})) as url:
+            yield url, aengine, tok

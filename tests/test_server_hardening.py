@@ -354,17 +354,11 @@ class Live:
 
 @pytest.fixture(scope="module")
 def live():
-    import models
-    from jpa.engine import AsyncEngine, EngineConfig, LLMEngine
-    from jpa.server import build_app
-    from server_util import serving
+    from server_util import tiny_server
 
-    model, tok = models.load("tiny-llama", seed=1)
-    eng = LLMEngine(models.GPTForEngine(model), tok, EngineConfig(max_seqs=8, page_size=16, num_pages=600,
-                                                                  steps_per_call=4, max_model_len=2048))
-    with AsyncEngine(eng, max_waiting=32) as aengine:
-        with serving(build_app(aengine, tok, model_name=NAME, max_n=4, api_key=None)) as url:
-            yield Live(url, aengine, tok)
+    engine = dict(max_seqs=8, num_pages=600, max_model_len=2048, max_waiting=32)
+    with tiny_server(engine=engine, model_name=NAME, max_n=4, api_key=None) as (url, aengine, tok):
+        yield Live(url, aengine, tok)
 
 
 # ---------------------------------------------------------------------- defect 4: clients giving up
@@ -536,7 +530,7 @@ def test_what_lm_evals_remote_tokenizer_calls(live):
     a BOS (the tiny Mistral checkpoint's), false leaves it out. The same through lm-eval's own
     class when lm_eval is installed."""
     from jpa.server import build_app
-    from models.tokenizer import HFTokenizer
+    from jpa.models.tokenizer import HFTokenizer
     from server_util import serving
 
     tok = HFTokenizer.from_dir(Path(__file__).parent / "data" / "hf" / "mistral")

@@ -16,7 +16,7 @@ pytest.importorskip("fastapi")
 
 import jax.numpy as jnp  # noqa: E402
 
-import models  # noqa: E402
+from jpa import models  # noqa: E402
 from jpa.engine import AsyncEngine, EngineConfig, LLMEngine  # noqa: E402
 from jpa.server import build_app  # noqa: E402
 from jpa.server.reasoning import ReasoningParser, ReasoningStream  # noqa: E402

@@ -26,17 +26,10 @@ TIME = {"type": "function", "name": "get_time", "parameters": {
 
 @pytest.fixture(scope="module")
 def live():
-    import models
-    from jpa.engine import AsyncEngine, EngineConfig, LLMEngine
-    from jpa.server import build_app
-    from server_util import serving
+    from server_util import tiny_server
 
-    model, tok = models.load("tiny-llama", seed=1)
-    eng = LLMEngine(models.GPTForEngine(model), tok, EngineConfig(max_seqs=4, page_size=16, num_pages=300,
-                                                                  steps_per_call=4, max_model_len=1024))
-    with AsyncEngine(eng, max_waiting=16) as aengine:
-        with serving(build_app(aengine, tok, model_name=NAME)) as url:
-            yield url, openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    with tiny_server(model_name=NAME) as (url, _, _):
+        yield url, openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def test_create_equals_chat(live):

@@ -217,7 +217,7 @@ class _TemplateTokenizer:
         return getattr(self.tok, name)
 
     def render_chat(self, messages, add_generation_prompt=True, **kw):
-        from models.chat_template import render
+        from jpa.models.chat_template import render
         return render(self.chat_template, messages, add_generation_prompt=add_generation_prompt, **kw)
 
 
@@ -227,13 +227,9 @@ def live():
     pytest.importorskip("uvicorn")
     pytest.importorskip("fastapi")
     pytest.importorskip("llguidance")
-    import models
-    from jpa.engine import AsyncEngine, EngineConfig, LLMEngine
+    from server_util import tiny_engine
 
-    model, tok = models.load("tiny-llama", seed=1)
-    eng = LLMEngine(models.GPTForEngine(model), tok, EngineConfig(max_seqs=4, page_size=16, num_pages=300,
-                                                                  steps_per_call=4, max_model_len=1024))
-    with AsyncEngine(eng, max_waiting=16) as aengine:
+    with tiny_engine() as (aengine, tok):
         yield aengine, tok
 
 
