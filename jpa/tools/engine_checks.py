@@ -28,7 +28,7 @@ def step_program(runner, num_tokens: int):
 
     Through the runner's public methods (`step_function`, `state`, `step_inputs`, `jit_options`).
     """
-    return runner.step_function(), (*runner.state(), runner.step_inputs(num_tokens)), runner.jit_options()
+    return runner.step_function, (*runner.state(), runner.step_inputs(num_tokens)), runner.jit_options()
 
 
 def _expected_attention(target: str) -> str:
