@@ -12,6 +12,23 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import pytest  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _persistent_cache_stays_with_its_test():
+    """A test that runs `jpa generate`/`serve` in-process turns JAX's persistent compilation cache on for
+    the whole process (a global): turn it off again after that test, so no later test writes its programs
+    to a cache directory it did not ask for (one such write aborted a full-suite run inside XLA's
+    executable serialization while another process used the same ~/.cache/jpa/xla)."""
+    import jax
+
+    before = jax.config.jax_compilation_cache_dir
+    yield
+    if jax.config.jax_compilation_cache_dir != before:
+        from jax._src import compilation_cache  # no public reset; the cache object is made once per process
+
+        jax.config.update("jax_compilation_cache_dir", before)
+        compilation_cache.reset_cache()
+
+
 @pytest.fixture(scope="session")
 def ctx_model():
     """(GPTForEngine, tokenizer): tiny-llama whose greedy output depends on the context

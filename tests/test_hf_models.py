@@ -432,7 +432,7 @@ def test_variant_config_value_errors(over, match):
 def test_generate_command_runs_a_checkpoint_directory(capsys):
     from jpa.cli import generate as mod
     g = golden("qwen2")
-    rc = mod.main(["--model", str(DATA / "qwen2"), "--greedy", "--max-new-tokens", "6", "--json",
+    rc = mod.main(["--model", str(DATA / "qwen2"), "--greedy", "--max-new-tokens", "6", "--json", "--no-compile-cache",
                    "--no-progress", "--max-seqs", "2", "--max-model-len", "128", "--kv-memory", "1",
                    "--steps-per-call", "2", "--chat", g["prompts"]["chat"]["user"],
                    "--system", g["prompts"]["chat"]["system"]])
