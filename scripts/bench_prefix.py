@@ -5,7 +5,7 @@ Model: SmolLM2-135M-Instruct (float32, the real weights) on this machine (`--mod
 the random tiny model and its byte tokenizer, for the test). Workload: `--num-requests` chat
 requests (ChatML template) that share one system prompt of about `--system-tokens` tokens (by the
 model's tokenizer: a fixed support-policy document written below, cut at a word boundary) and
-each ask a distinct user question (scripts/bench_engine.py's PROMPTS and
+each ask a distinct user question (jpa.tools.bench.PROMPTS and
 examples/prompts32.jsonl; past those, numbered variants). Greedy, ignore_eos, exactly
 `--max-new` tokens each, so both runs generate the same number of tokens.
 
@@ -41,8 +41,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from jpa import models  # noqa: E402
 from jpa.engine import EngineConfig, EngineStats, LLMEngine, SamplingParams  # noqa: E402
-from jpa.tools.bench import machine, write_json
-from bench_engine import PROMPTS  # noqa: E402
+from jpa.tools.bench import PROMPTS, machine, write_json
 
 TARGETS = {"prefill_reduction": 0.80, "throughput_ratio": 2.0}
 
@@ -110,7 +109,7 @@ def build_system_prompt(tok, num_tokens: int) -> str:
 
 
 def questions(n: int) -> list[str]:
-    """n distinct user questions: bench_engine's PROMPTS, then examples/prompts32.jsonl, then
+    """n distinct user questions: jpa.tools.bench.PROMPTS, then examples/prompts32.jsonl, then
     numbered variants of those."""
     base = list(PROMPTS)
     with open(os.path.join(ROOT, "examples", "prompts32.jsonl")) as f:
