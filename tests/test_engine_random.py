@@ -1,4 +1,4 @@
-"""Randomized engine test at CI size (scripts/soak_engine.py is the long version, same driver).
+"""Randomized engine test at CI size (scripts/soak_engine.py is the long version; the driver is jpa/testing/soak.py).
 
 Random prompt lengths, max_new_tokens, stop strings and sampling parameters (greedy and seeded)
 on a tiny pool (2 slots, 8 pages of 4 tokens) with requests arriving between steps and random
@@ -6,29 +6,18 @@ aborts. Checked: no request lost or duplicated, the device page state consistent
 round and the pool whole at the end, preemptions happened, streamed pieces add up to the
 results, stop strings cut right, and every output (token ids, finish reason, completion and
 per-token logprobs, greedy and sampled alike) identical to the reference engine's (no preemption,
-no sharing: tests/engine_util).
+no sharing: jpa.testing.engine).
 """
 
-import importlib.util
 import os
-import pathlib
 
 import numpy as np
 
 from jpa.engine import EngineConfig, LLMEngine, SamplingParams
-
-SCRIPT = pathlib.Path(__file__).parents[1] / "scripts" / "soak_engine.py"
-
-
-def load_soak():
-    spec = importlib.util.spec_from_file_location("soak_engine", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from jpa.testing import soak
 
 
 def test_random_requests_under_page_pressure(engines, ctx_model):
-    soak = load_soak()
     # A fixed seed unless JPA_TEST_SEED names another: what this test asserts besides equality
     # depends on the draw (random aborts may take the two long requests before they preempt, and
     # the workload's own coin flips: fewer than 5 seeded samples in 1 run of 2300, no stop string

@@ -1,23 +1,19 @@
-"""scripts/mutation_check.py's own machinery, on a tiny git repository (not the full run, which
+"""The mutation check's own machinery (jpa/tools/mutation.py, run as scripts/mutation_check.py), on a
+tiny git repository (not the full run, which
 takes many minutes): patterns that do not apply are reported as broken, a fault the selection
 sees is caught, one it does not see is missed, and --dry-run lists today's mutations."""
 
-import importlib.util
 import json
-import pathlib
 import subprocess
 
 import pytest
 
-SCRIPT = pathlib.Path(__file__).parents[1] / "scripts" / "mutation_check.py"
-
 
 @pytest.fixture(scope="module")
 def mc():
-    spec = importlib.util.spec_from_file_location("mutation_check", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from jpa.tools import mutation
+
+    return mutation
 
 
 @pytest.fixture
@@ -70,7 +66,7 @@ def test_dry_run_lists_the_mutations_and_they_apply_to_today_code(mc, tmp_path, 
     assert [r["name"] for r in report["results"]] == [m.name for m in mc.MUTATIONS]
     assert all(m.name in listing for m in mc.MUTATIONS)
     stale = [r["detail"] for r in report["results"] if r["status"] != "applies"]
-    assert rc == 0 and not stale, f"update the patterns in scripts/mutation_check.py: {stale}"
+    assert rc == 0 and not stale, f"update the patterns in jpa/tools/mutation.py: {stale}"
 
 
 def test_unknown_mutation_name_is_a_usage_error(mc):
