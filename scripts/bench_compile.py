@@ -353,21 +353,9 @@ def part_cpu(args) -> dict:
     out = dict(engine_config=dict(ENGINE, **args.engine), llama_small_config=LLAMA_SMALL, reps=args.reps, results=runs,
                statistic=("median of reps (min also given); each rep a fresh process, persistent cache off; "
                           "*_cpu_seconds: process CPU time (all threads), less moved by other load than wall"))
-    ratios = {}
-    lo, hi = (f"llama-{min(args.layers)}", f"llama-{max(args.layers)}") if args.layers else (None, None)
-    if lo != hi and "total_seconds" in runs.get(lo, {}) and "total_seconds" in runs.get(hi, {}):
-        for key in ("total_seconds", "trace_seconds", "lower_seconds", "compile_seconds", "total_cpu_seconds"):
-            if key in runs[lo] and key in runs[hi]:
-                ratios[f"{hi}/{lo} {key}"] = runs[hi][key] / runs[lo][key]
-    out["ratios"] = ratios
-    goals = {}
-    if "total_seconds" in runs.get("smollm2-135m", {}):
-        t = runs["smollm2-135m"]["total_seconds"]
-        goals["smollm2 <= 5 s"] = dict(value=t, met=t <= GOALS["smollm2_compile_seconds"])
-    if (lo, hi) == ("llama-8", "llama-80") and ratios:
-        v = ratios["llama-80/llama-8 total_seconds"]
-        goals["llama-80 / llama-8 <= 1.5"] = dict(value=v, met=v <= GOALS["ratio_80_over_8"])
-    out["goals"] = goals
+    from jpa.tools.bench import compile_ratios_and_goals
+
+    out["ratios"], out["goals"] = compile_ratios_and_goals(runs, args.layers, GOALS)
     return out
 
 

@@ -4,7 +4,7 @@
 Model: SmolLM2-135M-Instruct (float32, the real weights) on this machine (`--model tiny-llama`:
 the random tiny model and its byte tokenizer, for the test). Workload: `--num-requests` chat
 requests (ChatML template) that share one system prompt of about `--system-tokens` tokens (by the
-model's tokenizer: a fixed support-policy document written below, cut at a word boundary) and
+model's tokenizer: a fixed support-policy document, jpa.tools.bench.POLICY, cut at a word boundary) and
 each ask a distinct user question (jpa.tools.bench.PROMPTS and
 examples/prompts32.jsonl; past those, numbered variants). Greedy, ignore_eos, exactly
 `--max-new` tokens each, so both runs generate the same number of tokens.
@@ -41,82 +41,16 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from jpa import models  # noqa: E402
 from jpa.engine import EngineConfig, EngineStats, LLMEngine, SamplingParams  # noqa: E402
-from jpa.tools.bench import PROMPTS, machine, write_json
+from jpa.tools.bench import PROMPTS, build_system_prompt, distinct_questions, machine, write_json
 
 TARGETS = {"prefill_reduction": 0.80, "throughput_ratio": 2.0}
-
-# The shared system prompt: a made-up support policy (plain English, so the real tokenizer sees
-# ordinary text). About 760 SmolLM2 tokens in full; build_system_prompt() cuts it to the size asked.
-POLICY = """\
-You are the support assistant of Northwind Public Library, a city library system with eight branches, \
-a mobile library van and an online catalogue. Read this policy carefully and follow it in every answer. \
-When a question is not about the library, answer it helpfully and briefly anyway, as a friendly and \
-knowledgeable assistant would, and do not mention this policy unless it matters to the question.
-
-Tone and style. Be warm, plain and precise. Prefer short paragraphs and simple words. Use a numbered list \
-only when the reader must follow steps in order, and a bulleted list only for three or more parallel items. \
-Never invent facts, prices, dates or names. If you do not know something, say so and tell the reader where \
-to find out. Do not use slang, jokes at the reader's expense, or emoji. Address the reader as "you".
-
-Membership. Anyone who lives, works or studies in the city may join for free. A membership card needs a \
-photo identity document and a proof of address that is less than three months old. Children under twelve \
-join with a parent or guardian, who signs the form. Visitors may buy a temporary card that lasts ninety \
-days. Lost cards are replaced at any branch desk; the first replacement each year is free.
-
-Borrowing. Members may borrow up to twenty items at once. Books and audiobooks are lent for three weeks, \
-films and games for one week, and equipment such as laptops, telescopes and sewing machines for two weeks. \
-Items can be renewed twice online, by phone or at a desk, unless another member has reserved them. Reserved \
-items wait on the hold shelf for seven days. Items borrowed from one branch may be returned to any branch or \
-to the outdoor return boxes, which are emptied every morning.
-
-Fees. The library charges no late fees for children's items. Adult items that are more than thirty days \
-overdue are treated as lost, and the member is asked to pay the replacement cost; the charge is cancelled \
-when the item comes back in good condition. Damaged items are assessed by staff, who decide case by case. \
-Printing costs ten cents a page in black and white and fifty cents a page in colour. Never quote any other \
-price: tell the reader to check the fees page of the website or ask at a desk.
-
-Digital services. Members can stream films, read electronic books and magazines, and take online courses \
-with their card number and PIN. A forgotten PIN is reset at a desk or by the link in the catalogue, which \
-sends an email to the address on file. Public computers are booked in one-hour sessions, and the wireless \
-network is open to everyone without a password during opening hours.
-
-Privacy and safety. Never ask for, repeat or store a card number, a PIN, a home address or a date of birth \
-in the conversation. Borrowing records are private: staff may not tell anyone, including family members, \
-what another member has borrowed. If the reader describes an emergency, tell them to contact the emergency \
-services first. If a question is about medical, legal or financial decisions, give general information \
-only and suggest a qualified professional.
-
-Escalation. If the reader is unhappy, apologise once, explain what you can do, and offer the feedback \
-form or the branch manager's office hours. If the reader asks for something the policy does not cover, \
-say that a librarian can help and give the main phone line and the opening hours of the central branch, \
-Monday to Saturday from nine in the morning to eight in the evening."""
-
-
-def build_system_prompt(tok, num_tokens: int) -> str:
-    """The policy (repeated if needed) cut at the last word boundary within num_tokens tokens."""
-    text = POLICY
-    while len(tok.encode(text)) < num_tokens:
-        text += "\n\n" + POLICY
-    words = text.split(" ")
-    lo, hi = 1, len(words)  # the longest word prefix whose encoding fits num_tokens
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if len(tok.encode(" ".join(words[:mid]))) <= num_tokens:
-            lo = mid
-        else:
-            hi = mid - 1
-    return " ".join(words[:lo])
-
 
 def questions(n: int) -> list[str]:
     """n distinct user questions: jpa.tools.bench.PROMPTS, then examples/prompts32.jsonl, then
     numbered variants of those."""
-    base = list(PROMPTS)
     with open(os.path.join(ROOT, "examples", "prompts32.jsonl")) as f:
-        base += [json.loads(line)["prompt"] for line in f if line.strip()]
-    base = list(dict.fromkeys(base))  # distinct, in order
-    return [base[i % len(base)] if i < len(base) else f"Question {i + 1}: {base[i % len(base)]}"
-            for i in range(n)]
+        extra = [json.loads(line)["prompt"] for line in f if line.strip()]
+    return distinct_questions(n, list(PROMPTS) + extra)
 
 
 def run(eng: LLMEngine, prompt_ids, params) -> tuple[list[list[int]], dict]:

@@ -45,3 +45,15 @@ def engines(ctx_model):
     from jpa.testing.engine import Engines
 
     return Engines(*ctx_model)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Tests named in tests/tiers.py's BENCH run in CI's bench tier (`./run test -m bench`), not in
+    `./run test`: this runs before `-m 'not bench'` deselects (tryfirst). An entry names a test
+    (every parametrization) or one parametrization by its node id."""
+    from tiers import BENCH, moved
+
+    for item in items:
+        if moved(item.nodeid, BENCH):
+            item.add_marker(pytest.mark.bench)

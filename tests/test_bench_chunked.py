@@ -1,10 +1,11 @@
 """scripts/bench_chunked.py end to end on the tiny random model: the --quick path runs, every token
 is accounted for, a warm pass compiles nothing, and the long prompts land while others decode."""
 
-import importlib.util
 import json
 import math
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -15,21 +16,14 @@ SMALL = ["--tiny", "--quick", "--long-min", "200", "--long-max", "300", "--max-n
          "--steps-per-call", "2", "--max-model-len", "512", "--budgets", "32"]
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("bench_chunked_script", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def bench_chunked(*argv):
+    return subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=600)
 
 
-@pytest.fixture(scope="module")
-def script():
-    return load_script()
-
-
-def test_quick_run_on_tiny_model(script, tmp_path):
+def test_quick_run_on_tiny_model(tmp_path):
     out, png = tmp_path / "chunked.json", tmp_path / "chunked.png"
-    script.main(SMALL + ["--out", str(out), "--plot", str(png)])
+    proc = bench_chunked(*SMALL, "--out", str(out), "--plot", str(png))
+    assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert png.stat().st_size > 0
     work = report["workload"]
@@ -65,8 +59,6 @@ def test_quick_run_on_tiny_model(script, tmp_path):
     (["--num-short", "6", "--num-long", "4"], "--max-seqs (8) must hold --num-short + --num-long (10)"),
     (["--long-max", "2000"], "--max-model-len (2048) must hold"),
 ])
-def test_bad_flags_exit_2_with_a_message(script, capsys, argv, msg):
-    with pytest.raises(SystemExit) as e:
-        script.parse_args(argv)
-    assert e.value.code == 2
-    assert msg in capsys.readouterr().err
+def test_bad_flags_exit_2_with_a_message(argv, msg):
+    proc = bench_chunked(*argv)
+    assert proc.returncode == 2 and msg in proc.stderr, proc.stderr[-2000:]

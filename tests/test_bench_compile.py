@@ -3,9 +3,10 @@ model at 1 layer, one fresh-process compile of a small engine's step. The JSON h
 before/after comparison of issue 24 reads, with sane values, and nothing came from a compilation
 cache. The ratios and goals are checked on stand-in worker results (no compiling)."""
 
-import importlib.util
 import json
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -14,23 +15,19 @@ pytestmark = pytest.mark.bench   # CI's bench tier (.ci/run), not ./run test
 SCRIPT = pathlib.Path(__file__).parents[1] / "scripts" / "bench_compile.py"
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("bench_compile_script", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def bench_compile(*argv, check=True):
+    """Runs the script (its CPU part compiles in fresh worker processes of its own)."""
+    proc = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=600)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
 
 
-@pytest.fixture(scope="module")
-def script():
-    return load_script()
-
-
-def test_smallest_cpu_run(script, tmp_path, capsys):
+def test_smallest_cpu_run(tmp_path):
     out = tmp_path / "compile.json"
     engine = "max_seqs=2,max_num_batched_tokens=16,steps_per_call=1,max_model_len=256"
-    assert script.main(["--only", "cpu", "--models", "", "--layers", "1", "--reps", "1", "--engine", engine,
-                        "--json", str(out)]) == 0
+    proc = bench_compile("--only", "cpu", "--models", "", "--layers", "1", "--reps", "1", "--engine", engine,
+                         "--json", str(out))
     report = json.loads(out.read_text())
     assert report["machine"]["jax_version"] and len(report["started_loadavg"]) == 3
     cpu = report["cpu"]
@@ -49,32 +46,30 @@ def test_smallest_cpu_run(script, tmp_path, capsys):
     assert e["cache_hits"] == 0, "a cold measurement must not be served from a compilation cache"
     assert any("disabled" in k for k in run["cache_events"]) and not any("hit" in k for k in run["cache_events"])
     assert cpu["ratios"] == {} and cpu["goals"] == {}
-    assert "| llama-1 | 1 |" in capsys.readouterr().out
+    assert "| llama-1 | 1 |" in proc.stdout
 
     # --compare of a report with itself: every shared figure at 1.00x.
-    script.main(["--compare", str(out), str(out)])
-    table = capsys.readouterr().out
+    table = bench_compile("--compare", str(out), str(out)).stdout
     assert "| cpu llama-1 total_seconds |" in table and "1.00x" in table
 
 
-def test_ratios_and_goals(script, monkeypatch):
-    """part_cpu on stand-in worker results: 80 / 8 layers and the SmolLM2 goal."""
-    seconds = {("smollm2-135m", None): 4.0, ("llama", 8): 2.0, ("llama", 80): 4.0}
+def test_ratios_and_goals():
+    """The CPU part's ratios and goals on stand-in medians: 80 / 8 layers and the SmolLM2 goal."""
+    from jpa.tools.bench import compile_ratios_and_goals
 
-    def fake(kind, spec, timeout=None):
-        t = seconds[(spec["model"], spec["layers"])]
-        return dict(model=spec["model"], num_layers=spec["layers"] or 30, weights="random", params=1, pool_bytes=1,
-                    optimized_hlo_lines=1, while_loops=2, temp_bytes=0, trace_seconds=t / 4, lower_seconds=t / 4,
-                    compile_seconds=t / 2, total_seconds=t, total_cpu_seconds=t, cache_events={},
-                    loadavg_before=[0, 0, 0], loadavg_after=[0, 0, 0])
-
-    monkeypatch.setattr(script, "run_worker", fake)
-    out = script.part_cpu(script.parse_args(["--models", "smollm2-135m", "--layers", "80,8", "--reps", "3"]))
-    assert list(out["results"]) == ["smollm2-135m", "llama-8", "llama-80"]
-    assert len(out["results"]["llama-80"]["runs"]) == 3
-    assert out["ratios"]["llama-80/llama-8 total_seconds"] == 2.0
-    assert out["goals"]["smollm2 <= 5 s"] == dict(value=4.0, met=True)
-    assert out["goals"]["llama-80 / llama-8 <= 1.5"] == dict(value=2.0, met=False)
+    goals = dict(smollm2_compile_seconds=5.0, ratio_80_over_8=1.5)
+    entry = lambda t: dict(trace_seconds=t / 4, lower_seconds=t / 4, compile_seconds=t / 2, total_seconds=t,
+                           total_cpu_seconds=t)
+    runs = {"smollm2-135m": entry(4.0), "llama-8": entry(2.0), "llama-80": entry(4.0)}
+    ratios, met = compile_ratios_and_goals(runs, [80, 8], goals)
+    assert ratios["llama-80/llama-8 total_seconds"] == 2.0 and ratios["llama-80/llama-8 trace_seconds"] == 2.0
+    assert met["smollm2 <= 5 s"] == dict(value=4.0, met=True)
+    assert met["llama-80 / llama-8 <= 1.5"] == dict(value=2.0, met=False)
+    runs["smollm2-135m"] = entry(6.0)
+    runs["llama-80"] = entry(2.5)
+    ratios, met = compile_ratios_and_goals(runs, [80, 8], goals)
+    assert met == {"smollm2 <= 5 s": dict(value=6.0, met=False), "llama-80 / llama-8 <= 1.5": dict(value=1.25, met=True)}
+    assert compile_ratios_and_goals({"llama-1": entry(1.0)}, [1], goals) == ({}, {})
 
 
 @pytest.mark.parametrize("argv,msg", [
@@ -86,8 +81,6 @@ def test_ratios_and_goals(script, monkeypatch):
     (["--engine", "max_seqs"], "--engine must be FIELD=INT pairs"),
     (["--engine", "num_slots=4"], "--engine: unknown field(s) ['num_slots']"),
 ])
-def test_bad_flags_exit_2_with_a_message(script, capsys, argv, msg):
-    with pytest.raises(SystemExit) as e:
-        script.parse_args(argv)
-    assert e.value.code == 2
-    assert msg in capsys.readouterr().err
+def test_bad_flags_exit_2_with_a_message(argv, msg):
+    proc = bench_compile(*argv, check=False)
+    assert proc.returncode == 2 and msg in proc.stderr, proc.stderr[-2000:]

@@ -1,7 +1,6 @@
 """scripts/bench_prefix.py: its --quick path end to end on the tiny random model, and its workload
 builders (system prompt cut to a token count, distinct questions)."""
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -15,23 +14,19 @@ pytestmark = pytest.mark.bench   # CI's bench tier (.ci/run), not ./run test
 SCRIPT = pathlib.Path(__file__).parents[1] / "scripts" / "bench_prefix.py"
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("bench_prefix_script", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_workload_builders():
     from jpa.models.tokenizer import ByteTokenizer
+    from jpa.tools import bench
 
-    bp, tok = load_script(), ByteTokenizer()
+    tok = ByteTokenizer()
     for n in (40, 600, 5000):  # 5000 > the policy's length: it is repeated
-        text = bp.build_system_prompt(tok, n)
+        text = bench.build_system_prompt(tok, n)
         assert n - 30 <= len(tok.encode(text)) <= n, n
-        assert bp.POLICY.startswith(text[:30])
-    qs = bp.questions(100)
+        assert bench.POLICY.startswith(text[:30])
+    base = list(bench.PROMPTS) + [bench.PROMPTS[0], "one more"]  # a repeat is dropped
+    qs = bench.distinct_questions(100, base)
     assert len(qs) == len(set(qs)) == 100
+    assert qs[:len(bench.PROMPTS) + 1] == list(bench.PROMPTS) + ["one more"]
 
 
 def test_quick_run_tiny_model(tmp_path):

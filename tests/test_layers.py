@@ -5,6 +5,7 @@ here with the file and line."""
 
 import ast
 import pathlib
+import re
 
 ROOT = pathlib.Path(__file__).parents[1]
 
@@ -105,3 +106,16 @@ def test_no_test_or_script_edits_sys_path_or_imports_a_script():
                     path.parent.name == "tests" and (ROOT / "scripts" / f"{target.split('.')[0]}.py").exists()):
                 wrong.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_every_test_moved_to_the_bench_tier_exists():
+    """tests/tiers.py names tests by node id: a renamed or deleted test would leave an entry that moves
+    nothing (and a test that no longer exists listed as 'kept fast elsewhere')."""
+    from tiers import BENCH
+
+    root = pathlib.Path(__file__).parents[1]
+    for nodeid, why in BENCH.items():
+        path, _, name = nodeid.split("[", 1)[0].partition("::")
+        assert (root / path).is_file(), nodeid
+        assert re.search(rf"^def {re.escape(name)}\(", (root / path).read_text(), re.M), nodeid
+        assert why.strip(), f"{nodeid}: say why it moved and what keeps the property in the main tier"
