@@ -9,6 +9,7 @@ strings, and the errors of bad constraints.
 import dataclasses
 import json
 import math
+import pathlib
 import re
 
 import numpy as np
@@ -17,7 +18,7 @@ import pytest
 from jpa.testing.engine import assert_same, fresh_seed, random_prompts, run
 from jpa.engine import SamplingParams
 from jpa.engine.structured import Grammars, Reasoning, StructuredOutputs
-from jpa.models.tokenizer import ByteTokenizer
+from jpa.models.tokenizer import ByteTokenizer, HFTokenizer
 from structured_util import ARITHMETIC, check_json, is_arithmetic, random_choices, random_regex, random_schema
 
 pytest.importorskip("llguidance")
@@ -216,6 +217,23 @@ def test_constraint_after_a_thought_is_the_constraint():
                     break
                 assert plain._m.consume_token(t) and after._m.consume_token(t)
             assert after.done == plain.done
+    # Think tags that are special tokens (llguidance reads every added token of a Hugging Face
+    # tokenizer as special; the tiny Qwen3's): named as tokens; the thought holds no special token,
+    # and `</think>` spelled in ordinary tokens is refused (a parser of the text would split there).
+    qwen = HFTokenizer.from_dir(pathlib.Path(__file__).parent / "data" / "hf" / "qwen3")
+    gq = Grammars(qwen, 320, [qwen.eos_token_id])
+    end_id = qwen.backend_tokenizer.token_to_id("</think>")
+    spelled = [next(i for i in range(320) if gq.llg_tokenizer().decode_bytes([i]) == bytes([c]))
+               for c in b"</think>"]
+    for optional in (False, True):
+        m = gq.matcher(StructuredOutputs(json_object=True, reasoning=Reasoning(optional=optional, special=True)))
+        head = [qwen.backend_tokenizer.token_to_id("<think>")] if optional else []
+        body = qwen.backend_tokenizer.encode("a}{b</th", add_special_tokens=False).ids
+        assert m._m.consume_tokens(head + body)
+        assert m._m.try_consume_tokens(spelled) == len(spelled) - 1
+        assert not _mask(gq, m)[qwen.eos_token_id] and _mask(gq, m)[end_id]
+        assert m._m.consume_tokens([end_id] + qwen.backend_tokenizer.encode("{}", add_special_tokens=False).ids)
+        assert m.done
     # qwen3's optional thought: an output that does not open one is the answer from its first token.
     m = g.matcher(StructuredOutputs(choice=["yes", "no"], reasoning={"optional": True}))
     assert m._m.consume_tokens(tok.encode("no")) and m.done

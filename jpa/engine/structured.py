@@ -126,6 +126,8 @@ class Reasoning:
         """The outer Lark grammar: the thought, then `@answer` (the constraint's own grammar)."""
         text = 'THOUGHT: /(.|\\n)*/\n'
         if self.special:   # special tokens: the free text cannot contain them, so it ends at `end`
+            # ... nor `end` spelled in ordinary tokens (a parser of the text would end the thought there)
+            text = f'THOUGHT: /(.|\\n)*/ & ~(/(.|\\n)*/ {json.dumps(self.end)} /(.|\\n)*/)\n'
             head = f"/[ \\t\\r\\n]*/ {self.start}"
             if self.optional:
                 return f"start: thought @answer | @answer\nthought: {head} THOUGHT {self.end}\n" + text

@@ -274,6 +274,7 @@ class _API:
         self._grammars_lock = threading.Lock()
         self.response_store = responses_api.ResponseStore()
         self.reasoning: ReasoningParser | None = None   # `--reasoning-parser` (set by build_app)
+        self._thought_spec: Reasoning | None = None    # its think block as a grammar prefix (`_thought`)
         self.tok = None
         self.model_name, self.max_n, self.retry_after = model_name, max_n, retry_after
         self.retry_headers = {"Retry-After": str(retry_after)}
@@ -395,14 +396,17 @@ class _API:
         """The reasoning parser's think block as the grammar's free prefix (`StructuredOutputs.reasoning`):
         optional for qwen3 (an output may answer at once), required for deepseek_r1; the tags are
         named as special tokens where the tokenizer (as llguidance reads it) has each as one."""
+        if self._thought_spec is not None:
+            return self._thought_spec
         llt = self.grammars.llg_tokenizer()
 
         def special(tag):
             ids = llt.tokenize_str(tag, parse_special=True)
             return len(ids) == 1 and llt.is_special_token(ids[0])
 
-        return Reasoning(START, END, optional=self.reasoning.kind == "qwen3",
-                         special=special(START) and special(END))
+        self._thought_spec = Reasoning(START, END, optional=self.reasoning.kind == "qwen3",
+                                       special=special(START) and special(END))
+        return self._thought_spec
 
     def _constraint(self, param: str, reasoning: bool = False, **fields) -> StructuredOutputs:
         """A request's StructuredOutputs (`jpa.server.tools.request_constraint`'s build): limits checked
