@@ -239,6 +239,11 @@ def test_constraint_applies_to_the_answer_after_the_thought(live, kind):
         whole = client.chat.completions.create(seed=11, extra_body={"separate_reasoning": False}, **kw)
         for c in whole.choices:
             assert _valid(c.message.content) and "reasoning_content" not in (c.message.model_extra or {})
+        # A constraint no token can start is a 400 up front, as without a thought (whose first mask
+        # allows any text).
+        r = httpx.post(f"{url}/v1/chat/completions", json={**{k: v for k, v in kw.items() if k != "response_format"},
+                                                            "structured_outputs": {"regex": "[^\\x00-\\x{10FFFF}]"}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs", r.text
     unconstrained = [t for t in thoughts if t and not _valid(t) and not t.lstrip().startswith("{")]
     assert len(unconstrained) >= 3, thoughts
 

@@ -421,7 +421,10 @@ class _API:
 
         def compile_():
             spec = StructuredOutputs(**fields, reasoning=thought)
-            error = first_mask_allows_something(self.grammars, spec)
+            # After a thought the first mask allows any text: the answer's own first mask is checked.
+            error = first_mask_allows_something(self.grammars, StructuredOutputs(**fields) if thought else spec)
+            if not error and thought:
+                error = first_mask_allows_something(self.grammars, spec)
             if error:
                 raise ValueError(f"structured.{spec.kind}: {error}")
             return spec
