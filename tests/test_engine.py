@@ -233,6 +233,8 @@ def test_bad_requests_fail_alone(engines, short_engine):
     (dict(seed=-5), r"seed must be an int in \[0, 2\*\*31\)"),
     (dict(stop=("",)), "stop must be non-empty strings"),
     (dict(temperature=float("inf")), "temperature must be a finite number"),
+    (dict(temperature=1e38), "temperature must be a finite number >= 0 and <= 100"),   # float32 overflow
+    (dict(temperature=100.5), "temperature must be a finite number >= 0 and <= 100"),
 ])
 def test_sampling_params_errors(kwargs, msg):
     with pytest.raises(ValueError, match=msg):

@@ -111,6 +111,48 @@ def test_forced_tool_calls_validate_and_stream(live, choice):
     assert reasons == {c.index: c.finish_reason for c in r.choices}
 
 
+# Two tools whose parameters use local references into their own definitions, under the same name.
+PLACE = {"type": "function", "function": {"name": "place", "parameters": {
+    "type": "object", "properties": {"at": {"$ref": "#/$defs/P"}, "near": {"$ref": "#/$defs/my%20P~1b"}},
+    "required": ["at", "near"], "additionalProperties": False,
+    "$defs": {"P": {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}},
+                    "required": ["x"], "additionalProperties": False},
+              "my P/b": {"enum": ["n", "s"]}}}}}
+MOVE = {"type": "function", "function": {"name": "move", "parameters": {
+    "type": "object", "properties": {"to": {"$ref": "#/definitions/P"}}, "required": ["to"],
+    "additionalProperties": False, "definitions": {"P": {"enum": ["up", "down"]}}}}}
+
+
+def test_required_tools_with_local_refs(live):
+    """tool_choice required nests each tool's parameters in an array schema: their "#/$defs/..." and
+    "#/definitions/..." references (two tools, one definition name) still resolve (they were a 400),
+    and every call's arguments validate against the tool's own schema; a reference to the
+    parameters themselves ("#") too (checked on the schema: a random model recursing may not end)."""
+    from types import SimpleNamespace as NS
+
+    from jpa.server.tools import required_schema
+    kw = dict(model=NAME, messages=MSGS, tools=[PLACE, MOVE], tool_choice="required", max_tokens=120,
+              temperature=1.0, seed=4, n=3)
+    r = live.client.chat.completions.create(**kw)
+    for c in r.choices:
+        assert c.finish_reason == "tool_calls" and c.message.tool_calls, c.message
+        for call in c.message.tool_calls:
+            spec = {"place": PLACE, "move": MOVE}[call.function.name]
+            jsonschema.validate(json.loads(call.function.arguments), spec["function"]["parameters"])
+    tree = {"type": "object", "properties": {"v": {"$ref": "#/$defs/V"}, "kids": {"type": "array", "items": {"$ref": "#"}}},
+            "required": ["v"], "additionalProperties": False, "$defs": {"V": {"type": "integer"}}}
+    schema = required_schema([NS(function=NS(name="tree", parameters=tree)),
+                              NS(function=NS(name="move", parameters=MOVE["function"]["parameters"]))], True)
+    v = jsonschema.Draft202012Validator(schema)
+    assert v.is_valid([{"name": "tree", "parameters": {"v": 1, "kids": [{"v": 2, "kids": []}]}},
+                       {"name": "move", "parameters": {"to": "up"}}])
+    assert not v.is_valid([{"name": "tree", "parameters": {"v": 1, "kids": [{"v": "x"}]}}])
+    assert not v.is_valid([{"name": "move", "parameters": {"to": 1}}])
+    r = live.post("/v1/chat/completions", {"messages": MSGS, "max_tokens": 1, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "tree", "parameters": tree}}]})
+    assert r.status_code == 200, r.text
+
+
 def test_auto_tool_calls_are_parsed_from_the_text(live):
     """With tool_choice auto the model's own text is parsed (Hermes <tool_call> blocks here); a
     regex makes the random model write one call after some content."""

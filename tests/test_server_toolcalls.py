@@ -16,7 +16,9 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("fastapi")
 pytest.importorskip("llguidance")
 
-from jpa.server.toolcalls import HERMES, LLAMA3_JSON, REQUIRED, CallStream  # noqa: E402
+from jpa.server import toolcalls  # noqa: E402
+from jpa.server.toolcalls import HERMES, LLAMA3_JSON, REQUIRED, CallStream, _JsonEnd  # noqa: E402
+from jpa.server.toolparsers import MISTRAL, PYTHONIC, QWEN3_CODER, SnapshotStream  # noqa: E402
 
 CASES = [
     (HERMES, 'Sure. <tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>',
@@ -105,6 +107,75 @@ def _streamed(client, **kw):
             if c.finish_reason:
                 reasons.append(c.finish_reason)
     return content, [(v[1], v[2]) for _, v in sorted(calls.items())], reasons, arg_deltas
+
+
+def _random_json(rng, depth=0):
+    r = rng.random()
+    if depth > 3 or r < 0.3:
+        return rng.choice([1, -2.5e3, True, None, "x", 'a"}]\\{[', "\u00e9\n"])
+    if r < 0.6:
+        return [_random_json(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+    return {rng.choice(["a", "b}", '"q', "\\"]): _random_json(rng, depth + 1) for _ in range(rng.randint(0, 3))}
+
+
+def test_json_end_is_raw_decode_read_incrementally():
+    """_JsonEnd (the arguments' end, read a delta at a time) answers as json's raw_decode does on
+    every prefix, for valid objects (strings with brackets, quotes and escapes) and broken ones."""
+    rng = random.Random(7)
+    for trial in range(300):
+        text = json.dumps({"k": _random_json(rng)}, ensure_ascii=rng.random() < 0.5) + rng.choice(["", "}", " x"])
+        if trial % 3 == 0:   # broken: a character dropped, doubled or replaced
+            k = rng.randrange(len(text))
+            text = text[:k] + rng.choice(["", text[k] * 2, "]", "'", "\\"]) + text[k + 1:]
+        text = "ab" + text
+        tracker, i = _JsonEnd(2), 2
+        while i <= len(text):
+            try:
+                want = json.JSONDecoder().raw_decode(text[:i], 2)[1]
+            except ValueError:
+                want = None
+            assert tracker.scan(text[:i]) == want, (text, i)
+            i += rng.randint(1, 4)
+
+
+@pytest.mark.parametrize("fmt", [HERMES, REQUIRED, MISTRAL, QWEN3_CODER, PYTHONIC])
+def test_long_calls_are_read_once(fmt, monkeypatch):
+    """A long call fed two characters at a time: its JSON is decoded once (it was on every delta,
+    quadratic: 8.8 s for a 45k-character call), a Qwen3-Coder parameter converted once, a pythonic
+    argument evaluated once; the calls are the whole text's."""
+    args = {"items": [{"k": i, "s": "a}\"b{"} for i in range(300)]}
+    text = {HERMES: f'<tool_call>{{"name": "f", "arguments": {json.dumps(args)}}}</tool_call>',
+            REQUIRED: f'[{{"name": "f", "parameters": {json.dumps(args)}}}]',
+            MISTRAL: f'[TOOL_CALLS][{{"name": "f", "arguments": {json.dumps(args)}}}]',
+            QWEN3_CODER: f"<tool_call><function=f><parameter=items>{json.dumps(args['items'])}</parameter>"
+                         f"</function></tool_call>",
+            PYTHONIC: f"[f(items={json.dumps(args['items'])})]"}[fmt]
+    tools = {"f": {"type": "object", "properties": {"items": {"type": "array"}}}}
+    counts = {"decode": 0, "loads": 0, "literal": 0}
+    from jpa.server import toolparsers
+    real_decode, real_loads, real_literal = json.JSONDecoder.raw_decode, json.loads, toolparsers.ast.literal_eval
+
+    def decode(self, s, idx=0):   # (json.loads of a short name string comes here too)
+        counts["decode"] += len(s) - idx > 100
+        return real_decode(self, s, idx)
+
+    def loads(s, *a, **k):
+        counts["loads"] += len(s) > 100
+        return real_loads(s, *a, **k)
+
+    def literal(s):
+        counts["literal"] += 1
+        return real_literal(s)
+    monkeypatch.setattr(json.JSONDecoder, "raw_decode", decode)
+    monkeypatch.setattr(toolparsers.json, "loads", loads)
+    monkeypatch.setattr(toolparsers.ast, "literal_eval", literal)
+    stream = CallStream(fmt) if fmt in (HERMES, REQUIRED) else SnapshotStream(fmt, tools=tools)
+    for i in range(0, len(text), 2):
+        stream.feed(text[i:i + 2])
+    stream.feed("", final=True)
+    assert counts["decode"] <= 1 and counts["loads"] <= 1 and counts["literal"] <= 1, counts
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in stream.calls] == [("f", args)]
+
 
 
 @pytest.mark.parametrize("max_tokens", [200, 64], ids=["whole", "cut"])

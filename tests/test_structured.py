@@ -9,6 +9,7 @@ strings, and the errors of bad constraints.
 import dataclasses
 import json
 import math
+import pathlib
 import re
 
 import numpy as np
@@ -16,7 +17,8 @@ import pytest
 
 from jpa.testing.engine import assert_same, fresh_seed, random_prompts, run
 from jpa.engine import SamplingParams
-from jpa.engine.structured import StructuredOutputs
+from jpa.engine.structured import Grammars, Reasoning, StructuredOutputs
+from jpa.models.tokenizer import ByteTokenizer, HFTokenizer
 from structured_util import ARITHMETIC, check_json, is_arithmetic, random_choices, random_regex, random_schema
 
 pytest.importorskip("llguidance")
@@ -173,6 +175,75 @@ def test_bad_constraints_are_value_errors(fields, match):
         StructuredOutputs(**fields)
     with pytest.raises(ValueError, match=match):
         SamplingParams(structured=fields)
+
+
+def _mask(grammars, m) -> np.ndarray:
+    row = np.zeros((grammars.words,), np.int32)
+    m.fill(row)
+    return np.unpackbits(row.view(np.uint8), bitorder="little")[:grammars.vocab_size].astype(bool)
+
+
+def test_constraint_after_a_thought_is_the_constraint():
+    """StructuredOutputs(reasoning=...) over the byte tokenizer (think tags as text, a lazy match):
+    any character is allowed in the thought (text each constraint forbids: random text, braces, `</thi`)
+    and EOS is not; after `</think>` the masks equal the plain constraint's along a random walk of
+    its allowed tokens, to the end. Fresh random constraints (the seed is printed)."""
+    seed = fresh_seed()
+    print("seed", seed)
+    rng = np.random.default_rng(seed)
+    tok = ByteTokenizer()
+    g = Grammars(tok, tok.vocab_size, [tok.EOS])
+    cases = [("json", random_schema(rng)), ("json", random_schema(rng)), ("regex", random_regex(rng)),
+             ("choice", random_choices(rng)), ("grammar", ARITHMETIC), ("json_object", True)]
+    for kind, spec in cases:
+        for optional in (False, True):
+            plain = g.matcher(StructuredOutputs(**{kind: spec}))
+            after = g.matcher(StructuredOutputs(**{kind: spec}, reasoning=Reasoning(optional=optional)))
+            if optional:   # qwen3's thought opens with <think> (after whitespace)
+                assert after._m.consume_tokens(tok.encode(" <think>"))
+            thought = bytes(rng.integers(0, 256, 12).tolist()).decode("utf-8", "replace") + '}{"x</thi\n<think>'
+            for ch in thought:   # free: any character (every ASCII byte), never EOS (the answer must come)
+                allowed, ids = _mask(g, after), tok.encode(ch)
+                assert allowed[:128].all() and allowed[ids[0]] and not allowed[tok.EOS], (kind, optional, thought)
+                assert after._m.consume_tokens(ids)
+            assert after._m.consume_tokens(tok.encode("</think>"))
+            for _ in range(400):   # the answer: the plain constraint's masks, token by token
+                want = _mask(g, plain)
+                assert (_mask(g, after) == want).all(), (kind, spec, optional)
+                if plain.done:
+                    break
+                t = int(rng.choice(np.flatnonzero(want[:256]))) if want[:256].any() else tok.EOS
+                if t == tok.EOS:
+                    break
+                assert plain._m.consume_token(t) and after._m.consume_token(t)
+            assert after.done == plain.done
+    # Think tags that are special tokens (llguidance reads every added token of a Hugging Face
+    # tokenizer as special; the tiny Qwen3's): named as tokens; the thought holds no special token,
+    # and `</think>` spelled in ordinary tokens is refused (a parser of the text would split there).
+    qwen = HFTokenizer.from_dir(pathlib.Path(__file__).parent / "data" / "hf" / "qwen3")
+    gq = Grammars(qwen, 320, [qwen.eos_token_id])
+    end_id = qwen.backend_tokenizer.token_to_id("</think>")
+    spelled = [next(i for i in range(320) if gq.llg_tokenizer().decode_bytes([i]) == bytes([c]))
+               for c in b"</think>"]
+    for optional in (False, True):
+        m = gq.matcher(StructuredOutputs(json_object=True, reasoning=Reasoning(optional=optional, special=True)))
+        head = [qwen.backend_tokenizer.token_to_id("<think>")] if optional else []
+        body = qwen.backend_tokenizer.encode("a}{b</th", add_special_tokens=False).ids
+        assert m._m.consume_tokens(head + body)
+        assert m._m.try_consume_tokens(spelled) == len(spelled) - 1
+        assert not _mask(gq, m)[qwen.eos_token_id] and _mask(gq, m)[end_id]
+        assert m._m.consume_tokens([end_id] + qwen.backend_tokenizer.encode("{}", add_special_tokens=False).ids)
+        assert m.done
+    # qwen3's optional thought: an output that does not open one is the answer from its first token.
+    m = g.matcher(StructuredOutputs(choice=["yes", "no"], reasoning={"optional": True}))
+    assert m._m.consume_tokens(tok.encode("no")) and m.done
+    # the thought ends at the first </think> (DeepSeek-R1's parser splits there too)
+    m = g.matcher(StructuredOutputs(choice=["yes"], reasoning=Reasoning()))
+    assert m._m.try_consume_tokens(tok.encode("a</think>b</think>yes")) == len("a</think>")
+    with pytest.raises(ValueError, match="structured.reasoning: unknown field"):
+        StructuredOutputs(json_object=True, reasoning={"stop": "x"})
+    with pytest.raises(ValueError, match="special token is named <name>"):
+        Reasoning(end="think end", special=True)
 
 
 def test_bad_constraint_fails_only_its_request(engines):

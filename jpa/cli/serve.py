@@ -57,7 +57,8 @@ def parse_args(argv=None):
                     "constraint may take to compile (then 400; default 10)")
     ap.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"], help="split chat "
                     "outputs' <think>...</think> into reasoning_content (deepseek_r1: the output starts inside the "
-                    "think block; qwen3: only an output that opens one); default: none")
+                    "think block; qwen3: only an output that opens one); a constraint (response_format, "
+                    "structured_outputs, a forced or required tool) then applies to the answer after it; default: none")
     ap.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral", "qwen3_coder",
                     "pythonic"], help="the format of the model's tool calls (tool_choice auto); default: from "
                     "the chat template (Qwen3-Coder XML, Mistral [TOOL_CALLS], Llama-3.1 JSON, else Hermes)")

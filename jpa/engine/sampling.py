@@ -16,6 +16,10 @@ from jax import lax
 
 from jpa.engine.structured import StructuredOutputs
 
+# Far above any useful temperature, far below float32's range: logits / temperature stay finite and a
+# grammar mask (-inf) survives the division (1e38, and past float32's max, broke sampling).
+MAX_TEMPERATURE = 100.0
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -90,8 +94,9 @@ class SamplingParams:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1; got {self.max_new_tokens!r}")
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
-                and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0; got {self.temperature!r}")
+                and 0 <= self.temperature <= MAX_TEMPERATURE):
+            raise ValueError(f"temperature must be a finite number >= 0 and <= {MAX_TEMPERATURE:g}; got "
+                             f"{self.temperature!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0 = off); got {self.top_k!r}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):

@@ -75,10 +75,87 @@ def _short(message: str) -> str:
     return " ".join(message.split())[:400]
 
 
+@dataclasses.dataclass(frozen=True)
+class Reasoning:
+    """Free text before a constraint: a reasoning model's thought (`StructuredOutputs.reasoning`).
+
+    The constraint applies to the answer after the thought's end marker; until that marker is
+    generated, sampling is free (bounded by max_new_tokens, as any output). It is one grammar,
+    "thought, then the constraint", so the engine keeps no state of its own for it.
+
+    Attributes:
+      start, end: the markers (DeepSeek-R1's and Qwen3's `<think>`, `</think>`).
+      optional: False (DeepSeek-R1: the output begins inside the thought; a leading `start`, after
+        whitespace, is allowed): the answer comes after the first `end`. True (Qwen3): an output
+        that opens with `start` (after whitespace) is a thought up to the first `end`; any other
+        output is the answer from its first token.
+      special: the markers are special tokens of the tokenizer (llguidance reads every added token
+        of a Hugging Face tokenizer as special, Qwen3's and DeepSeek-R1's think tags included): the
+        grammar names them as tokens, and the thought is any text without special tokens. False:
+        they are text, and the thought ends at the first occurrence of `end` (a lazy match).
+    """
+    start: str = "<think>"
+    end: str = "</think>"
+    optional: bool = False
+    special: bool = False
+
+    def __post_init__(self):
+        for name in ("start", "end"):
+            v = getattr(self, name)
+            if not isinstance(v, str) or not v:
+                raise ValueError(f"structured.reasoning.{name} must be a non-empty string; got {v!r}")
+            if self.special and not (v.startswith("<") and v.endswith(">") and len(v) > 2
+                                     and not any(c.isspace() or c in "<>" for c in v[1:-1])):
+                raise ValueError(f"structured.reasoning.{name}: a special token is named <name> here; got {v!r}")
+        for name in ("optional", "special"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"structured.reasoning.{name} must be a bool; got {getattr(self, name)!r}")
+
+    @classmethod
+    def of(cls, value) -> "Reasoning | None":
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - {f.name for f in dataclasses.fields(cls)})
+            if unknown:
+                raise ValueError(f"structured.reasoning: unknown field(s) {unknown}")
+            return cls(**value)
+        raise ValueError(f"structured.reasoning must be a Reasoning or a dict of its fields; got {type(value).__name__}")
+
+    def lark(self) -> str:
+        """The outer Lark grammar: the thought, then `@answer` (the constraint's own grammar)."""
+        text = 'THOUGHT: /(.|\\n)*/\n'
+        if self.special:   # special tokens: the free text cannot contain them, so it ends at `end`
+            # ... nor `end` spelled in ordinary tokens (a parser of the text would end the thought there)
+            text = f'THOUGHT: /(.|\\n)*/ & ~(/(.|\\n)*/ {json.dumps(self.end)} /(.|\\n)*/)\n'
+            head = f"/[ \\t\\r\\n]*/ {self.start}"
+            if self.optional:
+                return f"start: thought @answer | @answer\nthought: {head} THOUGHT {self.end}\n" + text
+            return f"start: ({head})? THOUGHT {self.end} @answer\n" + text
+        start, end = json.dumps(self.start), json.dumps(self.end)
+        if self.optional:   # lazy: the thought is one lexeme that ends at the first `end`
+            return (f"start: thought @answer | @answer\nthought[lazy]: /[ \\t\\r\\n]*/ {start} THOUGHT {end}\n"
+                    + text)
+        return f"start: thought @answer\nthought[lazy]: THOUGHT {end}\n" + text
+
+
+def _after_reasoning(text: str, reasoning: Reasoning) -> str:
+    """A top-level llguidance grammar: the thought (reasoning.lark()), then the grammar `text`."""
+    if text.lstrip().startswith("{"):   # llguidance's JSON form: {"grammars": [...], ...}
+        top = json.loads(text)
+        grammars = top["grammars"]
+    else:                               # Lark text
+        top, grammars = {}, [{"lark_grammar": text}]
+    answer = {**grammars[0], "name": "answer"}
+    return json.dumps({**top, "grammars": [{"name": "reasoning", "lark_grammar": reasoning.lark()}, answer,
+                                           *grammars[1:]]})
+
+
 @functools.lru_cache(maxsize=256)
-def _grammar_text(kind: str, value) -> str:
-    """The llguidance grammar of a constraint; ValueError with llguidance's message if it does not
-    compile (a malformed regex or Lark grammar, a JSON schema it cannot handle)."""
+def _grammar_text(kind: str, value, reasoning: "Reasoning | None" = None) -> str:
+    """The llguidance grammar of a constraint (after a thought when reasoning is given); ValueError
+    with llguidance's message if it does not compile (a malformed regex or Lark grammar, a JSON
+    schema it cannot handle)."""
     llg = _llguidance()
     if kind == "json":
         text = llg.LLMatcher.grammar_from_json_schema(value, defaults=JSON_DEFAULTS)
@@ -93,6 +170,8 @@ def _grammar_text(kind: str, value) -> str:
             text = llg.grammar_from("grammar", value)
         except ValueError as e:
             raise ValueError(_short(str(e))) from None
+    if reasoning is not None:
+        text = _after_reasoning(text, reasoning)
     error = llg.LLMatcher.validate_grammar(text)
     if error:
         raise ValueError(_short(error))
@@ -110,6 +189,9 @@ class StructuredOutputs:
       regex: a regular expression the whole output matches (Rust `regex` syntax).
       choice: one of these strings exactly.
       grammar: a context-free grammar, Lark syntax as llguidance reads it (GBNF is converted).
+    and optionally
+      reasoning: a `Reasoning` (or a dict of its fields): the constraint applies to the answer after
+        a free thought (a reasoning model's `<think>...</think>`); None: to the whole output.
 
     Raises:
       ValueError naming the field: none or more than one given, a wrong type, or a constraint
@@ -120,8 +202,10 @@ class StructuredOutputs:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    reasoning: Reasoning | None = None
 
     def __post_init__(self):
+        object.__setattr__(self, "reasoning", Reasoning.of(self.reasoning))
         given = [f for f in FIELDS if getattr(self, f) not in (None, False)]
         if len(given) != 1:
             raise ValueError(f"structured outputs need exactly one of {', '.join(FIELDS)}; got "
@@ -167,7 +251,7 @@ class StructuredOutputs:
     def grammar_text(self) -> str:
         """The llguidance grammar (compiled-checked; cached)."""
         kind = self.kind
-        return _grammar_text(kind, None if kind == "json_object" else getattr(self, kind))
+        return _grammar_text(kind, None if kind == "json_object" else getattr(self, kind), self.reasoning)
 
     @classmethod
     def of(cls, value) -> "StructuredOutputs | None":
@@ -175,9 +259,10 @@ class StructuredOutputs:
         if value is None or isinstance(value, cls):
             return value
         if isinstance(value, dict):
-            unknown = sorted(set(value) - set(FIELDS))
+            unknown = sorted(set(value) - {*FIELDS, "reasoning"})
             if unknown:
-                raise ValueError(f"structured: unknown field(s) {unknown}; the fields are {', '.join(FIELDS)}")
+                raise ValueError(f"structured: unknown field(s) {unknown}; the fields are {', '.join(FIELDS)}, "
+                                 f"reasoning")
             return cls(**value)
         raise ValueError(f"structured must be a StructuredOutputs or a dict of its fields; got "
                          f"{type(value).__name__}")

@@ -50,10 +50,10 @@ from jpa.server.logprobs import ChoiceTokens, TokenBytes, prompt_pieces
 # Request fields passed to jpa.engine.SamplingParams as they are (vLLM's names).
 CONTROL_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "min_tokens",
                   "stop_token_ids", "top_logprobs")
-from jpa.engine.structured import Grammars, StructuredOutputs
+from jpa.engine.structured import Grammars, Reasoning, StructuredOutputs
 from jpa.server.limits import CompileGuard, ConstraintLimits, check_constraint, first_mask_allows_something
 from jpa.server.metrics import ServerMetrics, Timing
-from jpa.server.reasoning import ReasoningParser, ReasoningStream
+from jpa.server.reasoning import END, START, ReasoningParser, ReasoningStream
 from jpa.server import responses as responses_api
 from jpa.server.toolparsers import MISTRAL
 from jpa.server.tools import (TOOL_CALL_PARSERS, ToolStream, constraint_field, parse_output, parser_format,
@@ -273,6 +273,8 @@ class _API:
         self.grammars: Grammars | None = None   # the server's own (validation only; the engine has one)
         self._grammars_lock = threading.Lock()
         self.response_store = responses_api.ResponseStore()
+        self.reasoning: ReasoningParser | None = None   # `--reasoning-parser` (set by build_app)
+        self._thought_spec: Reasoning | None = None    # its think block as a grammar prefix (`_thought`)
         self.tok = None
         self.model_name, self.max_n, self.retry_after = model_name, max_n, retry_after
         self.retry_headers = {"Retry-After": str(retry_after)}
@@ -310,6 +312,11 @@ class _API:
         # ASCII JSON: an error message never fails to encode, whatever it quotes.
         return Response(json.dumps(e.body(), ensure_ascii=True), status_code=e.status, headers=e.headers,
                         media_type="application/json")
+
+    def separates_reasoning(self, body) -> bool:
+        """A chat request's output is split by the reasoning parser (one is on, and the request does not
+        turn it off with vllm-router's separate_reasoning: false)."""
+        return self.reasoning is not None and getattr(body, "separate_reasoning", None) is not False
 
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "jpa",
@@ -385,18 +392,39 @@ class _API:
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             raise APIError(400, f"'{param}' token ids must be in [0, {self.vocab_size}); got {bad[:5]}", param=param)
 
-    def _constraint(self, param: str, **fields) -> StructuredOutputs:
+    def _thought(self) -> Reasoning:
+        """The reasoning parser's think block as the grammar's free prefix (`StructuredOutputs.reasoning`):
+        optional for qwen3 (an output may answer at once), required for deepseek_r1; the tags are
+        named as special tokens where the tokenizer (as llguidance reads it) has each as one."""
+        if self._thought_spec is not None:
+            return self._thought_spec
+        llt = self.grammars.llg_tokenizer()
+
+        def special(tag):
+            ids = llt.tokenize_str(tag, parse_special=True)
+            return len(ids) == 1 and llt.is_special_token(ids[0])
+
+        self._thought_spec = Reasoning(START, END, optional=self.reasoning.kind == "qwen3",
+                                       special=special(START) and special(END))
+        return self._thought_spec
+
+    def _constraint(self, param: str, reasoning: bool = False, **fields) -> StructuredOutputs:
         """A request's StructuredOutputs (`jpa.server.tools.request_constraint`'s build): limits checked
         first, then compiled (grammar, matcher over the tokenizer, first mask) on the CompileGuard's
-        large-stack workers within the compile deadline; any failure is a 400 naming the field."""
+        large-stack workers within the compile deadline; any failure is a 400 naming the field.
+        reasoning: the constraint applies to the answer after the reasoning parser's think block."""
         (kind, value), = fields.items()
         check_constraint(param, kind, value, self.limits)
         with self._grammars_lock:   # built once (about 0.5 s for a 49k vocabulary), outside the deadline
             self.grammars.llg_tokenizer()
+        thought = self._thought() if reasoning else None
 
         def compile_():
-            spec = StructuredOutputs(**fields)
-            error = first_mask_allows_something(self.grammars, spec)
+            spec = StructuredOutputs(**fields, reasoning=thought)
+            # After a thought the first mask allows any text: the answer's own first mask is checked.
+            error = first_mask_allows_something(self.grammars, StructuredOutputs(**fields) if thought else spec)
+            if not error and thought:
+                error = first_mask_allows_something(self.grammars, spec)
             if error:
                 raise ValueError(f"structured.{spec.kind}: {error}")
             return spec
@@ -525,7 +553,10 @@ class _API:
         check_unsupported(body)
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise APIError(400, "give 'max_tokens' or 'max_completion_tokens', not both", param="max_tokens")
-        structured = request_constraint(body, chat=True, build=self._constraint)   # also checks tool_choice against tools
+        # With a reasoning parser, the constraint applies to the answer after the think block.
+        build = functools.partial(self._constraint, reasoning=True) if self.separates_reasoning(body) \
+            else self._constraint
+        structured = request_constraint(body, chat=True, build=build)   # also checks tool_choice against tools
         if body.skip_special_tokens is None and tool_mode(body) == "auto" and \
                 (self.tool_call_parser or parser_format(self.tok)) == MISTRAL:
             # [TOOL_CALLS] and [ARGS] are special tokens of Mistral's tokenizers: keep them in the
@@ -1002,11 +1033,10 @@ class _ChatFormat(_Format):
         self.tool_name = body.tool_choice.function.name if self.tool_mode == "named" else None
         self.parallel = body.parallel_tool_calls is not False
         self._tool_streams: dict[int, ToolStream] = {}
-        # With a reasoning parser, the think block is reasoning_content and tool calls are parsed from
-        # the answer after it. Not under a constraint (response_format, structured_outputs, a named or
-        # required tool): the grammar applies to the whole output, so there is no think block to split.
-        self.reasoning = api.reasoning if (api.reasoning is not None and body.separate_reasoning is not False
-                                           and constraint_field(body) is None) else None
+        # With a reasoning parser, the think block is reasoning_content; tool calls are parsed from, and
+        # a constraint (response_format, structured_outputs, a named or required tool) applies to, the
+        # answer after it.
+        self.reasoning = api.reasoning if api.separates_reasoning(body) else None
         self._reasoning_streams: dict[int, ReasoningStream] = {}
 
     def _reason(self, reason, calls):

@@ -28,6 +28,7 @@ import queue
 import re
 import threading
 import time
+import urllib.parse
 
 import numpy as np
 
@@ -226,7 +227,7 @@ def _resolve(root: dict, ref):
         return None
     node = root
     for part in ref[1:].split("/")[1:] if ref != "#" else []:
-        part = part.replace("~1", "/").replace("~0", "~")
+        part = urllib.parse.unquote(part).replace("~1", "/").replace("~0", "~")   # a URI fragment's pointer
         if isinstance(node, dict) and part in node:
             node = node[part]
         elif isinstance(node, list) and part.isdigit() and int(part) < len(node):

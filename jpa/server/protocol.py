@@ -20,6 +20,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from jpa.engine.sampling import MAX_TEMPERATURE  # the engine's bound (logits / temperature stay finite)
+
 # What each field may be, for error messages about union-typed fields.
 FIELD_TYPES = {
     "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
@@ -28,9 +30,6 @@ FIELD_TYPES = {
     "content": "a string or a list of {type: 'text', text} parts",
 }
 MAX_STOP = 16
-# Far above any useful temperature, far below float32's range: logits / temperature stay finite and
-# the grammar mask (-inf) survives the division (1e38 and past float32's max broke sampling).
-MAX_TEMPERATURE = 100.0
 SEED_LIMIT = 2 ** 31   # the engine's seeds are in [0, 2**31); choice j of n uses seed + j
 SEED_MIN, SEED_END = -2 ** 63, 2 ** 64   # a request's seed: any signed or unsigned 64-bit integer (vLLM: int64)
 

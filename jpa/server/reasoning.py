@@ -8,6 +8,10 @@ Formats (vLLM's parser names):
   empty think block in the prompt): an output that starts with `<think>` (after whitespace) is
   reasoning up to `</think>`; any other output is all content.
 
+Under a constraint the grammar has the same shape (`jpa.engine.structured.Reasoning`: a free thought
+up to the first `</think>`, then the constraint), so the answer this parser splits off is the
+constrained part.
+
 `split(text)` parses a whole output; `ReasoningStream` turns streamed text deltas into (reasoning
 delta, content delta), holding back only what may be the start of a tag, so the deltas join to
 exactly what `split` returns.

@@ -40,16 +40,75 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-class _Obj:
-    """Scan of one call object's text so far (s starts at its `{`)."""
+_PLAIN_JSON = re.compile(r'[^"{}\[\]]+')
+_STRING_CHARS = re.compile(r'[^"\\]*')
 
-    def __init__(self, s: str):
+
+class _JsonEnd:
+    """Where the JSON object (or array) that starts at `start` ends, found incrementally: each call
+    of `scan` reads only the text added since the last (brackets counted outside strings), and the
+    object is parsed once, when its brackets balance. Same answer as `json.JSONDecoder().raw_decode`
+    on the text so far: the end once the value is complete and valid; never one when it is not JSON."""
+
+    def __init__(self, start: int):
+        self.pos, self.depth, self.in_str = start, 0, False
+        self.start, self.end, self.bad = start, None, False
+
+    def scan(self, t: str) -> int | None:
+        if self.end is not None or self.bad:
+            return self.end
+        i, depth, in_str, n = self.pos, self.depth, self.in_str, len(t)
+        while i < n:
+            if in_str:
+                i = _STRING_CHARS.match(t, i).end()
+                if i >= n:
+                    break
+                if t[i] == "\\":
+                    if i + 1 >= n:      # the escaped character is not here yet
+                        break
+                    i += 2
+                    continue
+                in_str, i = False, i + 1
+                continue
+            c = t[i]
+            if c == '"':
+                in_str, i = True, i + 1
+            elif c in "{[":
+                depth, i = depth + 1, i + 1
+            elif c in "}]":
+                depth, i = depth - 1, i + 1
+                if depth <= 0:
+                    try:
+                        _, e = json.JSONDecoder().raw_decode(t, self.start)
+                    except ValueError:
+                        e = None
+                    self.end, self.bad = e, e is None   # not JSON: never complete (as raw_decode)
+                    break
+            else:
+                i = _PLAIN_JSON.match(t, i).end()
+        self.pos, self.depth, self.in_str = i, depth, in_str
+        return self.end
+
+
+def _json_end(t: str, start: int, memo: dict) -> int | None:
+    """_JsonEnd of the value at `start`, kept in memo across calls on longer texts."""
+    tracker = memo.get(("json", start))
+    if tracker is None:
+        tracker = memo[("json", start)] = _JsonEnd(start)
+    return tracker.scan(t)
+
+
+class _Obj:
+    """Scan of one call object's text so far (its `{` at s[at]); offsets are absolute. memo: kept
+    across scans of the same growing text (the arguments are read incrementally, `_JsonEnd`)."""
+
+    def __init__(self, s: str, at: int = 0, memo: dict | None = None):
         self.name = None        # the name, once its string is complete
         self.args_start = None  # where the arguments value starts (once a character of it exists)
         self.args_end = None    # where it ends (once it parses as a complete JSON object)
         self.end = None         # just past the object's closing brace
         self.bad = False        # not a call of this shape
-        self._scan(s)
+        self._scan(s, at, {} if memo is None else memo)
 
     def _string(self, s, i):
         """(value, end) of a JSON string at i; (None, None) when incomplete; raises ValueError when bad."""
@@ -62,9 +121,9 @@ class _Obj:
             return None, None
         return json.loads(m.group(0)), m.end()
 
-    def _scan(self, s):
+    def _scan(self, s, at, memo):
         try:
-            i = _skip(s, 1)
+            i = _skip(s, at + 1)
             key, i = self._string(s, i)
             if key is None:
                 return
@@ -104,9 +163,8 @@ class _Obj:
             if s[i] != "{":
                 raise ValueError
             self.args_start = i
-            try:
-                _, j = json.JSONDecoder().raw_decode(s, i)
-            except ValueError:
+            j = _json_end(s, i, memo)
+            if j is None:
                 return          # not complete yet (or never: the text so far is the arguments)
             self.args_end = i = j
             i = _skip(s, i)
@@ -135,6 +193,7 @@ class CallStream:
         self._call_at = None         # where the current call's object starts (its `{`)
         self._current = None         # _call_at of the call last announced
         self._block_at = None        # Hermes: where the current block's <tool_call> starts
+        self._memo: dict = {}        # the arguments' scans, resumed on each delta (`_JsonEnd`)
 
     def _new_call(self, name: str) -> dict:
         call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": ""}}
@@ -226,7 +285,7 @@ class CallStream:
             self.pos, self.state = close + len(CLOSE), "between"
             return True, ""
         # state "call": scan the object so far
-        obj = _Obj(t[self._call_at:])
+        obj = _Obj(t, self._call_at, self._memo)
         if obj.name is None:
             if obj.bad or final:
                 return self._not_a_call()
@@ -235,15 +294,14 @@ class CallStream:
             self._current = self._call_at
             out.append(self._new_call(obj.name))
         if obj.args_start is not None:
-            start = self._call_at + obj.args_start
-            end = self._call_at + obj.args_end if obj.args_end is not None else len(t)
-            self._args(t[start + self._sent_args:end], out)
+            end = obj.args_end if obj.args_end is not None else len(t)
+            self._args(t[obj.args_start + self._sent_args:end], out)
         if obj.end is not None or obj.bad or final:
             if self.fmt == HERMES:
                 self.state = "closing"
-                self.pos = self._call_at + obj.end if obj.end is not None else len(t)
+                self.pos = obj.end if obj.end is not None else len(t)
             elif obj.end is not None and not obj.bad:
-                self.pos, self.state = self._call_at + obj.end, "between"
+                self.pos, self.state = obj.end, "between"
             else:
                 self.pos, self.state = len(t), "done"
             return True, ""

@@ -5,8 +5,9 @@ Each format is one pure scan, `parse(text, final) -> (content, [(name, arguments
 is monotone in the text: on a longer prefix the content and every call's arguments only grow, and a
 name, once returned, stays. `SnapshotStream` feeds the scan the text so far and sends what grew, so
 streamed and non-streamed answers (the scan of the whole text) are equal for any chunking, a call
-cut by max_tokens included. (The scan reruns on the whole text per delta: outputs are a few
-thousand characters.)
+cut by max_tokens included. The scan reruns per delta, but with a memo kept by the stream (the text
+only grows): a JSON value, a Python literal and a parameter's conversion are each read once (an
+incomplete one resumes where it stopped), so a long call costs about linear time, not quadratic.
 
 Formats (text before the first call is the content; after a call, text that is not a call ends the
 calls and is dropped; before any call, a block that turns out not to be a call is content):
@@ -29,7 +30,7 @@ import re
 import uuid
 import warnings
 
-from jpa.server.toolcalls import _Obj, _partial_suffix, _skip
+from jpa.server.toolcalls import _json_end, _Obj, _partial_suffix, _skip
 
 MISTRAL, QWEN3_CODER, PYTHONIC = "mistral", "qwen3_coder", "pythonic"
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
@@ -50,8 +51,8 @@ def _held(text: str, at: int, tag: str, final: bool) -> int:
 
 # ---------------------------------------------------------------------- Mistral
 
-def _mistral(t: str, final: bool, parallel: bool, tools) -> tuple[str, list]:
-    calls, content, p = [], "", 0
+def _mistral(t: str, final: bool, parallel: bool, tools, memo=None) -> tuple[str, list]:
+    calls, content, p, memo = [], "", 0, {} if memo is None else memo
     while True:
         at = t.find(TOOL_CALLS, p)
         if at < 0:
@@ -62,9 +63,9 @@ def _mistral(t: str, final: bool, parallel: bool, tools) -> tuple[str, list]:
             content += t[p:at]
         i, n0 = _skip(t, at + len(TOOL_CALLS)), len(calls)
         if i < len(t) and t[i] == "[":            # v0.3: a JSON array of {"name", "arguments"}
-            end = _mistral_array(t, i, final, calls, parallel)
+            end = _mistral_array(t, i, final, calls, parallel, memo)
         else:                                     # v11+: name[ARGS]{...}
-            end = _mistral_args(t, i, final, calls)
+            end = _mistral_args(t, i, final, calls, memo)
         if len(calls) == n0:                      # no call (yet)
             if end == "wait" and not final:
                 return content, calls
@@ -80,7 +81,7 @@ def _mistral(t: str, final: bool, parallel: bool, tools) -> tuple[str, list]:
             return content, calls
 
 
-def _mistral_args(t, i, final, calls):
+def _mistral_args(t, i, final, calls, memo):
     """`name[ARGS]{...}` at i: appends the call once its name is complete; returns where it ends,
     "wait" (incomplete), or "stop" (bad after the name, or cut)."""
     m = _NAME.match(t, i)
@@ -95,16 +96,15 @@ def _mistral_args(t, i, final, calls):
         return "wait"
     if t[k] != "{":
         return "stop"
-    try:
-        _, e = json.JSONDecoder().raw_decode(t, k)
-    except ValueError:
+    e = _json_end(t, k, memo)
+    if e is None:
         calls[-1] = (calls[-1][0], t[k:])
         return "wait"
     calls[-1] = (calls[-1][0], t[k:e])
     return e
 
 
-def _mistral_array(t, i, final, calls, more):
+def _mistral_array(t, i, final, calls, more, memo):
     i = _skip(t, i + 1)
     first = True
     while True:
@@ -122,18 +122,18 @@ def _mistral_array(t, i, final, calls, more):
                 return "stop"
         if t[i] != "{":
             return "stop" if not first else "bad"
-        obj = _Obj(t[i:])
+        obj = _Obj(t, i, memo)
         if obj.name is None:
             return "bad" if (obj.bad or final) and first else ("wait" if not obj.bad else "stop")
         args = ""
         if obj.args_start is not None:
-            args = t[i + obj.args_start:i + obj.args_end if obj.args_end is not None else len(t)]
+            args = t[obj.args_start:obj.args_end if obj.args_end is not None else len(t)]
         calls.append((obj.name, args))
         if obj.bad:
             return "stop"
         if obj.end is None:
             return "wait"
-        i, first = _skip(t, i + obj.end), False
+        i, first = _skip(t, obj.end), False
 
 
 # ---------------------------------------------------------------------- Qwen3-Coder XML
@@ -158,8 +158,8 @@ def _strip_nl(v: str) -> str:
     return v[:-1] if v.endswith("\n") else v
 
 
-def _qwen3_coder(t: str, final: bool, parallel: bool, tools) -> tuple[str, list]:
-    calls, content, p = [], "", 0
+def _qwen3_coder(t: str, final: bool, parallel: bool, tools, memo=None) -> tuple[str, list]:
+    calls, content, p, memo = [], "", 0, {} if memo is None else memo
     while True:
         at = t.find(XML_OPEN, p)
         if at < 0:
@@ -211,9 +211,12 @@ def _qwen3_coder(t: str, final: bool, parallel: bool, tools) -> tuple[str, list]
             end = t.find(P_CLOSE, pg + 1)
             if end < 0:
                 break
-            key = t[j + len(P_OPEN):pg]
-            parts.append(f"{json.dumps(key, ensure_ascii=False)}: "
-                         f"{_convert(_strip_nl(t[pg + 1:end]), props.get(key))}")
+            part = memo.get(("param", j, end))   # a complete parameter is converted once
+            if part is None:
+                key = t[j + len(P_OPEN):pg]
+                part = memo[("param", j, end)] = (f"{json.dumps(key, ensure_ascii=False)}: "
+                                                  f"{_convert(_strip_nl(t[pg + 1:end]), props.get(key))}")
+            parts.append(part)
             j = end + len(P_CLOSE)
         calls.append((name, "{" + ", ".join(parts) + ("}" if closed else "")))
         if not closed:
@@ -226,32 +229,36 @@ def _qwen3_coder(t: str, final: bool, parallel: bool, tools) -> tuple[str, list]
 
 # ---------------------------------------------------------------------- pythonic
 
-def _py_value_end(t: str, i: int) -> int | None:
+def _py_value_end(t: str, i: int, memo: dict) -> int | None:
     """End of a Python literal at i (the `,` or `)` that follows it at depth 0), or None when the
-    text ends first. Strings and runs of plain characters are skipped by regex (the scan reruns
-    per delta: a long string argument must not cost a Python step per character)."""
-    depth = 0
+    text ends first. Resumed where the last scan of the same value stopped (memo); strings and runs
+    of plain characters are skipped by regex."""
+    start = i
+    i, depth = memo.get(("py", start), (i, 0))
     while i < len(t):
         c = t[i]
         if c in "\"'":
             m = (_DQ if c == '"' else _SQ).match(t, i)
-            if m is None:
-                return None
+            if m is None:               # resumed at the string's start once more of it is here
+                break
             i = m.end()
             continue
         if c in "([{":
             depth += 1
         elif c in ")]}":
             if depth == 0:
+                memo[("py", start)] = (i, depth)
                 return i
             depth -= 1
         elif c == ",":
             if depth == 0:
+                memo[("py", start)] = (i, depth)
                 return i
         else:
             i = _PLAIN.match(t, i).end()
             continue
         i += 1
+    memo[("py", start)] = (i, depth)
     return None
 
 
@@ -262,8 +269,8 @@ def _py_json(text: str) -> str:
     return json.dumps(v, ensure_ascii=False)       # tuples -> lists; a set or bytes raises TypeError
 
 
-def _pythonic(t: str, final: bool, parallel: bool, tools) -> tuple[str, list]:
-    calls = []
+def _pythonic(t: str, final: bool, parallel: bool, tools, memo=None) -> tuple[str, list]:
+    calls, memo = [], {} if memo is None else memo
     i = _skip(t, 0)
     if t.startswith(PYTHON_START, i):
         i = _skip(t, i + len(PYTHON_START))
@@ -292,14 +299,20 @@ def _pythonic(t: str, final: bool, parallel: bool, tools) -> tuple[str, list]:
             eq = _skip(t, a.end()) if a else k
             if a is None or eq >= len(t) or t[eq] != "=":
                 break
-            end = _py_value_end(t, eq + 1)
+            end = _py_value_end(t, eq + 1, memo)
             if end is None:
                 break
-            try:
-                parts.append(f"{json.dumps(a.group(0))}: {_py_json(t[eq + 1:end])}")
-            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            part = memo.get(("arg", eq, end))      # a complete argument is evaluated once
+            if part is None:
+                try:
+                    part = f"{json.dumps(a.group(0))}: {_py_json(t[eq + 1:end])}"
+                except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                    part = False
+                memo[("arg", eq, end)] = part
+            if part is False:
                 calls.append((name, "{" + ", ".join(parts)))
                 return "", calls
+            parts.append(part)
             k = _skip(t, end + 1) if t[end] == "," else end
         calls.append((name, "{" + ", ".join(parts) + ("}" if closed else "")))
         if not closed:
@@ -322,10 +335,11 @@ class SnapshotStream:
         self._parse, self.parallel, self.tools = _PARSERS[fmt], parallel, tools
         self.text, self._content = "", ""
         self.calls: list[dict] = []
+        self._memo: dict = {}   # the scan's work on complete pieces and where incomplete ones stopped
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, list[dict]]:
         self.text += delta
-        content, calls = self._parse(self.text, final, self.parallel, self.tools)
+        content, calls = self._parse(self.text, final, self.parallel, self.tools, self._memo)
         if not self.parallel:
             calls = calls[:1]
         out, new = [], ""

@@ -28,6 +28,7 @@ are equal, a call cut by max_tokens included (its arguments as written so far).
 """
 
 import json
+import urllib.parse
 import uuid
 
 from jpa.engine.structured import StructuredOutputs
@@ -69,15 +70,86 @@ def _parameters(fn) -> dict:
                                                             "additionalProperties": False}
 
 
+# Keywords whose values are data, not subschemas: a "$ref" inside them is not a reference.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _escape(token: str) -> str:      # a JSON-pointer reference token (RFC 6901) in a URI fragment
+    return urllib.parse.quote(token.replace("~", "~0").replace("/", "~1"), safe="~!$&'()*+,;=:@-._")
+
+
+def _unescape(token: str) -> str:
+    return urllib.parse.unquote(token).replace("~1", "/").replace("~0", "~")
+
+
+def _rebase(schema, defs_map: dict, root_key: str, uses_root: list):
+    """schema with its local references rewritten for a root where its definitions live under $defs
+    by the new names of defs_map ({old name: new name}, `$defs` and `definitions` alike) and the
+    schema itself, where a reference points into it, under $defs[root_key] (uses_root: set True)."""
+    if isinstance(schema, list):
+        return [_rebase(v, defs_map, root_key, uses_root) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k == "$ref" and isinstance(v, str) and v.startswith("#"):
+            parts = v[1:].split("/")   # "", then the pointer's tokens
+            if len(parts) >= 3 and parts[0] == "" and parts[1] in ("$defs", "definitions") \
+                    and _unescape(parts[2]) in defs_map:
+                v = "#/$defs/" + "/".join([_escape(defs_map[_unescape(parts[2])]), *parts[3:]])
+            else:                      # "#" or a pointer into the parameters themselves
+                uses_root[0] = True
+                v = f"#/$defs/{_escape(root_key)}{v[1:]}"
+            out[k] = v
+        elif k in _DATA_KEYWORDS:
+            out[k] = v
+        else:
+            out[k] = _rebase(v, defs_map, root_key, uses_root)
+    return out
+
+
 def required_schema(tools, parallel: bool) -> dict:
-    """A JSON array of one or more {"name", "parameters"} calls of the tools (vLLM's form)."""
-    calls = [{"type": "object", "properties": {"name": {"enum": [t.function.name]},
-                                               "parameters": _parameters(t.function)},
-              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+    """A JSON array of one or more {"name", "parameters"} calls of the tools (vLLM's form).
+
+    Each tool's parameters sit inside the array's items, so their local references ("#/$defs/X",
+    "#/definitions/X", "#", "#/properties/...") would resolve against the array: the definitions move
+    to the root's $defs (named "tool<i>.<name>", so two tools' definitions never collide) and the
+    references follow them; a reference into the parameters themselves points to a copy of them there."""
+    calls, root_defs = [], {}
+    for i, t in enumerate(tools):
+        params = _parameters(t.function)
+        name = t.function.name
+        if isinstance(params, dict) and ("$defs" in params or "definitions" in params or _has_local_ref(params)):
+            params = dict(params)
+            defs = {}
+            for key in ("definitions", "$defs"):   # $defs wins a name both hold, as it is the newer
+                if isinstance(params.get(key), dict):
+                    defs.update(params.pop(key))
+            defs_map = {k: f"tool{i}.{k}" for k in defs}   # by position: names may repeat
+            root_key, uses_root = f"tool{i}", [False]
+            params = _rebase(params, defs_map, root_key, uses_root)
+            for k, d in defs.items():
+                root_defs[defs_map[k]] = _rebase(d, defs_map, root_key, uses_root)
+            if uses_root[0]:
+                root_defs[root_key] = params
+                params = {"$ref": f"#/$defs/{_escape(root_key)}"}
+        calls.append({"type": "object", "properties": {"name": {"enum": [name]}, "parameters": params},
+                      "required": ["name", "parameters"], "additionalProperties": False})
     schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    if root_defs:
+        schema["$defs"] = root_defs
     if not parallel:
         schema["maxItems"] = 1
     return schema
+
+
+def _has_local_ref(schema) -> bool:
+    if isinstance(schema, list):
+        return any(_has_local_ref(v) for v in schema)
+    if not isinstance(schema, dict):
+        return False
+    return any((k == "$ref" and isinstance(v, str) and v.startswith("#")) or
+               (k not in _DATA_KEYWORDS and _has_local_ref(v)) for k, v in schema.items())
 
 
 def request_constraint(body, chat: bool, build=_spec) -> StructuredOutputs | None:
@@ -118,8 +190,13 @@ def request_constraint(body, chat: bool, build=_spec) -> StructuredOutputs | Non
         fn = next(t.function for t in body.tools if t.function.name == body.tool_choice.function.name)
         found.append(("tool_choice", lambda: build(f"tools.{fn.name}.parameters", json=_parameters(fn))))
     elif mode == "required":
-        found.append(("tool_choice", lambda: build("tools", json=required_schema(
-            body.tools, body.parallel_tool_calls is not False))))
+        def required():
+            try:
+                schema = required_schema(body.tools, body.parallel_tool_calls is not False)
+            except RecursionError:
+                raise APIError(400, "'tools': a function's parameters are nested too deeply", param="tools") from None
+            return build("tools", json=schema)
+        found.append(("tool_choice", required))
     if len(found) > 1:
         raise APIError(400, f"give one constraint at a time; got {', '.join(n for n, _ in found)}",
                        param=found[1][0])
