@@ -57,3 +57,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if moved(item.nodeid, BENCH):
             item.add_marker(pytest.mark.bench)
+    # An entry naming one parametrization must name one that exists: checked wherever its test was
+    # collected with more than one parametrization (not when a single node id was asked for).
+    ids = {item.nodeid for item in items}
+    counts = {}
+    for nodeid in ids:
+        base = nodeid.split("[", 1)[0]
+        counts[base] = counts.get(base, 0) + 1
+    stale = [n for n in BENCH if "[" in n and counts.get(n.split("[", 1)[0], 0) > 1 and n not in ids]
+    if stale:
+        raise pytest.UsageError(f"tests/tiers.py names parametrizations that were not collected: {stale}")

@@ -110,7 +110,8 @@ def test_no_test_or_script_edits_sys_path_or_imports_a_script():
 
 def test_every_test_moved_to_the_bench_tier_exists():
     """tests/tiers.py names tests by node id: a renamed or deleted test would leave an entry that moves
-    nothing (and a test that no longer exists listed as 'kept fast elsewhere')."""
+    nothing (and a test that no longer exists listed as 'kept fast elsewhere'). A parametrization's id
+    is checked at collection (tests/conftest.py)."""
     from tiers import BENCH
 
     root = pathlib.Path(__file__).parents[1]

@@ -15,6 +15,54 @@ BENCH = {
     "tests/test_multihost.py::test_serve_over_two_processes_and_a_hung_peer":
         "45 s: jpa serve over 2 processes, SIGSTOP of a peer; the watchdog stays in "
         "test_followers_only_follow_and_watchdog",
+
+    # --- deviceless GPU compiles: the H100's speculative engine step, the kernel grid subset and the
+    # stacked pool in a layer loop (H100 and A100) stay
+    "tests/test_gpu_compile.py::test_tensor_parallel_llama70b_over_2_hosts":
+        "18 s: Llama-70B-shaped TP over 2 hosts (the collectives' host classifier keeps its unit tests)",
+    "tests/test_gpu_compile.py::test_random_accepted_configs_compile":
+        "8 s: 6 random kernel configurations (test_kernel_grid_subset_compiles compiles the fixed subset)",
+
+    # --- Mosaic decode in interpret mode: six cases stay (MHA page 8, GQA with a shared page, page 128,
+    # every feature at once, int8 at head_dim 192, fp8 with ALiBi and a window) and one race check
+    "tests/test_mosaic_decode.py::test_matches_reference[N8K1H192S32x3-float16-float16-L[33, 64, 1]]":
+        "4 s: q_per_kv 8, head_dim 192 (head_dim 192 stays in the int8 case)",
+    "tests/test_mosaic_decode.py::test_matches_reference[N4K2H64S64x2-bfloat16-bfloat16-L[64, 65, 127]]":
+        "4 s: page 64 (pages 8, 16, 128 stay)",
+    "tests/test_mosaic_decode.py::test_matches_reference[N2K1H256S16x4-bfloat16-bfloat16-L[3, 50]]":
+        "4 s: head_dim 256",
+    "tests/test_mosaic_decode.py::test_matches_reference[N16K1H64S16x4-bfloat16-bfloat16-L[7, 48]]":
+        "3 s: q_per_kv 16",
+    "tests/test_mosaic_decode.py::test_matches_reference[N4K1H96S16x4-float16-float16-L[5, 31, 48]-sc5.0]":
+        "3 s: soft cap alone (the every-feature case keeps it)",
+    "tests/test_mosaic_decode.py::test_matches_reference[N16K2H128S16x4-bfloat16-bfloat16-L[1, 40, 64]-alibi]":
+        "3 s: ALiBi alone (every-feature and fp8 cases keep it)",
+    "tests/test_mosaic_decode.py::test_matches_reference[N4K2H112S8x20-float16-float16-L[3, 20, 70, 150]-win11]":
+        "5 s: a window alone (every-feature and fp8 cases keep it)",
+    "tests/test_mosaic_decode.py::test_matches_reference[N6K2H64S256x1-float16-float8_e5m2-L[1, 100, 256]]":
+        "4 s: an 8-bit page of 256 tokens",
+    "tests/test_mosaic_decode.py::test_matches_reference[N8K2H128S32x4-bfloat16-int8-L[0, 32, 33, 100]-shared]":
+        "4 s: int8 with a shared page (int8 stays at head_dim 192)",
+    "tests/test_mosaic_decode.py::test_matches_reference[N4K1H64S64x2-float16-float8_e4m3fn-L[1, 64, 65]-sc20.0]":
+        "3 s: e4m3 (e5m2 stays)",
+    "tests/test_mosaic_decode.py::test_long_context_several_partitions_and_slots":
+        "20 s: 2100 tokens in 33 partitions (test_no_races keeps multi-block partitions through the slots)",
+    "tests/test_mosaic_decode.py::test_no_races[N8K1H64S32x15-float16-int8-L[450, 9]-alibi-win400]":
+        "5 s: the race detector on int8 (the bf16 case stays)",
+
+    # --- models: tiny-llama keeps each property; GPT-2 keeps its float64 reference test
+    "tests/test_model.py::test_paged_decode_equals_dense_recomputation_every_step[tiny-gpt2]":
+        "5 s: the GPT-2 family of a property tiny-llama keeps",
+    "tests/test_model.py::test_prefill_in_two_chunks_equals_one_chunk[tiny-gpt2]":
+        "7 s: the GPT-2 family of a property tiny-llama keeps",
+    "tests/test_model.py::test_bfloat16_weights_and_cache_stay_close_to_float32[tiny-gpt2]":
+        "7 s: the GPT-2 family of a property tiny-llama keeps",
+    "tests/test_hf_models.py::test_generate_command_runs_a_checkpoint_directory":
+        "8 s: jpa generate on a checkpoint folder (test_multihost runs `jpa generate --model <folder>`)",
+    "tests/test_generate_script.py::test_compile_cache_is_on_by_default":
+        "8 s: two generate processes sharing a cache folder",
+    "tests/test_chunked_prefill.py::test_chunks_equal_the_reference_at_any_budget[37-5]":
+        "4 s: a third budget (4 and 64 stay)",
 }
 
 
