@@ -6,8 +6,11 @@
                               HLO (pool copies, collectives, replica groups, the hosts they span)
     jpa.tools.kernel_checks   the decode-kernel grid, the ragged kernels, kernels over stacked pools
     jpa.tools.engine_checks   the engine's unified step on one GPU and tensor-parallel over several
+    jpa.tools.traffic         a memory-traffic model of a compiled GPU program: bytes each kernel reads
+                              and writes, by purpose, against the ideal (`engine_traffic`: one decode step)
 
-`scripts/gpu_compile_check.py` is the command line over these. A process that compiles must call
+`scripts/gpu_compile_check.py` is the command line over these; `scripts/gpu_traffic.py` over the
+traffic model. A process that compiles must call
 `deviceless.configure_environment()` before JAX first initializes XLA (the `Compiler` calls it):
 it turns on the XLA log that carries ptxas's register report.
 

@@ -50,6 +50,12 @@ FREE_OPS = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "w
             "after-all", "partition-id", "replica-id", "opt-barrier", "fusion-done", "copy-done", "async-done",
             "send-done", "recv-done", "all-reduce-done", "all-gather-done", "collective-permute-done",
             "add-dependency", "domain", "get-dimension-size", "reshape"}
+# XLA options under which the scanned layers' gemms read their weights in place (measured with this
+# model, BENCHMARKS.md "Memory traffic of a decode step"): gemms through cuBLAS rather than XLA's
+# Triton gemm fusions, which XLA GPU feeds a layer's slice of a stacked weight by its offset (a
+# dynamic-slice fusion) instead of copying the slice out first; and no dot merger, which would
+# concatenate wq, wk and wv into a new array every layer.
+WEIGHTS_IN_PLACE = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_dot_merger_threshold_mb": 0}
 PURPOSES = ("weights", "kv_read", "kv_write", "logits", "pages", "other")
 SLICING = ("dynamic-slice", "slice", "gather")
 IN_PLACE = ("dynamic-update-slice", "scatter")
@@ -296,6 +302,29 @@ def _loop_structure(comps: dict, entry: str) -> dict:
 
 
 def traffic(hlo: str, spec: Spec) -> list:
+    """One row per kernel of an optimized HLO module (see `_traffic`). A kernel that reads nothing
+    but weights (and indices) makes a weight too: a copy or a concatenation of weights (XLA merges
+    the q, k and v gemms into one over [wq | wk | wv]). The types of such results are added to the
+    spec's weights (when in a weights' dtype and of at least MATCH_BY_SIZE elements: not a gemm's
+    f32 output, not an activation) and the module read again, so that what it writes, and what
+    later reads it, counts as weights."""
+    rows = _traffic(hlo, spec)
+    derived, dtypes = set(), {t for t, _ in spec.weight_types}
+    for r in rows:
+        moved = sum(r["read"].values())
+        # (Not a lookup: a gather of embedding rows makes activations.)
+        if r["read"]["weights"] and r["read"]["weights"] >= 0.99 * moved and not r["gathers"]:
+            for leaf in _leaves(r["result"]):
+                for t, dims in arrays(leaf):
+                    if (spec.purpose(t, dims) == "other" and t in dtypes
+                            and int(np.prod(dims)) >= MATCH_BY_SIZE):
+                        derived.add((t, dims))
+    if not derived:
+        return rows
+    return _traffic(hlo, dataclasses.replace(spec, weight_types=spec.weight_types | derived))
+
+
+def _traffic(hlo: str, spec: Spec) -> list:
     """One row per kernel of an optimized HLO module: dict(name, op, computation, loops
     ([(body, trip or None)] outermost first), branch (the innermost conditional branch it is in, or
     None), executions (product of the known trips), read / written ({purpose: bytes} per execution),
@@ -326,8 +355,18 @@ def traffic(hlo: str, spec: Spec) -> list:
                              branch=branches[-1] if branches else None, branches=branches,
                              executions=executions, read=read, written=written, kernel=kernel,
                              fused=_calls(ins) if ins.op in ("fusion", "fusion-start") else None,
-                             type=ins.type[:120]))
+                             type=ins.type[:120], result=_result_type(ins),
+                             gathers=ins.op == "gather" or _calls(ins) in comps and any(
+                                 i.op == "gather" for i in comps[_calls(ins)].values())))
     return rows
+
+
+def _result_type(ins: Instr) -> str:
+    """The type of what a kernel produces (an async fusion start: its result, not its context)."""
+    if ins.op == "fusion-start":
+        leaves = _leaves(ins.type)
+        return leaves[1] if len(leaves) > 1 else ins.type
+    return ins.type
 
 
 def _operand_type(name: str, comp: dict) -> str:
@@ -340,10 +379,7 @@ def _kernel_bytes(ins: Instr, comp: dict, comps: dict, spec: Spec) -> tuple:
     read = dict.fromkeys(PURPOSES, 0)
     written = dict.fromkeys(PURPOSES, 0)
     op_types = [_operand_type(o, comp) for o in ins.operands]
-    result = ins.type
-    if ins.op == "fusion-start":  # ((operands), result, context)
-        leaves = _leaves(ins.type)
-        result = leaves[1] if len(leaves) > 1 else ins.type
+    result = _result_type(ins)  # an async fusion start's type is ((operands), result, context)
     fused = comps.get(_calls(ins)) if ins.op in ("fusion", "fusion-start") else None
     param_reads = _param_reads(fused, comps) if fused else {}
     writes = _result_writes(fused) if fused else None
@@ -502,7 +538,7 @@ def engine_traffic(target: str = "h100", config=None, *, max_seqs: int = 64, con
     decode loop: a decode step at `max_seqs` sequences of `context` tokens (a verify step of
     k + 1 rows per sequence under "spec"). config: a ModelConfig or dict (default Llama-3-8B's
     shapes). Returns dict(name, summary (`summary` against the ideal), top (`top_kernels`),
-    seconds (the compile), temp_bytes, rows (every row of the decode loop))."""
+    seconds (the compile), temp_bytes, rows (every row of the decode loop), hlo)."""
     from jpa.models import ModelConfig
     from jpa.tools.deviceless import Compiler
     from jpa.tools.engine_checks import LLAMA_SHAPED, engine_steps
@@ -526,4 +562,4 @@ def engine_traffic(target: str = "h100", config=None, *, max_seqs: int = 64, con
     step = select(rows, loop)
     return dict(name=name, target=target, max_seqs=max_seqs, context=context, which=which,
                 compiler_options=compiler_options or {}, summary=summary(step, ideal), top=top_kernels(step, 12),
-                seconds=rec["seconds"], temp_bytes=rec["temp_bytes"], rows=step)
+                seconds=rec["seconds"], temp_bytes=rec["temp_bytes"], rows=step, hlo=rec["hlo"])
