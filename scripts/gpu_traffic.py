@@ -43,6 +43,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", choices=sorted(deviceless.TARGETS), default="h100")
     p.add_argument("--model", choices=sorted(MODEL_SHAPES), default="llama3-8b")
+    p.add_argument("--layers", type=int, help="the model's shapes with this many layers")
     p.add_argument("--max-seqs", type=int, nargs="+", default=[1, 64])
     p.add_argument("--context", type=int, default=1024, help="tokens of context of every sequence")
     p.add_argument("--pool-gib", type=float, default=8.0)
@@ -53,6 +54,7 @@ def main(argv=None) -> int:
                    help="compile with jpa.tools.traffic.WEIGHTS_IN_PLACE (cuBLAS gemms, no dot merger)")
     p.add_argument("--top", type=int, default=8, help="kernels listed per table")
     p.add_argument("--json", help="write the summaries here")
+    p.add_argument("--hlo", help="a folder: write each compiled program's optimized HLO there")
     args = p.parse_args(argv)
     options = {}
     for o in args.option:
@@ -62,12 +64,18 @@ def main(argv=None) -> int:
         options[k] = _value(v)
     if args.in_place:
         options = {**WEIGHTS_IN_PLACE, **options}
+    shapes = dict(MODEL_SHAPES[args.model], **({"num_layers": args.layers} if args.layers else {}))
     out = []
     for which in args.which:
         for seqs in args.max_seqs:
-            r = engine_traffic(args.target, MODEL_SHAPES[args.model], max_seqs=seqs, context=args.context,
+            r = engine_traffic(args.target, shapes, max_seqs=seqs, context=args.context,
                                pool_gib=args.pool_gib, which=which, compiler_options=options, label=args.model)
             s = r["summary"]
+            if args.hlo:
+                os.makedirs(args.hlo, exist_ok=True)
+                tag = "_".join(f"{k}={v}" for k, v in options.items())
+                with open(os.path.join(args.hlo, f"{args.target}_{which}_{seqs}_{tag or 'default'}.hlo"), "w") as f:
+                    f.write(r["hlo"])
             print(f"\n{r['name']} on {args.target}, {seqs} x {args.context} tokens of context, options {options}: "
                   f"compiled in {r['seconds']} s; {len(s['weight_copies'])} materialized weight slices")
             print(table(s))
@@ -75,7 +83,7 @@ def main(argv=None) -> int:
                 parts = ", ".join(f"{p} {b / 1e9:.3f}" for p, b in {**{f"R {a}": b for a, b in k["read"].items()},
                                                                       **{f"W {a}": b for a, b in k["written"].items()}}.items())
                 print(f"  {k['bytes'] / 1e9:8.3f} GB  {k['name']} ({k['what'][:40]}) x{k['executions']}: {parts}")
-            out.append(dict(target=args.target, model=args.model, max_seqs=seqs, context=args.context, which=which,
+            out.append(dict(target=args.target, model=args.model, num_layers=shapes["num_layers"], max_seqs=seqs, context=args.context, which=which,
                             options=options, seconds=r["seconds"], temp_bytes=r["temp_bytes"],
                             summary=s, top=r["top"]))
     if args.json:

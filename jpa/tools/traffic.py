@@ -21,7 +21,11 @@ instruction XLA runs as GPU work (fusions, custom calls, async fusion starts, ba
   stacked one), kv_read / kv_write (a page pool read by a kernel / updated in place), logits
   (an array with a vocabulary axis: the head's output, sampling), pages (integer arrays: page
   tables, slot mappings, allocator state, token ids), other (activations). A kernel's read and
-  written bytes are split by the purpose of each operand and of each result.
+  written bytes are split by the purpose of each operand and of each result. Arrays are matched by
+  type, and large ones also by dtype and element count (XLA re-views them: `MATCH_BY_SIZE`); an
+  array a kernel makes out of weights alone (a copy, a concatenation) is a weight too. Pool
+  traffic outside the scanned layers and outside attention kernels (copy-on-write of shared
+  pages, every layer at once) is page work.
 - For a conditional, each branch's kernels are rows of their own (`branch`); `summary` counts, for
   each conditional, its most expensive branch only.
 
@@ -423,19 +427,26 @@ def _kernel_bytes(ins: Instr, comp: dict, comps: dict, spec: Spec) -> tuple:
 
 # ---- Summing rows: one iteration of a loop, the costliest branch of each conditional ----
 
-def select(rows: list, loop: str | None = None) -> list:
+def select(rows: list, loop: str | None = None, exclusive=()) -> list:
     """The rows of one iteration of the while loop whose body is `loop` (None: the whole program,
-    each unknown-trip loop counted once), keeping for each conditional only its costliest branch."""
+    each unknown-trip loop counted once), keeping for each conditional only its costliest branch,
+    and for each set of loop bodies in `exclusive` (loops the program runs one of: the engine's
+    verify pass and plain decode pass, each a loop of 0 or 1 iterations) only the costliest."""
     if loop is not None:
         rows = [r for r in rows if any(b == loop for b, _ in r["loops"])]
-    cost = {}
+    cost = lambda r: r["executions"] * (sum(r["read"].values()) + sum(r["written"].values()))
+    for group in exclusive:
+        per = {b: sum(cost(r) for r in rows if any(x == b for x, _ in r["loops"])) for b in group}
+        keep = max(per, key=per.get)
+        rows = [r for r in rows if not any(x in group and x != keep for x, _ in r["loops"])]
+    spent = {}
     for r in rows:
         for br in r["branches"]:
-            cost[br] = cost.get(br, 0) + r["executions"] * (sum(r["read"].values()) + sum(r["written"].values()))
+            spent[br] = spent.get(br, 0) + cost(r)
     best = {}
-    for br, c in cost.items():
+    for br, c in spent.items():
         cond = br.rsplit(":", 1)[0]
-        if cond not in best or c > cost[best[cond]]:
+        if cond not in best or c > spent[best[cond]]:
             best[cond] = br
     return [r for r in rows if all(best[br.rsplit(":", 1)[0]] == br for br in r["branches"])]
 
@@ -536,7 +547,7 @@ def engine_traffic(target: str = "h100", config=None, *, max_seqs: int = 64, con
     """Compiles the engine's unified step (`engine_steps`: a ragged pass, then the decode loop;
     "spec": with n-gram speculation, k = 4) for a deviceless target and models one iteration of its
     decode loop: a decode step at `max_seqs` sequences of `context` tokens (a verify step of
-    k + 1 rows per sequence under "spec"). config: a ModelConfig or dict (default Llama-3-8B's
+    k + 1 rows per sequence under "spec": its verify pass, the costlier of its two passes). config: a ModelConfig or dict (default Llama-3-8B's
     shapes). Returns dict(name, summary (`summary` against the ideal), top (`top_kernels`),
     seconds (the compile), temp_bytes, rows (every row of the decode loop), hlo)."""
     from jpa.models import ModelConfig
@@ -559,7 +570,11 @@ def engine_traffic(target: str = "h100", config=None, *, max_seqs: int = 64, con
     loop = decode_loop(rows)
     if loop is None:
         raise RuntimeError(f"{name}: no decode loop found in the compiled program")
-    step = select(rows, loop)
+    # Loops of 0 or 1 iterations directly in the decode loop that hold a model pass (the verify
+    # pass and the plain decode pass of a speculative step): one of them runs.
+    passes = {r["loops"][1][0] for r in rows if len(r["loops"]) > 1 and r["loops"][0][0] == loop
+              and r["loops"][1][1] is None and r["kernel"] in ("mosaic", "triton")}
+    step = select(rows, loop, [passes] if len(passes) > 1 else ())
     return dict(name=name, target=target, max_seqs=max_seqs, context=context, which=which,
                 compiler_options=compiler_options or {}, summary=summary(step, ideal), top=top_kernels(step, 12),
                 seconds=rec["seconds"], temp_bytes=rec["temp_bytes"], rows=step, hlo=rec["hlo"])
