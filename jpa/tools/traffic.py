@@ -57,9 +57,12 @@ FREE_OPS = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "w
 # XLA options under which the scanned layers' gemms read their weights in place (measured with this
 # model, BENCHMARKS.md "Memory traffic of a decode step"): gemms through cuBLAS rather than XLA's
 # Triton gemm fusions, which XLA GPU feeds a layer's slice of a stacked weight by its offset (a
-# dynamic-slice fusion) instead of copying the slice out first; and no dot merger, which would
-# concatenate wq, wk and wv into a new array every layer.
-WEIGHTS_IN_PLACE = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_dot_merger_threshold_mb": 0}
+# dynamic-slice fusion) instead of copying the slice out first; no dot merger, which would
+# concatenate wq, wk and wv into a new array every layer; and bf16 x bf16 -> f32 as the dots' algorithm,
+# without which a one-row gemm (a vector-matrix product: one sequence) goes to cuBLAS with both
+# operands converted to float32 first (the weight slice copied at twice its size).
+WEIGHTS_IN_PLACE = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_dot_merger_threshold_mb": 0,
+                    "xla_gpu_default_to_alg_dot_bf16_bf16_f32": True}
 PURPOSES = ("weights", "kv_read", "kv_write", "logits", "pages", "other")
 SLICING = ("dynamic-slice", "slice", "gather")
 IN_PLACE = ("dynamic-update-slice", "scatter")
