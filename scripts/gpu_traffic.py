@@ -55,6 +55,7 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=8, help="kernels listed per table")
     p.add_argument("--json", help="write the summaries here")
     p.add_argument("--hlo", help="a folder: write each compiled program's optimized HLO there")
+    p.add_argument("--from-hlo", help="a folder written by --hlo: model the programs saved there, compiling nothing")
     args = p.parse_args(argv)
     options = {}
     for o in args.option:
@@ -68,24 +69,30 @@ def main(argv=None) -> int:
     out = []
     for which in args.which:
         for seqs in args.max_seqs:
-            r = engine_traffic(args.target, shapes, max_seqs=seqs, context=args.context,
-                               pool_gib=args.pool_gib, which=which, compiler_options=options, label=args.model)
+            tag = "_".join(f"{k}={v}" for k, v in options.items())
+            fname = f"{args.target}_{which}_{seqs}_{tag or 'default'}.hlo"
+            saved = None
+            if args.from_hlo:
+                with open(os.path.join(args.from_hlo, fname)) as f:
+                    saved = f.read()
+            r = engine_traffic(args.target, shapes, max_seqs=seqs, context=args.context, pool_gib=args.pool_gib,
+                               which=which, compiler_options=options, label=args.model, hlo=saved)
             s = r["summary"]
             if args.hlo:
                 os.makedirs(args.hlo, exist_ok=True)
-                tag = "_".join(f"{k}={v}" for k, v in options.items())
-                with open(os.path.join(args.hlo, f"{args.target}_{which}_{seqs}_{tag or 'default'}.hlo"), "w") as f:
+                with open(os.path.join(args.hlo, fname), "w") as f:
                     f.write(r["hlo"])
             print(f"\n{r['name']} on {args.target}, {seqs} x {args.context} tokens of context, options {options}: "
-                  f"compiled in {r['seconds']} s; {len(s['weight_copies'])} materialized weight slices")
+                  + (f"compiled in {r['seconds']} s ({r['cpu_seconds']} CPU s)" if r["seconds"] is not None else "from saved HLO")
+                  + f"; {len(s['weight_copies'])} materialized weight slices")
             print(table(s))
             for k in r["top"][:args.top]:
                 parts = ", ".join(f"{p} {b / 1e9:.3f}" for p, b in {**{f"R {a}": b for a, b in k["read"].items()},
                                                                       **{f"W {a}": b for a, b in k["written"].items()}}.items())
                 print(f"  {k['bytes'] / 1e9:8.3f} GB  {k['name']} ({k['what'][:40]}) x{k['executions']}: {parts}")
-            out.append(dict(target=args.target, model=args.model, num_layers=shapes["num_layers"], max_seqs=seqs, context=args.context, which=which,
-                            options=options, seconds=r["seconds"], temp_bytes=r["temp_bytes"],
-                            summary=s, top=r["top"]))
+            out.append(dict(target=args.target, model=args.model, num_layers=shapes["num_layers"], max_seqs=seqs,
+                            context=args.context, which=which, options=options, seconds=r["seconds"],
+                            cpu_seconds=r["cpu_seconds"], temp_bytes=r["temp_bytes"], summary=s, top=r["top"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -40,6 +40,7 @@ program checks the accounting (tests/test_traffic.py).
 
 import dataclasses
 import re
+import time
 
 import numpy as np
 
@@ -514,6 +515,26 @@ def decode_loop(rows: list) -> str | None:
     return found[-1] if found else None
 
 
+def decode_step(rows: list) -> list | None:
+    """The rows of one decode step of the engine's unified step (`traffic` rows of its program):
+    one iteration of its decode loop (`decode_loop`), each conditional's costliest branch; in a
+    speculative step, its verify pass, not the plain decode pass it runs instead when no sequence
+    has a draft (each is a loop of 0 or 1 iterations; the verify pass has the most attention
+    kernel calls, two a layer). None if the program has no decode loop."""
+    loop = decode_loop(rows)
+    if loop is None:
+        return None
+    calls = {}
+    for r in rows:
+        if (len(r["loops"]) > 1 and r["loops"][0][0] == loop and r["loops"][1][1] is None
+                and r["kernel"] in ("mosaic", "triton")):
+            calls[r["loops"][1][0]] = calls.get(r["loops"][1][0], 0) + r["executions"]
+    if len(calls) > 1:
+        verify = max(calls, key=calls.get)
+        rows = [r for r in rows if not any(b in calls and b != verify for b, _ in r["loops"])]
+    return select(rows, loop)
+
+
 def engine_spec(params, config, pools, *, max_seqs: int, context: int, page_size: int, rows_per_seq: int = 1):
     """(Spec, ideal) of one decode step of the engine over `params` (the abstract model params),
     `config` (its ModelConfig), `pools` ([(shape, dtype)] of the stacked K and V pools), max_seqs
@@ -546,13 +567,16 @@ def engine_spec(params, config, pools, *, max_seqs: int, context: int, page_size
 
 def engine_traffic(target: str = "h100", config=None, *, max_seqs: int = 64, context: int = 1024,
                    pool_gib: float = 8.0, page_size: int = 16, which: str = "plain", compiler_options=None,
-                   label: str = "Llama-3-8B", log=None) -> dict:
+                   label: str = "Llama-3-8B", hlo: str | None = None) -> dict:
     """Compiles the engine's unified step (`engine_steps`: a ragged pass, then the decode loop;
     "spec": with n-gram speculation, k = 4) for a deviceless target and models one iteration of its
     decode loop: a decode step at `max_seqs` sequences of `context` tokens (a verify step of
-    k + 1 rows per sequence under "spec": its verify pass, the costlier of its two passes). config: a ModelConfig or dict (default Llama-3-8B's
-    shapes). Returns dict(name, summary (`summary` against the ideal), top (`top_kernels`),
-    seconds (the compile), temp_bytes, rows (every row of the decode loop), hlo)."""
+    k + 1 rows per sequence under "spec": its verify pass, not the plain decode pass it runs when
+    no sequence has a draft). config: a ModelConfig or dict (default Llama-3-8B's shapes). hlo: the
+    optimized HLO of this same program, saved from an earlier call: modelled without compiling.
+    Returns dict(name, summary (`summary` against the ideal), top (`top_kernels`), seconds and
+    cpu_seconds (the compile: wall, and this process's CPU time; None given hlo), temp_bytes, rows
+    (every row of the decode step), hlo)."""
     from jpa.models import ModelConfig
     from jpa.tools.deviceless import Compiler
     from jpa.tools.engine_checks import LLAMA_SHAPED, engine_steps
@@ -562,22 +586,21 @@ def engine_traffic(target: str = "h100", config=None, *, max_seqs: int = 64, con
     (name, fn, args, donate, pools, _), = engine_steps(
         pool_gib=pool_gib, max_seqs=max_seqs, page_size=page_size, max_model_len=max_model_len, config=config,
         label=label, which=(which,))
-    compiler = Compiler(target)
-    rec = compiler.compile(name, fn, args, donate_argnums=donate, pool_shapes=pools, keep_hlo=True,
-                           compiler_options=compiler_options)
-    if "error" in rec:
-        raise RuntimeError(f"{name}: {rec['error']}")
+    cpu0 = time.process_time()
+    if hlo is None:
+        rec = Compiler(target).compile(name, fn, args, donate_argnums=donate, pool_shapes=pools, keep_hlo=True,
+                                       compiler_options=compiler_options)
+        if "error" in rec:
+            raise RuntimeError(f"{name}: {rec['error']}")
+    else:
+        rec = dict(hlo=hlo, seconds=None, temp_bytes=None)
     spec, ideal = engine_spec(args[0], config, pools, max_seqs=max_seqs, context=context, page_size=page_size,
                               rows_per_seq=5 if which == "spec" else 1)
-    rows = traffic(rec["hlo"], spec)
-    loop = decode_loop(rows)
-    if loop is None:
+    step = decode_step(traffic(rec["hlo"], spec))
+    if step is None:
         raise RuntimeError(f"{name}: no decode loop found in the compiled program")
-    # Loops of 0 or 1 iterations directly in the decode loop that hold a model pass (the verify
-    # pass and the plain decode pass of a speculative step): one of them runs.
-    passes = {r["loops"][1][0] for r in rows if len(r["loops"]) > 1 and r["loops"][0][0] == loop
-              and r["loops"][1][1] is None and r["kernel"] in ("mosaic", "triton")}
-    step = select(rows, loop, [passes] if len(passes) > 1 else ())
     return dict(name=name, target=target, max_seqs=max_seqs, context=context, which=which,
                 compiler_options=compiler_options or {}, summary=summary(step, ideal), top=top_kernels(step, 12),
-                seconds=rec["seconds"], temp_bytes=rec["temp_bytes"], rows=step, hlo=rec["hlo"])
+                seconds=rec["seconds"], cpu_seconds=round(time.process_time() - cpu0, 1) if hlo is None else None,
+                temp_bytes=rec["temp_bytes"],
+                rows=step, hlo=rec["hlo"])
