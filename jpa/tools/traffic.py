@@ -54,7 +54,7 @@ INTEGER = ("s8", "u8", "s16", "u16", "s32", "u32", "s64", "u64", "pred", "s4", "
 FREE_OPS = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "conditional", "call",
             "after-all", "partition-id", "replica-id", "opt-barrier", "fusion-done", "copy-done", "async-done",
             "send-done", "recv-done", "all-reduce-done", "all-gather-done", "collective-permute-done",
-            "add-dependency", "domain", "get-dimension-size", "reshape"}
+            "add-dependency", "domain", "get-dimension-size", "reshape", "async-start", "async-update"}
 # XLA options under which the scanned layers' gemms read their weights in place (measured with this
 # model, BENCHMARKS.md "Memory traffic of a decode step"): gemms through cuBLAS rather than XLA's
 # Triton gemm fusions, which XLA GPU feeds a layer's slice of a stacked weight by its offset (a
@@ -298,9 +298,10 @@ def _loop_structure(comps: dict, entry: str) -> dict:
                 if m:
                     names += [x.strip().lstrip("%") for x in m.group(1).split(",")]
                 kids = [(b, ("cond", 1, f"{ins.name}:{i}")) for i, b in enumerate(names)]
-            elif ins.op in ("call", "async-start") or ins.op.endswith("-start") and ins.op != "fusion-start":
+            elif ins.op in ("call", "async-start"):
+                # The called (or async-wrapped) computation runs as is: its instructions are rows.
                 m = re.search(r"(?:to_apply|calls)=%?([\w.\-]+)", ins.line)
-                if m and ins.op in ("call", "async-start"):
+                if m:
                     kids = [(m.group(1), None)]
             for k, frame in kids:
                 if k in comps and k not in out:
