@@ -10,6 +10,7 @@ verify pass of 5 rows per sequence.
     python scripts/gpu_traffic.py --target h100 --max-seqs 1 64 --which plain spec
     python scripts/gpu_traffic.py --in-place --json out.json     # with traffic.WEIGHTS_IN_PLACE
     python scripts/gpu_traffic.py --option xla_gpu_enable_triton_gemm=false   # any XLA option
+    python scripts/gpu_traffic.py --model llama-small --layers 80 --max-seqs 64   # compile time vs depth
 
 A deviceless-compile figure: bytes the compiled program moves, not a measured time.
 """
@@ -29,6 +30,13 @@ from jpa.tools.engine_checks import MODEL_SHAPES  # noqa: E402
 from jpa.tools.traffic import WEIGHTS_IN_PLACE, engine_traffic, table  # noqa: E402
 
 
+# scripts/bench_compile.py's Llama-shaped model with small widths (its compile-time-vs-depth model).
+SHAPES = dict(MODEL_SHAPES, **{"llama-small": dict(
+    family="llama", vocab_size=512, d_model=256, num_layers=8, num_q_heads=4, num_kv_heads=2, head_dim=64,
+    ffn_dim=768, max_seq_len=2048, rope_base=500000.0, norm_eps=1e-5, tie_embeddings=False, bos_token_id=256,
+    eos_token_id=257)})
+
+
 def _value(text: str):
     low = text.lower()
     if low in ("true", "false"):
@@ -42,7 +50,7 @@ def _value(text: str):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", choices=sorted(deviceless.TARGETS), default="h100")
-    p.add_argument("--model", choices=sorted(MODEL_SHAPES), default="llama3-8b")
+    p.add_argument("--model", choices=sorted(SHAPES), default="llama3-8b")
     p.add_argument("--layers", type=int, help="the model's shapes with this many layers")
     p.add_argument("--max-seqs", type=int, nargs="+", default=[1, 64])
     p.add_argument("--context", type=int, default=1024, help="tokens of context of every sequence")
@@ -65,7 +73,7 @@ def main(argv=None) -> int:
         options[k] = _value(v)
     if args.in_place:
         options = {**WEIGHTS_IN_PLACE, **options}
-    shapes = dict(MODEL_SHAPES[args.model], **({"num_layers": args.layers} if args.layers else {}))
+    shapes = dict(SHAPES[args.model], **({"num_layers": args.layers} if args.layers else {}))
     out = []
     for which in args.which:
         for seqs in args.max_seqs:
@@ -82,13 +90,14 @@ def main(argv=None) -> int:
                 os.makedirs(args.hlo, exist_ok=True)
                 with open(os.path.join(args.hlo, fname), "w") as f:
                     f.write(r["hlo"])
+            how = ("from saved HLO" if r["seconds"] is None
+                   else f"compiled in {r['seconds']} s ({r['cpu_seconds']} CPU s)")
             print(f"\n{r['name']} on {args.target}, {seqs} x {args.context} tokens of context, options {options}: "
-                  + (f"compiled in {r['seconds']} s ({r['cpu_seconds']} CPU s)" if r["seconds"] is not None else "from saved HLO")
-                  + f"; {len(s['weight_copies'])} materialized weight slices")
+                  f"{how}; {len(s['weight_copies'])} materialized weight slices")
             print(table(s))
             for k in r["top"][:args.top]:
-                parts = ", ".join(f"{p} {b / 1e9:.3f}" for p, b in {**{f"R {a}": b for a, b in k["read"].items()},
-                                                                      **{f"W {a}": b for a, b in k["written"].items()}}.items())
+                parts = ", ".join([f"R {p} {b / 1e9:.3f}" for p, b in k["read"].items()]
+                                  + [f"W {p} {b / 1e9:.3f}" for p, b in k["written"].items()])
                 print(f"  {k['bytes'] / 1e9:8.3f} GB  {k['name']} ({k['what'][:40]}) x{k['executions']}: {parts}")
             out.append(dict(target=args.target, model=args.model, num_layers=shapes["num_layers"], max_seqs=seqs,
                             context=args.context, which=which, options=options, seconds=r["seconds"],

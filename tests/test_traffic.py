@@ -181,7 +181,8 @@ for name, (L, d, f, B), opts in [("default", (4, 1024, 2048, 64), None),
     rec = c.compile(name, fn, args, keep_hlo=True, compiler_options=opts)
     rows = tr.traffic(rec["hlo"], tr.Spec(weight_types=tr.weight_types_of(args[1:], (L,))))
     s = tr.summary(tr.select(rows))
-    out[name] = dict(stack=2 * L * d * f * 2, weights_read=s["weights"]["read"], weights_written=s["weights"]["written"],
+    out[name] = dict(stack=2 * L * d * f * 2, weights_read=s["weights"]["read"],
+                     weights_written=s["weights"]["written"],
                      biggest_write=max(sum(r["written"].values()) for r in rows), layer=d * f * 2,
                      copies=len(s["weight_copies"]),
                      loops=sorted({t for r in rows for _, t in r["loops"]}), layers=L)
