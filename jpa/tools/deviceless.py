@@ -207,7 +207,7 @@ class Compiler:
         return jax.tree_util.tree_map(one, tree)
 
     def compile(self, name, fn, args, *, donate_argnums=(), pool_shapes=(), kwargs=None, keep_hlo=False,
-                jit_options=None) -> dict:
+                jit_options=None, compiler_options=None) -> dict:
         """Compiles fn(*args) for the target. pool_shapes: [(shape, dtype)] of the page pools as one
         device holds them (its shard under a tp mesh). jit_options: jax.jit options instead of
         donate_argnums (e.g. a runner's `jit_options`, with output shardings)."""
@@ -227,7 +227,7 @@ class Compiler:
                         lowered = jax.jit(fn, **opts).lower(
                             *self.place(args), **self.place(kwargs or {}))
                     rec["lower_seconds"] = round(time.perf_counter() - t0, 2)  # trace + lower
-                    compiled = lowered.compile({"xla_dump_to": dump})
+                    compiled = lowered.compile({**(compiler_options or {}), "xla_dump_to": dump})
             except Exception as e:  # the point of the tier: report, never crash
                 text = str(e).strip()
                 rec.update(error=f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"[:500],

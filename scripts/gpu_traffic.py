@@ -1,0 +1,112 @@
+"""The memory traffic of one decode step of the engine, compiled for an H100 or A100 that is not here.
+
+Compiles the engine's unified step (`jpa.tools.engine_checks.engine_steps`, Llama-3-8B's shapes in
+bfloat16 by default, an 8 GiB pool) deviceless and prints, for one iteration of its decode loop,
+the bytes read and written by purpose (weights, KV read, KV write, logits / sampling, page work,
+other) against the ideal (every weight once, the live KV once, the new KV once), and the kernels
+that move the most (`jpa.tools.traffic`). "spec" is the step with n-gram speculation (k = 4): a
+verify pass of 5 rows per sequence.
+
+    python scripts/gpu_traffic.py --target h100 --max-seqs 1 64 --which plain spec
+    python scripts/gpu_traffic.py --in-place --json out.json     # with traffic.WEIGHTS_IN_PLACE
+    python scripts/gpu_traffic.py --option xla_gpu_enable_triton_gemm=false   # any XLA option
+    python scripts/gpu_traffic.py --model llama-small --layers 80 --max-seqs 64   # compile time vs depth
+
+A deviceless-compile figure: bytes the compiled program moves, not a measured time.
+"""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from jpa.tools import deviceless  # noqa: E402
+
+deviceless.configure_environment()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+
+from jpa.tools.engine_checks import MODEL_SHAPES  # noqa: E402
+from jpa.tools.traffic import WEIGHTS_IN_PLACE, engine_traffic, table  # noqa: E402
+
+
+# scripts/bench_compile.py's Llama-shaped model with small widths (its compile-time-vs-depth model).
+SHAPES = dict(MODEL_SHAPES, **{"llama-small": dict(
+    family="llama", vocab_size=512, d_model=256, num_layers=8, num_q_heads=4, num_kv_heads=2, head_dim=64,
+    ffn_dim=768, max_seq_len=2048, rope_base=500000.0, norm_eps=1e-5, tie_embeddings=False, bos_token_id=256,
+    eos_token_id=257)})
+
+
+def _value(text: str):
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", choices=sorted(deviceless.TARGETS), default="h100")
+    p.add_argument("--model", choices=sorted(SHAPES), default="llama3-8b")
+    p.add_argument("--layers", type=int, help="the model's shapes with this many layers")
+    p.add_argument("--max-seqs", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--context", type=int, default=1024, help="tokens of context of every sequence")
+    p.add_argument("--pool-gib", type=float, default=8.0)
+    p.add_argument("--which", nargs="+", choices=("plain", "spec"), default=["plain"])
+    p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                   help="an XLA option for the compile (repeatable), e.g. xla_gpu_enable_triton_gemm=false")
+    p.add_argument("--in-place", action="store_true",
+                   help="compile with jpa.tools.traffic.WEIGHTS_IN_PLACE (cuBLAS gemms, no dot merger)")
+    p.add_argument("--top", type=int, default=8, help="kernels listed per table")
+    p.add_argument("--json", help="write the summaries here")
+    p.add_argument("--hlo", help="a folder: write each compiled program's optimized HLO there")
+    p.add_argument("--from-hlo", help="a folder written by --hlo: model the programs saved there, compiling nothing")
+    args = p.parse_args(argv)
+    options = {}
+    for o in args.option:
+        if "=" not in o:
+            p.error(f"--option wants NAME=VALUE; got {o!r}")
+        k, v = o.split("=", 1)
+        options[k] = _value(v)
+    if args.in_place:
+        options = {**WEIGHTS_IN_PLACE, **options}
+    shapes = dict(SHAPES[args.model], **({"num_layers": args.layers} if args.layers else {}))
+    out = []
+    for which in args.which:
+        for seqs in args.max_seqs:
+            tag = "_".join(f"{k}={v}" for k, v in options.items())
+            fname = f"{args.target}_{which}_{seqs}_{tag or 'default'}.hlo"
+            saved = None
+            if args.from_hlo:
+                with open(os.path.join(args.from_hlo, fname)) as f:
+                    saved = f.read()
+            r = engine_traffic(args.target, shapes, max_seqs=seqs, context=args.context, pool_gib=args.pool_gib,
+                               which=which, compiler_options=options, label=args.model, hlo=saved)
+            s = r["summary"]
+            if args.hlo:
+                os.makedirs(args.hlo, exist_ok=True)
+                with open(os.path.join(args.hlo, fname), "w") as f:
+                    f.write(r["hlo"])
+            how = ("from saved HLO" if r["seconds"] is None
+                   else f"compiled in {r['seconds']} s ({r['cpu_seconds']} CPU s)")
+            print(f"\n{r['name']} on {args.target}, {seqs} x {args.context} tokens of context, options {options}: "
+                  f"{how}; {len(s['weight_copies'])} materialized weight slices")
+            print(table(s))
+            for k in r["top"][:args.top]:
+                parts = ", ".join([f"R {p} {b / 1e9:.3f}" for p, b in k["read"].items()]
+                                  + [f"W {p} {b / 1e9:.3f}" for p, b in k["written"].items()])
+                print(f"  {k['bytes'] / 1e9:8.3f} GB  {k['name']} ({k['what'][:40]}) x{k['executions']}: {parts}")
+            out.append(dict(target=args.target, model=args.model, num_layers=shapes["num_layers"], max_seqs=seqs,
+                            context=args.context, which=which, options=options, seconds=r["seconds"],
+                            cpu_seconds=r["cpu_seconds"], temp_bytes=r["temp_bytes"], summary=s, top=r["top"]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,55 @@
+"""The traffic table of the engine's decode step, Llama-3-8B's shapes on an H100 (deviceless):
+scripts/gpu_traffic.py end to end, at 64 sequences of 1024 tokens, as XLA compiles it by default
+and with `jpa.tools.traffic.WEIGHTS_IN_PLACE` (cuBLAS gemms fed the layer's weights by offset).
+Minutes of compiling: CI's bench tier."""
+
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.bench, pytest.mark.skipif(
+    importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
+    reason="the compile-only GPU packages are not installed (pip install -e '.[gpu]')")]
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def run(tmp_path, *args):
+    out = tmp_path / "traffic.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_CPP_VMODULE")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_traffic.py"), "--max-seqs", "64",
+                           "--json", str(out), *args], capture_output=True, text=True, timeout=1800, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| **total** |" in proc.stdout
+    (r,) = json.loads(out.read_text())
+    return r["summary"]
+
+
+def check_kv(s):
+    # The Mosaic decode kernel reads one layer's live K and V per call; the new token's K and V are
+    # written in place; no copy of a pool.
+    assert s["kv_read"]["total"] == s["kv_read"]["ideal"] > 0
+    assert s["kv_write"]["total"] == s["kv_write"]["ideal"] > 0
+
+
+def test_llama8b_weights_read_in_place(tmp_path):
+    s = run(tmp_path, "--in-place")
+    check_kv(s)
+    assert s["weights"]["total"] <= 1.01 * s["weights"]["ideal"], s["weights"]
+    # Nothing weight-shaped of a matrix's size is written (norm scales' 8 KiB slices may be).
+    assert all(c["bytes"] / 32 < 2 ** 20 for c in s["weight_copies"]), s["weight_copies"]
+
+
+def test_llama8b_default_copies_weights(tmp_path):
+    """XLA's Triton gemms read a copy of each layer's weight slice: the model sees it (weights about
+    3x the ideal). Fails, telling us so, on the day XLA reads them in place by default."""
+    s = run(tmp_path)
+    check_kv(s)
+    assert s["weights"]["total"] > 2.5 * s["weights"]["ideal"], s["weights"]
+    assert sum(c["bytes"] >= 2 ** 20 * 32 for c in s["weight_copies"]) >= 7, s["weight_copies"]
