@@ -66,6 +66,10 @@ class LLM:
         `default_dtype()`, bfloat16 on a GPU and float32 elsewhere.
       seed: the random initialization of the tiny presets (ignored for real weights). Sampling
         seeds are per request: `SamplingParams.seed`.
+      quantization: None, or "int8" / "fp8" (as vLLM's `quantization=`): weight-only quantization
+        on the fly, one scale per output channel; the weights stay int8 / float8_e4m3fn on the
+        device and are dequantized inside each matmul (`dtype` is then the compute dtype). A
+        speculative draft model is loaded with the same quantization.
       engine_config: a whole `jpa.engine.EngineConfig`, instead of the options below.
       **engine_options: `EngineConfig` fields (max_seqs, page_size, num_pages, kv_memory_bytes,
         max_model_len, steps_per_call, watermark, max_num_batched_tokens, prefix_caching,
@@ -77,7 +81,7 @@ class LLM:
       tokenizer: the model's tokenizer (encode, decode, render_chat).
     """
 
-    def __init__(self, model: str | os.PathLike, *, dtype=None, seed: int = 0,
+    def __init__(self, model: str | os.PathLike, *, dtype=None, seed: int = 0, quantization: str | None = None,
                  engine_config: EngineConfig | None = None, **engine_options):
         config = _engine_config(engine_config, engine_options)  # before loading: a typo fails fast
         if not isinstance(model, (str, os.PathLike)):
@@ -94,7 +98,7 @@ class LLM:
                              f"got {dtype!r}") from None
         if not jnp.issubdtype(dt, jnp.floating):
             raise ValueError(f"LLM: dtype must be a floating dtype (float32 or bfloat16); got {dt}")
-        gpt, tokenizer = models.load(model, dtype=dt, seed=seed)
+        gpt, tokenizer = models.load(model, dtype=dt, seed=seed, quantization=quantization)
         self._wire(gpt, tokenizer, config)
 
     @classmethod
@@ -175,7 +179,7 @@ def build_engine(model, tokenizer, config: EngineConfig, *, draft_model=None) ->
       tokenizer: the model's tokenizer.
       config: the EngineConfig.
       draft_model: the draft of speculative method "draft_model" (a GPT or an EngineModel); default:
-        loaded by the name config.speculative gives, in the model's dtype.
+        loaded by the name config.speculative gives, in the model's dtype and weight quantization.
 
     Returns:
       The LLMEngine (its ValueError names a config the model cannot run with).
@@ -188,7 +192,8 @@ def build_engine(model, tokenizer, config: EngineConfig, *, draft_model=None) ->
         model = models.GPTForEngine(model)
     spec = config.speculative
     if spec is not None and spec.method == "draft_model" and draft_model is None:
-        draft_model, _ = models.load(spec.model, dtype=jnp.dtype(model.dtype))
+        draft_model, _ = models.load(spec.model, dtype=jnp.dtype(model.dtype),
+                                     quantization=getattr(model, "quantization", None))
     if isinstance(draft_model, models.GPT):
         draft_model = models.GPTForEngine(draft_model)
     return LLMEngine(model, tokenizer, config, draft_model=draft_model)
@@ -212,12 +217,14 @@ def engine_from_args(args, *, log=True, **config_extra):
     from jpa.args import UsageError
 
     dtype = args.dtype or default_dtype()
+    quant = getattr(args, "quantization", None)
     t0 = time.perf_counter()
     if log:
-        print(f"[jpa] loading {args.model} ({dtype}) on {jax.devices()[0].platform}...", file=sys.stderr)
+        what = dtype if quant is None else f"{quant} weights, {dtype} compute"
+        print(f"[jpa] loading {args.model} ({what}) on {jax.devices()[0].platform}...", file=sys.stderr)
     config = args.engine_config(**config_extra)
     try:
-        gpt, tok = models.load(args.model, dtype=jnp.dtype(dtype))
+        gpt, tok = models.load(args.model, dtype=jnp.dtype(dtype), quantization=quant)
     except (ValueError, FileNotFoundError) as e:  # a bad checkpoint directory: CheckpointError names it
         raise UsageError(f"--model {args.model}: {e}") from None
     try:

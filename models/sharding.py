@@ -71,14 +71,20 @@ RULES = {
     # Qwen3's per-head q/k RMSNorm scales ([head_dim], the same for every head) and Gemma-2's
     # post-attention / post-MLP norms: replicated
     "q_norm": REP, "k_norm": REP, "post_attn_norm": REP, "post_ffn_norm": REP,
+    # quantized weights' per-output-channel scales (models.gpt.QUANT_AXIS) go with their weights'
+    # output axis: split for column-parallel weights, replicated for row-parallel ones (their
+    # output, d_model, is whole on every device), split on the vocabulary with the embeddings
+    "wq_scale": VEC, "wk_scale": VEC, "wv_scale": VEC, "wo_scale": REP,
+    "w_gate_scale": VEC, "w_up_scale": VEC, "w_down_scale": REP,
+    "tok_embeddings_scale": VEC, "output_scale": VEC,
 }
 # embeddings="replicated" (and a vocabulary that does not divide by N).
-REPLICATED_EMBEDDINGS = {"tok_embeddings": REP, "output": REP}
+REPLICATED_EMBEDDINGS = {"tok_embeddings": REP, "output": REP, "tok_embeddings_scale": REP, "output_scale": REP}
 
 # Parameters whose axes hold heads (q or kv) or the MLP hidden size, and which axis.
-_Q_HEAD_AXIS = {"wq": 1, "bq": 0, "wo": 0}
-_KV_HEAD_AXIS = {"wk": 1, "wv": 1, "bk": 0, "bv": 0}
-_FFN_AXIS = {"w_gate": 1, "w_up": 1, "b_up": 0, "w_down": 0}
+_Q_HEAD_AXIS = {"wq": 1, "bq": 0, "wo": 0, "wq_scale": 0}
+_KV_HEAD_AXIS = {"wk": 1, "wv": 1, "bk": 0, "bv": 0, "wk_scale": 0, "wv_scale": 0}
+_FFN_AXIS = {"w_gate": 1, "w_up": 1, "b_up": 0, "w_down": 0, "w_gate_scale": 0, "w_up_scale": 0}
 MODES = ("split", "replicate", "pad")
 
 
@@ -181,7 +187,7 @@ def with_heads(model, plan: HeadPlan):
         return model
     new_c = dataclasses.replace(c, num_q_heads=plan.num_q_heads, num_kv_heads=plan.num_kv_heads,
                                 ffn_dim=plan.ffn_dim)
-    new = nnx.eval_shape(lambda: GPT(new_c, dtype=model.dtype, rngs=nnx.Rngs(0)))
+    new = nnx.eval_shape(lambda: GPT(new_c, dtype=model.dtype, rngs=nnx.Rngs(0), quantization=model.quantization))
     old = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     for path, var in nnx.to_flat_state(nnx.state(new, nnx.Param)):
         # The variable's value, not `[...]` of it: an abstract model's is a ShapeDtypeStruct,
@@ -190,12 +196,14 @@ def with_heads(model, plan: HeadPlan):
         if isinstance(x, jax.ShapeDtypeStruct):  # an abstract model (deviceless compile): shapes only
             var.set_value(jax.ShapeDtypeStruct(var.shape, var.dtype))
             continue
+        # Through float32 and back to the variable's own dtype: exact for int8 / float8 weights too
+        # (padding adds zero weights; a padded channel's scale is 0, harmless on zero weights).
         x = np.asarray(x.astype(jnp.float32))
         if _stacked(path):
             y = np.stack([_transform(_name(path), layer, c, plan) for layer in x])
         else:
             y = _transform(_name(path), x, c, plan)
-        var.set_value(jnp.asarray(y, dtype=model.dtype))
+        var.set_value(jnp.asarray(y, dtype=var.dtype))
     return new
 
 
