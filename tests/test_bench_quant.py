@@ -1,0 +1,23 @@
+"""Weight-only quantization, the bench tier: the model-level checks of tests/test_quant.py over
+models and formats (the main tier runs the engine check, which is the same comparison through the
+engine's step)."""
+
+import pytest
+
+import test_quant
+
+pytestmark = pytest.mark.bench
+
+
+@pytest.mark.parametrize("name,quantization,tol", [("tiny-llama", "int8", 0.05), ("tiny-gpt2", "int8", 0.05),
+                                                   ("tiny-llama", "fp8", 0.2), ("tiny-gpt2", "fp8", 0.2)])
+def test_quantized_model_equals_its_dequantized_weights(name, quantization, tol):
+    test_quant.check_model_equals_its_dequantized_weights(name, quantization, tol)
+
+
+def test_checkpoint_quantized_on_the_host_equals_quantized_on_the_device():
+    test_quant.check_checkpoint_quantized_on_the_host_equals_quantized_on_the_device()
+
+
+def test_head_plans_replicate_quantized_heads():
+    test_quant.test_head_plans_keep_quantized_weights_and_the_function(tp=4)
