@@ -47,7 +47,7 @@ class Parser(argparse.ArgumentParser):
 
 
 ATTENTION = ("auto", "xla", "triton", "mosaic")
-QUANTIZATIONS = ("int8", "fp8")  # jpa.core.quant.WEIGHT_QUANTIZATIONS (checked equal in tests)
+QUANTIZATIONS = ("int8", "fp8", "gguf", "none")  # jpa.models.LOAD_QUANTIZATIONS (checked equal in tests)
 
 
 @dataclasses.dataclass
@@ -83,9 +83,11 @@ class EngineArgs:
         ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                         help="weights and KV cache dtype (default float32 on CPU, bfloat16 on GPU)")
         ap.add_argument("--quantization", choices=list(QUANTIZATIONS), default=None,
-                        help="weight-only quantization on the fly, one scale per output channel: the weights "
-                             "stay int8 / fp8 (e4m3) on the device and are dequantized inside each matmul; "
-                             "--dtype is then the compute dtype (default: none)")
+                        help="weight storage: int8 / fp8 (e4m3) quantize on the fly, one scale per output "
+                             "channel; gguf keeps a GGUF model's Q8_0/Q4_0/Q4_1 blocks (SmolLM2's 4-bit file) as "
+                             "stored; all three are dequantized inside each matmul, --dtype being the compute dtype; "
+                             "none: dense weights (a GGUF file dequantized at load). Default: gguf for SmolLM2 on "
+                             "a GPU, else none")
         ap.add_argument("--page-size", type=int, default=16)
         ap.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages (overrides --kv-memory)")
         ap.add_argument("--kv-memory", type=float, default=256, help="KV cache budget in MiB (default 256)")
@@ -133,6 +135,9 @@ class EngineArgs:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 1; got {v}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise UsageError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
+        if self.quantization == "gguf" and self.model != "smollm2-135m":
+            raise UsageError(f"--quantization gguf keeps a GGUF file's blocks; --model {self.model} is not a GGUF "
+                             f"model (use int8 or fp8)")
         if self.num_pages is not None and self.num_pages < 1:
             raise UsageError(f"--num-pages must be >= 1; got {self.num_pages}")
         if not (math.isfinite(self.kv_memory) and self.kv_memory > 0):

@@ -66,10 +66,11 @@ class LLM:
         `default_dtype()`, bfloat16 on a GPU and float32 elsewhere.
       seed: the random initialization of the tiny presets (ignored for real weights). Sampling
         seeds are per request: `SamplingParams.seed`.
-      quantization: None, or "int8" / "fp8" (as vLLM's `quantization=`): weight-only quantization
-        on the fly, one scale per output channel; the weights stay int8 / float8_e4m3fn on the
-        device and are dequantized inside each matmul (`dtype` is then the compute dtype). A
-        speculative draft model is loaded with the same quantization.
+      quantization: as vLLM's `quantization=` (`models.load`): "int8" / "fp8" quantize the weights
+        on the fly, one scale per output channel; "gguf" keeps a GGUF model's blocks (SmolLM2's
+        4-bit file) as stored; all are dequantized inside each matmul (`dtype` is then the compute
+        dtype). "none": dense weights. None: "gguf" for SmolLM2 on a GPU, else dense. A speculative
+        draft model is loaded with the same int8 / fp8 quantization.
       engine_config: a whole `jpa.engine.EngineConfig`, instead of the options below.
       **engine_options: `EngineConfig` fields (max_seqs, page_size, num_pages, kv_memory_bytes,
         max_model_len, steps_per_call, watermark, max_num_batched_tokens, prefix_caching,
@@ -192,8 +193,9 @@ def build_engine(model, tokenizer, config: EngineConfig, *, draft_model=None) ->
         model = models.GPTForEngine(model)
     spec = config.speculative
     if spec is not None and spec.method == "draft_model" and draft_model is None:
+        quant = getattr(model, "quantization", None)
         draft_model, _ = models.load(spec.model, dtype=jnp.dtype(model.dtype),
-                                     quantization=getattr(model, "quantization", None))
+                                     quantization=quant if quant in ("int8", "fp8") else None)
     if isinstance(draft_model, models.GPT):
         draft_model = models.GPTForEngine(draft_model)
     return LLMEngine(model, tokenizer, config, draft_model=draft_model)

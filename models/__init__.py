@@ -8,7 +8,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jpa.core.quant import check_weight_quantization
 from jpa.models.config import PRESETS, ModelConfig
 from jpa.models.engine_model import GPTForEngine
 from jpa.models.gpt import GPT, decode, forward_dense, prefill
@@ -27,9 +26,14 @@ def load(name, *, dtype=None, seed: int = 0, quantization=None):
       dtype: parameter dtype, float32 or bfloat16. Default: float32 for presets; for a checkpoint
         directory bfloat16 on a GPU and float32 otherwise.
       seed: random seed of the tiny presets (ignored for real weights).
-      quantization: None, or "int8" / "fp8": weight-only quantization on the fly, one scale per
-        output channel (models.GPT's `quantization`; real weights are quantized on the host while
-        loading, so no float copy of them reaches the device).
+      quantization: weight storage (LOAD_QUANTIZATIONS):
+        "int8" / "fp8": weight-only quantization on the fly, one scale per output channel
+          (models.GPT's `quantization`; real weights are quantized on the host while loading, so
+          no float copy of them reaches the device);
+        "gguf": a GGUF model's Q8_0 / Q4_0 / Q4_1 blocks kept as stored and dequantized inside
+          each matmul (SmolLM2: Q4_1 layers, Q8_0 embeddings);
+        "none": dense weights in `dtype` (a GGUF model dequantized at load);
+        None: "gguf" for a GGUF model on a GPU, else "none".
 
     Returns:
       (model: GPT, tokenizer).
@@ -37,22 +41,45 @@ def load(name, *, dtype=None, seed: int = 0, quantization=None):
     if isinstance(name, os.PathLike) or (isinstance(name, str) and name not in PRESETS and os.path.isdir(name)):
         from jpa.models import hf  # optional extras (safetensors, tokenizers, jinja2) only when needed
 
-        return hf.load(name, dtype=dtype, quantization=quantization)
+        check_load_quantization(quantization)
+        if quantization == "gguf":
+            raise ValueError(f"quantization 'gguf' keeps a GGUF file's blocks; {name} is a Hugging Face checkpoint "
+                             f"(use int8 or fp8)")
+        return hf.load(name, dtype=dtype, quantization=None if quantization == "none" else quantization)
     if name not in PRESETS:
         raise ValueError(f"unknown model {name!r}; presets are {sorted(PRESETS)} (or give the path of a "
                          f"Hugging Face checkpoint directory)")
     dtype = jnp.float32 if dtype is None else dtype
-    check_weight_quantization(quantization)  # before any file is read
+    check_load_quantization(quantization)  # before any file is read
     config = PRESETS[name]
     if name == "smollm2-135m":
+        import jax
+
         from jpa.models import smollm2  # optional extras (gguf, tokenizers) only when needed
 
-        weights, tokenizer, metadata = smollm2.load_weights_and_tokenizer()
+        if quantization is None:
+            quantization = "gguf" if jax.default_backend() == "gpu" else "none"
+        weights, tokenizer, metadata = smollm2.load_weights_and_tokenizer(keep_packed=quantization == "gguf")
         _check_metadata(config, metadata)
-        return GPT.from_weights(config, weights, dtype, quantization=quantization), tokenizer
+        q = quantization if quantization in ("int8", "fp8") else None
+        return GPT.from_weights(config, weights, dtype, quantization=q), tokenizer
+    if quantization == "gguf":
+        raise ValueError(f"quantization 'gguf' keeps a GGUF file's blocks; {name} is not loaded from a GGUF file "
+                         f"(use int8 or fp8)")
+    quantization = None if quantization == "none" else quantization
     from jpa.models.tokenizer import ByteTokenizer
 
     return GPT(config, dtype=dtype, rngs=nnx.Rngs(seed), quantization=quantization), ByteTokenizer()
+
+
+LOAD_QUANTIZATIONS = ("int8", "fp8", "gguf", "none")
+
+
+def check_load_quantization(quantization):
+    """None or one of LOAD_QUANTIZATIONS; ValueError (one line) otherwise."""
+    if quantization is not None and quantization not in LOAD_QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {list(LOAD_QUANTIZATIONS)} or None; got {quantization!r}")
+    return quantization
 
 
 def _check_metadata(config: ModelConfig, metadata: dict):

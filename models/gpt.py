@@ -39,6 +39,7 @@ Einsum letters: B num_seqs, T query tokens, S key tokens, N q heads, K kv heads,
 H head_dim.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -50,7 +51,7 @@ from jpa.kv.cache import CacheConfig, KVCache, write_kv
 from jpa.ops.decode import paged_decode
 from jpa.ops.prefill import paged_prefill
 from jpa.ops.ragged import ragged_paged_attention
-from jpa.core.quant import check_weight_quantization, dequantize_weight, quantize_weight
+from jpa.core.quant import (check_weight_quantization, dequantize_blocks, dequantize_weight, quantize_weight)
 from jpa.core.sharding import HEADS, HEADS_T, REPLICATED, STACKED_POOL, head_parallel
 from jpa.models.config import ModelConfig
 
@@ -95,6 +96,66 @@ def _quantize_params(module, quantization):
             q, scale = quantize_weight(getattr(module, name)[...], quantization, axis)
             setattr(module, name, nnx.Param(q))
             setattr(module, name + "_scale", nnx.Param(scale))
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedWeight:
+    """A weight kept as GGUF blocks (jpa.core.quant: Q8_0 / Q4_0 / Q4_1) in jpa's layout: codes
+    (int8, or uint8 holding two 4-bit codes), f16 block scales d and minimums m (Q4_1; else None),
+    the 32-value blocks along `axis` (-2: the `in` axis of an [in, out] weight; -1: an embedding
+    row). A model holding them has quantization "gguf": parameter `name` holds the codes,
+    `name_bscale` d and `name_bmin` m, dequantized inside the matmul that reads them."""
+    codes: np.ndarray
+    d: np.ndarray
+    m: np.ndarray | None
+    axis: int
+
+    @property
+    def shape(self) -> tuple:
+        """The float weight's shape."""
+        shape = list(self.codes.shape)
+        shape[self.axis] *= 1 if self.codes.dtype == np.int8 else 2
+        return tuple(shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.codes, self.d, self.m) if a is not None)
+
+    @staticmethod
+    def stack(ws: list) -> "PackedWeight":
+        """The layers' weights stacked on a new leading axis (one format for all)."""
+        fmts = {(w.codes.dtype, w.m is None, w.axis) for w in ws}
+        if len(fmts) != 1:
+            raise ValueError("the layers' copies of a weight are in different GGUF formats; jpa stacks the "
+                             "layers, so it needs one format per weight (load with the weights dequantized)")
+        m = None if ws[0].m is None else np.stack([w.m for w in ws])
+        axis = ws[0].axis if ws[0].axis < 0 else ws[0].axis + 1
+        return PackedWeight(np.stack([w.codes for w in ws]), np.stack([w.d for w in ws]), m, axis)
+
+    def dequantize(self) -> np.ndarray:
+        """The float32 weight (NumPy)."""
+        m = None if self.m is None else jnp.asarray(self.m)
+        return np.asarray(dequantize_blocks(jnp.asarray(self.codes), jnp.asarray(self.d), m, self.axis))
+
+
+def _packed(owner, name, dtype):
+    """The float weight `name` of `owner` dequantized from its GGUF blocks (in `dtype`), or None if it
+    is not packed."""
+    d = getattr(owner, name + "_bscale", None)
+    if d is None:
+        return None
+    m = getattr(owner, name + "_bmin", None)
+    return dequantize_blocks(getattr(owner, name)[...], d[...], None if m is None else m[...], QUANT_AXIS[name], dtype)
+
+
+def set_packed(owner, name, w: PackedWeight):
+    """Replaces float parameter `name` of `owner` by GGUF blocks (`PackedWeight`)."""
+    if QUANT_AXIS.get(name) not in (w.axis, w.axis - w.codes.ndim):
+        raise ValueError(f"weight {name} must be packed with its blocks on axis {QUANT_AXIS.get(name)}; got {w.axis}")
+    setattr(owner, name, nnx.Param(jnp.asarray(w.codes)))
+    setattr(owner, name + "_bscale", nnx.Param(jnp.asarray(w.d)))
+    if w.m is not None:
+        setattr(owner, name + "_bmin", nnx.Param(jnp.asarray(w.m)))
 
 
 def set_weight(owner, name, w, dtype, quantization=None):
@@ -213,7 +274,10 @@ class Block(nnx.Module):
             _quantize_params(self, quantization)
 
     def _linear(self, x, name, bias=None):
-        """x @ self.<name> (+ self.<bias> when the model has it), quantized or not (`_dense`)."""
+        """x @ self.<name> (+ self.<bias> when the model has it), quantized, packed or not (`_dense`)."""
+        w = _packed(self, name, self.dtype)
+        if w is not None:  # GGUF blocks: dequantized in the compute dtype where the dot reads them
+            return _dense(x, w, None if bias is None else self._bias(bias))
         return _dense(x, getattr(self, name), None if bias is None else self._bias(bias),
                       getattr(self, name + "_scale", None), self.dtype)
 
@@ -309,7 +373,12 @@ class GPT(nnx.Module):
     def embed(self, tokens, positions):
         """tokens, positions i32[B, T] -> f32[B, T, d_model]."""
         x = jnp.take(self.tok_embeddings[...], tokens, axis=0, mode="clip").astype(jnp.float32)
-        if self.quantization is not None:  # a row's values times its scale
+        if self.quantization == "gguf" and hasattr(self, "tok_embeddings_bscale"):  # the rows' blocks
+            take = lambda a: jnp.take(a[...], tokens, axis=0, mode="clip")
+            m = getattr(self, "tok_embeddings_bmin", None)
+            x = dequantize_blocks(take(self.tok_embeddings), take(self.tok_embeddings_bscale),
+                                  None if m is None else take(m), -1, jnp.float32)
+        elif self.quantization in ("int8", "fp8"):  # a row's values times its scale
             x = x * jnp.take(self.tok_embeddings_scale[...], tokens, axis=0, mode="clip")[..., None]
         if self.config.embed_scale != 1.0:
             # transformers (Gemma) rounds the scale to the activation dtype before multiplying.
@@ -326,11 +395,14 @@ class GPT(nnx.Module):
         else:
             h = _rms_norm(x, self.norm, self.config.norm_eps, self.config.norm_weight_offset)
         if self.config.tie_embeddings:
-            emb = self.tok_embeddings[...]  # [vocab, d_model]
-            if self.quantization is None:
+            emb = _packed(self, "tok_embeddings", self.dtype)
+            emb = self.tok_embeddings[...] if emb is None else emb  # [vocab, d_model]
+            if self.quantization in (None, "gguf"):
                 out = jnp.dot(h.astype(emb.dtype), emb.T, preferred_element_type=jnp.float32)
             else:  # the rows' scales are the head's per-output-channel scales
                 out = _dense(h, emb.T, scale=self.tok_embeddings_scale, compute_dtype=self.dtype)
+        elif _packed(self, "output", self.dtype) is not None:
+            out = _dense(h, _packed(self, "output", self.dtype))
         else:
             out = _dense(h, self.output, scale=getattr(self, "output_scale", None), compute_dtype=self.dtype)
         return _soft_cap(out, self.config.final_soft_cap)
@@ -382,7 +454,10 @@ class GPT(nnx.Module):
                 if not isinstance(var, nnx.Param) or (owner is self and name == "layers"):
                     continue
                 x = getattr(owner, name)[...]
-                if name in QUANT_AXIS:
+                packed = _packed(owner, name, jnp.float32) if name in QUANT_AXIS else None
+                if packed is not None:
+                    x = packed
+                elif name in QUANT_AXIS and hasattr(owner, name + "_scale"):
                     x = dequantize_weight(x, getattr(owner, name + "_scale")[...], QUANT_AXIS[name])
                 var.set_value(x.astype(self.dtype))
         return model
@@ -427,12 +502,29 @@ class GPT(nnx.Module):
         expected = expected_shapes(config)
         _check_weights(weights, expected, config)
         check_weight_quantization(quantization)
+        packed = any(isinstance(w, PackedWeight) for w in [*weights.values(), *(
+            w for lw in weights["layers"] for w in lw.values())])
+        if packed and quantization is not None:
+            raise ValueError(f"weights holds GGUF blocks (PackedWeight) and quantization={quantization!r}: pass "
+                             f"float weights to quantize, or the blocks alone")
         model = nnx.eval_shape(lambda: cls(config, dtype=dtype, rngs=nnx.Rngs(0), quantization=quantization))
+
+        def put(owner, name, w):
+            if isinstance(w, PackedWeight):
+                set_packed(owner, name, w)
+            else:
+                set_weight(owner, name, w, dtype, quantization)
+
         for name in ("tok_embeddings", "norm") + (() if config.tie_embeddings else ("output",)):
-            set_weight(model, name, weights[name], dtype, quantization)
+            put(model, name, weights[name])
         for name in expected["layers"]:
-            set_weight(model.layers, name, np.stack([np.asarray(lw[name], np.float32) for lw in weights["layers"]]),
-                       dtype, quantization)
+            ws = [lw[name] for lw in weights["layers"]]
+            if any(isinstance(w, PackedWeight) for w in ws):
+                put(model.layers, name, PackedWeight.stack(ws))
+            else:
+                put(model.layers, name, np.stack([np.asarray(w, np.float32) for w in ws]))
+        if packed:
+            model.quantization = "gguf"
         return model
 
 

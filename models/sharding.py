@@ -78,8 +78,14 @@ RULES = {
     "w_gate_scale": VEC, "w_up_scale": VEC, "w_down_scale": REP,
     "tok_embeddings_scale": VEC, "output_scale": VEC,
 }
+# GGUF blocks kept packed (models.gpt.PackedWeight): the codes keep their weight's name and rule; the
+# block scales / minimums ([in / 32, out], or [vocab, d_model / 32]) have the weight's rank and
+# orientation, so they take its rule too (a row-parallel split of `in` keeps whole blocks when
+# in / 32 divides by N; check_divisible says when not).
+for _w in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "tok_embeddings", "output"):
+    RULES[_w + "_bscale"] = RULES[_w + "_bmin"] = RULES[_w]
 # embeddings="replicated" (and a vocabulary that does not divide by N).
-REPLICATED_EMBEDDINGS = {"tok_embeddings": REP, "output": REP, "tok_embeddings_scale": REP, "output_scale": REP}
+REPLICATED_EMBEDDINGS = {name: REP for name in RULES if name.startswith(("tok_embeddings", "output"))}
 
 # Parameters whose axes hold heads (q or kv) or the MLP hidden size, and which axis.
 _Q_HEAD_AXIS = {"wq": 1, "bq": 0, "wo": 0, "wq_scale": 0}
@@ -185,6 +191,10 @@ def with_heads(model, plan: HeadPlan):
     c = model.config
     if (plan.num_q_heads, plan.num_kv_heads, plan.ffn_dim) == (c.num_q_heads, c.num_kv_heads, c.ffn_dim):
         return model
+    if model.quantization == "gguf":
+        raise ValueError(f"{plan.describe()}: padding or replicating heads of GGUF blocks kept packed is not "
+                         f"supported; use a tensor-parallel size that splits the kv heads evenly, or load the "
+                         f"weights dequantized (quantization 'none') or requantized ('int8')")
     new_c = dataclasses.replace(c, num_q_heads=plan.num_q_heads, num_kv_heads=plan.num_kv_heads,
                                 ffn_dim=plan.ffn_dim)
     new = nnx.eval_shape(lambda: GPT(new_c, dtype=model.dtype, rngs=nnx.Rngs(0), quantization=model.quantization))
