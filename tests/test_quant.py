@@ -192,3 +192,94 @@ def test_quantizing_twice_is_refused():
     qm, _ = models.load("tiny-llama", quantization="int8")
     with pytest.raises(ValueError, match="already quantized"):
         qm.quantized("fp8")
+
+
+# ---- GGUF blocks kept packed (quantization "gguf") ----
+
+def _gguf_blocks(w_rows, fmt):
+    """(raw GGUF bytes, their numpy dequantization) of a float [rows, cols] tensor, by the gguf package."""
+    from gguf import GGMLQuantizationType, quants
+
+    t = GGMLQuantizationType[fmt]
+    raw = quants.quantize(np.asarray(w_rows, np.float32), t)
+    return raw, quants.dequantize(raw, t).reshape(w_rows.shape)
+
+
+def test_gguf_blocks_unpack_to_the_gguf_package_values():
+    from jpa.core.quant import dequantize_blocks, unpack_gguf_rows
+
+    rng = np.random.default_rng()
+    for fmt in ("Q8_0", "Q4_0", "Q4_1"):
+        w = rng.standard_normal((5, 96)).astype(np.float32)
+        raw, want = _gguf_blocks(w, fmt)
+        codes, d, m = unpack_gguf_rows(raw, fmt, 5, 96, name="t")
+        j = lambda a: None if a is None else jnp.asarray(a)
+        np.testing.assert_array_equal(np.asarray(dequantize_blocks(j(codes), j(d), j(m), axis=-1)), want)
+        mt = None if m is None else m.T
+        np.testing.assert_array_equal(np.asarray(dequantize_blocks(j(codes.T), j(d.T), j(mt), axis=-2)), want.T)
+
+
+def test_packed_gguf_model_equals_the_model_dequantized_at_load():
+    """A tiny llama whose weights are real Q8_0 / Q4_0 / Q4_1 blocks (written by the gguf package) kept
+    packed: its logits equal those of the same blocks dequantized by NumPy into a dense model."""
+    from jpa.models.gpt import PackedWeight, expected_shapes
+    from jpa.models.smollm2 import _packed_linear, _unpermute_qk
+    from jpa.core.quant import unpack_gguf_rows
+
+    c = PRESETS["tiny-llama"]
+    rng = np.random.default_rng()
+    fmts = {"wq": "Q4_1", "wk": "Q4_0", "wv": "Q8_0", "wo": "Q4_1", "w_gate": "Q4_0", "w_up": "Q4_1",
+            "w_down": "Q8_0"}
+    heads = {"wq": c.num_q_heads, "wk": c.num_kv_heads}
+    shapes = expected_shapes(c)
+    packed, dense = {}, {}
+    emb = (rng.standard_normal((c.vocab_size, c.d_model)) * 0.5).astype(np.float32)
+    raw, deq = _gguf_blocks(emb, "Q8_0")
+    packed["tok_embeddings"] = PackedWeight(*unpack_gguf_rows(raw, "Q8_0", *emb.shape), -1)
+    dense["tok_embeddings"] = deq
+    packed["norm"] = dense["norm"] = rng.uniform(0.5, 1.5, c.d_model).astype(np.float32)
+    packed["layers"], dense["layers"] = [], []
+    for _ in range(c.num_layers):
+        pl, dl = {}, {}
+        for name, shape in shapes["layers"].items():
+            if name not in fmts:
+                pl[name] = dl[name] = rng.uniform(0.5, 1.5, shape).astype(np.float32)
+                continue
+            w_rows = (rng.standard_normal(shape[::-1]) * 0.3).astype(np.float32)  # GGUF's [out, in]
+            raw, deq = _gguf_blocks(w_rows, fmts[name])
+            n = heads.get(name)
+            pl[name] = _packed_linear(*unpack_gguf_rows(raw, fmts[name], *w_rows.shape), n)
+            dl[name] = (deq if n is None else _unpermute_qk(deq, n)).T.copy()
+        packed["layers"].append(pl)
+        dense["layers"].append(dl)
+    pm = GPT.from_weights(c, packed)
+    dm = GPT.from_weights(c, dense)
+    assert pm.quantization == "gguf" and pm.layers.wq[...].dtype == np.uint8 and pm.layers.wv[...].dtype == np.int8
+    assert pm.layers.wq[...].shape == (c.num_layers, c.d_model // 2, c.num_q_heads * c.head_dim)
+    assert pm.weight_bytes() < 0.35 * dm.weight_bytes()
+    tokens = jnp.asarray(rng.integers(0, c.vocab_size, (2, 10)), jnp.int32)
+    np.testing.assert_allclose(_logprobs(pm, tokens), _logprobs(dm, tokens), atol=2e-5, rtol=0)
+    deq_model = pm.dequantized()
+    for name in fmts:
+        np.testing.assert_array_equal(np.asarray(getattr(deq_model.layers, name)[...]),
+                                      np.asarray(getattr(dm.layers, name)[...]))
+
+
+@pytest.mark.parametrize("data,fmt,msg", [
+    (np.zeros(100, np.uint8), "Q4_1", r"tensor blk.3.ffn_up.weight \(Q4_1\) holds 100 bytes of uint8; a \[4, 64\] "
+                                      r"Q4_1 tensor has 160 uint8: truncated or corrupt"),
+    (np.zeros(160, np.uint8), "Q4_K", r"tensor blk.3.ffn_up.weight has type Q4_K; jpa keeps \['Q4_0', 'Q4_1', "
+                                      r"'Q8_0'\] packed"),
+])
+def test_corrupt_or_unsupported_gguf_tensor_is_one_line_naming_it(data, fmt, msg):
+    from jpa.core.quant import unpack_gguf_rows
+
+    with pytest.raises(ValueError, match="^" + msg):
+        unpack_gguf_rows(data, fmt, 4, 64, name="blk.3.ffn_up.weight")
+
+
+def test_gguf_quantization_needs_a_gguf_model():
+    with pytest.raises(ValueError, match="quantization 'gguf' keeps a GGUF file's blocks; tiny-llama is not"):
+        models.load("tiny-llama", quantization="gguf")
+    with pytest.raises(UsageError, match="--quantization gguf keeps a GGUF file's blocks"):
+        EngineArgs(model="tiny-llama", quantization="gguf").check()
