@@ -86,8 +86,8 @@ class EngineArgs:
                         help="weight storage: int8 / fp8 (e4m3) quantize on the fly, one scale per output "
                              "channel; gguf keeps a GGUF model's Q8_0/Q4_0/Q4_1 blocks (SmolLM2's 4-bit file) as "
                              "stored; all three are dequantized inside each matmul, --dtype being the compute dtype; "
-                             "none: dense weights (a GGUF file dequantized at load). Default: gguf for SmolLM2 on "
-                             "a GPU, else none")
+                             "none: dense weights (a GGUF file dequantized at load). Default: gguf for SmolLM2 (its "
+                             "4-bit file), none for other models")
         ap.add_argument("--page-size", type=int, default=16)
         ap.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages (overrides --kv-memory)")
         ap.add_argument("--kv-memory", type=float, default=256, help="KV cache budget in MiB (default 256)")

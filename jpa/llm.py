@@ -69,7 +69,7 @@ class LLM:
       quantization: as vLLM's `quantization=` (`models.load`): "int8" / "fp8" quantize the weights
         on the fly, one scale per output channel; "gguf" keeps a GGUF model's blocks (SmolLM2's
         4-bit file) as stored; all are dequantized inside each matmul (`dtype` is then the compute
-        dtype). "none": dense weights. None: "gguf" for SmolLM2 on a GPU, else dense. A speculative
+        dtype). "none": dense weights. None: "gguf" for SmolLM2, dense for other models. A speculative
         draft model is loaded with the same int8 / fp8 quantization.
       engine_config: a whole `jpa.engine.EngineConfig`, instead of the options below.
       **engine_options: `EngineConfig` fields (max_seqs, page_size, num_pages, kv_memory_bytes,

@@ -33,7 +33,8 @@ def load(name, *, dtype=None, seed: int = 0, quantization=None):
         "gguf": a GGUF model's Q8_0 / Q4_0 / Q4_1 blocks kept as stored and dequantized inside
           each matmul (SmolLM2: Q4_1 layers, Q8_0 embeddings);
         "none": dense weights in `dtype` (a GGUF model dequantized at load);
-        None: "gguf" for a GGUF model on a GPU, else "none".
+        None: "gguf" for a GGUF model (on a GPU, and on a CPU too, where it measured no slower
+          than dense float32: BENCHMARKS.md, "Quantized weights"), else "none".
 
     Returns:
       (model: GPT, tokenizer).
@@ -53,12 +54,10 @@ def load(name, *, dtype=None, seed: int = 0, quantization=None):
     check_load_quantization(quantization)  # before any file is read
     config = PRESETS[name]
     if name == "smollm2-135m":
-        import jax
-
         from jpa.models import smollm2  # optional extras (gguf, tokenizers) only when needed
 
         if quantization is None:
-            quantization = "gguf" if jax.default_backend() == "gpu" else "none"
+            quantization = "gguf"
         weights, tokenizer, metadata = smollm2.load_weights_and_tokenizer(keep_packed=quantization == "gguf")
         _check_metadata(config, metadata)
         q = quantization if quantization in ("int8", "fp8") else None
