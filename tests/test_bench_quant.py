@@ -1,6 +1,5 @@
-"""Weight-only quantization, the bench tier: the model-level checks of tests/test_quant.py over
-models and formats (the main tier runs the engine check, which is the same comparison through the
-engine's step)."""
+"""Weight-only quantization, the bench tier: the engine check and the model-level checks of
+tests/test_quant.py over models and formats (each compiles engines or models: tens of seconds)."""
 
 import pytest
 
@@ -21,3 +20,7 @@ def test_checkpoint_quantized_on_the_host_equals_quantized_on_the_device():
 
 def test_head_plans_replicate_quantized_heads():
     test_quant.test_head_plans_keep_quantized_weights_and_the_function(tp=4)
+
+
+def test_engine_greedy_tokens_and_logprobs_equal_the_dequantized_model():
+    test_quant.check_engine_greedy_tokens_and_logprobs_equal_the_dequantized_model()

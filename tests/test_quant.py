@@ -5,7 +5,8 @@ The quantized model is checked against the float model whose weights are the qua
 dequantized (`GPT.dequantized()`: q * scale): that isolates the matmul path from quantization error,
 so the tolerance is float32's. Against the original float model the gap is the quantization error,
 bounded loosely. The engine's greedy tokens and logprobs are checked against the dequantized model
-run without a cache (teacher-forced on the engine's own completions).
+run without a cache (teacher-forced on the engine's own completions) in the bench tier
+(tests/test_bench_quant.py), with the model grid: the main tier keeps the fast checks.
 """
 
 import argparse
@@ -96,7 +97,8 @@ def check_model_equals_its_dequantized_weights(name, quantization, tol):
     assert 0 < gap < tol, gap  # quantization error: present, and small
 
 
-def test_engine_greedy_tokens_and_logprobs_equal_the_dequantized_model():
+def check_engine_greedy_tokens_and_logprobs_equal_the_dequantized_model():
+    """(Run by tests/test_bench_quant.py: an engine compile costs ~30 s here.)"""
     from jpa.testing.engine import context_gpt
 
     gpt, tok = context_gpt(1)  # sharp logits: greedy choices are decided by margins far above rounding
