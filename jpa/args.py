@@ -3,6 +3,7 @@
     CLI flags (`jpa generate`, `jpa serve`)  <->  EngineArgs fields  <->  EngineConfig / LLM(...) keywords
 
     --model M --dtype D                      model, dtype                 LLM(M, dtype=D)
+    --quantization Q                         quantization                 LLM(M, quantization=Q)
     --max-seqs N                             max_seqs                     EngineConfig.max_seqs
     --page-size S                            page_size                    EngineConfig.page_size
     --num-pages P                            num_pages                    EngineConfig.num_pages
@@ -46,6 +47,7 @@ class Parser(argparse.ArgumentParser):
 
 
 ATTENTION = ("auto", "xla", "triton", "mosaic")
+QUANTIZATIONS = ("int8", "fp8", "gguf", "none")  # jpa.models.LOAD_QUANTIZATIONS (checked equal in tests)
 
 
 @dataclasses.dataclass
@@ -53,6 +55,7 @@ class EngineArgs:
     """The model and engine options of a run (the CLI's flags; defaults are the CLI's)."""
     model: str = "smollm2-135m"
     dtype: str | None = None
+    quantization: str | None = None
     max_seqs: int = 16
     page_size: int = 16
     num_pages: int | None = None
@@ -79,6 +82,12 @@ class EngineArgs:
                         "directory (Llama, Mistral, Qwen2, Qwen3, Gemma-2; see jpa.models.load)")
         ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                         help="weights and KV cache dtype (default float32 on CPU, bfloat16 on GPU)")
+        ap.add_argument("--quantization", choices=list(QUANTIZATIONS), default=None,
+                        help="weight storage: int8 / fp8 (e4m3) quantize on the fly, one scale per output "
+                             "channel; gguf keeps a GGUF model's Q8_0/Q4_0/Q4_1 blocks (SmolLM2's 4-bit file) as "
+                             "stored; all three are dequantized inside each matmul, --dtype being the compute dtype; "
+                             "none: dense weights (a GGUF file dequantized at load). Default: gguf for SmolLM2 (its "
+                             "4-bit file), none for other models")
         ap.add_argument("--page-size", type=int, default=16)
         ap.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages (overrides --kv-memory)")
         ap.add_argument("--kv-memory", type=float, default=256, help="KV cache budget in MiB (default 256)")
@@ -124,6 +133,11 @@ class EngineArgs:
         for name, v in counts.items():
             if v < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 1; got {v}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise UsageError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
+        if self.quantization == "gguf" and self.model != "smollm2-135m":
+            raise UsageError(f"--quantization gguf keeps a GGUF file's blocks; --model {self.model} is not a GGUF "
+                             f"model (use int8 or fp8)")
         if self.num_pages is not None and self.num_pages < 1:
             raise UsageError(f"--num-pages must be >= 1; got {self.num_pages}")
         if not (math.isfinite(self.kv_memory) and self.kv_memory > 0):

@@ -66,6 +66,11 @@ class LLM:
         `default_dtype()`, bfloat16 on a GPU and float32 elsewhere.
       seed: the random initialization of the tiny presets (ignored for real weights). Sampling
         seeds are per request: `SamplingParams.seed`.
+      quantization: as vLLM's `quantization=` (`models.load`): "int8" / "fp8" quantize the weights
+        on the fly, one scale per output channel; "gguf" keeps a GGUF model's blocks (SmolLM2's
+        4-bit file) as stored; all are dequantized inside each matmul (`dtype` is then the compute
+        dtype). "none": dense weights. None: "gguf" for SmolLM2, dense for other models. A speculative
+        draft model is loaded with the same int8 / fp8 quantization.
       engine_config: a whole `jpa.engine.EngineConfig`, instead of the options below.
       **engine_options: `EngineConfig` fields (max_seqs, page_size, num_pages, kv_memory_bytes,
         max_model_len, steps_per_call, watermark, max_num_batched_tokens, prefix_caching,
@@ -77,7 +82,7 @@ class LLM:
       tokenizer: the model's tokenizer (encode, decode, render_chat).
     """
 
-    def __init__(self, model: str | os.PathLike, *, dtype=None, seed: int = 0,
+    def __init__(self, model: str | os.PathLike, *, dtype=None, seed: int = 0, quantization: str | None = None,
                  engine_config: EngineConfig | None = None, **engine_options):
         config = _engine_config(engine_config, engine_options)  # before loading: a typo fails fast
         if not isinstance(model, (str, os.PathLike)):
@@ -94,7 +99,7 @@ class LLM:
                              f"got {dtype!r}") from None
         if not jnp.issubdtype(dt, jnp.floating):
             raise ValueError(f"LLM: dtype must be a floating dtype (float32 or bfloat16); got {dt}")
-        gpt, tokenizer = models.load(model, dtype=dt, seed=seed)
+        gpt, tokenizer = models.load(model, dtype=dt, seed=seed, quantization=quantization)
         self._wire(gpt, tokenizer, config)
 
     @classmethod
@@ -175,7 +180,7 @@ def build_engine(model, tokenizer, config: EngineConfig, *, draft_model=None) ->
       tokenizer: the model's tokenizer.
       config: the EngineConfig.
       draft_model: the draft of speculative method "draft_model" (a GPT or an EngineModel); default:
-        loaded by the name config.speculative gives, in the model's dtype.
+        loaded by the name config.speculative gives, in the model's dtype and weight quantization.
 
     Returns:
       The LLMEngine (its ValueError names a config the model cannot run with).
@@ -188,7 +193,9 @@ def build_engine(model, tokenizer, config: EngineConfig, *, draft_model=None) ->
         model = models.GPTForEngine(model)
     spec = config.speculative
     if spec is not None and spec.method == "draft_model" and draft_model is None:
-        draft_model, _ = models.load(spec.model, dtype=jnp.dtype(model.dtype))
+        quant = getattr(model, "quantization", None)
+        draft_model, _ = models.load(spec.model, dtype=jnp.dtype(model.dtype),
+                                     quantization=quant if quant in ("int8", "fp8") else None)
     if isinstance(draft_model, models.GPT):
         draft_model = models.GPTForEngine(draft_model)
     return LLMEngine(model, tokenizer, config, draft_model=draft_model)
@@ -212,12 +219,14 @@ def engine_from_args(args, *, log=True, **config_extra):
     from jpa.args import UsageError
 
     dtype = args.dtype or default_dtype()
+    quant = getattr(args, "quantization", None)
     t0 = time.perf_counter()
     if log:
-        print(f"[jpa] loading {args.model} ({dtype}) on {jax.devices()[0].platform}...", file=sys.stderr)
+        what = dtype if quant is None else f"{quant} weights, {dtype} compute"
+        print(f"[jpa] loading {args.model} ({what}) on {jax.devices()[0].platform}...", file=sys.stderr)
     config = args.engine_config(**config_extra)
     try:
-        gpt, tok = models.load(args.model, dtype=jnp.dtype(dtype))
+        gpt, tok = models.load(args.model, dtype=jnp.dtype(dtype), quantization=quant)
     except (ValueError, FileNotFoundError) as e:  # a bad checkpoint directory: CheckpointError names it
         raise UsageError(f"--model {args.model}: {e}") from None
     try:

@@ -26,6 +26,7 @@ class GPTForEngine:
             raise ValueError(f"model must be a models.GPT; got {type(model).__name__}")
         self.config = model.config
         self.dtype = model.dtype
+        self.quantization = model.quantization  # weight-only quantization (None, "int8", "fp8")
         self.graphdef, self.params = nnx.split(model)
         self.mesh = mesh
         self.head_plan = None

@@ -39,6 +39,7 @@ Einsum letters: B num_seqs, T query tokens, S key tokens, N q heads, K kv heads,
 H head_dim.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -50,11 +51,18 @@ from jpa.kv.cache import CacheConfig, KVCache, write_kv
 from jpa.ops.decode import paged_decode
 from jpa.ops.prefill import paged_prefill
 from jpa.ops.ragged import ragged_paged_attention
+from jpa.core.quant import (check_weight_quantization, dequantize_blocks, dequantize_weight, quantize_weight)
 from jpa.core.sharding import HEADS, HEADS_T, REPLICATED, STACKED_POOL, head_parallel
 from jpa.models.config import ModelConfig
 
 PARAM_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))
 INIT_STD = 0.02  # GPT-2's initializer range
+# Weight-only quantization (jpa.core.quant): the parameters stored quantized, each with the axis its
+# scale is shared along (-2: one scale per output channel of an [in, out] weight; -1: one per row
+# of the embedding table, which is also the tied head's output channel). A quantized `name` holds
+# int8 / float8_e4m3fn values and `name + "_scale"` its f32 scales.
+QUANT_AXIS = {"wq": -2, "wk": -2, "wv": -2, "wo": -2, "w_gate": -2, "w_up": -2, "w_down": -2,
+              "output": -2, "tok_embeddings": -1}
 
 
 def _param(rngs, shape, dtype, std=INIT_STD):
@@ -66,11 +74,100 @@ def _v(p):
     return p[...] if isinstance(p, nnx.Variable) else p
 
 
-def _dense(x, w, b=None):
-    """x [..., in] @ w [in, out] with inputs in w's dtype and an f32 result."""
+def _dense(x, w, b=None, scale=None, compute_dtype=None):
+    """x [..., in] @ w [in, out] with an f32 result: inputs in w's dtype, or, for a quantized w
+    (int8 / float8 with scale f32[out]), (x @ w.astype(compute_dtype)) * scale: the dot reads the
+    stored weight (XLA fuses the convert into the gemm's operand) and the per-channel scale
+    multiplies the f32 result, never a dense float copy of w."""
     w, b = _v(w), None if b is None else _v(b)
-    y = jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    if scale is None:
+        y = jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    else:
+        y = jnp.dot(x.astype(compute_dtype), w.astype(compute_dtype), preferred_element_type=jnp.float32)
+        y = y * _v(scale)
     return y if b is None else y + b.astype(jnp.float32)
+
+
+def _quantize_params(module, quantization):
+    """Replaces each float parameter of `module` named in QUANT_AXIS by its quantized values and
+    adds `<name>_scale` (jpa.core.quant.quantize_weight)."""
+    for name, axis in QUANT_AXIS.items():
+        if hasattr(module, name):
+            q, scale = quantize_weight(getattr(module, name)[...], quantization, axis)
+            setattr(module, name, nnx.Param(q))
+            setattr(module, name + "_scale", nnx.Param(scale))
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedWeight:
+    """A weight kept as GGUF blocks (jpa.core.quant: Q8_0 / Q4_0 / Q4_1) in jpa's layout: codes
+    (int8, or uint8 holding two 4-bit codes), f16 block scales d and minimums m (Q4_1; else None),
+    the 32-value blocks along `axis` (-2: the `in` axis of an [in, out] weight; -1: an embedding
+    row). A model holding them has quantization "gguf": parameter `name` holds the codes,
+    `name_bscale` d and `name_bmin` m, dequantized inside the matmul that reads them."""
+    codes: np.ndarray
+    d: np.ndarray
+    m: np.ndarray | None
+    axis: int
+
+    @property
+    def shape(self) -> tuple:
+        """The float weight's shape."""
+        shape = list(self.codes.shape)
+        shape[self.axis] *= 1 if self.codes.dtype == np.int8 else 2
+        return tuple(shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.codes, self.d, self.m) if a is not None)
+
+    @staticmethod
+    def stack(ws: list) -> "PackedWeight":
+        """The layers' weights stacked on a new leading axis (one format for all)."""
+        fmts = {(w.codes.dtype, w.m is None, w.axis) for w in ws}
+        if len(fmts) != 1:
+            raise ValueError("the layers' copies of a weight are in different GGUF formats; jpa stacks the "
+                             "layers, so it needs one format per weight (load with the weights dequantized)")
+        m = None if ws[0].m is None else np.stack([w.m for w in ws])
+        axis = ws[0].axis if ws[0].axis < 0 else ws[0].axis + 1
+        return PackedWeight(np.stack([w.codes for w in ws]), np.stack([w.d for w in ws]), m, axis)
+
+    def dequantize(self) -> np.ndarray:
+        """The float32 weight (NumPy)."""
+        m = None if self.m is None else jnp.asarray(self.m)
+        return np.asarray(dequantize_blocks(jnp.asarray(self.codes), jnp.asarray(self.d), m, self.axis))
+
+
+def _packed(owner, name, dtype):
+    """The float weight `name` of `owner` dequantized from its GGUF blocks (in `dtype`), or None if it
+    is not packed."""
+    d = getattr(owner, name + "_bscale", None)
+    if d is None:
+        return None
+    m = getattr(owner, name + "_bmin", None)
+    return dequantize_blocks(getattr(owner, name)[...], d[...], None if m is None else m[...], QUANT_AXIS[name], dtype)
+
+
+def set_packed(owner, name, w: PackedWeight):
+    """Replaces float parameter `name` of `owner` by GGUF blocks (`PackedWeight`)."""
+    if QUANT_AXIS.get(name) not in (w.axis, w.axis - w.codes.ndim):
+        raise ValueError(f"weight {name} must be packed with its blocks on axis {QUANT_AXIS.get(name)}; got {w.axis}")
+    setattr(owner, name, nnx.Param(jnp.asarray(w.codes)))
+    setattr(owner, name + "_bscale", nnx.Param(jnp.asarray(w.d)))
+    if w.m is not None:
+        setattr(owner, name + "_bmin", nnx.Param(jnp.asarray(w.m)))
+
+
+def set_weight(owner, name, w, dtype, quantization=None):
+    """Sets parameter `name` of `owner` (a GPT, or its stacked `layers`) from a float NumPy array:
+    cast to `dtype`, or, when `quantization` is set and `name` is in QUANT_AXIS, quantized on the
+    host (so no float copy of it reaches the device) with `<name>_scale` set beside it."""
+    if quantization is not None and name in QUANT_AXIS:
+        q, scale = quantize_weight(np.asarray(w, np.float32), quantization, QUANT_AXIS[name])
+        getattr(owner, name).set_value(jnp.asarray(q))
+        getattr(owner, name + "_scale").set_value(jnp.asarray(scale))
+    else:
+        getattr(owner, name).set_value(jnp.asarray(np.asarray(w, np.float32), dtype=dtype))
 
 
 def _layer_norm(x, scale, bias, eps):
@@ -144,9 +241,10 @@ def rope(x, positions, base, inv_freq=None):
 class Block(nnx.Module):
     """One decoder block: pre-norm attention and pre-norm MLP, each with a residual."""
 
-    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs, quantization=None):
         c = config
         self.config = c
+        self.dtype = np.dtype(dtype)  # the compute dtype of the matmuls (a quantized weight's dequantized dtype)
         d, q_dim, kv_dim = c.d_model, c.num_q_heads * c.head_dim, c.num_kv_heads * c.head_dim
         gpt2 = c.family == "gpt2"
         # Gemma's norms hold (scale - 1): a fresh model starts at scale 1 either way.
@@ -172,6 +270,16 @@ class Block(nnx.Module):
             self.q_norm, self.k_norm = ones(c.head_dim), ones(c.head_dim)
         if c.post_norms:
             self.post_attn_norm, self.post_ffn_norm = ones(d), ones(d)
+        if quantization is not None:
+            _quantize_params(self, quantization)
+
+    def _linear(self, x, name, bias=None):
+        """x @ self.<name> (+ self.<bias> when the model has it), quantized, packed or not (`_dense`)."""
+        w = _packed(self, name, self.dtype)
+        if w is not None:  # GGUF blocks: dequantized in the compute dtype where the dot reads them
+            return _dense(x, w, None if bias is None else self._bias(bias))
+        return _dense(x, getattr(self, name), None if bias is None else self._bias(bias),
+                      getattr(self, name + "_scale", None), self.dtype)
 
     def _norm(self, x, scale, bias_name=None):
         if self.config.family == "gpt2":
@@ -186,9 +294,9 @@ class Block(nnx.Module):
         c = self.config
         batch, num_tokens, _ = x.shape
         h = self._norm(x, self.attn_norm, "attn_norm_bias")
-        q = _dense(h, self.wq, self._bias("bq")).reshape(batch, num_tokens, c.num_q_heads, c.head_dim)
-        k = _dense(h, self.wk, self._bias("bk")).reshape(batch, num_tokens, c.num_kv_heads, c.head_dim)
-        v = _dense(h, self.wv, self._bias("bv")).reshape(batch, num_tokens, c.num_kv_heads, c.head_dim)
+        q = self._linear(h, "wq", "bq").reshape(batch, num_tokens, c.num_q_heads, c.head_dim)
+        k = self._linear(h, "wk", "bk").reshape(batch, num_tokens, c.num_kv_heads, c.head_dim)
+        v = self._linear(h, "wv", "bv").reshape(batch, num_tokens, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
         if c.family == "llama":
@@ -201,16 +309,16 @@ class Block(nnx.Module):
         c = self.config
         batch, num_tokens = attn.shape[:2]
         attn = attn.reshape(batch, num_tokens, c.num_q_heads * c.head_dim)  # [B, T, N * H]
-        h = _dense(attn, self.wo, self._bias("bo"))
+        h = self._linear(attn, "wo", "bo")
         x = x + (self._norm(h, self.post_attn_norm) if c.post_norms else h)
         h = self._norm(x, self.ffn_norm, "ffn_norm_bias")
         if c.family == "gpt2":
-            h = jax.nn.gelu(_dense(h, self.w_up, self.b_up), approximate=True)
+            h = jax.nn.gelu(self._linear(h, "w_up", "b_up"), approximate=True)
         elif c.mlp_activation == "gelu_tanh":
-            h = jax.nn.gelu(_dense(h, self.w_gate), approximate=True) * _dense(h, self.w_up)
+            h = jax.nn.gelu(self._linear(h, "w_gate"), approximate=True) * self._linear(h, "w_up")
         else:
-            h = jax.nn.silu(_dense(h, self.w_gate)) * _dense(h, self.w_up)
-        h = _dense(h, self.w_down, self._bias("b_down"))
+            h = jax.nn.silu(self._linear(h, "w_gate")) * self._linear(h, "w_up")
+        h = self._linear(h, "w_down", "b_down")
         return x + (self._norm(h, self.post_ffn_norm) if c.post_norms else h)
 
 
@@ -230,9 +338,15 @@ def stack_blocks(blocks: list) -> Block:
 
 
 class GPT(nnx.Module):
-    """Decoder-only transformer (gpt2 or llama family) with parameters in `dtype`."""
+    """Decoder-only transformer (gpt2 or llama family) with parameters in `dtype`.
 
-    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    quantization: None, or "int8" / "fp8" (weight-only, per output channel; jpa.core.quant): the
+    linear weights, the output head and the token embeddings are stored in int8 / float8_e4m3fn
+    with f32 scales (`<name>_scale`, QUANT_AXIS) and dequantized inside each matmul; `dtype` stays
+    the compute dtype (activations, norms and the KV cache).
+    """
+
+    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, quantization=None):
         if not isinstance(config, ModelConfig):
             raise ValueError(f"config must be a models.ModelConfig; got {type(config).__name__}")
         dtype = np.dtype(dtype)
@@ -241,20 +355,31 @@ class GPT(nnx.Module):
         c = config
         self.config = c
         self.dtype = dtype
+        self.quantization = check_weight_quantization(quantization)
         self.tok_embeddings = _param(rngs, (c.vocab_size, c.d_model), dtype)  # [vocab, d_model]
         if c.family == "gpt2":
             self.pos_embeddings = _param(rngs, (c.max_seq_len, c.d_model), dtype, std=0.01)
         # Built one by one (the same random draws as a list of blocks), then stacked on a leading axis.
-        self.layers = stack_blocks([Block(c, dtype=dtype, rngs=rngs) for _ in range(c.num_layers)])
+        self.layers = stack_blocks([Block(c, dtype=dtype, rngs=rngs, quantization=quantization)
+                                    for _ in range(c.num_layers)])
         self.norm = nnx.Param(jnp.full((c.d_model,), 1.0 - c.norm_weight_offset, dtype))
         if c.family == "gpt2":
             self.norm_bias = nnx.Param(jnp.zeros((c.d_model,), dtype))
         if not c.tie_embeddings:
             self.output = _param(rngs, (c.d_model, c.vocab_size), dtype)  # [d_model, vocab]
+        if quantization is not None:
+            _quantize_params(self, quantization)
 
     def embed(self, tokens, positions):
         """tokens, positions i32[B, T] -> f32[B, T, d_model]."""
         x = jnp.take(self.tok_embeddings[...], tokens, axis=0, mode="clip").astype(jnp.float32)
+        if self.quantization == "gguf" and hasattr(self, "tok_embeddings_bscale"):  # the rows' blocks
+            take = lambda a: jnp.take(a[...], tokens, axis=0, mode="clip")
+            m = getattr(self, "tok_embeddings_bmin", None)
+            x = dequantize_blocks(take(self.tok_embeddings), take(self.tok_embeddings_bscale),
+                                  None if m is None else take(m), -1, jnp.float32)
+        elif self.quantization in ("int8", "fp8"):  # a row's values times its scale
+            x = x * jnp.take(self.tok_embeddings_scale[...], tokens, axis=0, mode="clip")[..., None]
         if self.config.embed_scale != 1.0:
             # transformers (Gemma) rounds the scale to the activation dtype before multiplying.
             x = x * jnp.asarray(self.config.embed_scale, self.dtype).astype(jnp.float32)
@@ -270,10 +395,16 @@ class GPT(nnx.Module):
         else:
             h = _rms_norm(x, self.norm, self.config.norm_eps, self.config.norm_weight_offset)
         if self.config.tie_embeddings:
-            emb = self.tok_embeddings[...]  # [vocab, d_model]
-            out = jnp.dot(h.astype(emb.dtype), emb.T, preferred_element_type=jnp.float32)
+            emb = _packed(self, "tok_embeddings", self.dtype)
+            emb = self.tok_embeddings[...] if emb is None else emb  # [vocab, d_model]
+            if self.quantization in (None, "gguf"):
+                out = jnp.dot(h.astype(emb.dtype), emb.T, preferred_element_type=jnp.float32)
+            else:  # the rows' scales are the head's per-output-channel scales
+                out = _dense(h, emb.T, scale=self.tok_embeddings_scale, compute_dtype=self.dtype)
+        elif _packed(self, "output", self.dtype) is not None:
+            out = _dense(h, _packed(self, "output", self.dtype))
         else:
-            out = _dense(h, self.output)
+            out = _dense(h, self.output, scale=getattr(self, "output_scale", None), compute_dtype=self.dtype)
         return _soft_cap(out, self.config.final_soft_cap)
 
     def layer_period(self) -> int:
@@ -283,6 +414,53 @@ class GPT(nnx.Module):
     def layer_params(self, i: int) -> dict:
         """{name: array} of layer i (slices of the stacked parameters; for inspection and tests)."""
         return {name: var[...][i] for name, var in vars(self.layers).items() if isinstance(var, nnx.Param)}
+
+    def weight_bytes(self) -> int:
+        """Bytes of every parameter (quantized values and their scales included) as stored."""
+        return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+                   for x in jax.tree.leaves(nnx.state(self, nnx.Param)))
+
+    def quantized(self, quantization: str) -> "GPT":
+        """This float model with its QUANT_AXIS weights quantized ("int8" / "fp8", per output
+        channel) on the device where they are; an abstract model (nnx.eval_shape) stays abstract."""
+        if self.quantization is not None:
+            raise ValueError(f"the model is already quantized ({self.quantization}); quantize a float model")
+        check_weight_quantization(quantization)
+        model = nnx.eval_shape(lambda: GPT(self.config, dtype=self.dtype, rngs=nnx.Rngs(0),
+                                           quantization=quantization))
+        for owner, new in ((self, model), (self.layers, model.layers)):
+            for name, var in vars(owner).items():
+                if not isinstance(var, nnx.Param):
+                    continue
+                x = var.get_value()
+                if isinstance(x, jax.ShapeDtypeStruct):  # abstract: the new model's shapes already hold
+                    continue
+                if name in QUANT_AXIS:
+                    q, scale = quantize_weight(x, quantization, QUANT_AXIS[name])
+                    getattr(new, name).set_value(q)
+                    getattr(new, name + "_scale").set_value(scale)
+                else:
+                    getattr(new, name).set_value(x)
+        return model
+
+    def dequantized(self) -> "GPT":
+        """This model with every quantized weight replaced by its float value q * scale in `dtype`
+        (the dense model a quantized one approximates; itself when not quantized)."""
+        if self.quantization is None:
+            return self
+        model = nnx.eval_shape(lambda: GPT(self.config, dtype=self.dtype, rngs=nnx.Rngs(0)))
+        for owner, new in ((self, model), (self.layers, model.layers)):
+            for name, var in vars(new).items():
+                if not isinstance(var, nnx.Param) or (owner is self and name == "layers"):
+                    continue
+                x = getattr(owner, name)[...]
+                packed = _packed(owner, name, jnp.float32) if name in QUANT_AXIS else None
+                if packed is not None:
+                    x = packed
+                elif name in QUANT_AXIS and hasattr(owner, name + "_scale"):
+                    x = dequantize_weight(x, getattr(owner, name + "_scale")[...], QUANT_AXIS[name])
+                var.set_value(x.astype(self.dtype))
+        return model
 
     def attention_options(self, layer: int) -> dict:
         """Keyword options of jpa.paged_decode / paged_prefill for `layer`: scale, soft_cap,
@@ -298,7 +476,7 @@ class GPT(nnx.Module):
                            num_pages=num_pages, page_size=page_size, dtype=dtype)
 
     @classmethod
-    def from_weights(cls, config: ModelConfig, weights: dict, dtype=jnp.float32) -> "GPT":
+    def from_weights(cls, config: ModelConfig, weights: dict, dtype=jnp.float32, quantization=None) -> "GPT":
         """Builds a llama-family model from a dict of float arrays in the x @ W ([in, out]) convention.
 
         Args:
@@ -311,6 +489,8 @@ class GPT(nnx.Module):
             post_ffn_norm)}.
             Q/K must already be in the rotate_half RoPE convention.
           dtype: parameter dtype (float32 or bfloat16).
+          quantization: None, "int8" or "fp8": the weights are quantized on the host (`set_weight`),
+            so no float copy of them reaches the device.
 
         Returns:
           The model. Raises ValueError naming the tensor when a shape or key does not match.
@@ -321,14 +501,30 @@ class GPT(nnx.Module):
             raise ValueError(f"from_weights reads llama-family weights; config.family is {config.family!r}")
         expected = expected_shapes(config)
         _check_weights(weights, expected, config)
-        model = nnx.eval_shape(lambda: cls(config, dtype=dtype, rngs=nnx.Rngs(0)))
-        put = lambda p, w: p.set_value(jnp.asarray(np.asarray(w, np.float32), dtype=dtype))
-        put(model.tok_embeddings, weights["tok_embeddings"])
-        put(model.norm, weights["norm"])
-        if not config.tie_embeddings:
-            put(model.output, weights["output"])
+        check_weight_quantization(quantization)
+        packed = any(isinstance(w, PackedWeight) for w in [*weights.values(), *(
+            w for lw in weights["layers"] for w in lw.values())])
+        if packed and quantization is not None:
+            raise ValueError(f"weights holds GGUF blocks (PackedWeight) and quantization={quantization!r}: pass "
+                             f"float weights to quantize, or the blocks alone")
+        model = nnx.eval_shape(lambda: cls(config, dtype=dtype, rngs=nnx.Rngs(0), quantization=quantization))
+
+        def put(owner, name, w):
+            if isinstance(w, PackedWeight):
+                set_packed(owner, name, w)
+            else:
+                set_weight(owner, name, w, dtype, quantization)
+
+        for name in ("tok_embeddings", "norm") + (() if config.tie_embeddings else ("output",)):
+            put(model, name, weights[name])
         for name in expected["layers"]:
-            put(getattr(model.layers, name), np.stack([np.asarray(lw[name], np.float32) for lw in weights["layers"]]))
+            ws = [lw[name] for lw in weights["layers"]]
+            if any(isinstance(w, PackedWeight) for w in ws):
+                put(model.layers, name, PackedWeight.stack(ws))
+            else:
+                put(model.layers, name, np.stack([np.asarray(w, np.float32) for w in ws]))
+        if packed:
+            model.quantization = "gguf"
         return model
 
 

@@ -268,7 +268,7 @@ def _read(file, name, transpose, np_dtype):
     return np.ascontiguousarray(a, dtype=np_dtype)
 
 
-def load(path, dtype=None):
+def load(path, dtype=None, quantization=None):
     """Loads a Hugging Face checkpoint directory.
 
     Args:
@@ -276,6 +276,8 @@ def load(path, dtype=None):
         model.safetensors.index.json), tokenizer.json and optionally tokenizer_config.json,
         chat_template.jinja and generation_config.json.
       dtype: parameter dtype, float32 or bfloat16; default bfloat16 on a GPU, float32 otherwise.
+      quantization: None, or "int8" / "fp8": weight-only, per output channel, quantized on the host
+        tensor group by tensor group as they are read (models.gpt.set_weight).
 
     Returns:
       (model: models.GPT, tokenizer: models.tokenizer.HFTokenizer).
@@ -290,7 +292,8 @@ def load(path, dtype=None):
     import jax.numpy as jnp
     from flax import nnx
 
-    from jpa.models.gpt import GPT, PARAM_DTYPES, expected_shapes
+    from jpa.core.quant import check_weight_quantization
+    from jpa.models.gpt import GPT, PARAM_DTYPES, expected_shapes, set_weight
     from jpa.models.tokenizer import HFTokenizer
 
     if dtype is None:
@@ -301,6 +304,7 @@ def load(path, dtype=None):
         raise ValueError(f"dtype must be float32 or bfloat16; got {dtype!r}") from e
     if np_dtype not in PARAM_DTYPES:
         raise ValueError(f"dtype must be float32 or bfloat16; got {np_dtype.name}")
+    check_weight_quantization(quantization)
     path = pathlib.Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path} is not a directory (models.load takes a preset name or a Hugging "
@@ -316,17 +320,22 @@ def load(path, dtype=None):
                               f"vocab_size is {config.vocab_size}")
     plan = _plan(config, cfg["model_type"], _tensor_index(path), path)
 
-    model = nnx.eval_shape(lambda: GPT(config, dtype=np_dtype, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: GPT(config, dtype=np_dtype, rngs=nnx.Rngs(0), quantization=quantization))
     shapes_layers = expected_shapes(config)["layers"]
     # A layer parameter is stacked over the layers ([num_layers, ...]): its tensors are read as a group,
     # {parameter: [our paths, in layer order]}.
     groups = {}
     for ours in plan:
         groups.setdefault(ours.rsplit(".", 1)[-1], []).append(ours)
-    var = lambda param: getattr(model.layers if param in shapes_layers else model, param)
+    owner = lambda param: model.layers if param in shapes_layers else model
+    var = lambda param: getattr(owner(param), param)
     # Largest tensors first: their transient copies then come while little else is resident.
     for param in sorted(groups, key=lambda p: -math.prod(var(p).shape)):
         members = sorted(groups[param], key=lambda k: int(k.split(".")[1]) if k.startswith("layers.") else 0)
         values = [_read(*plan[m][:3], np_dtype) for m in members]
-        var(param).set_value(jnp.asarray(np.stack(values) if param in shapes_layers else values[0]))
+        value = np.stack(values) if param in shapes_layers else values[0]
+        if quantization is None:
+            var(param).set_value(jnp.asarray(value))
+        else:
+            set_weight(owner(param), param, value, np_dtype, quantization)
     return model, tokenizer

@@ -71,14 +71,43 @@ RULES = {
     # Qwen3's per-head q/k RMSNorm scales ([head_dim], the same for every head) and Gemma-2's
     # post-attention / post-MLP norms: replicated
     "q_norm": REP, "k_norm": REP, "post_attn_norm": REP, "post_ffn_norm": REP,
+    # quantized weights' per-output-channel scales (models.gpt.QUANT_AXIS) go with their weights'
+    # output axis: split for column-parallel weights, replicated for row-parallel ones (their
+    # output, d_model, is whole on every device), split on the vocabulary with the embeddings
+    "wq_scale": VEC, "wk_scale": VEC, "wv_scale": VEC, "wo_scale": REP,
+    "w_gate_scale": VEC, "w_up_scale": VEC, "w_down_scale": REP,
+    "tok_embeddings_scale": VEC, "output_scale": VEC,
 }
+# GGUF blocks kept packed (models.gpt.PackedWeight): the codes keep their weight's name and rule; the
+# block scales / minimums ([in / 32, out], or [vocab, d_model / 32]) have the weight's rank and
+# orientation, so they take its rule too (a row-parallel split of `in` keeps whole blocks when
+# in / 32 divides by N; check_divisible says when not).
+for _w in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "tok_embeddings", "output"):
+    RULES[_w + "_bscale"] = RULES[_w + "_bmin"] = RULES[_w]
 # embeddings="replicated" (and a vocabulary that does not divide by N).
-REPLICATED_EMBEDDINGS = {"tok_embeddings": REP, "output": REP}
+REPLICATED_EMBEDDINGS = {name: REP for name in RULES if name.startswith(("tok_embeddings", "output"))}
 
 # Parameters whose axes hold heads (q or kv) or the MLP hidden size, and which axis.
-_Q_HEAD_AXIS = {"wq": 1, "bq": 0, "wo": 0}
-_KV_HEAD_AXIS = {"wk": 1, "wv": 1, "bk": 0, "bv": 0}
-_FFN_AXIS = {"w_gate": 1, "w_up": 1, "b_up": 0, "w_down": 0}
+_Q_HEAD_AXIS = {"wq": 1, "bq": 0, "wo": 0, "wq_scale": 0}
+_KV_HEAD_AXIS = {"wk": 1, "wv": 1, "bk": 0, "bv": 0, "wk_scale": 0, "wv_scale": 0}
+_FFN_AXIS = {"w_gate": 1, "w_up": 1, "b_up": 0, "w_down": 0, "w_gate_scale": 0, "w_up_scale": 0}
+# GGUF blocks kept packed: codes keep the weight's name; block scales / minimums lie like their weight.
+for _axes in (_Q_HEAD_AXIS, _KV_HEAD_AXIS, _FFN_AXIS):
+    for _w in [w for w in _axes if w.startswith("w") and not w.endswith("_scale")]:
+        _axes[_w + "_bscale"] = _axes[_w + "_bmin"] = _axes[_w]
+# The packed weights whose head / ffn axis is their `in` axis, the one their blocks run along: there
+# a feature is half a code byte (Q4) and 1/32 of a block scale.
+_PACKED_IN_AXIS = ("wo", "w_down")
+
+
+def _features_per_entry(name, x) -> float:
+    """Input/output features one entry of parameter `name` (an np.ndarray) spans on its head / ffn axis."""
+    base = name.removesuffix("_bscale").removesuffix("_bmin")
+    if base not in _PACKED_IN_AXIS:
+        return 1
+    if base != name:
+        return 32  # a block scale / minimum
+    return 2 if x.dtype == np.uint8 else 1  # Q4 codes hold two 4-bit values a byte
 MODES = ("split", "replicate", "pad")
 
 
@@ -145,9 +174,16 @@ def _pad(x, axis, size):
     return np.pad(x, pad)
 
 
-def _transform(name, x, config: ModelConfig, plan: HeadPlan):
-    """Parameter `name` (an np.ndarray) of the original model -> its value in the planned model."""
-    h = config.head_dim
+def _transform(name, x, config: ModelConfig, plan: HeadPlan, packed: bool = False):
+    """Parameter `name` (an np.ndarray) of the original model -> its value in the planned model.
+    packed: the model holds GGUF blocks (zero codes, scales and minimums make zero weights)."""
+    per = _features_per_entry(name, x) if packed else 1
+    h = config.head_dim / per
+    if h != int(h) or (plan.ffn_dim != config.ffn_dim and name in _FFN_AXIS and (plan.ffn_dim % per
+                                                                                or config.ffn_dim % per)):
+        raise ValueError(f"{plan.describe()}: the GGUF blocks of {name} cannot be split at this tensor-parallel "
+                         f"size; load the weights dequantized (quantization 'none') or requantized ('int8')")
+    h = int(h)
     if name in _KV_HEAD_AXIS:
         axis = _KV_HEAD_AXIS[name]
         if plan.mode == "replicate":
@@ -157,7 +193,7 @@ def _transform(name, x, config: ModelConfig, plan: HeadPlan):
     if name in _Q_HEAD_AXIS and plan.mode == "pad":
         return _heads(x, _Q_HEAD_AXIS[name], h, lambda a, ax: _pad(a, ax, plan.num_q_heads))
     if name in _FFN_AXIS and plan.ffn_dim != config.ffn_dim:
-        return _pad(x, _FFN_AXIS[name], plan.ffn_dim)
+        return _pad(x, _FFN_AXIS[name], plan.ffn_dim // per)
     return x
 
 
@@ -181,21 +217,46 @@ def with_heads(model, plan: HeadPlan):
         return model
     new_c = dataclasses.replace(c, num_q_heads=plan.num_q_heads, num_kv_heads=plan.num_kv_heads,
                                 ffn_dim=plan.ffn_dim)
-    new = nnx.eval_shape(lambda: GPT(new_c, dtype=model.dtype, rngs=nnx.Rngs(0)))
+    packed = model.quantization == "gguf"
+    if packed:  # the same attributes as the model's (GGUF blocks), at the planned sizes
+        new = _abstract_like(model, new_c)
+    else:
+        new = nnx.eval_shape(lambda: GPT(new_c, dtype=model.dtype, rngs=nnx.Rngs(0),
+                                         quantization=model.quantization))
     old = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     for path, var in nnx.to_flat_state(nnx.state(new, nnx.Param)):
         # The variable's value, not `[...]` of it: an abstract model's is a ShapeDtypeStruct,
         # which cannot be indexed.
         x = old[path].get_value()
         if isinstance(x, jax.ShapeDtypeStruct):  # an abstract model (deviceless compile): shapes only
+            if packed:
+                raise ValueError("an abstract model with GGUF blocks cannot be re-planned (build it at the planned "
+                                 "head counts)")
             var.set_value(jax.ShapeDtypeStruct(var.shape, var.dtype))
             continue
+        # Through float32 and back to the variable's own dtype: exact for int8 / float8 weights too
+        # (padding adds zero weights; a padded channel's scale is 0, harmless on zero weights).
         x = np.asarray(x.astype(jnp.float32))
+        x = x.astype(old[path].get_value().dtype)  # codes stay uint8 / int8 (the feature count depends on it)
         if _stacked(path):
-            y = np.stack([_transform(_name(path), layer, c, plan) for layer in x])
+            y = np.stack([_transform(_name(path), layer, c, plan, packed) for layer in x])
         else:
-            y = _transform(_name(path), x, c, plan)
-        var.set_value(jnp.asarray(y, dtype=model.dtype))
+            y = _transform(_name(path), x, c, plan, packed)
+        var.set_value(jnp.asarray(y, dtype=var.dtype))
+    return new
+
+
+def _abstract_like(model, new_c):
+    """An abstract GPT at config new_c whose parameters are the model's (GGUF blocks included), each
+    a placeholder to be set: a packed weight keeps its codes / scales / minimums."""
+    from jpa.models.gpt import GPT
+
+    new = nnx.eval_shape(lambda: GPT(new_c, dtype=model.dtype, rngs=nnx.Rngs(0)))
+    for owner, dst in ((model, new), (model.layers, new.layers)):
+        for name, var in vars(owner).items():
+            if isinstance(var, nnx.Param):
+                setattr(dst, name, nnx.Param(jax.ShapeDtypeStruct(var.shape, var.dtype)))
+    new.quantization = model.quantization
     return new
 
 

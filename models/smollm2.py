@@ -223,12 +223,27 @@ def _unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, in_dim).swapaxes(1, 2).reshape(out_dim, in_dim)
 
 
-def read_gguf(path, *, check_expected: bool = True) -> tuple[dict, dict]:
+def _packed_linear(codes, d, m, n_heads=None):
+    """GGUF [out, in] blocks (codes [out, in or in/2], d/m [out, in/32]) -> a PackedWeight in x @ W's
+    [in, out] layout, Q/K rows put in rotate_half order first when n_heads is given."""
+    from jpa.models.gpt import PackedWeight
+
+    if n_heads is not None:  # the permutation moves whole rows (output features): codes and scales alike
+        perm = _unpermute_qk(np.arange(codes.shape[0])[:, None], n_heads)[:, 0]
+        codes, d, m = codes[perm], d[perm], None if m is None else m[perm]
+    t = lambda a: None if a is None else np.ascontiguousarray(a.T)
+    return PackedWeight(t(codes), t(d), t(m), -2)
+
+
+def read_gguf(path, *, check_expected: bool = True, keep_packed: bool = False) -> tuple[dict, dict]:
     """Reads a llama GGUF file's metadata and its weights, dequantized to float32.
 
     Args:
       path: the .gguf file.
       check_expected: also require SmolLM2-135M-Instruct's hyperparameters (EXPECTED).
+      keep_packed: keep the matmul weights and token embeddings stored as Q8_0 / Q4_0 / Q4_1 as
+        their blocks (`models.gpt.PackedWeight`, dequantized inside the matmul; other types are
+        still dequantized here).
 
     Returns:
       (metadata, weights). metadata holds architecture, name, num_layers, d_model, ffn_dim,
@@ -252,39 +267,54 @@ def read_gguf(path, *, check_expected: bool = True) -> tuple[dict, dict]:
     d, n, k, h, f = (meta[x] for x in ("d_model", "num_q_heads", "num_kv_heads", "head_dim", "ffn_dim"))
     vocab = meta["vocab_size"]
 
-    def get(name, want):  # want: the NumPy shape of the stored tensor (GGUF's ne reversed)
+    from jpa.core.quant import PACKED_FORMATS, unpack_gguf_rows
+
+    def get(name, want, packable=False):  # want: the NumPy shape of the stored tensor (GGUF's ne reversed)
         t = tensors.get(name)
         if t is None:
             raise ValueError(f"{path}: tensor {name} is missing")
         stored = tuple(int(x) for x in reversed(t.shape))
         if stored != want:
             raise ValueError(f"{path}: tensor {name} has shape {list(stored)}; expected {list(want)}")
+        if packable and keep_packed and t.tensor_type.name in PACKED_FORMATS:
+            try:
+                return unpack_gguf_rows(t.data, t.tensor_type.name, *want, name=name)
+            except ValueError as e:
+                raise CorruptGGUFError(f"{path}: {e}") from e
         try:
             arr = gguf.quants.dequantize(t.data, t.tensor_type)
         except (ValueError, NotImplementedError) as e:
             raise CorruptGGUFError(f"{path}: cannot dequantize {name} ({t.tensor_type.name}): {e}") from e
         return np.ascontiguousarray(arr.reshape(want), dtype=np.float32)
 
-    weights = {
-        "tok_embeddings": get("token_embd.weight", (vocab, d)),  # [vocab, d_model]
-        "norm": get("output_norm.weight", (d,)),  # [d_model]
-    }
+    def linear(name, want, n_heads=None):
+        """GGUF stores each linear as HF's [out, in]; x @ W's layout is [in, out]."""
+        w = get(name, want, packable=True)
+        if isinstance(w, tuple):  # blocks kept packed
+            return _packed_linear(*w, n_heads)
+        return (w if n_heads is None else _unpermute_qk(w, n_heads)).T.copy()
+
+    emb = get("token_embd.weight", (vocab, d), packable=True)  # [vocab, d_model]: blocks along a row
+    if isinstance(emb, tuple):
+        from jpa.models.gpt import PackedWeight
+
+        emb = PackedWeight(*emb, -1)
+    weights = {"tok_embeddings": emb, "norm": get("output_norm.weight", (d,))}  # norm: [d_model]
     if not meta["tie_embeddings"]:
-        weights["output"] = get("output.weight", (vocab, d)).T.copy()  # [d_model, vocab]
+        weights["output"] = linear("output.weight", (vocab, d))  # [d_model, vocab]
     layers = []
     for i in range(meta["num_layers"]):
         b = f"blk.{i}."
-        # GGUF stores each linear as HF's [out, in]; transpose to x @ W's [in, out].
         layers.append({
             "attn_norm": get(b + "attn_norm.weight", (d,)),
-            "wq": _unpermute_qk(get(b + "attn_q.weight", (n * h, d)), n).T.copy(),  # [d, N*H]
-            "wk": _unpermute_qk(get(b + "attn_k.weight", (k * h, d)), k).T.copy(),  # [d, K*H]
-            "wv": get(b + "attn_v.weight", (k * h, d)).T.copy(),  # [d, K*H]
-            "wo": get(b + "attn_output.weight", (d, n * h)).T.copy(),  # [N*H, d]
+            "wq": linear(b + "attn_q.weight", (n * h, d), n),  # [d, N*H]
+            "wk": linear(b + "attn_k.weight", (k * h, d), k),  # [d, K*H]
+            "wv": linear(b + "attn_v.weight", (k * h, d)),  # [d, K*H]
+            "wo": linear(b + "attn_output.weight", (d, n * h)),  # [N*H, d]
             "ffn_norm": get(b + "ffn_norm.weight", (d,)),
-            "w_gate": get(b + "ffn_gate.weight", (f, d)).T.copy(),  # [d, ffn]
-            "w_up": get(b + "ffn_up.weight", (f, d)).T.copy(),  # [d, ffn]
-            "w_down": get(b + "ffn_down.weight", (d, f)).T.copy(),  # [ffn, d]
+            "w_gate": linear(b + "ffn_gate.weight", (f, d)),  # [d, ffn]
+            "w_up": linear(b + "ffn_up.weight", (f, d)),  # [d, ffn]
+            "w_down": linear(b + "ffn_down.weight", (d, f)),  # [ffn, d]
         })
     weights["layers"] = layers
     return meta, weights
@@ -303,16 +333,17 @@ def load_tokenizer(cache_dir=None):
     return Tokenizer.from_gguf_metadata(read_gguf_metadata(fetch_gguf(cache_dir)))
 
 
-def load_weights_and_tokenizer(cache_dir=None):
+def load_weights_and_tokenizer(cache_dir=None, *, keep_packed: bool = False):
     """Fetches (if needed) and reads SmolLM2-135M-Instruct.
 
     Args:
       cache_dir: as for fetch_gguf.
+      keep_packed: as for read_gguf (the Q4_1 / Q8_0 blocks kept as they are stored).
 
     Returns:
       (weights, tokenizer: models.tokenizer.Tokenizer, metadata), as described in read_gguf.
     """
     from jpa.models.tokenizer import Tokenizer
 
-    meta, weights = read_gguf(fetch_gguf(cache_dir))
+    meta, weights = read_gguf(fetch_gguf(cache_dir), keep_packed=keep_packed)
     return weights, Tokenizer.from_gguf_metadata(meta), meta

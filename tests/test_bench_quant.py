@@ -1,0 +1,26 @@
+"""Weight-only quantization, the bench tier: the engine check and the model-level checks of
+tests/test_quant.py over models and formats (each compiles engines or models: tens of seconds)."""
+
+import pytest
+
+import test_quant
+
+pytestmark = pytest.mark.bench
+
+
+@pytest.mark.parametrize("name,quantization,tol", [("tiny-llama", "int8", 0.05), ("tiny-gpt2", "int8", 0.05),
+                                                   ("tiny-llama", "fp8", 0.2), ("tiny-gpt2", "fp8", 0.2)])
+def test_quantized_model_equals_its_dequantized_weights(name, quantization, tol):
+    test_quant.check_model_equals_its_dequantized_weights(name, quantization, tol)
+
+
+def test_checkpoint_quantized_on_the_host_equals_quantized_on_the_device():
+    test_quant.check_checkpoint_quantized_on_the_host_equals_quantized_on_the_device()
+
+
+def test_head_plans_replicate_quantized_heads():
+    test_quant.test_head_plans_keep_quantized_weights_and_the_function(tp=4)
+
+
+def test_engine_greedy_tokens_and_logprobs_equal_the_dequantized_model():
+    test_quant.check_engine_greedy_tokens_and_logprobs_equal_the_dequantized_model()
