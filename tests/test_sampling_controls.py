@@ -10,6 +10,7 @@ import pytest
 from jpa import models
 from jpa.engine import EngineConfig, LLMEngine, SamplingParams, SlotParams
 from jpa.engine.sampling import apply_controls, sample_with_logprobs
+from jpa.testing.engine import settle, snapshot
 
 
 def reference_controls(logits, rows, history, num_cached, counters, stop_ids):
@@ -77,8 +78,23 @@ def tiny():
 CFG = dict(max_seqs=4, page_size=4, num_pages=200, max_model_len=128, max_num_batched_tokens=32, steps_per_call=4)
 
 
+_ENGINES = {}
+
+
+def engine(tiny, **cfg):
+    """The module's engine for CFG updated with cfg, built (and its step compiled) once per config and
+    handed out settled: nothing running, the prefix cache flushed, every page free."""
+    config = EngineConfig(**{**CFG, **cfg})
+    eng = _ENGINES.get((config, id(tiny[0])))
+    if eng is None:
+        eng = _ENGINES[(config, id(tiny[0]))] = LLMEngine(*tiny, config)
+    else:
+        settle(eng)
+    return eng
+
+
 def run(tiny, prompts, params, **cfg):
-    eng = LLMEngine(*tiny, EngineConfig(**{**CFG, **cfg}))
+    eng = engine(tiny, **cfg)
     outs = eng.generate(prompts, params)
     assert eng.pool_is_whole()
     return outs, eng
@@ -120,8 +136,11 @@ def test_controls_survive_preemption_prefix_hits_and_forks(tiny):
                              repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.7,
                              logit_bias={3: 5.0, 7: -3.0}, n=2 if i == 4 else 1) for i in range(6)]
     ref, _ = run(tiny, prompts, params, prefix_caching=False, num_pages=400)
-    got, eng = run(tiny, prompts, params, num_pages=14)        # preempts, shares cached prefixes, forks
-    assert eng.stats.preemptions > 0 and eng.summary()["prefix_hit_tokens"] > 0 and eng.runner.cow_copies > 0
+    eng = engine(tiny, num_pages=14)
+    before, hits, cows = snapshot(eng), eng.summary()["prefix_hit_tokens"], eng.runner.cow_copies
+    got, _ = run(tiny, prompts, params, num_pages=14)        # preempts, shares cached prefixes, forks
+    assert eng.stats.preemptions > before.preemptions and eng.summary()["prefix_hit_tokens"] > hits
+    assert eng.runner.cow_copies > cows
     flat = lambda outs: [x for o in outs for x in (o if isinstance(o, list) else [o])]  # noqa: E731
     for a, b in zip(flat(ref), flat(got)):
         assert a.token_ids == b.token_ids
@@ -140,7 +159,7 @@ def test_bad_control_values_are_refused():
 
 
 def test_token_ids_past_the_vocabulary_fail_the_request(tiny):
-    eng = LLMEngine(*tiny, EngineConfig(**CFG))
+    eng = engine(tiny)
     req = eng.add_request("abc", SamplingParams(logit_bias={10 ** 6: 1.0}))
     (out,) = eng.step()
     assert out.request_id == req.request_id and out.output.finish_reason == "error"
@@ -164,7 +183,7 @@ def test_top_logprobs_equal_the_dense_models_top_k(tiny):
     it ranks in the top k."""
     rng = np.random.default_rng(4)
     prompts = ["".join(chr(97 + x) for x in rng.integers(0, 26, rng.integers(5, 20))) for _ in range(3)]
-    eng = LLMEngine(*tiny, EngineConfig(**CFG))
+    eng = engine(tiny)
     outs = eng.generate(prompts, [SamplingParams(max_new_tokens=7, greedy=True, ignore_eos=True, top_logprobs=5),
                                   SamplingParams(max_new_tokens=7, greedy=True, ignore_eos=True),
                                   SamplingParams(max_new_tokens=7, temperature=0.8, top_k=30, seed=3,
