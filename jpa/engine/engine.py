@@ -770,7 +770,7 @@ class LLMEngine:
             "prefill_tokens": s.prefill_tokens,
             "kv_offload": None if self.host_tier is None else {
                 "host_pages": self.host_tier.num_pages, "host_pages_free": self.host_tier.num_free,
-                "memory_kind": self.runner._movers.memory_kind if self.runner._movers is not None else None,
+                "memory_kind": self.runner.offload_memory_kind,
                 "swapped_out": s.swapped_out, "swapped_in": s.swapped_in,
                 "pages_out": s.swap_out_pages, "pages_in": s.swap_in_pages,
                 "bytes_out": s.swap_out_bytes, "bytes_in": s.swap_in_bytes,

@@ -356,6 +356,11 @@ class ModelRunner:
                                                                 hit_tokens, num_tokens)
         return ok
 
+    @property
+    def offload_memory_kind(self) -> str | None:
+        """Where swapped blocks live ("pinned_host" where the backend has it); None before the first swap."""
+        return self._movers.memory_kind if self._movers is not None else None
+
     def _mover(self):
         if self._movers is None:
             self._movers = Mover(host_memory_kind())
