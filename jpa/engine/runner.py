@@ -63,7 +63,7 @@ import numpy as np
 
 from jpa.kv import pages
 from jpa.kv.cache import CacheConfig, KVCache
-from jpa.kv.offload import Mover, host_memory_kind
+from jpa.kv.offload import Mover, bucket, host_memory_kind
 from jpa.engine.batch import DeviceCounts, PageUsage, StepBatch, StepResult, make_step_batch
 from jpa.engine.device import Slots, Usage, tally
 from jpa.engine.model import EngineModel, check_model, has_hidden
@@ -355,6 +355,11 @@ class ModelRunner:
         self.cache, self.page_state, ok = self._mover().swap_in(self.cache, self.page_state, block, ev, slot, table,
                                                                 hit_tokens, num_tokens)
         return ok
+
+    def warm_swaps(self) -> None:
+        """Compiles KV offload's swap programs for every block size now (else each compiles at its first use)."""
+        sizes = sorted({bucket(n, self.pages_per_seq) for n in range(1, self.pages_per_seq + 1)})
+        self.cache = self._mover().warm(self.cache, self.page_state, sizes)
 
     @property
     def offload_memory_kind(self) -> str | None:

@@ -17,11 +17,12 @@ Two halves, both here:
   (`memory_kind="pinned_host"` where the backend has it: XLA then does the device->host copy as
   part of the program, asynchronously to the host; this CPU backend has it too). `swap_in` does the
   slot's page work (evictions of the round, a prefix-cache hit shared, pages reserved for the
-  restored tokens; all or nothing) and scatters the block's pages into the new pages, the pool
-  donated (updated in place; the block is moved host->device inside the program).
+  restored tokens; all or nothing; one program) and then scatters the block's pages into the new
+  pages, the pool donated (updated in place; the block is moved host->device inside the program).
 
-Blocks are sized in power-of-two buckets of pages (one compiled program per bucket, at most
-log2(pages_per_seq) + 1 of each), and the tier counts the bucket's pages: what the host really holds.
+Blocks are sized in power-of-two buckets of pages (one small gather and one small scatter program
+per bucket, at most log2(pages_per_seq) + 1 of each), and the tier counts the bucket's pages: what
+the host really holds.
 
 Cost rule. Copying a sequence's KV moves `tokens x layers x 2 x kv_heads x head_dim x itemsize`
 bytes each way; recomputing it costs about `2 x params x tokens` FLOPs (plus attention). Per token:
@@ -136,25 +137,29 @@ def _gather(cache, block_tables, slot, *, size: int):
     return jax.tree_util.tree_map(lambda a: jnp.take(a, ids, axis=2, mode="clip"), cache)
 
 
-def _swap_in(cache, page_state, block, evict, slot, hit_table, hit_tokens, num_tokens):
-    """Page work then the scatter (see `swap_in`)."""
-    ps0 = page_state
+def _swap_in_pages(page_state, evict, slot, hit_table, hit_tokens, num_tokens):
+    """The page work of a swap-in (see `Mover.swap_in`): (page_state, ok)."""
     ps = pages.uncache(page_state, evict)
     ps, shared = pages.share(ps, slot[None], hit_table[None], hit_tokens[None])
     ps, reserved = pages.reserve(ps, slot[None], num_tokens[None])
     ok = shared & reserved
-    ps = jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), ps, ps0)
+    return jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), ps, page_state), ok
+
+
+def _scatter_block(cache, block_tables, block, ok, slot, hit_tokens, num_tokens, *, page_size: int):
+    """The block's pages hit_tokens // page_size .. ceil(num_tokens / page_size) - 1 into the slot's
+    pages (where ok), every leaf of the cache (page axis 2); the block moved to the device first."""
     size = jax.tree_util.tree_leaves(block)[0].shape[2]
+    num_pages, pages_per_seq = jax.tree_util.tree_leaves(cache)[0].shape[2], block_tables.shape[1]
     j = jnp.arange(size, dtype=jnp.int32)
-    restore = ok & (j >= hit_tokens // ps.page_size) & (j < pages_for_tokens(num_tokens, ps.page_size))
-    num_pages = ps.num_pages
-    dst = jnp.where(restore, ps.block_tables[slot, jnp.minimum(j, ps.pages_per_seq - 1)], num_pages)  # i32[size]
+    restore = ok & (j >= hit_tokens // page_size) & (j < pages_for_tokens(num_tokens, page_size))
+    dst = jnp.where(restore, block_tables[slot, jnp.minimum(j, pages_per_seq - 1)], num_pages)  # i32[size]
 
     def put(pool, b):
         b = jax.device_put(b, jax.memory.Space.Device) if _has_memory_space() else b
         return pool.at[:, :, dst].set(b.astype(pool.dtype), mode="drop")
 
-    return jax.tree_util.tree_map(put, cache, block), ps, ok
+    return jax.tree_util.tree_map(put, cache, block)
 
 
 def _has_memory_space() -> bool:
@@ -175,7 +180,9 @@ class Mover:
         host = None if memory_kind is None else jax.sharding.SingleDeviceSharding(device, memory_kind=memory_kind)
         self._out = {} if host is None else dict(out_shardings=host)
         self._gathers = {}
-        self._swap_in = jax.jit(_swap_in, donate_argnums=(0, 1))
+        self._pages = jax.jit(_swap_in_pages, donate_argnums=(0,))
+        # One scatter program per block bucket (small: it compiles fast); the page work is one program.
+        self._scatter = jax.jit(_scatter_block, donate_argnums=(0,), static_argnames=("page_size",))
 
     def swap_out(self, cache, page_state, slot: int, size: int):
         """The block of slot's first `size` pages (size: a bucket), placed in host memory. Dispatched
@@ -184,11 +191,25 @@ class Mover:
             self._gathers[size] = jax.jit(lambda c, t, s: _gather(c, t, s, size=size), **self._out)
         return self._gathers[size](cache, page_state.block_tables, jnp.int32(slot))
 
+    def warm(self, cache, page_state, sizes):
+        """Compiles the swap programs of every block size in `sizes` by running them on nothing (a
+        gather of slot 0 that is thrown away, a scatter with ok False that writes nothing): the
+        cache, unchanged, is returned (it is donated)."""
+        for size in sizes:
+            block = self.swap_out(cache, page_state, 0, size)
+            cache = self._scatter(cache, page_state.block_tables, block, jnp.bool_(False), jnp.int32(0), jnp.int32(0),
+                                  jnp.int32(0), page_size=page_state.page_size)
+        return cache
+
     def swap_in(self, cache, page_state, block, evict, slot: int, hit_table, hit_tokens: int, num_tokens: int):
         """(cache, page_state, ok): in empty `slot`, the round's evictions (i32[num_pages], -1 padding)
         first, then `hit_table[:hit_tokens // page_size]` shared (a prefix-cache hit; full pages),
         then pages reserved up to num_tokens and the block's pages hit_tokens // page_size ..
         ceil(num_tokens / page_size) - 1 copied into them. All or nothing: ok (bool[], on the device)
         False leaves the state as it was. cache and page_state are donated."""
-        return self._swap_in(cache, page_state, block, jnp.asarray(evict, jnp.int32), jnp.int32(slot),
-                             jnp.asarray(hit_table, jnp.int32), jnp.int32(hit_tokens), jnp.int32(num_tokens))
+        slot, hit_tokens, num_tokens = jnp.int32(slot), jnp.int32(hit_tokens), jnp.int32(num_tokens)
+        page_state, ok = self._pages(page_state, jnp.asarray(evict, jnp.int32), slot, jnp.asarray(hit_table, jnp.int32),
+                                     hit_tokens, num_tokens)
+        cache = self._scatter(cache, page_state.block_tables, block, ok, slot, hit_tokens, num_tokens,
+                              page_size=page_state.page_size)
+        return cache, page_state, ok
