@@ -1,0 +1,45 @@
+"""KV offload's bench tier: scripts/bench_offload.py end to end on the tiny random model (outputs
+identical on and off, fewer prompt tokens computed with offload), and a host tier too small for
+some preempted requests (those are recomputed; outputs unchanged)."""
+
+import importlib.util
+import pathlib
+
+import numpy as np
+import pytest
+
+from jpa.testing.engine import assert_same, mixed_params, random_prompts, run, snapshot
+
+pytestmark = pytest.mark.bench   # CI's bench tier (.ci/run), not ./run test
+
+SCRIPT = pathlib.Path(__file__).parents[1] / "scripts" / "bench_offload.py"
+
+
+def test_bench_script_tiny_model(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_offload_script", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    r = mod.main(["--model", "tiny-llama", "--json", str(tmp_path / "offload.json")])
+    assert r["same_tokens"] == "16/16"
+    assert r["off"]["preemptions"] > 0 and r["on"]["swapped_in"] > 0
+    assert r["on"]["prefill_tokens"] < r["off"]["prefill_tokens"]
+    assert (tmp_path / "offload.json").exists()
+
+
+def test_small_host_tier_recomputes_the_rest(engines):
+    """A host tier of 4 pages holds blocks of at most 4 pages: longer preempted requests are
+    recomputed, shorter ones swapped; outputs equal the reference either way."""
+    rng = np.random.default_rng(7)
+    lens = np.random.default_rng(20).integers(20, 51, 6)
+    prompts = [random_prompts(rng, 1, lo=int(m), hi=int(m))[0] for m in lens]
+    params = mixed_params(rng, 6, lo=40, hi=40)
+    want = engines.reference(prompts, params)
+    probe = engines.get(num_pages=16)
+    eng = engines.get(num_pages=16, kv_offload_bytes=4 * probe.cache_config.bytes_per_page)
+    assert eng.host_tier.num_pages == 4
+    before = snapshot(eng)
+    got = run(eng, prompts, params)
+    st = eng.stats
+    assert st.preemptions - before.preemptions > st.swapped_out - before.swapped_out, "some were recomputed"
+    assert_same(got, want, "a small host tier")
+    assert eng.pool_is_whole()
