@@ -10,6 +10,7 @@ engine's (no preemption), which is what the engine without offload gives too (te
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 
@@ -77,6 +78,9 @@ def test_abort_frees_both_tiers(engines, rng):
         if eng.host_tier.blocks:
             break
     assert eng.host_tier.blocks, "a request was swapped out"
+    kinds = {leaf.sharding.memory_kind for b in eng.host_tier.blocks.values() for leaf in
+             jax.tree_util.tree_leaves(b.data)}
+    assert kinds == {"pinned_host"}, f"swapped blocks live in host memory (this CPU backend has the kind); {kinds}"
     for k in range(len(prompts)):
         eng.abort(("abort", k))
     while eng.has_unfinished:
