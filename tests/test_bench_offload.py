@@ -2,6 +2,7 @@
 identical on and off, fewer prompt tokens computed with offload), and a host tier too small for
 some preempted requests (those are recomputed; outputs unchanged)."""
 
+import dataclasses
 import importlib.util
 import pathlib
 
@@ -42,4 +43,34 @@ def test_small_host_tier_recomputes_the_rest(engines):
     st = eng.stats
     assert st.preemptions - before.preemptions > st.swapped_out - before.swapped_out, "some were recomputed"
     assert_same(got, want, "a small host tier")
+    assert eng.pool_is_whole()
+
+
+def test_swap_with_speculation_and_prompt_logprobs(engines):
+    """n-gram speculation (the verify loop's drafts reserve and roll back pages) and a request asking
+    for prompt logprobs, under preemption with offload: outputs equal the reference."""
+    from jpa.engine import SpeculativeConfig
+
+    ngram = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3, verify_rows=16)
+    rng = np.random.default_rng(20)
+    lens = np.random.default_rng(20).integers(20, 51, 6)
+    prompts = []
+    for m in lens:   # a few random segments repeated: the n-gram lookup finds drafts
+        segs = [rng.integers(3, 40, int(rng.integers(2, 6))).tolist() for _ in range(3)]
+        toks = []
+        while len(toks) < m:
+            toks += segs[int(rng.integers(3))]
+        prompts.append(toks[:m])
+    params = mixed_params(rng, 6, lo=40, hi=40)
+    params[2] = dataclasses.replace(params[2], prompt_logprobs=2)
+    want = engines.reference(prompts, params)
+    eng = engines.get(num_pages=16, kv_offload_bytes=64 << 20, speculative=SpeculativeConfig(**ngram))
+    before = snapshot(eng)
+    got = run(eng, prompts, params)
+    assert eng.stats.swapped_in > before.swapped_in, "some request came back from the host tier"
+    assert eng.stats.spec_accepted_tokens > before.spec_accepted_tokens
+    assert_same(got, want, "offload + speculation")
+    g, w = got[2].prompt_logprobs, want[2].prompt_logprobs
+    assert len(g) == len(w)
+    np.testing.assert_allclose([x.logprob for x in g[1:]], [x.logprob for x in w[1:]], atol=1e-5)
     assert eng.pool_is_whole()
