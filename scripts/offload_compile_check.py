@@ -64,7 +64,8 @@ def main(argv=None):
     host = SingleDeviceSharding(dev, memory_kind="pinned_host")
     cfg = CacheConfig(30, 3, 64, args.num_pages, 16, "bfloat16")
     cache = jax.eval_shape(lambda: KVCache.create(cfg))
-    on = lambda tree, s: jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree)  # noqa: E731
+    def on(tree, s):
+        return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree)
     cache_d = on(cache, sh)
     pages_per_seq = 128
     tables = jax.ShapeDtypeStruct((16, pages_per_seq), jnp.int32, sharding=sh)

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from jpa.engine import EngineConfig, LLMEngine, SamplingParams
+from jpa.engine import EngineConfig, LLMEngine
 from jpa.kv.offload import HostTier, bucket
 from jpa.testing.engine import assert_same, fresh_seed, mixed_params, random_prompts, run, snapshot
 

@@ -161,7 +161,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.peer_timeout must be a number of seconds > 0; got {self.peer_timeout!r}")
         if not isinstance(self.kv_offload_bytes, int) or isinstance(self.kv_offload_bytes, bool) \
                 or self.kv_offload_bytes < 0:
-            raise ValueError(f"EngineConfig.kv_offload_bytes must be an int >= 0 (0 = off); got {self.kv_offload_bytes!r}")
+            raise ValueError(f"EngineConfig.kv_offload_bytes must be an int >= 0 (0 = off); "
+                             f"got {self.kv_offload_bytes!r}")
         if self.kv_offload_bytes and self.tensor_parallel > 1:
             raise ValueError("EngineConfig.kv_offload_bytes needs tensor_parallel=1 (the host tier of a sharded pool "
                              "is not built yet)")
@@ -511,8 +512,9 @@ class LLMEngine:
         if swapped and not all(bool(ok) for ok in jax.device_get(swapped)):
             self._undo_swap_ins(plan, swapped)
             self.scheduler.unplan(plan)
-            raise RuntimeError(f"a swap-in could not reserve the pages the scheduler counted {self.scheduler.free_pages} "
-                               f"free pages for (a bug); admitted requests are back in the queue")
+            raise RuntimeError(f"a swap-in could not reserve the pages the scheduler counted "
+                               f"{self.scheduler.free_pages} free pages for (a bug); admitted requests are back "
+                               f"in the queue")
         if not result.ok:
             # The scheduler plans only what the device's free page count holds, with the rule the
             # device applies, so this cannot happen; if it does, the device changed nothing.
