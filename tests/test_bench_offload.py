@@ -74,3 +74,37 @@ def test_swap_with_speculation_and_prompt_logprobs(engines):
     assert len(g) == len(w)
     np.testing.assert_allclose([x.logprob for x in g[1:]], [x.logprob for x in w[1:]], atol=1e-5)
     assert eng.pool_is_whole()
+
+
+def test_swap_with_structured_outputs_and_parallel_samples(engines):
+    """tests/test_structured.py's preemption case with offload on: constrained requests (their
+    grammar matchers stay on the host across a swap) and n = 2 samples, in a pool too small for
+    them; every output meets its constraint and equals a separate request's on an ample pool."""
+    import re
+
+    from jpa.engine import SamplingParams
+    from structured_util import check_json, random_regex, random_schema
+
+    rng = np.random.default_rng(20)
+    eng = engines.get(num_pages=20, kv_offload_bytes=64 << 20)
+    before = snapshot(eng)
+    schemas = [random_schema(rng) for _ in range(3)]
+    params = [SamplingParams(max_new_tokens=120, temperature=1.0, seed=int(rng.integers(2 ** 30)), n=2,
+                             structured={"json": s}) for s in schemas]
+    regex = random_regex(rng)
+    params.append(SamplingParams(max_new_tokens=60, temperature=1.0, seed=3, n=2, structured={"regex": regex}))
+    prompts = random_prompts(rng, len(params), 30, 50)
+    outs = run(eng, prompts, params)
+    assert eng.stats.swapped_in > before.swapped_in, "the test must swap"
+    for spec, group in zip(schemas + [regex], outs):
+        for o in group:
+            assert o.finish_reason == "stop", (spec, o.completion)
+            if isinstance(spec, dict):
+                check_json(o.completion, spec)
+            else:
+                assert re.fullmatch(spec, o.completion), (spec, o.completion)
+    ample = engines.get()
+    alone = run(ample, [p for p in prompts for _ in range(2)],
+                [dataclasses.replace(sp, n=1, seed=sp.seed + i) for sp in params for i in range(2)])
+    assert_same(outs, alone, "offload + structured outputs")
+    assert eng.pool_is_whole()
