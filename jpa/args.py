@@ -16,6 +16,7 @@
     --speculative-config JSON                speculative_config           EngineConfig.speculative
     --tp N                                   tp                           EngineConfig.tensor_parallel
     --peer-timeout SEC                       peer_timeout                 EngineConfig.peer_timeout
+    --kv-offload-memory GIB (--swap-space)   kv_offload_memory (GiB)      EngineConfig.kv_offload_bytes
     --coordinator, --num-processes, --process-id   (several processes: `join_processes`)
     --no-compile-cache                       compile_cache=False          (JAX's persistent compilation cache)
 
@@ -72,6 +73,7 @@ class EngineArgs:
     process_id: int | None = None
     peer_timeout: float = 60.0
     compile_cache: bool = True
+    kv_offload_memory: float = 0.0
 
     @staticmethod
     def add_cli_args(ap: argparse.ArgumentParser, *, steps_per_call: int = 8,
@@ -114,6 +116,9 @@ class EngineArgs:
                         "owns the requests; the others follow it)")
         ap.add_argument("--peer-timeout", type=float, default=60, help="several processes: seconds before a "
                         "dead or hung process makes the others exit (default 60)")
+        ap.add_argument("--kv-offload-memory", "--swap-space", dest="kv_offload_memory", type=float, default=0,
+                        metavar="GIB", help="KV offload: GiB of host memory for a tier of KV pages; a preempted "
+                        "request's pages are swapped there and back instead of recomputed (default 0: off)")
         ap.add_argument("--no-compile-cache", action="store_true", help="do not use JAX's persistent "
                         "compilation cache ($JPA_CACHE_DIR/xla, default ~/.cache/jpa/xla)")
 
@@ -152,6 +157,8 @@ class EngineArgs:
             host, _, port = self.coordinator.rpartition(":")
             if not host or not port.isdigit():
                 raise UsageError(f"--coordinator must be HOST:PORT; got {self.coordinator!r}")
+        if not (math.isfinite(self.kv_offload_memory) and self.kv_offload_memory >= 0):
+            raise UsageError(f"--kv-offload-memory must be a number of GiB >= 0; got {self.kv_offload_memory}")
         if not (math.isfinite(self.peer_timeout) and self.peer_timeout > 0):
             raise UsageError(f"--peer-timeout must be a positive number of seconds; got {self.peer_timeout}")
         if not known_model(self.model):
@@ -184,7 +191,8 @@ class EngineArgs:
                                 prefix_caching=self.prefix_caching,
                                 max_num_batched_tokens=self.max_num_batched_tokens,
                                 speculative=self.speculative_config, tensor_parallel=self.tp,
-                                peer_timeout=self.peer_timeout, **extra)
+                                peer_timeout=self.peer_timeout,
+                                kv_offload_bytes=int(self.kv_offload_memory * 2 ** 30), **extra)
         except ValueError as e:
             raise UsageError(str(e)) from None
 

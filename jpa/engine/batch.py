@@ -245,7 +245,8 @@ def make_step_batch(plan, shapes, masks=None) -> StepBatch:
             rows[i] = SlotParams.row(e.request.params, shapes.max_model_len, len(e.request.prompt_ids))
             num_generated[i], resume[i] = len(out), (out[-1] if out else -1)
     evict = np.full((shapes.num_pages,), -1, np.int32)
-    evict[: len(plan.evict)] = plan.evict
+    if not getattr(plan, "swap_in", ()):   # KV offload: the first swap-in did the round's evictions
+        evict[: len(plan.evict)] = plan.evict
     allowed = np.full((b, shapes.mask_words), -1, np.int32)   # all ones: no row is masked by default
     constrained = col(False, bool)
     for i, row in (masks or {}).items():

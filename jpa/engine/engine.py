@@ -35,9 +35,14 @@ Feature hook points (where a feature plugs in; see `jpa.engine.runner` for the d
   device     on the logits in the ragged pass (grammar masks), on acceptance in the verify loop
              (`VerifyLoop.accept`, the proposer of `jpa.engine.speculative`)
   post       `update`: `Scheduler.stepped` / `_on_tokens` (matchers, stop strings, prefix cache)
-KV offload would add page operations (a batch record read by the page work) and a host store
-consulted in `schedule`; LoRA would add per-entry adapter ids (a batch record read by the model
-passes).
+KV offload (EngineConfig.kv_offload_bytes) plugs in at plan and beside the step: the scheduler
+decides which preempted requests are swapped out to the host tier (`jpa.kv.offload.HostTier`,
+consulted again at admission) and plans their swap-ins (`RoundPlan.swap_in`); `update` copies the
+preempted pages out (`ModelRunner.swap_out`, before `retire` releases them) and `execute` copies
+them back into new pages (`ModelRunner.swap_in`, page work of its own with the round's evictions)
+before the step, which then prefills only the last token. No host round trip: both are
+dispatched asynchronously, and the swap-ins' all-or-nothing flags are read with the step's result.
+LoRA would add per-entry adapter ids (a batch record read by the model passes).
 
 Structured outputs (SamplingParams.structured): each constrained request has a grammar matcher
 (`jpa.engine.structured`); `execute` sends the allowed-token bitmask of every entry that samples
@@ -58,6 +63,7 @@ import jax
 import numpy as np
 
 from jpa.kv.cache import CacheConfig
+from jpa.kv.offload import HostTier
 from jpa.engine.batch import StepResult, make_step_batch
 from jpa.engine import multihost
 from jpa.engine.detokenizer import IncrementalDetokenizer
@@ -115,6 +121,10 @@ class EngineConfig:
         it (greedy and seeded sampling alike). See README "Speculative decoding".
       peer_timeout: several processes (`jax.distributed`, see `jpa.engine.multihost`): seconds a
         device call may wait for the other processes before this one gives up on them and exits.
+      kv_offload_bytes: KV offload: bytes of host memory for a tier of KV pages (0 = off). A
+        preempted request's pages are copied there (swap out) and back on resume (swap in)
+        instead of being recomputed, when the tier has room (see `jpa.kv.offload`). vLLM's
+        --swap-space / --kv-offloading-size.
     """
     max_seqs: int = 16
     page_size: int = 16
@@ -131,6 +141,7 @@ class EngineConfig:
     prefix_caching: bool = True
     speculative: SpeculativeConfig | None = None
     peer_timeout: float = 60.0
+    kv_offload_bytes: int = 0
 
     def __post_init__(self):
         if self.speculative is not None:
@@ -148,6 +159,13 @@ class EngineConfig:
         if not isinstance(self.peer_timeout, (int, float)) or isinstance(self.peer_timeout, bool) \
                 or not self.peer_timeout > 0:
             raise ValueError(f"EngineConfig.peer_timeout must be a number of seconds > 0; got {self.peer_timeout!r}")
+        if not isinstance(self.kv_offload_bytes, int) or isinstance(self.kv_offload_bytes, bool) \
+                or self.kv_offload_bytes < 0:
+            raise ValueError(f"EngineConfig.kv_offload_bytes must be an int >= 0 (0 = off); "
+                             f"got {self.kv_offload_bytes!r}")
+        if self.kv_offload_bytes and self.tensor_parallel > 1:
+            raise ValueError("EngineConfig.kv_offload_bytes needs tensor_parallel=1 (the host tier of a sharded pool "
+                             "is not built yet)")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"EngineConfig.watermark must be in [0, 1); got {self.watermark!r}")
         if not isinstance(self.prefix_caching, bool):
@@ -181,6 +199,13 @@ class EngineStats:
     spec_accepted_tokens: int = 0     # of them, accepted
     spec_drafts: int = 0              # (sequence, verify step) pairs that had drafts (vLLM's num_drafts)
     spec_accepted_per_pos: list = dataclasses.field(default_factory=list)  # accepted drafts by position
+    swapped_out: int = 0              # KV offload: preemptions whose pages went to the host tier
+    swapped_in: int = 0               # admissions whose pages came back from it
+    swap_out_pages: int = 0           # pages copied device -> host (block buckets)
+    swap_in_pages: int = 0            # pages copied host -> device
+    swap_out_bytes: int = 0
+    swap_in_bytes: int = 0
+    recompute_avoided_tokens: int = 0  # tokens restored from the host instead of prefilled again
 
     @property
     def kv_utilization(self) -> float:
@@ -255,8 +280,19 @@ class LLMEngine:
                 atexit.register(self.close, ok=False)   # an exit without close(): the followers stop too
             else:
                 self._follower = multihost.Follower(self.runner, **lockstep)
+        self.host_tier = None
+        if config.kv_offload_bytes:
+            if self.num_processes > 1:
+                raise ValueError("EngineConfig.kv_offload_bytes needs a single process (the host tier of a "
+                                 "multi-process engine is not built yet)")
+            per_page = self.cache_config.bytes_per_page + (
+                self.draft_cache_config.bytes_per_page if self.draft_cache_config else 0)
+            if config.kv_offload_bytes < per_page:
+                raise ValueError(f"EngineConfig.kv_offload_bytes={config.kv_offload_bytes} holds no page: one page "
+                                 f"costs {per_page} bytes for this model and page_size")
+            self.host_tier = HostTier(config.kv_offload_bytes // per_page, per_page)
         self.scheduler = Scheduler.for_shapes(self.shapes, watermark=config.watermark, stop_ids=self.stop_ids,
-                                              prefix_caching=config.prefix_caching)
+                                              prefix_caching=config.prefix_caching, host_tier=self.host_tier)
         self.stats = EngineStats()
         # Structured outputs: the tokenizer as llguidance reads it, built with the first constrained request.
         self.grammars = Grammars(tokenizer, model.config.vocab_size, self.stop_ids)
@@ -465,14 +501,24 @@ class LLMEngine:
         constrained = constrained_rows(plan)
         batch = make_step_batch(plan, self.shapes, masks=self.grammars.masks(constrained) if constrained else None)
         t0, c0 = time.perf_counter(), self.runner.compile_seconds
+        swapped = []
         try:
+            self._swap_in(plan, swapped)
             result = self.runner.step(batch)
         except BaseException:
+            self._undo_swap_ins(plan, swapped)
             self.scheduler.unplan(plan)   # the call did not happen: admitted requests go back, in order
             raise
+        if swapped and not all(bool(ok) for ok in jax.device_get(swapped)):
+            self._undo_swap_ins(plan, swapped)
+            self.scheduler.unplan(plan)
+            raise RuntimeError(f"a swap-in could not reserve the pages the scheduler counted "
+                               f"{self.scheduler.free_pages} free pages for (a bug); admitted requests are back "
+                               f"in the queue")
         if not result.ok:
             # The scheduler plans only what the device's free page count holds, with the rule the
             # device applies, so this cannot happen; if it does, the device changed nothing.
+            self._undo_swap_ins(plan, swapped)
             self.scheduler.unplan(plan)
             raise RuntimeError(f"the unified step could not reserve pages for {len(plan.entries)} entries the "
                                f"scheduler counted {self.scheduler.free_pages} free pages for (a bug); the device "
@@ -481,6 +527,27 @@ class LLMEngine:
         # counted as device time: on a CPU backend JAX may run the program inline in the call.
         self._record_call(plan, result, time.perf_counter() - t0 - (self.runner.compile_seconds - c0))
         return result
+
+    def _swap_in(self, plan: RoundPlan, oks: list) -> None:
+        """KV offload: the plan's swap-ins, before its step (the first carries the round's evictions,
+        which the step then does not repeat). Appends their ok flags to oks (device scalars, read
+        with the step's result). The host pages are free once the copies are dispatched."""
+        st, ps = self.stats, self.config.page_size
+        for i, s in enumerate(plan.swap_in):
+            block = self.host_tier.take(s.request.request_id)
+            oks.append(self.runner.swap_in(block.data, plan.evict if i == 0 else (), s.slot, s.hit_pages,
+                                           len(s.hit_pages) * ps, s.num_tokens))
+            size = len(block.host_pages)
+            st.swapped_in += 1
+            st.swap_in_pages += size
+            st.swap_in_bytes += size * self.host_tier.bytes_per_page
+            st.recompute_avoided_tokens += s.num_tokens - len(s.hit_pages) * ps
+
+    def _undo_swap_ins(self, plan: RoundPlan, oks: list) -> None:
+        """Releases the slots the first len(oks) swap-ins filled when their round did not happen
+        (their host copies are gone: those requests recompute)."""
+        if oks:
+            self.scheduler.set_pages(*self.runner.retire([s.slot for s in plan.swap_in[: len(oks)]]))
 
     def update(self, plan: RoundPlan, result: StepResult | None) -> list[StepOutput]:
         """Verb 3: the host's post-process. Tokens, stops and the device's page counts go to the
@@ -498,6 +565,11 @@ class LLMEngine:
         # Releases stay a call of their own: the next round's plan needs the free page count
         # after them, which only the device knows (see `retire`).
         release, preempted = self.scheduler.end_round()
+        for slot, req, size in self.scheduler.take_swap_outs():   # KV offload: copied out before the release
+            self.host_tier.attach(req.request_id, self.runner.swap_out(slot, size))
+            self.stats.swapped_out += 1
+            self.stats.swap_out_pages += size
+            self.stats.swap_out_bytes += size * self.host_tier.bytes_per_page
         if release:
             self.scheduler.set_pages(*self.runner.retire(release))
         self.stats.preemptions += len(preempted)
@@ -626,14 +698,17 @@ class LLMEngine:
         alone, exactly the pages the host's cache knows (check after generate(): nothing leaked;
         `flush_prefix_cache()` then frees every page)."""
         prefix = self.scheduler.prefix
-        return not self.scheduler.running and self.runner.pool_is_whole(prefix.cached if prefix else ())
+        host = self.host_tier
+        return (not self.scheduler.running and self.runner.pool_is_whole(prefix.cached if prefix else ())
+                and (host is None or (host.num_free == host.num_pages and not self.scheduler.waiting)))
 
     def check_page_state(self) -> None:
         """Raises RuntimeError naming the first disagreement between the device's page state and
         the host's bookkeeping (a debugging aid; tests and the soak call it after every round):
         every page is exactly one of free, cached-idle or held by a sequence; refcounts equal the
         block-table references plus the prefix cache's; the device's cached pages are the host
-        cache's; each running request's cached token count matches its progress."""
+        cache's; each running request's cached token count matches its progress; with KV offload,
+        every host page is free or in one block, and every block belongs to a waiting request."""
         ps = jax.device_get(self.runner.page_state)
         n, size = self.num_pages, self.config.page_size
         free = np.asarray(ps.free_pages)[: int(ps.num_free)]
@@ -668,6 +743,12 @@ class LLMEngine:
             elif req is not None and req.num_computed_tokens != lens[slot]:
                 problems.append(f"slot {slot}: the host's num_computed_tokens {req.num_computed_tokens} != the "
                                 f"device's {int(lens[slot])}")
+        if self.host_tier is not None:   # KV offload: the host tier's pages, and a block per swapped request
+            problems += self.host_tier.check()
+            waiting = {r.request_id for r in self.scheduler.waiting}
+            stray = [k for k in self.host_tier.blocks if k not in waiting]
+            if stray:
+                problems.append(f"host tier: blocks of requests not waiting: {stray[:4]}")
         if problems:
             raise RuntimeError("page state check failed: " + "; ".join(problems))
 
@@ -689,6 +770,13 @@ class LLMEngine:
         wall = s.decode_seconds + s.host_seconds
         return {
             "prefill_tokens": s.prefill_tokens,
+            "kv_offload": None if self.host_tier is None else {
+                "host_pages": self.host_tier.num_pages, "host_pages_free": self.host_tier.num_free,
+                "memory_kind": self.runner.offload_memory_kind,
+                "swapped_out": s.swapped_out, "swapped_in": s.swapped_in,
+                "pages_out": s.swap_out_pages, "pages_in": s.swap_in_pages,
+                "bytes_out": s.swap_out_bytes, "bytes_in": s.swap_in_bytes,
+                "recompute_avoided_tokens": s.recompute_avoided_tokens},
             "prefill_tok_s": s.prefill_tokens / s.prefill_seconds if s.prefill_seconds else float("nan"),
             "decode_tokens": s.decode_tokens,
             "decode_tok_s": s.decode_tokens / wall if wall else float("nan"),

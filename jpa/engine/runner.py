@@ -17,7 +17,10 @@ The step is assembled from parts, each in its own module, at named hook points (
 plug in; KV offload and LoRA are meant to take the same points):
 
   1. page work (`jpa.engine.ragged_step.page_work`): evict, share prefix hits, reserve, fork;
-     all or nothing. (KV offload: swap-in of host pages belongs here, as a page operation.)
+     all or nothing. (KV offload's swap-in is page work of its own beside the step: `swap_in`, a
+     program per block size that evicts, shares the hit, reserves and copies host pages in,
+     dispatched before the step; `swap_out` copies a preempted slot's pages to host memory before
+     `retire`. Both are `jpa.kv.offload` programs; the step itself is unchanged.)
   2. the ragged pass (`jpa.engine.ragged_step.RaggedStep`): K/V writes, attention, the sampling
      of decode rows and final chunks. Device hook on logits: structured outputs' grammar mask
      (`StepBatch.structured`, applied by `sample_slots(allowed=...)`); prompt logprobs
@@ -60,6 +63,7 @@ import numpy as np
 
 from jpa.kv import pages
 from jpa.kv.cache import CacheConfig, KVCache
+from jpa.kv.offload import Mover, bucket, host_memory_kind
 from jpa.engine.batch import DeviceCounts, PageUsage, StepBatch, StepResult, make_step_batch
 from jpa.engine.device import Slots, Usage, tally
 from jpa.engine.model import EngineModel, check_model, has_hidden
@@ -167,6 +171,7 @@ class ModelRunner:
         rep = {} if mesh is None else dict(out_shardings=self._rep)
         self._retire = jax.jit(self._retire_impl, donate_argnums=(0, 1), **rep)
         self._uncache = jax.jit(pages.uncache, donate_argnums=(0,), **rep)
+        self._movers = None   # KV offload's swap programs (`jpa.kv.offload.Mover`), made at the first swap
 
     def _init_state(self, draft, draft_cache_config, allocate):
         s, cc = self.shapes, self.cache_config
@@ -333,6 +338,38 @@ class ModelRunner:
         self.page_state, self.slots = self._retire(self.page_state, self.slots, self._put(jnp.asarray(ids)))
         free, lens = jax.device_get((self.page_state.num_free, self.page_state.seq_lens))
         return int(free), lens
+
+    def swap_out(self, slot: int, size: int):
+        """KV offload: the block of slot's first `size` pages, copied to host memory (`jpa.kv.offload.Mover`);
+        dispatched asynchronously, before the slot is released."""
+        return self._mover().swap_out(self.cache, self.page_state, slot, size)
+
+    def swap_in(self, block, evict, slot: int, hit_pages, hit_tokens: int, num_tokens: int):
+        """KV offload: evicts `evict`, shares hit_pages into empty `slot`, reserves it up to num_tokens and
+        copies the block's pages past the hit into its new pages (all or nothing). Returns ok (bool[],
+        on the device: read it with the step's result)."""
+        ev = np.full((self.cache_config.num_pages,), -1, np.int32)
+        ev[: len(evict)] = list(evict)
+        table = np.zeros((self.pages_per_seq,), np.int32)
+        table[: len(hit_pages)] = list(hit_pages)
+        self.cache, self.page_state, ok = self._mover().swap_in(self.cache, self.page_state, block, ev, slot, table,
+                                                                hit_tokens, num_tokens)
+        return ok
+
+    def warm_swaps(self) -> None:
+        """Compiles KV offload's swap programs for every block size now (else each compiles at its first use)."""
+        sizes = sorted({bucket(n, self.pages_per_seq) for n in range(1, self.pages_per_seq + 1)})
+        self.cache = self._mover().warm(self.cache, self.page_state, sizes)
+
+    @property
+    def offload_memory_kind(self) -> str | None:
+        """Where swapped blocks live ("pinned_host" where the backend has it); None before the first swap."""
+        return self._movers.memory_kind if self._movers is not None else None
+
+    def _mover(self):
+        if self._movers is None:
+            self._movers = Mover(host_memory_kind())
+        return self._movers
 
     def uncache(self, page_ids):
         """Evicts pages from the prefix cache now (`jpa.kv.pages.uncache`); returns (free pages, seq_lens)."""

@@ -36,6 +36,12 @@ Policies (vLLM v1's, in nano-vllm's split):
   generated tokens kept) until the step fits. A lone request always fits, because the engine caps
   max_model_len at the pool size, so preemption never empties the running set for lack of pages.
 - prefix caching: see `plan_round` and `jpa.kv.prefix_cache`.
+- KV offload (a `jpa.kv.offload.HostTier`): a preempted request whose block fits in the host tier
+  is swapped out (`take_swap_outs`: the engine copies its pages out before releasing them) rather
+  than thrown away; on re-admission its pages past its prefix-cache hit are swapped back in
+  (`RoundPlan.swap_in`, done by the engine before the round's step) and it prefills only its last
+  token (whose logits are not kept: the pending token is known), instead of its whole history.
+  Without room in the host tier it is recomputed as before (the cost rule: `jpa.kv.offload`).
 - parallel sampling (SamplingParams.n): a request's samples wait with the first one (`siblings`),
   take their slots with it (FORKING) and join the plan with q_len 0 in the round of its last
   prompt chunk, when the device forks its pages to them; until each has written past the shared
@@ -60,6 +66,7 @@ Policies (vLLM v1's, in nano-vllm's split):
 import collections
 import dataclasses
 
+from jpa.kv.offload import HostTier, bucket
 from jpa.kv.prefix_cache import PrefixCache
 from jpa.engine.request import NEXT_PHASES, Phase, PromptLogprob, Request
 from jpa.kv.pages import pages_for_tokens
@@ -77,9 +84,22 @@ class Entry:
     hit_pages: tuple[int, ...] = ()  # cached pages shared before the chunk (prefix-cache hit, first chunk)
     fork_of: int = -1              # a parallel sample (q_len 0): the slot whose final chunk it forks
     cache_upto: int = 0            # full prompt pages a final chunk puts into the prefix cache
-    start: int = 0                 # position of the chunk's first row in its sequence
+    start: int = 0                 # position of the chunk's first row in its sequence (a swap-in's chunk:
+                                   # after the restored tokens)
     targets: tuple[int, ...] = ()  # prompt logprobs: per row, the next prompt token it predicts (-1: none
                                    # wanted); empty when no row of the chunk asks
+
+
+@dataclasses.dataclass(frozen=True)
+class SwapIn:
+    """KV offload: an admitted request whose pages come back from the host tier before the step.
+
+    The device shares its prefix-cache hit (hit_pages) into the empty slot, reserves pages up to
+    num_tokens and copies the block's pages past the hit into them; the request's chunk starts there."""
+    slot: int
+    request: Request
+    hit_pages: tuple[int, ...]
+    num_tokens: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +109,7 @@ class RoundPlan:
     decode_steps: int
     admitted: tuple[int, ...] = ()   # slots whose request was admitted by this plan
     evict: tuple[int, ...] = ()      # cached-idle pages the device evicts first (prefix caching)
+    swap_in: tuple[SwapIn, ...] = ()  # KV offload: page moves done before the step (the evictions first)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -103,6 +124,7 @@ class _RoundDraft:
     idle: int                 # cached-idle pages (evictable, so counted as free)
     referenced: set           # cached pages running (or just admitted) requests hold
     prompt: list = dataclasses.field(default_factory=list)     # prompt chunk entries, in order
+    swap_in: list = dataclasses.field(default_factory=list)    # SwapIn records (KV offload)
     admitted: list = dataclasses.field(default_factory=list)   # slots admitted by this plan
     blocked_by_budget: bool = False
 
@@ -129,10 +151,12 @@ class Scheduler:
       watermark: fraction of the pool kept free at admission.
       stop_ids: token ids that end a request unless its params say ignore_eos.
       prefix_caching: keep full prompt pages cached for later requests (`PrefixCache`).
+      host_tier: KV offload's host tier (`jpa.kv.offload.HostTier`); None = preemption recomputes.
     """
 
     def __init__(self, *, max_seqs: int, page_size: int, num_pages: int, max_model_len: int,
-                 steps_per_call: int, watermark: float, stop_ids=(), prefix_caching: bool = False):
+                 steps_per_call: int, watermark: float, stop_ids=(), prefix_caching: bool = False,
+                 host_tier: HostTier | None = None):
         if max_model_len > num_pages * page_size:
             raise ValueError(f"max_model_len must be <= num_pages * page_size = {num_pages * page_size} "
                              f"(a lone sequence must fit in the pool); got {max_model_len}")
@@ -143,6 +167,8 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: dict[int, Request] = {}      # slot -> request holding it (prefilling, forking, decoding)
         self.prefix = PrefixCache(page_size) if prefix_caching else None
+        self.host = host_tier
+        self._swap_outs: list[tuple[int, Request, int]] = []   # (slot, request, block pages) to copy out
         self.free_pages = num_pages                # device truth (stepped / set_pages)
         self.num_preemptions = 0
         self._to_release: list[tuple[int, Request]] = []   # (slot, request) finished on the host, pages held
@@ -150,11 +176,12 @@ class Scheduler:
         self._preempted_last_round = False
 
     @classmethod
-    def for_shapes(cls, shapes, *, watermark: float, stop_ids=(), prefix_caching: bool = False) -> "Scheduler":
+    def for_shapes(cls, shapes, *, watermark: float, stop_ids=(), prefix_caching: bool = False,
+                   host_tier: HostTier | None = None) -> "Scheduler":
         """The scheduler of an engine whose sizes are `shapes` (`jpa.engine.shapes.EngineShapes`)."""
         return cls(max_seqs=shapes.max_seqs, page_size=shapes.page_size, num_pages=shapes.num_pages,
                    max_model_len=shapes.max_model_len, steps_per_call=shapes.steps_per_call, watermark=watermark,
-                   stop_ids=stop_ids, prefix_caching=prefix_caching)
+                   stop_ids=stop_ids, prefix_caching=prefix_caching, host_tier=host_tier)
 
     # ------------------------------------------------------------------ the one place phases change
 
@@ -205,6 +232,8 @@ class Scheduler:
             return []
         if req.phase is Phase.WAITING:
             self.waiting.remove(req)
+            if self.host is not None:
+                self.host.drop(req.request_id)   # its swapped pages: not needed any more
         if req.phase is Phase.FORKING:
             req.leader.siblings.remove(req)
         if req.slot >= 0:
@@ -310,7 +339,7 @@ class Scheduler:
         if admit:
             self._admit(r)
         entries, steps = self._entries(r, decoding)
-        return RoundPlan(entries, steps, tuple(r.admitted), self._evictions(r, entries, steps))
+        return RoundPlan(entries, steps, tuple(r.admitted), self._evictions(r, entries, steps), tuple(r.swap_in))
 
     def _fit(self, r: "_RoundDraft", seq_len: int) -> int:
         """Tokens a sequence holding seq_len can add within the free pages."""
@@ -356,12 +385,16 @@ class Scheduler:
             # Shared pages that were idle are no longer evictable.
             newly_held = sum(1 for p in hit if p not in r.referenced)
             h = len(hit) * ps
+            # KV offload: its tokens past the hit come back from the host tier (all but the last
+            # one to prefill: the chunk that ends the prompt computes it).
+            block = self.host.blocks.get(req.request_id) if self.host is not None else None
+            start = max(h, min(block.num_tokens, len(toks) - 1)) if block is not None else h
             need = self._growth(h, len(toks) - h + self.steps_per_call) + len(req.siblings) * self._fork_pages()
             alone = not self.running
             if avail - newly_held - need < self.watermark_pages and not (
                     alone and pages_for_tokens(len(toks), ps) - len(hit) <= self.free_pages + r.idle - newly_held):
                 break
-            n = min(r.left, len(toks) - h, self._fit(r, h))
+            n = min(r.left, len(toks) - start, self._fit(r, h) - (start - h))
             if n <= 0:
                 break
             r.idle -= newly_held
@@ -369,6 +402,11 @@ class Scheduler:
             self._admissions += 1
             self._move(req, Phase.PREFILLING, free_slots.pop(0))
             req.admitted_at, req.cache_refs = self._admissions, tuple(hit)
+            if start > h:
+                req.num_computed_tokens = start   # the device holds them once the swap-in ran
+                r.swap_in.append(SwapIn(req.slot, req, tuple(hit), start))
+            elif block is not None:
+                self.host.drop(req.request_id)   # the prefix cache holds as much: the copy is not needed
             if not req.num_preemptions:   # OpenAI usage.prompt_tokens_details.cached_tokens
                 req.num_cached_tokens = h
             for sib in req.siblings:  # their slots wait for the fork of the prompt's last chunk
@@ -379,9 +417,9 @@ class Scheduler:
             if self.prefix is not None:
                 self.prefix.touch(hit)
             r.admitted.append(req.slot)
-            r.prompt.append(self._chunk(req, h, n, hit))
+            r.prompt.append(self._chunk(req, h, n, hit) if start == h else self._chunk(req, start, n))
             r.left -= n
-            r.alloc += self._growth(h, n)
+            r.alloc += self._growth(h, start - h + n)
             avail -= newly_held + need
 
     def _entries(self, r: "_RoundDraft", decoding: list) -> tuple[tuple[Entry, ...], int]:
@@ -458,9 +496,11 @@ class Scheduler:
         self.set_pages(result.state.num_free, result.state.seq_lens)
         if self.prefix is not None:
             self.prefix.forget(plan.evict)
+            swap_hits = {s.slot: len(s.hit_pages) for s in plan.swap_in}
             for e, row in zip(plan.entries, result.state.tables):
                 if e.slot in plan.admitted and e.fork_of < 0:
-                    self.prefix.record_query(len(self.prefill_tokens(e.request)), len(e.hit_pages) * self.page_size)
+                    hit = swap_hits.get(e.slot, len(e.hit_pages))
+                    self.prefix.record_query(len(self.prefill_tokens(e.request)), hit * self.page_size)
                 if e.final and e.fork_of >= 0:
                     e.request.cache_refs = self.running[e.fork_of].cache_refs
                 elif e.final:
@@ -548,6 +588,22 @@ class Scheduler:
 
     # ------------------------------------------------------------------ end of round: preemption
 
+    def take_swap_outs(self) -> list[tuple[int, Request, int]]:
+        """KV offload: (slot, request, block pages) of the requests end_round preempted whose pages
+        the engine must copy to the host tier before it releases them (their host pages are reserved)."""
+        out, self._swap_outs = self._swap_outs, []
+        return out
+
+    def _swap_out(self, req: Request) -> None:
+        """Reserves host pages for a preempted request's pages when the host tier has room (the cost
+        rule of `jpa.kv.offload`: the copy is always the cheaper; without room it is recomputed)."""
+        n = req.num_computed_tokens
+        if self.host is None or n == 0:
+            return
+        size = bucket(pages_for_tokens(n, self.page_size), pages_for_tokens(self.max_model_len, self.page_size))
+        if self.host.reserve(req.request_id, size, n):
+            self._swap_outs.append((req.slot, req, size))
+
     def take_releases(self) -> list[int]:
         """Slots finished on the host (stop strings, aborts) whose pages the device still holds."""
         release, self._to_release = self._to_release, []
@@ -584,6 +640,7 @@ class Scheduler:
                     self._move(sib, Phase.WAITING)
             release.append(req.slot)
             released.append(req)
+            self._swap_out(req)
             self._move(req, Phase.WAITING)
             req.num_preemptions += 1
             self.num_preemptions += 1

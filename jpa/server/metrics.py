@@ -12,6 +12,10 @@ cache / found there; exposed with Prometheus' `_total` suffix). With speculative
 `vllm:spec_decode_num_drafts`, `vllm:spec_decode_num_draft_tokens`,
 `vllm:spec_decode_num_accepted_tokens` and `vllm:spec_decode_num_accepted_tokens_per_pos`
 (labelled with the draft position) count verify steps with drafts, drafts verified and accepted.
+`vllm:num_preemptions` counts preemptions. With KV offload (--kv-offload-memory), the
+`jpa_kv_offload_*` family (vLLM has no names for it) counts preempted requests swapped out to the
+host tier and back in, the pages and bytes copied each way and the tokens not recomputed, with the
+host tier's size and free pages as gauges.
 """
 
 import time
@@ -89,9 +93,15 @@ class _EngineCollector:
             c.add_metric(label[1], float(value))
             yield c
         inner = getattr(engine, "engine", None)
+        st = getattr(inner, "stats", None)   # running sums the engine thread adds to (read as they are)
+        if st is not None:
+            c = CounterMetricFamily("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                                    labels=label[0])
+            c.add_metric(label[1], float(st.preemptions))
+            yield c
+            yield from self._offload(inner, st)
         if getattr(getattr(inner, "config", None), "speculative", None) is None:
             return
-        st = inner.stats   # running sums the engine thread adds to (read as they are)
         for name, doc, value in (
                 ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", st.spec_drafts),
                 ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", st.spec_draft_tokens),
@@ -104,6 +114,32 @@ class _EngineCollector:
         for pos, value in enumerate(list(st.spec_accepted_per_pos)):
             c.add_metric([self.model_name, str(pos)], float(value))
         yield c
+
+
+    @staticmethod
+    def _offload(inner, st):
+        """KV offload's counters and the host tier's gauges (nothing when offload is off)."""
+        tier = getattr(inner, "host_tier", None)
+        if tier is None:
+            return
+        for name, doc, value in (
+                ("jpa_kv_offload_swapped_out", "preempted requests whose KV pages went to the host tier",
+                 st.swapped_out),
+                ("jpa_kv_offload_swapped_in", "admissions whose KV pages came back from the host tier", st.swapped_in),
+                ("jpa_kv_offload_pages_out", "KV pages copied device -> host", st.swap_out_pages),
+                ("jpa_kv_offload_pages_in", "KV pages copied host -> device", st.swap_in_pages),
+                ("jpa_kv_offload_bytes_out", "bytes copied device -> host", st.swap_out_bytes),
+                ("jpa_kv_offload_bytes_in", "bytes copied host -> device", st.swap_in_bytes),
+                ("jpa_kv_offload_recompute_avoided_tokens", "tokens restored from the host tier instead of "
+                 "prefilled again", st.recompute_avoided_tokens)):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], float(value))
+            yield c
+        for name, doc, value in (("jpa_kv_offload_host_pages", "pages of the host tier", tier.num_pages),
+                                 ("jpa_kv_offload_host_pages_free", "free pages of the host tier", tier.num_free)):
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], float(value))
+            yield g
 
 
 class ServerMetrics:

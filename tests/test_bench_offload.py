@@ -1,0 +1,110 @@
+"""KV offload's bench tier: scripts/bench_offload.py end to end on the tiny random model (outputs
+identical on and off, fewer prompt tokens computed with offload), and a host tier too small for
+some preempted requests (those are recomputed; outputs unchanged)."""
+
+import dataclasses
+import importlib.util
+import pathlib
+
+import numpy as np
+import pytest
+
+from jpa.testing.engine import assert_same, mixed_params, random_prompts, run, snapshot
+
+pytestmark = pytest.mark.bench   # CI's bench tier (.ci/run), not ./run test
+
+SCRIPT = pathlib.Path(__file__).parents[1] / "scripts" / "bench_offload.py"
+
+
+def test_bench_script_tiny_model(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_offload_script", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    r = mod.main(["--model", "tiny-llama", "--json", str(tmp_path / "offload.json")])
+    assert r["same_tokens"] == "16/16"
+    assert r["off"]["preemptions"] > 0 and r["on"]["swapped_in"] > 0
+    assert r["on"]["prefill_tokens"] < r["off"]["prefill_tokens"]
+    assert (tmp_path / "offload.json").exists()
+
+
+def test_small_host_tier_recomputes_the_rest(engines):
+    """A host tier of 4 pages holds blocks of at most 4 pages: longer preempted requests are
+    recomputed, shorter ones swapped; outputs equal the reference either way."""
+    rng = np.random.default_rng(7)
+    lens = np.random.default_rng(20).integers(20, 51, 6)
+    prompts = [random_prompts(rng, 1, lo=int(m), hi=int(m))[0] for m in lens]
+    params = mixed_params(rng, 6, lo=40, hi=40)
+    want = engines.reference(prompts, params)
+    probe = engines.get(num_pages=16)
+    eng = engines.get(num_pages=16, kv_offload_bytes=4 * probe.cache_config.bytes_per_page)
+    assert eng.host_tier.num_pages == 4
+    before = snapshot(eng)
+    got = run(eng, prompts, params)
+    st = eng.stats
+    assert st.preemptions - before.preemptions > st.swapped_out - before.swapped_out, "some were recomputed"
+    assert_same(got, want, "a small host tier")
+    assert eng.pool_is_whole()
+
+
+def test_swap_with_speculation_and_prompt_logprobs(engines):
+    """n-gram speculation (the verify loop's drafts reserve and roll back pages) and a request asking
+    for prompt logprobs, under preemption with offload: outputs equal the reference."""
+    from jpa.engine import SpeculativeConfig
+
+    ngram = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3, verify_rows=16)
+    rng = np.random.default_rng(20)
+    lens = np.random.default_rng(20).integers(20, 51, 6)
+    prompts = []
+    for m in lens:   # a few random segments repeated: the n-gram lookup finds drafts
+        segs = [rng.integers(3, 40, int(rng.integers(2, 6))).tolist() for _ in range(3)]
+        toks = []
+        while len(toks) < m:
+            toks += segs[int(rng.integers(3))]
+        prompts.append(toks[:m])
+    params = mixed_params(rng, 6, lo=40, hi=40)
+    params[2] = dataclasses.replace(params[2], prompt_logprobs=2)
+    want = engines.reference(prompts, params)
+    eng = engines.get(num_pages=16, kv_offload_bytes=64 << 20, speculative=SpeculativeConfig(**ngram))
+    before = snapshot(eng)
+    got = run(eng, prompts, params)
+    assert eng.stats.swapped_in > before.swapped_in, "some request came back from the host tier"
+    assert eng.stats.spec_accepted_tokens > before.spec_accepted_tokens
+    assert_same(got, want, "offload + speculation")
+    g, w = got[2].prompt_logprobs, want[2].prompt_logprobs
+    assert len(g) == len(w)
+    np.testing.assert_allclose([x.logprob for x in g[1:]], [x.logprob for x in w[1:]], atol=1e-5)
+    assert eng.pool_is_whole()
+
+
+def test_swap_with_structured_outputs_and_parallel_samples(engines):
+    """tests/test_structured.py's preemption case with offload on: constrained requests (their
+    grammar matchers stay on the host across a swap) and n = 2 samples, in a pool too small for
+    them; every output meets its constraint and equals a separate request's on an ample pool."""
+    import re
+
+    from jpa.engine import SamplingParams
+    from structured_util import check_json, random_regex, random_schema
+
+    rng = np.random.default_rng(20)
+    eng = engines.get(num_pages=20, kv_offload_bytes=64 << 20)
+    before = snapshot(eng)
+    schemas = [random_schema(rng) for _ in range(3)]
+    params = [SamplingParams(max_new_tokens=120, temperature=1.0, seed=int(rng.integers(2 ** 30)), n=2,
+                             structured={"json": s}) for s in schemas]
+    regex = random_regex(rng)
+    params.append(SamplingParams(max_new_tokens=60, temperature=1.0, seed=3, n=2, structured={"regex": regex}))
+    prompts = random_prompts(rng, len(params), 30, 50)
+    outs = run(eng, prompts, params)
+    assert eng.stats.swapped_in > before.swapped_in, "the test must swap"
+    for spec, group in zip(schemas + [regex], outs):
+        for o in group:
+            assert o.finish_reason == "stop", (spec, o.completion)
+            if isinstance(spec, dict):
+                check_json(o.completion, spec)
+            else:
+                assert re.fullmatch(spec, o.completion), (spec, o.completion)
+    ample = engines.get()
+    alone = run(ample, [p for p in prompts for _ in range(2)],
+                [dataclasses.replace(sp, n=1, seed=sp.seed + i) for sp in params for i in range(2)])
+    assert_same(outs, alone, "offload + structured outputs")
+    assert eng.pool_is_whole()

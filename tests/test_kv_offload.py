@@ -1,0 +1,138 @@
+"""KV offload: preempted requests swap their pages out to a host tier and back in instead of
+recomputing them (`jpa.kv.offload`, EngineConfig.kv_offload_bytes).
+
+Equivalence runs the context-dependent tiny model under a pool that must preempt (16 pages of 8
+tokens for 4 slots of 20-50-token prompts growing by 40 tokens), with shared prefixes (prefix-cache
+hits) and parallel samples, greedy and seeded; outputs and logprobs must equal the reference
+engine's (no preemption), which is what the engine without offload gives too (tests/test_engine.py).
+`run` checks both tiers' page state after every round.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from jpa.engine import EngineConfig, LLMEngine
+from jpa.kv.offload import HostTier, bucket
+from jpa.testing.engine import assert_same, fresh_seed, mixed_params, random_prompts, run, snapshot
+
+OFFLOAD = dict(num_pages=16, kv_offload_bytes=64 << 20)   # a host tier far larger than the device pool
+
+
+@pytest.fixture(scope="module")
+def rng():
+    seed = fresh_seed()
+    print(f"seed {seed}")
+    return np.random.default_rng(seed)
+
+
+def workload(rng, n=6):
+    """n prompts of seeded lengths in [20, 50] (these lengths preempt in the 16-page pool whatever
+    the tokens: see tests/test_engine.py tight_prompts), the last two sharing a 2-page prefix with
+    the first; mixed greedy / seeded params, the second with n=2 samples."""
+    lens = np.random.default_rng(20).integers(20, 51, n)
+    prompts = [random_prompts(rng, 1, lo=int(m), hi=int(m))[0] for m in lens]
+    for i in (n - 2, n - 1):
+        prompts[i] = prompts[0][:16] + prompts[i][16:]
+    params = mixed_params(rng, n, lo=40, hi=40)
+    params[1] = dataclasses.replace(params[1], n=2, greedy=False, temperature=1.0, seed=int(rng.integers(2 ** 30)))
+    return prompts, params
+
+
+def test_swap_keeps_outputs(engines, rng):
+    prompts, params = workload(rng)
+    want = engines.reference(prompts, params)
+    eng = engines.get(**OFFLOAD)
+    before = snapshot(eng)
+    got = run(eng, prompts, params)   # checks both tiers after every round
+    st = eng.stats
+    preempted = st.preemptions - before.preemptions
+    swapped_out, swapped_in = st.swapped_out - before.swapped_out, st.swapped_in - before.swapped_in
+    print(f"preemptions {preempted}, swapped out {swapped_out}, in {swapped_in}, "
+          f"recompute avoided {st.recompute_avoided_tokens - before.recompute_avoided_tokens} tokens")
+    assert preempted > 0, "the workload exceeds the pool: someone must be preempted"
+    assert swapped_out == preempted, "the host tier has room for every preempted request"
+    assert swapped_in > 0 and swapped_in <= swapped_out
+    assert st.recompute_avoided_tokens > before.recompute_avoided_tokens
+    assert st.swap_in_bytes - before.swap_in_bytes == (st.swap_in_pages - before.swap_in_pages) * \
+        eng.host_tier.bytes_per_page
+    # Prompt work: every prompt token once (less the prefix hits) plus, per swap-in, the few tokens
+    # after the restored ones (1 for a request preempted while decoding): far less than recomputing.
+    prompt_tokens = sum(len(p) for p in prompts)
+    assert st.prefill_tokens - before.prefill_tokens <= prompt_tokens + 8 * swapped_in
+    assert_same(got, want, "offload on, preempting pool")
+    assert eng.pool_is_whole() and eng.host_tier.num_free == eng.host_tier.num_pages
+
+
+def test_abort_frees_both_tiers(engines, rng):
+    """Requests aborted while swapped out (waiting with a block) or running leave nothing behind."""
+    prompts, params = workload(rng)
+    eng = engines.get(**OFFLOAD)
+    for k, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(p, sp, request_id=("abort", k))
+    for _ in range(200):
+        eng.step()
+        eng.check_page_state()
+        if eng.host_tier.blocks:
+            break
+    assert eng.host_tier.blocks, "a request was swapped out"
+    kinds = {leaf.sharding.memory_kind for b in eng.host_tier.blocks.values() for leaf in
+             jax.tree_util.tree_leaves(b.data)}
+    assert kinds == {"pinned_host"}, f"swapped blocks live in host memory (this CPU backend has the kind); {kinds}"
+    for k in range(len(prompts)):
+        eng.abort(("abort", k))
+    while eng.has_unfinished:
+        eng.step()
+    eng.check_page_state()
+    assert eng.host_tier.num_free == eng.host_tier.num_pages and not eng.host_tier.blocks
+    assert eng.pool_is_whole()
+
+
+def test_host_tier_bookkeeping():
+    tier = HostTier(8, 100)
+    assert tier.reserve("a", 4, 30) and tier.reserve("b", 2, 9)
+    assert not tier.reserve("c", 4, 30), "no room: nothing taken"
+    assert tier.num_free == 2 and "c" not in tier
+    tier.attach("a", object())
+    tier.attach("b", object())
+    assert tier.check() == []
+    assert tier.take("a").num_tokens == 30 and tier.num_free == 6
+    tier.drop("b")
+    tier.drop("b")   # dropping twice is harmless
+    assert tier.num_free == 8 and tier.check() == []
+    with pytest.raises(RuntimeError, match="already holds"):
+        tier.reserve("d", 1, 1) and tier.reserve("d", 1, 1)
+    assert [bucket(n, 24) for n in (1, 2, 3, 5, 9, 17, 24)] == [1, 2, 4, 8, 16, 24, 24]
+
+
+def test_offload_config_errors(ctx_model):
+    with pytest.raises(ValueError, match="kv_offload_bytes must be an int >= 0"):
+        EngineConfig(kv_offload_bytes=-1)
+    with pytest.raises(ValueError, match="needs tensor_parallel=1"):
+        EngineConfig(kv_offload_bytes=1 << 20, tensor_parallel=2, max_seqs=4, max_num_batched_tokens=4)
+    with pytest.raises(ValueError, match="holds no page"):
+        LLMEngine(*ctx_model, EngineConfig(max_seqs=2, num_pages=8, page_size=8, kv_offload_bytes=16))
+
+
+def test_offload_metrics(engines, rng):
+    """The summary and the server's /metrics collector report the swaps (vLLM's num_preemptions too)."""
+    import types
+
+    from jpa.server.metrics import _EngineCollector
+
+    prompts, params = workload(rng, 4)
+    eng = engines.get(**OFFLOAD)
+    run(eng, prompts, [dataclasses.replace(p, n=1) for p in params])
+    s = eng.summary()["kv_offload"]
+    assert s["swapped_out"] == eng.stats.swapped_out > 0 and s["memory_kind"] in ("pinned_host", None)
+    assert s["host_pages_free"] == s["host_pages"] == eng.host_tier.num_pages
+    fake = types.SimpleNamespace(engine=eng, snapshot=types.SimpleNamespace(num_running=0, num_waiting=0,
+                                                                            pages_used=0, num_pages=16))
+    got = {m.name: m.samples[0].value for m in _EngineCollector(lambda: fake, "m")._vllm(fake) if m.samples}
+    assert got["vllm:num_preemptions"] == eng.stats.preemptions
+    assert got["jpa_kv_offload_swapped_out"] == eng.stats.swapped_out
+    assert got["jpa_kv_offload_bytes_in"] == eng.stats.swap_in_bytes
+    assert got["jpa_kv_offload_recompute_avoided_tokens"] == eng.stats.recompute_avoided_tokens
+    assert got["jpa_kv_offload_host_pages_free"] == eng.host_tier.num_pages
