@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from jpa import models
-from jpa.engine import EngineConfig, LLMEngine, SamplingParams, SlotParams
+from jpa.engine import SamplingParams, SlotParams
 from jpa.engine.sampling import apply_controls, sample_with_logprobs
-from jpa.testing.engine import settle, snapshot
+from jpa.testing.engine import Engines, snapshot
 
 
 def reference_controls(logits, rows, history, num_cached, counters, stop_ids):
@@ -78,54 +78,45 @@ def tiny():
 CFG = dict(max_seqs=4, page_size=4, num_pages=200, max_model_len=128, max_num_batched_tokens=32, steps_per_call=4)
 
 
-_ENGINES = {}
+@pytest.fixture(scope="module")
+def engines(tiny):
+    """The module's engines: one per config (CFG updated), compiled once, handed out settled."""
+    return Engines(*tiny, base=CFG)
 
 
-def engine(tiny, **cfg):
-    """The module's engine for CFG updated with cfg, built (and its step compiled) once per config and
-    handed out settled: nothing running, the prefix cache flushed, every page free."""
-    config = EngineConfig(**{**CFG, **cfg})
-    eng = _ENGINES.get((config, id(tiny[0])))
-    if eng is None:
-        eng = _ENGINES[(config, id(tiny[0]))] = LLMEngine(*tiny, config)
-    else:
-        settle(eng)
-    return eng
-
-
-def run(tiny, prompts, params, **cfg):
-    eng = engine(tiny, **cfg)
+def run(engines, prompts, params, **cfg):
+    eng = engines.get(**cfg)
     outs = eng.generate(prompts, params)
     assert eng.pool_is_whole()
     return outs, eng
 
 
-def test_each_control_changes_outputs_as_specified(tiny):
+def test_each_control_changes_outputs_as_specified(engines):
     rng = np.random.default_rng(5)
     prompts = ["".join(chr(97 + x) for x in rng.integers(0, 26, 12)) for _ in range(4)]
     greedy = SamplingParams(max_new_tokens=24, greedy=True, ignore_eos=True)
-    base, _ = run(tiny, prompts, greedy)
+    base, _ = run(engines, prompts, greedy)
     # logit_bias -100 on every token the greedy run produced: none of them appears again.
     banned = sorted({t for o in base for t in o.token_ids})
-    got, _ = run(tiny, prompts, SamplingParams(max_new_tokens=24, greedy=True, ignore_eos=True,
+    got, _ = run(engines, prompts, SamplingParams(max_new_tokens=24, greedy=True, ignore_eos=True,
                                                logit_bias={t: -100 for t in banned}))
     assert all(not set(o.token_ids) & set(banned) for o in got)
     # frequency_penalty: fewer repeated tokens than the greedy run (which loops).
     rep = lambda outs: sum(len(o.token_ids) - len(set(o.token_ids)) for o in outs)  # noqa: E731
-    got, _ = run(tiny, prompts, SamplingParams(max_new_tokens=24, greedy=True, ignore_eos=True,
+    got, _ = run(engines, prompts, SamplingParams(max_new_tokens=24, greedy=True, ignore_eos=True,
                                                frequency_penalty=2.0))
     assert rep(got) < rep(base), (rep(got), rep(base))
     # stop_token_ids: the request ends at the first such token, finish_reason "stop"; with
     # min_tokens the token is barred until min_tokens tokens were made.
     first = base[0].token_ids[0]
-    stop, _ = run(tiny, prompts[:1], SamplingParams(max_new_tokens=24, greedy=True, stop_token_ids=(first,)))
+    stop, _ = run(engines, prompts[:1], SamplingParams(max_new_tokens=24, greedy=True, stop_token_ids=(first,)))
     assert stop[0].token_ids == (first,) and stop[0].finish_reason == "stop"
-    held, _ = run(tiny, prompts[:1], SamplingParams(max_new_tokens=24, greedy=True, stop_token_ids=(first,),
+    held, _ = run(engines, prompts[:1], SamplingParams(max_new_tokens=24, greedy=True, stop_token_ids=(first,),
                                                     min_tokens=6))
     assert first not in held[0].token_ids[:6] and len(held[0].token_ids) >= 7
 
 
-def test_controls_survive_preemption_prefix_hits_and_forks(tiny):
+def test_controls_survive_preemption_prefix_hits_and_forks(engines):
     """The history the penalties read comes from the pool's page_tokens: a recomputed request, a
     request whose prompt starts with cached pages, and forked samples must see exactly the tokens
     a run that neither preempts nor shares sees."""
@@ -135,10 +126,10 @@ def test_controls_survive_preemption_prefix_hits_and_forks(tiny):
     params = [SamplingParams(max_new_tokens=20, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True,
                              repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.7,
                              logit_bias={3: 5.0, 7: -3.0}, n=2 if i == 4 else 1) for i in range(6)]
-    ref, _ = run(tiny, prompts, params, prefix_caching=False, num_pages=400)
-    eng = engine(tiny, num_pages=14)
+    ref, _ = run(engines, prompts, params, prefix_caching=False, num_pages=400)
+    eng = engines.get(num_pages=14)
     before, hits, cows = snapshot(eng), eng.summary()["prefix_hit_tokens"], eng.runner.cow_copies
-    got, _ = run(tiny, prompts, params, num_pages=14)        # preempts, shares cached prefixes, forks
+    got, _ = run(engines, prompts, params, num_pages=14)        # preempts, shares cached prefixes, forks
     assert eng.stats.preemptions > before.preemptions and eng.summary()["prefix_hit_tokens"] > hits
     assert eng.runner.cow_copies > cows
     flat = lambda outs: [x for o in outs for x in (o if isinstance(o, list) else [o])]  # noqa: E731
@@ -158,8 +149,8 @@ def test_bad_control_values_are_refused():
     assert SamplingParams(logit_bias={"5": 1.0}).logit_bias == ((5, 1.0),)   # JSON object keys are strings
 
 
-def test_token_ids_past_the_vocabulary_fail_the_request(tiny):
-    eng = engine(tiny)
+def test_token_ids_past_the_vocabulary_fail_the_request(engines):
+    eng = engines.get()
     req = eng.add_request("abc", SamplingParams(logit_bias={10 ** 6: 1.0}))
     (out,) = eng.step()
     assert out.request_id == req.request_id and out.output.finish_reason == "error"
@@ -176,14 +167,14 @@ def test_generate_command_refuses_bad_control_flags(capsys):
     assert (p["min_p"], p["stop_token_ids"], p["repetition_penalty"], p["seed"]) == (0.1, (5, 9), 1.2, 2)
 
 
-def test_top_logprobs_equal_the_dense_models_top_k(tiny):
+def test_top_logprobs_equal_the_dense_models_top_k(engines):
     """Greedy rows report the model's own distribution: each output token's top_logprobs are the
     top-k of log_softmax of a full forward pass (no cache) at that position; sampled rows report
     the distribution they were drawn from, so the token's own log-probability is in its list when
     it ranks in the top k."""
     rng = np.random.default_rng(4)
     prompts = ["".join(chr(97 + x) for x in rng.integers(0, 26, rng.integers(5, 20))) for _ in range(3)]
-    eng = engine(tiny)
+    eng = engines.get()
     outs = eng.generate(prompts, [SamplingParams(max_new_tokens=7, greedy=True, ignore_eos=True, top_logprobs=5),
                                   SamplingParams(max_new_tokens=7, greedy=True, ignore_eos=True),
                                   SamplingParams(max_new_tokens=7, temperature=0.8, top_k=30, seed=3,

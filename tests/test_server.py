@@ -1164,19 +1164,30 @@ def test_load_streamed_equals_non_streamed(live):
 
 # ---------------------------------------------------------------------- the script
 
-def test_serve_script_bad_flags():
+def test_serve_script_bad_flags(capsys):
+    """A bad flag is one line on stderr and exit code 2: checked in this process (jpa.cli.serve.main),
+    and through the `jpa serve` command for the model name and a busy port (both found after parsing)."""
+    from jpa.cli import serve
+
+    sigterm = signal.getsignal(signal.SIGTERM)   # main() installs its own handler
+    try:
+        for args, msg in ((["--port", "70000"], "--port must be in"), (["--max-seqs", "0"], "--max-seqs must be >= 1"),
+                          (["--max-request-bytes", "0"], "--max-request-bytes must be >= 1"),
+                          (["--timeout-header", "0"], "--timeout-header must be a positive number"),
+                          (["--timeout-keep-alive", "-1"], "--timeout-keep-alive must be a positive number"),
+                          (["--limit-concurrency", "0"], "--limit-concurrency must be >= 1"),
+                          (["--allowed-origins", "[1]"], "--allowed-origins must be a list of origin strings"),
+                          (["--allowed-origins", "[oops"], "--allowed-origins: not a JSON list"),
+                          (["--speculative-config", '{"method": "ngram", "k": 4}'], "unknown speculative config key")):
+            rc = serve.main(args)
+            err = capsys.readouterr().err
+            assert rc == 2 and err.strip().count("\n") == 0 and msg in err, (args, err)
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
     busy.listen()
-    for args, msg in ((["--port", "70000"], "--port must be in"), (["--model", "nope"], "--model 'nope' is unknown"),
-                      (["--max-seqs", "0"], "--max-seqs must be >= 1"),
-                      (["--max-request-bytes", "0"], "--max-request-bytes must be >= 1"),
-                      (["--timeout-header", "0"], "--timeout-header must be a positive number"),
-                      (["--timeout-keep-alive", "-1"], "--timeout-keep-alive must be a positive number"),
-                      (["--limit-concurrency", "0"], "--limit-concurrency must be >= 1"),
-                      (["--allowed-origins", "[1]"], "--allowed-origins must be a list of origin strings"),
-                      (["--allowed-origins", "[oops"], "--allowed-origins: not a JSON list"),
-                      (["--speculative-config", '{"method": "ngram", "k": 4}'], "unknown speculative config key"),
+    for args, msg in ((["--model", "nope"], "--model 'nope' is unknown"),
                       (["--model", "tiny-llama", "--port", str(busy.getsockname()[1])], "Address already in use")):
         r = subprocess.run([sys.executable, "-m", "jpa", "serve", *args], cwd=ROOT, capture_output=True, text=True,
                            env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from jpa import models
-from jpa.engine import EngineConfig, LLMEngine, Phase, SamplingParams, SlotParams
+from jpa.engine import Phase, SamplingParams, SlotParams
 from jpa.engine.batch import StepBatch, make_step_batch
 from jpa.engine.shapes import EngineShapes
+from jpa.testing.engine import Engines
 
 CFG = dict(max_seqs=4, page_size=4, num_pages=48, max_model_len=96, max_num_batched_tokens=16, steps_per_call=3)
 
@@ -21,12 +22,18 @@ def tiny():
     return models.GPTForEngine(gpt), tok
 
 
+@pytest.fixture(scope="module")
+def engines(tiny):
+    """The module's engines: one per config (CFG updated), compiled once, handed out settled."""
+    return Engines(*tiny, base=CFG)
+
+
 def prompts(rng, n):
     return ["".join(chr(97 + x) for x in rng.integers(0, 26, rng.integers(6, 30))) for _ in range(n)]
 
 
-def test_step_batch_has_the_legend_shapes(tiny):
-    eng = LLMEngine(*tiny, EngineConfig(**CFG))
+def test_step_batch_has_the_legend_shapes(engines):
+    eng = engines.get()
     for p in prompts(np.random.default_rng(0), 3):
         eng.add_request(p, SamplingParams(max_new_tokens=4, temperature=0.7, seed=5))
     plan = eng.scheduler.plan_round(CFG["max_num_batched_tokens"])
@@ -52,9 +59,11 @@ def test_step_batch_has_the_legend_shapes(tiny):
         assert params.temperature[i] == (np.float32(0.7) if e.final else 0.0)
     assert (params.top_p[n:] == 1.0).all()
     eng.scheduler.unplan(plan)
+    while eng.has_unfinished:   # run them out: the engine is the module's, shared with later tests
+        eng.step()
 
 
-def test_a_failed_reservation_changes_nothing_on_the_device(tiny):
+def test_a_failed_reservation_changes_nothing_on_the_device(engines):
     """Regression: a round whose reservation failed still ran its decode steps and its evictions,
     so the device held tokens the host never saw. Fault injection: the host is told the pool has
     more free pages than it does, plans past it, and the round must leave the device as it was."""
@@ -64,12 +73,11 @@ def test_a_failed_reservation_changes_nothing_on_the_device(tiny):
     ps = ["".join(chr(97 + x) for x in rng.integers(0, 26, 17 if i < 2 else 20)) for i in range(6)]
     params = [SamplingParams(max_new_tokens=12, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True)
               for i in range(6)]
-    cfg = EngineConfig(**{**CFG, "num_pages": 12})
-    ref = LLMEngine(*tiny, cfg).generate(ps, params)
-
-    eng = LLMEngine(*tiny, cfg)
-    for p, sp in zip(ps[:2], params[:2]):
-        eng.add_request(p, sp)
+    eng = engines.get(num_pages=12)
+    ref = eng.generate(ps, params)   # the same engine before the fault: the reference run
+    eng = engines.get(num_pages=12)
+    for i, (p, sp) in enumerate(zip(ps[:2], params[:2])):
+        eng.add_request(p, sp, request_id=i)
     out = {}
     for _ in range(3):   # two requests decoding
         out.update({o.request_id: o.output for o in eng.step() if o.finished})
@@ -100,11 +108,11 @@ def test_a_failed_reservation_changes_nothing_on_the_device(tiny):
     assert eng.pool_is_whole()
 
 
-def test_a_group_id_stays_taken_until_every_sample_is_out(tiny):
+def test_a_group_id_stays_taken_until_every_sample_is_out(engines):
     """Regression: add_request(request_id="x", n=2) twice was accepted while the first ran; two
     live requests shared the ids ("x", 0) and ("x", 1), and the first to finish made
     has_unfinished False while the other still held slots and pages."""
-    eng = LLMEngine(*tiny, EngineConfig(**CFG))
+    eng = engines.get()
     sp = SamplingParams(max_new_tokens=6, temperature=0.8, seed=1, n=2)
     eng.add_request("abcdefgh", sp, request_id="x")
     with pytest.raises(ValueError, match="already used"):

@@ -56,18 +56,20 @@ class Engines:
 
     Args:
       model, tokenizer: what every engine serves.
+      base: the EngineConfig fields every engine starts from (default BASE).
     """
 
-    def __init__(self, model, tokenizer):
+    def __init__(self, model, tokenizer, base: dict | None = None):
         self.model, self.tokenizer = model, tokenizer
+        self.base = BASE if base is None else base
         self._cache = {}
 
     def get(self, *, tokenizer=None, **kw):
-        """The engine of BASE updated with kw (prefix cache flushed, pool checked whole); tokenizer:
+        """The engine of `base` updated with kw (prefix cache flushed, pool checked whole); tokenizer:
         another tokenizer than the model's (an engine of its own)."""
         from jpa.engine import EngineConfig, LLMEngine
 
-        cfg = EngineConfig(**{**BASE, **kw})
+        cfg = EngineConfig(**{**self.base, **kw})
         key = (cfg, id(tokenizer))
         eng = self._cache.get(key)
         if eng is None:
