@@ -1,4 +1,5 @@
-"""Paged decode attention as a Pallas Mosaic GPU kernel (Hopper, sm_90+).
+"""Paged decode attention as a Pallas Mosaic GPU kernel (Hopper, sm_90+); on Ampere/Ada (8.x)
+`paged_decode` and `unsupported_reason` hand over to `decode_ampere` (cp.async + mma.sync).
 
 Einsum letters: B num_seqs, K num_kv_heads, G q_per_kv, H head_dim, S key tokens of one block.
 
@@ -52,6 +53,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jpa.pallas.common import layer_index, layer_operand, merge_partitions, pool_layout
+from jpa.pallas.mosaic import decode_ampere
 from jpa.pallas.mosaic import tuning as tuning_table
 from jpa.pallas.mosaic.pipeline import (BLOCK_Q, ROW_ALIGN, KVBlocks, attend, barriers, main_loop_scratch,
                                         num_slots, operand_transforms, prologue, smem_plan, tmas_per_block)
@@ -74,14 +76,19 @@ def unsupported_reason(spec: DecodeSpec, compute_capability: float | None = None
                        tuning: MosaicTuning | None = None) -> str | None:
     """Why this kernel cannot serve `spec` on a GPU of `compute_capability`, or None when it can.
 
+    Compute capability 8.x is judged by the Ampere/Ada kernel (`decode_ampere`), which
+    `paged_decode` runs there.
     compute_capability None (interpret mode, or an unknown device) skips the device check.
     tuning: the tiling to check (None: `tuning.lookup(compute_capability, spec.head_dim)`).
     """
+    if compute_capability is not None and 8.0 <= compute_capability < 9.0:
+        return decode_ampere.unsupported_reason(spec, compute_capability)
     if tuning is None:
         tuning = tuning_table.lookup(compute_capability, spec.head_dim)
     if compute_capability is not None and not 9.0 <= compute_capability < 10.0:
-        return (f"compute capability {compute_capability} has no WGMMA: this kernel needs Hopper "
-                f"(9.x)")
+        return (f"compute capability {compute_capability} is not served by jpa's Mosaic GPU decode "
+                f"kernels: the WGMMA kernel needs Hopper (9.x), the cp.async + mma.sync one "
+                f"Ampere/Ada (8.x)")
     if spec.q_dtype not in SUPPORTED_DTYPES:
         return (f"q dtype {spec.q_dtype} is not supported: WGMMA has no exact float32 path "
                 f"(only tf32); use bfloat16 or float16")
@@ -302,10 +309,10 @@ def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_ca
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "interpret",
-                                             "tuning"))
+                                             "tuning", "compute_capability"))
 def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap=None,
                  alibi_slopes=None, sliding_window=None, k_scales=None, v_scales=None,
-                 interpret=False, layer=None, tuning=None):
+                 interpret=False, layer=None, tuning=None, compute_capability=None):
     """Paged decode attention with the Mosaic GPU kernel. Arguments as `jpa.paged_decode`
     (already validated, and `unsupported_reason` is None for their DecodeSpec).
 
@@ -316,10 +323,23 @@ def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap
 
     tuning: a `MosaicTuning` (static); None takes `tuning.lookup(None, head_dim)`, the table's
     fallback row (the same values as its H100 row).
+    compute_capability: the GPU compiled for (static; the dispatch passes its target's). 8.x runs
+    the Ampere/Ada kernel (`decode_ampere.paged_decode`, its tiling from
+    `tuning.lookup_ampere(compute_capability, head_dim)` unless `tuning` is given); anything else
+    (None included) the Hopper kernel.
 
     Returns:
       [num_seqs, num_q_heads, head_dim] in q's dtype.
     """
+    if compute_capability is not None and 8.0 <= compute_capability < 9.0:
+        if k_scales is not None:
+            raise ValueError("the Ampere/Ada Mosaic kernel does not take 8-bit caches (see "
+                             "decode_ampere.unsupported_reason)")
+        return decode_ampere.paged_decode(
+            q, k_pages, v_pages, block_tables, seq_lens, scale=scale, soft_cap=soft_cap,
+            alibi_slopes=alibi_slopes, sliding_window=sliding_window, interpret=interpret,
+            layer=layer,
+            tuning=tuning or tuning_table.lookup_ampere(compute_capability, q.shape[-1]))
     return _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, scale=scale,
                          soft_cap=soft_cap, alibi_slopes=alibi_slopes,
                          sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales,

@@ -88,3 +88,38 @@ def lookup(compute_capability: float | None = None, head_dim: int = 128) -> Mosa
     """The default tiling for a GPU of `compute_capability` (None: interpret mode / unknown) and a
     head_dim: the first row of TABLE that serves them."""
     return lookup_tuning(TABLE, compute_capability, head_dim).tuning
+
+
+# The Ampere/Ada kernel (`decode_ampere`): cp.async + mma.sync, SMEM opt-in per block of 163 KiB on
+# an A100 (sm_80) and 99 KiB on sm_86 / sm_89 (A10, A6000, L4, RTX 4090). Blocks of 32 tokens on
+# the small-SMEM parts above head_dim 128, where two 64-token K/V blocks and the q tile do not fit.
+AMPERE_TABLE = (
+    TuningRow(
+        gpus="A100 / A800 / A30 (sm_80)", compute_capability=(8.0, 8.6),
+        tuning=MosaicTuning(block_tokens=64, max_slots=3, smem_budget=160 * 1024,
+                            target_programs=2 * 108),
+        measured="ptxas, deviceless sm_80 compile (JAX 0.12.0.1): see BENCHMARKS.md 'Mosaic GPU "
+                 "on Ampere and Ada'. Speed: not measured."),
+    TuningRow(
+        gpus="A10 / A6000 / L4 / RTX 4090 (sm_86, sm_89), head_dim <= 128",
+        compute_capability=(8.6, 9.0), head_dims=(1, 128),
+        tuning=MosaicTuning(block_tokens=64, max_slots=3, smem_budget=96 * 1024,
+                            target_programs=2 * 58),
+        measured="ptxas, deviceless sm_86 / sm_89 compile (JAX 0.12.0.1). Speed: not measured."),
+    TuningRow(
+        gpus="A10 / A6000 / L4 / RTX 4090 (sm_86, sm_89), head_dim > 128",
+        compute_capability=(8.6, 9.0),
+        tuning=MosaicTuning(block_tokens=32, max_slots=3, smem_budget=96 * 1024,
+                            target_programs=2 * 58),
+        measured="ptxas, deviceless sm_86 / sm_89 compile (JAX 0.12.0.1). Speed: not measured."),
+    # Interpret mode / unknown: the A100 row's tiling.
+    TuningRow(
+        gpus="any other (interpret mode)", compute_capability=None,
+        tuning=MosaicTuning(block_tokens=64, max_slots=3, smem_budget=160 * 1024,
+                            target_programs=2 * 108)),
+)
+
+
+def lookup_ampere(compute_capability: float | None = None, head_dim: int = 128) -> MosaicTuning:
+    """The Ampere/Ada kernel's default tiling (AMPERE_TABLE) for a GPU and a head_dim."""
+    return lookup_tuning(AMPERE_TABLE, compute_capability, head_dim).tuning
