@@ -38,9 +38,12 @@ from jpa.pallas.spec import DecodeSpec
 
 KERNEL_MODULES = {"triton": "jpa.pallas.triton.decode", "mosaic": "jpa.pallas.mosaic.decode"}
 # impl="auto" preference order, each with the compute capabilities it serves: [min, max).
-# Mosaic GPU's kernel is built on WGMMA, which exists on Hopper (9.x) only: Blackwell (10.x)
-# has tcgen05 instead, so it is not offered there.
-AUTO_ORDER = (("mosaic", 9.0, 10.0), ("triton", 8.0, float("inf")))
+# Mosaic GPU's decode has a WGMMA kernel for Hopper (9.x) and a cp.async + mma.sync kernel for
+# Ampere/Ada (8.x; `jpa.pallas.mosaic.decode_ampere`); each kernel module's unsupported_reason
+# says per op and configuration what it serves (the Mosaic ragged kernel: Hopper only).
+# Blackwell (10.x) has tcgen05 instead of WGMMA and no cp.async path in Mosaic, so Mosaic is not
+# offered there. Triton (deprecated by JAX) is the fallback where Mosaic refuses.
+AUTO_ORDER = (("mosaic", 8.0, 10.0), ("triton", 8.0, float("inf")))
 # Self-check tolerance per q dtype (max abs error vs the reference on O(1) values).
 SELF_CHECK_TOL = {"float32": 2e-3, "bfloat16": 4e-2, "float16": 1e-2}
 # Distinct sequences (each with its own pages) in the self-check's small pool; further sequences
@@ -141,6 +144,20 @@ def current_target() -> Target:
 def kernel_module(impl: str, op: Op | None = None):
     """Imports the kernel module for impl ("triton" or "mosaic") of op (default: paged decode)."""
     return importlib.import_module(dict(op.modules)[impl] if op else KERNEL_MODULES[impl])
+
+
+def kernel_options(impl: str, compute_capability: float | None, op: Op | None = None) -> dict:
+    """Static options a kernel entry point needs from the target: the Mosaic decode takes the
+    compute capability (it runs its Ampere/Ada kernel on 8.x, the Hopper one otherwise)."""
+    if impl == "mosaic" and (op is None or op is DECODE) and compute_capability is not None:
+        return {"compute_capability": float(compute_capability)}
+    return {}
+
+
+def target_kernel_options(impl: str, op: Op | None = None) -> dict:
+    """`kernel_options` for the device being compiled for (`current_target`)."""
+    target = current_target()
+    return kernel_options(impl, target.compute_capability if target.is_nvidia_gpu else None, op)
 
 
 def unsupported_reason(impl: str, spec, compute_capability: float | None = None, op: Op | None = None) -> str | None:
@@ -260,7 +277,8 @@ def self_check(impl: str, spec, target: Target, op: Op | None = None) -> str | N
         with jax.ensure_compile_time_eval():
             args, opts = _resolve(op.small_case)(spec)
             static = {k: opts[k] for k in ("scale", "soft_cap", "sliding_window")}
-            fn = functools.partial(getattr(mod, op.entry), interpret=False, **static)
+            fn = functools.partial(getattr(mod, op.entry), interpret=False, **static,
+                                   **kernel_options(impl, target.compute_capability, op))
             shapes, arrays = _resolve(op.exact_shapes)(spec, opts)
             jax.jit(fn).lower(*shapes, **arrays).compile()  # the real shapes: resource limits
             arr = {k: v for k, v in opts.items() if k not in static}

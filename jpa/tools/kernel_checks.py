@@ -159,7 +159,12 @@ def check_kernels(compiler: Compiler, impls, subset: str, log=print, random: int
             if rec["ok"] and rec[want] != 1:
                 rec["ok"] = False
                 rec["problems"].append(f"expected one {impl} kernel call, found {rec[want]}")
-            if impl == "mosaic" and rec["ok"]:
+            if impl == "mosaic" and rec["ok"] and 8.0 <= cc < 9.0:
+                from jpa.pallas.mosaic import decode_ampere, tuning as mosaic_tuning
+                q_item = np.dtype(jnp.dtype(cfg.q_dtype)).itemsize
+                rec["mosaic_smem_planned"] = decode_ampere.smem_plan(
+                    cfg.head_dim, q_item, tuning=mosaic_tuning.lookup_ampere(cc, cfg.head_dim))[1]
+            elif impl == "mosaic" and rec["ok"]:
                 from jpa.pallas.mosaic import decode as mosaic_decode
                 q_item = np.dtype(jnp.dtype(cfg.q_dtype)).itemsize
                 c_item = np.dtype(jnp.dtype(cfg.cache_dtype)).itemsize
@@ -380,7 +385,8 @@ def check_stacked_kernels(compiler: Compiler, impls, subset: str, records=(), lo
                                                 pool, spec.cache_dtype, num_layers, index_args, spec.quantized)
             call = functools.partial(modules[impl].paged_decode, scale=spec.head_dim ** -0.5,
                                      soft_cap=30.0 if spec.soft_cap else None,
-                                     sliding_window=1024 if spec.sliding_window else None)
+                                     sliding_window=1024 if spec.sliding_window else None,
+                                     **dispatch.kernel_options(impl, cc))
             if spec.alibi:
                 slopes = 2.0 ** -jnp.linspace(0.5, 8, spec.num_q_heads)
                 call = functools.partial(call, alibi_slopes=slopes)

@@ -34,7 +34,7 @@ runs on the GPU, the three primitives are proven by the deviceless compile for s
 
 Rejected (see `unsupported_reason`): compute capabilities outside 8.x; float32 q; caches whose
 dtype differs from q's (8-bit caches with scales: not yet on this path); q_per_kv > 64; head_dim
-not a multiple of 16 or above 256; page sizes that neither divide nor are multiples of the block
+not a multiple of 64 (a cp.async row must be whole 128-byte lines) or above 256; page sizes that neither divide nor are multiples of the block
 up to 256; shapes whose two K/V blocks do not fit the target's SMEM (tuning's smem_budget).
 """
 
@@ -81,13 +81,20 @@ def unsupported_reason(spec: DecodeSpec, compute_capability: float | None = None
                 f"mma operands share one dtype")
     if spec.q_per_kv > BLOCK_Q:
         return f"q_per_kv = {spec.q_per_kv} exceeds the {BLOCK_Q}-row mma q tile"
-    if spec.head_dim % 16 or spec.head_dim > 256:
-        return (f"head_dim = {spec.head_dim} is not supported: it must be a multiple of 16 (the "
-                f"k of a 16-bit mma.sync) and at most 256")
+    if spec.head_dim % 64 or spec.head_dim > 256:
+        return (f"head_dim = {spec.head_dim} is not supported by the Ampere/Ada Mosaic kernel: it "
+                f"must be 64, 128, 192 or 256 (its cp.async copies move whole 128-byte GMEM "
+                f"lines per row)")
     ps, bt = spec.page_size, tuning.block_tokens
     if ps < 8 or (ps < bt and bt % ps) or (ps >= bt and ps % bt) or ps > MAX_PAGE_SIZE:
         return (f"page_size = {ps} is not supported: it must divide {bt} (>= 8) or be a multiple "
                 f"of {bt} up to {MAX_PAGE_SIZE} (the kernel reads keys in {bt}-token blocks)")
+    rows = min(ps, bt)
+    if kv_swizzle(spec.head_dim, rows) is None:
+        return (f"page_size = {ps} with head_dim = {spec.head_dim} is not supported: a cp.async "
+                f"copy of one page ({rows} rows of {spec.head_dim * 2} bytes) must be a multiple "
+                f"of 4 SMEM tiles of 8 rows x 32/64/128 bytes (one per warp); use pages of >= 32 "
+                f"tokens or a head_dim that is a multiple of {64 if rows == 8 else 32}")
     if num_slots(spec.head_dim, tuning=tuning) == 0:
         return (f"head_dim = {spec.head_dim} needs more than {tuning.smem_budget // 1024} KiB of "
                 f"SMEM for two K/V blocks of {bt} tokens on this GPU")
@@ -106,6 +113,24 @@ def smem_plan(head_dim: int, itemsize: int = 2, *, tuning: MosaicTuning) -> tupl
 
 def num_slots(head_dim: int, itemsize: int = 2, *, tuning: MosaicTuning) -> int:
     return smem_plan(head_dim, itemsize, tuning=tuning)[0]
+
+
+def kv_swizzle(head_dim: int, rows: int, itemsize: int = 2) -> int | None:
+    """SMEM swizzle (bytes) of the K/V blocks, or None when none works.
+
+    A cp.async copy of a tiled SMEM buffer is spread over the 4 warps a tile at a time (tiles of
+    8 rows x swizzle bytes), so a page copy of `rows` rows must be a multiple of 4 tiles: the
+    widest swizzle (fewest bank conflicts) that divides a row and gives such a count."""
+    row_bytes = head_dim * itemsize
+    for swizzle in (128, 64, 32):
+        if row_bytes % swizzle == 0 and (rows // 8) * (row_bytes // swizzle) % 4 == 0:
+            return swizzle
+    return None
+
+
+def _tiled(dtype, swizzle: int):
+    bits = jnp.dtype(dtype).itemsize * 8
+    return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
 
 
 def _chunks(head_dim: int) -> list:
@@ -285,12 +310,13 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, layer_ref,  #
                 ops.full_rows(MASK_VALUE, dtype), ops.full_rows(0.0, dtype))
         return lax.fori_loop(0, num_steps, body, init)
 
-    transforms = operand_transforms(dtype, head_dim)
+    kv_transforms = _tiled(dtype, kv_swizzle(head_dim, min(page_size, block_tokens),
+                                             jnp.dtype(dtype).itemsize))
     accs, m, l = pl.run_scoped(
         main_loop,
-        plgpu.SMEM((BLOCK_Q, head_dim), dtype, transforms=transforms),
-        plgpu.SMEM((slots, block_tokens, head_dim), dtype, transforms=transforms),
-        plgpu.SMEM((slots, block_tokens, head_dim), dtype, transforms=transforms),
+        plgpu.SMEM((BLOCK_Q, head_dim), dtype, transforms=operand_transforms(dtype, head_dim)),
+        plgpu.SMEM((slots, block_tokens, head_dim), dtype, transforms=kv_transforms),
+        plgpu.SMEM((slots, block_tokens, head_dim), dtype, transforms=kv_transforms),
         plgpu.SMEM((SLOPES_ROW,), jnp.float32) if slopes_ref is not None else None)
     for (c0, w), acc in zip(chunks, accs):
         acc_out.at[b, kh, part, :, pl.ds(c0, w)][...] = acc

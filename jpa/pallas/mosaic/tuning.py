@@ -91,31 +91,45 @@ def lookup(compute_capability: float | None = None, head_dim: int = 128) -> Mosa
 
 
 # The Ampere/Ada kernel (`decode_ampere`): cp.async + mma.sync, SMEM opt-in per block of 163 KiB on
-# an A100 (sm_80) and 99 KiB on sm_86 / sm_89 (A10, A6000, L4, RTX 4090). Blocks of 32 tokens on
-# the small-SMEM parts above head_dim 128, where two 64-token K/V blocks and the q tile do not fit.
+# an A100 (sm_80) and 99 KiB on sm_86 / sm_89 (A10, A6000, L4, RTX 4090); the budgets leave ~2 KiB
+# for Mosaic's own scratch. Blocks of 32 tokens on
+# every part above head_dim 128 (registers; on the small-SMEM parts SMEM too).
 AMPERE_TABLE = (
     TuningRow(
-        gpus="A100 / A800 / A30 (sm_80)", compute_capability=(8.0, 8.6),
-        tuning=MosaicTuning(block_tokens=64, max_slots=3, smem_budget=160 * 1024,
+        gpus="A100 / A800 / A30 (sm_80), head_dim <= 128", compute_capability=(8.0, 8.6),
+        head_dims=(1, 128),
+        tuning=MosaicTuning(block_tokens=64, max_slots=3, smem_budget=161 * 1024,
                             target_programs=2 * 108),
         measured="ptxas, deviceless sm_80 compile (JAX 0.12.0.1): see BENCHMARKS.md 'Mosaic GPU "
                  "on Ampere and Ada'. Speed: not measured."),
+    # 64-token blocks spilled at head_dim 192 (84 B) and 256 (104 B): the [64, 64] f32 scores
+    # next to a [64, head_dim] f32 accumulator exceed 255 registers. 32-token blocks halve them.
+    TuningRow(
+        gpus="A100 / A800 / A30 (sm_80), head_dim > 128", compute_capability=(8.0, 8.6),
+        tuning=MosaicTuning(block_tokens=32, max_slots=3, smem_budget=161 * 1024,
+                            target_programs=2 * 108),
+        measured="ptxas, deviceless sm_80 compile (JAX 0.12.0.1). Speed: not measured."),
     TuningRow(
         gpus="A10 / A6000 / L4 / RTX 4090 (sm_86, sm_89), head_dim <= 128",
         compute_capability=(8.6, 9.0), head_dims=(1, 128),
-        tuning=MosaicTuning(block_tokens=64, max_slots=3, smem_budget=96 * 1024,
+        tuning=MosaicTuning(block_tokens=64, max_slots=3, smem_budget=97 * 1024,
                             target_programs=2 * 58),
         measured="ptxas, deviceless sm_86 / sm_89 compile (JAX 0.12.0.1). Speed: not measured."),
     TuningRow(
         gpus="A10 / A6000 / L4 / RTX 4090 (sm_86, sm_89), head_dim > 128",
         compute_capability=(8.6, 9.0),
-        tuning=MosaicTuning(block_tokens=32, max_slots=3, smem_budget=96 * 1024,
+        tuning=MosaicTuning(block_tokens=32, max_slots=3, smem_budget=97 * 1024,
                             target_programs=2 * 58),
         measured="ptxas, deviceless sm_86 / sm_89 compile (JAX 0.12.0.1). Speed: not measured."),
-    # Interpret mode / unknown: the A100 row's tiling.
+    # Interpret mode / unknown: the A100 rows' tiling.
+    TuningRow(
+        gpus="any other (interpret mode), head_dim > 128", compute_capability=None,
+        head_dims=(129, 1 << 30),
+        tuning=MosaicTuning(block_tokens=32, max_slots=3, smem_budget=161 * 1024,
+                            target_programs=2 * 108)),
     TuningRow(
         gpus="any other (interpret mode)", compute_capability=None,
-        tuning=MosaicTuning(block_tokens=64, max_slots=3, smem_budget=160 * 1024,
+        tuning=MosaicTuning(block_tokens=64, max_slots=3, smem_budget=161 * 1024,
                             target_programs=2 * 108)),
 )
 
