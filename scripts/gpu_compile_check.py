@@ -95,7 +95,7 @@ def main(argv=None) -> int:
         print(markdown([json.loads(f.read_text()) for f in args.markdown]), end="")
         return 0
     if args.target is None:
-        p.error("--target is required (h100 or a100)")
+        p.error(f"--target is required ({', '.join(sorted(TARGETS))})")
     try:
         compiler = deviceless.Compiler(args.target, *((args.tp, args.hosts) if args.only == "tp" else (1, 1)))
     except Exception as e:
@@ -104,7 +104,8 @@ def main(argv=None) -> int:
               f"pip install -e '.[gpu]'", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    impls = ("triton", "mosaic") if TARGETS[args.target]["cc"][0] == 9 else ("triton",)
+    # Mosaic GPU: the WGMMA kernels on Hopper (9.x), the cp.async + mma.sync decode on Ampere/Ada (8.x).
+    impls = ("triton", "mosaic") if TARGETS[args.target]["cc"][0] in (8, 9) else ("triton",)
     records = []
     if args.only in ("kernels", "all"):
         records += check_kernels(compiler, impls, args.subset, random=args.random, seed=args.seed)
