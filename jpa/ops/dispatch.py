@@ -17,7 +17,9 @@ Three rules make `impl="auto"` safe where it is used, i.e. inside `jax.jit`:
    the reference path; it warns once per configuration, saying which kernel was passed over, why,
    and what runs instead.
 3. Under an AOT compile for a device that is not here nothing can run, so `auto` picks the first
-   kernel whose `unsupported_reason` accepts the configuration for that device, and says so once.
+   kernel whose `unsupported_reason` accepts the configuration for that device (and whose module's
+   `aot_unsupported_reason`, when it has one, accepts compiling for it from here: Mosaic GPU
+   lowers for sm_90 unless told the target, `jpa.tools.deviceless.mosaic_arch`), and says so once.
 
 The engine passes impl="auto" through: the kernel is chosen while its jitted step is traced,
 with the step's exact shapes, and the engine reads which one ran off the compiled program
@@ -304,11 +306,12 @@ def _announce_fallback(skipped: tuple, chosen: str, spec, target: Target, op_nam
 
 
 @functools.lru_cache(maxsize=None)
-def _announce_aot(impl: str, spec, target: Target, op_name: str = "paged-decode") -> None:
+def _announce_aot(impl: str, spec, target: Target, op_name: str = "paged-decode", skipped: tuple = ()) -> None:
+    passed = "".join(f" The {i} {op_name} kernel {how}: {reason}." for i, how, reason in skipped)
     warnings.warn(f"jpa: compiling for {target.device_kind} (compute capability "
                   f"{target.compute_capability}), which is not attached: impl='auto' uses the {impl} "
                   f"{op_name} kernel, accepted by its unsupported_reason for {spec}; it cannot be "
-                  f"self-checked without the device.", UserWarning, stacklevel=2)
+                  f"self-checked without the device.{passed}", UserWarning, stacklevel=2)
 
 
 def choose_impl(impl: str, spec, target: Target | None = None, op: Op | None = None) -> str:
@@ -340,7 +343,12 @@ def choose_impl(impl: str, spec, target: Target | None = None, op: Op | None = N
             skipped.append((name, "refuses this configuration", reason))
             continue
         if not target.executable:
-            _announce_aot(name, spec, target, op_name)
+            aot = getattr(kernel_module(name, op), "aot_unsupported_reason", None)
+            reason = aot(cc) if aot is not None else None
+            if reason is not None:
+                skipped.append((name, "cannot be compiled ahead of time here", reason))
+                continue
+            _announce_aot(name, spec, target, op_name, tuple(skipped))
             chosen = name
             break
         reason = self_check(name, spec, target, op)

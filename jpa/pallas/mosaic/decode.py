@@ -129,6 +129,27 @@ def unsupported_reason(spec: DecodeSpec, compute_capability: float | None = None
     return None
 
 
+def aot_unsupported_reason(compute_capability: float | None) -> str | None:
+    """Why an ahead-of-time compile for an absent GPU of `compute_capability` would get Mosaic code
+    for another GPU, or None. Mosaic GPU lowers for the arch it infers from the local device or,
+    under an abstract device (which carries no compute capability), assumes sm_90: an AOT compile
+    for an A100 from a CPU host would hold sm_90 code (the Ampere kernel's cp.async copies then
+    fail to lower). `jpa.tools.deviceless` compiles under `mosaic_arch`, which sets the arch."""
+    if compute_capability is None:
+        return None
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils  # private: no public arch query
+    try:
+        major, minor = mgpu_utils._infer_arch()
+    except Exception as e:  # noqa: BLE001 (an unknown device: say so, do not crash the dispatch)
+        return f"cannot tell which GPU Mosaic GPU lowers for ({type(e).__name__}: {e})"
+    want = (int(compute_capability), int(round(compute_capability * 10)) % 10)
+    if (major >= 9) != (want[0] >= 9) or (want[0] < 9 and (major, minor) > want):
+        return (f"Mosaic GPU would lower for sm_{major}{minor}, not the target's "
+                f"sm_{want[0]}{want[1]}: with no such GPU attached it cannot infer the target "
+                f"(compile under jpa.tools.deviceless.mosaic_arch, as jpa's deviceless tier does)")
+    return None
+
+
 def num_blocks(pages_per_seq: int, page_size: int, block_tokens: int) -> int:
     """Blocks that cover a sequence of pages_per_seq pages."""
     return -(-(pages_per_seq * page_size) // block_tokens)
