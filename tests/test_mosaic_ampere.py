@@ -27,6 +27,7 @@ from jpa.pallas.mosaic import decode as mosaic_decode
 from jpa.pallas.mosaic import decode_ampere
 from jpa.pallas.spec import DecodeSpec
 from jpa.testing.kernel_cases import Case, make_inputs, np_reference, tolerance
+from jpa.tools.deviceless import mosaic_arch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 A100, L4, H100, B200 = 8.0, 8.9, 9.0, 10.0
@@ -79,15 +80,17 @@ def test_refusals_are_reasons_and_routing_follows_the_compute_capability():
 
 def test_auto_picks_mosaic_on_ampere_and_ada_decode():
     spec = DecodeSpec("bfloat16", "bfloat16", 32, 8, 128, 16, 32, False, False, False, False, 64, 8192)
+    # Ahead of time (no such GPU here), with Mosaic told the target's arch as the compile tier
+    # does (`mosaic_arch`); test_dispatch.py covers the AOT case without it (Triton, with why).
     for kind, cc, want in (("NVIDIA A100-SXM4-80GB", A100, "mosaic"), ("NVIDIA L4", L4, "mosaic"),
                            ("NVIDIA H100 80GB HBM3", H100, "mosaic"), ("NVIDIA B200", B200, "triton")):
         target = dispatch.Target("gpu", kind, cc, executable=False)
-        with pytest.warns(UserWarning, match="not attached"):
+        with mosaic_arch((int(cc), int(round(cc * 10)) % 10)), pytest.warns(UserWarning, match="not attached"):
             assert dispatch.choose_impl("auto", spec, target) == want, kind
     # A configuration the Ampere kernel refuses falls back to Triton there.
     q8 = spec._replace(cache_dtype="int8", quantized=True)
     a100 = dispatch.Target("gpu", "NVIDIA A100-SXM4-80GB", A100, executable=False)
-    with pytest.warns(UserWarning):
+    with mosaic_arch((8, 0)), pytest.warns(UserWarning, match="8-bit caches"):
         assert dispatch.choose_impl("auto", q8, a100) == "triton"
     assert dispatch.kernel_options("mosaic", A100) == {"compute_capability": A100}
     assert dispatch.kernel_options("triton", A100) == {}
