@@ -35,7 +35,8 @@ materialized: a copy per layer per step); the layer travels as an `i32[1]` opera
 block table, and each TMA copies `k_ref.at[layer, kv_head, page, rows]`. Mosaic folds the squeezed
 (layer, kv head, page) indices of a TMA source into one coordinate of at most L * K * P, which TMA
 holds in 32 bits (`unsupported_reason`).
-Rejected (see `unsupported_reason`): targets other than Hopper (9.x), float32 q (WGMMA is
+Rejected (see `unsupported_reason`; on 8.x `decode_ampere.unsupported_reason` decides): targets
+other than Hopper (9.x) and Ampere/Ada (8.x), float32 q (WGMMA is
 tf32-only for f32), a 16-bit cache whose dtype differs from q's, q_per_kv > 64, head_dim not a
 multiple of 16 (32 for 8-bit caches: Mosaic GPU swizzles SMEM rows in 32/64/128-byte units) or
 > 256, 8-bit caches above head_dim 192 (they spill registers), page sizes that neither divide

@@ -17,6 +17,10 @@ the row of the GPU it is asked about. The kernels' `tuning=None` default is the 
 compute capability None (the fallback), because `jpa.ops` does not pass the target's tiling to the
 kernels yet; every row holds the same values today, so the two agree. A row that differs for a
 generation needs the dispatch (which knows the target) to pass `tuning=lookup(cc, ...)`.
+
+The Ampere/Ada decode kernel (`decode_ampere`) has its own table, `AMPERE_TABLE` (`lookup_ampere`):
+there the dispatch does pass the target's compute capability (`decode.paged_decode(...,
+compute_capability=)`), and its rows differ by GPU (SMEM per block) and head_dim (block size).
 """
 
 import dataclasses
