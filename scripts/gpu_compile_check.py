@@ -104,8 +104,9 @@ def main(argv=None) -> int:
               f"pip install -e '.[gpu]'", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    # Mosaic GPU: the WGMMA kernels on Hopper (9.x), the cp.async + mma.sync decode on Ampere/Ada (8.x).
-    impls = ("triton", "mosaic") if TARGETS[args.target]["cc"][0] in (8, 9) else ("triton",)
+    # Mosaic GPU: the WGMMA kernels on Hopper (9.x), the mma.sync decode on Ampere/Ada (8.x,
+    # cp.async) and Blackwell (10.x, TMA).
+    impls = ("triton", "mosaic") if TARGETS[args.target]["cc"][0] in (8, 9, 10) else ("triton",)
     records = []
     if args.only in ("kernels", "all"):
         records += check_kernels(compiler, impls, args.subset, random=args.random, seed=args.seed)

@@ -24,6 +24,8 @@ from jpa.ops.reference import paged_decode_xla
 H100 = dispatch.Target("gpu", "NVIDIA H100 80GB HBM3", 9.0, True)
 A100 = dispatch.Target("gpu", "NVIDIA A100-SXM4-80GB", 8.0, True)
 B200 = dispatch.Target("gpu", "NVIDIA B200", 10.0, True)
+# sm_120 (RTX PRO 6000 / RTX 50xx): only the Triton kernels serve it.
+SM120 = dispatch.Target("gpu", "NVIDIA RTX PRO 6000 Blackwell Server Edition", 12.0, True)
 T4 = dispatch.Target("gpu", "Tesla T4", 7.5, True)
 
 
@@ -104,7 +106,8 @@ def test_cpu_uses_reference(fake_gpu):
 
 
 @pytest.mark.parametrize("target,expected", [(A100, "fake_mosaic_good"), (H100, "fake_mosaic_good"),
-                                             (B200, "fake_triton_good"), (T4, None)])
+                                             (B200, "fake_mosaic_good"), (SM120, "fake_triton_good"),
+                                             (T4, None)])
 def test_auto_picks_kernel_eagerly_and_under_jit(fake_gpu, target, expected):
     calls = fake_gpu(target)
     args = case()
@@ -120,7 +123,7 @@ def test_auto_picks_kernel_eagerly_and_under_jit(fake_gpu, target, expected):
 
 
 def test_nested_jit_picks_kernel(fake_gpu):
-    fake_gpu(B200)
+    fake_gpu(SM120)
     inner = jax.jit(lambda *a: jpa.paged_decode(*a) * 2.0)
     outer = jax.jit(lambda *a: inner(*a) + 1.0)
     args = case()
@@ -131,7 +134,7 @@ def test_nested_jit_picks_kernel(fake_gpu):
 def test_self_check_runs_outside_the_trace(fake_gpu):
     """The check's inputs are concrete even when the first call is traced: it passes under jit
     (before, a traced self-check hit TracerArrayConversionError and fell back)."""
-    calls = fake_gpu(B200)
+    calls = fake_gpu(SM120)
     args = case()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a failed self-check would warn
@@ -139,14 +142,14 @@ def test_self_check_runs_outside_the_trace(fake_gpu):
     spec = jpa.ops.decode.decode_spec(args[0], args[1], args[3], soft_cap=None, alibi_slopes=None,
                                   sliding_window=None)
     n = len(calls)
-    assert dispatch.self_check("triton", spec, B200, None) is None  # memoized: passed, not rerun
+    assert dispatch.self_check("triton", spec, SM120, None) is None  # memoized: passed, not rerun
     assert len(calls) == n
 
 
 @pytest.mark.parametrize("behaviour,reason", [("wrong", "differs from the reference"),
                                               ("raise", "PTX compilation failed")])
 def test_failed_self_check_warns_once_and_falls_back(fake_gpu, behaviour, reason):
-    calls = fake_gpu(B200, triton=behaviour)
+    calls = fake_gpu(SM120, triton=behaviour)
     args = case()
     with pytest.warns(RuntimeWarning, match=f"triton paged-decode kernel failed its self-check.*{reason}"):
         out = fresh_jit()(*args)
@@ -161,7 +164,7 @@ def test_failed_self_check_warns_once_and_falls_back(fake_gpu, behaviour, reason
 
 def test_self_check_compiles_the_exact_shapes(fake_gpu, monkeypatch):
     """A kernel that fails only for the real (large) shapes is refused at selection, not at compile."""
-    calls = fake_gpu(B200)
+    calls = fake_gpu(SM120)
     mod = sys.modules["fake_triton_good"]
     ok = mod.paged_decode
 
@@ -243,7 +246,7 @@ def test_engine_decode_loop_uses_the_kernel(fake_gpu, monkeypatch):
     prompts = ["paged attention", "x", "a somewhat longer prompt for the cache"]
     want = [o.token_ids for o in LLMEngine(models.GPTForEngine(gpt), tok, EngineConfig(**cfg)).generate(
         prompts, params)]
-    calls = fake_gpu(B200)
+    calls = fake_gpu(SM120)
     monkeypatch.setitem(sys.modules, "fake_ragged_good", fake_ragged("fake_ragged_good", "good", calls))
     monkeypatch.setattr(ragged, "RAGGED", ragged.RAGGED._replace(modules=(("triton", "fake_ragged_good"),)))
     eng = LLMEngine(models.GPTForEngine(gpt), tok, EngineConfig(**cfg))
@@ -350,13 +353,13 @@ def fake_ragged(name, behaviour, calls=None):
 @pytest.mark.parametrize("behaviour", ["good", "wrong"])
 def test_ragged_auto_self_checks_like_decode(monkeypatch, behaviour):
     """ragged_paged_attention(impl="auto") goes through the same dispatch: under jit on a
-    (simulated) B200 it uses a kernel that passes its self-check, and falls back from one that
+    (simulated) sm_120 GPU it uses a kernel that passes its self-check, and falls back from one that
     does not, with one warning."""
     from jpa.ops import ragged
     name = f"fake_ragged_{behaviour}"
     monkeypatch.setitem(sys.modules, name, fake_ragged(name, behaviour))
     monkeypatch.setattr(ragged, "RAGGED", ragged.RAGGED._replace(modules=(("triton", name),)))
-    monkeypatch.setattr(dispatch, "current_target", lambda: B200)
+    monkeypatch.setattr(dispatch, "current_target", lambda: SM120)
     dispatch.self_check.cache_clear()
     dispatch._announce_fallback.cache_clear()
     rng = np.random.default_rng()

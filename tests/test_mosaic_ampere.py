@@ -53,11 +53,14 @@ def test_matches_reference_with_every_option_and_split_k():
                 pages_per_seq=10, soft_cap=10.0, alibi=True, sliding_window=100, share_page=True,
                 seed=31, q_dtype="bfloat16", cache_dtype="bfloat16")
     args, opts = make_inputs(case)
-    got = decode_ampere.paged_decode(*args[:5], scale=opts["scale"], soft_cap=10.0,
-                                     alibi_slopes=opts["alibi_slopes"], sliding_window=100,
-                                     interpret=True, blocks_per_part=2)
-    check(case, got, args, opts)
-    assert not np.asarray(got[0].astype(jnp.float32)).any()  # length 0: exactly zero
+    # Both copy paths: cp.async (Ampere/Ada) and TMA + mbarriers (Blackwell; the interpreter models
+    # these barriers, so only mma and the relayout have stand-ins there).
+    for tma in (False, True):
+        got = decode_ampere.paged_decode(*args[:5], scale=opts["scale"], soft_cap=10.0,
+                                         alibi_slopes=opts["alibi_slopes"], sliding_window=100,
+                                         interpret=True, blocks_per_part=2, tma=tma)
+        check(case, got, args, opts)
+        assert not np.asarray(got[0].astype(jnp.float32)).any()  # length 0: exactly zero
 
 
 def test_refusals_are_reasons_and_routing_follows_the_compute_capability():
@@ -65,7 +68,8 @@ def test_refusals_are_reasons_and_routing_follows_the_compute_capability():
     assert mosaic_decode.unsupported_reason(base, A100) is None
     assert mosaic_decode.unsupported_reason(base, L4) is None
     assert mosaic_decode.unsupported_reason(base, H100) is None
-    assert "Ampere/Ada" in mosaic_decode.unsupported_reason(base, B200)
+    assert mosaic_decode.unsupported_reason(base, B200) is None
+    assert "Blackwell (10.x, TMA)" in mosaic_decode.unsupported_reason(base, 12.0)
     refused = {
         "8-bit caches": base._replace(cache_dtype="int8", quantized=True, page_size=32),
         "mma.sync has no exact float32": base._replace(q_dtype="float32", cache_dtype="float32"),
@@ -83,7 +87,8 @@ def test_auto_picks_mosaic_on_ampere_and_ada_decode():
     # Ahead of time (no such GPU here), with Mosaic told the target's arch as the compile tier
     # does (`mosaic_arch`); test_dispatch.py covers the AOT case without it (Triton, with why).
     for kind, cc, want in (("NVIDIA A100-SXM4-80GB", A100, "mosaic"), ("NVIDIA L4", L4, "mosaic"),
-                           ("NVIDIA H100 80GB HBM3", H100, "mosaic"), ("NVIDIA B200", B200, "triton")):
+                           ("NVIDIA H100 80GB HBM3", H100, "mosaic"), ("NVIDIA B200", B200, "mosaic"),
+                           ("NVIDIA RTX PRO 6000", 12.0, "triton")):
         target = dispatch.Target("gpu", kind, cc, executable=False)
         with mosaic_arch((int(cc), int(round(cc * 10)) % 10)), pytest.warns(UserWarning, match="not attached"):
             assert dispatch.choose_impl("auto", spec, target) == want, kind

@@ -40,12 +40,12 @@ from jpa.pallas.spec import DecodeSpec
 
 KERNEL_MODULES = {"triton": "jpa.pallas.triton.decode", "mosaic": "jpa.pallas.mosaic.decode"}
 # impl="auto" preference order, each with the compute capabilities it serves: [min, max).
-# Mosaic GPU's decode has a WGMMA kernel for Hopper (9.x) and a cp.async + mma.sync kernel for
-# Ampere/Ada (8.x; `jpa.pallas.mosaic.decode_ampere`); each kernel module's unsupported_reason
-# says per op and configuration what it serves (the Mosaic ragged kernel: Hopper only).
-# Blackwell (10.x) has tcgen05 instead of WGMMA and no cp.async path in Mosaic, so Mosaic is not
-# offered there. Triton (deprecated by JAX) is the fallback where Mosaic refuses.
-AUTO_ORDER = (("mosaic", 8.0, 10.0), ("triton", 8.0, float("inf")))
+# Mosaic GPU's decode has a WGMMA kernel for Hopper (9.x) and an mma.sync kernel
+# (`jpa.pallas.mosaic.decode_ampere`) with cp.async copies on Ampere/Ada (8.x) and TMA copies on
+# Blackwell (10.x); each kernel module's unsupported_reason says per op and configuration what it
+# serves (the Mosaic ragged kernel: Hopper only). Triton (deprecated by JAX) is the fallback where
+# Mosaic refuses, and the only kernel from 11.0 on.
+AUTO_ORDER = (("mosaic", 8.0, 11.0), ("triton", 8.0, float("inf")))
 # Self-check tolerance per q dtype (max abs error vs the reference on O(1) values).
 SELF_CHECK_TOL = {"float32": 2e-3, "bfloat16": 4e-2, "float16": 1e-2}
 # Distinct sequences (each with its own pages) in the self-check's small pool; further sequences

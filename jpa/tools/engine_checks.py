@@ -33,13 +33,13 @@ def step_program(runner, num_tokens: int):
 
 def expected_kernel_calls(target: str, kernel_calls: int, decode_calls: int) -> dict:
     """{impl: calls} of an engine step with `kernel_calls` attention kernel calls, `decode_calls` of
-    them the decode loop's plain `jpa.paged_decode`: all Mosaic on Hopper; on Ampere/Ada (8.x) the
-    decode is Mosaic's cp.async + mma.sync kernel and the ragged op's two calls stay Triton (no
-    Mosaic ragged kernel there yet); Triton elsewhere."""
+    them the decode loop's plain `jpa.paged_decode`: all Mosaic on Hopper; on Ampere/Ada (8.x) and
+    Blackwell (10.x) the decode is Mosaic's mma.sync kernel and the ragged op's two calls stay
+    Triton (no Mosaic ragged kernel there yet); Triton elsewhere."""
     major = TARGETS[target]["cc"][0]
     if major == 9:
         return {"mosaic": kernel_calls}
-    if major == 8:
+    if major in (8, 10):
         return {"triton": kernel_calls - decode_calls, "mosaic": decode_calls}
     return {"triton": kernel_calls}
 

@@ -1,4 +1,5 @@
-"""Paged decode attention as a Pallas Mosaic GPU kernel for Ampere and Ada (sm_80, sm_86, sm_89).
+"""Paged decode attention as a Pallas Mosaic GPU kernel on mma.sync: Ampere and Ada (sm_80, sm_86,
+sm_89; cp.async copies) and Blackwell (sm_100; the same kernel with TMA copies, `tma=True`).
 
 Einsum letters: G rows of the q tile, S key tokens of one block, H head_dim.
 
@@ -11,6 +12,9 @@ routes here for compute capability 8.x) and changes the three hardware pieces:
   commit group per page (or page slice) of K and of V, awaited with `wait_gmem_to_smem(n)` (which
   also synchronises the warpgroup). A slot is refilled only after that wait, so every warp has
   finished reading it; `slots` blocks are buffered (`tuning.max_slots` at most, as SMEM allows).
+  From sm_90 Mosaic GPU copies only by TMA: there (Blackwell, which has no WGMMA for the Hopper
+  kernel) each slot has an mbarrier that its K/V TMAs arrive on (`_Ops.tma`); Mosaic synchronises
+  the warpgroup before issuing a TMA, so a slot is not refilled while a warp still reads it.
 - matmuls: Ampere `mma.sync` (`plgpu.mma`, m16n8k16) on register operands loaded from SMEM in
   the MMA_LHS / MMA_RHS layouts, the f32 accumulator in MMA_ACC. The q tile is 64 rows (4 warps x
   16) of which the first G are this kv head's query heads, as in the Hopper kernel: every row of
@@ -28,14 +32,17 @@ routes here for compute capability 8.x) and changes the three hardware pieces:
   tile beyond the accumulator is live at once.
 
 GPU interpret mode models neither `cp.async` without a barrier nor `mma` nor the inline relayout;
-there (`interpret=True`) the same kernel body copies with plain ref reads/writes and multiplies with
-`jnp.dot` (`_Ops`): block walk, masking, softmax, split-K and the layer index are the code that
-runs on the GPU, the three primitives are proven by the deviceless compile for sm_80/86/89.
+there (`interpret=True`) the same kernel body copies with plain ref reads/writes (TMA path: real
+TMAs and barriers, which the interpreter models) and multiplies with `jnp.dot` (`_Ops`): block
+walk, masking, softmax, split-K and the layer index are the code that runs on the GPU; the
+stand-in primitives are proven by the deviceless compile for sm_80/86/89 and sm_100.
 
-Rejected (see `unsupported_reason`): compute capabilities outside 8.x; float32 q; caches whose
-dtype differs from q's (8-bit caches with scales: not yet on this path); q_per_kv > 64; head_dim
-not a multiple of 64 (a cp.async row must be whole 128-byte lines) or above 256; page sizes that neither divide nor are multiples of the block
-up to 256; shapes whose two K/V blocks do not fit the target's SMEM (tuning's smem_budget).
+Rejected (see `unsupported_reason`): compute capabilities outside 8.x and 10.x (sm_120 is not
+compiled yet); float32 q; caches whose dtype differs from q's (8-bit caches with scales: not yet on
+this kernel); q_per_kv > 64; head_dim not a multiple of 64 (a cp.async row must be whole 128-byte
+lines) or above 256; page sizes that neither divide nor are multiples of the block up to 256;
+shapes whose two K/V blocks do not fit the target's SMEM (tuning's smem_budget); on the TMA path,
+pools of 2**31 pages or more (TMA coordinates are 32-bit).
 """
 
 import functools
@@ -65,26 +72,29 @@ def unsupported_reason(spec: DecodeSpec, compute_capability: float | None = None
                        tuning: MosaicTuning | None = None) -> str | None:
     """Why this kernel cannot serve `spec` on a GPU of `compute_capability`, or None when it can
     (None: interpret mode, device limits from the sm_80 row)."""
-    if compute_capability is not None and not 8.0 <= compute_capability < 9.0:
-        return (f"compute capability {compute_capability} is not Ampere/Ada (8.x): this kernel "
-                f"uses cp.async and mma.sync")
+    if compute_capability is not None and not (8.0 <= compute_capability < 9.0
+                                               or 10.0 <= compute_capability < 11.0):
+        return (f"compute capability {compute_capability} is served by neither of this kernel's "
+                f"paths: cp.async + mma.sync on Ampere/Ada (8.x), TMA + mma.sync on Blackwell "
+                f"(10.x)")
     if tuning is None:
         tuning = tuning_table.lookup_ampere(compute_capability, spec.head_dim)
     if spec.q_dtype not in SUPPORTED_DTYPES:
         return (f"q dtype {spec.q_dtype} is not supported: mma.sync has no exact float32 path "
                 f"(only tf32); use bfloat16 or float16")
     if spec.quantized:
-        return (f"8-bit caches ({spec.cache_dtype}) are not supported by the Ampere/Ada Mosaic "
-                f"kernel yet (its cp.async copies of per-token scales are not written)")
+        return (f"8-bit caches ({spec.cache_dtype}) are not supported by the mma.sync Mosaic "
+                f"kernel (Ampere/Ada/Blackwell) yet: copying the per-token scales and widening "
+                f"K/V for mma.sync are not written")
     if spec.cache_dtype != spec.q_dtype:
         return (f"the cache dtype ({spec.cache_dtype}) must equal q's dtype ({spec.q_dtype}): "
                 f"mma operands share one dtype")
     if spec.q_per_kv > BLOCK_Q:
         return f"q_per_kv = {spec.q_per_kv} exceeds the {BLOCK_Q}-row mma q tile"
     if spec.head_dim % 64 or spec.head_dim > 256:
-        return (f"head_dim = {spec.head_dim} is not supported by the Ampere/Ada Mosaic kernel: it "
-                f"must be 64, 128, 192 or 256 (its cp.async copies move whole 128-byte GMEM "
-                f"lines per row)")
+        return (f"head_dim = {spec.head_dim} is not supported by the mma.sync Mosaic kernel: it "
+                f"must be 64, 128, 192 or 256 (a cp.async row copy moves whole 128-byte GMEM "
+                f"lines; the TMA path keeps the same rule)")
     ps, bt = spec.page_size, tuning.block_tokens
     if ps < 8 or (ps < bt and bt % ps) or (ps >= bt and ps % bt) or ps > MAX_PAGE_SIZE:
         return (f"page_size = {ps} is not supported: it must divide {bt} (>= 8) or be a multiple "
@@ -95,10 +105,23 @@ def unsupported_reason(spec: DecodeSpec, compute_capability: float | None = None
                 f"copy of one page ({rows} rows of {spec.head_dim * 2} bytes) must be a multiple "
                 f"of 4 SMEM tiles of 8 rows x 32/64/128 bytes (one per warp); use pages of >= 32 "
                 f"tokens or a head_dim that is a multiple of {64 if rows == 8 else 32}")
+    if uses_tma(compute_capability):
+        # A TMA's coordinates are signed 32-bit: Mosaic folds the (layer, kv head, page) index of
+        # a page into one.
+        pages = spec.num_layers * spec.num_kv_heads * spec.num_pages
+        if pages >= 2 ** 31:
+            return (f"num_layers x num_kv_heads x num_pages = {pages} pages: a TMA coordinate "
+                    f"(32-bit) cannot address them; use fewer pages")
     if num_slots(spec.head_dim, tuning=tuning) == 0:
         return (f"head_dim = {spec.head_dim} needs more than {tuning.smem_budget // 1024} KiB of "
                 f"SMEM for two K/V blocks of {bt} tokens on this GPU")
     return None
+
+
+def uses_tma(compute_capability: float | None) -> bool:
+    """Whether the kernel copies with TMA + mbarriers on this GPU (Mosaic GPU has cp.async only
+    below sm_90): Blackwell; Ampere/Ada and interpret mode (None) use cp.async."""
+    return compute_capability is not None and compute_capability >= 9.0
 
 
 def smem_plan(head_dim: int, itemsize: int = 2, *, tuning: MosaicTuning) -> tuple:
@@ -159,17 +182,26 @@ def _acc_to_lhs(x):
 
 
 class _Ops(NamedTuple):
-    """The hardware primitives of the kernel, or their interpret-mode stand-ins (module doc)."""
-    interpret: bool
+    """The hardware primitives of the kernel, or their interpret-mode stand-ins (module doc).
 
-    def copy(self, src, dst):
-        if self.interpret:
+    tma: copies are TMAs tracked by mbarriers (sm_90+: Mosaic GPU has no cp.async path there),
+    else cp.async commit groups (sm_8x). GPU interpret mode models TMAs and barriers, so with tma
+    only `mma` and the relayout have stand-ins there."""
+    interpret: bool
+    tma: bool = False
+
+    def copy(self, src, dst, bar=None):
+        if self.tma:
+            plgpu.copy_gmem_to_smem(src, dst, bar)
+        elif self.interpret:
             dst[...] = src[...]
         else:
             plgpu.copy_gmem_to_smem(src, dst, oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
 
     def wait(self, groups: int):
-        if not self.interpret:
+        """cp.async: wait until at most `groups` commit groups are in flight (and sync the
+        warpgroup)."""
+        if not self.interpret and not self.tma:
             plgpu.wait_gmem_to_smem(groups)
 
     def lhs(self, ref):
@@ -207,7 +239,7 @@ class _Ops(NamedTuple):
 
 
 def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, layer_ref,  # GMEM
-            acc_out, m_out, l_out, *, ops, scale, soft_cap, sliding_window, q_per_kv, page_size,
+            acc_out, m_out, l_out, bars, *, ops, scale, soft_cap, sliding_window, q_per_kv, page_size,
             block_tokens, blocks_per_part, slots):
     # q_ref [num_seqs * num_q_heads + q_pad, H]; k_ref, v_ref [K, P, S_p, H] or [L, K, P, S_p, H];
     # tables_ref i32[B, pages_per_seq]; lens_ref i32[B]; slopes_ref f32[N + pad] or None.
@@ -240,11 +272,15 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, layer_ref,  #
         else:
             page, row = src
             parts_ = [(page, pl.ds(row, block_tokens), pl.ds(0, block_tokens))]
+        kv_bar = bars[1].at[slot] if ops.tma else None
         for page, src_rows, rows in parts_:
-            ops.copy(k_ref.at[(*head, page, src_rows)], k_smem.at[slot, rows])
-            ops.copy(v_ref.at[(*head, page, src_rows)], v_smem.at[slot, rows])
+            ops.copy(k_ref.at[(*head, page, src_rows)], k_smem.at[slot, rows], kv_bar)
+            ops.copy(v_ref.at[(*head, page, src_rows)], v_smem.at[slot, rows], kv_bar)
 
-    def wait_block(step):
+    def wait_block(step, slot):
+        if ops.tma:  # one barrier per slot, `groups` TMA arrivals
+            plgpu.barrier_wait(bars[1].at[slot])
+            return
         # Groups still allowed in flight: those of the blocks issued after `step` (at most
         # slots - 2 when the wait comes before the refill).
         later = jnp.minimum(num_steps - 1 - step, slots - 2)
@@ -253,12 +289,18 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, layer_ref,  #
 
     def main_loop(q_smem, k_smem, v_smem, slopes_smem):
         q_row0 = (b * num_kv_heads + kh) * q_per_kv
-        ops.copy(q_ref.at[pl.ds(q_row0, BLOCK_Q)], q_smem)
+        q_bar = bars[0] if ops.tma else None
+        ops.copy(q_ref.at[pl.ds(q_row0, BLOCK_Q)], q_smem, q_bar.at[0] if ops.tma else None)
         if slopes_smem is not None:
-            ops.copy(slopes_ref.at[pl.ds(kh * q_per_kv, SLOPES_ROW)], slopes_smem)
+            ops.copy(slopes_ref.at[pl.ds(kh * q_per_kv, SLOPES_ROW)], slopes_smem,
+                     q_bar.at[1] if ops.tma else None)
         for s in range(slots - 1):
             pl.when(s < num_steps)(functools.partial(issue, s, s, k_smem, v_smem))
         ops.wait((slots - 1) * groups)  # q (and the slopes) have landed
+        if ops.tma:
+            plgpu.barrier_wait(q_bar.at[0])
+            if slopes_smem is not None:
+                plgpu.barrier_wait(q_bar.at[1])
         row_layout = plgpu.Layout.MMA_ACC(dtype).reduce(1)
         slopes = None
         if slopes_smem is not None:
@@ -267,8 +309,9 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, layer_ref,  #
         def body(step, carry):
             accs, m, l = carry
             slot = lax.rem(step, slots)
-            wait_block(step)
-            # Every warp has passed the wait, so the slot read at step - 1 is free to refill.
+            wait_block(step, slot)
+            # cp.async: every warp has passed the wait (it syncs the warpgroup), so the slot read
+            # at step - 1 is free to refill. TMA: Mosaic syncs the warpgroup before issuing it.
             nxt = step + slots - 1
             pl.when(nxt < num_steps)(
                 lambda: issue(nxt, lax.rem(nxt, slots), k_smem, v_smem))
@@ -325,7 +368,8 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, layer_ref,  #
 
 
 def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap, alibi_slopes,
-                  sliding_window, interpret, blocks_per_part=None, layer=None, tuning=None):
+                  sliding_window, interpret, blocks_per_part=None, layer=None, tuning=None,
+                  tma=False):
     num_seqs, num_q_heads, head_dim = q.shape
     num_layers, num_kv_heads, _, page_size, _ = pool_layout(k_pages, layer)
     stacked = num_layers is not None
@@ -350,15 +394,21 @@ def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_ca
         slopes = jnp.zeros((SLOPES_ROW,), jnp.float32)  # unused placeholder operand
 
     kernel = functools.partial(
-        _kernel, ops=_Ops(interpret), scale=scale, soft_cap=soft_cap,
+        _kernel, ops=_Ops(interpret, tma), scale=scale, soft_cap=soft_cap,
         sliding_window=sliding_window, q_per_kv=q_per_kv, page_size=page_size, block_tokens=bt,
         blocks_per_part=blocks_per_part, slots=slots)
 
     # The body's name is the kernel's name (ptxas reports and MOSAIC_GPU_DUMP_TO files).
     def jpa_mosaic_decode_ampere(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, *rest):
         layer_ref, outs = (rest[0], rest[1:]) if stacked else (None, rest)
-        kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref,
-               slopes_ref if alibi_slopes is not None else None, layer_ref, *outs)
+        run = functools.partial(kernel, q_ref, k_ref, v_ref, tables_ref, lens_ref,
+                                slopes_ref if alibi_slopes is not None else None, layer_ref, *outs)
+        if not tma:
+            run(None)
+            return
+        # TMA path: the q tile's and slopes' barriers, and one per slot for its K and V pieces.
+        pl.run_scoped(lambda *bars: run(bars), plgpu.Barrier(num_barriers=2),
+                      plgpu.Barrier(num_arrivals=2 * max(1, bt // page_size), num_barriers=slots))
 
     out_type = (
         jax.ShapeDtypeStruct((num_seqs, num_kv_heads, parts, BLOCK_Q, head_dim), jnp.float32),
@@ -377,13 +427,14 @@ def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_ca
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "interpret",
-                                             "tuning", "blocks_per_part"))
+                                             "tuning", "blocks_per_part", "tma"))
 def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap=None,
                  alibi_slopes=None, sliding_window=None, interpret=False, layer=None, tuning=None,
-                 blocks_per_part=None):
-    """Paged decode attention with the Ampere/Ada Mosaic GPU kernel. Arguments as
+                 blocks_per_part=None, tma=False):
+    """Paged decode attention with the mma.sync Mosaic GPU kernel. Arguments as
     `decode.paged_decode` (validated; `unsupported_reason` is None for their DecodeSpec); no
     k_scales / v_scales (8-bit caches are refused). tuning None: `tuning.lookup_ampere(None, H)`.
+    tma: TMA copies with mbarriers (Blackwell, sm_100) instead of cp.async (Ampere/Ada).
 
     Returns:
       [num_seqs, num_q_heads, head_dim] in q's dtype.
@@ -391,4 +442,4 @@ def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap
     return _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, scale=scale,
                          soft_cap=soft_cap, alibi_slopes=alibi_slopes,
                          sliding_window=sliding_window, interpret=interpret, layer=layer,
-                         tuning=tuning, blocks_per_part=blocks_per_part)
+                         tuning=tuning, blocks_per_part=blocks_per_part, tma=tma)

@@ -125,6 +125,19 @@ AMPERE_TABLE = (
         tuning=MosaicTuning(block_tokens=32, max_slots=3, smem_budget=97 * 1024,
                             target_programs=2 * 58),
         measured="ptxas, deviceless sm_86 / sm_89 compile (JAX 0.12.0.1). Speed: not measured."),
+    # Blackwell (sm_100: B200 / GB200; B300 is 10.3) through the same kernel with TMA copies:
+    # 227 KiB of SMEM per block as an H100.
+    TuningRow(
+        gpus="B200 / GB200 / B300 (sm_100), head_dim <= 128", compute_capability=(10.0, 11.0),
+        head_dims=(1, 128),
+        tuning=MosaicTuning(block_tokens=64, max_slots=4, smem_budget=200 * 1024,
+                            target_programs=2 * 148),
+        measured="ptxas, deviceless B200 compile (JAX 0.12.0.1). Speed: not measured."),
+    TuningRow(
+        gpus="B200 / GB200 / B300 (sm_100), head_dim > 128", compute_capability=(10.0, 11.0),
+        tuning=MosaicTuning(block_tokens=32, max_slots=4, smem_budget=200 * 1024,
+                            target_programs=2 * 148),
+        measured="ptxas, deviceless B200 compile (JAX 0.12.0.1). Speed: not measured."),
     # Interpret mode / unknown: the A100 rows' tiling.
     TuningRow(
         gpus="any other (interpret mode), head_dim > 128", compute_capability=None,
