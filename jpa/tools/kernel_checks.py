@@ -450,3 +450,22 @@ def check_stacked_ragged(compiler: Compiler, impls, subset: str, records=(), log
 def _growth(rec) -> str:
     g = rec.get("register_growth")
     return (" | registers vs per-layer: " + ", ".join(f"{k} {v:+d}" for k, v in g.items())) if g else ""
+
+
+# ---- 4. What impl="auto" compiles for the target ----
+
+def check_auto(compiler: Compiler, log=print) -> list:
+    """The paged decode (`KernelConfig`'s serving batch: 64 sequences x 512 tokens, GQA 4, head_dim
+    128, pages of 16) and the ragged op (RAGGED_CONFIGS[0]) with impl="auto" for the target: which
+    kernels the program holds (`impls`: Mosaic and/or Triton calls), each kernel's resources."""
+    out = []
+    fn, args, kwargs, pools = kernel_call(KernelConfig("auto"))
+    calls = [("decode", fn, args, kwargs, pools)]
+    _, rfn, rargs, rpools = ragged_call("auto", *RAGGED_CONFIGS[0])
+    calls.append(("ragged", rfn, rargs, {}, rpools))
+    for op, f, a, kw, p in calls:
+        rec = compiler.compile(f"auto {op}", f, a, kwargs=kw, pool_shapes=p)
+        rec.update(kind="auto", op=op, impls={i: rec.get(f"{i}_calls", 0) for i in ("mosaic", "triton")})
+        out.append(rec)
+        log(record_line(rec) + f" | calls {rec['impls']}")
+    return out
