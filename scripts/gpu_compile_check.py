@@ -29,6 +29,7 @@ Needs the compile-only GPU packages: `pip install -e ".[gpu]"` (./run test insta
 
     python scripts/gpu_compile_check.py --target h100 [--subset fast|full] [--json PATH]
     python scripts/gpu_compile_check.py --target h100 --only stacked [--subset fast|full]
+    python scripts/gpu_compile_check.py --target a100 --only auto   # which kernels impl="auto" compiles
     python scripts/gpu_compile_check.py --target h100 --only tp --tp 8
     python scripts/gpu_compile_check.py --target h100 --only tp --tp 16 --hosts 2 --model llama3-70b \
         --pool-gib 56 --max-seqs 128 --max-model-len 8192
@@ -54,7 +55,7 @@ import jax  # noqa: E402
 
 from jpa.tools.deviceless import TARGETS, markdown  # noqa: E402
 from jpa.tools.engine_checks import MODEL_SHAPES, check_engine, check_tp  # noqa: E402
-from jpa.tools.kernel_checks import (check_kernels, check_ragged, check_stacked_kernels,  # noqa: E402
+from jpa.tools.kernel_checks import (check_auto, check_kernels, check_ragged, check_stacked_kernels,  # noqa: E402
                                      check_stacked_ragged)
 
 
@@ -64,7 +65,7 @@ def main(argv=None) -> int:
     p.add_argument("--target", choices=sorted(TARGETS))
     p.add_argument("--subset", choices=("fast", "full"), default="full",
                    help="fast: a spread-out subset of the kernel grid (CI); full: the covering grid")
-    p.add_argument("--only", choices=("kernels", "ragged", "stacked", "engine", "all", "tp"), default="all",
+    p.add_argument("--only", choices=("kernels", "ragged", "stacked", "engine", "all", "tp", "auto"), default="all",
                    help="stacked: only the stacked-pool configurations of kernels and ragged (a loop over "
                         "layers, one [L, K, P, S_p, H] pool, the layer a traced index); "
                         "tp: the engine's unified step of a Llama-shaped model (--model) tensor-parallel over --tp "
@@ -95,7 +96,7 @@ def main(argv=None) -> int:
         print(markdown([json.loads(f.read_text()) for f in args.markdown]), end="")
         return 0
     if args.target is None:
-        p.error("--target is required (h100 or a100)")
+        p.error(f"--target is required ({', '.join(sorted(TARGETS))})")
     try:
         compiler = deviceless.Compiler(args.target, *((args.tp, args.hosts) if args.only == "tp" else (1, 1)))
     except Exception as e:
@@ -104,7 +105,9 @@ def main(argv=None) -> int:
               f"pip install -e '.[gpu]'", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    impls = ("triton", "mosaic") if TARGETS[args.target]["cc"][0] == 9 else ("triton",)
+    # Mosaic GPU: the WGMMA kernels on Hopper (9.x), the mma.sync decode on Ampere/Ada (8.x,
+    # cp.async) and Blackwell (10.x, TMA).
+    impls = ("triton", "mosaic") if TARGETS[args.target]["cc"][0] in (8, 9, 10) else ("triton",)
     records = []
     if args.only in ("kernels", "all"):
         records += check_kernels(compiler, impls, args.subset, random=args.random, seed=args.seed)
@@ -114,6 +117,8 @@ def main(argv=None) -> int:
         records += check_ragged(compiler, impls, subset=args.subset)
     if args.only in ("ragged", "stacked", "all"):
         records += check_stacked_ragged(compiler, impls, args.subset, records)
+    if args.only == "auto":
+        records += check_auto(compiler)
     if args.only in ("engine", "all"):
         records += check_engine(compiler, which=tuple(args.engine_steps.split(",")))
     if args.only == "tp":

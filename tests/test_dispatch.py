@@ -6,6 +6,7 @@ self-check and fallback run on CPU. AOT selection is tested with the real kernel
 H100/A100 (lowering only: nothing can run for a device that is not here).
 """
 
+import contextlib
 import sys
 import types
 import warnings
@@ -23,6 +24,8 @@ from jpa.ops.reference import paged_decode_xla
 H100 = dispatch.Target("gpu", "NVIDIA H100 80GB HBM3", 9.0, True)
 A100 = dispatch.Target("gpu", "NVIDIA A100-SXM4-80GB", 8.0, True)
 B200 = dispatch.Target("gpu", "NVIDIA B200", 10.0, True)
+# sm_120 (RTX PRO 6000 / RTX 50xx): only the Triton kernels serve it.
+SM120 = dispatch.Target("gpu", "NVIDIA RTX PRO 6000 Blackwell Server Edition", 12.0, True)
 T4 = dispatch.Target("gpu", "Tesla T4", 7.5, True)
 
 
@@ -30,7 +33,9 @@ def fake_kernel(name, behaviour, calls):
     """A stand-in kernel module: the reference, jitted under the module's name (visible in jaxprs)."""
     mod = types.ModuleType(name)
 
-    def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, interpret=False, **opts):
+    def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, interpret=False,
+                     compute_capability=None, **opts):
+        # compute_capability: what the dispatch tells the Mosaic decode about its target.
         calls.append(name)
         if behaviour == "raise":
             raise RuntimeError("PTX compilation failed (simulated)")
@@ -100,8 +105,9 @@ def test_cpu_uses_reference(fake_gpu):
     assert calls == []
 
 
-@pytest.mark.parametrize("target,expected", [(A100, "fake_triton_good"), (H100, "fake_mosaic_good"),
-                                             (B200, "fake_triton_good"), (T4, None)])
+@pytest.mark.parametrize("target,expected", [(A100, "fake_mosaic_good"), (H100, "fake_mosaic_good"),
+                                             (B200, "fake_mosaic_good"), (SM120, "fake_triton_good"),
+                                             (T4, None)])
 def test_auto_picks_kernel_eagerly_and_under_jit(fake_gpu, target, expected):
     calls = fake_gpu(target)
     args = case()
@@ -117,7 +123,7 @@ def test_auto_picks_kernel_eagerly_and_under_jit(fake_gpu, target, expected):
 
 
 def test_nested_jit_picks_kernel(fake_gpu):
-    fake_gpu(A100)
+    fake_gpu(SM120)
     inner = jax.jit(lambda *a: jpa.paged_decode(*a) * 2.0)
     outer = jax.jit(lambda *a: inner(*a) + 1.0)
     args = case()
@@ -128,7 +134,7 @@ def test_nested_jit_picks_kernel(fake_gpu):
 def test_self_check_runs_outside_the_trace(fake_gpu):
     """The check's inputs are concrete even when the first call is traced: it passes under jit
     (before, a traced self-check hit TracerArrayConversionError and fell back)."""
-    calls = fake_gpu(A100)
+    calls = fake_gpu(SM120)
     args = case()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a failed self-check would warn
@@ -136,14 +142,14 @@ def test_self_check_runs_outside_the_trace(fake_gpu):
     spec = jpa.ops.decode.decode_spec(args[0], args[1], args[3], soft_cap=None, alibi_slopes=None,
                                   sliding_window=None)
     n = len(calls)
-    assert dispatch.self_check("triton", spec, A100, None) is None  # memoized: passed, not rerun
+    assert dispatch.self_check("triton", spec, SM120, None) is None  # memoized: passed, not rerun
     assert len(calls) == n
 
 
 @pytest.mark.parametrize("behaviour,reason", [("wrong", "differs from the reference"),
                                               ("raise", "PTX compilation failed")])
 def test_failed_self_check_warns_once_and_falls_back(fake_gpu, behaviour, reason):
-    calls = fake_gpu(A100, triton=behaviour)
+    calls = fake_gpu(SM120, triton=behaviour)
     args = case()
     with pytest.warns(RuntimeWarning, match=f"triton paged-decode kernel failed its self-check.*{reason}"):
         out = fresh_jit()(*args)
@@ -158,7 +164,7 @@ def test_failed_self_check_warns_once_and_falls_back(fake_gpu, behaviour, reason
 
 def test_self_check_compiles_the_exact_shapes(fake_gpu, monkeypatch):
     """A kernel that fails only for the real (large) shapes is refused at selection, not at compile."""
-    calls = fake_gpu(A100)
+    calls = fake_gpu(SM120)
     mod = sys.modules["fake_triton_good"]
     ok = mod.paged_decode
 
@@ -240,7 +246,7 @@ def test_engine_decode_loop_uses_the_kernel(fake_gpu, monkeypatch):
     prompts = ["paged attention", "x", "a somewhat longer prompt for the cache"]
     want = [o.token_ids for o in LLMEngine(models.GPTForEngine(gpt), tok, EngineConfig(**cfg)).generate(
         prompts, params)]
-    calls = fake_gpu(A100)
+    calls = fake_gpu(SM120)
     monkeypatch.setitem(sys.modules, "fake_ragged_good", fake_ragged("fake_ragged_good", "good", calls))
     monkeypatch.setattr(ragged, "RAGGED", ragged.RAGGED._replace(modules=(("triton", "fake_ragged_good"),)))
     eng = LLMEngine(models.GPTForEngine(gpt), tok, EngineConfig(**cfg))
@@ -280,7 +286,8 @@ def abstract_mesh(kind, cores):
 
 
 @pytest.mark.parametrize("kind,cores,call", [("NVIDIA H100 80GB HBM3", 132, "mosaic_gpu"),
-                                             ("NVIDIA A100-SXM4-80GB", 108, "__gpu$xla.gpu.triton")])
+                                             ("NVIDIA A100-SXM4-80GB", 108, "__gpu$xla.gpu.triton"),
+                                             ("NVIDIA B200", 148, "__gpu$xla.gpu.triton")])
 def test_aot_target_picks_its_kernel(kind, cores, call):
     """Under an AOT lowering for an absent GPU, auto uses the kernel for THAT GPU, and says so."""
     dispatch.self_check.cache_clear()
@@ -299,6 +306,29 @@ def test_aot_target_picks_its_kernel(kind, cores, call):
     assert call in text
     other = "__gpu$xla.gpu.triton" if call == "mosaic_gpu" else "mosaic_gpu"
     assert other not in text
+
+
+def test_aot_for_an_a100_uses_mosaic_only_when_it_lowers_for_sm_80():
+    """Mosaic GPU infers sm_90 under an abstract device: an AOT compile for an A100 from this host
+    would hold Hopper code, so auto passes Mosaic over (saying why) and uses Triton; under
+    `deviceless.mosaic_arch` (as jpa's compile tier runs) Mosaic lowers for sm_80 and is used."""
+    from jpa.tools.deviceless import mosaic_arch
+    rng = np.random.default_rng()
+    q = jnp.asarray(rng.standard_normal((4, 8, 64)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((2, 16, 64, 64)), jnp.bfloat16)
+    tables = jnp.asarray(rng.integers(0, 16, (4, 4)), jnp.int32)
+    lens = jnp.asarray(rng.integers(0, 257, (4,)), jnp.int32)
+    for arch, call, match in ((None, "__gpu$xla.gpu.triton", "Mosaic GPU would lower for sm_90"),
+                              ((8, 0), "mosaic_gpu", "uses the mosaic paged-decode kernel")):
+        dispatch._announce_aot.cache_clear()
+        with contextlib.ExitStack() as stack:
+            if arch:
+                stack.enter_context(mosaic_arch(arch))
+            stack.enter_context(jax.sharding.use_abstract_mesh(abstract_mesh("NVIDIA A100-SXM4-80GB", 108)))
+            with pytest.warns(UserWarning, match=match):
+                text = fresh_jit().trace(q, k, k, tables, lens).lower(lowering_platforms=("cuda",)).as_text()
+        assert call in text
+        assert ("mosaic_gpu" if call != "mosaic_gpu" else "__gpu$xla.gpu.triton") not in text
 
 
 def fake_ragged(name, behaviour, calls=None):
@@ -323,13 +353,13 @@ def fake_ragged(name, behaviour, calls=None):
 @pytest.mark.parametrize("behaviour", ["good", "wrong"])
 def test_ragged_auto_self_checks_like_decode(monkeypatch, behaviour):
     """ragged_paged_attention(impl="auto") goes through the same dispatch: under jit on a
-    (simulated) A100 it uses a kernel that passes its self-check, and falls back from one that
+    (simulated) sm_120 GPU it uses a kernel that passes its self-check, and falls back from one that
     does not, with one warning."""
     from jpa.ops import ragged
     name = f"fake_ragged_{behaviour}"
     monkeypatch.setitem(sys.modules, name, fake_ragged(name, behaviour))
     monkeypatch.setattr(ragged, "RAGGED", ragged.RAGGED._replace(modules=(("triton", name),)))
-    monkeypatch.setattr(dispatch, "current_target", lambda: A100)
+    monkeypatch.setattr(dispatch, "current_target", lambda: SM120)
     dispatch.self_check.cache_clear()
     dispatch._announce_fallback.cache_clear()
     rng = np.random.default_rng()

@@ -229,15 +229,20 @@ def test_smem_fits_and_pages_in_flight():
 
 
 def test_unsupported_reason_refuses_what_does_not_lower():
-    """Pages over 256 tokens (the kernel reads keys in 64-token blocks, pages up to 256) and non-Hopper targets are refused."""
+    """Pages over 256 tokens (the kernel reads keys in 64-token blocks, pages up to 256) and targets
+    no Mosaic decode kernel serves are refused."""
     base = DecodeSpec("bfloat16", "bfloat16", 8, 2, 32, 64, 4, False, False, False, False)
     assert mosaic_decode.unsupported_reason(base) is None
     assert mosaic_decode.unsupported_reason(base, 9.0) is None
     for ps in (320, 512):
         assert "up to 256" in mosaic_decode.unsupported_reason(base._replace(page_size=ps))
     assert mosaic_decode.unsupported_reason(base._replace(page_size=256)) is None
-    for cc in (8.0, 8.9, 10.0, 12.0):
-        assert "Hopper" in mosaic_decode.unsupported_reason(base, cc)
+    assert "Hopper" in mosaic_decode.unsupported_reason(base, 12.0)
+    # Ampere/Ada and Blackwell are judged by the mma.sync kernel (`decode_ampere`): head_dim 32 is
+    # refused there, head_dim 64 accepted.
+    for cc in (8.0, 8.9, 10.0):
+        assert "must be 64, 128, 192 or 256" in mosaic_decode.unsupported_reason(base, cc)
+        assert mosaic_decode.unsupported_reason(base._replace(head_dim=64), cc) is None
     # Measured spills are refused with the reason (auto then takes the Triton kernel).
     quant = base._replace(quantized=True, cache_dtype="int8", page_size=32)
     assert mosaic_decode.unsupported_reason(quant._replace(head_dim=192)) is None

@@ -76,7 +76,7 @@ def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale=None, sof
         slice (which XLA would copy). None with per-layer pools.
       impl: "xla" (plain JAX), "triton" or "mosaic" (Pallas GPU kernels), or "auto": for the
         device being compiled for, a GPU kernel on an NVIDIA GPU after a one-time self-check
-        there: the first of Mosaic (Hopper) and Triton whose `unsupported_reason` accepts the
+        there: the first of Mosaic (Hopper; Ampere/Ada) and Triton whose `unsupported_reason` accepts the
         configuration and whose check passes (one warning names the ones passed over and why),
         else "xla"; under an AOT compile for an absent GPU, the first kernel its
         `unsupported_reason` accepts. See `jpa.ops.dispatch`.
@@ -103,4 +103,5 @@ def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale=None, sof
     if chosen == "xla":
         return paged_decode_xla(q, k_pages, v_pages, block_tables, seq_lens, **opts)
     return dispatch.kernel_module(chosen).paged_decode(
-        q, k_pages, v_pages, block_tables, seq_lens, interpret=interpret, **opts)
+        q, k_pages, v_pages, block_tables, seq_lens, interpret=interpret, **opts,
+        **dispatch.target_kernel_options(chosen))

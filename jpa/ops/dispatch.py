@@ -17,7 +17,9 @@ Three rules make `impl="auto"` safe where it is used, i.e. inside `jax.jit`:
    the reference path; it warns once per configuration, saying which kernel was passed over, why,
    and what runs instead.
 3. Under an AOT compile for a device that is not here nothing can run, so `auto` picks the first
-   kernel whose `unsupported_reason` accepts the configuration for that device, and says so once.
+   kernel whose `unsupported_reason` accepts the configuration for that device (and whose module's
+   `aot_unsupported_reason`, when it has one, accepts compiling for it from here: Mosaic GPU
+   lowers for sm_90 unless told the target, `jpa.tools.deviceless.mosaic_arch`), and says so once.
 
 The engine passes impl="auto" through: the kernel is chosen while its jitted step is traced,
 with the step's exact shapes, and the engine reads which one ran off the compiled program
@@ -38,9 +40,12 @@ from jpa.pallas.spec import DecodeSpec
 
 KERNEL_MODULES = {"triton": "jpa.pallas.triton.decode", "mosaic": "jpa.pallas.mosaic.decode"}
 # impl="auto" preference order, each with the compute capabilities it serves: [min, max).
-# Mosaic GPU's kernel is built on WGMMA, which exists on Hopper (9.x) only: Blackwell (10.x)
-# has tcgen05 instead, so it is not offered there.
-AUTO_ORDER = (("mosaic", 9.0, 10.0), ("triton", 8.0, float("inf")))
+# Mosaic GPU's decode has a WGMMA kernel for Hopper (9.x) and an mma.sync kernel
+# (`jpa.pallas.mosaic.decode_ampere`) with cp.async copies on Ampere/Ada (8.x) and TMA copies on
+# Blackwell (10.x); each kernel module's unsupported_reason says per op and configuration what it
+# serves (the Mosaic ragged kernel: Hopper only). Triton (deprecated by JAX) is the fallback where
+# Mosaic refuses, and the only kernel from 11.0 on.
+AUTO_ORDER = (("mosaic", 8.0, 11.0), ("triton", 8.0, float("inf")))
 # Self-check tolerance per q dtype (max abs error vs the reference on O(1) values).
 SELF_CHECK_TOL = {"float32": 2e-3, "bfloat16": 4e-2, "float16": 1e-2}
 # Distinct sequences (each with its own pages) in the self-check's small pool; further sequences
@@ -141,6 +146,20 @@ def current_target() -> Target:
 def kernel_module(impl: str, op: Op | None = None):
     """Imports the kernel module for impl ("triton" or "mosaic") of op (default: paged decode)."""
     return importlib.import_module(dict(op.modules)[impl] if op else KERNEL_MODULES[impl])
+
+
+def kernel_options(impl: str, compute_capability: float | None, op: Op | None = None) -> dict:
+    """Static options a kernel entry point needs from the target: the Mosaic decode takes the
+    compute capability (it runs its Ampere/Ada kernel on 8.x, the Hopper one otherwise)."""
+    if impl == "mosaic" and (op is None or op is DECODE) and compute_capability is not None:
+        return {"compute_capability": float(compute_capability)}
+    return {}
+
+
+def target_kernel_options(impl: str, op: Op | None = None) -> dict:
+    """`kernel_options` for the device being compiled for (`current_target`)."""
+    target = current_target()
+    return kernel_options(impl, target.compute_capability if target.is_nvidia_gpu else None, op)
 
 
 def unsupported_reason(impl: str, spec, compute_capability: float | None = None, op: Op | None = None) -> str | None:
@@ -260,7 +279,8 @@ def self_check(impl: str, spec, target: Target, op: Op | None = None) -> str | N
         with jax.ensure_compile_time_eval():
             args, opts = _resolve(op.small_case)(spec)
             static = {k: opts[k] for k in ("scale", "soft_cap", "sliding_window")}
-            fn = functools.partial(getattr(mod, op.entry), interpret=False, **static)
+            fn = functools.partial(getattr(mod, op.entry), interpret=False, **static,
+                                   **kernel_options(impl, target.compute_capability, op))
             shapes, arrays = _resolve(op.exact_shapes)(spec, opts)
             jax.jit(fn).lower(*shapes, **arrays).compile()  # the real shapes: resource limits
             arr = {k: v for k, v in opts.items() if k not in static}
@@ -286,11 +306,12 @@ def _announce_fallback(skipped: tuple, chosen: str, spec, target: Target, op_nam
 
 
 @functools.lru_cache(maxsize=None)
-def _announce_aot(impl: str, spec, target: Target, op_name: str = "paged-decode") -> None:
+def _announce_aot(impl: str, spec, target: Target, op_name: str = "paged-decode", skipped: tuple = ()) -> None:
+    passed = "".join(f" The {i} {op_name} kernel {how}: {reason}." for i, how, reason in skipped)
     warnings.warn(f"jpa: compiling for {target.device_kind} (compute capability "
                   f"{target.compute_capability}), which is not attached: impl='auto' uses the {impl} "
                   f"{op_name} kernel, accepted by its unsupported_reason for {spec}; it cannot be "
-                  f"self-checked without the device.", UserWarning, stacklevel=2)
+                  f"self-checked without the device.{passed}", UserWarning, stacklevel=2)
 
 
 def choose_impl(impl: str, spec, target: Target | None = None, op: Op | None = None) -> str:
@@ -322,7 +343,12 @@ def choose_impl(impl: str, spec, target: Target | None = None, op: Op | None = N
             skipped.append((name, "refuses this configuration", reason))
             continue
         if not target.executable:
-            _announce_aot(name, spec, target, op_name)
+            aot = getattr(kernel_module(name, op), "aot_unsupported_reason", None)
+            reason = aot(cc) if aot is not None else None
+            if reason is not None:
+                skipped.append((name, "cannot be compiled ahead of time here", reason))
+                continue
+            _announce_aot(name, spec, target, op_name, tuple(skipped))
             chosen = name
             break
         reason = self_check(name, spec, target, op)

@@ -88,7 +88,46 @@ TARGETS = {
                  shared_memory_per_core=167936, shared_memory_per_block_optin=166912,
                  memory_bandwidth=2039040000000, l2_cache_size=41943040, clock_rate_ghz=1.41,
                  device_memory_size=85100068864),
+    # XLA's a6000.txtpb (sm_86: A10 / A40 / RTX A6000 / RTX 30xx share its 99 KiB SMEM per block).
+    "a6000": dict(kind="NVIDIA RTX A6000", cc=(8, 6), core_count=84, fpus_per_core=128,
+                  threads_per_core_limit=1536, shared_memory_per_core=102400,
+                  shared_memory_per_block_optin=101376, memory_bandwidth=768096000000,
+                  l2_cache_size=6291456, clock_rate_ghz=1.8, device_memory_size=51041271808),
+    # sm_89: XLA ships no Ada spec; NVIDIA L4's datasheet values (58 SMs, 300 GB/s, 48 MiB L2,
+    # 24 GB) with Ada's SMEM and thread limits (as sm_86's).
+    "l4": dict(kind="NVIDIA L4", cc=(8, 9), core_count=58, fpus_per_core=128,
+               threads_per_core_limit=1536, shared_memory_per_core=102400,
+               shared_memory_per_block_optin=101376, memory_bandwidth=300000000000,
+               l2_cache_size=50331648, clock_rate_ghz=2.04, device_memory_size=24152899584),
+    # XLA's b200.txtpb (sm_100a).
+    "b200": dict(kind="NVIDIA B200", cc=(10, 0), core_count=148, fpus_per_core=128,
+                 shared_memory_per_core=233472, shared_memory_per_block_optin=232448,
+                 memory_bandwidth=7672320000000, l2_cache_size=132644864, clock_rate_ghz=1.965,
+                 device_memory_size=191514411008),
 }
+
+
+@contextlib.contextmanager
+def mosaic_arch(cc):
+    """Mosaic GPU lowers for the GPU it infers from the local device, or from the abstract device
+    of an AOT compile, which carries no compute capability: then it assumes sm_90 whatever the
+    target (an sm_80 compile of such code aborts in LLVM on `nvvm.elect.sync`). This sets the
+    arch Mosaic lowers for to the target's for the duration. JAX 0.12 has no public override:
+    it replaces the private `jax.experimental.mosaic.gpu.utils._infer_arch` (restored after)."""
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    saved = mgpu_utils._infer_arch
+    mgpu_utils._infer_arch = lambda: tuple(cc)
+    try:
+        yield
+    finally:
+        mgpu_utils._infer_arch = saved
+
+
+def ptx_target(target: str) -> str:
+    """The `.target` a kernel's PTX must name for `target`, e.g. "sm_80" (sm_90a / sm_100a: the
+    arch-specific feature sets Mosaic uses from Hopper on)."""
+    major, minor = TARGETS[target]["cc"]
+    return f"sm_{major}{minor}" + ("a" if major >= 9 else "")
 def compute_capability(target: str) -> float:
     """The target's CUDA compute capability as the dispatch takes it, e.g. 9.0 for "h100"."""
     return float(".".join(map(str, TARGETS[target]["cc"])))
@@ -221,7 +260,7 @@ class Compiler:
             mdump = pathlib.Path(dump) / "mosaic"
             mdump.mkdir()
             try:
-                with captured_stderr() as log, mosaic_dump(mdump):
+                with captured_stderr() as log, mosaic_dump(mdump), mosaic_arch(TARGETS[self.target]["cc"]):
                     with jax.sharding.use_abstract_mesh(self.mesh):
                         opts = jit_options or dict(donate_argnums=donate_argnums)
                         lowered = jax.jit(fn, **opts).lower(
@@ -273,6 +312,13 @@ class Compiler:
             # accepts must compile without spills (re-tile it or refuse it there).
             rec["spills"] = spills
             problems.append("ptxas spills registers: " + ", ".join(f"{k} {v} B" for k, v in spills.items()))
+        want_ptx = ptx_target(self.target)
+        wrong = {k: v["ptx_targets"] for k, v in mosaic_kernels.items()
+                 if any(t != want_ptx for t in v.get("ptx_targets", ()))}
+        if wrong:
+            # A Mosaic kernel lowered for another GPU (e.g. sm_90a code in an A100 executable)
+            # would not load on the target.
+            problems.append(f"Mosaic PTX for the wrong GPU (want {want_ptx}): {wrong}")
         unreported = [k for k, v in mosaic_kernels.items() if v["ptxas_reports"] == 0]
         if unreported:
             # Compiled earlier in this process (the plugin's cache): no new ptxas report.

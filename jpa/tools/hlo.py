@@ -52,8 +52,8 @@ def parse_ptxas(log: str) -> dict:
 
 
 def read_mosaic_dump(dump_dir) -> dict:
-    """{kernel name: {registers, spill_stores, spill_loads, stack, shared_memory, threads, modules,
-    ptxas_reports}} from a MOSAIC_GPU_DUMP_TO directory; several modules of one kernel name (e.g.
+    """{kernel name: {registers, spill_stores, spill_loads, stack, shared_memory, threads, ptx_targets,
+    modules, ptxas_reports}} from a MOSAIC_GPU_DUMP_TO directory; several modules of one kernel name (e.g.
     one per layer) report their worst registers and spills. A generic hook: any section that
     compiles Mosaic kernels under `mosaic_dump` can call it.
 
@@ -73,9 +73,16 @@ def read_mosaic_dump(dump_dir) -> dict:
         if m:
             k["shared_memory"] = max(k.get("shared_memory", 0), int(m.group(1)))
     for ptx in sorted(dump_dir.glob("*.ptx")):
-        t = re.search(r"\.maxntid (\d+), (\d+), (\d+)", ptx.read_text())
+        text = ptx.read_text()
+        t = re.search(r"\.maxntid (\d+), (\d+), (\d+)", text)
         if t:
             entry(ptx, ".ptx")["threads"] = [int(x) for x in t.groups()]
+        target = re.search(r"^\s*\.target\s+(\w+)", text, re.MULTILINE)
+        if target:  # the GPU the PTX is for, e.g. sm_80 or sm_90a
+            entry(ptx, ".ptx").setdefault("ptx_targets", [])
+            k = entry(ptx, ".ptx")
+            if target.group(1) not in k["ptx_targets"]:
+                k["ptx_targets"].append(target.group(1))
     for rep in sorted(dump_dir.glob("*.ptxas")):
         k = entry(rep, ".ptxas")
         for info in parse_ptxas(rep.read_text()).values():

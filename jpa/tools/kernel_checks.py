@@ -159,7 +159,12 @@ def check_kernels(compiler: Compiler, impls, subset: str, log=print, random: int
             if rec["ok"] and rec[want] != 1:
                 rec["ok"] = False
                 rec["problems"].append(f"expected one {impl} kernel call, found {rec[want]}")
-            if impl == "mosaic" and rec["ok"]:
+            if impl == "mosaic" and rec["ok"] and 8.0 <= cc < 9.0:
+                from jpa.pallas.mosaic import decode_ampere, tuning as mosaic_tuning
+                q_item = np.dtype(jnp.dtype(cfg.q_dtype)).itemsize
+                rec["mosaic_smem_planned"] = decode_ampere.smem_plan(
+                    cfg.head_dim, q_item, tuning=mosaic_tuning.lookup_ampere(cc, cfg.head_dim))[1]
+            elif impl == "mosaic" and rec["ok"]:
                 from jpa.pallas.mosaic import decode as mosaic_decode
                 q_item = np.dtype(jnp.dtype(cfg.q_dtype)).itemsize
                 c_item = np.dtype(jnp.dtype(cfg.cache_dtype)).itemsize
@@ -380,7 +385,8 @@ def check_stacked_kernels(compiler: Compiler, impls, subset: str, records=(), lo
                                                 pool, spec.cache_dtype, num_layers, index_args, spec.quantized)
             call = functools.partial(modules[impl].paged_decode, scale=spec.head_dim ** -0.5,
                                      soft_cap=30.0 if spec.soft_cap else None,
-                                     sliding_window=1024 if spec.sliding_window else None)
+                                     sliding_window=1024 if spec.sliding_window else None,
+                                     **dispatch.kernel_options(impl, cc))
             if spec.alibi:
                 slopes = 2.0 ** -jnp.linspace(0.5, 8, spec.num_q_heads)
                 call = functools.partial(call, alibi_slopes=slopes)
@@ -444,3 +450,22 @@ def check_stacked_ragged(compiler: Compiler, impls, subset: str, records=(), log
 def _growth(rec) -> str:
     g = rec.get("register_growth")
     return (" | registers vs per-layer: " + ", ".join(f"{k} {v:+d}" for k, v in g.items())) if g else ""
+
+
+# ---- 4. What impl="auto" compiles for the target ----
+
+def check_auto(compiler: Compiler, log=print) -> list:
+    """The paged decode (`KernelConfig`'s serving batch: 64 sequences x 512 tokens, GQA 4, head_dim
+    128, pages of 16) and the ragged op (RAGGED_CONFIGS[0]) with impl="auto" for the target: which
+    kernels the program holds (`impls`: Mosaic and/or Triton calls), each kernel's resources."""
+    out = []
+    fn, args, kwargs, pools = kernel_call(KernelConfig("auto"))
+    calls = [("decode", fn, args, kwargs, pools)]
+    _, rfn, rargs, rpools = ragged_call("auto", *RAGGED_CONFIGS[0])
+    calls.append(("ragged", rfn, rargs, {}, rpools))
+    for op, f, a, kw, p in calls:
+        rec = compiler.compile(f"auto {op}", f, a, kwargs=kw, pool_shapes=p)
+        rec.update(kind="auto", op=op, impls={i: rec.get(f"{i}_calls", 0) for i in ("mosaic", "triton")})
+        out.append(rec)
+        log(record_line(rec) + f" | calls {rec['impls']}")
+    return out

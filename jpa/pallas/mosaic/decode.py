@@ -1,4 +1,6 @@
-"""Paged decode attention as a Pallas Mosaic GPU kernel (Hopper, sm_90+).
+"""Paged decode attention as a Pallas Mosaic GPU kernel (Hopper, sm_90); on Ampere/Ada (8.x) and
+Blackwell (10.x) `paged_decode` and `unsupported_reason` hand over to `decode_ampere` (mma.sync,
+with cp.async copies on 8.x and TMA copies on 10.x).
 
 Einsum letters: B num_seqs, K num_kv_heads, G q_per_kv, H head_dim, S key tokens of one block.
 
@@ -34,7 +36,8 @@ materialized: a copy per layer per step); the layer travels as an `i32[1]` opera
 block table, and each TMA copies `k_ref.at[layer, kv_head, page, rows]`. Mosaic folds the squeezed
 (layer, kv head, page) indices of a TMA source into one coordinate of at most L * K * P, which TMA
 holds in 32 bits (`unsupported_reason`).
-Rejected (see `unsupported_reason`): targets other than Hopper (9.x), float32 q (WGMMA is
+Rejected (see `unsupported_reason`; on 8.x and 10.x `decode_ampere.unsupported_reason` decides):
+targets other than Ampere/Ada (8.x), Hopper (9.x) and Blackwell (10.x), float32 q (WGMMA is
 tf32-only for f32), a 16-bit cache whose dtype differs from q's, q_per_kv > 64, head_dim not a
 multiple of 16 (32 for 8-bit caches: Mosaic GPU swizzles SMEM rows in 32/64/128-byte units) or
 > 256, 8-bit caches above head_dim 192 (they spill registers), page sizes that neither divide
@@ -52,6 +55,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jpa.pallas.common import layer_index, layer_operand, merge_partitions, pool_layout
+from jpa.pallas.mosaic import decode_ampere
 from jpa.pallas.mosaic import tuning as tuning_table
 from jpa.pallas.mosaic.pipeline import (BLOCK_Q, ROW_ALIGN, KVBlocks, attend, barriers, main_loop_scratch,
                                         num_slots, operand_transforms, prologue, smem_plan, tmas_per_block)
@@ -74,14 +78,20 @@ def unsupported_reason(spec: DecodeSpec, compute_capability: float | None = None
                        tuning: MosaicTuning | None = None) -> str | None:
     """Why this kernel cannot serve `spec` on a GPU of `compute_capability`, or None when it can.
 
+    Compute capabilities 8.x and 10.x are judged by the mma.sync kernel (`decode_ampere`), which
+    `paged_decode` runs there.
     compute_capability None (interpret mode, or an unknown device) skips the device check.
     tuning: the tiling to check (None: `tuning.lookup(compute_capability, spec.head_dim)`).
     """
+    if compute_capability is not None and (8.0 <= compute_capability < 9.0
+                                           or 10.0 <= compute_capability < 11.0):
+        return decode_ampere.unsupported_reason(spec, compute_capability)
     if tuning is None:
         tuning = tuning_table.lookup(compute_capability, spec.head_dim)
     if compute_capability is not None and not 9.0 <= compute_capability < 10.0:
-        return (f"compute capability {compute_capability} has no WGMMA: this kernel needs Hopper "
-                f"(9.x)")
+        return (f"compute capability {compute_capability} is not served by jpa's Mosaic GPU decode "
+                f"kernels: the WGMMA kernel needs Hopper (9.x), the mma.sync one Ampere/Ada (8.x, "
+                f"cp.async) or Blackwell (10.x, TMA)")
     if spec.q_dtype not in SUPPORTED_DTYPES:
         return (f"q dtype {spec.q_dtype} is not supported: WGMMA has no exact float32 path "
                 f"(only tf32); use bfloat16 or float16")
@@ -119,6 +129,27 @@ def unsupported_reason(spec: DecodeSpec, compute_capability: float | None = None
     if pages >= MAX_TMA_COORD:
         return (f"num_layers x num_kv_heads x num_pages = {pages} pages: a TMA coordinate (32-bit) "
                 f"cannot address them (at most {MAX_TMA_COORD - 1}); use fewer pages")
+    return None
+
+
+def aot_unsupported_reason(compute_capability: float | None) -> str | None:
+    """Why an ahead-of-time compile for an absent GPU of `compute_capability` would get Mosaic code
+    for another GPU, or None. Mosaic GPU lowers for the arch it infers from the local device or,
+    under an abstract device (which carries no compute capability), assumes sm_90: an AOT compile
+    for an A100 or a B200 from a CPU host would hold sm_90 code (for the A100 the kernel's cp.async
+    copies fail to lower; a B200 cannot load sm_90a code). `jpa.tools.deviceless` compiles under `mosaic_arch`, which sets the arch."""
+    if compute_capability is None:
+        return None
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils  # private: no public arch query
+    try:
+        major, minor = mgpu_utils._infer_arch()
+    except Exception as e:  # noqa: BLE001 (an unknown device: say so, do not crash the dispatch)
+        return f"cannot tell which GPU Mosaic GPU lowers for ({type(e).__name__}: {e})"
+    want = (int(compute_capability), int(round(compute_capability * 10)) % 10)
+    if major != want[0] or minor > want[1]:
+        return (f"Mosaic GPU would lower for sm_{major}{minor}, not the target's "
+                f"sm_{want[0]}{want[1]}: with no such GPU attached it cannot infer the target "
+                f"(compile under jpa.tools.deviceless.mosaic_arch, as jpa's deviceless tier does)")
     return None
 
 
@@ -302,10 +333,10 @@ def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_ca
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "interpret",
-                                             "tuning"))
+                                             "tuning", "compute_capability"))
 def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap=None,
                  alibi_slopes=None, sliding_window=None, k_scales=None, v_scales=None,
-                 interpret=False, layer=None, tuning=None):
+                 interpret=False, layer=None, tuning=None, compute_capability=None):
     """Paged decode attention with the Mosaic GPU kernel. Arguments as `jpa.paged_decode`
     (already validated, and `unsupported_reason` is None for their DecodeSpec).
 
@@ -316,10 +347,24 @@ def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap
 
     tuning: a `MosaicTuning` (static); None takes `tuning.lookup(None, head_dim)`, the table's
     fallback row (the same values as its H100 row).
+    compute_capability: the GPU compiled for (static; the dispatch passes its target's). 8.x and
+    10.x run the mma.sync kernel (`decode_ampere.paged_decode`: cp.async on 8.x, TMA on 10.x; its
+    tiling from `tuning.lookup_ampere(compute_capability, head_dim)` unless `tuning` is given);
+    anything else (None included) the Hopper kernel.
 
     Returns:
       [num_seqs, num_q_heads, head_dim] in q's dtype.
     """
+    if compute_capability is not None and (8.0 <= compute_capability < 9.0
+                                           or 10.0 <= compute_capability < 11.0):
+        if k_scales is not None:
+            raise ValueError("the mma.sync Mosaic kernel (Ampere/Ada/Blackwell) does not take 8-bit "
+                             "caches (see decode_ampere.unsupported_reason)")
+        return decode_ampere.paged_decode(
+            q, k_pages, v_pages, block_tables, seq_lens, scale=scale, soft_cap=soft_cap,
+            alibi_slopes=alibi_slopes, sliding_window=sliding_window, interpret=interpret,
+            layer=layer, tma=decode_ampere.uses_tma(compute_capability),
+            tuning=tuning or tuning_table.lookup_ampere(compute_capability, q.shape[-1]))
     return _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, scale=scale,
                          soft_cap=soft_cap, alibi_slopes=alibi_slopes,
                          sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales,

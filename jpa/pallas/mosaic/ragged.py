@@ -57,7 +57,12 @@ _PLACEHOLDER_ROWS = 8
 def unsupported_reason(spec: RaggedSpec, compute_capability: float | None = None, *,
                        tuning: MosaicTuning | None = None) -> str | None:
     """Why these kernels cannot serve `spec` on a GPU of `compute_capability` (None: skip the
-    device check), or None when they can: the decode kernel's limits, which cover this one's."""
+    device check), or None when they can: the decode kernel's limits, which cover this one's.
+    The tile kernel is built on WGMMA and TMA: Hopper only (the decode kernel's Ampere/Ada path
+    has no ragged twin yet)."""
+    if compute_capability is not None and not 9.0 <= compute_capability < 10.0:
+        return (f"compute capability {compute_capability}: the Mosaic GPU ragged kernel uses WGMMA "
+                f"and TMA, Hopper (9.x) only (on Ampere/Ada only the decode kernel is Mosaic)")
     return mosaic_decode.unsupported_reason(spec, compute_capability, tuning=tuning)
 
 

@@ -17,6 +17,10 @@ the row of the GPU it is asked about. The kernels' `tuning=None` default is the 
 compute capability None (the fallback), because `jpa.ops` does not pass the target's tiling to the
 kernels yet; every row holds the same values today, so the two agree. A row that differs for a
 generation needs the dispatch (which knows the target) to pass `tuning=lookup(cc, ...)`.
+
+The Ampere/Ada decode kernel (`decode_ampere`) has its own table, `AMPERE_TABLE` (`lookup_ampere`):
+there the dispatch does pass the target's compute capability (`decode.paged_decode(...,
+compute_capability=)`), and its rows differ by GPU (SMEM per block) and head_dim (block size).
 """
 
 import dataclasses
@@ -88,3 +92,65 @@ def lookup(compute_capability: float | None = None, head_dim: int = 128) -> Mosa
     """The default tiling for a GPU of `compute_capability` (None: interpret mode / unknown) and a
     head_dim: the first row of TABLE that serves them."""
     return lookup_tuning(TABLE, compute_capability, head_dim).tuning
+
+
+# The Ampere/Ada kernel (`decode_ampere`): cp.async + mma.sync, SMEM opt-in per block of 163 KiB on
+# an A100 (sm_80) and 99 KiB on sm_86 / sm_89 (A10, A6000, L4, RTX 4090); the budgets leave ~2 KiB
+# for Mosaic's own scratch. Blocks of 32 tokens on
+# every part above head_dim 128 (registers; on the small-SMEM parts SMEM too).
+AMPERE_TABLE = (
+    TuningRow(
+        gpus="A100 / A800 / A30 (sm_80), head_dim <= 128", compute_capability=(8.0, 8.6),
+        head_dims=(1, 128),
+        tuning=MosaicTuning(block_tokens=64, max_slots=3, smem_budget=161 * 1024,
+                            target_programs=2 * 108),
+        measured="ptxas, deviceless sm_80 compile (JAX 0.12.0.1): see BENCHMARKS.md 'Mosaic GPU "
+                 "on Ampere and Ada'. Speed: not measured."),
+    # 64-token blocks spilled at head_dim 192 (84 B) and 256 (104 B): the [64, 64] f32 scores
+    # next to a [64, head_dim] f32 accumulator exceed 255 registers. 32-token blocks halve them.
+    TuningRow(
+        gpus="A100 / A800 / A30 (sm_80), head_dim > 128", compute_capability=(8.0, 8.6),
+        tuning=MosaicTuning(block_tokens=32, max_slots=3, smem_budget=161 * 1024,
+                            target_programs=2 * 108),
+        measured="ptxas, deviceless sm_80 compile (JAX 0.12.0.1). Speed: not measured."),
+    TuningRow(
+        gpus="A10 / A6000 / L4 / RTX 4090 (sm_86, sm_89), head_dim <= 128",
+        compute_capability=(8.6, 9.0), head_dims=(1, 128),
+        tuning=MosaicTuning(block_tokens=64, max_slots=3, smem_budget=97 * 1024,
+                            target_programs=2 * 58),
+        measured="ptxas, deviceless sm_86 / sm_89 compile (JAX 0.12.0.1). Speed: not measured."),
+    TuningRow(
+        gpus="A10 / A6000 / L4 / RTX 4090 (sm_86, sm_89), head_dim > 128",
+        compute_capability=(8.6, 9.0),
+        tuning=MosaicTuning(block_tokens=32, max_slots=3, smem_budget=97 * 1024,
+                            target_programs=2 * 58),
+        measured="ptxas, deviceless sm_86 / sm_89 compile (JAX 0.12.0.1). Speed: not measured."),
+    # Blackwell (sm_100: B200 / GB200; B300 is 10.3) through the same kernel with TMA copies:
+    # 227 KiB of SMEM per block as an H100.
+    TuningRow(
+        gpus="B200 / GB200 / B300 (sm_100), head_dim <= 128", compute_capability=(10.0, 11.0),
+        head_dims=(1, 128),
+        tuning=MosaicTuning(block_tokens=64, max_slots=4, smem_budget=200 * 1024,
+                            target_programs=2 * 148),
+        measured="ptxas, deviceless B200 compile (JAX 0.12.0.1). Speed: not measured."),
+    TuningRow(
+        gpus="B200 / GB200 / B300 (sm_100), head_dim > 128", compute_capability=(10.0, 11.0),
+        tuning=MosaicTuning(block_tokens=32, max_slots=4, smem_budget=200 * 1024,
+                            target_programs=2 * 148),
+        measured="ptxas, deviceless B200 compile (JAX 0.12.0.1). Speed: not measured."),
+    # Interpret mode / unknown: the A100 rows' tiling.
+    TuningRow(
+        gpus="any other (interpret mode), head_dim > 128", compute_capability=None,
+        head_dims=(129, 1 << 30),
+        tuning=MosaicTuning(block_tokens=32, max_slots=3, smem_budget=161 * 1024,
+                            target_programs=2 * 108)),
+    TuningRow(
+        gpus="any other (interpret mode)", compute_capability=None,
+        tuning=MosaicTuning(block_tokens=64, max_slots=3, smem_budget=161 * 1024,
+                            target_programs=2 * 108)),
+)
+
+
+def lookup_ampere(compute_capability: float | None = None, head_dim: int = 128) -> MosaicTuning:
+    """The Ampere/Ada kernel's default tiling (AMPERE_TABLE) for a GPU and a head_dim."""
+    return lookup_tuning(AMPERE_TABLE, compute_capability, head_dim).tuning
