@@ -63,6 +63,100 @@ BENCH = {
         "8 s: two generate processes sharing a cache folder",
     "tests/test_chunked_prefill.py::test_chunks_equal_the_reference_at_any_budget[37-5]":
         "4 s: a third budget (4 and 64 stay)",
+
+    # --- files n-z (measured in a 2-worker run; the kept cases are named in each line)
+    "tests/test_ragged.py::test_xla_matches_oracle[N8K2H80S16x4-bfloat16-bfloat16-L[17, 40, 3]-shared-Q[1, 33, 3]-T40]":
+        "~3 s: the XLA ragged path keeps 4 cases (several blocks, every feature with int8, e5m2 with a soft cap, no sequences)",
+    "tests/test_ragged.py::test_xla_matches_oracle[N8K1H128S32x3-float16-float16-L[70]-Q[12]-T16-B3]":
+        "~3 s: the XLA ragged path keeps 4 cases (several blocks, every feature with int8, e5m2 with a soft cap, no sequences)",
+    "tests/test_ragged.py::test_xla_matches_oracle[N4K2H256S128x2-bfloat16-bfloat16-L[129, 5]-Q[3, 5]-T8]":
+        "~3 s: the XLA ragged path keeps 4 cases (several blocks, every feature with int8, e5m2 with a soft cap, no sequences)",
+    "tests/test_ragged.py::test_xla_matches_oracle[N9K3H64S16x4-float32-float32-L[30, 1, 45]-sc5.0-Q[25, 1, 2]-T32]":
+        "~3 s: the XLA ragged path keeps 4 cases (several blocks, every feature with int8, e5m2 with a soft cap, no sequences)",
+    "tests/test_ragged.py::test_xla_matches_oracle[N16K2H128S16x4-bfloat16-bfloat16-L[1, 40, 8, 64]-alibi-Q[1, 10, 0, 4]-T15]":
+        "~3 s: the XLA ragged path keeps 4 cases (several blocks, every feature with int8, e5m2 with a soft cap, no sequences)",
+    "tests/test_ragged.py::test_xla_matches_oracle[N4K2H96S8x5-float32-float32-L[3, 37, 40]-win11-Q[3, 20, 1]-T24]":
+        "~3 s: the XLA ragged path keeps 4 cases (several blocks, every feature with int8, e5m2 with a soft cap, no sequences)",
+    "tests/test_ragged.py::test_xla_matches_oracle[N4K2H64S12x4-float32-float32-L[12, 13, 35]-win5-Q[12, 1, 9]-T24]":
+        "~3 s: the XLA ragged path keeps 4 cases (several blocks, every feature with int8, e5m2 with a soft cap, no sequences)",
+    "tests/test_ragged.py::test_xla_matches_oracle[N8K2H80S16x4-bfloat16-int8-L[0, 17, 63]-shared-Q[0, 17, 2]-T20-B4]":
+        "~3 s: the XLA ragged path keeps 4 cases (several blocks, every feature with int8, e5m2 with a soft cap, no sequences)",
+    "tests/test_ragged.py::test_xla_matches_oracle[N4K1H64S16x4-float16-float8_e4m3fn-L[1, 32, 50]-Q[1, 5, 30]-T40]":
+        "~3 s: the XLA ragged path keeps 4 cases (several blocks, every feature with int8, e5m2 with a soft cap, no sequences)",
+    "tests/test_ragged.py::test_triton_matches_oracle[N8K2H80S16x4-bfloat16-bfloat16-L[17, 40, 3]-shared-Q[1, 33, 3]-T40]":
+        "~4 s: the (deprecated) Triton ragged kernel keeps 3 cases (several blocks, every feature with int8, no sequences)",
+    "tests/test_ragged.py::test_triton_matches_oracle[N8K1H128S32x3-float16-float16-L[70]-Q[12]-T16-B3]":
+        "~4 s: the (deprecated) Triton ragged kernel keeps 3 cases (several blocks, every feature with int8, no sequences)",
+    "tests/test_ragged.py::test_triton_matches_oracle[N4K2H256S128x2-bfloat16-bfloat16-L[129, 5]-Q[3, 5]-T8]":
+        "~4 s: the (deprecated) Triton ragged kernel keeps 3 cases (several blocks, every feature with int8, no sequences)",
+    "tests/test_ragged.py::test_triton_matches_oracle[N9K3H64S16x4-float32-float32-L[30, 1, 45]-sc5.0-Q[25, 1, 2]-T32]":
+        "~4 s: the (deprecated) Triton ragged kernel keeps 3 cases (several blocks, every feature with int8, no sequences)",
+    "tests/test_ragged.py::test_triton_matches_oracle[N4K2H64S12x4-float32-float32-L[12, 13, 35]-win5-Q[12, 1, 9]-T24]":
+        "~4 s: the (deprecated) Triton ragged kernel keeps 3 cases (several blocks, every feature with int8, no sequences)",
+    "tests/test_ragged.py::test_triton_matches_oracle[N8K2H80S16x4-bfloat16-int8-L[0, 17, 63]-shared-Q[0, 17, 2]-T20-B4]":
+        "~4 s: the (deprecated) Triton ragged kernel keeps 3 cases (several blocks, every feature with int8, no sequences)",
+    "tests/test_ragged.py::test_triton_matches_oracle[N4K1H64S16x4-float16-float8_e4m3fn-L[1, 32, 50]-Q[1, 5, 30]-T40]":
+        "~4 s: the (deprecated) Triton ragged kernel keeps 3 cases (several blocks, every feature with int8, no sequences)",
+    "tests/test_ragged.py::test_mosaic_matches_oracle[N8K2H128S16x4-float16-float16-L[17, 60, 3]-sc5.0-shared-Q[1, 40, 3]-T48]":
+        "~5 s: the Mosaic ragged kernel keeps 4 cases (several blocks, ALiBi with a window, int8, no sequences)",
+    "tests/test_ragged.py::test_mosaic_matches_oracle[N4K1H64S64x2-float16-float8_e4m3fn-L[1, 100]-win40-Q[1, 50]-T56]":
+        "~5 s: the Mosaic ragged kernel keeps 4 cases (several blocks, ALiBi with a window, int8, no sequences)",
+    "tests/test_ragged.py::test_mosaic_matches_oracle[N2K1H256S16x4-bfloat16-bfloat16-L[29, 5]-Q[20, 5]-T25]":
+        "~5 s: the Mosaic ragged kernel keeps 4 cases (several blocks, ALiBi with a window, int8, no sequences)",
+    "tests/test_triton_decode.py::test_matches_reference[N8K1H192S32x3-float16-float16-L[33, 64, 1]]":
+        "~3 s: the (deprecated) Triton decode keeps 5 cases (f32, a shared bf16 page, page 128, every feature with int8, e4m3)",
+    "tests/test_triton_decode.py::test_matches_reference[N8K2H256S128x2-bfloat16-bfloat16-L[128, 129, 255]]":
+        "~3 s: the (deprecated) Triton decode keeps 5 cases (f32, a shared bf16 page, page 128, every feature with int8, e4m3)",
+    "tests/test_triton_decode.py::test_matches_reference[N4K1H96S16x4-float32-float32-L[5, 31, 48]-sc5.0]":
+        "~3 s: the (deprecated) Triton decode keeps 5 cases (f32, a shared bf16 page, page 128, every feature with int8, e4m3)",
+    "tests/test_triton_decode.py::test_matches_reference[N16K2H128S16x4-bfloat16-bfloat16-L[1, 40, 64]-alibi]":
+        "~3 s: the (deprecated) Triton decode keeps 5 cases (f32, a shared bf16 page, page 128, every feature with int8, e4m3)",
+    "tests/test_triton_decode.py::test_matches_reference[N4K2H112S8x5-float32-float32-L[3, 20, 21, 40]-win11]":
+        "~3 s: the (deprecated) Triton decode keeps 5 cases (f32, a shared bf16 page, page 128, every feature with int8, e4m3)",
+    "tests/test_triton_decode.py::test_matches_reference[N8K2H80S16x4-bfloat16-int8-L[0, 17, 63]-shared]":
+        "~3 s: the (deprecated) Triton decode keeps 5 cases (f32, a shared bf16 page, page 128, every feature with int8, e4m3)",
+    "tests/test_triton_decode.py::test_matches_reference[N2K2H64S16x4-float32-float8_e5m2-L[16, 33, 64]-sc20.0]":
+        "~3 s: the (deprecated) Triton decode keeps 5 cases (f32, a shared bf16 page, page 128, every feature with int8, e4m3)",
+    "tests/test_triton_decode.py::test_matches_reference[N4K2H64S16x4-bfloat16-float32-L[9, 47]]":
+        "~3 s: the (deprecated) Triton decode keeps 5 cases (f32, a shared bf16 page, page 128, every feature with int8, e4m3)",
+    "tests/test_triton_decode.py::test_matches_reference[N10K2H64S16x5-float32-float32-L[7, 70]]":
+        "~3 s: the (deprecated) Triton decode keeps 5 cases (f32, a shared bf16 page, page 128, every feature with int8, e4m3)",
+    "tests/test_triton_decode.py::test_matches_reference[N4K2H64S12x4-float32-float32-L[12, 13, 35]]":
+        "~3 s: the (deprecated) Triton decode keeps 5 cases (f32, a shared bf16 page, page 128, every feature with int8, e4m3)",
+    "tests/test_triton_decode.py::test_matches_reference[N4K2H64S16x64-float32-float32-L[1024, 1023, 513]]":
+        "~3 s: the (deprecated) Triton decode keeps 5 cases (f32, a shared bf16 page, page 128, every feature with int8, e4m3)",
+    "tests/test_triton_decode.py::test_matches_reference[N8K2H64S32x80-bfloat16-bfloat16-L[2560, 1025, 1024, 7]-win1500]":
+        "~3 s: the (deprecated) Triton decode keeps 5 cases (f32, a shared bf16 page, page 128, every feature with int8, e4m3)",
+    "tests/test_triton_decode.py::test_forced_split_k[N8K2H80S8x8-bfloat16-int8-L[0, 1, 25, 64, 47]-sc10.0-alibi-win19-shared-16]":
+        "10 s: forced split-K with every feature (the f32 forced split-K case stays)",
+    "tests/test_triton_decode.py::test_random_lengths[41]":
+        "2 s: a second seed of random lengths (seed 40 stays)",
+    "tests/test_triton_decode.py::test_random_lengths[42]":
+        "2 s: a third seed of random lengths (seed 40 stays)",
+    "tests/test_stacked_kernels.py::test_one_layer_matches_reference_on_its_slice[triton_decode-int8]":
+        "~4 s: an int8 stacked pool (bf16 of every kernel and mosaic_decode's int8 stay)",
+    "tests/test_stacked_kernels.py::test_one_layer_matches_reference_on_its_slice[triton_ragged-int8]":
+        "~4 s: an int8 stacked pool (bf16 of every kernel and mosaic_decode's int8 stay)",
+    "tests/test_stacked_kernels.py::test_one_layer_matches_reference_on_its_slice[mosaic_ragged-int8]":
+        "~4 s: an int8 stacked pool (bf16 of every kernel and mosaic_decode's int8 stay)",
+    "tests/test_stacked_kernels.py::test_scan_over_layers_with_traced_layer[triton_decode-int8]":
+        "~4 s: int8 in a layer scan (bf16 of every kernel stays; the int8 slice is checked one layer at a time)",
+    "tests/test_stacked_kernels.py::test_scan_over_layers_with_traced_layer[mosaic_decode-int8]":
+        "~4 s: int8 in a layer scan (bf16 of every kernel stays; the int8 slice is checked one layer at a time)",
+    "tests/test_stacked_kernels.py::test_scan_over_layers_with_traced_layer[triton_ragged-int8]":
+        "~4 s: int8 in a layer scan (bf16 of every kernel stays; the int8 slice is checked one layer at a time)",
+    "tests/test_stacked_kernels.py::test_scan_over_layers_with_traced_layer[mosaic_ragged-int8]":
+        "~4 s: int8 in a layer scan (bf16 of every kernel stays; the int8 slice is checked one layer at a time)",
+    "tests/test_smollm2.py::test_numpy_reference_matches_transformers[unicode_code]":
+        "8 s: a long prompt of the NumPy oracle (capital, chat, chat_system stay)",
+    "tests/test_smollm2.py::test_numpy_reference_matches_transformers[story]":
+        "5 s: a long prompt of the NumPy oracle (capital, chat, chat_system stay)",
+    "tests/test_smollm2.py::test_truncated_file_raises_clear_error[98358336]":
+        "6 s: a cut near the end of the 93 MB file (cuts at 10 and 1000 bytes stay)",
+    "tests/test_serve_dp.py::test_two_replicas_behind_the_router":
+        "30 s: 2 replicas behind vllm-router (test_a_dying_replica_stops_everything starts the same job; test_server_router routes to a server)",
+    "tests/test_structured.py::test_with_speculative_decoding":
+        "10 s: constraints with speculation (each alone keeps its tests; the bench tier's offload test combines them too)",
 }
 
 
