@@ -31,7 +31,7 @@ from jpa.models.chat_template import ChatTemplateError
 from jpa.models.config import ModelConfig
 
 DATA = pathlib.Path(__file__).parent / "data" / "hf"
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "mixtral", "qwen3_moe"]
 ATOL = 1e-4
 PAGE_SIZE = 4  # small pages: sequences span many, and windows start mid-page
 
@@ -190,7 +190,8 @@ def test_gemma2_refuses_a_system_turn_and_every_family_renders_system_user_assis
     with pytest.raises(ChatTemplateError, match="System role not supported"):
         tok.apply_chat_template("hi", system="be brief")
     rendered = {f: golden(f)["chats"]["multi_turn/gen"] for f in FAMILIES}
-    assert [f for f, c in rendered.items() if "text" in c] == ["llama", "mistral", "qwen2", "qwen3"]
+    assert [f for f, c in rendered.items() if "text" in c] == ["llama", "mistral", "qwen2", "qwen3", "mixtral",
+                                                               "qwen3_moe"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -1,0 +1,75 @@
+"""Mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router picks experts_per_token of num_experts
+SwiGLU experts per token; the experts run as grouped matmuls over the tokens routed to them.
+
+Formulation (sort / segment, `jax.lax.ragged_dot`): the M tokens' M*k (token, expert) pairs are
+sorted by expert, the tokens' rows gathered in that order (f[M*k, d_model]), and each of the three
+expert matmuls is ONE `ragged_dot` whose groups are the experts' contiguous runs of rows
+(group_sizes = tokens per expert). Each row thus meets only its own expert's weights, and an expert
+no token chose contributes an empty group. The rows are then put back in (token, choice) order,
+weighted by the router's probabilities and summed over the k choices (a fixed-order sum, not a
+scatter-add). Shapes are static (M*k rows whatever the routing), so it runs inside the engine's
+one jitted step and the scan over layers.
+
+`moe_dense` (every token through every expert, weighted by a mask of its choices) is the test
+oracle only; the model never calls it.
+
+Einsum letters: M tokens, D d_model, F expert ffn width, E experts, k experts per token.
+"""
+
+import jax
+import jax.numpy as jnp
+
+
+def route(x, router, config):
+    """Router choices of tokens x f32[M, D] with router weights [D, E].
+
+    Returns:
+      (experts i32[M, k], weights f32[M, k]): the k experts of highest softmax probability per
+      token (ties: the lower index first, as torch.topk on CPU) and their probabilities,
+      renormalized to sum to 1 when config.norm_topk_prob.
+    """
+    logits = jnp.dot(x.astype(router.dtype), router, preferred_element_type=jnp.float32)  # f32[M, E]
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, experts = jax.lax.top_k(probs, config.experts_per_token)
+    if config.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return experts.astype(jnp.int32), weights
+
+
+def moe_ffn(x, router, w_gate, w_up, w_down, config, dtype):
+    """The MoE MLP of tokens x f32[M, D] as grouped matmuls (`jax.lax.ragged_dot`).
+
+    Args:
+      x: f32[M, D] (the normed residual stream).
+      router: [D, E]; w_gate, w_up: [E, D, F]; w_down: [E, F, D] (the x @ W convention).
+      config: the ModelConfig (experts_per_token, norm_topk_prob).
+      dtype: the matmuls' input dtype (the parameters'); they accumulate in float32.
+
+    Returns:
+      f32[M, D].
+    """
+    num_tokens, d = x.shape
+    k, e = config.experts_per_token, config.num_experts
+    experts, weights = route(x, router, config)  # [M, k]
+    flat = experts.reshape(num_tokens * k)  # pair p = token * k + choice
+    order = jnp.argsort(flat, stable=True)  # pairs sorted by expert
+    rows = jnp.take(x.astype(dtype), order // k, axis=0)  # [M*k, D] in expert order
+    group_sizes = jnp.bincount(flat, length=e).astype(jnp.int32)  # [E], sums to M*k
+    mm = lambda a, w: jax.lax.ragged_dot(a.astype(dtype), w, group_sizes, preferred_element_type=jnp.float32)
+    h = jax.nn.silu(mm(rows, w_gate)) * mm(rows, w_up)  # f32[M*k, F]
+    y = mm(h, w_down)  # f32[M*k, D]
+    y = jnp.take(y, jnp.argsort(order), axis=0).reshape(num_tokens, k, d)  # back to (token, choice)
+    return jnp.einsum("MkD,Mk->MD", y, weights)
+
+
+def moe_dense(x, router, w_gate, w_up, w_down, config, dtype):
+    """The test oracle of `moe_ffn`: every token through every expert, weighted by its routing
+    (zero for experts it did not choose). Same arguments and result."""
+    experts, weights = route(x, router, config)
+    mask = jnp.zeros((x.shape[0], config.num_experts), jnp.float32)
+    mask = mask.at[jnp.arange(x.shape[0])[:, None], experts].set(weights)  # f32[M, E]
+    xd = x.astype(dtype)
+    g = jnp.einsum("MD,EDF->MEF", xd, w_gate, preferred_element_type=jnp.float32)
+    u = jnp.einsum("MD,EDF->MEF", xd, w_up, preferred_element_type=jnp.float32)
+    y = jnp.einsum("MEF,EFD->MED", (jax.nn.silu(g) * u).astype(dtype), w_down, preferred_element_type=jnp.float32)
+    return jnp.einsum("MED,ME->MD", y, mask)
