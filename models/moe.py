@@ -18,6 +18,7 @@ Einsum letters: M tokens, D d_model, F expert ffn width, E experts, k experts pe
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 
 def route(x, router, config):
@@ -55,7 +56,13 @@ def moe_ffn(x, router, w_gate, w_up, w_down, config, dtype):
     order = jnp.argsort(flat, stable=True)  # pairs sorted by expert
     rows = jnp.take(x.astype(dtype), order // k, axis=0)  # [M*k, D] in expert order
     group_sizes = jnp.bincount(flat, length=e).astype(jnp.int32)  # [E], sums to M*k
-    mm = lambda a, w: jax.lax.ragged_dot(a.astype(dtype), w, group_sizes, preferred_element_type=jnp.float32)
+    # Under a mesh with explicit axes (a deviceless compile's), ragged_dot needs its output's sharding
+    # spelled out (JAX 0.12 has no inference rule for it): replicated, as the model runs on one device.
+    sharding = getattr(jax.typeof(rows), "sharding", None)
+    out = (NamedSharding(sharding.mesh, P()) if isinstance(sharding, NamedSharding) and not sharding.mesh.empty
+           and not sharding.mesh.are_all_axes_auto else None)
+    mm = lambda a, w: jax.lax.ragged_dot(a.astype(dtype), w, group_sizes, preferred_element_type=jnp.float32,
+                                         out_sharding=out)
     h = jax.nn.silu(mm(rows, w_gate)) * mm(rows, w_up)  # f32[M*k, F]
     y = mm(h, w_down)  # f32[M*k, D]
     y = jnp.take(y, jnp.argsort(order), axis=0).reshape(num_tokens, k, d)  # back to (token, choice)
