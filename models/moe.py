@@ -10,6 +10,11 @@ weighted by the router's probabilities and summed over the k choices (a fixed-or
 scatter-add). Shapes are static (M*k rows whatever the routing), so it runs inside the engine's
 one jitted step and the scan over layers.
 
+Small batches (M*k < E, a decode step at small batch) instead gather each pair's expert weights
+and run batched matrix-vector products: the step then reads only the chosen experts' weights.
+XLA's GPU ragged_dot (JAX 0.12) does not: a deviceless H100 compile shows it lowered to one dense
+batched dot over ALL E experts with the rows masked per group (README, "Mixture of experts").
+
 `moe_dense` (every token through every expert, weighted by a mask of its choices) is the test
 oracle only; the model never calls it.
 
@@ -52,6 +57,8 @@ def moe_ffn(x, router, w_gate, w_up, w_down, config, dtype):
     num_tokens, d = x.shape
     k, e = config.experts_per_token, config.num_experts
     experts, weights = route(x, router, config)  # [M, k]
+    if num_tokens * k < e:  # few (token, expert) pairs: read only the chosen experts' weights
+        return _gathered(x, experts, weights, w_gate, w_up, w_down, dtype)
     flat = experts.reshape(num_tokens * k)  # pair p = token * k + choice
     order = jnp.argsort(flat, stable=True)  # pairs sorted by expert
     rows = jnp.take(x.astype(dtype), order // k, axis=0)  # [M*k, D] in expert order
@@ -66,6 +73,21 @@ def moe_ffn(x, router, w_gate, w_up, w_down, config, dtype):
     h = jax.nn.silu(mm(rows, w_gate)) * mm(rows, w_up)  # f32[M*k, F]
     y = mm(h, w_down)  # f32[M*k, D]
     y = jnp.take(y, jnp.argsort(order), axis=0).reshape(num_tokens, k, d)  # back to (token, choice)
+    return jnp.einsum("MkD,Mk->MD", y, weights)
+
+
+def _gathered(x, experts, weights, w_gate, w_up, w_down, dtype):
+    """The small-batch form of `moe_ffn` (M*k < E pairs, e.g. a decode step): each pair's expert
+    weights gathered ([M*k, D, F]) and applied to its token (batched matrix-vector products), so the
+    step reads M*k experts' weights, not all E (XLA's GPU ragged_dot reads every expert)."""
+    num_tokens, d = x.shape
+    k = experts.shape[1]
+    flat = experts.reshape(num_tokens * k)
+    rows = jnp.repeat(x.astype(dtype), k, axis=0)  # [M*k, D], pair p = token * k + choice
+    take = lambda w: jnp.take(w, flat, axis=0, mode="clip")  # [M*k, ...] (the router's ids are in range)
+    mv = lambda a, w: jnp.einsum("PI,PIO->PO", a.astype(dtype), take(w), preferred_element_type=jnp.float32)
+    h = jax.nn.silu(mv(rows, w_gate)) * mv(rows, w_up)  # f32[M*k, F]
+    y = mv(h, w_down).reshape(num_tokens, k, d)
     return jnp.einsum("MkD,Mk->MD", y, weights)
 
 

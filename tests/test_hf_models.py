@@ -447,14 +447,15 @@ def test_generate_command_runs_a_checkpoint_directory(capsys):
 
 # ---- mixture of experts (models.moe) ----
 
-@pytest.mark.parametrize("k,norm,skew", [(2, True, False), (3, False, True)])
-def test_moe_grouped_matmuls_equal_the_dense_oracle_and_router_matches_numpy(k, norm, skew):
-    """moe_ffn (ragged_dot over tokens sorted by expert) = moe_dense (every token through every
-    expert, masked) on fresh random inputs; the router's choices and weights = a NumPy oracle.
-    skew: a router bias that sends most tokens to expert 5 and none to some experts (empty groups)."""
+@pytest.mark.parametrize("m,k,norm,skew", [(37, 2, True, False), (37, 3, False, True), (3, 2, True, False)])
+def test_moe_grouped_matmuls_equal_the_dense_oracle_and_router_matches_numpy(m, k, norm, skew):
+    """moe_ffn (ragged_dot over tokens sorted by expert; with m * k < 8 experts, the gathered
+    small-batch form) = moe_dense (every token through every expert, masked) on fresh random
+    inputs; the router's choices and weights = a NumPy oracle. skew: a router bias that sends
+    every token to expert 5 and none to some experts (empty groups)."""
     from jpa.models.moe import moe_dense, moe_ffn, route
-    rng = np.random.default_rng(k)
-    m, d, f, e = 37, 16, 24, 8
+    rng = np.random.default_rng(m * k)
+    d, f, e = 16, 24, 8
     cfg = dataclasses.replace(models.PRESETS["tiny-llama"], d_model=d, ffn_dim=f, num_experts=e,
                               experts_per_token=k, norm_topk_prob=norm)
     x = rng.normal(size=(m, d)).astype(np.float32)
