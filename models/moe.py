@@ -1,19 +1,23 @@
 """Mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router picks experts_per_token of num_experts
 SwiGLU experts per token; the experts run as grouped matmuls over the tokens routed to them.
 
-Formulation (sort / segment, `jax.lax.ragged_dot`): the M tokens' M*k (token, expert) pairs are
-sorted by expert, the tokens' rows gathered in that order (f[M*k, d_model]), and each of the three
-expert matmuls is ONE `ragged_dot` whose groups are the experts' contiguous runs of rows
-(group_sizes = tokens per expert). Each row thus meets only its own expert's weights, and an expert
-no token chose contributes an empty group. The rows are then put back in (token, choice) order,
-weighted by the router's probabilities and summed over the k choices (a fixed-order sum, not a
-scatter-add). Shapes are static (M*k rows whatever the routing), so it runs inside the engine's
-one jitted step and the scan over layers.
+Formulation: the M tokens' M*k (token, expert) pairs are sorted by expert (each expert's rows a
+contiguous run, an expert nobody chose an empty one), the three expert matmuls run over those runs,
+and the rows are put back in (token, choice) order, weighted by the router's probabilities and
+summed over the k choices (a fixed-order sum, not a scatter-add). Shapes are static whatever the
+routing, so it runs inside the engine's one jitted step and the scan over layers. Three forms of
+the grouped matmul, picked statically by the shapes:
 
-Small batches (M*k < E, a decode step at small batch) instead gather each pair's expert weights
-and run batched matrix-vector products: the step then reads only the chosen experts' weights.
-XLA's GPU ragged_dot (JAX 0.12) does not: a deviceless H100 compile shows it lowered to one dense
-batched dot over ALL E experts with the rows masked per group (README, "Mixture of experts").
+- M*k < E (a decode step at small batch): `_gathered`, each pair's expert weights gathered and
+  applied as batched matrix-vector products; XLA fuses the layer slice, the gather and the
+  product, so the step reads only the chosen experts' weights.
+- otherwise `EXPERT_MATMUL`: "blocked" (default), `_blocked`: each expert's run padded to whole
+  tiles of rows, each tile's expert weights gathered, one batched matmul over the tiles (about
+  the routed flops; the gathered tiles' weights are materialized); or "ragged_dot": ONE
+  `jax.lax.ragged_dot` per matmul with group_sizes = rows per expert. A deviceless H100 compile
+  (JAX 0.12) shows XLA lowering ragged_dot to a dense dot over ALL E experts with the rows
+  masked per group: E times the routed flops, for about the bytes of the blocked form
+  (README, "Mixture of experts"; scripts/moe_traffic.py).
 
 `moe_dense` (every token through every expert, weighted by a mask of its choices) is the test
 oracle only; the model never calls it.
@@ -23,7 +27,14 @@ Einsum letters: M tokens, D d_model, F expert ffn width, E experts, k experts pe
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
+
+# The grouped matmul of M*k >= E pairs: "blocked" (`_blocked`) or "ragged_dot" (jax.lax.ragged_dot).
+# Blocked, by a deviceless H100 compile (README, "Mixture of experts"): XLA's GPU ragged_dot is a
+# dense dot over all E experts (E times the routed flops), the blocked form about the routed flops,
+# for about the same bytes.
+EXPERT_MATMUL = "blocked"
 
 
 def route(x, router, config):
@@ -43,7 +54,7 @@ def route(x, router, config):
 
 
 def moe_ffn(x, router, w_gate, w_up, w_down, config, dtype):
-    """The MoE MLP of tokens x f32[M, D] as grouped matmuls (`jax.lax.ragged_dot`).
+    """The MoE MLP of tokens x f32[M, D] as grouped matmuls (module docstring).
 
     Args:
       x: f32[M, D] (the normed residual stream).
@@ -59,6 +70,11 @@ def moe_ffn(x, router, w_gate, w_up, w_down, config, dtype):
     experts, weights = route(x, router, config)  # [M, k]
     if num_tokens * k < e:  # few (token, expert) pairs: read only the chosen experts' weights
         return _gathered(x, experts, weights, w_gate, w_up, w_down, dtype)
+    if EXPERT_MATMUL == "blocked":  # tiles of about the mean rows per expert, 8 to 128
+        tile = int(min(128, max(8, 2 ** round(np.log2(max(1, num_tokens * k // e))))))
+        return _blocked(x, experts, weights, w_gate, w_up, w_down, dtype, tile)
+    if EXPERT_MATMUL != "ragged_dot":
+        raise ValueError(f"models.moe.EXPERT_MATMUL must be 'blocked' or 'ragged_dot'; got {EXPERT_MATMUL!r}")
     flat = experts.reshape(num_tokens * k)  # pair p = token * k + choice
     order = jnp.argsort(flat, stable=True)  # pairs sorted by expert
     rows = jnp.take(x.astype(dtype), order // k, axis=0)  # [M*k, D] in expert order
@@ -88,6 +104,34 @@ def _gathered(x, experts, weights, w_gate, w_up, w_down, dtype):
     mv = lambda a, w: jnp.einsum("PI,PIO->PO", a.astype(dtype), take(w), preferred_element_type=jnp.float32)
     h = jax.nn.silu(mv(rows, w_gate)) * mv(rows, w_up)  # f32[M*k, F]
     y = mv(h, w_down).reshape(num_tokens, k, d)
+    return jnp.einsum("MkD,Mk->MD", y, weights)
+
+
+def _blocked(x, experts, weights, w_gate, w_up, w_down, dtype, tile):
+    """`moe_ffn` as tiles of `tile` rows, each tile one expert's (the pairs sorted by expert, each
+    expert's run padded to whole tiles): the expert weights gathered per tile and one batched matmul
+    [tiles, tile, D] x [tiles, D, F]. Static shapes: at most ceil(M*k / tile) + E tiles."""
+    num_tokens, d = x.shape
+    k, e = experts.shape[1], w_gate.shape[0]
+    pairs = num_tokens * k
+    num_tiles = -(-pairs // tile) + e
+    flat = experts.reshape(pairs)
+    order = jnp.argsort(flat, stable=True)  # pairs sorted by expert
+    sorted_e = flat[order]
+    counts = jnp.bincount(flat, length=e)
+    group_start = jnp.cumsum(counts) - counts  # first sorted pair of each expert
+    tiles = -(-counts // tile)
+    tile_end = jnp.cumsum(tiles)
+    tile_start = tile_end - tiles  # first tile of each expert
+    pos = tile_start[sorted_e] * tile + jnp.arange(pairs) - group_start[sorted_e]  # padded row of each sorted pair
+    rows = jnp.zeros((num_tiles * tile, d), dtype).at[pos].set(jnp.take(x.astype(dtype), order // k, axis=0))
+    tile_expert = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(num_tiles), side="right"), e - 1)
+    take = lambda w: jnp.take(w, tile_expert, axis=0, mode="clip")  # [tiles, ...]
+    mm = lambda a, w: jnp.einsum("NTI,NIO->NTO", a.astype(dtype).reshape(num_tiles, tile, -1), take(w),
+                                 preferred_element_type=jnp.float32)
+    h = jax.nn.silu(mm(rows, w_gate)) * mm(rows, w_up)  # f32[tiles, tile, F]
+    y = mm(h, w_down).reshape(num_tiles * tile, d)[pos]  # f32[M*k, D] in sorted order
+    y = jnp.take(y, jnp.argsort(order), axis=0).reshape(num_tokens, k, d)
     return jnp.einsum("MkD,Mk->MD", y, weights)
 
 

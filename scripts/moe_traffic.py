@@ -39,7 +39,12 @@ def main(argv=None) -> int:
     p.add_argument("--max-seqs", type=int, nargs="+", default=[1, 64])
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--top", type=int, default=6)
+    p.add_argument("--expert-matmul", choices=("ragged_dot", "blocked"), default=None,
+                   help="models.moe.EXPERT_MATMUL for batches of M*k >= E pairs (default: the module's)")
     args = p.parse_args(argv)
+    if args.expert_matmul:
+        from jpa.models import moe
+        moe.EXPERT_MATMUL = args.expert_matmul
     shapes = dict(QWEN3_30B_A3B, num_layers=args.layers)
     for seqs in args.max_seqs:
         r = engine_traffic(args.target, shapes, max_seqs=seqs, context=args.context, pool_gib=8.0,

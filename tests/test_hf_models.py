@@ -447,13 +447,17 @@ def test_generate_command_runs_a_checkpoint_directory(capsys):
 
 # ---- mixture of experts (models.moe) ----
 
-@pytest.mark.parametrize("m,k,norm,skew", [(37, 2, True, False), (37, 3, False, True), (3, 2, True, False)])
-def test_moe_grouped_matmuls_equal_the_dense_oracle_and_router_matches_numpy(m, k, norm, skew):
-    """moe_ffn (ragged_dot over tokens sorted by expert; with m * k < 8 experts, the gathered
-    small-batch form) = moe_dense (every token through every expert, masked) on fresh random
-    inputs; the router's choices and weights = a NumPy oracle. skew: a router bias that sends
-    every token to expert 5 and none to some experts (empty groups)."""
+@pytest.mark.parametrize("m,k,norm,skew,impl", [(37, 2, True, False, "blocked"), (37, 3, False, True, "blocked"),
+                                                 (37, 3, False, True, "ragged_dot"), (3, 2, True, False, "blocked")])
+def test_moe_grouped_matmuls_equal_the_dense_oracle_and_router_matches_numpy(m, k, norm, skew, impl, monkeypatch):
+    """moe_ffn (the pairs sorted by expert, then tiles of one expert each ("blocked", 8-row tiles
+    here: runs spanning several tiles and padded ones) or ragged_dot; with m * k < 8 experts the
+    gathered small-batch form) = moe_dense (every token through every expert, masked) on fresh
+    random inputs; the router's choices and weights = a NumPy oracle. skew: a router bias that
+    sends every token to expert 5 and none to some experts (empty groups)."""
+    from jpa.models import moe
     from jpa.models.moe import moe_dense, moe_ffn, route
+    monkeypatch.setattr(moe, "EXPERT_MATMUL", impl)
     rng = np.random.default_rng(m * k)
     d, f, e = 16, 24, 8
     cfg = dataclasses.replace(models.PRESETS["tiny-llama"], d_model=d, ffn_dim=f, num_experts=e,
