@@ -6,18 +6,18 @@ contiguous run, an expert nobody chose an empty one), the three expert matmuls r
 and the rows are put back in (token, choice) order, weighted by the router's probabilities and
 summed over the k choices (a fixed-order sum, not a scatter-add). Shapes are static whatever the
 routing, so it runs inside the engine's one jitted step and the scan over layers. Three forms of
-the grouped matmul, picked statically by the shapes:
+the grouped matmul, picked statically by the shapes and `EXPERT_MATMUL`:
 
-- M*k < E (a decode step at small batch): `_gathered`, each pair's expert weights gathered and
-  applied as batched matrix-vector products; XLA fuses the layer slice, the gather and the
-  product, so the step reads only the chosen experts' weights.
-- otherwise `EXPERT_MATMUL`: "blocked" (default), `_blocked`: each expert's run padded to whole
-  tiles of rows, each tile's expert weights gathered, one batched matmul over the tiles (about
-  the routed flops; the gathered tiles' weights are materialized); or "ragged_dot": ONE
-  `jax.lax.ragged_dot` per matmul with group_sizes = rows per expert. A deviceless H100 compile
-  (JAX 0.12) shows XLA lowering ragged_dot to a dense dot over ALL E experts with the rows
-  masked per group: E times the routed flops, for about the bytes of the blocked form
-  (README, "Mixture of experts"; scripts/moe_traffic.py).
+- "blocked" (default) and M*k < E (a decode step at small batch): `_gathered`, each pair's
+  expert weights gathered and applied as batched matrix-vector products; XLA fuses the layer
+  slice, the gather and the product, so the step reads only the chosen experts' weights.
+- "blocked" and M*k >= E: `_blocked`, each expert's run padded to whole tiles of rows, each
+  tile's expert weights gathered, one batched matmul over the tiles (about the routed flops; the
+  gathered tiles' weights are materialized).
+- "ragged_dot", any size: ONE `jax.lax.ragged_dot` per matmul with group_sizes = rows per
+  expert. A deviceless H100 compile (JAX 0.12) shows XLA lowering it to a dense dot over ALL E
+  experts with the rows masked per group: E times the routed flops, for about the bytes of the
+  blocked form (README, "Mixture of experts"; scripts/moe_traffic.py).
 
 `moe_dense` (every token through every expert, weighted by a mask of its choices) is the test
 oracle only; the model never calls it.
@@ -30,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-# The grouped matmul of M*k >= E pairs: "blocked" (`_blocked`) or "ragged_dot" (jax.lax.ragged_dot).
+# The grouped matmul: "blocked" (`_gathered` for M*k < E pairs, else `_blocked`) or "ragged_dot"
+# (jax.lax.ragged_dot at every size).
 # Blocked, by a deviceless H100 compile (README, "Mixture of experts"): XLA's GPU ragged_dot is a
 # dense dot over all E experts (E times the routed flops), the blocked form about the routed flops,
 # for about the same bytes.
@@ -68,13 +69,13 @@ def moe_ffn(x, router, w_gate, w_up, w_down, config, dtype):
     num_tokens, d = x.shape
     k, e = config.experts_per_token, config.num_experts
     experts, weights = route(x, router, config)  # [M, k]
-    if num_tokens * k < e:  # few (token, expert) pairs: read only the chosen experts' weights
+    if EXPERT_MATMUL not in ("blocked", "ragged_dot"):
+        raise ValueError(f"models.moe.EXPERT_MATMUL must be 'blocked' or 'ragged_dot'; got {EXPERT_MATMUL!r}")
+    if EXPERT_MATMUL == "blocked" and num_tokens * k < e:  # few pairs: read only the chosen experts' weights
         return _gathered(x, experts, weights, w_gate, w_up, w_down, dtype)
     if EXPERT_MATMUL == "blocked":  # tiles of about the mean rows per expert, 8 to 128
         tile = int(min(128, max(8, 2 ** round(np.log2(max(1, num_tokens * k // e))))))
         return _blocked(x, experts, weights, w_gate, w_up, w_down, dtype, tile)
-    if EXPERT_MATMUL != "ragged_dot":
-        raise ValueError(f"models.moe.EXPERT_MATMUL must be 'blocked' or 'ragged_dot'; got {EXPERT_MATMUL!r}")
     flat = experts.reshape(num_tokens * k)  # pair p = token * k + choice
     order = jnp.argsort(flat, stable=True)  # pairs sorted by expert
     rows = jnp.take(x.astype(dtype), order // k, axis=0)  # [M*k, D] in expert order
