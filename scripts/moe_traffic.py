@@ -56,12 +56,12 @@ def main(argv=None) -> int:
             parts = ", ".join([f"R {q} {b / 1e9:.3f}" for q, b in k["read"].items()]
                               + [f"W {q} {b / 1e9:.3f}" for q, b in k["written"].items()])
             print(f"  {k['bytes'] / 1e9:8.3f} GB  {k['name']} ({k['what'][:40]}) x{k['executions']}: {parts}")
-        # The expert matmuls: ragged_dot's dense lowering (a dot with the expert axis as a batch
-        # dimension) or the gathered form's gather of the chosen experts.
-        dots = sorted(set(re.findall(r"= (f32\[128,\d+,\d+\]\S*) dot\(", r["hlo"])))
+        # The expert matmuls: the dots XLA made of ragged_dot (the ragged pass's and the decode
+        # step's), or the gathers of expert weights of the gathered and blocked forms.
+        dots = sorted(set(re.findall(r"= (f32\[[\d,]+\])\S* dot\([^\n]*ragged_dot_general", r["hlo"])))
         gathers = sorted(set(re.findall(r"= (bf16\[\d+,1,\d+,\d+\]\S*) gather\(", r["hlo"])))
-        print(f"  expert-batched dots (all 128 experts): {dots or 'none'}")
-        print(f"  expert-weight gathers (chosen experts only): {gathers or 'none'}")
+        print(f"  ragged_dot's dots (results; XLA's dense lowering over all experts): {dots or 'none'}")
+        print(f"  expert-weight gathers (gathered: the chosen experts; blocked: one per tile): {gathers or 'none'}")
     return 0
 
 
