@@ -7,7 +7,10 @@ models.GPT (see ModelConfig): "llama" (Llama 2/3, Llama-3 `rope_scaling`, tied o
 "mistral" (sliding window on every layer when set), "qwen2" (q/k/v biases), "qwen3" (q/k
 RMSNorm) and "gemma2" (embedding scale, GeGLU, (1 + w) RMSNorm, post-norms, query scale from
 query_pre_attn_scalar, attention and final logit soft caps, sliding window on the layers
-`layer_types` names, by default every other one). Anything else, and any option of these
+`layer_types` names, by default every other one), and the mixtures of experts (models.moe)
+"mixtral" (per-expert w1/w3/w2 tensors under block_sparse_moe) and "qwen3_moe" (per-expert
+gate/up/down_proj under mlp, q/k RMSNorm; every layer sparse), whose experts' tensors are stacked
+on an expert axis as they are read. Anything else, and any option of these
 families that the model does not implement, is refused with a ValueError naming it.
 
 Loading is two passes. The first reads only metadata: config.json, the safetensors headers (the
