@@ -47,6 +47,15 @@ class ModelConfig:
         last `sliding_window` positions including its own.
       sliding_window_layers: indices of the layers that use sliding_window (Gemma-2: even layers;
         Mistral: all).
+
+    Mixture of experts (Mixtral, Qwen3-MoE; models.moe): with num_experts > 0 every layer's MLP is
+    num_experts SwiGLU experts of width ffn_dim and a linear router; each token goes through the
+    experts_per_token experts of highest router probability (softmax over all experts), weighted
+    by those probabilities, renormalized to sum to 1 when norm_topk_prob (Mixtral's "softmax over
+    the chosen logits" is exactly that).
+      num_experts: experts per layer (0: a dense MLP).
+      experts_per_token: experts each token is routed to (k of top-k).
+      norm_topk_prob: renormalize the chosen probabilities.
     """
     family: str
     vocab_size: int
@@ -74,6 +83,9 @@ class ModelConfig:
     final_soft_cap: float | None = None
     sliding_window: int | None = None
     sliding_window_layers: tuple = ()
+    num_experts: int = 0
+    experts_per_token: int = 0
+    norm_topk_prob: bool = True
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -141,6 +153,15 @@ class ModelConfig:
         if bool(layers) != (w is not None):
             raise ValueError(f"ModelConfig.sliding_window ({w!r}) and sliding_window_layers ({layers!r}) "
                              f"must be set together")
+        e, k = self.num_experts, self.experts_per_token
+        for name, val in (("num_experts", e), ("experts_per_token", k)):
+            if not isinstance(val, int) or isinstance(val, bool) or val < 0:
+                raise ValueError(f"ModelConfig.{name} must be an int >= 0; got {val!r}")
+        if (e > 0) != (k > 0) or k > e:
+            raise ValueError(f"ModelConfig.experts_per_token must be in [1, num_experts = {e}] for a mixture "
+                             f"of experts and 0 without one; got {k!r}")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise ValueError(f"ModelConfig.norm_topk_prob must be a bool; got {self.norm_topk_prob!r}")
         if self.family == "gpt2":
             changed = [f.name for f in dataclasses.fields(self) if f.name in _VARIANT_FIELDS
                        and getattr(self, f.name) != f.default]
@@ -163,7 +184,8 @@ def _is_number(x) -> bool:
 
 _VARIANT_FIELDS = ("qkv_bias", "qk_norm", "rope_scaling", "mlp_activation", "norm_weight_offset",
                    "embed_scale", "post_norms", "attn_scale", "attn_soft_cap", "final_soft_cap",
-                   "sliding_window", "sliding_window_layers")
+                   "sliding_window", "sliding_window_layers", "num_experts", "experts_per_token",
+                   "norm_topk_prob")
 
 
 # The tiny presets are random-init models for tests and demos. Their vocabulary of 512 holds the

@@ -54,6 +54,7 @@ from jpa.ops.ragged import ragged_paged_attention
 from jpa.core.quant import (check_weight_quantization, dequantize_blocks, dequantize_weight, quantize_weight)
 from jpa.core.sharding import HEADS, HEADS_T, REPLICATED, STACKED_POOL, head_parallel
 from jpa.models.config import ModelConfig
+from jpa.models.moe import moe_ffn
 
 PARAM_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))
 INIT_STD = 0.02  # GPT-2's initializer range
@@ -256,13 +257,20 @@ class Block(nnx.Module):
         self.wv = _param(rngs, (d, kv_dim), dtype)  # [d_model, K * H]
         self.wo = _param(rngs, (q_dim, d), dtype)  # [N * H, d_model]
         self.ffn_norm = ones(d)
-        self.w_up = _param(rngs, (d, c.ffn_dim), dtype)  # [d_model, ffn_dim]
-        self.w_down = _param(rngs, (c.ffn_dim, d), dtype)  # [ffn_dim, d_model]
+        if c.num_experts:  # models.moe: a router and the experts' SwiGLU weights, stacked on an expert axis
+            e, f = c.num_experts, c.ffn_dim
+            self.router = _param(rngs, (d, e), dtype)  # [d_model, E]
+            self.experts_gate = _param(rngs, (e, d, f), dtype)  # [E, d_model, ffn_dim]
+            self.experts_up = _param(rngs, (e, d, f), dtype)  # [E, d_model, ffn_dim]
+            self.experts_down = _param(rngs, (e, f, d), dtype)  # [E, ffn_dim, d_model]
+        else:
+            self.w_up = _param(rngs, (d, c.ffn_dim), dtype)  # [d_model, ffn_dim]
+            self.w_down = _param(rngs, (c.ffn_dim, d), dtype)  # [ffn_dim, d_model]
         if gpt2:
             self.attn_norm_bias, self.ffn_norm_bias = zeros(d), zeros(d)
             self.bq, self.bk, self.bv, self.bo = zeros(q_dim), zeros(kv_dim), zeros(kv_dim), zeros(d)
             self.b_up, self.b_down = zeros(c.ffn_dim), zeros(d)
-        else:
+        elif not c.num_experts:
             self.w_gate = _param(rngs, (d, c.ffn_dim), dtype)  # [d_model, ffn_dim]
         if c.qkv_bias:
             self.bq, self.bk, self.bv = zeros(q_dim), zeros(kv_dim), zeros(kv_dim)
@@ -312,6 +320,11 @@ class Block(nnx.Module):
         h = self._linear(attn, "wo", "bo")
         x = x + (self._norm(h, self.post_attn_norm) if c.post_norms else h)
         h = self._norm(x, self.ffn_norm, "ffn_norm_bias")
+        if c.num_experts:
+            flat = h.reshape(batch * num_tokens, c.d_model)
+            h = moe_ffn(flat, self.router[...], self.experts_gate[...], self.experts_up[...],
+                        self.experts_down[...], c, self.dtype).reshape(batch, num_tokens, c.d_model)
+            return x + (self._norm(h, self.post_ffn_norm) if c.post_norms else h)
         if c.family == "gpt2":
             h = jax.nn.gelu(self._linear(h, "w_up", "b_up"), approximate=True)
         elif c.mlp_activation == "gelu_tanh":
@@ -343,7 +356,8 @@ class GPT(nnx.Module):
     quantization: None, or "int8" / "fp8" (weight-only, per output channel; jpa.core.quant): the
     linear weights, the output head and the token embeddings are stored in int8 / float8_e4m3fn
     with f32 scales (`<name>_scale`, QUANT_AXIS) and dequantized inside each matmul; `dtype` stays
-    the compute dtype (activations, norms and the KV cache).
+    the compute dtype (activations, norms and the KV cache). Not for a mixture of experts (the
+    experts' weights are not quantized yet): ValueError.
     """
 
     def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, quantization=None):
@@ -356,6 +370,10 @@ class GPT(nnx.Module):
         self.config = c
         self.dtype = dtype
         self.quantization = check_weight_quantization(quantization)
+        if quantization is not None and c.num_experts:
+            raise ValueError(f"quantization={quantization!r} is not supported for a mixture-of-experts model "
+                             f"(num_experts={c.num_experts}): jpa does not quantize the experts' weights yet; "
+                             f"load it unquantized")
         self.tok_embeddings = _param(rngs, (c.vocab_size, c.d_model), dtype)  # [vocab, d_model]
         if c.family == "gpt2":
             self.pos_embeddings = _param(rngs, (c.max_seq_len, c.d_model), dtype, std=0.01)
@@ -535,8 +553,12 @@ def expected_shapes(c: ModelConfig) -> dict:
     if not c.tie_embeddings:
         top["output"] = (d, c.vocab_size)
     layer = {"attn_norm": (d,), "wq": (d, q_dim), "wk": (d, kv_dim), "wv": (d, kv_dim),
-             "wo": (q_dim, d), "ffn_norm": (d,), "w_gate": (d, c.ffn_dim), "w_up": (d, c.ffn_dim),
-             "w_down": (c.ffn_dim, d)}
+             "wo": (q_dim, d), "ffn_norm": (d,)}
+    if c.num_experts:
+        e, f = c.num_experts, c.ffn_dim
+        layer.update(router=(d, e), experts_gate=(e, d, f), experts_up=(e, d, f), experts_down=(e, f, d))
+    else:
+        layer.update(w_gate=(d, c.ffn_dim), w_up=(d, c.ffn_dim), w_down=(c.ffn_dim, d))
     if c.qkv_bias:
         layer.update(bq=(q_dim,), bk=(kv_dim,), bv=(kv_dim,))
     if c.qk_norm:

@@ -7,7 +7,10 @@ models.GPT (see ModelConfig): "llama" (Llama 2/3, Llama-3 `rope_scaling`, tied o
 "mistral" (sliding window on every layer when set), "qwen2" (q/k/v biases), "qwen3" (q/k
 RMSNorm) and "gemma2" (embedding scale, GeGLU, (1 + w) RMSNorm, post-norms, query scale from
 query_pre_attn_scalar, attention and final logit soft caps, sliding window on the layers
-`layer_types` names, by default every other one). Anything else, and any option of these
+`layer_types` names, by default every other one), and the mixtures of experts (models.moe)
+"mixtral" (per-expert w1/w3/w2 tensors under block_sparse_moe) and "qwen3_moe" (per-expert
+gate/up/down_proj under mlp, q/k RMSNorm; every layer sparse), whose experts' tensors are stacked
+on an expert axis as they are read. Anything else, and any option of these
 families that the model does not implement, is refused with a ValueError naming it.
 
 Loading is two passes. The first reads only metadata: config.json, the safetensors headers (the
@@ -27,7 +30,7 @@ import numpy as np
 
 from jpa.models.config import ModelConfig
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "mixtral", "qwen3_moe")
 # safetensors dtype -> NumPy dtype name (bfloat16 comes from ml_dtypes, which JAX imports).
 STORED_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 # Tensors a checkpoint may carry that the model does not use.
@@ -111,7 +114,7 @@ def config_from_hf(cfg: dict, *, where: str = "config.json", bos_token_id: int =
     for key in ("attention_bias", "mlp_bias"):
         if model_type != "qwen2":
             _refuse(cfg, where, key, (None, False), "the model has no biases besides Qwen2's q/k/v")
-    if model_type in ("qwen2", "qwen3"):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
         _refuse(cfg, where, "use_sliding_window", (None, False), "Qwen sliding-window layers")
     _refuse(cfg, where, "use_bidirectional_attention", (None, False), "jpa's attention is causal")
     quant = cfg.get("quantization_config")
@@ -127,7 +130,7 @@ def config_from_hf(cfg: dict, *, where: str = "config.json", bos_token_id: int =
         if unknown or len(layer_types) != layers:
             raise CheckpointError(f"{where}: layer_types must be {layers} entries of 'full_attention' / "
                                   f"'sliding_attention'; got {layer_types!r}")
-    if gemma or model_type == "mistral":
+    if gemma or model_type in ("mistral", "mixtral"):
         window = cfg.get("sliding_window")
         if window is not None:
             if layer_types is None:  # transformers' defaults: Gemma-2 even layers, Mistral all
@@ -138,9 +141,11 @@ def config_from_hf(cfg: dict, *, where: str = "config.json", bos_token_id: int =
     elif layer_types is not None and "sliding_attention" in layer_types:
         raise CheckpointError(f"{where}: sliding_attention layers are not supported for {model_type}")
     tie_default = gemma  # transformers' default per family
-    kw = {}
+    kw = _moe_options(cfg, model_type, layers, where)
+    if model_type == "qwen3_moe":
+        ffn = int(cfg.get("moe_intermediate_size") or 0) or ffn
     if gemma:
-        kw = dict(mlp_activation="gelu_tanh", norm_weight_offset=1.0, embed_scale=math.sqrt(d),
+        kw.update(mlp_activation="gelu_tanh", norm_weight_offset=1.0, embed_scale=math.sqrt(d),
                   post_norms=True, attn_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5,
                   attn_soft_cap=cfg.get("attn_logit_softcapping"),
                   final_soft_cap=cfg.get("final_logit_softcapping"))
@@ -152,10 +157,34 @@ def config_from_hf(cfg: dict, *, where: str = "config.json", bos_token_id: int =
             norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", tie_default)),
             bos_token_id=bos_token_id, eos_token_id=eos_token_id, qkv_bias=model_type == "qwen2",
-            qk_norm=model_type == "qwen3", rope_scaling=scaling, sliding_window=window,
+            qk_norm=model_type in ("qwen3", "qwen3_moe"), rope_scaling=scaling, sliding_window=window,
             sliding_window_layers=window_layers, **kw)
     except ValueError as e:
         raise CheckpointError(f"{where}: {e}") from e
+
+
+def _moe_options(cfg: dict, model_type: str, layers: int, where: str) -> dict:
+    """The ModelConfig mixture-of-experts fields of a mixtral / qwen3_moe config ({} otherwise).
+    Every layer must be a MoE layer: a Qwen3-MoE config with dense layers (mlp_only_layers, or
+    decoder_sparse_step > 1) is refused (the scanned layers hold one parameter set)."""
+    if model_type not in ("mixtral", "qwen3_moe"):
+        return {}
+    experts = cfg.get("num_local_experts") if model_type == "mixtral" else cfg.get(
+        "num_experts", cfg.get("num_local_experts"))
+    k = cfg.get("num_experts_per_tok")
+    if experts is None or k is None:
+        raise CheckpointError(f"{where}: {model_type} needs num_experts (num_local_experts) and num_experts_per_tok")
+    if model_type == "qwen3_moe":
+        step, dense = cfg.get("decoder_sparse_step", 1), cfg.get("mlp_only_layers") or []
+        moe = [i for i in range(layers) if i not in dense and int(experts) > 0 and (i + 1) % int(step) == 0]
+        if len(moe) != layers:
+            raise CheckpointError(f"{where}: layers {sorted(set(range(layers)) - set(moe))} are dense MLP layers "
+                                  f"(mlp_only_layers={dense!r}, decoder_sparse_step={step!r}); jpa's scanned "
+                                  f"layers need every layer to be a mixture-of-experts layer")
+        norm = bool(cfg.get("norm_topk_prob", False))
+    else:
+        norm = True  # Mixtral: softmax over the chosen experts' logits
+    return dict(num_experts=int(experts), experts_per_token=int(k), norm_topk_prob=norm)
 
 
 def hf_names(c: ModelConfig, model_type: str) -> dict:
@@ -178,6 +207,12 @@ def hf_names(c: ModelConfig, model_type: str) -> dict:
         "post_attn_norm": ("post_attention_layernorm.weight", False),
         "post_ffn_norm": ("post_feedforward_layernorm.weight", False),
     }
+    moe = "block_sparse_moe" if model_type == "mixtral" else "mlp"
+    layer["router"] = (f"{moe}.gate.weight", True)
+    # An expert parameter [E, ...] is E checkpoint tensors: the name holds "{j}" for the expert.
+    expert = {"mixtral": ("w1", "w3", "w2")}.get(model_type, ("gate_proj", "up_proj", "down_proj"))
+    for ours, theirs in zip(("experts_gate", "experts_up", "experts_down"), expert):
+        layer[ours] = (f"{moe}.experts.{{j}}.{theirs}.weight", True)
     shapes = expected_shapes(c)
     out = {"tok_embeddings": ("model.embed_tokens.weight", False), "norm": ("model.norm.weight", False)}
     if not c.tie_embeddings:
@@ -237,18 +272,13 @@ def _plan(c: ModelConfig, model_type: str, index: dict, path: pathlib.Path) -> d
     plan = {}
     for ours, (name, transpose) in hf_names(c, model_type).items():
         want = shapes[ours] if "." not in ours else shapes["layers"][ours.rsplit(".", 1)[1]]
-        stored = tuple(reversed(want)) if transpose else want
-        if name not in index:
-            raise CheckpointError(f"{path}: tensor {name} is missing (needed for {model_type} with this "
-                                  f"config.json)")
-        file, dtype, shape = index[name]
-        if shape != stored:
-            raise CheckpointError(f"{file}: tensor {name} has shape {list(shape)}; config.json implies "
-                                  f"{list(stored)}")
-        if dtype not in STORED_DTYPES:
-            raise CheckpointError(f"{file}: tensor {name} has dtype {dtype}; jpa loads {sorted(STORED_DTYPES)}")
-        plan[ours] = (file, name, transpose, dtype)
-    used = {name for _, name, _, _ in plan.values()}
+        if "{j}" in name:  # an expert parameter [E, ...]: one checkpoint tensor per expert, stacked
+            parts = [_check_tensor(name.format(j=j), want[1:], transpose, index, path, model_type)
+                     for j in range(want[0])]
+            plan[ours] = (tuple(p[0] for p in parts), tuple(p[1] for p in parts), transpose, parts[0][3])
+            continue
+        plan[ours] = _check_tensor(name, want, transpose, index, path, model_type)
+    used = {n for _, name, _, _ in plan.values() for n in (name if isinstance(name, tuple) else (name,))}
     extra = sorted(k for k in index if k not in used and not k.endswith(IGNORED_SUFFIXES)
                    and not (k == "lm_head.weight" and c.tie_embeddings))
     if extra:
@@ -257,10 +287,28 @@ def _plan(c: ModelConfig, model_type: str, index: dict, path: pathlib.Path) -> d
     return plan
 
 
+def _check_tensor(name, want, transpose, index, path, model_type):
+    """(file, name, transpose, stored dtype) of a tensor the model needs, after checking it."""
+    stored = tuple(reversed(want)) if transpose else want
+    if name not in index:
+        raise CheckpointError(f"{path}: tensor {name} is missing (needed for {model_type} with this "
+                              f"config.json)")
+    file, dtype, shape = index[name]
+    if shape != stored:
+        raise CheckpointError(f"{file}: tensor {name} has shape {list(shape)}; config.json implies "
+                              f"{list(stored)}")
+    if dtype not in STORED_DTYPES:
+        raise CheckpointError(f"{file}: tensor {name} has dtype {dtype}; jpa loads {sorted(STORED_DTYPES)}")
+    return file, name, transpose, dtype
+
+
 def _read(file, name, transpose, np_dtype):
-    """One tensor as a C-contiguous NumPy array in np_dtype, through a memory map closed on return."""
+    """One tensor as a C-contiguous NumPy array in np_dtype, through a memory map closed on return
+    (file and name tuples: the experts' tensors, stacked on a new leading axis)."""
     from safetensors import safe_open
 
+    if isinstance(name, tuple):
+        return np.stack([_read(f, n, transpose, np_dtype) for f, n in zip(file, name)])
     with safe_open(file, framework="numpy") as f:
         a = f.get_tensor(name)
     if transpose:

@@ -147,6 +147,9 @@ def plan_heads(config: ModelConfig, tensor_parallel: int, embeddings: str = "voc
         raise ValueError(f"tensor_parallel must be an int >= 1; got {n!r}")
     if embeddings not in ("vocab", "replicated"):
         raise ValueError(f"embeddings must be 'vocab' or 'replicated'; got {embeddings!r}")
+    if config.num_experts and n > 1:
+        raise ValueError(f"tensor_parallel={n}: a mixture-of-experts model (num_experts={config.num_experts}) "
+                         f"runs on one device for now (no tensor- or expert-parallel rule for its experts)")
     if config.vocab_size % n:
         embeddings = "replicated"
     if nk % n == 0:

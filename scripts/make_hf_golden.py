@@ -1,6 +1,6 @@
 """Write tests/data/hf/: tiny random Hugging Face checkpoints and what transformers computes on them.
 
-One directory per family (llama, mistral, qwen2, qwen3, gemma2), each a complete checkpoint in the
+One directory per family (llama, mistral, qwen2, qwen3, gemma2, mixtral, qwen3_moe), each a complete checkpoint in the
 Hugging Face layout saved by transformers itself (config.json, *.safetensors, tokenizer.json,
 tokenizer_config.json, chat template, generation_config.json), plus golden.json (prompts, token
 ids, greedy continuations, chat template renderings) and golden.npz (float32 prefill logits).
@@ -23,6 +23,11 @@ well-separated logits. The configs switch on what each family's loader must get 
   qwen2:   q/k/v biases, tied head, vocab padded past the tokenizer, chat template inside
            tokenizer_config.json (the older layout).
   qwen3:   q/k RMSNorm, head_dim != hidden/heads, bf16 weights.
+  mixtral: 8 experts, top-2 (softmax over the chosen), untied head, sharded with an index (experts
+           of one layer across files); Mistral's chat template.
+  qwen3_moe: 16 experts, top-4 without norm_topk_prob (the weights are the plain softmax
+           probabilities), q/k RMSNorm, head_dim != hidden/heads, tied head; Qwen3's template.
+           The router weights get a larger scale so that tokens spread over the experts.
   gemma2:  embedding scale, GeGLU, (1 + w) norms, post-norms, query_pre_attn_scalar != head_dim,
            small attention/final soft caps (so they bend the logits), sliding window 8 on even layers.
 The chat templates are written here in each family's format (Llama-3 headers, ChatML with a default
@@ -184,7 +189,28 @@ FAMILIES = {
                     attn_logit_softcapping=2.0, final_logit_softcapping=5.0, sliding_window=8,
                     hidden_activation="gelu_pytorch_tanh"),
         dtype=torch.float32, shard=None),
+    "mixtral": dict(
+        specials=["<unk>", "<s>", "</s>", "[INST]", "[/INST]"],
+        bos="<s>", eos="</s>", pad=None, unk="<unk>", gen_eos=["</s>"], add_bos=True,
+        template=None,  # the mistral template (filled in below)
+        config=dict(model_type="mixtral", hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                    rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=None, rope_theta=1000000.0,
+                    num_local_experts=8, num_experts_per_tok=2),
+        dtype=torch.float32, shard="150KB"),
+    "qwen3_moe": dict(
+        specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"],
+        bos=None, eos="<|im_end|>", pad="<|endoftext|>", gen_eos=["<|im_end|>", "<|endoftext|>"], add_bos=False,
+        template=None,  # the qwen3 template (filled in below)
+        config=dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                    max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                    rope_theta=1000000.0, use_sliding_window=False, num_experts=16, num_experts_per_tok=4,
+                    norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[]),
+        dtype=torch.float32, shard=None),
 }
+FAMILIES["mixtral"]["template"] = FAMILIES["mistral"]["template"]
+FAMILIES["qwen3_moe"]["template"] = FAMILIES["qwen3"]["template"]
 
 PLAIN_PROMPTS = {
     "paged": "A paged KV cache keeps keys and values in pages; decode attention reads them",
@@ -237,6 +263,8 @@ def randomize(model, family):
                 val = 0.5 * r
             elif "embed_tokens" in name:
                 val = (0.15 if gemma else 1.0 if not model.config.tie_word_embeddings else 0.3) * r
+            elif name.endswith("gate.weight") and "experts" not in name:  # MoE router
+                val = 3.0 * r / p.shape[-1] ** 0.5
             else:
                 gain = 2.5 if ("q_proj" in name or "k_proj" in name or "lm_head" in name) else 1.0
                 val = gain * r / p.shape[-1] ** 0.5

@@ -31,7 +31,7 @@ from jpa.models.chat_template import ChatTemplateError
 from jpa.models.config import ModelConfig
 
 DATA = pathlib.Path(__file__).parent / "data" / "hf"
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "mixtral", "qwen3_moe"]
 ATOL = 1e-4
 PAGE_SIZE = 4  # small pages: sequences span many, and windows start mid-page
 
@@ -190,7 +190,8 @@ def test_gemma2_refuses_a_system_turn_and_every_family_renders_system_user_assis
     with pytest.raises(ChatTemplateError, match="System role not supported"):
         tok.apply_chat_template("hi", system="be brief")
     rendered = {f: golden(f)["chats"]["multi_turn/gen"] for f in FAMILIES}
-    assert [f for f, c in rendered.items() if "text" in c] == ["llama", "mistral", "qwen2", "qwen3"]
+    assert [f for f, c in rendered.items() if "text" in c] == ["llama", "mistral", "qwen2", "qwen3", "mixtral",
+                                                               "qwen3_moe"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -442,3 +443,82 @@ def test_generate_command_runs_a_checkpoint_directory(capsys):
     greedy = g["prompts"]["chat"]["greedy_ids"]
     stop = next((i for i, t in enumerate(greedy) if t in loaded("qwen2")[1].stop_token_ids), None)
     assert rec["token_ids"] == greedy[: 6 if stop is None else min(6, stop + 1)]
+
+
+# ---- mixture of experts (models.moe) ----
+
+@pytest.mark.parametrize("m,k,norm,skew,impl", [(37, 2, True, False, "blocked"), (37, 3, False, True, "blocked"),
+                                                 (37, 3, False, True, "ragged_dot"), (3, 2, True, False, "blocked")])
+def test_moe_grouped_matmuls_equal_the_dense_oracle_and_router_matches_numpy(m, k, norm, skew, impl, monkeypatch):
+    """moe_ffn (the pairs sorted by expert, then tiles of one expert each ("blocked", 8-row tiles
+    here: runs spanning several tiles and padded ones) or ragged_dot; with m * k < 8 experts the
+    gathered small-batch form) = moe_dense (every token through every expert, masked) on fresh
+    random inputs; the router's choices and weights = a NumPy oracle. skew: a router bias that
+    sends every token to expert 5 and none to some experts (empty groups)."""
+    from jpa.models import moe
+    from jpa.models.moe import moe_dense, moe_ffn, route
+    monkeypatch.setattr(moe, "EXPERT_MATMUL", impl)
+    rng = np.random.default_rng(m * k)
+    d, f, e = 16, 24, 8
+    cfg = dataclasses.replace(models.PRESETS["tiny-llama"], d_model=d, ffn_dim=f, num_experts=e,
+                              experts_per_token=k, norm_topk_prob=norm)
+    x = rng.normal(size=(m, d)).astype(np.float32)
+    router = rng.normal(size=(d, e)).astype(np.float32)
+    if skew:
+        x[:, 0] = np.abs(x[:, 0]) + 2.0
+        router[0] = -3.0
+        router[0, 5] = 3.0
+        router[0, 6:] = -12.0  # never chosen
+    w = [(rng.normal(size=s) / np.sqrt(s[1])).astype(np.float32) for s in ((e, d, f), (e, d, f), (e, f, d))]
+    experts, weights = (np.asarray(a) for a in jax.jit(lambda a, r: route(a, r, cfg))(x, router))
+    logits = x.astype(np.float64) @ router
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    want = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+    want_w = np.take_along_axis(probs, want, axis=-1)
+    if norm:
+        want_w /= want_w.sum(-1, keepdims=True)
+    np.testing.assert_array_equal(experts, want)
+    np.testing.assert_allclose(weights, want_w, atol=1e-6)
+    counts = np.bincount(experts.ravel(), minlength=e)
+    if skew:
+        assert counts[5] == m and (counts == 0).any()
+    got = jax.jit(lambda *a: moe_ffn(*a, cfg, jnp.float32))(x, router, *w)
+    oracle = jax.jit(lambda *a: moe_dense(*a, cfg, jnp.float32))(x, router, *w)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(oracle), atol=2e-5, rtol=0)
+    assert np.abs(np.asarray(oracle)).max() > 0.1
+
+
+def test_moe_refusals_are_named():
+    from jpa.models.sharding import plan_heads
+    cfg = golden_config("qwen3_moe")
+    c = hf.config_from_hf(cfg)
+    assert (c.num_experts, c.experts_per_token, c.norm_topk_prob, c.ffn_dim, c.qk_norm) == (16, 4, False, 32, True)
+    m = hf.config_from_hf(golden_config("mixtral"))
+    assert (m.num_experts, m.experts_per_token, m.norm_topk_prob, m.ffn_dim) == (8, 2, True, 48)
+    with pytest.raises(hf.CheckpointError, match=r"layers \[1\] are dense MLP layers"):
+        hf.config_from_hf({**cfg, "mlp_only_layers": [1]})
+    with pytest.raises(hf.CheckpointError, match=r"layers \[0\] are dense MLP layers"):
+        hf.config_from_hf({**cfg, "decoder_sparse_step": 2})
+    with pytest.raises(ValueError, match="quantization='int8' is not supported for a mixture-of-experts"):
+        models.GPT(m, rngs=nnx.Rngs(0), quantization="int8")
+    with pytest.raises(ValueError, match="tensor_parallel=2: a mixture-of-experts model"):
+        plan_heads(m, 2)
+    plan_heads(m, 1)
+    with pytest.raises(ValueError, match="experts_per_token must be in"):
+        dataclasses.replace(m, experts_per_token=9)
+    with pytest.raises(ValueError, match="experts_per_token must be in"):
+        dataclasses.replace(m, num_experts=0)
+
+
+def test_generate_command_runs_a_moe_checkpoint(capsys):
+    """The engine's unified (ragged) step on a Mixtral checkpoint: transformers' greedy tokens."""
+    from jpa.cli import generate as mod
+    g = golden("mixtral")["prompts"]["robot"]
+    rc = mod.main(["--model", str(DATA / "mixtral"), "--greedy", "--max-new-tokens", "8", "--json",
+                   "--no-compile-cache", "--no-progress", "--max-seqs", "2", "--max-model-len", "128",
+                   "--kv-memory", "1", "--steps-per-call", "2", g["text"]])
+    out, err = capsys.readouterr()
+    rec = json.loads(out.splitlines()[0])
+    assert rc == 0 and rec["error"] is None
+    assert rec["token_ids"] == g["greedy_ids"][:8]
