@@ -60,6 +60,10 @@ def unsupported_reason(spec: RaggedSpec, compute_capability: float | None = None
     device check), or None when they can: the decode kernel's limits, which cover this one's.
     The tile kernel is built on WGMMA and TMA: Hopper only (the decode kernel's Ampere/Ada path
     has no ragged twin yet)."""
+    if getattr(spec, "sinks", False):
+        return ("attention sinks are not implemented in the Mosaic ragged tile kernel (it normalizes "
+                "its rows in the kernel; only the decode kernels fold sinks in, at their split-K "
+                "combine): the plain-JAX path serves them")
     if compute_capability is not None and not 9.0 <= compute_capability < 10.0:
         return (f"compute capability {compute_capability}: the Mosaic GPU ragged kernel uses WGMMA "
                 f"and TMA, Hopper (9.x) only (on Ampere/Ada only the decode kernel is Mosaic)")

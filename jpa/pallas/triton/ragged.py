@@ -171,6 +171,10 @@ def unsupported_reason(spec: RaggedSpec, compute_capability: float | None = None
     The per-step work is the decode kernel's (same key tiles, dtypes and pool gathers), so the
     limits are the decode kernel's: head_dim <= 256, float8_e4m3fn only from compute capability
     8.9, and no 1-byte pool that needs 64-bit offsets."""
+    if getattr(spec, "sinks", False):
+        return ("attention sinks are not implemented in the Triton ragged tile kernel (it normalizes "
+                "its rows in the kernel; only the decode kernels fold sinks in, at their split-K "
+                "combine): the plain-JAX path serves them")
     return triton_decode.unsupported_reason(spec, compute_capability)
 
 
