@@ -89,6 +89,18 @@ def test_mosaic_decode_interpret_split_k():
         *a, **o, interpret=True, blocks_per_part=1))
 
 
+def test_mosaic_ampere_decode_interpret_split_k():
+    from jpa.pallas.mosaic import decode as mosaic_decode
+    # The A100 routing of the Mosaic entry point (mma.sync kernel, cp.async), one block per partition.
+    from jpa.pallas.mosaic import decode_ampere
+    _check_kernel(lambda *a, **o: decode_ampere.paged_decode(
+        *a, **{k: v for k, v in o.items() if k not in ("k_scales", "v_scales")}, interpret=True,
+        blocks_per_part=1))
+    assert mosaic_decode.unsupported_reason(
+        mosaic_decode.DecodeSpec("bfloat16", "bfloat16", 4, 2, 64, 16, 8, False, False, False, False,
+                                 sinks=True), 8.0) is None
+
+
 def test_triton_decode_interpret_split_k():
     from jpa.pallas.triton import decode as triton_decode
     _check_kernel(lambda *a, **o: triton_decode.paged_decode(*a, **o, interpret=True,

@@ -47,6 +47,7 @@ class KernelConfig:
     sliding_window: bool = False
     split_k: bool = False   # long contexts and few sequences (several partitions per sequence)
     num_pages: int = 8192
+    sinks: bool = False     # attention sinks f32[num_q_heads] (folded in at the split-K combine)
 
     @property
     def num_seqs(self) -> int:
@@ -61,11 +62,12 @@ class KernelConfig:
                           self.num_kv_heads, self.head_dim, self.page_size, self.pages_per_seq,
                           self.soft_cap, self.alibi, self.sliding_window,
                           self.cache_dtype in ("int8", "float8_e4m3fn", "float8_e5m2"),
-                          self.num_seqs, self.num_pages)
+                          self.num_seqs, self.num_pages, sinks=self.sinks)
 
     @property
     def name(self) -> str:
-        opts = "+".join(o for o in ("soft_cap", "alibi", "sliding_window", "split_k") if getattr(self, o))
+        opts = "+".join(o for o in ("soft_cap", "alibi", "sliding_window", "split_k", "sinks")
+                        if getattr(self, o))
         return (f"{self.impl} q={self.q_dtype} kv={self.cache_dtype} ps={self.page_size} "
                 f"hd={self.head_dim} G={self.q_per_kv}" + (f" {opts}" if opts else ""))
 
@@ -96,6 +98,7 @@ def covering_grid(impl: str, subset: str = "full") -> list:
             out.append(dataclasses.replace(base, split_k=split, **{opt: True}))
         out.append(dataclasses.replace(base, split_k=split, soft_cap=True, alibi=True, sliding_window=True,
                                        cache_dtype="int8", q_per_kv=8, head_dim=80))
+        out.append(dataclasses.replace(base, split_k=split, sinks=True, sliding_window=True))
     out = list(dict.fromkeys(out))
     if subset == "fast":
         out = out[::9] + [c for c in out if c.split_k][:2]
@@ -132,6 +135,8 @@ def kernel_call(cfg: KernelConfig):
         kwargs["alibi_slopes"] = sds((spec.num_q_heads,), jnp.float32)
     if spec.quantized:
         kwargs["k_scales"] = kwargs["v_scales"] = sds(pool[:3], jnp.float32)
+    if spec.sinks:
+        kwargs["sinks"] = sds((spec.num_q_heads,), jnp.float32)
     import jpa
     fn = functools.partial(jpa.paged_decode, impl=cfg.impl, soft_cap=30.0 if spec.soft_cap else None,
                            sliding_window=1024 if spec.sliding_window else None)
