@@ -18,4 +18,11 @@ recs = check_kernels(comp, [impl], "full")
 bad = [r for r in recs if not r["ok"]]
 for r in recs:
     print(r["name"], {k: v for k, v in r.items() if k in ("kernels", "spills", "problems", "ok")})
-print("FAILED" if bad else "ALL OK", len(recs))
+print("DECODE", "FAILED" if bad else "ALL OK", len(recs))
+# The ragged op with sinks (its tile kernel and the decode kernel of the last rows), next to its twin.
+sink_cfgs = [c for c in kc.RAGGED_CONFIGS if c[5:] and c[5]]
+kc.ragged_grid = lambda subset="full": [c[:5] for c in sink_cfgs] + sink_cfgs
+rrecs = kc.check_ragged(comp, [impl])
+for r in rrecs:
+    print(r["name"], {k: v for k, v in r.items() if k in ("kernels", "refused", "problems", "ok")})
+print("RAGGED", "FAILED" if any(not r["ok"] for r in rrecs) else "ALL OK", len(rrecs))

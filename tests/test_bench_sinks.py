@@ -40,6 +40,7 @@ def _mosaic(*a, **o):
 
 def _ampere(*a, **o):
     from jpa.pallas.mosaic import decode_ampere
+    o = {k: v for k, v in o.items() if k not in ("k_scales", "v_scales")}  # 16-bit caches only
     for tma in (False, True):
         out = decode_ampere.paged_decode(*a, **o, interpret=True, blocks_per_part=1, tma=tma)
     return out

@@ -1,8 +1,9 @@
 """Attention sinks (gpt-oss): a learned logit per q head that joins every softmax as one more
 column with no value. The plain-JAX paths and the decode kernels (Pallas interpret mode, split-K
 with several partitions: the sink is folded in at the combine) against the float64 oracle with an
-explicit extra column, on fresh random inputs; the ragged tile kernels refuse sinks and `auto`
-falls back to the plain-JAX path. Larger grids: tests/test_bench_sinks.py."""
+explicit extra column, on fresh random inputs; the ragged kernels (the sink folded into each tile
+row's final state); a kernel that refuses sinks is passed over by `auto`. Larger grids, and the
+Mosaic mma.sync (Ampere/Ada/Blackwell) decode kernel: tests/test_bench_sinks.py."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -89,18 +90,6 @@ def test_mosaic_decode_interpret_split_k():
         *a, **o, interpret=True, blocks_per_part=1))
 
 
-def test_mosaic_ampere_decode_interpret_split_k():
-    from jpa.pallas.mosaic import decode as mosaic_decode
-    # The A100 routing of the Mosaic entry point (mma.sync kernel, cp.async), one block per partition.
-    from jpa.pallas.mosaic import decode_ampere
-    _check_kernel(lambda *a, **o: decode_ampere.paged_decode(
-        *a, **{k: v for k, v in o.items() if k not in ("k_scales", "v_scales")}, interpret=True,
-        blocks_per_part=1))
-    assert mosaic_decode.unsupported_reason(
-        mosaic_decode.DecodeSpec("bfloat16", "bfloat16", 4, 2, 64, 16, 8, False, False, False, False,
-                                 sinks=True), 8.0) is None
-
-
 def test_triton_decode_interpret_split_k():
     from jpa.pallas.triton import decode as triton_decode
     _check_kernel(lambda *a, **o: triton_decode.paged_decode(*a, **o, interpret=True,
@@ -128,25 +117,47 @@ def test_bad_sinks_are_refused(bad, match):
         jpa.ragged_paged_attention(*rargs, **ropts, sinks=bad)
 
 
-def test_ragged_kernels_refuse_sinks_and_auto_falls_back():
+RAGGED_KERNEL_CASE = RaggedCase((9, 6, 30), q_lens=(1, 6, 11), num_tokens=20, max_num_seqs=4,
+                                num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
+                                pages_per_seq=4, sliding_window=13, sinks=0.5, seed=21,
+                                q_dtype="bfloat16", cache_dtype="bfloat16")
+
+
+@pytest.mark.parametrize("impl", ["mosaic", "triton"])
+def test_ragged_kernels_interpret(impl):
+    # Tile rows (the sink folded into each row's final state in the tile kernel) and last rows
+    # (the decode kernel's split-K combine), through the public op.
+    args, opts = make_ragged_inputs(RAGGED_KERNEL_CASE)
+    want = np_ragged_reference(*args, **opts)
+    got = np.asarray(jpa.ragged_paged_attention(*args, **opts, impl=impl, interpret=True)
+                     .astype(jnp.float32), np.float64)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, atol=tolerance(RAGGED_KERNEL_CASE), rtol=0)
+
+
+def test_kernels_accept_sinks_and_refuse_with_a_reason_otherwise(monkeypatch):
     rargs, _ = make_ragged_inputs(RaggedCase((3, 9), q_lens=(1, 2), num_q_heads=4, num_kv_heads=2,
                                              head_dim=64, q_dtype="bfloat16", cache_dtype="bfloat16"))
     q, k = rargs[0], rargs[1]
-    with_sinks = ragged_spec(q, k, rargs[3], soft_cap=None, alibi_slopes=None, sliding_window=None,
-                             sinks=jnp.zeros((4,), jnp.float32))
-    without = with_sinks._replace(sinks=False)
-    for impl in ("mosaic", "triton"):
-        assert dispatch.unsupported_reason(impl, without, 9.0, RAGGED) is None
-        reason = dispatch.unsupported_reason(impl, with_sinks, 9.0, RAGGED)
-        assert reason and "attention sinks" in reason
-        with pytest.raises(dispatch.KernelUnavailable, match="attention sinks"):
-            dispatch.choose_impl(impl, with_sinks, dispatch.Target("gpu", "NVIDIA H100", 9.0, True), RAGGED)
-    # auto on an H100 (compiled ahead of time: no self-check) takes the plain-JAX path with sinks.
-    aot_h100 = dispatch.Target("gpu", "NVIDIA H100 80GB HBM3", 9.0, executable=False)
-    assert dispatch.choose_impl("auto", with_sinks, aot_h100, RAGGED) == "xla"
-    # The decode kernels take sinks: their spec is accepted.
+    sinks = jnp.zeros((4,), jnp.float32)
+    rspec = ragged_spec(q, k, rargs[3], soft_cap=None, alibi_slopes=None, sliding_window=None,
+                        sinks=sinks)
     dspec = jpa.ops.decode.decode_spec(q, k, rargs[3], soft_cap=None, alibi_slopes=None,
-                                       sliding_window=None, sinks=jnp.zeros((4,), jnp.float32))
-    assert dspec.sinks
+                                       sliding_window=None, sinks=sinks)
+    assert rspec.sinks and dspec.sinks
     for impl in ("mosaic", "triton"):
-        assert dispatch.unsupported_reason(impl, dspec, 9.0) is None
+        for cc in (8.0, 9.0):
+            assert dispatch.unsupported_reason(impl, dspec, cc) is None
+        assert dispatch.unsupported_reason(impl, rspec, 9.0, RAGGED) is None
+    # A kernel that refuses sinks (as every kernel without them must) is passed over by auto,
+    # never run with the sinks dropped: both ragged kernels refusing, an H100 (AOT) gets "xla".
+    from jpa.pallas.mosaic import ragged as mosaic_ragged
+    from jpa.pallas.triton import ragged as triton_ragged
+    for mod in (mosaic_ragged, triton_ragged):
+        real = mod.unsupported_reason
+        monkeypatch.setattr(mod, "unsupported_reason", lambda spec, cc=None, real=real, **kw: (
+            "no attention sinks" if spec.sinks else real(spec, cc, **kw)))
+    aot_h100 = dispatch.Target("gpu", "NVIDIA H100 80GB HBM3", 9.0, executable=False)
+    assert dispatch.choose_impl("auto", rspec, aot_h100, RAGGED) == "xla"
+    with pytest.raises(dispatch.KernelUnavailable, match="no attention sinks"):
+        dispatch.choose_impl("triton", rspec, aot_h100, RAGGED)

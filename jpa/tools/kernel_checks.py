@@ -188,7 +188,9 @@ def check_kernels(compiler: Compiler, impls, subset: str, log=print, random: int
 # sequences of up to 4096 tokens, 8 kv heads; soft cap and sliding window on.
 RAGGED_CONFIGS = (("bfloat16", "bfloat16", 4, 128, 16), ("bfloat16", "bfloat16", 1, 256, 16),
                   ("float16", "int8", 3, 64, 32), ("float32", "float32", 8, 128, 16),
-                  ("bfloat16", "float8_e5m2", 8, 80, 128))
+                  ("bfloat16", "float8_e5m2", 8, 80, 128),
+                  # A sixth entry True: attention sinks (f32[num_q_heads]).
+                  ("bfloat16", "bfloat16", 8, 64, 16, True))
 RAGGED_SIZES = dict(num_tokens=512, max_num_seqs=64, num_kv_heads=8, num_pages=4096, max_tokens=4096)
 
 
@@ -208,7 +210,7 @@ def ragged_grid(subset: str = "full") -> list:
     return list(dict.fromkeys(out))
 
 
-def ragged_call(impl, q_dtype, cache_dtype, q_per_kv, head_dim, page_size):
+def ragged_call(impl, q_dtype, cache_dtype, q_per_kv, head_dim, page_size, sinks=False):
     """(spec, fn, args, pool shapes) of one ragged_paged_attention call with the impl forced."""
     import jpa
     from jpa.ops.ragged import ragged_spec
@@ -220,12 +222,16 @@ def ragged_call(impl, q_dtype, cache_dtype, q_per_kv, head_dim, page_size):
     args = (sds((z["num_tokens"], n, head_dim), q_dtype), sds(pool, cache_dtype), sds(pool, cache_dtype),
             sds((b, z["max_tokens"] // page_size), jnp.int32), sds((b,), jnp.int32), sds((b + 1,), jnp.int32),
             sds((), jnp.int32)) + ((sds(pool[:3], jnp.float32),) * 2 if quantized else ())
+    sink_arg = (sds((n,), jnp.float32),) if sinks else ()
+    args = args + sink_arg
 
-    def fn(q, k_pages, v_pages, tables, lens, cu, num_seqs, *scales):
+    def fn(q, k_pages, v_pages, tables, lens, cu, num_seqs, *rest):
+        scales, sink = (rest[:-1], rest[-1]) if sinks else (rest, None)
         return jpa.ragged_paged_attention(q, k_pages, v_pages, tables, lens, cu, num_seqs, soft_cap=30.0,
                                           sliding_window=1024, k_scales=scales[0] if scales else None,
-                                          v_scales=scales[1] if scales else None, impl=impl)
-    spec = ragged_spec(args[0], args[1], args[3], soft_cap=30.0, alibi_slopes=None, sliding_window=1024)
+                                          v_scales=scales[1] if scales else None, impl=impl, sinks=sink)
+    spec = ragged_spec(args[0], args[1], args[3], soft_cap=30.0, alibi_slopes=None, sliding_window=1024,
+                       sinks=sink_arg[0] if sinks else None)
     return spec, fn, args, [(pool, cache_dtype)] * 2
 
 
@@ -238,7 +244,8 @@ def check_ragged(compiler: Compiler, impls, log=print, subset: str = "fast") -> 
     for impl in impls:
         for cfg in ragged_grid(subset):
             spec, fn, args, pools = ragged_call(impl, *cfg)
-            name = f"ragged {impl} q={cfg[0]} kv={cfg[1]} G={cfg[2]} hd={cfg[3]} ps={cfg[4]}"
+            name = (f"ragged {impl} q={cfg[0]} kv={cfg[1]} G={cfg[2]} hd={cfg[3]} ps={cfg[4]}"
+                    + (" sinks" if cfg[5:] and cfg[5] else ""))
             reason = ragged.unsupported_reason(impl, spec, cc)
             if reason is not None:
                 records.append(dict(name=name, target=compiler.target, kind="ragged", ok=True, refused=reason))
