@@ -24,6 +24,10 @@ Each live program writes its 64 output rows (normalized, q's dtype) to its own s
 sequences are adjacent in q's rows); the wrapper gathers the live rows back into [T, N, H].
 Tile slots past the live count skip their loads and their store.
 
+Attention sinks (`sinks`, f32[num_q_heads]): the decode kernel folds them in at its split-K combine;
+this kernel merges the state (m = sink, l = 1, acc = 0) into each row's final one before normalizing
+(its 64 sinks, laid out like the rows, come in through SMEM after the main loop).
+
 Pool layouts: per layer `[K, P, S_p, H]` (`layer=None`) or stacked `[L, K, P, S_p, H]` with a
 layer index (an i32 scalar, traced in a scan over layers), as in the decode kernel: both kernels get
 the whole pools and the layer as an `i32[1]` operand, and TMA from `k_ref.at[layer, kv_head, page,
