@@ -9,7 +9,8 @@ from jpa.ops.reference import paged_decode_xla
 from jpa.ops.validate import check_decode_args, check_layer
 
 
-def decode_spec(q, k_pages, block_tables, *, soft_cap, alibi_slopes, sliding_window) -> DecodeSpec:
+def decode_spec(q, k_pages, block_tables, *, soft_cap, alibi_slopes, sliding_window,
+                sinks=None) -> DecodeSpec:
     """The static configuration of a (validated) paged_decode call: shapes, dtypes, options."""
     num_kv_heads, num_pages, page_size, head_dim = k_pages.shape[-4:]
     num_seqs, pages_per_seq = block_tables.shape
@@ -19,11 +20,11 @@ def decode_spec(q, k_pages, block_tables, *, soft_cap, alibi_slopes, sliding_win
         page_size=page_size, pages_per_seq=pages_per_seq, soft_cap=soft_cap is not None,
         alibi=alibi_slopes is not None, sliding_window=sliding_window is not None,
         quantized=is_quantized(k_pages.dtype), num_seqs=num_seqs, num_pages=num_pages,
-        num_layers=k_pages.shape[0] if k_pages.ndim == 5 else 1)
+        num_layers=k_pages.shape[0] if k_pages.ndim == 5 else 1, sinks=sinks is not None)
 
 
 def resolve_decode_impl(q, k_pages, block_tables, *, soft_cap=None, alibi_slopes=None,
-                        sliding_window=None, impl="auto") -> str:
+                        sliding_window=None, impl="auto", sinks=None) -> str:
     """The implementation `paged_decode` will use for a call of these shapes on the current target.
 
     Call it once at set-up, outside any trace, with the exact shapes the jitted step will use
@@ -36,20 +37,21 @@ def resolve_decode_impl(q, k_pages, block_tables, *, soft_cap=None, alibi_slopes
       k_pages: [num_kv_heads, num_pages, page_size, head_dim], or a stacked
         [num_layers, num_kv_heads, num_pages, page_size, head_dim] pool (shape and dtype).
       block_tables: i32[num_seqs, pages_per_seq] (shape).
-      soft_cap, alibi_slopes, sliding_window: as `paged_decode` (only whether each is set matters).
+      soft_cap, alibi_slopes, sliding_window, sinks: as `paged_decode` (only whether each is set
+        matters).
       impl: as `paged_decode`.
 
     Returns:
       "xla", "triton" or "mosaic".
     """
     spec = decode_spec(q, k_pages, block_tables, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
-                       sliding_window=sliding_window)
+                       sliding_window=sliding_window, sinks=sinks)
     return dispatch.choose_impl(impl, spec)
 
 
 def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale=None, soft_cap=None,
                  alibi_slopes=None, sliding_window=None, k_scales=None, v_scales=None,
-                 impl="auto", interpret=False, layer=None):
+                 impl="auto", interpret=False, layer=None, sinks=None):
     """Decode attention (one query token per sequence) over a paged KV cache.
 
     Sequence b attends to its first `seq_lens[b]` cached tokens; token t lives in physical page
@@ -69,6 +71,9 @@ def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale=None, sof
       alibi_slopes: f32[num_q_heads]; adds slope_h * (pos - seq_len + 1) to the logits (vLLM).
       sliding_window: attend only to the last `sliding_window` tokens.
       k_scales, v_scales: f32[num_kv_heads, num_pages, page_size], required for quantized caches.
+      sinks: f32[num_q_heads] attention sinks (gpt-oss), finite, or None: head h's softmax gets one
+        more logit sinks[h] with a zero value, out = sum_j e^(s_j) v_j / (e^(sinks[h]) + sum_j e^(s_j));
+        a length-0 sequence still gives 0.
       layer: with stacked pools `[num_layers, num_kv_heads, num_pages, page_size, head_dim]` (scales
         `f32[num_layers, num_kv_heads, num_pages, page_size]`, as `jpa.KVCache` holds them), the
         layer to attend over: an int or an i32[] (traced, e.g. the index of a scan over layers:
@@ -87,7 +92,7 @@ def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale=None, sof
     """
     check_decode_args(q, k_pages, v_pages, block_tables, seq_lens, scale=scale, soft_cap=soft_cap,
                       alibi_slopes=alibi_slopes, sliding_window=sliding_window, k_scales=k_scales,
-                      v_scales=v_scales, impl=impl, interpret=interpret, layer=layer)
+                      v_scales=v_scales, impl=impl, interpret=interpret, layer=layer, sinks=sinks)
     if layer is not None:
         layer = check_layer(layer, k_pages.shape[0])
     scale = float(scale) if scale is not None else float(q.shape[-1]) ** -0.5
@@ -97,9 +102,11 @@ def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale=None, sof
                 sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales)
     if layer is not None:
         opts["layer"] = layer
+    if sinks is not None:
+        opts["sinks"] = sinks
     chosen = "xla" if impl == "xla" else dispatch.choose_impl(
         impl, decode_spec(q, k_pages, block_tables, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
-                          sliding_window=sliding_window))
+                          sliding_window=sliding_window, sinks=sinks))
     if chosen == "xla":
         return paged_decode_xla(q, k_pages, v_pages, block_tables, seq_lens, **opts)
     return dispatch.kernel_module(chosen).paged_decode(

@@ -208,6 +208,9 @@ def random_pools_and_options(rng, spec, num_pages: int, max_len: int):
         k_scales=kv[0][1], v_scales=kv[1][1])
     if stacked:
         opts["layer"] = jnp.int32(1)
+    if getattr(spec, "sinks", False):
+        # Sinks near the logits' scale, so that they move the result.
+        opts["sinks"] = jnp.asarray(rng.standard_normal(spec.num_q_heads) + 1.0, jnp.float32)
     return kv[0][0], kv[1][0], opts
 
 
@@ -250,11 +253,12 @@ def pool_shape(spec) -> tuple:
 
 
 def option_shapes(spec, opts: dict) -> dict:
-    """ShapeDtypeStructs of the array options in `opts` (alibi_slopes, scales, layer) at spec's exact shapes."""
+    """ShapeDtypeStructs of the array options in `opts` (alibi_slopes, scales, layer, sinks) at spec's exact shapes."""
     sds = jax.ShapeDtypeStruct
     shapes = {"alibi_slopes": sds((spec.num_q_heads,), jnp.float32), "layer": sds((), jnp.int32),
               "k_scales": sds(pool_shape(spec)[:-1], jnp.float32),
-              "v_scales": sds(pool_shape(spec)[:-1], jnp.float32)}
+              "v_scales": sds(pool_shape(spec)[:-1], jnp.float32),
+              "sinks": sds((spec.num_q_heads,), jnp.float32)}
     return {k: v for k, v in shapes.items() if opts.get(k) is not None}
 
 

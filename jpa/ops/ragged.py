@@ -54,7 +54,8 @@ SHORT_QUERY_ROWS = 17
 KERNEL_MODULES = {"triton": "jpa.pallas.triton.ragged", "mosaic": "jpa.pallas.mosaic.ragged"}
 
 
-def ragged_spec(q, k_pages, block_tables, *, soft_cap, alibi_slopes, sliding_window) -> RaggedSpec:
+def ragged_spec(q, k_pages, block_tables, *, soft_cap, alibi_slopes, sliding_window,
+                sinks=None) -> RaggedSpec:
     """The static configuration of a (validated) ragged_paged_attention call."""
     num_kv_heads, num_pages, page_size, head_dim = k_pages.shape[-4:]
     return RaggedSpec(
@@ -63,15 +64,17 @@ def ragged_spec(q, k_pages, block_tables, *, soft_cap, alibi_slopes, sliding_win
         num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
         pages_per_seq=block_tables.shape[1], num_pages=num_pages, soft_cap=soft_cap is not None,
         alibi=alibi_slopes is not None, sliding_window=sliding_window is not None,
-        quantized=is_quantized(k_pages.dtype), num_layers=k_pages.shape[0] if k_pages.ndim == 5 else 1)
+        quantized=is_quantized(k_pages.dtype), num_layers=k_pages.shape[0] if k_pages.ndim == 5 else 1,
+        sinks=sinks is not None)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "tile_tokens"))
 def ragged_paged_attention_xla(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, num_seqs,
                                *, scale, soft_cap=None, alibi_slopes=None, sliding_window=None,
-                               k_scales=None, v_scales=None, tile_tokens=None, layer=None):
+                               k_scales=None, v_scales=None, tile_tokens=None, layer=None,
+                               sinks=None):
     """Ragged paged attention in plain JAX. Arguments as `ragged_paged_attention` (validated;
-    `layer` an i32[] with stacked pools).
+    `layer` an i32[] with stacked pools; `sinks` f32[num_q_heads] or None).
 
     Returns:
       [num_tokens, num_q_heads, head_dim] in q's dtype; zero rows for padding.
@@ -80,7 +83,8 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, block_tables, seq_lens, cu_q
     max_num_seqs = seq_lens.shape[0]
     tile = tile_tokens or min(XLA_TILE_TOKENS, num_tokens)
     opts = dict(scale=scale, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
-                sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales, layer=layer)
+                sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales, layer=layer,
+                sinks=sinks)
     num_seqs = jnp.asarray(num_seqs, jnp.int32)
     live = jnp.arange(max_num_seqs + 1, dtype=jnp.int32) <= num_seqs
     cu = jnp.where(live, cu_q_lens, cu_q_lens[num_seqs])  # entries past num_seqs ignored
@@ -140,7 +144,7 @@ def _ragged_tiles_xla(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, nu
 
 def check_ragged_args(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, num_seqs, *, scale,
                       soft_cap, alibi_slopes, sliding_window, k_scales, v_scales, impl, interpret,
-                      layer=None):
+                      layer=None, sinks=None):
     """Validates `ragged_paged_attention`'s arguments; raises ValueError on the first problem."""
     check_ndim("q", q, 3, "[num_tokens, num_q_heads, head_dim]")
     check_dtype("q", q, FLOAT_DTYPES)
@@ -173,7 +177,7 @@ def check_ragged_args(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, nu
         raise ValueError(f"num_seqs must be an i32 scalar (shape ()) or a Python int; got "
                          f"{num_seqs!r}")
     check_options(num_q_heads, scale=scale, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
-                  sliding_window=sliding_window, impl=impl, interpret=interpret)
+                  sliding_window=sliding_window, impl=impl, interpret=interpret, sinks=sinks)
     if not is_concrete(num_seqs):
         return
     n = int(num_seqs)
@@ -202,7 +206,8 @@ def check_ragged_args(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, nu
 
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, num_seqs, *,
                            scale=None, soft_cap=None, alibi_slopes=None, sliding_window=None,
-                           k_scales=None, v_scales=None, impl="auto", interpret=False, layer=None):
+                           k_scales=None, v_scales=None, impl="auto", interpret=False, layer=None,
+                           sinks=None):
     """Attention for a ragged batch of prefill chunks and decode tokens over a paged KV cache.
 
     Sequence i < num_seqs owns query rows cu_q_lens[i]:cu_q_lens[i + 1] (q_len_i rows), the last
@@ -230,6 +235,8 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
       alibi_slopes: f32[num_q_heads]; adds slope_h * (key_pos - p) to the logits (vLLM).
       sliding_window: the query at position p attends only to keys (p - sliding_window, p].
       k_scales, v_scales: f32[num_kv_heads, num_pages, page_size], required for quantized caches.
+      sinks: f32[num_q_heads] attention sinks or None, as `jpa.paged_decode` (every row's softmax
+        gets the extra logit of its head).
       layer: with stacked pools `[num_layers, num_kv_heads, num_pages, page_size, head_dim]` (scales
         `f32[num_layers, num_kv_heads, num_pages, page_size]`), the layer to attend over: an int or
         an i32[] (traced, e.g. a scan's layer index: clamped to [0, num_layers)); the whole pool
@@ -245,7 +252,7 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
     check_ragged_args(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, num_seqs,
                       scale=scale, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
                       sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales,
-                      impl=impl, interpret=interpret, layer=layer)
+                      impl=impl, interpret=interpret, layer=layer, sinks=sinks)
     if layer is not None:
         layer = check_layer(layer, k_pages.shape[0])
     scale = float(scale) if scale is not None else float(q.shape[-1]) ** -0.5
@@ -256,10 +263,12 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
                 sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales)
     if layer is not None:
         opts["layer"] = layer
+    if sinks is not None:
+        opts["sinks"] = sinks
     args = (q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, num_seqs)
     chosen = choose_impl(impl, ragged_spec(q, k_pages, block_tables, soft_cap=soft_cap,
                                            alibi_slopes=alibi_slopes,
-                                           sliding_window=sliding_window))
+                                           sliding_window=sliding_window, sinks=sinks))
     if chosen == "xla":
         return ragged_paged_attention_xla(*args, **opts)
     return kernel_module(chosen).ragged_paged_attention(*args, interpret=interpret, **opts)

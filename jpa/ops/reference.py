@@ -5,7 +5,8 @@ Einsum letters: B num_seqs, K num_kv_heads, G q_per_kv, H head_dim, S key tokens
 
 The keys of each sequence are visited a chunk of pages at a time with an online softmax
 (running max m, running sum l, f32 accumulator acc), the same recurrence the GPU kernels
-use. The loop runs only over the chunks that some sequence actually occupies, so a step
+use. Attention sinks (gpt-oss: a learned logit per q head that joins every softmax as a column
+with no value) are folded into the final state (`fold_sinks`). The loop runs only over the chunks that some sequence actually occupies, so a step
 whose sequences are short costs little even when `pages_per_seq` is large.
 """
 
@@ -55,13 +56,24 @@ def _dequant(pages, scales, tbl, layer=None):
     return x.reshape(num_kv_heads, num_seqs, num_chunk_pages * page_size, head_dim)
 
 
+def fold_sinks(m, l, acc, sinks):
+    """Adds an attention sink to online-softmax states: one more column of logit `sinks` (broadcast
+    like m) and value 0, as the state (m = sink, l = 1, acc = 0) merged into (m, l, acc). Exact in
+    any order, so it can follow the loop; a sequence with no visible key gets l = 1, acc = 0."""
+    sinks = jnp.broadcast_to(sinks, m.shape)
+    m_new = jnp.maximum(m, sinks)
+    alpha = jnp.exp(m - m_new)
+    return m_new, l * alpha + jnp.exp(sinks - m_new), acc * alpha[..., None]
+
+
 @functools.partial(
     jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "pages_per_chunk"))
 def paged_decode_xla(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap=None,
                      alibi_slopes=None, sliding_window=None, k_scales=None, v_scales=None,
-                     pages_per_chunk=None, layer=None):
+                     pages_per_chunk=None, layer=None, sinks=None):
     """Paged decode attention in plain JAX. Arguments as `jpa.paged_decode` (already validated;
-    `layer` an i32[] with stacked [L, K, P, S_p, H] pools, None with per-layer pools).
+    `layer` an i32[] with stacked [L, K, P, S_p, H] pools, None with per-layer pools; `sinks`
+    f32[num_q_heads] or None).
 
     Returns:
       [num_seqs, num_q_heads, head_dim] in q's dtype.
@@ -131,6 +143,8 @@ def paged_decode_xla(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft
         first = jnp.min(jnp.where(live, start, jnp.iinfo(jnp.int32).max)) // chunk_tokens
         last = -(-jnp.max(seq_lens) // chunk_tokens)
         m, l, acc = lax.fori_loop(jnp.minimum(first, last), last, body, init)
+    if sinks is not None:
+        m, l, acc = fold_sinks(m, l, acc, sinks.astype(jnp.float32).reshape(num_kv_heads, 1, q_per_kv))
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
     out = jnp.swapaxes(out, 0, 1)  # [B, K, G, H]
     return out.reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)
@@ -139,9 +153,9 @@ def paged_decode_xla(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window"))
 def paged_prefill_xla(q, k_pages, v_pages, block_tables, start, chunk_lens, *, scale,
                       soft_cap=None, alibi_slopes=None, sliding_window=None, k_scales=None,
-                      v_scales=None, layer=None):
-    """Plain-JAX prefill (arguments validated). soft_cap, alibi_slopes and sliding_window are as
-    in `jpa.paged_decode`, for a query at position p: ALiBi adds slope * (k_pos - p) and the
+                      v_scales=None, layer=None, sinks=None):
+    """Plain-JAX prefill (arguments validated). soft_cap, alibi_slopes, sliding_window and sinks are
+    as in `jpa.paged_decode`, for a query at position p: ALiBi adds slope * (k_pos - p) and the
     window keeps keys in (p - sliding_window, p]. Returns [B, T, N, H] in q's dtype."""
     num_seqs, num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape[-4:]  # layer: i32[] of a stacked pool, or None
@@ -209,6 +223,8 @@ def paged_prefill_xla(q, k_pages, v_pages, block_tables, start, chunk_lens, *, s
         big = jnp.iinfo(jnp.int32).max
         first = jnp.min(jnp.where(live, lo, big), initial=big) // chunk_tokens
         m, l, acc = lax.fori_loop(jnp.minimum(first, last), last, body, init)
+    if sinks is not None:
+        m, l, acc = fold_sinks(m, l, acc, sinks.astype(jnp.float32).reshape(1, num_kv_heads, q_per_kv, 1))
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
     out = jnp.transpose(out, (0, 3, 1, 2, 4))  # [B, T, K, G, H]
     return out.reshape(num_seqs, num_tokens, num_q_heads, head_dim).astype(q.dtype)

@@ -136,8 +136,23 @@ def check_used_pages(block_tables, lens, page_size, num_pages):
                          f"{num_pages}); got block_tables[{b}, {j}] = {tables[b, j]}")
 
 
-def check_options(num_q_heads, *, scale, soft_cap, alibi_slopes, sliding_window, impl, interpret):
+def check_sinks(sinks, num_q_heads):
+    """Attention sinks: None, or a float32 array [num_q_heads] (one logit per q head)."""
+    if sinks is None:
+        return
+    check_ndim("sinks", sinks, 1, f"f32[num_q_heads] = f32[{num_q_heads}]")
+    if sinks.shape[0] != num_q_heads:
+        raise ValueError(f"sinks must have num_q_heads = {num_q_heads} entries (one logit per q "
+                         f"head); got {sinks.shape[0]}")
+    check_dtype("sinks", sinks, (np.float32,))
+    if is_concrete(sinks) and not np.isfinite(np.asarray(sinks)).all():
+        raise ValueError("sinks must be finite (a sink of -inf is no sink: pass sinks=None)")
+
+
+def check_options(num_q_heads, *, scale, soft_cap, alibi_slopes, sliding_window, impl, interpret,
+                  sinks=None):
     """Validates the keyword options shared by `paged_decode` and `ragged_paged_attention`."""
+    check_sinks(sinks, num_q_heads)
     check_positive("scale", scale)
     check_positive("soft_cap", soft_cap)
     if sliding_window is not None and not (isinstance(sliding_window, (int, np.integer))
@@ -157,7 +172,8 @@ def check_options(num_q_heads, *, scale, soft_cap, alibi_slopes, sliding_window,
 
 
 def check_decode_args(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap,
-                      alibi_slopes, sliding_window, k_scales, v_scales, impl, interpret, layer=None):
+                      alibi_slopes, sliding_window, k_scales, v_scales, impl, interpret, layer=None,
+                      sinks=None):
     """Validates `paged_decode`'s arguments; raises ValueError on the first problem found."""
     check_ndim("q", q, 3, "[num_seqs, num_q_heads, head_dim]")
     check_dtype("q", q, FLOAT_DTYPES)
@@ -175,7 +191,7 @@ def check_decode_args(q, k_pages, v_pages, block_tables, seq_lens, *, scale, sof
     if seq_lens.shape[0] != num_seqs:
         raise ValueError(f"seq_lens must have num_seqs = {num_seqs} entries; got {seq_lens.shape[0]}")
     check_options(num_q_heads, scale=scale, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
-                  sliding_window=sliding_window, impl=impl, interpret=interpret)
+                  sliding_window=sliding_window, impl=impl, interpret=interpret, sinks=sinks)
     max_len = pages_per_seq * page_size
     if is_concrete(seq_lens):
         lens = np.asarray(seq_lens)

@@ -51,7 +51,7 @@ def layer_index(layer_ref, num_layers):
     return jnp.minimum(jnp.maximum(layer_ref[0], 0), num_layers - 1)
 
 
-def merge_partitions(acc, m, l, out_dtype):
+def merge_partitions(acc, m, l, out_dtype, sinks=None):
     """Merges per-partition online-softmax states along axis `-3` of acc / `-2` of m and l.
 
     Args:
@@ -59,13 +59,22 @@ def merge_partitions(acc, m, l, out_dtype):
       m: f32[..., num_partitions, rows] running maxima.
       l: f32[..., num_partitions, rows] running sums.
       out_dtype: dtype of the result.
+      sinks: None, or f32 logits broadcastable to [..., rows] (attention sinks): each joins its
+        row's softmax as one more column with a zero value. Folded in here, at the split-K
+        combine, as a partition of its own (m = sink, l = 1, acc = 0): exact for any number of
+        partitions, and an empty sequence (every l 0) gives 0.
 
     Returns:
       [..., rows, head_dim] in out_dtype.
     """
     m_max = jnp.max(m, axis=-2, keepdims=True)  # [..., 1, rows]
+    if sinks is not None:
+        sinks = jnp.broadcast_to(sinks.astype(jnp.float32), m_max.shape[:-2] + m_max.shape[-1:])
+        m_max = jnp.maximum(m_max, sinks[..., None, :])
     w = jnp.exp(m - m_max)  # [..., num_partitions, rows]
     l_tot = jnp.sum(w * l, axis=-2)  # [..., rows]
+    if sinks is not None:
+        l_tot = l_tot + jnp.exp(sinks - m_max[..., 0, :])
     acc_tot = jnp.sum(w[..., None] * acc, axis=-3)  # [..., rows, head_dim]
     out = jnp.where(l_tot[..., None] > 0, acc_tot / jnp.where(l_tot > 0, l_tot, 1.0)[..., None], 0.0)
     return out.astype(out_dtype)

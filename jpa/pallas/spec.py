@@ -29,6 +29,8 @@ class DecodeSpec(NamedTuple):
     num_pages: int = 1
     # Layers of a stacked pool [num_layers, K, P, S_p, H] read at a layer index; 1 = a per-layer pool.
     num_layers: int = 1
+    # Attention sinks (gpt-oss): a learned per-q-head logit f32[num_q_heads] in every softmax.
+    sinks: bool = False
 
     q_per_kv = _Q_PER_KV
     pool_elements = _POOL_ELEMENTS
@@ -52,6 +54,8 @@ class RaggedSpec(NamedTuple):
     quantized: bool
     # Layers of a stacked pool [num_layers, K, P, S_p, H] read at a layer index; 1 = a per-layer pool.
     num_layers: int = 1
+    # Attention sinks (gpt-oss): a learned per-q-head logit f32[num_q_heads] in every softmax.
+    sinks: bool = False
 
     q_per_kv = _Q_PER_KV
     pool_elements = _POOL_ELEMENTS

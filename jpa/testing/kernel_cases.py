@@ -46,6 +46,9 @@ class Case:
     share_page: bool = False
     spare_pages: int = 3
     seed: int = 0
+    # Attention sinks: None (off), or the centre of random per-head sinks (N(0, 1) + this value;
+    # +-1e4 puts every weight on / no weight on the sink).
+    sinks: float | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -54,7 +57,8 @@ class Case:
     def __str__(self):
         feats = [f"sc{self.soft_cap}" if self.soft_cap else "", "alibi" if self.alibi else "",
                  f"win{self.sliding_window}" if self.sliding_window else "",
-                 "shared" if self.share_page else ""]
+                 "shared" if self.share_page else "",
+                 f"sink{self.sinks:g}" if self.sinks is not None else ""]
         return (f"N{self.num_q_heads}K{self.num_kv_heads}H{self.head_dim}S{self.page_size}"
                 f"x{self.pages_per_seq}-{self.q_dtype}-{self.cache_dtype}-L{list(self.seq_lens)}"
                 + "".join(f"-{f}" for f in feats if f))
@@ -109,13 +113,18 @@ def make_inputs(case: Case):
                       if case.alibi else None),
         sliding_window=case.sliding_window,
         k_scales=scales[0], v_scales=scales[1])
+    if case.sinks is not None:
+        opts["sinks"] = jnp.asarray(rng.standard_normal(case.num_q_heads) + case.sinks, jnp.float32)
     args = (q, pools[0], pools[1], jnp.asarray(tables), jnp.asarray(lens))
     return args, opts
 
 
 def np_reference(q, k_pages, v_pages, block_tables, seq_lens, *, scale=None, soft_cap=None,
-                 alibi_slopes=None, sliding_window=None, k_scales=None, v_scales=None):
-    """float64 dense attention over each sequence's gathered tokens -> [num_seqs, num_q_heads, head_dim]."""
+                 alibi_slopes=None, sliding_window=None, k_scales=None, v_scales=None, sinks=None):
+    """float64 dense attention over each sequence's gathered tokens -> [num_seqs, num_q_heads, head_dim].
+
+    sinks (f32[num_q_heads] or None): one more softmax column per head with logit sinks[h] and a
+    zero value (a length-0 sequence: all weight on the sink, output 0)."""
     q = np.asarray(q.astype(jnp.float32), np.float64)  # [B, N, H]
     k_pages = np.asarray(k_pages.astype(jnp.float32), np.float64)  # [K, P, S_p, H]
     v_pages = np.asarray(v_pages.astype(jnp.float32), np.float64)
@@ -145,8 +154,14 @@ def np_reference(q, k_pages, v_pages, block_tables, seq_lens, *, scale=None, sof
             s = s + slopes * (pos - n + 1)
         if sliding_window is not None:
             s = np.where(pos >= n - sliding_window, s, -np.inf)
+        if sinks is not None:
+            # The sink as an explicit extra column, normalized with the rest, then dropped.
+            sink_col = np.asarray(sinks, np.float64).reshape(num_kv_heads, group, 1)
+            s = np.concatenate([s, sink_col], axis=-1)
         p = np.exp(s - s.max(axis=-1, keepdims=True))
         p = p / p.sum(axis=-1, keepdims=True)
+        if sinks is not None:
+            p = p[..., :-1]
         out[b] = np.einsum("KGS,KSH->KGH", p, vals).reshape(num_q_heads, head_dim)
     return out
 

@@ -47,6 +47,7 @@ class KernelConfig:
     sliding_window: bool = False
     split_k: bool = False   # long contexts and few sequences (several partitions per sequence)
     num_pages: int = 8192
+    sinks: bool = False     # attention sinks f32[num_q_heads] (folded in at the split-K combine)
 
     @property
     def num_seqs(self) -> int:
@@ -61,11 +62,12 @@ class KernelConfig:
                           self.num_kv_heads, self.head_dim, self.page_size, self.pages_per_seq,
                           self.soft_cap, self.alibi, self.sliding_window,
                           self.cache_dtype in ("int8", "float8_e4m3fn", "float8_e5m2"),
-                          self.num_seqs, self.num_pages)
+                          self.num_seqs, self.num_pages, sinks=self.sinks)
 
     @property
     def name(self) -> str:
-        opts = "+".join(o for o in ("soft_cap", "alibi", "sliding_window", "split_k") if getattr(self, o))
+        opts = "+".join(o for o in ("soft_cap", "alibi", "sliding_window", "split_k", "sinks")
+                        if getattr(self, o))
         return (f"{self.impl} q={self.q_dtype} kv={self.cache_dtype} ps={self.page_size} "
                 f"hd={self.head_dim} G={self.q_per_kv}" + (f" {opts}" if opts else ""))
 
@@ -96,10 +98,17 @@ def covering_grid(impl: str, subset: str = "full") -> list:
             out.append(dataclasses.replace(base, split_k=split, **{opt: True}))
         out.append(dataclasses.replace(base, split_k=split, soft_cap=True, alibi=True, sliding_window=True,
                                        cache_dtype="int8", q_per_kv=8, head_dim=80))
+    # Attention sinks, split-K off and on: shapes no other entry has, so each kernel is compiled (and
+    # ptxas reports) here: a Mosaic decode kernel with sinks is the same cubin as without (the sink
+    # joins at the split-K combine), which one process compiles once.
+    sinks = [dataclasses.replace(base, split_k=split, sinks=True, sliding_window=True, q_per_kv=8,
+                                 head_dim=64) for split in (False, True)]
     out = list(dict.fromkeys(out))
     if subset == "fast":
         out = out[::9] + [c for c in out if c.split_k][:2]
-        out = list(dict.fromkeys(out))
+        out = list(dict.fromkeys(out)) + sinks[1:]
+    else:
+        out += sinks
     return out
 
 
@@ -132,6 +141,8 @@ def kernel_call(cfg: KernelConfig):
         kwargs["alibi_slopes"] = sds((spec.num_q_heads,), jnp.float32)
     if spec.quantized:
         kwargs["k_scales"] = kwargs["v_scales"] = sds(pool[:3], jnp.float32)
+    if spec.sinks:
+        kwargs["sinks"] = sds((spec.num_q_heads,), jnp.float32)
     import jpa
     fn = functools.partial(jpa.paged_decode, impl=cfg.impl, soft_cap=30.0 if spec.soft_cap else None,
                            sliding_window=1024 if spec.sliding_window else None)
@@ -183,7 +194,9 @@ def check_kernels(compiler: Compiler, impls, subset: str, log=print, random: int
 # sequences of up to 4096 tokens, 8 kv heads; soft cap and sliding window on.
 RAGGED_CONFIGS = (("bfloat16", "bfloat16", 4, 128, 16), ("bfloat16", "bfloat16", 1, 256, 16),
                   ("float16", "int8", 3, 64, 32), ("float32", "float32", 8, 128, 16),
-                  ("bfloat16", "float8_e5m2", 8, 80, 128))
+                  ("bfloat16", "float8_e5m2", 8, 80, 128),
+                  # A sixth entry True: attention sinks (f32[num_q_heads]).
+                  ("bfloat16", "bfloat16", 8, 64, 16, True))
 RAGGED_SIZES = dict(num_tokens=512, max_num_seqs=64, num_kv_heads=8, num_pages=4096, max_tokens=4096)
 
 
@@ -203,7 +216,7 @@ def ragged_grid(subset: str = "full") -> list:
     return list(dict.fromkeys(out))
 
 
-def ragged_call(impl, q_dtype, cache_dtype, q_per_kv, head_dim, page_size):
+def ragged_call(impl, q_dtype, cache_dtype, q_per_kv, head_dim, page_size, sinks=False):
     """(spec, fn, args, pool shapes) of one ragged_paged_attention call with the impl forced."""
     import jpa
     from jpa.ops.ragged import ragged_spec
@@ -215,12 +228,16 @@ def ragged_call(impl, q_dtype, cache_dtype, q_per_kv, head_dim, page_size):
     args = (sds((z["num_tokens"], n, head_dim), q_dtype), sds(pool, cache_dtype), sds(pool, cache_dtype),
             sds((b, z["max_tokens"] // page_size), jnp.int32), sds((b,), jnp.int32), sds((b + 1,), jnp.int32),
             sds((), jnp.int32)) + ((sds(pool[:3], jnp.float32),) * 2 if quantized else ())
+    sink_arg = (sds((n,), jnp.float32),) if sinks else ()
+    args = args + sink_arg
 
-    def fn(q, k_pages, v_pages, tables, lens, cu, num_seqs, *scales):
+    def fn(q, k_pages, v_pages, tables, lens, cu, num_seqs, *rest):
+        scales, sink = (rest[:-1], rest[-1]) if sinks else (rest, None)
         return jpa.ragged_paged_attention(q, k_pages, v_pages, tables, lens, cu, num_seqs, soft_cap=30.0,
                                           sliding_window=1024, k_scales=scales[0] if scales else None,
-                                          v_scales=scales[1] if scales else None, impl=impl)
-    spec = ragged_spec(args[0], args[1], args[3], soft_cap=30.0, alibi_slopes=None, sliding_window=1024)
+                                          v_scales=scales[1] if scales else None, impl=impl, sinks=sink)
+    spec = ragged_spec(args[0], args[1], args[3], soft_cap=30.0, alibi_slopes=None, sliding_window=1024,
+                       sinks=sink_arg[0] if sinks else None)
     return spec, fn, args, [(pool, cache_dtype)] * 2
 
 
@@ -233,7 +250,8 @@ def check_ragged(compiler: Compiler, impls, log=print, subset: str = "fast") -> 
     for impl in impls:
         for cfg in ragged_grid(subset):
             spec, fn, args, pools = ragged_call(impl, *cfg)
-            name = f"ragged {impl} q={cfg[0]} kv={cfg[1]} G={cfg[2]} hd={cfg[3]} ps={cfg[4]}"
+            name = (f"ragged {impl} q={cfg[0]} kv={cfg[1]} G={cfg[2]} hd={cfg[3]} ps={cfg[4]}"
+                    + (" sinks" if cfg[5:] and cfg[5] else ""))
             reason = ragged.unsupported_reason(impl, spec, cc)
             if reason is not None:
                 records.append(dict(name=name, target=compiler.target, kind="ragged", ok=True, refused=reason))

@@ -28,6 +28,8 @@ are widened in SMEM to q's dtype for the WGMMA (exact), and their per-token scal
 to the logits (K) and to the columns of p (V) instead of to the values.
 
 Split-K: each partition writes its unnormalized (acc, m, l); `merge_partitions` combines them.
+Attention sinks (`sinks`, f32[num_q_heads]) join there, as one more partition (m = sink, l = 1,
+acc = 0): exact for any split, and the kernel body is the same with or without them.
 
 Pool layouts (`paged_decode`'s `layer`): per layer `[K, P, S_p, H]` (`layer=None`), or stacked
 `[L, K, P, S_p, H]` with a layer index (an i32 scalar, traced in a scan over layers). Either way
@@ -264,7 +266,7 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, ks_ref, vs_re
 
 def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap, alibi_slopes,
                   sliding_window, k_scales=None, v_scales=None, interpret,
-                  blocks_per_part=None, detect_races=False, layer=None, tuning=None):
+                  blocks_per_part=None, detect_races=False, layer=None, tuning=None, sinks=None):
     num_seqs, num_q_heads, head_dim = q.shape
     num_layers, num_kv_heads, _, page_size, _ = pool_layout(k_pages, layer)
     stacked = num_layers is not None
@@ -328,7 +330,9 @@ def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_ca
       k_scales if quantized else slopes, v_scales if quantized else slopes,
       *([layer_operand(layer)] if stacked else []))
     acc = acc[..., :q_per_kv, :]  # [B, K, parts, G, H]
-    out = merge_partitions(acc, m[..., :q_per_kv], l[..., :q_per_kv], dtype)  # [B, K, G, H]
+    # Attention sinks join at the split-K combine (exact for any partitioning).
+    out = merge_partitions(acc, m[..., :q_per_kv], l[..., :q_per_kv], dtype,
+                           None if sinks is None else sinks.reshape(num_kv_heads, q_per_kv))  # [B, K, G, H]
     return out.reshape(num_seqs, num_q_heads, head_dim)
 
 
@@ -336,7 +340,7 @@ def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_ca
                                              "tuning", "compute_capability"))
 def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap=None,
                  alibi_slopes=None, sliding_window=None, k_scales=None, v_scales=None,
-                 interpret=False, layer=None, tuning=None, compute_capability=None):
+                 interpret=False, layer=None, tuning=None, compute_capability=None, sinks=None):
     """Paged decode attention with the Mosaic GPU kernel. Arguments as `jpa.paged_decode`
     (already validated, and `unsupported_reason` is None for their DecodeSpec).
 
@@ -363,9 +367,9 @@ def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap
         return decode_ampere.paged_decode(
             q, k_pages, v_pages, block_tables, seq_lens, scale=scale, soft_cap=soft_cap,
             alibi_slopes=alibi_slopes, sliding_window=sliding_window, interpret=interpret,
-            layer=layer, tma=decode_ampere.uses_tma(compute_capability),
+            layer=layer, tma=decode_ampere.uses_tma(compute_capability), sinks=sinks,
             tuning=tuning or tuning_table.lookup_ampere(compute_capability, q.shape[-1]))
     return _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, scale=scale,
                          soft_cap=soft_cap, alibi_slopes=alibi_slopes,
                          sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales,
-                         interpret=interpret, layer=layer, tuning=tuning)
+                         interpret=interpret, layer=layer, tuning=tuning, sinks=sinks)

@@ -369,7 +369,7 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, layer_ref,  #
 
 def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap, alibi_slopes,
                   sliding_window, interpret, blocks_per_part=None, layer=None, tuning=None,
-                  tma=False):
+                  tma=False, sinks=None):
     num_seqs, num_q_heads, head_dim = q.shape
     num_layers, num_kv_heads, _, page_size, _ = pool_layout(k_pages, layer)
     stacked = num_layers is not None
@@ -422,7 +422,9 @@ def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_ca
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(q_rows, k_pages, v_pages, block_tables, seq_lens.astype(jnp.int32), slopes,
       *([layer_operand(layer)] if stacked else []))
-    out = merge_partitions(acc[..., :q_per_kv, :], m[..., :q_per_kv], l[..., :q_per_kv], dtype)
+    # Attention sinks join at the split-K combine (exact for any partitioning).
+    out = merge_partitions(acc[..., :q_per_kv, :], m[..., :q_per_kv], l[..., :q_per_kv], dtype,
+                           None if sinks is None else sinks.reshape(num_kv_heads, q_per_kv))
     return out.reshape(num_seqs, num_q_heads, head_dim)
 
 
@@ -430,7 +432,7 @@ def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_ca
                                              "tuning", "blocks_per_part", "tma"))
 def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap=None,
                  alibi_slopes=None, sliding_window=None, interpret=False, layer=None, tuning=None,
-                 blocks_per_part=None, tma=False):
+                 blocks_per_part=None, tma=False, sinks=None):
     """Paged decode attention with the mma.sync Mosaic GPU kernel. Arguments as
     `decode.paged_decode` (validated; `unsupported_reason` is None for their DecodeSpec); no
     k_scales / v_scales (8-bit caches are refused). tuning None: `tuning.lookup_ampere(None, H)`.
@@ -442,4 +444,4 @@ def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap
     return _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, scale=scale,
                          soft_cap=soft_cap, alibi_slopes=alibi_slopes,
                          sliding_window=sliding_window, interpret=interpret, layer=layer,
-                         tuning=tuning, blocks_per_part=blocks_per_part, tma=tma)
+                         tuning=tuning, blocks_per_part=blocks_per_part, tma=tma, sinks=sinks)

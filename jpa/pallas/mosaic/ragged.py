@@ -24,6 +24,10 @@ Each live program writes its 64 output rows (normalized, q's dtype) to its own s
 sequences are adjacent in q's rows); the wrapper gathers the live rows back into [T, N, H].
 Tile slots past the live count skip their loads and their store.
 
+Attention sinks (`sinks`, f32[num_q_heads]): the decode kernel folds them in at its split-K combine;
+this kernel merges the state (m = sink, l = 1, acc = 0) into each row's final one before normalizing
+(its 64 sinks, laid out like the rows, come in through SMEM after the main loop).
+
 Pool layouts: per layer `[K, P, S_p, H]` (`layer=None`) or stacked `[L, K, P, S_p, H]` with a
 layer index (an i32 scalar, traced in a scan over layers), as in the decode kernel: both kernels get
 the whole pools and the layer as an `i32[1]` operand, and TMA from `k_ref.at[layer, kv_head, page,
@@ -72,14 +76,15 @@ def tile_tokens(q_per_kv: int) -> int:
 
 
 def _kernel(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref, pos0_ref, slopes_ref,
-            ks_ref, vs_ref, layer_ref, out_ref, bars, *, scale, soft_cap, sliding_window, q_per_kv,
+            ks_ref, vs_ref, layer_ref, sinks_ref, out_ref, bars, *, scale, soft_cap, sliding_window, q_per_kv,
             page_size, block_tokens, slots, rows_per_head, register_acc):
     # q_ref [K * rows_per_head, H]: kv head h's rows start at h * rows_per_head, token t's
     #   q_per_kv heads at + t * q_per_kv (rows_per_head = T * q_per_kv + BLOCK_Q, padded).
     # k_ref, v_ref [K, P, S_p, H], or [L, K, P, S_p, H] for a stacked pool (layer_ref i32[1] then
     # holds the layer, else None); tables_ref i32[max_num_seqs, pages_per_seq];
     # seq_ref, row0_ref, ntok_ref, pos0_ref i32[num_tiles]; slopes_ref f32[K, BLOCK_Q] or None;
-    # ks_ref, vs_ref f32[(L,) K, P, S_p] or None; out_ref [num_tiles, K, BLOCK_Q, H] in q's dtype.
+    # ks_ref, vs_ref f32[(L,) K, P, S_p] or None; sinks_ref f32[K, BLOCK_Q] (attention sinks, laid out
+    # like the slopes) or None; out_ref [num_tiles, K, BLOCK_Q, H] in q's dtype.
     # register_acc: as in the decode kernel (`pipeline.attend`); False in GPU interpret mode.
     q_bar, k_bars, v_bars = bars
     w = lax.axis_index("tile")
@@ -121,19 +126,33 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref, pos0_r
                 vis = vis & (rel > -sliding_window)
             return s, vis
 
-        acc, m, l = attend(blocks, q_smem, p_smem, kd_smem, vd_smem, scale=scale,
-                           soft_cap=soft_cap, logits=logits, key_range=(kv_lo, kv_end),
-                           zero_masked_p=True, register_acc=register_acc)
-        del m
-        # Live rows see at least their own key (l > 0); the guard keeps the other rows finite.
-        l = jnp.where(l > 0, l, 1.0)
-        return acc / lax.broadcast_in_dim(l, acc.shape, [0])
+        return attend(blocks, q_smem, p_smem, kd_smem, vd_smem, scale=scale,
+                      soft_cap=soft_cap, logits=logits, key_range=(kv_lo, kv_end),
+                      zero_masked_p=True, register_acc=register_acc)
 
-    out = pl.run_scoped(
+    acc, m, l = pl.run_scoped(
         main_loop,
         *main_loop_scratch(dtype, k_ref.dtype, head_dim, block_tokens, slots,
                            alibi=slopes_ref is not None, quantized=quantized,
-                           register_acc=register_acc))  # f32[BLOCK_Q, H], WGMMA layout
+                           register_acc=register_acc))  # f32[BLOCK_Q, H] (WGMMA layout), 2 x f32[BLOCK_Q]
+    if sinks_ref is not None:
+        # The sink joins each row's softmax as a column of value 0: the state (m = sink, l = 1,
+        # acc = 0) merged into the final one (a program holds all of its rows' keys: exact). Its
+        # 64 logits come in through SMEM after the main loop has freed its buffers.
+        def load_sinks(sinks_smem, bar):
+            plgpu.copy_gmem_to_smem(sinks_ref.at[kh], sinks_smem, bar.at[0])
+            plgpu.barrier_wait(bar.at[0])
+            return plgpu.load(sinks_smem, layout=plgpu.Layout.WGMMA.reduce(1))  # f32[BLOCK_Q]
+
+        sink = pl.run_scoped(load_sinks, plgpu.SMEM((BLOCK_Q,), jnp.float32),
+                             plgpu.Barrier(num_barriers=1))
+        m_new = jnp.maximum(m, sink)
+        alpha = jnp.exp(m - m_new)
+        l = l * alpha + jnp.exp(sink - m_new)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    # Live rows see at least their own key (l > 0); the guard keeps the other rows finite.
+    l = jnp.where(l > 0, l, 1.0)
+    out = acc / lax.broadcast_in_dim(l, acc.shape, [0])  # f32[BLOCK_Q, H], WGMMA layout
 
     def epilogue(o_smem):
         o_smem[...] = out.astype(dtype)
@@ -149,7 +168,7 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref, pos0_r
 
 
 def _tile_rows(q, k_pages, v_pages, block_tables, tiles, alibi_slopes, k_scales, v_scales, *,
-               scale, soft_cap, sliding_window, interpret, layer=None, tuning):
+               scale, soft_cap, sliding_window, interpret, layer=None, tuning, sinks=None):
     """Runs the tile kernel. Returns out_tiles [num_tiles, K, BLOCK_Q, H] in q's dtype (rows
     of dead tiles, and rows past a tile's tokens, are unspecified)."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -173,6 +192,9 @@ def _tile_rows(q, k_pages, v_pages, block_tables, tiles, alibi_slopes, k_scales,
         # Row r of a tile is q head kh * q_per_kv + r % q_per_kv.
         r = jnp.arange(BLOCK_Q) % q_per_kv  # i32[BLOCK_Q]
         slopes = alibi_slopes.astype(jnp.float32).reshape(num_kv_heads, q_per_kv)[:, r]  # [K, BLOCK_Q]
+    if sinks is not None:
+        r = jnp.arange(BLOCK_Q) % q_per_kv  # i32[BLOCK_Q]
+        sink_rows = sinks.astype(jnp.float32).reshape(num_kv_heads, q_per_kv)[:, r]  # [K, BLOCK_Q]
     kernel = functools.partial(
         _kernel, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
         q_per_kv=q_per_kv, page_size=page_size, block_tokens=bt, slots=slots,
@@ -180,15 +202,18 @@ def _tile_rows(q, k_pages, v_pages, block_tables, tiles, alibi_slopes, k_scales,
     arrivals = tmas_per_block(page_size, bt, quantized)
 
     # The body's name is the kernel's name (ptxas reports and MOSAIC_GPU_DUMP_TO files).
-    # A stacked pool adds one operand, the layer (i32[1]), after the others.
+    # A stacked pool adds one operand, the layer (i32[1]), after the others; sinks one after that.
     def jpa_mosaic_ragged(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref, pos0_ref,
                           slopes_ref, ks_ref, vs_ref, *rest):
-        layer_ref, (out_ref,) = (rest[0], rest[1:]) if stacked else (None, rest)
+        rest = list(rest)
+        layer_ref = rest.pop(0) if stacked else None
+        sinks_ref = rest.pop(0) if sinks is not None else None
+        (out_ref,) = rest
         pl.run_scoped(
             lambda *bars: kernel(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref,
                                  pos0_ref, slopes_ref if alibi_slopes is not None else None,
                                  ks_ref if quantized else None, vs_ref if quantized else None,
-                                 layer_ref, out_ref, bars),
+                                 layer_ref, sinks_ref, out_ref, bars),
             *barriers(arrivals, slots))
 
     return plgpu.kernel(
@@ -200,14 +225,15 @@ def _tile_rows(q, k_pages, v_pages, block_tables, tiles, alibi_slopes, k_scales,
     )(q_rows, k_pages, v_pages, block_tables, *tiles,
       slopes if alibi_slopes is not None else placeholder,
       k_scales if quantized else placeholder, v_scales if quantized else placeholder,
-      *([layer_operand(layer)] if stacked else []))
+      *([layer_operand(layer)] if stacked else []), *([sink_rows] if sinks is not None else []))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "interpret",
                                              "tuning"))
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, num_seqs, *,
                            scale, soft_cap=None, alibi_slopes=None, sliding_window=None,
-                           k_scales=None, v_scales=None, interpret=False, layer=None, tuning=None):
+                           k_scales=None, v_scales=None, interpret=False, layer=None, tuning=None,
+                           sinks=None):
     """Ragged paged attention with the Mosaic GPU kernels. Arguments as
     `jpa.ragged_paged_attention` (already validated; `unsupported_reason` is None for them).
 
@@ -218,6 +244,8 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
 
     tuning: a `MosaicTuning` (static) for both kernels; None takes `tuning.lookup(None,
     head_dim)`, the table's fallback row (the same values as its H100 row).
+    sinks: f32[num_q_heads] attention sinks or None: the decode kernel folds them in at its split-K
+    combine, the tile kernel into each row's final softmax state.
 
     Returns:
       [num_tokens, num_q_heads, head_dim] in q's dtype; zeros at padding rows.
@@ -228,7 +256,7 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
     num_seqs = jnp.asarray(num_seqs, jnp.int32)
     tuning = tuning or tuning_table.lookup(None, head_dim)
     opts = dict(scale=scale, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
-                sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales)
+                sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales, sinks=sinks)
     # 1. Last rows (all decode tokens) through the split-K decode kernel.
     decode = functools.partial(mosaic_decode.paged_decode, interpret=interpret, layer=layer,
                                tuning=tuning)
@@ -241,7 +269,8 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
                         skip_last=True)  # 4 x i32[num_tiles]
     out_tiles = _tile_rows(q, k_pages, v_pages, block_tables, tiles, alibi_slopes, k_scales,
                            v_scales, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
-                           interpret=interpret, layer=layer, tuning=tuning)  # [W, K, BLOCK_Q, H]
+                           interpret=interpret, layer=layer, tuning=tuning,
+                           sinks=sinks)  # [W, K, BLOCK_Q, H]
     # Gather each tiled row back: row t is token t - row0[w] of its tile w.
     _, row0, ntok, _ = tiles
     j = jnp.arange(tt, dtype=jnp.int32)  # i32[tt]

@@ -245,7 +245,7 @@ def unsupported_reason(spec: DecodeSpec, compute_capability: float | None = None
                                              "partition_tokens", "tuning"))
 def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap=None,
                  alibi_slopes=None, sliding_window=None, k_scales=None, v_scales=None,
-                 interpret=False, partition_tokens=None, layer=None, tuning=None):
+                 interpret=False, partition_tokens=None, layer=None, tuning=None, sinks=None):
     """Paged decode attention with the Triton-backend Pallas kernel. Arguments as
     `jpa.paged_decode` (already validated there).
 
@@ -265,6 +265,8 @@ def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap
         scalar, a Python int or a traced i32[] (e.g. a scan's loop index); one compiled kernel
         serves every layer. Expected in [0, num_layers) (the public API validates it); the
         kernel clamps it into range.
+      sinks: f32[num_q_heads] attention sinks or None; folded in at the split-K combine
+        (`merge_partitions`), exact for any partitioning.
       tuning: a `DecodeTuning` (static); None takes `tuning.decode_tuning(None, head_dim, ...)`,
         DECODE_TABLE's fallback row (the same values as its A100 and H100 rows).
 
@@ -280,5 +282,8 @@ def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap
                           v_scales, layer, scale=scale, soft_cap=soft_cap,
                           sliding_window=sliding_window, interpret=interpret,
                           partition_tokens=partition_tokens, tuning=tuning)
-    out = merge_partitions(acc, m, l, q.dtype)  # [B, K, G, H]
+    num_kv_heads = k_pages.shape[-4]
+    q_per_kv = num_q_heads // num_kv_heads
+    out = merge_partitions(acc, m, l, q.dtype, None if sinks is None else
+                           sinks.reshape(num_kv_heads, q_per_kv))  # [B, K, G, H]
     return out.reshape(num_seqs, num_q_heads, head_dim)

@@ -94,7 +94,7 @@ def plan(num_tokens: int, max_num_seqs: int, q_per_kv: int, head_dim: int, page_
 
 
 def _kernel(seq_ref, row0_ref, ntok_ref, pos0_ref, tables_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref,
-            slopes_ref, layer_ref, _out_in_ref, out_ref, *, scale, soft_cap, sliding_window, page_size,
+            slopes_ref, sinks_ref, layer_ref, _out_in_ref, out_ref, *, scale, soft_cap, sliding_window, page_size,
             pages_per_seq, q_per_kv, head_dim, rows, block_k, compute_dtype):
     """One (query tile w, kv head h) program.
 
@@ -106,6 +106,7 @@ def _kernel(seq_ref, row0_ref, ntok_ref, pos0_ref, tables_ref, q_ref, k_ref, v_r
         [num_layers, num_pages, page_size, head_dim_pad] for a stacked pool (layer_ref given).
       ks_ref, vs_ref: f32[(num_layers,) num_pages, page_size] views (kv head h) or None.
       slopes_ref: f32[num_q_heads] or None.
+      sinks_ref: f32[num_q_heads] (attention sinks) or None.
       layer_ref: i32[1], the layer of a stacked pool, or None (per-layer pool).
       _out_in_ref: the output buffer as an input (aliased to out_ref; unused).
       out_ref: [num_tokens, num_q_heads, head_dim_pad] view of the output.
@@ -159,6 +160,14 @@ def _kernel(seq_ref, row0_ref, ntok_ref, pos0_ref, tables_ref, q_ref, k_ref, v_r
         return softmax_step(carry, s, vis, v, vs_ref, scale_ix, valid, compute_dtype=compute_dtype)
 
     m, l, acc = lax.fori_loop(first, last, body, softmax_init(rows, head_dim_pad))
+    if sinks_ref is not None:
+        # The sink joins each row's softmax as a column of value 0: (m = sink, l = 1, acc = 0)
+        # merged into the final state (a program holds all of its rows' keys: exact).
+        sink = plgpu.load(sinks_ref.at[head], mask=row_ok, other=0.0).astype(jnp.float32)  # [rows]
+        m_new = jnp.maximum(m, sink)
+        alpha = jnp.exp(m - m_new)
+        l = l * alpha + jnp.exp(sink - m_new)
+        acc = acc * alpha[:, None]
     # Every live row sees at least its own key, so l > 0 there; the guard keeps dead rows finite.
     out = acc / jnp.where(l > 0, l, 1.0)[:, None]  # [rows, head_dim_pad]
     plgpu.store(out_ref.at[tok_ix, head_ix, col_ix], out.astype(out_ref.dtype), mask=io_ok)
@@ -175,7 +184,7 @@ def unsupported_reason(spec: RaggedSpec, compute_capability: float | None = None
 
 
 def _tile_rows(q, k_pages, v_pages, block_tables, tiles, alibi_slopes, k_scales, v_scales, layer, out, *,
-               scale, soft_cap, sliding_window, interpret, tile_plan, cdt, tuning):
+               scale, soft_cap, sliding_window, interpret, tile_plan, cdt, tuning, sinks=None):
     """Runs the tile kernel with the launch `tile_plan` (`plan`) over `tiles` (`query_tiles`: 4 x
     i32[num_tiles]), writing into `out` [T, N, H] (aliased): the other rows keep their values.
     cdt: the dot operands' dtype. Returns the filled [T, N, H] in q's dtype."""
@@ -200,12 +209,15 @@ def _tile_rows(q, k_pages, v_pages, block_tables, tiles, alibi_slopes, k_scales,
         pool_spec, pool_spec,  # k_pages, v_pages: whole pools, kv head h selected by the index map
         scale_spec if quantized else None, scale_spec if quantized else None,
         whole((num_q_heads,)) if alibi_slopes is not None else None,
+        whole((num_q_heads,)) if sinks is not None else None,
         whole((1,)) if num_layers is not None else None,  # layer
         io_spec,  # the output buffer, last rows already filled
     ]
     slopes = alibi_slopes.astype(jnp.float32) if alibi_slopes is not None else None
     layer_arr = layer_operand(layer) if num_layers is not None else None  # i32[1]
-    operands = (*tiles, block_tables, q, k_pages, v_pages, k_scales, v_scales, slopes, layer_arr, out)
+    sinks = sinks.astype(jnp.float32) if sinks is not None else None
+    operands = (*tiles, block_tables, q, k_pages, v_pages, k_scales, v_scales, slopes, sinks, layer_arr,
+                out)
     out_index = sum(x is not None for x in operands) - 1  # None operands are dropped
     return pl.pallas_call(
         kernel,
@@ -226,7 +238,7 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
                            scale, soft_cap=None, alibi_slopes=None, sliding_window=None,
                            k_scales=None, v_scales=None, interpret=False, rows=None,
                            partition_tokens=None, layer=None, tuning: RaggedTuning | None = None,
-                           decode_tuning: DecodeTuning | None = None):
+                           decode_tuning: DecodeTuning | None = None, sinks=None):
     """Ragged paged attention with the Triton-backend Pallas kernel. Arguments as
     `jpa.ragged_paged_attention` (already validated there).
 
@@ -251,6 +263,8 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
       tuning: a `RaggedTuning` (static) for the tile kernel; None takes
         `tuning.ragged_tuning(None, head_dim, compute dtype)` (RAGGED_TABLE's fallback rows).
       decode_tuning: a `DecodeTuning` for the last rows' decode kernel; None: its default.
+      sinks: f32[num_q_heads] attention sinks or None: the decode kernel folds them in at its
+        split-K combine, the tile kernel into each row's final softmax state.
 
     Returns:
       [num_tokens, num_q_heads, head_dim] in q's dtype; zeros at padding rows.
@@ -265,7 +279,7 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
              f32=cdt == jnp.float32, tuning=tuning)
     num_seqs = jnp.asarray(num_seqs, jnp.int32)
     opts = dict(scale=scale, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
-                sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales)
+                sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales, sinks=sinks)
     # 1. Each sequence's last row (every decode token) through the split-K decode kernel.
     decode = functools.partial(triton_decode.paged_decode, interpret=interpret,
                                partition_tokens=partition_tokens, layer=layer, tuning=decode_tuning)
@@ -277,4 +291,4 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
                         skip_last=True)  # 4 x i32[num_tiles]
     return _tile_rows(q, k_pages, v_pages, block_tables, tiles, alibi_slopes, k_scales, v_scales,
                       layer, out, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
-                      interpret=interpret, tile_plan=p, cdt=cdt, tuning=tuning)
+                      interpret=interpret, tile_plan=p, cdt=cdt, tuning=tuning, sinks=sinks)
