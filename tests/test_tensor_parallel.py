@@ -44,7 +44,8 @@ def report(tmp_path_factory):
     assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
     recs = json.loads(out.read_text())
     # The real SmolLM2 runs with tp_check.py --full (scripts' time, not the suite's).
-    assert {pathlib.Path(r["model"]).name for r in recs} == {"tiny-llama", "tiny-gpt2", "gemma2", "qwen3"}
+    # Gemma-2 and Qwen3 run with tp_check.py --hf (CI's bench tier: tests/test_bench_tp_hf.py).
+    assert {pathlib.Path(r["model"]).name for r in recs} == {"tiny-llama", "tiny-gpt2"}
     return recs
 
 
@@ -62,7 +63,7 @@ def test_greedy_outputs_identical_to_one_device(report):
     # Split (tiny-llama 2) and pad (tiny-gpt2 3); replicate (the Llama test checkpoint at tp=4) runs
     # over two processes in test_multihost.py; tiny-llama at 4 and 3 and SmolLM2's pad at 2 and 4 and
     # split at 3 run with tp_check.py --full.
-    assert runs >= {("tiny-llama", 2), ("tiny-gpt2", 3), ("gemma2", 2), ("qwen3", 2)}
+    assert runs >= {("tiny-llama", 2), ("tiny-gpt2", 3)}
 
 
 def test_sampled_outputs_and_logprobs_identical_to_one_device(report):

@@ -157,6 +157,15 @@ BENCH = {
         "30 s: 2 replicas behind vllm-router (test_a_dying_replica_stops_everything starts the same job; test_server_router routes to a server)",
     "tests/test_structured.py::test_with_speculative_decoding":
         "10 s: constraints with speculation (each alone keeps its tests; the bench tier's offload test combines them too)",
+    "tests/test_gpu_compile.py::test_kernel_grid_subset_compiles[a100-kernel_names1]":
+        "30 s: the A100's kernel subset (test_mosaic_ampere compiles the sm_80 Mosaic decode; the A100's stacked "
+        "pool in a layer loop stays)",
+    "tests/test_structured.py::test_under_preemption_with_parallel_samples":
+        "40 s: constraints under preemption with n = 2 (test_random_constraints_are_met and the parallel-sampling "
+        "tests keep each)",
+    "tests/test_generate_script.py::test_prompt_logprobs_and_text_flags":
+        "40 s: the generate command's prompt-logprob and text flags (test_jsonl_prompts_to_json_lines keeps the "
+        "command; the engine's prompt logprobs keep their tests)",
 }
 
 

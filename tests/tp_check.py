@@ -5,8 +5,9 @@ device, so these runs need their own process:
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu python tests/tp_check.py OUT.json
 
-(the script sets both itself; `--full` adds tiny-gpt2 at tp=2 and tiny-llama at tp=3, and the real
-SmolLM2-135M at tp=2, 3 and 4). For each (model, tp) it runs the engine greedily and records the
+(the script sets both itself; `--hf` runs the tiny Hugging Face checkpoints (Gemma-2, Qwen3) instead of
+the tiny presets: CI's bench tier, tests/test_bench_tp_hf.py; `--full` runs both and adds tiny-gpt2 at tp=2,
+tiny-llama at tp=3 and 4, and the real SmolLM2-135M at tp=2, 3 and 4). For each (model, tp) it runs the engine greedily and records the
 tokens, how often each step was compiled, the shardings of the cache and the weights, and (tiny
 models) the largest difference between the sharded and the single-device model's logits on
 random inputs.
@@ -38,6 +39,8 @@ CASES = {  # model -> tensor-parallel sizes (1 first: the reference)
     "tiny-llama": (1, 2),         # 4 q / 2 kv heads: split (--full: and 4, replicate; 3, pad). Replicate at
                                   # tp=4 is in the suite over 2 processes (tests/test_multihost.py)
     "tiny-gpt2": (1, 3),          # 4 heads with biases: pad (q/k/v biases, ffn 256 -> 258)
+}
+HF_CASES = {  # --hf (and --full): the Hugging Face families with their own layer code
     GEMMA2: (1, 2),               # soft caps, sliding window on alternating layers, post-norms
     QWEN3: (1, 2),                # q/k RMSNorm
 }
@@ -83,11 +86,12 @@ def logits(model, mesh, inputs):
     return np.asarray(lp), np.asarray(ld)
 
 
-def main(out_path, full=False):
+def main(out_path, full=False, hf=False):
     rng = np.random.default_rng()
     assert len(jax.devices()) == 8, jax.devices()
     report = []
-    for name, sizes in {**CASES, **(FULL if full else {})}.items():
+    cases = {**CASES, **HF_CASES, **FULL} if full else HF_CASES if hf else CASES
+    for name, sizes in cases.items():
         # tiny-llama's n-gram speculation run must accept drafts (test_speculative_decoding_under_
         # tensor_parallelism), which depends on the weights and prompts drawn: they are seeded (this
         # draw accepts, the same every run); the other presets' weights and inputs stay fresh.
@@ -148,4 +152,4 @@ def _sharded_gpt(engine):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], full="--full" in sys.argv[2:])
+    main(sys.argv[1], full="--full" in sys.argv[2:], hf="--hf" in sys.argv[2:])
