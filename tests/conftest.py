@@ -52,11 +52,12 @@ def pytest_collection_modifyitems(config, items):
     """Tests named in tests/tiers.py's BENCH run in CI's bench tier (`./run test -m bench`), not in
     `./run test`: this runs before `-m 'not bench'` deselects (tryfirst). An entry names a test
     (every parametrization) or one parametrization by its node id."""
-    from tiers import BENCH, moved
+    from tiers import BENCH, moved, slow_first
 
     for item in items:
         if moved(item.nodeid, BENCH):
             item.add_marker(pytest.mark.bench)
+    items.sort(key=lambda item: slow_first(item.nodeid))   # stable: each file keeps its own order
     # An entry naming one parametrization must name one that exists: checked wherever its test was
     # collected with more than one parametrization (not when a single node id was asked for).
     ids = {item.nodeid for item in items}

@@ -120,3 +120,6 @@ def test_every_test_moved_to_the_bench_tier_exists():
         assert (root / path).is_file(), nodeid
         assert re.search(rf"^def {re.escape(name)}\(", (root / path).read_text(), re.M), nodeid
         assert why.strip(), f"{nodeid}: say why it moved and what keeps the property in the main tier"
+    from tiers import SLOW_FIRST
+
+    assert all((root / path).is_file() for path in SLOW_FIRST), SLOW_FIRST
