@@ -52,11 +52,14 @@ def pytest_collection_modifyitems(config, items):
     """Tests named in tests/tiers.py's BENCH run in CI's bench tier (`./run test -m bench`), not in
     `./run test`: this runs before `-m 'not bench'` deselects (tryfirst). An entry names a test
     (every parametrization) or one parametrization by its node id."""
-    from tiers import BENCH, moved, slow_first
+    from tiers import BENCH, SOAK, moved, slow_first
 
     for item in items:
         if moved(item.nodeid, BENCH):
             item.add_marker(pytest.mark.bench)
+        if moved(item.nodeid, SOAK):
+            item.add_marker(pytest.mark.bench)
+            item.add_marker(pytest.mark.soak)
     items.sort(key=lambda item: slow_first(item.nodeid))   # stable: each file keeps its own order
     # An entry naming one parametrization must name one that exists: checked wherever its test was
     # collected with more than one parametrization (not when a single node id was asked for).
@@ -65,6 +68,6 @@ def pytest_collection_modifyitems(config, items):
     for nodeid in ids:
         base = nodeid.split("[", 1)[0]
         counts[base] = counts.get(base, 0) + 1
-    stale = [n for n in BENCH if "[" in n and counts.get(n.split("[", 1)[0], 0) > 1 and n not in ids]
+    stale = [n for n in {**BENCH, **SOAK} if "[" in n and counts.get(n.split("[", 1)[0], 0) > 1 and n not in ids]
     if stale:
         raise pytest.UsageError(f"tests/tiers.py names parametrizations that were not collected: {stale}")

@@ -7,7 +7,11 @@ costs (seconds on the 2-core CI VM, quiet) and which main-tier test keeps the sa
 A test is moved when it is a second or third case of a property the main tier already checks, a
 grid, or a long end-to-end run; never the only test of a property.
 
-tests/test_layers.py checks that every entry still names a test.
+SOAK names bench-tier tests too long for CI's 20-minute budget: full grids and tables whose scripts print
+the same figures. They are marked `bench` and `soak`; CI runs `-m "bench and not soak"`, and
+`./run test -m soak` runs them by hand (before a release, or after changing what they cover).
+
+tests/test_layers.py checks that every entry still names a test (or a file).
 """
 
 BENCH = {
@@ -171,6 +175,24 @@ BENCH = {
 }
 
 
+SOAK = {
+    "tests/test_bench_traffic.py":
+        "5 min: the Llama-8B traffic tables, default and in place (scripts/gpu_traffic.py prints them; "
+        "tests/test_traffic.py keeps the model's accounting on a known program in the main tier)",
+    "tests/test_bench_mosaic_ampere.py::test_grid_matches_reference":
+        "2 min: the Ampere decode's interpret grid (tests/test_mosaic_ampere.py keeps both copy paths; the "
+        "bench tier keeps the kernel subset's compile for four targets)",
+    "tests/test_bench_sinks.py::test_decode_kernels_with_sinks":
+        "1 min: 3 decode kernels x 6 cases with sinks (tests/test_sinks.py keeps each kernel with split-K)",
+    "tests/test_bench_quant.py::test_engine_greedy_tokens_and_logprobs_equal_the_dequantized_model":
+        "1 min: two engine compiles (tests/test_quant.py keeps the quantized model against its dequantized weights)",
+    "tests/test_bench_offload.py::test_swap_with_speculation_and_prompt_logprobs":
+        "1 min: offload with speculation (tests/test_kv_offload.py keeps swap = recompute with prefix hits and n = 2)",
+    "tests/test_bench_offload.py::test_swap_with_structured_outputs_and_parallel_samples":
+        "1 min: offload with structured outputs (tests/test_kv_offload.py keeps swap = recompute)",
+}
+
+
 # The test files that keep a worker busiest (a 2-worker run of the main tier), started first: `./run test`
 # hands whole files to its 2 workers in collection order, so a long file collected last would run alone
 # at the end while the other worker idles. tests/conftest.py sorts them to the front, in this order.
@@ -187,6 +209,7 @@ def slow_first(nodeid: str) -> int:
 
 
 def moved(nodeid: str, table: dict = BENCH) -> bool:
-    """Whether nodeid (`path::test` or `path::test[param]`) is named by an entry of table."""
+    """Whether nodeid (`path::test` or `path::test[param]`) is named by an entry of table (its id, its
+    test, or its file)."""
     base = nodeid.split("[", 1)[0]
-    return nodeid in table or base in table
+    return nodeid in table or base in table or base.split("::", 1)[0] in table
