@@ -172,6 +172,22 @@ BENCH = {
     "tests/test_generate_script.py::test_prompt_logprobs_and_text_flags":
         "40 s: the generate command's prompt-logprob and text flags (test_jsonl_prompts_to_json_lines keeps the "
         "command; the engine's prompt logprobs keep their tests)",
+    # --- a clean-clone main tier at 11 m 44 s (632 s of tests in 2 workers): more second cases out
+    "tests/test_gpu_compile.py::test_engine_steps_compile_with_the_targets_kernel":
+        "50 s: SmolLM2's whole engine step compiled deviceless for the H100 (speculative) and the A100 (plain), "
+        "both in CI's bench tier; test_dispatch's engine decode loop under jit and test_mosaic_ampere's sm_80 "
+        "compile stay",
+    "tests/test_server_structured.py::test_parse_with_a_pydantic_model":
+        "17 s: the openai client's .parse() on chat (test_server_responses keeps .parse() on the Responses API)",
+    "tests/test_prompt_logprobs.py::test_prompt_logprobs_survive_preemption_and_forks":
+        "17 s: prompt logprobs under preemption (the chunked, cached-prefix and mid-prefill-preemption tests stay)",
+    "tests/test_dispatch.py::test_ragged_auto_self_checks_like_decode[wrong]":
+        "7 s: the ragged self-check refusing a wrong kernel (the decode self-check's wrong case and [good] stay)",
+    "tests/test_sampling_controls.py::test_controls_survive_preemption_prefix_hits_and_forks":
+        "10 s: penalties under preemption (the numpy reference and each control's effect stay)",
+    "tests/test_speculative.py::test_draft_model_outputs_equal_without_speculation":
+        "20 s: the draft-model proposer (n-gram speculation under preemption and prefix hits stays; both share the "
+        "verify loop)",
 }
 
 
