@@ -151,3 +151,35 @@ def test_the_prefix_key_table_holds_no_more_keys_than_cached_pages():
     cache.forget([1])                                          # the parent page goes
     cache.register(a[:4], [3])                                 # the same first page, a new key id
     assert cache.lookup(a + [0]) == [3]                        # page 2's key hangs off the old id
+
+
+def test_engines_whose_programs_are_equal_share_one_compiled_step(tiny):
+    """A second engine whose step lowers to the same program reuses the first one's executable
+    (runner.STEP_EXECUTABLES): params are arguments of the program, so it serves another model's
+    weights of the same shapes: its greedy tokens and logprobs are that model's dense ones."""
+    import jax
+    import jax.numpy as jnp
+
+    from jpa.engine import EngineConfig, LLMEngine
+    from jpa.engine.runner import STEP_EXECUTABLES
+    from jpa.testing.engine import context_gpt, run
+
+    gpt, tok = context_gpt(seed=int(np.random.default_rng().integers(100, 1 << 20)))   # tiny-llama's shapes
+    cfg = EngineConfig(**{**CFG, "steps_per_call": 2})   # no other test of this module compiles it
+    ps = prompts(np.random.default_rng(), 3)
+    params = SamplingParams(max_new_tokens=10, greedy=True, ignore_eos=True)
+    STEP_EXECUTABLES.clear()
+    first = LLMEngine(*tiny, cfg)
+    got_first = run(first, ps, params)
+    shared = LLMEngine(models.GPTForEngine(gpt), tok, cfg)
+    got_shared = run(shared, ps, params)
+    assert [e.runner.step_source for e in (first, shared)] == ["compiled", "process"]
+    assert shared.runner.compiled_step is first.runner.compiled_step
+    for out in got_shared:
+        seq = list(out.prompt_ids) + list(out.token_ids)
+        dense = np.asarray(jax.nn.log_softmax(models.forward_dense(gpt, jnp.asarray([seq[:-1]]))[0], -1))
+        n = len(out.prompt_ids)
+        assert list(out.token_ids) == [int(np.argmax(dense[n - 1 + i])) for i in range(len(out.token_ids))]
+        np.testing.assert_allclose(out.logprobs, [dense[n - 1 + i, t] for i, t in enumerate(out.token_ids)],
+                                   rtol=0, atol=1e-4)
+    assert not np.allclose(got_first[0].logprobs, got_shared[0].logprobs, atol=1e-3)   # other weights, not baked in

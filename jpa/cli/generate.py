@@ -234,7 +234,8 @@ def run(args):
              if s["prefix_caching"] else "")
           + f"attention {s['attention']} | compile {s['compile_seconds']:.1f} s "
           + f"(unified step compiled {s['step_compiles']}x"
-          + (", from the persistent compilation cache" if s["step_from_cache"] else "")
+          + {"persistent cache": ", from the persistent compilation cache",
+             "process": ", an earlier engine's of this process"}.get(s["step_source"], "")
           + f", token budget {s['token_budget']})" +
           f" | pool whole after run: {engine.pool_is_whole()}", file=sys.stderr)
     return 1 if failed else 0

@@ -240,7 +240,8 @@ class _Loader:
             attach(self.app, self.aengine, tok)
         compiled = ("" if args.no_warmup else
                     f"; unified step compiled in {engine.runner.compile_seconds:.1f} s"
-                    + (" (from the persistent compilation cache)" if engine.runner.step_from_cache else ""))
+                    + {"persistent cache": " (from the persistent compilation cache)",
+                       "process": " (an earlier engine's of this process)"}.get(engine.runner.step_source, ""))
         print(f"[jpa] model ready in {time.perf_counter() - t0:.1f} s{compiled}; KV cache: "
               f"{engine.cache_config.describe()}; max_model_len {engine.max_model_len}", file=sys.stderr, flush=True)
 

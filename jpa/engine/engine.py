@@ -784,7 +784,8 @@ class LLMEngine:
             "host_overhead": s.host_overhead,
             "compile_seconds": self.runner.compile_seconds,
             "step_compiles": self.runner.step_traces,    # the unified step: 1 once it ran
-            "step_from_cache": self.runner.step_from_cache,  # served by the persistent compilation cache
+            "step_from_cache": self.runner.step_from_cache,  # served by a compilation cache (step_source says which)
+            "step_source": self.runner.step_source,  # "compiled", "persistent cache" or "process" (runner.STEP_EXECUTABLES)
             "token_budget": self.config.max_num_batched_tokens,
             "ragged_block_tokens": self.runner.block_tokens,  # rows per model pass (set at compile)
             "steps_per_call": self.config.steps_per_call,

@@ -54,6 +54,8 @@ checks run identically on every device and the host reads one copy. The model (s
 shardings as its inputs, so one executable serves every call.
 """
 
+import collections
+import hashlib
 import time
 import types
 
@@ -86,6 +88,48 @@ def _count_cache_hits(event: str, **_):
 
 
 jax.monitoring.register_event_listener(_count_cache_hits)
+
+
+class ExecutableCache:
+    """Compiled unified steps of this process, shared by every engine whose step lowers to the same program.
+
+    jax.jit's own cache is keyed by the traced function, and each runner traces its own bound
+    `_step_impl`, so two engines with equal configurations (a server restarting its engine, `LLM(...)`
+    built twice, a test module's engines) would compile the same program twice. The key here is the
+    program itself: the lowered StableHLO text (shapes, shardings, donation and every constant are in
+    it; params are arguments), the compiler options, the backend and the devices it runs on. The
+    `size` most recently used executables are kept. Off with JAX's compilation cache
+    (`jax_enable_compilation_cache=False`, as scripts/bench_compile.py measures cold compiles).
+    """
+
+    def __init__(self, size: int = 32):
+        self.size = size
+        self._exes = collections.OrderedDict()
+        self.hits = 0
+
+    def compile(self, lowered, devices, compiler_options=None):
+        """(executable, reused): `lowered.compile(compiler_options)`, or the executable an earlier
+        identical program got (reused True)."""
+        if not jax.config.jax_enable_compilation_cache:
+            return lowered.compile(compiler_options), False
+        text = lowered.as_text()
+        key = (hashlib.sha256(text.encode()).hexdigest(), len(text), tuple(sorted((compiler_options or {}).items())),
+               tuple((d.platform, d.id, d.process_index) for d in devices))
+        exe = self._exes.get(key)
+        if exe is not None:
+            self._exes.move_to_end(key)
+            self.hits += 1
+            return exe, True
+        exe = self._exes[key] = lowered.compile(compiler_options)
+        while len(self._exes) > self.size:
+            self._exes.popitem(last=False)
+        return exe, False
+
+    def clear(self) -> None:
+        self._exes.clear()
+
+
+STEP_EXECUTABLES = ExecutableCache()
 
 
 # Custom-call targets of the Pallas GPU kernels in a compiled program's HLO.
@@ -167,6 +211,7 @@ class ModelRunner:
         self.cow_copies = 0  # pages copied on write (parallel samples' shared last pages)
         self.compile_seconds = 0.0
         self.step_from_cache = None  # set by compile_step
+        self.step_source = None      # set by compile_step: "compiled", "persistent cache" or "process"
         self._step_exe = None
         rep = {} if mesh is None else dict(out_shardings=self._rep)
         self._retire = jax.jit(self._retire_impl, donate_argnums=(0, 1), **rep)
@@ -297,12 +342,18 @@ class ModelRunner:
 
     def compile_step(self, num_tokens: int):
         """Compiles the unified step for a token budget (done by the first `step`). Sets
-        `step_from_cache`: whether JAX's persistent compilation cache served the executable."""
+        `step_source`: "process" when an earlier engine of this process compiled the same program
+        (`STEP_EXECUTABLES`), "persistent cache" when JAX's persistent compilation cache served it,
+        else "compiled"; `step_from_cache` is True for either cache."""
         self.set_block_tokens(num_tokens)
         t0 = time.perf_counter()
         hits = _CACHE_HITS[0]
-        self._step_exe = self.lower(num_tokens).compile()
-        self.step_from_cache = _CACHE_HITS[0] > hits
+        devices = sorted({d for leaf in jax.tree_util.tree_leaves(self.state()[:2]) for d in leaf.sharding.device_set},
+                         key=lambda d: (d.process_index, d.id))
+        self._step_exe, reused = STEP_EXECUTABLES.compile(self.lower(num_tokens), devices)
+        self.step_source = "process" if reused else "persistent cache" if _CACHE_HITS[0] > hits else "compiled"
+        self.step_from_cache = self.step_source != "compiled"
+
         self.compile_seconds += time.perf_counter() - t0
         self.attention = attention_in(self._step_exe.as_text())
         self.step_tokens = num_tokens
