@@ -44,6 +44,9 @@ import time
 
 import numpy as np
 
+# The XLA options under which the scanned layers' gemms read their weights in place; the engine
+# compiles its GPU step with them (`jpa.core.xla_options`; re-exported here for the tools).
+from jpa.core.xla_options import WEIGHTS_IN_PLACE  # noqa: F401
 from jpa.tools.hlo import MOSAIC_CALL, TRITON_CALL
 
 ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1, "s64": 8,
@@ -55,15 +58,6 @@ FREE_OPS = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "w
             "after-all", "partition-id", "replica-id", "opt-barrier", "fusion-done", "copy-done", "async-done",
             "send-done", "recv-done", "all-reduce-done", "all-gather-done", "collective-permute-done",
             "add-dependency", "domain", "get-dimension-size", "reshape", "async-start", "async-update"}
-# XLA options under which the scanned layers' gemms read their weights in place (measured with this
-# model, BENCHMARKS.md "Memory traffic of a decode step"): gemms through cuBLAS rather than XLA's
-# Triton gemm fusions, which XLA GPU feeds a layer's slice of a stacked weight by its offset (a
-# dynamic-slice fusion) instead of copying the slice out first; no dot merger, which would
-# concatenate wq, wk and wv into a new array every layer; and bf16 x bf16 -> f32 as the dots' algorithm,
-# without which a one-row gemm (a vector-matrix product: one sequence) goes to cuBLAS with both
-# operands converted to float32 first (the weight slice copied at twice its size).
-WEIGHTS_IN_PLACE = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_dot_merger_threshold_mb": 0,
-                    "xla_gpu_default_to_alg_dot_bf16_bf16_f32": True}
 PURPOSES = ("weights", "kv_read", "kv_write", "logits", "pages", "other")
 SLICING = ("dynamic-slice", "slice", "gather")
 IN_PLACE = ("dynamic-update-slice", "scatter")
@@ -568,12 +562,15 @@ def engine_spec(params, config, pools, *, max_seqs: int, context: int, page_size
 
 def engine_traffic(target: str = "h100", config=None, *, max_seqs: int = 64, context: int = 1024,
                    pool_gib: float = 8.0, page_size: int = 16, which: str = "plain", compiler_options=None,
-                   label: str = "Llama-3-8B", hlo: str | None = None) -> dict:
+                   label: str = "Llama-3-8B", hlo: str | None = None, engine_options: bool = True) -> dict:
     """Compiles the engine's unified step (`engine_steps`: a ragged pass, then the decode loop;
     "spec": with n-gram speculation, k = 4) for a deviceless target and models one iteration of its
     decode loop: a decode step at `max_seqs` sequences of `context` tokens (a verify step of
     k + 1 rows per sequence under "spec": its verify pass, not the plain decode pass it runs when
-    no sequence has a draft). config: a ModelConfig or dict (default Llama-3-8B's shapes). hlo: the
+    no sequence has a draft). config: a ModelConfig or dict (default Llama-3-8B's shapes). The
+    program is the engine's as it compiles it for a GPU (`step_program`: its jit options, with the
+    XLA options of `ModelRunner.compiler_options`); engine_options=False drops those XLA options
+    (XLA's defaults); compiler_options: more XLA options over them. hlo: the
     optimized HLO of this same program, saved from an earlier call: modelled without compiling.
     Returns dict(name, summary (`summary` against the ideal), top (`top_kernels`), seconds and
     cpu_seconds (the compile: wall, and this process's CPU time; None given hlo), temp_bytes, rows
@@ -584,13 +581,16 @@ def engine_traffic(target: str = "h100", config=None, *, max_seqs: int = 64, con
 
     config = ModelConfig(**(config or LLAMA_SHAPED)) if not isinstance(config, ModelConfig) else config
     max_model_len = max(2048, -(-context // page_size) * page_size)
-    (name, fn, args, donate, pools, _), = engine_steps(
+    (name, fn, args, jit_options, pools, _), = engine_steps(
         pool_gib=pool_gib, max_seqs=max_seqs, page_size=page_size, max_model_len=max_model_len, config=config,
         label=label, which=(which,))
+    jit_options = dict(jit_options)
+    options = {**(jit_options.pop("compiler_options", {}) if engine_options else {}), **(compiler_options or {})}
+    jit_options.pop("compiler_options", None)
     cpu0 = time.process_time()
     if hlo is None:
-        rec = Compiler(target).compile(name, fn, args, donate_argnums=donate, pool_shapes=pools, keep_hlo=True,
-                                       compiler_options=compiler_options)
+        rec = Compiler(target).compile(name, fn, args, jit_options=jit_options, pool_shapes=pools, keep_hlo=True,
+                                       compiler_options=options)
         if "error" in rec:
             raise RuntimeError(f"{name}: {rec['error']}")
     else:
@@ -601,7 +601,7 @@ def engine_traffic(target: str = "h100", config=None, *, max_seqs: int = 64, con
     if step is None:
         raise RuntimeError(f"{name}: no decode loop found in the compiled program")
     return dict(name=name, target=target, max_seqs=max_seqs, context=context, which=which,
-                compiler_options=compiler_options or {}, summary=summary(step, ideal), top=top_kernels(step, 12),
+                compiler_options=options, summary=summary(step, ideal), top=top_kernels(step, 12),
                 seconds=rec["seconds"], cpu_seconds=round(time.process_time() - cpu0, 1) if hlo is None else None,
                 temp_bytes=rec["temp_bytes"],
                 rows=step, hlo=rec["hlo"])
