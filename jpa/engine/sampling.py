@@ -359,6 +359,41 @@ def sample_slots(logits, params: SlotParams, counters, history_fn=None, num_cach
                                 min_p=params.min_p, top_n=MAX_TOP_LOGPROBS, want_top=params.top_logprobs > 0)
 
 
+# The verify pass samples its rows in chunks of at most this many logits (rows x vocab: 32 MiB of
+# float32), so the sampler's [rows, vocab] temporaries (keys, probabilities, the filtered and
+# scaled logits, the draw's noise) do not scale with verify_rows x vocab (320 x 128256 for
+# Llama-3 at 64 sequences, k = 4: a 164 MB array each, a chunk of 64 rows: 33 MB).
+SAMPLE_LOGITS_ELEMENTS = 1 << 23
+
+
+def sample_rows(logits, params: SlotParams, counters, history_fn=None, num_cached=None, stop_ids=None,
+                max_elements: int = SAMPLE_LOGITS_ELEMENTS):
+    """`sample_slots` over rows of `logits` f32[n, vocab] in chunks of at most max_elements logits
+    (a `lax.map` over chunks of equal size; the last one overlaps the one before rather than
+    padding, its shared rows sampled twice, identically). Each row is sampled exactly as
+    `sample_slots` samples it (by its own key, counter and parameters); n x vocab <= max_elements
+    is `sample_slots` itself. history_fn: () -> i32[n, L], sliced per chunk inside the controls'
+    branch."""
+    n, vocab = logits.shape
+    per = max(1, max_elements // vocab)
+    if n <= per:
+        return sample_slots(logits, params, counters, history_fn, num_cached, stop_ids)
+    chunks = -(-n // per)
+    size = -(-n // chunks)
+    starts = jnp.minimum(jnp.arange(chunks, dtype=jnp.int32) * size, n - size)
+
+    def one(start):
+        cut = lambda a: lax.dynamic_slice_in_dim(a, start, size, 0)  # noqa: E731
+        hist = None if history_fn is None else (lambda: cut(history_fn()))
+        return sample_slots(cut(logits), jax.tree_util.tree_map(cut, params), cut(counters), hist,
+                            None if num_cached is None else cut(num_cached), stop_ids)
+
+    out = lax.map(one, starts)   # each [chunks, size, ...]
+    row = jnp.arange(n, dtype=jnp.int32)
+    c = jnp.minimum(row // size, chunks - 1)
+    return tuple(a[c, row - starts[c]] for a in out)
+
+
 def sample(logits, temperature, top_k, top_p, seeds, counters):
     """Picks one token per row (`sample_with_logprobs` without the log-probabilities)."""
     return sample_with_logprobs(logits, temperature, top_k, top_p, seeds, counters)[0]

@@ -464,7 +464,8 @@ def summary(rows: list, ideal: dict | None = None) -> dict:
         out[p]["total"] = out[p]["read"] + out[p]["written"]
     out["total"] = dict(read=sum(out[p]["read"] for p in PURPOSES), written=sum(out[p]["written"] for p in PURPOSES),
                         total=sum(out[p]["total"] for p in PURPOSES), ideal=sum(ideal.values()))
-    out["weight_copies"] = [dict(name=r["name"], type=r["type"], bytes=r["written"]["weights"] * r["executions"])
+    out["weight_copies"] = [dict(name=r["name"], type=r["type"], result=r["result"][:120],
+                                 bytes=r["written"]["weights"] * r["executions"])
                             for r in rows if r["written"]["weights"]]
     return out
 
@@ -574,7 +575,8 @@ def engine_traffic(target: str = "h100", config=None, *, max_seqs: int = 64, con
     optimized HLO of this same program, saved from an earlier call: modelled without compiling.
     Returns dict(name, summary (`summary` against the ideal), top (`top_kernels`), seconds and
     cpu_seconds (the compile: wall, and this process's CPU time; None given hlo), temp_bytes, rows
-    (every row of the decode step), hlo)."""
+    (every row of the decode step), hlo, matrix_copies (`matrix_copies` of the whole program) and
+    checks (the compile record's ok, problems, pool_copies, pool and alias bytes, kernel calls))."""
     from jpa.models import ModelConfig
     from jpa.tools.deviceless import Compiler
     from jpa.tools.engine_checks import LLAMA_SHAPED, engine_steps
@@ -597,11 +599,23 @@ def engine_traffic(target: str = "h100", config=None, *, max_seqs: int = 64, con
         rec = dict(hlo=hlo, seconds=None, temp_bytes=None)
     spec, ideal = engine_spec(args[0], config, pools, max_seqs=max_seqs, context=context, page_size=page_size,
                               rows_per_seq=5 if which == "spec" else 1)
-    step = decode_step(traffic(rec["hlo"], spec))
+    all_rows = traffic(rec["hlo"], spec)
+    step = decode_step(all_rows)
     if step is None:
         raise RuntimeError(f"{name}: no decode loop found in the compiled program")
     return dict(name=name, target=target, max_seqs=max_seqs, context=context, which=which,
                 compiler_options=options, summary=summary(step, ideal), top=top_kernels(step, 12),
                 seconds=rec["seconds"], cpu_seconds=round(time.process_time() - cpu0, 1) if hlo is None else None,
-                temp_bytes=rec["temp_bytes"],
-                rows=step, hlo=rec["hlo"])
+                temp_bytes=rec["temp_bytes"], rows=step, hlo=rec["hlo"],
+                # The whole program (not only the decode step): weight matrices copied anywhere,
+                # and the compile's own checks (pool copies, donated pools aliased, kernel calls).
+                matrix_copies=matrix_copies(summary(all_rows)),
+                checks={k: rec.get(k) for k in ("ok", "problems", "pool_copies", "pool_bytes", "alias_bytes",
+                                                "mosaic_calls", "triton_calls")})
+
+
+def matrix_copies(s: dict) -> list:
+    """The `weight_copies` of a summary that are matrices (an array with two or more axes longer
+    than 1: a weight matrix or one layer's slice of one), not a norm scale's vector."""
+    return [c for c in s["weight_copies"]
+            if any(sum(d > 1 for d in dims) >= 2 for _, dims in arrays(c.get("result", c["type"])))]
