@@ -278,3 +278,21 @@ def test_chunked_rows_sample_as_the_whole_batch():
         if k >= 2:   # top log-probabilities: only the rows that ask (others get them or not by chunk)
             a, b = a[want_top], b[want_top]
         np.testing.assert_array_equal(a, b)
+
+
+def test_key_comparisons_on_probabilities_equal_the_keys():
+    """`_key_compare`: the GPU top-p search's comparison of probabilities against u32 key
+    thresholds equals comparing their order keys, at 0, 1, the smallest normal float and every edge
+    threshold. (Subnormal floats are left out: XLA flushes them to zero on a CPU, and a softmax's
+    probabilities there never are subnormal.)"""
+    from jpa.engine.sampling import _key_compare, _order_key
+    rng = np.random.default_rng(5)
+    p = np.concatenate([[0.0, 1.0, np.finfo(np.float32).tiny, 0.5, np.nextafter(np.float32(0.5), np.float32(1))],
+                        rng.uniform(0, 1, 40), rng.uniform(1e-30, 1e-6, 10)]).astype(np.float32)
+    keys = np.asarray(_order_key(jnp.asarray(p)), np.uint64)
+    t = np.concatenate([[0, 1, 0x7FFFFFFF, 0x80000000, 0x80000001, 0xBF800000, 0xBF800001, 0xFF800000, 0xFFC00000,
+                         0xFFFFFFFF], keys - 1, keys, keys + 1, rng.integers(0, 2 ** 32, 60)]) % 2 ** 32
+    t = t[(t <= 0x80000000) | (t >= 0x80800000)].astype(np.uint32)   # no subnormal threshold
+    for op, npop in ((jnp.greater, np.greater), (jnp.greater_equal, np.greater_equal)):
+        got = np.asarray(_key_compare(jnp.asarray(p)[:, None], jnp.asarray(t)[None, :], op))
+        np.testing.assert_array_equal(got, npop(keys[:, None], t[None, :].astype(np.uint64)))

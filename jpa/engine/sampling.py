@@ -244,6 +244,16 @@ def _order_key(x):
     return jnp.where(u >> 31 == 1, ~u, u | jnp.uint32(0x80000000))
 
 
+def _key_compare(p, t, op):
+    """`op(_order_key(p), t)` (op: jnp.greater or jnp.greater_equal) for p in [+0, 1] (a
+    probability; never -0 or NaN), on the floats: key(p) is 2**31 + bits(p), so it holds exactly
+    when t < 2**31 or op(p, the float whose bits are t - 2**31) (a NaN there, past 1: false both
+    ways). Exact unless p or that float is subnormal where XLA flushes subnormals to zero (a
+    softmax's outputs are flushed there too). Broadcasts p f32 against t u32."""
+    thr = lax.bitcast_convert_type(t - jnp.uint32(0x80000000), jnp.float32)
+    return (t < jnp.uint32(0x80000000)) | op(p, thr)
+
+
 def _bisect(pred, num_rows, ways: int = 2):
     """Per row, the smallest u32 t with pred(t) True (0xFFFFFFFF when none is); pred must be
     monotone (False..., True...).
@@ -437,24 +447,29 @@ def sample_with_logprobs(logits, temperature, top_k, top_p, seeds, counters, *, 
         key = _order_key(x)  # u32[B, V]
         ways = search_ways()
         if ways == 2:
-            count_ge = lambda k, t: jnp.sum(k >= t[:, None], axis=-1)  # noqa: E731
-            mass_gt = lambda k, p, t: jnp.sum(jnp.where(k > t[:, None], p, 0.0), axis=-1)  # noqa: E731
-            lim_k, lim_p = top_k, top_p
-        else:   # t: [B, ways - 1] thresholds, reduced over the vocabulary in one pass
-            count_ge = lambda k, t: jnp.sum(k[:, :, None] >= t[:, None, :], axis=1)  # noqa: E731
-            mass_gt = lambda k, p, t: jnp.sum(jnp.where(k[:, :, None] > t[:, None, :], p[:, :, None], 0.0),  # noqa: E731
-                                              axis=1)
-            lim_k, lim_p = top_k[:, None], top_p[:, None]
-        # top-k: keep values >= the k-th largest (ties with it are kept too).
-        t_k = _bisect(lambda t: count_ge(key, t) < lim_k, x.shape[0], ways)
+            # top-k: keep values >= the k-th largest (ties with it are kept too).
+            t_k = _bisect(lambda t: jnp.sum(key >= t[:, None], axis=-1) < top_k, x.shape[0])
+        else:   # t: [B, ways - 1] thresholds, counted over the vocabulary in one pass
+            t_k = _bisect(lambda t: jnp.sum(key[:, :, None] >= t[:, None, :], axis=1) < top_k[:, None],
+                          x.shape[0], ways)
         t_k = jnp.where(t_k > 0, t_k - 1, 0)  # top_k >= vocab keeps everything (no wrap-around)
         keep = jnp.where(top_k[:, None] > 0, key >= t_k[:, None], True)
         probs = jax.nn.softmax(jnp.where(keep, x, -jnp.inf), axis=-1)
         # top-p: keep a token when the mass of the tokens above it is < top_p (the smallest set
         # of top tokens reaching top_p; the most likely token always stays).
-        pkey = _order_key(probs)
-        t_p = _bisect(lambda t: mass_gt(pkey, probs, t) < lim_p, x.shape[0], ways)
-        keep = keep & jnp.where(top_p[:, None] < 1.0, pkey >= t_p[:, None], True)
+        if ways == 2:
+            pkey = _order_key(probs)
+            t_p = _bisect(lambda t: jnp.sum(jnp.where(pkey > t[:, None], probs, 0.0), axis=-1) < top_p,
+                          x.shape[0])
+            keep_p = pkey >= t_p[:, None]
+        else:
+            # The keys' comparisons made on the probabilities themselves (`_key_compare`): no key
+            # array written and read back each pass.
+            cmp = lambda t, op: _key_compare(probs[:, :, None], t[:, None, :], op)  # noqa: E731
+            t_p = _bisect(lambda t: jnp.sum(jnp.where(cmp(t, jnp.greater), probs[:, :, None], 0.0), axis=1)
+                          < top_p[:, None], x.shape[0], ways)
+            keep_p = cmp(t_p[:, None], jnp.greater_equal)[:, :, 0]
+        keep = keep & jnp.where(top_p[:, None] < 1.0, keep_p, True)
         if min_p is not None:
             keep = keep & (probs >= min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True))
         return jnp.where(keep, x, -jnp.inf)
