@@ -461,15 +461,14 @@ def sample_with_logprobs(logits, temperature, top_k, top_p, seeds, counters, *, 
             pkey = _order_key(probs)
             t_p = _bisect(lambda t: jnp.sum(jnp.where(pkey > t[:, None], probs, 0.0), axis=-1) < top_p,
                           x.shape[0])
-            keep_p = pkey >= t_p[:, None]
+            keep = keep & jnp.where(top_p[:, None] < 1.0, pkey >= t_p[:, None], True)
         else:
             # The keys' comparisons made on the probabilities themselves (`_key_compare`): no key
             # array written and read back each pass.
             cmp = lambda t, op: _key_compare(probs[:, :, None], t[:, None, :], op)  # noqa: E731
             t_p = _bisect(lambda t: jnp.sum(jnp.where(cmp(t, jnp.greater), probs[:, :, None], 0.0), axis=1)
                           < top_p[:, None], x.shape[0], ways)
-            keep_p = cmp(t_p[:, None], jnp.greater_equal)[:, :, 0]
-        keep = keep & jnp.where(top_p[:, None] < 1.0, keep_p, True)
+            keep = keep & jnp.where(top_p[:, None] < 1.0, cmp(t_p[:, None], jnp.greater_equal)[:, :, 0], True)
         if min_p is not None:
             keep = keep & (probs >= min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True))
         return jnp.where(keep, x, -jnp.inf)

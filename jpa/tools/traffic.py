@@ -619,3 +619,18 @@ def matrix_copies(s: dict) -> list:
     than 1: a weight matrix or one layer's slice of one), not a norm scale's vector."""
     return [c for c in s["weight_copies"]
             if any(sum(d > 1 for d in dims) >= 2 for _, dims in arrays(c.get("result", c["type"])))]
+
+
+def projection(s: dict, target: str, num_seqs: int, *, efficiency: float = 0.8, kv_bytes: int | None = None,
+               weight_bytes: int | None = None) -> dict:
+    """A projected decode rate from a decode step's `summary` (labelled a projection: no GPU ran
+    it): the step moves s["total"]["total"] bytes at `efficiency` x the target's HBM peak
+    (`jpa.tools.deviceless.TARGETS`' memory_bandwidth), one token per sequence a step. Returns
+    dict(step_ms, tokens_per_s, bandwidth, fits): fits, given kv_bytes (the live KV of every
+    sequence) and weight_bytes, whether both fit in the target's memory (None when not given)."""
+    from jpa.tools.deviceless import TARGETS
+    t = TARGETS[target]
+    bw = t["memory_bandwidth"] * efficiency
+    step = s["total"]["total"] / bw
+    fits = None if kv_bytes is None or weight_bytes is None else kv_bytes + weight_bytes <= t["device_memory_size"]
+    return dict(step_ms=step * 1e3, tokens_per_s=num_seqs / step, bandwidth=bw, fits=fits)
