@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from test_traffic import engine_step_traffic
 
 pytestmark = [pytest.mark.bench, pytest.mark.skipif(
     importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
@@ -54,3 +55,13 @@ def test_llama8b_default_copies_weights(tmp_path):
     check_kv(s)
     assert s["weights"]["total"] > 2.5 * s["weights"]["ideal"], s["weights"]
     assert sum(c["bytes"] >= 2 ** 20 * 32 for c in s["weight_copies"]) >= 7, s["weight_copies"]
+
+
+def test_small_engine_step_copies_weights_by_default():
+    """tests/test_traffic.py's main-tier program (a 2-layer Llama, the engine's own step for an
+    H100) compiled as XLA compiles by default: its weight matrices' layer slices are copied out,
+    the failure that test guards against."""
+    out = engine_step_traffic(engine_options=False)
+    assert out["options"] == {}
+    assert len(out["matrix_copies"]) >= 4, out["matrix_copies"]
+    assert out["weights"]["read"] > 1.5 * out["weights"]["ideal"], out["weights"]

@@ -262,14 +262,27 @@ from jpa.tools import deviceless
 deviceless.configure_environment()
 from jpa.tools import traffic as tr
 # A Llama-shaped model with small widths (scripts/gpu_traffic.py's llama-small), 2 layers.
-cfg = dict(family="llama", vocab_size=512, d_model=256, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=64,
+# (A vocabulary of 640: no activation of the ragged pass, [budget, d_model], has the embedding's type.)
+cfg = dict(family="llama", vocab_size=640, d_model=256, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=64,
            ffn_dim=768, max_seq_len=2048, rope_base=500000.0, norm_eps=1e-5, tie_embeddings=False,
            bos_token_id=256, eos_token_id=257)
-r = tr.engine_traffic("h100", cfg, max_seqs=4, context=256, pool_gib=0.25, label="llama-small")
+r = tr.engine_traffic("h100", cfg, max_seqs=4, context=256, pool_gib=0.25, label="llama-small", budget=64,
+                      engine_options=ENGINE_OPTIONS)
 s = r["summary"]
 print(json.dumps(dict(options=r["compiler_options"], matrix_copies=r["matrix_copies"], checks=r["checks"],
                       weights=s["weights"], kv_read=s["kv_read"], kv_write=s["kv_write"])))
 """
+
+
+def engine_step_traffic(engine_options: bool = True) -> dict:
+    """ENGINE_STEP's record, in a fresh process (a deviceless compile sets XLA's logging first)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_CPP_VMODULE", "XLA_FLAGS")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    code = ENGINE_STEP.replace("ENGINE_OPTIONS", str(engine_options))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
@@ -280,14 +293,9 @@ def test_engine_gpu_step_reads_weights_in_place():
     no weight matrix (or layer slice of one) materialized anywhere in the program, every weight
     byte of the decode step read once, no copy of a page pool, the donated pools aliased, the
     Mosaic kernels in place (3 a layer body). XLA's default compile copies the slices
-    (tests/test_bench_traffic.py: Llama-3-8B, both ways)."""
+    (tests/test_bench_traffic.py: this program and Llama-3-8B's, both ways)."""
     from jpa.core.xla_options import WEIGHTS_IN_PLACE
-    env = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_CPP_VMODULE", "XLA_FLAGS")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    proc = subprocess.run([sys.executable, "-c", ENGINE_STEP], capture_output=True, text=True, timeout=600, env=env,
-                          cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = engine_step_traffic()
     assert out["options"] == WEIGHTS_IN_PLACE
     assert out["matrix_copies"] == [], out["matrix_copies"]
     assert out["weights"]["read"] <= 1.01 * out["weights"]["ideal"], out["weights"]

@@ -563,14 +563,16 @@ def engine_spec(params, config, pools, *, max_seqs: int, context: int, page_size
 
 def engine_traffic(target: str = "h100", config=None, *, max_seqs: int = 64, context: int = 1024,
                    pool_gib: float = 8.0, page_size: int = 16, which: str = "plain", compiler_options=None,
-                   label: str = "Llama-3-8B", hlo: str | None = None, engine_options: bool = True) -> dict:
+                   label: str = "Llama-3-8B", hlo: str | None = None, engine_options: bool = True,
+                   budget: int = 512) -> dict:
     """Compiles the engine's unified step (`engine_steps`: a ragged pass, then the decode loop;
     "spec": with n-gram speculation, k = 4) for a deviceless target and models one iteration of its
     decode loop: a decode step at `max_seqs` sequences of `context` tokens (a verify step of
     k + 1 rows per sequence under "spec": its verify pass, not the plain decode pass it runs when
     no sequence has a draft). config: a ModelConfig or dict (default Llama-3-8B's shapes). The
     program is the engine's as it compiles it for a GPU (`step_program`: its jit options, with the
-    XLA options of `ModelRunner.compiler_options`); engine_options=False drops those XLA options
+    XLA options of `ModelRunner.compiler_options`; a ragged pass of `budget` tokens first);
+    engine_options=False drops those XLA options
     (XLA's defaults); compiler_options: more XLA options over them. hlo: the
     optimized HLO of this same program, saved from an earlier call: modelled without compiling.
     Returns dict(name, summary (`summary` against the ideal), top (`top_kernels`), seconds and
@@ -585,7 +587,7 @@ def engine_traffic(target: str = "h100", config=None, *, max_seqs: int = 64, con
     max_model_len = max(2048, -(-context // page_size) * page_size)
     (name, fn, args, jit_options, pools, _), = engine_steps(
         pool_gib=pool_gib, max_seqs=max_seqs, page_size=page_size, max_model_len=max_model_len, config=config,
-        label=label, which=(which,))
+        label=label, which=(which,), budget=budget)
     jit_options = dict(jit_options)
     options = {**(jit_options.pop("compiler_options", {}) if engine_options else {}), **(compiler_options or {})}
     jit_options.pop("compiler_options", None)
