@@ -303,3 +303,14 @@ def test_engine_gpu_step_reads_weights_in_place():
     assert c["ok"] and c["pool_copies"] == [] and c["alias_bytes"] >= c["pool_bytes"] > 0, c
     assert c["mosaic_calls"] == 3, c
     assert out["kv_read"]["total"] == out["kv_read"]["ideal"] > 0 and out["kv_write"]["total"] == out["kv_write"]["ideal"]
+
+
+def test_projection_from_bytes_and_bandwidth():
+    from jpa.tools.deviceless import TARGETS
+    bw = TARGETS["h100"]["memory_bandwidth"]
+    s = {"total": dict(total=0.8 * bw / 100)}   # a step of 10 ms at 80% of peak
+    p = tr.projection(s, "h100", 64, kv_bytes=60e9, weight_bytes=16e9)
+    assert abs(p["step_ms"] - 10.0) < 1e-9 and abs(p["tokens_per_s"] - 6400) < 1e-6 and p["fits"]
+    assert not tr.projection(s, "h100", 64, kv_bytes=69e9, weight_bytes=16e9)["fits"]   # > 0.9 x 80 GB
+    assert tr.projection(s, "a100", 1)["fits"] is None
+    assert tr.projection(s, "a100", 1, efficiency=0.4)["step_ms"] > 2 * p["step_ms"]

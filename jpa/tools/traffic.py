@@ -624,15 +624,17 @@ def matrix_copies(s: dict) -> list:
 
 
 def projection(s: dict, target: str, num_seqs: int, *, efficiency: float = 0.8, kv_bytes: int | None = None,
-               weight_bytes: int | None = None) -> dict:
+               weight_bytes: int | None = None, memory_fraction: float = 0.9) -> dict:
     """A projected decode rate from a decode step's `summary` (labelled a projection: no GPU ran
     it): the step moves s["total"]["total"] bytes at `efficiency` x the target's HBM peak
     (`jpa.tools.deviceless.TARGETS`' memory_bandwidth), one token per sequence a step. Returns
     dict(step_ms, tokens_per_s, bandwidth, fits): fits, given kv_bytes (the live KV of every
-    sequence) and weight_bytes, whether both fit in the target's memory (None when not given)."""
+    sequence) and weight_bytes, whether both fit in memory_fraction of the target's memory (vLLM's
+    default gpu_memory_utilization, 0.9; None when not given)."""
     from jpa.tools.deviceless import TARGETS
     t = TARGETS[target]
     bw = t["memory_bandwidth"] * efficiency
     step = s["total"]["total"] / bw
-    fits = None if kv_bytes is None or weight_bytes is None else kv_bytes + weight_bytes <= t["device_memory_size"]
+    fits = (None if kv_bytes is None or weight_bytes is None
+            else kv_bytes + weight_bytes <= memory_fraction * t["device_memory_size"])
     return dict(step_ms=step * 1e3, tokens_per_s=num_seqs / step, bandwidth=bw, fits=fits)
