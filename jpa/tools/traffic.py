@@ -23,7 +23,8 @@ instruction XLA runs as GPU work (fusions, custom calls, async fusion starts, ba
   tables, slot mappings, allocator state, token ids), other (activations). A kernel's read and
   written bytes are split by the purpose of each operand and of each result. Arrays are matched by
   type, and large ones also by dtype and element count (XLA re-views them: `MATCH_BY_SIZE`); an
-  array a kernel makes out of weights alone (a copy, a concatenation) is a weight too. Pool
+  array a kernel makes out of weights alone (a copy, a concatenation) is a weight too, and one a
+  kernel makes without reading any weight is not (a weight's size by chance). Pool
   traffic outside the scanned layers and outside attention kernels (copy-on-write of shared
   pages, every layer at once) is page work.
 - For a conditional, each branch's kernels are rows of their own (`branch`); `summary` counts, for
@@ -421,6 +422,11 @@ def _kernel_bytes(ins: Instr, comp: dict, comps: dict, spec: Spec) -> tuple:
                 if pallas:
                     n = 0  # the pool passed through (aliased): the kernel writes no page of it
             written[p] += n
+    if written["weights"] and not read["weights"]:
+        # Weight-sized by chance (MATCH_BY_SIZE: e.g. the copy-on-write gather of 8 sequences' last
+        # pages, [8, 32, 8, 1, 16, 128], is wk's 4096 x 1024 elements): made from no weight, no copy.
+        written["other"] += written["weights"]
+        written["weights"] = 0
     return read, written
 
 
