@@ -314,4 +314,3 @@ def test_projection_from_bytes_and_bandwidth():
     assert not tr.projection(s, "h100", 64, kv_bytes=69e9, weight_bytes=16e9)["fits"]   # > 0.9 x 80 GB
     assert tr.projection(s, "a100", 1)["fits"] is None
     assert tr.projection(s, "a100", 1, efficiency=0.4)["step_ms"] > 2 * p["step_ms"]
-
