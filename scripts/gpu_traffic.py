@@ -5,12 +5,14 @@ bfloat16 by default, an 8 GiB pool) deviceless and prints, for one iteration of 
 the bytes read and written by purpose (weights, KV read, KV write, logits / sampling, page work,
 other) against the ideal (every weight once, the live KV once, the new KV once), and the kernels
 that move the most (`jpa.tools.traffic`). "spec" is the step with n-gram speculation (k = 4): a
-verify pass of 5 rows per sequence.
+verify pass of 5 rows per sequence. The program is compiled as the engine compiles it on a GPU,
+with its XLA options (`jpa.core.xla_options.WEIGHTS_IN_PLACE`); --xla-default leaves them out.
 
     python scripts/gpu_traffic.py --target h100 --max-seqs 1 64 --which plain spec
-    python scripts/gpu_traffic.py --in-place --json out.json     # with traffic.WEIGHTS_IN_PLACE
+    python scripts/gpu_traffic.py --xla-default --json out.json  # without the engine's XLA options
     python scripts/gpu_traffic.py --option xla_gpu_enable_triton_gemm=false   # any XLA option
     python scripts/gpu_traffic.py --model llama-small --layers 80 --max-seqs 64   # compile time vs depth
+    python scripts/gpu_traffic.py --max-seqs 1 8 64 --context 8192 --project 1024 8192   # projected tok/s
 
 A deviceless-compile figure: bytes the compiled program moves, not a measured time.
 """
@@ -27,7 +29,7 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 
 from jpa.tools.engine_checks import MODEL_SHAPES  # noqa: E402
-from jpa.tools.traffic import WEIGHTS_IN_PLACE, engine_traffic, table  # noqa: E402
+from jpa.tools.traffic import engine_traffic, projection, table  # noqa: E402
 
 
 # scripts/bench_compile.py's Llama-shaped model with small widths (its compile-time-vs-depth model).
@@ -58,8 +60,13 @@ def main(argv=None) -> int:
     p.add_argument("--which", nargs="+", choices=("plain", "spec"), default=["plain"])
     p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                    help="an XLA option for the compile (repeatable), e.g. xla_gpu_enable_triton_gemm=false")
-    p.add_argument("--in-place", action="store_true",
-                   help="compile with jpa.tools.traffic.WEIGHTS_IN_PLACE (cuBLAS gemms, no dot merger)")
+    p.add_argument("--xla-default", action="store_true",
+                   help="compile without the engine's XLA options (jpa.core.xla_options.WEIGHTS_IN_PLACE: "
+                        "cuBLAS gemms, no dot merger), as XLA compiles by default")
+    p.add_argument("--project", type=int, nargs="+", metavar="CONTEXT",
+                   help="also model each compiled plain step at these contexts (the same program) and print a "
+                        "projected decode rate at --efficiency x the target's HBM peak (a projection: no GPU)")
+    p.add_argument("--efficiency", type=float, default=0.8, help="fraction of HBM peak for --project")
     p.add_argument("--top", type=int, default=8, help="kernels listed per table")
     p.add_argument("--json", help="write the summaries here")
     p.add_argument("--hlo", help="a folder: write each compiled program's optimized HLO there")
@@ -71,20 +78,19 @@ def main(argv=None) -> int:
             p.error(f"--option wants NAME=VALUE; got {o!r}")
         k, v = o.split("=", 1)
         options[k] = _value(v)
-    if args.in_place:
-        options = {**WEIGHTS_IN_PLACE, **options}
     shapes = dict(SHAPES[args.model], **({"num_layers": args.layers} if args.layers else {}))
     out = []
     for which in args.which:
         for seqs in args.max_seqs:
             tag = "_".join(f"{k}={v}" for k, v in options.items())
-            fname = f"{args.target}_{which}_{seqs}_{tag or 'default'}.hlo"
+            fname = f"{args.target}_{which}_{seqs}_{'xla' if args.xla_default else 'engine'}_{tag or 'options'}.hlo"
             saved = None
             if args.from_hlo:
                 with open(os.path.join(args.from_hlo, fname)) as f:
                     saved = f.read()
             r = engine_traffic(args.target, shapes, max_seqs=seqs, context=args.context, pool_gib=args.pool_gib,
-                               which=which, compiler_options=options, label=args.model, hlo=saved)
+                               which=which, compiler_options=options, label=args.model, hlo=saved,
+                               engine_options=not args.xla_default)
             s = r["summary"]
             if args.hlo:
                 os.makedirs(args.hlo, exist_ok=True)
@@ -92,15 +98,35 @@ def main(argv=None) -> int:
                     f.write(r["hlo"])
             how = ("from saved HLO" if r["seconds"] is None
                    else f"compiled in {r['seconds']} s ({r['cpu_seconds']} CPU s)")
-            print(f"\n{r['name']} on {args.target}, {seqs} x {args.context} tokens of context, options {options}: "
+            print(f"\n{r['name']} on {args.target}, {seqs} x {args.context} tokens of context, "
+                  f"XLA options {r['compiler_options']}: "
                   f"{how}; {len(s['weight_copies'])} materialized weight slices")
             print(table(s))
             for k in r["top"][:args.top]:
                 parts = ", ".join([f"R {p} {b / 1e9:.3f}" for p, b in k["read"].items()]
                                   + [f"W {p} {b / 1e9:.3f}" for p, b in k["written"].items()])
                 print(f"  {k['bytes'] / 1e9:8.3f} GB  {k['name']} ({k['what'][:40]}) x{k['executions']}: {parts}")
+            if args.project and which == "plain":
+                print(f"\nProjected decode rate (a projection from this model, not a measurement): "
+                      f"{args.target} at {args.efficiency:.0%} of HBM peak, {seqs} sequences")
+                print("| context | bytes a step (GB) | total / ideal | step (ms) | tokens/s | KV + weights fit |")
+                print("|---:|---:|---:|---:|---:|---|")
+                for ctx in args.project:
+                    rc = engine_traffic(args.target, shapes, max_seqs=seqs, context=ctx, pool_gib=args.pool_gib,
+                                        which=which, label=args.model, hlo=r["hlo"])
+                    sc = rc["summary"]
+                    kv = seqs * ctx * 2 * shapes["num_layers"] * shapes["num_kv_heads"] * shapes["head_dim"] * 2
+                    weights = sc["weights"]["ideal"] + shapes["vocab_size"] * shapes["d_model"] * 2  # + the table
+                    pr = projection(sc, args.target, seqs, efficiency=args.efficiency, kv_bytes=kv,
+                                    weight_bytes=weights)
+                    print(f"| {ctx} | {sc['total']['total'] / 1e9:.2f} | "
+                          f"{sc['total']['total'] / sc['total']['ideal']:.2f} | {pr['step_ms']:.2f} | "
+                          f"{pr['tokens_per_s']:.0f} | {'yes' if pr['fits'] else 'no'} |")
+                    out.append(dict(target=args.target, model=args.model, max_seqs=seqs, context=ctx, which=which,
+                                    projected_from_context=args.context, summary=sc, projection=pr,
+                                    efficiency=args.efficiency))
             out.append(dict(target=args.target, model=args.model, num_layers=shapes["num_layers"], max_seqs=seqs,
-                            context=args.context, which=which, options=options, seconds=r["seconds"],
+                            context=args.context, which=which, options=r["compiler_options"], seconds=r["seconds"],
                             cpu_seconds=r["cpu_seconds"], temp_bytes=r["temp_bytes"], summary=s, top=r["top"]))
     if args.json:
         with open(args.json, "w") as f:

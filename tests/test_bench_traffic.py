@@ -1,6 +1,7 @@
 """The traffic table of the engine's decode step, Llama-3-8B's shapes on an H100 (deviceless):
 scripts/gpu_traffic.py end to end, at 64 sequences of 1024 tokens, as XLA compiles it by default
-and with `jpa.tools.traffic.WEIGHTS_IN_PLACE` (cuBLAS gemms fed the layer's weights by offset).
+and as the engine compiles it, with `jpa.core.xla_options.WEIGHTS_IN_PLACE` (cuBLAS gemms fed the
+layer's weights by offset).
 Minutes of compiling: CI's bench tier."""
 
 import importlib.util
@@ -11,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from test_traffic import engine_step_traffic
 
 pytestmark = [pytest.mark.bench, pytest.mark.skipif(
     importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
@@ -39,7 +41,7 @@ def check_kv(s):
 
 
 def test_llama8b_weights_read_in_place(tmp_path):
-    s = run(tmp_path, "--in-place")
+    s = run(tmp_path)   # as the engine compiles it: with its XLA options
     check_kv(s)
     assert s["weights"]["total"] <= 1.01 * s["weights"]["ideal"], s["weights"]
     # Nothing weight-shaped of a matrix's size is written (norm scales' 8 KiB slices may be).
@@ -49,7 +51,17 @@ def test_llama8b_weights_read_in_place(tmp_path):
 def test_llama8b_default_copies_weights(tmp_path):
     """XLA's Triton gemms read a copy of each layer's weight slice: the model sees it (weights about
     3x the ideal). Fails, telling us so, on the day XLA reads them in place by default."""
-    s = run(tmp_path)
+    s = run(tmp_path, "--xla-default")
     check_kv(s)
     assert s["weights"]["total"] > 2.5 * s["weights"]["ideal"], s["weights"]
     assert sum(c["bytes"] >= 2 ** 20 * 32 for c in s["weight_copies"]) >= 7, s["weight_copies"]
+
+
+def test_small_engine_step_copies_weights_by_default():
+    """tests/test_traffic.py's main-tier program (a 2-layer Llama, the engine's own step for an
+    H100) compiled as XLA compiles by default: its weight matrices' layer slices are copied out,
+    the failure that test guards against."""
+    out = engine_step_traffic(engine_options=False)
+    assert out["options"] == {}
+    assert len(out["matrix_copies"]) >= 4, out["matrix_copies"]
+    assert out["weights"]["read"] > 1.5 * out["weights"]["ideal"], out["weights"]

@@ -200,3 +200,99 @@ def test_top_logprobs_equal_the_dense_models_top_k(engines):
             assert abs(d[t] - lp) < 1e-6
     with pytest.raises(ValueError, match="top_logprobs"):
         SamplingParams(top_logprobs=21)
+
+
+@pytest.mark.parametrize("ways", [4, 16, 256])
+def test_multiway_search_finds_the_binary_searchs_thresholds(ways):
+    """`_bisect` with `ways` thresholds a pass (a GPU's top-k / top-p search) finds the same t as
+    the binary search (the CPU's), ties, -inf, top_k past the vocabulary and no t at all included."""
+    from jpa.engine.sampling import _bisect, _order_key
+    rng = np.random.default_rng(ways)
+    x = rng.normal(0, 3, (8, 300)).astype(np.float32)
+    x[0, :40] = 1.25                 # ties at the threshold
+    x[1, ::2] = -np.inf              # filtered tokens
+    key = _order_key(jnp.asarray(x))
+    k = jnp.asarray([1, 40, 0, 299, 300, 5000, 7, 150], jnp.int32)
+    want = _bisect(lambda t: jnp.sum(key >= t[:, None], axis=-1) < k, 8)
+    got = _bisect(lambda t: jnp.sum(key[:, :, None] >= t[:, None, :], axis=1) < k[:, None], 8, ways)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert int(want[2]) == 0xFFFFFFFF and int(want[0]) == int(key[0].max()) + 1   # no t; past the largest key
+    probs = jax.nn.softmax(jnp.asarray(x), axis=-1)
+    pkey, p = _order_key(probs), jnp.asarray([0.1, 0.5, 0.9, 0.99, 1.0, 0.3, 0.7, 0.95], jnp.float32)
+    want = _bisect(lambda t: jnp.sum(jnp.where(pkey > t[:, None], probs, 0.0), axis=-1) < p, 8)
+    got = _bisect(lambda t: jnp.sum(jnp.where(pkey[:, :, None] > t[:, None, :], probs[:, :, None], 0.0), axis=1)
+                  < p[:, None], 8, ways)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_gpu_sampler_search_draws_the_cpu_samplers_tokens(monkeypatch):
+    """The sampler with the GPU's 16-way threshold search (forced here on the CPU) draws the same
+    tokens with the same log-probabilities as with the binary search, rows with top-k, top-p,
+    min-p, both and neither."""
+    from jpa.engine import sampling
+    rng = np.random.default_rng(7)
+    n, vocab = 12, 700
+    args = (jnp.asarray(rng.normal(0, 3, (n, vocab)).astype(np.float32)),
+            jnp.asarray(rng.uniform(0.3, 1.5, n).astype(np.float32)),
+            jnp.asarray([0, 1, 5, 50, 0, 0, 20, 700, 3, 0, 9, 100], jnp.int32),
+            jnp.asarray([1.0, 1.0, 0.9, 1.0, 0.5, 0.95, 0.8, 1.0, 1.0, 0.99, 0.3, 0.7], jnp.float32),
+            jnp.arange(n, dtype=jnp.int32), jnp.asarray(rng.integers(0, 9, n).astype(np.int32)))
+    min_p = jnp.asarray(np.where(np.arange(n) % 4 == 3, 0.05, 0.0).astype(np.float32))
+    out = {}
+    for ways in (2, 16):
+        monkeypatch.setattr(sampling, "search_ways", lambda w=ways: w)
+        out[ways] = [np.asarray(a) for a in jax.jit(
+            lambda *a: sampling.sample_with_logprobs(*a, min_p=min_p))(*args)]
+    for a, b in zip(out[2], out[16]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_chunked_rows_sample_as_the_whole_batch():
+    """`sample_rows` in chunks (the verify pass's sampler: chunks of equal size, the last
+    overlapping) gives every row the token, log-probability and top log-probabilities
+    `sample_slots` gives it over the whole batch, with penalties, a logit bias, top-k/top-p and
+    greedy rows."""
+    from jpa.engine.sampling import sample_rows, sample_slots
+    rng = np.random.default_rng(11)
+    n, vocab, length = 13, 96, 24
+    rows = []
+    for i in range(n):
+        sp = SamplingParams(max_new_tokens=8, temperature=0.0 if i % 3 == 0 else float(rng.uniform(0.5, 1.5)),
+                            top_k=int(rng.integers(0, 20)), top_p=float(rng.uniform(0.5, 1.0)),
+                            repetition_penalty=1.3 if i % 2 else 1.0, presence_penalty=0.5 if i == 4 else 0.0,
+                            logit_bias=[(3, 5.0)] if i == 5 else [], seed=i, top_logprobs=3 if i % 4 == 1 else 0)
+        rows.append(SlotParams.row(sp, 100, prompt_len=4))
+    params = jax.tree_util.tree_map(jnp.asarray, SlotParams.from_rows(rows, n))
+    logits = jnp.asarray(rng.normal(0, 3, (n, vocab)).astype(np.float32))
+    history = jnp.asarray(rng.integers(0, 12, (n, length)).astype(np.int32))
+    cached = jnp.asarray(rng.integers(4, length, n).astype(np.int32))
+    counters = jnp.asarray(rng.integers(0, 6, n).astype(np.int32))
+    stop = jnp.asarray([vocab - 1], jnp.int32)
+    whole = jax.jit(lambda: sample_slots(logits, params, counters, lambda: history, cached, stop))()
+    # 5 rows a chunk: 3 chunks at rows 0, 5, 8 (the last overlapping the second).
+    chunked = jax.jit(lambda: sample_rows(logits, params, counters, lambda: history, cached, stop,
+                                          max_elements=5 * vocab))()
+    want_top = np.asarray(params.top_logprobs) > 0
+    for k, (a, b) in enumerate(zip(whole, chunked)):
+        a, b = np.asarray(a), np.asarray(b)
+        if k >= 2:   # top log-probabilities: only the rows that ask (others get them or not by chunk)
+            a, b = a[want_top], b[want_top]
+        np.testing.assert_array_equal(a, b)
+
+
+def test_key_comparisons_on_probabilities_equal_the_keys():
+    """`_key_compare`: the GPU top-p search's comparison of probabilities against u32 key
+    thresholds equals comparing their order keys, at 0, 1, the smallest normal float and every edge
+    threshold. (Subnormal floats are left out: XLA flushes them to zero on a CPU, and a softmax's
+    probabilities there never are subnormal.)"""
+    from jpa.engine.sampling import _key_compare, _order_key
+    rng = np.random.default_rng(5)
+    p = np.concatenate([[0.0, 1.0, np.finfo(np.float32).tiny, 0.5, np.nextafter(np.float32(0.5), np.float32(1))],
+                        rng.uniform(0, 1, 40), rng.uniform(1e-30, 1e-6, 10)]).astype(np.float32)
+    keys = np.asarray(_order_key(jnp.asarray(p)), np.uint64)
+    t = np.concatenate([[0, 1, 0x7FFFFFFF, 0x80000000, 0x80000001, 0xBF800000, 0xBF800001, 0xFF800000, 0xFFC00000,
+                         0xFFFFFFFF], keys - 1, keys, keys + 1, rng.integers(0, 2 ** 32, 60)]) % 2 ** 32
+    t = t[(t <= 0x80000000) | (t >= 0x80800000)].astype(np.uint32)   # no subnormal threshold
+    for op, npop in ((jnp.greater, np.greater), (jnp.greater_equal, np.greater_equal)):
+        got = np.asarray(_key_compare(jnp.asarray(p)[:, None], jnp.asarray(t)[None, :], op))
+        np.testing.assert_array_equal(got, npop(keys[:, None], t[None, :].astype(np.uint64)))

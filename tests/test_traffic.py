@@ -139,7 +139,9 @@ def test_hand_written_module_summary():
     # Per layer: the copy reads and writes the slice, each gemm reads one slice: 3 reads, 1 write.
     assert s["weights"]["read"] == 4 * 3 * LAYER and s["weights"]["written"] == 4 * LAYER
     assert s["weights"]["total"] / s["weights"]["ideal"] == 4.0
-    assert s["weight_copies"] == [dict(name="slice", type="bf16[1,64,128]{2,1,0}", bytes=4 * LAYER)]
+    assert s["weight_copies"] == [dict(name="slice", type="bf16[1,64,128]{2,1,0}", result="bf16[1,64,128]{2,1,0}",
+                                       bytes=4 * LAYER)]
+    assert tr.matrix_copies(s) == s["weight_copies"]
     # other: x twice + y2 + the update per layer (4 x 4096 x 2 + 4 x 2 x 4096), branch a's two ops.
     assert s["other"]["read"] == 4 * (2 * 2048 + 4096) + 2 * 4096
     assert s["other"]["written"] == 4 * (2 * 4096 + 4096) + 2 * 4096
@@ -211,3 +213,105 @@ def test_compiled_scan_weights():
         r = out[name]
         assert r["copies"] == 0 and r["weights_read"] == r["stack"], (name, r)
         assert r["biggest_write"] < r["layer"] / 2, (name, r)   # no float32 copy of a weight (2x its bytes)
+
+
+def test_matrix_copies_leave_out_vectors():
+    vec = dict(name="n", type="bf16[32,4096]{1,0}", result="bf16[1,4096]{1,0}", bytes=8192)
+    mat = dict(name="w", type="bf16[32,4096,1024]{2,1,0}", result="bf16[1,4096,1024]{2,1,0}", bytes=8 << 20)
+    assert tr.matrix_copies(dict(weight_copies=[vec, mat])) == [mat]
+
+
+def test_step_compiler_options_per_platform():
+    from jpa.core.xla_options import WEIGHTS_IN_PLACE, step_compiler_options
+    assert step_compiler_options("cpu") == {}
+    for platform in ("gpu", "cuda", "rocm"):
+        assert step_compiler_options(platform, env={}) == WEIGHTS_IN_PLACE
+    # The user's XLA_FLAGS win over the engine's default; overrides replace or (None) remove one.
+    env = {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=true --xla_dump_to=/tmp/x"}
+    got = step_compiler_options("gpu", env=env)
+    assert "xla_gpu_enable_triton_gemm" not in got and len(got) == len(WEIGHTS_IN_PLACE) - 1
+    got = step_compiler_options("cuda", {"xla_gpu_dot_merger_threshold_mb": None, "xla_gpu_autotune_level": 0},
+                                env={})
+    assert got == {"xla_gpu_enable_triton_gemm": False, "xla_gpu_default_to_alg_dot_bf16_bf16_f32": True,
+                   "xla_gpu_autotune_level": 0}
+    assert step_compiler_options("cpu", {"xla_cpu_enable_fast_math": False}) == {"xla_cpu_enable_fast_math": False}
+
+
+def test_runner_jit_options_carry_the_gpu_options_only_on_a_gpu(engines):
+    from jpa.core.xla_options import WEIGHTS_IN_PLACE
+    from jpa.engine.runner import ModelRunner
+    eng = engines.get()
+    runner = eng.runner
+    assert runner.platform == "cpu" and "compiler_options" not in runner.jit_options()
+    assert runner.jit_options("cuda")["compiler_options"] == {
+        k: v for k, v in WEIGHTS_IN_PLACE.items() if f"--{k}" not in os.environ.get("XLA_FLAGS", "")}
+    # A user's options over the engine's, on an abstract runner (nothing allocated).
+    r = ModelRunner(runner.model, runner.cache_config, shapes=runner.shapes, stop_ids=(0,), allocate=False,
+                    compiler_options={"xla_gpu_enable_triton_gemm": None, "xla_gpu_autotune_level": 0})
+    opts = r.jit_options("gpu")["compiler_options"]
+    assert "xla_gpu_enable_triton_gemm" not in opts and opts["xla_gpu_autotune_level"] == 0
+    with pytest.raises(ValueError, match="compiler option names"):
+        ModelRunner(runner.model, runner.cache_config, shapes=runner.shapes, stop_ids=(0,), allocate=False,
+                    compiler_options={3: True})
+
+
+ENGINE_STEP = """
+import json, os
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from jpa.tools import deviceless
+deviceless.configure_environment()
+from jpa.tools import traffic as tr
+# A Llama-shaped model with small widths (scripts/gpu_traffic.py's llama-small), 2 layers.
+# (A vocabulary of 640: no activation of the ragged pass, [budget, d_model], has the embedding's type.)
+cfg = dict(family="llama", vocab_size=640, d_model=256, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=64,
+           ffn_dim=768, max_seq_len=2048, rope_base=500000.0, norm_eps=1e-5, tie_embeddings=False,
+           bos_token_id=256, eos_token_id=257)
+r = tr.engine_traffic("h100", cfg, max_seqs=4, context=256, pool_gib=0.25, label="llama-small", budget=64,
+                      engine_options=ENGINE_OPTIONS)
+s = r["summary"]
+print(json.dumps(dict(options=r["compiler_options"], matrix_copies=r["matrix_copies"], checks=r["checks"],
+                      weights=s["weights"], kv_read=s["kv_read"], kv_write=s["kv_write"])))
+"""
+
+
+def engine_step_traffic(engine_options: bool = True) -> dict:
+    """ENGINE_STEP's record, in a fresh process (a deviceless compile sets XLA's logging first)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_CPP_VMODULE", "XLA_FLAGS")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    code = ENGINE_STEP.replace("ENGINE_OPTIONS", str(engine_options))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
+                    reason="the compile-only GPU packages are not installed (pip install -e '.[gpu]')")
+def test_engine_gpu_step_reads_weights_in_place():
+    """The engine's own unified step as it compiles it for an H100 (deviceless: `step_program`,
+    the runner's jit options with `jpa.core.xla_options.WEIGHTS_IN_PLACE`), a small 2-layer Llama:
+    no weight matrix (or layer slice of one) materialized anywhere in the program, every weight
+    byte of the decode step read once, no copy of a page pool, the donated pools aliased, the
+    Mosaic kernels in place (3 a layer body). XLA's default compile copies the slices
+    (tests/test_bench_traffic.py: this program and Llama-3-8B's, both ways)."""
+    from jpa.core.xla_options import WEIGHTS_IN_PLACE
+    out = engine_step_traffic()
+    assert out["options"] == WEIGHTS_IN_PLACE
+    assert out["matrix_copies"] == [], out["matrix_copies"]
+    assert out["weights"]["read"] <= 1.01 * out["weights"]["ideal"], out["weights"]
+    c = out["checks"]
+    assert c["ok"] and c["pool_copies"] == [] and c["alias_bytes"] >= c["pool_bytes"] > 0, c
+    assert c["mosaic_calls"] == 3, c
+    assert out["kv_read"]["total"] == out["kv_read"]["ideal"] > 0
+    assert out["kv_write"]["total"] == out["kv_write"]["ideal"]
+
+
+def test_projection_from_bytes_and_bandwidth():
+    from jpa.tools.deviceless import TARGETS
+    bw = TARGETS["h100"]["memory_bandwidth"]
+    s = {"total": dict(total=0.8 * bw / 100)}   # a step of 10 ms at 80% of peak
+    p = tr.projection(s, "h100", 64, kv_bytes=60e9, weight_bytes=16e9)
+    assert abs(p["step_ms"] - 10.0) < 1e-9 and abs(p["tokens_per_s"] - 6400) < 1e-6 and p["fits"]
+    assert not tr.projection(s, "h100", 64, kv_bytes=69e9, weight_bytes=16e9)["fits"]   # > 0.9 x 80 GB
+    assert tr.projection(s, "a100", 1)["fits"] is None
+    assert tr.projection(s, "a100", 1, efficiency=0.4)["step_ms"] > 2 * p["step_ms"]

@@ -193,8 +193,9 @@ BENCH = {
 
 SOAK = {
     "tests/test_bench_traffic.py":
-        "5 min: the Llama-8B traffic tables, default and in place (scripts/gpu_traffic.py prints them; "
-        "tests/test_traffic.py keeps the model's accounting on a known program in the main tier)",
+        "5 min: the Llama-8B traffic tables, XLA's default and the engine's options, and the small engine step "
+        "under XLA's default (scripts/gpu_traffic.py prints them; tests/test_traffic.py keeps the model's "
+        "accounting on a known program and the engine's own small step read in place in the main tier)",
     "tests/test_bench_mosaic_ampere.py::test_grid_matches_reference":
         "2 min: the Ampere decode's interpret grid (tests/test_mosaic_ampere.py keeps both copy paths; the "
         "bench tier keeps the kernel subset's compile for four targets)",

@@ -75,6 +75,7 @@ from jpa.engine.speculative import DraftPair, SpeculativeConfig, make_proposer
 from jpa.engine.structured import hold_constrained, restore_held
 from jpa.engine.verify import VerifyLoop
 from jpa.core.sharding import REPLICATED, STACKED_POOL, named
+from jpa.core.xla_options import step_compiler_options
 
 
 # Executables served by JAX's persistent compilation cache in this process (a monitoring event
@@ -163,7 +164,7 @@ class ModelRunner:
                  pages_per_seq: int | None = None, steps_per_call: int | None = None, shapes: EngineShapes | None = None,
                  attention_impl: str = "auto", allocate: bool = True, mesh=None, block_tokens: int | None = None,
                  speculative: SpeculativeConfig | None = None, draft=None,
-                 draft_cache_config: CacheConfig | None = None):
+                 draft_cache_config: CacheConfig | None = None, compiler_options: dict | None = None):
         check_model(model)
         if shapes is None:
             shapes = EngineShapes(max_seqs=max_seqs, page_size=cache_config.page_size,
@@ -191,6 +192,11 @@ class ModelRunner:
             backend = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
             self.verify_rows = speculative.rows(shapes.max_seqs, backend)
         self.mesh = mesh
+        # The platform the step compiles for, and the user's XLA options over the engine's own
+        # (`jpa.core.xla_options.step_compiler_options`; None removes one).
+        self.platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
+        self._compiler_options = dict(compiler_options or {})
+        step_compiler_options(self.platform, self._compiler_options)  # a bad option name fails here
         self.model, self.params = model, model.params
         self.cache_config = cache_config
         self.attention_impl = attention_impl
@@ -294,12 +300,23 @@ class ModelRunner:
         `jit_options()`, or their own donation and shardings); `lower` does it for this runner."""
         return self._step_impl
 
-    def jit_options(self) -> dict:
-        """jax.jit options of the compiled step: state donated and, under a mesh, outputs pinned
+    def compiler_options(self, platform: str | None = None) -> dict:
+        """The XLA options the step compiles with for `platform` (default: this runner's):
+        `jpa.core.xla_options.WEIGHTS_IN_PLACE` on a GPU (every scanned layer's gemm reads its
+        weights in place), none on a CPU; the `compiler_options` given to the runner over them."""
+        return step_compiler_options(platform or self.platform, self._compiler_options)
+
+    def jit_options(self, platform: str | None = None) -> dict:
+        """jax.jit options of the compiled step: state donated, the XLA options of `platform`
+        (`compiler_options`; default: this runner's platform) and, under a mesh, outputs pinned
         (the cache keeps its head sharding, everything else replicated)."""
-        if self.mesh is None:
-            return dict(donate_argnums=DONATE)
-        return dict(donate_argnums=DONATE, out_shardings=(self._pool, self._rep, self._rep, self._rep))
+        opts = dict(donate_argnums=DONATE)
+        xla = self.compiler_options(platform)
+        if xla:
+            opts["compiler_options"] = xla
+        if self.mesh is not None:
+            opts["out_shardings"] = (self._pool, self._rep, self._rep, self._rep)
+        return opts
 
     def state(self):
         """(params, cache, page_state, slots): the leading arguments of the compiled step."""

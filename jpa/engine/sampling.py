@@ -15,6 +15,7 @@ import numpy as np
 from jax import lax
 
 from jpa.engine.structured import StructuredOutputs
+from jpa.ops.dispatch import current_target
 
 # Far above any useful temperature, far below float32's range: logits / temperature stay finite and a
 # grammar mask (-inf) survives the division (1e38, and past float32's max, broke sampling).
@@ -243,17 +244,63 @@ def _order_key(x):
     return jnp.where(u >> 31 == 1, ~u, u | jnp.uint32(0x80000000))
 
 
-def _bisect(pred, num_rows):
-    """Per row, the smallest u32 t with pred(t) True; pred must be monotone (False..., True...)."""
-    def step(_, lohi):
-        lo, hi = lohi
-        mid = lo + (hi - lo) // 2
-        ok = pred(mid)
-        return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+def _key_compare(p, t, op):
+    """`op(_order_key(p), t)` (op: jnp.greater or jnp.greater_equal) for p in [+0, 1] (a
+    probability; never -0 or NaN), on the floats: key(p) is 2**31 + bits(p), so it holds exactly
+    when t < 2**31 or op(p, the float whose bits are t - 2**31) (a NaN there, past 1: false both
+    ways). Exact unless p or that float is subnormal where XLA flushes subnormals to zero (a
+    softmax's outputs are flushed there too). Broadcasts p f32 against t u32."""
+    thr = lax.bitcast_convert_type(t - jnp.uint32(0x80000000), jnp.float32)
+    return (t < jnp.uint32(0x80000000)) | op(p, thr)
 
-    lo = jnp.zeros((num_rows,), jnp.uint32)
-    hi = jnp.full((num_rows,), 0xFFFFFFFF, jnp.uint32)
-    return lax.fori_loop(0, 32, step, (lo, hi))[1]
+
+def _bisect(pred, num_rows, ways: int = 2):
+    """Per row, the smallest u32 t with pred(t) True (0xFFFFFFFF when none is); pred must be
+    monotone (False..., True...).
+
+    ways=2: a binary search, 32 steps of pred(t) over t u32[num_rows] -> bool[num_rows].
+    ways=2**b (b in 2, 4, 8): a search of 32 / b steps, each asking pred at ways - 1 thresholds per
+    row at once, t u32[num_rows, ways - 1] -> bool[num_rows, ways - 1] (one read of the data for
+    them all: a quarter of the passes at 16). Both find the same t.
+    """
+    if ways == 2:
+        def step(_, lohi):
+            lo, hi = lohi
+            mid = lo + (hi - lo) // 2
+            ok = pred(mid)
+            return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+
+        lo = jnp.zeros((num_rows,), jnp.uint32)
+        hi = jnp.full((num_rows,), 0xFFFFFFFF, jnp.uint32)
+        return lax.fori_loop(0, 32, step, (lo, hi))[1]
+    bits = {4: 2, 16: 4, 256: 8}.get(ways)
+    if bits is None:
+        raise ValueError(f"ways must be 2, 4, 16 or 256; got {ways}")
+    j = jnp.arange(1, ways, dtype=jnp.uint32)[None, :]
+
+    def step(i, base):
+        # The answer lies in [base, base + 2**width - 1] and pred holds at that range's top (or
+        # holds nowhere). Ask pred at the top of each of its first ways - 1 sub-ranges of
+        # 2**(width - bits); the first where it holds (else the last sub-range) is the next range.
+        shift = (32 - bits * (i + 1)).astype(jnp.uint32)
+        tops = base[:, None] + (j << shift) - jnp.uint32(1)
+        ok = pred(tops)
+        first = jnp.sum(~ok, axis=-1, dtype=jnp.uint32)   # monotone: the False ones come first
+        return base + (first << shift)
+
+    return lax.fori_loop(0, 32 // bits, step, jnp.zeros((num_rows,), jnp.uint32))
+
+
+# Thresholds asked per pass over the logits by the top-k / top-p search on a GPU (`_bisect`'s
+# ways): 8 passes over the [rows, vocab] keys instead of 32. On a GPU the search is memory-bound (a
+# pass reads the keys once for all 15 thresholds); on a CPU it is compute-bound and stays binary.
+GPU_SEARCH_WAYS = 16
+
+
+def search_ways() -> int:
+    """`_bisect`'s ways for the device the sampler is compiled for: GPU_SEARCH_WAYS on a GPU, 2
+    elsewhere (the CPU program is the binary search)."""
+    return GPU_SEARCH_WAYS if current_target().platform == "gpu" else 2
 
 
 def controls_active(params: SlotParams):
@@ -322,6 +369,41 @@ def sample_slots(logits, params: SlotParams, counters, history_fn=None, num_cach
                                 min_p=params.min_p, top_n=MAX_TOP_LOGPROBS, want_top=params.top_logprobs > 0)
 
 
+# The verify pass samples its rows in chunks of at most this many logits (rows x vocab: 32 MiB of
+# float32), so the sampler's [rows, vocab] temporaries (keys, probabilities, the filtered and
+# scaled logits, the draw's noise) do not scale with verify_rows x vocab (320 x 128256 for
+# Llama-3 at 64 sequences, k = 4: a 164 MB array each, a chunk of 64 rows: 33 MB).
+SAMPLE_LOGITS_ELEMENTS = 1 << 23
+
+
+def sample_rows(logits, params: SlotParams, counters, history_fn=None, num_cached=None, stop_ids=None,
+                max_elements: int = SAMPLE_LOGITS_ELEMENTS):
+    """`sample_slots` over rows of `logits` f32[n, vocab] in chunks of at most max_elements logits
+    (a `lax.map` over chunks of equal size; the last one overlaps the one before rather than
+    padding, its shared rows sampled twice, identically). Each row is sampled exactly as
+    `sample_slots` samples it (by its own key, counter and parameters); n x vocab <= max_elements
+    is `sample_slots` itself. history_fn: () -> i32[n, L], sliced per chunk inside the controls'
+    branch."""
+    n, vocab = logits.shape
+    per = max(1, max_elements // vocab)
+    if n <= per:
+        return sample_slots(logits, params, counters, history_fn, num_cached, stop_ids)
+    chunks = -(-n // per)
+    size = -(-n // chunks)
+    starts = jnp.minimum(jnp.arange(chunks, dtype=jnp.int32) * size, n - size)
+
+    def one(start):
+        cut = lambda a: lax.dynamic_slice_in_dim(a, start, size, 0)  # noqa: E731
+        hist = None if history_fn is None else (lambda: cut(history_fn()))
+        return sample_slots(cut(logits), jax.tree_util.tree_map(cut, params), cut(counters), hist,
+                            None if num_cached is None else cut(num_cached), stop_ids)
+
+    out = lax.map(one, starts)   # each [chunks, size, ...]
+    row = jnp.arange(n, dtype=jnp.int32)
+    c = jnp.minimum(row // size, chunks - 1)
+    return tuple(a[c, row - starts[c]] for a in out)
+
+
 def sample(logits, temperature, top_k, top_p, seeds, counters):
     """Picks one token per row (`sample_with_logprobs` without the log-probabilities)."""
     return sample_with_logprobs(logits, temperature, top_k, top_p, seeds, counters)[0]
@@ -363,17 +445,30 @@ def sample_with_logprobs(logits, temperature, top_k, top_p, seeds, counters, *, 
         # values (32 exact steps, O(vocab) each), not a sort of the vocabulary: on a CPU a
         # per-row sort of 49k logits costs more than the whole model step.
         key = _order_key(x)  # u32[B, V]
-        # top-k: keep values >= the k-th largest (ties with it are kept too).
-        t_k = _bisect(lambda t: jnp.sum(key >= t[:, None], axis=-1) < top_k, x.shape[0])
+        ways = search_ways()
+        if ways == 2:
+            # top-k: keep values >= the k-th largest (ties with it are kept too).
+            t_k = _bisect(lambda t: jnp.sum(key >= t[:, None], axis=-1) < top_k, x.shape[0])
+        else:   # t: [B, ways - 1] thresholds, counted over the vocabulary in one pass
+            t_k = _bisect(lambda t: jnp.sum(key[:, :, None] >= t[:, None, :], axis=1) < top_k[:, None],
+                          x.shape[0], ways)
         t_k = jnp.where(t_k > 0, t_k - 1, 0)  # top_k >= vocab keeps everything (no wrap-around)
         keep = jnp.where(top_k[:, None] > 0, key >= t_k[:, None], True)
         probs = jax.nn.softmax(jnp.where(keep, x, -jnp.inf), axis=-1)
         # top-p: keep a token when the mass of the tokens above it is < top_p (the smallest set
         # of top tokens reaching top_p; the most likely token always stays).
-        pkey = _order_key(probs)
-        t_p = _bisect(lambda t: jnp.sum(jnp.where(pkey > t[:, None], probs, 0.0), axis=-1) < top_p,
-                      x.shape[0])
-        keep = keep & jnp.where(top_p[:, None] < 1.0, pkey >= t_p[:, None], True)
+        if ways == 2:
+            pkey = _order_key(probs)
+            t_p = _bisect(lambda t: jnp.sum(jnp.where(pkey > t[:, None], probs, 0.0), axis=-1) < top_p,
+                          x.shape[0])
+            keep = keep & jnp.where(top_p[:, None] < 1.0, pkey >= t_p[:, None], True)
+        else:
+            # The keys' comparisons made on the probabilities themselves (`_key_compare`): no key
+            # array written and read back each pass.
+            cmp = lambda t, op: _key_compare(probs[:, :, None], t[:, None, :], op)  # noqa: E731
+            t_p = _bisect(lambda t: jnp.sum(jnp.where(cmp(t, jnp.greater), probs[:, :, None], 0.0), axis=1)
+                          < top_p[:, None], x.shape[0], ways)
+            keep = keep & jnp.where(top_p[:, None] < 1.0, cmp(t_p[:, None], jnp.greater_equal)[:, :, 0], True)
         if min_p is not None:
             keep = keep & (probs >= min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True))
         return jnp.where(keep, x, -jnp.inf)

@@ -28,9 +28,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from jpa.kv import pages
+from jpa.ops.dispatch import current_target
 from jpa.engine.batch import Sampled, SpecCounts
 from jpa.engine.device import Usage, copy_on_write, finished, slot_mapping_at, tally
-from jpa.engine.sampling import MAX_TOP_LOGPROBS, sample_slots
+from jpa.engine.sampling import MAX_TOP_LOGPROBS, sample_rows, sample_slots
 from jpa.engine.speculative import accepted_prefix
 
 
@@ -115,8 +116,13 @@ class VerifyLoop:
         act = slots.active
         slot_mapping = slot_mapping_at(ps.block_tables, lens, self.shapes.page_size, act)
         seq_lens = jnp.where(act, lens + 1, 0)
-        logits, cache = self.model.decode(params, cache, slots.tokens, seq_lens, slot_mapping, ps.block_tables,
-                                          impl=self.impl)
+        inputs = (slots.tokens, seq_lens, slot_mapping, ps.block_tables)
+        pad = decode_pad_rows(act.shape[0])
+        if pad:   # idle rows: no context, nothing written
+            inputs = tuple(jnp.concatenate([a, jnp.full((pad,) + a.shape[1:], v, a.dtype)])
+                           for a, v in zip(inputs, (0, 0, -1, 0)))
+        logits, cache = self.model.decode(params, cache, *inputs, impl=self.impl)
+        logits = logits[: act.shape[0]]
         slots = slots.write_tokens(slots.tokens, slot_mapping)
         y = sample_slots(logits, slots.params, slots.num_generated, lambda: slots.history(ps.block_tables),
                          seq_lens, self.stop_ids)
@@ -144,8 +150,9 @@ class VerifyLoop:
         hidden, cache = self.proposer.target_hidden(self.model, params, cache, args, self.impl)
         slots = slots.write_tokens(tok, slot_mapping)
         rs = slots.rows(s)
-        y = sample_slots(self.model.head(params, hidden), rs.params, rs.num_generated + j,
-                         lambda: slots.history(ps.block_tables[s]), lens[s] + 1 + j, self.stop_ids)
+        # Sampled in chunks of rows (`sample_rows`): its temporaries do not scale with rows x vocab.
+        y = sample_rows(self.model.head(params, hidden), rs.params, rs.num_generated + j,
+                        lambda: slots.history(ps.block_tables[s]), lens[s] + 1 + j, self.stop_ids)
         start = cu[jnp.argsort(order)]  # i32[num_seqs]: each slot's first row
         ridx = jnp.clip(start[:, None] + jnp.arange(self.width, dtype=jnp.int32)[None, :], 0, rows - 1)
         return cache, slots, tuple(a[ridx] for a in y)
@@ -224,6 +231,15 @@ class VerifyLoop:
         c = lax.while_loop(lambda c: (c.i < max_steps) & c.nxt.ok & jnp.any(c.slots.active),
                            lambda c: self.step(params, c), init)
         return c.cache, c.ps, c.slots, c.out, c.i, c.usage, c.counts
+
+
+def decode_pad_rows(num_seqs: int) -> int:
+    """Idle rows the plain decode pass adds to its model pass of num_seqs rows: one on a GPU when
+    num_seqs is 1, else none. XLA's GPU pipeline rewrites a one-row product with a small weight
+    (Llama-3-8B's wk and wv, [4096, 1024]) into a multiply and a reduce that materializes the
+    float32 product, 2.2 GB a step for 8B (`jpa.tools.traffic`); a two-row gemm reads the weight in
+    place through cuBLAS. The CPU program is unchanged."""
+    return 1 if num_seqs == 1 and current_target().platform == "gpu" else 0
 
 
 def _once(run, pred, cache, slots, ys):

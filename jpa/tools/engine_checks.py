@@ -22,13 +22,16 @@ from jpa.tools.hlo import (collective_summary, collectives, cross_host_problems,
                            host_table, moves_heads_or_pool)
 
 
-def step_program(runner, num_tokens: int):
-    """(fn, args, jit_options) of a ModelRunner's unified step for a budget of num_tokens:
-    `jax.jit(fn, **jit_options).lower(*args)` is the program the engine compiles and runs.
+def step_program(runner, num_tokens: int, platform: str = "cuda"):
+    """(fn, args, jit_options) of a ModelRunner's unified step for a budget of num_tokens, compiled
+    for `platform` (a GPU: these tools compile for one): `jax.jit(fn, **jit_options).lower(*args)`
+    is the program the engine compiles and runs there, with the XLA options it compiles with
+    (`ModelRunner.compiler_options`: `jpa.core.xla_options.WEIGHTS_IN_PLACE` on a GPU).
 
     Through the runner's public methods (`step_function`, `state`, `step_inputs`, `jit_options`).
     """
-    return runner.step_function, (*runner.state(), runner.step_inputs(num_tokens)), runner.jit_options()
+    return (runner.step_function, (*runner.state(), runner.step_inputs(num_tokens)),
+            runner.jit_options(platform))
 
 
 def expected_kernel_calls(target: str, kernel_calls: int, decode_calls: int) -> dict:
@@ -49,9 +52,10 @@ def expected_kernel_calls(target: str, kernel_calls: int, decode_calls: int) -> 
 def engine_steps(pool_gib: float = 1.5, max_seqs: int = 64, page_size: int = 16, max_model_len: int = 2048,
                  steps_per_call: int = 8, budget: int = 512, config=None, label: str = "SmolLM2",
                  which=("plain", "spec")):
-    """[(name, fn, args, donate_argnums, pool shapes, expected kernel calls)] of the engine's one
+    """[(name, fn, args, jit_options, pool shapes, expected kernel calls)] of the engine's one
     program, the unified step: a ragged step over `budget` tokens in one pass, then the decode loop
-    ("plain"), and the same with n-gram speculation ("spec"); `which` picks.
+    ("plain"), and the same with n-gram speculation ("spec"); `which` picks. jit_options: what the
+    engine jits its step with on a GPU (`step_program`: donation and its XLA compiler options).
 
     config: the jpa.models.ModelConfig (or a dict of its fields) to compile, named `label` in the
     record; default SmolLM2-135M's. The model and the engine's state are abstract (nnx.eval_shape;
@@ -96,13 +100,13 @@ def engine_steps(pool_gib: float = 1.5, max_seqs: int = 64, page_size: int = 16,
         # (layer_period() layers: 1 for SmolLM2).
         (f"engine unified step ({label} bf16, {budget}-token budget + {steps_per_call} decode steps, "
          f"{max_seqs} seqs, {cache_cfg.num_pages} pages)",
-         plain_fn, plain_args, plain_opts["donate_argnums"], pools,
+         plain_fn, plain_args, plain_opts, pools,
          3 * layer_period(config)),
         # With speculation the decode loop holds the verify pass (a ragged op over k + 1 rows per
         # sequence: two kernel calls) and the plain decode pass of steps without drafts (one).
         (f"engine unified step, n-gram speculation k={k} ({label} bf16, verify pass of {max_seqs * (k + 1)} rows, "
          f"{max_seqs} seqs, {cache_cfg.num_pages} pages)",
-         spec_fn, spec_args, spec_opts["donate_argnums"], pools,
+         spec_fn, spec_args, spec_opts, pools,
          5 * layer_period(config)),
     ]
     return [s for s, kind in zip(steps, ("plain", "spec")) if kind in which]
@@ -120,8 +124,8 @@ def check_engine(compiler: Compiler, log=print, **sizes) -> list:
     config = sizes.get("config")
     config = PRESETS["smollm2-135m"] if config is None else config
     config = ModelConfig(**config) if isinstance(config, dict) else config
-    for name, fn, args, donate, pools, kernel_calls in engine_steps(**sizes):
-        rec = compiler.compile(name, fn, args, donate_argnums=donate, pool_shapes=pools, keep_hlo=True)
+    for name, fn, args, jit_options, pools, kernel_calls in engine_steps(**sizes):
+        rec = compiler.compile(name, fn, args, jit_options=jit_options, pool_shapes=pools, keep_hlo=True)
         hlo = rec.pop("hlo", "")
         rec.update(kind="engine", attention=attention_in(hlo) if kernel_calls else None)
         if rec["ok"] and kernel_calls:

@@ -23,7 +23,8 @@ instruction XLA runs as GPU work (fusions, custom calls, async fusion starts, ba
   tables, slot mappings, allocator state, token ids), other (activations). A kernel's read and
   written bytes are split by the purpose of each operand and of each result. Arrays are matched by
   type, and large ones also by dtype and element count (XLA re-views them: `MATCH_BY_SIZE`); an
-  array a kernel makes out of weights alone (a copy, a concatenation) is a weight too. Pool
+  array a kernel makes out of weights alone (a copy, a concatenation) is a weight too, and one a
+  kernel makes without reading any weight is not (a weight's size by chance). Pool
   traffic outside the scanned layers and outside attention kernels (copy-on-write of shared
   pages, every layer at once) is page work.
 - For a conditional, each branch's kernels are rows of their own (`branch`); `summary` counts, for
@@ -44,6 +45,9 @@ import time
 
 import numpy as np
 
+# The XLA options under which the scanned layers' gemms read their weights in place; the engine
+# compiles its GPU step with them (`jpa.core.xla_options`; re-exported here for the tools).
+from jpa.core.xla_options import WEIGHTS_IN_PLACE  # noqa: F401
 from jpa.tools.hlo import MOSAIC_CALL, TRITON_CALL
 
 ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1, "s64": 8,
@@ -55,15 +59,6 @@ FREE_OPS = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "w
             "after-all", "partition-id", "replica-id", "opt-barrier", "fusion-done", "copy-done", "async-done",
             "send-done", "recv-done", "all-reduce-done", "all-gather-done", "collective-permute-done",
             "add-dependency", "domain", "get-dimension-size", "reshape", "async-start", "async-update"}
-# XLA options under which the scanned layers' gemms read their weights in place (measured with this
-# model, BENCHMARKS.md "Memory traffic of a decode step"): gemms through cuBLAS rather than XLA's
-# Triton gemm fusions, which XLA GPU feeds a layer's slice of a stacked weight by its offset (a
-# dynamic-slice fusion) instead of copying the slice out first; no dot merger, which would
-# concatenate wq, wk and wv into a new array every layer; and bf16 x bf16 -> f32 as the dots' algorithm,
-# without which a one-row gemm (a vector-matrix product: one sequence) goes to cuBLAS with both
-# operands converted to float32 first (the weight slice copied at twice its size).
-WEIGHTS_IN_PLACE = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_dot_merger_threshold_mb": 0,
-                    "xla_gpu_default_to_alg_dot_bf16_bf16_f32": True}
 PURPOSES = ("weights", "kv_read", "kv_write", "logits", "pages", "other")
 SLICING = ("dynamic-slice", "slice", "gather")
 IN_PLACE = ("dynamic-update-slice", "scatter")
@@ -427,6 +422,11 @@ def _kernel_bytes(ins: Instr, comp: dict, comps: dict, spec: Spec) -> tuple:
                 if pallas:
                     n = 0  # the pool passed through (aliased): the kernel writes no page of it
             written[p] += n
+    if written["weights"] and not read["weights"]:
+        # Weight-sized by chance (MATCH_BY_SIZE: e.g. the copy-on-write gather of 8 sequences' last
+        # pages, [8, 32, 8, 1, 16, 128], is wk's 4096 x 1024 elements): made from no weight, no copy.
+        written["other"] += written["weights"]
+        written["weights"] = 0
     return read, written
 
 
@@ -470,7 +470,8 @@ def summary(rows: list, ideal: dict | None = None) -> dict:
         out[p]["total"] = out[p]["read"] + out[p]["written"]
     out["total"] = dict(read=sum(out[p]["read"] for p in PURPOSES), written=sum(out[p]["written"] for p in PURPOSES),
                         total=sum(out[p]["total"] for p in PURPOSES), ideal=sum(ideal.values()))
-    out["weight_copies"] = [dict(name=r["name"], type=r["type"], bytes=r["written"]["weights"] * r["executions"])
+    out["weight_copies"] = [dict(name=r["name"], type=r["type"], result=r["result"][:120],
+                                 bytes=r["written"]["weights"] * r["executions"])
                             for r in rows if r["written"]["weights"]]
     return out
 
@@ -568,40 +569,78 @@ def engine_spec(params, config, pools, *, max_seqs: int, context: int, page_size
 
 def engine_traffic(target: str = "h100", config=None, *, max_seqs: int = 64, context: int = 1024,
                    pool_gib: float = 8.0, page_size: int = 16, which: str = "plain", compiler_options=None,
-                   label: str = "Llama-3-8B", hlo: str | None = None) -> dict:
+                   label: str = "Llama-3-8B", hlo: str | None = None, engine_options: bool = True,
+                   budget: int = 512) -> dict:
     """Compiles the engine's unified step (`engine_steps`: a ragged pass, then the decode loop;
     "spec": with n-gram speculation, k = 4) for a deviceless target and models one iteration of its
     decode loop: a decode step at `max_seqs` sequences of `context` tokens (a verify step of
     k + 1 rows per sequence under "spec": its verify pass, not the plain decode pass it runs when
-    no sequence has a draft). config: a ModelConfig or dict (default Llama-3-8B's shapes). hlo: the
+    no sequence has a draft). config: a ModelConfig or dict (default Llama-3-8B's shapes). The
+    program is the engine's as it compiles it for a GPU (`step_program`: its jit options, with the
+    XLA options of `ModelRunner.compiler_options`; a ragged pass of `budget` tokens first);
+    engine_options=False drops those XLA options
+    (XLA's defaults); compiler_options: more XLA options over them. hlo: the
     optimized HLO of this same program, saved from an earlier call: modelled without compiling.
     Returns dict(name, summary (`summary` against the ideal), top (`top_kernels`), seconds and
     cpu_seconds (the compile: wall, and this process's CPU time; None given hlo), temp_bytes, rows
-    (every row of the decode step), hlo)."""
+    (every row of the decode step), hlo, matrix_copies (`matrix_copies` of the whole program) and
+    checks (the compile record's ok, problems, pool_copies, pool and alias bytes, kernel calls))."""
     from jpa.models import ModelConfig
     from jpa.tools.deviceless import Compiler
     from jpa.tools.engine_checks import LLAMA_SHAPED, engine_steps
 
     config = ModelConfig(**(config or LLAMA_SHAPED)) if not isinstance(config, ModelConfig) else config
     max_model_len = max(2048, -(-context // page_size) * page_size)
-    (name, fn, args, donate, pools, _), = engine_steps(
+    (name, fn, args, jit_options, pools, _), = engine_steps(
         pool_gib=pool_gib, max_seqs=max_seqs, page_size=page_size, max_model_len=max_model_len, config=config,
-        label=label, which=(which,))
+        label=label, which=(which,), budget=budget)
+    jit_options = dict(jit_options)
+    options = {**(jit_options.pop("compiler_options", {}) if engine_options else {}), **(compiler_options or {})}
+    jit_options.pop("compiler_options", None)
     cpu0 = time.process_time()
     if hlo is None:
-        rec = Compiler(target).compile(name, fn, args, donate_argnums=donate, pool_shapes=pools, keep_hlo=True,
-                                       compiler_options=compiler_options)
+        rec = Compiler(target).compile(name, fn, args, jit_options=jit_options, pool_shapes=pools, keep_hlo=True,
+                                       compiler_options=options)
         if "error" in rec:
             raise RuntimeError(f"{name}: {rec['error']}")
     else:
         rec = dict(hlo=hlo, seconds=None, temp_bytes=None)
     spec, ideal = engine_spec(args[0], config, pools, max_seqs=max_seqs, context=context, page_size=page_size,
                               rows_per_seq=5 if which == "spec" else 1)
-    step = decode_step(traffic(rec["hlo"], spec))
+    all_rows = traffic(rec["hlo"], spec)
+    step = decode_step(all_rows)
     if step is None:
         raise RuntimeError(f"{name}: no decode loop found in the compiled program")
     return dict(name=name, target=target, max_seqs=max_seqs, context=context, which=which,
-                compiler_options=compiler_options or {}, summary=summary(step, ideal), top=top_kernels(step, 12),
+                compiler_options=options, summary=summary(step, ideal), top=top_kernels(step, 12),
                 seconds=rec["seconds"], cpu_seconds=round(time.process_time() - cpu0, 1) if hlo is None else None,
-                temp_bytes=rec["temp_bytes"],
-                rows=step, hlo=rec["hlo"])
+                temp_bytes=rec["temp_bytes"], rows=step, hlo=rec["hlo"],
+                # The whole program (not only the decode step): weight matrices copied anywhere,
+                # and the compile's own checks (pool copies, donated pools aliased, kernel calls).
+                matrix_copies=matrix_copies(summary(all_rows)),
+                checks={k: rec.get(k) for k in ("ok", "problems", "pool_copies", "pool_bytes", "alias_bytes",
+                                                "mosaic_calls", "triton_calls")})
+
+
+def matrix_copies(s: dict) -> list:
+    """The `weight_copies` of a summary that are matrices (an array with two or more axes longer
+    than 1: a weight matrix or one layer's slice of one), not a norm scale's vector."""
+    return [c for c in s["weight_copies"]
+            if any(sum(d > 1 for d in dims) >= 2 for _, dims in arrays(c.get("result", c["type"])))]
+
+
+def projection(s: dict, target: str, num_seqs: int, *, efficiency: float = 0.8, kv_bytes: int | None = None,
+               weight_bytes: int | None = None, memory_fraction: float = 0.9) -> dict:
+    """A projected decode rate from a decode step's `summary` (labelled a projection: no GPU ran
+    it): the step moves s["total"]["total"] bytes at `efficiency` x the target's HBM peak
+    (`jpa.tools.deviceless.TARGETS`' memory_bandwidth), one token per sequence a step. Returns
+    dict(step_ms, tokens_per_s, bandwidth, fits): fits, given kv_bytes (the live KV of every
+    sequence) and weight_bytes, whether both fit in memory_fraction of the target's memory (vLLM's
+    default gpu_memory_utilization, 0.9; None when not given)."""
+    from jpa.tools.deviceless import TARGETS
+    t = TARGETS[target]
+    bw = t["memory_bandwidth"] * efficiency
+    step = s["total"]["total"] / bw
+    fits = (None if kv_bytes is None or weight_bytes is None
+            else kv_bytes + weight_bytes <= memory_fraction * t["device_memory_size"])
+    return dict(step_ms=step * 1e3, tokens_per_s=num_seqs / step, bandwidth=bw, fits=fits)
