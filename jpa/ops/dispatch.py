@@ -149,9 +149,10 @@ def kernel_module(impl: str, op: Op | None = None):
 
 
 def kernel_options(impl: str, compute_capability: float | None, op: Op | None = None) -> dict:
-    """Static options a kernel entry point needs from the target: the Mosaic decode takes the
-    compute capability (it runs its Ampere/Ada kernel on 8.x, the Hopper one otherwise)."""
-    if impl == "mosaic" and (op is None or op is DECODE) and compute_capability is not None:
+    """Static options a kernel entry point needs from the target: the Mosaic decode and ragged
+    entries take the compute capability (they run their mma.sync kernels on 8.x and 10.x, the
+    WGMMA ones otherwise)."""
+    if impl == "mosaic" and compute_capability is not None:
         return {"compute_capability": float(compute_capability)}
     return {}
 

@@ -271,7 +271,8 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
                                            sliding_window=sliding_window, sinks=sinks))
     if chosen == "xla":
         return ragged_paged_attention_xla(*args, **opts)
-    return kernel_module(chosen).ragged_paged_attention(*args, interpret=interpret, **opts)
+    return kernel_module(chosen).ragged_paged_attention(
+        *args, interpret=interpret, **opts, **dispatch.target_kernel_options(chosen, RAGGED))
 
 
 def kernel_module(impl: str):
