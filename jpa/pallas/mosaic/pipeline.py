@@ -187,10 +187,14 @@ def softmax_step(s, vis, m, l, *, zero_masked_p):
     s = jnp.where(vis, s, MASK_VALUE)
     m_new = jnp.maximum(m, s.max(axis=1))
     alpha = jnp.exp(m - m_new)  # rescales what was accumulated under the old max
-    p = jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+    m_sub = m_new
     if zero_masked_p:
-        # A row may see no key of this block (causal, window): its p must be 0, not exp(0).
-        p = jnp.where(vis, p, 0.0)
+        # A row that has seen no key yet (causal, window) has m_new = MASK_VALUE, and its masked
+        # p would be exp(0) = 1: it subtracts 0 instead, so they are exp(MASK_VALUE) = 0. A row
+        # with a real max gets exp(MASK_VALUE - max) = 0 anyway. (A row-wide select: the per-key
+        # `vis` need not stay live past the max, which kept the mma.sync tile kernel spilling.)
+        m_sub = jnp.where(m_new > MASK_VALUE, m_new, 0.0)
+    p = jnp.exp(s - lax.broadcast_in_dim(m_sub, s.shape, [0]))
     return p, m_new, alpha, l * alpha + p.sum(axis=1)
 
 
