@@ -195,3 +195,29 @@ for name in ("jpa_mosaic_ragged_ampere", "jpa_mosaic_decode_ampere"):
         regs, spills, reports = rest.split(" ")
         assert targets == "['sm_80']", (name, targets)  # built for the A100
         assert 0 < int(regs) <= 255 and spills == "0" and int(reports) >= 1, (name, rest)
+
+
+@pytest.mark.parametrize("kind,cores,arch", [
+    ("NVIDIA A100-SXM4-80GB", 108, (8, 0)),
+    pytest.param("NVIDIA B200", 148, (10, 0), marks=pytest.mark.bench),  # CI's bench tier
+])
+def test_auto_ragged_lowers_to_mosaic_only_without_the_triton_warning(kind, cores, arch):
+    """impl="auto" under an AOT lowering for an A100 / a B200 (Mosaic told the arch, as the compile
+    tier does): the ragged op's program holds Mosaic kernels only, and JAX's Pallas Triton
+    deprecation warning (emitted when a Triton kernel is lowered) does not appear."""
+    import warnings
+
+    import jax
+    import jpa
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+    dev = AbstractDevice(device_kind=kind, num_cores=cores, platform="cuda")
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=dev)
+    args, _ = make_ragged_inputs(RAGGED_CASE)
+    fn = jax.jit(lambda *a: jpa.ragged_paged_attention(*a, soft_cap=10.0, sliding_window=19))
+    with mosaic_arch(arch), jax.sharding.use_abstract_mesh(mesh), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    messages = [str(w.message) for w in seen]
+    assert not [m for m in messages if "Triton backend is deprecated" in m], messages
+    assert any("uses the mosaic ragged kernel" in m for m in messages), messages
+    assert text.count("mosaic_gpu") >= 2 and "__gpu$xla.gpu.triton" not in text
