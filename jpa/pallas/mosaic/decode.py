@@ -60,8 +60,8 @@ from jpa.pallas.common import layer_index, layer_operand, merge_partitions, pool
 from jpa.pallas.mosaic import decode_ampere
 from jpa.pallas.mosaic import tuning as tuning_table
 from jpa.pallas.mosaic.pipeline import (BLOCK_Q, ROW_ALIGN, KVBlocks, attend, barriers, decode_key_range,  # noqa: F401
-                                        decode_logits, main_loop_scratch, num_blocks, num_partitions,
-                                        num_slots, operand_transforms, partitions, prologue, smem_plan,
+                                        decode_logits, launch, main_loop_scratch, num_blocks, num_partitions,
+                                        num_slots, operand_transforms, partition_outputs, partitions, prologue, smem_plan,
                                         tmas_per_block, uses_tma)
 from jpa.pallas.mosaic.tuning import MosaicTuning
 from jpa.pallas.spec import DecodeSpec
@@ -286,17 +286,9 @@ def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_ca
                                  layer_ref, acc_out, m_out, l_out, bars),
             *barriers(arrivals, slots))
 
-    out_type = (
-        jax.ShapeDtypeStruct((num_seqs, num_kv_heads, parts, rows_out, head_dim), jnp.float32),
-        jax.ShapeDtypeStruct((num_seqs, num_kv_heads, parts, rows_out), jnp.float32),
-        jax.ShapeDtypeStruct((num_seqs, num_kv_heads, parts, rows_out), jnp.float32),
-    )
-    acc, m, l = plgpu.kernel(
-        jpa_mosaic_decode, out_type=out_type, grid=(num_seqs, num_kv_heads, parts),
-        grid_names=("seq", "kv_head", "part"),
-        # Lane semantics: layouts are explicit (WGMMA layout for every register tile).
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-        interpret=plgpu.InterpretGPUParams(detect_races=detect_races) if interpret else None,
+    acc, m, l = launch(
+        jpa_mosaic_decode, partition_outputs(num_seqs, num_kv_heads, parts, rows_out, head_dim),
+        (num_seqs, num_kv_heads, parts), ("seq", "kv_head", "part"), interpret, detect_races,
     )(q_rows, k_pages, v_pages, block_tables, seq_lens.astype(jnp.int32), slopes,
       k_scales if quantized else slopes, v_scales if quantized else slopes,
       *([layer_operand(layer)] if stacked else []))

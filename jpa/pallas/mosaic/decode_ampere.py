@@ -60,9 +60,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jpa.pallas.common import layer_index, layer_operand, merge_partitions, pool_layout
 from jpa.pallas.mosaic import tuning as tuning_table
 from jpa.pallas.mosaic.pipeline import (BLOCK_Q, F32_ROW, ROW_ALIGN, MmaBlocks, MmaOps, attend_mma,
-                                        decode_key_range, decode_logits, kv_swizzle, kv_transforms,
+                                        decode_key_range, decode_logits, kv_swizzle, kv_transforms, launch,
                                         mma_chunks, mma_copies_per_block, mma_prologue,
-                                        operand_transforms, partitions, uses_tma)
+                                        operand_transforms, partition_outputs, partitions, uses_tma)
 from jpa.pallas.mosaic.tuning import MosaicTuning
 from jpa.pallas.spec import DecodeSpec
 
@@ -214,16 +214,9 @@ def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_ca
         pl.run_scoped(lambda *bars: run(bars),
                       *ops.barriers(1, mma_copies_per_block(page_size, bt), slots))
 
-    out_type = (
-        jax.ShapeDtypeStruct((num_seqs, num_kv_heads, parts, BLOCK_Q, head_dim), jnp.float32),
-        jax.ShapeDtypeStruct((num_seqs, num_kv_heads, parts, BLOCK_Q), jnp.float32),
-        jax.ShapeDtypeStruct((num_seqs, num_kv_heads, parts, BLOCK_Q), jnp.float32),
-    )
-    acc, m, l = plgpu.kernel(
-        jpa_mosaic_decode_ampere, out_type=out_type, grid=(num_seqs, num_kv_heads, parts),
-        grid_names=("seq", "kv_head", "part"),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    acc, m, l = launch(
+        jpa_mosaic_decode_ampere, partition_outputs(num_seqs, num_kv_heads, parts, BLOCK_Q, head_dim),
+        (num_seqs, num_kv_heads, parts), ("seq", "kv_head", "part"), interpret,
     )(q_rows, k_pages, v_pages, block_tables, seq_lens.astype(jnp.int32), slopes,
       *([layer_operand(layer)] if stacked else []))
     # Attention sinks join at the split-K combine (exact for any partitioning).

@@ -23,6 +23,7 @@ through SMEM (GPU interpret mode).
 import functools
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -120,6 +121,24 @@ def partitions(num_seqs, num_kv_heads, pages_per_seq, page_size, tuning, blocks_
     if blocks_per_part is None:
         blocks_per_part = -(-blocks // num_partitions(num_seqs, num_kv_heads, blocks, tuning=tuning))
     return blocks_per_part, -(-blocks // blocks_per_part)
+
+
+def launch(body, out_type, grid: tuple, grid_names: tuple, interpret: bool, detect_races: bool = False):
+    """`plgpu.kernel` as every jpa Mosaic kernel calls it: Lane semantics (layouts explicit on every
+    register tile), GPU interpret mode when asked. The body's name is the kernel's name (ptxas
+    reports and MOSAIC_GPU_DUMP_TO files)."""
+    return plgpu.kernel(
+        body, out_type=out_type, grid=grid, grid_names=grid_names,
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=plgpu.InterpretGPUParams(detect_races=detect_races) if interpret else None)
+
+
+def partition_outputs(num_seqs: int, num_kv_heads: int, parts: int, rows: int, head_dim: int) -> tuple:
+    """The decode kernels' outputs: f32 acc [B, K, parts, rows, H], m and l [B, K, parts, rows]
+    (unnormalized per split-K partition; `merge_partitions` combines them)."""
+    lead = (num_seqs, num_kv_heads, parts, rows)
+    return (jax.ShapeDtypeStruct(lead + (head_dim,), jnp.float32),
+            jax.ShapeDtypeStruct(lead, jnp.float32), jax.ShapeDtypeStruct(lead, jnp.float32))
 
 
 # ---- Which keys a row sees, and the online-softmax step: both paths (WGMMA, mma.sync) ----

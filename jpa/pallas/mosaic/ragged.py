@@ -50,7 +50,7 @@ from jpa.pallas.common import (decode_last_rows, layer_index, layer_operand, max
 from jpa.pallas.mosaic import decode as mosaic_decode
 from jpa.pallas.mosaic import ragged_ampere
 from jpa.pallas.mosaic import tuning as tuning_table
-from jpa.pallas.mosaic.pipeline import (BLOCK_Q, ROW_ALIGN, KVBlocks, attend, barriers, main_loop_scratch,
+from jpa.pallas.mosaic.pipeline import (BLOCK_Q, ROW_ALIGN, KVBlocks, attend, barriers, launch, main_loop_scratch,
                                         merge_sink, num_slots, operand_transforms, prologue,
                                         ragged_logits, tile_key_range, tmas_per_block, uses_tma)
 from jpa.pallas.mosaic.tuning import MosaicTuning
@@ -222,12 +222,9 @@ def _tile_rows(q, k_pages, v_pages, block_tables, tiles, alibi_slopes, k_scales,
                                  layer_ref, sinks_ref, out_ref, bars),
             *barriers(arrivals, slots))
 
-    return plgpu.kernel(
-        jpa_mosaic_ragged,
-        out_type=jax.ShapeDtypeStruct((num_tiles, num_kv_heads, BLOCK_Q, head_dim), q.dtype),
-        grid=(num_tiles, num_kv_heads), grid_names=("tile", "kv_head"),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    return launch(
+        jpa_mosaic_ragged, jax.ShapeDtypeStruct((num_tiles, num_kv_heads, BLOCK_Q, head_dim), q.dtype),
+        (num_tiles, num_kv_heads), ("tile", "kv_head"), interpret,
     )(q_rows, k_pages, v_pages, block_tables, *tiles,
       slopes if alibi_slopes is not None else placeholder,
       k_scales if quantized else placeholder, v_scales if quantized else placeholder,

@@ -40,7 +40,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jpa.pallas.common import layer_index, layer_operand, pool_layout
 from jpa.pallas.mosaic import decode_ampere
-from jpa.pallas.mosaic.pipeline import (BLOCK_Q, F32_ROW, MmaBlocks, MmaOps, attend_mma, kv_transforms,
+from jpa.pallas.mosaic.pipeline import (BLOCK_Q, F32_ROW, MmaBlocks, MmaOps, attend_mma, kv_transforms, launch,
                                         merge_sink, mma_chunks, mma_copies_per_block, mma_prologue,
                                         operand_transforms, ragged_logits, tile_key_range)
 from jpa.pallas.mosaic.tuning import MosaicTuning
@@ -159,12 +159,10 @@ def tile_rows(q_rows, k_pages, v_pages, block_tables, tiles, alibi_slopes, sinks
         pl.run_scoped(lambda *bars: run(bars),
                       *ops.barriers(f32_rows, mma_copies_per_block(page_size, bt), slots))
 
-    return plgpu.kernel(
+    return launch(
         jpa_mosaic_ragged_ampere,
-        out_type=jax.ShapeDtypeStruct((num_tiles, num_kv_heads, BLOCK_Q, head_dim), jnp.float32),
-        grid=(num_tiles, num_kv_heads), grid_names=("tile", "kv_head"),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        jax.ShapeDtypeStruct((num_tiles, num_kv_heads, BLOCK_Q, head_dim), jnp.float32),
+        (num_tiles, num_kv_heads), ("tile", "kv_head"), interpret,
     )(q_rows, k_pages, v_pages, block_tables, *tiles,
       per_row(alibi_slopes) if alibi_slopes is not None else placeholder,
       per_row(sinks) if sinks is not None else placeholder,
