@@ -1,4 +1,6 @@
-"""Ragged paged attention as Pallas Mosaic GPU kernels (Hopper, sm_90+).
+"""Ragged paged attention as Pallas Mosaic GPU kernels: WGMMA + TMA on Hopper (sm_90, this file's
+tile kernel), mma.sync on Ampere/Ada (sm_80/86/89, cp.async) and Blackwell (sm_100, TMA) through
+`ragged_ampere`'s tile kernel; `ragged_paged_attention(..., compute_capability=)` picks the path.
 
 The same split as `jpa.pallas.triton.ragged`, in one jitted program over the whole page pools:
 
@@ -34,7 +36,11 @@ the whole pools and the layer as an `i32[1]` operand, and TMA from `k_ref.at[lay
 rows]`.
 
 Rejected: everything `mosaic_decode.unsupported_reason` rejects (the same WGMMA, TMA and SMEM
-limits apply to both kernels).
+limits apply to both kernels); on 8.x and 10.x, what `ragged_ampere.unsupported_reason` rejects.
+
+The wrapper below (tile map, q layout `tile_q_rows`, the decode kernel for the last rows, the
+gather of the tiled rows) serves both paths; the tile kernels share `pipeline`'s key range
+(`tile_key_range`), masks (`ragged_logits`), softmax step and sink merge.
 """
 
 import functools
