@@ -78,7 +78,7 @@ def test_refusals_are_reasons_and_routing_follows_the_compute_capability():
     refused = {
         "8-bit caches": base._replace(cache_dtype="int8", quantized=True, page_size=32),
         "mma.sync has no exact float32": base._replace(q_dtype="float32", cache_dtype="float32"),
-        "must be 64, 128, 192 or 256": base._replace(head_dim=80),
+        "must be a multiple of 32 from 64 to 256": base._replace(head_dim=80),
     }
     for words, spec in refused.items():
         reason = mosaic_decode.unsupported_reason(spec, A100)
@@ -126,14 +126,14 @@ def ragged_opts(case, opts, rng):
 
 
 RAGGED_CASE = RaggedCase((9, 30, 41), q_lens=(1, 30, 5), num_tokens=40, max_num_seqs=4, num_q_heads=4,
-                         num_kv_heads=1, head_dim=64, page_size=16, pages_per_seq=3, soft_cap=10.0,
+                         num_kv_heads=1, head_dim=96, page_size=16, pages_per_seq=3, soft_cap=10.0,
                          alibi=True, sliding_window=19, share_page=True, seed=41,
                          q_dtype="bfloat16", cache_dtype="bfloat16")
 
 
 def test_ragged_matches_reference_with_every_row_option():
-    # A decode token, a prefill chunk of two tiles (GQA 4: 16 tokens per 64-row tile) crossing
-    # pages, and a chunk starting mid-page after a cached prefix; padding rows (NaN q) and a dead
+    # head_dim 96 (mma chunks of 64 + 32 columns). A decode token, a prefill chunk of two tiles
+    # (GQA 4: 16 tokens per 64-row tile) crossing pages, and a chunk starting mid-page after a cached prefix; padding rows (NaN q) and a dead
     # slot. Soft cap, ALiBi, a window shorter than the chunk and sinks: every row option at once.
     case = RAGGED_CASE
     args, opts = make_ragged_inputs(case)

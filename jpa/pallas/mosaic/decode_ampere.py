@@ -39,8 +39,8 @@ stand-in primitives are proven by the deviceless compile for sm_80/86/89 and sm_
 
 Rejected (see `unsupported_reason`): compute capabilities outside 8.x and 10.x (sm_120 is not
 compiled yet); float32 q; caches whose dtype differs from q's (8-bit caches with scales: not yet on
-this kernel); q_per_kv > 64; head_dim not a multiple of 64 (a cp.async row must be whole 128-byte
-lines) or above 256; page sizes that neither divide nor are multiples of the block up to 256;
+this kernel); q_per_kv > 64; head_dim not a multiple of 32 (80 and 112: Mosaic GPU refuses page
+copies that are not whole 128-byte GMEM lines per warp), below 64 or above 256; page sizes that neither divide nor are multiples of the block up to 256;
 shapes whose two K/V blocks do not fit the target's SMEM (tuning's smem_budget); on the TMA path,
 pools of 2**31 pages or more (TMA coordinates are 32-bit).
 
@@ -93,10 +93,11 @@ def unsupported_reason(spec: DecodeSpec, compute_capability: float | None = None
                 f"mma operands share one dtype")
     if spec.q_per_kv > BLOCK_Q:
         return f"q_per_kv = {spec.q_per_kv} exceeds the {BLOCK_Q}-row mma q tile"
-    if spec.head_dim % 64 or spec.head_dim > 256:
+    if spec.head_dim % 32 or not 64 <= spec.head_dim <= 256:
         return (f"head_dim = {spec.head_dim} is not supported by the mma.sync Mosaic kernel: it "
-                f"must be 64, 128, 192 or 256 (a cp.async row copy moves whole 128-byte GMEM "
-                f"lines; the TMA path keeps the same rule)")
+                f"must be a multiple of 32 from 64 to 256 (at head_dim 80 and 112 Mosaic GPU refuses the "
+                f"page copies: a warp's share is not whole 128-byte GMEM lines; the TMA path keeps "
+                f"the same rule)")
     ps, bt = spec.page_size, tuning.block_tokens
     if ps < 8 or (ps < bt and bt % ps) or (ps >= bt and ps % bt) or ps > MAX_PAGE_SIZE:
         return (f"page_size = {ps} is not supported: it must divide {bt} (>= 8) or be a multiple "
