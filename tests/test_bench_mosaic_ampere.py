@@ -39,6 +39,11 @@ GRID = [
          pages_per_seq=2, alibi=True, sliding_window=50, seed=3, **F16),
     Case((128, 129, 255), num_q_heads=2, num_kv_heads=1, head_dim=256, page_size=128,
          pages_per_seq=2, seed=4, **BF16),
+    # head_dim 96 (mma chunks 64 + 32) with pages of 16, head_dim 160 (32-token blocks) with 32.
+    Case((16, 17, 64, 65), num_q_heads=8, num_kv_heads=2, head_dim=96, page_size=16,
+         pages_per_seq=6, soft_cap=15.0, seed=6, **BF16),
+    Case((33, 64, 1), num_q_heads=4, num_kv_heads=2, head_dim=160, page_size=32, pages_per_seq=3,
+         alibi=True, seed=7, **F16),
     # page 256 with head_dim 64 (64-token slices), q_per_kv 16, window crossing blocks.
     Case((256, 3, 200), num_q_heads=16, num_kv_heads=1, head_dim=64, page_size=256,
          pages_per_seq=1, sliding_window=130, seed=5, **BF16),
@@ -118,6 +123,9 @@ RAGGED_GRID = [
     # head_dim 256 (32-token blocks), pages of 64 read in 32-token slices, q_per_kv 3, soft cap.
     RaggedCase((70, 9), q_lens=(40, 9), num_tokens=52, num_q_heads=6, num_kv_heads=2, head_dim=256,
                page_size=64, pages_per_seq=2, soft_cap=20.0, seed=53, **BF16),
+    # head_dim 224 (32-token blocks, chunks 64 x 3 + 32), pages of 32, a window.
+    RaggedCase((50, 3), q_lens=(20, 3), num_tokens=24, num_q_heads=2, num_kv_heads=2, head_dim=224,
+               page_size=32, pages_per_seq=2, sliding_window=30, seed=56, **BF16),
     # head_dim 192, pages of 128 (32-token slices), ALiBi.
     RaggedCase((130, 2), q_lens=(30, 2), num_tokens=32, num_q_heads=2, num_kv_heads=1, head_dim=192,
                page_size=128, pages_per_seq=2, alibi=True, seed=54, **F16),
