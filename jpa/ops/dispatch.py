@@ -46,9 +46,10 @@ KERNEL_MODULES = {"triton": "jpa.pallas.triton.decode", "mosaic": "jpa.pallas.mo
 # Triton (deprecated by JAX; JAX warns when a Pallas Triton kernel is lowered, so only when it is
 # asked for or chosen) stays the fallback where Mosaic refuses, and the only kernel from 11.0 on.
 # Measured over the deviceless tier's covering grids (90 decode and 30 ragged configurations,
-# `jpa.tools.kernel_checks`): on A100 / L4 / B200 Mosaic serves 37 and 7, and Triton serves 50-51
-# and 23 of those Mosaic refuses (8-bit caches, float32 q, head_dim 80/96/112); without Triton in
-# the ladder they would fall to the plain-JAX path. BENCHMARKS.md "Mosaic GPU on Ampere and Ada".
+# `jpa.tools.kernel_checks`): on A100 / A6000 / L4 / B200 Mosaic serves 42 and 8, and Triton serves
+# 45-46 and 22 of those Mosaic refuses (8-bit caches, float32 q, head_dim 80/112); without Triton in
+# the ladder they would fall to the plain-JAX path. BENCHMARKS.md "Mosaic GPU on Ampere, Ada and
+# Blackwell".
 AUTO_ORDER = (("mosaic", 8.0, 11.0), ("triton", 8.0, float("inf")))
 # Self-check tolerance per q dtype (max abs error vs the reference on O(1) values).
 SELF_CHECK_TOL = {"float32": 2e-3, "bfloat16": 4e-2, "float16": 1e-2}

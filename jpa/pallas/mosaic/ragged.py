@@ -81,6 +81,12 @@ def unsupported_reason(spec: RaggedSpec, compute_capability: float | None = None
     return mosaic_decode.unsupported_reason(spec, compute_capability, tuning=tuning)
 
 
+def aot_unsupported_reason(compute_capability: float | None) -> str | None:
+    """Why an ahead-of-time compile for an absent GPU of `compute_capability` would get Mosaic code
+    for another GPU, or None: as `decode.aot_unsupported_reason` (both kernels lower alike)."""
+    return mosaic_decode.aot_unsupported_reason(compute_capability)
+
+
 def is_mma_path(compute_capability: float | None) -> bool:
     """Whether a GPU of this compute capability runs the mma.sync kernels (`decode_ampere`,
     `ragged_ampere`): Ampere/Ada (8.x, cp.async) and Blackwell (10.x, TMA)."""
