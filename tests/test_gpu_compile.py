@@ -77,7 +77,7 @@ def test_kernel_grid_subset_compiles(tmp_path, target, kernel_names):
     assert report["summary"]["ptxas"], "ptxas did not run: registers cannot have been read"
 
 
-@pytest.mark.parametrize("target,kernel_names", [("h100", ("triton", "mosaic")), ("a100", ("triton",))])
+@pytest.mark.parametrize("target,kernel_names", [("h100", ("triton", "mosaic")), ("a100", ("triton", "mosaic"))])
 def test_stacked_pool_in_a_layer_loop_compiles(tmp_path, target, kernel_names):
     """The layer-scanned model's call: a loop over 40 layers, ONE [L, K, P, S_p, H] pool per K/V
     (5 GiB each: Pallas Triton's 64-bit offsets) carried, written each layer and donated, the
@@ -135,14 +135,17 @@ print("RESULT", rec["ok"], rec.get("error", ""))
     assert line.startswith("RESULT False") and "RESOURCE_EXHAUSTED" in line, line
 
 
-# The H100's speculative step in the main tier; the A100's plain one (another ~25 s deviceless SmolLM2
-# compile; its Triton kernels are compiled above, alone and in a layer loop) in CI's bench tier.
+# The H100's speculative step in the main tier; the A100's and the B200's plain ones (another ~25 s
+# deviceless SmolLM2 compile each; their mma.sync kernels are compiled above and in
+# tests/test_bench_mosaic_ampere.py, alone and in a layer loop) in CI's bench tier.
 @pytest.mark.parametrize("target,call,steps,calls", [
     ("h100", "mosaic_calls", "spec", 5),
-    pytest.param("a100", "triton_calls", "plain", 3, marks=pytest.mark.bench)])
+    pytest.param("a100", "mosaic_calls", "plain", 3, marks=pytest.mark.bench),
+    pytest.param("b200", "mosaic_calls", "plain", 3, marks=pytest.mark.bench)])
 def test_engine_steps_compile_with_the_targets_kernel(tmp_path, target, call, steps, calls):
     """SmolLM2 bf16 with a >= 1 GiB pool: the engine's one program, the unified step, names the
-    A100's Triton kernels three times in the program text: the layers are a scan, so its one
+    target's Mosaic kernels (WGMMA on the H100, mma.sync on the A100 / B200) three times in the
+    program text and no Triton kernel: the layers are a scan, so its one
     layer body holds the ragged tiles' and last rows' calls and the decode loop's one (an unrolled
     model, or an XLA pass unrolling the scan, would show 90); with speculation (H100, Mosaic) five;
     donated pools aliased, no pool copy, small temporaries."""
@@ -155,10 +158,8 @@ def test_engine_steps_compile_with_the_targets_kernel(tmp_path, target, call, st
     assert proc.returncode == 0 and all(r["ok"] for r in recs), [r.get("problems") or r.get("error") for r in recs]
     (unified,) = recs
     assert "unified step" in unified["name"] and ("speculation" in unified["name"]) == (steps == "spec")
-    if target == "h100":
-        assert unified["attention"] == "mosaic" and unified[call] == calls
-    else:  # the decode loop's Mosaic (cp.async + mma.sync) decode, the ragged op's two Triton calls
-        assert unified["mosaic_calls"] == 1 and unified["triton_calls"] == calls - 1
+    assert unified["attention"] == "mosaic" and unified[call] == calls
+    assert unified["triton_calls"] == 0
     for r in recs:
         assert r["pool_bytes"] >= 2 ** 30
         assert r["alias_bytes"] >= r["pool_bytes"], r["name"]

@@ -1,13 +1,16 @@
-"""The Ampere/Ada Mosaic GPU decode kernel (`jpa.pallas.mosaic.decode_ampere`, cp.async + mma.sync):
-GPU interpret mode against the float64 oracle and the XLA path, what it refuses, how the dispatch
-routes to it, and (when the compile-only GPU packages are installed) one deviceless sm_80 compile.
+"""The mma.sync Mosaic GPU kernels (Ampere/Ada: cp.async; Blackwell: TMA): the decode kernel
+(`jpa.pallas.mosaic.decode_ampere`) and the ragged tile kernel (`ragged_ampere`, through the Mosaic
+ragged entry with the target's compute capability): GPU interpret mode against the float64 oracle
+and the XLA path, what they refuse, how the dispatch routes to them, and (when the compile-only GPU
+packages are installed) one deviceless sm_80 compile of the ragged op, which holds both kernels.
 
-Interpret mode runs the kernel body (block walk through the block table, masking, online softmax,
-split-K, the stacked pool's layer index) with three stand-ins for primitives GPU interpret mode
-does not model: cp.async copies without a barrier, `mma`, and the accumulator -> lhs relayout
-(`decode_ampere._Ops`); the deviceless compile covers those. Hidden cache slots hold NaN and
+Interpret mode runs the kernel bodies (block walk through the block table, causal / window
+masking, online softmax, split-K, sinks, the stacked pool's layer index) with three stand-ins for
+primitives GPU interpret mode does not model: cp.async copies without a barrier, `mma`, and the
+accumulator -> lhs relayout (`pipeline.MmaOps`); on the TMA path (Blackwell) the copies and
+barriers are real. The deviceless compile covers the stand-ins. Hidden cache slots hold NaN and
 unused block-table entries garbage (`kernel_cases`), so reading what a sequence cannot see shows.
-The grid (head dims, dtypes, page sizes, generations) is tests/test_bench_mosaic_ampere.py.
+The grids (head dims, dtypes, page sizes, generations) are tests/test_bench_mosaic_ampere.py.
 """
 
 import importlib.util
@@ -25,8 +28,10 @@ from jpa.ops import dispatch
 from jpa.ops.reference import paged_decode_xla
 from jpa.pallas.mosaic import decode as mosaic_decode
 from jpa.pallas.mosaic import decode_ampere
-from jpa.pallas.spec import DecodeSpec
-from jpa.testing.kernel_cases import Case, make_inputs, np_reference, tolerance
+from jpa.pallas.mosaic import ragged as mosaic_ragged
+from jpa.pallas.spec import DecodeSpec, RaggedSpec
+from jpa.testing.kernel_cases import (Case, RaggedCase, make_inputs, make_ragged_inputs, np_ragged_reference,
+                                      np_reference, tolerance)
 from jpa.tools.deviceless import mosaic_arch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -73,7 +78,7 @@ def test_refusals_are_reasons_and_routing_follows_the_compute_capability():
     refused = {
         "8-bit caches": base._replace(cache_dtype="int8", quantized=True, page_size=32),
         "mma.sync has no exact float32": base._replace(q_dtype="float32", cache_dtype="float32"),
-        "must be 64, 128, 192 or 256": base._replace(head_dim=80),
+        "must be a multiple of 32 from 64 to 256": base._replace(head_dim=80),
     }
     for words, spec in refused.items():
         reason = mosaic_decode.unsupported_reason(spec, A100)
@@ -101,28 +106,118 @@ def test_auto_picks_mosaic_on_ampere_and_ada_decode():
     assert dispatch.kernel_options("triton", A100) == {}
 
 
+def ragged_check(case, got, args, opts):
+    """A ragged result against the float64 oracle; padding rows exactly zero."""
+    chex.assert_shape(got, args[0].shape)
+    assert got.dtype == args[0].dtype
+    got = np.asarray(got.astype(jnp.float32), np.float64)
+    assert np.isfinite(got).all(), case
+    np.testing.assert_allclose(got, np_ragged_reference(*args, **opts), atol=tolerance(case), rtol=0,
+                               err_msg=str(case))
+    np.testing.assert_array_equal(got[int(np.asarray(args[5])[len(case.q_lens)]):], 0.0)
+
+
+def ragged_opts(case, opts, rng):
+    """make_ragged_inputs' options with the scale set and attention sinks added."""
+    opts = {k: v for k, v in opts.items() if v is not None}
+    opts.setdefault("scale", case.head_dim ** -0.5)
+    opts["sinks"] = jnp.asarray(rng.standard_normal(case.num_q_heads) + 1.0, jnp.float32)
+    return opts
+
+
+RAGGED_CASE = RaggedCase((9, 30, 41), q_lens=(1, 30, 5), num_tokens=40, max_num_seqs=4, num_q_heads=4,
+                         num_kv_heads=1, head_dim=96, page_size=16, pages_per_seq=3, soft_cap=10.0,
+                         alibi=True, sliding_window=19, share_page=True, seed=41,
+                         q_dtype="bfloat16", cache_dtype="bfloat16")
+
+
+def test_ragged_matches_reference_with_every_row_option():
+    # head_dim 96 (mma chunks of 64 + 32 columns). A decode token, a prefill chunk of two tiles
+    # (GQA 4: 16 tokens per 64-row tile) crossing pages, and a chunk starting mid-page after a cached prefix; padding rows (NaN q) and a dead
+    # slot. Soft cap, ALiBi, a window shorter than the chunk and sinks: every row option at once.
+    case = RAGGED_CASE
+    args, opts = make_ragged_inputs(case)
+    opts = ragged_opts(case, opts, np.random.default_rng(41))
+    # cp.async (Ampere/Ada); the TMA path (Blackwell) runs the same case in the bench tier
+    # (tests/test_bench_mosaic_ampere.py::test_ragged_grid_matches_reference).
+    got = mosaic_ragged.ragged_paged_attention(*args, **opts, interpret=True, compute_capability=A100)
+    ragged_check(case, got, args, opts)
+
+
+def test_ragged_refusals_and_auto_routing():
+    spec = RaggedSpec("bfloat16", "bfloat16", 512, 64, 32, 8, 128, 16, 256, 8192, True, False, True,
+                      False, 1, False)
+    for cc in (A100, 8.6, L4, H100, B200):
+        assert mosaic_ragged.unsupported_reason(spec, cc) is None, cc
+    assert "Blackwell (10.x)" in mosaic_ragged.unsupported_reason(spec, 12.0)
+    q8 = spec._replace(cache_dtype="int8", quantized=True, page_size=32)
+    assert "8-bit caches" in mosaic_ragged.unsupported_reason(q8, A100)
+    assert mosaic_ragged.unsupported_reason(q8, H100) is None  # the WGMMA kernels widen 8-bit pages
+    from jpa.ops.ragged import RAGGED
+    for kind, cc in (("NVIDIA A100-SXM4-80GB", A100), ("NVIDIA RTX A6000", 8.6), ("NVIDIA L4", L4),
+                     ("NVIDIA B200", B200)):
+        target = dispatch.Target("gpu", kind, cc, executable=False)
+        with mosaic_arch((int(cc), int(round(cc * 10)) % 10)), pytest.warns(UserWarning, match="not attached"):
+            assert dispatch.choose_impl("auto", spec, target, RAGGED) == "mosaic", kind
+        # What Mosaic refuses there falls to Triton, saying why (with the AOT notice).
+        with mosaic_arch((int(cc), int(round(cc * 10)) % 10)), \
+                pytest.warns(UserWarning, match="mosaic ragged kernel refuses this configuration: 8-bit"):
+            assert dispatch.choose_impl("auto", q8, target, RAGGED) == "triton", kind
+    assert dispatch.kernel_options("mosaic", A100, RAGGED) == {"compute_capability": A100}
+
+
 @pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
                     reason="the compile-only GPU packages are not installed (pip install -e '.[gpu]')")
-def test_compiles_for_an_a100_without_spills():
-    # A fresh process: XLA's log must be configured before XLA starts to read ptxas's report.
+def test_ragged_op_compiles_for_an_a100_as_mma_kernels_without_spills():
+    # A fresh process: XLA's log must be configured before XLA starts to read ptxas's report. The
+    # ragged op (impl="mosaic", the A100's compute capability passed on) holds the tile kernel and
+    # the decode kernel of the last rows; each must be built for sm_80, not Mosaic's sm_90a default.
     code = """
 from jpa.tools import deviceless
 deviceless.configure_environment()
-from jpa.tools.kernel_checks import KernelConfig, kernel_call
-cfg = KernelConfig("mosaic", head_dim=64, page_size=16, num_kv_heads=2, q_per_kv=4, soft_cap=True,
-                   num_pages=256)
-fn, args, kwargs, pools = kernel_call(cfg)
-rec = deviceless.Compiler("a100").compile(cfg.name, fn, args, kwargs=kwargs, pool_shapes=pools)
-k = rec.get("kernels", {}).get("jpa_mosaic_decode_ampere", {})
-print("RESULT", rec["ok"], rec.get("mosaic_calls"), k.get("ptx_targets"), k.get("registers"),
-      k.get("spill_stores"), k.get("ptxas_reports"), rec.get("error") or rec.get("problems"))
+from jpa.tools.kernel_checks import ragged_call
+spec, fn, args, pools = ragged_call("mosaic", "bfloat16", "bfloat16", 8, 64, 16, True)
+rec = deviceless.Compiler("a100").compile("ragged", fn, args, pool_shapes=pools)
+print("CALLS", rec["ok"], rec.get("mosaic_calls"), rec.get("triton_calls"), rec.get("error") or rec.get("problems"))
+for name in ("jpa_mosaic_ragged_ampere", "jpa_mosaic_decode_ampere"):
+    k = rec.get("kernels", {}).get(name, {})
+    print("KERNEL", name, k.get("ptx_targets"), k.get("registers"), k.get("spill_stores"), k.get("ptxas_reports"))
 """
     env = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_CPP_VMODULE")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                           env=env, cwd=ROOT)
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT")), proc.stderr[-3000:])
-    ok, calls, targets, regs, spills, reports, problems = line.split(" ", 1)[1].split(" ", 6)
-    assert ok == "True" and calls == "1", line
-    assert targets == "['sm_80']", line  # built for the A100, not Mosaic's sm_90a default
-    assert 0 < int(regs) <= 255 and spills == "0" and int(reports) >= 1, line
+    calls = next((x for x in proc.stdout.splitlines() if x.startswith("CALLS")), proc.stderr[-3000:])
+    assert calls.split(" ", 4)[1:4] == ["True", "2", "0"], calls
+    kernels = [x.split(" ", 3)[1:] for x in proc.stdout.splitlines() if x.startswith("KERNEL")]
+    assert len(kernels) == 2, proc.stdout
+    for name, targets, rest in kernels:
+        regs, spills, reports = rest.split(" ")
+        assert targets == "['sm_80']", (name, targets)  # built for the A100
+        assert 0 < int(regs) <= 255 and spills == "0" and int(reports) >= 1, (name, rest)
+
+
+@pytest.mark.parametrize("kind,cores,arch", [
+    ("NVIDIA A100-SXM4-80GB", 108, (8, 0)),
+    pytest.param("NVIDIA B200", 148, (10, 0), marks=pytest.mark.bench),  # CI's bench tier
+])
+def test_auto_ragged_lowers_to_mosaic_only_without_the_triton_warning(kind, cores, arch):
+    """impl="auto" under an AOT lowering for an A100 / a B200 (Mosaic told the arch, as the compile
+    tier does): the ragged op's program holds Mosaic kernels only, and JAX's Pallas Triton
+    deprecation warning (emitted when a Triton kernel is lowered) does not appear."""
+    import warnings
+
+    import jax
+    import jpa
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+    dev = AbstractDevice(device_kind=kind, num_cores=cores, platform="cuda")
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=dev)
+    args, _ = make_ragged_inputs(RAGGED_CASE)
+    fn = jax.jit(lambda *a: jpa.ragged_paged_attention(*a, soft_cap=10.0, sliding_window=19))
+    with mosaic_arch(arch), jax.sharding.use_abstract_mesh(mesh), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    messages = [str(w.message) for w in seen]
+    assert not [m for m in messages if "Triton backend is deprecated" in m], messages
+    assert any("uses the mosaic ragged kernel" in m for m in messages), messages
+    assert text.count("mosaic_gpu") >= 2 and "__gpu$xla.gpu.triton" not in text

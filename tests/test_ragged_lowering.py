@@ -78,7 +78,9 @@ def test_lowers_with_whole_page_pools(device, q_dtype, cache_dtype, q_per_kv, he
 @pytest.mark.parametrize("device,call", [(H100, "mosaic_gpu"), (A100, TRITON_CALL)], ids=["H100", "A100"])
 def test_auto_picks_the_kernel_for_a_gpu_target(device, call):
     """impl="auto" resolves for the device compiled for (here an abstract GPU), not the CPU host:
-    Mosaic GPU on Hopper, Triton on Ampere (as paged_decode)."""
+    Mosaic GPU on Hopper; on Ampere Triton, because outside the compile tier (no
+    `deviceless.mosaic_arch`) Mosaic would lower for sm_90 (`aot_unsupported_reason`, as
+    paged_decode; test_mosaic_ampere lowers the A100's Mosaic ragged op under mosaic_arch)."""
     pool = jax.ShapeDtypeStruct((2, 64, 16, 128), jnp.bfloat16)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     args = (jax.ShapeDtypeStruct((64, 8, 128), jnp.bfloat16), pool, pool, i32(8, 4), i32(8),

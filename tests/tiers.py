@@ -173,6 +173,10 @@ BENCH = {
         "40 s: the generate command's prompt-logprob and text flags (test_jsonl_prompts_to_json_lines keeps the "
         "command; the engine's prompt logprobs keep their tests)",
     # --- a clean-clone main tier at 11 m 44 s (632 s of tests in 2 workers): more second cases out
+    "tests/test_gpu_compile.py::test_stacked_pool_in_a_layer_loop_compiles[a100-kernel_names1]":
+        "40 s: the A100's stacked pools in a 40-layer loop, Triton and the mma.sync Mosaic ragged op (the "
+        "H100's stays; tests/test_bench_mosaic_ampere.py's ragged subset compiles the same for four targets; "
+        "test_mosaic_ampere compiles the sm_80 ragged op)",
     "tests/test_gpu_compile.py::test_engine_steps_compile_with_the_targets_kernel":
         "50 s: SmolLM2's whole engine step compiled deviceless for the H100 (speculative) and the A100 (plain), "
         "both in CI's bench tier; test_dispatch's engine decode loop under jit and test_mosaic_ampere's sm_80 "
@@ -199,6 +203,10 @@ SOAK = {
     "tests/test_bench_mosaic_ampere.py::test_grid_matches_reference":
         "2 min: the Ampere decode's interpret grid (tests/test_mosaic_ampere.py keeps both copy paths; the "
         "bench tier keeps the kernel subset's compile for four targets)",
+    "tests/test_bench_mosaic_ampere.py::test_ragged_grid_matches_reference":
+        "2 min: the mma.sync ragged op's interpret grid on both copy paths (tests/test_mosaic_ampere.py keeps "
+        "the cp.async path with every row option; the bench tier keeps the stacked pool on both paths and "
+        "the ragged subset's compile for four targets)",
     "tests/test_bench_sinks.py::test_decode_kernels_with_sinks":
         "1 min: 3 decode kernels x 6 cases with sinks (tests/test_sinks.py keeps each kernel with split-K)",
     "tests/test_bench_quant.py::test_engine_greedy_tokens_and_logprobs_equal_the_dequantized_model":

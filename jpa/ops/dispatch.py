@@ -40,11 +40,16 @@ from jpa.pallas.spec import DecodeSpec
 
 KERNEL_MODULES = {"triton": "jpa.pallas.triton.decode", "mosaic": "jpa.pallas.mosaic.decode"}
 # impl="auto" preference order, each with the compute capabilities it serves: [min, max).
-# Mosaic GPU's decode has a WGMMA kernel for Hopper (9.x) and an mma.sync kernel
-# (`jpa.pallas.mosaic.decode_ampere`) with cp.async copies on Ampere/Ada (8.x) and TMA copies on
-# Blackwell (10.x); each kernel module's unsupported_reason says per op and configuration what it
-# serves (the Mosaic ragged kernel: Hopper only). Triton (deprecated by JAX) is the fallback where
-# Mosaic refuses, and the only kernel from 11.0 on.
+# Mosaic GPU has WGMMA kernels for Hopper (9.x) and mma.sync kernels (`jpa.pallas.mosaic.decode_ampere`,
+# `ragged_ampere`) with cp.async copies on Ampere/Ada (8.x) and TMA copies on Blackwell (10.x), for
+# both ops; each kernel module's unsupported_reason says per op and configuration what it serves.
+# Triton (deprecated by JAX; JAX warns when a Pallas Triton kernel is lowered, so only when it is
+# asked for or chosen) stays the fallback where Mosaic refuses, and the only kernel from 11.0 on.
+# Measured over the deviceless tier's covering grids (90 decode and 30 ragged configurations,
+# `jpa.tools.kernel_checks`): on A100 / A6000 / L4 / B200 Mosaic serves 42 and 8, and Triton serves
+# 45-46 and 22 of those Mosaic refuses (8-bit caches, float32 q, head_dim 80/112); without Triton in
+# the ladder they would fall to the plain-JAX path. BENCHMARKS.md "Mosaic GPU on Ampere, Ada and
+# Blackwell".
 AUTO_ORDER = (("mosaic", 8.0, 11.0), ("triton", 8.0, float("inf")))
 # Self-check tolerance per q dtype (max abs error vs the reference on O(1) values).
 SELF_CHECK_TOL = {"float32": 2e-3, "bfloat16": 4e-2, "float16": 1e-2}
@@ -149,9 +154,10 @@ def kernel_module(impl: str, op: Op | None = None):
 
 
 def kernel_options(impl: str, compute_capability: float | None, op: Op | None = None) -> dict:
-    """Static options a kernel entry point needs from the target: the Mosaic decode takes the
-    compute capability (it runs its Ampere/Ada kernel on 8.x, the Hopper one otherwise)."""
-    if impl == "mosaic" and (op is None or op is DECODE) and compute_capability is not None:
+    """Static options a kernel entry point needs from the target: the Mosaic decode and ragged
+    entries take the compute capability (they run their mma.sync kernels on 8.x and 10.x, the
+    WGMMA ones otherwise)."""
+    if impl == "mosaic" and compute_capability is not None:
         return {"compute_capability": float(compute_capability)}
     return {}
 

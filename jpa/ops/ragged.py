@@ -242,7 +242,7 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
         an i32[] (traced, e.g. a scan's layer index: clamped to [0, num_layers)); the whole pool
         goes to the kernel. None with per-layer pools.
       impl: "xla" (plain JAX), "triton" (Pallas Triton-backend kernels, sm_80+), "mosaic"
-        (Pallas Mosaic GPU kernels, Hopper), or "auto": as `jpa.paged_decode` (`jpa.ops.dispatch`):
+        (Pallas Mosaic GPU kernels: WGMMA on Hopper, mma.sync on Ampere/Ada and Blackwell), or "auto": as `jpa.paged_decode` (`jpa.ops.dispatch`):
         the kernel for the GPU being compiled for after a one-time self-check, else "xla".
       interpret: run a Pallas kernel in interpret mode (CPU); ignored by "xla".
 
@@ -271,7 +271,8 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
                                            sliding_window=sliding_window, sinks=sinks))
     if chosen == "xla":
         return ragged_paged_attention_xla(*args, **opts)
-    return kernel_module(chosen).ragged_paged_attention(*args, interpret=interpret, **opts)
+    return kernel_module(chosen).ragged_paged_attention(
+        *args, interpret=interpret, **opts, **dispatch.target_kernel_options(chosen, RAGGED))
 
 
 def kernel_module(impl: str):

@@ -36,14 +36,12 @@ def step_program(runner, num_tokens: int, platform: str = "cuda"):
 
 def expected_kernel_calls(target: str, kernel_calls: int, decode_calls: int) -> dict:
     """{impl: calls} of an engine step with `kernel_calls` attention kernel calls, `decode_calls` of
-    them the decode loop's plain `jpa.paged_decode`: all Mosaic on Hopper; on Ampere/Ada (8.x) and
-    Blackwell (10.x) the decode is Mosaic's mma.sync kernel and the ragged op's two calls stay
-    Triton (no Mosaic ragged kernel there yet); Triton elsewhere."""
+    them the decode loop's plain `jpa.paged_decode`: all Mosaic on Hopper (WGMMA), Ampere/Ada (8.x)
+    and Blackwell (10.x) (mma.sync: decode and the ragged op's two calls); Triton elsewhere."""
+    del decode_calls  # every call is the same kernel family now
     major = TARGETS[target]["cc"][0]
-    if major == 9:
+    if major in (8, 9, 10):
         return {"mosaic": kernel_calls}
-    if major in (8, 10):
-        return {"triton": kernel_calls - decode_calls, "mosaic": decode_calls}
     return {"triton": kernel_calls}
 
 
@@ -115,8 +113,8 @@ def engine_steps(pool_gib: float = 1.5, max_seqs: int = 64, page_size: int = 16,
 def check_engine(compiler: Compiler, log=print, **sizes) -> list:
     """Compiles the engine's unified step with impl="auto": it must hold the target's kernels three
     times per layer of the scanned body (ragged tiles, last rows, decode loop), five with speculation
-    (the verify pass's two besides): Mosaic on an H100; on an A100 the decode loop's Mosaic
-    (cp.async + mma.sync) and the ragged op's Triton kernels (`expected_kernel_calls`)."""
+    (the verify pass's two besides): Mosaic on an H100 (WGMMA) and on an A100 / L4 / B200 (mma.sync)
+    (`expected_kernel_calls`)."""
     from jpa.engine.runner import attention_in
     records = []
     from jpa.models import PRESETS, ModelConfig

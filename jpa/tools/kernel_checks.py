@@ -450,7 +450,7 @@ def check_stacked_ragged(compiler: Compiler, impls, subset: str, records=(), log
             args, donate, pools = _stacked_args(twin_args[0].shape, spec.q_dtype, pool, spec.cache_dtype,
                                                 num_layers, twin_args[3:7], spec.quantized)
             call = functools.partial(modules[impl].ragged_paged_attention, scale=spec.head_dim ** -0.5,
-                                     soft_cap=30.0, sliding_window=1024)
+                                     soft_cap=30.0, sliding_window=1024, **dispatch.kernel_options(impl, cc))
             fn = _stacked_loop(call, num_layers, 2, spec.quantized)
             rec = compiler.compile(name, fn, args, donate_argnums=donate, pool_shapes=pools)
             rec.update(kind="stacked", num_layers=num_layers)

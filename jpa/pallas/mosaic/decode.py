@@ -59,8 +59,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jpa.pallas.common import layer_index, layer_operand, merge_partitions, pool_layout
 from jpa.pallas.mosaic import decode_ampere
 from jpa.pallas.mosaic import tuning as tuning_table
-from jpa.pallas.mosaic.pipeline import (BLOCK_Q, ROW_ALIGN, KVBlocks, attend, barriers, main_loop_scratch,
-                                        num_slots, operand_transforms, prologue, smem_plan, tmas_per_block)
+from jpa.pallas.mosaic.pipeline import (BLOCK_Q, ROW_ALIGN, KVBlocks, attend, barriers, decode_key_range,  # noqa: F401
+                                        decode_logits, launch, main_loop_scratch, num_blocks, num_partitions,
+                                        num_slots, operand_transforms, partition_outputs, partitions, prologue, smem_plan,
+                                        tmas_per_block, uses_tma)
 from jpa.pallas.mosaic.tuning import MosaicTuning
 from jpa.pallas.spec import DecodeSpec
 
@@ -155,20 +157,6 @@ def aot_unsupported_reason(compute_capability: float | None) -> str | None:
     return None
 
 
-def num_blocks(pages_per_seq: int, page_size: int, block_tokens: int) -> int:
-    """Blocks that cover a sequence of pages_per_seq pages."""
-    return -(-(pages_per_seq * page_size) // block_tokens)
-
-
-def num_partitions(num_seqs: int, num_kv_heads: int, num_blocks: int, *,
-                   tuning: MosaicTuning | None = None) -> int:
-    """Partitions per sequence: enough programs to fill the GPU (`tuning.target_programs`), each
-    at least one block."""
-    tuning = tuning or tuning_table.lookup()
-    want = -(-tuning.target_programs // max(1, num_seqs * num_kv_heads))
-    return max(1, min(num_blocks, want))
-
-
 def smem_bytes(head_dim: int, page_size: int, itemsize: int = 2, cache_itemsize: int = 2, *,
                register_acc: bool = True, tuning: MosaicTuning | None = None) -> int:
     """Peak SMEM of one program, from the buffer shapes (barriers and Mosaic scratch excluded).
@@ -206,15 +194,9 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, ks_ref, vs_re
     quantized = ks_ref is not None
 
     seq_len = lens_ref[b]
-    if sliding_window is not None:
-        start = jnp.maximum(seq_len - sliding_window, 0)
-    else:
-        start = jnp.int32(0)
-    # Blocks [lo, hi) of this partition that hold visible tokens; every one of them holds >= 1.
-    lo = jnp.maximum(part * blocks_per_part, lax.div(start, block_tokens))
-    hi = jnp.minimum((part + 1) * blocks_per_part,
-                     lax.div(seq_len + block_tokens - 1, block_tokens))
-    num_steps = jnp.maximum(hi - lo, 0)
+    # Blocks [lo, lo + num_steps) of this partition that hold visible tokens; every one holds >= 1.
+    start, lo, num_steps = decode_key_range(seq_len, part, blocks_per_part, block_tokens,
+                                            sliding_window)
 
     def main_loop(q_smem, k_smem, v_smem, p_smem, slopes_smem, kd_smem, vd_smem, ks_smem,
                   vs_smem):
@@ -227,16 +209,8 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, ks_ref, vs_re
                           slopes_ref.at[pl.ds(kh * q_per_kv, BLOCK_Q)] if slopes_ref is not None else None,
                           slopes_smem, q_bar)  # f32[BLOCK_Q] or None
 
-        def logits(s, pos):
-            # Every query row is at position seq_len - 1 and sees [start, seq_len): every block
-            # holds a visible token, so a row's max is a real logit and masked p are 0.
-            if slopes is not None:
-                rel = (pos - seq_len + 1).astype(jnp.float32)
-                s = s + lax.broadcast_in_dim(slopes, s.shape, [0]) * rel
-            return s, (pos < seq_len) & (pos >= start)
-
         return attend(blocks, q_smem, p_smem, kd_smem, vd_smem, scale=scale, soft_cap=soft_cap,
-                      logits=logits, key_range=(start, seq_len), zero_masked_p=False,
+                      logits=decode_logits(slopes, seq_len, start), key_range=(start, seq_len), zero_masked_p=False,
                       register_acc=register_acc)
 
     acc, m, l = pl.run_scoped(
@@ -270,14 +244,11 @@ def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_ca
     num_seqs, num_q_heads, head_dim = q.shape
     num_layers, num_kv_heads, _, page_size, _ = pool_layout(k_pages, layer)
     stacked = num_layers is not None
-    pages_per_seq = block_tables.shape[1]
     q_per_kv = num_q_heads // num_kv_heads
     tuning = tuning or tuning_table.lookup(None, head_dim)
     bt = tuning.block_tokens
-    blocks = num_blocks(pages_per_seq, page_size, bt)
-    if blocks_per_part is None:
-        blocks_per_part = -(-blocks // num_partitions(num_seqs, num_kv_heads, blocks, tuning=tuning))
-    parts = -(-blocks // blocks_per_part)
+    blocks_per_part, parts = partitions(num_seqs, num_kv_heads, block_tables.shape[1], page_size,
+                                        tuning, blocks_per_part)
     rows_out = -(-q_per_kv // ROW_ALIGN) * ROW_ALIGN
     dtype = q.dtype
     quantized = k_scales is not None
@@ -315,17 +286,9 @@ def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_ca
                                  layer_ref, acc_out, m_out, l_out, bars),
             *barriers(arrivals, slots))
 
-    out_type = (
-        jax.ShapeDtypeStruct((num_seqs, num_kv_heads, parts, rows_out, head_dim), jnp.float32),
-        jax.ShapeDtypeStruct((num_seqs, num_kv_heads, parts, rows_out), jnp.float32),
-        jax.ShapeDtypeStruct((num_seqs, num_kv_heads, parts, rows_out), jnp.float32),
-    )
-    acc, m, l = plgpu.kernel(
-        jpa_mosaic_decode, out_type=out_type, grid=(num_seqs, num_kv_heads, parts),
-        grid_names=("seq", "kv_head", "part"),
-        # Lane semantics: layouts are explicit (WGMMA layout for every register tile).
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-        interpret=plgpu.InterpretGPUParams(detect_races=detect_races) if interpret else None,
+    acc, m, l = launch(
+        jpa_mosaic_decode, partition_outputs(num_seqs, num_kv_heads, parts, rows_out, head_dim),
+        (num_seqs, num_kv_heads, parts), ("seq", "kv_head", "part"), interpret, detect_races,
     )(q_rows, k_pages, v_pages, block_tables, seq_lens.astype(jnp.int32), slopes,
       k_scales if quantized else slopes, v_scales if quantized else slopes,
       *([layer_operand(layer)] if stacked else []))
@@ -367,7 +330,7 @@ def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap
         return decode_ampere.paged_decode(
             q, k_pages, v_pages, block_tables, seq_lens, scale=scale, soft_cap=soft_cap,
             alibi_slopes=alibi_slopes, sliding_window=sliding_window, interpret=interpret,
-            layer=layer, tma=decode_ampere.uses_tma(compute_capability), sinks=sinks,
+            layer=layer, tma=uses_tma(compute_capability), sinks=sinks,
             tuning=tuning or tuning_table.lookup_ampere(compute_capability, q.shape[-1]))
     return _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, scale=scale,
                          soft_cap=soft_cap, alibi_slopes=alibi_slopes,

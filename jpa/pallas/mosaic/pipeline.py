@@ -23,6 +23,7 @@ through SMEM (GPU interpret mode).
 import functools
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -99,6 +100,132 @@ def mask_rows(src, dst, visible, block_start, block_tokens, dtype, head_dim):
             visible(tok), widen(vals, dtype) if vals.dtype != dtype else vals, jnp.zeros((), dtype))
 
 
+def num_blocks(pages_per_seq: int, page_size: int, block_tokens: int) -> int:
+    """Blocks that cover a sequence of pages_per_seq pages."""
+    return -(-(pages_per_seq * page_size) // block_tokens)
+
+
+def num_partitions(num_seqs: int, num_kv_heads: int, num_blocks: int, *,
+                   tuning: MosaicTuning | None = None) -> int:
+    """Split-K partitions per sequence of the decode kernels: enough programs to fill the GPU
+    (`tuning.target_programs`), each at least one block."""
+    tuning = tuning or tuning_table.lookup()
+    want = -(-tuning.target_programs // max(1, num_seqs * num_kv_heads))
+    return max(1, min(num_blocks, want))
+
+
+def partitions(num_seqs, num_kv_heads, pages_per_seq, page_size, tuning, blocks_per_part=None):
+    """(blocks_per_part, parts) of a decode call: `blocks_per_part` when given, else as
+    `num_partitions` chooses."""
+    blocks = num_blocks(pages_per_seq, page_size, tuning.block_tokens)
+    if blocks_per_part is None:
+        blocks_per_part = -(-blocks // num_partitions(num_seqs, num_kv_heads, blocks, tuning=tuning))
+    return blocks_per_part, -(-blocks // blocks_per_part)
+
+
+def launch(body, out_type, grid: tuple, grid_names: tuple, interpret: bool, detect_races: bool = False):
+    """`plgpu.kernel` as every jpa Mosaic kernel calls it: Lane semantics (layouts explicit on every
+    register tile), GPU interpret mode when asked. The body's name is the kernel's name (ptxas
+    reports and MOSAIC_GPU_DUMP_TO files)."""
+    return plgpu.kernel(
+        body, out_type=out_type, grid=grid, grid_names=grid_names,
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=plgpu.InterpretGPUParams(detect_races=detect_races) if interpret else None)
+
+
+def partition_outputs(num_seqs: int, num_kv_heads: int, parts: int, rows: int, head_dim: int) -> tuple:
+    """The decode kernels' outputs: f32 acc [B, K, parts, rows, H], m and l [B, K, parts, rows]
+    (unnormalized per split-K partition; `merge_partitions` combines them)."""
+    lead = (num_seqs, num_kv_heads, parts, rows)
+    return (jax.ShapeDtypeStruct(lead + (head_dim,), jnp.float32),
+            jax.ShapeDtypeStruct(lead, jnp.float32), jax.ShapeDtypeStruct(lead, jnp.float32))
+
+
+# ---- Which keys a row sees, and the online-softmax step: both paths (WGMMA, mma.sync) ----
+
+def decode_key_range(seq_len, part, blocks_per_part, block_tokens, sliding_window):
+    """A decode program's keys: (start, lo, num_steps). Every query row is at position seq_len - 1
+    and sees [start, seq_len); the program walks blocks lo .. lo + num_steps - 1 of its partition
+    `part`, each of which holds a visible key."""
+    start = (jnp.maximum(seq_len - sliding_window, 0) if sliding_window is not None
+             else jnp.int32(0))
+    lo = jnp.maximum(part * blocks_per_part, lax.div(start, block_tokens))
+    hi = jnp.minimum((part + 1) * blocks_per_part, lax.div(seq_len + block_tokens - 1, block_tokens))
+    return start, lo, jnp.maximum(hi - lo, 0)
+
+
+def decode_logits(slopes, seq_len, start):
+    """The decode kernels' `logits` (see `attend`): ALiBi (slopes f32[BLOCK_Q] in the row layout,
+    or None) and the visible range [start, seq_len). Every block of the walk holds a visible key of
+    every row, so a row's max is a real logit and masked p are exactly 0."""
+    def logits(s, pos):
+        if slopes is not None:
+            rel = (pos - seq_len + 1).astype(jnp.float32)
+            s = s + lax.broadcast_in_dim(slopes, s.shape, [0]) * rel
+        return s, (pos < seq_len) & (pos >= start)
+    return logits
+
+
+def tile_key_range(pos0, ntok, block_tokens, sliding_window):
+    """A ragged tile's keys (ntok query tokens at positions pos0 ..): (kv_lo, kv_end, lo,
+    num_steps). Some row sees each key of [kv_lo, kv_end) (kv_end - 1 is the last query position);
+    blocks lo .. lo + num_steps - 1 cover them (none for a dead tile, ntok 0)."""
+    kv_end = pos0 + ntok
+    kv_lo = jnp.maximum(pos0 - sliding_window + 1, 0) if sliding_window is not None else jnp.int32(0)
+    lo = lax.div(kv_lo, block_tokens)
+    hi = jnp.where(ntok > 0, lax.div(kv_end + block_tokens - 1, block_tokens), lo)
+    return kv_lo, kv_end, lo, jnp.maximum(hi - lo, 0)
+
+
+def ragged_logits(slopes, q_pos, key_range, sliding_window):
+    """The ragged tile kernels' `logits`: ALiBi, the tile's key range, causal per row and the
+    window per row. q_pos(shape) -> i32 position of each row's query (pos0 + row // q_per_kv) in
+    the register layout of the scores."""
+    kv_lo, kv_end = key_range
+
+    def logits(s, pos):
+        rel = pos - q_pos(s.shape)  # key position - query position
+        if slopes is not None:
+            s = s + lax.broadcast_in_dim(slopes, s.shape, [0]) * rel.astype(jnp.float32)
+        vis = (pos < kv_end) & (pos >= kv_lo) & (rel <= 0)
+        if sliding_window is not None:
+            vis = vis & (rel > -sliding_window)
+        return s, vis
+    return logits
+
+
+def apply_soft_cap(s, soft_cap):
+    """soft_cap * tanh(s / soft_cap), or s when soft_cap is None."""
+    return s if soft_cap is None else soft_cap * jnp.tanh(s * (1.0 / soft_cap))
+
+
+def softmax_step(s, vis, m, l, *, zero_masked_p):
+    """One block of the online softmax: s f32[BLOCK_Q, S] logits, vis bool[BLOCK_Q, S], m, l
+    f32[BLOCK_Q] the running max and sum. Returns (p, m_new, alpha, l_new); the caller rescales its
+    accumulator by alpha and adds p @ V. zero_masked_p: as `attend`."""
+    s = jnp.where(vis, s, MASK_VALUE)
+    m_new = jnp.maximum(m, s.max(axis=1))
+    alpha = jnp.exp(m - m_new)  # rescales what was accumulated under the old max
+    m_sub = m_new
+    if zero_masked_p:
+        # A row that has seen no key yet (causal, window) has m_new = MASK_VALUE, and its masked
+        # p would be exp(0) = 1: it subtracts 0 instead, so they are exp(MASK_VALUE) = 0. A row
+        # with a real max gets exp(MASK_VALUE - max) = 0 anyway. (A row-wide select: the per-key
+        # `vis` need not stay live past the max, which kept the mma.sync tile kernel spilling.)
+        m_sub = jnp.where(m_new > MASK_VALUE, m_new, 0.0)
+    p = jnp.exp(s - lax.broadcast_in_dim(m_sub, s.shape, [0]))
+    return p, m_new, alpha, l * alpha + p.sum(axis=1)
+
+
+def merge_sink(m, l, sink):
+    """An attention sink as one more softmax column of value 0: the state (m = sink, l = 1,
+    acc = 0) merged into a row's final (m, l). Returns (alpha, l): the accumulator is scaled by
+    alpha (exact: a program holds all of its rows' keys)."""
+    m_new = jnp.maximum(m, sink)
+    alpha = jnp.exp(m - m_new)
+    return alpha, l * alpha + jnp.exp(sink - m_new)
+
+
 def block_source(tables_ref, seq, blk, *, page_size, block_tokens, pages_per_seq, num_pages):
     """Where block `blk` (i32) of sequence `seq` is in the pool: a tuple of i32 scalars, the
     physical pages of its whole pages, or (page, first row) when a block is a slice of a page.
@@ -117,6 +244,15 @@ def block_source(tables_ref, seq, blk, *, page_size, block_tokens, pages_per_seq
     return jnp.clip(page, 0, num_pages - 1), lax.rem(blk, splits) * block_tokens
 
 
+def block_pieces(src, *, page_size, block_tokens):
+    """The copies of one block (`block_source`'s src): [(page, rows of the page, rows of the
+    block)], one per page, or one slice of a page larger than a block."""
+    if page_size <= block_tokens:
+        return [(page, pl.ds(0, page_size), pl.ds(i * page_size, page_size)) for i, page in enumerate(src)]
+    page, row = src
+    return [(page, pl.ds(row, block_tokens), pl.ds(0, block_tokens))]
+
+
 def copy_block(src, slot, head, refs, smem, bars, *, page_size, block_tokens):
     """Starts the TMA copies of one block (`block_source`'s src) into `slot`: K, V and, for a
     quantized cache, their per-token scales. head: the leading pool indices, (kv head,) or
@@ -126,12 +262,7 @@ def copy_block(src, slot, head, refs, smem, bars, *, page_size, block_tokens):
     k_ref, v_ref, ks_ref, vs_ref = refs
     k_smem, v_smem, ks_smem, vs_smem = smem
     k_bars, v_bars = bars
-    if page_size <= block_tokens:
-        pieces = [(page, pl.ds(0, page_size), pl.ds(i * page_size, page_size)) for i, page in enumerate(src)]
-    else:
-        page, row = src
-        pieces = [(page, pl.ds(row, block_tokens), pl.ds(0, block_tokens))]
-    for page, src_rows, rows in pieces:
+    for page, src_rows, rows in block_pieces(src, page_size=page_size, block_tokens=block_tokens):
         plgpu.copy_gmem_to_smem(k_ref.at[(*head, page, src_rows)], k_smem.at[slot, rows], k_bars.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[(*head, page, src_rows)], v_smem.at[slot, rows], v_bars.at[slot])
         if ks_ref is not None:
@@ -324,19 +455,11 @@ def attend(blocks: KVBlocks, q_smem, p_smem, kd_smem, vd_smem, *, scale, soft_ca
         if quantized:
             k_scale = plgpu.load(ks_smem.at[slot], layout=col_layout)  # f32[S]
             s = s * lax.broadcast_in_dim(k_scale, s.shape, [1])
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s * (1.0 / soft_cap))
+        s = apply_soft_cap(s, soft_cap)
         pos = block_start + plgpu.broadcasted_iota(
             jnp.int32, (BLOCK_Q, block_tokens), 1, layout=plgpu.Layout.WGMMA)
         s, vis = logits(s, pos)
-        s = jnp.where(vis, s, MASK_VALUE)
-        m_new = jnp.maximum(m, s.max(axis=1))
-        alpha = jnp.exp(m - m_new)  # rescales what was accumulated under the old max
-        p = jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-        if zero_masked_p:
-            # A row may see no key of this block (causal, window): its p must be 0, not exp(0).
-            p = jnp.where(vis, p, 0.0)
-        l = l * alpha + p.sum(axis=1)
+        p, m_new, alpha, l = softmax_step(s, vis, m, l, zero_masked_p=zero_masked_p)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         plgpu.barrier_wait(v_bars.at[slot])
         if quantized:
@@ -387,3 +510,277 @@ def attend(blocks: KVBlocks, q_smem, p_smem, kd_smem, vd_smem, *, scale, soft_ca
     )
     acc, m, l, _ = lax.fori_loop(0, blocks.num_steps, body, init)
     return acc, m, l
+
+
+# ---- The mma.sync path: Ampere / Ada (sm_80/86/89, cp.async copies), Blackwell (sm_100, TMA) ----
+#
+# The same block walk and online softmax as above on the hardware below (and beside) Hopper's
+# WGMMA: `plgpu.mma` (m16n8k16 mma.sync) on register operands loaded from SMEM, the f32
+# accumulator in the MMA_ACC layout, one [64, <= CHUNK] accumulator per head_dim column chunk.
+# Copies: cp.async commit groups below sm_90; TMA + one mbarrier per slot on sm_100 (Mosaic GPU
+# copies only by TMA from sm_90 on). The per-generation difference is `MmaOps.tma` (and the tiling
+# row, `tuning.lookup_ampere`); GPU interpret mode gets stand-ins for the primitives it does not
+# model (`MmaOps.interpret`).
+
+# Columns of q / K / V handled per mma sweep (one [64, 64] f32 accumulator each).
+CHUNK = 64
+# f32 rows per q tile (ALiBi slopes, attention sinks) are copied as 128 elements: an untiled
+# cp.async moves a multiple of 128 elements.
+F32_ROW = 128
+
+
+def uses_tma(compute_capability: float | None) -> bool:
+    """Whether the mma.sync kernels copy with TMA + mbarriers on this GPU (Mosaic GPU has cp.async
+    only below sm_90): Blackwell; Ampere/Ada and interpret mode (None) use cp.async."""
+    return compute_capability is not None and compute_capability >= 9.0
+
+
+def kv_swizzle(head_dim: int, rows: int, itemsize: int = 2) -> int | None:
+    """SMEM swizzle (bytes) of the K/V blocks, or None when none works.
+
+    A cp.async copy of a tiled SMEM buffer is spread over the 4 warps a tile at a time (tiles of
+    8 rows x swizzle bytes), so a page copy of `rows` rows must be a multiple of 4 tiles: the
+    widest swizzle (fewest bank conflicts) that divides a row and gives such a count."""
+    row_bytes = head_dim * itemsize
+    for swizzle in (128, 64, 32):
+        if row_bytes % swizzle == 0 and (rows // 8) * (row_bytes // swizzle) % 4 == 0:
+            return swizzle
+    return None
+
+
+def kv_transforms(dtype, head_dim: int, rows: int):
+    """Tiling + swizzle of the mma path's K/V SMEM blocks (`kv_swizzle`; rows per copy)."""
+    swizzle = kv_swizzle(head_dim, rows, jnp.dtype(dtype).itemsize)
+    bits = jnp.dtype(dtype).itemsize * 8
+    return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+
+
+def mma_chunks(head_dim: int) -> list:
+    """[(first column, width)] of head_dim in slices of at most CHUNK (each a multiple of 16)."""
+    return [(c, min(CHUNK, head_dim - c)) for c in range(0, head_dim, CHUNK)]
+
+
+def acc_to_lhs(x):
+    """A [64, N] 16-bit array in the MMA_ACC layout -> the same values in the MMA_LHS layout.
+
+    For m16n8k16 (4 warps along M) a thread owns the same elements in both layouts: acc registers
+    are indexed [n8 tile, row half], lhs registers [k16 tile, k half, row half], and n8 tile
+    2 * t + h is k16 tile t's half h. So the register array is the same, reshaped."""
+    import jax.experimental.mosaic.gpu as mgpu  # the lowering's own library
+
+    acc_layout = plgpu.Layout.MMA_ACC(x.dtype)
+    lhs_layout = plgpu.Layout.MMA_LHS(x.dtype)
+
+    @plgpu.inline_mgpu(arg_types=(acc_layout,),
+                       return_type=plgpu.ShapeDtypeStruct(x.shape, x.dtype, lhs_layout))
+    def relayout(_, a):
+        lhs = mgpu.MMALayouts(a.mlir_dtype, m_warps=4).lhs
+        regs = a.registers.reshape(lhs.registers_shape(a.shape))
+        return mgpu.FragmentedArray(_registers=regs, _layout=lhs, _is_signed=a.is_signed)
+    return relayout(x)
+
+
+class MmaOps(NamedTuple):
+    """The mma path's hardware primitives, or their interpret-mode stand-ins: the per-generation
+    strategy of the mma.sync kernels.
+
+    tma: copies are TMAs tracked by mbarriers (sm_100: Mosaic GPU has no cp.async path from sm_90
+    on), else cp.async commit groups (sm_8x). interpret: GPU interpret mode, which models neither
+    cp.async without a barrier nor `mma` nor the accumulator -> lhs relayout; there copies are
+    plain ref reads/writes (TMA path: real TMAs and barriers, which the interpreter models) and
+    matmuls `jnp.dot`. Block walk, masking, softmax, split-K and the layer index are the code that
+    runs on the GPU."""
+    interpret: bool
+    tma: bool = False
+
+    def copy(self, src, dst, bar=None):
+        if self.tma:
+            plgpu.copy_gmem_to_smem(src, dst, bar)
+        elif self.interpret:
+            dst[...] = src[...]
+        else:
+            plgpu.copy_gmem_to_smem(src, dst, oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+
+    def wait(self, groups: int):
+        """cp.async: wait until at most `groups` commit groups are in flight (and sync the
+        warpgroup)."""
+        if not self.interpret and not self.tma:
+            plgpu.wait_gmem_to_smem(groups)
+
+    def lhs(self, ref):
+        return ref[...] if self.interpret else plgpu.load(ref, layout=plgpu.Layout.MMA_LHS(ref.dtype))
+
+    def rhs(self, ref):
+        return ref[...] if self.interpret else plgpu.load(ref, layout=plgpu.Layout.MMA_RHS(ref.dtype))
+
+    def rhs_t(self, ref):
+        """ref [S, W] -> its transpose [W, S] as an mma rhs."""
+        if self.interpret:
+            return ref[...].T
+        return plgpu.load(ref.T, layout=plgpu.Layout.MMA_RHS(ref.dtype))
+
+    def mma(self, acc, a, b):
+        if self.interpret:
+            return acc + jnp.dot(a, b, preferred_element_type=jnp.float32)
+        return plgpu.mma(acc, a, b)
+
+    def to_lhs(self, p):
+        return p if self.interpret else acc_to_lhs(p)
+
+    def iota(self, shape, dim, layout):
+        """i32 indices along `dim` of a tile of `shape`, in `layout` (a register layout)."""
+        if self.interpret:
+            return lax.broadcasted_iota(jnp.int32, shape, dim)
+        return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=layout)
+
+    def zeros(self, shape, dtype):
+        return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.MMA_ACC(dtype))
+
+    def full_rows(self, value, dtype):
+        return plgpu.layout_cast(jnp.full((BLOCK_Q,), value, jnp.float32),
+                                 plgpu.Layout.MMA_ACC(dtype).reduce(1))
+
+    def barriers(self, rows: int, arrivals: int, slots: int) -> tuple:
+        """The TMA path's barriers, for `pl.run_scoped`: one per q-tile copy (q, then `rows` f32
+        rows) and one per slot with `arrivals` TMAs (K and V pieces); none on cp.async."""
+        if not self.tma:
+            return ()
+        return (plgpu.Barrier(num_barriers=1 + rows),
+                plgpu.Barrier(num_arrivals=arrivals, num_barriers=slots))
+
+
+def mma_copies_per_block(page_size: int, block_tokens: int) -> int:
+    """Copies per block: one per page (or page slice) of K and of V (cp.async commit groups, or
+    TMA arrivals on the slot's barrier)."""
+    return 2 * max(1, block_tokens // page_size)
+
+
+class MmaBlocks(NamedTuple):
+    """One mma-path program's stream of K/V blocks (built inside a kernel), as `KVBlocks`: blocks
+    lo .. lo + num_steps - 1 of sequence `seq` into `slots` SMEM slots, copied by `ops`."""
+    ops: MmaOps
+    tables_ref: Any
+    seq: Any
+    lo: Any
+    num_steps: Any
+    head: tuple       # (kv head,) or (layer, kv head)
+    gmem: tuple       # (k_ref, v_ref)
+    smem: tuple       # (k_smem, v_smem) [slots, S, H]
+    bars: Any         # TMA path: the slots' barriers, else None
+    page_size: int
+    block_tokens: int
+    slots: int
+
+    @property
+    def groups(self) -> int:
+        return mma_copies_per_block(self.page_size, self.block_tokens)
+
+    def issue(self, step, slot):
+        """Starts the copies of block lo + step into slot."""
+        k_ref, v_ref = self.gmem
+        k_smem, v_smem = self.smem
+        src = block_source(self.tables_ref, self.seq, self.lo + step, page_size=self.page_size,
+                           block_tokens=self.block_tokens, pages_per_seq=self.tables_ref.shape[1],
+                           num_pages=k_ref.shape[-3])
+        bar = self.bars.at[slot] if self.ops.tma else None
+        for page, src_rows, rows in block_pieces(src, page_size=self.page_size,
+                                                 block_tokens=self.block_tokens):
+            self.ops.copy(k_ref.at[(*self.head, page, src_rows)], k_smem.at[slot, rows], bar)
+            self.ops.copy(v_ref.at[(*self.head, page, src_rows)], v_smem.at[slot, rows], bar)
+
+    def prefetch(self):
+        """Starts the copies of the first slots - 1 blocks (those that exist)."""
+        for s in range(self.slots - 1):
+            pl.when(s < self.num_steps)(functools.partial(self.issue, s, s))
+
+    def wait_in_flight(self, later):
+        """cp.async: waits until only the groups of `later` (an i32 in [0, slots - 1]) blocks are
+        in flight; everything committed before them (earlier blocks, the q tile) has landed."""
+        for k in range(self.slots):
+            pl.when(later == k)(functools.partial(self.ops.wait, k * self.groups))
+
+    def wait_block(self, step, slot):
+        """Waits for block lo + step (in slot) to land."""
+        if self.ops.tma:  # one barrier per slot, `groups` TMA arrivals
+            plgpu.barrier_wait(self.bars.at[slot])
+            return
+        # Groups still allowed in flight: those of the blocks issued after `step` (at most
+        # slots - 2 when the wait comes before the refill).
+        self.wait_in_flight(jnp.minimum(self.num_steps - 1 - step, self.slots - 2))
+
+
+def mma_prologue(blocks: MmaBlocks, q_src, q_smem, rows, q_bars):
+    """A program's prologue on the mma path: starts the copies of its q tile (q_src [BLOCK_Q, H]
+    in GMEM) and of its f32 rows (rows: [(src f32[F32_ROW] in GMEM, dst SMEM)]: ALiBi slopes,
+    sinks), then of its first blocks, and waits for the q tile and the rows (not the blocks).
+    Returns each row's first BLOCK_Q values as f32[BLOCK_Q] in the MMA_ACC row layout."""
+    ops = blocks.ops
+    ops.copy(q_src, q_smem, q_bars.at[0] if ops.tma else None)
+    for i, (src, dst) in enumerate(rows):
+        ops.copy(src, dst, q_bars.at[1 + i] if ops.tma else None)
+    blocks.prefetch()
+    if ops.tma:
+        for i in range(1 + len(rows)):
+            plgpu.barrier_wait(q_bars.at[i])
+    else:
+        # The prefetched blocks' groups may stay in flight; the q tile's and the rows' came first.
+        blocks.wait_in_flight(jnp.minimum(blocks.num_steps, blocks.slots - 1))
+    layout = plgpu.Layout.MMA_ACC(q_smem.dtype).reduce(1)
+    return [plgpu.load(dst.at[pl.ds(0, BLOCK_Q)], layout=layout) for _, dst in rows]
+
+
+def attend_mma(blocks: MmaBlocks, q_smem, *, scale, soft_cap, logits, key_range, zero_masked_p):
+    """`attend` on the mma path (after `mma_prologue`): the online softmax of the q tile over
+    `blocks`, with the same `logits`, `key_range` and `zero_masked_p` contract.
+
+        s   = q_tile @ K_block^T        "GH,SH->GS" (K^T loaded from K's SMEM block transposed)
+        acc = acc * alpha + p @ V_block "GS,SH->GH" (p rounded to q's dtype, as the WGMMA path)
+
+    The head_dim is walked in column chunks of at most CHUNK (`mma_chunks`): the q . K
+    contraction accumulates over chunks and the output is one accumulator per chunk, so no
+    [64, H] operand tile beyond the accumulator is live at once. p goes from the accumulator
+    layout to the lhs layout in registers (`acc_to_lhs`). V rows outside key_range are zeroed in
+    registers (p is 0 there, but 0 * NaN from a recycled page is not).
+
+    Returns:
+      (accs, m, l): a tuple of f32[BLOCK_Q, width] per chunk, f32[BLOCK_Q] twice; unnormalized,
+      in the MMA_ACC layouts.
+    """
+    ops = blocks.ops
+    k_smem, v_smem = blocks.smem
+    slots, block_tokens = blocks.slots, blocks.block_tokens
+    dtype = q_smem.dtype
+    chunks = mma_chunks(q_smem.shape[-1])
+    key_lo, key_end = key_range
+
+    def body(step, carry):
+        accs, m, l = carry
+        slot = lax.rem(step, slots)
+        blocks.wait_block(step, slot)
+        # cp.async: every warp has passed the wait (it syncs the warpgroup), so the slot read at
+        # step - 1 is free to refill. TMA: Mosaic syncs the warpgroup before issuing it.
+        nxt = step + slots - 1
+        pl.when(nxt < blocks.num_steps)(lambda: blocks.issue(nxt, lax.rem(nxt, slots)))
+        k_blk, v_blk = k_smem.at[slot], v_smem.at[slot]
+        s = ops.zeros((BLOCK_Q, block_tokens), dtype)
+        for c0, w in chunks:
+            s = ops.mma(s, ops.lhs(q_smem.at[:, pl.ds(c0, w)]), ops.rhs_t(k_blk.at[:, pl.ds(c0, w)]))
+        s = apply_soft_cap(s * scale, soft_cap)
+        block_start = (blocks.lo + step) * block_tokens
+        pos = block_start + ops.iota((BLOCK_Q, block_tokens), 1, plgpu.Layout.MMA_ACC(dtype))
+        s, vis = logits(s, pos)
+        p, m_new, alpha, l = softmax_step(s, vis, m, l, zero_masked_p=zero_masked_p)
+        p_op = ops.to_lhs(p.astype(dtype))
+        alpha_b = lax.broadcast_in_dim(alpha, (BLOCK_Q, CHUNK), [0])
+        new = []
+        for (c0, w), acc in zip(chunks, accs):
+            a = acc * (alpha_b if w == CHUNK else lax.broadcast_in_dim(alpha, acc.shape, [0]))
+            v = ops.rhs(v_blk.at[:, pl.ds(c0, w)])
+            tok = block_start + ops.iota((block_tokens, w), 0, plgpu.Layout.MMA_RHS(dtype))
+            v = jnp.where((tok < key_end) & (tok >= key_lo), v, jnp.zeros((), dtype))
+            new.append(ops.mma(a, p_op, v))
+        return tuple(new), m_new, l
+
+    init = (tuple(ops.zeros((BLOCK_Q, w), dtype) for _, w in chunks),
+            ops.full_rows(MASK_VALUE, dtype), ops.full_rows(0.0, dtype))
+    return lax.fori_loop(0, blocks.num_steps, body, init)

@@ -1,4 +1,6 @@
-"""Ragged paged attention as Pallas Mosaic GPU kernels (Hopper, sm_90+).
+"""Ragged paged attention as Pallas Mosaic GPU kernels: WGMMA + TMA on Hopper (sm_90, this file's
+tile kernel), mma.sync on Ampere/Ada (sm_80/86/89, cp.async) and Blackwell (sm_100, TMA) through
+`ragged_ampere`'s tile kernel; `ragged_paged_attention(..., compute_capability=)` picks the path.
 
 The same split as `jpa.pallas.triton.ragged`, in one jitted program over the whole page pools:
 
@@ -34,7 +36,11 @@ the whole pools and the layer as an `i32[1]` operand, and TMA from `k_ref.at[lay
 rows]`.
 
 Rejected: everything `mosaic_decode.unsupported_reason` rejects (the same WGMMA, TMA and SMEM
-limits apply to both kernels).
+limits apply to both kernels); on 8.x and 10.x, what `ragged_ampere.unsupported_reason` rejects.
+
+The wrapper below (tile map, q layout `tile_q_rows`, the decode kernel for the last rows, the
+gather of the tiled rows) serves both paths; the tile kernels share `pipeline`'s key range
+(`tile_key_range`), masks (`ragged_logits`), softmax step and sink merge.
 """
 
 import functools
@@ -48,9 +54,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jpa.pallas.common import (decode_last_rows, layer_index, layer_operand, max_query_tiles, pool_layout,
                                query_tiles)
 from jpa.pallas.mosaic import decode as mosaic_decode
+from jpa.pallas.mosaic import ragged_ampere
 from jpa.pallas.mosaic import tuning as tuning_table
-from jpa.pallas.mosaic.pipeline import (BLOCK_Q, ROW_ALIGN, KVBlocks, attend, barriers, main_loop_scratch,
-                                        num_slots, operand_transforms, prologue, tmas_per_block)
+from jpa.pallas.mosaic.pipeline import (BLOCK_Q, ROW_ALIGN, KVBlocks, attend, barriers, launch, main_loop_scratch,
+                                        merge_sink, num_slots, operand_transforms, prologue,
+                                        ragged_logits, tile_key_range, tmas_per_block, uses_tma)
 from jpa.pallas.mosaic.tuning import MosaicTuning
 from jpa.pallas.spec import RaggedSpec
 
@@ -61,13 +69,29 @@ _PLACEHOLDER_ROWS = 8
 def unsupported_reason(spec: RaggedSpec, compute_capability: float | None = None, *,
                        tuning: MosaicTuning | None = None) -> str | None:
     """Why these kernels cannot serve `spec` on a GPU of `compute_capability` (None: skip the
-    device check), or None when they can: the decode kernel's limits, which cover this one's.
-    The tile kernel is built on WGMMA and TMA: Hopper only (the decode kernel's Ampere/Ada path
-    has no ragged twin yet)."""
+    device check), or None when they can. Hopper (9.x; None too): the WGMMA decode kernel's limits,
+    which cover the tile kernel. Ampere/Ada (8.x) and Blackwell (10.x): the mma.sync kernels'
+    (`ragged_ampere.unsupported_reason`)."""
+    if compute_capability is not None and is_mma_path(compute_capability):
+        return ragged_ampere.unsupported_reason(spec, compute_capability, tuning=tuning)
     if compute_capability is not None and not 9.0 <= compute_capability < 10.0:
-        return (f"compute capability {compute_capability}: the Mosaic GPU ragged kernel uses WGMMA "
-                f"and TMA, Hopper (9.x) only (on Ampere/Ada only the decode kernel is Mosaic)")
+        return (f"compute capability {compute_capability} is served by none of the Mosaic GPU ragged "
+                f"kernels: WGMMA + TMA on Hopper (9.x), mma.sync + cp.async on Ampere/Ada (8.x), "
+                f"mma.sync + TMA on Blackwell (10.x)")
     return mosaic_decode.unsupported_reason(spec, compute_capability, tuning=tuning)
+
+
+def aot_unsupported_reason(compute_capability: float | None) -> str | None:
+    """Why an ahead-of-time compile for an absent GPU of `compute_capability` would get Mosaic code
+    for another GPU, or None: as `decode.aot_unsupported_reason` (both kernels lower alike)."""
+    return mosaic_decode.aot_unsupported_reason(compute_capability)
+
+
+def is_mma_path(compute_capability: float | None) -> bool:
+    """Whether a GPU of this compute capability runs the mma.sync kernels (`decode_ampere`,
+    `ragged_ampere`): Ampere/Ada (8.x, cp.async) and Blackwell (10.x, TMA)."""
+    return compute_capability is not None and (8.0 <= compute_capability < 9.0
+                                               or 10.0 <= compute_capability < 11.0)
 
 
 def tile_tokens(q_per_kv: int) -> int:
@@ -96,11 +120,7 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref, pos0_r
 
     seq, row0, ntok, pos0 = seq_ref[w], row0_ref[w], ntok_ref[w], pos0_ref[w]
     # Keys some row of the tile sees: [kv_lo, kv_end); kv_end - 1 is the last query position.
-    kv_end = pos0 + ntok
-    kv_lo = jnp.maximum(pos0 - sliding_window + 1, 0) if sliding_window is not None else jnp.int32(0)
-    lo = lax.div(kv_lo, block_tokens)
-    hi = jnp.where(ntok > 0, lax.div(kv_end + block_tokens - 1, block_tokens), lo)
-    num_steps = jnp.maximum(hi - lo, 0)
+    kv_lo, kv_end, lo, num_steps = tile_key_range(pos0, ntok, block_tokens, sliding_window)
 
     def main_loop(q_smem, k_smem, v_smem, p_smem, slopes_smem, kd_smem, vd_smem, ks_smem,
                   vs_smem):
@@ -116,18 +136,10 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref, pos0_r
         q_pos = pos0 + lax.div(plgpu.broadcasted_iota(
             jnp.int32, (BLOCK_Q, block_tokens), 0, layout=plgpu.Layout.WGMMA), q_per_kv)
 
-        def logits(s, pos):
-            rel = pos - q_pos  # key position - query position
-            if slopes is not None:
-                s = s + lax.broadcast_in_dim(slopes, s.shape, [0]) * rel.astype(jnp.float32)
-            # The tile's key range, causal per row, and the window per row.
-            vis = (pos < kv_end) & (pos >= kv_lo) & (rel <= 0)
-            if sliding_window is not None:
-                vis = vis & (rel > -sliding_window)
-            return s, vis
-
         return attend(blocks, q_smem, p_smem, kd_smem, vd_smem, scale=scale,
-                      soft_cap=soft_cap, logits=logits, key_range=(kv_lo, kv_end),
+                      soft_cap=soft_cap,
+                      logits=ragged_logits(slopes, lambda _: q_pos, (kv_lo, kv_end), sliding_window),
+                      key_range=(kv_lo, kv_end),
                       zero_masked_p=True, register_acc=register_acc)
 
     acc, m, l = pl.run_scoped(
@@ -146,9 +158,7 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref, pos0_r
 
         sink = pl.run_scoped(load_sinks, plgpu.SMEM((BLOCK_Q,), jnp.float32),
                              plgpu.Barrier(num_barriers=1))
-        m_new = jnp.maximum(m, sink)
-        alpha = jnp.exp(m - m_new)
-        l = l * alpha + jnp.exp(sink - m_new)
+        alpha, l = merge_sink(m, l, sink)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
     # Live rows see at least their own key (l > 0); the guard keeps the other rows finite.
     l = jnp.where(l > 0, l, 1.0)
@@ -167,6 +177,20 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref, pos0_r
                                        transforms=operand_transforms(dtype, head_dim)))
 
 
+def tile_q_rows(q, num_kv_heads):
+    """q [T, N, H] -> (q_rows [K * rows_per_head, H], rows_per_head): both tile kernels' q layout,
+    [kv head, token, q_per_kv, H], so a tile's 64 rows for one kv head are consecutive (one copy).
+    Each head's rows are padded by BLOCK_Q (the last tile's copy stays in bounds) and to a multiple
+    of 8 (Mosaic GPU's TMA tiles GMEM rows by 8; see the decode kernel)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    q_per_kv = num_q_heads // num_kv_heads
+    rows_per_head = num_tokens * q_per_kv + BLOCK_Q + (-(num_tokens * q_per_kv)) % ROW_ALIGN
+    q_rows = jnp.swapaxes(q.reshape(num_tokens, num_kv_heads, q_per_kv, head_dim), 0, 1)
+    q_rows = jnp.pad(q_rows.reshape(num_kv_heads, num_tokens * q_per_kv, head_dim),
+                     ((0, 0), (0, rows_per_head - num_tokens * q_per_kv), (0, 0)))
+    return q_rows.reshape(num_kv_heads * rows_per_head, head_dim), rows_per_head
+
+
 def _tile_rows(q, k_pages, v_pages, block_tables, tiles, alibi_slopes, k_scales, v_scales, *,
                scale, soft_cap, sliding_window, interpret, layer=None, tuning, sinks=None):
     """Runs the tile kernel. Returns out_tiles [num_tiles, K, BLOCK_Q, H] in q's dtype (rows
@@ -180,13 +204,7 @@ def _tile_rows(q, k_pages, v_pages, block_tables, tiles, alibi_slopes, k_scales,
     quantized = k_scales is not None
     # Planned as if p were in SMEM on both paths (the decode kernel's rule): same pipeline depth.
     slots = num_slots(head_dim, page_size, q.dtype.itemsize, k_pages.dtype.itemsize, tuning=tuning)
-    # Padded to a multiple of 8 rows (Mosaic GPU's TMA tiles GMEM rows by 8; see the decode kernel).
-    rows_per_head = num_tokens * q_per_kv + BLOCK_Q + (-(num_tokens * q_per_kv)) % ROW_ALIGN
-    # [K, T * G (+ BLOCK_Q padding), H]: a tile's rows for one kv head are consecutive.
-    q_rows = jnp.swapaxes(q.reshape(num_tokens, num_kv_heads, q_per_kv, head_dim), 0, 1)
-    q_rows = jnp.pad(q_rows.reshape(num_kv_heads, num_tokens * q_per_kv, head_dim),
-                     ((0, 0), (0, rows_per_head - num_tokens * q_per_kv), (0, 0))
-                     ).reshape(num_kv_heads * rows_per_head, head_dim)
+    q_rows, rows_per_head = tile_q_rows(q, num_kv_heads)
     placeholder = jnp.zeros((_PLACEHOLDER_ROWS,), jnp.float32)
     if alibi_slopes is not None:
         # Row r of a tile is q head kh * q_per_kv + r % q_per_kv.
@@ -216,12 +234,9 @@ def _tile_rows(q, k_pages, v_pages, block_tables, tiles, alibi_slopes, k_scales,
                                  layer_ref, sinks_ref, out_ref, bars),
             *barriers(arrivals, slots))
 
-    return plgpu.kernel(
-        jpa_mosaic_ragged,
-        out_type=jax.ShapeDtypeStruct((num_tiles, num_kv_heads, BLOCK_Q, head_dim), q.dtype),
-        grid=(num_tiles, num_kv_heads), grid_names=("tile", "kv_head"),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    return launch(
+        jpa_mosaic_ragged, jax.ShapeDtypeStruct((num_tiles, num_kv_heads, BLOCK_Q, head_dim), q.dtype),
+        (num_tiles, num_kv_heads), ("tile", "kv_head"), interpret,
     )(q_rows, k_pages, v_pages, block_tables, *tiles,
       slopes if alibi_slopes is not None else placeholder,
       k_scales if quantized else placeholder, v_scales if quantized else placeholder,
@@ -229,11 +244,11 @@ def _tile_rows(q, k_pages, v_pages, block_tables, tiles, alibi_slopes, k_scales,
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "interpret",
-                                             "tuning"))
+                                             "tuning", "compute_capability"))
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, num_seqs, *,
                            scale, soft_cap=None, alibi_slopes=None, sliding_window=None,
                            k_scales=None, v_scales=None, interpret=False, layer=None, tuning=None,
-                           sinks=None):
+                           sinks=None, compute_capability=None):
     """Ragged paged attention with the Mosaic GPU kernels. Arguments as
     `jpa.ragged_paged_attention` (already validated; `unsupported_reason` is None for them).
 
@@ -246,6 +261,10 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
     head_dim)`, the table's fallback row (the same values as its H100 row).
     sinks: f32[num_q_heads] attention sinks or None: the decode kernel folds them in at its split-K
     combine, the tile kernel into each row's final softmax state.
+    compute_capability: the GPU compiled for (static; the dispatch passes its target's). 8.x and
+    10.x run the mma.sync kernels (`ragged_ampere`'s tile kernel, `decode_ampere` for the last
+    rows; cp.async copies on 8.x, TMA on 10.x; tiling `tuning.lookup_ampere(compute_capability,
+    head_dim)` unless `tuning` is given); anything else (None included) the WGMMA kernels.
 
     Returns:
       [num_tokens, num_q_heads, head_dim] in q's dtype; zeros at padding rows.
@@ -254,12 +273,17 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
     num_kv_heads = pool_layout(k_pages, layer)[1]
     q_per_kv = num_q_heads // num_kv_heads
     num_seqs = jnp.asarray(num_seqs, jnp.int32)
-    tuning = tuning or tuning_table.lookup(None, head_dim)
+    mma = is_mma_path(compute_capability)
+    if mma and k_scales is not None:
+        raise ValueError("the mma.sync Mosaic kernels (Ampere/Ada/Blackwell) do not take 8-bit "
+                         "caches (see ragged_ampere.unsupported_reason)")
+    tuning = tuning or (tuning_table.lookup_ampere(compute_capability, head_dim) if mma
+                        else tuning_table.lookup(None, head_dim))
     opts = dict(scale=scale, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
                 sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales, sinks=sinks)
-    # 1. Last rows (all decode tokens) through the split-K decode kernel.
+    # 1. Last rows (all decode tokens) through the split-K decode kernel of the same path.
     decode = functools.partial(mosaic_decode.paged_decode, interpret=interpret, layer=layer,
-                               tuning=tuning)
+                               tuning=tuning, compute_capability=compute_capability if mma else None)
     out = decode_last_rows(decode, q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,
                            num_seqs, **opts)  # [T, N, H]
     # 2. The other rows through the tile kernel.
@@ -267,10 +291,18 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
     tiles = query_tiles(cu_q_lens, seq_lens, num_seqs, num_tokens=num_tokens, tile_tokens=tt,
                         num_tiles=max_query_tiles(num_tokens, block_tables.shape[0], tt),
                         skip_last=True)  # 4 x i32[num_tiles]
-    out_tiles = _tile_rows(q, k_pages, v_pages, block_tables, tiles, alibi_slopes, k_scales,
-                           v_scales, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
-                           interpret=interpret, layer=layer, tuning=tuning,
-                           sinks=sinks)  # [W, K, BLOCK_Q, H]
+    if mma:
+        q_rows, rows_per_head = tile_q_rows(q, num_kv_heads)
+        out_tiles = ragged_ampere.tile_rows(
+            q_rows, k_pages, v_pages, block_tables, tiles, alibi_slopes, sinks, scale=scale,
+            soft_cap=soft_cap, sliding_window=sliding_window, interpret=interpret, layer=layer,
+            tuning=tuning, tma=uses_tma(compute_capability), q_per_kv=q_per_kv,
+            rows_per_head=rows_per_head)  # [W, K, BLOCK_Q, H]
+    else:
+        out_tiles = _tile_rows(q, k_pages, v_pages, block_tables, tiles, alibi_slopes, k_scales,
+                               v_scales, scale=scale, soft_cap=soft_cap,
+                               sliding_window=sliding_window, interpret=interpret, layer=layer,
+                               tuning=tuning, sinks=sinks)  # [W, K, BLOCK_Q, H]
     # Gather each tiled row back: row t is token t - row0[w] of its tile w.
     _, row0, ntok, _ = tiles
     j = jnp.arange(tt, dtype=jnp.int32)  # i32[tt]
@@ -283,5 +315,5 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
     g_ix = jnp.arange(q_per_kv, dtype=jnp.int32)[None, None, :]
     tiled = out_tiles[w_row[:, None, None], k_ix,
                       jnp.clip(local, 0, tt - 1)[:, None, None] * q_per_kv + g_ix]  # [T, K, G, H]
-    tiled = tiled.reshape(num_tokens, num_q_heads, head_dim)
+    tiled = tiled.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
     return jnp.where((tile_of_row >= 0)[:, None, None], tiled, out)

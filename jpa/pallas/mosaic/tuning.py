@@ -18,9 +18,11 @@ compute capability None (the fallback), because `jpa.ops` does not pass the targ
 kernels yet; every row holds the same values today, so the two agree. A row that differs for a
 generation needs the dispatch (which knows the target) to pass `tuning=lookup(cc, ...)`.
 
-The Ampere/Ada decode kernel (`decode_ampere`) has its own table, `AMPERE_TABLE` (`lookup_ampere`):
-there the dispatch does pass the target's compute capability (`decode.paged_decode(...,
-compute_capability=)`), and its rows differ by GPU (SMEM per block) and head_dim (block size).
+The mma.sync kernels (`decode_ampere`, `ragged_ampere`; Ampere/Ada and Blackwell) have their own
+table, `AMPERE_TABLE` (`lookup_ampere`): there the dispatch does pass the target's compute
+capability (`decode.paged_decode(..., compute_capability=)`, `ragged.ragged_paged_attention(...,
+compute_capability=)`), and its rows differ by GPU (SMEM per block) and head_dim (block size); the
+ragged op's two kernels share a row.
 """
 
 import dataclasses
