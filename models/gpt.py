@@ -101,11 +101,13 @@ def _quantize_params(module, quantization):
 
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
-    """A weight kept as GGUF blocks (jpa.core.quant: Q8_0 / Q4_0 / Q4_1) in jpa's layout: codes
-    (int8, or uint8 holding two 4-bit codes), f16 block scales d and minimums m (Q4_1; else None),
-    the 32-value blocks along `axis` (-2: the `in` axis of an [in, out] weight; -1: an embedding
-    row). A model holding them has quantization "gguf": parameter `name` holds the codes,
-    `name_bscale` d and `name_bmin` m, dequantized inside the matmul that reads them."""
+    """A weight kept as blocks (jpa.core.quant: GGUF Q8_0 / Q4_0 / Q4_1, and Hugging Face AWQ / GPTQ /
+    compressed-tensors int4 repacked into the Q4 forms) in jpa's layout: codes (int8, or uint8 holding
+    two 4-bit codes), block scales d (f16, or f32) and minimums m (Q4_1 form; else None), the groups
+    along `axis` (-2: the `in` axis of an [in, out] weight; -1: an embedding row) of K / d.shape[axis]
+    values (GGUF: 32; int4 checkpoints: their group size). A model holding them has quantization "gguf"
+    (or the checkpoint's quant_method): parameter `name` holds the codes, `name_bscale` d and
+    `name_bmin` m, dequantized inside the matmul that reads them."""
     codes: np.ndarray
     d: np.ndarray
     m: np.ndarray | None
@@ -125,7 +127,11 @@ class PackedWeight:
     @staticmethod
     def stack(ws: list) -> "PackedWeight":
         """The layers' weights stacked on a new leading axis (one format for all)."""
-        fmts = {(w.codes.dtype, w.m is None, w.axis) for w in ws}
+        if ws[0].codes.dtype == np.uint8 and len({w.m is None for w in ws}) > 1:
+            # Q4_0 and Q4_1 forms mixed (an int4 checkpoint whose zero points are all 8 in some layers):
+            # (q - 8) * d is q * d + m with m = -8 d, exact in f32.
+            ws = [w if w.m is not None else dataclasses.replace(w, m=-8 * w.d.astype(np.float32)) for w in ws]
+        fmts = {(w.codes.dtype, w.m is None, w.axis, w.codes.shape, w.d.shape) for w in ws}
         if len(fmts) != 1:
             raise ValueError("the layers' copies of a weight are in different GGUF formats; jpa stacks the "
                              "layers, so it needs one format per weight (load with the weights dequantized)")
@@ -134,9 +140,8 @@ class PackedWeight:
         return PackedWeight(np.stack([w.codes for w in ws]), np.stack([w.d for w in ws]), m, axis)
 
     def dequantize(self) -> np.ndarray:
-        """The float32 weight (NumPy)."""
-        m = None if self.m is None else jnp.asarray(self.m)
-        return np.asarray(dequantize_blocks(jnp.asarray(self.codes), jnp.asarray(self.d), m, self.axis))
+        """The float32 weight (NumPy, on the host)."""
+        return dequantize_blocks(np.asarray(self.codes), np.asarray(self.d), self.m, self.axis, np.float32)
 
 
 def _packed(owner, name, dtype):
@@ -157,6 +162,13 @@ def set_packed(owner, name, w: PackedWeight):
     setattr(owner, name + "_bscale", nnx.Param(jnp.asarray(w.d)))
     if w.m is not None:
         setattr(owner, name + "_bmin", nnx.Param(jnp.asarray(w.m)))
+
+
+def set_scaled(owner, name, q, scale):
+    """Replaces float parameter `name` of `owner` by stored int8 / float8 values q and their f32
+    per-output-channel scales (a checkpoint quantized that way: models.hf's FP8 layouts)."""
+    setattr(owner, name, nnx.Param(jnp.asarray(q)))
+    setattr(owner, name + "_scale", nnx.Param(jnp.asarray(scale, jnp.float32)))
 
 
 def set_weight(owner, name, w, dtype, quantization=None):
@@ -396,7 +408,7 @@ class GPT(nnx.Module):
             m = getattr(self, "tok_embeddings_bmin", None)
             x = dequantize_blocks(take(self.tok_embeddings), take(self.tok_embeddings_bscale),
                                   None if m is None else take(m), -1, jnp.float32)
-        elif self.quantization in ("int8", "fp8"):  # a row's values times its scale
+        elif hasattr(self, "tok_embeddings_scale"):  # int8 / fp8: a row's values times its scale
             x = x * jnp.take(self.tok_embeddings_scale[...], tokens, axis=0, mode="clip")[..., None]
         if self.config.embed_scale != 1.0:
             # transformers (Gemma) rounds the scale to the activation dtype before multiplying.
@@ -415,7 +427,7 @@ class GPT(nnx.Module):
         if self.config.tie_embeddings:
             emb = _packed(self, "tok_embeddings", self.dtype)
             emb = self.tok_embeddings[...] if emb is None else emb  # [vocab, d_model]
-            if self.quantization in (None, "gguf"):
+            if not hasattr(self, "tok_embeddings_scale"):
                 out = jnp.dot(h.astype(emb.dtype), emb.T, preferred_element_type=jnp.float32)
             else:  # the rows' scales are the head's per-output-channel scales
                 out = _dense(h, emb.T, scale=self.tok_embeddings_scale, compute_dtype=self.dtype)

@@ -100,13 +100,14 @@ for _axes in (_Q_HEAD_AXIS, _KV_HEAD_AXIS, _FFN_AXIS):
 _PACKED_IN_AXIS = ("wo", "w_down")
 
 
-def _features_per_entry(name, x) -> float:
-    """Input/output features one entry of parameter `name` (an np.ndarray) spans on its head / ffn axis."""
+def _features_per_entry(name, x, group: int = 32) -> float:
+    """Input/output features one entry of parameter `name` (an np.ndarray) spans on its head / ffn axis
+    (group: the weight's block size, 32 for GGUF, an int4 checkpoint's group size)."""
     base = name.removesuffix("_bscale").removesuffix("_bmin")
     if base not in _PACKED_IN_AXIS:
         return 1
     if base != name:
-        return 32  # a block scale / minimum
+        return group  # a block scale / minimum
     return 2 if x.dtype == np.uint8 else 1  # Q4 codes hold two 4-bit values a byte
 MODES = ("split", "replicate", "pad")
 
@@ -177,10 +178,11 @@ def _pad(x, axis, size):
     return np.pad(x, pad)
 
 
-def _transform(name, x, config: ModelConfig, plan: HeadPlan, packed: bool = False):
+def _transform(name, x, config: ModelConfig, plan: HeadPlan, packed: bool = False, group: int = 32):
     """Parameter `name` (an np.ndarray) of the original model -> its value in the planned model.
-    packed: the model holds GGUF blocks (zero codes, scales and minimums make zero weights)."""
-    per = _features_per_entry(name, x) if packed else 1
+    packed: the model holds GGUF blocks (zero codes, scales and minimums make zero weights) of
+    `group` values each."""
+    per = _features_per_entry(name, x, group) if packed else 1
     h = config.head_dim / per
     if h != int(h) or (plan.ffn_dim != config.ffn_dim and name in _FFN_AXIS and (plan.ffn_dim % per
                                                                                 or config.ffn_dim % per)):
@@ -220,7 +222,10 @@ def with_heads(model, plan: HeadPlan):
         return model
     new_c = dataclasses.replace(c, num_q_heads=plan.num_q_heads, num_kv_heads=plan.num_kv_heads,
                                 ffn_dim=plan.ffn_dim)
-    packed = model.quantization == "gguf"
+    # GGUF blocks, or a checkpoint stored quantized (models.hf: some weights quantized, the embeddings not):
+    # attributes GPT(quantization=...) would not rebuild.
+    packed = model.quantization is not None and not (model.quantization in ("int8", "fp8")
+                                                     and hasattr(model, "tok_embeddings_scale"))
     if packed:  # the same attributes as the model's (GGUF blocks), at the planned sizes
         new = _abstract_like(model, new_c)
     else:
@@ -241,10 +246,15 @@ def with_heads(model, plan: HeadPlan):
         # (padding adds zero weights; a padded channel's scale is 0, harmless on zero weights).
         x = np.asarray(x.astype(jnp.float32))
         x = x.astype(old[path].get_value().dtype)  # codes stay uint8 / int8 (the feature count depends on it)
+        name, group = _name(path), 32
+        if packed and name.endswith(("_bscale", "_bmin")):  # K / blocks: the weight's group size
+            base = name.removesuffix("_bscale").removesuffix("_bmin")
+            codes = old[tuple(base if getattr(k, "key", k) == name else k for k in path)].get_value()
+            group = codes.shape[-2] * (2 if codes.dtype == np.uint8 else 1) // x.shape[-2]
         if _stacked(path):
-            y = np.stack([_transform(_name(path), layer, c, plan, packed) for layer in x])
+            y = np.stack([_transform(name, layer, c, plan, packed, group) for layer in x])
         else:
-            y = _transform(_name(path), x, c, plan, packed)
+            y = _transform(name, x, c, plan, packed, group)
         var.set_value(jnp.asarray(y, dtype=var.dtype))
     return new
 

@@ -167,30 +167,184 @@ def unpack_gguf_rows(data: np.ndarray, fmt: str, rows: int, cols: int, name: str
 
 
 def dequantize_blocks(codes, d, m=None, axis: int = -2, dtype=jnp.float32):
-    """The float weight of packed GGUF blocks, blocks of 32 along `axis` (jnp; fused into the matmul
-    that consumes it).
+    """The float weight of packed blocks, groups along `axis` (jnp, fused into the matmul that
+    consumes it; NumPy arrays in give a NumPy result, for dequantizing on the host at load).
+
+    The codes are unpacked in 32-value blocks (GGUF's nibble order, `pack_nibbles`); the scales
+    apply per group of K / d.shape[axis] values (GGUF: 32; a Hugging Face AWQ / GPTQ checkpoint
+    repacked by `awq_int4` / `gptq_int4`: its group size, a multiple of 32).
 
     Args:
-      codes: int8 [..., K, ...] (Q8_0) or uint8 [..., K / 2, ...] (Q4), K on `axis`.
-      d: f16/f32 [..., K / 32, ...] block scales; m: the same shape (Q4_1) or None.
+      codes: int8 [..., K, ...] (Q8_0: w = q * d) or uint8 [..., K / 2, ...] (4-bit: w = (q - 8) * d
+        without m (Q4_0), q * d + m with it (Q4_1)), K on `axis`.
+      d: f16/f32 [..., K / G, ...] group scales; m: the same shape (Q4_1 form) or None.
       axis: the block axis (-2: the `in` axis of an [in, out] weight; -1: an embedding row).
       dtype: the result's dtype.
 
     Returns:
       dtype [..., K, ...].
     """
+    xp = np if isinstance(codes, np.ndarray) else jnp
     fmt = packed_format(codes, m)
     axis = axis % codes.ndim
     shape = codes.shape
+    k = shape[axis] * (1 if fmt == "Q8_0" else 2)
     nb = d.shape[axis]
     if fmt == "Q8_0":
-        v = codes.reshape(shape[:axis] + (nb, GGUF_BLOCK) + shape[axis + 1:]).astype(dtype)
+        v = codes.astype(dtype)
     else:
-        p = codes.reshape(shape[:axis] + (nb, GGUF_BLOCK // 2) + shape[axis + 1:])
-        v = jnp.concatenate([p & 15, p >> 4], axis=axis + 1).astype(dtype)  # values j and j + 16
+        p = codes.reshape(shape[:axis] + (k // GGUF_BLOCK, GGUF_BLOCK // 2) + shape[axis + 1:])
+        v = xp.concatenate([p & 15, p >> 4], axis=axis + 1).astype(dtype)  # values j and j + 16
         if fmt == "Q4_0":
             v = v - 8
-    w = v * jnp.expand_dims(d, axis + 1).astype(dtype)
+    v = v.reshape(shape[:axis] + (nb, k // nb) + shape[axis + 1:])
+    w = v * xp.expand_dims(d, axis + 1).astype(dtype)
     if m is not None:
-        w = w + jnp.expand_dims(m, axis + 1).astype(dtype)
-    return w.reshape(shape[:axis] + (nb * GGUF_BLOCK,) + shape[axis + 1:])
+        w = w + xp.expand_dims(m, axis + 1).astype(dtype)
+    return w.reshape(shape[:axis] + (k,) + shape[axis + 1:])
+
+
+def pack_nibbles(q: np.ndarray, axis: int = -2) -> np.ndarray:
+    """4-bit codes (integers 0..15, K of them on `axis`, K a multiple of 32) -> uint8 [..., K / 2, ...]
+    in GGUF's Q4 order (`dequantize_blocks`): byte j of each 32-value block holds value j in its low
+    nibble and value j + 16 in its high one. NumPy, on the host."""
+    axis = axis % q.ndim
+    shape = q.shape
+    if shape[axis] % GGUF_BLOCK:
+        raise ValueError(f"4-bit codes need a multiple of {GGUF_BLOCK} values on the packed axis; got {shape[axis]}")
+    b = np.asarray(q, np.uint8).reshape(shape[:axis] + (shape[axis] // GGUF_BLOCK, 2, GGUF_BLOCK // 2)
+                                        + shape[axis + 1:])
+    lo, hi = np.take(b, 0, axis=axis + 1), np.take(b, 1, axis=axis + 1)
+    return (lo | (hi << 4)).reshape(shape[:axis] + (shape[axis] // 2,) + shape[axis + 1:])
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face int4 checkpoints (issue 35): AWQ (AutoAWQ "gemm"), GPTQ (AutoGPTQ / GPTQModel / optimum
+# "gptq" v1 and "gptq_v2") and compressed-tensors "pack-quantized". Each stores 4-bit codes eight to
+# an int32, an f16 scale per group of G input features and output channel, and (asymmetric) a 4-bit
+# zero point z per group: w = (q - z) * s. jpa unpacks the int32s on the host and repacks the codes
+# two to a byte along the matmul's contraction axis (`pack_nibbles`), so the device holds 4 bits a
+# weight, dequantized inside the matmul (`dequantize_blocks`): d = s, and m = -z * s (exact in f32:
+# a <= 5-bit integer times an f16) unless every z is 8, which is the Q4_0 form (q - 8) * d (GPTQ and
+# compressed-tensors symmetric checkpoints), with no m stored.
+
+# AWQ's GEMM packing: an int32 holds output columns 8k + AWQ_ORDER[i] in nibble i (bits 4i..4i+3).
+# vLLM: vllm/model_executor/layers/quantization/awq_triton.py (AWQ_REVERSE_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]
+# to undo it); AutoAWQ: awq/modules/linear/gemm.py (order_map = [0, 2, 4, 6, 1, 3, 5, 7] when packing).
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def _nibbles(packed: np.ndarray, axis: int) -> np.ndarray:
+    """int32 [..., n, ...] -> uint8 [..., 8n, ...]: nibble i of element k becomes value 8k + i on `axis`."""
+    u = np.ascontiguousarray(packed).view(np.uint32)
+    axis = axis % u.ndim
+    shifts = np.arange(0, 32, 4, dtype=np.uint32).reshape((8,) + (1,) * (u.ndim - axis - 1))
+    v = (np.expand_dims(u, axis + 1) >> shifts) & 15  # [..., n, 8, ...]
+    return v.reshape(u.shape[:axis] + (u.shape[axis] * 8,) + u.shape[axis + 1:]).astype(np.uint8)
+
+
+def _int4_blocks(q, z, s, name, fmt):
+    """Codes q [in, out] (0..15), zero points z [in / G, out] (any integers), scales s [in / G, out] ->
+    (codes uint8 [in / 2, out], d, m or None) for dequantize_blocks(axis=-2)."""
+    s = np.asarray(s)
+    if not np.isfinite(s.astype(np.float32)).all():
+        raise ValueError(f"tensor {name} ({fmt}) has non-finite scales: corrupt")
+    if s.dtype not in (np.float16, np.float32):
+        s = s.astype(np.float32)  # bf16 scales (compressed-tensors): f32 holds them exactly
+    codes = pack_nibbles(q, axis=-2)
+    if z is None or np.all(z == 8):
+        return codes, s, None
+    return codes, s, -(z.astype(np.float32) * s.astype(np.float32))
+
+
+def _groups(name, fmt, k, n_groups):
+    if n_groups <= 0 or k % n_groups or (k // n_groups) % GGUF_BLOCK:
+        raise ValueError(f"tensor {name} ({fmt}): {k} input features in {n_groups} groups; jpa needs a group size "
+                         f"that is a multiple of {GGUF_BLOCK}")
+    return k // n_groups
+
+
+def _check_shape(name, fmt, role, a, want):
+    if tuple(a.shape) != tuple(want) or np.dtype(a.dtype) != np.int32 and role != "scales":
+        raise ValueError(f"tensor {name}.{role} ({fmt}) has shape {list(a.shape)} of {a.dtype}; expected "
+                         f"{list(want)}{'' if role == 'scales' else ' of int32'}: truncated or corrupt")
+
+
+def awq_int4(qweight, qzeros, scales, name: str = "tensor"):
+    """An AutoAWQ GEMM linear (qweight int32 [in, out / 8], qzeros int32 [in / G, out / 8], scales
+    f16 [in / G, out]: w[i, o] = (q[i, o] - z[i // G, o]) * s[i // G, o], no offset on z) ->
+    (codes, d, m) for dequantize_blocks(axis=-2). Raises ValueError naming the tensor on bad shapes."""
+    fmt = "awq int4"
+    scales = np.asarray(scales)
+    if scales.ndim != 2:
+        raise ValueError(f"tensor {name}.scales ({fmt}) has shape {list(scales.shape)}; expected [in / G, out]")
+    n_groups, out = scales.shape
+    k = np.asarray(qweight).shape[0]
+    _check_shape(name, fmt, "qweight", np.asarray(qweight), (k, out // 8))
+    _check_shape(name, fmt, "qzeros", np.asarray(qzeros), (n_groups, out // 8))
+    if out % 8:
+        raise ValueError(f"tensor {name} ({fmt}) has {out} output channels, not a multiple of 8: corrupt")
+    _groups(name, fmt, k, n_groups)
+    rev = np.argsort(AWQ_ORDER)  # column 8k + c sits in nibble rev[c]
+
+    def unpack(a):
+        v = _nibbles(a, -1).reshape(a.shape[0], -1, 8)
+        return v[:, :, rev].reshape(a.shape[0], -1)
+
+    return _int4_blocks(unpack(np.asarray(qweight)), unpack(np.asarray(qzeros)), scales, name, fmt)
+
+
+def gptq_int4(qweight, qzeros, scales, g_idx=None, v2: bool = False, name: str = "tensor"):
+    """A GPTQ linear (qweight int32 [in / 8, out] packed along `in`, nibble j of row r holding input
+    8r + j; qzeros int32 [in / G, out / 8] packed along `out`, sequentially; scales f16 [in / G, out];
+    g_idx int32 [in] or None) -> (codes, d, m) for dequantize_blocks(axis=-2).
+
+    The GPTQ v1 format (AutoGPTQ, checkpoint_format "gptq") stores each zero point minus one, so
+    w = (q - (z_stored + 1)) * s; "gptq_v2" stores z itself (v2=True). vLLM:
+    vllm/model_executor/layers/quantization/gptq.py (use_v2_format; its exllama kernel adds the 1).
+    Act-order checkpoints (desc_act, a g_idx that is not i // G) are refused: their groups are not
+    contiguous along `in`."""
+    fmt = "gptq int4"
+    scales, qweight = np.asarray(scales), np.asarray(qweight)
+    if scales.ndim != 2 or qweight.ndim != 2:
+        raise ValueError(f"tensor {name}.scales ({fmt}) has shape {list(scales.shape)}; expected [in / G, out]")
+    n_groups, out = scales.shape
+    k = qweight.shape[0] * 8
+    _check_shape(name, fmt, "qweight", qweight, (k // 8, out))
+    _check_shape(name, fmt, "qzeros", np.asarray(qzeros), (n_groups, out // 8))
+    g = _groups(name, fmt, k, n_groups)
+    if g_idx is not None:
+        g_idx = np.asarray(g_idx)
+        if g_idx.shape != (k,) or not np.array_equal(g_idx, np.arange(k) // g):
+            raise ValueError(f"tensor {name}.g_idx ({fmt}) is not i // {g}: an act-order (desc_act) checkpoint, "
+                             f"which jpa does not load packed (load with quantization 'none' to dequantize it)"
+                             if g_idx.shape == (k,) else
+                             f"tensor {name}.g_idx ({fmt}) has shape {list(g_idx.shape)}; expected [{k}]")
+    q = _nibbles(qweight, 0)  # [in, out]
+    z = _nibbles(np.asarray(qzeros), -1).astype(np.int32) + (0 if v2 else 1)
+    return _int4_blocks(q, z, scales, name, fmt)
+
+
+def pack_quantized_int4(weight_packed, weight_scale, weight_zero_point=None, name: str = "tensor"):
+    """A compressed-tensors "pack-quantized" 4-bit linear (weight_packed int32 [out, in / 8], nibble j
+    of element c holding input 8c + j; weight_scale [out, in / G]; asymmetric: weight_zero_point
+    int32 [out / 8, in / G] packed along `out` the same way) -> (codes, d, m) for
+    dequantize_blocks(axis=-2). Symmetric codes are stored offset by 8 (signed -8..7 as 0..15), so
+    w = (q - 8) * s; asymmetric zero points are offset the same way (both signed in -8..7 before
+    packing), so w = (q - z) * s with the stored z.
+    compressed-tensors: compressors/quantized_compressors/pack_quantized.py (pack_to_int32)."""
+    fmt = "pack-quantized int4"
+    weight_packed, weight_scale = np.asarray(weight_packed), np.asarray(weight_scale)
+    if weight_scale.ndim != 2 or weight_packed.ndim != 2:
+        raise ValueError(f"tensor {name}.weight_scale ({fmt}) has shape {list(weight_scale.shape)}; expected "
+                         f"[out, in / G]")
+    out, n_groups = weight_scale.shape
+    k = weight_packed.shape[1] * 8
+    _check_shape(name, fmt, "weight_packed", weight_packed, (out, k // 8))
+    _groups(name, fmt, k, n_groups)
+    q = _nibbles(weight_packed, -1).T  # [in, out]
+    z = None
+    if weight_zero_point is not None:
+        _check_shape(name, fmt, "weight_zero_point", np.asarray(weight_zero_point), (out // 8, n_groups))
+        z = _nibbles(np.asarray(weight_zero_point), 0).astype(np.int32).T  # [in / G, out]
+    return _int4_blocks(q, z, weight_scale.T, name, fmt)
