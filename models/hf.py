@@ -408,10 +408,11 @@ def _quant_entry(name, want, index, path, scheme):
     return QuantTensor((layout, tensors, k, n))
 
 
-def _plan(c: ModelConfig, model_type: str, index: dict, path: pathlib.Path, scheme=None) -> dict:
+def _plan(c: ModelConfig, model_type: str, index: dict, path: pathlib.Path, scheme=None, mixed=False) -> dict:
     """Checks presence, shape and dtype of every tensor the model needs, and that the checkpoint
     holds nothing else; returns {our path: (file, name, transpose, stored dtype)}, or a QuantTensor
-    for a linear the checkpoint holds quantized (`quant_scheme`)."""
+    for a linear the checkpoint holds quantized (`quant_scheme`). Unless `mixed` (the weights are
+    dequantized at load), every layer must store a stacked weight the same way."""
     from jpa.models.gpt import expected_shapes
 
     shapes = expected_shapes(c)
@@ -436,7 +437,7 @@ def _plan(c: ModelConfig, model_type: str, index: dict, path: pathlib.Path, sche
         else:
             used.update(entry[1] if isinstance(entry[1], tuple) else (entry[1],))
     kinds = {}  # a stacked parameter needs one storage for all its layers
-    for ours, entry in plan.items():
+    for ours, entry in plan.items() if not mixed else ():  # mixed: all dequantized at load
         kind = entry.layout if isinstance(entry, QuantTensor) else "dense"
         first = kinds.setdefault(ours.rsplit(".", 1)[-1], (ours, kind))
         if first[1] != kind:
@@ -591,7 +592,7 @@ def load(path, dtype=None, quantization=None):
     if scheme is not None and quantization is not None:
         raise CheckpointError(f"{path} is already quantized ({scheme['method']}); load it as stored (no quantization) "
                               f"or dequantized ('none'), not requantized to {quantization!r}")
-    plan = _plan(config, cfg["model_type"], _tensor_index(path), path, scheme)
+    plan = _plan(config, cfg["model_type"], _tensor_index(path), path, scheme, mixed=dequantize)
 
     model = nnx.eval_shape(lambda: GPT(config, dtype=np_dtype, rngs=nnx.Rngs(0), quantization=quantization))
     shapes_layers = expected_shapes(config)["layers"]
@@ -606,12 +607,19 @@ def load(path, dtype=None, quantization=None):
     # Largest tensors first: their transient copies then come while little else is resident.
     for param in sorted(groups, key=lambda p: -math.prod(var(p).shape)):
         members = sorted(groups[param], key=lambda k: int(k.split(".")[1]) if k.startswith("layers.") else 0)
-        if isinstance(plan[members[0]], QuantTensor):
+        if dequantize and any(isinstance(plan[m], QuantTensor) for m in members):
+            # the float weights, quantized ones dequantized on the host: the dense path below
+            values = []
+            for m in members:
+                if not isinstance(plan[m], QuantTensor):
+                    values.append(_read(*plan[m][:3], np_dtype))
+                    continue
+                r = _read_quant(plan[m], scheme)
+                values.append(r[1].dequantize() if r[0] == "packed" else r[1].astype(np.float32) * r[2])
+        elif isinstance(plan[members[0]], QuantTensor):
             read = [_read_quant(plan[m], scheme) for m in members]
             stacked = param in shapes_layers
-            if dequantize:  # the float weight, dequantized on the host: the dense path below
-                values = [r[1].dequantize() if r[0] == "packed" else r[1].astype(np.float32) * r[2] for r in read]
-            elif read[0][0] == "packed":
+            if read[0][0] == "packed":
                 set_packed(owner(param), param, PackedWeight.stack([r[1] for r in read]) if stacked else read[0][1])
                 quantized = True
                 continue

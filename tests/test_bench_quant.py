@@ -24,3 +24,12 @@ def test_head_plans_replicate_quantized_heads():
 
 def test_engine_greedy_tokens_and_logprobs_equal_the_dequantized_model():
     test_quant.check_engine_greedy_tokens_and_logprobs_equal_the_dequantized_model()
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq", "fp8-channel", "packed-asym"])
+def test_engine_on_a_quantized_checkpoint_equals_it_loaded_dense(tmp_path, fmt):
+    """~15 s each: an engine compile (tests/test_quant_hf.py keeps each format's logits against NumPy's
+    dequantize-then-matmul in the main tier)."""
+    import test_quant_hf
+
+    test_quant_hf.check_engine_equals_the_checkpoint_loaded_dense(tmp_path, fmt)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from flax import nnx
 
 from jpa import models
 from jpa.core.quant import AWQ_ORDER, awq_int4, dequantize_blocks, gptq_int4
@@ -179,8 +180,11 @@ def write_quantized(tmp, fmt, seed=0, quantize_head=False):
     return dirs
 
 
+_FORWARD = nnx.jit(forward_dense)  # one compile per parameter structure (every dense reference shares one)
+
+
 def _logprobs(model, tokens):
-    return np.asarray(jax.nn.log_softmax(forward_dense(model, tokens), axis=-1))
+    return np.asarray(jax.nn.log_softmax(_FORWARD(model, tokens), axis=-1))
 
 
 FORMATS = ["fp8-channel", "fp8-tensor", "fp8-legacy", "int8-channel", "awq", "gptq", "gptq-sym", "gptq-v2",
@@ -210,7 +214,7 @@ def test_quantized_checkpoint_equals_numpy_dequantize_then_matmul(tmp_path, fmt)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
     np.testing.assert_allclose(_logprobs(deq, tokens), want, atol=1e-4, rtol=0)
     np.testing.assert_allclose(_logprobs(qm.dequantized(), tokens), want, atol=1e-4, rtol=0)
-    # The quantized weights differ from the float ones they came from: the test would see a lost scale.
+    # The quantization is real: the model is not the float one the codes came from.
     base, _ = models.load(BASE, dtype=jnp.float32)
     assert np.abs(got - _logprobs(base, tokens)).max() > 1e-3
 
@@ -239,6 +243,13 @@ def test_gptq_v1_zero_point_is_stored_minus_one():
     np.testing.assert_array_equal(v2, (q - 4) * 0.5)
 
 
+def _make_dense(t, prefix):
+    """Layer 1's q_proj stored float (as llm-compressor's ignore lists leave some layers' linears)."""
+    for role in ("qweight", "qzeros", "scales"):
+        t.pop(f"{prefix}.{role}")
+    t[f"{prefix}.weight"] = np.arange(64 * 64, dtype=np.float32).reshape(64, 64) / 4096
+
+
 @pytest.mark.parametrize("fmt,edit,match", [
     ("awq", lambda t: t.update({"model.layers.1.mlp.up_proj.qzeros": t["model.layers.1.mlp.up_proj.qzeros"][:1]}),
      r"tensor model.layers.1.mlp.up_proj.qzeros is I32 \[1, 16\]; the awq awq layout with config.json implies I32 "
@@ -246,16 +257,16 @@ def test_gptq_v1_zero_point_is_stored_minus_one():
     ("gptq", lambda t: t.update({"model.layers.0.self_attn.k_proj.scales":
                                  t["model.layers.0.self_attn.k_proj.scales"].astype(np.int32)}),
      r"tensor model.layers.0.self_attn.k_proj.scales is I32 \[1, 32\]; the gptq gptq layout"),
-    ("gptq", lambda t: t.update({"model.layers.0.self_attn.k_proj.g_idx":
-                                 np.roll(t["model.layers.0.self_attn.k_proj.g_idx"], 1)}),
-     r"^tensor model.layers.0.self_attn.k_proj.g_idx \(gptq int4\) is not i // 64: an act-order \(desc_act\)"),
+    ("gptq", lambda t: t.update({"model.layers.0.mlp.down_proj.g_idx": np.roll(t["model.layers.0.mlp.down_proj.g_idx"], 1)}),
+     r"^tensor model.layers.0.mlp.down_proj.g_idx \(gptq int4\) is not i // 64: an act-order \(desc_act\)"),
     ("gptq", lambda t: t.update({"model.layers.1.self_attn.o_proj.scales":
                                  np.full_like(t["model.layers.1.self_attn.o_proj.scales"], np.nan)}),
      r"^tensor model.layers.1.self_attn.o_proj \(gptq int4\) has non-finite scales: corrupt$"),
     ("packed", lambda t: t.pop("model.layers.0.mlp.down_proj.weight_scale"),
      r"tensor model.layers.0.mlp.down_proj.weight_scale is missing \(a compressed-tensors packed linear needs it\)"),
-    ("awq", lambda t: t.update({"model.layers.1.self_attn.q_proj.weight": np.zeros((64, 64), np.float32)}),
-     r"has tensors this llama config does not use: \['model.layers.1.self_attn.q_proj.weight'\]"),
+    ("awq", lambda t: _make_dense(t, "model.layers.1.self_attn.q_proj"),
+     r"awq: layers.0.wq is stored awq but layers.1.wq is stored dense; jpa stacks the layers and needs one "
+     r"storage per weight \(load with quantization 'none'\)"),
 ])
 def test_corrupt_quantized_tensor_is_one_line_naming_it(tmp_path, fmt, edit, match):
     from safetensors.numpy import load_file, save_file
@@ -299,3 +310,39 @@ def test_requantizing_a_quantized_checkpoint_is_refused(tmp_path):
     qdir, _ = write_quantized(tmp_path, "awq")
     with pytest.raises(hf.CheckpointError, match=r"is already quantized \(awq\); load it as stored"):
         models.load(qdir, quantization="int8")
+
+
+def test_mixed_storage_loads_dequantized(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    qdir, rdir = write_quantized(tmp_path, "awq")
+    t = load_file(str(qdir / "model.safetensors"))
+    _make_dense(t, "model.layers.1.self_attn.q_proj")
+    save_file(t, str(qdir / "model.safetensors"))
+    deq, _ = models.load(qdir, dtype=jnp.float32, quantization="none")
+    ref, _ = models.load(rdir, dtype=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(deq.layers.wq[...][1]), t["model.layers.1.self_attn.q_proj.weight"].T)
+    np.testing.assert_array_equal(np.asarray(deq.layers.wq[...][0]), np.asarray(ref.layers.wq[...][0]))
+
+
+def check_engine_equals_the_checkpoint_loaded_dense(tmp, fmt):
+    """Greedy tokens and logprobs of the engine (paged cache, the one step program) on the checkpoint
+    kept quantized equal those of the same checkpoint loaded dense-dequantized (quantization 'none'),
+    teacher-forced on the engine's own completions (tests/test_bench_quant.py runs it per format)."""
+    from jpa.engine import SamplingParams
+    from jpa.llm import LLM
+
+    qdir, _ = write_quantized(tmp, fmt)
+    qm, tok = models.load(qdir, dtype=jnp.float32)
+    dense, _ = models.load(qdir, dtype=jnp.float32, quantization="none")
+    llm = LLM.from_model(qm, tok, max_seqs=3, page_size=8, num_pages=48, steps_per_call=4, max_model_len=96)
+    prompts = ["hello world", "the quick brown fox jumps over", "paged"]
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=10, greedy=True, ignore_eos=True, logprobs=0))
+    seqs = [tok.encode(p) + list(o.token_ids) for p, o in zip(prompts, outs)]
+    width = max(map(len, seqs))
+    lps = _logprobs(dense, jnp.asarray([s + [0] * (width - len(s)) for s in seqs], jnp.int32))
+    for ids, out, lp in zip(seqs, outs, lps):
+        n = len(ids) - len(out.token_ids)
+        rows = lp[n - 1:len(ids) - 1]  # the rows that predicted each completion token
+        assert list(rows.argmax(-1)) == list(out.token_ids)
+        np.testing.assert_allclose(out.logprobs, rows[np.arange(len(rows)), out.token_ids], atol=2e-4)

@@ -15,6 +15,14 @@ tests/test_layers.py checks that every entry still names a test (or a file).
 """
 
 BENCH = {
+    # --- Hugging Face quantized checkpoints: fp8 per channel and per tensor, AWQ, GPTQ v1 (asymmetric, with a
+    # quantized lm_head) and pack-quantized asymmetric stay against NumPy's dequantize-then-matmul
+    **{f"tests/test_quant_hf.py::test_quantized_checkpoint_equals_numpy_dequantize_then_matmul[{fmt}]": why
+       for fmt, why in (("int8-channel", "2 s: int8 per channel (the fp8 per-channel case keeps the scaled path)"),
+                        ("fp8-legacy", "2 s: quant_method fp8 (fp8-tensor keeps per-tensor scales)"),
+                        ("gptq-sym", "3 s: GPTQ symmetric (packed-asym / awq keep both int4 forms)"),
+                        ("gptq-v2", "3 s: GPTQ v2 zero points (test_gptq_v1_zero_point_is_stored_minus_one)"),
+                        ("packed", "2 s: pack-quantized symmetric (packed-asym stays)"))},
     # --- multihost: jpa generate over 2 processes (test_generate_over_two_processes_equals_one) stays
     "tests/test_multihost.py::test_serve_over_two_processes_and_a_hung_peer":
         "45 s: jpa serve over 2 processes, SIGSTOP of a peer; the watchdog stays in "
