@@ -184,11 +184,14 @@ def _transform(name, x, config: ModelConfig, plan: HeadPlan, packed: bool = Fals
     `group` values each."""
     per = _features_per_entry(name, x, group) if packed else 1
     h = config.head_dim / per
-    if h != int(h) or (plan.ffn_dim != config.ffn_dim and name in _FFN_AXIS and (plan.ffn_dim % per
+    moves_heads = (name in _KV_HEAD_AXIS and plan.mode in ("replicate", "pad")) or (
+        name in _Q_HEAD_AXIS and plan.mode == "pad")
+    if (moves_heads and h != int(h)) or (plan.ffn_dim != config.ffn_dim and name in _FFN_AXIS and (plan.ffn_dim % per
                                                                                 or config.ffn_dim % per)):
-        raise ValueError(f"{plan.describe()}: the GGUF blocks of {name} cannot be split at this tensor-parallel "
-                         f"size; load the weights dequantized (quantization 'none') or requantized ('int8')")
-    h = int(h)
+        raise ValueError(f"{plan.describe()}: the blocks of {name} ({per} features each) cannot be split at this "
+                         f"tensor-parallel size; load the weights dequantized (quantization 'none') or requantized "
+                         f"('int8')")
+    h = int(h) if moves_heads else None
     if name in _KV_HEAD_AXIS:
         axis = _KV_HEAD_AXIS[name]
         if plan.mode == "replicate":

@@ -346,3 +346,23 @@ def check_engine_equals_the_checkpoint_loaded_dense(tmp, fmt):
         rows = lp[n - 1:len(ids) - 1]  # the rows that predicted each completion token
         assert list(rows.argmax(-1)) == list(out.token_ids)
         np.testing.assert_allclose(out.logprobs, rows[np.arange(len(rows)), out.token_ids], atol=2e-4)
+
+
+@pytest.mark.parametrize("fmt,tp", [("awq", 4), ("fp8-channel", 3)])
+def test_head_plans_keep_checkpoint_quantization(tmp_path, fmt, tp):
+    """Tensor parallelism re-plans heads (tp=4 replicates the 2 kv heads; tp=3 pads): the codes, group
+    scales and per-channel scales move with their weights and the function is unchanged."""
+    from jpa.models import sharding
+
+    qdir, _ = write_quantized(tmp_path, fmt)
+    qm, _ = models.load(qdir, dtype=jnp.float32)
+    new = sharding.with_heads(qm, sharding.plan_heads(qm.config, tp))
+    assert new.quantization == qm.quantization and new.layers.wk[...].dtype == qm.layers.wk[...].dtype
+    assert new.config.num_kv_heads == (4 if tp == 4 else 3)
+    tokens = jnp.asarray(np.random.default_rng().integers(0, qm.config.vocab_size, (2, 9)), jnp.int32)
+    np.testing.assert_allclose(_logprobs(new, tokens), _logprobs(qm, tokens), atol=2e-5)
+    specs = dict((sharding._name(p), s) for p, s in nnx.to_flat_state(sharding.param_specs(nnx.state(new))))
+    if fmt == "awq":
+        assert specs["wo_bscale"] == specs["wo"] == jax.sharding.PartitionSpec(None, "tp", None)
+    else:
+        assert specs["wq_scale"] == jax.sharding.PartitionSpec(None, "tp")

@@ -23,6 +23,8 @@ BENCH = {
                         ("gptq-sym", "3 s: GPTQ symmetric (packed-asym / awq keep both int4 forms)"),
                         ("gptq-v2", "3 s: GPTQ v2 zero points (test_gptq_v1_zero_point_is_stored_minus_one)"),
                         ("packed", "2 s: pack-quantized symmetric (packed-asym stays)"))},
+    "tests/test_quant_hf.py::test_head_plans_keep_checkpoint_quantization[fp8-channel-3]":
+        "8 s: fp8 per-channel scales padded at tp=3 (the awq case at tp=4 stays)",
     # --- multihost: jpa generate over 2 processes (test_generate_over_two_processes_equals_one) stays
     "tests/test_multihost.py::test_serve_over_two_processes_and_a_hung_peer":
         "45 s: jpa serve over 2 processes, SIGSTOP of a peer; the watchdog stays in "
