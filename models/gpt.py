@@ -131,6 +131,8 @@ class PackedWeight:
             # Q4_0 and Q4_1 forms mixed (an int4 checkpoint whose zero points are all 8 in some layers):
             # (q - 8) * d is q * d + m with m = -8 d, exact in f32.
             ws = [w if w.m is not None else dataclasses.replace(w, m=-8 * w.d.astype(np.float32)) for w in ws]
+        if len({(w.codes.dtype, w.m is None, w.d.shape) for w in ws}) > 1 and len({w.axis for w in ws}) == 1:
+            ws = PackedWeight._common_form(ws)
         fmts = {(w.codes.dtype, w.m is None, w.axis, w.codes.shape, w.d.shape) for w in ws}
         if len(fmts) != 1:
             raise ValueError("the layers' copies of a weight are in different GGUF formats; jpa stacks the "
@@ -138,6 +140,29 @@ class PackedWeight:
         m = None if ws[0].m is None else np.stack([w.m for w in ws])
         axis = ws[0].axis if ws[0].axis < 0 else ws[0].axis + 1
         return PackedWeight(np.stack([w.codes for w in ws]), np.stack([w.d for w in ws]), m, axis)
+
+    @staticmethod
+    def _common_form(ws: list) -> list:
+        """Layers in different block formats (a GGUF Q4_K_M file: Q6_K ffn_down in some layers, Q4_K in
+        others) in one form: int8 codes v (a Q4 code q becomes q, or q - 8 in the Q4_0 form), w = v * d + m
+        with groups of the smallest size (scales repeated) and m = 0 where a layer had none; exact."""
+        import math
+
+        axis = ws[0].axis
+        out = []
+        groups = [w.shape[axis] // w.d.shape[axis] for w in ws]
+        g = math.gcd(*groups)
+        for w, gi in zip(ws, groups):
+            v = w.codes
+            if v.dtype == np.uint8:
+                p = np.moveaxis(v, axis, -1)
+                p = p.reshape(p.shape[:-1] + (-1, 16))
+                v = np.concatenate([p & 15, p >> 4], axis=-1).reshape(p.shape[:-2] + (-1,)).astype(np.int8)
+                v = np.moveaxis(v - 8 if w.m is None else v, -1, axis)
+            rep = lambda a: np.repeat(np.asarray(a, np.float32), gi // g, axis=axis)
+            m = np.zeros(w.d.shape, np.float32) if w.m is None else w.m
+            out.append(PackedWeight(np.ascontiguousarray(v, np.int8), rep(w.d), rep(m), axis))
+        return out
 
     def dequantize(self) -> np.ndarray:
         """The float32 weight (NumPy, on the host)."""

@@ -241,8 +241,8 @@ def read_gguf(path, *, check_expected: bool = True, keep_packed: bool = False) -
     Args:
       path: the .gguf file.
       check_expected: also require SmolLM2-135M-Instruct's hyperparameters (EXPECTED).
-      keep_packed: keep the matmul weights and token embeddings stored as Q8_0 / Q4_0 / Q4_1 as
-        their blocks (`models.gpt.PackedWeight`, dequantized inside the matmul; other types are
+      keep_packed: keep the matmul weights and token embeddings stored as Q8_0 / Q4_0 / Q4_1 /
+        Q4_K / Q5_K / Q6_K as their blocks (`models.gpt.PackedWeight`, dequantized inside the matmul; other types are
         still dequantized here).
 
     Returns:
@@ -267,7 +267,7 @@ def read_gguf(path, *, check_expected: bool = True, keep_packed: bool = False) -
     d, n, k, h, f = (meta[x] for x in ("d_model", "num_q_heads", "num_kv_heads", "head_dim", "ffn_dim"))
     vocab = meta["vocab_size"]
 
-    from jpa.core.quant import PACKED_FORMATS, unpack_gguf_rows
+    from jpa.core.quant import KEPT_FORMATS, unpack_gguf_rows
 
     def get(name, want, packable=False):  # want: the NumPy shape of the stored tensor (GGUF's ne reversed)
         t = tensors.get(name)
@@ -276,7 +276,7 @@ def read_gguf(path, *, check_expected: bool = True, keep_packed: bool = False) -
         stored = tuple(int(x) for x in reversed(t.shape))
         if stored != want:
             raise ValueError(f"{path}: tensor {name} has shape {list(stored)}; expected {list(want)}")
-        if packable and keep_packed and t.tensor_type.name in PACKED_FORMATS:
+        if packable and keep_packed and t.tensor_type.name in KEPT_FORMATS:
             try:
                 return unpack_gguf_rows(t.data, t.tensor_type.name, *want, name=name)
             except ValueError as e:

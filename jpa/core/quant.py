@@ -119,6 +119,70 @@ PACKED_FORMATS = {"Q8_0": (34, np.dtype(np.int8), False), "Q4_0": (18, np.dtype(
                   "Q4_1": (20, np.dtype(np.uint8), True)}
 
 
+# llama.cpp's K-quants: super-blocks of 256 values with an f16 scale d (and minimum dmin) and a 6-bit
+# (Q4_K / Q5_K: eight sub-blocks of 32, scale and minimum each) or int8 (Q6_K: sixteen sub-blocks of
+# 16) scale per sub-block: Q4_K / Q5_K w = d * sc_j * q - dmin * m_j (q 4 / 5 bits), Q6_K
+# w = d * sc_j * (q - 32) (q 6 bits). jpa folds each sub-block's two scales into one f32 (d * sc_j and
+# -dmin * m_j: exact, an f16 times an integer below 2^8) and keeps the codes: Q4_K as 4-bit nibbles in
+# the Q4 order above (groups of 32 with a minimum, the Q4_1 form), Q5_K as int8 0..31 and Q6_K as int8
+# -32..31 (the Q8_0 form, with Q5_K's minimums). So a weight costs 6 bits (Q4_K; the file: 4.5) or 10
+# (Q5_K, Q6_K; the file: 5.5, 6.56), against 16 for bf16; the dequantized values equal
+# gguf.quants.dequantize's bit for bit. Layouts: ggml/src/ggml-common.h (block_q4_K, block_q5_K,
+# block_q6_K), gguf-py's gguf/quants.py.
+QK_K = 256
+# format -> bytes per super-block of 256 values
+K_FORMATS = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+KEPT_FORMATS = (*PACKED_FORMATS, *K_FORMATS)
+
+
+def _k_scale_min(scales):
+    """Q4_K / Q5_K's 12 bytes of 6-bit scales and minimums -> (sc, m) uint8 [..., 8]."""
+    a, b, c = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = np.concatenate([a & 63, (c & 15) | ((a >> 2) & 48)], axis=-1)
+    mn = np.concatenate([b & 63, (c >> 4) | ((b >> 2) & 48)], axis=-1)
+    return sc, mn
+
+
+def _unpack_k_rows(data, fmt, rows, cols, name):
+    """unpack_gguf_rows for the K-quants: (codes, d f32 [rows, cols / G], m f32 or None), G 32 or 16."""
+    nbytes = K_FORMATS[fmt]
+    if cols % QK_K:
+        raise ValueError(f"tensor {name} ({fmt}) has {cols} columns, not a multiple of {QK_K}: corrupt")
+    nb = cols // QK_K
+    data = np.asarray(data)
+    if data.dtype != np.uint8 or data.size != rows * nb * nbytes:
+        raise ValueError(f"tensor {name} ({fmt}) holds {data.size} bytes of {data.dtype}; a [{rows}, {cols}] "
+                         f"{fmt} tensor has {rows * nb * nbytes} uint8: truncated or corrupt")
+    b = data.reshape(rows, nb, nbytes)
+    f16 = lambda lo: b[..., lo:lo + 2].copy().view(np.float16)[..., 0].astype(np.float32)[..., None]
+    if fmt == "Q6_K":
+        ql, qh, sc = b[..., :128], b[..., 128:192], b[..., 192:208].copy().view(np.int8)
+        d = f16(208) * sc.astype(np.float32)  # [rows, nb, 16]
+        # value 128 h + 64 s + j: nibble s of ql[64 h + j]; value 128 h + 32 s + j: bits 2s, 2s+1 of qh[32 h + j]
+        ql, qh = ql.reshape(rows, nb, 2, 64), qh.reshape(rows, nb, 2, 32)
+        lo = np.stack([ql & 15, ql >> 4], axis=-2).reshape(rows, nb, 8, 32)
+        hi = np.stack([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=-2).reshape(rows, nb, 8, 32)
+        q = (lo | (hi << 4)).astype(np.int8) - np.int8(32)
+        codes, d, m = q.reshape(rows, cols), d.reshape(rows, cols // 16), None
+    else:
+        sc, mn = _k_scale_min(b[..., 4:16])
+        d = f16(0) * sc.astype(np.float32)  # [rows, nb, 8]
+        m = -(f16(2) * mn.astype(np.float32))
+        qs = b[..., 16:144] if fmt == "Q4_K" else b[..., 48:176]
+        q = np.stack([qs.reshape(rows, nb, 4, 32) & 15, qs.reshape(rows, nb, 4, 32) >> 4], axis=-2)
+        q = q.reshape(rows, nb, 8, 32)
+        if fmt == "Q5_K":
+            qh = b[..., 16:48]
+            q = q | (np.stack([(qh >> s) & 1 for s in range(8)], axis=-2) << 4)
+            codes = q.astype(np.int8).reshape(rows, cols)
+        else:
+            codes = pack_nibbles(q.reshape(rows, cols), axis=-1)
+        d, m = d.reshape(rows, cols // 32), m.reshape(rows, cols // 32)
+    if not (np.isfinite(d).all() and (m is None or np.isfinite(m).all())):
+        raise ValueError(f"tensor {name} ({fmt}) has non-finite block scales: corrupt")
+    return codes, d, m
+
+
 def packed_format(codes, minimum) -> str:
     """The block format of stored codes: int8 -> Q8_0, uint8 with a minimum -> Q4_1, else Q4_0."""
     if np.dtype(codes.dtype) == np.int8:
@@ -142,8 +206,10 @@ def unpack_gguf_rows(data: np.ndarray, fmt: str, rows: int, cols: int, name: str
     Raises:
       ValueError: an unsupported format, or data whose size does not match (a corrupt tensor).
     """
+    if fmt in K_FORMATS:
+        return _unpack_k_rows(data, fmt, rows, cols, name)
     if fmt not in PACKED_FORMATS:
-        raise ValueError(f"tensor {name} has type {fmt}; jpa keeps {sorted(PACKED_FORMATS)} packed (other types "
+        raise ValueError(f"tensor {name} has type {fmt}; jpa keeps {sorted(KEPT_FORMATS)} packed (other types "
                          f"are dequantized at load)")
     nbytes, _, has_min = PACKED_FORMATS[fmt]
     if cols % GGUF_BLOCK:
