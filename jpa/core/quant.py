@@ -315,8 +315,8 @@ def _int4_blocks(q, z, s, name, fmt):
     s = np.asarray(s)
     if not np.isfinite(s.astype(np.float32)).all():
         raise ValueError(f"tensor {name} ({fmt}) has non-finite scales: corrupt")
-    if s.dtype not in (np.float16, np.float32):
-        s = s.astype(np.float32)  # bf16 scales (compressed-tensors): f32 holds them exactly
+    if s.dtype not in (np.float16, np.float32, np.dtype(jnp.bfloat16)):
+        s = s.astype(np.float32)
     codes = pack_nibbles(q, axis=-2)
     if z is None or np.all(z == 8):
         return codes, s, None
