@@ -51,7 +51,8 @@ from jpa.kv.cache import CacheConfig, KVCache, write_kv
 from jpa.ops.decode import paged_decode
 from jpa.ops.prefill import paged_prefill
 from jpa.ops.ragged import ragged_paged_attention
-from jpa.core.quant import (check_weight_quantization, dequantize_blocks, dequantize_weight, quantize_weight)
+from jpa.core.quant import (check_weight_quantization, dequantize_blocks, dequantize_weight, quantize_weight,
+                            super_scaled)
 from jpa.core.sharding import HEADS, HEADS_T, REPLICATED, STACKED_POOL, head_parallel
 from jpa.models.config import ModelConfig
 from jpa.models.moe import moe_ffn
@@ -112,6 +113,10 @@ class PackedWeight:
     d: np.ndarray
     m: np.ndarray | None
     axis: int
+    # K-quants (jpa.core.quant.unpack_k_blocks): d / m hold integer sub-block scales / minimums and these
+    # the f16 super-block scales / negated minimums (`name_bscale2`, `name_bmin2`); None otherwise.
+    d2: np.ndarray | None = None
+    m2: np.ndarray | None = None
 
     @property
     def shape(self) -> tuple:
@@ -122,7 +127,7 @@ class PackedWeight:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.codes, self.d, self.m) if a is not None)
+        return sum(a.nbytes for a in (self.codes, self.d, self.m, self.d2, self.m2) if a is not None)
 
     @staticmethod
     def stack(ws: list) -> "PackedWeight":
@@ -131,15 +136,16 @@ class PackedWeight:
             # Q4_0 and Q4_1 forms mixed (an int4 checkpoint whose zero points are all 8 in some layers):
             # (q - 8) * d is q * d + m with m = -8 d, exact in f32.
             ws = [w if w.m is not None else dataclasses.replace(w, m=-8 * w.d.astype(np.float32)) for w in ws]
-        if len({(w.codes.dtype, w.m is None, w.d.shape) for w in ws}) > 1 and len({w.axis for w in ws}) == 1:
+        form = lambda w: (w.codes.dtype, w.d.dtype, w.m is None, w.d.shape, w.d2 is None, w.m2 is None)
+        if len({form(w) for w in ws}) > 1 and len({w.axis for w in ws}) == 1:
             ws = PackedWeight._common_form(ws)
-        fmts = {(w.codes.dtype, w.m is None, w.axis, w.codes.shape, w.d.shape) for w in ws}
+        fmts = {(*form(w), w.axis, w.codes.shape) for w in ws}
         if len(fmts) != 1:
             raise ValueError("the layers' copies of a weight are in different GGUF formats; jpa stacks the "
                              "layers, so it needs one format per weight (load with the weights dequantized)")
-        m = None if ws[0].m is None else np.stack([w.m for w in ws])
+        st = lambda f: None if getattr(ws[0], f) is None else np.stack([getattr(w, f) for w in ws])
         axis = ws[0].axis if ws[0].axis < 0 else ws[0].axis + 1
-        return PackedWeight(np.stack([w.codes for w in ws]), np.stack([w.d for w in ws]), m, axis)
+        return PackedWeight(st("codes"), st("d"), st("m"), axis, st("d2"), st("m2"))
 
     @staticmethod
     def _common_form(ws: list) -> list:
@@ -153,6 +159,9 @@ class PackedWeight:
         groups = [w.shape[axis] // w.d.shape[axis] for w in ws]
         g = math.gcd(*groups)
         for w, gi in zip(ws, groups):
+            if w.d2 is not None:  # K-quant sub-block scales: their f32 values
+                w = dataclasses.replace(w, d=super_scaled(w.d, w.d2, axis), d2=None, m2=None,
+                                        m=None if w.m is None else super_scaled(w.m, w.m2, axis))
             v = w.codes
             if v.dtype == np.uint8:
                 p = np.moveaxis(v, axis, -1)
@@ -166,7 +175,8 @@ class PackedWeight:
 
     def dequantize(self) -> np.ndarray:
         """The float32 weight (NumPy, on the host)."""
-        return dequantize_blocks(np.asarray(self.codes), np.asarray(self.d), self.m, self.axis, np.float32)
+        return dequantize_blocks(np.asarray(self.codes), np.asarray(self.d), self.m, self.axis, np.float32,
+                                 self.d2, self.m2)
 
 
 def _packed(owner, name, dtype):
@@ -175,8 +185,9 @@ def _packed(owner, name, dtype):
     d = getattr(owner, name + "_bscale", None)
     if d is None:
         return None
-    m = getattr(owner, name + "_bmin", None)
-    return dequantize_blocks(getattr(owner, name)[...], d[...], None if m is None else m[...], QUANT_AXIS[name], dtype)
+    v = lambda suffix: None if getattr(owner, name + suffix, None) is None else getattr(owner, name + suffix)[...]
+    return dequantize_blocks(getattr(owner, name)[...], d[...], v("_bmin"), QUANT_AXIS[name], dtype, v("_bscale2"),
+                             v("_bmin2"))
 
 
 def set_packed(owner, name, w: PackedWeight):
@@ -185,8 +196,9 @@ def set_packed(owner, name, w: PackedWeight):
         raise ValueError(f"weight {name} must be packed with its blocks on axis {QUANT_AXIS.get(name)}; got {w.axis}")
     setattr(owner, name, nnx.Param(jnp.asarray(w.codes)))
     setattr(owner, name + "_bscale", nnx.Param(jnp.asarray(w.d)))
-    if w.m is not None:
-        setattr(owner, name + "_bmin", nnx.Param(jnp.asarray(w.m)))
+    for suffix, a in (("_bmin", w.m), ("_bscale2", w.d2), ("_bmin2", w.m2)):
+        if a is not None:
+            setattr(owner, name + suffix, nnx.Param(jnp.asarray(a)))
 
 
 def set_scaled(owner, name, q, scale):
@@ -429,10 +441,10 @@ class GPT(nnx.Module):
         """tokens, positions i32[B, T] -> f32[B, T, d_model]."""
         x = jnp.take(self.tok_embeddings[...], tokens, axis=0, mode="clip").astype(jnp.float32)
         if self.quantization == "gguf" and hasattr(self, "tok_embeddings_bscale"):  # the rows' blocks
-            take = lambda a: jnp.take(a[...], tokens, axis=0, mode="clip")
-            m = getattr(self, "tok_embeddings_bmin", None)
-            x = dequantize_blocks(take(self.tok_embeddings), take(self.tok_embeddings_bscale),
-                                  None if m is None else take(m), -1, jnp.float32)
+            take = lambda a: None if a is None else jnp.take(a[...], tokens, axis=0, mode="clip")
+            opt = lambda suffix: take(getattr(self, "tok_embeddings" + suffix, None))
+            x = dequantize_blocks(take(self.tok_embeddings), take(self.tok_embeddings_bscale), opt("_bmin"), -1,
+                                  jnp.float32, opt("_bscale2"), opt("_bmin2"))
         elif hasattr(self, "tok_embeddings_scale"):  # int8 / fp8: a row's values times its scale
             x = x * jnp.take(self.tok_embeddings_scale[...], tokens, axis=0, mode="clip")[..., None]
         if self.config.embed_scale != 1.0:

@@ -83,7 +83,8 @@ RULES = {
 # orientation, so they take its rule too (a row-parallel split of `in` keeps whole blocks when
 # in / 32 divides by N; check_divisible says when not).
 for _w in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "tok_embeddings", "output"):
-    RULES[_w + "_bscale"] = RULES[_w + "_bmin"] = RULES[_w]
+    for _s in ("_bscale", "_bmin", "_bscale2", "_bmin2"):  # K-quants: super-block scales lie the same way
+        RULES[_w + _s] = RULES[_w]
 # embeddings="replicated" (and a vocabulary that does not divide by N).
 REPLICATED_EMBEDDINGS = {name: REP for name in RULES if name.startswith(("tok_embeddings", "output"))}
 
@@ -94,16 +95,25 @@ _FFN_AXIS = {"w_gate": 1, "w_up": 1, "b_up": 0, "w_down": 0, "w_gate_scale": 0, 
 # GGUF blocks kept packed: codes keep the weight's name; block scales / minimums lie like their weight.
 for _axes in (_Q_HEAD_AXIS, _KV_HEAD_AXIS, _FFN_AXIS):
     for _w in [w for w in _axes if w.startswith("w") and not w.endswith("_scale")]:
-        _axes[_w + "_bscale"] = _axes[_w + "_bmin"] = _axes[_w]
+        for _s in ("_bscale", "_bmin", "_bscale2", "_bmin2"):
+            _axes[_w + _s] = _axes[_w]
 # The packed weights whose head / ffn axis is their `in` axis, the one their blocks run along: there
 # a feature is half a code byte (Q4) and 1/32 of a block scale.
 _PACKED_IN_AXIS = ("wo", "w_down")
 
 
+def _packed_base(name):
+    """The weight a block-scale parameter belongs to (`wo_bscale2` -> `wo`), or name itself."""
+    for suffix in ("_bscale2", "_bmin2", "_bscale", "_bmin"):
+        if name.endswith(suffix):
+            return name.removesuffix(suffix)
+    return name
+
+
 def _features_per_entry(name, x, group: int = 32) -> float:
     """Input/output features one entry of parameter `name` (an np.ndarray) spans on its head / ffn axis
     (group: the weight's block size, 32 for GGUF, an int4 checkpoint's group size)."""
-    base = name.removesuffix("_bscale").removesuffix("_bmin")
+    base = _packed_base(name)
     if base not in _PACKED_IN_AXIS:
         return 1
     if base != name:
@@ -250,8 +260,8 @@ def with_heads(model, plan: HeadPlan):
         x = np.asarray(x.astype(jnp.float32))
         x = x.astype(old[path].get_value().dtype)  # codes stay uint8 / int8 (the feature count depends on it)
         name, group = _name(path), 32
-        if packed and name.endswith(("_bscale", "_bmin")):  # K / blocks: the weight's group size
-            base = name.removesuffix("_bscale").removesuffix("_bmin")
+        if packed and _packed_base(name) != name:  # K / blocks: the weight's group size
+            base = _packed_base(name)
             codes = old[tuple(base if getattr(k, "key", k) == name else k for k in path)].get_value()
             group = codes.shape[-2] * (2 if codes.dtype == np.uint8 else 1) // x.shape[-2]
         if _stacked(path):

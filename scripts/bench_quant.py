@@ -216,7 +216,8 @@ def _stored(fmt, k, n, rng):
         raw = rng.integers(0, 256, (n, k // blk, nbytes)).astype(np.uint8)
         for at in ([208] if fmt == "Q6_K" else [0, 2] if per or fmt == "Q4_1" else [0]):
             raw[..., at:at + 2] = f16(n, k // blk, 1).view(np.uint8)
-        return list(quant.unpack_gguf_rows(raw.reshape(n, -1), fmt, n, k))
+        unpack = quant.unpack_k_blocks if per else quant.unpack_gguf_rows  # what models.smollm2 keeps
+        return list(unpack(raw.reshape(n, -1), fmt, n, k))
     raise ValueError(fmt)
 
 

@@ -306,7 +306,7 @@ def _k_blocks(rng, fmt, rows, cols, scale=2e-3):
 
 
 def test_gguf_k_quants_unpack_to_the_gguf_package_values():
-    from jpa.core.quant import K_FORMATS, dequantize_blocks, unpack_gguf_rows
+    from jpa.core.quant import K_FORMATS, dequantize_blocks, unpack_gguf_rows, unpack_k_blocks
 
     rng = np.random.default_rng()
     for fmt in K_FORMATS:
@@ -314,8 +314,11 @@ def test_gguf_k_quants_unpack_to_the_gguf_package_values():
         codes, d, m = unpack_gguf_rows(raw, fmt, 3, 512, name="t")
         assert codes.dtype == (np.uint8 if fmt == "Q4_K" else np.int8) and d.dtype == np.float32
         np.testing.assert_array_equal(dequantize_blocks(codes, d, m, axis=-1), want)  # NumPy, bit for bit
+        codes, d, m, d2, m2 = unpack_k_blocks(raw, fmt, 3, 512, name="t")  # as kept: sub-block + super-block
+        assert d.dtype == (np.int8 if fmt == "Q6_K" else np.uint8) and d2.shape == (3, 2)
         j = lambda a: None if a is None else jnp.asarray(a.T)
-        np.testing.assert_array_equal(np.asarray(dequantize_blocks(j(codes), j(d), j(m), axis=-2)), want.T)
+        got = dequantize_blocks(j(codes), j(d), j(m), axis=-2, d2=j(d2), m2=j(m2))
+        np.testing.assert_array_equal(np.asarray(got), want.T)
     with pytest.raises(ValueError, match=r"^tensor t \(Q5_K\) holds 300 bytes of uint8; a \[2, 256\] Q5_K tensor "
                                          r"has 352 uint8: truncated or corrupt$"):
         unpack_gguf_rows(np.zeros(300, np.uint8), "Q5_K", 2, 256, name="t")
@@ -327,7 +330,7 @@ def test_k_quant_model_equals_the_model_dequantized_at_load():
     packed: its logits equal the model of gguf's dequantized values."""
     import dataclasses
 
-    from jpa.core.quant import unpack_gguf_rows
+    from jpa.core.quant import unpack_k_blocks
     from jpa.models.gpt import PackedWeight, expected_shapes
     from jpa.models.smollm2 import _packed_linear, _unpermute_qk
 
@@ -341,7 +344,8 @@ def test_k_quant_model_equals_the_model_dequantized_at_load():
     heads = {"wq": c.num_q_heads, "wk": c.num_kv_heads}
     packed, dense = {}, {}
     raw, deq = _k_blocks(rng, "Q6_K", c.vocab_size, c.d_model, 0.05)
-    packed["tok_embeddings"] = PackedWeight(*unpack_gguf_rows(raw, "Q6_K", *deq.shape), -1)
+    emb = unpack_k_blocks(raw, "Q6_K", *deq.shape)
+    packed["tok_embeddings"] = PackedWeight(*emb[:3], -1, *emb[3:])
     dense["tok_embeddings"] = deq
     packed["norm"] = dense["norm"] = rng.uniform(0.5, 1.5, c.d_model).astype(np.float32)
     packed["layers"], dense["layers"] = [], []
@@ -353,14 +357,19 @@ def test_k_quant_model_equals_the_model_dequantized_at_load():
                 continue
             raw, deq = _k_blocks(rng, layer[name], shape[1], shape[0])  # GGUF's [out, in]
             n = heads.get(name)
-            pl[name] = _packed_linear(*unpack_gguf_rows(raw, layer[name], shape[1], shape[0]), n)
+            blocks = unpack_k_blocks(raw, layer[name], shape[1], shape[0])
+            pl[name] = _packed_linear(*blocks[:3], n, *blocks[3:])
             dl[name] = (deq if n is None else _unpermute_qk(deq, n)).T.copy()
         packed["layers"].append(pl)
         dense["layers"].append(dl)
     pm = GPT.from_weights(c, packed)
     dm = GPT.from_weights(c, dense)
     assert pm.layers.wq[...].dtype == np.uint8 and pm.layers.wk[...].dtype == np.int8  # Q4_K nibbles, Q5_K
+    # Q4_K in both layers: nibbles, one-byte sub-block scales and minimums, f16 super-block d / -dmin
+    assert pm.layers.wq_bscale[...].dtype == np.uint8 and pm.layers.wq_bscale2[...].shape == (2, 1, 256)
+    # Q6_K / Q4_K mixed: one common form (int8 codes, f32 scales per 16, minimums)
     assert pm.layers.w_down[...].dtype == np.int8 and pm.layers.w_down_bscale[...].shape == (2, 256 // 16, 256)
-    assert pm.weight_bytes() < 0.5 * dm.weight_bytes()
+    assert pm.tok_embeddings_bscale[...].dtype == np.int8 and pm.tok_embeddings_bscale2[...].shape == (300, 1)
+    assert pm.weight_bytes() < 0.4 * dm.weight_bytes()
     tokens = jnp.asarray(rng.integers(0, c.vocab_size, (2, 10)), jnp.int32)
     np.testing.assert_allclose(_logprobs(pm, tokens), _logprobs(dm, tokens), atol=5e-5, rtol=0)

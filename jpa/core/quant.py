@@ -123,11 +123,12 @@ PACKED_FORMATS = {"Q8_0": (34, np.dtype(np.int8), False), "Q4_0": (18, np.dtype(
 # (Q4_K / Q5_K: eight sub-blocks of 32, scale and minimum each) or int8 (Q6_K: sixteen sub-blocks of
 # 16) scale per sub-block: Q4_K / Q5_K w = d * sc_j * q - dmin * m_j (q 4 / 5 bits), Q6_K
 # w = d * sc_j * (q - 32) (q 6 bits). jpa folds each sub-block's two scales into one f32 (d * sc_j and
-# -dmin * m_j: exact, an f16 times an integer below 2^8) and keeps the codes: Q4_K as 4-bit nibbles in
-# the Q4 order above (groups of 32 with a minimum, the Q4_1 form), Q5_K as int8 0..31 and Q6_K as int8
-# -32..31 (the Q8_0 form, with Q5_K's minimums). So a weight costs 6 bits (Q4_K; the file: 4.5) or 10
-# (Q5_K, Q6_K; the file: 5.5, 6.56), against 16 for bf16; the dequantized values equal
-# gguf.quants.dequantize's bit for bit. Layouts: ggml/src/ggml-common.h (block_q4_K, block_q5_K,
+# -dmin * m_j: exact, an f16 times an integer below 2^8) inside the matmul, as gguf does, and keeps
+# the codes: Q4_K as 4-bit nibbles in the Q4 order above (groups of 32 with a minimum, the Q4_1 form),
+# Q5_K as int8 0..31 and Q6_K as int8 -32..31 (the Q8_0 form, with Q5_K's minimums), beside the
+# integer sub-block scales / minimums (one byte each) and the f16 super-block d / -dmin. So a weight
+# costs 4.62 bits (Q4_K; the file: 4.5), 8.62 (Q5_K; 5.5) or 8.56 (Q6_K; 6.56), against 16 for bf16;
+# the dequantized values equal gguf.quants.dequantize's bit for bit. Layouts: ggml/src/ggml-common.h (block_q4_K, block_q5_K,
 # block_q6_K), gguf-py's gguf/quants.py.
 QK_K = 256
 # format -> bytes per super-block of 256 values
@@ -145,6 +146,16 @@ def _k_scale_min(scales):
 
 def _unpack_k_rows(data, fmt, rows, cols, name):
     """unpack_gguf_rows for the K-quants: (codes, d f32 [rows, cols / G], m f32 or None), G 32 or 16."""
+    codes, d, m, d2, m2 = unpack_k_blocks(data, fmt, rows, cols, name)
+    return codes, super_scaled(d, d2, -1), None if m is None else super_scaled(m, m2, -1)
+
+
+def unpack_k_blocks(data, fmt, rows, cols, name: str = "tensor"):
+    """A K-quant tensor's blocks as jpa keeps them: (codes, d, m, d2, m2) with d (m) the integer
+    sub-block scales (minimums) [rows, cols / G] (int8 for Q6_K, uint8 for Q4_K / Q5_K; m None for
+    Q6_K) and d2 (m2) the f16 super-block scales (negated minimums) [rows, cols / 256]:
+    dequantize_blocks(codes, d, m, d2=d2, m2=m2). Raises ValueError naming the tensor when its size is
+    wrong or its scales are not finite."""
     nbytes = K_FORMATS[fmt]
     if cols % QK_K:
         raise ValueError(f"tensor {name} ({fmt}) has {cols} columns, not a multiple of {QK_K}: corrupt")
@@ -154,10 +165,10 @@ def _unpack_k_rows(data, fmt, rows, cols, name):
         raise ValueError(f"tensor {name} ({fmt}) holds {data.size} bytes of {data.dtype}; a [{rows}, {cols}] "
                          f"{fmt} tensor has {rows * nb * nbytes} uint8: truncated or corrupt")
     b = data.reshape(rows, nb, nbytes)
-    f16 = lambda lo: b[..., lo:lo + 2].copy().view(np.float16)[..., 0].astype(np.float32)[..., None]
+    f16 = lambda lo: b[..., lo:lo + 2].copy().view(np.float16)[..., 0]  # [rows, nb]
     if fmt == "Q6_K":
         ql, qh, sc = b[..., :128], b[..., 128:192], b[..., 192:208].copy().view(np.int8)
-        d = f16(208) * sc.astype(np.float32)  # [rows, nb, 16]
+        d, d2, m2 = sc, f16(208), None
         # value 128 h + 64 s + j: nibble s of ql[64 h + j]; value 128 h + 32 s + j: bits 2s, 2s+1 of qh[32 h + j]
         ql, qh = ql.reshape(rows, nb, 2, 64), qh.reshape(rows, nb, 2, 32)
         lo = np.stack([ql & 15, ql >> 4], axis=-2).reshape(rows, nb, 8, 32)
@@ -165,9 +176,8 @@ def _unpack_k_rows(data, fmt, rows, cols, name):
         q = (lo | (hi << 4)).astype(np.int8) - np.int8(32)
         codes, d, m = q.reshape(rows, cols), d.reshape(rows, cols // 16), None
     else:
-        sc, mn = _k_scale_min(b[..., 4:16])
-        d = f16(0) * sc.astype(np.float32)  # [rows, nb, 8]
-        m = -(f16(2) * mn.astype(np.float32))
+        d, m = _k_scale_min(b[..., 4:16])  # uint8 [rows, nb, 8]
+        d2, m2 = f16(0), -f16(2)
         qs = b[..., 16:144] if fmt == "Q4_K" else b[..., 48:176]
         q = np.stack([qs.reshape(rows, nb, 4, 32) & 15, qs.reshape(rows, nb, 4, 32) >> 4], axis=-2)
         q = q.reshape(rows, nb, 8, 32)
@@ -178,9 +188,9 @@ def _unpack_k_rows(data, fmt, rows, cols, name):
         else:
             codes = pack_nibbles(q.reshape(rows, cols), axis=-1)
         d, m = d.reshape(rows, cols // 32), m.reshape(rows, cols // 32)
-    if not (np.isfinite(d).all() and (m is None or np.isfinite(m).all())):
+    if not (np.isfinite(d2).all() and (m2 is None or np.isfinite(m2).all())):
         raise ValueError(f"tensor {name} ({fmt}) has non-finite block scales: corrupt")
-    return codes, d, m
+    return codes, d, m, d2, m2
 
 
 def packed_format(codes, minimum) -> str:
@@ -232,7 +242,16 @@ def unpack_gguf_rows(data: np.ndarray, fmt: str, rows: int, cols: int, name: str
     return codes, d, m
 
 
-def dequantize_blocks(codes, d, m=None, axis: int = -2, dtype=jnp.float32):
+def super_scaled(sub, sup, axis: int = -2):
+    """A K-quant's effective f32 group scales (or minimums): integer sub-block values sub [..., G', ...]
+    times their f16 super-block scale sup [..., G' / r, ...] repeated r times along `axis`, computed as
+    gguf does (f32(sup) * f32(sub): exact)."""
+    xp = np if isinstance(sub, np.ndarray) else jnp
+    r = sub.shape[axis] // sup.shape[axis]
+    return sub.astype(np.float32) * xp.repeat(sup.astype(np.float32), r, axis=axis)
+
+
+def dequantize_blocks(codes, d, m=None, axis: int = -2, dtype=jnp.float32, d2=None, m2=None):
     """The float weight of packed blocks, groups along `axis` (jnp, fused into the matmul that
     consumes it; NumPy arrays in give a NumPy result, for dequantizing on the host at load).
 
@@ -246,11 +265,17 @@ def dequantize_blocks(codes, d, m=None, axis: int = -2, dtype=jnp.float32):
       d: f16/f32 [..., K / G, ...] group scales; m: the same shape (Q4_1 form) or None.
       axis: the block axis (-2: the `in` axis of an [in, out] weight; -1: an embedding row).
       dtype: the result's dtype.
+      d2, m2: a K-quant's f16 super-block scales (and negated minimums) when d (and m) hold its integer
+        sub-block scales (minimums): the group scales are then `super_scaled(d, d2)`.
 
     Returns:
       dtype [..., K, ...].
     """
     xp = np if isinstance(codes, np.ndarray) else jnp
+    if d2 is not None:
+        d = super_scaled(d, d2, axis)
+    if m2 is not None:
+        m = super_scaled(m, m2, axis)
     fmt = packed_format(codes, m)
     axis = axis % codes.ndim
     shape = codes.shape
