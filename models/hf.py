@@ -13,6 +13,11 @@ gate/up/down_proj under mlp, q/k RMSNorm; every layer sparse), whose experts' te
 on an expert axis as they are read. Anything else, and any option of these
 families that the model does not implement, is refused with a ValueError naming it.
 
+Quantized checkpoints (a `quantization_config`: compressed-tensors FP8 / int8 / pack-quantized int4,
+the older "fp8" layout, AutoAWQ GEMM, GPTQ) are read as stored and kept quantized on the device
+(`quant_scheme`, `_quant_entry`; the embeddings and an unquantized head stay dense), or dequantized on
+the host with quantization="none".
+
 Loading is two passes. The first reads only metadata: config.json, the safetensors headers (the
 index file when there is one), and checks every tensor the model needs for presence, shape and
 dtype, and every file for being whole. Only then are tensors read, one at a time through a fresh
