@@ -281,18 +281,22 @@ def dequantize_blocks(codes, d, m=None, axis: int = -2, dtype=jnp.float32, d2=No
     shape = codes.shape
     k = shape[axis] * (1 if fmt == "Q8_0" else 2)
     nb = d.shape[axis]
+    # In f32, rounded to `dtype` once at the end: q * d + m cancels (an AWQ / GPTQ minimum is -z * s), so
+    # rounding d and m to bf16 first would cost far more than one rounding of w; elementwise, this stays
+    # inside the fusion that produces w (what a bf16 model loaded dense-dequantized holds, bit for bit).
+    f32 = np.float32
     if fmt == "Q8_0":
-        v = codes.astype(dtype)
+        v = codes.astype(f32)
     else:
         p = codes.reshape(shape[:axis] + (k // GGUF_BLOCK, GGUF_BLOCK // 2) + shape[axis + 1:])
-        v = xp.concatenate([p & 15, p >> 4], axis=axis + 1).astype(dtype)  # values j and j + 16
+        v = xp.concatenate([p & 15, p >> 4], axis=axis + 1).astype(f32)  # values j and j + 16
         if fmt == "Q4_0":
             v = v - 8
     v = v.reshape(shape[:axis] + (nb, k // nb) + shape[axis + 1:])
-    w = v * xp.expand_dims(d, axis + 1).astype(dtype)
+    w = v * xp.expand_dims(d, axis + 1).astype(f32)
     if m is not None:
-        w = w + xp.expand_dims(m, axis + 1).astype(dtype)
-    return w.reshape(shape[:axis] + (k,) + shape[axis + 1:])
+        w = w + xp.expand_dims(m, axis + 1).astype(f32)
+    return w.reshape(shape[:axis] + (k,) + shape[axis + 1:]).astype(dtype)
 
 
 def pack_nibbles(q: np.ndarray, axis: int = -2) -> np.ndarray:
