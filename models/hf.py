@@ -261,7 +261,8 @@ def quant_scheme(cfg: dict, where: str = "config.json"):
             w = (grp or {}).get("weights") or {}
             fmt = grp.get("format") or q.get("format")
             key = (w.get("type"), w.get("num_bits"), w.get("strategy"))
-            if key in (("float", 8, "tensor"), ("float", 8, "channel")) and fmt in ("float-quantized", "naive-quantized"):
+            if key in (("float", 8, "tensor"), ("float", 8, "channel")) and fmt in ("float-quantized",
+                                                                                  "naive-quantized"):
                 schemes.add(("scaled", None))
             elif key in (("int", 8, "tensor"), ("int", 8, "channel")) and w.get("symmetric", True) and fmt in (
                     "naive-quantized", "int-quantized"):
@@ -402,7 +403,8 @@ def _quant_entry(name, want, index, path, scheme):
         tname = f"{prefix}.{role}"
         if tname not in index:
             if required:
-                raise CheckpointError(f"{path}: tensor {tname} is missing (a {scheme['method']} {layout} linear needs it)")
+                raise CheckpointError(f"{path}: tensor {tname} is missing (a {scheme['method']} {layout} linear "
+                                      f"needs it)")
             continue
         file, dtype, shape = index[tname]
         if dtype not in dtypes or shape not in shapes_ok:
@@ -446,8 +448,8 @@ def _plan(c: ModelConfig, model_type: str, index: dict, path: pathlib.Path, sche
         kind = entry.layout if isinstance(entry, QuantTensor) else "dense"
         first = kinds.setdefault(ours.rsplit(".", 1)[-1], (ours, kind))
         if first[1] != kind:
-            raise CheckpointError(f"{path}: {first[0]} is stored {first[1]} but {ours} is stored {kind}; jpa stacks the "
-                                  f"layers and needs one storage per weight (load with quantization 'none')")
+            raise CheckpointError(f"{path}: {first[0]} is stored {first[1]} but {ours} is stored {kind}; jpa stacks "
+                                  f"the layers and needs one storage per weight (load with quantization 'none')")
     extra = sorted(k for k in index if k not in used and not k.endswith(IGNORED_SUFFIXES)
                    and not (k == "lm_head.weight" and c.tie_embeddings))
     if extra:
@@ -501,7 +503,8 @@ def _read_raw(file, name):
     dt = np.dtype(types[meta["dtype"]])
     shape = tuple(meta["shape"])
     if len(data) != math.prod(shape) * dt.itemsize:
-        raise CheckpointError(f"{file}: tensor {name} ({meta['dtype']} {list(shape)}) holds {len(data)} bytes: truncated")
+        raise CheckpointError(f"{file}: tensor {name} ({meta['dtype']} {list(shape)}) holds {len(data)} bytes: "
+                              f"truncated")
     return np.frombuffer(data, dt).reshape(shape)
 
 

@@ -257,7 +257,8 @@ def _make_dense(t, prefix):
     ("gptq", lambda t: t.update({"model.layers.0.self_attn.k_proj.scales":
                                  t["model.layers.0.self_attn.k_proj.scales"].astype(np.int32)}),
      r"tensor model.layers.0.self_attn.k_proj.scales is I32 \[1, 32\]; the gptq gptq layout"),
-    ("gptq", lambda t: t.update({"model.layers.0.mlp.down_proj.g_idx": np.roll(t["model.layers.0.mlp.down_proj.g_idx"], 1)}),
+    ("gptq", lambda t: t.update({"model.layers.0.mlp.down_proj.g_idx":
+                                 np.roll(t["model.layers.0.mlp.down_proj.g_idx"], 1)}),
      r"^tensor model.layers.0.mlp.down_proj.g_idx \(gptq int4\) is not i // 64: an act-order \(desc_act\)"),
     ("gptq", lambda t: t.update({"model.layers.1.self_attn.o_proj.scales":
                                  np.full_like(t["model.layers.1.self_attn.o_proj.scales"], np.nan)}),

@@ -128,8 +128,8 @@ PACKED_FORMATS = {"Q8_0": (34, np.dtype(np.int8), False), "Q4_0": (18, np.dtype(
 # Q5_K as int8 0..31 and Q6_K as int8 -32..31 (the Q8_0 form, with Q5_K's minimums), beside the
 # integer sub-block scales / minimums (one byte each) and the f16 super-block d / -dmin. So a weight
 # costs 4.62 bits (Q4_K; the file: 4.5), 8.62 (Q5_K; 5.5) or 8.56 (Q6_K; 6.56), against 16 for bf16;
-# the dequantized values equal gguf.quants.dequantize's bit for bit. Layouts: ggml/src/ggml-common.h (block_q4_K, block_q5_K,
-# block_q6_K), gguf-py's gguf/quants.py.
+# the dequantized values equal gguf.quants.dequantize's bit for bit. Layouts: ggml/src/ggml-common.h
+# (block_q4_K, block_q5_K, block_q6_K), gguf-py's gguf/quants.py.
 QK_K = 256
 # format -> bytes per super-block of 256 values
 K_FORMATS = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
