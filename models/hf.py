@@ -552,8 +552,8 @@ def load(path, dtype=None, quantization=None):
       quantization: None, or "int8" / "fp8": weight-only, per output channel, quantized on the host
         tensor group by tensor group as they are read (models.gpt.set_weight). A quantized checkpoint
         (`quant_scheme`: FP8, AWQ, GPTQ, compressed-tensors) is kept as stored with None (the model's
-        `quantization` is then its quant_method), dequantized on the host at load with "none", and
-        refused with "int8" / "fp8".
+        `quantization` is then its quant_method; also when `quantization` names that method, as for
+        an "fp8" checkpoint), dequantized on the host at load with "none", and refused otherwise.
 
     Returns:
       (model: models.GPT, tokenizer: models.tokenizer.HFTokenizer).
@@ -597,9 +597,11 @@ def load(path, dtype=None, quantization=None):
     scheme = quant_scheme(cfg, str(path / "config.json"))
     dequantize = quantization == "none"
     quantization = None if dequantize else quantization
-    if scheme is not None and quantization is not None:
+    if scheme is not None and quantization not in (None, scheme["method"]):
         raise CheckpointError(f"{path} is already quantized ({scheme['method']}); load it as stored (no quantization) "
                               f"or dequantized ('none'), not requantized to {quantization!r}")
+    if scheme is not None:
+        quantization = None  # as stored (quantization naming the checkpoint's own method, as vLLM allows)
     plan = _plan(config, cfg["model_type"], _tensor_index(path), path, scheme, mixed=dequantize)
 
     model = nnx.eval_shape(lambda: GPT(config, dtype=np_dtype, rngs=nnx.Rngs(0), quantization=quantization))

@@ -311,6 +311,11 @@ def test_requantizing_a_quantized_checkpoint_is_refused(tmp_path):
     qdir, _ = write_quantized(tmp_path, "awq")
     with pytest.raises(hf.CheckpointError, match=r"is already quantized \(awq\); load it as stored"):
         models.load(qdir, quantization="int8")
+    # quantization naming the checkpoint's own method loads it as stored (what a draft model of an fp8
+    # target gets: jpa.llm.build_engine passes the target's int8 / fp8 on)
+    fdir, _ = write_quantized(tmp_path, "fp8-legacy")
+    fm, _ = models.load(fdir, quantization="fp8")
+    assert fm.quantization == "fp8" and fm.layers.wq[...].dtype == F8 and not hasattr(fm, "tok_embeddings_scale")
 
 
 def test_mixed_storage_loads_dequantized(tmp_path):
