@@ -31,14 +31,14 @@ LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
 F8 = ml_dtypes.float8_e4m3fn
 
 
-def _base_tensors():
+def _base_tensors(base=BASE):
     import pathlib
 
     from safetensors.numpy import load_file
 
     out = {}
-    for f in sorted(pathlib.Path(BASE).glob("*.safetensors")):
-        out.update(load_file(f))
+    for f in sorted(pathlib.Path(base).glob("*.safetensors")):
+        out.update({k: v.astype(np.float32) for k, v in load_file(f).items()})
     return out
 
 
@@ -146,13 +146,16 @@ def _qconfig(fmt):
     }[fmt]
 
 
-def write_quantized(tmp, fmt, seed=0, quantize_head=False):
-    """Writes tests/data/hf/llama quantized in `fmt` to tmp / fmt, and the dense checkpoint of the weights
-    those codes stand for to tmp / (fmt + "-ref"). Returns (quantized dir, reference dir)."""
+def write_quantized(tmp, fmt, seed=0, quantize_head=False, base_dir=BASE):
+    """Writes tests/data/hf/llama (or another base_dir) quantized in `fmt` to tmp / fmt, and the dense
+    checkpoint of the weights those codes stand for to tmp / (fmt + "-ref"). Returns (quantized dir,
+    reference dir)."""
+    import pathlib
+
     from safetensors.numpy import save_file
 
     rng = np.random.default_rng(seed)
-    base = _base_tensors()
+    base = _base_tensors(base_dir)
     qt, ref = {}, {}
     for name, w in base.items():
         prefix = name.removesuffix(".weight")
@@ -163,14 +166,15 @@ def write_quantized(tmp, fmt, seed=0, quantize_head=False):
             ref[name] = np.ascontiguousarray(oracle, np.float32)
         else:
             qt[name] = ref[name] = w
-    with open(f"{BASE}/config.json") as f:
+    with open(f"{base_dir}/config.json") as f:
         cfg = json.load(f)
     dirs = []
     for suffix, tensors, qc in (("", qt, _qconfig(fmt)), ("-ref", ref, None)):
         d = tmp / (fmt + suffix)
         d.mkdir()
         for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-            shutil.copy(f"{BASE}/{f}", d / f)
+            if (pathlib.Path(base_dir) / f).is_file():
+                shutil.copy(f"{base_dir}/{f}", d / f)
         c = dict(cfg)
         if qc is not None:
             c["quantization_config"] = qc
