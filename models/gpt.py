@@ -117,6 +117,9 @@ class PackedWeight:
     # the f16 super-block scales / negated minimums (`name_bscale2`, `name_bmin2`); None otherwise.
     d2: np.ndarray | None = None
     m2: np.ndarray | None = None
+    # An act-order GPTQ weight (jpa.core.quant.gptq_act_order): the stored rows are W[perm] (int32 [in]),
+    # and the matmul reads x[..., perm] (`name_perm`); None otherwise.
+    perm: np.ndarray | None = None
 
     @property
     def shape(self) -> tuple:
@@ -127,7 +130,7 @@ class PackedWeight:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.codes, self.d, self.m, self.d2, self.m2) if a is not None)
+        return sum(a.nbytes for a in (self.codes, self.d, self.m, self.d2, self.m2, self.perm) if a is not None)
 
     @staticmethod
     def stack(ws: list) -> "PackedWeight":
@@ -143,9 +146,12 @@ class PackedWeight:
         if len(fmts) != 1:
             raise ValueError("the layers' copies of a weight are in different GGUF formats; jpa stacks the "
                              "layers, so it needs one format per weight (load with the weights dequantized)")
+        if any(w.perm is not None for w in ws):  # act order in some layers: the identity in the others
+            k = ws[0].shape[ws[0].axis]
+            ws = [w if w.perm is not None else dataclasses.replace(w, perm=np.arange(k, dtype=np.int32)) for w in ws]
         st = lambda f: None if getattr(ws[0], f) is None else np.stack([getattr(w, f) for w in ws])
         axis = ws[0].axis if ws[0].axis < 0 else ws[0].axis + 1
-        return PackedWeight(st("codes"), st("d"), st("m"), axis, st("d2"), st("m2"))
+        return PackedWeight(st("codes"), st("d"), st("m"), axis, st("d2"), st("m2"), st("perm"))
 
     @staticmethod
     def _common_form(ws: list) -> list:
@@ -170,13 +176,27 @@ class PackedWeight:
                 v = np.moveaxis(v - 8 if w.m is None else v, -1, axis)
             rep = lambda a: np.repeat(np.asarray(a, np.float32), gi // g, axis=axis)
             m = np.zeros(w.d.shape, np.float32) if w.m is None else w.m
-            out.append(PackedWeight(np.ascontiguousarray(v, np.int8), rep(w.d), rep(m), axis))
+            out.append(PackedWeight(np.ascontiguousarray(v, np.int8), rep(w.d), rep(m), axis, perm=w.perm))
         return out
 
     def dequantize(self) -> np.ndarray:
         """The float32 weight (NumPy, on the host)."""
-        return dequantize_blocks(np.asarray(self.codes), np.asarray(self.d), self.m, self.axis, np.float32,
-                                 self.d2, self.m2)
+        w = dequantize_blocks(np.asarray(self.codes), np.asarray(self.d), self.m, self.axis, np.float32,
+                              self.d2, self.m2)
+        return w if self.perm is None else unpermute_rows(w, self.perm)
+
+
+def unpermute_rows(w, perm):
+    """W from the act-order rows W[perm] ([..., in, out], perm [..., in]; NumPy or jnp)."""
+    xp = np if isinstance(w, np.ndarray) else jnp
+    inv = xp.argsort(perm, axis=-1)
+    return xp.take_along_axis(w, inv[..., None], axis=-2)
+
+
+def _permuted_input(owner, name, x):
+    """x[..., perm] for an act-order weight `name` of `owner` (the rows it stores are W[perm]); else x."""
+    perm = getattr(owner, name + "_perm", None)
+    return x if perm is None else jnp.take(x, perm[...], axis=-1)
 
 
 def _packed(owner, name, dtype):
@@ -196,7 +216,7 @@ def set_packed(owner, name, w: PackedWeight):
         raise ValueError(f"weight {name} must be packed with its blocks on axis {QUANT_AXIS.get(name)}; got {w.axis}")
     setattr(owner, name, nnx.Param(jnp.asarray(w.codes)))
     setattr(owner, name + "_bscale", nnx.Param(jnp.asarray(w.d)))
-    for suffix, a in (("_bmin", w.m), ("_bscale2", w.d2), ("_bmin2", w.m2)):
+    for suffix, a in (("_bmin", w.m), ("_bscale2", w.d2), ("_bmin2", w.m2), ("_perm", w.perm)):
         if a is not None:
             setattr(owner, name + suffix, nnx.Param(jnp.asarray(a)))
 
@@ -334,7 +354,7 @@ class Block(nnx.Module):
         """x @ self.<name> (+ self.<bias> when the model has it), quantized, packed or not (`_dense`)."""
         w = _packed(self, name, self.dtype)
         if w is not None:  # GGUF blocks: dequantized in the compute dtype where the dot reads them
-            return _dense(x, w, None if bias is None else self._bias(bias))
+            return _dense(_permuted_input(self, name, x), w, None if bias is None else self._bias(bias))
         return _dense(x, getattr(self, name), None if bias is None else self._bias(bias),
                       getattr(self, name + "_scale", None), self.dtype)
 
@@ -469,7 +489,7 @@ class GPT(nnx.Module):
             else:  # the rows' scales are the head's per-output-channel scales
                 out = _dense(h, emb.T, scale=self.tok_embeddings_scale, compute_dtype=self.dtype)
         elif _packed(self, "output", self.dtype) is not None:
-            out = _dense(h, _packed(self, "output", self.dtype))
+            out = _dense(_permuted_input(self, "output", h), _packed(self, "output", self.dtype))
         else:
             out = _dense(h, self.output, scale=getattr(self, "output_scale", None), compute_dtype=self.dtype)
         return _soft_cap(out, self.config.final_soft_cap)
@@ -523,7 +543,8 @@ class GPT(nnx.Module):
                 x = getattr(owner, name)[...]
                 packed = _packed(owner, name, jnp.float32) if name in QUANT_AXIS else None
                 if packed is not None:
-                    x = packed
+                    perm = getattr(owner, name + "_perm", None)
+                    x = packed if perm is None else unpermute_rows(packed, perm[...])
                 elif name in QUANT_AXIS and hasattr(owner, name + "_scale"):
                     x = dequantize_weight(x, getattr(owner, name + "_scale")[...], QUANT_AXIS[name])
                 var.set_value(x.astype(self.dtype))

@@ -198,7 +198,8 @@ def _moe_options(cfg: dict, model_type: str, layers: int, where: str) -> dict:
 #             the older quant_method "fp8" layout (per-tensor weight_scale). Stored as models.gpt's int8 /
 #             fp8 weights: q [in, out] with an f32 scale per output channel (a per-tensor scale repeated).
 #   "awq"     AutoAWQ GEMM: P.qweight, P.qzeros, P.scales (jpa.core.quant.awq_int4).
-#   "gptq"    GPTQ: P.qweight, P.qzeros, P.scales, P.g_idx (jpa.core.quant.gptq_int4; v1 / v2 zero points).
+#   "gptq"    GPTQ: P.qweight, P.qzeros, P.scales, P.g_idx (jpa.core.quant.gptq_int4; v1 / v2 zero points;
+#             act order: rows sorted by group and an input permutation, jpa.core.quant.gptq_act_order).
 #   "packed"  compressed-tensors "pack-quantized" int4: P.weight_packed, P.weight_scale,
 #             P.weight_zero_point (asymmetric), P.weight_shape (jpa.core.quant.pack_quantized_int4).
 # The int4 layouts become models.gpt.PackedWeight (4-bit codes, group scales [and minimums]). vLLM reads
@@ -246,7 +247,7 @@ def quant_scheme(cfg: dict, where: str = "config.json"):
         fmt = q.get("checkpoint_format", "gptq")
         if fmt not in ("gptq", "gptq_v2"):
             refuse(f"has checkpoint_format {fmt!r}: jpa reads 'gptq' (v1) and 'gptq_v2'")
-        # desc_act (act order) is checked on the g_idx tensors themselves: a trivial g_idx loads.
+        # desc_act (act order): read from the g_idx tensors themselves (jpa.core.quant.gptq_act_order).
         return dict(method=method, layout="gptq", group_size=None if g == -1 else g, v2=fmt == "gptq_v2")
     if method == "compressed-tensors":
         if q.get("kv_cache_scheme"):
@@ -529,7 +530,12 @@ def _read_quant(entry: QuantTensor, scheme: dict):
         if entry.layout == "awq":
             blocks = quant.awq_int4(t["qweight"], t["qzeros"], t["scales"], name=prefix)
         elif entry.layout == "gptq":
-            blocks = quant.gptq_int4(t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"), scheme["v2"], name=prefix)
+            perm = None
+            if "g_idx" in t:  # act order (desc_act): rows sorted by group, activations gathered
+                perm = quant.gptq_act_order(t["g_idx"], k, k // t["scales"].shape[0], name=prefix)
+            blocks = quant.gptq_int4(t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"), scheme["v2"], name=prefix,
+                                     perm=perm)
+            return "packed", PackedWeight(*blocks, -2, perm=perm)
         else:
             if "weight_shape" in t and [int(x) for x in t["weight_shape"]] != [n, k]:
                 raise ValueError(f"tensor {prefix}.weight_shape is {t['weight_shape'].tolist()}; config.json implies "

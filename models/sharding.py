@@ -85,6 +85,7 @@ RULES = {
 for _w in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "tok_embeddings", "output"):
     for _s in ("_bscale", "_bmin", "_bscale2", "_bmin2"):  # K-quants: super-block scales lie the same way
         RULES[_w + _s] = RULES[_w]
+    RULES[_w + "_perm"] = REP  # an act-order GPTQ weight's input permutation: every device gathers its x
 # embeddings="replicated" (and a vocabulary that does not divide by N).
 REPLICATED_EMBEDDINGS = {name: REP for name in RULES if name.startswith(("tok_embeddings", "output"))}
 
@@ -244,6 +245,11 @@ def with_heads(model, plan: HeadPlan):
     else:
         new = nnx.eval_shape(lambda: GPT(new_c, dtype=model.dtype, rngs=nnx.Rngs(0),
                                          quantization=model.quantization))
+    for name, changes in (("wo", plan.num_q_heads != c.num_q_heads), ("w_down", plan.ffn_dim != c.ffn_dim)):
+        if changes and hasattr(model.layers, name + "_perm"):  # its `in` axis holds what the plan resizes
+            raise ValueError(f"{plan.describe()}: {name} is an act-order GPTQ weight (its inputs permuted), which "
+                             f"jpa does not re-plan; load it with quantization 'none' or at a tensor-parallel size "
+                             f"that divides the heads")
     old = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     for path, var in nnx.to_flat_state(nnx.state(new, nnx.Param)):
         # The variable's value, not `[...]` of it: an abstract model's is a ShapeDtypeStruct,

@@ -26,7 +26,7 @@ def test_engine_greedy_tokens_and_logprobs_equal_the_dequantized_model():
     test_quant.check_engine_greedy_tokens_and_logprobs_equal_the_dequantized_model()
 
 
-@pytest.mark.parametrize("fmt", ["awq", "gptq", "fp8-channel", "packed-asym"])
+@pytest.mark.parametrize("fmt", ["awq", "gptq", "gptq-actorder", "fp8-channel", "packed-asym"])
 def test_engine_on_a_quantized_checkpoint_equals_it_loaded_dense(tmp_path, fmt):
     """~25 s each: an engine compile (tests/test_quant_hf.py keeps each format's logits against NumPy's
     dequantize-then-matmul in the main tier)."""

@@ -107,12 +107,15 @@ def _quantize_linear(fmt, w, rng):
             return _pack8(v.reshape(v.shape[0], -1), 1)
 
         return {"qweight": pack(q), "qzeros": pack(z), "scales": s}, oracle.T
-    if fmt in ("gptq", "gptq-sym", "gptq-v2"):  # in packed along rows; zeros stored minus one in v1
+    if fmt in ("gptq", "gptq-sym", "gptq-v2", "gptq-actorder"):  # in packed along rows; zeros minus one in v1
         g = 64
-        q, z, s, oracle = _int4_sym(wt, g) if fmt == "gptq-sym" else _int4_asym(wt, g, rng)
+        # act order: the inputs are quantized in a random order p, input p[j] landing in group j // g
+        p = rng.permutation(k) if fmt == "gptq-actorder" else np.arange(k)
+        q, z, s, oracle = _int4_sym(wt[p], g) if fmt == "gptq-sym" else _int4_asym(wt[p], g, rng)
+        q[p], oracle[p], g_idx = q.copy(), oracle.copy(), np.empty(k, np.int32)
+        g_idx[p] = np.arange(k) // g
         stored = z if fmt == "gptq-v2" else z - 1
-        return {"qweight": _pack8(q, 0), "qzeros": _pack8(stored & 15, 1), "scales": s,
-                "g_idx": (np.arange(k) // g).astype(np.int32)}, oracle.T
+        return {"qweight": _pack8(q, 0), "qzeros": _pack8(stored & 15, 1), "scales": s, "g_idx": g_idx}, oracle.T
     if fmt in ("packed", "packed-asym"):  # compressed-tensors: [out, in / 8], values offset by 8
         g = 32
         q, z, s, oracle = _int4_asym(wt, g, rng) if fmt == "packed-asym" else _int4_sym(wt, g)
@@ -140,6 +143,7 @@ def _qconfig(fmt):
         "gptq-sym": {"quant_method": "gptq", "bits": 4, "group_size": 64, "desc_act": False, "sym": True},
         "gptq-v2": {"quant_method": "gptq", "bits": 4, "group_size": 64, "desc_act": False, "sym": False,
                     "checkpoint_format": "gptq_v2"},
+        "gptq-actorder": {"quant_method": "gptq", "bits": 4, "group_size": 64, "desc_act": True, "sym": False},
         "packed": ct(dict(num_bits=4, type="int", strategy="group", group_size=32, symmetric=True), "pack-quantized"),
         "packed-asym": ct(dict(num_bits=4, type="int", strategy="group", group_size=32, symmetric=False),
                           "pack-quantized"),
@@ -192,13 +196,13 @@ def _logprobs(model, tokens):
 
 
 FORMATS = ["fp8-channel", "fp8-tensor", "fp8-legacy", "int8-channel", "awq", "gptq", "gptq-sym", "gptq-v2",
-           "packed", "packed-asym"]
+           "gptq-actorder", "packed", "packed-asym"]
 STORED = {"fp8-channel": F8, "fp8-tensor": F8, "fp8-legacy": F8, "int8-channel": np.int8}
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quantized_checkpoint_equals_numpy_dequantize_then_matmul(tmp_path, fmt):
-    qdir, rdir = write_quantized(tmp_path, fmt, quantize_head=fmt == "gptq")
+    qdir, rdir = write_quantized(tmp_path, fmt, quantize_head=fmt in ("gptq", "gptq-actorder"))
     qm, _ = models.load(qdir, dtype=jnp.float32)
     ref, _ = models.load(rdir, dtype=jnp.float32)
     deq, _ = models.load(qdir, dtype=jnp.float32, quantization="none")
@@ -211,7 +215,8 @@ def test_quantized_checkpoint_equals_numpy_dequantize_then_matmul(tmp_path, fmt)
         assert wq.dtype == np.uint8 and wq.shape == (2, 32, 64) and hasattr(qm.layers, "wq_bscale")
         assert qm.weight_bytes() < 0.55 * ref.weight_bytes()  # embeddings stay float32 in this tiny model
     assert not hasattr(qm, "tok_embeddings_scale")  # the embeddings (and lm_head unless quantized) stay dense
-    assert hasattr(qm, "output_bscale") == (fmt == "gptq")
+    assert hasattr(qm, "output_bscale") == (fmt in ("gptq", "gptq-actorder"))
+    assert hasattr(qm.layers, "w_down_perm") == (fmt == "gptq-actorder")  # act order: x gathered, rows sorted
     rng = np.random.default_rng()
     tokens = jnp.asarray(rng.integers(0, qm.config.vocab_size, (2, 12)), jnp.int32)
     got, want = _logprobs(qm, tokens), _logprobs(ref, tokens)
@@ -262,8 +267,9 @@ def _make_dense(t, prefix):
                                  t["model.layers.0.self_attn.k_proj.scales"].astype(np.int32)}),
      r"tensor model.layers.0.self_attn.k_proj.scales is I32 \[1, 32\]; the gptq gptq layout"),
     ("gptq", lambda t: t.update({"model.layers.0.mlp.down_proj.g_idx":
-                                 np.roll(t["model.layers.0.mlp.down_proj.g_idx"], 1)}),
-     r"^tensor model.layers.0.mlp.down_proj.g_idx \(gptq int4\) is not i // 64: an act-order \(desc_act\)"),
+                                 np.zeros_like(t["model.layers.0.mlp.down_proj.g_idx"])}),
+     r"^tensor model.layers.0.mlp.down_proj.g_idx \(gptq int4\) does not put 64 inputs in each of 2 groups: "
+     r"corrupt$"),
     ("gptq", lambda t: t.update({"model.layers.1.self_attn.o_proj.scales":
                                  np.full_like(t["model.layers.1.self_attn.o_proj.scales"], np.nan)}),
      r"^tensor model.layers.1.self_attn.o_proj \(gptq int4\) has non-finite scales: corrupt$"),
@@ -358,7 +364,7 @@ def check_engine_equals_the_checkpoint_loaded_dense(tmp, fmt):
         np.testing.assert_allclose(out.logprobs, rows[np.arange(len(rows)), out.token_ids], atol=2e-4)
 
 
-@pytest.mark.parametrize("fmt,tp", [("awq", 4), ("fp8-channel", 3)])
+@pytest.mark.parametrize("fmt,tp", [("awq", 4), ("fp8-channel", 3), ("gptq-actorder", 4)])
 def test_head_plans_keep_checkpoint_quantization(tmp_path, fmt, tp):
     """Tensor parallelism re-plans heads (tp=4 replicates the 2 kv heads; tp=3 pads): the codes, group
     scales and per-channel scales move with their weights and the function is unchanged."""
@@ -372,10 +378,12 @@ def test_head_plans_keep_checkpoint_quantization(tmp_path, fmt, tp):
     tokens = jnp.asarray(np.random.default_rng().integers(0, qm.config.vocab_size, (2, 9)), jnp.int32)
     np.testing.assert_allclose(_logprobs(new, tokens), _logprobs(qm, tokens), atol=2e-5)
     specs = dict((sharding._name(p), s) for p, s in nnx.to_flat_state(sharding.param_specs(nnx.state(new))))
-    if fmt == "awq":
-        assert specs["wo_bscale"] == specs["wo"] == jax.sharding.PartitionSpec(None, "tp", None)
-    else:
+    if fmt == "fp8-channel":
         assert specs["wq_scale"] == jax.sharding.PartitionSpec(None, "tp")
+    else:
+        assert specs["wo_bscale"] == specs["wo"] == jax.sharding.PartitionSpec(None, "tp", None)
+    if fmt == "gptq-actorder":
+        assert specs["w_down_perm"] == jax.sharding.PartitionSpec(None)  # replicated (stacked on layers)
 
 
 def test_bf16_matmul_weight_is_the_dense_bf16_weight(tmp_path):
@@ -390,3 +398,12 @@ def test_bf16_matmul_weight_is_the_dense_bf16_weight(tmp_path):
     for name in ("wq", "wo", "w_down"):
         got = np.asarray(_packed(qm.layers, name, jnp.bfloat16)).astype(np.float32)
         np.testing.assert_array_equal(got, np.asarray(getattr(dense.layers, name)[...]).astype(np.float32))
+
+
+def test_act_order_weight_is_not_replanned_where_its_inputs_move(tmp_path):
+    from jpa.models import sharding
+
+    qdir, _ = write_quantized(tmp_path, "gptq-actorder")
+    qm, _ = models.load(qdir, dtype=jnp.float32)
+    with pytest.raises(ValueError, match=r"tp=3 pad: .* w_down is an act-order GPTQ weight \(its inputs permuted\)"):
+        sharding.with_heads(qm, sharding.plan_heads(qm.config, 3))

@@ -389,7 +389,25 @@ def awq_int4(qweight, qzeros, scales, name: str = "tensor"):
     return _int4_blocks(unpack(np.asarray(qweight)), unpack(np.asarray(qzeros)), scales, name, fmt)
 
 
-def gptq_int4(qweight, qzeros, scales, g_idx=None, v2: bool = False, name: str = "tensor"):
+def gptq_act_order(g_idx, k: int, g: int, name: str = "tensor"):
+    """The input permutation of an act-order (desc_act) GPTQ linear, or None when g_idx is i // G.
+
+    Act order quantizes the inputs in a permuted order, so input i belongs to group g_idx[i] and a
+    group's inputs are scattered. With perm = argsort(g_idx) (stable) the permuted rows W[perm] have
+    contiguous groups of G, and x @ W = x[..., perm] @ W[perm]: jpa keeps W[perm] packed and gathers the
+    activations (vLLM's Marlin path sorts by g_idx the same way: gptq_marlin.py, marlin_sort_g_idx).
+    Raises ValueError naming the tensor when g_idx is not G inputs per group."""
+    g_idx = np.asarray(g_idx)
+    if g_idx.shape != (k,) or g_idx.min(initial=0) < 0:
+        raise ValueError(f"tensor {name}.g_idx has shape {list(g_idx.shape)}; expected [{k}] of groups >= 0")
+    if np.array_equal(g_idx, np.arange(k) // g):
+        return None
+    if not np.array_equal(np.bincount(g_idx, minlength=k // g), np.full(k // g, g)):
+        raise ValueError(f"tensor {name}.g_idx (gptq int4) does not put {g} inputs in each of {k // g} groups: corrupt")
+    return np.argsort(g_idx, kind="stable").astype(np.int32)
+
+
+def gptq_int4(qweight, qzeros, scales, g_idx=None, v2: bool = False, name: str = "tensor", perm=None):
     """A GPTQ linear (qweight int32 [in / 8, out] packed along `in`, nibble j of row r holding input
     8r + j; qzeros int32 [in / G, out / 8] packed along `out`, sequentially; scales f16 [in / G, out];
     g_idx int32 [in] or None) -> (codes, d, m) for dequantize_blocks(axis=-2).
@@ -397,8 +415,8 @@ def gptq_int4(qweight, qzeros, scales, g_idx=None, v2: bool = False, name: str =
     The GPTQ v1 format (AutoGPTQ, checkpoint_format "gptq") stores each zero point minus one, so
     w = (q - (z_stored + 1)) * s; "gptq_v2" stores z itself (v2=True). vLLM:
     vllm/model_executor/layers/quantization/gptq.py (use_v2_format; its exllama kernel adds the 1).
-    Act-order checkpoints (desc_act, a g_idx that is not i // G) are refused: their groups are not
-    contiguous along `in`."""
+    Act-order checkpoints (desc_act, a g_idx that is not i // G) are refused unless `perm`
+    (`gptq_act_order`) is given: the codes are then returned for the rows W[perm]."""
     fmt = "gptq int4"
     scales, qweight = np.asarray(scales), np.asarray(qweight)
     if scales.ndim != 2 or qweight.ndim != 2:
@@ -408,7 +426,7 @@ def gptq_int4(qweight, qzeros, scales, g_idx=None, v2: bool = False, name: str =
     _check_shape(name, fmt, "qweight", qweight, (k // 8, out))
     _check_shape(name, fmt, "qzeros", np.asarray(qzeros), (n_groups, out // 8))
     g = _groups(name, fmt, k, n_groups)
-    if g_idx is not None:
+    if g_idx is not None and perm is None:
         g_idx = np.asarray(g_idx)
         if g_idx.shape != (k,) or not np.array_equal(g_idx, np.arange(k) // g):
             raise ValueError(f"tensor {name}.g_idx ({fmt}) is not i // {g}: an act-order (desc_act) checkpoint, "
@@ -416,6 +434,8 @@ def gptq_int4(qweight, qzeros, scales, g_idx=None, v2: bool = False, name: str =
                              if g_idx.shape == (k,) else
                              f"tensor {name}.g_idx ({fmt}) has shape {list(g_idx.shape)}; expected [{k}]")
     q = _nibbles(qweight, 0)  # [in, out]
+    if perm is not None:  # act order: rows sorted by group, so group j is rows j * G .. (j + 1) * G - 1
+        q = q[perm]
     z = _nibbles(np.asarray(qzeros), -1).astype(np.int32) + (0 if v2 else 1)
     return _int4_blocks(q, z, scales, name, fmt)
 
