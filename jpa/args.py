@@ -86,10 +86,11 @@ class EngineArgs:
                         help="weights and KV cache dtype (default float32 on CPU, bfloat16 on GPU)")
         ap.add_argument("--quantization", choices=list(QUANTIZATIONS), default=None,
                         help="weight storage: int8 / fp8 (e4m3) quantize on the fly, one scale per output "
-                             "channel; gguf keeps a GGUF model's Q8_0/Q4_0/Q4_1 blocks (SmolLM2's 4-bit file) as "
-                             "stored; all three are dequantized inside each matmul, --dtype being the compute dtype; "
-                             "none: dense weights (a GGUF file dequantized at load). Default: gguf for SmolLM2 (its "
-                             "4-bit file), none for other models")
+                             "channel; gguf keeps a GGUF model's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K blocks (SmolLM2's "
+                             "4-bit file) as stored; all three are dequantized inside each matmul, --dtype being the "
+                             "compute dtype; none: dense weights (a GGUF file or a quantized checkpoint dequantized at load). "
+                             "Default: gguf for SmolLM2 (its 4-bit file); a quantized Hugging Face checkpoint (FP8, "
+                             "int8, AWQ, GPTQ, compressed-tensors) as stored; none for other models")
         ap.add_argument("--page-size", type=int, default=16)
         ap.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages (overrides --kv-memory)")
         ap.add_argument("--kv-memory", type=float, default=256, help="KV cache budget in MiB (default 256)")

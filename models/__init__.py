@@ -32,8 +32,9 @@ def load(name, *, dtype=None, seed: int = 0, quantization=None):
           no float copy of them reaches the device);
         "gguf": a GGUF model's Q8_0 / Q4_0 / Q4_1 blocks kept as stored and dequantized inside
           each matmul (SmolLM2: Q4_1 layers, Q8_0 embeddings);
-        "none": dense weights in `dtype` (a GGUF model dequantized at load);
-        None: "gguf" for a GGUF model (on a GPU, and on a CPU too, where it measured no slower
+        "none": dense weights in `dtype` (a GGUF model or a quantized checkpoint dequantized at load);
+        None: a quantized Hugging Face checkpoint (FP8, int8, AWQ, GPTQ, compressed-tensors; models.hf)
+          kept as stored; "gguf" for a GGUF model (on a GPU, and on a CPU too, where it measured no slower
           than dense float32: BENCHMARKS.md, "Quantized weights"), else "none".
 
     Returns:
@@ -46,7 +47,7 @@ def load(name, *, dtype=None, seed: int = 0, quantization=None):
         if quantization == "gguf":
             raise ValueError(f"quantization 'gguf' keeps a GGUF file's blocks; {name} is a Hugging Face checkpoint "
                              f"(use int8 or fp8)")
-        return hf.load(name, dtype=dtype, quantization=None if quantization == "none" else quantization)
+        return hf.load(name, dtype=dtype, quantization=quantization)
     if name not in PRESETS:
         raise ValueError(f"unknown model {name!r}; presets are {sorted(PRESETS)} (or give the path of a "
                          f"Hugging Face checkpoint directory)")

@@ -51,7 +51,8 @@ from jpa.kv.cache import CacheConfig, KVCache, write_kv
 from jpa.ops.decode import paged_decode
 from jpa.ops.prefill import paged_prefill
 from jpa.ops.ragged import ragged_paged_attention
-from jpa.core.quant import (check_weight_quantization, dequantize_blocks, dequantize_weight, quantize_weight)
+from jpa.core.quant import (check_weight_quantization, dequantize_blocks, dequantize_weight, quantize_weight,
+                            super_scaled)
 from jpa.core.sharding import HEADS, HEADS_T, REPLICATED, STACKED_POOL, head_parallel
 from jpa.models.config import ModelConfig
 from jpa.models.moe import moe_ffn
@@ -101,15 +102,24 @@ def _quantize_params(module, quantization):
 
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
-    """A weight kept as GGUF blocks (jpa.core.quant: Q8_0 / Q4_0 / Q4_1) in jpa's layout: codes
-    (int8, or uint8 holding two 4-bit codes), f16 block scales d and minimums m (Q4_1; else None),
-    the 32-value blocks along `axis` (-2: the `in` axis of an [in, out] weight; -1: an embedding
-    row). A model holding them has quantization "gguf": parameter `name` holds the codes,
-    `name_bscale` d and `name_bmin` m, dequantized inside the matmul that reads them."""
+    """A weight kept as blocks (jpa.core.quant: GGUF Q8_0 / Q4_0 / Q4_1, and Hugging Face AWQ / GPTQ /
+    compressed-tensors int4 repacked into the Q4 forms) in jpa's layout: codes (int8, or uint8 holding
+    two 4-bit codes), block scales d (f16, or f32) and minimums m (Q4_1 form; else None), the groups
+    along `axis` (-2: the `in` axis of an [in, out] weight; -1: an embedding row) of K / d.shape[axis]
+    values (GGUF: 32; int4 checkpoints: their group size). A model holding them has quantization "gguf"
+    (or the checkpoint's quant_method): parameter `name` holds the codes, `name_bscale` d and
+    `name_bmin` m, dequantized inside the matmul that reads them."""
     codes: np.ndarray
     d: np.ndarray
     m: np.ndarray | None
     axis: int
+    # K-quants (jpa.core.quant.unpack_k_blocks): d / m hold integer sub-block scales / minimums and these
+    # the f16 super-block scales / negated minimums (`name_bscale2`, `name_bmin2`); None otherwise.
+    d2: np.ndarray | None = None
+    m2: np.ndarray | None = None
+    # An act-order GPTQ weight (jpa.core.quant.gptq_act_order): the stored rows are W[perm] (int32 [in]),
+    # and the matmul reads x[..., perm] (`name_perm`); None otherwise.
+    perm: np.ndarray | None = None
 
     @property
     def shape(self) -> tuple:
@@ -120,23 +130,73 @@ class PackedWeight:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.codes, self.d, self.m) if a is not None)
+        return sum(a.nbytes for a in (self.codes, self.d, self.m, self.d2, self.m2, self.perm) if a is not None)
 
     @staticmethod
     def stack(ws: list) -> "PackedWeight":
         """The layers' weights stacked on a new leading axis (one format for all)."""
-        fmts = {(w.codes.dtype, w.m is None, w.axis) for w in ws}
+        if ws[0].codes.dtype == np.uint8 and len({w.m is None for w in ws}) > 1:
+            # Q4_0 and Q4_1 forms mixed (an int4 checkpoint whose zero points are all 8 in some layers):
+            # (q - 8) * d is q * d + m with m = -8 d, exact in f32.
+            ws = [w if w.m is not None else dataclasses.replace(w, m=-8 * w.d.astype(np.float32)) for w in ws]
+        form = lambda w: (w.codes.dtype, w.d.dtype, w.m is None, w.d.shape, w.d2 is None, w.m2 is None)
+        if len({form(w) for w in ws}) > 1 and len({w.axis for w in ws}) == 1:
+            ws = PackedWeight._common_form(ws)
+        fmts = {(*form(w), w.axis, w.codes.shape) for w in ws}
         if len(fmts) != 1:
             raise ValueError("the layers' copies of a weight are in different GGUF formats; jpa stacks the "
                              "layers, so it needs one format per weight (load with the weights dequantized)")
-        m = None if ws[0].m is None else np.stack([w.m for w in ws])
+        if any(w.perm is not None for w in ws):  # act order in some layers: the identity in the others
+            k = ws[0].shape[ws[0].axis]
+            ws = [w if w.perm is not None else dataclasses.replace(w, perm=np.arange(k, dtype=np.int32)) for w in ws]
+        st = lambda f: None if getattr(ws[0], f) is None else np.stack([getattr(w, f) for w in ws])
         axis = ws[0].axis if ws[0].axis < 0 else ws[0].axis + 1
-        return PackedWeight(np.stack([w.codes for w in ws]), np.stack([w.d for w in ws]), m, axis)
+        return PackedWeight(st("codes"), st("d"), st("m"), axis, st("d2"), st("m2"), st("perm"))
+
+    @staticmethod
+    def _common_form(ws: list) -> list:
+        """Layers in different block formats (a GGUF Q4_K_M file: Q6_K ffn_down in some layers, Q4_K in
+        others) in one form: int8 codes v (a Q4 code q becomes q, or q - 8 in the Q4_0 form), w = v * d + m
+        with groups of the smallest size (scales repeated) and m = 0 where a layer had none; exact."""
+        import math
+
+        axis = ws[0].axis
+        out = []
+        groups = [w.shape[axis] // w.d.shape[axis] for w in ws]
+        g = math.gcd(*groups)
+        for w, gi in zip(ws, groups):
+            if w.d2 is not None:  # K-quant sub-block scales: their f32 values
+                w = dataclasses.replace(w, d=super_scaled(w.d, w.d2, axis), d2=None, m2=None,
+                                        m=None if w.m is None else super_scaled(w.m, w.m2, axis))
+            v = w.codes
+            if v.dtype == np.uint8:
+                p = np.moveaxis(v, axis, -1)
+                p = p.reshape(p.shape[:-1] + (-1, 16))
+                v = np.concatenate([p & 15, p >> 4], axis=-1).reshape(p.shape[:-2] + (-1,)).astype(np.int8)
+                v = np.moveaxis(v - 8 if w.m is None else v, -1, axis)
+            rep = lambda a: np.repeat(np.asarray(a, np.float32), gi // g, axis=axis)
+            m = np.zeros(w.d.shape, np.float32) if w.m is None else w.m
+            out.append(PackedWeight(np.ascontiguousarray(v, np.int8), rep(w.d), rep(m), axis, perm=w.perm))
+        return out
 
     def dequantize(self) -> np.ndarray:
-        """The float32 weight (NumPy)."""
-        m = None if self.m is None else jnp.asarray(self.m)
-        return np.asarray(dequantize_blocks(jnp.asarray(self.codes), jnp.asarray(self.d), m, self.axis))
+        """The float32 weight (NumPy, on the host)."""
+        w = dequantize_blocks(np.asarray(self.codes), np.asarray(self.d), self.m, self.axis, np.float32,
+                              self.d2, self.m2)
+        return w if self.perm is None else unpermute_rows(w, self.perm)
+
+
+def unpermute_rows(w, perm):
+    """W from the act-order rows W[perm] ([..., in, out], perm [..., in]; NumPy or jnp)."""
+    xp = np if isinstance(w, np.ndarray) else jnp
+    inv = xp.argsort(perm, axis=-1)
+    return xp.take_along_axis(w, inv[..., None], axis=-2)
+
+
+def _permuted_input(owner, name, x):
+    """x[..., perm] for an act-order weight `name` of `owner` (the rows it stores are W[perm]); else x."""
+    perm = getattr(owner, name + "_perm", None)
+    return x if perm is None else jnp.take(x, perm[...], axis=-1)
 
 
 def _packed(owner, name, dtype):
@@ -145,8 +205,9 @@ def _packed(owner, name, dtype):
     d = getattr(owner, name + "_bscale", None)
     if d is None:
         return None
-    m = getattr(owner, name + "_bmin", None)
-    return dequantize_blocks(getattr(owner, name)[...], d[...], None if m is None else m[...], QUANT_AXIS[name], dtype)
+    v = lambda suffix: None if getattr(owner, name + suffix, None) is None else getattr(owner, name + suffix)[...]
+    return dequantize_blocks(getattr(owner, name)[...], d[...], v("_bmin"), QUANT_AXIS[name], dtype, v("_bscale2"),
+                             v("_bmin2"))
 
 
 def set_packed(owner, name, w: PackedWeight):
@@ -155,8 +216,16 @@ def set_packed(owner, name, w: PackedWeight):
         raise ValueError(f"weight {name} must be packed with its blocks on axis {QUANT_AXIS.get(name)}; got {w.axis}")
     setattr(owner, name, nnx.Param(jnp.asarray(w.codes)))
     setattr(owner, name + "_bscale", nnx.Param(jnp.asarray(w.d)))
-    if w.m is not None:
-        setattr(owner, name + "_bmin", nnx.Param(jnp.asarray(w.m)))
+    for suffix, a in (("_bmin", w.m), ("_bscale2", w.d2), ("_bmin2", w.m2), ("_perm", w.perm)):
+        if a is not None:
+            setattr(owner, name + suffix, nnx.Param(jnp.asarray(a)))
+
+
+def set_scaled(owner, name, q, scale):
+    """Replaces float parameter `name` of `owner` by stored int8 / float8 values q and their f32
+    per-output-channel scales (a checkpoint quantized that way: models.hf's FP8 layouts)."""
+    setattr(owner, name, nnx.Param(jnp.asarray(q)))
+    setattr(owner, name + "_scale", nnx.Param(jnp.asarray(scale, jnp.float32)))
 
 
 def set_weight(owner, name, w, dtype, quantization=None):
@@ -285,7 +354,7 @@ class Block(nnx.Module):
         """x @ self.<name> (+ self.<bias> when the model has it), quantized, packed or not (`_dense`)."""
         w = _packed(self, name, self.dtype)
         if w is not None:  # GGUF blocks: dequantized in the compute dtype where the dot reads them
-            return _dense(x, w, None if bias is None else self._bias(bias))
+            return _dense(_permuted_input(self, name, x), w, None if bias is None else self._bias(bias))
         return _dense(x, getattr(self, name), None if bias is None else self._bias(bias),
                       getattr(self, name + "_scale", None), self.dtype)
 
@@ -392,11 +461,11 @@ class GPT(nnx.Module):
         """tokens, positions i32[B, T] -> f32[B, T, d_model]."""
         x = jnp.take(self.tok_embeddings[...], tokens, axis=0, mode="clip").astype(jnp.float32)
         if self.quantization == "gguf" and hasattr(self, "tok_embeddings_bscale"):  # the rows' blocks
-            take = lambda a: jnp.take(a[...], tokens, axis=0, mode="clip")
-            m = getattr(self, "tok_embeddings_bmin", None)
-            x = dequantize_blocks(take(self.tok_embeddings), take(self.tok_embeddings_bscale),
-                                  None if m is None else take(m), -1, jnp.float32)
-        elif self.quantization in ("int8", "fp8"):  # a row's values times its scale
+            take = lambda a: None if a is None else jnp.take(a[...], tokens, axis=0, mode="clip")
+            opt = lambda suffix: take(getattr(self, "tok_embeddings" + suffix, None))
+            x = dequantize_blocks(take(self.tok_embeddings), take(self.tok_embeddings_bscale), opt("_bmin"), -1,
+                                  jnp.float32, opt("_bscale2"), opt("_bmin2"))
+        elif hasattr(self, "tok_embeddings_scale"):  # int8 / fp8: a row's values times its scale
             x = x * jnp.take(self.tok_embeddings_scale[...], tokens, axis=0, mode="clip")[..., None]
         if self.config.embed_scale != 1.0:
             # transformers (Gemma) rounds the scale to the activation dtype before multiplying.
@@ -415,12 +484,12 @@ class GPT(nnx.Module):
         if self.config.tie_embeddings:
             emb = _packed(self, "tok_embeddings", self.dtype)
             emb = self.tok_embeddings[...] if emb is None else emb  # [vocab, d_model]
-            if self.quantization in (None, "gguf"):
+            if not hasattr(self, "tok_embeddings_scale"):
                 out = jnp.dot(h.astype(emb.dtype), emb.T, preferred_element_type=jnp.float32)
             else:  # the rows' scales are the head's per-output-channel scales
                 out = _dense(h, emb.T, scale=self.tok_embeddings_scale, compute_dtype=self.dtype)
         elif _packed(self, "output", self.dtype) is not None:
-            out = _dense(h, _packed(self, "output", self.dtype))
+            out = _dense(_permuted_input(self, "output", h), _packed(self, "output", self.dtype))
         else:
             out = _dense(h, self.output, scale=getattr(self, "output_scale", None), compute_dtype=self.dtype)
         return _soft_cap(out, self.config.final_soft_cap)
@@ -474,7 +543,8 @@ class GPT(nnx.Module):
                 x = getattr(owner, name)[...]
                 packed = _packed(owner, name, jnp.float32) if name in QUANT_AXIS else None
                 if packed is not None:
-                    x = packed
+                    perm = getattr(owner, name + "_perm", None)
+                    x = packed if perm is None else unpermute_rows(packed, perm[...])
                 elif name in QUANT_AXIS and hasattr(owner, name + "_scale"):
                     x = dequantize_weight(x, getattr(owner, name + "_scale")[...], QUANT_AXIS[name])
                 var.set_value(x.astype(self.dtype))

@@ -13,6 +13,11 @@ gate/up/down_proj under mlp, q/k RMSNorm; every layer sparse), whose experts' te
 on an expert axis as they are read. Anything else, and any option of these
 families that the model does not implement, is refused with a ValueError naming it.
 
+Quantized checkpoints (a `quantization_config`: compressed-tensors FP8 / int8 / pack-quantized int4,
+the older "fp8" layout, AutoAWQ GEMM, GPTQ) are read as stored and kept quantized on the device
+(`quant_scheme`, `_quant_entry`; the embeddings and an unquantized head stay dense), or dequantized on
+the host with quantization="none".
+
 Loading is two passes. The first reads only metadata: config.json, the safetensors headers (the
 index file when there is one), and checks every tensor the model needs for presence, shape and
 dtype, and every file for being whole. Only then are tensors read, one at a time through a fresh
@@ -117,11 +122,7 @@ def config_from_hf(cfg: dict, *, where: str = "config.json", bos_token_id: int =
     if model_type in ("qwen2", "qwen3", "qwen3_moe"):
         _refuse(cfg, where, "use_sliding_window", (None, False), "Qwen sliding-window layers")
     _refuse(cfg, where, "use_bidirectional_attention", (None, False), "jpa's attention is causal")
-    quant = cfg.get("quantization_config")
-    if quant is not None:
-        method = quant.get("quant_method") if isinstance(quant, dict) else None
-        raise CheckpointError(f"{where}: quantization_config ({method!r}) is not supported: jpa loads "
-                              f"float16/bfloat16/float32 weights")
+    quant_scheme(cfg, where)  # an unsupported quantization_config is refused here, before any tensor is read
     base, scaling = _rope(cfg, where)
     window, window_layers = None, ()
     layer_types = cfg.get("layer_types")
@@ -185,6 +186,103 @@ def _moe_options(cfg: dict, model_type: str, layers: int, where: str) -> dict:
     else:
         norm = True  # Mixtral: softmax over the chosen experts' logits
     return dict(num_experts=int(experts), experts_per_token=int(k), norm_topk_prob=norm)
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantized checkpoints (issue 35). A linear layer's tensors (module prefix P, e.g.
+# model.layers.0.self_attn.q_proj) in each layout jpa reads, kept in their storage type on the device:
+#   "scaled"  FP8 / int8, one scale per tensor or output channel: P.weight F8_E4M3 or I8 [out, in],
+#             P.weight_scale [] / [1] / [out] / [out, 1] (P.input_scale, a static activation scale, is
+#             not used: jpa keeps activations in the compute dtype, a W8A16 matmul). compressed-tensors
+#             "float-quantized" (strategy tensor / channel), "naive-quantized" / "int-quantized" int8, and
+#             the older quant_method "fp8" layout (per-tensor weight_scale). Stored as models.gpt's int8 /
+#             fp8 weights: q [in, out] with an f32 scale per output channel (a per-tensor scale repeated).
+#   "awq"     AutoAWQ GEMM: P.qweight, P.qzeros, P.scales (jpa.core.quant.awq_int4).
+#   "gptq"    GPTQ: P.qweight, P.qzeros, P.scales, P.g_idx (jpa.core.quant.gptq_int4; v1 / v2 zero points;
+#             act order: rows sorted by group and an input permutation, jpa.core.quant.gptq_act_order).
+#   "packed"  compressed-tensors "pack-quantized" int4: P.weight_packed, P.weight_scale,
+#             P.weight_zero_point (asymmetric), P.weight_shape (jpa.core.quant.pack_quantized_int4).
+# The int4 layouts become models.gpt.PackedWeight (4-bit codes, group scales [and minimums]). vLLM reads
+# the same layouts: vllm/model_executor/layers/quantization/{fp8,awq,gptq}.py and compressed_tensors/.
+INT4_ROLES = {"awq": ("qweight", "qzeros", "scales"), "gptq": ("qweight", "qzeros", "scales", "g_idx"),
+              "packed": ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")}
+SCALED_DTYPES = {"F8_E4M3": "float8_e4m3fn", "I8": "int8"}
+SCALE_DTYPES = ("F32", "F16", "BF16")
+
+
+def quant_scheme(cfg: dict, where: str = "config.json"):
+    """The quantization of a config.json's `quantization_config`: None (none), or a dict with
+    "method" (the quant_method: "fp8", "awq", "gptq", "compressed-tensors"), "layout" ("scaled",
+    "awq", "gptq" or "packed"), "group_size" (int4; None: per channel) and "v2" (GPTQ v2 zero points).
+
+    Raises CheckpointError naming what is not supported (an unknown method, bits other than 4 for
+    AWQ / GPTQ, AWQ without zero points or other than GEMM, block-wise FP8 scales, a KV-cache scheme)."""
+    q = cfg.get("quantization_config")
+    if q is None:
+        return None
+    method = q.get("quant_method") if isinstance(q, dict) else None
+
+    def refuse(why):
+        raise CheckpointError(f"{where}: quantization_config ({method!r}) {why}")
+
+    if method == "fp8":
+        if q.get("weight_block_size"):
+            refuse(f"has weight_block_size {q['weight_block_size']}: block-wise FP8 scales are not supported "
+                   f"(per-tensor and per-channel are)")
+        return dict(method=method, layout="scaled", group_size=None, v2=False)
+    if method in ("awq", "gptq"):
+        bits = q.get("bits", q.get("w_bit"))
+        if bits != 4:
+            refuse(f"has bits {bits!r}: jpa loads 4-bit {method.upper()} checkpoints")
+        g = q.get("group_size", q.get("q_group_size"))
+        if not isinstance(g, int) or not (g == -1 or (g > 0 and g % 32 == 0)):
+            refuse(f"has group_size {g!r}: jpa needs -1 or a multiple of 32")
+        if method == "awq":
+            version = str(q.get("version", "gemm")).lower()
+            if version != "gemm":
+                refuse(f"has version {version!r}: jpa reads AutoAWQ's GEMM packing")
+            if not q.get("zero_point", True):
+                refuse("has zero_point false: jpa reads AWQ checkpoints with zero points")
+            return dict(method=method, layout="awq", group_size=None if g == -1 else g, v2=False)
+        fmt = q.get("checkpoint_format", "gptq")
+        if fmt not in ("gptq", "gptq_v2"):
+            refuse(f"has checkpoint_format {fmt!r}: jpa reads 'gptq' (v1) and 'gptq_v2'")
+        # desc_act (act order): read from the g_idx tensors themselves (jpa.core.quant.gptq_act_order).
+        return dict(method=method, layout="gptq", group_size=None if g == -1 else g, v2=fmt == "gptq_v2")
+    if method == "compressed-tensors":
+        if q.get("kv_cache_scheme"):
+            refuse("has a kv_cache_scheme: jpa quantizes its KV cache itself (--kv-cache-dtype)")
+        if q.get("sparsity_config"):
+            refuse("has a sparsity_config: sparse compressed-tensors checkpoints are not supported")
+        groups = q.get("config_groups") or {}
+        if not isinstance(groups, dict) or not groups:
+            refuse("has no config_groups")
+        schemes = set()
+        for gname, grp in groups.items():
+            w = (grp or {}).get("weights") or {}
+            fmt = grp.get("format") or q.get("format")
+            key = (w.get("type"), w.get("num_bits"), w.get("strategy"))
+            if key in (("float", 8, "tensor"), ("float", 8, "channel")) and fmt in ("float-quantized",
+                                                                                  "naive-quantized"):
+                schemes.add(("scaled", None))
+            elif key in (("int", 8, "tensor"), ("int", 8, "channel")) and w.get("symmetric", True) and fmt in (
+                    "naive-quantized", "int-quantized"):
+                schemes.add(("scaled", None))
+            elif key[:2] == ("int", 4) and key[2] in ("group", "channel") and fmt == "pack-quantized":
+                g = w.get("group_size") if key[2] == "group" else None
+                if g is not None and (not isinstance(g, int) or g % 32):
+                    refuse(f"group {gname!r} has group_size {g!r}: jpa needs a multiple of 32")
+                schemes.add(("packed", g))
+            else:
+                refuse(f"group {gname!r} has weights {dict(type=key[0], num_bits=key[1], strategy=key[2])} in format "
+                       f"{fmt!r}: jpa loads float-quantized FP8 (tensor / channel), int8 (naive / int-quantized) and "
+                       f"pack-quantized int4 (group / channel)")
+        if len(schemes) != 1:
+            refuse(f"mixes schemes {sorted(schemes, key=str)}: jpa stacks the layers and needs one per checkpoint")
+        layout, g = schemes.pop()
+        return dict(method=method, layout=layout, group_size=g, v2=False)
+    raise CheckpointError(f"{where}: quantization_config ({method!r}) is not supported: jpa loads float16/bfloat16/"
+                          f"float32 weights and the fp8, awq, gptq and compressed-tensors quantizations")
 
 
 def hf_names(c: ModelConfig, model_type: str) -> dict:
@@ -263,22 +361,96 @@ def _tensor_index(path: pathlib.Path) -> dict:
     return index
 
 
-def _plan(c: ModelConfig, model_type: str, index: dict, path: pathlib.Path) -> dict:
+# The parameters a checkpoint may hold quantized (models.gpt.QUANT_AXIS less the embedding table).
+QUANTIZABLE = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "output")
+
+
+class QuantTensor(tuple):
+    """A quantized linear in the plan: (layout, {role: (file, tensor name)}, in, out)."""
+
+    layout = property(lambda self: self[0])
+    tensors = property(lambda self: self[1])
+
+
+def _quant_entry(name, want, index, path, scheme):
+    """The QuantTensor of linear `name` (P.weight; our shape want = [in, out]) when the checkpoint holds
+    it quantized in the scheme's layout, None when it holds P.weight in a float dtype. Checks every
+    tensor's shape and dtype from the headers, raising CheckpointError naming the tensor and type."""
+    prefix = name.removesuffix(".weight")
+    k, n = want
+    layout = scheme["layout"] if scheme else None
+    if name in index and index[name][1] in STORED_DTYPES:
+        return None
+    if layout is None or (layout != "scaled" and prefix + "." + INT4_ROLES[layout][0] not in index):
+        return None  # _check_tensor names what is missing or of an unsupported dtype
+    g = k if layout == "scaled" or scheme["group_size"] is None else scheme["group_size"]
+    if k % g:
+        raise CheckpointError(f"{path}: tensor {prefix} has {k} input features, not a multiple of the group size {g}")
+    ng = k // g
+    specs = {  # role: (allowed dtypes, allowed shapes, required)
+        "scaled": {"weight": (tuple(SCALED_DTYPES), [(n, k)], True),
+                   "weight_scale": (SCALE_DTYPES, [(), (1,), (n,), (n, 1)], True),
+                   "input_scale": (SCALE_DTYPES, [(), (1,)], False)},
+        "awq": {"qweight": (("I32",), [(k, n // 8)], True), "qzeros": (("I32",), [(ng, n // 8)], True),
+                "scales": (SCALE_DTYPES, [(ng, n)], True)},
+        "gptq": {"qweight": (("I32",), [(k // 8, n)], True), "qzeros": (("I32",), [(ng, n // 8)], True),
+                 "scales": (SCALE_DTYPES, [(ng, n)], True), "g_idx": (("I32", "I64"), [(k,)], False)},
+        "packed": {"weight_packed": (("I32",), [(n, k // 8)], True), "weight_scale": (SCALE_DTYPES, [(n, ng)], True),
+                   "weight_zero_point": (("I32",), [(n // 8, ng)], False),
+                   "weight_shape": (("I32", "I64"), [(2,)], False)},
+    }[layout]
+    tensors = {}
+    for role, (dtypes, shapes_ok, required) in specs.items():
+        tname = f"{prefix}.{role}"
+        if tname not in index:
+            if required:
+                raise CheckpointError(f"{path}: tensor {tname} is missing (a {scheme['method']} {layout} linear "
+                                      f"needs it)")
+            continue
+        file, dtype, shape = index[tname]
+        if dtype not in dtypes or shape not in shapes_ok:
+            raise CheckpointError(f"{file}: tensor {tname} is {dtype} {list(shape)}; the {scheme['method']} "
+                                  f"{layout} layout with config.json implies {' or '.join(dtypes)} "
+                                  f"{' or '.join(str(list(x)) for x in shapes_ok)}")
+        tensors[role] = (file, tname)
+    return QuantTensor((layout, tensors, k, n))
+
+
+def _plan(c: ModelConfig, model_type: str, index: dict, path: pathlib.Path, scheme=None, mixed=False) -> dict:
     """Checks presence, shape and dtype of every tensor the model needs, and that the checkpoint
-    holds nothing else; returns {our path: (file, name, transpose, stored dtype)}."""
+    holds nothing else; returns {our path: (file, name, transpose, stored dtype)}, or a QuantTensor
+    for a linear the checkpoint holds quantized (`quant_scheme`). Unless `mixed` (the weights are
+    dequantized at load), every layer must store a stacked weight the same way."""
     from jpa.models.gpt import expected_shapes
 
     shapes = expected_shapes(c)
     plan = {}
     for ours, (name, transpose) in hf_names(c, model_type).items():
         want = shapes[ours] if "." not in ours else shapes["layers"][ours.rsplit(".", 1)[1]]
+        if ours.rsplit(".", 1)[-1] in QUANTIZABLE and transpose and "{j}" not in name:
+            entry = _quant_entry(name, want, index, path, scheme)
+            if entry is not None:
+                plan[ours] = entry
+                continue
         if "{j}" in name:  # an expert parameter [E, ...]: one checkpoint tensor per expert, stacked
             parts = [_check_tensor(name.format(j=j), want[1:], transpose, index, path, model_type)
                      for j in range(want[0])]
             plan[ours] = (tuple(p[0] for p in parts), tuple(p[1] for p in parts), transpose, parts[0][3])
             continue
         plan[ours] = _check_tensor(name, want, transpose, index, path, model_type)
-    used = {n for _, name, _, _ in plan.values() for n in (name if isinstance(name, tuple) else (name,))}
+    used = set()
+    for entry in plan.values():
+        if isinstance(entry, QuantTensor):
+            used.update(t for _, t in entry.tensors.values())
+        else:
+            used.update(entry[1] if isinstance(entry[1], tuple) else (entry[1],))
+    kinds = {}  # a stacked parameter needs one storage for all its layers
+    for ours, entry in plan.items() if not mixed else ():  # mixed: all dequantized at load
+        kind = entry.layout if isinstance(entry, QuantTensor) else "dense"
+        first = kinds.setdefault(ours.rsplit(".", 1)[-1], (ours, kind))
+        if first[1] != kind:
+            raise CheckpointError(f"{path}: {first[0]} is stored {first[1]} but {ours} is stored {kind}; jpa stacks "
+                                  f"the layers and needs one storage per weight (load with quantization 'none')")
     extra = sorted(k for k in index if k not in used and not k.endswith(IGNORED_SUFFIXES)
                    and not (k == "lm_head.weight" and c.tie_embeddings))
     if extra:
@@ -316,6 +488,65 @@ def _read(file, name, transpose, np_dtype):
     return np.ascontiguousarray(a, dtype=np_dtype)
 
 
+def _read_raw(file, name):
+    """One tensor read through its safetensors header (NumPy lacks float8, which safetensors' numpy
+    reader refuses): F8_E4M3 as ml_dtypes float8_e4m3fn, other dtypes as their NumPy types."""
+    import ml_dtypes
+
+    types = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "I8": np.int8, "I32": np.int32, "I64": np.int64, "F32": np.float32,
+             "F16": np.float16, "BF16": ml_dtypes.bfloat16}
+    with open(file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        meta = json.loads(f.read(n))[name]
+        start, end = meta["data_offsets"]
+        f.seek(8 + n + start)
+        data = f.read(end - start)
+    dt = np.dtype(types[meta["dtype"]])
+    shape = tuple(meta["shape"])
+    if len(data) != math.prod(shape) * dt.itemsize:
+        raise CheckpointError(f"{file}: tensor {name} ({meta['dtype']} {list(shape)}) holds {len(data)} bytes: "
+                              f"truncated")
+    return np.frombuffer(data, dt).reshape(shape)
+
+
+def _read_quant(entry: QuantTensor, scheme: dict):
+    """A quantized linear read and converted on the host: ("scaled", q [in, out] int8 / float8, f32 scale
+    [out]) or ("packed", models.gpt.PackedWeight). Raises CheckpointError naming the tensor on bad values."""
+    from jpa.core import quant
+    from jpa.models.gpt import PackedWeight
+
+    t = {role: _read_raw(*ft) for role, ft in entry.tensors.items()}
+    k, n = entry[2], entry[3]
+    prefix = next(iter(entry.tensors.values()))[1].rsplit(".", 1)[0]
+    try:
+        if entry.layout == "scaled":
+            scale = np.broadcast_to(t["weight_scale"].astype(np.float32).reshape(-1), (n,)).copy()
+            if not (np.isfinite(scale).all() and (scale > 0).all()):
+                raise ValueError(f"tensor {prefix}.weight_scale has non-finite or non-positive scales: corrupt")
+            q = t["weight"]
+            if q.dtype != np.int8 and not np.isfinite(q.astype(np.float32)).all():
+                raise ValueError(f"tensor {prefix}.weight ({q.dtype}) holds NaN codes: corrupt")
+            return "scaled", np.ascontiguousarray(q.T), scale
+        if entry.layout == "awq":
+            blocks = quant.awq_int4(t["qweight"], t["qzeros"], t["scales"], name=prefix)
+        elif entry.layout == "gptq":
+            perm = None
+            if "g_idx" in t:  # act order (desc_act): rows sorted by group, activations gathered
+                perm = quant.gptq_act_order(t["g_idx"], k, k // t["scales"].shape[0], name=prefix)
+            blocks = quant.gptq_int4(t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"), scheme["v2"], name=prefix,
+                                     perm=perm)
+            return "packed", PackedWeight(*blocks, -2, perm=perm)
+        else:
+            if "weight_shape" in t and [int(x) for x in t["weight_shape"]] != [n, k]:
+                raise ValueError(f"tensor {prefix}.weight_shape is {t['weight_shape'].tolist()}; config.json implies "
+                                 f"{[n, k]}")
+            blocks = quant.pack_quantized_int4(t["weight_packed"], t["weight_scale"], t.get("weight_zero_point"),
+                                               name=prefix)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from e
+    return "packed", PackedWeight(*blocks, -2)
+
+
 def load(path, dtype=None, quantization=None):
     """Loads a Hugging Face checkpoint directory.
 
@@ -325,7 +556,10 @@ def load(path, dtype=None, quantization=None):
         chat_template.jinja and generation_config.json.
       dtype: parameter dtype, float32 or bfloat16; default bfloat16 on a GPU, float32 otherwise.
       quantization: None, or "int8" / "fp8": weight-only, per output channel, quantized on the host
-        tensor group by tensor group as they are read (models.gpt.set_weight).
+        tensor group by tensor group as they are read (models.gpt.set_weight). A quantized checkpoint
+        (`quant_scheme`: FP8, AWQ, GPTQ, compressed-tensors) is kept as stored with None (the model's
+        `quantization` is then its quant_method; also when `quantization` names that method, as for
+        an "fp8" checkpoint), dequantized on the host at load with "none", and refused otherwise.
 
     Returns:
       (model: models.GPT, tokenizer: models.tokenizer.HFTokenizer).
@@ -341,7 +575,7 @@ def load(path, dtype=None, quantization=None):
     from flax import nnx
 
     from jpa.core.quant import check_weight_quantization
-    from jpa.models.gpt import GPT, PARAM_DTYPES, expected_shapes, set_weight
+    from jpa.models.gpt import GPT, PARAM_DTYPES, PackedWeight, expected_shapes, set_packed, set_scaled, set_weight
     from jpa.models.tokenizer import HFTokenizer
 
     if dtype is None:
@@ -352,7 +586,7 @@ def load(path, dtype=None, quantization=None):
         raise ValueError(f"dtype must be float32 or bfloat16; got {dtype!r}") from e
     if np_dtype not in PARAM_DTYPES:
         raise ValueError(f"dtype must be float32 or bfloat16; got {np_dtype.name}")
-    check_weight_quantization(quantization)
+    check_weight_quantization(None if quantization == "none" else quantization)
     path = pathlib.Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path} is not a directory (models.load takes a preset name or a Hugging "
@@ -366,7 +600,15 @@ def load(path, dtype=None, quantization=None):
     if tokenizer.vocab_size > config.vocab_size:
         raise CheckpointError(f"{path}: tokenizer.json has {tokenizer.vocab_size} tokens but the model's "
                               f"vocab_size is {config.vocab_size}")
-    plan = _plan(config, cfg["model_type"], _tensor_index(path), path)
+    scheme = quant_scheme(cfg, str(path / "config.json"))
+    dequantize = quantization == "none"
+    quantization = None if dequantize else quantization
+    if scheme is not None and quantization not in (None, scheme["method"]):
+        raise CheckpointError(f"{path} is already quantized ({scheme['method']}); load it as stored (no quantization) "
+                              f"or dequantized ('none'), not requantized to {quantization!r}")
+    if scheme is not None:
+        quantization = None  # as stored (quantization naming the checkpoint's own method, as vLLM allows)
+    plan = _plan(config, cfg["model_type"], _tensor_index(path), path, scheme, mixed=dequantize)
 
     model = nnx.eval_shape(lambda: GPT(config, dtype=np_dtype, rngs=nnx.Rngs(0), quantization=quantization))
     shapes_layers = expected_shapes(config)["layers"]
@@ -377,13 +619,38 @@ def load(path, dtype=None, quantization=None):
         groups.setdefault(ours.rsplit(".", 1)[-1], []).append(ours)
     owner = lambda param: model.layers if param in shapes_layers else model
     var = lambda param: getattr(owner(param), param)
+    quantized = False
     # Largest tensors first: their transient copies then come while little else is resident.
     for param in sorted(groups, key=lambda p: -math.prod(var(p).shape)):
         members = sorted(groups[param], key=lambda k: int(k.split(".")[1]) if k.startswith("layers.") else 0)
-        values = [_read(*plan[m][:3], np_dtype) for m in members]
+        if dequantize and any(isinstance(plan[m], QuantTensor) for m in members):
+            # the float weights, quantized ones dequantized on the host: the dense path below
+            values = []
+            for m in members:
+                if not isinstance(plan[m], QuantTensor):
+                    values.append(_read(*plan[m][:3], np_dtype))
+                    continue
+                r = _read_quant(plan[m], scheme)
+                values.append(r[1].dequantize() if r[0] == "packed" else r[1].astype(np.float32) * r[2])
+        elif isinstance(plan[members[0]], QuantTensor):
+            read = [_read_quant(plan[m], scheme) for m in members]
+            stacked = param in shapes_layers
+            if read[0][0] == "packed":
+                set_packed(owner(param), param, PackedWeight.stack([r[1] for r in read]) if stacked else read[0][1])
+                quantized = True
+                continue
+            else:
+                q = np.stack([r[1] for r in read]) if stacked else read[0][1]
+                set_scaled(owner(param), param, q, np.stack([r[2] for r in read]) if stacked else read[0][2])
+                quantized = True
+                continue
+        else:
+            values = [_read(*plan[m][:3], np_dtype) for m in members]
         value = np.stack(values) if param in shapes_layers else values[0]
         if quantization is None:
-            var(param).set_value(jnp.asarray(value))
+            var(param).set_value(jnp.asarray(value, dtype=np_dtype))
         else:
             set_weight(owner(param), param, value, np_dtype, quantization)
+    if quantized:
+        model.quantization = scheme["method"]
     return model, tokenizer

@@ -83,7 +83,9 @@ RULES = {
 # orientation, so they take its rule too (a row-parallel split of `in` keeps whole blocks when
 # in / 32 divides by N; check_divisible says when not).
 for _w in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "tok_embeddings", "output"):
-    RULES[_w + "_bscale"] = RULES[_w + "_bmin"] = RULES[_w]
+    for _s in ("_bscale", "_bmin", "_bscale2", "_bmin2"):  # K-quants: super-block scales lie the same way
+        RULES[_w + _s] = RULES[_w]
+    RULES[_w + "_perm"] = REP  # an act-order GPTQ weight's input permutation: every device gathers its x
 # embeddings="replicated" (and a vocabulary that does not divide by N).
 REPLICATED_EMBEDDINGS = {name: REP for name in RULES if name.startswith(("tok_embeddings", "output"))}
 
@@ -94,19 +96,29 @@ _FFN_AXIS = {"w_gate": 1, "w_up": 1, "b_up": 0, "w_down": 0, "w_gate_scale": 0, 
 # GGUF blocks kept packed: codes keep the weight's name; block scales / minimums lie like their weight.
 for _axes in (_Q_HEAD_AXIS, _KV_HEAD_AXIS, _FFN_AXIS):
     for _w in [w for w in _axes if w.startswith("w") and not w.endswith("_scale")]:
-        _axes[_w + "_bscale"] = _axes[_w + "_bmin"] = _axes[_w]
+        for _s in ("_bscale", "_bmin", "_bscale2", "_bmin2"):
+            _axes[_w + _s] = _axes[_w]
 # The packed weights whose head / ffn axis is their `in` axis, the one their blocks run along: there
 # a feature is half a code byte (Q4) and 1/32 of a block scale.
 _PACKED_IN_AXIS = ("wo", "w_down")
 
 
-def _features_per_entry(name, x) -> float:
-    """Input/output features one entry of parameter `name` (an np.ndarray) spans on its head / ffn axis."""
-    base = name.removesuffix("_bscale").removesuffix("_bmin")
+def _packed_base(name):
+    """The weight a block-scale parameter belongs to (`wo_bscale2` -> `wo`), or name itself."""
+    for suffix in ("_bscale2", "_bmin2", "_bscale", "_bmin"):
+        if name.endswith(suffix):
+            return name.removesuffix(suffix)
+    return name
+
+
+def _features_per_entry(name, x, group: int = 32) -> float:
+    """Input/output features one entry of parameter `name` (an np.ndarray) spans on its head / ffn axis
+    (group: the weight's block size, 32 for GGUF, an int4 checkpoint's group size)."""
+    base = _packed_base(name)
     if base not in _PACKED_IN_AXIS:
         return 1
     if base != name:
-        return 32  # a block scale / minimum
+        return group  # a block scale / minimum
     return 2 if x.dtype == np.uint8 else 1  # Q4 codes hold two 4-bit values a byte
 MODES = ("split", "replicate", "pad")
 
@@ -177,16 +189,20 @@ def _pad(x, axis, size):
     return np.pad(x, pad)
 
 
-def _transform(name, x, config: ModelConfig, plan: HeadPlan, packed: bool = False):
+def _transform(name, x, config: ModelConfig, plan: HeadPlan, packed: bool = False, group: int = 32):
     """Parameter `name` (an np.ndarray) of the original model -> its value in the planned model.
-    packed: the model holds GGUF blocks (zero codes, scales and minimums make zero weights)."""
-    per = _features_per_entry(name, x) if packed else 1
+    packed: the model holds GGUF blocks (zero codes, scales and minimums make zero weights) of
+    `group` values each."""
+    per = _features_per_entry(name, x, group) if packed else 1
     h = config.head_dim / per
-    if h != int(h) or (plan.ffn_dim != config.ffn_dim and name in _FFN_AXIS and (plan.ffn_dim % per
+    moves_heads = (name in _KV_HEAD_AXIS and plan.mode in ("replicate", "pad")) or (
+        name in _Q_HEAD_AXIS and plan.mode == "pad")
+    if (moves_heads and h != int(h)) or (plan.ffn_dim != config.ffn_dim and name in _FFN_AXIS and (plan.ffn_dim % per
                                                                                 or config.ffn_dim % per)):
-        raise ValueError(f"{plan.describe()}: the GGUF blocks of {name} cannot be split at this tensor-parallel "
-                         f"size; load the weights dequantized (quantization 'none') or requantized ('int8')")
-    h = int(h)
+        raise ValueError(f"{plan.describe()}: the blocks of {name} ({per} features each) cannot be split at this "
+                         f"tensor-parallel size; load the weights dequantized (quantization 'none') or requantized "
+                         f"('int8')")
+    h = int(h) if moves_heads else None
     if name in _KV_HEAD_AXIS:
         axis = _KV_HEAD_AXIS[name]
         if plan.mode == "replicate":
@@ -220,12 +236,20 @@ def with_heads(model, plan: HeadPlan):
         return model
     new_c = dataclasses.replace(c, num_q_heads=plan.num_q_heads, num_kv_heads=plan.num_kv_heads,
                                 ffn_dim=plan.ffn_dim)
-    packed = model.quantization == "gguf"
+    # GGUF blocks, or a checkpoint stored quantized (models.hf: some weights quantized, the embeddings not):
+    # attributes GPT(quantization=...) would not rebuild.
+    packed = model.quantization is not None and not (model.quantization in ("int8", "fp8")
+                                                     and hasattr(model, "tok_embeddings_scale"))
     if packed:  # the same attributes as the model's (GGUF blocks), at the planned sizes
         new = _abstract_like(model, new_c)
     else:
         new = nnx.eval_shape(lambda: GPT(new_c, dtype=model.dtype, rngs=nnx.Rngs(0),
                                          quantization=model.quantization))
+    for name, changes in (("wo", plan.num_q_heads != c.num_q_heads), ("w_down", plan.ffn_dim != c.ffn_dim)):
+        if changes and hasattr(model.layers, name + "_perm"):  # its `in` axis holds what the plan resizes
+            raise ValueError(f"{plan.describe()}: {name} is an act-order GPTQ weight (its inputs permuted), which "
+                             f"jpa does not re-plan; load it with quantization 'none' or at a tensor-parallel size "
+                             f"that divides the heads")
     old = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     for path, var in nnx.to_flat_state(nnx.state(new, nnx.Param)):
         # The variable's value, not `[...]` of it: an abstract model's is a ShapeDtypeStruct,
@@ -241,10 +265,15 @@ def with_heads(model, plan: HeadPlan):
         # (padding adds zero weights; a padded channel's scale is 0, harmless on zero weights).
         x = np.asarray(x.astype(jnp.float32))
         x = x.astype(old[path].get_value().dtype)  # codes stay uint8 / int8 (the feature count depends on it)
+        name, group = _name(path), 32
+        if packed and _packed_base(name) != name:  # K / blocks: the weight's group size
+            base = _packed_base(name)
+            codes = old[tuple(base if getattr(k, "key", k) == name else k for k in path)].get_value()
+            group = codes.shape[-2] * (2 if codes.dtype == np.uint8 else 1) // x.shape[-2]
         if _stacked(path):
-            y = np.stack([_transform(_name(path), layer, c, plan, packed) for layer in x])
+            y = np.stack([_transform(name, layer, c, plan, packed, group) for layer in x])
         else:
-            y = _transform(_name(path), x, c, plan, packed)
+            y = _transform(name, x, c, plan, packed, group)
         var.set_value(jnp.asarray(y, dtype=var.dtype))
     return new
 

@@ -223,7 +223,7 @@ def _unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, in_dim).swapaxes(1, 2).reshape(out_dim, in_dim)
 
 
-def _packed_linear(codes, d, m, n_heads=None):
+def _packed_linear(codes, d, m, n_heads=None, d2=None, m2=None):
     """GGUF [out, in] blocks (codes [out, in or in/2], d/m [out, in/32]) -> a PackedWeight in x @ W's
     [in, out] layout, Q/K rows put in rotate_half order first when n_heads is given."""
     from jpa.models.gpt import PackedWeight
@@ -231,8 +231,9 @@ def _packed_linear(codes, d, m, n_heads=None):
     if n_heads is not None:  # the permutation moves whole rows (output features): codes and scales alike
         perm = _unpermute_qk(np.arange(codes.shape[0])[:, None], n_heads)[:, 0]
         codes, d, m = codes[perm], d[perm], None if m is None else m[perm]
+        d2, m2 = None if d2 is None else d2[perm], None if m2 is None else m2[perm]
     t = lambda a: None if a is None else np.ascontiguousarray(a.T)
-    return PackedWeight(t(codes), t(d), t(m), -2)
+    return PackedWeight(t(codes), t(d), t(m), -2, t(d2), t(m2))
 
 
 def read_gguf(path, *, check_expected: bool = True, keep_packed: bool = False) -> tuple[dict, dict]:
@@ -241,8 +242,8 @@ def read_gguf(path, *, check_expected: bool = True, keep_packed: bool = False) -
     Args:
       path: the .gguf file.
       check_expected: also require SmolLM2-135M-Instruct's hyperparameters (EXPECTED).
-      keep_packed: keep the matmul weights and token embeddings stored as Q8_0 / Q4_0 / Q4_1 as
-        their blocks (`models.gpt.PackedWeight`, dequantized inside the matmul; other types are
+      keep_packed: keep the matmul weights and token embeddings stored as Q8_0 / Q4_0 / Q4_1 /
+        Q4_K / Q5_K / Q6_K as their blocks (`models.gpt.PackedWeight`, dequantized inside the matmul; other types are
         still dequantized here).
 
     Returns:
@@ -267,7 +268,7 @@ def read_gguf(path, *, check_expected: bool = True, keep_packed: bool = False) -
     d, n, k, h, f = (meta[x] for x in ("d_model", "num_q_heads", "num_kv_heads", "head_dim", "ffn_dim"))
     vocab = meta["vocab_size"]
 
-    from jpa.core.quant import PACKED_FORMATS, unpack_gguf_rows
+    from jpa.core.quant import K_FORMATS, KEPT_FORMATS, unpack_gguf_rows, unpack_k_blocks
 
     def get(name, want, packable=False):  # want: the NumPy shape of the stored tensor (GGUF's ne reversed)
         t = tensors.get(name)
@@ -276,8 +277,10 @@ def read_gguf(path, *, check_expected: bool = True, keep_packed: bool = False) -
         stored = tuple(int(x) for x in reversed(t.shape))
         if stored != want:
             raise ValueError(f"{path}: tensor {name} has shape {list(stored)}; expected {list(want)}")
-        if packable and keep_packed and t.tensor_type.name in PACKED_FORMATS:
+        if packable and keep_packed and t.tensor_type.name in KEPT_FORMATS:
             try:
+                if t.tensor_type.name in K_FORMATS:  # codes, sub-block and super-block scales
+                    return unpack_k_blocks(t.data, t.tensor_type.name, *want, name=name)
                 return unpack_gguf_rows(t.data, t.tensor_type.name, *want, name=name)
             except ValueError as e:
                 raise CorruptGGUFError(f"{path}: {e}") from e
@@ -291,14 +294,14 @@ def read_gguf(path, *, check_expected: bool = True, keep_packed: bool = False) -
         """GGUF stores each linear as HF's [out, in]; x @ W's layout is [in, out]."""
         w = get(name, want, packable=True)
         if isinstance(w, tuple):  # blocks kept packed
-            return _packed_linear(*w, n_heads)
+            return _packed_linear(*w[:3], n_heads, *w[3:])
         return (w if n_heads is None else _unpermute_qk(w, n_heads)).T.copy()
 
     emb = get("token_embd.weight", (vocab, d), packable=True)  # [vocab, d_model]: blocks along a row
     if isinstance(emb, tuple):
         from jpa.models.gpt import PackedWeight
 
-        emb = PackedWeight(*emb, -1)
+        emb = PackedWeight(*emb[:3], -1, *emb[3:])
     weights = {"tok_embeddings": emb, "norm": get("output_norm.weight", (d,))}  # norm: [d_model]
     if not meta["tie_embeddings"]:
         weights["output"] = linear("output.weight", (vocab, d))  # [d_model, vocab]

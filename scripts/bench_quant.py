@@ -4,6 +4,10 @@ against the float32 model, and what the H100 compiler makes of each format's mat
 
     .venv/bin/python scripts/bench_quant.py quality int8 fp8 gguf   # the 32 chat prompts, greedy
     .venv/bin/python scripts/bench_quant.py hlo --batch 64           # deviceless H100 decode step
+    .venv/bin/python scripts/bench_quant.py bytes                    # Llama-3-8B device bytes per format
+
+`bytes`: the device bytes of Llama-3-8B's layer weights as jpa keeps each checkpoint format (FP8 / int8
+per channel, AWQ, GPTQ, compressed-tensors pack-quantized, GGUF blocks), from jpa's own converters.
 
 `quality`: each format's model (models.load("smollm2-135m", quantization=Q)) answers the 32 chat
 prompts of jpa.tools.bench.PROMPTS greedily (32 new tokens) through jpa.LLM, as does the float32
@@ -177,6 +181,69 @@ def _size(t):
     return out
 
 
+# Llama-3-8B: 32 layers of q [4096, 4096], k / v [4096, 1024], o [4096, 4096], gate / up [4096, 14336],
+# down [14336, 4096] ([in, out]); embeddings and the untied head [128256, 4096] each.
+LLAMA3_8B_LINEARS = [(4096, 4096), (4096, 1024), (4096, 1024), (4096, 4096), (4096, 14336), (4096, 14336),
+                     (14336, 4096)]
+LLAMA3_8B = dict(layers=32, vocab=128256, d=4096)
+
+
+def _stored(fmt, k, n, rng):
+    """The device arrays jpa keeps for one [in=k, out=n] linear stored in `fmt`, made by jpa's own converters
+    from random bytes in the format's layout (models.hf / jpa.core.quant; bytes do not depend on the values)."""
+    import ml_dtypes
+    import numpy as np
+
+    from jpa.core import quant
+
+    i32 = lambda *s: rng.integers(-2 ** 31, 2 ** 31, s, dtype=np.int64).astype(np.int32)
+    f16 = lambda *s: rng.uniform(1e-3, 1e-2, s).astype(np.float16)
+    g = 128
+    if fmt in ("fp8", "int8"):  # q [in, out] + an f32 scale per output channel (per-tensor scales: repeated)
+        dt = ml_dtypes.float8_e4m3fn if fmt == "fp8" else np.int8
+        return [np.zeros((k, n), dt), np.ones(n, np.float32)]
+    if fmt == "awq-g128":
+        return list(quant.awq_int4(i32(k, n // 8), i32(k // g, n // 8), f16(k // g, n)))
+    if fmt == "gptq-sym-g128":
+        return list(quant.gptq_int4(i32(k // 8, n), np.full((k // g, n // 8), 0x77777777, np.int32), f16(k // g, n)))
+    if fmt == "gptq-asym-g128":
+        return list(quant.gptq_int4(i32(k // 8, n), i32(k // g, n // 8), f16(k // g, n)))
+    if fmt == "pack-quantized-sym-g128":
+        return list(quant.pack_quantized_int4(i32(n, k // 8), f16(n, k // g).astype(ml_dtypes.bfloat16)))
+    if fmt in quant.K_FORMATS or fmt in quant.PACKED_FORMATS:  # GGUF [out, in] rows of blocks
+        per = quant.K_FORMATS.get(fmt)
+        blk, nbytes = (256, per) if per else (32, quant.PACKED_FORMATS[fmt][0])
+        raw = rng.integers(0, 256, (n, k // blk, nbytes)).astype(np.uint8)
+        for at in ([208] if fmt == "Q6_K" else [0, 2] if per or fmt == "Q4_1" else [0]):
+            raw[..., at:at + 2] = f16(n, k // blk, 1).view(np.uint8)
+        unpack = quant.unpack_k_blocks if per else quant.unpack_gguf_rows  # what models.smollm2 keeps
+        return list(unpack(raw.reshape(n, -1), fmt, n, k))
+    raise ValueError(fmt)
+
+
+def weight_bytes(formats):
+    """Device bytes of Llama-3-8B's layer weights per format, each linear converted by jpa's own loader code
+    on an [in, 1024] slice and scaled to its `out` (exact: every stored array is per output channel)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    L, V, d = LLAMA3_8B["layers"], LLAMA3_8B["vocab"], LLAMA3_8B["d"]
+    n_lin = L * sum(k * n for k, n in LLAMA3_8B_LINEARS)
+    other = 2 * (2 * V * d + (2 * L + 1) * d)  # bf16 embeddings, head and norms (checkpoints keep them dense)
+    print(f"| format | layer weights: bits per weight | layer weight bytes | vs bf16 | with bf16 embeddings + head |")
+    print("|---|---:|---:|---:|---:|")
+    print(f"| bf16 | 16.00 | {2 * n_lin:,} | 1.00x | {2 * n_lin + other:,} (1.00x) |")
+    total_bf16 = 2 * n_lin + other
+    for fmt in formats:
+        per_k = {}
+        for k in sorted({k for k, _ in LLAMA3_8B_LINEARS}):
+            arrays = _stored(fmt, k, 1024, rng)
+            per_k[k] = sum(a.nbytes for a in arrays if a is not None) / 1024  # bytes per output channel
+        b = int(L * sum(per_k[k] * n for k, n in LLAMA3_8B_LINEARS))
+        print(f"| {fmt} | {8 * b / n_lin:.2f} | {b:,} | {b / (2 * n_lin):.3f}x | {b + other:,} "
+              f"({(b + other) / total_bf16:.3f}x) |", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -185,8 +252,13 @@ def main(argv=None):
     h = sub.add_parser("hlo")
     h.add_argument("formats", nargs="*", default=["none", "int8", "fp8", "gguf"])
     h.add_argument("--batch", type=int, default=64)
+    b = sub.add_parser("bytes")
+    b.add_argument("formats", nargs="*", default=["fp8", "int8", "awq-g128", "gptq-sym-g128", "gptq-asym-g128",
+                                                  "pack-quantized-sym-g128", "Q8_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"])
     args = ap.parse_args(argv)
-    if args.cmd == "quality":
+    if args.cmd == "bytes":
+        weight_bytes(args.formats)
+    elif args.cmd == "quality":
         quality(args.formats)
     else:
         hlo(args.formats, args.batch)

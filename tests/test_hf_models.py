@@ -397,8 +397,9 @@ def test_config_defaults_and_layouts():
      r"sliding_attention layers are not supported for qwen3"),
     ("gemma2", dict(hidden_activation="gelu"), r"activation 'gelu' is not supported for gemma2"),
     ("gemma2", dict(use_bidirectional_attention=True), r"use_bidirectional_attention = True is not supported"),
-    ("qwen3", dict(quantization_config={"quant_method": "awq", "bits": 4}),
-     r"quantization_config \('awq'\) is not supported"),
+    ("qwen3", dict(quantization_config={"quant_method": "awq", "bits": 8, "group_size": 128}),
+     r"quantization_config \('awq'\) has bits 8: jpa loads 4-bit AWQ checkpoints"),
+    ("qwen3", dict(quantization_config={"quant_method": "hqq"}), r"quantization_config \('hqq'\) is not supported"),
     ("llama", dict(hidden_size=None), r"'hidden_size' is missing"),
     ("llama", dict(num_attention_heads=3), r"num_q_heads \(3\) must be a multiple of num_kv_heads"),
 ])

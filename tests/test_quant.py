@@ -270,8 +270,9 @@ def test_packed_gguf_model_equals_the_model_dequantized_at_load():
 @pytest.mark.parametrize("data,fmt,msg", [
     (np.zeros(100, np.uint8), "Q4_1", r"tensor blk.3.ffn_up.weight \(Q4_1\) holds 100 bytes of uint8; a \[4, 64\] "
                                       r"Q4_1 tensor has 160 uint8: truncated or corrupt"),
-    (np.zeros(160, np.uint8), "Q4_K", r"tensor blk.3.ffn_up.weight has type Q4_K; jpa keeps \['Q4_0', 'Q4_1', "
-                                      r"'Q8_0'\] packed"),
+    (np.zeros(160, np.uint8), "IQ4_XS", r"tensor blk.3.ffn_up.weight has type IQ4_XS; jpa keeps \['Q4_0', 'Q4_1', "
+                                        r"'Q4_K', 'Q5_K', 'Q6_K', 'Q8_0'\] packed"),
+    (np.zeros(100, np.uint8), "Q6_K", r"tensor blk.3.ffn_up.weight \(Q6_K\) has 64 columns, not a multiple of 256"),
 ])
 def test_corrupt_or_unsupported_gguf_tensor_is_one_line_naming_it(data, fmt, msg):
     from jpa.core.quant import unpack_gguf_rows
@@ -285,3 +286,90 @@ def test_gguf_quantization_needs_a_gguf_model():
         models.load("tiny-llama", quantization="gguf")
     with pytest.raises(UsageError, match="--quantization gguf keeps a GGUF file's blocks"):
         EngineArgs(model="tiny-llama", quantization="gguf").check()
+
+
+# ---- GGUF K-quants (Q4_K, Q5_K, Q6_K) kept packed ----
+
+def _k_blocks(rng, fmt, rows, cols, scale=2e-3):
+    """Random GGUF K-quant bytes [rows, cols / 256 * bytes] (every code, sub-scale and minimum bit random)
+    with sane f16 super-block scales, and gguf.quants.dequantize's float values of them (the oracle; the
+    gguf package cannot quantize K types)."""
+    from gguf import GGMLQuantizationType, quants
+
+    from jpa.core.quant import K_FORMATS
+
+    raw = rng.integers(0, 256, (rows, cols // 256, K_FORMATS[fmt])).astype(np.uint8)
+    for at in ([208] if fmt == "Q6_K" else [0, 2]):  # d (and dmin)
+        raw[..., at:at + 2] = rng.uniform(scale / 4, scale, raw.shape[:2] + (1,)).astype(np.float16).view(np.uint8)
+    raw = raw.reshape(rows, -1)
+    return raw, quants.dequantize(raw, GGMLQuantizationType[fmt]).reshape(rows, cols)
+
+
+def test_gguf_k_quants_unpack_to_the_gguf_package_values():
+    from jpa.core.quant import K_FORMATS, dequantize_blocks, unpack_gguf_rows, unpack_k_blocks
+
+    rng = np.random.default_rng()
+    for fmt in K_FORMATS:
+        raw, want = _k_blocks(rng, fmt, 3, 512)
+        codes, d, m = unpack_gguf_rows(raw, fmt, 3, 512, name="t")
+        assert codes.dtype == (np.uint8 if fmt == "Q4_K" else np.int8) and d.dtype == np.float32
+        np.testing.assert_array_equal(dequantize_blocks(codes, d, m, axis=-1), want)  # NumPy, bit for bit
+        codes, d, m, d2, m2 = unpack_k_blocks(raw, fmt, 3, 512, name="t")  # as kept: sub-block + super-block
+        assert d.dtype == (np.int8 if fmt == "Q6_K" else np.uint8) and d2.shape == (3, 2)
+        j = lambda a: None if a is None else jnp.asarray(a.T)
+        got = dequantize_blocks(j(codes), j(d), j(m), axis=-2, d2=j(d2), m2=j(m2))
+        np.testing.assert_array_equal(np.asarray(got), want.T)
+    with pytest.raises(ValueError, match=r"^tensor t \(Q5_K\) holds 300 bytes of uint8; a \[2, 256\] Q5_K tensor "
+                                         r"has 352 uint8: truncated or corrupt$"):
+        unpack_gguf_rows(np.zeros(300, np.uint8), "Q5_K", 2, 256, name="t")
+
+
+def test_k_quant_model_equals_the_model_dequantized_at_load():
+    """A llama whose linears are K-quant blocks, mixed across layers as a Q4_K_M file mixes them (Q6_K
+    ffn_down / attn_v in one layer, Q4_K / Q5_K in the other: stacked in one common form), kept
+    packed: its logits equal the model of gguf's dequantized values."""
+    import dataclasses
+
+    from jpa.core.quant import unpack_k_blocks
+    from jpa.models.gpt import PackedWeight, expected_shapes
+    from jpa.models.smollm2 import _packed_linear, _unpermute_qk
+
+    c = dataclasses.replace(PRESETS["tiny-llama"], d_model=256, ffn_dim=256, num_q_heads=4, num_kv_heads=2,
+                            head_dim=64, vocab_size=300)
+    rng = np.random.default_rng()
+    fmts = [{"wq": "Q4_K", "wk": "Q5_K", "wv": "Q6_K", "wo": "Q4_K", "w_gate": "Q4_K", "w_up": "Q5_K",
+             "w_down": "Q6_K"},
+            {"wq": "Q4_K", "wk": "Q5_K", "wv": "Q4_K", "wo": "Q4_K", "w_gate": "Q4_K", "w_up": "Q5_K",
+             "w_down": "Q4_K"}]
+    heads = {"wq": c.num_q_heads, "wk": c.num_kv_heads}
+    packed, dense = {}, {}
+    raw, deq = _k_blocks(rng, "Q6_K", c.vocab_size, c.d_model, 0.05)
+    emb = unpack_k_blocks(raw, "Q6_K", *deq.shape)
+    packed["tok_embeddings"] = PackedWeight(*emb[:3], -1, *emb[3:])
+    dense["tok_embeddings"] = deq
+    packed["norm"] = dense["norm"] = rng.uniform(0.5, 1.5, c.d_model).astype(np.float32)
+    packed["layers"], dense["layers"] = [], []
+    for layer in fmts:
+        pl, dl = {}, {}
+        for name, shape in expected_shapes(c)["layers"].items():
+            if name not in layer:
+                pl[name] = dl[name] = rng.uniform(0.5, 1.5, shape).astype(np.float32)
+                continue
+            raw, deq = _k_blocks(rng, layer[name], shape[1], shape[0])  # GGUF's [out, in]
+            n = heads.get(name)
+            blocks = unpack_k_blocks(raw, layer[name], shape[1], shape[0])
+            pl[name] = _packed_linear(*blocks[:3], n, *blocks[3:])
+            dl[name] = (deq if n is None else _unpermute_qk(deq, n)).T.copy()
+        packed["layers"].append(pl)
+        dense["layers"].append(dl)
+    pm = GPT.from_weights(c, packed)
+    dm = GPT.from_weights(c, dense)
+    assert pm.layers.wq[...].dtype == np.uint8 and pm.layers.wk[...].dtype == np.int8  # Q4_K nibbles, Q5_K
+    # Q4_K in both layers: nibbles, one-byte sub-block scales and minimums, f16 super-block d / -dmin
+    assert pm.layers.wq_bscale[...].dtype == np.uint8 and pm.layers.wq_bscale2[...].shape == (2, 1, 256)
+    # Q6_K / Q4_K mixed: one common form (int8 codes, f32 scales per 16, minimums)
+    assert pm.layers.w_down[...].dtype == np.int8 and pm.layers.w_down_bscale[...].shape == (2, 256 // 16, 256)
+    assert pm.tok_embeddings_bscale[...].dtype == np.int8 and pm.tok_embeddings_bscale2[...].shape == (300, 1)
+    assert pm.weight_bytes() < 0.4 * dm.weight_bytes()
+    tokens = jnp.asarray(rng.integers(0, c.vocab_size, (2, 10)), jnp.int32)
+    np.testing.assert_allclose(_logprobs(pm, tokens), _logprobs(dm, tokens), atol=5e-5, rtol=0)

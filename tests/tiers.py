@@ -15,6 +15,21 @@ tests/test_layers.py checks that every entry still names a test (or a file).
 """
 
 BENCH = {
+    # --- Hugging Face quantized checkpoints: fp8 per channel and per tensor, AWQ, GPTQ v1 act order (asymmetric,
+    # with a quantized lm_head) and pack-quantized asymmetric stay against NumPy's dequantize-then-matmul
+    **{f"tests/test_quant_hf.py::test_quantized_checkpoint_equals_numpy_dequantize_then_matmul[{fmt}]": why
+       for fmt, why in (("int8-channel", "2 s: int8 per channel (the fp8 per-channel case keeps the scaled path)"),
+                        ("fp8-legacy", "2 s: quant_method fp8 (fp8-tensor keeps per-tensor scales)"),
+                        ("gptq-sym", "3 s: GPTQ symmetric (packed-asym / awq keep both int4 forms)"),
+                        ("packed", "2 s: pack-quantized symmetric (packed-asym stays)"))},
+    "tests/test_quant_hf.py::test_head_plans_keep_checkpoint_quantization[gptq-actorder-4]":
+        "5 s: an act-order GPTQ model's permutations at tp=4 (the awq case at tp=4 stays)",
+    "tests/test_quant_hf.py::test_quantized_checkpoint_equals_numpy_dequantize_then_matmul[gptq]":
+        "3 s: GPTQ v1 asymmetric in order (gptq-actorder keeps v1 zero points and the quantized lm_head)",
+    "tests/test_quant_hf.py::test_quantized_checkpoint_equals_numpy_dequantize_then_matmul[gptq-v2]":
+        "3 s: GPTQ v2 zero points (test_gptq_v1_zero_point_is_stored_minus_one)",
+    "tests/test_quant_hf.py::test_head_plans_keep_checkpoint_quantization[fp8-channel-3]":
+        "8 s: fp8 per-channel scales padded at tp=3 (the awq case at tp=4 stays)",
     # --- multihost: jpa generate over 2 processes (test_generate_over_two_processes_equals_one) stays
     "tests/test_multihost.py::test_serve_over_two_processes_and_a_hung_peer":
         "45 s: jpa serve over 2 processes, SIGSTOP of a peer; the watchdog stays in "
