@@ -8,9 +8,12 @@ models.GPT (see ModelConfig): "llama" (Llama 2/3, Llama-3 `rope_scaling`, tied o
 RMSNorm) and "gemma2" (embedding scale, GeGLU, (1 + w) RMSNorm, post-norms, query scale from
 query_pre_attn_scalar, attention and final logit soft caps, sliding window on the layers
 `layer_types` names, by default every other one), and the mixtures of experts (models.moe)
-"mixtral" (per-expert w1/w3/w2 tensors under block_sparse_moe) and "qwen3_moe" (per-expert
+"mixtral" (per-expert w1/w3/w2 tensors under block_sparse_moe), "qwen3_moe" (per-expert
 gate/up/down_proj under mlp, q/k RMSNorm; every layer sparse), whose experts' tensors are stacked
-on an expert axis as they are read. Anything else, and any option of these
+on an expert axis as they are read, and "gpt_oss" (transformers' GptOss: the experts stacked in the
+checkpoint, gate and up interleaved in gate_up_proj [E, D, 2F] (gate the even columns), router,
+expert and q/k/v/o biases, clamped SwiGLU, attention sinks, sliding window on the layers
+`layer_types` names (by default the even ones), YaRN RoPE). Anything else, and any option of these
 families that the model does not implement, is refused with a ValueError naming it.
 
 Loading is two passes. The first reads only metadata: config.json, the safetensors headers (the
@@ -30,7 +33,7 @@ import numpy as np
 
 from jpa.models.config import ModelConfig
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "mixtral", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "mixtral", "qwen3_moe", "gpt_oss")
 # safetensors dtype -> NumPy dtype name (bfloat16 comes from ml_dtypes, which JAX imports).
 STORED_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 # Tensors a checkpoint may carry that the model does not use.
@@ -52,6 +55,11 @@ def _read_json(path: pathlib.Path, required: bool):
         raise CheckpointError(f"{path} is not valid JSON: {e}") from e
 
 
+# transformers' GptOssConfig defaults (a config.json without rope parameters gets them).
+GPT_OSS_ROPE = {"rope_theta": 150000.0, "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 4096}
+
+
 def _rope(cfg: dict, where: str):
     """(rope_base, rope_scaling tuple) from the old (rope_theta / rope_scaling) or transformers-5
     (rope_parameters) config layout."""
@@ -59,6 +67,9 @@ def _rope(cfg: dict, where: str):
     scaling = cfg.get("rope_scaling")
     if scaling:
         params = {**scaling, **params}
+    if cfg.get("model_type") == "gpt_oss":
+        defaults = {"rope_theta": GPT_OSS_ROPE["rope_theta"]} if params else GPT_OSS_ROPE
+        params = {**defaults, **({"rope_theta": cfg["rope_theta"]} if "rope_theta" in cfg else {}), **params}
     base = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     kind = params.get("rope_type", params.get("type", "default"))
     if params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) != 1.0:
@@ -74,7 +85,25 @@ def _rope(cfg: dict, where: str):
             raise CheckpointError(f"{where}: llama3 rope scaling needs {missing}")
         old = params.get("original_max_position_embeddings", cfg.get("max_position_embeddings"))
         return float(base), ("llama3", *(float(params[k]) for k in keys), int(old))
-    raise CheckpointError(f"{where}: RoPE type {kind!r} is not supported (supported: default, linear, llama3)")
+    if kind == "yarn":
+        return float(base), _yarn(params, cfg, where)
+    raise CheckpointError(f"{where}: RoPE type {kind!r} is not supported (supported: default, linear, llama3, "
+                          f"yarn)")
+
+
+def _yarn(params: dict, cfg: dict, where: str) -> tuple:
+    """The ("yarn", ...) rope_scaling tuple of transformers' _compute_yarn_parameters."""
+    old = params.get("original_max_position_embeddings")
+    if old is None:
+        raise CheckpointError(f"{where}: yarn rope scaling needs original_max_position_embeddings")
+    factor = params.get("factor") or cfg.get("max_position_embeddings", 2048) / old
+    mscale = lambda scale, m=1.0: 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    attn = params.get("attention_factor")
+    if attn is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attn = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return ("yarn", float(factor), float(params.get("beta_fast") or 32), float(params.get("beta_slow") or 1),
+            int(old), float(attn), 1.0 if params.get("truncate", True) else 0.0)
 
 
 def _refuse(cfg: dict, where: str, key: str, allowed, what: str):
@@ -112,8 +141,8 @@ def config_from_hf(cfg: dict, *, where: str = "config.json", bos_token_id: int =
         raise CheckpointError(f"{where}: activation {act!r} is not supported for {model_type} (expected "
                               f"{want_act!r})")
     for key in ("attention_bias", "mlp_bias"):
-        if model_type != "qwen2":
-            _refuse(cfg, where, key, (None, False), "the model has no biases besides Qwen2's q/k/v")
+        if model_type not in ("qwen2", "gpt_oss"):
+            _refuse(cfg, where, key, (None, False), "the model has no biases besides Qwen2's q/k/v and gpt-oss's")
     if model_type in ("qwen2", "qwen3", "qwen3_moe"):
         _refuse(cfg, where, "use_sliding_window", (None, False), "Qwen sliding-window layers")
     _refuse(cfg, where, "use_bidirectional_attention", (None, False), "jpa's attention is causal")
@@ -130,12 +159,13 @@ def config_from_hf(cfg: dict, *, where: str = "config.json", bos_token_id: int =
         if unknown or len(layer_types) != layers:
             raise CheckpointError(f"{where}: layer_types must be {layers} entries of 'full_attention' / "
                                   f"'sliding_attention'; got {layer_types!r}")
-    if gemma or model_type in ("mistral", "mixtral"):
-        window = cfg.get("sliding_window")
+    gpt_oss = model_type == "gpt_oss"
+    if gemma or gpt_oss or model_type in ("mistral", "mixtral"):
+        window = cfg.get("sliding_window", 128 if gpt_oss else None)
         if window is not None:
-            if layer_types is None:  # transformers' defaults: Gemma-2 even layers, Mistral all
+            if layer_types is None:  # transformers' defaults: Gemma-2 and gpt-oss even layers, Mistral all
                 layer_types = (["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
-                               if gemma else ["sliding_attention"] * layers)
+                               if gemma or gpt_oss else ["sliding_attention"] * layers)
             window_layers = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
             window = int(window) if window_layers else None
     elif layer_types is not None and "sliding_attention" in layer_types:
@@ -156,7 +186,8 @@ def config_from_hf(cfg: dict, *, where: str = "config.json", bos_token_id: int =
             max_seq_len=int(cfg.get("max_position_embeddings", 2048)), rope_base=base,
             norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", tie_default)),
-            bos_token_id=bos_token_id, eos_token_id=eos_token_id, qkv_bias=model_type == "qwen2",
+            bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+            qkv_bias=model_type == "qwen2" or (gpt_oss and bool(cfg.get("attention_bias", True))),
             qk_norm=model_type in ("qwen3", "qwen3_moe"), rope_scaling=scaling, sliding_window=window,
             sliding_window_layers=window_layers, **kw)
     except ValueError as e:
@@ -167,11 +198,11 @@ def _moe_options(cfg: dict, model_type: str, layers: int, where: str) -> dict:
     """The ModelConfig mixture-of-experts fields of a mixtral / qwen3_moe config ({} otherwise).
     Every layer must be a MoE layer: a Qwen3-MoE config with dense layers (mlp_only_layers, or
     decoder_sparse_step > 1) is refused (the scanned layers hold one parameter set)."""
-    if model_type not in ("mixtral", "qwen3_moe"):
+    if model_type not in ("mixtral", "qwen3_moe", "gpt_oss"):
         return {}
-    experts = cfg.get("num_local_experts") if model_type == "mixtral" else cfg.get(
+    experts = cfg.get("num_local_experts") if model_type != "qwen3_moe" else cfg.get(
         "num_experts", cfg.get("num_local_experts"))
-    k = cfg.get("num_experts_per_tok")
+    k = cfg.get("num_experts_per_tok", cfg.get("experts_per_token") if model_type == "gpt_oss" else None)
     if experts is None or k is None:
         raise CheckpointError(f"{where}: {model_type} needs num_experts (num_local_experts) and num_experts_per_tok")
     if model_type == "qwen3_moe":
@@ -183,15 +214,22 @@ def _moe_options(cfg: dict, model_type: str, layers: int, where: str) -> dict:
                                   f"layers need every layer to be a mixture-of-experts layer")
         norm = bool(cfg.get("norm_topk_prob", False))
     else:
-        norm = True  # Mixtral: softmax over the chosen experts' logits
-    return dict(num_experts=int(experts), experts_per_token=int(k), norm_topk_prob=norm)
+        norm = True  # Mixtral, gpt-oss: softmax over the chosen experts' logits
+    out = dict(num_experts=int(experts), experts_per_token=int(k), norm_topk_prob=norm)
+    if model_type == "gpt_oss":  # transformers' GptOss: biases, clamped SwiGLU, sinks
+        out.update(router_bias=True, expert_bias=True, attn_sinks=True,
+                   o_bias=bool(cfg.get("attention_bias", True)),
+                   swiglu_clamp=(float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0))))
+    return out
 
 
 def hf_names(c: ModelConfig, model_type: str) -> dict:
-    """{our parameter path: (checkpoint tensor name, transpose)} for a config.
+    """{our parameter path: (checkpoint tensor name, transpose[, part])} for a config.
 
     Paths are "tok_embeddings", "norm", "output", "layers.{i}.{name}" (models.gpt.expected_shapes);
-    transpose means the checkpoint holds torch's [out, in] and the model x @ W's [in, out].
+    transpose means the checkpoint holds torch's [out, in] and the model x @ W's [in, out]; part
+    (gpt-oss's gate_up_proj) 0 or 1: the tensor's last axis interleaves two parameters, ours is
+    [..., part::2].
     """
     from jpa.models.gpt import expected_shapes
 
@@ -209,18 +247,27 @@ def hf_names(c: ModelConfig, model_type: str) -> dict:
     }
     moe = "block_sparse_moe" if model_type == "mixtral" else "mlp"
     layer["router"] = (f"{moe}.gate.weight", True)
+    if model_type == "gpt_oss":  # experts stacked in the checkpoint as [E, in, out]; gate and up interleaved
+        layer.update(router=("mlp.router.weight", True), router_bias=("mlp.router.bias", False),
+                     experts_gate=("mlp.experts.gate_up_proj", False, 0),
+                     experts_up=("mlp.experts.gate_up_proj", False, 1),
+                     experts_down=("mlp.experts.down_proj", False),
+                     experts_gate_bias=("mlp.experts.gate_up_proj_bias", False, 0),
+                     experts_up_bias=("mlp.experts.gate_up_proj_bias", False, 1),
+                     experts_down_bias=("mlp.experts.down_proj_bias", False),
+                     bo=("self_attn.o_proj.bias", False), sinks=("self_attn.sinks", False))
     # An expert parameter [E, ...] is E checkpoint tensors: the name holds "{j}" for the expert.
     expert = {"mixtral": ("w1", "w3", "w2")}.get(model_type, ("gate_proj", "up_proj", "down_proj"))
     for ours, theirs in zip(("experts_gate", "experts_up", "experts_down"), expert):
-        layer[ours] = (f"{moe}.experts.{{j}}.{theirs}.weight", True)
+        layer.setdefault(ours, (f"{moe}.experts.{{j}}.{theirs}.weight", True))
     shapes = expected_shapes(c)
     out = {"tok_embeddings": ("model.embed_tokens.weight", False), "norm": ("model.norm.weight", False)}
     if not c.tie_embeddings:
         out["output"] = ("lm_head.weight", True)
     for i in range(c.num_layers):
         for name in shapes["layers"]:
-            hf, t = layer[name]
-            out[f"layers.{i}.{name}"] = (f"model.layers.{i}.{hf}", t)
+            hf, *rest = layer[name]
+            out[f"layers.{i}.{name}"] = (f"model.layers.{i}.{hf}", *rest)
     return out
 
 
@@ -270,15 +317,15 @@ def _plan(c: ModelConfig, model_type: str, index: dict, path: pathlib.Path) -> d
 
     shapes = expected_shapes(c)
     plan = {}
-    for ours, (name, transpose) in hf_names(c, model_type).items():
+    for ours, (name, transpose, *part) in hf_names(c, model_type).items():
         want = shapes[ours] if "." not in ours else shapes["layers"][ours.rsplit(".", 1)[1]]
         if "{j}" in name:  # an expert parameter [E, ...]: one checkpoint tensor per expert, stacked
             parts = [_check_tensor(name.format(j=j), want[1:], transpose, index, path, model_type)
                      for j in range(want[0])]
             plan[ours] = (tuple(p[0] for p in parts), tuple(p[1] for p in parts), transpose, parts[0][3])
             continue
-        plan[ours] = _check_tensor(name, want, transpose, index, path, model_type)
-    used = {n for _, name, _, _ in plan.values() for n in (name if isinstance(name, tuple) else (name,))}
+        plan[ours] = _check_tensor(name, want, transpose, index, path, model_type, *part)
+    used = {n for _, name, *_ in plan.values() for n in (name if isinstance(name, tuple) else (name,))}
     extra = sorted(k for k in index if k not in used and not k.endswith(IGNORED_SUFFIXES)
                    and not (k == "lm_head.weight" and c.tie_embeddings))
     if extra:
@@ -287,9 +334,12 @@ def _plan(c: ModelConfig, model_type: str, index: dict, path: pathlib.Path) -> d
     return plan
 
 
-def _check_tensor(name, want, transpose, index, path, model_type):
-    """(file, name, transpose, stored dtype) of a tensor the model needs, after checking it."""
+def _check_tensor(name, want, transpose, index, path, model_type, part=None):
+    """(file, name, transpose, stored dtype[, part]) of a tensor the model needs, after checking it
+    (part: the tensor interleaves two parameters on its last axis, ours is [..., part::2])."""
     stored = tuple(reversed(want)) if transpose else want
+    if part is not None:
+        stored = (*stored[:-1], 2 * stored[-1])
     if name not in index:
         raise CheckpointError(f"{path}: tensor {name} is missing (needed for {model_type} with this "
                               f"config.json)")
@@ -299,12 +349,12 @@ def _check_tensor(name, want, transpose, index, path, model_type):
                               f"{list(stored)}")
     if dtype not in STORED_DTYPES:
         raise CheckpointError(f"{file}: tensor {name} has dtype {dtype}; jpa loads {sorted(STORED_DTYPES)}")
-    return file, name, transpose, dtype
+    return (file, name, transpose, dtype) + (() if part is None else (part,))
 
 
-def _read(file, name, transpose, np_dtype):
+def _read(file, name, transpose, np_dtype, part=None):
     """One tensor as a C-contiguous NumPy array in np_dtype, through a memory map closed on return
-    (file and name tuples: the experts' tensors, stacked on a new leading axis)."""
+    (file and name tuples: the experts' tensors, stacked on a new leading axis; part: [..., part::2])."""
     from safetensors import safe_open
 
     if isinstance(name, tuple):
@@ -313,6 +363,8 @@ def _read(file, name, transpose, np_dtype):
         a = f.get_tensor(name)
     if transpose:
         a = a.T
+    if part is not None:
+        a = a[..., part::2]
     return np.ascontiguousarray(a, dtype=np_dtype)
 
 
@@ -380,7 +432,7 @@ def load(path, dtype=None, quantization=None):
     # Largest tensors first: their transient copies then come while little else is resident.
     for param in sorted(groups, key=lambda p: -math.prod(var(p).shape)):
         members = sorted(groups[param], key=lambda k: int(k.split(".")[1]) if k.startswith("layers.") else 0)
-        values = [_read(*plan[m][:3], np_dtype) for m in members]
+        values = [_read(*plan[m][:3], np_dtype, *plan[m][4:]) for m in members]
         value = np.stack(values) if param in shapes_layers else values[0]
         if quantization is None:
             var(param).set_value(jnp.asarray(value))

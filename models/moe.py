@@ -1,5 +1,6 @@
-"""Mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router picks experts_per_token of num_experts
-SwiGLU experts per token; the experts run as grouped matmuls over the tokens routed to them.
+"""Mixture-of-experts MLP (Mixtral, Qwen3-MoE, gpt-oss): a router picks experts_per_token of
+num_experts SwiGLU experts per token (gpt-oss: router and expert biases, clamped SwiGLU, `glu`);
+the experts run as grouped matmuls over the tokens routed to them.
 
 Formulation: the M tokens' M*k (token, expert) pairs are sorted by expert (each expert's rows a
 contiguous run, an expert nobody chose an empty one), the three expert matmuls run over those runs,
@@ -38,44 +39,64 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 EXPERT_MATMUL = "blocked"
 
 
-def route(x, router, config):
-    """Router choices of tokens x f32[M, D] with router weights [D, E].
+def route(x, router, config, router_bias=None):
+    """Router choices of tokens x f32[M, D] with router weights [D, E] (and bias [E], gpt-oss).
 
     Returns:
-      (experts i32[M, k], weights f32[M, k]): the k experts of highest softmax probability per
-      token (ties: the lower index first, as torch.topk on CPU) and their probabilities,
-      renormalized to sum to 1 when config.norm_topk_prob.
+      (experts i32[M, k], weights f32[M, k]): the k experts of highest router logit per token (ties:
+      the lower index first, as torch.topk on CPU) and their weights: with config.norm_topk_prob the
+      softmax over the chosen logits (Mixtral, gpt-oss; the same as renormalizing the chosen
+      softmax probabilities), else their softmax probabilities over all experts (Qwen3-MoE).
     """
     logits = jnp.dot(x.astype(router.dtype), router, preferred_element_type=jnp.float32)  # f32[M, E]
-    probs = jax.nn.softmax(logits, axis=-1)
-    weights, experts = jax.lax.top_k(probs, config.experts_per_token)
+    if router_bias is not None:
+        logits = logits + router_bias.astype(jnp.float32)
+    chosen, experts = jax.lax.top_k(logits, config.experts_per_token)
     if config.norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        weights = jax.nn.softmax(chosen, axis=-1)
+    else:
+        weights = jnp.take_along_axis(jax.nn.softmax(logits, axis=-1), experts, axis=-1)
     return experts.astype(jnp.int32), weights
 
 
-def moe_ffn(x, router, w_gate, w_up, w_down, config, dtype):
+def glu(g, u, config):
+    """The experts' gated activation of f32 gate and up projections: silu(g) * u, or with
+    config.swiglu_clamp = (alpha, limit) gpt-oss's clamped form (transformers' GptOssExperts):
+    g = min(g, limit), u = clip(u, -limit, limit), (u + 1) * g * sigmoid(alpha * g)."""
+    if not config.swiglu_clamp:
+        return jax.nn.silu(g) * u
+    alpha, limit = config.swiglu_clamp
+    g = jnp.minimum(g, limit)
+    u = jnp.clip(u, -limit, limit)
+    return (u + 1.0) * (g * jax.nn.sigmoid(g * alpha))
+
+
+def moe_ffn(x, router, w_gate, w_up, w_down, config, dtype, *, router_bias=None, biases=None):
     """The MoE MLP of tokens x f32[M, D] as grouped matmuls (module docstring).
 
     Args:
       x: f32[M, D] (the normed residual stream).
       router: [D, E]; w_gate, w_up: [E, D, F]; w_down: [E, F, D] (the x @ W convention).
-      config: the ModelConfig (experts_per_token, norm_topk_prob).
+      config: the ModelConfig (experts_per_token, norm_topk_prob, swiglu_clamp).
       dtype: the matmuls' input dtype (the parameters'); they accumulate in float32.
+      router_bias: [E] or None (gpt-oss).
+      biases: None, or the experts' (gate [E, F], up [E, F], down [E, D]) biases (gpt-oss), each
+        added to its projection's f32 result.
 
     Returns:
       f32[M, D].
     """
     num_tokens, d = x.shape
     k, e = config.experts_per_token, config.num_experts
-    experts, weights = route(x, router, config)  # [M, k]
+    experts, weights = route(x, router, config, router_bias)  # [M, k]
     if EXPERT_MATMUL not in ("blocked", "ragged_dot"):
         raise ValueError(f"models.moe.EXPERT_MATMUL must be 'blocked' or 'ragged_dot'; got {EXPERT_MATMUL!r}")
+    biases = (None, None, None) if biases is None else biases
     if EXPERT_MATMUL == "blocked" and num_tokens * k < e:  # few pairs: read only the chosen experts' weights
-        return _gathered(x, experts, weights, w_gate, w_up, w_down, dtype)
+        return _gathered(x, experts, weights, w_gate, w_up, w_down, biases, config, dtype)
     if EXPERT_MATMUL == "blocked":  # tiles of about the mean rows per expert, 8 to 128
         tile = int(min(128, max(8, 2 ** round(np.log2(max(1, num_tokens * k // e))))))
-        return _blocked(x, experts, weights, w_gate, w_up, w_down, dtype, tile)
+        return _blocked(x, experts, weights, w_gate, w_up, w_down, biases, config, dtype, tile)
     flat = experts.reshape(num_tokens * k)  # pair p = token * k + choice
     order = jnp.argsort(flat, stable=True)  # pairs sorted by expert
     rows = jnp.take(x.astype(dtype), order // k, axis=0)  # [M*k, D] in expert order
@@ -85,15 +106,17 @@ def moe_ffn(x, router, w_gate, w_up, w_down, config, dtype):
     sharding = getattr(jax.typeof(rows), "sharding", None)
     out = (NamedSharding(sharding.mesh, P()) if isinstance(sharding, NamedSharding) and not sharding.mesh.empty
            and not sharding.mesh.are_all_axes_auto else None)
-    mm = lambda a, w: jax.lax.ragged_dot(a.astype(dtype), w, group_sizes, preferred_element_type=jnp.float32,
-                                         out_sharding=out)
-    h = jax.nn.silu(mm(rows, w_gate)) * mm(rows, w_up)  # f32[M*k, F]
-    y = mm(h, w_down)  # f32[M*k, D]
+    sorted_e = flat[order]
+    bias = lambda y, b: y if b is None else y + jnp.take(b, sorted_e, axis=0).astype(jnp.float32)
+    mm = lambda a, w, b: bias(jax.lax.ragged_dot(a.astype(dtype), w, group_sizes, preferred_element_type=jnp.float32,
+                                                 out_sharding=out), b)
+    h = glu(mm(rows, w_gate, biases[0]), mm(rows, w_up, biases[1]), config)  # f32[M*k, F]
+    y = mm(h, w_down, biases[2])  # f32[M*k, D]
     y = jnp.take(y, jnp.argsort(order), axis=0).reshape(num_tokens, k, d)  # back to (token, choice)
     return jnp.einsum("MkD,Mk->MD", y, weights)
 
 
-def _gathered(x, experts, weights, w_gate, w_up, w_down, dtype):
+def _gathered(x, experts, weights, w_gate, w_up, w_down, biases, config, dtype):
     """The small-batch form of `moe_ffn` (M*k < E pairs, e.g. a decode step): each pair's expert
     weights gathered ([M*k, D, F]) and applied to its token (batched matrix-vector products), so the
     step reads M*k experts' weights, not all E (XLA's GPU ragged_dot reads every expert)."""
@@ -102,13 +125,15 @@ def _gathered(x, experts, weights, w_gate, w_up, w_down, dtype):
     flat = experts.reshape(num_tokens * k)
     rows = jnp.repeat(x.astype(dtype), k, axis=0)  # [M*k, D], pair p = token * k + choice
     take = lambda w: jnp.take(w, flat, axis=0, mode="clip")  # [M*k, ...] (the router's ids are in range)
-    mv = lambda a, w: jnp.einsum("PI,PIO->PO", a.astype(dtype), take(w), preferred_element_type=jnp.float32)
-    h = jax.nn.silu(mv(rows, w_gate)) * mv(rows, w_up)  # f32[M*k, F]
-    y = mv(h, w_down).reshape(num_tokens, k, d)
+    bias = lambda y, b: y if b is None else y + take(b).astype(jnp.float32)
+    mv = lambda a, w, b: bias(jnp.einsum("PI,PIO->PO", a.astype(dtype), take(w), preferred_element_type=jnp.float32),
+                              b)
+    h = glu(mv(rows, w_gate, biases[0]), mv(rows, w_up, biases[1]), config)  # f32[M*k, F]
+    y = mv(h, w_down, biases[2]).reshape(num_tokens, k, d)
     return jnp.einsum("MkD,Mk->MD", y, weights)
 
 
-def _blocked(x, experts, weights, w_gate, w_up, w_down, dtype, tile):
+def _blocked(x, experts, weights, w_gate, w_up, w_down, biases, config, dtype, tile):
     """`moe_ffn` as tiles of `tile` rows, each tile one expert's (the pairs sorted by expert, each
     expert's run padded to whole tiles): the expert weights gathered per tile and one batched matmul
     [tiles, tile, D] x [tiles, D, F]. Static shapes: at most ceil(M*k / tile) + E tiles."""
@@ -128,22 +153,26 @@ def _blocked(x, experts, weights, w_gate, w_up, w_down, dtype, tile):
     rows = jnp.zeros((num_tiles * tile, d), dtype).at[pos].set(jnp.take(x.astype(dtype), order // k, axis=0))
     tile_expert = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(num_tiles), side="right"), e - 1)
     take = lambda w: jnp.take(w, tile_expert, axis=0, mode="clip")  # [tiles, ...]
-    mm = lambda a, w: jnp.einsum("NTI,NIO->NTO", a.astype(dtype).reshape(num_tiles, tile, -1), take(w),
-                                 preferred_element_type=jnp.float32)
-    h = jax.nn.silu(mm(rows, w_gate)) * mm(rows, w_up)  # f32[tiles, tile, F]
-    y = mm(h, w_down).reshape(num_tiles * tile, d)[pos]  # f32[M*k, D] in sorted order
+    bias = lambda y, b: y if b is None else y + take(b).astype(jnp.float32)[:, None, :]
+    mm = lambda a, w, b: bias(jnp.einsum("NTI,NIO->NTO", a.astype(dtype).reshape(num_tiles, tile, -1), take(w),
+                                         preferred_element_type=jnp.float32), b)
+    h = glu(mm(rows, w_gate, biases[0]), mm(rows, w_up, biases[1]), config)  # f32[tiles, tile, F]
+    y = mm(h, w_down, biases[2]).reshape(num_tiles * tile, d)[pos]  # f32[M*k, D] in sorted order
     y = jnp.take(y, jnp.argsort(order), axis=0).reshape(num_tokens, k, d)
     return jnp.einsum("MkD,Mk->MD", y, weights)
 
 
-def moe_dense(x, router, w_gate, w_up, w_down, config, dtype):
+def moe_dense(x, router, w_gate, w_up, w_down, config, dtype, *, router_bias=None, biases=None):
     """The test oracle of `moe_ffn`: every token through every expert, weighted by its routing
     (zero for experts it did not choose). Same arguments and result."""
-    experts, weights = route(x, router, config)
+    experts, weights = route(x, router, config, router_bias)
     mask = jnp.zeros((x.shape[0], config.num_experts), jnp.float32)
     mask = mask.at[jnp.arange(x.shape[0])[:, None], experts].set(weights)  # f32[M, E]
+    bg, bu, bd = (None, None, None) if biases is None else biases
+    bias = lambda y, b: y if b is None else y + b.astype(jnp.float32)[None]
     xd = x.astype(dtype)
-    g = jnp.einsum("MD,EDF->MEF", xd, w_gate, preferred_element_type=jnp.float32)
-    u = jnp.einsum("MD,EDF->MEF", xd, w_up, preferred_element_type=jnp.float32)
-    y = jnp.einsum("MEF,EFD->MED", (jax.nn.silu(g) * u).astype(dtype), w_down, preferred_element_type=jnp.float32)
+    g = bias(jnp.einsum("MD,EDF->MEF", xd, w_gate, preferred_element_type=jnp.float32), bg)
+    u = bias(jnp.einsum("MD,EDF->MEF", xd, w_up, preferred_element_type=jnp.float32), bu)
+    y = bias(jnp.einsum("MEF,EFD->MED", glu(g, u, config).astype(dtype), w_down, preferred_element_type=jnp.float32),
+             bd)
     return jnp.einsum("MED,ME->MD", y, mask)

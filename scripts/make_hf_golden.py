@@ -1,6 +1,6 @@
 """Write tests/data/hf/: tiny random Hugging Face checkpoints and what transformers computes on them.
 
-One directory per family (llama, mistral, qwen2, qwen3, gemma2, mixtral, qwen3_moe), each a complete checkpoint in the
+One directory per family (llama, mistral, qwen2, qwen3, gemma2, mixtral, qwen3_moe, gpt_oss), each a complete checkpoint in the
 Hugging Face layout saved by transformers itself (config.json, *.safetensors, tokenizer.json,
 tokenizer_config.json, chat template, generation_config.json), plus golden.json (prompts, token
 ids, greedy continuations, chat template renderings) and golden.npz (float32 prefill logits).
@@ -23,6 +23,11 @@ well-separated logits. The configs switch on what each family's loader must get 
   qwen2:   q/k/v biases, tied head, vocab padded past the tokenizer, chat template inside
            tokenizer_config.json (the older layout).
   qwen3:   q/k RMSNorm, head_dim != hidden/heads, bf16 weights.
+  gpt_oss: 8 experts, top-4 (softmax over the chosen), router and expert biases, gate/up interleaved in
+           gate_up_proj, a small swiglu_limit (1.2, so the clamps bite) and non-default swiglu_alpha,
+           q/k/v/o biases, attention sinks, sliding window 6 on layer 0 and full attention on layer 1,
+           YaRN RoPE (all three bands: extrapolated, ramp, interpolated; attention factor 1.21),
+           head_dim != hidden/heads, untied head, bf16 weights; a harmony-style chat template.
   mixtral: 8 experts, top-2 (softmax over the chosen), untied head, sharded with an index (experts
            of one layer across files); Mistral's chat template.
   qwen3_moe: 16 experts, top-4 without norm_topk_prob (the weights are the plain softmax
@@ -209,6 +214,33 @@ FAMILIES = {
                     norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[]),
         dtype=torch.float32, shard=None),
 }
+FAMILIES["gpt_oss"] = dict(
+    specials=["<|startoftext|>", "<|endoftext|>", "<|start|>", "<|message|>", "<|end|>", "<|return|>",
+              "<|channel|>", "<|call|>"],
+    bos="<|startoftext|>", eos="<|return|>", pad="<|endoftext|>", gen_eos=["<|return|>", "<|endoftext|>", "<|call|>"],
+    add_bos=False,
+    template=(  # the harmony turn format, without channels or tools
+        "{%- if messages[0]['role'] != 'system' %}\n"
+        "    {{- '<|start|>system<|message|>You are a helpful assistant.<|end|>' }}\n"
+        "{%- endif %}\n"
+        "{%- for message in messages %}\n"
+        "    {%- if message['role'] == 'assistant' %}\n"
+        "        {{- '<|start|>assistant<|channel|>final<|message|>' + message['content'] + '<|end|>' }}\n"
+        "    {%- else %}\n"
+        "        {{- '<|start|>' + message['role'] + '<|message|>' + message['content'] + '<|end|>' }}\n"
+        "    {%- endif %}\n"
+        "{%- endfor %}\n"
+        "{%- if add_generation_prompt %}\n"
+        "    {{- '<|start|>assistant' }}\n"
+        "{%- endif %}\n"),
+    config=dict(model_type="gpt_oss", hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=6,
+                layer_types=["sliding_attention", "full_attention"], attention_bias=True,
+                num_local_experts=8, num_experts_per_tok=4, swiglu_alpha=1.5, swiglu_limit=1.2,
+                rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=8.0, beta_fast=4.0, beta_slow=1.0,
+                                     truncate=False, original_max_position_embeddings=64)),
+    dtype=torch.bfloat16, shard=None)
 FAMILIES["mixtral"]["template"] = FAMILIES["mistral"]["template"]
 FAMILIES["qwen3_moe"]["template"] = FAMILIES["qwen3"]["template"]
 
@@ -250,9 +282,13 @@ def train_tokenizer(specials, bos, add_bos) -> Tokenizer:
     return tk
 
 
+# Seeds of the random weights: the first seven families' as before gpt_oss joined (sorted order).
+SEEDS = {f: i + 1 for i, f in enumerate(sorted(set(FAMILIES) - {"gpt_oss"}) + ["gpt_oss"])}
+
+
 def randomize(model, family):
     """Every parameter random: weights ~ N(0, gain / fan_in), norms around their identity, biases."""
-    g = torch.Generator().manual_seed(sorted(FAMILIES).index(family) + 1)
+    g = torch.Generator().manual_seed(SEEDS[family])
     gemma = family == "gemma2"
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -263,8 +299,12 @@ def randomize(model, family):
                 val = 0.5 * r
             elif "embed_tokens" in name:
                 val = (0.15 if gemma else 1.0 if not model.config.tie_word_embeddings else 0.3) * r
-            elif name.endswith("gate.weight") and "experts" not in name:  # MoE router
+            elif name.endswith(("gate.weight", "router.weight")) and "experts" not in name:  # MoE router
                 val = 3.0 * r / p.shape[-1] ** 0.5
+            elif name.endswith("sinks"):  # gpt-oss: logits of the size of the attention logits
+                val = 1.0 + 1.5 * r
+            elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # gpt-oss: stored [E, in, out]
+                val = r / p.shape[-2] ** 0.5
             else:
                 gain = 2.5 if ("q_proj" in name or "k_proj" in name or "lm_head" in name) else 1.0
                 val = gain * r / p.shape[-1] ** 0.5

@@ -31,7 +31,7 @@ from jpa.models.chat_template import ChatTemplateError
 from jpa.models.config import ModelConfig
 
 DATA = pathlib.Path(__file__).parent / "data" / "hf"
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "mixtral", "qwen3_moe"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "mixtral", "qwen3_moe", "gpt_oss"]
 ATOL = 1e-4
 PAGE_SIZE = 4  # small pages: sequences span many, and windows start mid-page
 
