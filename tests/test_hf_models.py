@@ -447,21 +447,27 @@ def test_generate_command_runs_a_checkpoint_directory(capsys):
 
 # ---- mixture of experts (models.moe) ----
 
-@pytest.mark.parametrize("m,k,norm,skew,impl", [(37, 2, True, False, "blocked"), (37, 3, False, True, "blocked"),
-                                                 (37, 3, False, True, "ragged_dot"), (3, 2, True, False, "blocked")])
-def test_moe_grouped_matmuls_equal_the_dense_oracle_and_router_matches_numpy(m, k, norm, skew, impl, monkeypatch):
+@pytest.mark.parametrize("m,k,norm,skew,impl,oss", [
+    (37, 2, True, False, "blocked", False), (37, 3, False, True, "blocked", False),
+    (37, 3, False, True, "ragged_dot", False), (3, 2, True, False, "blocked", False),
+    (37, 4, True, True, "blocked", True), (37, 4, True, False, "ragged_dot", True), (1, 4, True, False, "blocked", True)])
+def test_moe_grouped_matmuls_equal_the_dense_oracle_and_router_matches_numpy(m, k, norm, skew, impl, oss, monkeypatch):
     """moe_ffn (the pairs sorted by expert, then tiles of one expert each ("blocked", 8-row tiles
     here: runs spanning several tiles and padded ones) or ragged_dot; with m * k < 8 experts the
     gathered small-batch form) = moe_dense (every token through every expert, masked) on fresh
     random inputs; the router's choices and weights = a NumPy oracle. skew: a router bias that
-    sends every token to expert 5 and none to some experts (empty groups)."""
+    sends every token to expert 5 and none to some experts (empty groups). oss: gpt-oss's router
+    bias, expert biases and clamped SwiGLU, the output also against a NumPy oracle of
+    transformers' GptOssExperts (the clamps bite: limit 1.0)."""
     from jpa.models import moe
     from jpa.models.moe import moe_dense, moe_ffn, route
     monkeypatch.setattr(moe, "EXPERT_MATMUL", impl)
-    rng = np.random.default_rng(m * k)
+    rng = np.random.default_rng(m * k + oss)
     d, f, e = 16, 24, 8
     cfg = dataclasses.replace(models.PRESETS["tiny-llama"], d_model=d, ffn_dim=f, num_experts=e,
                               experts_per_token=k, norm_topk_prob=norm)
+    if oss:
+        cfg = dataclasses.replace(cfg, router_bias=True, expert_bias=True, swiglu_clamp=(1.702, 1.0))
     x = rng.normal(size=(m, d)).astype(np.float32)
     router = rng.normal(size=(d, e)).astype(np.float32)
     if skew:
@@ -470,8 +476,12 @@ def test_moe_grouped_matmuls_equal_the_dense_oracle_and_router_matches_numpy(m, 
         router[0, 5] = 3.0
         router[0, 6:] = -12.0  # never chosen
     w = [(rng.normal(size=s) / np.sqrt(s[1])).astype(np.float32) for s in ((e, d, f), (e, d, f), (e, f, d))]
-    experts, weights = (np.asarray(a) for a in jax.jit(lambda a, r: route(a, r, cfg))(x, router))
-    logits = x.astype(np.float64) @ router
+    rb = rng.normal(size=(e,)).astype(np.float32) if oss else None
+    biases = tuple(rng.normal(size=s).astype(np.float32) for s in ((e, f), (e, f), (e, d))) if oss else None
+    kw = dict(router_bias=rb, biases=biases)
+    experts, weights = (np.asarray(a) for a in jax.jit(lambda a, r, kw: route(a, r, cfg, kw["router_bias"]))(
+        x, router, kw))
+    logits = x.astype(np.float64) @ router + (0.0 if rb is None else rb)
     probs = np.exp(logits - logits.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
     want = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
@@ -483,10 +493,20 @@ def test_moe_grouped_matmuls_equal_the_dense_oracle_and_router_matches_numpy(m, 
     counts = np.bincount(experts.ravel(), minlength=e)
     if skew:
         assert counts[5] == m and (counts == 0).any()
-    got = jax.jit(lambda *a: moe_ffn(*a, cfg, jnp.float32))(x, router, *w)
-    oracle = jax.jit(lambda *a: moe_dense(*a, cfg, jnp.float32))(x, router, *w)
+    got = jax.jit(lambda kw, *a: moe_ffn(*a, cfg, jnp.float32, **kw))(kw, x, router, *w)
+    oracle = jax.jit(lambda kw, *a: moe_dense(*a, cfg, jnp.float32, **kw))(kw, x, router, *w)
     np.testing.assert_allclose(np.asarray(got), np.asarray(oracle), atol=2e-5, rtol=0)
     assert np.abs(np.asarray(oracle)).max() > 0.1
+    if oss:  # transformers' GptOssExperts._apply_gate, per chosen expert, in float64
+        want = np.zeros((m, d))
+        for t in range(m):
+            for j, ex in enumerate(want_e := experts[t]):
+                g = np.minimum(x[t] @ w[0][ex] + biases[0][ex], 1.0)
+                u = np.clip(x[t] @ w[1][ex] + biases[1][ex], -1.0, 1.0)
+                h = (u + 1) * g / (1 + np.exp(-1.702 * g))
+                want[t] += want_w[t, j] * (h @ w[2][ex] + biases[2][ex])
+            assert len(want_e) == k
+        np.testing.assert_allclose(np.asarray(got), want, atol=5e-5, rtol=0)
 
 
 def test_moe_refusals_are_named():
@@ -522,3 +542,88 @@ def test_generate_command_runs_a_moe_checkpoint(capsys):
     rec = json.loads(out.splitlines()[0])
     assert rc == 0 and rec["error"] is None
     assert rec["token_ids"] == g["greedy_ids"][:8]
+
+
+# ---- gpt-oss ----
+
+# openai/gpt-oss-20b's config.json (transformers 4.55 layout: rope_scaling + rope_theta, MXFP4 experts),
+# less its 24-entry layer_types (the default: sliding on even layers).
+GPT_OSS_20B = dict(
+    architectures=["GptOssForCausalLM"], attention_bias=True, attention_dropout=0.0, eos_token_id=200002,
+    experts_per_token=4, head_dim=64, hidden_act="silu", hidden_size=2880, initial_context_length=4096,
+    initializer_range=0.02, intermediate_size=2880, max_position_embeddings=131072, model_type="gpt_oss",
+    num_attention_heads=64, num_experts_per_tok=4, num_hidden_layers=24, num_key_value_heads=8,
+    num_local_experts=32, output_router_logits=False, pad_token_id=199999,
+    quantization_config={"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                    "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
+    rms_norm_eps=1e-05, rope_scaling={"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                      "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
+    rope_theta=150000, router_aux_loss_coef=0.9, sliding_window=128, swiglu_limit=7.0, tie_word_embeddings=False,
+    use_cache=True, vocab_size=201088)
+
+
+def test_gpt_oss_config_layouts_defaults_and_refusals():
+    from jpa.models.sharding import plan_heads
+    c = hf.config_from_hf(golden_config("gpt_oss"))
+    assert (c.num_experts, c.experts_per_token, c.norm_topk_prob, c.ffn_dim, c.head_dim) == (8, 4, True, 32, 32)
+    assert (c.qkv_bias, c.o_bias, c.attn_sinks, c.router_bias, c.expert_bias) == (True,) * 5
+    assert c.swiglu_clamp == (1.5, 1.2) and (c.sliding_window, c.sliding_window_layers) == (6, (0,))
+    assert c.rope_scaling == pytest.approx(("yarn", 8.0, 4.0, 1.0, 64, 0.1 * np.log(8.0) + 1, 0.0))
+    real = {k: v for k, v in GPT_OSS_20B.items() if k != "quantization_config"}
+    r = hf.config_from_hf(real)
+    assert (r.num_experts, r.experts_per_token, r.swiglu_clamp, r.rope_base) == (32, 4, (1.702, 7.0), 150000.0)
+    assert r.sliding_window == 128 and r.sliding_window_layers == tuple(range(0, 24, 2))
+    assert r.rope_scaling == pytest.approx(("yarn", 32.0, 32.0, 1.0, 4096, 0.1 * np.log(32.0) + 1, 0.0))
+    bare = {k: v for k, v in real.items() if k not in ("rope_scaling", "rope_theta")}
+    assert hf.config_from_hf(bare).rope_scaling == r.rope_scaling  # transformers' GptOssConfig defaults
+    assert hf.config_from_hf({**bare, "rope_theta": 1e4}).rope_base == 1e4
+    with pytest.raises(hf.CheckpointError, match=r"quantization_config \('mxfp4'\) is not supported"):
+        hf.config_from_hf(GPT_OSS_20B)
+    with pytest.raises(ValueError, match="tensor_parallel=2: a mixture-of-experts model"):
+        plan_heads(c, 2)
+    with pytest.raises(ValueError, match=r"swiglu_clamp must be \(\) or \(alpha, limit\)"):
+        dataclasses.replace(c, swiglu_clamp=(1.0,))
+    with pytest.raises(ValueError, match=r"router_bias, expert_bias and swiglu_clamp are mixture-of-experts"):
+        dataclasses.replace(models.PRESETS["tiny-llama"], router_bias=True)
+
+
+def test_gpt_oss_ragged_step_equals_transformers():
+    """The engine's unified step (`ragged_hidden`, jpa.ragged_paged_attention with the layers' sinks) on
+    the gpt-oss checkpoint: a first call with a 50-token chunk of one prompt and the whole of another,
+    a second call with the rest of the first (a chunk after a cached prefix, past the sliding window
+    and YaRN's original context) and one decode token of the second. Every row's logits are
+    transformers' (golden prefill logits) or forward_dense's (the decode row)."""
+    from jpa.models.gpt import ragged_hidden
+    model, _ = loaded("gpt_oss")
+    g, arrays = golden("gpt_oss"), np.load(DATA / "gpt_oss" / "golden.npz")
+    a, b = g["prompts"]["chat"], g["prompts"]["robot"]
+    assert len(a["ids"]) > 64 > 50 > len(b["ids"])
+    graphdef, params = nnx.split(model)
+    step = jax.jit(lambda p, c, *x: (lambda h, c: (nnx.merge(graphdef, p).logits(h), c))(
+        *ragged_hidden(nnx.merge(graphdef, p), c, *x)), donate_argnums=1)
+    pages_per_seq, budget = 24, 80
+    tables = np.arange(2 * pages_per_seq, dtype=np.int32).reshape(pages_per_seq, 2).T[:, ::-1].copy()
+    cache = jpa.KVCache.create(model.cache_config(2 * pages_per_seq, PAGE_SIZE))
+    i32 = lambda x: jnp.asarray(x, jnp.int32)
+
+    def run(cache, rows):  # rows: [(seq, first position, token ids)]
+        tokens, pos, slots, cu, lens = [], [], [], [0, 0, 0], [0, 0]
+        for s, p0, ids in rows:
+            tokens += ids
+            pos += list(range(p0, p0 + len(ids)))
+            slots += [int(tables[s, t // PAGE_SIZE]) * PAGE_SIZE + t % PAGE_SIZE for t in range(p0, p0 + len(ids))]
+            cu[s + 1] = len(tokens)
+            lens[s] = p0 + len(ids)
+        pad = budget - len(tokens)
+        logits, cache = step(params, cache, i32(tokens + [0] * pad), i32(pos + [0] * pad), i32(slots + [-1] * pad),
+                             i32(tables), i32(lens), i32(cu), i32(2))
+        return np.asarray(logits)[: len(tokens)], cache
+
+    got, cache = run(cache, [(0, 0, a["ids"][:50]), (1, 0, b["ids"])])
+    want = np.concatenate([arrays["chat_logits"][:50], arrays["robot_logits"]])
+    np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
+    nxt = b["greedy_ids"][0]
+    got, cache = run(cache, [(0, 50, a["ids"][50:]), (1, len(b["ids"]), [nxt])])
+    dense = dense_logits(model, [b["ids"] + [nxt]])[0, -1]
+    np.testing.assert_allclose(got, np.concatenate([arrays["chat_logits"][50:], dense[None]]), atol=ATOL, rtol=0)
+    assert int(np.argmax(got[-1])) == b["greedy_ids"][1]
