@@ -5,6 +5,7 @@ import math
 
 FAMILIES = ("gpt2", "llama")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+EXPERT_FORMATS = ("float", "mxfp4")
 # rope_type -> number of parameters after it (yarn: factor, beta_fast, beta_slow,
 # original_max_position_embeddings, attention_factor, truncate (1.0 / 0.0)).
 ROPE_SCALINGS = {"linear": 1, "llama3": 4, "yarn": 6}
@@ -68,6 +69,9 @@ class ModelConfig:
       expert_bias: the experts' gate/up/down projections have biases.
       swiglu_clamp: () for the plain SwiGLU experts silu(g) * u, or (alpha, limit) for gpt-oss's
         g = min(g, limit), u = clip(u, -limit, limit), (u + 1) * g * sigmoid(alpha * g).
+      expert_format: "float" (the experts' weights in the parameter dtype) or "mxfp4" (gpt-oss's
+        released checkpoints: FP4 e2m1 codes in blocks of 32 along the `in` axis, each block with a
+        power-of-two scale; models.moe.dequantize_mxfp4, inside the expert matmuls).
     """
     family: str
     vocab_size: int
@@ -103,6 +107,7 @@ class ModelConfig:
     router_bias: bool = False
     expert_bias: bool = False
     swiglu_clamp: tuple = ()
+    expert_format: str = "float"
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -186,9 +191,14 @@ class ModelConfig:
         sc = self.swiglu_clamp
         if not isinstance(sc, tuple) or (sc and (len(sc) != 2 or not all(_is_number(x) and x > 0 for x in sc))):
             raise ValueError(f"ModelConfig.swiglu_clamp must be () or (alpha, limit), numbers > 0; got {sc!r}")
-        if not e and (self.router_bias or self.expert_bias or sc):
-            raise ValueError("ModelConfig: router_bias, expert_bias and swiglu_clamp are mixture-of-experts "
-                             "options (num_experts > 0)")
+        if not e and (self.router_bias or self.expert_bias or sc or self.expert_format != "float"):
+            raise ValueError("ModelConfig: router_bias, expert_bias, swiglu_clamp and expert_format are "
+                             "mixture-of-experts options (num_experts > 0)")
+        if self.expert_format not in EXPERT_FORMATS:
+            raise ValueError(f"ModelConfig.expert_format must be one of {EXPERT_FORMATS}; got {self.expert_format!r}")
+        if self.expert_format == "mxfp4" and (self.d_model % 32 or self.ffn_dim % 32):
+            raise ValueError(f"ModelConfig: expert_format 'mxfp4' needs d_model ({self.d_model}) and ffn_dim "
+                             f"({self.ffn_dim}) to be multiples of its 32-value blocks")
         if self.family == "gpt2":
             changed = [f.name for f in dataclasses.fields(self) if f.name in _VARIANT_FIELDS
                        and getattr(self, f.name) != f.default]
@@ -212,7 +222,7 @@ def _is_number(x) -> bool:
 _VARIANT_FIELDS = ("qkv_bias", "qk_norm", "rope_scaling", "mlp_activation", "norm_weight_offset",
                    "embed_scale", "post_norms", "attn_scale", "attn_soft_cap", "final_soft_cap",
                    "sliding_window", "sliding_window_layers", "num_experts", "experts_per_token",
-                   "norm_topk_prob", "o_bias", "attn_sinks", "router_bias", "expert_bias", "swiglu_clamp")
+                   "norm_topk_prob", "o_bias", "attn_sinks", "router_bias", "expert_bias", "swiglu_clamp", "expert_format")
 
 
 # The tiny presets are random-init models for tests and demos. Their vocabulary of 512 holds the

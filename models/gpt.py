@@ -169,6 +169,8 @@ def set_weight(owner, name, w, dtype, quantization=None):
         q, scale = quantize_weight(np.asarray(w, np.float32), quantization, QUANT_AXIS[name])
         getattr(owner, name).set_value(jnp.asarray(q))
         getattr(owner, name + "_scale").set_value(jnp.asarray(scale))
+    elif np.asarray(w).dtype == np.uint8:  # MXFP4 expert codes and scales (models.moe) stay as they are
+        getattr(owner, name).set_value(jnp.asarray(w))
     else:
         getattr(owner, name).set_value(jnp.asarray(np.asarray(w, np.float32), dtype=dtype))
 
@@ -296,6 +298,10 @@ class Block(nnx.Module):
             self.experts_gate = _param(rngs, (e, d, f), dtype)  # [E, d_model, ffn_dim]
             self.experts_up = _param(rngs, (e, d, f), dtype)  # [E, d_model, ffn_dim]
             self.experts_down = _param(rngs, (e, f, d), dtype)  # [E, ffn_dim, d_model]
+            if c.expert_format == "mxfp4":  # codes u8[E, out, in / 2] + block scales u8[E, out, in / 32] (models.moe)
+                for name, (o, i) in (("experts_gate", (f, d)), ("experts_up", (f, d)), ("experts_down", (d, f))):
+                    setattr(self, name, nnx.Param(jnp.zeros((e, o, i // 2), jnp.uint8)))
+                    setattr(self, name + "_scales", nnx.Param(jnp.full((e, o, i // 32), 127, jnp.uint8)))
             if c.router_bias:
                 self.router_bias = zeros(e)
             if c.expert_bias:  # gpt-oss
@@ -372,8 +378,9 @@ class Block(nnx.Module):
             flat = h.reshape(batch * num_tokens, c.d_model)
             biases = (tuple(getattr(self, f"experts_{n}_bias")[...] for n in ("gate", "up", "down"))
                       if c.expert_bias else None)
-            h = moe_ffn(flat, self.router[...], self.experts_gate[...], self.experts_up[...],
-                        self.experts_down[...], c, self.dtype,
+            w = lambda n: ((getattr(self, n)[...], getattr(self, n + "_scales")[...]) if c.expert_format == "mxfp4"
+                           else getattr(self, n)[...])
+            h = moe_ffn(flat, self.router[...], w("experts_gate"), w("experts_up"), w("experts_down"), c, self.dtype,
                         router_bias=self.router_bias[...] if c.router_bias else None,
                         biases=biases).reshape(batch, num_tokens, c.d_model)
             return x + (self._norm(h, self.post_ffn_norm) if c.post_norms else h)
@@ -609,6 +616,9 @@ def expected_shapes(c: ModelConfig) -> dict:
     if c.num_experts:
         e, f = c.num_experts, c.ffn_dim
         layer.update(router=(d, e), experts_gate=(e, d, f), experts_up=(e, d, f), experts_down=(e, f, d))
+        if c.expert_format == "mxfp4":  # models.moe.dequantize_mxfp4's codes and scales
+            for name, (o, i) in (("experts_gate", (f, d)), ("experts_up", (f, d)), ("experts_down", (d, f))):
+                layer.update({name: (e, o, i // 2), name + "_scales": (e, o, i // 32)})
     else:
         layer.update(w_gate=(d, c.ffn_dim), w_up=(d, c.ffn_dim), w_down=(c.ffn_dim, d))
     if c.router_bias:

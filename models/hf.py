@@ -147,7 +147,8 @@ def config_from_hf(cfg: dict, *, where: str = "config.json", bos_token_id: int =
         _refuse(cfg, where, "use_sliding_window", (None, False), "Qwen sliding-window layers")
     _refuse(cfg, where, "use_bidirectional_attention", (None, False), "jpa's attention is causal")
     quant = cfg.get("quantization_config")
-    if quant is not None:
+    mxfp4 = model_type == "gpt_oss" and isinstance(quant, dict) and quant.get("quant_method") == "mxfp4"
+    if quant is not None and not mxfp4:
         method = quant.get("quant_method") if isinstance(quant, dict) else None
         raise CheckpointError(f"{where}: quantization_config ({method!r}) is not supported: jpa loads "
                               f"float16/bfloat16/float32 weights")
@@ -172,6 +173,8 @@ def config_from_hf(cfg: dict, *, where: str = "config.json", bos_token_id: int =
         raise CheckpointError(f"{where}: sliding_attention layers are not supported for {model_type}")
     tie_default = gemma  # transformers' default per family
     kw = _moe_options(cfg, model_type, layers, where)
+    if mxfp4:  # gpt-oss's released checkpoints: the experts in MXFP4 (models.moe.dequantize_mxfp4)
+        kw["expert_format"] = "mxfp4"
     if model_type == "qwen3_moe":
         ffn = int(cfg.get("moe_intermediate_size") or 0) or ffn
     if gemma:
@@ -256,6 +259,11 @@ def hf_names(c: ModelConfig, model_type: str) -> dict:
                      experts_up_bias=("mlp.experts.gate_up_proj_bias", False, 1),
                      experts_down_bias=("mlp.experts.down_proj_bias", False),
                      bo=("self_attn.o_proj.bias", False), sinks=("self_attn.sinks", False))
+        if c.expert_format == "mxfp4":  # *_blocks [E, out, in / 32, 16] and *_scales [E, out, in / 32], u8
+            for ours, theirs, p in (("experts_gate", "gate_up_proj", 0), ("experts_up", "gate_up_proj", 1),
+                                    ("experts_down", "down_proj", None)):
+                layer[ours] = (f"mlp.experts.{theirs}_blocks", False, ("blocks", p))
+                layer[ours + "_scales"] = (f"mlp.experts.{theirs}_scales", False, ("scales", p))
     # An expert parameter [E, ...] is E checkpoint tensors: the name holds "{j}" for the expert.
     expert = {"mixtral": ("w1", "w3", "w2")}.get(model_type, ("gate_proj", "up_proj", "down_proj"))
     for ours, theirs in zip(("experts_gate", "experts_up", "experts_down"), expert):
@@ -338,7 +346,11 @@ def _check_tensor(name, want, transpose, index, path, model_type, part=None):
     """(file, name, transpose, stored dtype[, part]) of a tensor the model needs, after checking it
     (part: the tensor interleaves two parameters on its last axis, ours is [..., part::2])."""
     stored = tuple(reversed(want)) if transpose else want
-    if part is not None:
+    if isinstance(part, tuple):  # MXFP4 codes / scales [E, out, ...]: gate and up interleaved on the out axis
+        kind, p = part
+        stored = (stored[0], stored[1] * (1 if p is None else 2), *stored[2:])
+        stored = (*stored[:2], stored[2] // 16, 16) if kind == "blocks" else stored
+    elif part is not None:
         stored = (*stored[:-1], 2 * stored[-1])
     if name not in index:
         raise CheckpointError(f"{path}: tensor {name} is missing (needed for {model_type} with this "
@@ -347,7 +359,10 @@ def _check_tensor(name, want, transpose, index, path, model_type, part=None):
     if shape != stored:
         raise CheckpointError(f"{file}: tensor {name} has shape {list(shape)}; config.json implies "
                               f"{list(stored)}")
-    if dtype not in STORED_DTYPES:
+    if isinstance(part, tuple):
+        if dtype != "U8":
+            raise CheckpointError(f"{file}: tensor {name} has dtype {dtype}; MXFP4 blocks and scales are U8")
+    elif dtype not in STORED_DTYPES:
         raise CheckpointError(f"{file}: tensor {name} has dtype {dtype}; jpa loads {sorted(STORED_DTYPES)}")
     return (file, name, transpose, dtype) + (() if part is None else (part,))
 
@@ -363,6 +378,11 @@ def _read(file, name, transpose, np_dtype, part=None):
         a = f.get_tensor(name)
     if transpose:
         a = a.T
+    if isinstance(part, tuple):  # MXFP4: rows p::2 of the out axis; blocks [E, O, I/32, 16] -> codes [E, O, I/2]
+        kind, p = part
+        a = a if p is None else a[:, p::2]
+        a = a.reshape(*a.shape[:2], -1) if kind == "blocks" else a
+        return np.ascontiguousarray(a, dtype=np.uint8)
     if part is not None:
         a = a[..., part::2]
     return np.ascontiguousarray(a, dtype=np_dtype)

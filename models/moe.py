@@ -31,12 +31,50 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+# MXFP4 (OCP microscaling FP4; gpt-oss's released experts): e2m1 codes, two per byte (the low nibble
+# first), in blocks of MXFP4_BLOCK along a weight's `in` axis, each block times 2^(scale - 127)
+# (an e8m0 byte). transformers' FP4_VALUES:
+FP4_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+MXFP4_BLOCK = 32
+
 # The grouped matmul: "blocked" (`_gathered` for M*k < E pairs, else `_blocked`) or "ragged_dot"
 # (jax.lax.ragged_dot at every size).
 # Blocked, by a deviceless H100 compile (README, "Mixture of experts"): XLA's GPU ragged_dot is a
 # dense dot over all E experts (E times the routed flops), the blocked form about the routed flops,
 # for about the same bytes.
 EXPERT_MATMUL = "blocked"
+
+
+def dequantize_mxfp4(codes, scales, dtype):
+    """The float weight of MXFP4 expert weights (jnp; inside the jit, fused into the matmul that reads it).
+
+    Args:
+      codes: u8[..., O, I / 2] (the checkpoint's `*_blocks` [..., O, I / 32, 16] with the last two axes
+        merged; byte j holds values 2j (low nibble) and 2j + 1 (high nibble) of a row).
+      scales: u8[..., O, I / 32] e8m0 exponents: a block's values are multiplied by 2^(scale - 127).
+      dtype: the result's dtype (exact in bfloat16 and float32: 2-bit mantissas times powers of two).
+
+    Returns:
+      dtype[..., I, O], the x @ W layout.
+    """
+    lut = jnp.asarray(FP4_E2M1)
+    v = jnp.stack([lut[codes & 15], lut[codes >> 4]], axis=-1)  # f32[..., O, I / 2, 2]
+    nb = scales.shape[-1]
+    v = v.reshape(*codes.shape[:-1], nb, MXFP4_BLOCK)
+    v = jnp.ldexp(v, (scales.astype(jnp.int32) - 127)[..., None])
+    return jnp.swapaxes(v.reshape(*codes.shape[:-1], nb * MXFP4_BLOCK).astype(dtype), -1, -2)
+
+
+def _take(w, idx):
+    """Expert weights (an array, or MXFP4 (codes, scales)) at expert ids idx (gathered on axis 0)."""
+    if isinstance(w, tuple):
+        return tuple(jnp.take(a, idx, axis=0, mode="clip") for a in w)
+    return jnp.take(w, idx, axis=0, mode="clip")
+
+
+def _float(w, dtype):
+    """Expert weights as a float [..., in, out] array in dtype (MXFP4 dequantized; else as stored)."""
+    return dequantize_mxfp4(*w, dtype) if isinstance(w, tuple) else w
 
 
 def route(x, router, config, router_bias=None):
@@ -76,7 +114,9 @@ def moe_ffn(x, router, w_gate, w_up, w_down, config, dtype, *, router_bias=None,
 
     Args:
       x: f32[M, D] (the normed residual stream).
-      router: [D, E]; w_gate, w_up: [E, D, F]; w_down: [E, F, D] (the x @ W convention).
+      router: [D, E]; w_gate, w_up: [E, D, F]; w_down: [E, F, D] (the x @ W convention); or each
+        MXFP4 (codes u8[E, out, in / 2], scales u8[E, out, in / 32]) (`dequantize_mxfp4`, applied
+        to the gathered experts' weights inside the matmuls).
       config: the ModelConfig (experts_per_token, norm_topk_prob, swiglu_clamp).
       dtype: the matmuls' input dtype (the parameters'); they accumulate in float32.
       router_bias: [E] or None (gpt-oss).
@@ -108,8 +148,8 @@ def moe_ffn(x, router, w_gate, w_up, w_down, config, dtype, *, router_bias=None,
            and not sharding.mesh.are_all_axes_auto else None)
     sorted_e = flat[order]
     bias = lambda y, b: y if b is None else y + jnp.take(b, sorted_e, axis=0).astype(jnp.float32)
-    mm = lambda a, w, b: bias(jax.lax.ragged_dot(a.astype(dtype), w, group_sizes, preferred_element_type=jnp.float32,
-                                                 out_sharding=out), b)
+    mm = lambda a, w, b: bias(jax.lax.ragged_dot(a.astype(dtype), _float(w, dtype), group_sizes,
+                                                 preferred_element_type=jnp.float32, out_sharding=out), b)
     h = glu(mm(rows, w_gate, biases[0]), mm(rows, w_up, biases[1]), config)  # f32[M*k, F]
     y = mm(h, w_down, biases[2])  # f32[M*k, D]
     y = jnp.take(y, jnp.argsort(order), axis=0).reshape(num_tokens, k, d)  # back to (token, choice)
@@ -124,10 +164,10 @@ def _gathered(x, experts, weights, w_gate, w_up, w_down, biases, config, dtype):
     k = experts.shape[1]
     flat = experts.reshape(num_tokens * k)
     rows = jnp.repeat(x.astype(dtype), k, axis=0)  # [M*k, D], pair p = token * k + choice
-    take = lambda w: jnp.take(w, flat, axis=0, mode="clip")  # [M*k, ...] (the router's ids are in range)
+    take = lambda w: _take(w, flat)  # [M*k, ...] (the router's ids are in range)
     bias = lambda y, b: y if b is None else y + take(b).astype(jnp.float32)
-    mv = lambda a, w, b: bias(jnp.einsum("PI,PIO->PO", a.astype(dtype), take(w), preferred_element_type=jnp.float32),
-                              b)
+    mv = lambda a, w, b: bias(jnp.einsum("PI,PIO->PO", a.astype(dtype), _float(take(w), dtype),
+                                         preferred_element_type=jnp.float32), b)
     h = glu(mv(rows, w_gate, biases[0]), mv(rows, w_up, biases[1]), config)  # f32[M*k, F]
     y = mv(h, w_down, biases[2]).reshape(num_tokens, k, d)
     return jnp.einsum("MkD,Mk->MD", y, weights)
@@ -138,7 +178,7 @@ def _blocked(x, experts, weights, w_gate, w_up, w_down, biases, config, dtype, t
     expert's run padded to whole tiles): the expert weights gathered per tile and one batched matmul
     [tiles, tile, D] x [tiles, D, F]. Static shapes: at most ceil(M*k / tile) + E tiles."""
     num_tokens, d = x.shape
-    k, e = experts.shape[1], w_gate.shape[0]
+    k, e = experts.shape[1], config.num_experts
     pairs = num_tokens * k
     num_tiles = -(-pairs // tile) + e
     flat = experts.reshape(pairs)
@@ -152,10 +192,10 @@ def _blocked(x, experts, weights, w_gate, w_up, w_down, biases, config, dtype, t
     pos = tile_start[sorted_e] * tile + jnp.arange(pairs) - group_start[sorted_e]  # padded row of each sorted pair
     rows = jnp.zeros((num_tiles * tile, d), dtype).at[pos].set(jnp.take(x.astype(dtype), order // k, axis=0))
     tile_expert = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(num_tiles), side="right"), e - 1)
-    take = lambda w: jnp.take(w, tile_expert, axis=0, mode="clip")  # [tiles, ...]
+    take = lambda w: _take(w, tile_expert)  # [tiles, ...]
     bias = lambda y, b: y if b is None else y + take(b).astype(jnp.float32)[:, None, :]
-    mm = lambda a, w, b: bias(jnp.einsum("NTI,NIO->NTO", a.astype(dtype).reshape(num_tiles, tile, -1), take(w),
-                                         preferred_element_type=jnp.float32), b)
+    mm = lambda a, w, b: bias(jnp.einsum("NTI,NIO->NTO", a.astype(dtype).reshape(num_tiles, tile, -1),
+                                         _float(take(w), dtype), preferred_element_type=jnp.float32), b)
     h = glu(mm(rows, w_gate, biases[0]), mm(rows, w_up, biases[1]), config)  # f32[tiles, tile, F]
     y = mm(h, w_down, biases[2]).reshape(num_tiles * tile, d)[pos]  # f32[M*k, D] in sorted order
     y = jnp.take(y, jnp.argsort(order), axis=0).reshape(num_tokens, k, d)
@@ -171,6 +211,7 @@ def moe_dense(x, router, w_gate, w_up, w_down, config, dtype, *, router_bias=Non
     bg, bu, bd = (None, None, None) if biases is None else biases
     bias = lambda y, b: y if b is None else y + b.astype(jnp.float32)[None]
     xd = x.astype(dtype)
+    w_gate, w_up, w_down = (_float(w, dtype) for w in (w_gate, w_up, w_down))
     g = bias(jnp.einsum("MD,EDF->MEF", xd, w_gate, preferred_element_type=jnp.float32), bg)
     u = bias(jnp.einsum("MD,EDF->MEF", xd, w_up, preferred_element_type=jnp.float32), bu)
     y = bias(jnp.einsum("MEF,EFD->MED", glu(g, u, config).astype(dtype), w_down, preferred_element_type=jnp.float32),

@@ -28,6 +28,9 @@ well-separated logits. The configs switch on what each family's loader must get 
            q/k/v/o biases, attention sinks, sliding window 6 on layer 0 and full attention on layer 1,
            YaRN RoPE (all three bands: extrapolated, ramp, interpolated; attention factor 1.21),
            head_dim != hidden/heads, untied head, bf16 weights; a harmony-style chat template.
+  gpt_oss_mxfp4: the same checkpoint with its experts quantized to MXFP4 here (quantize_mxfp4:
+           `*_blocks` / `*_scales` and quantization_config, openai/gpt-oss-20b's layout); its golden
+           data is what transformers computes from the MXFP4 checkpoint (dequantized on the CPU).
   mixtral: 8 experts, top-2 (softmax over the chosen), untied head, sharded with an index (experts
            of one layer across files); Mistral's chat template.
   qwen3_moe: 16 experts, top-4 without norm_topk_prob (the weights are the plain softmax
@@ -353,9 +356,51 @@ def build(family, spec, out: pathlib.Path, hidden=None, layers=None, ffn=None, v
     return out
 
 
+def quantize_mxfp4(w):
+    """MXFP4 of w f32[E, out, in] as transformers' checkpoints hold it: (blocks u8[E, out, in / 32, 16],
+    scales u8[E, out, in / 32]). Each block of 32 values gets the power of two 2^e that brings its
+    largest magnitude within FP4's 6 (scale byte e + 127); each value the nearest e2m1 code."""
+    from transformers.integrations.mxfp4 import FP4_VALUES
+
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    e_, o_, i_ = w.shape
+    blk = w.reshape(e_, o_, i_ // 32, 32)
+    amax = blk.abs().amax(-1, keepdim=True).clamp(min=2.0 ** -100)
+    e = torch.ceil(torch.log2(amax / 6.0))
+    idx = (blk / torch.exp2(e))[..., None].sub(lut).abs().argmin(-1).to(torch.uint8)  # [E, O, I/32, 32]
+    blocks = idx[..., 0::2] | (idx[..., 1::2] << 4)
+    return blocks.contiguous(), (e[..., 0] + 127).to(torch.uint8).contiguous()
+
+
+def mxfp4_variant(src: pathlib.Path, out: pathlib.Path):
+    """gpt_oss_mxfp4: the gpt_oss checkpoint with its experts' weights in MXFP4 (`*_blocks` / `*_scales`,
+    quantization_config {"quant_method": "mxfp4"}), the layout of openai/gpt-oss-20b and -120b."""
+    from safetensors.torch import load_file, save_file
+
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.name not in ("model.safetensors", "golden.json", "golden.npz", "config.json"):
+            shutil.copy(f, out / f.name)
+    sd = load_file(src / "model.safetensors")
+    for key in [k for k in sd if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        w = sd.pop(key).float().transpose(1, 2)  # [E, in, out] -> [E, out, in]
+        sd[key + "_blocks"], sd[key + "_scales"] = quantize_mxfp4(w)
+    save_file(sd, out / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out
+
+
 def golden(family, spec, out: pathlib.Path):
     tok = transformers.AutoTokenizer.from_pretrained(out)
-    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager")
+    # MXFP4 on a CPU: transformers' dequantizing loader (Mxfp4Config(dequantize=True), which needs no accelerate).
+    quant = {"quantization_config": transformers.Mxfp4Config(dequantize=True)} if family.endswith("mxfp4") else {}
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager",
+                                                              **quant)
     model.eval()
     assert tok.chat_template == spec["template"], "the template did not survive save/load"
     stored = json.loads((out / "tokenizer.json").read_text())
@@ -428,6 +473,8 @@ def main():
     for family in args.families:
         out = build(family, FAMILIES[family], args.out / family)
         golden(family, FAMILIES[family], out)
+        if family == "gpt_oss":  # transformers dequantizes MXFP4 on a CPU (exact: FP4 values times 2^k)
+            golden("gpt_oss_mxfp4", FAMILIES[family], mxfp4_variant(out, args.out / "gpt_oss_mxfp4"))
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from jpa.models.chat_template import ChatTemplateError
 from jpa.models.config import ModelConfig
 
 DATA = pathlib.Path(__file__).parent / "data" / "hf"
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "mixtral", "qwen3_moe", "gpt_oss"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "mixtral", "qwen3_moe", "gpt_oss", "gpt_oss_mxfp4"]
 ATOL = 1e-4
 PAGE_SIZE = 4  # small pages: sequences span many, and windows start mid-page
 
@@ -450,7 +450,9 @@ def test_generate_command_runs_a_checkpoint_directory(capsys):
 @pytest.mark.parametrize("m,k,norm,skew,impl,oss", [
     (37, 2, True, False, "blocked", False), (37, 3, False, True, "blocked", False),
     (37, 3, False, True, "ragged_dot", False), (3, 2, True, False, "blocked", False),
-    (37, 4, True, True, "blocked", True), (37, 4, True, False, "ragged_dot", True), (1, 4, True, False, "blocked", True)])
+    (37, 4, True, True, "blocked", "float"), (1, 4, True, False, "blocked", "float"),
+    (37, 4, True, False, "ragged_dot", "mxfp4"), (37, 4, True, False, "blocked", "mxfp4"),
+    (1, 4, True, False, "blocked", "mxfp4")])
 def test_moe_grouped_matmuls_equal_the_dense_oracle_and_router_matches_numpy(m, k, norm, skew, impl, oss, monkeypatch):
     """moe_ffn (the pairs sorted by expert, then tiles of one expert each ("blocked", 8-row tiles
     here: runs spanning several tiles and padded ones) or ragged_dot; with m * k < 8 experts the
@@ -458,16 +460,18 @@ def test_moe_grouped_matmuls_equal_the_dense_oracle_and_router_matches_numpy(m, 
     random inputs; the router's choices and weights = a NumPy oracle. skew: a router bias that
     sends every token to expert 5 and none to some experts (empty groups). oss: gpt-oss's router
     bias, expert biases and clamped SwiGLU, the output also against a NumPy oracle of
-    transformers' GptOssExperts (the clamps bite: limit 1.0)."""
+    transformers' GptOssExperts (the clamps bite: limit 1.0); "mxfp4": the expert weights as
+    MXFP4 codes and scales (dequantized in the matmuls; the oracle dequantizes with NumPy)."""
     from jpa.models import moe
     from jpa.models.moe import moe_dense, moe_ffn, route
     monkeypatch.setattr(moe, "EXPERT_MATMUL", impl)
-    rng = np.random.default_rng(m * k + oss)
-    d, f, e = 16, 24, 8
+    rng = np.random.default_rng(m * k + len(str(oss)) + 10 * (impl == "ragged_dot"))
+    d, f, e = (32, 32, 8) if oss == "mxfp4" else (16, 24, 8)  # MXFP4: blocks of 32 along `in`
     cfg = dataclasses.replace(models.PRESETS["tiny-llama"], d_model=d, ffn_dim=f, num_experts=e,
                               experts_per_token=k, norm_topk_prob=norm)
     if oss:
-        cfg = dataclasses.replace(cfg, router_bias=True, expert_bias=True, swiglu_clamp=(1.702, 1.0))
+        cfg = dataclasses.replace(cfg, router_bias=True, expert_bias=True, swiglu_clamp=(1.702, 1.0),
+                                  expert_format="mxfp4" if oss == "mxfp4" else "float")
     x = rng.normal(size=(m, d)).astype(np.float32)
     router = rng.normal(size=(d, e)).astype(np.float32)
     if skew:
@@ -476,6 +480,11 @@ def test_moe_grouped_matmuls_equal_the_dense_oracle_and_router_matches_numpy(m, 
         router[0, 5] = 3.0
         router[0, 6:] = -12.0  # never chosen
     w = [(rng.normal(size=s) / np.sqrt(s[1])).astype(np.float32) for s in ((e, d, f), (e, d, f), (e, f, d))]
+    wargs = w
+    if oss == "mxfp4":  # random codes; scales 2^-4..2^-2 (weights of about the float ones' size)
+        wargs = [(rng.integers(0, 256, (e, o, i // 2), dtype=np.uint8),
+                  rng.integers(123, 126, (e, o, i // 32), dtype=np.uint8)) for o, i in ((f, d), (f, d), (d, f))]
+        w = [mxfp4_numpy(*a) for a in wargs]
     rb = rng.normal(size=(e,)).astype(np.float32) if oss else None
     biases = tuple(rng.normal(size=s).astype(np.float32) for s in ((e, f), (e, f), (e, d))) if oss else None
     kw = dict(router_bias=rb, biases=biases)
@@ -493,8 +502,8 @@ def test_moe_grouped_matmuls_equal_the_dense_oracle_and_router_matches_numpy(m, 
     counts = np.bincount(experts.ravel(), minlength=e)
     if skew:
         assert counts[5] == m and (counts == 0).any()
-    got = jax.jit(lambda kw, *a: moe_ffn(*a, cfg, jnp.float32, **kw))(kw, x, router, *w)
-    oracle = jax.jit(lambda kw, *a: moe_dense(*a, cfg, jnp.float32, **kw))(kw, x, router, *w)
+    got = jax.jit(lambda kw, *a: moe_ffn(*a, cfg, jnp.float32, **kw))(kw, x, router, *wargs)
+    oracle = jax.jit(lambda kw, *a: moe_dense(*a, cfg, jnp.float32, **kw))(kw, x, router, *wargs)
     np.testing.assert_allclose(np.asarray(got), np.asarray(oracle), atol=2e-5, rtol=0)
     assert np.abs(np.asarray(oracle)).max() > 0.1
     if oss:  # transformers' GptOssExperts._apply_gate, per chosen expert, in float64
@@ -507,6 +516,30 @@ def test_moe_grouped_matmuls_equal_the_dense_oracle_and_router_matches_numpy(m, 
                 want[t] += want_w[t, j] * (h @ w[2][ex] + biases[2][ex])
             assert len(want_e) == k
         np.testing.assert_allclose(np.asarray(got), want, atol=5e-5, rtol=0)
+
+
+def mxfp4_numpy(codes, scales):
+    """NumPy oracle of MXFP4: codes u8[..., O, I/2], scales u8[..., O, I/32] -> f32[..., I, O]. Each nibble
+    is e2m1 (sign bit, 2 exponent bits, 1 mantissa bit; exponent 0 is subnormal: m / 2), the low nibble
+    the earlier value; a block of 32 values is times 2^(scale - 127)."""
+    nib = np.stack([codes & 15, codes >> 4], axis=-1).reshape(*codes.shape[:-1], -1).astype(np.int64)
+    sign, ex, man = np.where(nib & 8, -1.0, 1.0), (nib >> 1) & 3, nib & 1
+    val = sign * np.where(ex == 0, man / 2.0, 2.0 ** (ex - 1) * (1 + man / 2.0))
+    val = val * np.repeat(2.0 ** (scales.astype(np.float64) - 127), 32, axis=-1)
+    return np.swapaxes(val, -1, -2).astype(np.float32)
+
+
+def test_dequantize_mxfp4_equals_numpy():
+    from jpa.models.moe import dequantize_mxfp4
+    rng = np.random.default_rng(7)
+    codes = rng.integers(0, 256, (3, 5, 48), dtype=np.uint8)  # 3 experts, 5 rows, 96 values (3 blocks)
+    scales = rng.integers(100, 140, (3, 5, 3), dtype=np.uint8)
+    scales[0, 0, 0], scales[1, 2, 1] = 2, 250  # near the e8m0 range's ends (f32 normals, no overflow)
+    want = mxfp4_numpy(codes, scales)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        got = np.asarray(jax.jit(lambda c, s: dequantize_mxfp4(c, s, dtype))(codes, scales)).astype(np.float32)
+        np.testing.assert_array_equal(got, want)  # exact: 2-bit mantissas times powers of two
+    assert want.shape == (3, 96, 5) and np.abs(want).max() > 1e4
 
 
 def test_moe_refusals_are_named():
@@ -577,13 +610,17 @@ def test_gpt_oss_config_layouts_defaults_and_refusals():
     bare = {k: v for k, v in real.items() if k not in ("rope_scaling", "rope_theta")}
     assert hf.config_from_hf(bare).rope_scaling == r.rope_scaling  # transformers' GptOssConfig defaults
     assert hf.config_from_hf({**bare, "rope_theta": 1e4}).rope_base == 1e4
+    assert hf.config_from_hf(GPT_OSS_20B) == dataclasses.replace(r, expert_format="mxfp4")
+    assert hf.config_from_hf(golden_config("gpt_oss_mxfp4")) == dataclasses.replace(c, expert_format="mxfp4")
+    with pytest.raises(hf.CheckpointError, match=r"quantization_config \('awq'\) is not supported"):
+        hf.config_from_hf({**GPT_OSS_20B, "quantization_config": {"quant_method": "awq"}})
     with pytest.raises(hf.CheckpointError, match=r"quantization_config \('mxfp4'\) is not supported"):
-        hf.config_from_hf(GPT_OSS_20B)
+        hf.config_from_hf({**golden_config("mixtral"), "quantization_config": {"quant_method": "mxfp4"}})
     with pytest.raises(ValueError, match="tensor_parallel=2: a mixture-of-experts model"):
         plan_heads(c, 2)
     with pytest.raises(ValueError, match=r"swiglu_clamp must be \(\) or \(alpha, limit\)"):
         dataclasses.replace(c, swiglu_clamp=(1.0,))
-    with pytest.raises(ValueError, match=r"router_bias, expert_bias and swiglu_clamp are mixture-of-experts"):
+    with pytest.raises(ValueError, match=r"router_bias, expert_bias, swiglu_clamp and expert_format are mixture-of-experts"):
         dataclasses.replace(models.PRESETS["tiny-llama"], router_bias=True)
 
 
