@@ -191,7 +191,7 @@ def test_gemma2_refuses_a_system_turn_and_every_family_renders_system_user_assis
         tok.apply_chat_template("hi", system="be brief")
     rendered = {f: golden(f)["chats"]["multi_turn/gen"] for f in FAMILIES}
     assert [f for f, c in rendered.items() if "text" in c] == ["llama", "mistral", "qwen2", "qwen3", "mixtral",
-                                                               "qwen3_moe"]
+                                                               "qwen3_moe", "gpt_oss", "gpt_oss_mxfp4"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -264,7 +264,7 @@ def edit_json(path, **changes):
     ("shape", hf.CheckpointError, r"tensor model.layers.0.mlp.gate_proj.weight has shape \[128, 64\]; "
                                   r"config.json implies \[192, 64\]"),
     ("model_type", hf.CheckpointError, r"model_type 'gpt_neox' is not supported; jpa loads \['llama'"),
-    ("rope_type", hf.CheckpointError, r"RoPE type 'yarn' is not supported"),
+    ("rope_type", hf.CheckpointError, r"RoPE type 'longrope' is not supported"),
     ("bias", hf.CheckpointError, r"attention_bias = True is not supported"),
     ("activation", hf.CheckpointError, r"activation 'gelu' is not supported for llama"),
     ("index", hf.CheckpointError, r"puts model.norm.weight in model-00001-of-00005.safetensors, but that file"),
@@ -286,7 +286,7 @@ def test_sharded_checkpoint_errors(case, exc, match, tmp_path, reads):
     elif case == "model_type":
         edit_json(d / "config.json", model_type="gpt_neox")
     elif case == "rope_type":
-        edit_json(d / "config.json", rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0})
+        edit_json(d / "config.json", rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0})
     elif case == "bias":
         edit_json(d / "config.json", attention_bias=True)
     elif case == "activation":
