@@ -65,6 +65,22 @@ def dequantize_mxfp4(codes, scales, dtype):
     return jnp.swapaxes(v.reshape(*codes.shape[:-1], nb * MXFP4_BLOCK).astype(dtype), -1, -2)
 
 
+def _mxfp4_matvec(a, codes, scales, dtype):
+    """Per-pair products a[p] @ W[p] of MXFP4 weights without a float copy of them: f32[P, I] inputs
+    (rounded to dtype, as the float forms' matmul inputs), codes u8[P, O, I / 2], scales u8[P, O, I / 32]
+    -> f32[P, O]. Written as multiplies and sums (a block's 32 products, then its scale), so XLA makes
+    the gather of the codes, their decode and the product one reduction that reads the packed bytes;
+    a dot of `dequantize_mxfp4`'s result materializes the gathered experts' weights in float
+    (a deviceless H100 compile of gpt-oss-20b's decode step: BENCHMARKS.md)."""
+    lut = jnp.asarray(FP4_E2M1)
+    num_pairs, out, half = codes.shape
+    nb = scales.shape[-1]
+    x = a.astype(dtype).astype(jnp.float32).reshape(num_pairs, 1, nb, MXFP4_BLOCK // 2, 2)
+    c = codes.reshape(num_pairs, out, nb, MXFP4_BLOCK // 2)
+    blk = jnp.sum(x[..., 0] * lut[c & 15] + x[..., 1] * lut[c >> 4], axis=-1)  # f32[P, O, I / 32]
+    return jnp.sum(jnp.ldexp(blk, scales.astype(jnp.int32) - 127), axis=-1)
+
+
 def _take(w, idx):
     """Expert weights (an array, or MXFP4 (codes, scales)) at expert ids idx (gathered on axis 0)."""
     if isinstance(w, tuple):
@@ -166,8 +182,8 @@ def _gathered(x, experts, weights, w_gate, w_up, w_down, biases, config, dtype):
     rows = jnp.repeat(x.astype(dtype), k, axis=0)  # [M*k, D], pair p = token * k + choice
     take = lambda w: _take(w, flat)  # [M*k, ...] (the router's ids are in range)
     bias = lambda y, b: y if b is None else y + take(b).astype(jnp.float32)
-    mv = lambda a, w, b: bias(jnp.einsum("PI,PIO->PO", a.astype(dtype), _float(take(w), dtype),
-                                         preferred_element_type=jnp.float32), b)
+    mv = lambda a, w, b: bias(_mxfp4_matvec(a, *take(w), dtype) if isinstance(w, tuple) else jnp.einsum(
+        "PI,PIO->PO", a.astype(dtype), take(w), preferred_element_type=jnp.float32), b)
     h = glu(mv(rows, w_gate, biases[0]), mv(rows, w_up, biases[1]), config)  # f32[M*k, F]
     y = mv(h, w_down, biases[2]).reshape(num_tokens, k, d)
     return jnp.einsum("MkD,Mk->MD", y, weights)
