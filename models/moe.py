@@ -57,12 +57,12 @@ def dequantize_mxfp4(codes, scales, dtype):
     Returns:
       dtype[..., I, O], the x @ W layout.
     """
-    lut = jnp.asarray(FP4_E2M1)
-    v = jnp.stack([lut[codes & 15], lut[codes >> 4]], axis=-1)  # f32[..., O, I / 2, 2]
+    lut = jnp.asarray(FP4_E2M1, dtype)  # in dtype throughout: no float32 copy of the weights
+    v = jnp.stack([lut[codes & 15], lut[codes >> 4]], axis=-1)  # [..., O, I / 2, 2]
     nb = scales.shape[-1]
     v = v.reshape(*codes.shape[:-1], nb, MXFP4_BLOCK)
     v = jnp.ldexp(v, (scales.astype(jnp.int32) - 127)[..., None])
-    return jnp.swapaxes(v.reshape(*codes.shape[:-1], nb * MXFP4_BLOCK).astype(dtype), -1, -2)
+    return jnp.swapaxes(v.reshape(*codes.shape[:-1], nb * MXFP4_BLOCK), -1, -2)
 
 
 def _mxfp4_matvec(a, codes, scales, dtype):
