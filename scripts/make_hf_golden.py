@@ -395,6 +395,23 @@ def mxfp4_variant(src: pathlib.Path, out: pathlib.Path):
     return out
 
 
+def yarn_reference(out: pathlib.Path):
+    """yarn.json: transformers' YaRN inverse frequencies and attention factor for a few rope_parameters
+    (truncate on and off, DeepSeek-style mscale / mscale_all_dim, another factor and beta_fast)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cases = []
+    for extra in ({"truncate": True}, {"truncate": False}, {"mscale": 0.707, "mscale_all_dim": 1.0},
+                  {"factor": 4.0, "beta_fast": 32.0, "truncate": False}):
+        params = {**dict(rope_type="yarn", rope_theta=10000.0, factor=8.0, beta_fast=4.0, beta_slow=1.0,
+                         original_max_position_embeddings=64), **extra}
+        cfg = dict(model_type="gpt_oss", hidden_size=64, num_attention_heads=4, head_dim=32,
+                   max_position_embeddings=1024, rope_parameters=params)
+        inv, factor = ROPE_INIT_FUNCTIONS["yarn"](transformers.GptOssConfig(**cfg), "cpu")
+        cases.append({"config": cfg, "inv_freq": inv.tolist(), "attention_factor": float(factor)})
+    (out / "yarn.json").write_text(json.dumps(cases, indent=1) + "\n")
+
+
 def golden(family, spec, out: pathlib.Path):
     tok = transformers.AutoTokenizer.from_pretrained(out)
     # MXFP4 on a CPU: transformers' dequantizing loader (Mxfp4Config(dequantize=True), which needs no accelerate).
@@ -475,6 +492,7 @@ def main():
         golden(family, FAMILIES[family], out)
         if family == "gpt_oss":  # transformers dequantizes MXFP4 on a CPU (exact: FP4 values times 2^k)
             golden("gpt_oss_mxfp4", FAMILIES[family], mxfp4_variant(out, args.out / "gpt_oss_mxfp4"))
+            yarn_reference(out)
 
 
 if __name__ == "__main__":

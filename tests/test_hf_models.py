@@ -664,3 +664,18 @@ def test_gpt_oss_ragged_step_equals_transformers():
     dense = dense_logits(model, [b["ids"] + [nxt]])[0, -1]
     np.testing.assert_allclose(got, np.concatenate([arrays["chat_logits"][50:], dense[None]]), atol=ATOL, rtol=0)
     assert int(np.argmax(got[-1])) == b["greedy_ids"][1]
+
+
+def test_yarn_rope_equals_transformers():
+    """YaRN's inverse frequencies and attention factor (models.gpt.rope_inv_freq / rope_attention_factor
+    of models.hf's config) = transformers' _compute_yarn_parameters (tests/data/hf/gpt_oss/yarn.json):
+    truncate on and off, mscale / mscale_all_dim, two factors. The gpt_oss checkpoint's logits check
+    the rotation itself (cos and sin times the factor)."""
+    from jpa.models.gpt import rope_attention_factor, rope_inv_freq
+    cases = json.loads((DATA / "gpt_oss" / "yarn.json").read_text())
+    assert len(cases) == 4
+    for case in cases:
+        c = hf.config_from_hf({**golden_config("gpt_oss"), **case["config"]})
+        np.testing.assert_array_equal(rope_inv_freq(c), np.asarray(case["inv_freq"], np.float32))
+        assert rope_attention_factor(c) == pytest.approx(case["attention_factor"], rel=1e-12)
+    assert len({round(c["attention_factor"], 6) for c in cases}) == 3
