@@ -5,9 +5,11 @@ tanh-GELU MLP, biases, tied or untied head) and "llama" (RMSNorm, RoPE in the Hu
 rotate_half convention, grouped-query attention, SwiGLU, tied or untied head). The llama family's
 config-driven variants cover the Hugging Face architectures `models.hf` loads: Llama-3 RoPE scaling,
 Qwen2's q/k/v biases, Qwen3's q/k RMSNorm, and Gemma-2's embedding scale, GeGLU, (1 + w) norms,
-post-norms, query scale, attention and final logit soft caps and sliding window on some layers.
-The attention options go through `jpa.paged_decode` / `jpa.paged_prefill` (`soft_cap=`,
-`sliding_window=`, `scale=`).
+post-norms, query scale, attention and final logit soft caps and sliding window on some layers,
+and the mixtures of experts' MLP (models.moe; gpt-oss: q/k/v/o biases, YaRN RoPE and a learned
+attention sink per layer and head, `Block.sinks`). The attention options go through
+`jpa.paged_decode` / `jpa.paged_prefill` / `jpa.ragged_paged_attention` (`soft_cap=`,
+`sliding_window=`, `scale=`, and each layer's `sinks=` from the scan over layers).
 
 Entry points are plain functions of (model, cache, arrays) so that an engine can jit them with
 the cache donated (`graphdef, params = nnx.split(model)`, then `nnx.merge` inside the jit):

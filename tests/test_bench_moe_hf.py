@@ -16,13 +16,15 @@ pytestmark = pytest.mark.bench   # CI's bench tier (.ci/run), not ./run test
 DATA = pathlib.Path(__file__).parent / "data" / "hf"
 
 
-def test_generate_gpt_oss_with_prefix_caching_and_ngram_speculation(capsys):
+@pytest.mark.parametrize("name,n", [("gpt_oss", 16), ("gpt_oss_mxfp4", 24)])
+def test_generate_gpt_oss_with_prefix_caching_and_ngram_speculation(name, n, capsys):
+    """gpt_oss_mxfp4: the experts in MXFP4; one sequence, so the decode loop runs the gathered form
+    (models.moe._mxfp4_matvec)."""
     from jpa.cli import generate as mod
-    g = json.loads((DATA / "gpt_oss" / "golden.json").read_text())["prompts"]["robot"]
-    # Its greedy continuation repeats (243 125 243 125 ...): the n-gram proposer finds drafts.
-    n = 16
+    g = json.loads((DATA / name / "golden.json").read_text())["prompts"]["robot"]
+    # Its greedy continuation repeats (243 125 243 125 ...; 92 268 92 268): the n-gram proposer finds drafts.
     # One sequence at a time: the second request finds the first one's prompt pages cached.
-    rc = mod.main(["--model", str(DATA / "gpt_oss"), "--greedy", "--max-new-tokens", str(n), "--json",
+    rc = mod.main(["--model", str(DATA / name), "--greedy", "--max-new-tokens", str(n), "--json",
                    "--no-compile-cache", "--no-progress", "--max-seqs", "1", "--max-model-len", "128",
                    "--kv-memory", "1", "--page-size", "4",
                    "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}',
