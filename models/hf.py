@@ -232,7 +232,8 @@ def hf_names(c: ModelConfig, model_type: str) -> dict:
     Paths are "tok_embeddings", "norm", "output", "layers.{i}.{name}" (models.gpt.expected_shapes);
     transpose means the checkpoint holds torch's [out, in] and the model x @ W's [in, out]; part
     (gpt-oss's gate_up_proj) 0 or 1: the tensor's last axis interleaves two parameters, ours is
-    [..., part::2].
+    [..., part::2]; or for MXFP4 experts ("blocks" | "scales", 0 / 1 / None): u8 [E, out, ...] with
+    gate and up interleaved on the out axis (rows p::2), blocks [E, O, I/32, 16] read as [E, O, I/2].
     """
     from jpa.models.gpt import expected_shapes
 
