@@ -222,7 +222,8 @@ def _is_number(x) -> bool:
 _VARIANT_FIELDS = ("qkv_bias", "qk_norm", "rope_scaling", "mlp_activation", "norm_weight_offset",
                    "embed_scale", "post_norms", "attn_scale", "attn_soft_cap", "final_soft_cap",
                    "sliding_window", "sliding_window_layers", "num_experts", "experts_per_token",
-                   "norm_topk_prob", "o_bias", "attn_sinks", "router_bias", "expert_bias", "swiglu_clamp", "expert_format")
+                   "norm_topk_prob", "o_bias", "attn_sinks", "router_bias", "expert_bias", "swiglu_clamp",
+                   "expert_format")
 
 
 # The tiny presets are random-init models for tests and demos. Their vocabulary of 512 holds the

@@ -34,7 +34,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 # MXFP4 (OCP microscaling FP4; gpt-oss's released experts): e2m1 codes, two per byte (the low nibble
 # first), in blocks of MXFP4_BLOCK along a weight's `in` axis, each block times 2^(scale - 127)
 # (an e8m0 byte). transformers' FP4_VALUES:
-FP4_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+FP4_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                    np.float32)
 MXFP4_BLOCK = 32
 
 # The grouped matmul: "blocked" (`_gathered` for M*k < E pairs, else `_blocked`) or "ragged_dot"

@@ -1,8 +1,9 @@
 """Write tests/data/hf/: tiny random Hugging Face checkpoints and what transformers computes on them.
 
-One directory per family (llama, mistral, qwen2, qwen3, gemma2, mixtral, qwen3_moe, gpt_oss), each a complete checkpoint in the
-Hugging Face layout saved by transformers itself (config.json, *.safetensors, tokenizer.json,
-tokenizer_config.json, chat template, generation_config.json), plus golden.json (prompts, token
+One directory per family (llama, mistral, qwen2, qwen3, gemma2, mixtral, qwen3_moe, gpt_oss, gpt_oss_mxfp4),
+each a complete checkpoint in the Hugging Face layout saved by transformers itself (config.json,
+*.safetensors, tokenizer.json, tokenizer_config.json, chat template, generation_config.json; the
+MXFP4 one converted here from gpt_oss's), plus golden.json (prompts, token
 ids, greedy continuations, chat template renderings) and golden.npz (float32 prefill logits).
 tests/test_hf_models.py loads the checkpoints with models.load and compares. The data is committed;
 rerun this only when it must change. It needs torch + transformers, which jpa does not depend on,
