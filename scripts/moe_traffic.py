@@ -10,6 +10,7 @@ and the expert matmuls' kernels in the HLO.
 
     python scripts/moe_traffic.py --max-seqs 1 64 --layers 4
     python scripts/moe_traffic.py --model gpt-oss-20b --max-seqs 1 --layers 2
+    python scripts/moe_traffic.py --model gpt-oss-120b --max-seqs 1 --layers 36   # the whole model
 
 A deviceless-compile figure: bytes the compiled program moves (by jpa.tools.traffic's model), not a
 measured time.
@@ -40,7 +41,9 @@ GPT_OSS_20B = dict(family="llama", vocab_size=201088, d_model=2880, num_layers=2
                    router_bias=True, expert_bias=True, swiglu_clamp=(1.702, 7.0), num_experts=32, experts_per_token=4,
                    norm_topk_prob=True, expert_format="mxfp4", sliding_window=128,
                    rope_scaling=("yarn", 32.0, 32.0, 1.0, 4096, 1.3465735902799727, 0.0))
-MODELS = {"qwen3-30b-a3b": QWEN3_30B_A3B, "gpt-oss-20b": GPT_OSS_20B}
+# openai/gpt-oss-120b: 36 layers of 128 experts, otherwise gpt-oss-20b's shapes.
+GPT_OSS_120B = dict(GPT_OSS_20B, num_layers=36, num_experts=128)
+MODELS = {"qwen3-30b-a3b": QWEN3_30B_A3B, "gpt-oss-20b": GPT_OSS_20B, "gpt-oss-120b": GPT_OSS_120B}
 
 
 def main(argv=None) -> int:
