@@ -5,7 +5,10 @@ import math
 
 FAMILIES = ("gpt2", "llama")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
-ROPE_SCALINGS = {"linear": 1, "llama3": 4}  # rope_type -> number of parameters after it
+EXPERT_FORMATS = ("float", "mxfp4")
+# rope_type -> number of parameters after it (yarn: factor, beta_fast, beta_slow,
+# original_max_position_embeddings, attention_factor, truncate (1.0 / 0.0)).
+ROPE_SCALINGS = {"linear": 1, "llama3": 4, "yarn": 6}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,8 +36,10 @@ class ModelConfig:
     Llama, and gpt2 must keep them:
       qkv_bias: biases on the q/k/v projections (Qwen2).
       qk_norm: RMSNorm over head_dim on each q and k head before RoPE (Qwen3).
-      rope_scaling: () for none; ("linear", factor) or ("llama3", factor, low_freq_factor,
-        high_freq_factor, original_max_position_embeddings) as in transformers' rope_scaling.
+      rope_scaling: () for none; ("linear", factor), ("llama3", factor, low_freq_factor,
+        high_freq_factor, original_max_position_embeddings) or ("yarn", factor, beta_fast, beta_slow,
+        original_max_position_embeddings, attention_factor, truncate (1.0 or 0.0)) as in
+        transformers' rope_scaling (YaRN, gpt-oss: cos and sin are multiplied by attention_factor).
       mlp_activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma).
       norm_weight_offset: RMSNorm multiplies by (offset + weight); Gemma stores weight - 1 (1.0).
       embed_scale: the token embedding is multiplied by this (Gemma: sqrt(d_model), rounded to
@@ -56,6 +61,17 @@ class ModelConfig:
       num_experts: experts per layer (0: a dense MLP).
       experts_per_token: experts each token is routed to (k of top-k).
       norm_topk_prob: renormalize the chosen probabilities.
+
+    gpt-oss (transformers' GptOss):
+      o_bias: a bias on the attention output projection (with qkv_bias: biases on q/k/v/o).
+      attn_sinks: a learned logit per q head per layer joins every attention softmax (`sinks`).
+      router_bias: the router has a bias [E].
+      expert_bias: the experts' gate/up/down projections have biases.
+      swiglu_clamp: () for the plain SwiGLU experts silu(g) * u, or (alpha, limit) for gpt-oss's
+        g = min(g, limit), u = clip(u, -limit, limit), (u + 1) * g * sigmoid(alpha * g).
+      expert_format: "float" (the experts' weights in the parameter dtype) or "mxfp4" (gpt-oss's
+        released checkpoints: FP4 e2m1 codes in blocks of 32 along the `in` axis, each block with a
+        power-of-two scale; models.moe.dequantize_mxfp4, inside the expert matmuls).
     """
     family: str
     vocab_size: int
@@ -86,6 +102,12 @@ class ModelConfig:
     num_experts: int = 0
     experts_per_token: int = 0
     norm_topk_prob: bool = True
+    o_bias: bool = False
+    attn_sinks: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_clamp: tuple = ()
+    expert_format: str = "float"
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -126,10 +148,13 @@ class ModelConfig:
         rs = self.rope_scaling
         if not isinstance(rs, tuple) or (rs and (rs[0] not in ROPE_SCALINGS
                                                  or len(rs) != 1 + ROPE_SCALINGS[rs[0]])):
-            raise ValueError(f"ModelConfig.rope_scaling must be (), ('linear', factor) or ('llama3', factor, "
-                             f"low_freq_factor, high_freq_factor, original_max_position_embeddings); "
+            raise ValueError(f"ModelConfig.rope_scaling must be (), ('linear', factor), ('llama3', factor, "
+                             f"low_freq_factor, high_freq_factor, original_max_position_embeddings) or "
+                             f"('yarn', factor, beta_fast, beta_slow, original_max_position_embeddings, "
+                             f"attention_factor, truncate); "
                              f"got {rs!r}")
-        if rs and not all(_is_number(x) and x > 0 for x in rs[1:]):
+        if rs and not all(_is_number(x) and (x > 0 or (rs[0] == "yarn" and i == 5 and x == 0))
+                          for i, x in enumerate(rs[1:])):
             raise ValueError(f"ModelConfig.rope_scaling's parameters must be numbers > 0; got {rs!r}")
         if rs and rs[0] == "llama3" and not rs[3] > rs[2]:
             raise ValueError(f"ModelConfig.rope_scaling: llama3 needs high_freq_factor > low_freq_factor; "
@@ -160,8 +185,20 @@ class ModelConfig:
         if (e > 0) != (k > 0) or k > e:
             raise ValueError(f"ModelConfig.experts_per_token must be in [1, num_experts = {e}] for a mixture "
                              f"of experts and 0 without one; got {k!r}")
-        if not isinstance(self.norm_topk_prob, bool):
-            raise ValueError(f"ModelConfig.norm_topk_prob must be a bool; got {self.norm_topk_prob!r}")
+        for name in ("norm_topk_prob", "o_bias", "attn_sinks", "router_bias", "expert_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ModelConfig.{name} must be a bool; got {getattr(self, name)!r}")
+        sc = self.swiglu_clamp
+        if not isinstance(sc, tuple) or (sc and (len(sc) != 2 or not all(_is_number(x) and x > 0 for x in sc))):
+            raise ValueError(f"ModelConfig.swiglu_clamp must be () or (alpha, limit), numbers > 0; got {sc!r}")
+        if not e and (self.router_bias or self.expert_bias or sc or self.expert_format != "float"):
+            raise ValueError("ModelConfig: router_bias, expert_bias, swiglu_clamp and expert_format are "
+                             "mixture-of-experts options (num_experts > 0)")
+        if self.expert_format not in EXPERT_FORMATS:
+            raise ValueError(f"ModelConfig.expert_format must be one of {EXPERT_FORMATS}; got {self.expert_format!r}")
+        if self.expert_format == "mxfp4" and (self.d_model % 32 or self.ffn_dim % 32):
+            raise ValueError(f"ModelConfig: expert_format 'mxfp4' needs d_model ({self.d_model}) and ffn_dim "
+                             f"({self.ffn_dim}) to be multiples of its 32-value blocks")
         if self.family == "gpt2":
             changed = [f.name for f in dataclasses.fields(self) if f.name in _VARIANT_FIELDS
                        and getattr(self, f.name) != f.default]
@@ -185,7 +222,8 @@ def _is_number(x) -> bool:
 _VARIANT_FIELDS = ("qkv_bias", "qk_norm", "rope_scaling", "mlp_activation", "norm_weight_offset",
                    "embed_scale", "post_norms", "attn_scale", "attn_soft_cap", "final_soft_cap",
                    "sliding_window", "sliding_window_layers", "num_experts", "experts_per_token",
-                   "norm_topk_prob")
+                   "norm_topk_prob", "o_bias", "attn_sinks", "router_bias", "expert_bias", "swiglu_clamp",
+                   "expert_format")
 
 
 # The tiny presets are random-init models for tests and demos. Their vocabulary of 512 holds the

@@ -5,9 +5,11 @@ tanh-GELU MLP, biases, tied or untied head) and "llama" (RMSNorm, RoPE in the Hu
 rotate_half convention, grouped-query attention, SwiGLU, tied or untied head). The llama family's
 config-driven variants cover the Hugging Face architectures `models.hf` loads: Llama-3 RoPE scaling,
 Qwen2's q/k/v biases, Qwen3's q/k RMSNorm, and Gemma-2's embedding scale, GeGLU, (1 + w) norms,
-post-norms, query scale, attention and final logit soft caps and sliding window on some layers.
-The attention options go through `jpa.paged_decode` / `jpa.paged_prefill` (`soft_cap=`,
-`sliding_window=`, `scale=`).
+post-norms, query scale, attention and final logit soft caps and sliding window on some layers,
+and the mixtures of experts' MLP (models.moe; gpt-oss: q/k/v/o biases, YaRN RoPE and a learned
+attention sink per layer and head, `Block.sinks`). The attention options go through
+`jpa.paged_decode` / `jpa.paged_prefill` / `jpa.ragged_paged_attention` (`soft_cap=`,
+`sliding_window=`, `scale=`, and each layer's `sinks=` from the scan over layers).
 
 Entry points are plain functions of (model, cache, arrays) so that an engine can jit them with
 the cache donated (`graphdef, params = nnx.split(model)`, then `nnx.merge` inside the jit):
@@ -41,6 +43,7 @@ H head_dim.
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -53,11 +56,12 @@ from jpa.ops.prefill import paged_prefill
 from jpa.ops.ragged import ragged_paged_attention
 from jpa.core.quant import (check_weight_quantization, dequantize_blocks, dequantize_weight, quantize_weight,
                             super_scaled)
-from jpa.core.sharding import HEADS, HEADS_T, REPLICATED, STACKED_POOL, head_parallel
+from jpa.core.sharding import HEADS, HEADS_T, REPLICATED, STACKED_POOL, TP, head_parallel
 from jpa.models.config import ModelConfig
 from jpa.models.moe import moe_ffn
 
 PARAM_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))
+SINKS = jax.sharding.PartitionSpec(TP)  # a layer's f32[num_q_heads] attention sinks, split by head like q
 INIT_STD = 0.02  # GPT-2's initializer range
 # Weight-only quantization (jpa.core.quant): the parameters stored quantized, each with the axis its
 # scale is shared along (-2: one scale per output channel of an [in, out] weight; -1: one per row
@@ -236,6 +240,8 @@ def set_weight(owner, name, w, dtype, quantization=None):
         q, scale = quantize_weight(np.asarray(w, np.float32), quantization, QUANT_AXIS[name])
         getattr(owner, name).set_value(jnp.asarray(q))
         getattr(owner, name + "_scale").set_value(jnp.asarray(scale))
+    elif np.asarray(w).dtype == np.uint8:  # MXFP4 expert codes and scales (models.moe) stay as they are
+        getattr(owner, name).set_value(jnp.asarray(w))
     else:
         getattr(owner, name).set_value(jnp.asarray(np.asarray(w, np.float32), dtype=dtype))
 
@@ -274,6 +280,8 @@ def rope_inv_freq(config: ModelConfig):
     kind, factor, *rest = config.rope_scaling
     if kind == "linear":
         return (inv / np.float32(factor)).astype(np.float32)
+    if kind == "yarn":
+        return _yarn_inv_freq(config, inv)
     low, high, old_len = rest  # llama3: keep high frequencies, divide low ones, blend between
     low_wavelen, high_wavelen = old_len / low, old_len / high
     wavelen = (2 * np.pi / inv).astype(np.float32)
@@ -284,7 +292,33 @@ def rope_inv_freq(config: ModelConfig):
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def rope(x, positions, base, inv_freq=None):
+def _yarn_inv_freq(config: ModelConfig, inv):
+    """YaRN inverse frequencies (transformers' _compute_yarn_parameters, in float32 as it computes
+    them): interpolated (divided by factor) below a linear ramp between the dims of beta_fast and
+    beta_slow rotations over the original context, extrapolated (unchanged) above it."""
+    _, factor, beta_fast, beta_slow, old_len, _, truncate = config.rope_scaling
+    h, base = config.head_dim, config.rope_base
+    dim = lambda rot: (h * math.log(old_len / (rot * 2 * math.pi))) / (2 * math.log(base))
+    low, high = dim(beta_fast), dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, h - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(h // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    extrapolation = (np.float32(1) - ramp.astype(np.float32)).astype(np.float32)
+    pos_freqs = (np.float32(base) ** (np.arange(0, h, 2).astype(np.float32) / np.float32(h))).astype(np.float32)
+    interp = (np.float32(1) / (np.float32(factor) * pos_freqs)).astype(np.float32)
+    return (interp * (1 - extrapolation) + inv * extrapolation).astype(np.float32)
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """The factor RoPE's cos and sin are multiplied by (YaRN's attention_factor; 1.0 otherwise)."""
+    rs = config.rope_scaling
+    return float(rs[5]) if rs and rs[0] == "yarn" else 1.0
+
+
+def rope(x, positions, base, inv_freq=None, attention_factor=1.0):
     """Rotary embedding, Hugging Face rotate_half convention (halves, not interleaved pairs).
 
     Args:
@@ -292,6 +326,7 @@ def rope(x, positions, base, inv_freq=None):
       positions: i32[B, T].
       base: frequency base.
       inv_freq: f32[H/2] inverse frequencies (rope_inv_freq: scaled RoPE); default from `base`.
+      attention_factor: cos and sin are multiplied by it (YaRN; transformers' attention_scaling).
 
     Returns:
       f32[B, T, heads, H].
@@ -302,6 +337,8 @@ def rope(x, positions, base, inv_freq=None):
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
     cos = jnp.cos(angles)[:, :, None, :]  # [B, T, 1, H/2]
     sin = jnp.sin(angles)[:, :, None, :]
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
     x = x.astype(jnp.float32)
     x1, x2 = x[..., : head_dim // 2], x[..., head_dim // 2:]
     # (x1, x2) * cos + rotate_half(x) * sin, with rotate_half(x) = (-x2, x1).
@@ -332,6 +369,16 @@ class Block(nnx.Module):
             self.experts_gate = _param(rngs, (e, d, f), dtype)  # [E, d_model, ffn_dim]
             self.experts_up = _param(rngs, (e, d, f), dtype)  # [E, d_model, ffn_dim]
             self.experts_down = _param(rngs, (e, f, d), dtype)  # [E, ffn_dim, d_model]
+            if c.expert_format == "mxfp4":  # codes u8[E, out, in / 2] + block scales u8[E, out, in / 32] (models.moe)
+                for name, (o, i) in (("experts_gate", (f, d)), ("experts_up", (f, d)), ("experts_down", (d, f))):
+                    setattr(self, name, nnx.Param(jnp.zeros((e, o, i // 2), jnp.uint8)))
+                    setattr(self, name + "_scales", nnx.Param(jnp.full((e, o, i // 32), 127, jnp.uint8)))
+            if c.router_bias:
+                self.router_bias = zeros(e)
+            if c.expert_bias:  # gpt-oss
+                self.experts_gate_bias = nnx.Param(jnp.zeros((e, f), dtype))
+                self.experts_up_bias = nnx.Param(jnp.zeros((e, f), dtype))
+                self.experts_down_bias = nnx.Param(jnp.zeros((e, d), dtype))
         else:
             self.w_up = _param(rngs, (d, c.ffn_dim), dtype)  # [d_model, ffn_dim]
             self.w_down = _param(rngs, (c.ffn_dim, d), dtype)  # [ffn_dim, d_model]
@@ -343,6 +390,10 @@ class Block(nnx.Module):
             self.w_gate = _param(rngs, (d, c.ffn_dim), dtype)  # [d_model, ffn_dim]
         if c.qkv_bias:
             self.bq, self.bk, self.bv = zeros(q_dim), zeros(kv_dim), zeros(kv_dim)
+        if c.o_bias:
+            self.bo = zeros(d)
+        if c.attn_sinks:  # gpt-oss: one logit per q head joins every softmax
+            self.sinks = zeros(c.num_q_heads)
         if c.qk_norm:
             self.q_norm, self.k_norm = ones(c.head_dim), ones(c.head_dim)
         if c.post_norms:
@@ -377,9 +428,14 @@ class Block(nnx.Module):
         if c.qk_norm:
             q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
         if c.family == "llama":
-            inv_freq = rope_inv_freq(c)
-            q, k = rope(q, positions, c.rope_base, inv_freq), rope(k, positions, c.rope_base, inv_freq)
+            inv_freq, factor = rope_inv_freq(c), rope_attention_factor(c)
+            q = rope(q, positions, c.rope_base, inv_freq, factor)
+            k = rope(k, positions, c.rope_base, inv_freq, factor)
         return q, k, v
+
+    def attn_sinks(self):
+        """f32[N] attention sinks of this layer (gpt-oss), or None."""
+        return self.sinks[...].astype(jnp.float32) if self.config.attn_sinks else None
 
     def finish(self, x, attn):
         """x f32[B, T, d_model], attn [B, T, N, H] -> x f32[B, T, d_model] after both residuals."""
@@ -391,8 +447,13 @@ class Block(nnx.Module):
         h = self._norm(x, self.ffn_norm, "ffn_norm_bias")
         if c.num_experts:
             flat = h.reshape(batch * num_tokens, c.d_model)
-            h = moe_ffn(flat, self.router[...], self.experts_gate[...], self.experts_up[...],
-                        self.experts_down[...], c, self.dtype).reshape(batch, num_tokens, c.d_model)
+            biases = (tuple(getattr(self, f"experts_{n}_bias")[...] for n in ("gate", "up", "down"))
+                      if c.expert_bias else None)
+            w = lambda n: ((getattr(self, n)[...], getattr(self, n + "_scales")[...]) if c.expert_format == "mxfp4"
+                           else getattr(self, n)[...])
+            h = moe_ffn(flat, self.router[...], w("experts_gate"), w("experts_up"), w("experts_down"), c, self.dtype,
+                        router_bias=self.router_bias[...] if c.router_bias else None,
+                        biases=biases).reshape(batch, num_tokens, c.d_model)
             return x + (self._norm(h, self.post_ffn_norm) if c.post_norms else h)
         if c.family == "gpt2":
             h = jax.nn.gelu(self._linear(h, "w_up", "b_up"), approximate=True)
@@ -627,10 +688,22 @@ def expected_shapes(c: ModelConfig) -> dict:
     if c.num_experts:
         e, f = c.num_experts, c.ffn_dim
         layer.update(router=(d, e), experts_gate=(e, d, f), experts_up=(e, d, f), experts_down=(e, f, d))
+        if c.expert_format == "mxfp4":  # models.moe.dequantize_mxfp4's codes and scales
+            for name, (o, i) in (("experts_gate", (f, d)), ("experts_up", (f, d)), ("experts_down", (d, f))):
+                layer.update({name: (e, o, i // 2), name + "_scales": (e, o, i // 32)})
     else:
         layer.update(w_gate=(d, c.ffn_dim), w_up=(d, c.ffn_dim), w_down=(c.ffn_dim, d))
+    if c.router_bias:
+        layer.update(router_bias=(c.num_experts,))
+    if c.expert_bias:
+        e, f = c.num_experts, c.ffn_dim
+        layer.update(experts_gate_bias=(e, f), experts_up_bias=(e, f), experts_down_bias=(e, d))
     if c.qkv_bias:
         layer.update(bq=(q_dim,), bk=(kv_dim,), bv=(kv_dim,))
+    if c.o_bias:
+        layer.update(bo=(d,))
+    if c.attn_sinks:
+        layer.update(sinks=(c.num_q_heads,))
     if c.qk_norm:
         layer.update(q_norm=(c.head_dim,), k_norm=(c.head_dim,))
     if c.post_norms:
@@ -677,9 +750,10 @@ def _check_weights(weights, expected, config):
 def _run(model: GPT, tokens, positions, attend, state):
     """Embeds, runs every block in a scan over the layers, returns (x, state).
 
-    attend(r, layer, q, k, v, state) -> (attn, state): r the static position of the layer in its
-    period (its attention options are `model.attention_options(r)`), layer the traced i32[] layer
-    index. `state` (the KV pools) is the scan's carry: every layer updates it whole.
+    attend(r, layer, q, k, v, state, sinks) -> (attn, state): r the static position of the layer in
+    its period (its attention options are `model.attention_options(r)`), layer the traced i32[]
+    layer index, sinks the layer's f32[N] attention sinks or None. `state` (the KV pools) is the
+    scan's carry: every layer updates it whole.
     """
     c = model.config
     x = model.embed(tokens, positions)  # f32[B, T, d_model]
@@ -695,7 +769,7 @@ def _run(model: GPT, tokens, positions, attend, state):
         for r in range(period):
             block = nnx.merge(graphdef, group if period == 1 else jax.tree.map(lambda a: a[r], group))
             q, k, v = block.qkv(x, positions)
-            attn, state = attend(r, g * period + r, q, k, v, state)
+            attn, state = attend(r, g * period + r, q, k, v, state, block.attn_sinks())
             x = block.finish(x, attn)
         return (x, state), None
 
@@ -745,7 +819,7 @@ def forward_dense(model: GPT, tokens):
     t = jnp.arange(num_tokens)
     causal = t[None, :] <= t[:, None]  # [T, S]
 
-    def attend(r, layer, q, k, v, state):
+    def attend(r, layer, q, k, v, state, sinks):
         opts = model.attention_options(r)
         qg = q.reshape(batch, num_tokens, c.num_kv_heads, c.q_per_kv, c.head_dim)
         # Round q/k/v as the cache path does (q in the model dtype, k/v in the cache dtype).
@@ -756,7 +830,11 @@ def forward_dense(model: GPT, tokens):
         if opts["sliding_window"] is not None:
             mask = mask & (t[None, :] > t[:, None] - opts["sliding_window"])
         s = jnp.where(mask, s, -jnp.inf)
-        p = jax.nn.softmax(s, axis=-1)
+        if sinks is None:
+            p = jax.nn.softmax(s, axis=-1)
+        else:  # one more column of logit sinks[h] with no value (dropped after the softmax)
+            col = jnp.broadcast_to(sinks.reshape(1, c.num_kv_heads, c.q_per_kv, 1, 1), s.shape[:-1] + (1,))
+            p = jax.nn.softmax(jnp.concatenate([s, col], axis=-1), axis=-1)[..., :-1]
         out = jnp.einsum("BKGTS,BSKH->BTKGH", p, v)
         return out.reshape(batch, num_tokens, c.num_q_heads, c.head_dim).astype(model.dtype), state
 
@@ -805,18 +883,20 @@ def prefill(model: GPT, cache: KVCache, tokens, start, chunk_lens, slot_mapping,
     positions = start[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)  # i32[B, T]
     slots = slot_mapping.reshape(batch * num_tokens)  # i32[B * T]
 
-    def layer_step(pools, q, k, v, slots, block_tables, start, chunk_lens, layer, *, opts):  # per device
+    def layer_step(pools, q, k, v, slots, block_tables, start, chunk_lens, layer, sinks, *, opts):  # per device
         pools = _write(pools, k, v, slots, layer)
         kp, vp, ks, vs = pools
         out = paged_prefill(q, kp, vp, block_tables, start, chunk_lens, k_scales=ks, v_scales=vs, layer=layer,
-                            **opts)
+                            sinks=sinks, **opts)
         return out, pools  # [B, T, N, H]
 
-    def attend(r, layer, q, k, v, pools):
+    def attend(r, layer, q, k, v, pools, sinks):
         flat = lambda a: a.reshape(batch * num_tokens, c.num_kv_heads, c.head_dim)  # [B * T, K, H]
         step = head_parallel(functools.partial(layer_step, opts=model.attention_options(r)), mesh,
-                             (STACKED_POOL, HEADS_T, HEADS, HEADS) + (REPLICATED,) * 5, (HEADS_T, STACKED_POOL))
-        return step(pools, q.astype(model.dtype), flat(k), flat(v), slots, block_tables, start, chunk_lens, layer)
+                             (STACKED_POOL, HEADS_T, HEADS, HEADS) + (REPLICATED,) * 5 + (SINKS,),
+                             (HEADS_T, STACKED_POOL))
+        return step(pools, q.astype(model.dtype), flat(k), flat(v), slots, block_tables, start, chunk_lens, layer,
+                    sinks)
 
     x, pools = _run(model, tokens, positions, attend, cache.pools())
     cache = cache.replace_pools(*pools)
@@ -856,18 +936,19 @@ def decode(model: GPT, cache: KVCache, tokens, seq_lens, slot_mapping, block_tab
                          f"got {getattr(block_tables, 'shape', None)}")
     positions = jnp.maximum(seq_lens - 1, 0)[:, None]  # i32[B, 1]
 
-    def layer_step(pools, q, k, v, slot_mapping, block_tables, seq_lens, layer, *, opts):  # per device
+    def layer_step(pools, q, k, v, slot_mapping, block_tables, seq_lens, layer, sinks, *, opts):  # per device
         pools = _write(pools, k, v, slot_mapping, layer)
         kp, vp, ks, vs = pools
         out = paged_decode(q, kp, vp, block_tables, seq_lens, k_scales=ks, v_scales=vs, impl=impl, layer=layer,
-                           **opts)
+                           sinks=sinks, **opts)
         return out, pools  # [B, N, H]
 
-    def attend(r, layer, q, k, v, pools):
+    def attend(r, layer, q, k, v, pools, sinks):
         step = head_parallel(functools.partial(layer_step, opts=model.attention_options(r)), mesh,
-                             (STACKED_POOL, HEADS, HEADS, HEADS) + (REPLICATED,) * 4, (HEADS, STACKED_POOL))
+                             (STACKED_POOL, HEADS, HEADS, HEADS) + (REPLICATED,) * 4 + (SINKS,),
+                             (HEADS, STACKED_POOL))
         out, pools = step(pools, q[:, 0].astype(model.dtype), k[:, 0], v[:, 0], slot_mapping, block_tables,
-                          seq_lens, layer)
+                          seq_lens, layer, sinks)
         return out[:, None], pools
 
     x, pools = _run(model, tokens[:, None], positions, attend, cache.pools())
@@ -931,18 +1012,19 @@ def ragged_hidden(model: GPT, cache: KVCache, tokens, positions, slot_mapping, b
                          f"got {getattr(block_tables, 'shape', None)}")
     num_seqs = jnp.asarray(num_seqs, jnp.int32)
 
-    def layer_step(pools, q, k, v, slots, block_tables, seq_lens, cu_q_lens, num_seqs, layer, *, opts):
+    def layer_step(pools, q, k, v, slots, block_tables, seq_lens, cu_q_lens, num_seqs, layer, sinks, *, opts):
         pools = _write(pools, k, v, slots, layer)
         kp, vp, ks, vs = pools
         out = ragged_paged_attention(q, kp, vp, block_tables, seq_lens, cu_q_lens, num_seqs, k_scales=ks,
-                                     v_scales=vs, impl=impl, layer=layer, **opts)
+                                     v_scales=vs, impl=impl, layer=layer, sinks=sinks, **opts)
         return out, pools  # [T, N, H]
 
-    def attend(r, layer, q, k, v, pools):
+    def attend(r, layer, q, k, v, pools, sinks):
         step = head_parallel(functools.partial(layer_step, opts=model.attention_options(r)), mesh,
-                             (STACKED_POOL, HEADS, HEADS, HEADS) + (REPLICATED,) * 6, (HEADS, STACKED_POOL))
+                             (STACKED_POOL, HEADS, HEADS, HEADS) + (REPLICATED,) * 6 + (SINKS,),
+                             (HEADS, STACKED_POOL))
         out, pools = step(pools, q[0].astype(model.dtype), k[0], v[0], slot_mapping, block_tables, seq_lens,
-                          cu_q_lens, num_seqs, layer)
+                          cu_q_lens, num_seqs, layer, sinks)
         return out[None], pools
 
     x, pools = _run(model, tokens[None], positions[None], attend, cache.pools())  # x: f32[1, T, d_model]

@@ -8,9 +8,12 @@ models.GPT (see ModelConfig): "llama" (Llama 2/3, Llama-3 `rope_scaling`, tied o
 RMSNorm) and "gemma2" (embedding scale, GeGLU, (1 + w) RMSNorm, post-norms, query scale from
 query_pre_attn_scalar, attention and final logit soft caps, sliding window on the layers
 `layer_types` names, by default every other one), and the mixtures of experts (models.moe)
-"mixtral" (per-expert w1/w3/w2 tensors under block_sparse_moe) and "qwen3_moe" (per-expert
+"mixtral" (per-expert w1/w3/w2 tensors under block_sparse_moe), "qwen3_moe" (per-expert
 gate/up/down_proj under mlp, q/k RMSNorm; every layer sparse), whose experts' tensors are stacked
-on an expert axis as they are read. Anything else, and any option of these
+on an expert axis as they are read, and "gpt_oss" (transformers' GptOss: the experts stacked in the
+checkpoint, gate and up interleaved in gate_up_proj [E, D, 2F] (gate the even columns), router,
+expert and q/k/v/o biases, clamped SwiGLU, attention sinks, sliding window on the layers
+`layer_types` names (by default the even ones), YaRN RoPE). Anything else, and any option of these
 families that the model does not implement, is refused with a ValueError naming it.
 
 Quantized checkpoints (a `quantization_config`: compressed-tensors FP8 / int8 / pack-quantized int4,
@@ -35,7 +38,7 @@ import numpy as np
 
 from jpa.models.config import ModelConfig
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "mixtral", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "mixtral", "qwen3_moe", "gpt_oss")
 # safetensors dtype -> NumPy dtype name (bfloat16 comes from ml_dtypes, which JAX imports).
 STORED_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 # Tensors a checkpoint may carry that the model does not use.
@@ -57,6 +60,11 @@ def _read_json(path: pathlib.Path, required: bool):
         raise CheckpointError(f"{path} is not valid JSON: {e}") from e
 
 
+# transformers' GptOssConfig defaults (a config.json without rope parameters gets them).
+GPT_OSS_ROPE = {"rope_theta": 150000.0, "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 4096}
+
+
 def _rope(cfg: dict, where: str):
     """(rope_base, rope_scaling tuple) from the old (rope_theta / rope_scaling) or transformers-5
     (rope_parameters) config layout."""
@@ -64,6 +72,9 @@ def _rope(cfg: dict, where: str):
     scaling = cfg.get("rope_scaling")
     if scaling:
         params = {**scaling, **params}
+    if cfg.get("model_type") == "gpt_oss":
+        defaults = {"rope_theta": GPT_OSS_ROPE["rope_theta"]} if params else GPT_OSS_ROPE
+        params = {**defaults, **({"rope_theta": cfg["rope_theta"]} if "rope_theta" in cfg else {}), **params}
     base = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     kind = params.get("rope_type", params.get("type", "default"))
     if params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) != 1.0:
@@ -79,7 +90,25 @@ def _rope(cfg: dict, where: str):
             raise CheckpointError(f"{where}: llama3 rope scaling needs {missing}")
         old = params.get("original_max_position_embeddings", cfg.get("max_position_embeddings"))
         return float(base), ("llama3", *(float(params[k]) for k in keys), int(old))
-    raise CheckpointError(f"{where}: RoPE type {kind!r} is not supported (supported: default, linear, llama3)")
+    if kind == "yarn":
+        return float(base), _yarn(params, cfg, where)
+    raise CheckpointError(f"{where}: RoPE type {kind!r} is not supported (supported: default, linear, llama3, "
+                          f"yarn)")
+
+
+def _yarn(params: dict, cfg: dict, where: str) -> tuple:
+    """The ("yarn", ...) rope_scaling tuple of transformers' _compute_yarn_parameters."""
+    old = params.get("original_max_position_embeddings")
+    if old is None:
+        raise CheckpointError(f"{where}: yarn rope scaling needs original_max_position_embeddings")
+    factor = params.get("factor") or cfg.get("max_position_embeddings", 2048) / old
+    mscale = lambda scale, m=1.0: 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    attn = params.get("attention_factor")
+    if attn is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attn = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return ("yarn", float(factor), float(params.get("beta_fast") or 32), float(params.get("beta_slow") or 1),
+            int(old), float(attn), 1.0 if params.get("truncate", True) else 0.0)
 
 
 def _refuse(cfg: dict, where: str, key: str, allowed, what: str):
@@ -117,11 +146,13 @@ def config_from_hf(cfg: dict, *, where: str = "config.json", bos_token_id: int =
         raise CheckpointError(f"{where}: activation {act!r} is not supported for {model_type} (expected "
                               f"{want_act!r})")
     for key in ("attention_bias", "mlp_bias"):
-        if model_type != "qwen2":
-            _refuse(cfg, where, key, (None, False), "the model has no biases besides Qwen2's q/k/v")
+        if model_type not in ("qwen2", "gpt_oss"):
+            _refuse(cfg, where, key, (None, False), "the model has no biases besides Qwen2's q/k/v and gpt-oss's")
     if model_type in ("qwen2", "qwen3", "qwen3_moe"):
         _refuse(cfg, where, "use_sliding_window", (None, False), "Qwen sliding-window layers")
     _refuse(cfg, where, "use_bidirectional_attention", (None, False), "jpa's attention is causal")
+    quant = cfg.get("quantization_config")
+    mxfp4 = model_type == "gpt_oss" and isinstance(quant, dict) and quant.get("quant_method") == "mxfp4"
     quant_scheme(cfg, where)  # an unsupported quantization_config is refused here, before any tensor is read
     base, scaling = _rope(cfg, where)
     window, window_layers = None, ()
@@ -131,18 +162,21 @@ def config_from_hf(cfg: dict, *, where: str = "config.json", bos_token_id: int =
         if unknown or len(layer_types) != layers:
             raise CheckpointError(f"{where}: layer_types must be {layers} entries of 'full_attention' / "
                                   f"'sliding_attention'; got {layer_types!r}")
-    if gemma or model_type in ("mistral", "mixtral"):
-        window = cfg.get("sliding_window")
+    gpt_oss = model_type == "gpt_oss"
+    if gemma or gpt_oss or model_type in ("mistral", "mixtral"):
+        window = cfg.get("sliding_window", 128 if gpt_oss else None)
         if window is not None:
-            if layer_types is None:  # transformers' defaults: Gemma-2 even layers, Mistral all
+            if layer_types is None:  # transformers' defaults: Gemma-2 and gpt-oss even layers, Mistral all
                 layer_types = (["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
-                               if gemma else ["sliding_attention"] * layers)
+                               if gemma or gpt_oss else ["sliding_attention"] * layers)
             window_layers = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
             window = int(window) if window_layers else None
     elif layer_types is not None and "sliding_attention" in layer_types:
         raise CheckpointError(f"{where}: sliding_attention layers are not supported for {model_type}")
     tie_default = gemma  # transformers' default per family
     kw = _moe_options(cfg, model_type, layers, where)
+    if mxfp4:  # gpt-oss's released checkpoints: the experts in MXFP4 (models.moe.dequantize_mxfp4)
+        kw["expert_format"] = "mxfp4"
     if model_type == "qwen3_moe":
         ffn = int(cfg.get("moe_intermediate_size") or 0) or ffn
     if gemma:
@@ -157,7 +191,8 @@ def config_from_hf(cfg: dict, *, where: str = "config.json", bos_token_id: int =
             max_seq_len=int(cfg.get("max_position_embeddings", 2048)), rope_base=base,
             norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", tie_default)),
-            bos_token_id=bos_token_id, eos_token_id=eos_token_id, qkv_bias=model_type == "qwen2",
+            bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+            qkv_bias=model_type == "qwen2" or (gpt_oss and bool(cfg.get("attention_bias", True))),
             qk_norm=model_type in ("qwen3", "qwen3_moe"), rope_scaling=scaling, sliding_window=window,
             sliding_window_layers=window_layers, **kw)
     except ValueError as e:
@@ -168,11 +203,11 @@ def _moe_options(cfg: dict, model_type: str, layers: int, where: str) -> dict:
     """The ModelConfig mixture-of-experts fields of a mixtral / qwen3_moe config ({} otherwise).
     Every layer must be a MoE layer: a Qwen3-MoE config with dense layers (mlp_only_layers, or
     decoder_sparse_step > 1) is refused (the scanned layers hold one parameter set)."""
-    if model_type not in ("mixtral", "qwen3_moe"):
+    if model_type not in ("mixtral", "qwen3_moe", "gpt_oss"):
         return {}
-    experts = cfg.get("num_local_experts") if model_type == "mixtral" else cfg.get(
+    experts = cfg.get("num_local_experts") if model_type != "qwen3_moe" else cfg.get(
         "num_experts", cfg.get("num_local_experts"))
-    k = cfg.get("num_experts_per_tok")
+    k = cfg.get("num_experts_per_tok", cfg.get("experts_per_token") if model_type == "gpt_oss" else None)
     if experts is None or k is None:
         raise CheckpointError(f"{where}: {model_type} needs num_experts (num_local_experts) and num_experts_per_tok")
     if model_type == "qwen3_moe":
@@ -184,8 +219,13 @@ def _moe_options(cfg: dict, model_type: str, layers: int, where: str) -> dict:
                                   f"layers need every layer to be a mixture-of-experts layer")
         norm = bool(cfg.get("norm_topk_prob", False))
     else:
-        norm = True  # Mixtral: softmax over the chosen experts' logits
-    return dict(num_experts=int(experts), experts_per_token=int(k), norm_topk_prob=norm)
+        norm = True  # Mixtral, gpt-oss: softmax over the chosen experts' logits
+    out = dict(num_experts=int(experts), experts_per_token=int(k), norm_topk_prob=norm)
+    if model_type == "gpt_oss":  # transformers' GptOss: biases, clamped SwiGLU, sinks
+        out.update(router_bias=True, expert_bias=True, attn_sinks=True,
+                   o_bias=bool(cfg.get("attention_bias", True)),
+                   swiglu_clamp=(float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0))))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,6 +261,8 @@ def quant_scheme(cfg: dict, where: str = "config.json"):
     if q is None:
         return None
     method = q.get("quant_method") if isinstance(q, dict) else None
+    if method == "mxfp4" and cfg.get("model_type") == "gpt_oss":
+        return None  # gpt-oss's MXFP4 experts: the family's own expert format (config_from_hf's expert_format)
 
     def refuse(why):
         raise CheckpointError(f"{where}: quantization_config ({method!r}) {why}")
@@ -286,10 +328,13 @@ def quant_scheme(cfg: dict, where: str = "config.json"):
 
 
 def hf_names(c: ModelConfig, model_type: str) -> dict:
-    """{our parameter path: (checkpoint tensor name, transpose)} for a config.
+    """{our parameter path: (checkpoint tensor name, transpose[, part])} for a config.
 
     Paths are "tok_embeddings", "norm", "output", "layers.{i}.{name}" (models.gpt.expected_shapes);
-    transpose means the checkpoint holds torch's [out, in] and the model x @ W's [in, out].
+    transpose means the checkpoint holds torch's [out, in] and the model x @ W's [in, out]; part
+    (gpt-oss's gate_up_proj) 0 or 1: the tensor's last axis interleaves two parameters, ours is
+    [..., part::2]; or for MXFP4 experts ("blocks" | "scales", 0 / 1 / None): u8 [E, out, ...] with
+    gate and up interleaved on the out axis (rows p::2), blocks [E, O, I/32, 16] read as [E, O, I/2].
     """
     from jpa.models.gpt import expected_shapes
 
@@ -307,18 +352,32 @@ def hf_names(c: ModelConfig, model_type: str) -> dict:
     }
     moe = "block_sparse_moe" if model_type == "mixtral" else "mlp"
     layer["router"] = (f"{moe}.gate.weight", True)
+    if model_type == "gpt_oss":  # experts stacked in the checkpoint as [E, in, out]; gate and up interleaved
+        layer.update(router=("mlp.router.weight", True), router_bias=("mlp.router.bias", False),
+                     experts_gate=("mlp.experts.gate_up_proj", False, 0),
+                     experts_up=("mlp.experts.gate_up_proj", False, 1),
+                     experts_down=("mlp.experts.down_proj", False),
+                     experts_gate_bias=("mlp.experts.gate_up_proj_bias", False, 0),
+                     experts_up_bias=("mlp.experts.gate_up_proj_bias", False, 1),
+                     experts_down_bias=("mlp.experts.down_proj_bias", False),
+                     bo=("self_attn.o_proj.bias", False), sinks=("self_attn.sinks", False))
+        if c.expert_format == "mxfp4":  # *_blocks [E, out, in / 32, 16] and *_scales [E, out, in / 32], u8
+            for ours, theirs, p in (("experts_gate", "gate_up_proj", 0), ("experts_up", "gate_up_proj", 1),
+                                    ("experts_down", "down_proj", None)):
+                layer[ours] = (f"mlp.experts.{theirs}_blocks", False, ("blocks", p))
+                layer[ours + "_scales"] = (f"mlp.experts.{theirs}_scales", False, ("scales", p))
     # An expert parameter [E, ...] is E checkpoint tensors: the name holds "{j}" for the expert.
     expert = {"mixtral": ("w1", "w3", "w2")}.get(model_type, ("gate_proj", "up_proj", "down_proj"))
     for ours, theirs in zip(("experts_gate", "experts_up", "experts_down"), expert):
-        layer[ours] = (f"{moe}.experts.{{j}}.{theirs}.weight", True)
+        layer.setdefault(ours, (f"{moe}.experts.{{j}}.{theirs}.weight", True))
     shapes = expected_shapes(c)
     out = {"tok_embeddings": ("model.embed_tokens.weight", False), "norm": ("model.norm.weight", False)}
     if not c.tie_embeddings:
         out["output"] = ("lm_head.weight", True)
     for i in range(c.num_layers):
         for name in shapes["layers"]:
-            hf, t = layer[name]
-            out[f"layers.{i}.{name}"] = (f"model.layers.{i}.{hf}", t)
+            hf, *rest = layer[name]
+            out[f"layers.{i}.{name}"] = (f"model.layers.{i}.{hf}", *rest)
     return out
 
 
@@ -425,7 +484,7 @@ def _plan(c: ModelConfig, model_type: str, index: dict, path: pathlib.Path, sche
 
     shapes = expected_shapes(c)
     plan = {}
-    for ours, (name, transpose) in hf_names(c, model_type).items():
+    for ours, (name, transpose, *part) in hf_names(c, model_type).items():
         want = shapes[ours] if "." not in ours else shapes["layers"][ours.rsplit(".", 1)[1]]
         if ours.rsplit(".", 1)[-1] in QUANTIZABLE and transpose and "{j}" not in name:
             entry = _quant_entry(name, want, index, path, scheme)
@@ -437,7 +496,7 @@ def _plan(c: ModelConfig, model_type: str, index: dict, path: pathlib.Path, sche
                      for j in range(want[0])]
             plan[ours] = (tuple(p[0] for p in parts), tuple(p[1] for p in parts), transpose, parts[0][3])
             continue
-        plan[ours] = _check_tensor(name, want, transpose, index, path, model_type)
+        plan[ours] = _check_tensor(name, want, transpose, index, path, model_type, *part)
     used = set()
     for entry in plan.values():
         if isinstance(entry, QuantTensor):
@@ -459,9 +518,16 @@ def _plan(c: ModelConfig, model_type: str, index: dict, path: pathlib.Path, sche
     return plan
 
 
-def _check_tensor(name, want, transpose, index, path, model_type):
-    """(file, name, transpose, stored dtype) of a tensor the model needs, after checking it."""
+def _check_tensor(name, want, transpose, index, path, model_type, part=None):
+    """(file, name, transpose, stored dtype[, part]) of a tensor the model needs, after checking it
+    (part: the tensor interleaves two parameters on its last axis, ours is [..., part::2])."""
     stored = tuple(reversed(want)) if transpose else want
+    if isinstance(part, tuple):  # MXFP4 codes / scales [E, out, ...]: gate and up interleaved on the out axis
+        kind, p = part
+        stored = (stored[0], stored[1] * (1 if p is None else 2), *stored[2:])
+        stored = (*stored[:2], stored[2] // 16, 16) if kind == "blocks" else stored
+    elif part is not None:
+        stored = (*stored[:-1], 2 * stored[-1])
     if name not in index:
         raise CheckpointError(f"{path}: tensor {name} is missing (needed for {model_type} with this "
                               f"config.json)")
@@ -469,14 +535,17 @@ def _check_tensor(name, want, transpose, index, path, model_type):
     if shape != stored:
         raise CheckpointError(f"{file}: tensor {name} has shape {list(shape)}; config.json implies "
                               f"{list(stored)}")
-    if dtype not in STORED_DTYPES:
+    if isinstance(part, tuple):
+        if dtype != "U8":
+            raise CheckpointError(f"{file}: tensor {name} has dtype {dtype}; MXFP4 blocks and scales are U8")
+    elif dtype not in STORED_DTYPES:
         raise CheckpointError(f"{file}: tensor {name} has dtype {dtype}; jpa loads {sorted(STORED_DTYPES)}")
-    return file, name, transpose, dtype
+    return (file, name, transpose, dtype) + (() if part is None else (part,))
 
 
-def _read(file, name, transpose, np_dtype):
+def _read(file, name, transpose, np_dtype, part=None):
     """One tensor as a C-contiguous NumPy array in np_dtype, through a memory map closed on return
-    (file and name tuples: the experts' tensors, stacked on a new leading axis)."""
+    (file and name tuples: the experts' tensors, stacked on a new leading axis; part: [..., part::2])."""
     from safetensors import safe_open
 
     if isinstance(name, tuple):
@@ -485,6 +554,13 @@ def _read(file, name, transpose, np_dtype):
         a = f.get_tensor(name)
     if transpose:
         a = a.T
+    if isinstance(part, tuple):  # MXFP4: rows p::2 of the out axis; blocks [E, O, I/32, 16] -> codes [E, O, I/2]
+        kind, p = part
+        a = a if p is None else a[:, p::2]
+        a = a.reshape(*a.shape[:2], -1) if kind == "blocks" else a
+        return np.ascontiguousarray(a, dtype=np.uint8)
+    if part is not None:
+        a = a[..., part::2]
     return np.ascontiguousarray(a, dtype=np_dtype)
 
 
@@ -628,7 +704,7 @@ def load(path, dtype=None, quantization=None):
             values = []
             for m in members:
                 if not isinstance(plan[m], QuantTensor):
-                    values.append(_read(*plan[m][:3], np_dtype))
+                    values.append(_read(*plan[m][:3], np_dtype, *plan[m][4:]))
                     continue
                 r = _read_quant(plan[m], scheme)
                 values.append(r[1].dequantize() if r[0] == "packed" else r[1].astype(np.float32) * r[2])
@@ -645,7 +721,7 @@ def load(path, dtype=None, quantization=None):
                 quantized = True
                 continue
         else:
-            values = [_read(*plan[m][:3], np_dtype) for m in members]
+            values = [_read(*plan[m][:3], np_dtype, *plan[m][4:]) for m in members]
         value = np.stack(values) if param in shapes_layers else values[0]
         if quantization is None:
             var(param).set_value(jnp.asarray(value, dtype=np_dtype))

@@ -1,5 +1,6 @@
-"""Mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router picks experts_per_token of num_experts
-SwiGLU experts per token; the experts run as grouped matmuls over the tokens routed to them.
+"""Mixture-of-experts MLP (Mixtral, Qwen3-MoE, gpt-oss): a router picks experts_per_token of
+num_experts SwiGLU experts per token (gpt-oss: router and expert biases, clamped SwiGLU, `glu`);
+the experts run as grouped matmuls over the tokens routed to them.
 
 Formulation: the M tokens' M*k (token, expert) pairs are sorted by expert (each expert's rows a
 contiguous run, an expert nobody chose an empty one), the three expert matmuls run over those runs,
@@ -30,6 +31,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+# MXFP4 (OCP microscaling FP4; gpt-oss's released experts): e2m1 codes, two per byte (the low nibble
+# first), in blocks of MXFP4_BLOCK along a weight's `in` axis, each block times 2^(scale - 127)
+# (an e8m0 byte). transformers' FP4_VALUES:
+FP4_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                    np.float32)
+MXFP4_BLOCK = 32
+
 # The grouped matmul: "blocked" (`_gathered` for M*k < E pairs, else `_blocked`) or "ragged_dot"
 # (jax.lax.ragged_dot at every size).
 # Blocked, by a deviceless H100 compile (README, "Mixture of experts"): XLA's GPU ragged_dot is a
@@ -38,44 +46,114 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 EXPERT_MATMUL = "blocked"
 
 
-def route(x, router, config):
-    """Router choices of tokens x f32[M, D] with router weights [D, E].
+def dequantize_mxfp4(codes, scales, dtype):
+    """The float weight of MXFP4 expert weights (jnp; inside the jit, fused into the matmul that reads it).
+
+    Args:
+      codes: u8[..., O, I / 2] (the checkpoint's `*_blocks` [..., O, I / 32, 16] with the last two axes
+        merged; byte j holds values 2j (low nibble) and 2j + 1 (high nibble) of a row).
+      scales: u8[..., O, I / 32] e8m0 exponents: a block's values are multiplied by 2^(scale - 127).
+      dtype: the result's dtype (exact in bfloat16 and float32: 2-bit mantissas times powers of two).
 
     Returns:
-      (experts i32[M, k], weights f32[M, k]): the k experts of highest softmax probability per
-      token (ties: the lower index first, as torch.topk on CPU) and their probabilities,
-      renormalized to sum to 1 when config.norm_topk_prob.
+      dtype[..., I, O], the x @ W layout.
+    """
+    lut = jnp.asarray(FP4_E2M1, dtype)  # in dtype throughout: no float32 copy of the weights
+    v = jnp.stack([lut[codes & 15], lut[codes >> 4]], axis=-1)  # [..., O, I / 2, 2]
+    nb = scales.shape[-1]
+    v = v.reshape(*codes.shape[:-1], nb, MXFP4_BLOCK)
+    v = jnp.ldexp(v, (scales.astype(jnp.int32) - 127)[..., None])
+    return jnp.swapaxes(v.reshape(*codes.shape[:-1], nb * MXFP4_BLOCK), -1, -2)
+
+
+def _mxfp4_matvec(a, codes, scales, dtype):
+    """Per-pair products a[p] @ W[p] of MXFP4 weights without a float copy of them: f32[P, I] inputs
+    (rounded to dtype, as the float forms' matmul inputs), codes u8[P, O, I / 2], scales u8[P, O, I / 32]
+    -> f32[P, O]. Written as multiplies and sums (a block's 32 products, then its scale), so XLA makes
+    the gather of the codes, their decode and the product one reduction that reads the packed bytes;
+    a dot of `dequantize_mxfp4`'s result materializes the gathered experts' weights in float
+    (a deviceless H100 compile of gpt-oss-20b's decode step: BENCHMARKS.md)."""
+    lut = jnp.asarray(FP4_E2M1)
+    num_pairs, out, half = codes.shape
+    nb = scales.shape[-1]
+    x = a.astype(dtype).astype(jnp.float32).reshape(num_pairs, 1, nb, MXFP4_BLOCK // 2, 2)
+    c = codes.reshape(num_pairs, out, nb, MXFP4_BLOCK // 2)
+    blk = jnp.sum(x[..., 0] * lut[c & 15] + x[..., 1] * lut[c >> 4], axis=-1)  # f32[P, O, I / 32]
+    return jnp.sum(jnp.ldexp(blk, scales.astype(jnp.int32) - 127), axis=-1)
+
+
+def _take(w, idx):
+    """Expert weights (an array, or MXFP4 (codes, scales)) at expert ids idx (gathered on axis 0)."""
+    if isinstance(w, tuple):
+        return tuple(jnp.take(a, idx, axis=0, mode="clip") for a in w)
+    return jnp.take(w, idx, axis=0, mode="clip")
+
+
+def _float(w, dtype):
+    """Expert weights as a float [..., in, out] array in dtype (MXFP4 dequantized; else as stored)."""
+    return dequantize_mxfp4(*w, dtype) if isinstance(w, tuple) else w
+
+
+def route(x, router, config, router_bias=None):
+    """Router choices of tokens x f32[M, D] with router weights [D, E] (and bias [E], gpt-oss).
+
+    Returns:
+      (experts i32[M, k], weights f32[M, k]): the k experts of highest router logit per token (ties:
+      the lower index first, as torch.topk on CPU) and their weights: with config.norm_topk_prob the
+      softmax over the chosen logits (Mixtral, gpt-oss; the same as renormalizing the chosen
+      softmax probabilities), else their softmax probabilities over all experts (Qwen3-MoE).
     """
     logits = jnp.dot(x.astype(router.dtype), router, preferred_element_type=jnp.float32)  # f32[M, E]
-    probs = jax.nn.softmax(logits, axis=-1)
-    weights, experts = jax.lax.top_k(probs, config.experts_per_token)
+    if router_bias is not None:
+        logits = logits + router_bias.astype(jnp.float32)
+    chosen, experts = jax.lax.top_k(logits, config.experts_per_token)
     if config.norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        weights = jax.nn.softmax(chosen, axis=-1)
+    else:
+        weights = jnp.take_along_axis(jax.nn.softmax(logits, axis=-1), experts, axis=-1)
     return experts.astype(jnp.int32), weights
 
 
-def moe_ffn(x, router, w_gate, w_up, w_down, config, dtype):
+def glu(g, u, config):
+    """The experts' gated activation of f32 gate and up projections: silu(g) * u, or with
+    config.swiglu_clamp = (alpha, limit) gpt-oss's clamped form (transformers' GptOssExperts):
+    g = min(g, limit), u = clip(u, -limit, limit), (u + 1) * g * sigmoid(alpha * g)."""
+    if not config.swiglu_clamp:
+        return jax.nn.silu(g) * u
+    alpha, limit = config.swiglu_clamp
+    g = jnp.minimum(g, limit)
+    u = jnp.clip(u, -limit, limit)
+    return (u + 1.0) * (g * jax.nn.sigmoid(g * alpha))
+
+
+def moe_ffn(x, router, w_gate, w_up, w_down, config, dtype, *, router_bias=None, biases=None):
     """The MoE MLP of tokens x f32[M, D] as grouped matmuls (module docstring).
 
     Args:
       x: f32[M, D] (the normed residual stream).
-      router: [D, E]; w_gate, w_up: [E, D, F]; w_down: [E, F, D] (the x @ W convention).
-      config: the ModelConfig (experts_per_token, norm_topk_prob).
+      router: [D, E]; w_gate, w_up: [E, D, F]; w_down: [E, F, D] (the x @ W convention); or each
+        MXFP4 (codes u8[E, out, in / 2], scales u8[E, out, in / 32]) (`dequantize_mxfp4`, applied
+        to the gathered experts' weights inside the matmuls).
+      config: the ModelConfig (experts_per_token, norm_topk_prob, swiglu_clamp).
       dtype: the matmuls' input dtype (the parameters'); they accumulate in float32.
+      router_bias: [E] or None (gpt-oss).
+      biases: None, or the experts' (gate [E, F], up [E, F], down [E, D]) biases (gpt-oss), each
+        added to its projection's f32 result.
 
     Returns:
       f32[M, D].
     """
     num_tokens, d = x.shape
     k, e = config.experts_per_token, config.num_experts
-    experts, weights = route(x, router, config)  # [M, k]
+    experts, weights = route(x, router, config, router_bias)  # [M, k]
     if EXPERT_MATMUL not in ("blocked", "ragged_dot"):
         raise ValueError(f"models.moe.EXPERT_MATMUL must be 'blocked' or 'ragged_dot'; got {EXPERT_MATMUL!r}")
+    biases = (None, None, None) if biases is None else biases
     if EXPERT_MATMUL == "blocked" and num_tokens * k < e:  # few pairs: read only the chosen experts' weights
-        return _gathered(x, experts, weights, w_gate, w_up, w_down, dtype)
+        return _gathered(x, experts, weights, w_gate, w_up, w_down, biases, config, dtype)
     if EXPERT_MATMUL == "blocked":  # tiles of about the mean rows per expert, 8 to 128
         tile = int(min(128, max(8, 2 ** round(np.log2(max(1, num_tokens * k // e))))))
-        return _blocked(x, experts, weights, w_gate, w_up, w_down, dtype, tile)
+        return _blocked(x, experts, weights, w_gate, w_up, w_down, biases, config, dtype, tile)
     flat = experts.reshape(num_tokens * k)  # pair p = token * k + choice
     order = jnp.argsort(flat, stable=True)  # pairs sorted by expert
     rows = jnp.take(x.astype(dtype), order // k, axis=0)  # [M*k, D] in expert order
@@ -85,15 +163,17 @@ def moe_ffn(x, router, w_gate, w_up, w_down, config, dtype):
     sharding = getattr(jax.typeof(rows), "sharding", None)
     out = (NamedSharding(sharding.mesh, P()) if isinstance(sharding, NamedSharding) and not sharding.mesh.empty
            and not sharding.mesh.are_all_axes_auto else None)
-    mm = lambda a, w: jax.lax.ragged_dot(a.astype(dtype), w, group_sizes, preferred_element_type=jnp.float32,
-                                         out_sharding=out)
-    h = jax.nn.silu(mm(rows, w_gate)) * mm(rows, w_up)  # f32[M*k, F]
-    y = mm(h, w_down)  # f32[M*k, D]
+    sorted_e = flat[order]
+    bias = lambda y, b: y if b is None else y + jnp.take(b, sorted_e, axis=0).astype(jnp.float32)
+    mm = lambda a, w, b: bias(jax.lax.ragged_dot(a.astype(dtype), _float(w, dtype), group_sizes,
+                                                 preferred_element_type=jnp.float32, out_sharding=out), b)
+    h = glu(mm(rows, w_gate, biases[0]), mm(rows, w_up, biases[1]), config)  # f32[M*k, F]
+    y = mm(h, w_down, biases[2])  # f32[M*k, D]
     y = jnp.take(y, jnp.argsort(order), axis=0).reshape(num_tokens, k, d)  # back to (token, choice)
     return jnp.einsum("MkD,Mk->MD", y, weights)
 
 
-def _gathered(x, experts, weights, w_gate, w_up, w_down, dtype):
+def _gathered(x, experts, weights, w_gate, w_up, w_down, biases, config, dtype):
     """The small-batch form of `moe_ffn` (M*k < E pairs, e.g. a decode step): each pair's expert
     weights gathered ([M*k, D, F]) and applied to its token (batched matrix-vector products), so the
     step reads M*k experts' weights, not all E (XLA's GPU ragged_dot reads every expert)."""
@@ -101,19 +181,21 @@ def _gathered(x, experts, weights, w_gate, w_up, w_down, dtype):
     k = experts.shape[1]
     flat = experts.reshape(num_tokens * k)
     rows = jnp.repeat(x.astype(dtype), k, axis=0)  # [M*k, D], pair p = token * k + choice
-    take = lambda w: jnp.take(w, flat, axis=0, mode="clip")  # [M*k, ...] (the router's ids are in range)
-    mv = lambda a, w: jnp.einsum("PI,PIO->PO", a.astype(dtype), take(w), preferred_element_type=jnp.float32)
-    h = jax.nn.silu(mv(rows, w_gate)) * mv(rows, w_up)  # f32[M*k, F]
-    y = mv(h, w_down).reshape(num_tokens, k, d)
+    take = lambda w: _take(w, flat)  # [M*k, ...] (the router's ids are in range)
+    bias = lambda y, b: y if b is None else y + take(b).astype(jnp.float32)
+    mv = lambda a, w, b: bias(_mxfp4_matvec(a, *take(w), dtype) if isinstance(w, tuple) else jnp.einsum(
+        "PI,PIO->PO", a.astype(dtype), take(w), preferred_element_type=jnp.float32), b)
+    h = glu(mv(rows, w_gate, biases[0]), mv(rows, w_up, biases[1]), config)  # f32[M*k, F]
+    y = mv(h, w_down, biases[2]).reshape(num_tokens, k, d)
     return jnp.einsum("MkD,Mk->MD", y, weights)
 
 
-def _blocked(x, experts, weights, w_gate, w_up, w_down, dtype, tile):
+def _blocked(x, experts, weights, w_gate, w_up, w_down, biases, config, dtype, tile):
     """`moe_ffn` as tiles of `tile` rows, each tile one expert's (the pairs sorted by expert, each
     expert's run padded to whole tiles): the expert weights gathered per tile and one batched matmul
     [tiles, tile, D] x [tiles, D, F]. Static shapes: at most ceil(M*k / tile) + E tiles."""
     num_tokens, d = x.shape
-    k, e = experts.shape[1], w_gate.shape[0]
+    k, e = experts.shape[1], config.num_experts
     pairs = num_tokens * k
     num_tiles = -(-pairs // tile) + e
     flat = experts.reshape(pairs)
@@ -127,23 +209,28 @@ def _blocked(x, experts, weights, w_gate, w_up, w_down, dtype, tile):
     pos = tile_start[sorted_e] * tile + jnp.arange(pairs) - group_start[sorted_e]  # padded row of each sorted pair
     rows = jnp.zeros((num_tiles * tile, d), dtype).at[pos].set(jnp.take(x.astype(dtype), order // k, axis=0))
     tile_expert = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(num_tiles), side="right"), e - 1)
-    take = lambda w: jnp.take(w, tile_expert, axis=0, mode="clip")  # [tiles, ...]
-    mm = lambda a, w: jnp.einsum("NTI,NIO->NTO", a.astype(dtype).reshape(num_tiles, tile, -1), take(w),
-                                 preferred_element_type=jnp.float32)
-    h = jax.nn.silu(mm(rows, w_gate)) * mm(rows, w_up)  # f32[tiles, tile, F]
-    y = mm(h, w_down).reshape(num_tiles * tile, d)[pos]  # f32[M*k, D] in sorted order
+    take = lambda w: _take(w, tile_expert)  # [tiles, ...]
+    bias = lambda y, b: y if b is None else y + take(b).astype(jnp.float32)[:, None, :]
+    mm = lambda a, w, b: bias(jnp.einsum("NTI,NIO->NTO", a.astype(dtype).reshape(num_tiles, tile, -1),
+                                         _float(take(w), dtype), preferred_element_type=jnp.float32), b)
+    h = glu(mm(rows, w_gate, biases[0]), mm(rows, w_up, biases[1]), config)  # f32[tiles, tile, F]
+    y = mm(h, w_down, biases[2]).reshape(num_tiles * tile, d)[pos]  # f32[M*k, D] in sorted order
     y = jnp.take(y, jnp.argsort(order), axis=0).reshape(num_tokens, k, d)
     return jnp.einsum("MkD,Mk->MD", y, weights)
 
 
-def moe_dense(x, router, w_gate, w_up, w_down, config, dtype):
+def moe_dense(x, router, w_gate, w_up, w_down, config, dtype, *, router_bias=None, biases=None):
     """The test oracle of `moe_ffn`: every token through every expert, weighted by its routing
     (zero for experts it did not choose). Same arguments and result."""
-    experts, weights = route(x, router, config)
+    experts, weights = route(x, router, config, router_bias)
     mask = jnp.zeros((x.shape[0], config.num_experts), jnp.float32)
     mask = mask.at[jnp.arange(x.shape[0])[:, None], experts].set(weights)  # f32[M, E]
+    bg, bu, bd = (None, None, None) if biases is None else biases
+    bias = lambda y, b: y if b is None else y + b.astype(jnp.float32)[None]
     xd = x.astype(dtype)
-    g = jnp.einsum("MD,EDF->MEF", xd, w_gate, preferred_element_type=jnp.float32)
-    u = jnp.einsum("MD,EDF->MEF", xd, w_up, preferred_element_type=jnp.float32)
-    y = jnp.einsum("MEF,EFD->MED", (jax.nn.silu(g) * u).astype(dtype), w_down, preferred_element_type=jnp.float32)
+    w_gate, w_up, w_down = (_float(w, dtype) for w in (w_gate, w_up, w_down))
+    g = bias(jnp.einsum("MD,EDF->MEF", xd, w_gate, preferred_element_type=jnp.float32), bg)
+    u = bias(jnp.einsum("MD,EDF->MEF", xd, w_up, preferred_element_type=jnp.float32), bu)
+    y = bias(jnp.einsum("MEF,EFD->MED", glu(g, u, config).astype(dtype), w_down, preferred_element_type=jnp.float32),
+             bd)
     return jnp.einsum("MED,ME->MD", y, mask)

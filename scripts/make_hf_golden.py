@@ -1,8 +1,9 @@
 """Write tests/data/hf/: tiny random Hugging Face checkpoints and what transformers computes on them.
 
-One directory per family (llama, mistral, qwen2, qwen3, gemma2, mixtral, qwen3_moe), each a complete checkpoint in the
-Hugging Face layout saved by transformers itself (config.json, *.safetensors, tokenizer.json,
-tokenizer_config.json, chat template, generation_config.json), plus golden.json (prompts, token
+One directory per family (llama, mistral, qwen2, qwen3, gemma2, mixtral, qwen3_moe, gpt_oss, gpt_oss_mxfp4),
+each a complete checkpoint in the Hugging Face layout saved by transformers itself (config.json,
+*.safetensors, tokenizer.json, tokenizer_config.json, chat template, generation_config.json; the
+MXFP4 one converted here from gpt_oss's), plus golden.json (prompts, token
 ids, greedy continuations, chat template renderings) and golden.npz (float32 prefill logits).
 tests/test_hf_models.py loads the checkpoints with models.load and compares. The data is committed;
 rerun this only when it must change. It needs torch + transformers, which jpa does not depend on,
@@ -23,6 +24,14 @@ well-separated logits. The configs switch on what each family's loader must get 
   qwen2:   q/k/v biases, tied head, vocab padded past the tokenizer, chat template inside
            tokenizer_config.json (the older layout).
   qwen3:   q/k RMSNorm, head_dim != hidden/heads, bf16 weights.
+  gpt_oss: 8 experts, top-4 (softmax over the chosen), router and expert biases, gate/up interleaved in
+           gate_up_proj, a small swiglu_limit (1.2, so the clamps bite) and non-default swiglu_alpha,
+           q/k/v/o biases, attention sinks, sliding window 6 on layer 0 and full attention on layer 1,
+           YaRN RoPE (all three bands: extrapolated, ramp, interpolated; attention factor 1.21),
+           head_dim != hidden/heads, untied head, bf16 weights; a harmony-style chat template.
+  gpt_oss_mxfp4: the same checkpoint with its experts quantized to MXFP4 here (quantize_mxfp4:
+           `*_blocks` / `*_scales` and quantization_config, openai/gpt-oss-20b's layout); its golden
+           data is what transformers computes from the MXFP4 checkpoint (dequantized on the CPU).
   mixtral: 8 experts, top-2 (softmax over the chosen), untied head, sharded with an index (experts
            of one layer across files); Mistral's chat template.
   qwen3_moe: 16 experts, top-4 without norm_topk_prob (the weights are the plain softmax
@@ -209,6 +218,33 @@ FAMILIES = {
                     norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[]),
         dtype=torch.float32, shard=None),
 }
+FAMILIES["gpt_oss"] = dict(
+    specials=["<|startoftext|>", "<|endoftext|>", "<|start|>", "<|message|>", "<|end|>", "<|return|>",
+              "<|channel|>", "<|call|>"],
+    bos="<|startoftext|>", eos="<|return|>", pad="<|endoftext|>", gen_eos=["<|return|>", "<|endoftext|>", "<|call|>"],
+    add_bos=False,
+    template=(  # the harmony turn format, without channels or tools
+        "{%- if messages[0]['role'] != 'system' %}\n"
+        "    {{- '<|start|>system<|message|>You are a helpful assistant.<|end|>' }}\n"
+        "{%- endif %}\n"
+        "{%- for message in messages %}\n"
+        "    {%- if message['role'] == 'assistant' %}\n"
+        "        {{- '<|start|>assistant<|channel|>final<|message|>' + message['content'] + '<|end|>' }}\n"
+        "    {%- else %}\n"
+        "        {{- '<|start|>' + message['role'] + '<|message|>' + message['content'] + '<|end|>' }}\n"
+        "    {%- endif %}\n"
+        "{%- endfor %}\n"
+        "{%- if add_generation_prompt %}\n"
+        "    {{- '<|start|>assistant' }}\n"
+        "{%- endif %}\n"),
+    config=dict(model_type="gpt_oss", hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=6,
+                layer_types=["sliding_attention", "full_attention"], attention_bias=True,
+                num_local_experts=8, num_experts_per_tok=4, swiglu_alpha=1.5, swiglu_limit=1.2,
+                rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=8.0, beta_fast=4.0, beta_slow=1.0,
+                                     truncate=False, original_max_position_embeddings=64)),
+    dtype=torch.bfloat16, shard=None)
 FAMILIES["mixtral"]["template"] = FAMILIES["mistral"]["template"]
 FAMILIES["qwen3_moe"]["template"] = FAMILIES["qwen3"]["template"]
 
@@ -250,9 +286,13 @@ def train_tokenizer(specials, bos, add_bos) -> Tokenizer:
     return tk
 
 
+# Seeds of the random weights: the first seven families' as before gpt_oss joined (sorted order).
+SEEDS = {f: i + 1 for i, f in enumerate(sorted(set(FAMILIES) - {"gpt_oss"}) + ["gpt_oss"])}
+
+
 def randomize(model, family):
     """Every parameter random: weights ~ N(0, gain / fan_in), norms around their identity, biases."""
-    g = torch.Generator().manual_seed(sorted(FAMILIES).index(family) + 1)
+    g = torch.Generator().manual_seed(SEEDS[family])
     gemma = family == "gemma2"
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -263,8 +303,12 @@ def randomize(model, family):
                 val = 0.5 * r
             elif "embed_tokens" in name:
                 val = (0.15 if gemma else 1.0 if not model.config.tie_word_embeddings else 0.3) * r
-            elif name.endswith("gate.weight") and "experts" not in name:  # MoE router
+            elif name.endswith(("gate.weight", "router.weight")) and "experts" not in name:  # MoE router
                 val = 3.0 * r / p.shape[-1] ** 0.5
+            elif name.endswith("sinks"):  # gpt-oss: logits of the size of the attention logits
+                val = 1.0 + 1.5 * r
+            elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # gpt-oss: stored [E, in, out]
+                val = r / p.shape[-2] ** 0.5
             else:
                 gain = 2.5 if ("q_proj" in name or "k_proj" in name or "lm_head" in name) else 1.0
                 val = gain * r / p.shape[-1] ** 0.5
@@ -313,9 +357,68 @@ def build(family, spec, out: pathlib.Path, hidden=None, layers=None, ffn=None, v
     return out
 
 
+def quantize_mxfp4(w):
+    """MXFP4 of w f32[E, out, in] as transformers' checkpoints hold it: (blocks u8[E, out, in / 32, 16],
+    scales u8[E, out, in / 32]). Each block of 32 values gets the power of two 2^e that brings its
+    largest magnitude within FP4's 6 (scale byte e + 127); each value the nearest e2m1 code."""
+    from transformers.integrations.mxfp4 import FP4_VALUES
+
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    e_, o_, i_ = w.shape
+    blk = w.reshape(e_, o_, i_ // 32, 32)
+    amax = blk.abs().amax(-1, keepdim=True).clamp(min=2.0 ** -100)
+    e = torch.ceil(torch.log2(amax / 6.0))
+    idx = (blk / torch.exp2(e))[..., None].sub(lut).abs().argmin(-1).to(torch.uint8)  # [E, O, I/32, 32]
+    blocks = idx[..., 0::2] | (idx[..., 1::2] << 4)
+    return blocks.contiguous(), (e[..., 0] + 127).to(torch.uint8).contiguous()
+
+
+def mxfp4_variant(src: pathlib.Path, out: pathlib.Path):
+    """gpt_oss_mxfp4: the gpt_oss checkpoint with its experts' weights in MXFP4 (`*_blocks` / `*_scales`,
+    quantization_config {"quant_method": "mxfp4"}), the layout of openai/gpt-oss-20b and -120b."""
+    from safetensors.torch import load_file, save_file
+
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.name not in ("model.safetensors", "golden.json", "golden.npz", "config.json"):
+            shutil.copy(f, out / f.name)
+    sd = load_file(src / "model.safetensors")
+    for key in [k for k in sd if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        w = sd.pop(key).float().transpose(1, 2)  # [E, in, out] -> [E, out, in]
+        sd[key + "_blocks"], sd[key + "_scales"] = quantize_mxfp4(w)
+    save_file(sd, out / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out
+
+
+def yarn_reference(out: pathlib.Path):
+    """yarn.json: transformers' YaRN inverse frequencies and attention factor for a few rope_parameters
+    (truncate on and off, DeepSeek-style mscale / mscale_all_dim, another factor and beta_fast)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cases = []
+    for extra in ({"truncate": True}, {"truncate": False}, {"mscale": 0.707, "mscale_all_dim": 1.0},
+                  {"factor": 4.0, "beta_fast": 32.0, "truncate": False}):
+        params = {**dict(rope_type="yarn", rope_theta=10000.0, factor=8.0, beta_fast=4.0, beta_slow=1.0,
+                         original_max_position_embeddings=64), **extra}
+        cfg = dict(model_type="gpt_oss", hidden_size=64, num_attention_heads=4, head_dim=32,
+                   max_position_embeddings=1024, rope_parameters=params)
+        inv, factor = ROPE_INIT_FUNCTIONS["yarn"](transformers.GptOssConfig(**cfg), "cpu")
+        cases.append({"config": cfg, "inv_freq": inv.tolist(), "attention_factor": float(factor)})
+    (out / "yarn.json").write_text(json.dumps(cases, indent=1) + "\n")
+
+
 def golden(family, spec, out: pathlib.Path):
     tok = transformers.AutoTokenizer.from_pretrained(out)
-    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager")
+    # MXFP4 on a CPU: transformers' dequantizing loader (Mxfp4Config(dequantize=True), which needs no accelerate).
+    quant = {"quantization_config": transformers.Mxfp4Config(dequantize=True)} if family.endswith("mxfp4") else {}
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager",
+                                                              **quant)
     model.eval()
     assert tok.chat_template == spec["template"], "the template did not survive save/load"
     stored = json.loads((out / "tokenizer.json").read_text())
@@ -388,6 +491,9 @@ def main():
     for family in args.families:
         out = build(family, FAMILIES[family], args.out / family)
         golden(family, FAMILIES[family], out)
+        if family == "gpt_oss":  # transformers dequantizes MXFP4 on a CPU (exact: FP4 values times 2^k)
+            golden("gpt_oss_mxfp4", FAMILIES[family], mxfp4_variant(out, args.out / "gpt_oss_mxfp4"))
+            yarn_reference(out)
 
 
 if __name__ == "__main__":

@@ -2,11 +2,15 @@
 not here (a deviceless compile; `jpa.tools.traffic.engine_traffic`, as scripts/gpu_traffic.py does
 for dense models).
 
-Qwen3-30B-A3B's shapes (128 experts, top-8, expert width 768, bf16), `--layers` of its 48 layers
-(the layers are a scan: the per-layer traffic does not depend on the depth). Prints the traffic
-table by purpose, the kernels that move the most, and the expert matmuls' kernels in the HLO.
+Qwen3-30B-A3B's shapes (128 experts, top-8, expert width 768, bf16), or with `--model gpt-oss-20b`
+gpt-oss-20b's (32 experts, top-4, width 2880, sinks, sliding window 128 on alternate layers, the
+experts in MXFP4 as released), `--layers` of its layers (the layers are a scan: the per-layer traffic
+does not depend on the depth). Prints the traffic table by purpose, the kernels that move the most,
+and the expert matmuls' kernels in the HLO.
 
     python scripts/moe_traffic.py --max-seqs 1 64 --layers 4
+    python scripts/moe_traffic.py --model gpt-oss-20b --max-seqs 1 --layers 2
+    python scripts/moe_traffic.py --model gpt-oss-120b --max-seqs 1 --layers 36   # the whole model
 
 A deviceless-compile figure: bytes the compiled program moves (by jpa.tools.traffic's model), not a
 measured time.
@@ -30,11 +34,22 @@ QWEN3_30B_A3B = dict(family="llama", vocab_size=151936, d_model=2048, num_layers
                      head_dim=128, ffn_dim=768, max_seq_len=40960, rope_base=1e6, norm_eps=1e-6, tie_embeddings=False,
                      bos_token_id=0, eos_token_id=1, qk_norm=True, num_experts=128, experts_per_token=8,
                      norm_topk_prob=True)
+# config.json of openai/gpt-oss-20b (models.hf.config_from_hf of it; the experts in MXFP4).
+GPT_OSS_20B = dict(family="llama", vocab_size=201088, d_model=2880, num_layers=24, num_q_heads=64, num_kv_heads=8,
+                   head_dim=64, ffn_dim=2880, max_seq_len=131072, rope_base=150000.0, norm_eps=1e-5,
+                   tie_embeddings=False, bos_token_id=0, eos_token_id=1, qkv_bias=True, o_bias=True, attn_sinks=True,
+                   router_bias=True, expert_bias=True, swiglu_clamp=(1.702, 7.0), num_experts=32, experts_per_token=4,
+                   norm_topk_prob=True, expert_format="mxfp4", sliding_window=128,
+                   rope_scaling=("yarn", 32.0, 32.0, 1.0, 4096, 1.3465735902799727, 0.0))
+# openai/gpt-oss-120b: 36 layers of 128 experts, otherwise gpt-oss-20b's shapes.
+GPT_OSS_120B = dict(GPT_OSS_20B, num_layers=36, num_experts=128)
+MODELS = {"qwen3-30b-a3b": QWEN3_30B_A3B, "gpt-oss-20b": GPT_OSS_20B, "gpt-oss-120b": GPT_OSS_120B}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", choices=sorted(deviceless.TARGETS), default="h100")
+    p.add_argument("--model", choices=sorted(MODELS), default="qwen3-30b-a3b")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--max-seqs", type=int, nargs="+", default=[1, 64])
     p.add_argument("--context", type=int, default=1024)
@@ -45,10 +60,12 @@ def main(argv=None) -> int:
     if args.expert_matmul:
         from jpa.models import moe
         moe.EXPERT_MATMUL = args.expert_matmul
-    shapes = dict(QWEN3_30B_A3B, num_layers=args.layers)
+    shapes = dict(MODELS[args.model], num_layers=args.layers)
+    if shapes.get("sliding_window"):  # gpt-oss: the even layers slide
+        shapes["sliding_window_layers"] = tuple(range(0, args.layers, 2))
     for seqs in args.max_seqs:
         r = engine_traffic(args.target, shapes, max_seqs=seqs, context=args.context, pool_gib=8.0,
-                           label=f"qwen3-30b-a3b ({args.layers} layers)")
+                           label=f"{args.model} ({args.layers} layers)")
         print(f"\n{r['name']} on {args.target}, {seqs} x {args.context} tokens of context: compiled in "
               f"{r['seconds']} s, temporaries {r['temp_bytes'] / 2 ** 30:.2f} GiB")
         print(table(r["summary"]))
@@ -59,7 +76,7 @@ def main(argv=None) -> int:
         # The expert matmuls: the dots XLA made of ragged_dot (the ragged pass's and the decode
         # step's), or the gathers of expert weights of the gathered and blocked forms.
         dots = sorted(set(re.findall(r"= (f32\[[\d,]+\])\S* dot\([^\n]*ragged_dot_general", r["hlo"])))
-        gathers = sorted(set(re.findall(r"= (bf16\[\d+,1,\d+,\d+\]\S*) gather\(", r["hlo"])))
+        gathers = sorted(set(re.findall(r"= ((?:bf16|u8)\[\d+,1,\d+,\d+\]\S*) gather\(", r["hlo"])))
         print(f"  ragged_dot's dots (results; XLA's dense lowering over all experts): {dots or 'none'}")
         print(f"  expert-weight gathers (gathered: the chosen experts; blocked: one per tile): {gathers or 'none'}")
     return 0

@@ -31,7 +31,7 @@ from jpa.models.chat_template import ChatTemplateError
 from jpa.models.config import ModelConfig
 
 DATA = pathlib.Path(__file__).parent / "data" / "hf"
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "mixtral", "qwen3_moe"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "mixtral", "qwen3_moe", "gpt_oss", "gpt_oss_mxfp4"]
 ATOL = 1e-4
 PAGE_SIZE = 4  # small pages: sequences span many, and windows start mid-page
 
@@ -191,7 +191,7 @@ def test_gemma2_refuses_a_system_turn_and_every_family_renders_system_user_assis
         tok.apply_chat_template("hi", system="be brief")
     rendered = {f: golden(f)["chats"]["multi_turn/gen"] for f in FAMILIES}
     assert [f for f, c in rendered.items() if "text" in c] == ["llama", "mistral", "qwen2", "qwen3", "mixtral",
-                                                               "qwen3_moe"]
+                                                               "qwen3_moe", "gpt_oss", "gpt_oss_mxfp4"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -264,7 +264,7 @@ def edit_json(path, **changes):
     ("shape", hf.CheckpointError, r"tensor model.layers.0.mlp.gate_proj.weight has shape \[128, 64\]; "
                                   r"config.json implies \[192, 64\]"),
     ("model_type", hf.CheckpointError, r"model_type 'gpt_neox' is not supported; jpa loads \['llama'"),
-    ("rope_type", hf.CheckpointError, r"RoPE type 'yarn' is not supported"),
+    ("rope_type", hf.CheckpointError, r"RoPE type 'longrope' is not supported"),
     ("bias", hf.CheckpointError, r"attention_bias = True is not supported"),
     ("activation", hf.CheckpointError, r"activation 'gelu' is not supported for llama"),
     ("index", hf.CheckpointError, r"puts model.norm.weight in model-00001-of-00005.safetensors, but that file"),
@@ -286,7 +286,7 @@ def test_sharded_checkpoint_errors(case, exc, match, tmp_path, reads):
     elif case == "model_type":
         edit_json(d / "config.json", model_type="gpt_neox")
     elif case == "rope_type":
-        edit_json(d / "config.json", rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0})
+        edit_json(d / "config.json", rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0})
     elif case == "bias":
         edit_json(d / "config.json", attention_bias=True)
     elif case == "activation":
@@ -448,21 +448,31 @@ def test_generate_command_runs_a_checkpoint_directory(capsys):
 
 # ---- mixture of experts (models.moe) ----
 
-@pytest.mark.parametrize("m,k,norm,skew,impl", [(37, 2, True, False, "blocked"), (37, 3, False, True, "blocked"),
-                                                 (37, 3, False, True, "ragged_dot"), (3, 2, True, False, "blocked")])
-def test_moe_grouped_matmuls_equal_the_dense_oracle_and_router_matches_numpy(m, k, norm, skew, impl, monkeypatch):
+@pytest.mark.parametrize("m,k,norm,skew,impl,oss", [
+    (37, 2, True, False, "blocked", False), (37, 3, False, True, "blocked", False),
+    (37, 3, False, True, "ragged_dot", False), (3, 2, True, False, "blocked", False),
+    (37, 4, True, True, "blocked", "float"), (1, 4, True, False, "blocked", "float"),
+    (37, 4, True, False, "ragged_dot", "mxfp4"), (37, 4, True, False, "blocked", "mxfp4"),
+    (1, 4, True, False, "blocked", "mxfp4")])
+def test_moe_grouped_matmuls_equal_the_dense_oracle_and_router_matches_numpy(m, k, norm, skew, impl, oss, monkeypatch):
     """moe_ffn (the pairs sorted by expert, then tiles of one expert each ("blocked", 8-row tiles
     here: runs spanning several tiles and padded ones) or ragged_dot; with m * k < 8 experts the
     gathered small-batch form) = moe_dense (every token through every expert, masked) on fresh
     random inputs; the router's choices and weights = a NumPy oracle. skew: a router bias that
-    sends every token to expert 5 and none to some experts (empty groups)."""
+    sends every token to expert 5 and none to some experts (empty groups). oss: gpt-oss's router
+    bias, expert biases and clamped SwiGLU, the output also against a NumPy oracle of
+    transformers' GptOssExperts (the clamps bite: limit 1.0); "mxfp4": the expert weights as
+    MXFP4 codes and scales (dequantized in the matmuls; the oracle dequantizes with NumPy)."""
     from jpa.models import moe
     from jpa.models.moe import moe_dense, moe_ffn, route
     monkeypatch.setattr(moe, "EXPERT_MATMUL", impl)
-    rng = np.random.default_rng(m * k)
-    d, f, e = 16, 24, 8
+    rng = np.random.default_rng(m * k + len(str(oss)) + 10 * (impl == "ragged_dot"))
+    d, f, e = (32, 32, 8) if oss == "mxfp4" else (16, 24, 8)  # MXFP4: blocks of 32 along `in`
     cfg = dataclasses.replace(models.PRESETS["tiny-llama"], d_model=d, ffn_dim=f, num_experts=e,
                               experts_per_token=k, norm_topk_prob=norm)
+    if oss:
+        cfg = dataclasses.replace(cfg, router_bias=True, expert_bias=True, swiglu_clamp=(1.702, 1.0),
+                                  expert_format="mxfp4" if oss == "mxfp4" else "float")
     x = rng.normal(size=(m, d)).astype(np.float32)
     router = rng.normal(size=(d, e)).astype(np.float32)
     if skew:
@@ -471,8 +481,17 @@ def test_moe_grouped_matmuls_equal_the_dense_oracle_and_router_matches_numpy(m, 
         router[0, 5] = 3.0
         router[0, 6:] = -12.0  # never chosen
     w = [(rng.normal(size=s) / np.sqrt(s[1])).astype(np.float32) for s in ((e, d, f), (e, d, f), (e, f, d))]
-    experts, weights = (np.asarray(a) for a in jax.jit(lambda a, r: route(a, r, cfg))(x, router))
-    logits = x.astype(np.float64) @ router
+    wargs = w
+    if oss == "mxfp4":  # random codes; scales 2^-4..2^-2 (weights of about the float ones' size)
+        wargs = [(rng.integers(0, 256, (e, o, i // 2), dtype=np.uint8),
+                  rng.integers(123, 126, (e, o, i // 32), dtype=np.uint8)) for o, i in ((f, d), (f, d), (d, f))]
+        w = [mxfp4_numpy(*a) for a in wargs]
+    rb = rng.normal(size=(e,)).astype(np.float32) if oss else None
+    biases = tuple(rng.normal(size=s).astype(np.float32) for s in ((e, f), (e, f), (e, d))) if oss else None
+    kw = dict(router_bias=rb, biases=biases)
+    experts, weights = (np.asarray(a) for a in jax.jit(lambda a, r, kw: route(a, r, cfg, kw["router_bias"]))(
+        x, router, kw))
+    logits = x.astype(np.float64) @ router + (0.0 if rb is None else rb)
     probs = np.exp(logits - logits.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
     want = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
@@ -484,10 +503,44 @@ def test_moe_grouped_matmuls_equal_the_dense_oracle_and_router_matches_numpy(m, 
     counts = np.bincount(experts.ravel(), minlength=e)
     if skew:
         assert counts[5] == m and (counts == 0).any()
-    got = jax.jit(lambda *a: moe_ffn(*a, cfg, jnp.float32))(x, router, *w)
-    oracle = jax.jit(lambda *a: moe_dense(*a, cfg, jnp.float32))(x, router, *w)
+    got = jax.jit(lambda kw, *a: moe_ffn(*a, cfg, jnp.float32, **kw))(kw, x, router, *wargs)
+    oracle = jax.jit(lambda kw, *a: moe_dense(*a, cfg, jnp.float32, **kw))(kw, x, router, *wargs)
     np.testing.assert_allclose(np.asarray(got), np.asarray(oracle), atol=2e-5, rtol=0)
     assert np.abs(np.asarray(oracle)).max() > 0.1
+    if oss:  # transformers' GptOssExperts._apply_gate, per chosen expert, in float64
+        want = np.zeros((m, d))
+        for t in range(m):
+            for j, ex in enumerate(want_e := experts[t]):
+                g = np.minimum(x[t] @ w[0][ex] + biases[0][ex], 1.0)
+                u = np.clip(x[t] @ w[1][ex] + biases[1][ex], -1.0, 1.0)
+                h = (u + 1) * g / (1 + np.exp(-1.702 * g))
+                want[t] += want_w[t, j] * (h @ w[2][ex] + biases[2][ex])
+            assert len(want_e) == k
+        np.testing.assert_allclose(np.asarray(got), want, atol=5e-5, rtol=0)
+
+
+def mxfp4_numpy(codes, scales):
+    """NumPy oracle of MXFP4: codes u8[..., O, I/2], scales u8[..., O, I/32] -> f32[..., I, O]. Each nibble
+    is e2m1 (sign bit, 2 exponent bits, 1 mantissa bit; exponent 0 is subnormal: m / 2), the low nibble
+    the earlier value; a block of 32 values is times 2^(scale - 127)."""
+    nib = np.stack([codes & 15, codes >> 4], axis=-1).reshape(*codes.shape[:-1], -1).astype(np.int64)
+    sign, ex, man = np.where(nib & 8, -1.0, 1.0), (nib >> 1) & 3, nib & 1
+    val = sign * np.where(ex == 0, man / 2.0, 2.0 ** (ex - 1) * (1 + man / 2.0))
+    val = val * np.repeat(2.0 ** (scales.astype(np.float64) - 127), 32, axis=-1)
+    return np.swapaxes(val, -1, -2).astype(np.float32)
+
+
+def test_dequantize_mxfp4_equals_numpy():
+    from jpa.models.moe import dequantize_mxfp4
+    rng = np.random.default_rng(7)
+    codes = rng.integers(0, 256, (3, 5, 48), dtype=np.uint8)  # 3 experts, 5 rows, 96 values (3 blocks)
+    scales = rng.integers(100, 140, (3, 5, 3), dtype=np.uint8)
+    scales[0, 0, 0], scales[1, 2, 1] = 2, 250  # near the e8m0 range's ends (f32 normals, no overflow)
+    want = mxfp4_numpy(codes, scales)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        got = np.asarray(jax.jit(lambda c, s: dequantize_mxfp4(c, s, dtype))(codes, scales)).astype(np.float32)
+        np.testing.assert_array_equal(got, want)  # exact: 2-bit mantissas times powers of two
+    assert want.shape == (3, 96, 5) and np.abs(want).max() > 1e4
 
 
 def test_moe_refusals_are_named():
@@ -523,3 +576,107 @@ def test_generate_command_runs_a_moe_checkpoint(capsys):
     rec = json.loads(out.splitlines()[0])
     assert rc == 0 and rec["error"] is None
     assert rec["token_ids"] == g["greedy_ids"][:8]
+
+
+# ---- gpt-oss ----
+
+# openai/gpt-oss-20b's config.json (transformers 4.55 layout: rope_scaling + rope_theta, MXFP4 experts),
+# less its 24-entry layer_types (the default: sliding on even layers).
+GPT_OSS_20B = dict(
+    architectures=["GptOssForCausalLM"], attention_bias=True, attention_dropout=0.0, eos_token_id=200002,
+    experts_per_token=4, head_dim=64, hidden_act="silu", hidden_size=2880, initial_context_length=4096,
+    initializer_range=0.02, intermediate_size=2880, max_position_embeddings=131072, model_type="gpt_oss",
+    num_attention_heads=64, num_experts_per_tok=4, num_hidden_layers=24, num_key_value_heads=8,
+    num_local_experts=32, output_router_logits=False, pad_token_id=199999,
+    quantization_config={"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                    "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
+    rms_norm_eps=1e-05, rope_scaling={"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                      "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
+    rope_theta=150000, router_aux_loss_coef=0.9, sliding_window=128, swiglu_limit=7.0, tie_word_embeddings=False,
+    use_cache=True, vocab_size=201088)
+
+
+def test_gpt_oss_config_layouts_defaults_and_refusals():
+    from jpa.models.sharding import plan_heads
+    c = hf.config_from_hf(golden_config("gpt_oss"))
+    assert (c.num_experts, c.experts_per_token, c.norm_topk_prob, c.ffn_dim, c.head_dim) == (8, 4, True, 32, 32)
+    assert (c.qkv_bias, c.o_bias, c.attn_sinks, c.router_bias, c.expert_bias) == (True,) * 5
+    assert c.swiglu_clamp == (1.5, 1.2) and (c.sliding_window, c.sliding_window_layers) == (6, (0,))
+    assert c.rope_scaling == pytest.approx(("yarn", 8.0, 4.0, 1.0, 64, 0.1 * np.log(8.0) + 1, 0.0))
+    real = {k: v for k, v in GPT_OSS_20B.items() if k != "quantization_config"}
+    r = hf.config_from_hf(real)
+    assert (r.num_experts, r.experts_per_token, r.swiglu_clamp, r.rope_base) == (32, 4, (1.702, 7.0), 150000.0)
+    assert r.sliding_window == 128 and r.sliding_window_layers == tuple(range(0, 24, 2))
+    assert r.rope_scaling == pytest.approx(("yarn", 32.0, 32.0, 1.0, 4096, 0.1 * np.log(32.0) + 1, 0.0))
+    bare = {k: v for k, v in real.items() if k not in ("rope_scaling", "rope_theta")}
+    assert hf.config_from_hf(bare).rope_scaling == r.rope_scaling  # transformers' GptOssConfig defaults
+    assert hf.config_from_hf({**bare, "rope_theta": 1e4}).rope_base == 1e4
+    assert hf.config_from_hf(GPT_OSS_20B) == dataclasses.replace(r, expert_format="mxfp4")
+    assert hf.config_from_hf(golden_config("gpt_oss_mxfp4")) == dataclasses.replace(c, expert_format="mxfp4")
+    with pytest.raises(hf.CheckpointError, match=r"quantization_config \('awq'\) is not supported"):
+        hf.config_from_hf({**GPT_OSS_20B, "quantization_config": {"quant_method": "awq"}})
+    with pytest.raises(hf.CheckpointError, match=r"quantization_config \('mxfp4'\) is not supported"):
+        hf.config_from_hf({**golden_config("mixtral"), "quantization_config": {"quant_method": "mxfp4"}})
+    with pytest.raises(ValueError, match="tensor_parallel=2: a mixture-of-experts model"):
+        plan_heads(c, 2)
+    with pytest.raises(ValueError, match=r"swiglu_clamp must be \(\) or \(alpha, limit\)"):
+        dataclasses.replace(c, swiglu_clamp=(1.0,))
+    with pytest.raises(ValueError, match=r"router_bias, expert_bias, swiglu_clamp and expert_format are mixture-of-"):
+        dataclasses.replace(models.PRESETS["tiny-llama"], router_bias=True)
+
+
+def test_gpt_oss_ragged_step_equals_transformers():
+    """The engine's unified step (`ragged_hidden`, jpa.ragged_paged_attention with the layers' sinks) on
+    the gpt-oss checkpoint: a first call with a 50-token chunk of one prompt and the whole of another,
+    a second call with the rest of the first (a chunk after a cached prefix, past the sliding window
+    and YaRN's original context) and one decode token of the second. Every row's logits are
+    transformers' (golden prefill logits) or forward_dense's (the decode row)."""
+    from jpa.models.gpt import ragged_hidden
+    model, _ = loaded("gpt_oss")
+    g, arrays = golden("gpt_oss"), np.load(DATA / "gpt_oss" / "golden.npz")
+    a, b = g["prompts"]["chat"], g["prompts"]["robot"]
+    assert len(a["ids"]) > 64 > 50 > len(b["ids"])
+    graphdef, params = nnx.split(model)
+    step = jax.jit(lambda p, c, *x: (lambda h, c: (nnx.merge(graphdef, p).logits(h), c))(
+        *ragged_hidden(nnx.merge(graphdef, p), c, *x)), donate_argnums=1)
+    pages_per_seq, budget = 24, 80
+    tables = np.arange(2 * pages_per_seq, dtype=np.int32).reshape(pages_per_seq, 2).T[:, ::-1].copy()
+    cache = jpa.KVCache.create(model.cache_config(2 * pages_per_seq, PAGE_SIZE))
+    i32 = lambda x: jnp.asarray(x, jnp.int32)
+
+    def run(cache, rows):  # rows: [(seq, first position, token ids)]
+        tokens, pos, slots, cu, lens = [], [], [], [0, 0, 0], [0, 0]
+        for s, p0, ids in rows:
+            tokens += ids
+            pos += list(range(p0, p0 + len(ids)))
+            slots += [int(tables[s, t // PAGE_SIZE]) * PAGE_SIZE + t % PAGE_SIZE for t in range(p0, p0 + len(ids))]
+            cu[s + 1] = len(tokens)
+            lens[s] = p0 + len(ids)
+        pad = budget - len(tokens)
+        logits, cache = step(params, cache, i32(tokens + [0] * pad), i32(pos + [0] * pad), i32(slots + [-1] * pad),
+                             i32(tables), i32(lens), i32(cu), i32(2))
+        return np.asarray(logits)[: len(tokens)], cache
+
+    got, cache = run(cache, [(0, 0, a["ids"][:50]), (1, 0, b["ids"])])
+    want = np.concatenate([arrays["chat_logits"][:50], arrays["robot_logits"]])
+    np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
+    nxt = b["greedy_ids"][0]
+    got, cache = run(cache, [(0, 50, a["ids"][50:]), (1, len(b["ids"]), [nxt])])
+    dense = dense_logits(model, [b["ids"] + [nxt]])[0, -1]
+    np.testing.assert_allclose(got, np.concatenate([arrays["chat_logits"][50:], dense[None]]), atol=ATOL, rtol=0)
+    assert int(np.argmax(got[-1])) == b["greedy_ids"][1]
+
+
+def test_yarn_rope_equals_transformers():
+    """YaRN's inverse frequencies and attention factor (models.gpt.rope_inv_freq / rope_attention_factor
+    of models.hf's config) = transformers' _compute_yarn_parameters (tests/data/hf/gpt_oss/yarn.json):
+    truncate on and off, mscale / mscale_all_dim, two factors. The gpt_oss checkpoint's logits check
+    the rotation itself (cos and sin times the factor)."""
+    from jpa.models.gpt import rope_attention_factor, rope_inv_freq
+    cases = json.loads((DATA / "gpt_oss" / "yarn.json").read_text())
+    assert len(cases) == 4
+    for case in cases:
+        c = hf.config_from_hf({**golden_config("gpt_oss"), **case["config"]})
+        np.testing.assert_array_equal(rope_inv_freq(c), np.asarray(case["inv_freq"], np.float32))
+        assert rope_attention_factor(c) == pytest.approx(case["attention_factor"], rel=1e-12)
+    assert len({round(c["attention_factor"], 6) for c in cases}) == 3

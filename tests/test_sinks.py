@@ -115,6 +115,42 @@ def test_bad_sinks_are_refused(bad, match):
     rargs, ropts = make_ragged_inputs(rcase)
     with pytest.raises(ValueError, match=match):
         jpa.ragged_paged_attention(*rargs, **ropts, sinks=bad)
+    q, kp, vp, tables, lens, _ = _as_prefill(rargs)
+    with pytest.raises(ValueError, match=match):
+        jpa.paged_prefill(q, kp, vp, tables, lens - 2, jnp.full_like(lens, 2), sinks=bad)
+
+
+def _as_prefill(rargs):
+    """A ragged call's arguments as paged_prefill's: (q [B, T, N, H], k_pages, v_pages, tables, seq_lens,
+    q_lens) with each sequence's rows right-padded to the longest."""
+    q, kp, vp, tables, lens, cu, num_seqs = rargs
+    cu = np.asarray(cu)[: int(num_seqs) + 1]
+    q_lens = np.diff(cu)
+    out = np.zeros((len(q_lens), int(q_lens.max()), *q.shape[1:]), np.float32)
+    for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+        out[i, : b - a] = np.asarray(q[a:b], np.float32)
+    return (jnp.asarray(out, q.dtype), kp, vp, tables[: len(q_lens)], lens[: len(q_lens)],
+            jnp.asarray(q_lens, jnp.int32))
+
+
+def test_prefill_passes_sinks():
+    """jpa.paged_prefill(sinks=) = the oracle-checked ragged reference on the same chunks (a decode
+    token, a chunk from position 0, a chunk after a cached prefix; a sliding window), and the sink
+    changes the result."""
+    case = RaggedCase((9, 6, 30), q_lens=(1, 6, 11), num_tokens=20, max_num_seqs=3, num_q_heads=4,
+                      num_kv_heads=2, head_dim=16, page_size=4, pages_per_seq=8, sliding_window=7, sinks=0.7,
+                      seed=23)
+    rargs, ropts = make_ragged_inputs(case)
+    want = np.asarray(ragged_paged_attention_xla(*rargs, **ropts), np.float64)
+    q, kp, vp, tables, lens, q_lens = _as_prefill(rargs)
+    opts = {k: v for k, v in ropts.items() if k in ("sinks", "sliding_window", "scale", "soft_cap")}
+    got = np.asarray(jpa.paged_prefill(q, kp, vp, tables, lens - q_lens, q_lens, **opts), np.float64)
+    no_sink = np.asarray(jpa.paged_prefill(q, kp, vp, tables, lens - q_lens, q_lens,
+                                           **{k: v for k, v in opts.items() if k != "sinks"}), np.float64)
+    cu = np.concatenate([[0], np.cumsum(np.asarray(q_lens))])
+    for i, n in enumerate(np.asarray(q_lens)):
+        np.testing.assert_allclose(got[i, :n], want[cu[i]: cu[i] + n], atol=1e-5, rtol=0)
+        assert np.abs(no_sink[i, :n] - want[cu[i]: cu[i] + n]).max() > 1e-2
 
 
 RAGGED_KERNEL_CASE = RaggedCase((9, 6, 30), q_lens=(1, 6, 11), num_tokens=20, max_num_seqs=4,

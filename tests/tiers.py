@@ -78,6 +78,18 @@ BENCH = {
         "7 s: the GPT-2 family of a property tiny-llama keeps",
     "tests/test_hf_models.py::test_generate_command_runs_a_checkpoint_directory":
         "8 s: jpa generate on a checkpoint folder (test_multihost runs `jpa generate --model <folder>`)",
+    "tests/test_hf_models.py::test_greedy_continuation_and_paged_decode_equal_dense_every_step[gpt_oss_mxfp4]":
+        "~8 s: 32 paged greedy steps of the MXFP4 gpt-oss checkpoint (its prefill logits vs transformers stay, "
+        "and the float gpt-oss keeps the paged greedy steps)",
+    "tests/test_hf_models.py::test_moe_grouped_matmuls_equal_the_dense_oracle_and_router_matches_numpy"
+    "[1-4-True-False-blocked-float]":
+        "~3 s: gpt-oss's gathered decode form in float (the MXFP4 gathered case stays)",
+    "tests/test_hf_models.py::test_moe_grouped_matmuls_equal_the_dense_oracle_and_router_matches_numpy"
+    "[37-4-True-False-blocked-mxfp4]":
+        "~3 s: MXFP4 tiles (the float gpt-oss tiles and the MXFP4 gathered case stay)",
+    "tests/test_hf_models.py::test_moe_grouped_matmuls_equal_the_dense_oracle_and_router_matches_numpy"
+    "[37-4-True-False-ragged_dot-mxfp4]":
+        "~3 s: MXFP4 through ragged_dot (the float ragged_dot case stays)",
     "tests/test_generate_script.py::test_compile_cache_is_on_by_default":
         "8 s: two generate processes sharing a cache folder",
     "tests/test_chunked_prefill.py::test_chunks_equal_the_reference_at_any_budget[37-5]":

@@ -22,7 +22,7 @@ from jpa.ops.validate import (check_cache_pair, check_dtype, check_layer, check_
 
 
 def _check_prefill_args(q, k_pages, v_pages, block_tables, start, chunk_lens, scale, soft_cap,
-                        sliding_window, k_scales, v_scales, layer=None):
+                        sliding_window, k_scales, v_scales, layer=None, sinks=None):
     check_ndim("q", q, 4, "[num_seqs, num_tokens, num_q_heads, head_dim]")
     check_dtype("q", q, FLOAT_DTYPES)
     num_kv_heads, num_pages, page_size, head_dim = check_cache_pair(k_pages, v_pages, k_scales, v_scales,
@@ -41,7 +41,7 @@ def _check_prefill_args(q, k_pages, v_pages, block_tables, start, chunk_lens, sc
         if x.shape[0] != num_seqs:
             raise ValueError(f"{name} must have num_seqs = {num_seqs} entries; got {x.shape[0]}")
     check_options(num_q_heads, scale=scale, soft_cap=soft_cap, alibi_slopes=None,
-                  sliding_window=sliding_window, impl="xla", interpret=False)
+                  sliding_window=sliding_window, impl="xla", interpret=False, sinks=sinks)
     if not (is_concrete(start) and is_concrete(chunk_lens)):
         return
     st, cl = np.asarray(start), np.asarray(chunk_lens)
@@ -61,7 +61,7 @@ def _check_prefill_args(q, k_pages, v_pages, block_tables, start, chunk_lens, sc
 
 
 def paged_prefill(q, k_pages, v_pages, block_tables, start, chunk_lens, *, scale=None,
-                  soft_cap=None, sliding_window=None, k_scales=None, v_scales=None, layer=None):
+                  soft_cap=None, sliding_window=None, k_scales=None, v_scales=None, layer=None, sinks=None):
     """Causal attention of a chunk of new tokens per sequence over a paged KV cache.
 
     Write the chunk's K/V into the cache with `jpa.write_kv` first. Query token t of sequence b
@@ -88,13 +88,15 @@ def paged_prefill(q, k_pages, v_pages, block_tables, start, chunk_lens, *, scale
         `f32[num_layers, num_kv_heads, num_pages, page_size]`), the layer to attend over: an int or
         an i32[] (traced, e.g. a scan's layer index: clamped to [0, num_layers)). None with
         per-layer pools.
+      sinks: f32[num_q_heads] attention sinks (gpt-oss) or None, as `jpa.paged_decode`: head h's
+        softmax gets one more logit sinks[h] with a zero value.
 
     Returns:
       [num_seqs, num_tokens, num_q_heads, head_dim] in q's dtype; zeros at padding positions
       (t >= chunk_lens[b]).
     """
     _check_prefill_args(q, k_pages, v_pages, block_tables, start, chunk_lens, scale, soft_cap,
-                        sliding_window, k_scales, v_scales, layer)
+                        sliding_window, k_scales, v_scales, layer, sinks)
     if layer is not None:
         layer = check_layer(layer, k_pages.shape[0])
     scale = float(scale) if scale is not None else float(q.shape[-1]) ** -0.5
@@ -102,4 +104,4 @@ def paged_prefill(q, k_pages, v_pages, block_tables, start, chunk_lens, *, scale
     sliding_window = int(sliding_window) if sliding_window is not None else None
     return paged_prefill_xla(q, k_pages, v_pages, block_tables, start, chunk_lens, scale=scale,
                              soft_cap=soft_cap, sliding_window=sliding_window, k_scales=k_scales,
-                             v_scales=v_scales, layer=layer)
+                             v_scales=v_scales, layer=layer, sinks=sinks)
