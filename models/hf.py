@@ -724,7 +724,8 @@ def load(path, dtype=None, quantization=None):
             values = [_read(*plan[m][:3], np_dtype, *plan[m][4:]) for m in members]
         value = np.stack(values) if param in shapes_layers else values[0]
         if quantization is None:
-            var(param).set_value(jnp.asarray(value, dtype=np_dtype))
+            # MXFP4 codes (u8) stay as stored
+            var(param).set_value(jnp.asarray(value, dtype=None if value.dtype == np.uint8 else np_dtype))
         else:
             set_weight(owner(param), param, value, np_dtype, quantization)
     if quantized:

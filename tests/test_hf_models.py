@@ -613,7 +613,7 @@ def test_gpt_oss_config_layouts_defaults_and_refusals():
     assert hf.config_from_hf({**bare, "rope_theta": 1e4}).rope_base == 1e4
     assert hf.config_from_hf(GPT_OSS_20B) == dataclasses.replace(r, expert_format="mxfp4")
     assert hf.config_from_hf(golden_config("gpt_oss_mxfp4")) == dataclasses.replace(c, expert_format="mxfp4")
-    with pytest.raises(hf.CheckpointError, match=r"quantization_config \('awq'\) is not supported"):
+    with pytest.raises(hf.CheckpointError, match=r"quantization_config \('awq'\) has bits None"):
         hf.config_from_hf({**GPT_OSS_20B, "quantization_config": {"quant_method": "awq"}})
     with pytest.raises(hf.CheckpointError, match=r"quantization_config \('mxfp4'\) is not supported"):
         hf.config_from_hf({**golden_config("mixtral"), "quantization_config": {"quant_method": "mxfp4"}})
