@@ -48,9 +48,11 @@ Cost rule (`SwapCost`, used for preemption swaps). For a sequence of n tokens:
 D * p over the positions p < n). The engine swaps when swap < recompute and the tier has room;
 else it recomputes. Link and compute figures per platform are a table (`HOST_LINKS`, tuning is
 data): a GPU's PCIe link against its bf16 FLOP/s at 50% MFU, a CPU's memcpy against its matmul
-rate. Per token, SmolLM2-135M (f32 KV: 46 KiB, 0.27 GFLOP) swaps on a CPU (1.9 us against 5.4 us at
-50 GFLOP/s) and recomputes on an H100 (3.7 us against 1.35 us); Llama-3-8B (bf16: 128 KiB, 16
-GFLOP) swaps on both. A tiny model (a few KiB of KV per token, ~1 MFLOP) recomputes on a GPU.
+rate. Per token (plus the attention term, which only favours the swap as sequences grow):
+SmolLM2-135M (f32 KV on this CPU: 45 KiB, 0.27 GFLOP) swaps on a CPU (18 us against 27 ms at 10
+GFLOP/s) and recomputes on an H100 (bf16: 1.8 us against 0.55 us, until ~18k tokens of context);
+Llama-3-8B (bf16: 128 KiB, 16 GFLOP) swaps on both (10.5 us against 32 us on an H100). A tiny
+model (a few KiB of KV per token, ~1 MFLOP) recomputes on a GPU.
 """
 
 import collections
