@@ -188,3 +188,91 @@ def test_cost_rule_recompute_is_used(engines):
     preempted = eng.stats.preemptions - before.preemptions
     assert preempted > 0 and eng.stats.swapped_out == before.swapped_out
     assert eng.scheduler.recomputed_by_rule - by_rule == preempted
+
+
+def chat_turn(eng, histories, rng, params, *, new: int = 8, only=None):
+    """One turn of multi-turn chats, one request at a time (the pressure is the prefix cache's
+    alone): chat c's prompt is its history plus `new` fresh user tokens; its history then grows by
+    the prompt and the completion. Returns the prompts and outputs of the chats run (`only`: their
+    indices; default all)."""
+    prompts, outs = [], []
+    for c in (range(len(histories)) if only is None else only):
+        prompt = histories[c] + rng.integers(3, 256, new).tolist()
+        out, = run(eng, [prompt], [params[c]])
+        histories[c] = prompt + list((out[0] if isinstance(out, list) else out).token_ids)   # n > 1: sample 0
+        prompts.append(prompt)
+        outs.append(out)
+    return prompts, outs
+
+
+def test_spill_multi_turn_host_hit(engines, rng):
+    """Prefix-cache spill: four 40-token chats (5 full pages each, 6 pages with their 8 new tokens)
+    one after another in a 16-page pool cache 20 pages, so the fourth MUST evict the first chat's 5
+    (LRU); with offload they go to the host tier. The first chat's second turn then finds its whole
+    history's full pages in the host tier only (the device lookup misses), copies them back and
+    prefills only the rest; outputs and logprobs equal the reference (no prefix cache, no
+    pressure). Then a host hit aborted right after its restore leaves both tiers whole."""
+    eng = engines.get(**OFFLOAD)
+    before = snapshot(eng)
+    hit0, hhit0 = eng.scheduler.prefix.hit_tokens, eng.scheduler.prefix.host_hit_tokens
+    histories = [random_prompts(rng, 1, lo=32, hi=32)[0] for _ in range(4)]
+    params = mixed_params(rng, 4, lo=8, hi=8)
+    prompts, outs = chat_turn(eng, histories, rng, params)   # 32 + 8 = 40-token prompts
+    assert_same(outs, engines.reference(prompts, params), "turn 1")
+    st = eng.stats
+    assert st.spill_pages - before.spill_pages >= 5, "the fourth chat evicts (spills) the first chat's pages"
+    prefix, tier = eng.scheduler.prefix, eng.host_tier
+    probe = histories[0] + [7] * 8
+    assert prefix.lookup(probe) == [], "the device pool has cycled: no device hit"
+    pages, kids = prefix.lookup_tiers(probe)
+    assert pages == [-1] * 5 and len(kids) == 5 and all(k in tier.spilled for k in kids)
+
+    prompts, outs = chat_turn(eng, histories, rng, params, only=[0])
+    assert_same(outs, engines.reference(prompts, params[:1]), "turn 2, a host hit")
+    assert st.restored - before.restored == 1 and st.restore_pages - before.restore_pages == 5
+    assert prefix.host_hit_tokens - hhit0 == 40 and prefix.hit_tokens - hit0 == 40
+    assert st.restore_bytes - before.restore_bytes == 5 * tier.bytes_per_page
+    assert not any(k in tier.spilled for k in kids), "restored pages left the host tier (one place)"
+    eng.check_page_state()
+
+    # Chat 1's history is in the host tier now too (chat 0's second turn evicted it): abort its
+    # next turn right after the round that restored it.
+    probe = histories[1] + [7] * 8
+    pages, kids = prefix.lookup_tiers(probe)
+    assert kids, "chat 1's pages were spilled"
+    restored = st.restored
+    eng.add_request(probe, params[1], request_id="abort-after-restore")
+    eng.step()
+    eng.check_page_state()
+    assert st.restored == restored + 1
+    assert eng.abort("abort-after-restore")
+    while eng.has_unfinished:
+        eng.step()
+    eng.check_page_state()
+    assert eng.pool_is_whole() and not tier.blocks
+    assert tier.num_free + len(tier.spilled) == tier.num_pages
+
+
+def test_spill_shares_the_tier_with_swaps():
+    """The host tier's eviction policy: spills take free pages, then evict older spills (LRU); a
+    swap block evicts spills (LRU) for room but is never evicted; a spill finds no room when swap
+    blocks hold every page. Evicted spills are reported (the prefix cache drops their keys)."""
+    tier = HostTier(4, 100)
+    gone = []
+    tier.on_evict = gone.append
+    for kid in "abcd":
+        assert tier.spill(kid, object())
+    tier.touch(["a"])                          # a host hit: "a" is the most recently used now
+    assert tier.spill("e", object()) and gone == ["b"]
+    assert tier.reserve("req", 3, 20) and gone == ["b", "c", "d", "a"]
+    assert list(tier.spilled) == ["e"] and tier.num_free == 0
+    tier.attach("req", object())
+    assert tier.spill("f", object()) and gone[-1] == "e"    # evicts the older spill, not the block
+    assert not tier.reserve("req2", 2, 9), "a spill gives its page up, a swap block does not"
+    assert tier.reserve("req2", 1, 9) and gone[-1] == "f"
+    tier.attach("req2", object())
+    assert not tier.spill("g", object()), "swap blocks hold every page: the spill is dropped"
+    assert tier.check() == [] and tier.num_swap_pages == 4
+    tier.drop("req")
+    assert tier.spill("g", object()) and tier.unspill("g").host_page in range(4)
+    assert tier.num_free == 3 and tier.check() == []
