@@ -132,7 +132,8 @@ def measure_chat(model, tok, cfg, args):
                       ttft_later_turns_mean_s=round(float(later.mean()), 3) if later.size else None,
                       spilled_pages=d["spill_pages"], restored_pages=d["restore_pages"],
                       spill_bytes=d["spill_bytes"], restore_bytes=d["restore_bytes"],
-                      max_prompt_tokens=max(x[2] for x in ttft))
+                      max_prompt_tokens=max(x[2] for x in ttft),
+                      per_request=[dict(turn=x[0], ttft_s=round(x[1], 3), prompt_tokens=x[2]) for x in ttft])
 
 
 def main(argv=None):
@@ -181,7 +182,7 @@ def chat_main(engine_model, tok, base, args, command):
     results, outs = {}, {}
     for name, off in (("off", 0), ("on", int(args.offload_gib * 2 ** 30))):
         outs[name], results[name] = measure_chat(engine_model, tok, EngineConfig(**base, kv_offload_bytes=off), args)
-        print(name, results[name], flush=True)
+        print(name, {k: v for k, v in results[name].items() if k != "per_request"}, flush=True)
     same = [a.token_ids == b.token_ids for a, b in zip(outs["off"], outs["on"])]
     on, off = results["on"], results["off"]
     r = dict(results, same_tokens=f"{sum(same)}/{len(same)}",

@@ -276,3 +276,25 @@ def test_spill_shares_the_tier_with_swaps():
     tier.drop("req")
     assert tier.spill("g", object()) and tier.unspill("g").host_page in range(4)
     assert tier.num_free == 3 and tier.check() == []
+
+
+def test_alloc_cached_pages():
+    """pages.alloc_cached: fresh pages straight into the prefix cache (cached-idle), shareable like
+    any cached page and freed by uncache; all or nothing when too few are free."""
+    from jpa.kv import pages
+
+    st = pages.init(6, 2, 4, 4)
+    st, ok = pages.reserve(st, 0, 8)                       # pages 0, 1 to sequence 0
+    st, ids, ok2 = pages.alloc_cached(st, 3, width=4)
+    assert bool(ok) and bool(ok2) and np.asarray(ids).tolist() == [2, 3, 4, -1]
+    assert int(st.num_free) == 1 and np.asarray(st.cached).tolist() == [False, False, True, True, True, False]
+    assert np.asarray(st.refcounts).tolist() == [1, 1, 1, 1, 1, 0]
+    same, ids, ok3 = pages.alloc_cached(st, 2, width=4)
+    assert not bool(ok3) and np.asarray(ids).tolist() == [-1] * 4
+    assert jax.tree_util.tree_all(jax.tree_util.tree_map(lambda a, b: bool(np.array_equal(a, b)), same, st))
+    st, shared = pages.share(st, 1, np.array([[4, 2, 0, 0]]), 8)
+    assert bool(shared) and np.asarray(st.refcounts).tolist() == [1, 1, 2, 1, 2, 0]
+    st = pages.release(pages.uncache(st, [2, 3, 4]), [0, 1])
+    assert int(st.num_free) == 6 and not np.asarray(st.cached).any()
+    with pytest.raises(ValueError, match="width must be an int >= 1"):
+        pages.alloc_cached(st, 1, width=0)
