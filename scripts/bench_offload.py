@@ -155,6 +155,8 @@ def main(argv=None):
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--num-pages", type=int, default=40)
     ap.add_argument("--offload-gib", type=float, default=1.0)
+    ap.add_argument("--steps-per-call", type=int, default=8, help="decode steps per device call (1: the first "
+                    "token comes back right after the prompt's last chunk, so TTFT is the prefill's time)")
     ap.add_argument("--json", default=None, help="default: benchmarks/offload.json (offload_chat.json for chat)")
     ap.add_argument("--workload", choices=("preempt", "chat"), default="preempt")
     ap.add_argument("--chats", type=int, default=4)
@@ -168,7 +170,7 @@ def main(argv=None):
     model, tok = models.load(args.model, dtype=jnp.float32)
     engine_model = models.GPTForEngine(model)
     base = dict(max_seqs=args.max_seqs, page_size=args.page_size, num_pages=args.num_pages, max_model_len=512,
-                watermark=0.0)
+                watermark=0.0, steps_per_call=args.steps_per_call)
     command = "python " + " ".join(["scripts/bench_offload.py"] + (argv or sys.argv[1:]))
     if args.workload == "chat":
         return chat_main(engine_model, tok, base, args, command)

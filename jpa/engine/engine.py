@@ -126,8 +126,9 @@ class EngineConfig:
         device call may wait for the other processes before this one gives up on them and exits.
       kv_offload_bytes: KV offload: bytes of host memory for a tier of KV pages (0 = off). A
         preempted request's pages are copied there (swap out) and back on resume (swap in)
-        instead of being recomputed, when the tier has room (see `jpa.kv.offload`). vLLM's
-        --swap-space / --kv-offloading-size.
+        instead of being recomputed, when the cost rule prefers the copy and the tier has room; with
+        prefix caching, pages the prefix cache evicts are kept there too and copied back on a
+        later hit (see `jpa.kv.offload`). vLLM's --swap-space / --kv-offloading-size.
     """
     max_seqs: int = 16
     page_size: int = 16
