@@ -111,23 +111,23 @@ def test_swap_with_structured_outputs_and_parallel_samples(engines):
 
 
 def test_spill_multi_turn_on_off_identical(engines):
-    """Prefix-cache spill over three turns of five chats (one with n = 2 samples, greedy and seeded),
+    """Prefix-cache spill over three turns of four chats (one with n = 2 samples, greedy and seeded),
     one request at a time in a 16-page pool that cannot hold the histories (a 64 MiB host tier can):
-    outputs equal with offload on and off and the reference's, turn by turn; the on engine hits the
-    host tier (the off engine recomputes those tokens); both tiers whole at the end."""
+    outputs equal with offload on and off, turn by turn (tests/test_kv_offload.py compares a host
+    hit with the reference); the on engine hits the host tier (the off engine recomputes those
+    tokens); both tiers whole at the end."""
     from test_kv_offload import chat_turn
 
     rng = np.random.default_rng(38)
     on, off = engines.get(num_pages=16, kv_offload_bytes=64 << 20), engines.get(num_pages=16)
     b_on, b_off = snapshot(on), snapshot(off)
     hh0 = on.scheduler.prefix.host_hit_tokens
-    histories = [random_prompts(rng, 1, lo=24, hi=24)[0] for _ in range(5)]
-    params = mixed_params(rng, 5, lo=8, hi=8)
+    histories = [random_prompts(rng, 1, lo=24, hi=24)[0] for _ in range(4)]
+    params = mixed_params(rng, 4, lo=8, hi=8)
     params[3] = dataclasses.replace(params[3], n=2, greedy=False, temperature=1.0, seed=int(rng.integers(2 ** 30)))
     for turn in range(3):
         prompts, got = chat_turn(on, histories, rng, params)
         assert_same(got, run(off, prompts, params), f"turn {turn}: offload on vs off")
-        assert_same(got, engines.reference(prompts, params), f"turn {turn}: offload on vs the reference")
     host_hits = on.scheduler.prefix.host_hit_tokens - hh0
     assert host_hits > 0 and on.stats.restore_pages > b_on.restore_pages
     assert on.stats.prefill_tokens - b_on.prefill_tokens < off.stats.prefill_tokens - b_off.prefill_tokens
