@@ -298,3 +298,19 @@ def test_alloc_cached_pages():
     assert int(st.num_free) == 6 and not np.asarray(st.cached).any()
     with pytest.raises(ValueError, match="width must be an int >= 1"):
         pages.alloc_cached(st, 1, width=0)
+
+
+def test_cost_rule_gates_the_spill(engines, rng):
+    """Where the rule prefers recompute even for one page, evicted prefix pages are not spilled."""
+    from jpa.kv.offload import SwapCost
+
+    eng = engines.get(**OFFLOAD)
+    before, rule = snapshot(eng), eng.scheduler.swap_cost
+    eng.scheduler.swap_cost = SwapCost(10 ** 9, 1, 1, 1, 1, 1.0, 1e18)
+    try:
+        histories = [random_prompts(rng, 1, lo=32, hi=32)[0] for _ in range(4)]
+        chat_turn(eng, histories, rng, mixed_params(rng, 4, lo=8, hi=8))
+    finally:
+        eng.scheduler.swap_cost = rule
+    assert eng.stats.spill_pages == before.spill_pages and not eng.host_tier.spilled
+    assert eng.scheduler.prefix.lookup_tiers(histories[0] + [7] * 8) == ([], [])

@@ -357,7 +357,10 @@ class Scheduler:
             self._admit(r)
         entries, steps = self._entries(r, decoding)
         evict = self._evictions(r, entries, steps)
-        spill = tuple(self.prefix.spillable(evict)) if evict else ()
+        # Spill only where the cost rule prefers a page's copy to its recompute (a prefix page's recompute
+        # is a page of prefill; its copy, out and back).
+        pays = self.swap_cost is None or self.swap_cost.prefers_swap(self.page_size)
+        spill = tuple(self.prefix.spillable(evict)) if evict and pays else ()
         return RoundPlan(entries, steps, tuple(r.admitted), evict, tuple(r.swap_in), spill)
 
     def _fit(self, r: "_RoundDraft", seq_len: int) -> int:

@@ -45,10 +45,11 @@ Cost rule (`SwapCost`, used for preemption swaps). For a sequence of n tokens:
     recompute = (2 * params * n + 2 * layers * q_heads * head_dim * n**2) / compute_flops_per_s
 
 (a forward pass costs 2 FLOPs per weight per token; causal attention over n tokens sums 4 * L * H *
-D * p over the positions p < n). The engine swaps when swap < recompute and the tier has room;
-else it recomputes. Link and compute figures per platform are a table (`HOST_LINKS`, tuning is
-data): a GPU's PCIe link against its bf16 FLOP/s at 50% MFU, a CPU's memcpy against its matmul
-rate. Per token (plus the attention term, which only favours the swap as sequences grow):
+D * p over the positions p < n). The engine swaps a preempted sequence when swap < recompute and
+the tier has room; else it recomputes. Evicted prefix pages are spilled only when the rule prefers
+the copy for one page (n = page_size). Link and compute figures per platform are a table
+(`HOST_LINKS`, tuning is data): a GPU's PCIe link against its bf16 FLOP/s at 50% MFU, a CPU's
+memcpy against the prefill rate the engine sustains there. Per token (plus the attention term, which only favours the swap as sequences grow):
 SmolLM2-135M (f32 KV on this CPU: 45 KiB, 0.27 GFLOP) swaps on a CPU (18 us against 27 ms at 10
 GFLOP/s) and recomputes on an H100 (bf16: 1.8 us against 0.55 us, until ~18k tokens of context);
 Llama-3-8B (bf16: 128 KiB, 16 GFLOP) swaps on both (10.5 us against 32 us on an H100). A tiny
