@@ -109,41 +109,50 @@ def chat_run(eng, tok, chats, turns, max_new):
     return outs, ttft
 
 
-def measure_chat(model, tok, cfg, args):
-    eng = LLMEngine(model, tok, cfg)
-    chat_run(eng, tok, args.chats, args.turns, args.max_new)   # warm-up: compiles every program it meets
-    eng.flush_prefix_cache()
-    assert eng.pool_is_whole()
-    before = dict(vars(eng.stats))
-    prefix = eng.scheduler.prefix
-    q0, h0, hh0 = prefix.query_tokens, prefix.hit_tokens, prefix.host_hit_tokens
-    import numpy as np
+class ChatSystem:
+    """One engine of the chat benchmark: built and warmed up (the workload once: every program it
+    meets compiles), then `run()` as often as wanted (the prefix cache flushed, both tiers, before
+    each), `result()` the figures: TTFT per request the median over the runs, counts of the first."""
 
-    runs, walls = [], []
-    for rep in range(args.repeats):   # per request, the median TTFT over the repeats (the counts of the first)
-        if rep:
-            eng.flush_prefix_cache()
+    def __init__(self, model, tok, cfg, args):
+        self.eng, self.tok, self.args = LLMEngine(model, tok, cfg), tok, args
+        chat_run(self.eng, tok, args.chats, args.turns, args.max_new)
+        self.runs, self.walls = [], []
+
+    def run(self):
+        eng, prefix = self.eng, self.eng.scheduler.prefix
+        eng.flush_prefix_cache()
+        assert eng.pool_is_whole()
+        before = dict(vars(eng.stats))
+        q0, h0, hh0 = prefix.query_tokens, prefix.hit_tokens, prefix.host_hit_tokens
         t0 = time.perf_counter()
-        outs, ttft = chat_run(eng, tok, args.chats, args.turns, args.max_new)
-        walls.append(time.perf_counter() - t0)
-        runs.append(ttft)
-        if not rep:
-            assert eng.pool_is_whole()
-            d = {k: v - before[k] for k, v in vars(eng.stats).items() if isinstance(v, (int, float))}
-            q1, h1, hh1 = prefix.query_tokens, prefix.hit_tokens, prefix.host_hit_tokens
-    ttft = [(t, float(np.median([r[i][1] for r in runs])), n) for i, (t, _, n) in enumerate(runs[0])]
-    wall = float(np.median(walls))
+        outs, ttft = chat_run(eng, self.tok, self.args.chats, self.args.turns, self.args.max_new)
+        self.walls.append(time.perf_counter() - t0)
+        assert eng.pool_is_whole()
+        self.runs.append(ttft)
+        if len(self.runs) == 1:
+            self.outs = outs
+            self.d = {k: v - before[k] for k, v in vars(eng.stats).items() if isinstance(v, (int, float))}
+            self.d.update(queries=prefix.query_tokens - q0, hits=prefix.hit_tokens - h0,
+                          host_hits=prefix.host_hit_tokens - hh0)
 
-    all_t = np.array([x[1] for x in ttft])
-    later = np.array([x[1] for x in ttft if x[0] > 0])
-    return outs, dict(wall_seconds=round(wall, 2), prefix_hit_rate=round((h1 - h0) / (q1 - q0), 3),
-                      prompt_tokens=q1 - q0, hit_tokens=h1 - h0, host_hit_tokens=hh1 - hh0, prefill_tokens=d["prefill_tokens"],
-                      ttft_p50_s=round(float(np.median(all_t)), 3), ttft_mean_s=round(float(all_t.mean()), 3),
-                      ttft_later_turns_mean_s=round(float(later.mean()), 3) if later.size else None,
-                      spilled_pages=d["spill_pages"], restored_pages=d["restore_pages"],
-                      spill_bytes=d["spill_bytes"], restore_bytes=d["restore_bytes"],
-                      max_prompt_tokens=max(x[2] for x in ttft),
-                      per_request=[dict(turn=x[0], ttft_s=round(x[1], 3), prompt_tokens=x[2]) for x in ttft])
+    def result(self):
+        import numpy as np
+
+        d, runs = self.d, self.runs
+        ttft = [(t, float(np.median([r[i][1] for r in runs])), n) for i, (t, _, n) in enumerate(runs[0])]
+        all_t = np.array([x[1] for x in ttft])
+        later = np.array([x[1] for x in ttft if x[0] > 0])
+        return dict(wall_seconds=round(float(np.median(self.walls)), 2),
+                    prefix_hit_rate=round(d["hits"] / d["queries"], 3), prompt_tokens=d["queries"],
+                    hit_tokens=d["hits"], host_hit_tokens=d["host_hits"], prefill_tokens=d["prefill_tokens"],
+                    ttft_p50_s=round(float(np.median(all_t)), 3), ttft_mean_s=round(float(all_t.mean()), 3),
+                    ttft_later_turns_mean_s=round(float(later.mean()), 3) if later.size else None,
+                    ttft_first_turn_mean_s=round(float(all_t[[x[0] == 0 for x in ttft]].mean()), 3),
+                    spilled_pages=d["spill_pages"], restored_pages=d["restore_pages"],
+                    spill_bytes=d["spill_bytes"], restore_bytes=d["restore_bytes"],
+                    max_prompt_tokens=max(x[2] for x in ttft),
+                    per_request=[dict(turn=x[0], ttft_s=round(x[1], 3), prompt_tokens=x[2]) for x in ttft])
 
 
 def main(argv=None):
@@ -192,9 +201,14 @@ def main(argv=None):
 
 
 def chat_main(engine_model, tok, base, args, command):
-    results, outs = {}, {}
-    for name, off in (("off", 0), ("on", int(args.offload_gib * 2 ** 30))):
-        outs[name], results[name] = measure_chat(engine_model, tok, EngineConfig(**base, kv_offload_bytes=off), args)
+    systems = {name: ChatSystem(engine_model, tok, EngineConfig(**base, kv_offload_bytes=off), args)
+               for name, off in (("off", 0), ("on", int(args.offload_gib * 2 ** 30)))}
+    for _ in range(args.repeats):   # the systems' runs alternate, so a change of machine load hits both
+        for sys_ in systems.values():
+            sys_.run()
+    results = {name: sys_.result() for name, sys_ in systems.items()}
+    outs = {name: sys_.outs for name, sys_ in systems.items()}
+    for name in systems:
         print(name, {k: v for k, v in results[name].items() if k != "per_request"}, flush=True)
     same = [a.token_ids == b.token_ids for a, b in zip(outs["off"], outs["on"])]
     on, off = results["on"], results["off"]
