@@ -50,7 +50,7 @@ the tier has room; else it recomputes. Evicted prefix pages are spilled only whe
 the copy for one page (n = page_size). Link and compute figures per platform are a table
 (`HOST_LINKS`, tuning is data): a GPU's PCIe link against its bf16 FLOP/s at 50% MFU, a CPU's
 memcpy against the prefill rate the engine sustains there. Per token (plus the attention term, which only favours the swap as sequences grow):
-SmolLM2-135M (f32 KV on this CPU: 45 KiB, 0.27 GFLOP) swaps on a CPU (18 us against 27 ms at 10
+SmolLM2-135M (f32 KV on this CPU: 45 KiB, 0.27 GFLOP) swaps on a CPU (18 us against 2.7 ms at 100
 GFLOP/s) and recomputes on an H100 (bf16: 1.8 us against 0.55 us, until ~18k tokens of context);
 Llama-3-8B (bf16: 128 KiB, 16 GFLOP) swaps on both (10.5 us against 32 us on an H100). A tiny
 model (a few KiB of KV per token, ~1 MFLOP) recomputes on a GPU.
@@ -84,9 +84,9 @@ def host_memory_kind(device=None) -> str | None:
 # Host link and compute rate per platform, for the cost rule: (bytes/s device<->host, FLOP/s of a
 # prefill). GPU: PCIe 5 x16 in practice (~25 GB/s) against an H100's dense bf16 peak (989 TFLOP/s)
 # at 50% MFU. CPU (this 2-core VM): a memcpy (~5 GB/s) against what the engine's prefill sustains
-# here (SmolLM2-135M at ~30-40 prompt tokens/s through the unified step: ~10 GFLOP/s, see
-# BENCHMARKS.md).
-HOST_LINKS = {"gpu": (25e9, 0.5 * 989e12), "cpu": (5e9, 10e9)}
+# here when the machine is idle (SmolLM2-135M: a 192-token prompt's first token in 0.4 s, ~450
+# prompt tokens/s through the unified step, ~100 GFLOP/s; BENCHMARKS.md, prefix-cache spill).
+HOST_LINKS = {"gpu": (25e9, 0.5 * 989e12), "cpu": (5e9, 100e9)}
 
 
 @dataclasses.dataclass(frozen=True)
