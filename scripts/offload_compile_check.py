@@ -6,6 +6,10 @@ pages (default 4096: 1.4 GiB). Block: `--block` pages (default 8). Compiles
   - swap out (`jpa.kv.offload._gather`, output in memory kind pinned_host), and
   - swap in's scatter (`jpa.kv.offload._scatter_block`, the block an argument in pinned_host, the
     pool donated),
+  - prefix-cache spill (`jpa.kv.offload._gather_pages`: `--block` evicted pages, one output per
+    page in pinned_host), and
+  - a host hit's restore scatter (`jpa.kv.offload._scatter_pages`: `--block` spilled pages, each an
+    argument in pinned_host, into the donated pool),
 and reports from the compiled programs: where the block lives (the HLO layout's memory space S(5)
 is host memory), the host<->device copies XLA scheduled, whether the donated pool is aliased
 (`memory_analysis().alias_size_in_bytes`), temporaries, and any pool-shaped copy.
@@ -33,7 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import SingleDeviceSharding  # noqa: E402
 
 from jpa.kv.cache import CacheConfig, KVCache  # noqa: E402
-from jpa.kv.offload import _gather, _scatter_block  # noqa: E402
+from jpa.kv.offload import _gather, _gather_pages, _scatter_block, _scatter_pages  # noqa: E402
 from jpa.tools.deviceless import Compiler  # noqa: E402
 from jpa.tools.hlo import hlo_type, pool_copies  # noqa: E402
 
@@ -80,6 +84,14 @@ def main(argv=None):
         compiled = s.lower(cache_d, tables, on(block, host), jax.ShapeDtypeStruct((), jnp.bool_, sharding=sh), i32,
                            i32, i32, page_size=16).compile()
         out["swap_in_scatter"] = facts(compiled, cache.k.shape, cache.k.dtype)
+        ids = jax.ShapeDtypeStruct((args.block,), jnp.int32, sharding=sh)
+        compiled = jax.jit(_gather_pages, out_shardings=host).lower(cache_d, ids).compile()
+        out["spill"] = facts(compiled, cache.k.shape, cache.k.dtype)
+        page = jax.eval_shape(lambda cc: jax.tree_util.tree_map(lambda a: a[:, :, :1], cc), cache)
+        r = jax.jit(_scatter_pages, donate_argnums=(0,))
+        compiled = r.lower(cache_d, tables, (on(page, host),) * args.block,
+                           jax.ShapeDtypeStruct((), jnp.bool_, sharding=sh), i32, ids).compile()
+        out["restore_scatter"] = facts(compiled, cache.k.shape, cache.k.dtype)
     out.update(device_memories=[m.kind for m in getattr(dev, "addressable_memories", lambda: [])()],
                target=args.target, pool_bytes=cfg.nbytes, block_pages=args.block,
                block_bytes=args.block * cfg.bytes_per_page)

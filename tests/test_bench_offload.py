@@ -108,3 +108,46 @@ def test_swap_with_structured_outputs_and_parallel_samples(engines):
                 [dataclasses.replace(sp, n=1, seed=sp.seed + i) for sp in params for i in range(2)])
     assert_same(outs, alone, "offload + structured outputs")
     assert eng.pool_is_whole()
+
+
+def test_spill_multi_turn_on_off_identical(engines):
+    """Prefix-cache spill over three turns of four chats (one with n = 2 samples, greedy and seeded),
+    one request at a time in a 16-page pool that cannot hold the histories (a 64 MiB host tier can):
+    outputs equal with offload on and off, turn by turn (tests/test_kv_offload.py compares a host
+    hit with the reference); the on engine hits the host tier (the off engine recomputes those
+    tokens); both tiers whole at the end."""
+    from test_kv_offload import chat_turn
+
+    rng = np.random.default_rng(38)
+    on, off = engines.get(num_pages=16, kv_offload_bytes=64 << 20), engines.get(num_pages=16)
+    b_on, b_off = snapshot(on), snapshot(off)
+    hh0 = on.scheduler.prefix.host_hit_tokens
+    histories = [random_prompts(rng, 1, lo=24, hi=24)[0] for _ in range(4)]
+    params = mixed_params(rng, 4, lo=8, hi=8)
+    params[3] = dataclasses.replace(params[3], n=2, greedy=False, temperature=1.0, seed=int(rng.integers(2 ** 30)))
+    for turn in range(3):
+        prompts, got = chat_turn(on, histories, rng, params)
+        assert_same(got, run(off, prompts, params), f"turn {turn}: offload on vs off")
+    host_hits = on.scheduler.prefix.host_hit_tokens - hh0
+    assert host_hits > 0 and on.stats.restore_pages > b_on.restore_pages
+    assert on.stats.prefill_tokens - b_on.prefill_tokens < off.stats.prefill_tokens - b_off.prefill_tokens
+    tier = on.host_tier
+    assert on.pool_is_whole() and off.pool_is_whole() and tier.num_free + len(tier.spilled) == tier.num_pages
+
+
+def test_generate_summary_line_has_offload(tmp_path, capsys):
+    """`jpa generate --kv-offload-memory` prints the offload figures on its summary line and in --json."""
+    import json
+
+    from jpa.cli import generate
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"tell me about {w} " * 6, "max_new_tokens": 24,
+                                             "greedy": True}) for w in ("rivers", "stars", "cells", "ships")) + "\n")
+    rc = generate.main(["--model", "tiny-llama", "--prompts-file", str(prompts), "--json", "--no-progress",
+                        "--max-seqs", "4", "--page-size", "8", "--num-pages", "24", "--kv-offload-memory", "0.01",
+                        "--no-compile-cache"])
+    out, err = capsys.readouterr()
+    summary = json.loads(out.splitlines()[-1])["summary"]["kv_offload"]
+    assert rc == 0 and summary["host_pages"] > 0 and "spilled_pages" in summary and "cost_rule" in summary
+    assert "KV offload: " in err and "prefix pages spilled" in err and "pool whole after run: True" in err

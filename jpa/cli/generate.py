@@ -229,6 +229,11 @@ def run(args):
           f"[jpa] pages used at peak {s['peak_pages_used']}/{s['num_pages']} | KV utilization "
           f"{fmt(100 * s['kv_utilization'], '.1f')}% (tokens stored / slots allocated) | "
           f"preemptions {s['preemptions']} | "
+          + (f"KV offload: {o['swapped_out']} swapped out / {o['swapped_in']} in, {o['spilled_pages']} prefix pages "
+             f"spilled / {o['restored_pages']} restored ({o['host_hit_tokens']} prompt tokens hit in the host tier), "
+             f"{(o['bytes_out'] + o['spill_bytes']) / 2**20:.1f} MiB out / "
+             f"{(o['bytes_in'] + o['restore_bytes']) / 2**20:.1f} MiB in, {o['recompute_avoided_tokens']} tokens not "
+             f"recomputed | " if (o := s["kv_offload"]) else "")
           + (f"prefix cache: {s['prefix_hit_tokens']} prompt tokens hit ({fmt(100 * s['prefix_hit_rate'], '.1f')}%), "
              f"{s['cached_pages']} pages cached, {s['peak_shared_pages']} shared at peak, {s['cow_copies']} copied on write | "
              if s["prefix_caching"] else "")

@@ -40,8 +40,11 @@ decides which preempted requests are swapped out to the host tier (`jpa.kv.offlo
 consulted again at admission) and plans their swap-ins (`RoundPlan.swap_in`); `update` copies the
 preempted pages out (`ModelRunner.swap_out`, before `retire` releases them) and `execute` copies
 them back into new pages (`ModelRunner.swap_in`, page work of its own with the round's evictions)
-before the step, which then prefills only the last token. No host round trip: both are
-dispatched asynchronously, and the swap-ins' all-or-nothing flags are read with the step's result.
+before the step, which then prefills only the last token. With prefix caching the tier also takes
+the pages the prefix cache evicts (`RoundPlan.spill`: `ModelRunner.spill` copies them out before the
+round's first call frees them) and gives them back on a later hit (a `SwapIn` with `restore`:
+`ModelRunner.restore`). No host round trip: all of them are dispatched asynchronously, and the
+swap-ins' all-or-nothing flags are read with the step's result.
 LoRA would add per-entry adapter ids (a batch record read by the model passes).
 
 Structured outputs (SamplingParams.structured): each constrained request has a grammar matcher
@@ -63,7 +66,7 @@ import jax
 import numpy as np
 
 from jpa.kv.cache import CacheConfig
-from jpa.kv.offload import HostTier
+from jpa.kv.offload import HostTier, SwapCost
 from jpa.engine.batch import StepResult, make_step_batch
 from jpa.engine import multihost
 from jpa.engine.detokenizer import IncrementalDetokenizer
@@ -123,8 +126,9 @@ class EngineConfig:
         device call may wait for the other processes before this one gives up on them and exits.
       kv_offload_bytes: KV offload: bytes of host memory for a tier of KV pages (0 = off). A
         preempted request's pages are copied there (swap out) and back on resume (swap in)
-        instead of being recomputed, when the tier has room (see `jpa.kv.offload`). vLLM's
-        --swap-space / --kv-offloading-size.
+        instead of being recomputed, when the cost rule prefers the copy and the tier has room; with
+        prefix caching, pages the prefix cache evicts are kept there too and copied back on a
+        later hit (see `jpa.kv.offload`). vLLM's --swap-space / --kv-offloading-size.
     """
     max_seqs: int = 16
     page_size: int = 16
@@ -206,6 +210,11 @@ class EngineStats:
     swap_out_bytes: int = 0
     swap_in_bytes: int = 0
     recompute_avoided_tokens: int = 0  # tokens restored from the host instead of prefilled again
+    spill_pages: int = 0              # prefix-cache pages copied device -> host when evicted
+    spill_bytes: int = 0
+    restored: int = 0                 # admissions whose prefix hit came (partly) from the host tier
+    restore_pages: int = 0            # spilled pages copied host -> device (host-tier prefix hits)
+    restore_bytes: int = 0
 
     @property
     def kv_utilization(self) -> float:
@@ -280,7 +289,8 @@ class LLMEngine:
                 atexit.register(self.close, ok=False)   # an exit without close(): the followers stop too
             else:
                 self._follower = multihost.Follower(self.runner, **lockstep)
-        self.host_tier = None
+        self.host_tier = self.swap_cost = None
+        self._spilled = {}   # KV offload: this round's spilled pages' data (execute -> update)
         if config.kv_offload_bytes:
             if self.num_processes > 1:
                 raise ValueError("EngineConfig.kv_offload_bytes needs a single process (the host tier of a "
@@ -291,8 +301,12 @@ class LLMEngine:
                 raise ValueError(f"EngineConfig.kv_offload_bytes={config.kv_offload_bytes} holds no page: one page "
                                  f"costs {per_page} bytes for this model and page_size")
             self.host_tier = HostTier(config.kv_offload_bytes // per_page, per_page)
+            params = sum(int(np.prod(a.shape)) for a in jax.tree_util.tree_leaves(model.params))
+            platform = jax.devices()[0].platform
+            self.swap_cost = SwapCost.for_model(mc, params, per_page // config.page_size, platform)
         self.scheduler = Scheduler.for_shapes(self.shapes, watermark=config.watermark, stop_ids=self.stop_ids,
-                                              prefix_caching=config.prefix_caching, host_tier=self.host_tier)
+                                              prefix_caching=config.prefix_caching, host_tier=self.host_tier,
+                                              swap_cost=self.swap_cost)
         self.stats = EngineStats()
         # Structured outputs: the tokenizer as llguidance reads it, built with the first constrained request.
         self.grammars = Grammars(tokenizer, model.config.vocab_size, self.stop_ids)
@@ -503,6 +517,7 @@ class LLMEngine:
         t0, c0 = time.perf_counter(), self.runner.compile_seconds
         swapped = []
         try:
+            self._spill(plan)
             self._swap_in(plan, swapped)
             result = self.runner.step(batch)
         except BaseException:
@@ -528,12 +543,30 @@ class LLMEngine:
         self._record_call(plan, result, time.perf_counter() - t0 - (self.runner.compile_seconds - c0))
         return result
 
+    def _spill(self, plan: RoundPlan) -> None:
+        """KV offload: copies the evicted pages the plan spills to host memory, before any call of
+        the round evicts them (asynchronously); `update` hands them to the prefix cache."""
+        self._spilled = {}
+        if plan.spill:
+            self._spilled = dict(zip(plan.spill, self.runner.spill(plan.spill)))
+            self.stats.spill_pages += len(plan.spill)
+            self.stats.spill_bytes += len(plan.spill) * self.host_tier.bytes_per_page
+
     def _swap_in(self, plan: RoundPlan, oks: list) -> None:
         """KV offload: the plan's swap-ins, before its step (the first carries the round's evictions,
         which the step then does not repeat). Appends their ok flags to oks (device scalars, read
-        with the step's result). The host pages are free once the copies are dispatched."""
+        with the step's result). The host pages of a swap block are free once the copies are
+        dispatched; restored spilled pages leave the host tier when the round is recorded (`update`)."""
         st, ps = self.stats, self.config.page_size
         for i, s in enumerate(plan.swap_in):
+            if s.restore:   # a prefix hit through spilled pages
+                data = [self.host_tier.spilled[kid].data for kid in s.restore]
+                oks.append(self.runner.restore(data, plan.evict if i == 0 else (), s.slot, s.hit_pages, s.num_tokens))
+                st.restored += 1
+                st.restore_pages += len(s.restore)
+                st.restore_bytes += len(s.restore) * self.host_tier.bytes_per_page
+                st.recompute_avoided_tokens += len(s.restore) * ps
+                continue
             block = self.host_tier.take(s.request.request_id)
             oks.append(self.runner.swap_in(block.data, plan.evict if i == 0 else (), s.slot, s.hit_pages,
                                            len(s.hit_pages) * ps, s.num_tokens))
@@ -545,9 +578,18 @@ class LLMEngine:
 
     def _undo_swap_ins(self, plan: RoundPlan, oks: list) -> None:
         """Releases the slots the first len(oks) swap-ins filled when their round did not happen
-        (their host copies are gone: those requests recompute)."""
+        (their swap blocks are gone: those requests recompute), and evicts the pages restores cached
+        that the host's prefix cache does not know (their spilled copies stay in the host tier)."""
+        self._spilled = {}
         if oks:
             self.scheduler.set_pages(*self.runner.retire([s.slot for s in plan.swap_in[: len(oks)]]))
+            prefix = self.scheduler.prefix
+            if prefix is not None:
+                on_device = {int(p) for p in self.runner.cached_pages()}
+                prefix.forget([p for p in prefix.lru if p not in on_device])   # evicted by a swap-in that ran
+                unknown = sorted(on_device - set(prefix.lru))
+                if unknown:
+                    self.scheduler.set_pages(*self.runner.uncache(unknown))
 
     def update(self, plan: RoundPlan, result: StepResult | None) -> list[StepOutput]:
         """Verb 3: the host's post-process. Tokens, stops and the device's page counts go to the
@@ -556,7 +598,8 @@ class LLMEngine:
         t_host = time.perf_counter()
         events = []
         if result is not None:
-            events = self.scheduler.stepped(plan, result)
+            events = self.scheduler.stepped(plan, result, self._spilled)
+            self._spilled = {}
             self._record_pages(int(result.usage.peak_pages), int(result.usage.peak_tokens))
             if self.scheduler.prefix is not None:
                 held = collections.Counter(p for r in self.scheduler.running.values() for p in r.cache_refs)
@@ -699,8 +742,11 @@ class LLMEngine:
         `flush_prefix_cache()` then frees every page)."""
         prefix = self.scheduler.prefix
         host = self.host_tier
+        # The host tier: no swap block left, every page free or holding one spilled prefix page.
         return (not self.scheduler.running and self.runner.pool_is_whole(prefix.cached if prefix else ())
-                and (host is None or (host.num_free == host.num_pages and not self.scheduler.waiting)))
+                and (host is None or (not host.blocks and host.num_free + len(host.spilled) == host.num_pages
+                                      and not host.check() and not self.scheduler.waiting
+                                      and not (prefix.check() if prefix else host.spilled))))
 
     def check_page_state(self) -> None:
         """Raises RuntimeError naming the first disagreement between the device's page state and
@@ -708,7 +754,8 @@ class LLMEngine:
         every page is exactly one of free, cached-idle or held by a sequence; refcounts equal the
         block-table references plus the prefix cache's; the device's cached pages are the host
         cache's; each running request's cached token count matches its progress; with KV offload,
-        every host page is free or in one block, and every block belongs to a waiting request."""
+        every host page is free, in one block or holding one spilled prefix page, every block belongs
+        to a waiting request, and each prefix key names a page in exactly one tier."""
         ps = jax.device_get(self.runner.page_state)
         n, size = self.num_pages, self.config.page_size
         free = np.asarray(ps.free_pages)[: int(ps.num_free)]
@@ -749,6 +796,10 @@ class LLMEngine:
             stray = [k for k in self.host_tier.blocks if k not in waiting]
             if stray:
                 problems.append(f"host tier: blocks of requests not waiting: {stray[:4]}")
+            if prefix is not None:
+                problems += prefix.check()
+            elif self.host_tier.spilled:
+                problems.append("host tier: spilled prefix pages without a prefix cache")
         if problems:
             raise RuntimeError("page state check failed: " + "; ".join(problems))
 
@@ -776,7 +827,14 @@ class LLMEngine:
                 "swapped_out": s.swapped_out, "swapped_in": s.swapped_in,
                 "pages_out": s.swap_out_pages, "pages_in": s.swap_in_pages,
                 "bytes_out": s.swap_out_bytes, "bytes_in": s.swap_in_bytes,
-                "recompute_avoided_tokens": s.recompute_avoided_tokens},
+                "recompute_avoided_tokens": s.recompute_avoided_tokens,
+                "spilled_pages": s.spill_pages, "spill_bytes": s.spill_bytes,
+                "restored": s.restored, "restored_pages": s.restore_pages, "restore_bytes": s.restore_bytes,
+                "host_spilled_pages": len(self.host_tier.spilled), "host_spill_evictions": self.host_tier.spill_evictions,
+                "host_hit_tokens": self.scheduler.prefix.host_hit_tokens if self.scheduler.prefix else 0,
+                "host_query_tokens": self.scheduler.prefix.host_query_tokens if self.scheduler.prefix else 0,
+                "recomputed_by_rule": self.scheduler.recomputed_by_rule,
+                "cost_rule": self.swap_cost.describe()},
             "prefill_tok_s": s.prefill_tokens / s.prefill_seconds if s.prefill_seconds else float("nan"),
             "decode_tokens": s.decode_tokens,
             "decode_tok_s": s.decode_tokens / wall if wall else float("nan"),

@@ -424,6 +424,31 @@ class ModelRunner:
                                                                 hit_tokens, num_tokens)
         return ok
 
+    def spill(self, page_ids):
+        """KV offload, prefix-cache spill: pages `page_ids` copied to host memory, one pytree per page
+        (`jpa.kv.offload.Mover.spill`); dispatched asynchronously, before the call that evicts them."""
+        size = bucket(len(page_ids), self.cache_config.num_pages)
+        return self._mover().spill(self.cache, page_ids, size)
+
+    def restore(self, data, evict, slot: int, hit_pages, hit_tokens: int):
+        """KV offload: a prefix-cache hit partly in the host tier into empty `slot` (hit_pages: device
+        pages, -1 where `data`, one spilled page each in order, is restored into fresh cached pages);
+        the round's evictions `evict` first. All or nothing; returns ok (bool[], on the device)."""
+        ev = np.full((self.cache_config.num_pages,), -1, np.int32)
+        ev[: len(evict)] = list(evict)
+        table = np.zeros((self.pages_per_seq,), np.int32)
+        mask = np.zeros((self.pages_per_seq,), bool)
+        hit = np.asarray(hit_pages, np.int32)
+        table[: len(hit)] = np.maximum(hit, 0)
+        mask[: len(hit)] = hit < 0
+        self.cache, self.page_state, ok = self._mover().restore(self.cache, self.page_state, data, ev, slot, table,
+                                                                mask, hit_tokens)
+        return ok
+
+    def cached_pages(self) -> np.ndarray:
+        """The device's cached pages (ids; a host read, for repairs after a failed round)."""
+        return np.flatnonzero(np.asarray(jax.device_get(self.page_state.cached)))
+
     def warm_swaps(self) -> None:
         """Compiles KV offload's swap programs for every block size now (else each compiles at its first use)."""
         sizes = sorted({bucket(n, self.pages_per_seq) for n in range(1, self.pages_per_seq + 1)})

@@ -41,7 +41,13 @@ Policies (vLLM v1's, in nano-vllm's split):
   than thrown away; on re-admission its pages past its prefix-cache hit are swapped back in
   (`RoundPlan.swap_in`, done by the engine before the round's step) and it prefills only its last
   token (whose logits are not kept: the pending token is known), instead of its whole history.
-  Without room in the host tier it is recomputed as before (the cost rule: `jpa.kv.offload`).
+  Without room in the host tier, or where the model's cost rule (`jpa.kv.offload.SwapCost`, the
+  scheduler's `swap_cost`) says recomputing is cheaper, it is recomputed as before.
+- prefix-cache spill (KV offload with prefix caching): the plan names which of its evicted pages
+  are copied to the host tier first (`RoundPlan.spill`); an admitted request whose longest cached
+  prefix runs through host-resident pages gets them back (`SwapIn` with `restore`: fresh device
+  pages, cached again, shared with the device-resident ones; done by the engine before the step)
+  and prefills only past the hit.
 - parallel sampling (SamplingParams.n): a request's samples wait with the first one (`siblings`),
   take their slots with it (FORKING) and join the plan with q_len 0 in the round of its last
   prompt chunk, when the device forks its pages to them; until each has written past the shared
@@ -66,7 +72,7 @@ Policies (vLLM v1's, in nano-vllm's split):
 import collections
 import dataclasses
 
-from jpa.kv.offload import HostTier, bucket
+from jpa.kv.offload import HostTier, SwapCost, bucket
 from jpa.kv.prefix_cache import PrefixCache
 from jpa.engine.request import NEXT_PHASES, Phase, PromptLogprob, Request
 from jpa.kv.pages import pages_for_tokens
@@ -94,12 +100,17 @@ class Entry:
 class SwapIn:
     """KV offload: an admitted request whose pages come back from the host tier before the step.
 
-    The device shares its prefix-cache hit (hit_pages) into the empty slot, reserves pages up to
-    num_tokens and copies the block's pages past the hit into them; the request's chunk starts there."""
+    A swapped-out request (restore empty): the device shares its prefix-cache hit (hit_pages) into
+    the empty slot, reserves pages up to num_tokens and copies its swap block's pages past the hit
+    into them. A prefix hit partly in the host tier (restore: the spilled pages' key ids, in order):
+    hit_pages holds -1 at their positions; the device caches fresh pages there, copies the spilled
+    pages into them and shares the whole hit (num_tokens = its tokens). The request's chunk starts
+    at num_tokens."""
     slot: int
     request: Request
     hit_pages: tuple[int, ...]
     num_tokens: int
+    restore: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +121,7 @@ class RoundPlan:
     admitted: tuple[int, ...] = ()   # slots whose request was admitted by this plan
     evict: tuple[int, ...] = ()      # cached-idle pages the device evicts first (prefix caching)
     swap_in: tuple[SwapIn, ...] = ()  # KV offload: page moves done before the step (the evictions first)
+    spill: tuple[int, ...] = ()      # KV offload: the evicted pages copied to the host tier first
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -152,11 +164,13 @@ class Scheduler:
       stop_ids: token ids that end a request unless its params say ignore_eos.
       prefix_caching: keep full prompt pages cached for later requests (`PrefixCache`).
       host_tier: KV offload's host tier (`jpa.kv.offload.HostTier`); None = preemption recomputes.
+      swap_cost: the model's swap-vs-recompute rule (`jpa.kv.offload.SwapCost`); None = swap
+        whenever the host tier has room.
     """
 
     def __init__(self, *, max_seqs: int, page_size: int, num_pages: int, max_model_len: int,
                  steps_per_call: int, watermark: float, stop_ids=(), prefix_caching: bool = False,
-                 host_tier: HostTier | None = None):
+                 host_tier: HostTier | None = None, swap_cost: SwapCost | None = None):
         if max_model_len > num_pages * page_size:
             raise ValueError(f"max_model_len must be <= num_pages * page_size = {num_pages * page_size} "
                              f"(a lone sequence must fit in the pool); got {max_model_len}")
@@ -166,8 +180,10 @@ class Scheduler:
         self.stop_ids = frozenset(stop_ids)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: dict[int, Request] = {}      # slot -> request holding it (prefilling, forking, decoding)
-        self.prefix = PrefixCache(page_size) if prefix_caching else None
         self.host = host_tier
+        self.swap_cost = swap_cost
+        self.recomputed_by_rule = 0                # preemptions the cost rule sent to recompute
+        self.prefix = PrefixCache(page_size, host=host_tier) if prefix_caching else None
         self._swap_outs: list[tuple[int, Request, int]] = []   # (slot, request, block pages) to copy out
         self.free_pages = num_pages                # device truth (stepped / set_pages)
         self.num_preemptions = 0
@@ -177,11 +193,12 @@ class Scheduler:
 
     @classmethod
     def for_shapes(cls, shapes, *, watermark: float, stop_ids=(), prefix_caching: bool = False,
-                   host_tier: HostTier | None = None) -> "Scheduler":
+                   host_tier: HostTier | None = None, swap_cost: SwapCost | None = None) -> "Scheduler":
         """The scheduler of an engine whose sizes are `shapes` (`jpa.engine.shapes.EngineShapes`)."""
         return cls(max_seqs=shapes.max_seqs, page_size=shapes.page_size, num_pages=shapes.num_pages,
                    max_model_len=shapes.max_model_len, steps_per_call=shapes.steps_per_call, watermark=watermark,
-                   stop_ids=stop_ids, prefix_caching=prefix_caching, host_tier=host_tier)
+                   stop_ids=stop_ids, prefix_caching=prefix_caching, host_tier=host_tier,
+                   swap_cost=swap_cost)
 
     # ------------------------------------------------------------------ the one place phases change
 
@@ -339,7 +356,12 @@ class Scheduler:
         if admit:
             self._admit(r)
         entries, steps = self._entries(r, decoding)
-        return RoundPlan(entries, steps, tuple(r.admitted), self._evictions(r, entries, steps), tuple(r.swap_in))
+        evict = self._evictions(r, entries, steps)
+        # Spill only where the cost rule prefers a page's copy to its recompute (a prefix page's recompute
+        # is a page of prefill; its copy, out and back).
+        pays = self.swap_cost is None or self.swap_cost.prefers_swap(self.page_size)
+        spill = tuple(self.prefix.spillable(evict)) if evict and pays else ()
+        return RoundPlan(entries, steps, tuple(r.admitted), evict, tuple(r.swap_in), spill)
 
     def _fit(self, r: "_RoundDraft", seq_len: int) -> int:
         """Tokens a sequence holding seq_len can add within the free pages."""
@@ -381,30 +403,40 @@ class Scheduler:
             toks = self.prefill_tokens(req)
             # A request that still needs prompt logprobs computes its whole prompt (cached
             # pages have no logits; vLLM v1 does the same). It still caches its pages.
-            hit = self.prefix.lookup(toks) if self.prefix is not None and not req.needs_prompt_logprobs else []
-            # Shared pages that were idle are no longer evictable.
-            newly_held = sum(1 for p in hit if p not in r.referenced)
-            h = len(hit) * ps
-            # KV offload: its tokens past the hit come back from the host tier (all but the last
-            # one to prefill: the chunk that ends the prompt computes it).
+            # KV offload: a swapped-out request's tokens past the hit come back from its block (all but
+            # the last one to prefill: the chunk that ends the prompt computes it); any other's hit
+            # may run through pages spilled to the host tier (restored: `restore` key ids).
             block = self.host.blocks.get(req.request_id) if self.host is not None else None
+            hit, restore = [], []
+            if self.prefix is not None and not req.needs_prompt_logprobs:
+                hit, restore = (self.prefix.lookup_tiers(toks) if self.host is not None and block is None
+                                else (self.prefix.lookup(toks), []))
+            on_device = [p for p in hit if p >= 0]
+            # Shared pages that were idle are no longer evictable.
+            newly_held = sum(1 for p in on_device if p not in r.referenced)
+            h = len(hit) * ps
             start = max(h, min(block.num_tokens, len(toks) - 1)) if block is not None else h
-            need = self._growth(h, len(toks) - h + self.steps_per_call) + len(req.siblings) * self._fork_pages()
+            need = (len(restore) + self._growth(h, len(toks) - h + self.steps_per_call)
+                    + len(req.siblings) * self._fork_pages())
             alone = not self.running
             if avail - newly_held - need < self.watermark_pages and not (
-                    alone and pages_for_tokens(len(toks), ps) - len(hit) <= self.free_pages + r.idle - newly_held):
+                    alone and pages_for_tokens(len(toks), ps) - len(on_device) <= self.free_pages + r.idle - newly_held):
                 break
-            n = min(r.left, len(toks) - start, self._fit(r, h) - (start - h))
+            n = min(r.left, len(toks) - start, self._fit(r, h) - (start - h) - len(restore) * ps)
             if n <= 0:
                 break
             r.idle -= newly_held
             self.waiting.popleft()
             self._admissions += 1
             self._move(req, Phase.PREFILLING, free_slots.pop(0))
-            req.admitted_at, req.cache_refs = self._admissions, tuple(hit)
+            # Restored pages join cache_refs once the device names them (`stepped`).
+            req.admitted_at, req.cache_refs = self._admissions, tuple(on_device)
             if start > h:
                 req.num_computed_tokens = start   # the device holds them once the swap-in ran
                 r.swap_in.append(SwapIn(req.slot, req, tuple(hit), start))
+            elif restore:
+                req.num_computed_tokens = h       # the device holds them once the restore ran
+                r.swap_in.append(SwapIn(req.slot, req, tuple(hit), h, tuple(restore)))
             elif block is not None:
                 self.host.drop(req.request_id)   # the prefix cache holds as much: the copy is not needed
             if not req.num_preemptions:   # OpenAI usage.prompt_tokens_details.cached_tokens
@@ -413,13 +445,15 @@ class Scheduler:
                 self._move(sib, Phase.FORKING, free_slots.pop(0))
                 sib.admitted_at = self._admissions
                 r.admitted.append(sib.slot)
-            r.referenced.update(hit)
+            r.referenced.update(on_device)
             if self.prefix is not None:
-                self.prefix.touch(hit)
+                self.prefix.touch(on_device)
+                if restore:
+                    self.host.touch(restore)
             r.admitted.append(req.slot)
-            r.prompt.append(self._chunk(req, h, n, hit) if start == h else self._chunk(req, start, n))
+            r.prompt.append(self._chunk(req, h, n, hit) if start == h and not restore else self._chunk(req, start, n))
             r.left -= n
-            r.alloc += self._growth(h, start - h + n)
+            r.alloc += len(restore) + self._growth(h, start - h + n)
             avail -= newly_held + need
 
     def _entries(self, r: "_RoundDraft", decoding: list) -> tuple[tuple[Entry, ...], int]:
@@ -489,18 +523,29 @@ class Scheduler:
 
     # ------------------------------------------------------------------ recording a round
 
-    def stepped(self, plan: RoundPlan, result) -> list[Progress]:
+    def stepped(self, plan: RoundPlan, result, spilled=None) -> list[Progress]:
         """Records a round's StepResult (numpy, `loop` cut to the steps run): the device's page
         counts, then each entry's token (read where the entry is a decode row or a final chunk),
-        then the decode steps' tokens and whether the device still decodes each slot."""
+        then the decode steps' tokens and whether the device still decodes each slot. spilled:
+        {evicted page: its data in host memory} for plan.spill (KV offload)."""
         self.set_pages(result.state.num_free, result.state.seq_lens)
         if self.prefix is not None:
-            self.prefix.forget(plan.evict)
-            swap_hits = {s.slot: len(s.hit_pages) for s in plan.swap_in}
+            swaps = {s.slot: s for s in plan.swap_in}
+            rows = {e.slot: row for e, row in zip(plan.entries, result.state.tables)}
+            for s in plan.swap_in:   # restored pages are cached on the device now: their keys come back
+                if s.restore:
+                    pages = [int(p) for p in rows[s.slot][: len(s.hit_pages)]]
+                    self.prefix.register(self.prefill_tokens(s.request), pages)
+                    s.request.cache_refs = tuple(pages)
+            self.prefix.forget(plan.evict, spilled)
+            ps = self.page_size
             for e, row in zip(plan.entries, result.state.tables):
                 if e.slot in plan.admitted and e.fork_of < 0:
-                    hit = swap_hits.get(e.slot, len(e.hit_pages))
-                    self.prefix.record_query(len(self.prefill_tokens(e.request)), hit * self.page_size)
+                    s, num = swaps.get(e.slot), len(self.prefill_tokens(e.request))
+                    hit = len(s.hit_pages) if s is not None else len(e.hit_pages)
+                    host_hit = len(s.restore) if s is not None else 0
+                    host_query = num - (hit - host_hit) * ps if self.host is not None else 0
+                    self.prefix.record_query(num, hit * ps, host_query, host_hit * ps)
                 if e.final and e.fork_of >= 0:
                     e.request.cache_refs = self.running[e.fork_of].cache_refs
                 elif e.final:
@@ -595,10 +640,14 @@ class Scheduler:
         return out
 
     def _swap_out(self, req: Request) -> None:
-        """Reserves host pages for a preempted request's pages when the host tier has room (the cost
-        rule of `jpa.kv.offload`: the copy is always the cheaper; without room it is recomputed)."""
+        """Reserves host pages for a preempted request's pages when the cost rule prefers the copy
+        (`swap_cost`, `jpa.kv.offload.SwapCost`) and the host tier has room (spilled prefix pages
+        give theirs up, LRU); else it is recomputed."""
         n = req.num_computed_tokens
         if self.host is None or n == 0:
+            return
+        if self.swap_cost is not None and not self.swap_cost.prefers_swap(n):
+            self.recomputed_by_rule += 1
             return
         size = bucket(pages_for_tokens(n, self.page_size), pages_for_tokens(self.max_model_len, self.page_size))
         if self.host.reserve(req.request_id, size, n):

@@ -562,6 +562,39 @@ def _share(state, ids, tables, num_tokens):
                          seq_lens=state.seq_lens.at[dst].set(num_tokens, mode="drop")), ok
 
 
+@jax.jit
+def _alloc_cached(state, count, slots):
+    num_pages, width = state.num_pages, slots.shape[0]
+    k = jnp.arange(width, dtype=_I32)
+    ok = (count >= 0) & (count <= width) & (count <= state.num_free)
+    take = ok & (k < count)
+    page = state.free_pages[jnp.clip(state.num_free - 1 - k, 0, num_pages - 1)]  # i32[width]
+    idx = jnp.where(take, page, num_pages)
+    return state.replace(num_free=state.num_free - jnp.where(ok, count, 0),
+                         refcounts=state.refcounts.at[idx].set(1, mode="drop"),
+                         cached=state.cached.at[idx].set(True, mode="drop")), jnp.where(take, page, -1), ok
+
+
+def alloc_cached(state: PageState, count, *, width: int):
+    """Takes `count` free pages straight into the prefix cache (cached-idle: refcount 1, the cache's
+    reference), for KV restored from a host tier (`jpa.kv.offload`); `share` then maps them into a
+    sequence like any cached page.
+
+    Args:
+      state: the PageState.
+      count: int or i32[] in [0, width]; pages to take (from the top of the free stack).
+      width: static length of the returned ids.
+
+    Returns:
+      (state, page_ids i32[width] (-1 past count), ok); ok False (state unchanged) when fewer than
+      count pages are free or count is out of range.
+    """
+    _check_state(state)
+    if not isinstance(width, (int, np.integer)) or isinstance(width, bool) or width < 1:
+        raise ValueError(f"width must be an int >= 1; got {width!r}")
+    return _alloc_cached(state, jnp.asarray(count, _I32), jnp.zeros((width,), _I32))
+
+
 def cache(state: PageState, seq_ids, num_full_pages) -> PageState:
     """Puts the first full pages of sequences into the prefix cache (automatic prefix caching).
 

@@ -15,6 +15,14 @@ sequence whose prompt completes) and reports their ids with the step's results; 
 mirrors that set (`cached`) and only adds the keys and the least-recently-used order. The
 scheduler asks it for hits at admission and for eviction victims when the free pool cannot hold
 the next call's allocations, so the device never runs out of pages while cached-idle ones exist.
+
+Spill (KV offload, `jpa.kv.offload.HostTier`): with a host tier, an evicted keyed page whose data the
+engine copied out (`forget(pages, spilled=...)`) keeps its key, now naming a host-tier page
+(`HostTier.spilled`, by key id) instead of a device page; `lookup_tiers` follows a chain across both
+tiers, and when the device caches the key again (`register`: restored or computed anew) the host
+copy is dropped. A key names a page in exactly one place (`check`). The host tier evicts its
+spilled pages least recently used first and tells this cache (`HostTier.on_evict`), which drops
+the key.
 """
 
 import collections
@@ -26,10 +34,14 @@ class PrefixCache:
 
     Args:
       page_size: tokens per page.
+      host: KV offload's `jpa.kv.offload.HostTier` to spill evicted pages into (None: they are lost).
     """
 
-    def __init__(self, page_size: int):
+    def __init__(self, page_size: int, host=None):
         self.page_size = page_size
+        self.host = host                           # KV offload's HostTier (spilled pages), or None
+        if host is not None:
+            host.on_evict = self._drop_key
         self._ids: dict = {}                       # key -> int id (the chain's parent id); one per keyed page
         self._next_id = itertools.count()          # ids are never reused
         self.page_of: dict[int, int] = {}          # key id -> cached page holding it
@@ -38,6 +50,8 @@ class PrefixCache:
         self.lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # cached pages, LRU first
         self.hit_tokens = 0                        # prompt tokens served from the cache
         self.query_tokens = 0                      # prompt tokens of admitted requests
+        self.host_query_tokens = 0                 # of them, looked up past the device's hit (host tier)
+        self.host_hit_tokens = 0                   # prompt tokens served from the host tier (restored)
 
     @property
     def cached(self):
@@ -61,8 +75,25 @@ class PrefixCache:
 
     @property
     def num_keys(self) -> int:
-        """Keys in the table (at most the number of cached pages)."""
+        """Keys in the table (at most the number of cached and spilled pages)."""
         return len(self._ids)
+
+    def _spilled(self, kid) -> bool:
+        return self.host is not None and kid in self.host.spilled
+
+    def lookup_tiers(self, tokens) -> tuple[list[int], list[int]]:
+        """The longest cached full-page prefix of tokens over both tiers, as `lookup`: (pages, host
+        key ids), pages[j] the device page of the prefix's page j or -1 where it is in the host tier
+        (whose key ids are the second list, in order)."""
+        pages, kids = [], []
+        for _, kid in self._key_ids(tokens, (len(tokens) - 1) // self.page_size, create=False):
+            page = self.page_of.get(kid)
+            if page is None and not self._spilled(kid):
+                break
+            pages.append(-1 if page is None else page)
+            if page is None:
+                kids.append(kid)
+        return pages, kids
 
     def lookup(self, tokens) -> list[int]:
         """Pages holding the longest cached full-page prefix of tokens.
@@ -83,9 +114,13 @@ class PrefixCache:
         for p in pages:
             self.lru.move_to_end(p)
 
-    def record_query(self, num_tokens: int, hit_tokens: int) -> None:
+    def record_query(self, num_tokens: int, hit_tokens: int, host_query: int = 0, host_hit: int = 0) -> None:
+        """An admission: its prompt tokens, those the cache served (both tiers), and with a host tier
+        those looked up there (past the device's hit) and served from it."""
         self.query_tokens += num_tokens
         self.hit_tokens += hit_tokens
+        self.host_query_tokens += host_query
+        self.host_hit_tokens += host_hit
 
     def register(self, tokens, pages) -> None:
         """The device cached `pages`, the first full pages of a sequence holding `tokens`.
@@ -102,6 +137,8 @@ class PrefixCache:
             if kid in self.page_of:
                 self.lru.move_to_end(page, last=False)
             else:
+                if self._spilled(kid):   # restored (or computed again): the device page is now its one place
+                    self.host.unspill(kid)
                 self._ids[key] = kid
                 self._key_of_id[kid] = key
                 self.page_of[kid], self.key_of[page] = page, kid
@@ -117,21 +154,56 @@ class PrefixCache:
                 out.append(page)
         return out
 
-    def forget(self, pages) -> None:
-        """The device evicted pages: they hold nothing any more."""
+    def forget(self, pages, spilled=None) -> None:
+        """The device evicted pages: they hold nothing any more. spilled: {page: its data in host
+        memory} for the pages copied out (KV offload): their keys move to the host tier if it takes
+        them (`HostTier.spill`), else are dropped as the others'."""
+        spilled = spilled or {}
         for page in pages:
             del self.lru[page]
             kid = self.key_of.pop(page, None)
             if kid is not None:
                 del self.page_of[kid]
-                del self._ids[self._key_of_id.pop(kid)]
+                if page not in spilled or not self.host.spill(kid, spilled[page]):
+                    self._drop_key(kid)
+
+    def _drop_key(self, kid) -> None:
+        """A key whose page is gone from both tiers."""
+        del self._ids[self._key_of_id.pop(kid)]
+
+    def spillable(self, pages) -> list[int]:
+        """Of the pages about to be evicted, those worth copying to the host tier: keyed ones (an
+        unkeyed duplicate can never be hit), as many as spills may hold (the host pages swap
+        blocks do not hold)."""
+        if self.host is None:
+            return []
+        room = self.host.num_pages - self.host.num_swap_pages
+        return [p for p in pages if p in self.key_of][:room]
+
+    def check(self) -> list[str]:
+        """Disagreements in the key table (empty when consistent): each key names exactly one page,
+        on the device or in the host tier, never both."""
+        problems = []
+        spilled = set(self.host.spilled) if self.host is not None else set()
+        both = set(self.page_of) & spilled
+        if both:
+            problems.append(f"prefix keys on a device page and in the host tier at once: {sorted(both)[:4]}")
+        if set(self._key_of_id) != set(self.page_of) | spilled:
+            problems.append(f"prefix keys without a page, or pages without a key: "
+                            f"{sorted(set(self._key_of_id) ^ (set(self.page_of) | spilled))[:4]}")
+        if len(self._ids) != len(self._key_of_id):
+            problems.append(f"prefix key table: {len(self._ids)} keys != {len(self._key_of_id)} key ids")
+        return problems
 
     def num_idle(self, referenced) -> int:
         """Cached pages no running sequence holds (what eviction can free)."""
         return sum(1 for p in self.lru if p not in referenced)
 
     def clear(self) -> list[int]:
-        """Forgets every page; returns them (the caller evicts them on the device)."""
+        """Forgets every page, the host tier's spilled ones too; returns the device's (the caller
+        evicts them on the device)."""
+        if self.host is not None:
+            self.host.clear_spilled()
         out = list(self.lru)
         self.lru.clear()
         self.page_of.clear()

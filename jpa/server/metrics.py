@@ -14,8 +14,12 @@ cache / found there; exposed with Prometheus' `_total` suffix). With speculative
 (labelled with the draft position) count verify steps with drafts, drafts verified and accepted.
 `vllm:num_preemptions` counts preemptions. With KV offload (--kv-offload-memory), the
 `jpa_kv_offload_*` family (vLLM has no names for it) counts preempted requests swapped out to the
-host tier and back in, the pages and bytes copied each way and the tokens not recomputed, with the
-host tier's size and free pages as gauges.
+host tier and back in, the pages and bytes copied each way and the tokens not recomputed, the
+prefix-cache pages spilled to the host tier and restored from it (pages, bytes), with the host
+tier's size, free and spilled pages as gauges. Host-tier prefix hits are vLLM's
+`vllm:external_prefix_cache_queries` / `vllm:external_prefix_cache_hits` (vLLM counts its KV
+connectors' hits, e.g. CPU offload, there: prompt tokens looked up past the device's hit / served
+from the host tier), and `vllm:prefix_cache_hits` then counts the device's hits alone, as vLLM's.
 """
 
 import time
@@ -85,10 +89,17 @@ class _EngineCollector:
             yield g
         # The prefix cache's running totals (plain ints the engine thread adds to; read as they are).
         prefix = getattr(getattr(engine.engine, "scheduler", None), "prefix", None)
-        queries, hits = (prefix.query_tokens, prefix.hit_tokens) if prefix is not None else (0, 0)
-        for name, doc, value in (
+        queries, hits = (prefix.query_tokens, prefix.hit_tokens - prefix.host_hit_tokens) if prefix is not None else (0, 0)
+        counters = [
                 ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", queries),
-                ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", hits)):
+                ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", hits)]
+        if prefix is not None and prefix.host is not None:   # KV offload: the host tier's prefix hits
+            counters += [
+                ("vllm:external_prefix_cache_queries", "External prefix cache queries from KV connector cross-"
+                 "instance cache sharing, in terms of number of queried tokens.", prefix.host_query_tokens),
+                ("vllm:external_prefix_cache_hits", "External prefix cache hits from KV connector cross-instance "
+                 "cache sharing, in terms of number of cached tokens.", prefix.host_hit_tokens)]
+        for name, doc, value in counters:
             c = CounterMetricFamily(name, doc, labels=label[0])
             c.add_metric(label[1], float(value))
             yield c
@@ -131,12 +142,19 @@ class _EngineCollector:
                 ("jpa_kv_offload_bytes_out", "bytes copied device -> host", st.swap_out_bytes),
                 ("jpa_kv_offload_bytes_in", "bytes copied host -> device", st.swap_in_bytes),
                 ("jpa_kv_offload_recompute_avoided_tokens", "tokens restored from the host tier instead of "
-                 "prefilled again", st.recompute_avoided_tokens)):
+                 "prefilled again", st.recompute_avoided_tokens),
+                ("jpa_kv_offload_spilled_pages", "prefix-cache pages copied device -> host when evicted", st.spill_pages),
+                ("jpa_kv_offload_spill_bytes", "bytes of spilled prefix-cache pages", st.spill_bytes),
+                ("jpa_kv_offload_restored_pages", "spilled prefix-cache pages copied back host -> device on a hit",
+                 st.restore_pages),
+                ("jpa_kv_offload_restore_bytes", "bytes of restored prefix-cache pages", st.restore_bytes)):
             c = CounterMetricFamily(name, doc)
             c.add_metric([], float(value))
             yield c
         for name, doc, value in (("jpa_kv_offload_host_pages", "pages of the host tier", tier.num_pages),
-                                 ("jpa_kv_offload_host_pages_free", "free pages of the host tier", tier.num_free)):
+                                 ("jpa_kv_offload_host_pages_free", "free pages of the host tier", tier.num_free),
+                                 ("jpa_kv_offload_host_spilled_pages", "host-tier pages holding spilled prefix-cache "
+                                  "pages", len(tier.spilled))):
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], float(value))
             yield g
