@@ -153,27 +153,25 @@ def test_the_prefix_key_table_holds_no_more_keys_than_cached_pages():
     assert cache.lookup(a + [0]) == [3]                        # page 2's key hangs off the old id
 
 
-def test_engines_whose_programs_are_equal_share_one_compiled_step(tiny):
+def test_engines_whose_programs_are_equal_share_one_compiled_step(engines):
     """A second engine whose step lowers to the same program reuses the first one's executable
-    (runner.STEP_EXECUTABLES): params are arguments of the program, so it serves another model's
-    weights of the same shapes: its greedy tokens and logprobs are that model's dense ones."""
+    (runner.STEP_EXECUTABLES) instead of compiling: params are arguments of the program, so it
+    serves another model's weights of the same shapes, and its greedy tokens and logprobs are that
+    model's dense ones."""
     import jax
     import jax.numpy as jnp
 
     from jpa.engine import EngineConfig, LLMEngine
-    from jpa.engine.runner import STEP_EXECUTABLES
     from jpa.testing.engine import context_gpt, run
 
+    first = engines.get()   # the module's engine of CFG (compiled here or by an earlier test)
     gpt, tok = context_gpt(seed=int(np.random.default_rng().integers(100, 1 << 20)))   # tiny-llama's shapes
-    cfg = EngineConfig(**{**CFG, "steps_per_call": 2})   # no other test of this module compiles it
     ps = prompts(np.random.default_rng(), 3)
     params = SamplingParams(max_new_tokens=10, greedy=True, ignore_eos=True)
-    STEP_EXECUTABLES.clear()
-    first = LLMEngine(*tiny, cfg)
     got_first = run(first, ps, params)
-    shared = LLMEngine(models.GPTForEngine(gpt), tok, cfg)
+    shared = LLMEngine(models.GPTForEngine(gpt), tok, EngineConfig(**CFG))
     got_shared = run(shared, ps, params)
-    assert [e.runner.step_source for e in (first, shared)] == ["compiled", "process"]
+    assert shared.runner.step_source == "process" and shared.runner.compiles == 1
     assert shared.runner.compiled_step is first.runner.compiled_step
     for out in got_shared:
         seq = list(out.prompt_ids) + list(out.token_ids)

@@ -219,6 +219,13 @@ BENCH = {
     "tests/test_speculative.py::test_draft_model_outputs_equal_without_speculation":
         "20 s: the draft-model proposer (n-gram speculation under preemption and prefix hits stays; both share the "
         "verify loop)",
+    # --- this session's moves (2026-11-25)
+    "tests/test_hf_models.py::test_greedy_continuation_and_paged_decode_equal_dense_every_step[gpt_oss]":
+        "17 s: gpt-oss's 32 greedy tokens through paged decode (test_gpt_oss_ragged_step_equals_transformers and "
+        "test_prefill_logits_match_transformers[gpt_oss] keep gpt-oss against transformers)",
+    "tests/test_gpu_compile.py::test_kernel_grid_subset_compiles[h100-kernel_names0]":
+        "48 s: the H100 kernel subset's compiles (test_stacked_pool_in_a_layer_loop_compiles[h100] and "
+        "tests/test_traffic.py's engine step keep H100 Mosaic kernels compiled without spills)",
 }
 
 
@@ -242,6 +249,32 @@ SOAK = {
         "1 min: offload with speculation (tests/test_kv_offload.py keeps swap = recompute with prefix hits and n = 2)",
     "tests/test_bench_offload.py::test_swap_with_structured_outputs_and_parallel_samples":
         "1 min: offload with structured outputs (tests/test_kv_offload.py keeps swap = recompute)",
+    "tests/test_bench_quant.py::test_quantized_checkpoints_of_every_family":
+        "4 min: AWQ / FP8 / pack-quantized checkpoints of qwen2, qwen3, mistral and gemma2 through the engine "
+        "(tests/test_quant_hf.py keeps every format against numpy on llama; the bench tier keeps the engine on "
+        "AWQ and FP8)",
+    "tests/test_bench_quant.py::test_engine_on_a_quantized_checkpoint_equals_it_loaded_dense[gptq]":
+        "25 s: GPTQ through the engine (tests/test_quant_hf.py keeps GPTQ's logits against numpy)",
+    "tests/test_bench_quant.py::test_engine_on_a_quantized_checkpoint_equals_it_loaded_dense[gptq-actorder]":
+        "25 s: GPTQ act order through the engine (tests/test_quant_hf.py keeps its logits against numpy)",
+    "tests/test_bench_quant.py::test_engine_on_a_quantized_checkpoint_equals_it_loaded_dense[packed-asym]":
+        "25 s: pack-quantized int4 through the engine (tests/test_quant_hf.py keeps its logits against numpy)",
+    "tests/test_bench_mosaic_ampere.py::test_kernel_subset_compiles_for_ampere_ada_and_blackwell[a6000-sm_86]":
+        "the A6000's decode subset (A100 and B200 stay in the bench tier; sm_86 is the A100's code path)",
+    "tests/test_bench_mosaic_ampere.py::test_kernel_subset_compiles_for_ampere_ada_and_blackwell[l4-sm_89]":
+        "the L4's decode subset (A100 and B200 stay in the bench tier)",
+    "tests/test_bench_mosaic_ampere.py::test_ragged_subset_compiles_for_ampere_ada_and_blackwell[a6000-sm_86]":
+        "the A6000's ragged subset (A100 and B200 stay in the bench tier)",
+    "tests/test_bench_mosaic_ampere.py::test_ragged_subset_compiles_for_ampere_ada_and_blackwell[l4-sm_89]":
+        "the L4's ragged subset (A100 and B200 stay in the bench tier)",
+    "tests/test_bench_moe_hf.py::test_generate_gpt_oss_with_prefix_caching_and_ngram_speculation[gpt_oss_mxfp4-24]":
+        "60 s: jpa generate on the MXFP4 gpt-oss (the bf16 one stays in the bench tier; the main tier keeps "
+        "MXFP4's prefill logits against transformers)",
+    "tests/test_bench_decode_pad.py":
+        "1-2 min: the idle decode row of max_seqs 1 on GPU changes no output, run on the CPU (tests/test_traffic.py "
+        "keeps the GPU step's weights in place)",
+    "tests/test_bench_offload.py::test_generate_summary_line_has_offload":
+        "1 min: jpa generate's offload summary line (tests/test_kv_offload.py keeps the offload metrics)",
 }
 
 
