@@ -180,3 +180,25 @@ def test_offload_compile_check_h100(tmp_path):
         assert r[name]["alias_bytes"] >= r["pool_bytes"] and r[name]["pool_copies"] == 0, name
     step = r["engine_step"]
     assert step["compiled"] and step["host_buffers"] == 0 and step["copy_starts"] == 0
+
+
+def test_offload_soak_short():
+    """jpa/testing/soak.py with a host tier (scripts/soak_engine.py --kv-offload-memory): random
+    requests with shared prefixes through both tiny pools, requests arriving between steps, aborts;
+    both tiers' page state checked after every round (`check_page_state`: HostTier.check, blocks
+    only of waiting requests, PrefixCache.check), nothing left in either tier after each run, and
+    every output equal to the ample pool's (no offload, no prefix cache). Bounded: 48 requests, 240 s."""
+    import os
+
+    from jpa.testing import soak
+
+    seed = int(os.environ.get("JPA_TEST_SEED") or 3)
+    total = soak.soak(48, 240.0, seed, check=True, abort_p=0.05, kv_offload_bytes=1 << 24)
+    print(f"seed {seed}", total)
+    assert total["requests"] == 48, "the time bound cut the run short"
+    bad = ("lost", "duplicated", "leaked_runs", "stream_mismatch", "greedy_mismatch", "sampled_mismatch",
+           "logprob_mismatch", "abort_not_prefix", "bad_stop", "errors", "reference_preemptions")
+    assert {k: total[k] for k in bad} == dict.fromkeys(bad, 0), total
+    assert total["preemptions"] > 0 and total["swapped_in"] > 0, "the soak must swap"
+    assert total["spill_pages"] > 0 and total["restore_pages"] > 0, "the soak must spill and hit the host tier"
+    assert total["aborted"] > 0, "aborts must happen"
