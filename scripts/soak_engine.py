@@ -18,6 +18,14 @@ ample pool without prefix caching, where nothing is preempted or shared:
 
     .venv/bin/python scripts/soak_engine.py                      # 1000 requests, <= 10 minutes
     .venv/bin/python scripts/soak_engine.py --requests 200 --time-limit 60
+    .venv/bin/python scripts/soak_engine.py --kv-offload-memory 0.01 --check-every-round   # with a host tier
+
+With `--kv-offload-memory GIB` the tiny pools' engines get a host tier (KV offload): preempted
+requests are swapped to it and evicted prefix pages spilled to it; the same equalities must hold,
+nothing may stay in either tier after a run, and `--check-every-round` checks both tiers' page
+state after every round (each host page free, in one swap block or holding one spilled page; each
+block a waiting request's; each prefix key in exactly one tier). The figures then count swaps
+(swapped_out / swapped_in) and spilled / restored prefix pages.
 
 tests/test_engine_random.py runs the same driver (jpa/testing/soak.py) at CI size.
 """
@@ -37,15 +45,20 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--check-every-round", action="store_true",
                     help="also check the device page state after every round (slower)")
+    ap.add_argument("--kv-offload-memory", type=float, default=0.0, metavar="GIB",
+                    help="a host tier of this many GiB for the tiny pools' engines (KV offload; 0 = off)")
     ap.add_argument("--json", default=None, help="write the figures here (e.g. benchmarks/soak.json)")
     ap.add_argument("--no-compile-cache", action="store_true", help="do not use JAX's persistent "
                     "compilation cache ($JPA_CACHE_DIR/xla)")
     args = ap.parse_args(argv)
+    if not (args.kv_offload_memory >= 0 and args.kv_offload_memory != float("inf")):
+        ap.error(f"--kv-offload-memory must be a number of GiB >= 0; got {args.kv_offload_memory}")
     if not args.no_compile_cache:
         from jpa.args import cache_dir, enable_compile_cache
 
         enable_compile_cache(cache_dir() / "xla")
-    total = soak(args.requests, args.time_limit, args.seed, check=args.check_every_round)
+    total = soak(args.requests, args.time_limit, args.seed, check=args.check_every_round,
+                 kv_offload_bytes=int(args.kv_offload_memory * 2 ** 30))
     print(json.dumps(total, indent=1))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(total, indent=1) + "\n")

@@ -151,3 +151,167 @@ def test_generate_summary_line_has_offload(tmp_path, capsys):
     summary = json.loads(out.splitlines()[-1])["summary"]["kv_offload"]
     assert rc == 0 and summary["host_pages"] > 0 and "spilled_pages" in summary and "cost_rule" in summary
     assert "KV offload: " in err and "prefix pages spilled" in err and "pool whole after run: True" in err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
+                    reason="the compile-only GPU packages are not installed (pip install -e '.[gpu]')")
+def test_offload_compile_check_h100(tmp_path):
+    """scripts/offload_compile_check.py (deviceless H100, ~35 s here): swap-out and spill outputs in
+    host memory through asynchronous copies, swap-in and restore update the donated pool in place,
+    the engine's step holds no host transfer."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = SCRIPT.parent / "offload_compile_check.py"
+    out = tmp_path / "report.json"
+    root = str(SCRIPT.parents[1])
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_CPP_VMODULE")}
+    env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    proc = subprocess.run([sys.executable, str(script), "--json", str(out)], capture_output=True, text=True,
+                          timeout=900, env=env, cwd=root)
+    assert out.exists(), proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert proc.returncode == 0 and r["problems"] == [], r["problems"]
+    for name in ("swap_out", "spill"):
+        assert r[name]["host_output_bytes"] == r["block_bytes"] and r[name]["copy_starts"] > 0, name
+    for name in ("swap_in_scatter", "restore_scatter"):
+        assert r[name]["alias_bytes"] >= r["pool_bytes"] and r[name]["pool_copies"] == 0, name
+    step = r["engine_step"]
+    assert step["compiled"] and step["host_buffers"] == 0 and step["copy_starts"] == 0
+
+
+def test_offload_soak_short():
+    """jpa/testing/soak.py with a host tier (scripts/soak_engine.py --kv-offload-memory): random
+    requests with shared prefixes through both tiny pools, requests arriving between steps, aborts;
+    both tiers' page state checked after every round (`check_page_state`: HostTier.check, blocks
+    only of waiting requests, PrefixCache.check), nothing left in either tier after each run, and
+    every output equal to the ample pool's (no offload, no prefix cache). Bounded: 48 requests, 240 s."""
+    import os
+
+    from jpa.testing import soak
+
+    seed = int(os.environ.get("JPA_TEST_SEED") or 3)
+    total = soak.soak(48, 240.0, seed, check=True, abort_p=0.05, kv_offload_bytes=1 << 24)
+    print(f"seed {seed}", total)
+    assert total["requests"] == 48, "the time bound cut the run short"
+    bad = ("lost", "duplicated", "leaked_runs", "stream_mismatch", "greedy_mismatch", "sampled_mismatch",
+           "logprob_mismatch", "abort_not_prefix", "bad_stop", "errors", "reference_preemptions")
+    assert {k: total[k] for k in bad} == dict.fromkeys(bad, 0), total
+    assert total["preemptions"] > 0 and total["swapped_in"] > 0, "the soak must swap"
+    assert total["spill_pages"] > 0 and total["restore_pages"] > 0, "the soak must spill and hit the host tier"
+    assert total["aborted"] > 0, "aborts must happen"
+
+
+NGRAM = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3, verify_rows=16)
+
+
+def repetitive_prompts(rng, lens):
+    """Prompts of the given lengths made of a few random segments repeated (n-gram drafts find them)."""
+    prompts = []
+    for m in lens:
+        segs = [rng.integers(3, 40, int(rng.integers(2, 6))).tolist() for _ in range(3)]
+        toks = []
+        while len(toks) < m:
+            toks += segs[int(rng.integers(3))]
+        prompts.append(toks[:m])
+    return prompts
+
+
+def test_on_off_identical_under_speculation(engines):
+    """n-gram speculation, offload on vs off, same pool: (1) six 20-50-token prompts growing by 40
+    tokens in a 16-page pool MUST preempt (tests/test_kv_offload.py's sizes): on swaps, off
+    recomputes; (2) multi-turn chats one at a time whose histories overflow the pool MUST evict
+    cached prefix pages: on spills them and restores them on a later turn, off recomputes. Outputs
+    (tokens, finish reasons, logprobs; greedy, seeded, n = 2) identical on and off, both tiers checked
+    every round and whole at the end."""
+    from jpa.engine import SpeculativeConfig
+    from jpa.testing.engine import fresh_seed
+    from test_kv_offload import chat_turn
+
+    seed = fresh_seed()
+    print(f"seed {seed}")
+    rng = np.random.default_rng(seed)
+    spec = SpeculativeConfig(**NGRAM)
+    on = engines.get(num_pages=16, kv_offload_bytes=64 << 20, speculative=spec)
+    off = engines.get(num_pages=16, speculative=spec)
+    b_on, b_off = snapshot(on), snapshot(off)
+    prompts = repetitive_prompts(rng, np.random.default_rng(20).integers(20, 51, 6))
+    params = mixed_params(rng, 6, lo=40, hi=40)
+    params[1] = dataclasses.replace(params[1], n=2, greedy=False, temperature=1.0, seed=int(rng.integers(2 ** 30)))
+    assert_same(run(on, prompts, params), run(off, prompts, params), "speculation, preemption: offload on vs off")
+    assert off.stats.preemptions > b_off.preemptions, "the off engine must preempt (and recompute)"
+    assert on.stats.swapped_in > b_on.swapped_in, "the on engine must swap"
+    assert on.stats.spec_accepted_tokens > b_on.spec_accepted_tokens, "drafts were accepted"
+
+    s_on = snapshot(on)
+    hh0 = on.scheduler.prefix.host_hit_tokens
+    histories = repetitive_prompts(rng, [24] * 4)
+    params = mixed_params(rng, 4, lo=8, hi=8)
+    params[3] = dataclasses.replace(params[3], n=2, greedy=False, temperature=1.0, seed=int(rng.integers(2 ** 30)))
+    for turn in range(3):
+        turn_rng = np.random.default_rng(seed + turn)
+        h_on, h_off = [list(h) for h in histories], [list(h) for h in histories]
+        p_on, got = chat_turn(on, h_on, turn_rng, params)
+        p_off, want = chat_turn(off, h_off, np.random.default_rng(seed + turn), params)
+        assert p_on == p_off
+        assert_same(got, want, f"speculation, chat turn {turn}: offload on vs off")
+        histories = h_on
+    assert on.stats.spill_pages > s_on.spill_pages and on.stats.restore_pages > s_on.restore_pages
+    assert on.scheduler.prefix.host_hit_tokens > hh0, "a later turn hit the host tier"
+    assert on.pool_is_whole() and off.pool_is_whole()
+
+
+def test_on_off_identical_under_structured_outputs(engines):
+    """Structured outputs (random JSON schemas and a random regex; seeded sampling, n = 2), offload
+    on vs off, same pool: (1) all at once in a 20-page pool MUST preempt: on swaps (the grammar
+    matchers stay on the host across the swap), off recomputes; (2) constrained multi-turn chats one
+    at a time in a 16-page pool MUST evict cached prefixes: on spills and later restores them.
+    Outputs identical on and off, each meeting its constraint; both tiers whole at the end."""
+    import re
+
+    from jpa.engine import SamplingParams
+    from jpa.testing.engine import fresh_seed
+    from structured_util import check_json, random_regex, random_schema
+    from test_kv_offload import chat_turn
+
+    seed = fresh_seed()
+    print(f"seed {seed}")
+    rng = np.random.default_rng(seed)
+    on, off = engines.get(num_pages=20, kv_offload_bytes=64 << 20), engines.get(num_pages=20)
+    b_on, b_off = snapshot(on), snapshot(off)
+    schemas = [random_schema(rng) for _ in range(3)]
+    regex = random_regex(rng)
+    params = [SamplingParams(max_new_tokens=120, temperature=1.0, seed=int(rng.integers(2 ** 30)), n=2,
+                             structured={"json": s}) for s in schemas]
+    params.append(SamplingParams(max_new_tokens=60, temperature=1.0, seed=3, n=2, structured={"regex": regex}))
+    prompts = random_prompts(rng, len(params), 30, 50)
+    got = run(on, prompts, params)
+    assert_same(got, run(off, prompts, params), "structured outputs, preemption: offload on vs off")
+    assert off.stats.preemptions > b_off.preemptions and on.stats.swapped_in > b_on.swapped_in
+    for spec, group in zip(schemas + [regex], got):
+        for o in group:
+            assert o.finish_reason == "stop", (spec, o.completion)
+            if isinstance(spec, dict):
+                check_json(o.completion, spec)
+            else:
+                assert re.fullmatch(spec, o.completion), (spec, o.completion)
+
+    on, off = engines.get(num_pages=16, kv_offload_bytes=64 << 20), engines.get(num_pages=16)
+    s_on = snapshot(on)
+    histories = [random_prompts(rng, 1, lo=32, hi=32)[0] for _ in range(4)]
+    regexes = [random_regex(rng) for _ in range(4)]
+    params = [SamplingParams(max_new_tokens=60, temperature=1.0, seed=int(rng.integers(2 ** 30)),
+                             structured={"regex": r}) for r in regexes]
+    for turn in range(3):
+        h_on, h_off = [list(h) for h in histories], [list(h) for h in histories]
+        p_on, got = chat_turn(on, h_on, np.random.default_rng(seed + turn), params)
+        p_off, want = chat_turn(off, h_off, np.random.default_rng(seed + turn), params)
+        assert p_on == p_off
+        assert_same(got, want, f"structured outputs, chat turn {turn}: offload on vs off")
+        for r, o in zip(regexes, got):
+            assert o.finish_reason == "stop" and re.fullmatch(r, o.completion), (r, o.completion)
+        histories = h_on
+    assert on.stats.spill_pages > s_on.spill_pages and on.stats.restore_pages > s_on.restore_pages
+    assert on.pool_is_whole() and off.pool_is_whole()

@@ -314,3 +314,48 @@ def test_cost_rule_gates_the_spill(engines, rng):
         eng.scheduler.swap_cost = rule
     assert eng.stats.spill_pages == before.spill_pages and not eng.host_tier.spilled
     assert eng.scheduler.prefix.lookup_tiers(histories[0] + [7] * 8) == ([], [])
+
+
+def test_offload_programs_place_and_alias():
+    """The four offload programs as `Mover` jits them, lowered and compiled on this CPU backend (its
+    device has pinned_host): swap-out and spill move their outputs to host memory inside the program
+    (annotate_device_placement to pinned_host, pinned_host results, which is what survives a
+    deviceless GPU compile: scripts/offload_compile_check.py); swap-in and restore take pinned_host
+    blocks and update the donated pool in place (aliased, no pool-sized temporaries); the data round-trips."""
+    import jax.numpy as jnp
+
+    from jpa.kv.cache import CacheConfig, KVCache
+    from jpa.kv.offload import Mover, host_memory_kind
+
+    kind = host_memory_kind()
+    assert kind == "pinned_host", "this CPU backend offers pinned_host"
+    cfg = CacheConfig(2, 1, 8, 64, 4, "float32")
+    key = jax.random.key(fresh_seed())
+    cache = KVCache.create(cfg)
+    cache = jax.tree_util.tree_map(lambda a: jax.random.normal(key, a.shape, a.dtype), cache)
+    pool_bytes = sum(a.nbytes for a in jax.tree_util.tree_leaves(cache))
+    mover = Mover(kind)
+    tables = jnp.asarray(np.arange(4 * 16).reshape(4, 16)[:, ::-1] % 64, jnp.int32)
+    want = np.asarray(cache.k[:, :, np.asarray(tables[1, :4])])
+    block = mover.swap_out(cache, type("PS", (), dict(block_tables=tables))(), 1, 4)
+    assert {a.sharding.memory_kind for a in jax.tree_util.tree_leaves(block)} == {"pinned_host"}
+    np.testing.assert_array_equal(np.asarray(block.k), want)
+    spilled = mover.spill(cache, [5, 9, 2], 4)
+    assert len(spilled) == 3 and {a.sharding.memory_kind for a in jax.tree_util.tree_leaves(spilled)} == {"pinned_host"}
+    np.testing.assert_array_equal(np.asarray(spilled[1].v[:, :, 0]), np.asarray(cache.v[:, :, 9]))
+    for fn, args in ((mover._gathers[4], (cache, tables, jnp.int32(1))), (mover._gathers["spill", 4],
+                                                                          (cache, jnp.zeros(4, jnp.int32)))):
+        text = fn.lower(*args).as_text()
+        assert "annotate_device_placement" in text and 'mhlo.memory_kind = "pinned_host"' in text
+    ok, slot, zero = jnp.bool_(True), jnp.int32(2), jnp.int32(0)
+    lowered = mover._scatter.lower(cache, tables, block, ok, slot, zero, jnp.int32(16), page_size=4)
+    assert 'mhlo.memory_kind = "pinned_host"' in lowered.as_text(), "the block argument stays in host memory"
+    mem = lowered.compile().memory_analysis()
+    assert mem.alias_size_in_bytes >= pool_bytes and mem.temp_size_in_bytes < pool_bytes // 4
+    pos = jnp.asarray([0, 3, 1, -1], jnp.int32)
+    lowered = mover._scatter_pages.lower(cache, tables, tuple(spilled) + (spilled[0],), ok, slot, pos)
+    assert 'mhlo.memory_kind = "pinned_host"' in lowered.as_text()
+    mem = lowered.compile().memory_analysis()
+    assert mem.alias_size_in_bytes >= pool_bytes and mem.temp_size_in_bytes < pool_bytes // 4
+    out = mover._scatter(cache, tables, block, ok, slot, zero, jnp.int32(16), page_size=4)   # the block into slot 2
+    np.testing.assert_array_equal(np.asarray(out.k[:, :, np.asarray(tables[2, :4])]), want)

@@ -338,6 +338,35 @@ def _has_memory_space() -> bool:
     return hasattr(jax, "memory") and hasattr(jax.memory, "Space")
 
 
+def _to_host(tree):
+    """The tree moved to host memory inside the program (`jax.memory.Space.Host`: memory kind
+    pinned_host). Lowered, as an output sharding with that kind is, to XLA's
+    annotate_device_placement and a pinned_host result; unlike an output sharding it survives a
+    deviceless compile (compile-only devices have no memories, and drop a sharding's kind), so
+    the compiled program shown there is the one that runs (scripts/offload_compile_check.py)."""
+    return jax.device_put(tree, jax.memory.Space.Host)
+
+
+def swap_out_program(size: int, memory_kind: str | None):
+    """The swap-out program of blocks of `size` pages (unjitted): the block in host memory when
+    memory_kind is "pinned_host", else where the device keeps it."""
+    host = memory_kind == "pinned_host" and _has_memory_space()
+    def swap_out(cache, block_tables, slot):
+        block = _gather(cache, block_tables, slot, size=size)
+        return _to_host(block) if host else block
+    return swap_out
+
+
+def spill_program(memory_kind: str | None):
+    """The prefix-cache spill program (unjitted): pages `ids` gathered, one pytree per page, in host
+    memory when memory_kind is "pinned_host"."""
+    host = memory_kind == "pinned_host" and _has_memory_space()
+    def spill(cache, ids):
+        data = _gather_pages(cache, ids)
+        return _to_host(data) if host else data
+    return spill
+
+
 class Mover:
     """The compiled swap programs of one cache layout (jitted per block bucket).
 
@@ -349,6 +378,8 @@ class Mover:
     def __init__(self, memory_kind: str | None, device=None):
         device = device or jax.devices()[0]
         self.memory_kind = memory_kind
+        # Blocks reach host memory inside the gather programs (`_to_host`); the output sharding says
+        # the same where a backend's device has the kind.
         host = None if memory_kind is None else jax.sharding.SingleDeviceSharding(device, memory_kind=memory_kind)
         self._out = {} if host is None else dict(out_shardings=host)
         self._gathers = {}
@@ -363,7 +394,7 @@ class Mover:
         pytree per page (padding gathers page 0 and is dropped). Dispatched asynchronously before
         the program that frees them (the pool is read before any later call writes it)."""
         if ("spill", size) not in self._gathers:
-            self._gathers["spill", size] = jax.jit(_gather_pages, **self._out)
+            self._gathers["spill", size] = jax.jit(spill_program(self.memory_kind), **self._out)
         ids = list(page_ids) + [0] * (size - len(page_ids))
         return self._gathers["spill", size](cache, jnp.asarray(ids, jnp.int32))[: len(page_ids)]
 
@@ -389,7 +420,7 @@ class Mover:
         """The block of slot's first `size` pages (size: a bucket), placed in host memory. Dispatched
         asynchronously: nothing waits for the copy (the pool is read before any later call writes it)."""
         if size not in self._gathers:
-            self._gathers[size] = jax.jit(lambda c, t, s: _gather(c, t, s, size=size), **self._out)
+            self._gathers[size] = jax.jit(swap_out_program(size, self.memory_kind), **self._out)
         return self._gathers[size](cache, page_state.block_tables, jnp.int32(slot))
 
     def warm(self, cache, page_state, sizes):

@@ -6,7 +6,12 @@ between steps and a few are aborted. `compare` checks every result against the s
 an ample pool without prefix caching, where nothing is preempted or shared (tokens, completion,
 finish reason, logprobs within LOGPROB_ATOL, stop strings cut right, aborted requests a prefix).
 
-Used by scripts/soak_engine.py (the long run) and tests/test_engine_random.py (CI size).
+With KV offload (`kv_offload_bytes`: the tiny pools' engines get a host tier) preempted requests
+are swapped to host memory and evicted prefix pages spilled there, and the same checks hold; the
+per-round page check (`check_pages`) then covers both tiers.
+
+Used by scripts/soak_engine.py (the long run), tests/test_engine_random.py (CI size) and
+tests/test_bench_offload.py (a short offload soak).
 """
 
 import dataclasses
@@ -22,13 +27,16 @@ TINY_POOLS = [(3, 4, 12, 3), (4, 8, 8, 2)]
 LETTERS = "abcdefghij klmnop"
 
 
-def make_workload(rng, n: int, max_len: int, *, max_prompt: int = 30, max_new: int = 40):
+def make_workload(rng, n: int, max_len: int, *, max_prompt: int = 30, max_new: int = 40, prefixes=()):
     """n random (prompt, SamplingParams) pairs whose prompts fit in max_len (no stop strings:
-    `with_stops` adds them)."""
+    `with_stops` adds them). With `prefixes` (strings), about half the prompts start with one of
+    them (prefix-cache hits, and with KV offload host-tier hits once the pages were spilled)."""
     out = []
     for _ in range(n):
         plen = int(rng.integers(1, min(max_prompt, max_len - 1) + 1))
         prompt = "".join(rng.choice(list(LETTERS), plen))
+        if prefixes and rng.random() < 0.5:
+            prompt = (prefixes[int(rng.integers(len(prefixes)))] + prompt)[: max(plen, min(max_prompt, max_len - 1))]
         greedy = rng.random() < 0.5
         p = dict(max_new_tokens=int(rng.integers(1, max_new + 1)), seed=int(rng.integers(0, 2 ** 31)),
                  ignore_eos=bool(rng.random() < 0.5))
@@ -61,7 +69,10 @@ def with_stops(rng, workload, ref, p: float = 0.4):
 
 def check_pages(eng):
     """The device's page state agrees with the scheduler's running set and the prefix cache (no
-    leak, no drift): `LLMEngine.check_page_state`."""
+    leak, no drift): `LLMEngine.check_page_state`. With KV offload also the host tier: every host
+    page free, in one swap block or holding one spilled prefix page (`HostTier.check`); every block
+    a waiting request's (an aborted or finished request's block is gone); each prefix key on a
+    device page or in the host tier, never both (`PrefixCache.check`)."""
     try:
         eng.check_page_state()
     except RuntimeError as e:
@@ -134,22 +145,36 @@ def _close(a, b) -> bool:
     return len(a) == len(b) and bool(np.all(np.abs(np.asarray(a) - np.asarray(b)) <= LOGPROB_ATOL))
 
 
-def engine(model, tok, pool, *, ample=False):
-    """The tiny pool's engine, or (ample) the reference: 8x the pages, no prefix caching."""
+def engine(model, tok, pool, *, ample=False, kv_offload_bytes=0):
+    """The tiny pool's engine (with a host tier of kv_offload_bytes if > 0), or (ample) the
+    reference: 8x the pages, no prefix caching, no offload."""
     max_seqs, page_size, num_pages, steps = pool
     return LLMEngine(model, tok, EngineConfig(
         max_seqs=max_seqs, page_size=page_size, num_pages=num_pages * (8 if ample else 1),
-        steps_per_call=steps, max_model_len=num_pages * page_size, watermark=0.0, prefix_caching=not ample))
+        steps_per_call=steps, max_model_len=num_pages * page_size, watermark=0.0, prefix_caching=not ample,
+        kv_offload_bytes=0 if ample else kv_offload_bytes))
 
 
-def soak(n_requests: int, time_limit: float, seed: int, *, pools=TINY_POOLS, check=False, abort_p=0.01):
+OFFLOAD_COUNTS = ("swapped_out", "swapped_in", "spill_pages", "restore_pages")
+
+
+def soak(n_requests: int, time_limit: float, seed: int, *, pools=TINY_POOLS, check=False, abort_p=0.01,
+         kv_offload_bytes: int = 0):
+    """Runs batches of random requests through each tiny pool until n_requests or time_limit
+    (seconds); returns the totals (mismatch and leak counts must be 0). kv_offload_bytes > 0 gives
+    the tiny pools' engines a host tier of that size; the totals then count its swaps and spills."""
     model, tok = context_llama(seed)
     rng = np.random.default_rng(seed)
     t0 = time.perf_counter()
     total = dict(requests=0, preemptions=0, lost=0, duplicated=0, leaked_runs=0, stream_mismatch=0,
                  greedy=0, sampled=0, greedy_mismatch=0, sampled_mismatch=0, logprob_mismatch=0, aborted=0,
                  abort_not_prefix=0, bad_stop=0, errors=0, stop_finishes=0, rounds=0, reference_preemptions=0)
-    engines = {pool: (engine(model, tok, pool), engine(model, tok, pool, ample=True)) for pool in pools}
+    if kv_offload_bytes:
+        total.update(dict.fromkeys(OFFLOAD_COUNTS, 0), kv_offload_bytes=kv_offload_bytes)
+    # With offload, shared prompt prefixes: evicted prefix pages are spilled and later hit in the host tier.
+    prefixes = tuple("".join(rng.choice(list(LETTERS), 16)) for _ in range(3)) if kv_offload_bytes else ()
+    engines = {pool: (engine(model, tok, pool, kv_offload_bytes=kv_offload_bytes), engine(model, tok, pool, ample=True))
+               for pool in pools}
     batch = max(1, n_requests // (4 * len(pools)))
     k = 0
     while total["requests"] < n_requests and time.perf_counter() - t0 < time_limit:
@@ -157,14 +182,18 @@ def soak(n_requests: int, time_limit: float, seed: int, *, pools=TINY_POOLS, che
         k += 1
         tiny, ample = engines[pool]
         n = min(batch, n_requests - total["requests"])
-        workload = make_workload(rng, n, pool[1] * pool[2])
+        workload = make_workload(rng, n, pool[1] * pool[2], prefixes=prefixes)
         workload = with_stops(rng, workload, run(ample, workload)[0])
         r0 = ample.stats.preemptions
         ref, _ = run(ample, workload)
         total["reference_preemptions"] += ample.stats.preemptions - r0
         p0 = tiny.stats.preemptions
+        o0 = {key: getattr(tiny.stats, key) for key in OFFLOAD_COUNTS}
         got, counts = run(tiny, workload, rng, abort_p=abort_p, wave=max(1, n // 4), check=check)
         total["preemptions"] += tiny.stats.preemptions - p0
+        if kv_offload_bytes:
+            for key in OFFLOAD_COUNTS:
+                total[key] += getattr(tiny.stats, key) - o0[key]
         total["leaked_runs"] += not (tiny.pool_is_whole() and ample.pool_is_whole())
         for key in ("lost", "duplicated", "stream_mismatch", "rounds"):
             total[key] += counts[key]
