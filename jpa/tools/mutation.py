@@ -86,8 +86,8 @@ MUTATIONS = (
     Mutation(
         name="prefix-hit-next-page",
         file="jpa/kv/prefix_cache.py",
-        old="page = self.page_of.get(kid)\n",
-        new="page = self.page_of.get(kid + 1)\n",
+        old="page = self.page_of.get(kid)\n            if page is None:\n",   # lookup (the device tier's)
+        new="page = self.page_of.get(kid + 1)\n            if page is None:\n",
         selection=("tests/test_prefix_cache.py", "-k", "outputs_equal or warm_cache"),
         why="a prefix-cache hit returns the page of the next key (hit pages shifted by one)",
     ),
