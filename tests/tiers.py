@@ -275,6 +275,41 @@ SOAK = {
         "keeps the GPU step's weights in place)",
     "tests/test_bench_offload.py::test_generate_summary_line_has_offload":
         "1 min: jpa generate's offload summary line (tests/test_kv_offload.py keeps the offload metrics)",
+    # --- out of CI's bench tier to keep .ci/run within 20 minutes (2026-11-25; seconds measured in the bench
+    # tier at 3 workers): each keeps a case in the main or bench tier
+    "tests/test_bench_mosaic_ampere.py::test_ragged_subset_compiles_for_ampere_ada_and_blackwell[a100-sm_80]":
+        "55 s: the A100's ragged subset (tests/test_mosaic_ampere.py compiles the ragged op for an A100, both "
+        "kernels at sm_80 without spills; the bench tier keeps B200's subset)",
+    "tests/test_bench_mosaic_ampere.py::test_kernel_subset_compiles_for_ampere_ada_and_blackwell[a100-sm_80]":
+        "38 s: the A100's decode subset (the main tier's A100 ragged-op compile holds the decode kernel)",
+    "tests/test_bench_mosaic_ampere.py::test_kernel_subset_compiles_for_ampere_ada_and_blackwell[b200-sm_100a]":
+        "42 s: B200's decode subset (the bench tier's B200 ragged subset holds the decode kernel)",
+    "tests/test_gpu_compile.py::test_kernel_grid_subset_compiles[a100-kernel_names1]":
+        "39 s: the A100's kernel subset (the main tier's A100 ragged-op compile; the bench tier keeps the H100's)",
+    "tests/test_gpu_compile.py::test_random_accepted_configs_compile":
+        "24 s: 6 random kernel configurations (the bench tier keeps the fixed H100 subset)",
+    "tests/test_gpu_compile.py::test_tensor_parallel_llama70b_over_2_hosts":
+        "48 s: Llama-70B-shaped TP over 2 hosts (the collectives' host classifier keeps its unit tests)",
+    "tests/test_gpu_compile.py::test_engine_steps_compile_with_the_targets_kernel[a100-mosaic_calls-plain-3]":
+        "39 s: the A100's engine step (the bench tier keeps B200's and the H100's speculative step; the main "
+        "tier the H100's plain step read in place)",
+    "tests/test_bench_offload.py::test_offload_soak_short":
+        "45 s: a short soak with offload (scripts/soak_engine.py --kv-offload-memory; the bench tier keeps "
+        "on = off under speculation, the main tier the multi-turn spill and swap = recompute)",
+    "tests/test_bench_offload.py::test_on_off_identical_under_structured_outputs":
+        "17 s: offload on = off with structured outputs (the bench tier keeps it under speculation)",
+    "tests/test_bench_tp_hf.py":
+        "72 s: Gemma-2 and Qwen3 under tensor parallelism (tests/test_tensor_parallel.py keeps tiny-llama and "
+        "tiny-gpt2 at tp 2)",
+    "tests/test_multihost.py::test_serve_over_two_processes_and_a_hung_peer":
+        "43 s: jpa serve over 2 processes with a SIGSTOPped peer (test_followers_only_follow_and_watchdog keeps "
+        "the watchdog)",
+    "tests/test_bench_lmeval.py":
+        "54 s: lm-eval against jpa serve (the main tier's server tests keep the completions API)",
+    "tests/test_bench_dp.py":
+        "61 s: bench_dp.py's smoke run (tests/test_serve_dp.py keeps two replicas behind the router)",
+    "tests/test_bench_multihost.py":
+        "61 s: bench_multihost.py's smoke run (tests/test_multihost.py keeps generate over two processes)",
 }
 
 
