@@ -226,6 +226,11 @@ BENCH = {
     "tests/test_gpu_compile.py::test_kernel_grid_subset_compiles[h100-kernel_names0]":
         "48 s: the H100 kernel subset's compiles (test_stacked_pool_in_a_layer_loop_compiles[h100] and "
         "tests/test_traffic.py's engine step keep H100 Mosaic kernels compiled without spills)",
+    "tests/test_server_toolparsers.py::test_calls_in_each_format_through_the_server[mistral]":
+        "17 s: Mistral's tool-call format through a server (its parser's unit tests stay; the pythonic format "
+        "keeps the server path in the main tier)",
+    "tests/test_server_toolparsers.py::test_calls_in_each_format_through_the_server[qwen3_coder]":
+        "14 s: Qwen3-Coder's tool-call format through a server (as above)",
 }
 
 
