@@ -16,6 +16,21 @@ pytestmark = pytest.mark.bench   # CI's bench tier (.ci/run), not ./run test
 SCRIPT = pathlib.Path(__file__).parents[1] / "scripts" / "bench_offload.py"
 
 
+def _assert_constraints_met(specs, outs):
+    """Every sample of each request finished by its constraint: a JSON schema (dict) or a regex."""
+    import re
+
+    from structured_util import check_json
+
+    for spec, group in zip(specs, outs):
+        for o in group:
+            assert o.finish_reason == "stop", (spec, o.completion)
+            if isinstance(spec, dict):
+                check_json(o.completion, spec)
+            else:
+                assert re.fullmatch(spec, o.completion), (spec, o.completion)
+
+
 def test_bench_script_tiny_model(tmp_path):
     spec = importlib.util.spec_from_file_location("bench_offload_script", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
@@ -83,7 +98,7 @@ def test_swap_with_structured_outputs_and_parallel_samples(engines):
     import re
 
     from jpa.engine import SamplingParams
-    from structured_util import check_json, random_regex, random_schema
+    from structured_util import random_regex, random_schema
 
     rng = np.random.default_rng(20)
     eng = engines.get(num_pages=20, kv_offload_bytes=64 << 20)
@@ -96,13 +111,7 @@ def test_swap_with_structured_outputs_and_parallel_samples(engines):
     prompts = random_prompts(rng, len(params), 30, 50)
     outs = run(eng, prompts, params)
     assert eng.stats.swapped_in > before.swapped_in, "the test must swap"
-    for spec, group in zip(schemas + [regex], outs):
-        for o in group:
-            assert o.finish_reason == "stop", (spec, o.completion)
-            if isinstance(spec, dict):
-                check_json(o.completion, spec)
-            else:
-                assert re.fullmatch(spec, o.completion), (spec, o.completion)
+    _assert_constraints_met(schemas + [regex], outs)
     ample = engines.get()
     alone = run(ample, [p for p in prompts for _ in range(2)],
                 [dataclasses.replace(sp, n=1, seed=sp.seed + i) for sp in params for i in range(2)])
@@ -273,7 +282,7 @@ def test_on_off_identical_under_structured_outputs(engines):
 
     from jpa.engine import SamplingParams
     from jpa.testing.engine import fresh_seed
-    from structured_util import check_json, random_regex, random_schema
+    from structured_util import random_regex, random_schema
     from test_kv_offload import chat_turn
 
     seed = fresh_seed()
@@ -290,13 +299,7 @@ def test_on_off_identical_under_structured_outputs(engines):
     got = run(on, prompts, params)
     assert_same(got, run(off, prompts, params), "structured outputs, preemption: offload on vs off")
     assert off.stats.preemptions > b_off.preemptions and on.stats.swapped_in > b_on.swapped_in
-    for spec, group in zip(schemas + [regex], got):
-        for o in group:
-            assert o.finish_reason == "stop", (spec, o.completion)
-            if isinstance(spec, dict):
-                check_json(o.completion, spec)
-            else:
-                assert re.fullmatch(spec, o.completion), (spec, o.completion)
+    _assert_constraints_met(schemas + [regex], got)
 
     on, off = engines.get(num_pages=16, kv_offload_bytes=64 << 20), engines.get(num_pages=16)
     s_on = snapshot(on)

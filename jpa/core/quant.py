@@ -144,6 +144,19 @@ def _k_scale_min(scales):
     return sc, mn
 
 
+def _gguf_blocks(data, fmt: str, rows: int, cols: int, name: str, block: int, nbytes: int) -> np.ndarray:
+    """A GGUF tensor's bytes as [rows, cols / block, nbytes] blocks; ValueError naming the tensor when its
+    size does not fit (truncated or corrupt)."""
+    if cols % block:
+        raise ValueError(f"tensor {name} ({fmt}) has {cols} columns, not a multiple of {block}: corrupt")
+    nb = cols // block
+    data = np.asarray(data)
+    if data.dtype != np.uint8 or data.size != rows * nb * nbytes:
+        raise ValueError(f"tensor {name} ({fmt}) holds {data.size} bytes of {data.dtype}; a [{rows}, {cols}] "
+                         f"{fmt} tensor has {rows * nb * nbytes} uint8: truncated or corrupt")
+    return data.reshape(rows, nb, nbytes)
+
+
 def _unpack_k_rows(data, fmt, rows, cols, name):
     """unpack_gguf_rows for the K-quants: (codes, d f32 [rows, cols / G], m f32 or None), G 32 or 16."""
     codes, d, m, d2, m2 = unpack_k_blocks(data, fmt, rows, cols, name)
@@ -156,15 +169,8 @@ def unpack_k_blocks(data, fmt, rows, cols, name: str = "tensor"):
     Q6_K) and d2 (m2) the f16 super-block scales (negated minimums) [rows, cols / 256]:
     dequantize_blocks(codes, d, m, d2=d2, m2=m2). Raises ValueError naming the tensor when its size is
     wrong or its scales are not finite."""
-    nbytes = K_FORMATS[fmt]
-    if cols % QK_K:
-        raise ValueError(f"tensor {name} ({fmt}) has {cols} columns, not a multiple of {QK_K}: corrupt")
-    nb = cols // QK_K
-    data = np.asarray(data)
-    if data.dtype != np.uint8 or data.size != rows * nb * nbytes:
-        raise ValueError(f"tensor {name} ({fmt}) holds {data.size} bytes of {data.dtype}; a [{rows}, {cols}] "
-                         f"{fmt} tensor has {rows * nb * nbytes} uint8: truncated or corrupt")
-    b = data.reshape(rows, nb, nbytes)
+    b = _gguf_blocks(data, fmt, rows, cols, name, QK_K, K_FORMATS[fmt])
+    nb = b.shape[1]
     f16 = lambda lo: b[..., lo:lo + 2].copy().view(np.float16)[..., 0]  # [rows, nb]
     if fmt == "Q6_K":
         ql, qh, sc = b[..., :128], b[..., 128:192], b[..., 192:208].copy().view(np.int8)
@@ -222,14 +228,8 @@ def unpack_gguf_rows(data: np.ndarray, fmt: str, rows: int, cols: int, name: str
         raise ValueError(f"tensor {name} has type {fmt}; jpa keeps {sorted(KEPT_FORMATS)} packed (other types "
                          f"are dequantized at load)")
     nbytes, _, has_min = PACKED_FORMATS[fmt]
-    if cols % GGUF_BLOCK:
-        raise ValueError(f"tensor {name} ({fmt}) has {cols} columns, not a multiple of {GGUF_BLOCK}: corrupt")
-    nb = cols // GGUF_BLOCK
-    data = np.asarray(data)
-    if data.dtype != np.uint8 or data.size != rows * nb * nbytes:
-        raise ValueError(f"tensor {name} ({fmt}) holds {data.size} bytes of {data.dtype}; a [{rows}, {cols}] "
-                         f"{fmt} tensor has {rows * nb * nbytes} uint8: truncated or corrupt")
-    blocks = data.reshape(rows, nb, nbytes)
+    blocks = _gguf_blocks(data, fmt, rows, cols, name, GGUF_BLOCK, nbytes)
+    nb = blocks.shape[1]
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0]  # [rows, nb]
     m = blocks[..., 2:4].copy().view(np.float16)[..., 0] if has_min else None
     start = 4 if has_min else 2
