@@ -39,7 +39,7 @@ from jpa import models  # noqa: E402
 from jpa.core.sharding import tp_mesh  # noqa: E402
 from jpa.models import moe, sharding  # noqa: E402
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+# Run as a script, its own folder (tests/) is first on the path.
 from conftest import _cpu_programs_at_llvm_o0  # noqa: E402
 from tp_check import gap_inputs, logits  # noqa: E402
 

@@ -5,8 +5,8 @@ one device and what each device holds: tests/test_moe_ep.py).
   through models.prefill / models.decode with mesh= (the engine's model code): logits vs one device;
 - the engine at tp = 1, 2, 4 on Qwen3-MoE ("ffn" layout) and gpt-oss MXFP4 ("experts"): greedy tokens and
   logprobs equal (SOAK: 6 engine compiles, ~4 minutes here);
-- a deviceless compile of a tiny gpt-oss-like MoE expert-parallel over 8 H100s: the collectives of a layer
-  are the two row-parallel all-reduces (attention's wo and the experts' psum), nothing else moves.
+- a deviceless compile of a tiny gpt-oss-like MoE layer expert-parallel over 8 H100s: its one collective
+  is the experts' psum.
 The 8-H100 compiles of Qwen3-30B-A3B and gpt-oss-120b shapes: SOAK (test_moe_tp_compiles_of_the_large_shapes)."""
 
 import importlib.util
@@ -74,11 +74,20 @@ def check_moe_step(step, layout, d_model):
 
 
 @needs_gpu_packages
-def test_tiny_moe_expert_parallel_compile_for_8_h100s(tmp_path):
-    step = compile_tp(tmp_path, "--model", "tiny-moe", "--max-seqs", "8", "--max-model-len", "256",
-                      "--pool-gib", "0.03125")
-    check_moe_step(step, "experts", 256)
-    assert "experts 1 of 8 per device" in step["head_plan"]
+def test_moe_layer_expert_parallel_compile_for_8_h100s(tmp_path):
+    """The fast case of the 8-H100 compiles (scripts/gpu_compile_check.py --only moe-layer): a tiny
+    gpt-oss-like layer's 8 MXFP4 experts, one per device, at 64 and 512 tokens: one all-reduce of
+    f32[tokens, d_model] and nothing else, each device's arguments its own expert."""
+    from test_gpu_compile import run_check as run_compile
+    proc, report = run_compile(tmp_path, "--target", "h100", "--only", "moe-layer", "--tp", "8", "--model", "tiny-moe")
+    recs = report["records"]
+    assert proc.returncode == 0 and all(r["ok"] for r in recs), [(r["name"], r.get("error") or r["problems"])
+                                                                 for r in recs]
+    assert [r["tokens"] for r in recs] == [64, 512]
+    for r in recs:
+        assert r["expert_layout"] == "experts" and r["collectives"] == [f"all-reduce f32[{r['tokens']},256]"]
+        replicated = 256 * 8 * 2 + 8 * 2  # the router [d_model, E] and its bias, bf16: on every device
+        assert r["weight_bytes_per_device"] * 8 == r["weight_bytes_all"] + 7 * replicated
 
 
 @needs_gpu_packages

@@ -284,12 +284,6 @@ class Compiler:
             kernels[kname] = dict(grid=None, **info)
         hlo = compiled.as_text()
         mem = compiled.memory_analysis()
-        try:  # XLA's own estimate (a loop body counted once): a relative figure between programs
-            cost = compiled.cost_analysis()
-            cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-            rec["flops"] = float(cost.get("flops", float("nan")))
-        except Exception:  # not every backend reports it
-            pass
         copies = pool_copies(hlo, pool_types)
         rec.update(
             seconds=round(time.perf_counter() - t0, 2),

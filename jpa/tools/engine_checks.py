@@ -345,3 +345,67 @@ def check_tp(compiler: Compiler, log=print, **sizes) -> list:
                 f"{r['bytes_each'] / 2**20:.3f} MiB each, groups of {r['group_size']} over {r['hosts_per_group']} "
                 f"host(s): {r['role']}")
     return records
+
+
+# ---- 3. One mixture-of-experts layer's experts, sharded over N GPUs (the fast case) ----
+
+def check_moe_layer(compiler: Compiler, config: dict, token_counts=(64, 512), experts: str = "auto",
+                    log=print) -> list:
+    """Compiles one layer's MoE MLP (models.moe.moe_ffn with parallel=(mesh, layout)) over compiler.tp_mesh
+    for each token count (64: a decode step of 64 sequences; 512: a prompt pass), abstract weights placed
+    by models.sharding's expert rules. Checks: exactly one collective, an all-reduce of f32[tokens,
+    d_model] (the experts' psum); per device only its shard of the expert weights as arguments."""
+    from jpa.models import ModelConfig, moe, sharding
+
+    mesh = compiler.tp_mesh
+    tp = mesh.shape["tp"]
+    c = ModelConfig(**config)
+    layout = sharding.plan_experts(c, tp, experts)
+    e, d, f = c.num_experts, c.d_model, c.ffn_dim
+    mxfp4 = c.expert_format == "mxfp4"
+    sg, su, sd, (bg, bu, bd) = moe.expert_specs(layout, mxfp4)
+    bf16 = jnp.bfloat16
+    sds = lambda shape, dtype, spec: jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(mesh, spec))  # noqa: E731
+
+    def weight(o, i, spec):  # an [E, in, out] weight, or MXFP4 codes [E, out, in / 2] + scales [E, out, in / 32]
+        if mxfp4:
+            return (sds((e, o, i // 2), jnp.uint8, spec[0]), sds((e, o, i // 32), jnp.uint8, spec[1]))
+        return sds((e, i, o), bf16, spec)
+
+    ws = (sds((d, e), bf16, jax.sharding.PartitionSpec()), weight(f, d, sg), weight(f, d, su), weight(d, f, sd),
+          sds((e,), bf16, jax.sharding.PartitionSpec()) if c.router_bias else None,
+          (sds((e, f), bf16, bg), sds((e, f), bf16, bu), sds((e, d), bf16, bd)) if c.expert_bias else None)
+    local_bytes = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize
+                      for x in jax.tree_util.tree_leaves(ws))
+    full_bytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(ws))
+    records = []
+    for tokens in token_counts:
+        x = jax.ShapeDtypeStruct((tokens, d), jnp.float32, sharding=jax.sharding.NamedSharding(
+            mesh, jax.sharding.PartitionSpec()))
+
+        def fn(x, ws):
+            return moe.moe_ffn(x, ws[0], ws[1], ws[2], ws[3], c, bf16, router_bias=ws[4], biases=ws[5],
+                               parallel=(mesh, layout))
+
+        form = "gathered" if tokens * c.experts_per_token < (e // tp if layout == "experts" else e) else "blocked"
+        rec = compiler.compile(f"tp={tp} MoE layer ({e} experts, {layout}, {form} form, {tokens} tokens)", fn,
+                               (x, ws), keep_hlo=True)
+        hlo = rec.pop("hlo", "")
+        rec.update(kind="moe_layer", tp=tp, expert_layout=layout, tokens=tokens, form=form,
+                   weight_bytes_per_device=local_bytes, weight_bytes_all=full_bytes)
+        if "error" not in rec:
+            items = [c2 for v in collectives(hlo).values() for c2 in v]
+            rec["collectives"] = [f"{c2['op']} {c2['type']}" for c2 in items]
+            want = [f"all-reduce f32[{tokens},{d}]"]
+            if rec["collectives"] != want:
+                rec["problems"].append(f"expected exactly {want}; found {rec['collectives']}")
+            # The weights are arguments: each device's are its shard (1/N of them), never gathered whole.
+            if rec["argument_bytes"] > local_bytes + tokens * d * 4 + 4096:
+                rec["problems"].append(f"arguments {rec['argument_bytes']} bytes: more than the device's expert shard "
+                                       f"({local_bytes}) and the tokens")
+            rec["ok"] = not rec["problems"]
+        records.append(rec)
+        log(record_line(rec))
+        log(f"      collectives: {rec.get('collectives')}; expert weights per device {local_bytes / 2**20:.1f} MiB "
+            f"of {full_bytes / 2**20:.1f} MiB")
+    return records
