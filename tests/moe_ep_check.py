@@ -12,8 +12,8 @@ by models.sharding.shard in an expert layout (models.sharding.plan_experts). MOD
 
 - ffn (the main tier): the MoE MLP alone (models.moe.moe_ffn of layer 0, sharded vs one device, on fresh
   random tokens at a decode size (the gathered form) and a prefill size (the blocked form)) and which
-  experts / ffn slices each device holds: Qwen3-MoE "experts" at tp=2 and "ffn" at tp=4 (--full: both
-  models, every layout that fits at tp = 2 and 4);
+  experts / ffn slices each device holds: Qwen3-MoE "experts" at tp=2 (with the whole model's prefill
+  logits vs one device) and "ffn" at tp=4 (--full: both models, every layout that fits at tp = 2 and 4);
 - model (bench tier): the whole model's prefill and decode-step logits (models.prefill / models.decode
   with mesh=, the engine's model code) vs one device, and which experts (MXFP4 codes and scales, biases)
   each device holds: gpt-oss MXFP4 "experts" at tp=4 (--full: both models, every layout at tp = 2 and 4);
@@ -41,7 +41,7 @@ from jpa.models import moe, sharding  # noqa: E402
 
 # Run as a script, its own folder (tests/) is first on the path.
 from conftest import _cpu_programs_at_llvm_o0  # noqa: E402
-from tp_check import gap_inputs, logits  # noqa: E402
+from tp_check import gap_inputs  # noqa: E402
 
 _cpu_programs_at_llvm_o0()
 
@@ -49,7 +49,25 @@ HF = pathlib.Path(__file__).resolve().parent / "data" / "hf"
 MODELS = ("qwen3_moe", "gpt_oss_mxfp4")
 FAST = {"ffn": [("qwen3_moe", 2, "experts"), ("qwen3_moe", 4, "ffn")],
         "model": [("gpt_oss_mxfp4", 4, "experts")]}
+# ffn mode: the whole model's prefill logits too (models.prefill with mesh=: the wiring from the scan over
+# layers to the sharded experts), for these cases.
+FAST_PREFILL = {("qwen3_moe", 2, "experts")}
 PROMPTS = ["hello world, the quick brown fox jumps over the lazy dog", "a", "mixture of experts"]
+
+
+def logits(model, mesh, inputs, decode=True):
+    """(prefill logits[, then decode-step logits]) of `model` on tp_check's gap inputs (sharded over mesh if set)."""
+    from jpa.kv.cache import KVCache
+
+    (num_pages, page_size), pre_args, dec_args = inputs
+    cache = KVCache.create(model.cache_config(num_pages, page_size))
+    if mesh is not None:
+        cache = jax.device_put(cache, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "tp")))
+    lp, cache = jax.jit(lambda mod, ca, *a: models.prefill(mod, ca, *a, mesh=mesh))(model, cache, *pre_args)
+    if not decode:
+        return (np.asarray(lp),)
+    ld, cache = jax.jit(lambda mod, ca, *a: models.decode(mod, ca, *a, mesh=mesh))(model, cache, *dec_args)
+    return np.asarray(lp), np.asarray(ld)
 
 
 def layouts(config, tp):
@@ -127,9 +145,9 @@ def model_runs(report, rng, mode, full):
                  [(tp, lay) for n, tp, lay in FAST[mode] if n == name])
         if not cases:
             continue
-        if mode == "model":
+        if mode == "model" or any((name, tp, lay) in FAST_PREFILL for tp, lay in cases):
             inputs = gap_inputs(c, rng)
-            reference = logits(gpt, None, inputs)
+            reference = logits(gpt, None, inputs, decode=mode == "model")
         x_dec = jnp.asarray(rng.standard_normal((1, c.d_model)), jnp.float32)  # 1 token: the gathered form
         x_pre = jnp.asarray(rng.standard_normal((24, c.d_model)), jnp.float32)  # 24 tokens: the blocked form
         for tp, layout in cases:
@@ -148,6 +166,10 @@ def model_runs(report, rng, mode, full):
             else:
                 rec.update(ffn_gap_decode=ffn_gap(gpt, sharded, mesh, layout, x_dec),
                            ffn_gap_prefill=ffn_gap(gpt, sharded, mesh, layout, x_pre))
+                if (name, tp, layout) in FAST_PREFILL or full:
+                    (got,) = logits(sharded, mesh, inputs, decode=False)
+                    rec.update(prefill_logits_gap=float(np.max(np.abs(got - reference[0]))),
+                               logits_scale=float(np.max(np.abs(reference[0]))))
             rec.update(holdings=holdings(sharded, layout, tp), router_spec=list(sharded.layers.router[...].sharding.spec))
             if layout == "experts":
                 rec["experts_of_device"] = experts_of_device(sharded, tp)

@@ -1,12 +1,13 @@
-"""Mixtures of experts under tensor parallelism, bench tier (the main tier keeps the sharded MoE MLP against
-one device and what each device holds: tests/test_moe_ep.py).
+"""Mixtures of experts under tensor parallelism, bench tier and SOAK (the main tier keeps the sharded MoE MLP
+against one device, Qwen3-MoE's whole-model prefill logits at EP=2 and what each device holds:
+tests/test_moe_ep.py).
 
-- the whole tiny gpt-oss MXFP4 model (sinks, biases, 8 experts: 2 per device at EP=4, kv heads replicated)
-  through models.prefill / models.decode with mesh= (the engine's model code): logits vs one device;
-- the engine at tp = 1, 2, 4 on Qwen3-MoE ("ffn" layout) and gpt-oss MXFP4 ("experts"): greedy tokens and
-  logprobs equal (SOAK: 6 engine compiles, ~4 minutes here);
-- a deviceless compile of a tiny gpt-oss-like MoE layer expert-parallel over 8 H100s: its one collective
-  is the experts' psum.
+- (SOAK) the whole tiny gpt-oss MXFP4 model (sinks, biases, 8 experts: 2 per device at EP=4, kv heads
+  replicated) through models.prefill / models.decode with mesh= (the engine's model code): logits vs one device;
+- (SOAK) the engine at tp = 1, 2, 4 on Qwen3-MoE ("ffn" layout) and gpt-oss MXFP4 ("experts"): greedy tokens
+  and logprobs equal (6 engine compiles, ~4 minutes here);
+- (bench) a deviceless compile of a tiny gpt-oss-like MoE layer expert-parallel over 8 H100s: its one
+  collective is the experts' psum.
 The 8-H100 compiles of Qwen3-30B-A3B and gpt-oss-120b shapes: SOAK (test_moe_tp_compiles_of_the_large_shapes)."""
 
 import importlib.util

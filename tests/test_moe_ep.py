@@ -60,7 +60,7 @@ def check_holdings(r):
 def test_sharded_moe_mlp_equals_one_device_and_devices_hold_their_experts(tmp_path):
     """Qwen3-MoE's 16 experts at EP=2 ("experts": 8 per device) and its ffn split over 4 ("ffn"): the
     layer's MoE MLP on fresh random tokens (1 token: the gathered form; 24: the blocked form) within
-    f32 rounding of one device's."""
+    f32 rounding of one device's, and at EP=2 the whole model's prefill logits."""
     recs = run_check(tmp_path, "ffn")
     assert {(r["model"], r["tp"], r["layout"]) for r in recs} == {("qwen3_moe", 2, "experts"), ("qwen3_moe", 4, "ffn")}
     for r in recs:
@@ -69,6 +69,10 @@ def test_sharded_moe_mlp_equals_one_device_and_devices_hold_their_experts(tmp_pa
             gap, scale = r[key]
             assert scale > 0.1 and gap < 2e-6 * max(1.0, scale), (r["tp"], r["layout"], key, r[key])
         check_holdings(r)
+    # The whole model's prefill logits at EP=2 (models.prefill with mesh=: the scan hands each layer's
+    # experts to the sharded MLP): f32 rounding only.
+    (r,) = [r for r in recs if r["layout"] == "experts"]
+    assert r["prefill_logits_gap"] < 5e-5 * max(1.0, r["logits_scale"]) and r["logits_scale"] > 0.1, r
 
 
 def test_expert_layout_rule_and_errors():

@@ -278,6 +278,9 @@ SOAK = {
     "tests/test_bench_moe_ep.py::test_engine_greedy_tokens_and_logprobs_under_expert_parallelism":
         "4 min: the engine at tp = 1, 2, 4 on Qwen3-MoE and gpt-oss MXFP4, 6 engine compiles (the main tier keeps "
         "the sharded MoE MLP against one device, the bench tier gpt-oss MXFP4's whole-model logits at EP=4)",
+    "tests/test_bench_moe_ep.py::test_model_logits_under_expert_parallelism":
+        "20-25 s: gpt-oss MXFP4's whole-model prefill and decode logits at EP=4 (the main tier keeps Qwen3-MoE's "
+        "whole-model prefill logits at EP=2 and the sharded MoE MLP in both layouts)",
     "tests/test_bench_moe_ep.py::test_moe_tp_compiles_of_the_large_shapes":
         "2-3 min each: Qwen3-30B-A3B and gpt-oss-120b shapes on 8 H100s, deviceless (the bench tier keeps the tiny "
         "MoE's expert-parallel compile with the same checks)",
