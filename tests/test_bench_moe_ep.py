@@ -98,4 +98,5 @@ def test_moe_tp_compiles_of_the_large_shapes(tmp_path, model, layout, d_model):
     BENCHMARKS.md: weights + pool + temporaries within the GPU's memory (check_tp's own check)."""
     step = compile_tp(tmp_path, "--model", model)
     check_moe_step(step, layout, d_model)
-    assert step["param_bytes_per_device"] < (9 if model == "gpt-oss-120b" else 2) * 2 ** 30
+    # 1/8 of the weights each (57 / 61 GiB in all: Qwen3-30B-A3B bf16, gpt-oss-120b MXFP4 experts; BENCHMARKS: 7.15 / 7.62)
+    assert step["param_bytes_per_device"] < 8 * 2 ** 30
