@@ -14,6 +14,7 @@ by models.sharding.shard in an expert layout (models.sharding.plan_experts). MOD
   random tokens at a decode size (the gathered form) and a prefill size (the blocked form)) and which
   experts / ffn slices each device holds: Qwen3-MoE "experts" at tp=2 (with the whole model's prefill
   logits vs one device) and "ffn" at tp=4 (--full: both models, every layout that fits at tp = 2 and 4);
+  and gpt-oss-like MXFP4 experts split on their width at tp=2 (synthetic codes, `mxfp4_ffn_run`);
 - model (bench tier): the whole model's prefill and decode-step logits (models.prefill / models.decode
   with mesh=, the engine's model code) vs one device, and which experts (MXFP4 codes and scales, biases)
   each device holds: gpt-oss MXFP4 "experts" at tp=4 (--full: both models, every layout at tp = 2 and 4);
@@ -36,6 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jpa import models  # noqa: E402
+import jpa.models.hf  # noqa: E402,F401
 from jpa.core.sharding import tp_mesh  # noqa: E402
 from jpa.models import moe, sharding  # noqa: E402
 
@@ -178,6 +180,37 @@ def model_runs(report, rng, mode, full):
             print(json.dumps({k: v for k, v in rec.items() if k != "holdings"}), file=sys.stderr, flush=True)
 
 
+def mxfp4_ffn_run(report, rng):
+    """gpt-oss-like MXFP4 experts split on their width ("ffn", gpt-oss-20b's layout at tp=2: 2880 = 2 x 45
+    blocks of 32): the tiny gpt-oss config at ffn_dim 64 (2 blocks), fresh random codes, scales and biases,
+    sharded by models.moe.expert_specs, 24 tokens (the blocked form, tiles' codes decoded) vs one device."""
+    import dataclasses
+
+    from jax.sharding import NamedSharding
+
+    c = dataclasses.replace(models.hf.config_from_hf(json.loads((HF / "gpt_oss_mxfp4" / "config.json").read_text())),
+                            ffn_dim=64)
+    e, d, f = c.num_experts, c.d_model, c.ffn_dim
+    mx = lambda o, i: (rng.integers(0, 256, (e, o, i // 2), dtype=np.uint8),  # noqa: E731
+                       rng.integers(118, 130, (e, o, i // 32), dtype=np.uint8))
+    ws = (mx(f, d), mx(f, d), mx(d, f))
+    f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+    router, rb, biases = f32(d, e), f32(e), (f32(e, f), f32(e, f), f32(e, d))
+    x = f32(24, d)
+    mesh = tp_mesh(2)
+    layout = sharding.plan_experts(c, 2)
+    *specs, bspecs = moe.expert_specs(layout, True)
+    put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))  # noqa: E731
+    sws = tuple(tuple(put(a, sp) for a, sp in zip(w, s)) for w, s in zip(ws, specs))
+    sb = tuple(put(b, sp) for b, sp in zip(biases, bspecs))
+    run = lambda ws, b, par: np.asarray(jax.jit(lambda x, ws, b: moe.moe_ffn(  # noqa: E731
+        x, router, *ws, c, jnp.float32, router_bias=rb, biases=b, parallel=par))(x, ws, b))
+    want, got = run(ws, biases, None), run(sws, sb, (mesh, layout))
+    report.append(dict(kind="mxfp4_ffn", tp=2, layout=layout, gap=float(np.max(np.abs(got - want))),
+                       scale=float(np.max(np.abs(want))), down_codes_shard=list(sws[2][0].addressable_shards[0].data.shape),
+                       down_codes=list(ws[2][0].shape)))
+
+
 def engine_runs(report, full):
     from jpa.engine import EngineConfig, LLMEngine, SamplingParams
 
@@ -218,6 +251,8 @@ def main(out_path, mode, full=False):
         engine_runs(report, full)
     else:
         model_runs(report, rng, mode, full)
+    if mode == "ffn":
+        mxfp4_ffn_run(report, rng)
     pathlib.Path(out_path).write_text(json.dumps(report, indent=1))
 
 

@@ -60,8 +60,14 @@ def check_holdings(r):
 def test_sharded_moe_mlp_equals_one_device_and_devices_hold_their_experts(tmp_path):
     """Qwen3-MoE's 16 experts at EP=2 ("experts": 8 per device) and its ffn split over 4 ("ffn"): the
     layer's MoE MLP on fresh random tokens (1 token: the gathered form; 24: the blocked form) within
-    f32 rounding of one device's, and at EP=2 the whole model's prefill logits."""
+    f32 rounding of one device's, and at EP=2 the whole model's prefill logits; MXFP4 experts with biases
+    split on their width (gpt-oss-20b's layout at tp=2) on synthetic codes."""
     recs = run_check(tmp_path, "ffn")
+    (mx,) = [r for r in recs if r["kind"] == "mxfp4_ffn"]
+    recs = [r for r in recs if r["kind"] == "ffn"]
+    # MXFP4 experts (and their biases) split on their width: down's codes [E, D, F/2] hold F/4 bytes per device.
+    assert mx["layout"] == "ffn" and mx["down_codes_shard"] == mx["down_codes"][:2] + [mx["down_codes"][2] // 2]
+    assert mx["scale"] > 1 and mx["gap"] < 2e-6 * mx["scale"], mx
     assert {(r["model"], r["tp"], r["layout"]) for r in recs} == {("qwen3_moe", 2, "experts"), ("qwen3_moe", 4, "ffn")}
     for r in recs:
         assert r["expert_layout"] == r["layout"] and r["auto"] == "ffn"
