@@ -20,6 +20,11 @@ the grouped matmul, picked statically by the shapes and `EXPERT_MATMUL`:
   experts with the rows masked per group: E times the routed flops, for about the bytes of the
   blocked form (README, "Mixture of experts"; scripts/moe_traffic.py).
 
+Under tensor parallelism (`moe_ffn(..., parallel=(mesh, layout))`, `expert_parallel`) the same forms run
+per device inside one `jax.shard_map` over the device's shard of the experts ("experts": E/N whole
+experts, the other devices' pairs masked; "ffn": F/N of every expert's width), then one psum of
+f32[M, D]; models.sharding.plan_experts picks the layout.
+
 `moe_dense` (every token through every expert, weighted by a mask of its choices) is the test
 oracle only; the model never calls it.
 
