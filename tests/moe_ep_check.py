@@ -18,8 +18,8 @@ by models.sharding.shard in an expert layout (models.sharding.plan_experts). MOD
 - model (bench tier): the whole model's prefill and decode-step logits (models.prefill / models.decode
   with mesh=, the engine's model code) vs one device, and which experts (MXFP4 codes and scales, biases)
   each device holds: gpt-oss MXFP4 "experts" at tp=4 (--full: both models, every layout at tp = 2 and 4);
-- engine (soak): LLMEngine.generate at tp = 1, 2, 4 (auto layout; --full: every layout): greedy tokens and
-  per-token logprobs, one compile per run.
+- engine (soak): LLMEngine.generate at tp = 1, 2, 4 and at tp=2 with n-gram speculation (auto layout;
+  --full: every layout): greedy tokens and per-token logprobs, one compile per run.
 """
 
 import os
@@ -55,6 +55,8 @@ FAST = {"ffn": [("qwen3_moe", 2, "experts"), ("qwen3_moe", 4, "ffn")],
 # layers to the sharded experts), for these cases.
 FAST_PREFILL = {("qwen3_moe", 2, "experts")}
 PROMPTS = ["hello world, the quick brown fox jumps over the lazy dog", "a", "mixture of experts"]
+# The engine runs: tp = 1, 2, 4, and tp=2 with n-gram speculation (the verify pass on the sharded experts).
+SPEC = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2, verify_rows=16)
 
 
 def logits(model, mesh, inputs, decode=True):
@@ -216,16 +218,16 @@ def engine_runs(report, full):
 
     for name in MODELS:
         gpt, tok = models.load(str(HF / name))
-        runs = [(1, None), (2, None), (4, None)]
+        runs = [(1, None, None), (2, None, None), (4, None, None), (2, None, SPEC)]
         if full:
-            runs += [(tp, lay) for tp in (2, 4) for lay in layouts(gpt.config, tp)]
-        for tp, layout in runs:
+            runs += [(tp, lay, None) for tp in (2, 4) for lay in layouts(gpt.config, tp)]
+        for tp, layout, spec in runs:
             t0 = time.perf_counter()
             old = sharding.EXPERT_LAYOUT
             sharding.EXPERT_LAYOUT = layout or "auto"
             try:
                 cfg = EngineConfig(max_seqs=4, num_pages=64, page_size=8, max_model_len=128, steps_per_call=4,
-                                   tensor_parallel=tp, prefix_caching=False)
+                                   tensor_parallel=tp, prefix_caching=False, speculative=spec)
                 engine = LLMEngine(models.GPTForEngine(gpt), tok, cfg)
                 sp = SamplingParams(max_new_tokens=12, greedy=True, ignore_eos=True)
                 outs = engine.generate(PROMPTS, [sp] * len(PROMPTS))
@@ -233,6 +235,7 @@ def engine_runs(report, full):
                 sharding.EXPERT_LAYOUT = old
             s = engine.summary()
             rec = dict(kind="engine", model=name, tp=tp, layout=layout, head_plan=s["head_plan"],
+                       speculative=s["speculative"] if spec else None,
                        tokens=[list(o.token_ids) for o in outs], logprobs=[list(o.logprobs) for o in outs],
                        step_compiles=s["step_compiles"], pool_whole=engine.pool_is_whole(),
                        seconds=round(time.perf_counter() - t0, 1))

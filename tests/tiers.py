@@ -276,8 +276,9 @@ SOAK = {
         "60 s: jpa generate on the MXFP4 gpt-oss (the bf16 one stays in the bench tier; the main tier keeps "
         "MXFP4's prefill logits against transformers)",
     "tests/test_bench_moe_ep.py::test_engine_greedy_tokens_and_logprobs_under_expert_parallelism":
-        "4 min: the engine at tp = 1, 2, 4 on Qwen3-MoE and gpt-oss MXFP4, 6 engine compiles (the main tier keeps "
-        "the sharded MoE MLP against one device, the bench tier gpt-oss MXFP4's whole-model logits at EP=4)",
+        "5 min: the engine at tp = 1, 2, 4 (and 2 with n-gram speculation) on Qwen3-MoE and gpt-oss MXFP4, 8 engine "
+        "compiles (the main tier keeps Qwen3-MoE's whole-model prefill logits at EP=2 and the sharded MoE MLP "
+        "against one device in both layouts)",
     "tests/test_bench_moe_ep.py::test_model_logits_under_expert_parallelism":
         "20-25 s: gpt-oss MXFP4's whole-model prefill and decode logits at EP=4 (the main tier keeps Qwen3-MoE's "
         "whole-model prefill logits at EP=2 and the sharded MoE MLP in both layouts)",
