@@ -437,8 +437,9 @@ class Block(nnx.Module):
         """f32[N] attention sinks of this layer (gpt-oss), or None."""
         return self.sinks[...].astype(jnp.float32) if self.config.attn_sinks else None
 
-    def finish(self, x, attn):
-        """x f32[B, T, d_model], attn [B, T, N, H] -> x f32[B, T, d_model] after both residuals."""
+    def finish(self, x, attn, experts=None):
+        """x f32[B, T, d_model], attn [B, T, N, H] -> x f32[B, T, d_model] after both residuals.
+        experts: None, or (mesh, layout) of a tensor-parallel mixture of experts (models.moe.expert_parallel)."""
         c = self.config
         batch, num_tokens = attn.shape[:2]
         attn = attn.reshape(batch, num_tokens, c.num_q_heads * c.head_dim)  # [B, T, N * H]
@@ -453,7 +454,7 @@ class Block(nnx.Module):
                            else getattr(self, n)[...])
             h = moe_ffn(flat, self.router[...], w("experts_gate"), w("experts_up"), w("experts_down"), c, self.dtype,
                         router_bias=self.router_bias[...] if c.router_bias else None,
-                        biases=biases).reshape(batch, num_tokens, c.d_model)
+                        biases=biases, parallel=experts).reshape(batch, num_tokens, c.d_model)
             return x + (self._norm(h, self.post_ffn_norm) if c.post_norms else h)
         if c.family == "gpt2":
             h = jax.nn.gelu(self._linear(h, "w_up", "b_up"), approximate=True)
@@ -500,6 +501,9 @@ class GPT(nnx.Module):
         self.config = c
         self.dtype = dtype
         self.quantization = check_weight_quantization(quantization)
+        # A mixture of experts under tensor parallelism: "experts" or "ffn" (models.moe.EXPERT_LAYOUTS),
+        # set by models.sharding.shard; None on one device.
+        self.expert_layout = None
         if quantization is not None and c.num_experts:
             raise ValueError(f"quantization={quantization!r} is not supported for a mixture-of-experts model "
                              f"(num_experts={c.num_experts}): jpa does not quantize the experts' weights yet; "
@@ -747,15 +751,18 @@ def _check_weights(weights, expected, config):
             check(f"'layers'][{i}]['{name}'", lw[name], shape)
 
 
-def _run(model: GPT, tokens, positions, attend, state):
+def _run(model: GPT, tokens, positions, attend, state, mesh=None):
     """Embeds, runs every block in a scan over the layers, returns (x, state).
 
     attend(r, layer, q, k, v, state, sinks) -> (attn, state): r the static position of the layer in
     its period (its attention options are `model.attention_options(r)`), layer the traced i32[]
     layer index, sinks the layer's f32[N] attention sinks or None. `state` (the KV pools) is the
-    scan's carry: every layer updates it whole.
+    scan's carry: every layer updates it whole. mesh: the tensor-parallel mesh (a mixture of experts
+    runs its experts in the layout models.sharding gave them, `GPT.expert_layout`), or None.
     """
     c = model.config
+    layout = getattr(model, "expert_layout", None)  # None on one device (and on a 1-device mesh)
+    experts = (mesh, layout) if mesh is not None and c.num_experts and layout is not None else None
     x = model.embed(tokens, positions)  # f32[B, T, d_model]
     graphdef, params = nnx.split(model.layers)
     period = model.layer_period()
@@ -770,7 +777,7 @@ def _run(model: GPT, tokens, positions, attend, state):
             block = nnx.merge(graphdef, group if period == 1 else jax.tree.map(lambda a: a[r], group))
             q, k, v = block.qkv(x, positions)
             attn, state = attend(r, g * period + r, q, k, v, state, block.attn_sinks())
-            x = block.finish(x, attn)
+            x = block.finish(x, attn, experts)
         return (x, state), None
 
     (x, state), _ = jax.lax.scan(body, (x, state), (grouped, jnp.arange(groups, dtype=jnp.int32)))
@@ -898,7 +905,7 @@ def prefill(model: GPT, cache: KVCache, tokens, start, chunk_lens, slot_mapping,
         return step(pools, q.astype(model.dtype), flat(k), flat(v), slots, block_tables, start, chunk_lens, layer,
                     sinks)
 
-    x, pools = _run(model, tokens, positions, attend, cache.pools())
+    x, pools = _run(model, tokens, positions, attend, cache.pools(), mesh)
     cache = cache.replace_pools(*pools)
     last = jnp.maximum(chunk_lens - 1, 0)  # i32[B]
     x_last = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # f32[B, d_model]
@@ -951,7 +958,7 @@ def decode(model: GPT, cache: KVCache, tokens, seq_lens, slot_mapping, block_tab
                           seq_lens, layer, sinks)
         return out[:, None], pools
 
-    x, pools = _run(model, tokens[:, None], positions, attend, cache.pools())
+    x, pools = _run(model, tokens[:, None], positions, attend, cache.pools(), mesh)
     cache = cache.replace_pools(*pools)
     return model.logits(x[:, 0]), cache
 
@@ -1027,5 +1034,5 @@ def ragged_hidden(model: GPT, cache: KVCache, tokens, positions, slot_mapping, b
                           cu_q_lens, num_seqs, layer, sinks)
         return out[None], pools
 
-    x, pools = _run(model, tokens[None], positions[None], attend, cache.pools())  # x: f32[1, T, d_model]
+    x, pools = _run(model, tokens[None], positions[None], attend, cache.pools(), mesh)  # x: f32[1, T, d_model]
     return x[0], cache.replace_pools(*pools)

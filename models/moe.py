@@ -20,6 +20,11 @@ the grouped matmul, picked statically by the shapes and `EXPERT_MATMUL`:
   experts with the rows masked per group: E times the routed flops, for about the bytes of the
   blocked form (README, "Mixture of experts"; scripts/moe_traffic.py).
 
+Under tensor parallelism (`moe_ffn(..., parallel=(mesh, layout))`, `expert_parallel`) the same forms run
+per device inside one `jax.shard_map` over the device's shard of the experts ("experts": E/N whole
+experts, the other devices' pairs masked; "ffn": F/N of every expert's width), then one psum of
+f32[M, D]; models.sharding.plan_experts picks the layout.
+
 `moe_dense` (every token through every expert, weighted by a mask of its choices) is the test
 oracle only; the model never calls it.
 
@@ -30,6 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jpa.core.sharding import TP
 
 # MXFP4 (OCP microscaling FP4; gpt-oss's released experts): e2m1 codes, two per byte (the low nibble
 # first), in blocks of MXFP4_BLOCK along a weight's `in` axis, each block times 2^(scale - 127)
@@ -126,7 +133,7 @@ def glu(g, u, config):
     return (u + 1.0) * (g * jax.nn.sigmoid(g * alpha))
 
 
-def moe_ffn(x, router, w_gate, w_up, w_down, config, dtype, *, router_bias=None, biases=None):
+def moe_ffn(x, router, w_gate, w_up, w_down, config, dtype, *, router_bias=None, biases=None, parallel=None):
     """The MoE MLP of tokens x f32[M, D] as grouped matmuls (module docstring).
 
     Args:
@@ -139,21 +146,107 @@ def moe_ffn(x, router, w_gate, w_up, w_down, config, dtype, *, router_bias=None,
       router_bias: [E] or None (gpt-oss).
       biases: None, or the experts' (gate [E, F], up [E, F], down [E, D]) biases (gpt-oss), each
         added to its projection's f32 result.
+      parallel: None (one device), or (mesh, layout) with the expert weights sharded over the mesh's
+        "tp" axis by models.sharding's expert layout "experts" or "ffn" (`expert_parallel`).
 
     Returns:
       f32[M, D].
     """
-    num_tokens, d = x.shape
-    k, e = config.experts_per_token, config.num_experts
-    experts, weights = route(x, router, config, router_bias)  # [M, k]
     if EXPERT_MATMUL not in ("blocked", "ragged_dot"):
         raise ValueError(f"models.moe.EXPERT_MATMUL must be 'blocked' or 'ragged_dot'; got {EXPERT_MATMUL!r}")
-    biases = (None, None, None) if biases is None else biases
+    biases = (None, None, None) if biases is None else tuple(biases)
+    if parallel is not None:
+        return expert_parallel(x, router, w_gate, w_up, w_down, config, dtype, router_bias, biases, *parallel)
+    experts, weights = route(x, router, config, router_bias)  # [M, k]
+    return _experts(x, experts, weights, None, w_gate, w_up, w_down, biases, config, dtype)
+
+
+# The expert layouts of a tensor-parallel mixture of experts (models.sharding.plan_experts decides which):
+# "experts": expert axis split, each device holds E/N whole experts; "ffn": each expert's ffn width split
+# (gate/up column-parallel, down row-parallel), each device holds F/N of every expert.
+EXPERT_LAYOUTS = ("experts", "ffn")
+
+
+def expert_specs(layout, mxfp4):
+    """PartitionSpecs of one layer's (w_gate, w_up, w_down, (gate, up, down) biases) under `layout`, each
+    weight a spec or, MXFP4, a (codes, scales) pair of specs (their `in` axis last: codes [E, out, in / 2])."""
+    tp = TP
+    if layout == "experts":  # every expert tensor split on its leading expert axis
+        w = (P(tp), P(tp)) if mxfp4 else P(tp)
+        return w, w, w, (P(tp), P(tp), P(tp))
+    if mxfp4:  # gate/up: out = F (axis 1); down: in = F, the codes' and scales' last axis
+        col, row = (P(None, tp), P(None, tp)), (P(None, None, tp), P(None, None, tp))
+    else:  # gate/up [E, D, F] split on F; down [E, F, D] split on F
+        col, row = P(None, None, tp), P(None, tp)
+    return col, col, row, (P(None, tp), P(None, tp), P())
+
+
+def expert_parallel(x, router, w_gate, w_up, w_down, config, dtype, router_bias, biases, mesh, layout):
+    """`moe_ffn` with its expert weights sharded over mesh's "tp" axis, one `jax.shard_map`: the router is
+    replicated and every device routes every token (the same choices everywhere); each device runs the
+    grouped matmuls of its shard, then ONE psum of f32[M, D] (a dense tensor-parallel MLP's collective).
+
+    layout "experts": device d holds experts [d*E/N, (d+1)*E/N); every (token, choice) pair is computed
+    against the device's experts with the other devices' pairs masked out (their ids clamped into the
+    local range, their rows zeroed before the sum). Static shapes: each device computes as many rows as
+    one device would (the routing is not known when the program is built), and reads only its own
+    experts' weights.
+    layout "ffn": every device holds every expert's ffn columns [d*F/N, (d+1)*F/N) (row-parallel down);
+    each computes its partial products of every pair, the down bias added on device 0 only.
+    """
+    if layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"expert layout must be one of {EXPERT_LAYOUTS}; got {layout!r}")
+    mxfp4 = isinstance(w_gate, tuple)
+    sg, su, sd, sb = expert_specs(layout, mxfp4)
+    has_bias = tuple(b is not None for b in biases)
+    rb = router_bias if router_bias is not None else jnp.zeros((config.num_experts,), jnp.float32)
+    bs = tuple(b if b is not None else jnp.zeros((), jnp.float32) for b in biases)
+    bspecs = tuple(s if h else P() for s, h in zip(sb, has_bias))
+
+    def local(x, router, rb, wg, wu, wd, bg, bu, bd):
+        lb = tuple(b if h else None for b, h in zip((bg, bu, bd), has_bias))
+        experts, weights = route(x, router, config, rb if router_bias is not None else None)
+        d = jax.lax.axis_index(TP)
+        valid = None
+        if layout == "experts":
+            num_local = (wg[0] if mxfp4 else wg).shape[0]
+            local_ids = experts - d * num_local
+            valid = (local_ids >= 0) & (local_ids < num_local)
+            experts = jnp.clip(local_ids, 0, num_local - 1)
+        elif lb[2] is not None:  # the down bias joins each pair's whole sum once
+            lb = (lb[0], lb[1], jnp.where(d == 0, lb[2], jnp.zeros_like(lb[2])))
+        y = _experts(x, experts, weights, valid, wg, wu, wd, lb, config, dtype)
+        return jax.lax.psum(y, TP)
+
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), sg, su, sd) + bspecs, out_specs=P(),
+                       check_vma=False)
+    return fn(x, router, rb, w_gate, w_up, w_down, *bs)
+
+
+def _experts(x, experts, weights, valid, w_gate, w_up, w_down, biases, config, dtype):
+    """The routed pairs' expert outputs combined: sum over choices of weights * expert(x), pairs with
+    valid False (None: all valid) left out. experts index the leading axis of the weights given."""
+    num_tokens, d = x.shape
+    k = config.experts_per_token
+    w0 = w_gate[0] if isinstance(w_gate, tuple) else w_gate
+    e = w0.shape[0]  # the experts held (all, or one device's)
     if EXPERT_MATMUL == "blocked" and num_tokens * k < e:  # few pairs: read only the chosen experts' weights
-        return _gathered(x, experts, weights, w_gate, w_up, w_down, biases, config, dtype)
-    if EXPERT_MATMUL == "blocked":  # tiles of about the mean rows per expert, 8 to 128
+        y = _gathered(x, experts, w_gate, w_up, w_down, biases, config, dtype)
+    elif EXPERT_MATMUL == "blocked":  # tiles of about the mean rows per expert, 8 to 128
         tile = int(min(128, max(8, 2 ** round(np.log2(max(1, num_tokens * k // e))))))
-        return _blocked(x, experts, weights, w_gate, w_up, w_down, biases, config, dtype, tile)
+        y = _blocked(x, experts, w_gate, w_up, w_down, biases, config, dtype, tile, e)
+    else:
+        y = _ragged_dot(x, experts, w_gate, w_up, w_down, biases, config, dtype, e)
+    if valid is not None:
+        y = jnp.where(valid[..., None], y, 0.0)
+    return jnp.einsum("MkD,Mk->MD", y, weights)
+
+
+def _ragged_dot(x, experts, w_gate, w_up, w_down, biases, config, dtype, e):
+    """The "ragged_dot" form: one jax.lax.ragged_dot per matmul over the pairs sorted by expert
+    (group_sizes = rows per expert) -> f32[M, k, D], each pair's expert output."""
+    num_tokens, d = x.shape
+    k = experts.shape[1]
     flat = experts.reshape(num_tokens * k)  # pair p = token * k + choice
     order = jnp.argsort(flat, stable=True)  # pairs sorted by expert
     rows = jnp.take(x.astype(dtype), order // k, axis=0)  # [M*k, D] in expert order
@@ -162,18 +255,17 @@ def moe_ffn(x, router, w_gate, w_up, w_down, config, dtype, *, router_bias=None,
     # spelled out (JAX 0.12 has no inference rule for it): replicated, as the model runs on one device.
     sharding = getattr(jax.typeof(rows), "sharding", None)
     out = (NamedSharding(sharding.mesh, P()) if isinstance(sharding, NamedSharding) and not sharding.mesh.empty
-           and not sharding.mesh.are_all_axes_auto else None)
+           and not sharding.mesh.are_all_axes_auto and not sharding.mesh.manual_axes else None)
     sorted_e = flat[order]
     bias = lambda y, b: y if b is None else y + jnp.take(b, sorted_e, axis=0).astype(jnp.float32)
     mm = lambda a, w, b: bias(jax.lax.ragged_dot(a.astype(dtype), _float(w, dtype), group_sizes,
                                                  preferred_element_type=jnp.float32, out_sharding=out), b)
     h = glu(mm(rows, w_gate, biases[0]), mm(rows, w_up, biases[1]), config)  # f32[M*k, F]
     y = mm(h, w_down, biases[2])  # f32[M*k, D]
-    y = jnp.take(y, jnp.argsort(order), axis=0).reshape(num_tokens, k, d)  # back to (token, choice)
-    return jnp.einsum("MkD,Mk->MD", y, weights)
+    return jnp.take(y, jnp.argsort(order), axis=0).reshape(num_tokens, k, d)  # back to (token, choice)
 
 
-def _gathered(x, experts, weights, w_gate, w_up, w_down, biases, config, dtype):
+def _gathered(x, experts, w_gate, w_up, w_down, biases, config, dtype):
     """The small-batch form of `moe_ffn` (M*k < E pairs, e.g. a decode step): each pair's expert
     weights gathered ([M*k, D, F]) and applied to its token (batched matrix-vector products), so the
     step reads M*k experts' weights, not all E (XLA's GPU ragged_dot reads every expert)."""
@@ -186,16 +278,15 @@ def _gathered(x, experts, weights, w_gate, w_up, w_down, biases, config, dtype):
     mv = lambda a, w, b: bias(_mxfp4_matvec(a, *take(w), dtype) if isinstance(w, tuple) else jnp.einsum(
         "PI,PIO->PO", a.astype(dtype), take(w), preferred_element_type=jnp.float32), b)
     h = glu(mv(rows, w_gate, biases[0]), mv(rows, w_up, biases[1]), config)  # f32[M*k, F]
-    y = mv(h, w_down, biases[2]).reshape(num_tokens, k, d)
-    return jnp.einsum("MkD,Mk->MD", y, weights)
+    return mv(h, w_down, biases[2]).reshape(num_tokens, k, d)  # f32[M, k, D]
 
 
-def _blocked(x, experts, weights, w_gate, w_up, w_down, biases, config, dtype, tile):
+def _blocked(x, experts, w_gate, w_up, w_down, biases, config, dtype, tile, e):
     """`moe_ffn` as tiles of `tile` rows, each tile one expert's (the pairs sorted by expert, each
     expert's run padded to whole tiles): the expert weights gathered per tile and one batched matmul
     [tiles, tile, D] x [tiles, D, F]. Static shapes: at most ceil(M*k / tile) + E tiles."""
     num_tokens, d = x.shape
-    k, e = experts.shape[1], config.num_experts
+    k = experts.shape[1]
     pairs = num_tokens * k
     num_tiles = -(-pairs // tile) + e
     flat = experts.reshape(pairs)
@@ -215,8 +306,7 @@ def _blocked(x, experts, weights, w_gate, w_up, w_down, biases, config, dtype, t
                                          _float(take(w), dtype), preferred_element_type=jnp.float32), b)
     h = glu(mm(rows, w_gate, biases[0]), mm(rows, w_up, biases[1]), config)  # f32[tiles, tile, F]
     y = mm(h, w_down, biases[2]).reshape(num_tiles * tile, d)[pos]  # f32[M*k, D] in sorted order
-    y = jnp.take(y, jnp.argsort(order), axis=0).reshape(num_tokens, k, d)
-    return jnp.einsum("MkD,Mk->MD", y, weights)
+    return jnp.take(y, jnp.argsort(order), axis=0).reshape(num_tokens, k, d)  # f32[M, k, D]
 
 
 def moe_dense(x, router, w_gate, w_up, w_down, config, dtype, *, router_bias=None, biases=None):

@@ -31,6 +31,26 @@ Heads that do not divide N. Each device must hold whole kv heads and the q heads
 The MLP hidden size is padded the same way (zero gate/up columns, zero down rows: silu(0)*0 = 0,
 gelu(0) = 0) when it does not divide N.
 
+MIXTURES OF EXPERTS (`plan_experts`): attention is tensor-parallel as above; the router (and its
+bias) is replicated, every device routes every token; the experts are sharded in one of two layouts
+(models.moe.expert_parallel runs them in one shard_map, then ONE psum of f32[tokens, d_model], the
+collective of a dense MLP):
+
+- "ffn": each expert's ffn width split (gate/up column-parallel, down row-parallel; MXFP4 codes and
+  block scales with their weight, whole 32-value blocks per device), each device holds F/N of EVERY
+  expert and computes 1/N of every routed pair;
+- "experts" (expert parallelism): the expert axis split, device d holds experts [d*E/N, (d+1)*E/N)
+  whole (MXFP4 codes, scales and biases with them) and computes the pairs routed to them.
+
+"auto" takes "ffn" when F divides by N (MXFP4: F / 32 by N), else "experts" when E divides by N, else
+it refuses. Why "ffn" first: the engine's step has static shapes, so a device of the "experts"
+layout must provision rows for every pair (the routing is decided inside the step): it computes the
+flops of the whole MoE MLP and materializes E/N + M*k/tile gathered expert tiles at full width,
+where "ffn" computes 1/N of them; both read 1/N of the weights (a deviceless 8-H100 compile of a
+Qwen3-30B-A3B-shaped model: BENCHMARKS.md, "Mixture of experts under tensor parallelism").
+gpt-oss-120b's MXFP4 experts (F = 2880: 90 blocks) do not split over 8 devices, so they take
+"experts" (128 experts: 16 per device).
+
 EMBEDDINGS: split on the vocabulary, chosen by measurement (BENCHMARKS.md, a Llama-shaped 8B
 on 8 H100s, compiled deviceless): against replicated embeddings it saves 1.7 GiB per device
 (3.58 -> 1.87 GiB of weights) and 88 MiB of temporaries, for 3 small extra collectives per decode
@@ -71,6 +91,10 @@ RULES = {
     # Qwen3's per-head q/k RMSNorm scales ([head_dim], the same for every head) and Gemma-2's
     # post-attention / post-MLP norms: replicated
     "q_norm": REP, "k_norm": REP, "post_attn_norm": REP, "post_ffn_norm": REP,
+    # mixture of experts: the router replicated (the experts' rules depend on the layout: expert_rules)
+    "router": REP, "router_bias": REP,
+    # gpt-oss's attention sinks, one per q head: split with the q heads
+    "sinks": VEC,
     # quantized weights' per-output-channel scales (models.gpt.QUANT_AXIS) go with their weights'
     # output axis: split for column-parallel weights, replicated for row-parallel ones (their
     # output, d_model, is whole on every device), split on the vocabulary with the embeddings
@@ -89,8 +113,59 @@ for _w in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "tok_embeddings",
 # embeddings="replicated" (and a vocabulary that does not divide by N).
 REPLICATED_EMBEDDINGS = {name: REP for name in RULES if name.startswith(("tok_embeddings", "output"))}
 
+
+def expert_rules(layout: str) -> dict:
+    """The rules of a mixture of experts' expert parameters under expert layout "experts" or "ffn"
+    (models.moe.expert_specs: the same specs, per layer)."""
+    from jpa.models.moe import expert_specs
+
+    rules = {}
+    for mxfp4 in (False, True):
+        sg, su, sd, (bg, bu, bd) = expert_specs(layout, mxfp4)
+        for name, spec in (("experts_gate", sg), ("experts_up", su), ("experts_down", sd)):
+            if mxfp4:
+                rules[(name, True)], rules[(name + "_scales", True)] = spec
+            else:
+                rules[(name, False)] = spec
+        for name, spec in (("experts_gate_bias", bg), ("experts_up_bias", bu), ("experts_down_bias", bd)):
+            rules[(name, False)] = spec
+    return rules
+
+
+EXPERT_NAMES = {name for name, _ in expert_rules("experts")}
+# The expert layout `shard` gives a mixture of experts: "auto" (plan_experts' rule), "experts" or "ffn".
+EXPERT_LAYOUT = "auto"
+
+
+def plan_experts(config: ModelConfig, tensor_parallel: int, layout: str = "auto"):
+    """The expert layout ("experts" or "ffn", module docstring) of a mixture of experts on
+    `tensor_parallel` devices; None for a dense model or one device. ValueError when neither fits."""
+    n, e, f = tensor_parallel, config.num_experts, config.ffn_dim
+    if layout not in ("auto", "experts", "ffn"):
+        raise ValueError(f"expert layout must be 'auto', 'experts' or 'ffn'; got {layout!r}")
+    if not e or n == 1:
+        return None
+    mxfp4 = config.expert_format == "mxfp4"
+    ffn_fits = f % (32 * n if mxfp4 else n) == 0
+    why_ffn = (f"ffn_dim={f} ({f // 32} MXFP4 blocks of 32) does not split into {n} whole-block parts" if mxfp4
+               else f"ffn_dim={f} does not divide by {n}")
+    if layout == "ffn" and not ffn_fits:
+        raise ValueError(f"tensor_parallel={n}: expert layout 'ffn' needs each expert's width split evenly: {why_ffn}")
+    if layout == "experts" and e % n:
+        raise ValueError(f"tensor_parallel={n}: expert layout 'experts' needs num_experts={e} divisible by {n}")
+    if layout != "auto":
+        return layout
+    if ffn_fits:
+        return "ffn"
+    if e % n == 0:
+        return "experts"
+    raise ValueError(f"tensor_parallel={n} does not fit this mixture of experts: num_experts={e} does not divide "
+                     f"by {n} (expert layout 'experts') and {why_ffn} (layout 'ffn'); pick a tensor-parallel size "
+                     f"that divides one of them")
+
+
 # Parameters whose axes hold heads (q or kv) or the MLP hidden size, and which axis.
-_Q_HEAD_AXIS = {"wq": 1, "bq": 0, "wo": 0, "wq_scale": 0}
+_Q_HEAD_AXIS = {"wq": 1, "bq": 0, "wo": 0, "wq_scale": 0, "sinks": 0}
 _KV_HEAD_AXIS = {"wk": 1, "wv": 1, "bk": 0, "bv": 0, "wk_scale": 0, "wv_scale": 0}
 _FFN_AXIS = {"w_gate": 1, "w_up": 1, "b_up": 0, "w_down": 0, "w_gate_scale": 0, "w_up_scale": 0}
 # GGUF blocks kept packed: codes keep the weight's name; block scales / minimums lie like their weight.
@@ -135,6 +210,8 @@ class HeadPlan:
     orig_kv_heads: int
     orig_ffn_dim: int
     embeddings: str = "vocab"  # "vocab" (split on the vocabulary) or "replicated"
+    experts: str | None = None  # a mixture of experts' layout ("experts" or "ffn", plan_experts); None if dense
+    num_experts: int = 0
 
     def describe(self) -> str:
         n = self.tensor_parallel
@@ -148,20 +225,24 @@ class HeadPlan:
                   f"+{100 * (self.num_kv_heads / self.orig_kv_heads - 1):.0f}% KV memory and attention work)")
         if self.ffn_dim != self.orig_ffn_dim:
             s += f"; ffn padded {self.orig_ffn_dim} -> {self.ffn_dim}"
+        if self.experts == "experts":
+            s += f"; experts {self.num_experts // n} of {self.num_experts} per device (expert-parallel)"
+        elif self.experts == "ffn":
+            s += f"; every expert's ffn {self.ffn_dim // n} of {self.ffn_dim} per device"
         return s + f"; embeddings {self.embeddings}"
 
 
-def plan_heads(config: ModelConfig, tensor_parallel: int, embeddings: str = "vocab") -> HeadPlan:
+def plan_heads(config: ModelConfig, tensor_parallel: int, embeddings: str = "vocab",
+               experts: str | None = None) -> HeadPlan:
     """The HeadPlan of `config` on `tensor_parallel` devices (embeddings: "vocab" or "replicated";
-    "vocab" falls back to "replicated" when vocab_size does not divide by tensor_parallel)."""
+    "vocab" falls back to "replicated" when vocab_size does not divide by tensor_parallel; experts: a
+    mixture of experts' layout, `plan_experts`, default EXPERT_LAYOUT)."""
     n, nq, nk, g = tensor_parallel, config.num_q_heads, config.num_kv_heads, config.q_per_kv
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"tensor_parallel must be an int >= 1; got {n!r}")
     if embeddings not in ("vocab", "replicated"):
         raise ValueError(f"embeddings must be 'vocab' or 'replicated'; got {embeddings!r}")
-    if config.num_experts and n > 1:
-        raise ValueError(f"tensor_parallel={n}: a mixture-of-experts model (num_experts={config.num_experts}) "
-                         f"runs on one device for now (no tensor- or expert-parallel rule for its experts)")
+    layout = plan_experts(config, n, EXPERT_LAYOUT if experts is None else experts)
     if config.vocab_size % n:
         embeddings = "replicated"
     if nk % n == 0:
@@ -171,8 +252,9 @@ def plan_heads(config: ModelConfig, tensor_parallel: int, embeddings: str = "voc
     else:
         k = math.ceil(nk / n) * n
         mode, q = "pad", k * g
-    ffn = math.ceil(config.ffn_dim / n) * n
-    return HeadPlan(n, mode, q, k, ffn, nq, nk, config.ffn_dim, embeddings)
+    # A dense MLP's hidden size is padded to whole parts (zero columns); the experts' never (plan_experts).
+    ffn = config.ffn_dim if config.num_experts else math.ceil(config.ffn_dim / n) * n
+    return HeadPlan(n, mode, q, k, ffn, nq, nk, config.ffn_dim, embeddings, layout, config.num_experts)
 
 
 def _heads(x, axis, per_head, fn):
@@ -292,17 +374,24 @@ def _abstract_like(model, new_c):
     return new
 
 
-def param_specs(params, *, embeddings: str = "vocab"):
-    """The PartitionSpec of every leaf of a GPT's param state, by RULES (a pytree like params).
+def param_specs(params, *, embeddings: str = "vocab", experts: str | None = None):
+    """The PartitionSpec of every leaf of a GPT's param state, by RULES (a pytree like params); a mixture
+    of experts' expert parameters by `expert_rules(experts)` (experts: "experts" or "ffn"; None: replicated,
+    one device).
 
     Raises ValueError naming a parameter that has no rule.
     """
+    ex_rules = expert_rules(experts) if experts is not None else {}
     if embeddings not in ("replicated", "vocab"):
         raise ValueError(f"embeddings must be 'replicated' or 'vocab'; got {embeddings!r}")
     rules = {**RULES, **(REPLICATED_EMBEDDINGS if embeddings == "replicated" else {})}
 
     def spec(path, leaf):
         name = _name(path)
+        if name in EXPERT_NAMES:
+            # MXFP4 codes / scales (uint8) lie [E, out, in / 2], unlike a float weight's [E, in, out].
+            s = ex_rules.get((name, np.dtype(leaf.dtype) == np.uint8), REP)
+            return P(None, *s) if _stacked(path) else s
         if name not in rules:
             raise ValueError(f"parameter {name!r} has no tensor-parallel rule; add one to "
                              f"models.sharding.RULES (column-, row-parallel or replicated)")
@@ -322,8 +411,9 @@ def check_divisible(params, specs, tensor_parallel: int):
     jax.tree_util.tree_map_with_path(check, params, specs)
 
 
-def shard(model, mesh, *, embeddings: str = "vocab"):
+def shard(model, mesh, *, embeddings: str = "vocab", experts: str | None = None):
     """(model with its heads planned for mesh's "tp" axis and params placed on the mesh, HeadPlan).
+    experts: a mixture of experts' layout ("auto", "experts" or "ffn"; default EXPERT_LAYOUT).
 
     The returned GPT's config reports the planned head counts (the pool holds num_kv_heads
     heads). For an abstract model (nnx.eval_shape) the params become ShapeDtypeStructs carrying
@@ -331,10 +421,10 @@ def shard(model, mesh, *, embeddings: str = "vocab"):
     """
     check_mesh(mesh)
     tp = mesh.shape[TP]
-    plan = plan_heads(model.config, tp, embeddings)
+    plan = plan_heads(model.config, tp, embeddings, experts)
     model = with_heads(model, plan)
     graphdef, params = nnx.split(model)
-    specs = param_specs(params, embeddings=plan.embeddings)
+    specs = param_specs(params, embeddings=plan.embeddings, experts=plan.experts)
     check_divisible(params, specs, tp)
 
     def place(x, spec):
@@ -343,4 +433,6 @@ def shard(model, mesh, *, embeddings: str = "vocab"):
         return jax.device_put(x, named(mesh, spec))
 
     params = jax.tree_util.tree_map(place, params, specs)
-    return nnx.merge(graphdef, params), plan
+    out = nnx.merge(graphdef, params)
+    out.expert_layout = plan.experts  # how models.moe runs the experts under this mesh (None: dense)
+    return out, plan

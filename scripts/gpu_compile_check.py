@@ -14,7 +14,8 @@ GPU, ptxas included; kernel_checks and engine_checks: what is compiled and check
    decode and ragged configs of 4-32 layers ("full"), each next to the registers of its per-layer twin;
 3. the engine's unified step (`--only engine`) for SmolLM2-135M in bfloat16 with a pool of >= 1 GiB,
    attention chosen by `impl="auto"` for the target; or (`--only tp`, not part of "all") a
-   Llama-shaped model (`--model`) tensor-parallel over --tp compile-only GPUs of --hosts hosts:
+   Llama-shaped model or a mixture of experts (`--model`, `--expert-layout`) tensor-parallel over --tp
+   compile-only GPUs of --hosts hosts:
    collectives per step and per layer, which of them cross hosts, the pool shards aliased,
    per-device memory within the GPU's.
 
@@ -33,6 +34,9 @@ Needs the compile-only GPU packages: `pip install -e ".[gpu]"` (./run test insta
     python scripts/gpu_compile_check.py --target h100 --only tp --tp 8
     python scripts/gpu_compile_check.py --target h100 --only tp --tp 16 --hosts 2 --model llama3-70b \
         --pool-gib 56 --max-seqs 128 --max-model-len 8192
+    python scripts/gpu_compile_check.py --target h100 --only tp --tp 8 --model qwen3-30b-a3b   # MoE: experts sharded
+    python scripts/gpu_compile_check.py --target h100 --only tp --tp 8 --model gpt-oss-120b
+    python scripts/gpu_compile_check.py --target h100 --only moe-layer --tp 8 --model tiny-moe   # seconds
     python scripts/gpu_compile_check.py --markdown benchmarks/gpu_compile_*.json
 """
 
@@ -54,7 +58,8 @@ import time  # noqa: E402
 import jax  # noqa: E402
 
 from jpa.tools.deviceless import TARGETS, markdown  # noqa: E402
-from jpa.tools.engine_checks import MODEL_SHAPES, check_engine, check_tp  # noqa: E402
+from jpa.tools.engine_checks import (MODEL_SHAPES, check_engine, check_moe_layer, check_tp,  # noqa: E402
+                                     with_layers)
 from jpa.tools.kernel_checks import (check_auto, check_kernels, check_ragged, check_stacked_kernels,  # noqa: E402
                                      check_stacked_ragged)
 
@@ -65,11 +70,13 @@ def main(argv=None) -> int:
     p.add_argument("--target", choices=sorted(TARGETS))
     p.add_argument("--subset", choices=("fast", "full"), default="full",
                    help="fast: a spread-out subset of the kernel grid (CI); full: the covering grid")
-    p.add_argument("--only", choices=("kernels", "ragged", "stacked", "engine", "all", "tp", "auto"), default="all",
+    p.add_argument("--only", choices=("kernels", "ragged", "stacked", "engine", "all", "tp", "auto", "moe-layer"),
+                   default="all",
                    help="stacked: only the stacked-pool configurations of kernels and ragged (a loop over "
                         "layers, one [L, K, P, S_p, H] pool, the layer a traced index); "
                         "tp: the engine's unified step of a Llama-shaped model (--model) tensor-parallel over --tp "
-                        "GPUs of --hosts hosts (not part of 'all')")
+                        "GPUs of --hosts hosts (not part of 'all'); moe-layer: one layer's experts of a mixture of "
+                        "experts (--model) sharded over --tp GPUs, 64 and 512 tokens (not part of 'all')")
     p.add_argument("--engine-steps", default="plain,spec", help="the engine programs of --only engine: plain "
                    "and/or spec (n-gram speculative decoding), comma-separated")
     p.add_argument("--tp", type=int, default=8, help="GPUs of the tensor-parallel compile (--only tp)")
@@ -78,7 +85,10 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=None, help="--only tp: layers of the Llama-shaped model "
                    "(default: the --model's)")
     p.add_argument("--model", choices=sorted(MODEL_SHAPES), default="llama3-8b",
-                   help="--only tp: the model shapes (random abstract bf16 weights)")
+                   help="--only tp: the model shapes (random abstract bf16 weights; gpt-oss's experts MXFP4)")
+    p.add_argument("--expert-layout", choices=("auto", "experts", "ffn"), default="auto",
+                   help="--only tp with a mixture of experts: how the experts are sharded (models.sharding."
+                        "plan_experts: 'experts' splits the expert axis, 'ffn' each expert's width)")
     p.add_argument("--hosts", type=int, default=1, help="--only tp: spread the --tp GPUs over this many hosts "
                    "(topology HOSTSx1x(TP/HOSTS): one NVLink domain per host) and report which collectives "
                    "cross hosts")
@@ -98,7 +108,8 @@ def main(argv=None) -> int:
     if args.target is None:
         p.error(f"--target is required ({', '.join(sorted(TARGETS))})")
     try:
-        compiler = deviceless.Compiler(args.target, *((args.tp, args.hosts) if args.only == "tp" else (1, 1)))
+        compiler = deviceless.Compiler(args.target, *((args.tp, args.hosts) if args.only in ("tp", "moe-layer")
+                                                      else (1, 1)))
     except Exception as e:
         print(f"gpu_compile_check: cannot get a compile-only {args.target} device ({type(e).__name__}: "
               f"{str(e).splitlines()[0] if str(e) else ''}). Install the compile-only GPU packages: "
@@ -122,9 +133,11 @@ def main(argv=None) -> int:
     if args.only in ("engine", "all"):
         records += check_engine(compiler, which=tuple(args.engine_steps.split(",")))
     if args.only == "tp":
-        config = dict(MODEL_SHAPES[args.model], **({"num_layers": args.layers} if args.layers else {}))
+        config = with_layers(MODEL_SHAPES[args.model], args.layers)
         records += check_tp(compiler, config=config, embeddings=args.embeddings, pool_gib_per_device=args.pool_gib,
-                            max_seqs=args.max_seqs, max_model_len=args.max_model_len)
+                            max_seqs=args.max_seqs, max_model_len=args.max_model_len, experts=args.expert_layout)
+    if args.only == "moe-layer":
+        records += check_moe_layer(compiler, MODEL_SHAPES[args.model], experts=args.expert_layout)
     failed = [r for r in records if not r["ok"]]
     compiled = [r for r in records if "refused" not in r]
     summary = dict(target=args.target, device_kind=TARGETS[args.target]["kind"],

@@ -27,22 +27,10 @@ deviceless.configure_environment()
 import argparse  # noqa: E402
 import re  # noqa: E402
 
+from jpa.tools.engine_checks import GPT_OSS_20B, GPT_OSS_120B, QWEN3_30B_A3B, with_layers  # noqa: E402
 from jpa.tools.traffic import engine_traffic, table  # noqa: E402
 
-# config.json of Qwen/Qwen3-30B-A3B.
-QWEN3_30B_A3B = dict(family="llama", vocab_size=151936, d_model=2048, num_layers=48, num_q_heads=32, num_kv_heads=4,
-                     head_dim=128, ffn_dim=768, max_seq_len=40960, rope_base=1e6, norm_eps=1e-6, tie_embeddings=False,
-                     bos_token_id=0, eos_token_id=1, qk_norm=True, num_experts=128, experts_per_token=8,
-                     norm_topk_prob=True)
-# config.json of openai/gpt-oss-20b (models.hf.config_from_hf of it; the experts in MXFP4).
-GPT_OSS_20B = dict(family="llama", vocab_size=201088, d_model=2880, num_layers=24, num_q_heads=64, num_kv_heads=8,
-                   head_dim=64, ffn_dim=2880, max_seq_len=131072, rope_base=150000.0, norm_eps=1e-5,
-                   tie_embeddings=False, bos_token_id=0, eos_token_id=1, qkv_bias=True, o_bias=True, attn_sinks=True,
-                   router_bias=True, expert_bias=True, swiglu_clamp=(1.702, 7.0), num_experts=32, experts_per_token=4,
-                   norm_topk_prob=True, expert_format="mxfp4", sliding_window=128,
-                   rope_scaling=("yarn", 32.0, 32.0, 1.0, 4096, 1.3465735902799727, 0.0))
-# openai/gpt-oss-120b: 36 layers of 128 experts, otherwise gpt-oss-20b's shapes.
-GPT_OSS_120B = dict(GPT_OSS_20B, num_layers=36, num_experts=128)
+# The released configs' shapes (jpa.tools.engine_checks, shared with gpu_compile_check.py --only tp).
 MODELS = {"qwen3-30b-a3b": QWEN3_30B_A3B, "gpt-oss-20b": GPT_OSS_20B, "gpt-oss-120b": GPT_OSS_120B}
 
 
@@ -60,9 +48,7 @@ def main(argv=None) -> int:
     if args.expert_matmul:
         from jpa.models import moe
         moe.EXPERT_MATMUL = args.expert_matmul
-    shapes = dict(MODELS[args.model], num_layers=args.layers)
-    if shapes.get("sliding_window"):  # gpt-oss: the even layers slide
-        shapes["sliding_window_layers"] = tuple(range(0, args.layers, 2))
+    shapes = with_layers(MODELS[args.model], args.layers)  # gpt-oss: the even layers slide
     for seqs in args.max_seqs:
         r = engine_traffic(args.target, shapes, max_seqs=seqs, context=args.context, pool_gib=8.0,
                            label=f"{args.model} ({args.layers} layers)")

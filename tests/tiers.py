@@ -275,6 +275,16 @@ SOAK = {
     "tests/test_bench_moe_hf.py::test_generate_gpt_oss_with_prefix_caching_and_ngram_speculation[gpt_oss_mxfp4-24]":
         "60 s: jpa generate on the MXFP4 gpt-oss (the bf16 one stays in the bench tier; the main tier keeps "
         "MXFP4's prefill logits against transformers)",
+    "tests/test_bench_moe_ep.py::test_engine_greedy_tokens_and_logprobs_under_expert_parallelism":
+        "5 min: the engine at tp = 1, 2, 4 (and 2 with n-gram speculation) on Qwen3-MoE and gpt-oss MXFP4, 8 engine "
+        "compiles (the main tier keeps Qwen3-MoE's whole-model prefill logits at EP=2 and the sharded MoE MLP "
+        "against one device in both layouts)",
+    "tests/test_bench_moe_ep.py::test_model_logits_under_expert_parallelism":
+        "20-25 s: gpt-oss MXFP4's whole-model prefill and decode logits at EP=4 (the main tier keeps Qwen3-MoE's "
+        "whole-model prefill logits at EP=2 and the sharded MoE MLP in both layouts)",
+    "tests/test_bench_moe_ep.py::test_moe_tp_compiles_of_the_large_shapes":
+        "2-3 min each: Qwen3-30B-A3B and gpt-oss-120b shapes on 8 H100s, deviceless (the bench tier keeps the tiny "
+        "MoE's expert-parallel compile with the same checks)",
     "tests/test_bench_decode_pad.py":
         "1-2 min: the idle decode row of max_seqs 1 on GPU changes no output, run on the CPU (tests/test_traffic.py "
         "keeps the GPU step's weights in place)",

@@ -147,19 +147,53 @@ LLAMA_SHAPED = dict(family="llama", vocab_size=128256, d_model=4096, num_layers=
 # Llama-3-70B's shapes (its config.json: 80 layers, hidden 8192, 64 heads, 8 kv heads, head_dim 128,
 # intermediate 28672, vocab 128256, rope_theta 500000, 8192 positions, untied head).
 LLAMA3_70B_SHAPED = dict(LLAMA_SHAPED, d_model=8192, num_layers=80, num_q_heads=64, ffn_dim=28672)
-MODEL_SHAPES = {"llama3-8b": LLAMA_SHAPED, "llama3-70b": LLAMA3_70B_SHAPED}
+# Mixtures of experts (models.moe). Qwen/Qwen3-30B-A3B's config.json: 48 layers, hidden 2048, 32 q / 4 kv heads of
+# 128, 128 experts of width 768, top-8 renormalized, q/k RMSNorm, vocab 151936, untied head.
+QWEN3_30B_A3B = dict(family="llama", vocab_size=151936, d_model=2048, num_layers=48, num_q_heads=32, num_kv_heads=4,
+                     head_dim=128, ffn_dim=768, max_seq_len=40960, rope_base=1e6, norm_eps=1e-6, tie_embeddings=False,
+                     bos_token_id=0, eos_token_id=1, qk_norm=True, num_experts=128, experts_per_token=8,
+                     norm_topk_prob=True)
+# openai/gpt-oss-20b's config.json (models.hf.config_from_hf of it): 24 layers, hidden 2880, 64 q / 8 kv heads of
+# 64, 32 experts of width 2880 in MXFP4, top-4, sinks, q/k/v/o biases, sliding window 128 on the even layers, YaRN.
+GPT_OSS_20B = dict(family="llama", vocab_size=201088, d_model=2880, num_layers=24, num_q_heads=64, num_kv_heads=8,
+                   head_dim=64, ffn_dim=2880, max_seq_len=131072, rope_base=150000.0, norm_eps=1e-5,
+                   tie_embeddings=False, bos_token_id=0, eos_token_id=1, qkv_bias=True, o_bias=True, attn_sinks=True,
+                   router_bias=True, expert_bias=True, swiglu_clamp=(1.702, 7.0), num_experts=32, experts_per_token=4,
+                   norm_topk_prob=True, expert_format="mxfp4", sliding_window=128,
+                   sliding_window_layers=tuple(range(0, 24, 2)),
+                   rope_scaling=("yarn", 32.0, 32.0, 1.0, 4096, 1.3465735902799727, 0.0))
+# openai/gpt-oss-120b: 36 layers of 128 experts, otherwise gpt-oss-20b's shapes.
+GPT_OSS_120B = dict(GPT_OSS_20B, num_layers=36, num_experts=128, sliding_window_layers=tuple(range(0, 36, 2)))
+# A tiny gpt-oss-like mixture of experts (8 MXFP4 experts of width 64, top-2, sinks, biases; 8 kv heads): the
+# fast case of the tensor-parallel MoE compile (tests/test_bench_moe_ep.py), expert-parallel over 8 devices.
+TINY_MOE = dict(GPT_OSS_20B, vocab_size=2048, d_model=256, num_layers=2, num_q_heads=8, num_kv_heads=8, head_dim=64,
+                ffn_dim=64, max_seq_len=4096, num_experts=8, experts_per_token=2, sliding_window=None,
+                sliding_window_layers=(), rope_scaling=())
+MODEL_SHAPES = {"llama3-8b": LLAMA_SHAPED, "llama3-70b": LLAMA3_70B_SHAPED, "qwen3-30b-a3b": QWEN3_30B_A3B,
+                "gpt-oss-20b": GPT_OSS_20B, "gpt-oss-120b": GPT_OSS_120B, "tiny-moe": TINY_MOE}
+
+
+def with_layers(shapes: dict, num_layers: int | None) -> dict:
+    """A MODEL_SHAPES entry at num_layers layers (None: its own), gpt-oss's even layers sliding as released."""
+    if not num_layers:
+        return dict(shapes)
+    out = dict(shapes, num_layers=num_layers)
+    if out.get("sliding_window_layers"):
+        out["sliding_window_layers"] = tuple(range(0, num_layers, 2))
+    return out
 
 
 def tp_engine_steps(compiler: Compiler, config: dict | None = None, pool_gib_per_device: float = 8.0,
                     max_seqs: int = 64, page_size: int = 16, max_model_len: int = 4096, steps_per_call: int = 8,
-                    budget: int = 512, embeddings: str = "vocab"):
+                    budget: int = 512, embeddings: str = "vocab", experts: str = "auto"):
     """The engine's unified step (a `budget`-token ragged pass, then the decode loop) of a
     tensor-parallel model on compiler.tp_mesh.
 
     The model is abstract (nnx.eval_shape) and sharded by models.sharding (params become
     ShapeDtypeStructs carrying their NamedShardings); the runner's state is abstract and sharded
-    as the engine shards it. Returns (records' inputs, details): [(name, fn, args, jit_options,
-    per-device pool shapes, expected kernel calls, model passes)] and a dict of the sizes.
+    as the engine shards it. experts: a mixture of experts' layout (models.sharding.plan_experts).
+    Returns (records' inputs, details): [(name, fn, args, jit_options, per-device pool shapes,
+    expected kernel calls, model passes)] and a dict of the sizes.
     """
     from flax import nnx
 
@@ -172,7 +206,7 @@ def tp_engine_steps(compiler: Compiler, config: dict | None = None, pool_gib_per
     tp = mesh.shape["tp"]
     config = ModelConfig(**(config or LLAMA_SHAPED))
     model = GPTForEngine(nnx.eval_shape(lambda: GPT(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))
-    model = model.shard(mesh, embeddings=embeddings)
+    model = model.shard(mesh, embeddings=embeddings, **({"experts": experts} if config.num_experts else {}))
     mc = model.config
     cache_cfg = CacheConfig.from_memory(int(pool_gib_per_device * 2 ** 30 * tp), num_layers=mc.num_layers,
                                         num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
@@ -186,6 +220,10 @@ def tp_engine_steps(compiler: Compiler, config: dict | None = None, pool_gib_per
     pools = [local_pool] * 2  # the stacked K and V pools, each device's heads
     param_bytes = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize
                       for x in jax.tree_util.tree_leaves(model.params))
+    layer_params = model.params["layers"]
+    spec_names = [n for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "sinks", "router", "experts_gate",
+                              "experts_gate_scales", "experts_up", "experts_down", "experts_down_scales",
+                              "experts_gate_bias", "experts_down_bias") if n in layer_params]
     details = dict(tp=tp, head_plan=model.head_plan.describe(), embeddings=model.head_plan.embeddings,
                    head_plan_mode=model.head_plan.mode, orig_kv_heads=model.head_plan.orig_kv_heads,
                    budget=budget, max_model_len=max_model_len, pool_gib_per_device=pool_gib_per_device,
@@ -195,13 +233,15 @@ def tp_engine_steps(compiler: Compiler, config: dict | None = None, pool_gib_per
                    num_pages=cache_cfg.num_pages, max_seqs=max_seqs, steps_per_call=steps_per_call,
                    param_bytes_per_device=param_bytes, pool_bytes_per_device=cache_cfg.nbytes // tp,
                    pool_spec=str(runner.cache.k.sharding.spec),
-                   param_specs={n: str(model.params["layers"][n].sharding.spec)
-                                for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")})
+                   param_specs={n: str(layer_params[n].sharding.spec) for n in spec_names},
+                   num_experts=mc.num_experts, expert_layout=model.head_plan.experts,
+                   expert_format=mc.expert_format if mc.num_experts else None)
     # Two model passes (the ragged pass and the decode loop's body), each with the kernel calls of
     # a ragged op (2 per layer) or a decode (1 per layer).
+    label = f"{mc.num_experts}-expert MoE ({model.head_plan.experts}), " if mc.num_experts else ""
     steps = [
-        (f"tp={tp} unified step ({budget}-token budget + {steps_per_call} decode steps, {max_seqs} seqs, "
-         f"{cache_cfg.num_pages} pages)", fn, args, jit_options, pools, 3, 2),
+        (f"tp={tp} {label}unified step ({budget}-token budget + {steps_per_call} decode steps, {max_seqs} seqs, "
+         f"{cache_cfg.num_pages} pages)", fn, args, jit_options, pools, 3 * layer_period(mc), 2),
     ]
     return steps, details
 
@@ -259,6 +299,13 @@ def check_tp(compiler: Compiler, log=print, **sizes) -> list:
                    and c["type"].endswith(f",{details['d_model']}]")]
             rec["row_parallel_all_reduces"] = len(row)
             rec["other_collectives"] = collective_summary([c for c in items if c not in row], num_layers)
+            # Every collective: where it runs (a layer body, another loop, once), how often, its role.
+            table = host_table(host_collectives(hlo, [d.process_index for d in compiler.tp_mesh.devices.flat]),
+                               num_layers)
+            for r in table:
+                r["role"] = cross_host_role(r, details["d_model"])
+            rec["collective_table"] = [{k: r[k] for k in ("op", "type", "where", "count", "per_layer", "loops",
+                                                          "bytes_each", "role")} for r in table]
             if len(row) != 2 * passes * num_layers:
                 rec["problems"].append(f"expected 2 row-parallel all-reduces per layer and model pass "
                                        f"({2 * passes * num_layers}); found {len(row)}")
@@ -285,6 +332,11 @@ def check_tp(compiler: Compiler, log=print, **sizes) -> list:
             if key in rec:
                 log(f"      {key}: " + "; ".join(f"{op} x{v['count']} ({v['per_layer']:.2f}/layer) {v['types']} "
                                                   f"{v['bytes'] / 2**20:.2f} MiB" for op, v in rec[key].items()))
+        if compiler.hosts == 1:
+            for r in rec.get("collective_table", []):
+                where = (f"{r['per_layer']:g} per layer" if r["where"] == "layer"
+                         else f"x{r['count']} ({'in loops ' + 'x'.join('?' if t is None else str(t) for t in r['loops']) if r['loops'] else 'once'})")
+                log(f"      {r['op']} {r['type']} {where}, {r['bytes_each'] / 2**20:.3f} MiB each: {r['role']}")
         for r in rec.get("host_collectives", []):
             loops = "x".join("?" if t is None else str(t) for t in r["loops"])
             where = (f"{r['per_layer']:g} per layer" if r["where"] == "layer"
@@ -292,4 +344,68 @@ def check_tp(compiler: Compiler, log=print, **sizes) -> list:
             log(f"      {'CROSS-HOST' if r['cross_host'] else 'in-host   '} {r['op']} {r['type']} {where}, "
                 f"{r['bytes_each'] / 2**20:.3f} MiB each, groups of {r['group_size']} over {r['hosts_per_group']} "
                 f"host(s): {r['role']}")
+    return records
+
+
+# ---- 3. One mixture-of-experts layer's experts, sharded over N GPUs (the fast case) ----
+
+def check_moe_layer(compiler: Compiler, config: dict, token_counts=(64, 512), experts: str = "auto",
+                    log=print) -> list:
+    """Compiles one layer's MoE MLP (models.moe.moe_ffn with parallel=(mesh, layout)) over compiler.tp_mesh
+    for each token count (64: a decode step of 64 sequences; 512: a prompt pass), abstract weights placed
+    by models.sharding's expert rules. Checks: exactly one collective, an all-reduce of f32[tokens,
+    d_model] (the experts' psum); per device only its shard of the expert weights as arguments."""
+    from jpa.models import ModelConfig, moe, sharding
+
+    mesh = compiler.tp_mesh
+    tp = mesh.shape["tp"]
+    c = ModelConfig(**config)
+    layout = sharding.plan_experts(c, tp, experts)
+    e, d, f = c.num_experts, c.d_model, c.ffn_dim
+    mxfp4 = c.expert_format == "mxfp4"
+    sg, su, sd, (bg, bu, bd) = moe.expert_specs(layout, mxfp4)
+    bf16 = jnp.bfloat16
+    sds = lambda shape, dtype, spec: jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(mesh, spec))  # noqa: E731
+
+    def weight(o, i, spec):  # an [E, in, out] weight, or MXFP4 codes [E, out, in / 2] + scales [E, out, in / 32]
+        if mxfp4:
+            return (sds((e, o, i // 2), jnp.uint8, spec[0]), sds((e, o, i // 32), jnp.uint8, spec[1]))
+        return sds((e, i, o), bf16, spec)
+
+    ws = (sds((d, e), bf16, jax.sharding.PartitionSpec()), weight(f, d, sg), weight(f, d, su), weight(d, f, sd),
+          sds((e,), bf16, jax.sharding.PartitionSpec()) if c.router_bias else None,
+          (sds((e, f), bf16, bg), sds((e, f), bf16, bu), sds((e, d), bf16, bd)) if c.expert_bias else None)
+    local_bytes = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize
+                      for x in jax.tree_util.tree_leaves(ws))
+    full_bytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(ws))
+    records = []
+    for tokens in token_counts:
+        x = jax.ShapeDtypeStruct((tokens, d), jnp.float32, sharding=jax.sharding.NamedSharding(
+            mesh, jax.sharding.PartitionSpec()))
+
+        def fn(x, ws):
+            return moe.moe_ffn(x, ws[0], ws[1], ws[2], ws[3], c, bf16, router_bias=ws[4], biases=ws[5],
+                               parallel=(mesh, layout))
+
+        form = "gathered" if tokens * c.experts_per_token < (e // tp if layout == "experts" else e) else "blocked"
+        rec = compiler.compile(f"tp={tp} MoE layer ({e} experts, {layout}, {form} form, {tokens} tokens)", fn,
+                               (x, ws), keep_hlo=True)
+        hlo = rec.pop("hlo", "")
+        rec.update(kind="moe_layer", tp=tp, expert_layout=layout, tokens=tokens, form=form,
+                   weight_bytes_per_device=local_bytes, weight_bytes_all=full_bytes)
+        if "error" not in rec:
+            items = [c2 for v in collectives(hlo).values() for c2 in v]
+            rec["collectives"] = [f"{c2['op']} {c2['type']}" for c2 in items]
+            want = [f"all-reduce f32[{tokens},{d}]"]
+            if rec["collectives"] != want:
+                rec["problems"].append(f"expected exactly {want}; found {rec['collectives']}")
+            # The weights are arguments: each device's are its shard (1/N of them), never gathered whole.
+            if rec["argument_bytes"] > local_bytes + tokens * d * 4 + 4096:
+                rec["problems"].append(f"arguments {rec['argument_bytes']} bytes: more than the device's expert shard "
+                                       f"({local_bytes}) and the tokens")
+            rec["ok"] = not rec["problems"]
+        records.append(rec)
+        log(record_line(rec))
+        log(f"      collectives: {rec.get('collectives')}; expert weights per device {local_bytes / 2**20:.1f} MiB "
+            f"of {full_bytes / 2**20:.1f} MiB")
     return records

@@ -369,7 +369,7 @@ def cross_host_problems(items: list, *, d_model: int, head_dim: int, num_pages: 
 def cross_host_role(c: dict, d_model: int) -> str:
     """What a collective is for in the engine's tensor-parallel step, read from its op and type."""
     if c["op"] == "all-reduce" and c["type"].startswith("f32[") and c["type"].endswith(f",{d_model}]"):
-        return "row-parallel sum (after wo / w_down)"
+        return "row-parallel sum (after wo / w_down, or a mixture of experts' psum)"
     if c["op"] == "all-reduce" and c["type"].startswith("bf16[") and c["type"].endswith(f",{d_model}]"):
         return "embedding lookup (vocabulary-parallel)"
     return "sampling / logprobs over the vocabulary shards"
