@@ -31,9 +31,13 @@ class Pool:
     def free(self):
         return self.num_pages - sum(math.ceil(n / self.page_size) for n in self.lens)
 
+    def own(self):
+        """Pages each slot alone holds (this model shares no page): what releasing it frees."""
+        return np.array([math.ceil(n / self.page_size) for n in self.lens]), np.zeros(len(self.lens), bool)
+
     def report(self, sched):
         assert self.free() >= 0, "the scheduler over-committed the pool"
-        sched.set_pages(self.free(), list(self.lens))
+        sched.set_pages(self.free(), list(self.lens), *self.own())
 
 
 def make(num_pages=16, page_size=4, max_seqs=4, steps=2, watermark=0.0, max_model_len=None):
@@ -82,7 +86,7 @@ def play(sched, pool, plan, first_token=ord("a"), loop=None, finished_on_device=
                      top_logprobs=np.zeros(out.shape + (2,), np.float32)),
         steps=np.int32(steps),
         state=DeviceCounts(num_free=np.int32(pool.free()), seq_lens=np.array(pool.lens), active=active,
-                           tables=np.zeros((n, 1), np.int32)),
+                           tables=np.zeros((n, 1), np.int32), own=pool.own()[0], shared=pool.own()[1]),
         usage=PageUsage(cow_copies=np.int32(0), peak_pages=np.int32(0), peak_tokens=np.int32(0)))
     return sched.stepped(plan, result)
 

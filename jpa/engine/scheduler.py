@@ -122,6 +122,8 @@ class RoundPlan:
     evict: tuple[int, ...] = ()      # cached-idle pages the device evicts first (prefix caching)
     swap_in: tuple[SwapIn, ...] = ()  # KV offload: page moves done before the step (the evictions first)
     spill: tuple[int, ...] = ()      # KV offload: the evicted pages copied to the host tier first
+    release: tuple[int, ...] = ()    # slots the step releases before anything else (released on the host
+                                     # since the last device call: stop strings, aborts, preemptions)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -185,9 +187,14 @@ class Scheduler:
         self.recomputed_by_rule = 0                # preemptions the cost rule sent to recompute
         self.prefix = PrefixCache(page_size, host=host_tier) if prefix_caching else None
         self._swap_outs: list[tuple[int, Request, int]] = []   # (slot, request, block pages) to copy out
-        self.free_pages = num_pages                # device truth (stepped / set_pages)
+        # The device's counts after its last call (stepped / set_pages): free pages, and per slot the
+        # pages only it references and whether it shares uncached pages (`batch.DeviceCounts`).
+        self.device_free_pages = num_pages
+        self._own = self._shared = None
         self.num_preemptions = 0
-        self._to_release: list[tuple[int, Request]] = []   # (slot, request) finished on the host, pages held
+        # (slot, request) released on the host (stop strings, aborts, preemptions) whose pages the
+        # device still holds: the next step releases them first (`RoundPlan.release`).
+        self._to_release: list[tuple[int, Request]] = []
         self._admissions = 0
         self._preempted_last_round = False
 
@@ -234,8 +241,8 @@ class Scheduler:
         """Takes an unfinished request out (finish_reason "abort"); returns it first, then the
         samples that had not forked from it yet (aborted with it); [] if it is not here.
 
-        Slots it held are queued for release: the engine must release what take_releases()
-        returns before the next round (the slots are free to admit into).
+        Slots it held are queued for release: the next round's step releases them first
+        (`RoundPlan.release`), or the engine sooner (`take_releases`); the slots are free to admit into.
         """
         req = next((r for r in self.waiting if r.request_id == request_id), None)
         if req is None:
@@ -272,11 +279,48 @@ class Scheduler:
 
     # ------------------------------------------------------------------ page projections
 
-    def set_pages(self, free_pages: int, seq_lens) -> None:
-        """Records the device's PageState after a device call: free pages, tokens per slot."""
-        self.free_pages = int(free_pages)
+    def set_pages(self, free_pages: int, seq_lens, own=None, shared=None, *, released=None) -> None:
+        """Records the device's PageState after a device call: free pages, tokens per slot, and
+        per slot the pages only it references and whether it shares uncached ones (`own`,
+        `shared` of `batch.DeviceCounts`; None: unknown, so a pending release counts as freeing
+        nothing and is not exact). released: the slots of the pending release that call released
+        (None: all of them)."""
+        self.device_free_pages = int(free_pages)
+        self._own, self._shared = own, shared
+        self._to_release = [] if released is None else [(s, r) for s, r in self._to_release if s not in released]
         for slot, req in self.running.items():
             req.num_computed_tokens = int(seq_lens[slot])
+
+    def _freed(self, slots) -> tuple[int, bool]:
+        """(pages that releasing `slots` frees by the device's last counts, whether that is exact):
+        the sum of their `own` pages, exact unless two of them share uncached pages (then a lower
+        bound), and (0, False) when the device's counts are unknown."""
+        slots = set(slots)
+        if not slots:
+            return 0, True
+        if self._own is None:
+            return 0, False
+        return (sum(int(self._own[s]) for s in slots),
+                sum(bool(self._shared[s]) for s in slots) <= 1)
+
+    @property
+    def pending_release(self) -> tuple[int, ...]:
+        """Slots released on the host whose pages the device still holds (the next step releases them)."""
+        return tuple(s for s, _ in self._to_release)
+
+    def release_is_exact(self) -> bool:
+        """Whether `free_pages` (the device's count plus what the pending release frees) is exact."""
+        return self._freed(self.pending_release)[1]
+
+    @property
+    def free_pages(self) -> int:
+        """Free pages once the pending release is done: the device's count plus the pages the
+        released slots alone hold (exact when `release_is_exact()`, else a lower bound)."""
+        return self.device_free_pages + self._freed(self.pending_release)[0]
+
+    @free_pages.setter
+    def free_pages(self, value: int) -> None:   # tests: what the host believes
+        self.device_free_pages = int(value) - self._freed(self.pending_release)[0]
 
     def _growth(self, num_tokens: int, steps: int) -> int:
         """Pages a sequence holding num_tokens takes to grow by `steps` tokens (capped at the limit)."""
@@ -361,7 +405,7 @@ class Scheduler:
         # is a page of prefill; its copy, out and back).
         pays = self.swap_cost is None or self.swap_cost.prefers_swap(self.page_size)
         spill = tuple(self.prefix.spillable(evict)) if evict and pays else ()
-        return RoundPlan(entries, steps, tuple(r.admitted), evict, tuple(r.swap_in), spill)
+        return RoundPlan(entries, steps, tuple(r.admitted), evict, tuple(r.swap_in), spill, self.pending_release)
 
     def _fit(self, r: "_RoundDraft", seq_len: int) -> int:
         """Tokens a sequence holding seq_len can add within the free pages."""
@@ -528,7 +572,8 @@ class Scheduler:
         counts, then each entry's token (read where the entry is a decode row or a final chunk),
         then the decode steps' tokens and whether the device still decodes each slot. spilled:
         {evicted page: its data in host memory} for plan.spill (KV offload)."""
-        self.set_pages(result.state.num_free, result.state.seq_lens)
+        st = result.state
+        self.set_pages(st.num_free, st.seq_lens, st.own, st.shared, released=plan.release)
         if self.prefix is not None:
             swaps = {s.slot: s for s in plan.swap_in}
             rows = {e.slot: row for e, row in zip(plan.entries, result.state.tables)}
@@ -654,29 +699,32 @@ class Scheduler:
             self._swap_outs.append((req.slot, req, size))
 
     def take_releases(self) -> list[int]:
-        """Slots finished on the host (stop strings, aborts) whose pages the device still holds."""
+        """Takes the pending release (slots finished on the host, aborted or preempted whose pages
+        the device still holds) for a device call of its own (`ModelRunner.retire`); the next
+        round's step then has nothing to release."""
         release, self._to_release = self._to_release, []
         return [slot for slot, _ in release]
 
-    def end_round(self) -> tuple[list[int], list[Request]]:
-        """Decides what the device must release before the next round.
+    def end_round(self, flush=None) -> tuple[list[int], list[Request]]:
+        """Decides what the device must release: the next round's step does it first (`RoundPlan.release`).
 
-        Returns (slots to release, preempted requests). Host-finished requests (stop strings,
-        aborts) are released first; if the next step still cannot get a page for every running
-        sequence, the newest admitted requests are preempted until it can. The running set never
-        empties for lack of pages: a lone sequence fits (max_model_len <= the pool).
+        Returns (the pending release's slots, preempted requests). Host-finished requests (stop
+        strings, aborts) are released first; if the next step still cannot get a page for every
+        running sequence, the newest admitted requests are preempted until it can. The running set
+        never empties for lack of pages: a lone sequence fits (max_model_len <= the pool).
+
+        The pages the release frees are the device's count (`own` of the released slots); where
+        that is not exact (two released slots share uncached pages), `flush()` (the engine's
+        `flush_releases`: the release as a call of its own, then `set_pages`) is called first, so a
+        request is preempted only when the pool after the release is short. Without `flush`, the
+        count is a lower bound.
         """
-        released = [r for _, r in self._to_release]
-        release = self.take_releases()
-
         def available():
-            # Pages free once `released` is released: their own pages (a sequence shares only
-            # cached pages, which stay cached, and a forked sample's last page until its copy)
-            # plus the cached-idle pages eviction can free.
-            own = sum(pages_for_tokens(r.num_computed_tokens, self.page_size) - len(r.cache_refs) - r.cow_pending
-                      for r in released)
+            # Pages free once the pending release is done, plus the cached-idle pages eviction can free.
+            if flush is not None and not self.release_is_exact():
+                flush()
             idle = self.prefix.num_idle(self.held_cached_pages()) if self.prefix is not None else 0
-            return self.free_pages + own + idle
+            return self.free_pages + idle
 
         preempted = []
         while self.running and self.next_step_pages() > available():
@@ -684,11 +732,9 @@ class Scheduler:
             req = req.leader if req.phase is Phase.FORKING else req   # a sample waiting to fork goes with its leader
             for sib in req.siblings:
                 if sib.phase is Phase.FORKING:
-                    release.append(sib.slot)
-                    released.append(sib)
+                    self._to_release.append((sib.slot, sib))
                     self._move(sib, Phase.WAITING)
-            release.append(req.slot)
-            released.append(req)
+            self._to_release.append((req.slot, req))
             self._swap_out(req)
             self._move(req, Phase.WAITING)
             req.num_preemptions += 1
@@ -697,4 +743,4 @@ class Scheduler:
             preempted.append(req)
         if preempted:
             self._preempted_last_round = True
-        return release, preempted
+        return list(self.pending_release), preempted
