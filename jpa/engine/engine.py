@@ -8,37 +8,43 @@ A round (`step()`) is three verbs, as nano-vllm's `step()` and vLLM v1's engine 
 
 `schedule` gives one token to each decoding request, then chunks of partly prefilled and newly
 admitted prompts. `execute` turns the plan into the step's typed input (`make_step_batch`, over
-the engine's one `EngineShapes` record) and ONE device call runs the ragged step over it and then
-up to `steps_per_call` decode steps (all of them when no prompt work is pending, none when the
-next round has prompt work); the new tokens come back together with the page state
-(`StepResult`). In `update`, requests the device finished (EOS, max_new_tokens, length limit) have
-already released their pages; stop strings are found on the host by incremental detokenization
-and those requests are released; if the next step still cannot get pages, the newest running
-request is preempted by recompute (its pages released, back to the front of the queue with its
-generated tokens kept; on re-admission they are prefilled again and decoding resumes where it
-stopped). See `jpa.engine.scheduler` for the policies.
+the engine's one `EngineShapes` record) and ONE device call first releases the slots the host
+released since the last call (`RoundPlan.release`: stop strings, aborts, preemptions), then runs
+the ragged step over the plan and then up to `steps_per_call` decode steps (all of them when no
+prompt work is pending, none when the next round has prompt work); the new tokens come back
+together with the page state (`StepResult`). In `update`, requests the device finished (EOS,
+max_new_tokens, length limit) have already released their pages; stop strings are found on the
+host by incremental detokenization and those requests are released; if the next step still cannot
+get pages, the newest running request is preempted by recompute (its pages released, back to the
+front of the queue with its generated tokens kept; on re-admission they are prefilled again and
+decoding resumes where it stopped). See `jpa.engine.scheduler` for the policies.
 
-Releases (`Scheduler.end_round` -> `ModelRunner.retire`) remain a small device call of their
-own after the step, made only in rounds that release something (a stop string, a preemption; the
-device releases EOS / length / max_new_tokens finishes inside the step itself). The next round's
-plan (admission, preemption, evictions) is made from the device's free page count and seq_lens
-after the release: the scheduler's one source of page counts (it keeps no count of its own).
-Riding the release in the next StepBatch would mean planning that round from a host projection
-of what the release frees (shared prefix pages and forked samples' last pages make that a second
-page count to keep exact), and the page-state checks between rounds (`check_page_state`,
-`pool_is_whole`) would see slots the host has released and the device not yet.
+Releases ride in the next round's StepBatch: a round makes one device call whatever it
+releases. That next round is planned (admission, preemption, evictions) from the device's figures
+of the last call: its free page count plus, per released slot, the pages that slot alone
+references (`DeviceCounts.own`, counted on the device from its refcounts, so shared prefix pages
+and a forked sample's shared pages are never counted twice: the host keeps no page count of its
+own). The sum is exact unless two released slots share uncached pages (`DeviceCounts.shared`: a
+forked sample and its leader stopping together); then, and before anything that needs the page
+state after the release sooner, the release is a device call of its own (`flush_releases` ->
+`ModelRunner.retire`): before KV offload's swap-ins (programs of their own before the step),
+`pool_is_whole`, `flush_prefix_cache`. So every plan is the one the old order (release, then
+plan) made. `check_page_state` checks the device's state after the pending release (on a copy)
+and that the host's projected free count is that state's.
 
 Feature hook points (where a feature plugs in; see `jpa.engine.runner` for the device side):
-  plan       `Scheduler.plan_round` (e.g. structured outputs keep a ragged row per constrained
-             request; prefix caching names evictions)
+  plan       `Scheduler.plan_round`; a request hook's `plan(req)` (`Scheduler(hooks=...)`:
+             structured outputs keep a ragged row per constrained request,
+             `jpa.engine.structured.StructuredHook`); prefix caching names evictions
   batch      a record of `StepBatch` per feature (`structured`, `prompt`, ...), filled in `execute`
   device     on the logits in the ragged pass (grammar masks), on acceptance in the verify loop
              (`VerifyLoop.accept`, the proposer of `jpa.engine.speculative`)
-  post       `update`: `Scheduler.stepped` / `_on_tokens` (matchers, stop strings, prefix cache)
+  post       `update`: `Scheduler.stepped` / `_on_tokens` (stop strings, prefix cache) and a
+             request hook's `post(req, device_done)` (structured outputs: the grammar matcher)
 KV offload (EngineConfig.kv_offload_bytes) plugs in at plan and beside the step: the scheduler
 decides which preempted requests are swapped out to the host tier (`jpa.kv.offload.HostTier`,
 consulted again at admission) and plans their swap-ins (`RoundPlan.swap_in`); `update` copies the
-preempted pages out (`ModelRunner.swap_out`, before `retire` releases them) and `execute` copies
+preempted pages out (`ModelRunner.swap_out`, dispatched before the call that releases them) and `execute` copies
 them back into new pages (`ModelRunner.swap_in`, page work of its own with the round's evictions)
 before the step, which then prefills only the last token. With prefix caching the tier also takes
 the pages the prefix cache evicts (`RoundPlan.spill`: `ModelRunner.spill` copies them out before the

@@ -11,16 +11,18 @@ the loop. The loop ends early when every slot is idle or when the pool runs out 
 then preempts).
 
 Every round reads back, in the same device->host transfer as its tokens, the PageState's free
-page count and seq_lens: the scheduler's only source of page counts.
+page count and seq_lens, and per slot the pages only it references (`DeviceCounts.own`: what
+releasing it in the next round frees): the scheduler's only source of page counts.
 
 The step is assembled from parts, each in its own module, at named hook points (where features
 plug in; KV offload and LoRA are meant to take the same points):
 
-  1. page work (`jpa.engine.ragged_step.page_work`): evict, share prefix hits, reserve, fork;
-     all or nothing. (KV offload's swap-in is page work of its own beside the step: `swap_in`, a
+  1. the round's releases (`jpa.engine.ragged_step.release_slots`: slots the host finished or
+     preempted since the last call, `StepBatch.pages.release`), then page work
+     (`jpa.engine.ragged_step.page_work`): evict, share prefix hits, reserve, fork; all or nothing. (KV offload's swap-in is page work of its own beside the step: `swap_in`, a
      program per block size that evicts, shares the hit, reserves and copies host pages in,
      dispatched before the step; `swap_out` copies a preempted slot's pages to host memory before
-     `retire`. Both are `jpa.kv.offload` programs; the step itself is unchanged.)
+     the call that releases them. Both are `jpa.kv.offload` programs; the step itself is unchanged.)
   2. the ragged pass (`jpa.engine.ragged_step.RaggedStep`): K/V writes, attention, the sampling
      of decode rows and final chunks. Device hook on logits: structured outputs' grammar mask
      (`StepBatch.structured`, applied by `sample_slots(allowed=...)`); prompt logprobs

@@ -3,11 +3,12 @@
 Plain Python over request metadata and page counts; no model and no device work (unit tests drive
 it directly). The engine glues it to the device, one round at a time:
 
-    plan = scheduler.plan_round(budget)                   # schedule: decode rows, prompt chunks, admissions
-    result = runner.step(make_step_batch(plan, shapes))   # execute: ONE device call (ragged step + decode steps)
+    plan = scheduler.plan_round(budget)                   # schedule: decode rows, prompt chunks, admissions,
+                                                          #   and the pending release (plan.release)
+    result = runner.step(make_step_batch(plan, shapes))   # execute: ONE device call (release, ragged step,
+                                                          #   decode steps)
     events = scheduler.stepped(plan, result)              # update: tokens, stops, the device's page counts
-    release, preempted = scheduler.end_round()            # slots whose pages the device must release
-    scheduler.set_pages(*runner.retire(release))
+    release, preempted = scheduler.end_round(flush)       # stop strings, preemptions: the next round's release
 
 A request's life is its `phase` (`jpa.engine.request.Phase`), changed only by `_move`: WAITING in
 the queue; PREFILLING from its first prompt chunk (it holds a slot); FORKING for a parallel sample
@@ -19,6 +20,13 @@ a pending copy-on-write) is a field of the Request.
 Page counts have one source of truth: the device's PageState (free pages and seq_lens), handed
 back after every device call (`stepped`, `set_pages`). The host only projects from it with the same
 rule the device uses (`jpa.kv.pages.pages_for_tokens`); it keeps no running count of its own.
+Slots released on the host (stop strings, aborts, preemptions) keep their pages on the device
+until the next round's step releases them first (`RoundPlan.release`); until then `free_pages` is
+the device's count plus what that release frees, also the device's figure: each slot's `own`
+pages (referenced by it alone; `batch.DeviceCounts`). That sum is exact unless two released slots
+share uncached pages (a forked sample and its leader); then the engine releases them with a call
+of its own first (`end_round(flush)`, `release_is_exact`), so every plan is the one the device's
+state after the release gives.
 
 Policies (vLLM v1's, in nano-vllm's split):
 - token budget: every decoding request gets its one token first, then prefilling requests
@@ -60,13 +68,14 @@ Policies (vLLM v1's, in nano-vllm's split):
 - stops: the device finishes requests on EOS, max_new_tokens and the length limit (and releases
   their pages itself); stop strings are found here, on the incremental detokenizer's text, and
   the output is cut at the token that completed the stop.
-- structured outputs (SamplingParams.structured): a constrained request samples only in the
-  ragged step (the device's decode loop skips it; see `jpa.engine.structured`), so while one
-  decodes every round has a ragged step with a decode row per decoding request, then
-  steps_per_call - 1 decode steps for the unconstrained ones. Each new token is fed to the request's grammar
-  matcher here; once the grammar admits nothing more the request finishes ("stop"), as with a
-  stop string. A token the grammar rejects (a bug: the sampler draws only allowed tokens)
-  finishes the request with "error".
+- request hooks (`hooks`: a feature's plan and post-process points; the feature's module owns
+  them): structured outputs (`jpa.engine.structured.StructuredHook`) is one. Its plan: a
+  constrained request samples only in the ragged step (the device's decode loop skips it), so
+  while one decodes every round has a ragged step with a decode row per decoding request, then
+  steps_per_call - 1 decode steps for the others. Its post-process: each new token is fed to the
+  request's grammar matcher; once the grammar admits nothing more the request finishes ("stop"),
+  as with a stop string, and a token the grammar rejects (a bug: the sampler draws only allowed
+  tokens) finishes it with "error".
 """
 
 import collections
@@ -75,6 +84,7 @@ import dataclasses
 from jpa.kv.offload import HostTier, SwapCost, bucket
 from jpa.kv.prefix_cache import PrefixCache
 from jpa.engine.request import NEXT_PHASES, Phase, PromptLogprob, Request
+from jpa.engine.structured import STRUCTURED
 from jpa.kv.pages import pages_for_tokens
 
 
@@ -168,11 +178,15 @@ class Scheduler:
       host_tier: KV offload's host tier (`jpa.kv.offload.HostTier`); None = preemption recomputes.
       swap_cost: the model's swap-vs-recompute rule (`jpa.kv.offload.SwapCost`); None = swap
         whenever the host tier has room.
+      hooks: request hooks, a feature's plan and post-process points (`plan(req)`: the decoding
+        request needs a ragged row this round; `post(req, device_done)`: (finish reason, error)
+        when the feature ends it on the host). Default: structured outputs
+        (`jpa.engine.structured.StructuredHook`).
     """
 
     def __init__(self, *, max_seqs: int, page_size: int, num_pages: int, max_model_len: int,
                  steps_per_call: int, watermark: float, stop_ids=(), prefix_caching: bool = False,
-                 host_tier: HostTier | None = None, swap_cost: SwapCost | None = None):
+                 host_tier: HostTier | None = None, swap_cost: SwapCost | None = None, hooks=(STRUCTURED,)):
         if max_model_len > num_pages * page_size:
             raise ValueError(f"max_model_len must be <= num_pages * page_size = {num_pages * page_size} "
                              f"(a lone sequence must fit in the pool); got {max_model_len}")
@@ -184,6 +198,7 @@ class Scheduler:
         self.running: dict[int, Request] = {}      # slot -> request holding it (prefilling, forking, decoding)
         self.host = host_tier
         self.swap_cost = swap_cost
+        self.hooks = tuple(hooks)
         self.recomputed_by_rule = 0                # preemptions the cost rule sent to recompute
         self.prefix = PrefixCache(page_size, host=host_tier) if prefix_caching else None
         self._swap_outs: list[tuple[int, Request, int]] = []   # (slot, request, block pages) to copy out
@@ -503,13 +518,13 @@ class Scheduler:
     def _entries(self, r: "_RoundDraft", decoding: list) -> tuple[tuple[Entry, ...], int]:
         """(the ragged step's entries, decode steps after it)."""
         prompt = r.prompt
-        # A constrained request (structured outputs) samples only in the ragged step, under its
-        # grammar mask: while one decodes, a round without prompt work still runs the ragged step
+        # A request hook's plan (structured outputs: `StructuredHook.plan`) can ask for a ragged row:
+        # while such a request decodes, a round without prompt work still runs the ragged step
         # (every decoding request's decode row), then steps_per_call - 1 decode steps for the
-        # unconstrained ones. (The ragged pass costs about a block of rows however few are live, so
-        # the unconstrained requests' first token of the round is better made there than in an
-        # extra decode step: measured in BENCHMARKS.md.)
-        if prompt or any(self.running[s].matcher is not None for s in decoding):
+        # others. (The ragged pass costs about a block of rows however few are live, so the other
+        # requests' first token of the round is better made there than in an extra decode step:
+        # measured in BENCHMARKS.md.)
+        if prompt or any(h.plan(self.running[s]) for h in self.hooks for s in decoding):
             more = r.blocked_by_budget or any(not e.final for e in prompt) or len(prompt) < len(
                 [q for q in self.running.values() if q.phase is Phase.PREFILLING])
             forks = [Entry(sib.slot, sib, 0, False, True, fork_of=e.slot)
@@ -649,21 +664,19 @@ class Scheduler:
             req.output_top_logprobs.extend(tuple((int(i), float(v)) for i, v in zip(ids[:k], vals[:k]) if i >= 0)
                                            for _, _, (ids, vals) in got)
         eos_last = device_done and self._device_reason(req) == "stop"
-        grammar_error, grammar_done = None, False
-        if req.matcher is not None and not device_done:
-            grammar_error = req.matcher.advance(req.output_ids)
-            grammar_done = grammar_error is None and req.matcher.done
+        ended = None   # (finish reason, error) of the first request hook that ends it (structured outputs)
+        for hook in self.hooks:
+            verdict = hook.post(req, device_done)
+            ended = ended or verdict
         # A final stop token (EOS, stop_token_ids) is not part of the text, unless the request keeps
         # what stopped it (include_stop_str_in_output, as vLLM).
         text_ids = new[:-1] if eos_last and new and not req.params.include_stop_str_in_output else new
-        kept = req.detokenizer.add(text_ids, final=device_done or grammar_done or grammar_error is not None)
-        if grammar_error is not None and not req.detokenizer.stopped:
+        kept = req.detokenizer.add(text_ids, final=device_done or ended is not None)
+        if ended is not None and not req.detokenizer.stopped:   # the device still decodes it
             self._to_release.append((req.slot, req))
-            self._finish(req, "error")
-            req.error = grammar_error
-        elif grammar_done and not req.detokenizer.stopped:   # the output is complete: the device still decodes it
-            self._to_release.append((req.slot, req))
-            self._finish(req, "stop")
+            self._finish(req, ended[0])
+            if ended[1] is not None:
+                req.error = ended[1]
         elif req.detokenizer.stopped:
             del req.output_ids[n_before + kept:]
             del req.output_logprobs[n_before + kept:]
