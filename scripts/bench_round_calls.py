@@ -88,7 +88,8 @@ def main():
     for k, v in best.items():
         print(f"{k:18s} {v:.3f}" if isinstance(v, float) else f"{k:18s} {v}")
     for key in ("host_ms_per_round", "wall_s"):
-        print(f"{key} over runs: {[round(r[key], 3) for r in runs]} (median {statistics.median(r[key] for r in runs):.3f})")
+        vals = [round(r[key], 3) for r in runs]
+        print(f"{key} over runs: {vals} (median {statistics.median(vals):.3f})")
     if args.json:
         write_json(args.json, dict(args=vars(args), machine=machine(), runs=runs, median=best))
 

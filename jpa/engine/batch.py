@@ -211,7 +211,7 @@ class StepResult:
         slot; width = 1, or k + 1 with speculative decoding (row i * width + j: the j-th token a
         slot emitted in verify step i). The host cuts it to the steps run.
       ok: bool[]; False when the pool could not hold the entries' rows: then the round changed
-        nothing on the device (no eviction, no reservation, no decode step).
+        nothing on the device but its release (no eviction, no reservation, no decode step).
       steps: i32[]; decode steps run (rows of `loop` past it are -1).
       state: DeviceCounts; usage: PageUsage; spec: SpecCounts.
       prompt: PromptLogprobs; read back only in rounds that asked (`ModelRunner.step`; None on the

@@ -2,10 +2,11 @@
 
 The round's releases come first (`release_slots`: the slots the host finished or preempted since
 the last device call, `StepBatch.pages.release`; what `ModelRunner.retire` does as a call of its
-own when the host cannot wait for the next round). Then page work, all or nothing (`page_work`): evict (`pages.uncache`), share
-prefix-cache hits into empty slots (`pages.share`), reserve every entry's rows (`pages.reserve`)
-and fork parallel samples' slots from their leader (`pages.fork`). If any of it fails (`ok`
-False) the page state is put back as it was and nothing else runs: the round changed nothing.
+own when the host cannot wait for the next round). Then page work, all or nothing (`page_work`):
+evict (`pages.uncache`), share prefix-cache hits into empty slots (`pages.share`), reserve every
+entry's rows (`pages.reserve`) and fork parallel samples' slots from their leader (`pages.fork`).
+If any of it fails (`ok` False) the page state is put back as it was (after the releases, which
+stand) and nothing else runs: the round changed nothing else.
 
 The ragged pass (`RaggedStep.__call__`) then writes the entries' K/V, attends with
 `jpa.ragged_paged_attention` through the model's `ragged` (or `ragged_hidden` + `head`), and

@@ -19,8 +19,9 @@ plug in; KV offload and LoRA are meant to take the same points):
 
   1. the round's releases (`jpa.engine.ragged_step.release_slots`: slots the host finished or
      preempted since the last call, `StepBatch.pages.release`), then page work
-     (`jpa.engine.ragged_step.page_work`): evict, share prefix hits, reserve, fork; all or nothing. (KV offload's swap-in is page work of its own beside the step: `swap_in`, a
-     program per block size that evicts, shares the hit, reserves and copies host pages in,
+     (`jpa.engine.ragged_step.page_work`): evict, share prefix hits, reserve, fork; all or
+     nothing. (KV offload's swap-in is page work of its own beside the step: `swap_in`, a program
+     per block size that evicts, shares the hit, reserves and copies host pages in,
      dispatched before the step; `swap_out` copies a preempted slot's pages to host memory before
      the call that releases them. Both are `jpa.kv.offload` programs; the step itself is unchanged.)
   2. the ragged pass (`jpa.engine.ragged_step.RaggedStep`): K/V writes, attention, the sampling
