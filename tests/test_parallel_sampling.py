@@ -156,3 +156,32 @@ def test_slot_finished_at_the_fork_is_not_charged_a_copy(engines):
     assert out.finish_reason == "length" and len(out.prompt_ids) + len(out.token_ids) == 24
     assert out.num_preemptions == 0, f"a lone request that fits the pool was preempted {out.num_preemptions}x"
     assert eng.pool_is_whole()
+
+
+def test_samples_stopping_together_are_released_exactly(engines):
+    """Greedy samples of one prompt stop on the same stop string in the same round. Without
+    prefix caching they still share their uncached prompt pages, so the pages their release
+    frees are not the sum of what each holds alone: the engine releases them with a call of its
+    own (`flush_releases`) instead of planning from a lower bound; the page state (checked after
+    every round, with the host's projected free count) stays exact and the outputs are the
+    single request's."""
+    from jpa.testing.engine import REFERENCE
+
+    rng = np.random.default_rng(5)
+    prompt = random_prompts(rng, 1, lo=3 * PS + 3, hi=3 * PS + 3)[0]
+    eng = engines.get(**REFERENCE)   # no prefix caching (the reference engine: compiled already)
+    plain = SamplingParams(max_new_tokens=20, greedy=True, ignore_eos=True)
+    text = run(eng, [prompt], plain)[0].completion
+    stop = text[1:3]   # seed 5: "OO", the 8th token completes it (a decode round, not the first token)
+    assert len(stop.strip()) == 2, text
+    one = run(eng, [prompt], dataclasses.replace(plain, stop=(stop,)))[0]
+    assert one.finish_reason == "stop" and len(one.token_ids) < 20
+    retire, calls = eng.runner.retire, []
+    eng.runner.retire = lambda ids: calls.append(list(ids)) or retire(ids)
+    try:
+        got = run(eng, [prompt], dataclasses.replace(plain, stop=(stop,), n=3))[0]
+    finally:
+        del eng.runner.retire
+    assert [o.token_ids for o in got] == [one.token_ids] * 3 and {o.finish_reason for o in got} == {"stop"}
+    assert len(calls) == 1 and len(set(calls[0])) == 3, calls   # the three samples' slots, once
+    assert eng.pool_is_whole()

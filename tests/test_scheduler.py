@@ -31,9 +31,13 @@ class Pool:
     def free(self):
         return self.num_pages - sum(math.ceil(n / self.page_size) for n in self.lens)
 
+    def own(self):
+        """Pages each slot alone holds (this model shares no page): what releasing it frees."""
+        return np.array([math.ceil(n / self.page_size) for n in self.lens]), np.zeros(len(self.lens), bool)
+
     def report(self, sched):
         assert self.free() >= 0, "the scheduler over-committed the pool"
-        sched.set_pages(self.free(), list(self.lens))
+        sched.set_pages(self.free(), list(self.lens), *self.own())
 
 
 def make(num_pages=16, page_size=4, max_seqs=4, steps=2, watermark=0.0, max_model_len=None):
@@ -82,7 +86,7 @@ def play(sched, pool, plan, first_token=ord("a"), loop=None, finished_on_device=
                      top_logprobs=np.zeros(out.shape + (2,), np.float32)),
         steps=np.int32(steps),
         state=DeviceCounts(num_free=np.int32(pool.free()), seq_lens=np.array(pool.lens), active=active,
-                           tables=np.zeros((n, 1), np.int32)),
+                           tables=np.zeros((n, 1), np.int32), own=pool.own()[0], shared=pool.own()[1]),
         usage=PageUsage(cow_copies=np.int32(0), peak_pages=np.int32(0), peak_tokens=np.int32(0)))
     return sched.stepped(plan, result)
 
@@ -404,3 +408,36 @@ def test_stop_string_never_matches_special_token_names():
     det = IncrementalDetokenizer(TOK, ("<eos>",))
     assert det.add([ord("a"), EOS, ord("b")]) == 3 and not det.stopped
     assert det.add(TOK.encode("<eos>")) == 5 and det.stopped and det.text == "ab"
+
+
+def test_a_release_the_device_counts_cannot_make_exact_is_flushed_first():
+    """Slots released on the host keep their pages until the next step releases them; the plan
+    counts what that frees from the device's per-slot figures (`own`). Two released slots that
+    share an uncached page (a forked sample and its leader) make that sum a lower bound: end_round
+    then has the engine release them first (`flush`) instead of preempting on the lower bound."""
+    sched, pool = make(num_pages=6, page_size=4, max_seqs=3, steps=1)
+    a, b, c = req(3), req(3), req(3)
+    for r in (a, b, c):
+        sched.add(r)
+    admit(sched, pool)
+    decode(sched, pool, {s: [97] * 5 for s in range(3)})  # 8 tokens each: the pool is full
+    # What the device would report if slots 0 and 1 shared both of their pages (a fork).
+    sched.set_pages(0, list(pool.lens), np.array([0, 0, 2]), np.array([True, True, False]))
+    sched.abort(a.request_id)
+    sched.abort(b.request_id)
+    assert sched.pending_release == (0, 1) and not sched.release_is_exact() and sched.free_pages == 0
+    flushes = []
+
+    def flush():
+        flushes.append(sched.take_releases())
+        for s in flushes[-1]:
+            pool.lens[s] = 0
+        pool.report(sched)
+
+    release, preempted = sched.end_round(flush)
+    assert flushes == [[0, 1]] and preempted == [] and release == []
+    assert sched.free_pages == 4 and sched.release_is_exact() and list(sched.running.values()) == [c]
+    # An exact pending release is left to the next step: the plan names it.
+    sched.abort(c.request_id)
+    assert sched.release_is_exact() and sched.free_pages == 6 and sched.end_round(flush) == ([2], [])
+    assert len(flushes) == 1 and sched.plan_round(BUDGET).release == (2,)

@@ -7,7 +7,7 @@ fills with `loop.call_soon_threadsafe`. The loop:
 
     while True:
         sleep on the condition while there is no command and no unfinished request (idle)
-        apply the commands: add_request / abort (an abort releases the request's pages at once)
+        apply the commands: add_request / abort (the next step releases an aborted request's pages first)
         step() once if anything is unfinished; hand each StepOutput to its request's queue
         publish a Snapshot (running, waiting, pages, rounds, tokens/s) for metrics
 
@@ -63,7 +63,8 @@ class Snapshot:
       pool_whole: when idle (nothing unfinished): True if every page is free or held by the
         prefix cache alone (checked on the device); None while requests are unfinished.
       last_abort_rounds: rounds that ran between the latest abort's arrival and the release of
-        its pages (0 or 1: aborts are applied before the next round); -1 before any abort.
+        its pages (0 or 1: aborts are applied before the next round, whose step releases their
+        pages first); -1 before any abort.
       alive: the engine thread is running.
       compilations / compile_seconds: programs the engine compiled so far (its one program, the
         unified step: 1 once it ran) and the time it took.

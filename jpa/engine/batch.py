@@ -47,14 +47,18 @@ class RaggedRows:
 
 @flax.struct.dataclass
 class PageOps:
-    """Page work of the round, done first and all or nothing (see `ModelRunner._step_impl`).
+    """Page work of the round, done first (see `ModelRunner._step_impl`).
 
     Attributes:
+      release: i32[B]; slots the host finished or preempted since the last device call (stop
+        strings, aborts, preemptions: `RoundPlan.release`), released before anything else of the
+        round (-1 = padding). Not undone when the rest of the page work fails.
       evict: i32[P]; cached-idle pages evicted before anything is reserved (-1 = padding).
       hit_tokens: i32[B]; prefix-cache hit tokens shared into the (empty) slot before its first chunk.
       hit_tables: i32[B, pages_per_seq]; the hit's pages.
       cache_upto: i32[B]; full prompt pages a final chunk puts into the prefix cache (0 = none).
     """
+    release: jax.Array
     evict: jax.Array
     hit_tokens: jax.Array
     hit_tables: jax.Array
@@ -133,11 +137,20 @@ class DeviceCounts:
       active: bool[max_seqs]; slots still decoding (False: finished and released on the device).
       tables: i32[B, pages_per_seq]; the entries' block-table rows once the final chunks' prompt
         pages were cached (the host's prefix cache reads their page ids).
+      own: i32[max_seqs]; pages each slot alone references (refcount 1: neither cached nor shared
+        with another slot), i.e. what releasing that slot alone frees (`ragged_step.own_pages`).
+        The scheduler plans the next round from num_free plus own of the slots it releases in
+        that round's step. None where unknown (a host model of the device in unit tests).
+      shared: bool[max_seqs]; the slot references a page that is not cached and that another slot
+        references too (a forked sample's prompt pages or its shared last page): releasing two such
+        slots together may free pages neither `own` counts. None where unknown.
     """
     num_free: jax.Array
     seq_lens: jax.Array
     active: jax.Array
     tables: jax.Array
+    own: jax.Array | None = None
+    shared: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -198,7 +211,7 @@ class StepResult:
         slot; width = 1, or k + 1 with speculative decoding (row i * width + j: the j-th token a
         slot emitted in verify step i). The host cuts it to the steps run.
       ok: bool[]; False when the pool could not hold the entries' rows: then the round changed
-        nothing on the device (no eviction, no reservation, no decode step).
+        nothing on the device but its release (no eviction, no reservation, no decode step).
       steps: i32[]; decode steps run (rows of `loop` past it are -1).
       state: DeviceCounts; usage: PageUsage; spec: SpecCounts.
       prompt: PromptLogprobs; read back only in rounds that asked (`ModelRunner.step`; None on the
@@ -244,6 +257,8 @@ def make_step_batch(plan, shapes, masks=None) -> StepBatch:
             out = e.request.output_ids
             rows[i] = SlotParams.row(e.request.params, shapes.max_model_len, len(e.request.prompt_ids))
             num_generated[i], resume[i] = len(out), (out[-1] if out else -1)
+    release = col(-1)
+    release[: len(getattr(plan, "release", ()))] = getattr(plan, "release", ())
     evict = np.full((shapes.num_pages,), -1, np.int32)
     if not getattr(plan, "swap_in", ()):   # KV offload: the first swap-in did the round's evictions
         evict[: len(plan.evict)] = plan.evict
@@ -254,7 +269,8 @@ def make_step_batch(plan, shapes, masks=None) -> StepBatch:
     return StepBatch(
         rows=RaggedRows(seq_ids=seq_ids, q_lens=q_lens, decode_row=decode_row, final=final, tokens=tokens,
                         fork_from=fork_from),
-        pages=PageOps(evict=evict, hit_tokens=hit_tokens, hit_tables=hit_tables, cache_upto=cache_upto),
+        pages=PageOps(release=release, evict=evict, hit_tokens=hit_tokens, hit_tables=hit_tables,
+                      cache_upto=cache_upto),
         sampling=SamplingInputs(params=SlotParams.from_rows(rows, b), num_generated=num_generated,
                                 resume_token=resume),
         structured=GrammarMasks(allowed=allowed, constrained=constrained),

@@ -8,37 +8,43 @@ A round (`step()`) is three verbs, as nano-vllm's `step()` and vLLM v1's engine 
 
 `schedule` gives one token to each decoding request, then chunks of partly prefilled and newly
 admitted prompts. `execute` turns the plan into the step's typed input (`make_step_batch`, over
-the engine's one `EngineShapes` record) and ONE device call runs the ragged step over it and then
-up to `steps_per_call` decode steps (all of them when no prompt work is pending, none when the
-next round has prompt work); the new tokens come back together with the page state
-(`StepResult`). In `update`, requests the device finished (EOS, max_new_tokens, length limit) have
-already released their pages; stop strings are found on the host by incremental detokenization
-and those requests are released; if the next step still cannot get pages, the newest running
-request is preempted by recompute (its pages released, back to the front of the queue with its
-generated tokens kept; on re-admission they are prefilled again and decoding resumes where it
-stopped). See `jpa.engine.scheduler` for the policies.
+the engine's one `EngineShapes` record) and ONE device call first releases the slots the host
+released since the last call (`RoundPlan.release`: stop strings, aborts, preemptions), then runs
+the ragged step over the plan and then up to `steps_per_call` decode steps (all of them when no
+prompt work is pending, none when the next round has prompt work); the new tokens come back
+together with the page state (`StepResult`). In `update`, requests the device finished (EOS,
+max_new_tokens, length limit) have already released their pages; stop strings are found on the
+host by incremental detokenization and those requests are released; if the next step still cannot
+get pages, the newest running request is preempted by recompute (its pages released, back to the
+front of the queue with its generated tokens kept; on re-admission they are prefilled again and
+decoding resumes where it stopped). See `jpa.engine.scheduler` for the policies.
 
-Releases (`Scheduler.end_round` -> `ModelRunner.retire`) remain a small device call of their
-own after the step, made only in rounds that release something (a stop string, a preemption; the
-device releases EOS / length / max_new_tokens finishes inside the step itself). The next round's
-plan (admission, preemption, evictions) is made from the device's free page count and seq_lens
-after the release: the scheduler's one source of page counts (it keeps no count of its own).
-Riding the release in the next StepBatch would mean planning that round from a host projection
-of what the release frees (shared prefix pages and forked samples' last pages make that a second
-page count to keep exact), and the page-state checks between rounds (`check_page_state`,
-`pool_is_whole`) would see slots the host has released and the device not yet.
+Releases ride in the next round's StepBatch: a round makes one device call whatever it
+releases. That next round is planned (admission, preemption, evictions) from the device's figures
+of the last call: its free page count plus, per released slot, the pages that slot alone
+references (`DeviceCounts.own`, counted on the device from its refcounts, so shared prefix pages
+and a forked sample's shared pages are never counted twice: the host keeps no page count of its
+own). The sum is exact unless two released slots share uncached pages (`DeviceCounts.shared`: a
+forked sample and its leader stopping together); then, and before anything that needs the page
+state after the release sooner, the release is a device call of its own (`flush_releases` ->
+`ModelRunner.retire`): before KV offload's swap-ins (programs of their own before the step),
+`pool_is_whole`, `flush_prefix_cache`. So every plan is the one the old order (release, then
+plan) made. `check_page_state` checks the device's state after the pending release (on a copy)
+and that the host's projected free count is that state's.
 
 Feature hook points (where a feature plugs in; see `jpa.engine.runner` for the device side):
-  plan       `Scheduler.plan_round` (e.g. structured outputs keep a ragged row per constrained
-             request; prefix caching names evictions)
+  plan       `Scheduler.plan_round`; a request hook's `plan(req)` (`Scheduler(hooks=...)`:
+             structured outputs keep a ragged row per constrained request,
+             `jpa.engine.structured.StructuredHook`); prefix caching names evictions
   batch      a record of `StepBatch` per feature (`structured`, `prompt`, ...), filled in `execute`
   device     on the logits in the ragged pass (grammar masks), on acceptance in the verify loop
              (`VerifyLoop.accept`, the proposer of `jpa.engine.speculative`)
-  post       `update`: `Scheduler.stepped` / `_on_tokens` (matchers, stop strings, prefix cache)
+  post       `update`: `Scheduler.stepped` / `_on_tokens` (stop strings, prefix cache) and a
+             request hook's `post(req, device_done)` (structured outputs: the grammar matcher)
 KV offload (EngineConfig.kv_offload_bytes) plugs in at plan and beside the step: the scheduler
 decides which preempted requests are swapped out to the host tier (`jpa.kv.offload.HostTier`,
 consulted again at admission) and plans their swap-ins (`RoundPlan.swap_in`); `update` copies the
-preempted pages out (`ModelRunner.swap_out`, before `retire` releases them) and `execute` copies
+preempted pages out (`ModelRunner.swap_out`, dispatched before the call that releases them) and `execute` copies
 them back into new pages (`ModelRunner.swap_in`, page work of its own with the round's evictions)
 before the step, which then prefills only the last token. With prefix caching the tier also takes
 the pages the prefix cache evicts (`RoundPlan.spill`: `ModelRunner.spill` copies them out before the
@@ -65,6 +71,7 @@ import time
 import jax
 import numpy as np
 
+from jpa.kv import pages
 from jpa.kv.cache import CacheConfig
 from jpa.kv.offload import HostTier, SwapCost
 from jpa.engine.batch import StepResult, make_step_batch
@@ -466,7 +473,8 @@ class LLMEngine:
         return req
 
     def abort(self, request_id) -> bool:
-        """Cancels an unfinished request (safe between steps); its pages are released now.
+        """Cancels an unfinished request (safe between steps); the next round's step releases its
+        pages before anything else (its slot is free to admit into in that round).
 
         The next step() hands it out with finish_reason "abort" and the tokens it had. Returns
         False if no unfinished request has this id (unknown, or already handed out as finished).
@@ -474,9 +482,8 @@ class LLMEngine:
         aborted = self.scheduler.abort(request_id)
         if not aborted:
             return False
-        release = self.scheduler.take_releases()
-        if release:
-            self.scheduler.set_pages(*self.runner.retire(release))
+        if not self.scheduler.release_is_exact():   # the next round's step releases its slots
+            self.flush_releases()
         for req in aborted:   # the request, then samples that had not forked from it
             self._outbox.append(StepOutput(req.request_id, (), req.detokenizer.take_delta(True), True,
                                            req.to_output()))
@@ -499,7 +506,10 @@ class LLMEngine:
 
     def schedule(self) -> RoundPlan:
         """Verb 1 of a round: the scheduler's plan over the token budget (decode rows, prompt
-        chunks, admissions, evictions)."""
+        chunks, admissions, evictions, and the slots released on the host since the last device call,
+        which the round's step releases first)."""
+        if not self.scheduler.release_is_exact():   # the plan counts exactly what the release frees
+            self.flush_releases()
         plan = self.scheduler.plan_round(self.config.max_num_batched_tokens)
         if not plan.entries and not self.scheduler.running and self.scheduler.waiting:
             # An idle engine admits any request that passed add_request's checks, so this is a bug;
@@ -511,6 +521,11 @@ class LLMEngine:
     def execute(self, plan: RoundPlan) -> StepResult:
         """Verb 2: the plan as a StepBatch, ONE device call (page work, ragged pass, verify loop),
         its StepResult read back. A failed call or reservation leaves the plan undone."""
+        if plan.release and plan.swap_in:
+            # KV offload: swap-ins are programs of their own before the step; they need the pages
+            # the release frees, so it is made first, as a call of its own.
+            self.flush_releases()
+            plan = dataclasses.replace(plan, release=())
         # Structured outputs (batch fields): the grammar mask of each entry that samples under one.
         constrained = constrained_rows(plan)
         batch = make_step_batch(plan, self.shapes, masks=self.grammars.masks(constrained) if constrained else None)
@@ -532,12 +547,16 @@ class LLMEngine:
                                f"in the queue")
         if not result.ok:
             # The scheduler plans only what the device's free page count holds, with the rule the
-            # device applies, so this cannot happen; if it does, the device changed nothing.
+            # device applies, so this cannot happen; if it does, the device changed nothing but the
+            # round's release.
+            free = self.scheduler.free_pages
+            st = result.state
+            self.scheduler.set_pages(st.num_free, st.seq_lens, st.own, st.shared, released=plan.release)
             self._undo_swap_ins(plan, swapped)
             self.scheduler.unplan(plan)
             raise RuntimeError(f"the unified step could not reserve pages for {len(plan.entries)} entries the "
-                               f"scheduler counted {self.scheduler.free_pages} free pages for (a bug); the device "
-                               f"state is unchanged and admitted requests are back in the queue")
+                               f"scheduler counted {free} free pages for (a bug); the device state is unchanged "
+                               f"(but for the round's release) and admitted requests are back in the queue")
         # The first call compiles; compile time is reported on its own. The call's own dispatch is
         # counted as device time: on a CPU backend JAX may run the program inline in the call.
         self._record_call(plan, result, time.perf_counter() - t0 - (self.runner.compile_seconds - c0))
@@ -594,7 +613,7 @@ class LLMEngine:
     def update(self, plan: RoundPlan, result: StepResult | None) -> list[StepOutput]:
         """Verb 3: the host's post-process. Tokens, stops and the device's page counts go to the
         scheduler (`stepped`); then the end of the round (`end_round`: host-finished requests and
-        preemptions, whose pages the device releases, `retire`); then the outputs."""
+        preemptions, whose pages the next round's step releases first); then the outputs."""
         t_host = time.perf_counter()
         events = []
         if result is not None:
@@ -605,16 +624,12 @@ class LLMEngine:
                 held = collections.Counter(p for r in self.scheduler.running.values() for p in r.cache_refs)
                 self.stats.peak_shared_pages = max(self.stats.peak_shared_pages,
                                                    sum(1 for c in held.values() if c > 1))
-        # Releases stay a call of their own: the next round's plan needs the free page count
-        # after them, which only the device knows (see `retire`).
-        release, preempted = self.scheduler.end_round()
-        for slot, req, size in self.scheduler.take_swap_outs():   # KV offload: copied out before the release
-            self.host_tier.attach(req.request_id, self.runner.swap_out(slot, size))
-            self.stats.swapped_out += 1
-            self.stats.swap_out_pages += size
-            self.stats.swap_out_bytes += size * self.host_tier.bytes_per_page
-        if release:
-            self.scheduler.set_pages(*self.runner.retire(release))
+        # The release rides in the next round's StepBatch: that round is planned from the device's
+        # counts plus what the release frees (exact, else `flush_releases` makes it a call now).
+        _, preempted = self.scheduler.end_round(flush=self.flush_releases)
+        self._swap_outs()
+        if not self.scheduler.release_is_exact():
+            self.flush_releases()
         self.stats.preemptions += len(preempted)
         outputs, self._outbox = self._outbox, []
         for ev in events:
@@ -631,6 +646,26 @@ class LLMEngine:
         if result is not None:
             self.stats.host_seconds += time.perf_counter() - t_host
         return outputs
+
+    def _swap_outs(self) -> None:
+        """KV offload: copies the pages of the requests end_round preempted to the host tier
+        (dispatched asynchronously, before any call releases them)."""
+        for slot, req, size in self.scheduler.take_swap_outs():
+            self.host_tier.attach(req.request_id, self.runner.swap_out(slot, size))
+            self.stats.swapped_out += 1
+            self.stats.swap_out_pages += size
+            self.stats.swap_out_bytes += size * self.host_tier.bytes_per_page
+
+    def flush_releases(self) -> None:
+        """Releases now, as a device call of its own (`ModelRunner.retire`), the slots the host
+        finished or preempted since the last device call, which the next round's step would
+        release first: for when the host needs the page state after the release sooner (a count
+        the device's last figures do not make exact, page moves of their own, checks, an idle
+        engine's cleanup). KV offload's swap-outs are dispatched first."""
+        self._swap_outs()
+        release = self.scheduler.take_releases()
+        if release:
+            self.scheduler.set_pages(*self.runner.retire(release))
 
     def _record_call(self, plan: RoundPlan, result: StepResult, seconds: float) -> None:
         """The statistics of one device call."""
@@ -740,6 +775,7 @@ class LLMEngine:
         """True when no request holds a page and every page is free or held by the prefix cache
         alone, exactly the pages the host's cache knows (check after generate(): nothing leaked;
         `flush_prefix_cache()` then frees every page)."""
+        self.flush_releases()
         prefix = self.scheduler.prefix
         host = self.host_tier
         # The host tier: no swap block left, every page free or holding one spilled prefix page.
@@ -756,7 +792,9 @@ class LLMEngine:
         cache's; each running request's cached token count matches its progress; with KV offload,
         every host page is free, in one block or holding one spilled prefix page, every block belongs
         to a waiting request, and each prefix key names a page in exactly one tier."""
-        ps = jax.device_get(self.runner.page_state)
+        # The state the next round starts from: the device's, after the pending release (on a copy).
+        release = self.scheduler.pending_release
+        ps = jax.device_get(pages.release(self.runner.page_state, list(release)) if release else self.runner.page_state)
         n, size = self.num_pages, self.config.page_size
         free = np.asarray(ps.free_pages)[: int(ps.num_free)]
         ref, cached = np.asarray(ps.refcounts), np.asarray(ps.cached)
@@ -768,6 +806,9 @@ class LLMEngine:
         is_free[free] = True
         kinds = is_free.astype(int) + (cached & (counts == 0)).astype(int) + (counts > 0).astype(int)
         problems = []
+        if int(ps.num_free) != self.scheduler.free_pages:
+            problems.append(f"the host plans from {self.scheduler.free_pages} free pages, the device has "
+                            f"{int(ps.num_free)} after releasing slots {list(release)}")
         if len(set(free.tolist())) != len(free):
             problems.append("a page is in the free stack twice")
         if not np.array_equal(ref, counts + cached):
@@ -810,10 +851,11 @@ class LLMEngine:
             return 0
         if self.scheduler.running:
             raise RuntimeError("flush_prefix_cache() needs an idle engine (no running request)")
-        pages = prefix.clear()
-        if pages:
-            self.scheduler.set_pages(*self.runner.uncache(pages))
-        return len(pages)
+        self.flush_releases()
+        evicted = prefix.clear()
+        if evicted:
+            self.scheduler.set_pages(*self.runner.uncache(evicted))
+        return len(evicted)
 
     def summary(self) -> dict:
         """The run's figures, for the script's summary line and --json consumers."""

@@ -1,9 +1,12 @@
 """The ragged half of the unified step: page work, then one ragged pass over the round's entries.
 
-Page work comes first and is all or nothing (`page_work`): evict (`pages.uncache`), share
-prefix-cache hits into empty slots (`pages.share`), reserve every entry's rows (`pages.reserve`)
-and fork parallel samples' slots from their leader (`pages.fork`). If any of it fails (`ok`
-False) the page state is put back as it was and nothing else runs: the round changed nothing.
+The round's releases come first (`release_slots`: the slots the host finished or preempted since
+the last device call, `StepBatch.pages.release`; what `ModelRunner.retire` does as a call of its
+own when the host cannot wait for the next round). Then page work, all or nothing (`page_work`):
+evict (`pages.uncache`), share prefix-cache hits into empty slots (`pages.share`), reserve every
+entry's rows (`pages.reserve`) and fork parallel samples' slots from their leader (`pages.fork`).
+If any of it fails (`ok` False) the page state is put back as it was (after the releases, which
+stand) and nothing else runs: the round changed nothing else.
 
 The ragged pass (`RaggedStep.__call__`) then writes the entries' K/V, attends with
 `jpa.ragged_paged_attention` through the model's `ragged` (or `ragged_hidden` + `head`), and
@@ -64,6 +67,28 @@ class PageWork(NamedTuple):
     old: jax.Array       # i32[B]: tokens cached per entry before its rows (hits included)
     new: jax.Array       # i32[B]: after them (a forked sample: its leader's)
     cow: object          # CopyOnWrite of the reservation
+
+
+def release_slots(page_state, slots, seq_ids):
+    """(page_state, slots) with slots seq_ids (i32[n], -1 = padding) released: their page references
+    dropped (`pages.release`) and their slots no longer decoding."""
+    page_state = pages.release(page_state, seq_ids)
+    idx = jnp.where(seq_ids >= 0, seq_ids, slots.active.shape[0])
+    return page_state, slots.replace(active=slots.active.at[idx].set(False, mode="drop"))
+
+
+def own_pages(page_state):
+    """(own i32[max_seqs], shared bool[max_seqs]) of `batch.DeviceCounts`: per slot, the pages only
+    it references (refcount 1: releasing the slot alone frees them), and whether it references an
+    uncached page another slot references too. Releasing a set of slots frees exactly the sum of
+    their `own` when at most one of them is `shared` (a page freed by the release that no `own`
+    counts is referenced by two released slots, both `shared`)."""
+    ps = page_state
+    held = pages.pages_for_tokens(ps.seq_lens, ps.page_size)  # i32[max_seqs]
+    mine = jnp.arange(ps.block_tables.shape[1], dtype=jnp.int32)[None, :] < held[:, None]
+    ref, cached = ps.refcounts[ps.block_tables], ps.cached[ps.block_tables]  # [max_seqs, pages_per_seq]
+    own = jnp.sum(mine & (ref == 1), axis=1, dtype=jnp.int32)
+    return own, jnp.any(mine & ~cached & (ref >= 2), axis=1)
 
 
 def page_work(page_state, batch: StepBatch, lay: RowLayout):

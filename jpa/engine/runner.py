@@ -11,16 +11,19 @@ the loop. The loop ends early when every slot is idle or when the pool runs out 
 then preempts).
 
 Every round reads back, in the same device->host transfer as its tokens, the PageState's free
-page count and seq_lens: the scheduler's only source of page counts.
+page count and seq_lens, and per slot the pages only it references (`DeviceCounts.own`: what
+releasing it in the next round frees): the scheduler's only source of page counts.
 
 The step is assembled from parts, each in its own module, at named hook points (where features
 plug in; KV offload and LoRA are meant to take the same points):
 
-  1. page work (`jpa.engine.ragged_step.page_work`): evict, share prefix hits, reserve, fork;
-     all or nothing. (KV offload's swap-in is page work of its own beside the step: `swap_in`, a
-     program per block size that evicts, shares the hit, reserves and copies host pages in,
+  1. the round's releases (`jpa.engine.ragged_step.release_slots`: slots the host finished or
+     preempted since the last call, `StepBatch.pages.release`), then page work
+     (`jpa.engine.ragged_step.page_work`): evict, share prefix hits, reserve, fork; all or
+     nothing. (KV offload's swap-in is page work of its own beside the step: `swap_in`, a program
+     per block size that evicts, shares the hit, reserves and copies host pages in,
      dispatched before the step; `swap_out` copies a preempted slot's pages to host memory before
-     `retire`. Both are `jpa.kv.offload` programs; the step itself is unchanged.)
+     the call that releases them. Both are `jpa.kv.offload` programs; the step itself is unchanged.)
   2. the ragged pass (`jpa.engine.ragged_step.RaggedStep`): K/V writes, attention, the sampling
      of decode rows and final chunks. Device hook on logits: structured outputs' grammar mask
      (`StepBatch.structured`, applied by `sample_slots(allowed=...)`); prompt logprobs
@@ -69,7 +72,7 @@ from jpa.kv.offload import Mover, bucket, host_memory_kind
 from jpa.engine.batch import DeviceCounts, PageUsage, StepBatch, StepResult, make_step_batch
 from jpa.engine.device import Slots, Usage, tally
 from jpa.engine.model import EngineModel, check_model, has_hidden
-from jpa.engine.ragged_step import RaggedStep, RowLayout, page_work
+from jpa.engine.ragged_step import RaggedStep, RowLayout, own_pages, page_work, release_slots
 from jpa.engine.shapes import EngineShapes
 from jpa.engine.speculative import DraftPair, SpeculativeConfig, make_proposer
 from jpa.engine.structured import hold_constrained, restore_held
@@ -266,7 +269,8 @@ class ModelRunner:
         """
         self.step_traces += 1
         lay = RowLayout.of(batch)
-        page_state, work = page_work(page_state, batch, lay)                              # 1. page work
+        page_state, slots = release_slots(page_state, slots, batch.pages.release)         # 1. releases,
+        page_state, work = page_work(page_state, batch, lay)                              #    page work
         usage0 = tally(Usage.zero(), 0, page_state)  # the entries' pages reserved
         ragged = RaggedStep(self.model, self.shapes, self.stop_ids, self.attention_impl, self.block_tokens,
                             self.prompt_chunk)
@@ -277,19 +281,19 @@ class ModelRunner:
                                                                         decode_steps)      # 4. verify loop
         slots = restore_held(slots, held)
         more = usage.peak > usage0.peak
+        own, shared = own_pages(page_state)  # what releasing each slot in the next round frees
         return cache, page_state, slots, StepResult(                                        # 5.
             first=first.first, loop=out, ok=work.ok, steps=steps,
             state=DeviceCounts(num_free=pages.num_free_pages(page_state), seq_lens=page_state.seq_lens,
-                               active=slots.active, tables=first.tables),
+                               active=slots.active, tables=first.tables, own=own, shared=shared),
             usage=PageUsage(cow_copies=first.copies + usage.copies, peak_pages=jnp.where(more, usage.peak, usage0.peak),
                             peak_tokens=jnp.where(more, usage.tokens, usage0.tokens)),
             spec=counts, prompt=first.prompt)
 
     @staticmethod
     def _retire_impl(page_state, slots, seq_ids):
-        page_state = pages.release(page_state, seq_ids)
-        idx = jnp.where(seq_ids >= 0, seq_ids, slots.active.shape[0])
-        return page_state, slots.replace(active=slots.active.at[idx].set(False, mode="drop"))
+        page_state, slots = release_slots(page_state, slots, seq_ids)
+        return page_state, slots, (pages.num_free_pages(page_state), page_state.seq_lens) + own_pages(page_state)
 
     # ------------------------------------------------------------------ host entry points
 
@@ -397,15 +401,20 @@ class ModelRunner:
         return res.replace(loop=jax.tree_util.tree_map(lambda a: a[:rows], res.loop))
 
     def retire(self, seq_ids):
-        """Releases slots (finished on the host, aborted or preempted).
+        """Releases slots (finished on the host, aborted or preempted) now, as a call of its own.
 
-        Returns (free pages, seq_lens i32[max_seqs]) after the release.
+        The engine's rounds release such slots at the start of the next step instead
+        (`StepBatch.pages.release`); this is for when the host needs the page state after the
+        release before then (see `LLMEngine.flush_releases`).
+
+        Returns (free pages, seq_lens i32[max_seqs], own i32[max_seqs], shared bool[max_seqs])
+        after the release (`DeviceCounts`' fields of those names).
         """
         ids = np.full((self.max_seqs,), -1, np.int32)
         ids[: len(seq_ids)] = seq_ids
-        self.page_state, self.slots = self._retire(self.page_state, self.slots, self._put(jnp.asarray(ids)))
-        free, lens = jax.device_get((self.page_state.num_free, self.page_state.seq_lens))
-        return int(free), lens
+        self.page_state, self.slots, counts = self._retire(self.page_state, self.slots, self._put(jnp.asarray(ids)))
+        free, lens, own, shared = jax.device_get(counts)
+        return int(free), lens, own, shared
 
     def swap_out(self, slot: int, size: int):
         """KV offload: the block of slot's first `size` pages, copied to host memory (`jpa.kv.offload.Mover`);

@@ -3,11 +3,12 @@
 Plain Python over request metadata and page counts; no model and no device work (unit tests drive
 it directly). The engine glues it to the device, one round at a time:
 
-    plan = scheduler.plan_round(budget)                   # schedule: decode rows, prompt chunks, admissions
-    result = runner.step(make_step_batch(plan, shapes))   # execute: ONE device call (ragged step + decode steps)
+    plan = scheduler.plan_round(budget)                   # schedule: decode rows, prompt chunks, admissions,
+                                                          #   and the pending release (plan.release)
+    result = runner.step(make_step_batch(plan, shapes))   # execute: ONE device call (release, ragged step,
+                                                          #   decode steps)
     events = scheduler.stepped(plan, result)              # update: tokens, stops, the device's page counts
-    release, preempted = scheduler.end_round()            # slots whose pages the device must release
-    scheduler.set_pages(*runner.retire(release))
+    release, preempted = scheduler.end_round(flush)       # stop strings, preemptions: the next round's release
 
 A request's life is its `phase` (`jpa.engine.request.Phase`), changed only by `_move`: WAITING in
 the queue; PREFILLING from its first prompt chunk (it holds a slot); FORKING for a parallel sample
@@ -19,6 +20,13 @@ a pending copy-on-write) is a field of the Request.
 Page counts have one source of truth: the device's PageState (free pages and seq_lens), handed
 back after every device call (`stepped`, `set_pages`). The host only projects from it with the same
 rule the device uses (`jpa.kv.pages.pages_for_tokens`); it keeps no running count of its own.
+Slots released on the host (stop strings, aborts, preemptions) keep their pages on the device
+until the next round's step releases them first (`RoundPlan.release`); until then `free_pages` is
+the device's count plus what that release frees, also the device's figure: each slot's `own`
+pages (referenced by it alone; `batch.DeviceCounts`). That sum is exact unless two released slots
+share uncached pages (a forked sample and its leader); then the engine releases them with a call
+of its own first (`end_round(flush)`, `release_is_exact`), so every plan is the one the device's
+state after the release gives.
 
 Policies (vLLM v1's, in nano-vllm's split):
 - token budget: every decoding request gets its one token first, then prefilling requests
@@ -60,13 +68,14 @@ Policies (vLLM v1's, in nano-vllm's split):
 - stops: the device finishes requests on EOS, max_new_tokens and the length limit (and releases
   their pages itself); stop strings are found here, on the incremental detokenizer's text, and
   the output is cut at the token that completed the stop.
-- structured outputs (SamplingParams.structured): a constrained request samples only in the
-  ragged step (the device's decode loop skips it; see `jpa.engine.structured`), so while one
-  decodes every round has a ragged step with a decode row per decoding request, then
-  steps_per_call - 1 decode steps for the unconstrained ones. Each new token is fed to the request's grammar
-  matcher here; once the grammar admits nothing more the request finishes ("stop"), as with a
-  stop string. A token the grammar rejects (a bug: the sampler draws only allowed tokens)
-  finishes the request with "error".
+- request hooks (`hooks`: a feature's plan and post-process points; the feature's module owns
+  them): structured outputs (`jpa.engine.structured.StructuredHook`) is one. Its plan: a
+  constrained request samples only in the ragged step (the device's decode loop skips it), so
+  while one decodes every round has a ragged step with a decode row per decoding request, then
+  steps_per_call - 1 decode steps for the others. Its post-process: each new token is fed to the
+  request's grammar matcher; once the grammar admits nothing more the request finishes ("stop"),
+  as with a stop string, and a token the grammar rejects (a bug: the sampler draws only allowed
+  tokens) finishes it with "error".
 """
 
 import collections
@@ -75,6 +84,7 @@ import dataclasses
 from jpa.kv.offload import HostTier, SwapCost, bucket
 from jpa.kv.prefix_cache import PrefixCache
 from jpa.engine.request import NEXT_PHASES, Phase, PromptLogprob, Request
+from jpa.engine.structured import STRUCTURED
 from jpa.kv.pages import pages_for_tokens
 
 
@@ -122,6 +132,8 @@ class RoundPlan:
     evict: tuple[int, ...] = ()      # cached-idle pages the device evicts first (prefix caching)
     swap_in: tuple[SwapIn, ...] = ()  # KV offload: page moves done before the step (the evictions first)
     spill: tuple[int, ...] = ()      # KV offload: the evicted pages copied to the host tier first
+    release: tuple[int, ...] = ()    # slots the step releases before anything else (released on the host
+                                     # since the last device call: stop strings, aborts, preemptions)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -166,11 +178,15 @@ class Scheduler:
       host_tier: KV offload's host tier (`jpa.kv.offload.HostTier`); None = preemption recomputes.
       swap_cost: the model's swap-vs-recompute rule (`jpa.kv.offload.SwapCost`); None = swap
         whenever the host tier has room.
+      hooks: request hooks, a feature's plan and post-process points (`plan(req)`: the decoding
+        request needs a ragged row this round; `post(req, device_done)`: (finish reason, error)
+        when the feature ends it on the host). Default: structured outputs
+        (`jpa.engine.structured.StructuredHook`).
     """
 
     def __init__(self, *, max_seqs: int, page_size: int, num_pages: int, max_model_len: int,
                  steps_per_call: int, watermark: float, stop_ids=(), prefix_caching: bool = False,
-                 host_tier: HostTier | None = None, swap_cost: SwapCost | None = None):
+                 host_tier: HostTier | None = None, swap_cost: SwapCost | None = None, hooks=(STRUCTURED,)):
         if max_model_len > num_pages * page_size:
             raise ValueError(f"max_model_len must be <= num_pages * page_size = {num_pages * page_size} "
                              f"(a lone sequence must fit in the pool); got {max_model_len}")
@@ -182,12 +198,18 @@ class Scheduler:
         self.running: dict[int, Request] = {}      # slot -> request holding it (prefilling, forking, decoding)
         self.host = host_tier
         self.swap_cost = swap_cost
+        self.hooks = tuple(hooks)
         self.recomputed_by_rule = 0                # preemptions the cost rule sent to recompute
         self.prefix = PrefixCache(page_size, host=host_tier) if prefix_caching else None
         self._swap_outs: list[tuple[int, Request, int]] = []   # (slot, request, block pages) to copy out
-        self.free_pages = num_pages                # device truth (stepped / set_pages)
+        # The device's counts after its last call (stepped / set_pages): free pages, and per slot the
+        # pages only it references and whether it shares uncached pages (`batch.DeviceCounts`).
+        self.device_free_pages = num_pages
+        self._own = self._shared = None
         self.num_preemptions = 0
-        self._to_release: list[tuple[int, Request]] = []   # (slot, request) finished on the host, pages held
+        # (slot, request) released on the host (stop strings, aborts, preemptions) whose pages the
+        # device still holds: the next step releases them first (`RoundPlan.release`).
+        self._to_release: list[tuple[int, Request]] = []
         self._admissions = 0
         self._preempted_last_round = False
 
@@ -234,8 +256,8 @@ class Scheduler:
         """Takes an unfinished request out (finish_reason "abort"); returns it first, then the
         samples that had not forked from it yet (aborted with it); [] if it is not here.
 
-        Slots it held are queued for release: the engine must release what take_releases()
-        returns before the next round (the slots are free to admit into).
+        Slots it held are queued for release: the next round's step releases them first
+        (`RoundPlan.release`), or the engine sooner (`take_releases`); the slots are free to admit into.
         """
         req = next((r for r in self.waiting if r.request_id == request_id), None)
         if req is None:
@@ -272,11 +294,48 @@ class Scheduler:
 
     # ------------------------------------------------------------------ page projections
 
-    def set_pages(self, free_pages: int, seq_lens) -> None:
-        """Records the device's PageState after a device call: free pages, tokens per slot."""
-        self.free_pages = int(free_pages)
+    def set_pages(self, free_pages: int, seq_lens, own=None, shared=None, *, released=None) -> None:
+        """Records the device's PageState after a device call: free pages, tokens per slot, and
+        per slot the pages only it references and whether it shares uncached ones (`own`,
+        `shared` of `batch.DeviceCounts`; None: unknown, so a pending release counts as freeing
+        nothing and is not exact). released: the slots of the pending release that call released
+        (None: all of them)."""
+        self.device_free_pages = int(free_pages)
+        self._own, self._shared = own, shared
+        self._to_release = [] if released is None else [(s, r) for s, r in self._to_release if s not in released]
         for slot, req in self.running.items():
             req.num_computed_tokens = int(seq_lens[slot])
+
+    def _freed(self, slots) -> tuple[int, bool]:
+        """(pages that releasing `slots` frees by the device's last counts, whether that is exact):
+        the sum of their `own` pages, exact unless two of them share uncached pages (then a lower
+        bound), and (0, False) when the device's counts are unknown."""
+        slots = set(slots)
+        if not slots:
+            return 0, True
+        if self._own is None:
+            return 0, False
+        return (sum(int(self._own[s]) for s in slots),
+                sum(bool(self._shared[s]) for s in slots) <= 1)
+
+    @property
+    def pending_release(self) -> tuple[int, ...]:
+        """Slots released on the host whose pages the device still holds (the next step releases them)."""
+        return tuple(s for s, _ in self._to_release)
+
+    def release_is_exact(self) -> bool:
+        """Whether `free_pages` (the device's count plus what the pending release frees) is exact."""
+        return self._freed(self.pending_release)[1]
+
+    @property
+    def free_pages(self) -> int:
+        """Free pages once the pending release is done: the device's count plus the pages the
+        released slots alone hold (exact when `release_is_exact()`, else a lower bound)."""
+        return self.device_free_pages + self._freed(self.pending_release)[0]
+
+    @free_pages.setter
+    def free_pages(self, value: int) -> None:   # tests: what the host believes
+        self.device_free_pages = int(value) - self._freed(self.pending_release)[0]
 
     def _growth(self, num_tokens: int, steps: int) -> int:
         """Pages a sequence holding num_tokens takes to grow by `steps` tokens (capped at the limit)."""
@@ -361,7 +420,7 @@ class Scheduler:
         # is a page of prefill; its copy, out and back).
         pays = self.swap_cost is None or self.swap_cost.prefers_swap(self.page_size)
         spill = tuple(self.prefix.spillable(evict)) if evict and pays else ()
-        return RoundPlan(entries, steps, tuple(r.admitted), evict, tuple(r.swap_in), spill)
+        return RoundPlan(entries, steps, tuple(r.admitted), evict, tuple(r.swap_in), spill, self.pending_release)
 
     def _fit(self, r: "_RoundDraft", seq_len: int) -> int:
         """Tokens a sequence holding seq_len can add within the free pages."""
@@ -459,13 +518,13 @@ class Scheduler:
     def _entries(self, r: "_RoundDraft", decoding: list) -> tuple[tuple[Entry, ...], int]:
         """(the ragged step's entries, decode steps after it)."""
         prompt = r.prompt
-        # A constrained request (structured outputs) samples only in the ragged step, under its
-        # grammar mask: while one decodes, a round without prompt work still runs the ragged step
+        # A request hook's plan (structured outputs: `StructuredHook.plan`) can ask for a ragged row:
+        # while such a request decodes, a round without prompt work still runs the ragged step
         # (every decoding request's decode row), then steps_per_call - 1 decode steps for the
-        # unconstrained ones. (The ragged pass costs about a block of rows however few are live, so
-        # the unconstrained requests' first token of the round is better made there than in an
-        # extra decode step: measured in BENCHMARKS.md.)
-        if prompt or any(self.running[s].matcher is not None for s in decoding):
+        # others. (The ragged pass costs about a block of rows however few are live, so the other
+        # requests' first token of the round is better made there than in an extra decode step:
+        # measured in BENCHMARKS.md.)
+        if prompt or any(h.plan(self.running[s]) for h in self.hooks for s in decoding):
             more = r.blocked_by_budget or any(not e.final for e in prompt) or len(prompt) < len(
                 [q for q in self.running.values() if q.phase is Phase.PREFILLING])
             forks = [Entry(sib.slot, sib, 0, False, True, fork_of=e.slot)
@@ -528,7 +587,8 @@ class Scheduler:
         counts, then each entry's token (read where the entry is a decode row or a final chunk),
         then the decode steps' tokens and whether the device still decodes each slot. spilled:
         {evicted page: its data in host memory} for plan.spill (KV offload)."""
-        self.set_pages(result.state.num_free, result.state.seq_lens)
+        st = result.state
+        self.set_pages(st.num_free, st.seq_lens, st.own, st.shared, released=plan.release)
         if self.prefix is not None:
             swaps = {s.slot: s for s in plan.swap_in}
             rows = {e.slot: row for e, row in zip(plan.entries, result.state.tables)}
@@ -604,21 +664,19 @@ class Scheduler:
             req.output_top_logprobs.extend(tuple((int(i), float(v)) for i, v in zip(ids[:k], vals[:k]) if i >= 0)
                                            for _, _, (ids, vals) in got)
         eos_last = device_done and self._device_reason(req) == "stop"
-        grammar_error, grammar_done = None, False
-        if req.matcher is not None and not device_done:
-            grammar_error = req.matcher.advance(req.output_ids)
-            grammar_done = grammar_error is None and req.matcher.done
+        ended = None   # (finish reason, error) of the first request hook that ends it (structured outputs)
+        for hook in self.hooks:
+            verdict = hook.post(req, device_done)
+            ended = ended or verdict
         # A final stop token (EOS, stop_token_ids) is not part of the text, unless the request keeps
         # what stopped it (include_stop_str_in_output, as vLLM).
         text_ids = new[:-1] if eos_last and new and not req.params.include_stop_str_in_output else new
-        kept = req.detokenizer.add(text_ids, final=device_done or grammar_done or grammar_error is not None)
-        if grammar_error is not None and not req.detokenizer.stopped:
+        kept = req.detokenizer.add(text_ids, final=device_done or ended is not None)
+        if ended is not None and not req.detokenizer.stopped:   # the device still decodes it
             self._to_release.append((req.slot, req))
-            self._finish(req, "error")
-            req.error = grammar_error
-        elif grammar_done and not req.detokenizer.stopped:   # the output is complete: the device still decodes it
-            self._to_release.append((req.slot, req))
-            self._finish(req, "stop")
+            self._finish(req, ended[0])
+            if ended[1] is not None:
+                req.error = ended[1]
         elif req.detokenizer.stopped:
             del req.output_ids[n_before + kept:]
             del req.output_logprobs[n_before + kept:]
@@ -654,29 +712,32 @@ class Scheduler:
             self._swap_outs.append((req.slot, req, size))
 
     def take_releases(self) -> list[int]:
-        """Slots finished on the host (stop strings, aborts) whose pages the device still holds."""
+        """Takes the pending release (slots finished on the host, aborted or preempted whose pages
+        the device still holds) for a device call of its own (`ModelRunner.retire`); the next
+        round's step then has nothing to release."""
         release, self._to_release = self._to_release, []
         return [slot for slot, _ in release]
 
-    def end_round(self) -> tuple[list[int], list[Request]]:
-        """Decides what the device must release before the next round.
+    def end_round(self, flush=None) -> tuple[list[int], list[Request]]:
+        """Decides what the device must release: the next round's step does it first (`RoundPlan.release`).
 
-        Returns (slots to release, preempted requests). Host-finished requests (stop strings,
-        aborts) are released first; if the next step still cannot get a page for every running
-        sequence, the newest admitted requests are preempted until it can. The running set never
-        empties for lack of pages: a lone sequence fits (max_model_len <= the pool).
+        Returns (the pending release's slots, preempted requests). Host-finished requests (stop
+        strings, aborts) are released first; if the next step still cannot get a page for every
+        running sequence, the newest admitted requests are preempted until it can. The running set
+        never empties for lack of pages: a lone sequence fits (max_model_len <= the pool).
+
+        The pages the release frees are the device's count (`own` of the released slots); where
+        that is not exact (two released slots share uncached pages), `flush()` (the engine's
+        `flush_releases`: the release as a call of its own, then `set_pages`) is called first, so a
+        request is preempted only when the pool after the release is short. Without `flush`, the
+        count is a lower bound.
         """
-        released = [r for _, r in self._to_release]
-        release = self.take_releases()
-
         def available():
-            # Pages free once `released` is released: their own pages (a sequence shares only
-            # cached pages, which stay cached, and a forked sample's last page until its copy)
-            # plus the cached-idle pages eviction can free.
-            own = sum(pages_for_tokens(r.num_computed_tokens, self.page_size) - len(r.cache_refs) - r.cow_pending
-                      for r in released)
+            # Pages free once the pending release is done, plus the cached-idle pages eviction can free.
+            if flush is not None and not self.release_is_exact():
+                flush()
             idle = self.prefix.num_idle(self.held_cached_pages()) if self.prefix is not None else 0
-            return self.free_pages + own + idle
+            return self.free_pages + idle
 
         preempted = []
         while self.running and self.next_step_pages() > available():
@@ -684,11 +745,9 @@ class Scheduler:
             req = req.leader if req.phase is Phase.FORKING else req   # a sample waiting to fork goes with its leader
             for sib in req.siblings:
                 if sib.phase is Phase.FORKING:
-                    release.append(sib.slot)
-                    released.append(sib)
+                    self._to_release.append((sib.slot, sib))
                     self._move(sib, Phase.WAITING)
-            release.append(req.slot)
-            released.append(req)
+            self._to_release.append((req.slot, req))
             self._swap_out(req)
             self._move(req, Phase.WAITING)
             req.num_preemptions += 1
@@ -697,4 +756,4 @@ class Scheduler:
             preempted.append(req)
         if preempted:
             self._preempted_last_round = True
-        return release, preempted
+        return list(self.pending_release), preempted

@@ -9,7 +9,7 @@ an abi3 wheel, no PyTorch). Three pieces:
   (built on first use), compiled grammars (cached by grammar text), and `masks`: the allowed-token
   bitmask of every constrained row of a round, from each request's matcher.
 - `Matcher` (`Request.matcher`): one request's grammar state, fed the request's output tokens
-  as they arrive (`Scheduler._on_tokens`). Each parallel sample has its own copy.
+  as they arrive (`StructuredHook.post`). Each parallel sample has its own copy.
 
 How masks reach the device (see `jpa.engine.runner`): a constrained request samples only in the
 ragged step of a round, where it has one decode row; the host computes that row's bitmask from
@@ -36,12 +36,14 @@ tokenizer with `token_bytes_table()` -> (bytes of each id, special ids) (jpa's B
 wrapped as it is.
 
 Where the feature plugs into the engine (its hook points; nothing else in the engine names it):
-- plan: `Scheduler.plan_round` gives a decoding constrained request a ragged row every round;
+- plan: `StructuredHook.plan`, one of the scheduler's request hooks (`Scheduler(hooks=...)`):
+  a decoding constrained request needs a ragged row every round;
 - batch fields: `StepBatch.structured` (`GrammarMasks`), filled by `LLMEngine` from
   `Grammars.masks` (`constrained_rows` picks the entries);
 - device hook on the logits: `sample_slots(allowed=...)` in the ragged pass; before the verify
   loop, `hold_constrained` takes constrained slots out of it and `restore_held` puts them back;
-- post-process: `Scheduler._on_tokens` feeds each new token to the request's matcher.
+- post-process: `StructuredHook.post`, called by the scheduler on each request's new tokens: it
+  feeds them to the request's matcher and says when the grammar ends the request.
 """
 
 import dataclasses
@@ -373,6 +375,40 @@ class Grammars:
         self.mask_seconds += time.perf_counter() - t0
         self.masks_computed += len(out)
         return out
+
+
+class StructuredHook:
+    """Structured outputs at the scheduler's request hook points (`jpa.engine.scheduler.Scheduler`'s
+    `hooks`; `STRUCTURED` is the one instance). A hook has two methods:
+
+      plan(req) -> bool: the decoding request needs a ragged row this round (even a round without
+        prompt work then runs the ragged step, and steps_per_call - 1 decode steps after it);
+      post(req, device_done) -> (finish_reason, error) | None: after the request's new tokens were
+        recorded (req.output_ids); what ends it on the host, if anything (the scheduler releases its
+        slot, as for a stop string). device_done: the device finished it already (EOS, length).
+    """
+
+    @staticmethod
+    def plan(req) -> bool:
+        """A constrained request samples only in the ragged step, under its grammar mask (the decode
+        loop holds it out: `hold_constrained`), so it needs a ragged row every round it decodes."""
+        return req.matcher is not None
+
+    @staticmethod
+    def post(req, device_done: bool):
+        """Feeds the request's new output tokens to its matcher: ("stop", None) once the grammar
+        admits nothing more (the output is complete, though the device still decodes it), ("error",
+        message) when the grammar rejected a token (a bug: the sampler draws only allowed tokens),
+        else None. Nothing to do once the device finished the request."""
+        if req.matcher is None or device_done:
+            return None
+        error = req.matcher.advance(req.output_ids)
+        if error is not None:
+            return "error", error
+        return ("stop", None) if req.matcher.done else None
+
+
+STRUCTURED = StructuredHook()
 
 
 class _TableTokenizer:
