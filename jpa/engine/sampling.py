@@ -438,7 +438,14 @@ def sample_with_logprobs(logits, temperature, top_k, top_p, seeds, counters, *, 
     logits = logits.astype(jnp.float32)
     greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     vocab = logits.shape[-1]
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    sampled = temperature > 0
+    # A greedy row's distribution is the model's own: logits / 1 (bit for bit the logits), no
+    # filter. So every row's distribution is `scaled` (no [rows, vocab] select between two arrays).
+    scaled = logits / jnp.where(sampled, temperature, 1.0)[:, None]
+    top_k = jnp.where(sampled, top_k, 0)
+    top_p = jnp.where(sampled, top_p, 1.0)
+    if min_p is not None:
+        min_p = jnp.where(sampled, min_p, 0.0)
 
     def filtered(x):
         # Both filters are thresholds found by bisection on order-preserving integer keys of the
@@ -483,8 +490,8 @@ def sample_with_logprobs(logits, temperature, top_k, top_p, seeds, counters, *, 
     # Drawing noise for a whole vocabulary costs as much as the LM head on a CPU: skip it when
     # every row is greedy.
     drawn = lax.cond(jnp.any(temperature > 0), draw, lambda x: greedy_tok, scaled)
-    tok = jnp.where(temperature > 0, drawn, greedy_tok)  # i32[B]
-    dist = jnp.where((temperature > 0)[:, None], scaled, logits)  # f32[B, V]; -inf = filtered out
+    tok = jnp.where(sampled, drawn, greedy_tok)  # i32[B]
+    dist = scaled  # f32[B, V]; -inf = filtered out (sampled rows only)
     lse = jax.nn.logsumexp(dist, axis=-1)
     picked = jnp.take_along_axis(dist, tok[:, None], axis=-1)[:, 0]
     if top_n is None:
