@@ -28,8 +28,10 @@ def reference_controls(logits, rows, history, num_cached, counters, stop_ids):
     return out
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_controls_equal_a_numpy_reference(seed):
+@pytest.mark.parametrize("seed,sparse", [(0, False), (1, False), (2, False), (0, True), (3, True)])
+def test_controls_equal_a_numpy_reference(seed, sparse):
+    """Both ways of applying the penalties (`apply_controls`' sparse: the GPU's sort of the history,
+    no [n, vocab] temporary; dense: the CPU's counts) against the reference."""
     rng = np.random.default_rng(seed)
     n, vocab, length = 5, 64, 40
     logits = rng.normal(0, 3, (n, vocab)).astype(np.float32)
@@ -47,7 +49,7 @@ def test_controls_equal_a_numpy_reference(seed):
     params = jax.tree_util.tree_map(jnp.asarray, SlotParams.from_rows(rows, n))
     stop_ids = np.array([vocab - 1], np.int32)
     got = np.asarray(apply_controls(jnp.asarray(logits), params, jnp.asarray(history), jnp.asarray(num_cached),
-                                    jnp.asarray(counters), jnp.asarray(stop_ids)))
+                                    jnp.asarray(counters), jnp.asarray(stop_ids), sparse=sparse))
     want = reference_controls(logits, rows, history, num_cached, counters, stop_ids)
     np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
     np.testing.assert_allclose(got[np.isfinite(got)], want[np.isfinite(want)], rtol=1e-5, atol=1e-4)

@@ -309,7 +309,7 @@ def controls_active(params: SlotParams):
                    | (params.min_tokens > 0) | jnp.any(params.bias_ids >= 0, axis=-1))
 
 
-def apply_controls(logits, params: SlotParams, history, num_cached, counters, stop_ids):
+def apply_controls(logits, params: SlotParams, history, num_cached, counters, stop_ids, sparse=None):
     """The logit controls of SamplingParams, before temperature and the filters (vLLM's order).
 
     Args:
@@ -320,6 +320,12 @@ def apply_controls(logits, params: SlotParams, history, num_cached, counters, st
       num_cached: i32[n]; tokens of the history that count (the prompt and the output so far).
       counters: i32[n]; tokens generated before the one being sampled (for min_tokens).
       stop_ids: i32[m]; the engine's stop tokens (EOS), barred with stop_token_ids under min_tokens.
+      sparse: how the penalties find each token's counts: True sorts each row's history (work
+        O(L log L) a row, the logits read and written only at the tokens seen: no [n, vocab]
+        temporary), False counts into [n, vocab] arrays; None: sparse on a GPU when L <= vocab /
+        SPARSE_HISTORY_RATIO, else dense (the CPU program is the dense one). The same arithmetic
+        per token; XLA may fuse it differently (within an ulp), and a token the history lacks keeps
+        its logit either way.
 
     Returns:
       f32[n, vocab].
@@ -328,13 +334,19 @@ def apply_controls(logits, params: SlotParams, history, num_cached, counters, st
     pos = jnp.arange(history.shape[1], dtype=jnp.int32)[None, :]
     seen = pos < num_cached[:, None]  # bool[n, L]
     is_out = seen & (pos >= params.prompt_len[:, None])
-    rows = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[:, None], history.shape)
     tok = jnp.clip(history, 0, vocab - 1)
-    counts = jnp.zeros((n, vocab), jnp.float32).at[rows, tok].add(is_out.astype(jnp.float32))  # output counts
-    anywhere = jnp.zeros((n, vocab), bool).at[rows, tok].max(seen)  # in the prompt or the output
     rp = params.repetition_penalty[:, None]
-    logits = jnp.where(anywhere, jnp.where(logits > 0, logits / rp, logits * rp), logits)
-    logits = logits - params.presence_penalty[:, None] * (counts > 0) - params.frequency_penalty[:, None] * counts
+    if sparse is None:
+        sparse = current_target().platform == "gpu" and history.shape[1] * SPARSE_HISTORY_RATIO <= vocab
+    if sparse:
+        logits = _penalties_sparse(logits, params, tok, seen, is_out)
+    else:
+        rows = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[:, None], history.shape)
+        counts = jnp.zeros((n, vocab), jnp.float32).at[rows, tok].add(is_out.astype(jnp.float32))  # output counts
+        anywhere = jnp.zeros((n, vocab), bool).at[rows, tok].max(seen)  # in the prompt or the output
+        logits = jnp.where(anywhere, jnp.where(logits > 0, logits / rp, logits * rp), logits)
+        logits = (logits - params.presence_penalty[:, None] * (counts > 0)
+                  - params.frequency_penalty[:, None] * counts)
     bias_rows = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[:, None], params.bias_ids.shape)
     bias_ids = jnp.where(params.bias_ids >= 0, params.bias_ids, vocab)  # out of range: dropped
     logits = logits.at[bias_rows, bias_ids].add(params.bias_values, mode="drop")
@@ -342,6 +354,37 @@ def apply_controls(logits, params: SlotParams, history, num_cached, counters, st
     barred = jnp.where((counters < params.min_tokens)[:, None] & (barred >= 0), barred, vocab)
     stop_rows = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[:, None], barred.shape)
     return logits.at[stop_rows, barred].set(-jnp.inf, mode="drop")
+
+
+# `apply_controls` sorts the history (instead of counting into [n, vocab] arrays) when it holds at
+# most vocab / SPARSE_HISTORY_RATIO tokens a row.
+SPARSE_HISTORY_RATIO = 4
+
+
+def _penalties_sparse(logits, params: SlotParams, tok, seen, is_out):
+    """The repetition, presence and frequency penalties at the tokens of each row's history only:
+    each row's (token, is output) pairs sorted by token, one entry per distinct token seen with its
+    output count, the same arithmetic as the dense path on that token's logit, scattered back.
+    No [n, vocab] temporary; the logits of tokens never seen are untouched."""
+    n, vocab = logits.shape
+    L = tok.shape[1]
+    key = jnp.where(seen, tok, vocab)  # unseen positions sort last
+    key, out = lax.sort((key, is_out.astype(jnp.int32)), dimension=1, num_keys=1)  # [n, L] each
+    idx = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32)[None, :], (n, L))
+    first = jnp.concatenate([jnp.ones((n, 1), bool), key[:, 1:] != key[:, :-1]], axis=1)  # a token's first entry
+    # The entry after each one's run of equal tokens: the next first entry (L when none).
+    nxt = lax.cummin(jnp.concatenate([jnp.where(first, idx, L)[:, 1:], jnp.full((n, 1), L, jnp.int32)], axis=1),
+                     axis=1, reverse=True)
+    csum = jnp.cumsum(out, axis=1)  # i32[n, L], inclusive
+    counts = (jnp.take_along_axis(csum, nxt - 1, axis=1) - csum + out).astype(jnp.float32)  # outputs of the token
+    live = first & (key < vocab)
+    t = jnp.minimum(key, vocab - 1)
+    v = jnp.take_along_axis(logits, t, axis=1)  # f32[n, L]
+    rp = params.repetition_penalty[:, None]
+    v = jnp.where(v > 0, v / rp, v * rp)
+    v = v - params.presence_penalty[:, None] * (counts > 0) - params.frequency_penalty[:, None] * counts
+    rows = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[:, None], (n, L))
+    return logits.at[rows, jnp.where(live, t, vocab)].set(v, mode="drop")
 
 
 def allowed_tokens(bitmask, vocab: int):
