@@ -447,6 +447,13 @@ def sample_rows(logits, params: SlotParams, counters, history_fn=None, num_cache
     return tuple(a[c, row - starts[c]] for a in out)
 
 
+def _logsumexp_at(x, amax):
+    """`jax.nn.logsumexp(x, axis=-1)` given each row's max amax f32[B] (the same operations, one
+    pass over x instead of two)."""
+    amax = jnp.where(jnp.isfinite(amax), amax, 0.0)
+    return jnp.log(jnp.abs(jnp.sum(jnp.exp(x - amax[:, None]), axis=-1))) + amax
+
+
 def sample(logits, temperature, top_k, top_p, seeds, counters):
     """Picks one token per row (`sample_with_logprobs` without the log-probabilities)."""
     return sample_with_logprobs(logits, temperature, top_k, top_p, seeds, counters)[0]
@@ -485,6 +492,9 @@ def sample_with_logprobs(logits, temperature, top_k, top_p, seeds, counters, *, 
     # A greedy row's distribution is the model's own: logits / 1 (bit for bit the logits), no
     # filter. So every row's distribution is `scaled` (no [rows, vocab] select between two arrays).
     scaled = logits / jnp.where(sampled, temperature, 1.0)[:, None]
+    # x / t rounds monotonically in x (t > 0): scaled's largest entry is at the logits' argmax, a
+    # token every filter keeps.
+    top_tok = greedy_tok
     top_k = jnp.where(sampled, top_k, 0)
     top_p = jnp.where(sampled, top_p, 1.0)
     if min_p is not None:
@@ -520,7 +530,10 @@ def sample_with_logprobs(logits, temperature, top_k, top_p, seeds, counters, *, 
                           < top_p[:, None], x.shape[0], ways)
             keep = keep & jnp.where(top_p[:, None] < 1.0, cmp(t_p[:, None], jnp.greater_equal)[:, :, 0], True)
         if min_p is not None:
-            keep = keep & (probs >= min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True))
+            # The largest probability is the most likely token's (probs rise with x): a gather,
+            # not a pass over the vocabulary.
+            p_max = jnp.take_along_axis(probs, top_tok[:, None], axis=-1)
+            keep = keep & (probs >= min_p[:, None] * p_max)
         return jnp.where(keep, x, -jnp.inf)
 
     needs_filter = jnp.any((top_k > 0) | (top_p < 1.0) | (False if min_p is None else jnp.any(min_p > 0)))
@@ -535,7 +548,7 @@ def sample_with_logprobs(logits, temperature, top_k, top_p, seeds, counters, *, 
     drawn = lax.cond(jnp.any(temperature > 0), draw, lambda x: greedy_tok, scaled)
     tok = jnp.where(sampled, drawn, greedy_tok)  # i32[B]
     dist = scaled  # f32[B, V]; -inf = filtered out (sampled rows only)
-    lse = jax.nn.logsumexp(dist, axis=-1)
+    lse = _logsumexp_at(dist, jnp.take_along_axis(dist, top_tok[:, None], axis=-1)[:, 0])
     picked = jnp.take_along_axis(dist, tok[:, None], axis=-1)[:, 0]
     if top_n is None:
         return tok, picked - lse
@@ -543,6 +556,12 @@ def sample_with_logprobs(logits, temperature, top_k, top_p, seeds, counters, *, 
     top_n = min(top_n, vocab)
 
     def top(d):  # the top_n of the same distribution, as (log-probabilities, ids)
+        if current_target().platform == "gpu":
+            # The top_n of d, then minus lse: no [B, V] array of d - lse written for the selection.
+            # The same log-probabilities; ids of entries whose values tie only after the
+            # subtraction come in d's order (the CPU program: by index).
+            vals, ids = lax.top_k(d, top_n)
+            return vals - lse[:, None], ids
         return tuple(lax.top_k(d - lse[:, None], top_n))
 
     empty = lambda d: (jnp.full((d.shape[0], top_n), -jnp.inf, jnp.float32),  # noqa: E731
