@@ -180,9 +180,10 @@ VERIFY_CASES = [
                 num_kv_heads=2, head_dim=128, page_size=16, pages_per_seq=9, share_page=True, sinks=0.5,
                 seed=40, **BF16), 5),
     # q_per_kv 3 (21 tokens fill 63 rows), ALiBi, a window shorter than the rows' span, a soft cap,
-    # an int8 cache with page 32.
-    (RaggedCase((90, 21, 33), q_lens=(21, 4, 2), num_tokens=30, num_q_heads=6, num_kv_heads=2, head_dim=64,
-                page_size=32, pages_per_seq=3, alibi=True, sliding_window=9, soft_cap=5.0, q_dtype="float16",
+    # an int8 cache with page 32; one 64-token block a sequence: one partition (the kernel
+    # normalizes and writes q's dtype itself).
+    (RaggedCase((60, 21, 33), q_lens=(21, 4, 2), num_tokens=30, num_q_heads=6, num_kv_heads=2, head_dim=64,
+                page_size=32, pages_per_seq=2, alibi=True, sliding_window=9, soft_cap=5.0, q_dtype="float16",
                 cache_dtype="int8", seed=41), 21),
 ]
 

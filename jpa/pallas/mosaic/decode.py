@@ -195,7 +195,8 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, ks_ref, vs_re
     # i32[num_seqs]; slopes_ref f32[num_q_heads + BLOCK_Q] (q_tokens 1) or f32[K * BLOCK_Q] (per
     # row) or None; ks_ref, vs_ref f32[(L,) K, P, S_p] or None; qlens_ref i32[num_seqs] (query
     # tokens of each sequence, the last of its seq_len positions) with q_tokens > 1, else None.
-    # acc_out f32[B, K, parts, rows_out, H]; m_out, l_out f32[B, K, parts, rows_out].
+    # acc_out f32[B, K, parts, rows_out, H]; m_out, l_out f32[B, K, parts, rows_out]; or, with one
+    # partition and no sinks (m_out, l_out None), acc_out [B, K, rows_out, H] in q's dtype, normalized.
     # register_acc: the hardware path (see `pipeline.attend`); False in GPU interpret mode.
     q_bar, k_bars, v_bars = bars
     b = lax.axis_index("seq")
@@ -246,6 +247,21 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, ks_ref, vs_re
         *main_loop_scratch(dtype, k_ref.dtype, head_dim, block_tokens, slots,
                            alibi=slopes_ref is not None, quantized=quantized,
                            register_acc=register_acc))
+
+    if m_out is None:
+        # One partition and no sinks: the program holds every key of its rows, so it normalizes
+        # and writes its rows in q's dtype (what `merge_partitions` would make of one partition,
+        # without the f32 state's round trip through GMEM). A row that saw no key has l = 0, acc = 0.
+        out = acc / lax.broadcast_in_dim(jnp.where(l > 0, l, 1.0), acc.shape, [0])
+
+        def store(o_smem):
+            o_smem[...] = out.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows_out)], acc_out.at[b, kh])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(store, plgpu.SMEM((BLOCK_Q, head_dim), dtype, transforms=operand_transforms(dtype, head_dim)))
+        return
 
     def epilogue(o_smem, ml_smem):
         # The f32 tile is written whole (WGMMA layout) and only its first rows_out rows leave.
@@ -323,7 +339,7 @@ def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_ca
         rest = list(rest)
         layer_ref = rest.pop(0) if stacked else None
         qlens_ref = rest.pop(0) if multi else None
-        acc_out, m_out, l_out = rest
+        acc_out, m_out, l_out = rest if len(rest) == 3 else (rest[0], None, None)
         pl.run_scoped(
             lambda *bars: kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref,
                                  slopes_ref if alibi_slopes is not None else None,
@@ -331,16 +347,24 @@ def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_ca
                                  layer_ref, qlens_ref, acc_out, m_out, l_out, bars),
             *barriers(arrivals, slots))
 
-    acc, m, l = launch(
-        jpa_mosaic_decode, partition_outputs(num_seqs, num_kv_heads, parts, rows_out, head_dim),
+    # One partition and no sinks: the kernel writes its rows normalized, in q's dtype (no merge).
+    normalized = parts == 1 and sinks is None
+    out_type = (jax.ShapeDtypeStruct((num_seqs, num_kv_heads, rows_out, head_dim), dtype) if normalized
+                else partition_outputs(num_seqs, num_kv_heads, parts, rows_out, head_dim))
+    outs = launch(
+        jpa_mosaic_decode, out_type,
         (num_seqs, num_kv_heads, parts), ("seq", "kv_head", "part"), interpret, detect_races,
     )(q_rows, k_pages, v_pages, block_tables, seq_lens.astype(jnp.int32), slopes,
       k_scales if quantized else slopes, v_scales if quantized else slopes,
       *([layer_operand(layer)] if stacked else []), *([q_lens.astype(jnp.int32)] if multi else []))
-    acc = acc[..., :rows, :]  # [B, K, parts, rows, H]
-    # Attention sinks join at the split-K combine (exact for any partitioning), one per row's head.
-    row_sinks = None if sinks is None else jnp.tile(sinks.reshape(num_kv_heads, q_per_kv), (1, q_tokens))
-    out = merge_partitions(acc, m[..., :rows], l[..., :rows], dtype, row_sinks)  # [B, K, rows, H]
+    if normalized:
+        out = outs[..., :rows, :]  # [B, K, rows, H]
+    else:
+        acc, m, l = outs
+        acc = acc[..., :rows, :]  # [B, K, parts, rows, H]
+        # Attention sinks join at the split-K combine (exact for any partitioning), one per row's head.
+        row_sinks = None if sinks is None else jnp.tile(sinks.reshape(num_kv_heads, q_per_kv), (1, q_tokens))
+        out = merge_partitions(acc, m[..., :rows], l[..., :rows], dtype, row_sinks)  # [B, K, rows, H]
     if not multi:
         return out.reshape(num_seqs, num_q_heads, head_dim)
     out = out.reshape(num_seqs, num_kv_heads, q_tokens, q_per_kv, head_dim)
