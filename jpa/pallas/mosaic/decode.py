@@ -27,7 +27,13 @@ Quantized caches (int8, float8_e4m3fn, float8_e5m2) move as 8-bit pages (half th
 are widened in SMEM to q's dtype for the WGMMA (exact), and their per-token scales are applied
 to the logits (K) and to the columns of p (V) instead of to the values.
 
-Split-K: each partition writes its unnormalized (acc, m, l); `merge_partitions` combines them.
+Several query tokens a sequence (`paged_decode_rows`, a speculative verify pass's k + 1 rows): the
+q tile holds [token, q head] rows of the kv head (tokens x q_per_kv <= 64), each row causal at its
+own position (`pipeline.ragged_logits`), so one program reads its partition of the KV once for all
+of them; a row that sees no key of a partition leaves it (m, l, acc) = (MASK_VALUE, 0, 0).
+
+Split-K: each partition writes its unnormalized (acc, m, l); `merge_partitions` combines them. With
+one partition and no sinks the program normalizes its rows and writes q's dtype itself.
 Attention sinks (`sinks`, f32[num_q_heads]) join there, as one more partition (m = sink, l = 1,
 acc = 0): exact for any split, and the kernel body is the same with or without them.
 

@@ -38,6 +38,11 @@ rows]`.
 Rejected: everything `mosaic_decode.unsupported_reason` rejects (the same WGMMA, TMA and SMEM
 limits apply to both kernels); on 8.x and 10.x, what `ragged_ampere.unsupported_reason` rejects.
 
+A caller that promises at most `max_q_len` rows a sequence (the engine's speculative verify pass,
+`jpa.ops.ragged.query_rows_at_most`) gets, on Hopper when max_q_len x q_per_kv <= 64, ONE call of
+the decode kernel with several query tokens (`decode.paged_decode_rows`): the KV read once, not by
+both kernels.
+
 The wrapper below (tile map, q layout `tile_q_rows`, the decode kernel for the last rows, the
 gather of the tiled rows) serves both paths; the tile kernels share `pipeline`'s key range
 (`tile_key_range`), masks (`ragged_logits`), softmax step and sink merge.
@@ -259,8 +264,10 @@ def _short_rows(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, num_seqs
     live = jnp.arange(max_num_seqs, dtype=jnp.int32) < num_seqs
     q_lens = jnp.where(live, jnp.clip(cu_q_lens[1:] - cu_q_lens[:-1], 0, max_q_len), 0)  # i32[B]
     t = jnp.arange(max_q_len, dtype=jnp.int32)
-    # Row of sequence b's token t (num_tokens: none; its q is a zero row, its output dropped).
-    rows = jnp.where(t[None, :] < q_lens[:, None], cu_q_lens[:-1, None] + t[None, :], num_tokens)  # [B, max_q_len]
+    # Row of sequence b's token t, its last q_lens[b] rows (num_tokens: none; a zero q row, its
+    # output dropped).
+    rows = jnp.where(t[None, :] < q_lens[:, None], cu_q_lens[1:, None] - q_lens[:, None] + t[None, :],
+                     num_tokens)  # [B, max_q_len]
     q_seq = jnp.pad(q, ((0, 1), (0, 0), (0, 0)))[rows]  # [B, max_q_len, N, H]
     out = mosaic_decode.paged_decode_rows(q_seq, k_pages, v_pages, block_tables, jnp.where(q_lens > 0, seq_lens, 0),
                                           q_lens, interpret=interpret, layer=layer, tuning=tuning, **opts)
@@ -293,8 +300,8 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
       (a speculative verify pass: k + 1). On Hopper, when that many tokens' heads fit the 64-row q
       tile (`short_rows`), every row runs in ONE multi-row decode kernel call that reads each
       sequence's KV once (`decode.paged_decode_rows`), instead of the decode kernel for the last
-      rows and the tile kernel for the others (which read it twice). Rows past max_q_len in a
-      sequence that breaks the promise are left zero.
+      rows and the tile kernel for the others (which read it twice). A sequence that breaks the
+      promise gets its last max_q_len rows; the rows before them are left zero.
 
     Returns:
       [num_tokens, num_q_heads, head_dim] in q's dtype; zeros at padding rows.
