@@ -71,6 +71,10 @@ CASES = [
          q_dtype="float16", cache_dtype="float8_e4m3fn", soft_cap=20.0, seed=15),
     Case((129, 20), num_q_heads=2, num_kv_heads=2, head_dim=96, page_size=32, pages_per_seq=5,
          q_dtype="bfloat16", cache_dtype="float8_e5m2", alibi=True, sliding_window=70, seed=16),
+    # One 64-token block a sequence: one partition, so the kernel normalizes and writes q's dtype
+    # itself (no split-K merge); a sequence of length 0 next to full ones.
+    Case((0, 5, 40, 64), num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16, pages_per_seq=4,
+         seed=17, **BF16),
 ]
 
 

@@ -171,6 +171,44 @@ def test_mosaic_matches_oracle(case):
     _check(case, got, args, opts)
 
 
+# Speculative verify passes (`max_q_len`: at most that many rows a sequence): on Hopper ONE multi-row
+# decode kernel call, split-K, causal per row. Rows of the first case's 130-token sequence (rows at
+# 125..129, 64-token blocks, one partition a block) see nothing of the last partition but keys
+# 128-129; q_len 0 and 1 next to full ones; a dead slot.
+VERIFY_CASES = [
+    (RaggedCase((130, 9, 40, 70, 5), q_lens=(5, 1, 3, 0, 5), num_tokens=20, max_num_seqs=6, num_q_heads=8,
+                num_kv_heads=2, head_dim=128, page_size=16, pages_per_seq=9, share_page=True, sinks=0.5,
+                seed=40, **BF16), 5),
+    # q_per_kv 3 (21 tokens fill 63 rows), ALiBi, a window shorter than the rows' span, a soft cap,
+    # an int8 cache with page 32; one 64-token block a sequence: one partition (the kernel
+    # normalizes and writes q's dtype itself).
+    (RaggedCase((60, 21, 33), q_lens=(21, 4, 2), num_tokens=30, num_q_heads=6, num_kv_heads=2, head_dim=64,
+                page_size=32, pages_per_seq=2, alibi=True, sliding_window=9, soft_cap=5.0, q_dtype="float16",
+                cache_dtype="int8", seed=41), 21),
+]
+
+
+@pytest.mark.parametrize("case,rows", VERIFY_CASES, ids=str)
+def test_mosaic_verify_rows_match_oracle(case, rows):
+    args, opts = make_ragged_inputs(case)
+    q_per_kv = case.num_q_heads // case.num_kv_heads
+    assert mosaic_ragged.short_rows(q_per_kv, rows, 9.0)   # the one-call path
+    with ragged.query_rows_at_most(rows):
+        got = jpa.ragged_paged_attention(*args, **opts, impl="mosaic", interpret=True)
+    _check(case, got, args, opts)
+
+
+def test_max_q_len_is_a_checked_promise():
+    args, opts = make_ragged_inputs(VERIFY_CASES[0][0])
+    with pytest.raises(ValueError, match=r"max_q_len = 4 but a live sequence has 5 query rows"):
+        jpa.ragged_paged_attention(*args, **opts, impl="mosaic", interpret=True, max_q_len=4)
+    with pytest.raises(ValueError, match=r"max_q_len must be None or a positive int"):
+        jpa.ragged_paged_attention(*args, **opts, impl="xla", max_q_len=0)
+    with pytest.raises(ValueError, match=r"query_rows_at_most needs a positive int"):
+        with ragged.query_rows_at_most(0):
+            pass
+
+
 @pytest.mark.skipif(not compat.RAISE_ON_RACE, reason=compat.RAISE_ON_RACE_MISSING)
 def test_mosaic_no_races():
     """GPU interpret mode's race detector (every SMEM/GMEM access, TMA and barrier) over a chunk

@@ -152,3 +152,25 @@ def test_mosaic_lowers_for_h100_with_whole_page_pools(q_dtype, cache_dtype, q_pe
         operands = re.search(r"custom_call @mosaic_gpu\w*\(([^)]*)\)", call).group(1).split(", ")
         assert all(re.fullmatch(r"%arg\d+", o) for o in operands[1:3]), operands
         assert call.count(pool_t) >= 2
+
+
+@pytest.mark.parametrize("q_per_kv,rows,calls", [(4, 5, 1), (4, 17, 2), (3, 21, 1)])
+def test_mosaic_verify_rows_read_the_kv_once(q_per_kv, rows, calls):
+    """Under `query_rows_at_most(rows)` (the engine's verify pass: k + 1 rows a sequence) the Mosaic
+    ragged op on an H100 is ONE kernel call, the multi-row decode kernel that reads each sequence's
+    KV once, when rows x q_per_kv fits its 64-row q tile; else the decode kernel for the last rows
+    and the tile kernel for the others (two reads of the KV)."""
+    from jpa.ops.ragged import query_rows_at_most
+    num_tokens, max_num_seqs, num_kv_heads, num_pages, pages_per_seq, head_dim = 64, 8, 2, 64, 8, 128
+    pool = jax.ShapeDtypeStruct((3, num_kv_heads, num_pages, 16, head_dim), "bfloat16")  # stacked, 3 layers
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    args = [jax.ShapeDtypeStruct((num_tokens, num_kv_heads * q_per_kv, head_dim), "bfloat16"), pool, pool,
+            i32(max_num_seqs, pages_per_seq), i32(max_num_seqs), i32(max_num_seqs + 1), i32(), i32()]
+
+    def step(q, k_pages, v_pages, tables, lens, cu, num_seqs, layer):
+        with query_rows_at_most(rows):
+            return jpa.ragged_paged_attention(q, k_pages, v_pages, tables, lens, cu, num_seqs, impl="mosaic",
+                                              layer=layer)
+
+    text = lower_text(step, args, H100)
+    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == calls

@@ -28,8 +28,10 @@ def reference_controls(logits, rows, history, num_cached, counters, stop_ids):
     return out
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_controls_equal_a_numpy_reference(seed):
+@pytest.mark.parametrize("seed,sparse", [(0, False), (1, False), (2, False), (0, True), (3, True)])
+def test_controls_equal_a_numpy_reference(seed, sparse):
+    """Both ways of applying the penalties (`apply_controls`' sparse: the GPU's sort of the history,
+    no [n, vocab] temporary; dense: the CPU's counts) against the reference."""
     rng = np.random.default_rng(seed)
     n, vocab, length = 5, 64, 40
     logits = rng.normal(0, 3, (n, vocab)).astype(np.float32)
@@ -47,7 +49,7 @@ def test_controls_equal_a_numpy_reference(seed):
     params = jax.tree_util.tree_map(jnp.asarray, SlotParams.from_rows(rows, n))
     stop_ids = np.array([vocab - 1], np.int32)
     got = np.asarray(apply_controls(jnp.asarray(logits), params, jnp.asarray(history), jnp.asarray(num_cached),
-                                    jnp.asarray(counters), jnp.asarray(stop_ids)))
+                                    jnp.asarray(counters), jnp.asarray(stop_ids), sparse=sparse))
     want = reference_controls(logits, rows, history, num_cached, counters, stop_ids)
     np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
     np.testing.assert_allclose(got[np.isfinite(got)], want[np.isfinite(want)], rtol=1e-5, atol=1e-4)
@@ -296,3 +298,36 @@ def test_key_comparisons_on_probabilities_equal_the_keys():
     for op, npop in ((jnp.greater, np.greater), (jnp.greater_equal, np.greater_equal)):
         got = np.asarray(_key_compare(jnp.asarray(p)[:, None], jnp.asarray(t)[None, :], op))
         np.testing.assert_array_equal(got, npop(keys[:, None], t[None, :].astype(np.uint64)))
+
+
+def test_gpu_sampler_formulations_equal_the_cpus(monkeypatch):
+    """The sampler as compiled for a GPU (forced here on the CPU): penalties at the history's tokens
+    (`apply_controls` sparse), the top logprobs selected before subtracting the log-normalizer, the
+    16-way threshold search. Same tokens and logprobs as the CPU program, same top logprobs (ids
+    whose values tie may swap)."""
+    from jpa.engine import sampling
+    from jpa.ops.dispatch import Target
+    rng = np.random.default_rng(11)
+    n, vocab, length = 10, 900, 64
+    rows = [SlotParams.row(SamplingParams(
+        temperature=float(t), top_k=int(k), top_p=float(p), min_p=float(mp), repetition_penalty=1.3,
+        presence_penalty=0.5, frequency_penalty=0.25, top_logprobs=5, logit_bias={3: 2.0}), 100, prompt_len=20)
+        for t, k, p, mp in zip([0, 0.7, 1.0, 1.3, 0.5, 0, 1.0, 0.9, 2.0, 1.0], [0, 5, 0, 40, 0, 3, 900, 0, 10, 0],
+                               [1, 1, 0.9, 0.8, 0.95, 0.5, 1, 0.7, 1, 1], [0, 0, 0, 0.05, 0, 0, 0, 0.1, 0, 0])]
+    params = jax.tree_util.tree_map(jnp.asarray, SlotParams.from_rows(rows, n))
+    logits = jnp.asarray(rng.normal(0, 3, (n, vocab)).astype(np.float32))
+    history = jnp.asarray(rng.integers(0, 50, (n, length)).astype(np.int32))
+    num_cached = jnp.asarray(rng.integers(20, length + 1, n).astype(np.int32))
+    counters = jnp.asarray(rng.integers(0, 9, n).astype(np.int32))
+
+    def run():
+        return [np.asarray(a) for a in jax.jit(lambda x: sampling.sample_slots(
+            x, params, counters, lambda: history, num_cached, jnp.asarray([1], jnp.int32)))(logits)]
+
+    cpu = run()
+    monkeypatch.setattr(sampling, "current_target", lambda: Target("gpu", "NVIDIA H100 80GB HBM3", 9.0, False))
+    gpu = run()
+    np.testing.assert_array_equal(gpu[0], cpu[0])                   # tokens
+    np.testing.assert_allclose(gpu[1], cpu[1], rtol=1e-5, atol=1e-5)   # their logprobs
+    np.testing.assert_allclose(gpu[3], cpu[3], rtol=1e-5, atol=1e-5)   # top logprobs, in order
+    assert (gpu[2] == cpu[2]).mean() > 0.95, (gpu[2], cpu[2])

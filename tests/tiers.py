@@ -231,6 +231,12 @@ BENCH = {
         "keeps the server path in the main tier)",
     "tests/test_server_toolparsers.py::test_calls_in_each_format_through_the_server[qwen3_coder]":
         "14 s: Qwen3-Coder's tool-call format through a server (as above)",
+    # --- the verify pass's multi-row decode kernel (issue 34): second cases
+    "tests/test_ragged_lowering.py::test_mosaic_verify_rows_read_the_kv_once[4-17-2]":
+        "1.3 s: rows that do not fit the q tile keep the two calls ([4-5-1] and [3-21-1] keep the one call)",
+    "tests/test_mosaic_decode.py::test_matches_reference[N8K2H128S16x4-bfloat16-bfloat16-L[0, 5, 40, 64]]":
+        "2.5 s: the decode kernel's one-partition epilogue for one row (test_ragged.py's verify case "
+        "L[60, 21, 33] keeps it for several rows, with an 8-bit cache, ALiBi and a window)",
 }
 
 

@@ -51,23 +51,36 @@ class Slots:
         return self.page_tokens[block_tables].reshape(block_tables.shape[0], -1)
 
 
+# Copy-on-write pairs applied per iteration of `copy_on_write`'s loop: a step copies the live pairs
+# only, COW_BATCH at a time (a fork's first step copies 1 page, not max_seqs).
+COW_BATCH = 8
+
+
 def copy_on_write(cache, slots, cow):
     """(cache and slots with pages cow.src copied to cow.dst (`jpa.copy_pages`, and their token
-    ids), pages copied), the copy made only when some pair is live: a while_loop of 0 or 1
-    iterations, so steps without a fork cost no copy pass and the cache is carried in place."""
-    any_copy = jnp.any(cow.dst >= 0).astype(jnp.int32)
+    ids), pages copied). The live pairs (dst >= 0) are gathered to the front and copied COW_BATCH at
+    a time in a while_loop of ceil(live / COW_BATCH) iterations: a step without a fork costs no
+    copy pass, one with f forks copies f pages rounded up to the batch (not max_seqs), and the
+    cache is carried in place."""
+    live = cow.dst >= 0
+    n = jnp.sum(live, dtype=jnp.int32)
+    size = min(COW_BATCH, live.shape[0])
+    order = jnp.argsort(~live, stable=True)
+    pad = -live.shape[0] % size
+    src = jnp.pad(jnp.where(live, cow.src, 0)[order], (0, pad))
+    dst = jnp.pad(jnp.where(live, cow.dst, -1)[order], (0, pad), constant_values=-1)
 
     def copy(c):
         i, cache, slots = c
+        s, d = (lax.dynamic_slice_in_dim(a, i * size, size) for a in (src, dst))
         toks = slots.page_tokens
-        dst = jnp.where(cow.dst >= 0, cow.dst, toks.shape[0])
-        toks = toks.at[dst].set(toks[jnp.maximum(cow.src, 0)], mode="drop")
-        cache = (tuple(copy_pages(c, cow.src, cow.dst) for c in cache) if isinstance(cache, tuple)
-                 else copy_pages(cache, cow.src, cow.dst))   # a draft model's cache too (DraftPair)
+        toks = toks.at[jnp.where(d >= 0, d, toks.shape[0])].set(toks[jnp.maximum(s, 0)], mode="drop")
+        cache = (tuple(copy_pages(c, s, d) for c in cache) if isinstance(cache, tuple)
+                 else copy_pages(cache, s, d))   # a draft model's cache too (DraftPair)
         return i + 1, cache, slots.replace(page_tokens=toks)
 
-    _, cache, slots = lax.while_loop(lambda c: c[0] < any_copy, copy, (jnp.int32(0), cache, slots))
-    return cache, slots, jnp.sum(cow.dst >= 0, dtype=jnp.int32)
+    _, cache, slots = lax.while_loop(lambda c: c[0] * size < n, copy, (jnp.int32(0), cache, slots))
+    return cache, slots, n
 
 
 class Usage(NamedTuple):

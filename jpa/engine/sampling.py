@@ -309,7 +309,7 @@ def controls_active(params: SlotParams):
                    | (params.min_tokens > 0) | jnp.any(params.bias_ids >= 0, axis=-1))
 
 
-def apply_controls(logits, params: SlotParams, history, num_cached, counters, stop_ids):
+def apply_controls(logits, params: SlotParams, history, num_cached, counters, stop_ids, sparse=None):
     """The logit controls of SamplingParams, before temperature and the filters (vLLM's order).
 
     Args:
@@ -320,6 +320,12 @@ def apply_controls(logits, params: SlotParams, history, num_cached, counters, st
       num_cached: i32[n]; tokens of the history that count (the prompt and the output so far).
       counters: i32[n]; tokens generated before the one being sampled (for min_tokens).
       stop_ids: i32[m]; the engine's stop tokens (EOS), barred with stop_token_ids under min_tokens.
+      sparse: how the penalties find each token's counts: True sorts each row's history (work
+        O(L log L) a row, the logits read and written only at the tokens seen: no [n, vocab]
+        temporary), False counts into [n, vocab] arrays; None: sparse on a GPU when L <= vocab /
+        SPARSE_HISTORY_RATIO, else dense (the CPU program is the dense one). The same arithmetic
+        per token; XLA may fuse it differently (within an ulp), and a token the history lacks keeps
+        its logit either way.
 
     Returns:
       f32[n, vocab].
@@ -328,13 +334,19 @@ def apply_controls(logits, params: SlotParams, history, num_cached, counters, st
     pos = jnp.arange(history.shape[1], dtype=jnp.int32)[None, :]
     seen = pos < num_cached[:, None]  # bool[n, L]
     is_out = seen & (pos >= params.prompt_len[:, None])
-    rows = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[:, None], history.shape)
     tok = jnp.clip(history, 0, vocab - 1)
-    counts = jnp.zeros((n, vocab), jnp.float32).at[rows, tok].add(is_out.astype(jnp.float32))  # output counts
-    anywhere = jnp.zeros((n, vocab), bool).at[rows, tok].max(seen)  # in the prompt or the output
     rp = params.repetition_penalty[:, None]
-    logits = jnp.where(anywhere, jnp.where(logits > 0, logits / rp, logits * rp), logits)
-    logits = logits - params.presence_penalty[:, None] * (counts > 0) - params.frequency_penalty[:, None] * counts
+    if sparse is None:
+        sparse = current_target().platform == "gpu" and history.shape[1] * SPARSE_HISTORY_RATIO <= vocab
+    if sparse:
+        logits = _penalties_sparse(logits, params, tok, seen, is_out)
+    else:
+        rows = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[:, None], history.shape)
+        counts = jnp.zeros((n, vocab), jnp.float32).at[rows, tok].add(is_out.astype(jnp.float32))  # output counts
+        anywhere = jnp.zeros((n, vocab), bool).at[rows, tok].max(seen)  # in the prompt or the output
+        logits = jnp.where(anywhere, jnp.where(logits > 0, logits / rp, logits * rp), logits)
+        logits = (logits - params.presence_penalty[:, None] * (counts > 0)
+                  - params.frequency_penalty[:, None] * counts)
     bias_rows = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[:, None], params.bias_ids.shape)
     bias_ids = jnp.where(params.bias_ids >= 0, params.bias_ids, vocab)  # out of range: dropped
     logits = logits.at[bias_rows, bias_ids].add(params.bias_values, mode="drop")
@@ -342,6 +354,37 @@ def apply_controls(logits, params: SlotParams, history, num_cached, counters, st
     barred = jnp.where((counters < params.min_tokens)[:, None] & (barred >= 0), barred, vocab)
     stop_rows = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[:, None], barred.shape)
     return logits.at[stop_rows, barred].set(-jnp.inf, mode="drop")
+
+
+# `apply_controls` sorts the history (instead of counting into [n, vocab] arrays) when it holds at
+# most vocab / SPARSE_HISTORY_RATIO tokens a row.
+SPARSE_HISTORY_RATIO = 4
+
+
+def _penalties_sparse(logits, params: SlotParams, tok, seen, is_out):
+    """The repetition, presence and frequency penalties at the tokens of each row's history only:
+    each row's (token, is output) pairs sorted by token, one entry per distinct token seen with its
+    output count, the same arithmetic as the dense path on that token's logit, scattered back.
+    No [n, vocab] temporary; the logits of tokens never seen are untouched."""
+    n, vocab = logits.shape
+    L = tok.shape[1]
+    key = jnp.where(seen, tok, vocab)  # unseen positions sort last
+    key, out = lax.sort((key, is_out.astype(jnp.int32)), dimension=1, num_keys=1)  # [n, L] each
+    idx = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32)[None, :], (n, L))
+    first = jnp.concatenate([jnp.ones((n, 1), bool), key[:, 1:] != key[:, :-1]], axis=1)  # a token's first entry
+    # The entry after each one's run of equal tokens: the next first entry (L when none).
+    nxt = lax.cummin(jnp.concatenate([jnp.where(first, idx, L)[:, 1:], jnp.full((n, 1), L, jnp.int32)], axis=1),
+                     axis=1, reverse=True)
+    csum = jnp.cumsum(out, axis=1)  # i32[n, L], inclusive
+    counts = (jnp.take_along_axis(csum, nxt - 1, axis=1) - csum + out).astype(jnp.float32)  # outputs of the token
+    live = first & (key < vocab)
+    t = jnp.minimum(key, vocab - 1)
+    v = jnp.take_along_axis(logits, t, axis=1)  # f32[n, L]
+    rp = params.repetition_penalty[:, None]
+    v = jnp.where(v > 0, v / rp, v * rp)
+    v = v - params.presence_penalty[:, None] * (counts > 0) - params.frequency_penalty[:, None] * counts
+    rows = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[:, None], (n, L))
+    return logits.at[rows, jnp.where(live, t, vocab)].set(v, mode="drop")
 
 
 def allowed_tokens(bitmask, vocab: int):
@@ -404,6 +447,13 @@ def sample_rows(logits, params: SlotParams, counters, history_fn=None, num_cache
     return tuple(a[c, row - starts[c]] for a in out)
 
 
+def _logsumexp_at(x, amax):
+    """`jax.nn.logsumexp(x, axis=-1)` given each row's max amax f32[B] (the same operations, one
+    pass over x instead of two)."""
+    amax = jnp.where(jnp.isfinite(amax), amax, 0.0)
+    return jnp.log(jnp.abs(jnp.sum(jnp.exp(x - amax[:, None]), axis=-1))) + amax
+
+
 def sample(logits, temperature, top_k, top_p, seeds, counters):
     """Picks one token per row (`sample_with_logprobs` without the log-probabilities)."""
     return sample_with_logprobs(logits, temperature, top_k, top_p, seeds, counters)[0]
@@ -438,7 +488,17 @@ def sample_with_logprobs(logits, temperature, top_k, top_p, seeds, counters, *, 
     logits = logits.astype(jnp.float32)
     greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     vocab = logits.shape[-1]
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    sampled = temperature > 0
+    # A greedy row's distribution is the model's own: logits / 1 (bit for bit the logits), no
+    # filter. So every row's distribution is `scaled` (no [rows, vocab] select between two arrays).
+    scaled = logits / jnp.where(sampled, temperature, 1.0)[:, None]
+    # x / t rounds monotonically in x (t > 0): scaled's largest entry is at the logits' argmax, a
+    # token every filter keeps.
+    top_tok = greedy_tok
+    top_k = jnp.where(sampled, top_k, 0)
+    top_p = jnp.where(sampled, top_p, 1.0)
+    if min_p is not None:
+        min_p = jnp.where(sampled, min_p, 0.0)
 
     def filtered(x):
         # Both filters are thresholds found by bisection on order-preserving integer keys of the
@@ -454,7 +514,10 @@ def sample_with_logprobs(logits, temperature, top_k, top_p, seeds, counters, *, 
                           x.shape[0], ways)
         t_k = jnp.where(t_k > 0, t_k - 1, 0)  # top_k >= vocab keeps everything (no wrap-around)
         keep = jnp.where(top_k[:, None] > 0, key >= t_k[:, None], True)
-        probs = jax.nn.softmax(jnp.where(keep, x, -jnp.inf), axis=-1)
+        # softmax(where(keep, x, -inf)) (jax.nn.softmax's operations) with its max known: x at the
+        # argmax, which top-k keeps; two passes over the vocabulary instead of three.
+        e = jnp.exp(jnp.where(keep, x, -jnp.inf) - jnp.take_along_axis(x, top_tok[:, None], axis=-1))
+        probs = e / jnp.sum(e, axis=-1, keepdims=True)
         # top-p: keep a token when the mass of the tokens above it is < top_p (the smallest set
         # of top tokens reaching top_p; the most likely token always stays).
         if ways == 2:
@@ -470,7 +533,10 @@ def sample_with_logprobs(logits, temperature, top_k, top_p, seeds, counters, *, 
                           < top_p[:, None], x.shape[0], ways)
             keep = keep & jnp.where(top_p[:, None] < 1.0, cmp(t_p[:, None], jnp.greater_equal)[:, :, 0], True)
         if min_p is not None:
-            keep = keep & (probs >= min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True))
+            # The largest probability is the most likely token's (probs rise with x): a gather,
+            # not a pass over the vocabulary.
+            p_max = jnp.take_along_axis(probs, top_tok[:, None], axis=-1)
+            keep = keep & (probs >= min_p[:, None] * p_max)
         return jnp.where(keep, x, -jnp.inf)
 
     needs_filter = jnp.any((top_k > 0) | (top_p < 1.0) | (False if min_p is None else jnp.any(min_p > 0)))
@@ -483,9 +549,9 @@ def sample_with_logprobs(logits, temperature, top_k, top_p, seeds, counters, *, 
     # Drawing noise for a whole vocabulary costs as much as the LM head on a CPU: skip it when
     # every row is greedy.
     drawn = lax.cond(jnp.any(temperature > 0), draw, lambda x: greedy_tok, scaled)
-    tok = jnp.where(temperature > 0, drawn, greedy_tok)  # i32[B]
-    dist = jnp.where((temperature > 0)[:, None], scaled, logits)  # f32[B, V]; -inf = filtered out
-    lse = jax.nn.logsumexp(dist, axis=-1)
+    tok = jnp.where(sampled, drawn, greedy_tok)  # i32[B]
+    dist = scaled  # f32[B, V]; -inf = filtered out (sampled rows only)
+    lse = _logsumexp_at(dist, jnp.take_along_axis(dist, top_tok[:, None], axis=-1)[:, 0])
     picked = jnp.take_along_axis(dist, tok[:, None], axis=-1)[:, 0]
     if top_n is None:
         return tok, picked - lse
@@ -493,6 +559,12 @@ def sample_with_logprobs(logits, temperature, top_k, top_p, seeds, counters, *, 
     top_n = min(top_n, vocab)
 
     def top(d):  # the top_n of the same distribution, as (log-probabilities, ids)
+        if current_target().platform == "gpu":
+            # The top_n of d, then minus lse: no [B, V] array of d - lse written for the selection.
+            # The same log-probabilities; ids of entries whose values tie only after the
+            # subtraction come in d's order (the CPU program: by index).
+            vals, ids = lax.top_k(d, top_n)
+            return vals - lse[:, None], ids
         return tuple(lax.top_k(d - lse[:, None], top_n))
 
     empty = lambda d: (jnp.full((d.shape[0], top_n), -jnp.inf, jnp.float32),  # noqa: E731

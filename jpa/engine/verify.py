@@ -29,6 +29,7 @@ from jax import lax
 
 from jpa.kv import pages
 from jpa.ops.dispatch import current_target
+from jpa.ops.ragged import query_rows_at_most
 from jpa.engine.batch import Sampled, SpecCounts
 from jpa.engine.device import Usage, copy_on_write, finished, slot_mapping_at, tally
 from jpa.engine.sampling import MAX_TOP_LOGPROBS, sample_rows, sample_slots
@@ -147,7 +148,10 @@ class VerifyLoop:
         slot_mapping = slot_mapping_at(ps.block_tables[s], pos, ps_, live)
         seq = jnp.where(act, lens + 1 + num, 0)[order]
         args = (tok, pos, slot_mapping, ps.block_tables[order], seq, cu, jnp.sum(act, dtype=jnp.int32))
-        hidden, cache = self.proposer.target_hidden(self.model, params, cache, args, self.impl)
+        # At most width rows a sequence: the model's attention may read each sequence's KV once
+        # for all of them (`jpa.ops.ragged.query_rows_at_most`: one kernel call on Hopper).
+        with query_rows_at_most(self.width):
+            hidden, cache = self.proposer.target_hidden(self.model, params, cache, args, self.impl)
         slots = slots.write_tokens(tok, slot_mapping)
         rs = slots.rows(s)
         # Sampled in chunks of rows (`sample_rows`): its temporaries do not scale with rows x vocab.

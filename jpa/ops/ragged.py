@@ -27,6 +27,8 @@ kernels. It splits the rows in two kinds and reuses an existing online-softmax p
    the plain-JAX prefill on each, so padding and decode-only steps cost no prefill work.
 """
 
+import contextlib
+import contextvars
 import functools
 
 import jax
@@ -204,10 +206,29 @@ def check_ragged_args(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, nu
                              else block_tables, lens, page_size, num_pages)
 
 
+# The `max_q_len` that `ragged_paged_attention` calls traced under `query_rows_at_most` get.
+_MAX_Q_LEN = contextvars.ContextVar("jpa_max_q_len", default=None)
+
+
+@contextlib.contextmanager
+def query_rows_at_most(n: int):
+    """Within this context (while a program is traced), `ragged_paged_attention` calls that do not
+    pass `max_q_len` get max_q_len=n: the caller promises that no sequence has more than n query
+    rows. The engine's speculative verify pass wraps its model pass in it (k + 1 rows a sequence),
+    so the model's attention reads each sequence's KV once (see `ragged_paged_attention`)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"query_rows_at_most needs a positive int; got {n!r}")
+    token = _MAX_Q_LEN.set(n)
+    try:
+        yield n
+    finally:
+        _MAX_Q_LEN.reset(token)
+
+
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, num_seqs, *,
                            scale=None, soft_cap=None, alibi_slopes=None, sliding_window=None,
                            k_scales=None, v_scales=None, impl="auto", interpret=False, layer=None,
-                           sinks=None):
+                           sinks=None, max_q_len=None):
     """Attention for a ragged batch of prefill chunks and decode tokens over a paged KV cache.
 
     Sequence i < num_seqs owns query rows cu_q_lens[i]:cu_q_lens[i + 1] (q_len_i rows), the last
@@ -245,6 +266,11 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
         (Pallas Mosaic GPU kernels: WGMMA on Hopper, mma.sync on Ampere/Ada and Blackwell), or "auto": as `jpa.paged_decode` (`jpa.ops.dispatch`):
         the kernel for the GPU being compiled for after a one-time self-check, else "xla".
       interpret: run a Pallas kernel in interpret mode (CPU); ignored by "xla".
+      max_q_len: None, or a promise (a static int) that no live sequence has more query rows
+        (q_len_i <= max_q_len; checked when cu_q_lens is concrete). Default: the value of an
+        enclosing `query_rows_at_most`, else None. The Mosaic kernels on Hopper then run every row
+        in one multi-row decode kernel call that reads each sequence's KV once (a speculative
+        verify pass), when max_q_len tokens' q heads fit its 64-row tile; the other paths ignore it.
 
     Returns:
       [num_tokens, num_q_heads, head_dim] in q's dtype; zeros at padding rows.
@@ -253,6 +279,9 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
                       scale=scale, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
                       sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales,
                       impl=impl, interpret=interpret, layer=layer, sinks=sinks)
+    if max_q_len is None:
+        max_q_len = _MAX_Q_LEN.get()
+    check_max_q_len(max_q_len, cu_q_lens, num_seqs)
     if layer is not None:
         layer = check_layer(layer, k_pages.shape[0])
     scale = float(scale) if scale is not None else float(q.shape[-1]) ** -0.5
@@ -271,8 +300,25 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
                                            sliding_window=sliding_window, sinks=sinks))
     if chosen == "xla":
         return ragged_paged_attention_xla(*args, **opts)
+    if chosen == "mosaic" and max_q_len is not None:
+        opts["max_q_len"] = max_q_len  # only the Mosaic kernels use it
     return kernel_module(chosen).ragged_paged_attention(
         *args, interpret=interpret, **opts, **dispatch.target_kernel_options(chosen, RAGGED))
+
+
+def check_max_q_len(max_q_len, cu_q_lens, num_seqs):
+    """Validates `ragged_paged_attention`'s max_q_len (None or a positive int; with concrete
+    cu_q_lens and num_seqs, no live sequence longer)."""
+    if max_q_len is None:
+        return
+    if isinstance(max_q_len, bool) or not isinstance(max_q_len, int) or max_q_len < 1:
+        raise ValueError(f"max_q_len must be None or a positive int (static); got {max_q_len!r}")
+    if is_concrete(cu_q_lens) and is_concrete(num_seqs):
+        cu = np.asarray(cu_q_lens)[: int(num_seqs) + 1]
+        longest = int(np.diff(cu).max()) if len(cu) > 1 else 0
+        if longest > max_q_len:
+            raise ValueError(f"max_q_len = {max_q_len} but a live sequence has {longest} query rows "
+                             f"(cu_q_lens[i + 1] - cu_q_lens[i])")
 
 
 def kernel_module(impl: str):

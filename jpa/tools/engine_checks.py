@@ -34,12 +34,16 @@ def step_program(runner, num_tokens: int, platform: str = "cuda"):
             runner.jit_options(platform))
 
 
-def expected_kernel_calls(target: str, kernel_calls: int, decode_calls: int) -> dict:
+def expected_kernel_calls(target: str, kernel_calls, decode_calls: int) -> dict:
     """{impl: calls} of an engine step with `kernel_calls` attention kernel calls, `decode_calls` of
     them the decode loop's plain `jpa.paged_decode`: all Mosaic on Hopper (WGMMA), Ampere/Ada (8.x)
-    and Blackwell (10.x) (mma.sync: decode and the ragged op's two calls); Triton elsewhere."""
+    and Blackwell (10.x) (mma.sync: decode and the ragged op's two calls); Triton elsewhere.
+    kernel_calls: an int, or {"hopper": n, "other": m} when Hopper's count differs (the verify
+    pass's one multi-row decode kernel call where the others make two)."""
     del decode_calls  # every call is the same kernel family now
     major = TARGETS[target]["cc"][0]
+    if isinstance(kernel_calls, dict):
+        kernel_calls = kernel_calls["hopper" if major == 9 else "other"]
     if major in (8, 9, 10):
         return {"mosaic": kernel_calls}
     return {"triton": kernel_calls}
@@ -66,6 +70,7 @@ def engine_steps(pool_gib: float = 1.5, max_seqs: int = 64, page_size: int = 16,
     from jpa.engine.runner import ModelRunner
     from jpa.models import GPT, PRESETS, GPTForEngine, ModelConfig
     from jpa.models.gpt import layer_period
+    from jpa.pallas.mosaic.ragged import short_rows
 
     config = PRESETS["smollm2-135m"] if config is None else config
     config = ModelConfig(**config) if isinstance(config, dict) else config
@@ -101,19 +106,22 @@ def engine_steps(pool_gib: float = 1.5, max_seqs: int = 64, page_size: int = 16,
          plain_fn, plain_args, plain_opts, pools,
          3 * layer_period(config)),
         # With speculation the decode loop holds the verify pass (a ragged op over k + 1 rows per
-        # sequence: two kernel calls) and the plain decode pass of steps without drafts (one).
+        # sequence: on Hopper one multi-row decode kernel call when the rows' heads fit its q tile,
+        # else two) and the plain decode pass of steps without drafts (one).
         (f"engine unified step, n-gram speculation k={k} ({label} bf16, verify pass of {max_seqs * (k + 1)} rows, "
          f"{max_seqs} seqs, {cache_cfg.num_pages} pages)",
          spec_fn, spec_args, spec_opts, pools,
-         5 * layer_period(config)),
+         {"hopper": (4 if short_rows(config.num_q_heads // config.num_kv_heads, k + 1, 9.0) else 5)
+          * layer_period(config), "other": 5 * layer_period(config)}),
     ]
     return [s for s, kind in zip(steps, ("plain", "spec")) if kind in which]
 
 
 def check_engine(compiler: Compiler, log=print, **sizes) -> list:
     """Compiles the engine's unified step with impl="auto": it must hold the target's kernels three
-    times per layer of the scanned body (ragged tiles, last rows, decode loop), five with speculation
-    (the verify pass's two besides): Mosaic on an H100 (WGMMA) and on an A100 / L4 / B200 (mma.sync)
+    times per layer of the scanned body (ragged tiles, last rows, decode loop), with speculation the
+    verify pass's besides (one on an H100, where its rows share a multi-row decode kernel call; two
+    elsewhere): Mosaic on an H100 (WGMMA) and on an A100 / L4 / B200 (mma.sync)
     (`expected_kernel_calls`)."""
     from jpa.engine.runner import attention_in
     records = []

@@ -216,8 +216,9 @@ def ragged_grid(subset: str = "full") -> list:
     return list(dict.fromkeys(out))
 
 
-def ragged_call(impl, q_dtype, cache_dtype, q_per_kv, head_dim, page_size, sinks=False):
-    """(spec, fn, args, pool shapes) of one ragged_paged_attention call with the impl forced."""
+def ragged_call(impl, q_dtype, cache_dtype, q_per_kv, head_dim, page_size, sinks=False, max_q_len=None):
+    """(spec, fn, args, pool shapes) of one ragged_paged_attention call with the impl forced
+    (max_q_len: as the op's, e.g. a verify pass's k + 1 rows a sequence)."""
     import jpa
     from jpa.ops.ragged import ragged_spec
     z = RAGGED_SIZES
@@ -235,7 +236,8 @@ def ragged_call(impl, q_dtype, cache_dtype, q_per_kv, head_dim, page_size, sinks
         scales, sink = (rest[:-1], rest[-1]) if sinks else (rest, None)
         return jpa.ragged_paged_attention(q, k_pages, v_pages, tables, lens, cu, num_seqs, soft_cap=30.0,
                                           sliding_window=1024, k_scales=scales[0] if scales else None,
-                                          v_scales=scales[1] if scales else None, impl=impl, sinks=sink)
+                                          v_scales=scales[1] if scales else None, impl=impl, sinks=sink,
+                                          max_q_len=max_q_len)
     spec = ragged_spec(args[0], args[1], args[3], soft_cap=30.0, alibi_slopes=None, sliding_window=1024,
                        sinks=sink_arg[0] if sinks else None)
     return spec, fn, args, [(pool, cache_dtype)] * 2
@@ -264,6 +266,34 @@ def check_ragged(compiler: Compiler, impls, log=print, subset: str = "fast") -> 
                 rec["problems"].append(f"expected two {impl} kernel calls (ragged + decode), found {calls}")
             records.append(rec)
             log(record_line(rec))
+    return records
+
+
+def check_verify_rows(compiler: Compiler, log=print, max_q_len: int = 5) -> list:
+    """The Mosaic ragged op over RAGGED_CONFIGS with max_q_len (a speculative verify pass: k + 1
+    rows a sequence): on Hopper, when max_q_len tokens' heads fit the 64-row q tile, ONE kernel
+    call (the multi-row decode kernel, `jpa.pallas.mosaic.decode.paged_decode_rows`) that reads
+    each sequence's KV once; elsewhere the two calls of `check_ragged`. No spills either way."""
+    from jpa.ops import ragged
+    from jpa.pallas.mosaic.ragged import short_rows
+    cc = compute_capability(compiler.target)
+    records = []
+    for cfg in RAGGED_CONFIGS:
+        spec, fn, args, pools = ragged_call("mosaic", *cfg[:5], sinks=bool(cfg[5:] and cfg[5]), max_q_len=max_q_len)
+        name = (f"ragged mosaic rows<={max_q_len} q={cfg[0]} kv={cfg[1]} G={cfg[2]} hd={cfg[3]} ps={cfg[4]}"
+                + (" sinks" if cfg[5:] and cfg[5] else ""))
+        reason = ragged.unsupported_reason("mosaic", spec, cc)
+        if reason is not None:
+            records.append(dict(name=name, target=compiler.target, kind="verify_rows", ok=True, refused=reason))
+            continue
+        rec = compiler.compile(name, fn, args, pool_shapes=pools)
+        rec.update(kind="verify_rows")
+        want = 1 if short_rows(cfg[2], max_q_len, cc) else 2
+        if rec["ok"] and rec.get("mosaic_calls", 0) != want:
+            rec["ok"] = False
+            rec["problems"].append(f"expected {want} mosaic kernel call(s), found {rec.get('mosaic_calls', 0)}")
+        records.append(rec)
+        log(record_line(rec))
     return records
 
 

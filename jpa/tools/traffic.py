@@ -521,19 +521,20 @@ def decode_step(rows: list) -> list | None:
     """The rows of one decode step of the engine's unified step (`traffic` rows of its program):
     one iteration of its decode loop (`decode_loop`), each conditional's costliest branch; in a
     speculative step, its verify pass, not the plain decode pass it runs instead when no sequence
-    has a draft (each is a loop of 0 or 1 iterations; the verify pass has the most attention
-    kernel calls, two a layer). None if the program has no decode loop."""
+    has a draft (each is a loop of 0 or 1 iterations with attention kernel calls in it; the verify
+    pass is the one that moves the most bytes: k + 1 rows a sequence). None if the program has no
+    decode loop."""
     loop = decode_loop(rows)
     if loop is None:
         return None
-    calls = {}
-    for r in rows:
-        if (len(r["loops"]) > 1 and r["loops"][0][0] == loop and r["loops"][1][1] is None
-                and r["kernel"] in ("mosaic", "triton")):
-            calls[r["loops"][1][0]] = calls.get(r["loops"][1][0], 0) + r["executions"]
-    if len(calls) > 1:
-        verify = max(calls, key=calls.get)
-        rows = [r for r in rows if not any(b in calls and b != verify for b, _ in r["loops"])]
+    passes = {r["loops"][1][0] for r in rows
+              if len(r["loops"]) > 1 and r["loops"][0][0] == loop and r["loops"][1][1] is None
+              and r["kernel"] in ("mosaic", "triton")}
+    if len(passes) > 1:
+        moved = {b: sum((sum(r["read"].values()) + sum(r["written"].values())) * r["executions"]
+                        for r in rows if any(x == b for x, _ in r["loops"])) for b in passes}
+        verify = max(moved, key=moved.get)
+        rows = [r for r in rows if not any(b in passes and b != verify for b, _ in r["loops"])]
     return select(rows, loop)
 
 

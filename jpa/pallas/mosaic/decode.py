@@ -27,7 +27,13 @@ Quantized caches (int8, float8_e4m3fn, float8_e5m2) move as 8-bit pages (half th
 are widened in SMEM to q's dtype for the WGMMA (exact), and their per-token scales are applied
 to the logits (K) and to the columns of p (V) instead of to the values.
 
-Split-K: each partition writes its unnormalized (acc, m, l); `merge_partitions` combines them.
+Several query tokens a sequence (`paged_decode_rows`, a speculative verify pass's k + 1 rows): the
+q tile holds [token, q head] rows of the kv head (tokens x q_per_kv <= 64), each row causal at its
+own position (`pipeline.ragged_logits`), so one program reads its partition of the KV once for all
+of them; a row that sees no key of a partition leaves it (m, l, acc) = (MASK_VALUE, 0, 0).
+
+Split-K: each partition writes its unnormalized (acc, m, l); `merge_partitions` combines them. With
+one partition and no sinks the program normalizes its rows and writes q's dtype itself.
 Attention sinks (`sinks`, f32[num_q_heads]) join there, as one more partition (m = sink, l = 1,
 acc = 0): exact for any split, and the kernel body is the same with or without them.
 
@@ -61,8 +67,8 @@ from jpa.pallas.mosaic import decode_ampere
 from jpa.pallas.mosaic import tuning as tuning_table
 from jpa.pallas.mosaic.pipeline import (BLOCK_Q, ROW_ALIGN, KVBlocks, attend, barriers, decode_key_range,  # noqa: F401
                                         decode_logits, launch, main_loop_scratch, num_blocks, num_partitions,
-                                        num_slots, operand_transforms, partition_outputs, partitions, prologue, smem_plan,
-                                        tmas_per_block, uses_tma)
+                                        num_slots, operand_transforms, partition_outputs, partitions, prologue,
+                                        ragged_logits, smem_plan, tmas_per_block, uses_tma)
 from jpa.pallas.mosaic.tuning import MosaicTuning
 from jpa.pallas.spec import DecodeSpec
 
@@ -174,15 +180,29 @@ def smem_bytes(head_dim: int, page_size: int, itemsize: int = 2, cache_itemsize:
     return max(peak - BLOCK_Q * tuning.block_tokens * itemsize, epilogue)
 
 
-def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, ks_ref, vs_ref, layer_ref,  # GMEM
+def multi_row_key_range(first, seq_len, part, blocks_per_part, block_tokens, sliding_window):
+    """A multi-row decode program's keys: (start, lo, num_steps). Query rows at positions first ..
+    seq_len - 1 see [start, seq_len) between them (start: the first row's window); the program walks
+    blocks lo .. lo + num_steps - 1 of its partition `part` (each holds a key some row sees)."""
+    start = (jnp.maximum(first + 1 - sliding_window, 0) if sliding_window is not None
+             else jnp.int32(0))
+    lo = jnp.maximum(part * blocks_per_part, lax.div(start, block_tokens))
+    hi = jnp.minimum((part + 1) * blocks_per_part, lax.div(seq_len + block_tokens - 1, block_tokens))
+    return start, lo, jnp.maximum(hi - lo, 0)
+
+
+def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, ks_ref, vs_ref, layer_ref, qlens_ref,  # GMEM
             acc_out, m_out, l_out,  # outputs (GMEM)
             bars, *, scale, soft_cap, sliding_window, q_per_kv, page_size, block_tokens,
-            blocks_per_part, slots, rows_out, register_acc):
-    # q_ref [num_seqs * num_q_heads + BLOCK_Q, head_dim]; k_ref, v_ref [K, P, S_p, H], or
-    # [L, K, P, S_p, H] for a stacked pool (layer_ref i32[1] then holds the layer, else None);
-    # tables_ref i32[num_seqs, pages_per_seq]; lens_ref i32[num_seqs];
-    # slopes_ref f32[num_q_heads + BLOCK_Q] or None; ks_ref, vs_ref f32[(L,) K, P, S_p] or None.
-    # acc_out f32[B, K, parts, rows_out, H]; m_out, l_out f32[B, K, parts, rows_out].
+            blocks_per_part, slots, rows_out, register_acc, q_tokens=1):
+    # q_ref [num_seqs * num_q_heads * q_tokens + BLOCK_Q, head_dim] (rows: seq, kv head, token,
+    # q_per_kv); k_ref, v_ref [K, P, S_p, H], or [L, K, P, S_p, H] for a stacked pool (layer_ref
+    # i32[1] then holds the layer, else None); tables_ref i32[num_seqs, pages_per_seq]; lens_ref
+    # i32[num_seqs]; slopes_ref f32[num_q_heads + BLOCK_Q] (q_tokens 1) or f32[K * BLOCK_Q] (per
+    # row) or None; ks_ref, vs_ref f32[(L,) K, P, S_p] or None; qlens_ref i32[num_seqs] (query
+    # tokens of each sequence, the last of its seq_len positions) with q_tokens > 1, else None.
+    # acc_out f32[B, K, parts, rows_out, H]; m_out, l_out f32[B, K, parts, rows_out]; or, with one
+    # partition and no sinks (m_out, l_out None), acc_out [B, K, rows_out, H] in q's dtype, normalized.
     # register_acc: the hardware path (see `pipeline.attend`); False in GPU interpret mode.
     q_bar, k_bars, v_bars = bars
     b = lax.axis_index("seq")
@@ -194,23 +214,38 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, ks_ref, vs_re
     quantized = ks_ref is not None
 
     seq_len = lens_ref[b]
-    # Blocks [lo, lo + num_steps) of this partition that hold visible tokens; every one holds >= 1.
-    start, lo, num_steps = decode_key_range(seq_len, part, blocks_per_part, block_tokens,
-                                            sliding_window)
+    if q_tokens == 1:
+        # Blocks [lo, lo + num_steps) of this partition that hold visible tokens; every one holds >= 1.
+        start, lo, num_steps = decode_key_range(seq_len, part, blocks_per_part, block_tokens,
+                                                sliding_window)
+    else:
+        # Several query tokens at positions first .. seq_len - 1: the keys of the first one's window
+        # on; a row may see no key of a block (or of a whole partition).
+        first = seq_len - qlens_ref[b]
+        start, lo, num_steps = multi_row_key_range(first, seq_len, part, blocks_per_part, block_tokens,
+                                                   sliding_window)
 
     def main_loop(q_smem, k_smem, v_smem, p_smem, slopes_smem, kd_smem, vd_smem, ks_smem,
                   vs_smem):
         # As `pipeline.main_loop_scratch` lists them.
-        q_row0 = (b * num_kv_heads + kh) * q_per_kv
+        q_row0 = (b * num_kv_heads + kh) * q_per_kv * q_tokens
         blocks = KVBlocks(tables_ref, b, lo, num_steps, head, (k_ref, v_ref, ks_ref, vs_ref),
                           (k_smem, v_smem, ks_smem, vs_smem), (k_bars, v_bars), page_size,
                           block_tokens, slots)
+        slope0 = kh * q_per_kv if q_tokens == 1 else kh * BLOCK_Q
         slopes = prologue(blocks, q_ref.at[pl.ds(q_row0, BLOCK_Q)], q_smem,
-                          slopes_ref.at[pl.ds(kh * q_per_kv, BLOCK_Q)] if slopes_ref is not None else None,
+                          slopes_ref.at[pl.ds(slope0, BLOCK_Q)] if slopes_ref is not None else None,
                           slopes_smem, q_bar)  # f32[BLOCK_Q] or None
+        if q_tokens == 1:
+            logits = decode_logits(slopes, seq_len, start)
+        else:
+            # Row r is token r // q_per_kv, at position first + r // q_per_kv: causal per row.
+            q_pos = first + lax.div(plgpu.broadcasted_iota(
+                jnp.int32, (BLOCK_Q, block_tokens), 0, layout=plgpu.Layout.WGMMA), q_per_kv)
+            logits = ragged_logits(slopes, lambda _: q_pos, (start, seq_len), sliding_window)
 
         return attend(blocks, q_smem, p_smem, kd_smem, vd_smem, scale=scale, soft_cap=soft_cap,
-                      logits=decode_logits(slopes, seq_len, start), key_range=(start, seq_len), zero_masked_p=False,
+                      logits=logits, key_range=(start, seq_len), zero_masked_p=q_tokens > 1,
                       register_acc=register_acc)
 
     acc, m, l = pl.run_scoped(
@@ -218,6 +253,21 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, ks_ref, vs_re
         *main_loop_scratch(dtype, k_ref.dtype, head_dim, block_tokens, slots,
                            alibi=slopes_ref is not None, quantized=quantized,
                            register_acc=register_acc))
+
+    if m_out is None:
+        # One partition and no sinks: the program holds every key of its rows, so it normalizes
+        # and writes its rows in q's dtype (what `merge_partitions` would make of one partition,
+        # without the f32 state's round trip through GMEM). A row that saw no key has l = 0, acc = 0.
+        out = acc / lax.broadcast_in_dim(jnp.where(l > 0, l, 1.0), acc.shape, [0])
+
+        def store(o_smem):
+            o_smem[...] = out.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows_out)], acc_out.at[b, kh])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(store, plgpu.SMEM((BLOCK_Q, head_dim), dtype, transforms=operand_transforms(dtype, head_dim)))
+        return
 
     def epilogue(o_smem, ml_smem):
         # The f32 tile is written whole (WGMMA layout) and only its first rows_out rows leave.
@@ -240,8 +290,12 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, ks_ref, vs_re
 
 def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap, alibi_slopes,
                   sliding_window, k_scales=None, v_scales=None, interpret,
-                  blocks_per_part=None, detect_races=False, layer=None, tuning=None, sinks=None):
-    num_seqs, num_q_heads, head_dim = q.shape
+                  blocks_per_part=None, detect_races=False, layer=None, tuning=None, sinks=None, q_lens=None):
+    # q [B, N, H] (one query per sequence, q_lens None), or [B, q_tokens, N, H] with q_lens i32[B]:
+    # sequence b's first q_lens[b] rows are its last q_lens[b] positions (`paged_decode_rows`).
+    multi = q_lens is not None
+    q_tokens = q.shape[1] if multi else 1
+    num_seqs, num_q_heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
     num_layers, num_kv_heads, _, page_size, _ = pool_layout(k_pages, layer)
     stacked = num_layers is not None
     q_per_kv = num_q_heads // num_kv_heads
@@ -249,19 +303,27 @@ def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_ca
     bt = tuning.block_tokens
     blocks_per_part, parts = partitions(num_seqs, num_kv_heads, block_tables.shape[1], page_size,
                                         tuning, blocks_per_part)
-    rows_out = -(-q_per_kv // ROW_ALIGN) * ROW_ALIGN
+    rows = q_per_kv * q_tokens  # live rows of a program's q tile
+    rows_out = -(-rows // ROW_ALIGN) * ROW_ALIGN
     dtype = q.dtype
     quantized = k_scales is not None
     slots = num_slots(head_dim, page_size, dtype.itemsize, k_pages.dtype.itemsize, tuning=tuning)
 
-    # q is tiny next to the cache: flatten it (free) and pad BLOCK_Q rows so the 64-row q tile
-    # of the last kv head stays in bounds. The page pools go in whole, never sliced.
+    # q is tiny next to the cache: laid out [seq, kv head, token, q_per_kv] (a free reshape for one
+    # token) and padded by BLOCK_Q rows so the 64-row q tile of the last kv head stays in bounds.
+    # The page pools go in whole, never sliced.
     # Row counts are padded to a multiple of 8 as well: Mosaic GPU's TMA tiles a GMEM operand's
     # rows by 8 (found by the compile tier: 4 sequences x 1 head = 68 rows did not lower).
-    q_pad = BLOCK_Q + (-(num_seqs * num_q_heads)) % ROW_ALIGN
-    q_rows = jnp.pad(q.reshape(num_seqs * num_q_heads, head_dim),
-                     ((0, q_pad), (0, 0)))  # [num_seqs * num_q_heads + q_pad, head_dim]
-    if alibi_slopes is not None:
+    if multi:
+        q = jnp.swapaxes(q.reshape(num_seqs, q_tokens, num_kv_heads, q_per_kv, head_dim), 1, 2)
+    n_rows = num_seqs * num_q_heads * q_tokens
+    q_rows = jnp.pad(q.reshape(n_rows, head_dim),
+                     ((0, BLOCK_Q + (-n_rows) % ROW_ALIGN), (0, 0)))  # [n_rows + q_pad, head_dim]
+    if alibi_slopes is not None and multi:
+        # Row r of kv head kh's tile is q head kh * q_per_kv + r % q_per_kv.
+        r = jnp.arange(BLOCK_Q) % q_per_kv  # i32[BLOCK_Q]
+        slopes = alibi_slopes.astype(jnp.float32).reshape(num_kv_heads, q_per_kv)[:, r].reshape(-1)
+    elif alibi_slopes is not None:
         slopes = jnp.pad(alibi_slopes.astype(jnp.float32),
                          (0, BLOCK_Q + (-num_q_heads) % ROW_ALIGN))  # f32[N + BLOCK_Q, rounded up to 8]
     else:
@@ -270,33 +332,78 @@ def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_ca
     kernel = functools.partial(
         _kernel, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
         q_per_kv=q_per_kv, page_size=page_size, block_tokens=bt,
-        blocks_per_part=blocks_per_part, slots=slots, rows_out=rows_out, register_acc=not interpret)
+        blocks_per_part=blocks_per_part, slots=slots, rows_out=rows_out, register_acc=not interpret,
+        q_tokens=q_tokens)
     # One barrier arrival per TMA: a page (or page slice) of K (V), and of its scales when quantized.
     arrivals = tmas_per_block(page_size, bt, quantized)
 
     # The body's name is the kernel's name (ptxas reports and MOSAIC_GPU_DUMP_TO files).
-    # A stacked pool adds one operand, the layer (i32[1]), after the others.
+    # A stacked pool adds one operand, the layer (i32[1]), after the others; several query tokens
+    # one after that, their counts (i32[B]).
     def jpa_mosaic_decode(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, ks_ref, vs_ref,
                           *rest):
-        layer_ref, (acc_out, m_out, l_out) = (rest[0], rest[1:]) if stacked else (None, rest)
+        rest = list(rest)
+        layer_ref = rest.pop(0) if stacked else None
+        qlens_ref = rest.pop(0) if multi else None
+        acc_out, m_out, l_out = rest if len(rest) == 3 else (rest[0], None, None)
         pl.run_scoped(
             lambda *bars: kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref,
                                  slopes_ref if alibi_slopes is not None else None,
                                  ks_ref if quantized else None, vs_ref if quantized else None,
-                                 layer_ref, acc_out, m_out, l_out, bars),
+                                 layer_ref, qlens_ref, acc_out, m_out, l_out, bars),
             *barriers(arrivals, slots))
 
-    acc, m, l = launch(
-        jpa_mosaic_decode, partition_outputs(num_seqs, num_kv_heads, parts, rows_out, head_dim),
+    # One partition and no sinks: the kernel writes its rows normalized, in q's dtype (no merge).
+    normalized = parts == 1 and sinks is None
+    out_type = (jax.ShapeDtypeStruct((num_seqs, num_kv_heads, rows_out, head_dim), dtype) if normalized
+                else partition_outputs(num_seqs, num_kv_heads, parts, rows_out, head_dim))
+    outs = launch(
+        jpa_mosaic_decode, out_type,
         (num_seqs, num_kv_heads, parts), ("seq", "kv_head", "part"), interpret, detect_races,
     )(q_rows, k_pages, v_pages, block_tables, seq_lens.astype(jnp.int32), slopes,
       k_scales if quantized else slopes, v_scales if quantized else slopes,
-      *([layer_operand(layer)] if stacked else []))
-    acc = acc[..., :q_per_kv, :]  # [B, K, parts, G, H]
-    # Attention sinks join at the split-K combine (exact for any partitioning).
-    out = merge_partitions(acc, m[..., :q_per_kv], l[..., :q_per_kv], dtype,
-                           None if sinks is None else sinks.reshape(num_kv_heads, q_per_kv))  # [B, K, G, H]
-    return out.reshape(num_seqs, num_q_heads, head_dim)
+      *([layer_operand(layer)] if stacked else []), *([q_lens.astype(jnp.int32)] if multi else []))
+    if normalized:
+        out = outs[..., :rows, :]  # [B, K, rows, H]
+    else:
+        acc, m, l = outs
+        acc = acc[..., :rows, :]  # [B, K, parts, rows, H]
+        # Attention sinks join at the split-K combine (exact for any partitioning), one per row's head.
+        row_sinks = None if sinks is None else jnp.tile(sinks.reshape(num_kv_heads, q_per_kv), (1, q_tokens))
+        out = merge_partitions(acc, m[..., :rows], l[..., :rows], dtype, row_sinks)  # [B, K, rows, H]
+    if not multi:
+        return out.reshape(num_seqs, num_q_heads, head_dim)
+    out = out.reshape(num_seqs, num_kv_heads, q_tokens, q_per_kv, head_dim)
+    return jnp.swapaxes(out, 1, 2).reshape(num_seqs, q_tokens, num_q_heads, head_dim)
+
+
+def max_rows_tokens(q_per_kv: int) -> int:
+    """Query tokens per sequence `paged_decode_rows` takes: as many as fill the BLOCK_Q-row q tile
+    with their q_per_kv heads."""
+    return BLOCK_Q // q_per_kv
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "interpret", "tuning",
+                                             "blocks_per_part"))
+def paged_decode_rows(q, k_pages, v_pages, block_tables, seq_lens, q_lens, *, scale, soft_cap=None,
+                      alibi_slopes=None, sliding_window=None, k_scales=None, v_scales=None, interpret=False,
+                      layer=None, tuning=None, sinks=None, blocks_per_part=None):
+    """Several query tokens per sequence in one Hopper decode-kernel call (a speculative verify pass:
+    the pending token and its drafts): each program reads its partition of the sequence's KV once
+    for all of its rows, causal per row.
+
+    q [B, q_tokens, N, H] with q_tokens * q_per_kv <= BLOCK_Q (`max_rows_tokens`); q_lens i32[B]:
+    sequence b's rows 0 .. q_lens[b] - 1 are its last q_lens[b] positions, seq_lens[b] - q_lens[b] + t
+    (q_lens[b] <= min(q_tokens, seq_lens[b])), and attend to the keys [0, position] (or the window).
+    Other arguments as `paged_decode` (validated; `unsupported_reason` None for them).
+
+    Returns:
+      [B, q_tokens, N, H] in q's dtype; rows t >= q_lens[b] are unspecified (finite).
+    """
+    return _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, scale=scale, soft_cap=soft_cap,
+                         alibi_slopes=alibi_slopes, sliding_window=sliding_window, k_scales=k_scales,
+                         v_scales=v_scales, interpret=interpret, layer=layer, tuning=tuning, sinks=sinks,
+                         q_lens=q_lens, blocks_per_part=blocks_per_part)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "interpret",

@@ -38,6 +38,11 @@ rows]`.
 Rejected: everything `mosaic_decode.unsupported_reason` rejects (the same WGMMA, TMA and SMEM
 limits apply to both kernels); on 8.x and 10.x, what `ragged_ampere.unsupported_reason` rejects.
 
+A caller that promises at most `max_q_len` rows a sequence (the engine's speculative verify pass,
+`jpa.ops.ragged.query_rows_at_most`) gets, on Hopper when max_q_len x q_per_kv <= 64, ONE call of
+the decode kernel with several query tokens (`decode.paged_decode_rows`): the KV read once, not by
+both kernels.
+
 The wrapper below (tile map, q layout `tile_q_rows`, the decode kernel for the last rows, the
 gather of the tiled rows) serves both paths; the tile kernels share `pipeline`'s key range
 (`tile_key_range`), masks (`ragged_logits`), softmax step and sink merge.
@@ -243,12 +248,38 @@ def _tile_rows(q, k_pages, v_pages, block_tables, tiles, alibi_slopes, k_scales,
       *([layer_operand(layer)] if stacked else []), *([sink_rows] if sinks is not None else []))
 
 
+def short_rows(q_per_kv: int, max_q_len: int | None, compute_capability: float | None) -> bool:
+    """Whether a call whose sequences hold at most max_q_len query rows runs as ONE multi-row decode
+    kernel call (`decode.paged_decode_rows`, Hopper): every row of a sequence fits its 64-row q tile."""
+    return (max_q_len is not None and not is_mma_path(compute_capability)
+            and max_q_len <= mosaic_decode.max_rows_tokens(q_per_kv))
+
+
+def _short_rows(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, num_seqs, max_q_len, *,
+                interpret, layer, tuning, **opts):
+    """Every sequence's rows (at most max_q_len) through one `paged_decode_rows` call: each
+    program reads its partition of the sequence's KV once for all of them. [T, N, H] in q's dtype."""
+    num_tokens = q.shape[0]
+    max_num_seqs = seq_lens.shape[0]
+    live = jnp.arange(max_num_seqs, dtype=jnp.int32) < num_seqs
+    q_lens = jnp.where(live, jnp.clip(cu_q_lens[1:] - cu_q_lens[:-1], 0, max_q_len), 0)  # i32[B]
+    t = jnp.arange(max_q_len, dtype=jnp.int32)
+    # Row of sequence b's token t, its last q_lens[b] rows (num_tokens: none; a zero q row, its
+    # output dropped).
+    rows = jnp.where(t[None, :] < q_lens[:, None], cu_q_lens[1:, None] - q_lens[:, None] + t[None, :],
+                     num_tokens)  # [B, max_q_len]
+    q_seq = jnp.pad(q, ((0, 1), (0, 0), (0, 0)))[rows]  # [B, max_q_len, N, H]
+    out = mosaic_decode.paged_decode_rows(q_seq, k_pages, v_pages, block_tables, jnp.where(q_lens > 0, seq_lens, 0),
+                                          q_lens, interpret=interpret, layer=layer, tuning=tuning, **opts)
+    return jnp.zeros(q.shape, q.dtype).at[rows].set(out, mode="drop")
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "interpret",
-                                             "tuning", "compute_capability"))
+                                             "tuning", "compute_capability", "max_q_len"))
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, num_seqs, *,
                            scale, soft_cap=None, alibi_slopes=None, sliding_window=None,
                            k_scales=None, v_scales=None, interpret=False, layer=None, tuning=None,
-                           sinks=None, compute_capability=None):
+                           sinks=None, compute_capability=None, max_q_len=None):
     """Ragged paged attention with the Mosaic GPU kernels. Arguments as
     `jpa.ragged_paged_attention` (already validated; `unsupported_reason` is None for them).
 
@@ -265,6 +296,12 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
     10.x run the mma.sync kernels (`ragged_ampere`'s tile kernel, `decode_ampere` for the last
     rows; cp.async copies on 8.x, TMA on 10.x; tiling `tuning.lookup_ampere(compute_capability,
     head_dim)` unless `tuning` is given); anything else (None included) the WGMMA kernels.
+    max_q_len: None, or the caller's promise (static) that no live sequence has more query rows
+      (a speculative verify pass: k + 1). On Hopper, when that many tokens' heads fit the 64-row q
+      tile (`short_rows`), every row runs in ONE multi-row decode kernel call that reads each
+      sequence's KV once (`decode.paged_decode_rows`), instead of the decode kernel for the last
+      rows and the tile kernel for the others (which read it twice). A sequence that breaks the
+      promise gets its last max_q_len rows; the rows before them are left zero.
 
     Returns:
       [num_tokens, num_q_heads, head_dim] in q's dtype; zeros at padding rows.
@@ -281,6 +318,9 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
                         else tuning_table.lookup(None, head_dim))
     opts = dict(scale=scale, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
                 sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales, sinks=sinks)
+    if short_rows(q_per_kv, max_q_len, compute_capability):
+        return _short_rows(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, num_seqs, max_q_len,
+                           interpret=interpret, layer=layer, tuning=tuning, **opts)
     # 1. Last rows (all decode tokens) through the split-K decode kernel of the same path.
     decode = functools.partial(mosaic_decode.paged_decode, interpret=interpret, layer=layer,
                                tuning=tuning, compute_capability=compute_capability if mma else None)
