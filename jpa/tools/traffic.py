@@ -567,10 +567,56 @@ def engine_spec(params, config, pools, *, max_seqs: int, context: int, page_size
     return spec, ideal
 
 
+# Abstract quantized models (no weights read): each format as jpa keeps a checkpoint of it on the
+# device (jpa.core.quant, models.gpt.PackedWeight). format -> (group size, {array: (dtype, axis
+# divisor of `in`)}) for the packed forms: codes u8 [in / 2, out], block scales d (and minimums m;
+# K-quants: integer sub-block scales and minimums with f16 super-block ones, d2 / m2).
+PACKED_FORMS = {
+    "Q4_0": {"codes": ("uint8", 2), "d": ("float16", 32)},
+    "Q4_1": {"codes": ("uint8", 2), "d": ("float16", 32), "m": ("float16", 32)},
+    "Q4_K": {"codes": ("uint8", 2), "d": ("uint8", 32), "m": ("uint8", 32), "d2": ("float16", 256),
+             "m2": ("float16", 256)},
+    # AutoAWQ GEMM g128 (zero points: m = -z * s in f32) and GPTQ symmetric g128 (the Q4_0 form).
+    "awq": {"codes": ("uint8", 2), "d": ("float16", 128), "m": ("float32", 128)},
+    "gptq": {"codes": ("uint8", 2), "d": ("float16", 128)},
+}
+ABSTRACT_FORMATS = ("int8", "fp8", *PACKED_FORMS)
+
+
+def abstract_model(config, quantization: str):
+    """An abstract (nnx.eval_shape) bfloat16 models.GPT of `config` whose layer linears are stored
+    in `quantization`: "int8" / "fp8" (per output channel, embeddings and head too: what
+    `--quantization` makes), or a packed 4-bit form of PACKED_FORMS (the layers only: GGUF
+    Q4_0 / Q4_1 / Q4_K, AWQ g128, GPTQ g128; embeddings and head stay bfloat16 as those
+    checkpoints' usually are). For deviceless compiles: nothing is allocated."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jpa.models import GPT
+    from jpa.models.gpt import QUANT_AXIS
+
+    if quantization not in ABSTRACT_FORMATS:
+        raise ValueError(f"quantization must be one of {list(ABSTRACT_FORMATS)}; got {quantization!r}")
+    if quantization in ("int8", "fp8"):
+        return nnx.eval_shape(lambda: GPT(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), quantization=quantization))
+    model = nnx.eval_shape(lambda: GPT(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    form = PACKED_FORMS[quantization]
+    suffix = {"codes": "", "d": "_bscale", "m": "_bmin", "d2": "_bscale2", "m2": "_bmin2"}
+    for name, axis in QUANT_AXIS.items():
+        if axis != -2 or not hasattr(model.layers, name):
+            continue
+        L, k, n = getattr(model.layers, name)[...].shape  # [layers, in, out]
+        for part, (dtype, div) in form.items():
+            setattr(model.layers, name + suffix[part], nnx.Param(jax.ShapeDtypeStruct((L, k // div, n), dtype)))
+    model.quantization = "gguf" if quantization.startswith("Q") else quantization
+    return model
+
+
 def engine_traffic(target: str = "h100", config=None, *, max_seqs: int = 64, context: int = 1024,
                    pool_gib: float = 8.0, page_size: int = 16, which: str = "plain", compiler_options=None,
                    label: str = "Llama-3-8B", hlo: str | None = None, engine_options: bool = True,
-                   budget: int = 512) -> dict:
+                   budget: int = 512, quantization: str | None = None) -> dict:
     """Compiles the engine's unified step (`engine_steps`: a ragged pass, then the decode loop;
     "spec": with n-gram speculation, k = 4) for a deviceless target and models one iteration of its
     decode loop: a decode step at `max_seqs` sequences of `context` tokens (a verify step of
@@ -584,7 +630,8 @@ def engine_traffic(target: str = "h100", config=None, *, max_seqs: int = 64, con
     Returns dict(name, summary (`summary` against the ideal), top (`top_kernels`), seconds and
     cpu_seconds (the compile: wall, and this process's CPU time; None given hlo), temp_bytes, rows
     (every row of the decode step), hlo, matrix_copies (`matrix_copies` of the whole program) and
-    checks (the compile record's ok, problems, pool_copies, pool and alias bytes, kernel calls))."""
+    checks (the compile record's ok, problems, pool_copies, pool and alias bytes, kernel calls)).
+    quantization: the model's weights stored in that format (`abstract_model`); None: bfloat16."""
     from jpa.models import ModelConfig
     from jpa.tools.deviceless import Compiler
     from jpa.tools.engine_checks import LLAMA_SHAPED, engine_steps
@@ -593,7 +640,7 @@ def engine_traffic(target: str = "h100", config=None, *, max_seqs: int = 64, con
     max_model_len = max(2048, -(-context // page_size) * page_size)
     (name, fn, args, jit_options, pools, _), = engine_steps(
         pool_gib=pool_gib, max_seqs=max_seqs, page_size=page_size, max_model_len=max_model_len, config=config,
-        label=label, which=(which,), budget=budget)
+        label=label, which=(which,), budget=budget, quantization=quantization)
     jit_options = dict(jit_options)
     options = {**(jit_options.pop("compiler_options", {}) if engine_options else {}), **(compiler_options or {})}
     jit_options.pop("compiler_options", None)

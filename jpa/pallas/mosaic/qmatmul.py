@@ -1,0 +1,233 @@
+"""A 4-bit dequantizing matmul as a Pallas Mosaic GPU kernel on mma.sync (issue 35): the decode
+step's x @ W for a weight kept in jpa's packed 4-bit form, reading the codes and scales as stored
+and never writing a float copy of W.
+
+Einsum letters: M rows of x (the tokens of the step), K the weight's in, N its out, G a group.
+
+The weight is one layer of a stacked [num_layers, ...] parameter (the kernel takes the stacked
+arrays and the layer index, as the attention kernels take the stacked pool, so the scan over
+layers passes it without slicing a copy):
+
+    codes u8[L, K / 2, N]   two 4-bit codes a byte, GGUF's order (jpa.core.quant.pack_nibbles):
+                            byte j of a 32-value block holds value j (low nibble) and j + 16 (high)
+    d     [L, K / G, N]     group scales (f16 / bf16 / f32)
+    m     [L, K / G, N]     group minimums (the Q4_1 form: w = q * d + m) or None (Q4_0 form:
+                            w = (q - 8) * d)
+
+and the program computes, for a tile of TN output columns,
+
+    y[M, TN] = sum over 32-value blocks b of  x[:, b] @ W[b, TN]        "MK,KN->MN"
+    W[b]     = (q[b] * d[g(b)] + m[g(b)]) in f32, rounded to x's dtype  (as `dequantize_blocks`)
+
+Its copies: each step copies a [KB / 2, TN] tile of codes and the rows [R, KB] of x into SMEM
+(cp.async below sm_90, TMA with mbarriers from sm_90: `pipeline.MmaOps`), double buffered, and
+reads the step's scale rows from GMEM. Registers: the codes are loaded from SMEM in the MMA_RHS
+layout of a 16-bit operand (two consecutive k per register) as 32-bit integers, split into their
+nibbles, scaled (the scale and minimum rows broadcast along k) and rounded to bf16 in registers:
+the mma's rhs; x is the lhs, loaded from SMEM in the MMA_LHS layout. R = 16, 32 or 64 rows of x
+(m_warps 1, 2, 4 of `MMALayouts`: at R = 16 the four warps split the tile's columns).
+
+Interpret mode (`interpret=True`) runs the same body with `MmaOps`' stand-ins: plain ref copies
+and `jnp.dot`; the real layouts, cp.async / TMA and `mma` are proven by the deviceless compile
+(tests/test_quant_gpu.py, scripts/bench_quant.py).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jpa.pallas.common import layer_index, layer_operand
+from jpa.pallas.mosaic.pipeline import MmaOps, launch, uses_tma
+
+BLOCK = 32          # values of one nibble block (GGUF's Q4 order)
+TN = 64             # output columns of one program
+KB = 128            # values of K one step copies (4 blocks: 64 code bytes a column)
+MAX_ROWS = 64       # rows of x one call takes (4 warps x 16)
+SLOTS = 2
+
+
+def permute_k(x):
+    """x [..., K] in the kernel's order of K: within each 32-value block, slot 16c + 2i + h holds value
+    8c + i + 16h (c, h in {0, 1}, i < 8): byte 8c + i's low nibble (h = 0) and high nibble (h = 1)
+    side by side, as `pair_rows` puts them in an mma's k16 slice."""
+    *lead, k = x.shape
+    x = x.reshape(*lead, k // BLOCK, 2, 2, 8)  # [..., block, h, c, i]
+    return jnp.swapaxes(jnp.swapaxes(x, -3, -2), -2, -1).reshape(*lead, k)  # [..., block, c, i, h]
+
+
+def rows_for(m: int) -> int:
+    """Rows of the kernel's x tile for m rows of x: 16, 32 or 64."""
+    return 16 if m <= 16 else 32 if m <= 32 else 64
+
+
+def unsupported_reason(m: int, k: int, n: int, group: int, codes_dtype, x_dtype=jnp.bfloat16) -> str | None:
+    """Why the kernel cannot compute an [m, k] x [k, n] product of this form, or None."""
+    if np.dtype(codes_dtype) != np.uint8:
+        return f"codes of {np.dtype(codes_dtype)}: the kernel reads 4-bit codes packed in uint8"
+    if m > MAX_ROWS:
+        return f"{m} rows of x: the kernel takes at most {MAX_ROWS} (a decode step)"
+    if k % KB or n % TN:
+        return f"a [{k}, {n}] weight: K must be a multiple of {KB} and N of {TN}"
+    if group % BLOCK or k % group:
+        return f"group size {group}: a multiple of {BLOCK} that divides K = {k}"
+    if np.dtype(x_dtype) not in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)):
+        return f"compute dtype {np.dtype(x_dtype)}: the kernel multiplies in bfloat16 or float16"
+    return None
+
+
+def _kernel(x_ref, c_ref, d_ref, m_ref, layer_ref, o_ref, x_smem, c_smem, bars, *, ops, rows, group,
+            m_warps, dtype):
+    # x_ref [R, K]; c_ref u8[L, K / 2, N]; d_ref, m_ref [L, K / G, N] (m_ref None: Q4_0 form);
+    # layer_ref i32[1]; o_ref f32[R, N]; x_smem [SLOTS, R, KB]; c_smem u8[SLOTS, KB / 2, TN].
+    nt = lax.axis_index("n")
+    n0 = pl.multiple_of(nt * TN, TN)
+    layer = layer_index(layer_ref, c_ref.shape[0])
+    k = x_ref.shape[1]
+    steps = k // KB
+    lhs_l = plgpu.Layout.MMA_LHS(dtype, m_warps=m_warps)
+    # The codes' byte rows in the MMA_RHS layout of a 32-bit operand (m16n8k8: thread t holds row
+    # t % 4 (+ 4) of column t / 4), which is the 16-bit operand's layout (m16n8k16: rows 2 (t % 4)
+    # and 2 (t % 4) + 1) with each byte standing for a pair of rows (`pair_rows`).
+    byte_l = plgpu.Layout.MMA_RHS(jnp.float32, m_warps=m_warps)
+    acc_l = plgpu.Layout.MMA_ACC(dtype, m_warps=m_warps)
+
+    def issue(s, slot):
+        bar = bars.at[slot] if ops.tma else None
+        ops.copy(x_ref.at[:, pl.ds(s * KB, KB)], x_smem.at[slot], bar)
+        ops.copy(c_ref.at[layer, pl.ds(s * (KB // 2), KB // 2), pl.ds(n0, TN)], c_smem.at[slot], bar)
+
+    def wait(s, slot):
+        if ops.tma:
+            plgpu.barrier_wait(bars.at[slot])
+        else:  # the next step is issued after this wait: nothing else is in flight
+            ops.wait(0)
+
+    def row(ref, g):  # one group's f32[8, TN] scale (or minimum) row, broadcast along the 8 byte rows
+        if ops.interpret:
+            v = ref[layer, g, pl.ds(n0, TN)].astype(jnp.float32)
+            return jnp.broadcast_to(v[None], (8, TN))
+        v = plgpu.load(ref.at[layer, g, pl.ds(n0, TN)], layout=byte_l.reduce(0), optimized=False)
+        return plgpu.layout_cast(lax.broadcast_in_dim(v.astype(jnp.float32), (8, TN), [1]), byte_l)
+
+    def body(s, acc):
+        slot = lax.rem(s, SLOTS)
+        wait(s, slot)
+        pl.when(s + 1 < steps)(lambda: issue(s + 1, lax.rem(s + 1, SLOTS)))
+        xs, cs = x_smem.at[slot], c_smem.at[slot]
+        for b in range(KB // BLOCK):
+            g = (s * KB + b * BLOCK) // group
+            d = row(d_ref, g)
+            mn = row(m_ref, g) if m_ref is not None else d * -8.0
+            for c in range(2):  # bytes 8c .. 8c + 7 of the block: values 8c + i and 8c + i + 16
+                q_ref = cs.at[pl.ds(b * (BLOCK // 2) + c * 8, 8)]  # u8[8, TN]
+                q = q_ref[...] if ops.interpret else plgpu.load(q_ref, layout=byte_l, optimized=False)
+                q = q.astype(jnp.int32)
+                lo = ((q & 15).astype(jnp.float32) * d + mn).astype(dtype)  # as dequantize_blocks rounds
+                hi = ((q >> 4).astype(jnp.float32) * d + mn).astype(dtype)
+                w = pair_rows(lo, hi, ops.interpret, m_warps)  # [16, TN]: rows 2i, 2i + 1 = lo[i], hi[i]
+                a_ref = xs.at[:, pl.ds(b * BLOCK + c * 16, 16)]
+                acc = ops.mma(acc, ops.lhs(a_ref) if ops.interpret else plgpu.load(a_ref, layout=lhs_l, optimized=False), w)
+        return acc
+
+    issue(0, 0)
+    acc = jnp.zeros((rows, TN), jnp.float32)
+    if not ops.interpret:
+        acc = plgpu.layout_cast(acc, acc_l)
+    acc = lax.fori_loop(0, steps, body, acc)
+    o_ref.at[:, pl.ds(n0, TN)][...] = acc
+
+
+def pair_rows(lo, hi, interpret: bool, m_warps: int):
+    """[8, TN] lo and hi (16-bit, in the 32-bit MMA_RHS layout) -> [16, TN] with rows 2i = lo[i],
+    2i + 1 = hi[i], in the 16-bit MMA_RHS layout.
+
+    For m16n8k8 (32-bit) a thread holds B[t % 4 (+ 4), t / 4]; for m16n8k16 (16-bit) it holds
+    B[2 (t % 4) + {0, 1} (+ 8), t / 4] as one register of two values. So the same thread owns
+    both rows of each pair, and the register arrays have the same shape: each 16-bit register is
+    the 32-bit layout's lo value and hi value, concatenated."""
+    if interpret:
+        return jnp.stack([lo, hi], axis=1).reshape(2 * lo.shape[0], lo.shape[1])
+    import jax.experimental.mosaic.gpu as mgpu  # the lowering's own library
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    src = plgpu.Layout.MMA_RHS(jnp.float32, m_warps=m_warps)
+    dst = plgpu.Layout.MMA_RHS(lo.dtype, m_warps=m_warps)
+    shape = (2 * lo.shape[0], lo.shape[1])
+
+    @plgpu.inline_mgpu(arg_types=(src, src), return_type=plgpu.ShapeDtypeStruct(shape, lo.dtype, dst))
+    def pair(_, a, b):
+        layout = mgpu.MMALayouts(a.mlir_dtype, m_warps=m_warps).rhs
+        regs = np.empty(layout.registers_shape(shape), dtype=object)
+        for i, (x, y) in enumerate(zip(a.registers.flat, b.registers.flat)):
+            regs.flat[i] = mgpu_utils.vector_concat([x, y])
+        return mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
+    return pair(lo, hi)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "tma"))
+def qmatmul(x, codes, d, m=None, *, layer=0, interpret=False, tma=False):
+    """x @ W for one layer of a stacked packed 4-bit weight, W never materialized.
+
+    Args:
+      x: [M, K] float (M <= 64), rounded to bfloat16 (f16 x stays f16) for the mma.
+      codes: u8[L, K / 2, N] (jpa.core.quant's nibble order), or u8[K / 2, N] (one layer).
+      d: [L, K / G, N] group scales; m: the same shape (w = q * d + m) or None (w = (q - 8) * d).
+      layer: i32 scalar, the layer (clamped into [0, L)).
+      interpret: GPU interpret mode (the stand-ins of `MmaOps`).
+      tma: TMA copies with mbarriers (sm_90 and later) instead of cp.async (sm_8x).
+
+    Returns:
+      f32[M, N].
+    """
+    if codes.ndim == 2:
+        codes, d = codes[None], d[None]
+        m = None if m is None else m[None]
+    mm, k = x.shape
+    _, half_k, n = codes.shape
+    if half_k * 2 != k or d.shape[:1] + d.shape[2:] != codes.shape[:1] + (n,) or (k // d.shape[1]) * d.shape[1] != k:
+        raise ValueError(f"qmatmul: x [{mm}, {k}] does not fit codes {list(codes.shape)} and scales "
+                         f"{list(d.shape)} (codes [L, K / 2, N], scales [L, K / G, N])")
+    if m is not None and m.shape != d.shape:
+        raise ValueError(f"qmatmul: minimums {list(m.shape)} differ from scales {list(d.shape)}")
+    group = k // d.shape[1]
+    dtype = jnp.float16 if x.dtype == jnp.float16 else jnp.bfloat16
+    why = unsupported_reason(mm, k, n, group, codes.dtype, dtype)
+    if why is not None:
+        raise ValueError(f"qmatmul: {why}")
+    rows = rows_for(mm)
+    m_warps = rows // 16
+    xp = jnp.pad(permute_k(x.astype(dtype)), ((0, rows - mm), (0, 0)))
+    ops = MmaOps(interpret, tma)
+
+    def jpa_mosaic_qmatmul(x_ref, c_ref, d_ref, *rest):
+        m_ref, layer_ref, o_ref = rest if m is not None else (None, *rest)
+
+        def scoped(x_smem, c_smem, *bars):
+            _kernel(x_ref, c_ref, d_ref, m_ref, layer_ref, o_ref, x_smem, c_smem, bars[0] if bars else None,
+                    ops=ops, rows=rows, group=group, m_warps=m_warps, dtype=dtype)
+
+        pl.run_scoped(scoped, plgpu.SMEM((SLOTS, rows, KB), dtype), plgpu.SMEM((SLOTS, KB // 2, TN), jnp.uint8),
+                      *([plgpu.Barrier(num_arrivals=2, num_barriers=SLOTS)] if ops.tma else []))
+
+    out = launch(jpa_mosaic_qmatmul, jax.ShapeDtypeStruct((rows, n), jnp.float32), (n // TN,), ("n",),
+                 interpret)(xp, codes, d, *([m] if m is not None else []), layer_operand(layer))
+    return out[:mm]
+
+
+def reference(x, codes, d, m=None, layer=0):
+    """NumPy: x @ W with W dequantized in f32 (jpa.core.quant.dequantize_blocks), f32[M, N]."""
+    from jpa.core.quant import dequantize_blocks
+    codes, d = np.asarray(codes), np.asarray(d)
+    if codes.ndim == 3:
+        codes, d = codes[layer], d[layer]
+        m = None if m is None else np.asarray(m)[layer]
+    w = dequantize_blocks(codes, d, None if m is None else np.asarray(m), -2, np.float32)
+    return np.asarray(x, np.float32) @ w
+
+
+__all__ = ["qmatmul", "reference", "unsupported_reason", "uses_tma"]
