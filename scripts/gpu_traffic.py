@@ -104,7 +104,9 @@ def main(argv=None) -> int:
                    else f"compiled in {r['seconds']} s ({r['cpu_seconds']} CPU s)")
             print(f"\n{r['name']}, weights {quant or 'bf16'}, on {args.target}, {seqs} x {args.context} tokens of context, "
                   f"XLA options {r['compiler_options']}: "
-                  f"{how}; {len(s['weight_copies'])} materialized weight slices")
+                  f"{how}; {len(s['weight_copies'])} materialized weight slices"
+                  + "".join(f"\n  weight copy: {c['bytes'] / 1e9:.3f} GB {c['name']} -> {c['result'][:60]}"
+                            for c in s["weight_copies"]))
             print(table(s))
             for k in r["top"][:args.top]:
                 parts = ", ".join([f"R {p} {b / 1e9:.3f}" for p, b in k["read"].items()]

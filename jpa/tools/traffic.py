@@ -160,12 +160,16 @@ class Spec:
     each, with and without the leading 1: `weight_types_of`); pool_types: the page pools' (dtype,
     dims); vocab_size: an array with that axis is logits / sampling work; kv_read_per_call: the
     bytes a Pallas kernel really reads from one pool operand per call (one layer's live K or V),
-    None to count the pool operand whole.
+    None to count the pool operand whole; stacked_weights: (dtype, dims) of the stacked layer
+    weights, of which a Pallas kernel reads one layer (dims[1:]) per call.
     """
     weight_types: set = dataclasses.field(default_factory=set)
     pool_types: set = dataclasses.field(default_factory=set)
     vocab_size: int | None = None
     kv_read_per_call: int | None = None
+    # (dtype, dims) of stacked [num_layers, ...] weights: a Pallas kernel that takes one whole (the
+    # quantized matmul, `jpa.pallas.mosaic.qmatmul`, with a layer index) reads one layer of it.
+    stacked_weights: set = dataclasses.field(default_factory=set)
 
     def __post_init__(self):
         self.pool_types = set(self.pool_types)
@@ -399,6 +403,9 @@ def _kernel_bytes(ins: Instr, comp: dict, comps: dict, spec: Spec) -> tuple:
             if pallas and p == "kv_read" and spec.kv_read_per_call is not None:
                 read["kv_read"] += spec.kv_read_per_call
                 continue
+            if pallas and p == "weights" and (dt, dims) in spec.stacked_weights:
+                read["weights"] += whole // dims[0]  # one layer of the stack, by its index
+                continue
             if ins.op in IN_PLACE and i == 0:
                 continue  # a bare in-place update reads nothing of the updated array
             if fused is not None and i in param_reads and param_reads[i] is not None:
@@ -554,8 +561,10 @@ def engine_spec(params, config, pools, *, max_seqs: int, context: int, page_size
     itemsize = np.dtype(dtype).itemsize
     live = -(-context // page_size) * page_size
     kv_per_call = max_seqs * live * config.num_kv_heads * config.head_dim * itemsize
+    stacked = {(hlo_type(x.shape, x.dtype).split("[")[0], tuple(x.shape)) for x in jax.tree_util.tree_leaves(params)
+               if len(x.shape) >= 2 and x.shape[0] == L}
     spec = Spec(weight_types=weight_types_of(params, (L, L // layer_period(config))), pool_types=spec_pools,
-                vocab_size=config.vocab_size, kv_read_per_call=kv_per_call)
+                vocab_size=config.vocab_size, kv_read_per_call=kv_per_call, stacked_weights=stacked)
     leaves = jax.tree_util.tree_leaves(params)
     weights = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in leaves)
     if not config.tie_embeddings:
@@ -606,7 +615,7 @@ def abstract_model(config, quantization: str):
     for name, axis in QUANT_AXIS.items():
         if axis != -2 or not hasattr(model.layers, name):
             continue
-        L, k, n = getattr(model.layers, name)[...].shape  # [layers, in, out]
+        L, k, n = getattr(model.layers, name).get_value().shape  # [layers, in, out]
         for part, (dtype, div) in form.items():
             setattr(model.layers, name + suffix[part], nnx.Param(jax.ShapeDtypeStruct((L, k // div, n), dtype)))
     model.quantization = "gguf" if quantization.startswith("Q") else quantization

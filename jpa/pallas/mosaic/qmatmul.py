@@ -217,17 +217,3 @@ def qmatmul(x, codes, d, m=None, *, layer=0, interpret=False, tma=False):
     out = launch(jpa_mosaic_qmatmul, jax.ShapeDtypeStruct((rows, n), jnp.float32), (n // TN,), ("n",),
                  interpret)(xp, codes, d, *([m] if m is not None else []), layer_operand(layer))
     return out[:mm]
-
-
-def reference(x, codes, d, m=None, layer=0):
-    """NumPy: x @ W with W dequantized in f32 (jpa.core.quant.dequantize_blocks), f32[M, N]."""
-    from jpa.core.quant import dequantize_blocks
-    codes, d = np.asarray(codes), np.asarray(d)
-    if codes.ndim == 3:
-        codes, d = codes[layer], d[layer]
-        m = None if m is None else np.asarray(m)[layer]
-    w = dequantize_blocks(codes, d, None if m is None else np.asarray(m), -2, np.float32)
-    return np.asarray(x, np.float32) @ w
-
-
-__all__ = ["qmatmul", "reference", "unsupported_reason", "uses_tma"]

@@ -1,0 +1,65 @@
+"""x @ W for one layer of a stacked packed 4-bit weight (issue 35): the Mosaic GPU dequantizing
+matmul (`jpa.pallas.mosaic.qmatmul`) where it serves the device the step is compiled for, else
+plain JAX (the layer's blocks dequantized where the dot reads them).
+
+`kernel_serves(...)` says, before tracing a layer scan, whether the kernel takes such a weight
+here; `models.gpt` then keeps those weights stacked through the scan (no per-layer slice copy) and
+calls `packed_matmul` with the layer index. The environment variable JPA_QMATMUL=0 turns the
+kernel off (every packed weight then takes the plain-JAX path, which writes a dense copy of each
+weight per step on a GPU: the "before" of BENCHMARKS.md's issue-35 table).
+"""
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+
+from jpa.core.quant import dequantize_blocks
+from jpa.ops.dispatch import current_target
+
+
+def kernel_serves(m: int, k: int, n: int, group: int, codes_dtype, compute_dtype, *, d2=None) -> bool:
+    """Whether `packed_matmul` runs the Mosaic GPU kernel for an [m, k] x [k, n] product of a
+    packed weight with groups of `group` values (d2: a K-quant's super-block scales, which the
+    kernel does not read: False) on the device being compiled for: an NVIDIA GPU of compute
+    capability 8.x-10.x whose Mosaic lowering targets it (`jpa.pallas.mosaic.decode.
+    aot_unsupported_reason`)."""
+    from jpa.pallas.mosaic import decode as mosaic_decode
+    from jpa.pallas.mosaic import qmatmul as kernel
+
+    if os.environ.get("JPA_QMATMUL", "1") == "0":
+        return False
+    target = current_target()
+    cc = target.compute_capability
+    if not target.is_nvidia_gpu or cc is None or not 8.0 <= cc < 11.0 or d2 is not None:
+        return False
+    if not target.executable and mosaic_decode.aot_unsupported_reason(cc) is not None:
+        return False
+    return kernel.unsupported_reason(m, k, n, group, codes_dtype, compute_dtype) is None
+
+
+def packed_matmul(x, codes, d, m=None, *, layer, compute_dtype):
+    """x [M, K] @ W (layer `layer` of codes u8[L, K / 2, N], d / m [L, K / G, N]: jpa.core.quant's
+    Q4_0 / Q4_1 forms) -> f32[M, N]. The Mosaic GPU kernel when `kernel_serves`, else W dequantized
+    in compute_dtype (one layer's slice, read inside the dequantizing fusion) and a dot."""
+    from jpa.pallas.mosaic import qmatmul as kernel
+
+    mm, k = x.shape
+    n = codes.shape[-1]
+    group = k // d.shape[-2]
+    if kernel_serves(mm, k, n, group, codes.dtype, compute_dtype):
+        cc = current_target().compute_capability
+        return kernel.qmatmul(x.astype(compute_dtype), codes, d, m, layer=layer, tma=kernel.uses_tma(cc))
+    take = lambda a: None if a is None else jnp.take(a, layer, axis=0)
+    w = dequantize_blocks(take(codes), take(d), take(m), -2, compute_dtype)
+    return jnp.dot(x.astype(compute_dtype), w, preferred_element_type=jnp.float32)
+
+
+def reference(x, codes, d, m=None, layer=0):
+    """NumPy: x @ W with W dequantized in f32 (`dequantize_blocks`), f32[M, N]."""
+    codes, d = np.asarray(codes), np.asarray(d)
+    if codes.ndim == 3:
+        codes, d = codes[layer], d[layer]
+        m = None if m is None else np.asarray(m)[layer]
+    w = dequantize_blocks(codes, d, None if m is None else np.asarray(m), -2, np.float32)
+    return np.asarray(x, np.float32) @ w
