@@ -33,7 +33,7 @@ def _stack(rng, layers, k, n, group, with_min, scale_dtype=np.float16):
     (3, 256, 128, 32, True, np.float16),     # GGUF Q4_1: 32-value groups with minimums, m_warps 1
     (20, 256, 64, 128, False, np.float16),   # GPTQ / Q4_0 form: (q - 8) * d, 128-value groups, m_warps 2
     (64, 128, 64, 64, True, np.float32),     # AWQ-like f32 minimums, 64-value groups, m_warps 4
-])
+], ids=["q4_1-g32", "q4_0-g128", "f32-min-g64"])
 def test_kernel_in_interpret_mode_equals_numpy_dequantize_then_matmul(rows, k, n, group, with_min, scale_dtype):
     rng = np.random.default_rng()
     codes, d, m = _stack(rng, 3, k, n, group, with_min, scale_dtype)
@@ -108,7 +108,8 @@ out = {}
 for target in ("h100", "a100"):
     rec = deviceless.Compiler(target).compile(target, fn, args, keep_hlo=True, compiler_options=tr.WEIGHTS_IN_PLACE)
     spec = tr.Spec(weight_types=tr.weight_types_of(args[1:], (L,)),
-                   stacked_weights={(t, d) for t, d in tr.weight_types_of(args[1:]) if d[0] == L})
+                   stacked_weights={(t, d) for t, d in tr.weight_types_of(args[1:]) if d[0] == L},
+                   dense_sizes=tr.dense_sizes_of(args[1:], (L,)))
     s = tr.summary(tr.select(tr.traffic(rec["hlo"], spec)))
     out[target] = dict(ok=rec["ok"], problems=rec["problems"], mosaic=rec["mosaic_calls"], kernels=rec["kernels"],
                        read=s["weights"]["read"], written=s["weights"]["written"], copies=len(s["weight_copies"]),

@@ -170,6 +170,9 @@ class Spec:
     # (dtype, dims) of stacked [num_layers, ...] weights: a Pallas kernel that takes one whole (the
     # quantized matmul, `jpa.pallas.mosaic.qmatmul`, with a layer index) reads one layer of it.
     stacked_weights: set = dataclasses.field(default_factory=set)
+    # Element counts of the float weights that quantized ones stand for (`dense_sizes_of`): a kernel
+    # that makes a float array of such a size out of weights alone writes a dense copy of a weight.
+    dense_sizes: set = dataclasses.field(default_factory=set)
 
     def __post_init__(self):
         self.pool_types = set(self.pool_types)
@@ -207,6 +210,25 @@ def weight_types_of(params, stacked_axis_sizes=()) -> set:
         if dims and dims[0] in stacked_axis_sizes:
             out.add((t, dims[1:]))
             out.add((t, (1,) + dims[1:]))
+    return out
+
+
+def dense_sizes_of(params, stacked_axis_sizes=()) -> set:
+    """Element counts of the float weights the quantized leaves of a parameter tree stand for: an
+    8-bit leaf's own count, a uint8 leaf's (two 4-bit codes a byte) twice it; for stacked leaves
+    (leading axis in stacked_axis_sizes) one layer's too."""
+    import jax
+
+    out = set()
+    for leaf in jax.tree_util.tree_leaves(params):
+        dt = np.dtype(leaf.dtype)
+        if dt.itemsize != 1:
+            continue
+        per = 2 if dt == np.uint8 else 1
+        n = int(np.prod(leaf.shape))
+        out.add(per * n)
+        if leaf.shape and leaf.shape[0] in stacked_axis_sizes:
+            out.add(per * n // leaf.shape[0])
     return out
 
 
@@ -324,8 +346,9 @@ def traffic(hlo: str, spec: Spec) -> list:
         if r["read"]["weights"] and r["read"]["weights"] >= 0.99 * moved and not r["gathers"]:
             for leaf in _leaves(r["result"]):
                 for t, dims in arrays(leaf):
-                    if (spec.purpose(t, dims) == "other" and t in dtypes
-                            and int(np.prod(dims)) >= MATCH_BY_SIZE):
+                    n = int(np.prod(dims))
+                    dense = t in ("bf16", "f16", "f32") and n in spec.dense_sizes  # a dequantized weight
+                    if spec.purpose(t, dims) == "other" and (t in dtypes or dense) and n >= MATCH_BY_SIZE:
                         derived.add((t, dims))
     if not derived:
         return rows
@@ -564,7 +587,8 @@ def engine_spec(params, config, pools, *, max_seqs: int, context: int, page_size
     stacked = {(hlo_type(x.shape, x.dtype).split("[")[0], tuple(x.shape)) for x in jax.tree_util.tree_leaves(params)
                if len(x.shape) >= 2 and x.shape[0] == L}
     spec = Spec(weight_types=weight_types_of(params, (L, L // layer_period(config))), pool_types=spec_pools,
-                vocab_size=config.vocab_size, kv_read_per_call=kv_per_call, stacked_weights=stacked)
+                vocab_size=config.vocab_size, kv_read_per_call=kv_per_call, stacked_weights=stacked,
+                dense_sizes=dense_sizes_of(params, (L,)))
     leaves = jax.tree_util.tree_leaves(params)
     weights = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in leaves)
     if not config.tie_embeddings:

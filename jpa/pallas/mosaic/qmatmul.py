@@ -81,9 +81,12 @@ def unsupported_reason(m: int, k: int, n: int, group: int, codes_dtype, x_dtype=
 
 
 def _kernel(x_ref, c_ref, d_ref, m_ref, layer_ref, o_ref, x_smem, c_smem, bars, *, ops, rows, group,
-            m_warps, dtype):
-    # x_ref [R, K]; c_ref u8[L, K / 2, N]; d_ref, m_ref [L, K / G, N] (m_ref None: Q4_0 form);
-    # layer_ref i32[1]; o_ref f32[R, N]; x_smem [SLOTS, R, KB]; c_smem u8[SLOTS, KB / 2, TN].
+            m_warps, dtype, bits):
+    # 4 bits: x_ref [R, K] (permute_k); c_ref u8[L, K / 2, N]; d_ref, m_ref [L, K / G, N] (m_ref None:
+    # Q4_0 form); c_smem u8[SLOTS, KB / 2, TN].
+    # 8 bits: x_ref [R, K] (permute_k8); c_ref int8 / float8 [L, K, N]; d_ref f32[L, N] per-channel
+    # scales; c_smem [SLOTS, KB, TN].
+    # layer_ref i32[1]; o_ref f32[R, N]; x_smem [SLOTS, R, KB].
     nt = lax.axis_index("n")
     n0 = pl.multiple_of(nt * TN, TN)
     layer = layer_index(layer_ref, c_ref.shape[0])
@@ -99,13 +102,21 @@ def _kernel(x_ref, c_ref, d_ref, m_ref, layer_ref, o_ref, x_smem, c_smem, bars, 
     def issue(s, slot):
         bar = bars.at[slot] if ops.tma else None
         ops.copy(x_ref.at[:, pl.ds(s * KB, KB)], x_smem.at[slot], bar)
-        ops.copy(c_ref.at[layer, pl.ds(s * (KB // 2), KB // 2), pl.ds(n0, TN)], c_smem.at[slot], bar)
+        rows_per_step = KB * bits // 8
+        ops.copy(c_ref.at[layer, pl.ds(s * rows_per_step, rows_per_step), pl.ds(n0, TN)], c_smem.at[slot], bar)
 
     def wait(s, slot):
         if ops.tma:
             plgpu.barrier_wait(bars.at[slot])
         else:  # the next step is issued after this wait: nothing else is in flight
             ops.wait(0)
+
+    def load_bytes(ref):  # [8, TN] 8-bit rows in byte_l
+        return ref[...] if ops.interpret else plgpu.load(ref, layout=byte_l, optimized=False)
+
+    def widen(v):  # int8 / float8 codes -> the mma dtype, exactly
+        v = v.astype(jnp.int32 if jnp.issubdtype(v.dtype, jnp.integer) else jnp.float32)
+        return v.astype(jnp.float32).astype(dtype)
 
     def row(ref, g):  # one group's f32[8, TN] scale (or minimum) row, broadcast along the 8 byte rows
         if ops.interpret:
@@ -119,19 +130,23 @@ def _kernel(x_ref, c_ref, d_ref, m_ref, layer_ref, o_ref, x_smem, c_smem, bars, 
         wait(s, slot)
         pl.when(s + 1 < steps)(lambda: issue(s + 1, lax.rem(s + 1, SLOTS)))
         xs, cs = x_smem.at[slot], c_smem.at[slot]
+        lhs = lambda a_ref: ops.lhs(a_ref) if ops.interpret else plgpu.load(a_ref, layout=lhs_l, optimized=False)
+        if bits == 8:  # k16 slice j: rows 16j + i and 16j + 8 + i side by side (permute_k8)
+            for j in range(KB // 16):
+                lo, hi = (load_bytes(cs.at[pl.ds(16 * j + 8 * h, 8)]) for h in (0, 1))
+                lo, hi = (widen(v) for v in (lo, hi))
+                acc = ops.mma(acc, lhs(xs.at[:, pl.ds(16 * j, 16)]), pair_rows(lo, hi, ops.interpret, m_warps))
+            return acc
         for b in range(KB // BLOCK):
             g = (s * KB + b * BLOCK) // group
             d = row(d_ref, g)
             mn = row(m_ref, g) if m_ref is not None else d * -8.0
             for c in range(2):  # bytes 8c .. 8c + 7 of the block: values 8c + i and 8c + i + 16
-                q_ref = cs.at[pl.ds(b * (BLOCK // 2) + c * 8, 8)]  # u8[8, TN]
-                q = q_ref[...] if ops.interpret else plgpu.load(q_ref, layout=byte_l, optimized=False)
-                q = q.astype(jnp.int32)
+                q = load_bytes(cs.at[pl.ds(b * (BLOCK // 2) + c * 8, 8)]).astype(jnp.int32)  # [8, TN]
                 lo = ((q & 15).astype(jnp.float32) * d + mn).astype(dtype)  # as dequantize_blocks rounds
                 hi = ((q >> 4).astype(jnp.float32) * d + mn).astype(dtype)
                 w = pair_rows(lo, hi, ops.interpret, m_warps)  # [16, TN]: rows 2i, 2i + 1 = lo[i], hi[i]
-                a_ref = xs.at[:, pl.ds(b * BLOCK + c * 16, 16)]
-                acc = ops.mma(acc, ops.lhs(a_ref) if ops.interpret else plgpu.load(a_ref, layout=lhs_l, optimized=False), w)
+                acc = ops.mma(acc, lhs(xs.at[:, pl.ds(b * BLOCK + c * 16, 16)]), w)
         return acc
 
     issue(0, 0)
@@ -139,6 +154,13 @@ def _kernel(x_ref, c_ref, d_ref, m_ref, layer_ref, o_ref, x_smem, c_smem, bars, 
     if not ops.interpret:
         acc = plgpu.layout_cast(acc, acc_l)
     acc = lax.fori_loop(0, steps, body, acc)
+    if bits == 8:  # the per-channel scale leaves the sum: (x @ q) * scale
+        if ops.interpret:
+            sc = d_ref[layer, pl.ds(n0, TN)][None]
+        else:
+            sc = plgpu.load(d_ref.at[layer, pl.ds(n0, TN)], layout=acc_l.reduce(0), optimized=False)
+            sc = plgpu.layout_cast(lax.broadcast_in_dim(sc, (rows, TN), [1]), acc_l)
+        acc = acc * sc
     o_ref.at[:, pl.ds(n0, TN)][...] = acc
 
 
@@ -200,8 +222,12 @@ def qmatmul(x, codes, d, m=None, *, layer=0, interpret=False, tma=False):
     if why is not None:
         raise ValueError(f"qmatmul: {why}")
     rows = rows_for(mm)
-    m_warps = rows // 16
     xp = jnp.pad(permute_k(x.astype(dtype)), ((0, rows - mm), (0, 0)))
+    return _call(xp, codes, d, m, layer, mm, n, rows, group, dtype, 4, interpret, tma)
+
+
+def _call(xp, codes, d, m, layer, mm, n, rows, group, dtype, bits, interpret, tma):
+    m_warps = rows // 16
     ops = MmaOps(interpret, tma)
 
     def jpa_mosaic_qmatmul(x_ref, c_ref, d_ref, *rest):
@@ -209,11 +235,47 @@ def qmatmul(x, codes, d, m=None, *, layer=0, interpret=False, tma=False):
 
         def scoped(x_smem, c_smem, *bars):
             _kernel(x_ref, c_ref, d_ref, m_ref, layer_ref, o_ref, x_smem, c_smem, bars[0] if bars else None,
-                    ops=ops, rows=rows, group=group, m_warps=m_warps, dtype=dtype)
+                    ops=ops, rows=rows, group=group, m_warps=m_warps, dtype=dtype, bits=bits)
 
-        pl.run_scoped(scoped, plgpu.SMEM((SLOTS, rows, KB), dtype), plgpu.SMEM((SLOTS, KB // 2, TN), jnp.uint8),
+        pl.run_scoped(scoped, plgpu.SMEM((SLOTS, rows, KB), dtype),
+                      plgpu.SMEM((SLOTS, KB * bits // 8, TN), codes.dtype),
                       *([plgpu.Barrier(num_arrivals=2, num_barriers=SLOTS)] if ops.tma else []))
 
     out = launch(jpa_mosaic_qmatmul, jax.ShapeDtypeStruct((rows, n), jnp.float32), (n // TN,), ("n",),
                  interpret)(xp, codes, d, *([m] if m is not None else []), layer_operand(layer))
     return out[:mm]
+
+
+def permute_k8(x):
+    """x [..., K] in the 8-bit kernel's order of K: slot 16j + 2i + h holds value 16j + 8h + i (i < 8),
+    rows i and 8 + i of a k16 slice side by side (`pair_rows`)."""
+    *lead, k = x.shape
+    return jnp.swapaxes(x.reshape(*lead, k // 16, 2, 8), -2, -1).reshape(*lead, k)
+
+
+def unsupported_reason_scaled(m: int, k: int, n: int, codes_dtype, x_dtype=jnp.bfloat16) -> str | None:
+    """`unsupported_reason` for `qmatmul_scaled` (8-bit codes with per-channel scales)."""
+    if np.dtype(codes_dtype) not in (np.dtype(jnp.int8), np.dtype(jnp.float8_e4m3fn)):
+        return f"codes of {np.dtype(codes_dtype)}: the 8-bit kernel reads int8 or float8_e4m3fn"
+    return unsupported_reason(m, k, n, BLOCK, np.uint8, x_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "tma"))
+def qmatmul_scaled(x, q, scale, *, layer=0, interpret=False, tma=False):
+    """(x @ q) * scale for one layer of a stacked 8-bit weight with per-output-channel scales (the
+    int8 / fp8 path of jpa.core.quant: q int8 / float8_e4m3fn [L, K, N] or [K, N], scale f32[L, N] or
+    [N]), q widened to x's dtype exactly inside the kernel. x [M, K] (M <= 64). Returns f32[M, N]."""
+    if q.ndim == 2:
+        q, scale = q[None], scale[None]
+    mm, k = x.shape
+    _, kq, n = q.shape
+    if kq != k or scale.shape != (q.shape[0], n):
+        raise ValueError(f"qmatmul_scaled: x [{mm}, {k}] does not fit q {list(q.shape)} and scale "
+                         f"{list(scale.shape)} (q [L, K, N], scale [L, N])")
+    dtype = jnp.float16 if x.dtype == jnp.float16 else jnp.bfloat16
+    why = unsupported_reason_scaled(mm, k, n, q.dtype, dtype)
+    if why is not None:
+        raise ValueError(f"qmatmul_scaled: {why}")
+    rows = rows_for(mm)
+    xp = jnp.pad(permute_k8(x.astype(dtype)), ((0, rows - mm), (0, 0)))
+    return _call(xp, q, scale.astype(jnp.float32), None, layer, mm, n, rows, BLOCK, dtype, 8, interpret, tma)
