@@ -53,7 +53,7 @@ from flax import nnx
 from jpa.kv.cache import CacheConfig, KVCache, write_kv
 from jpa.ops.decode import paged_decode
 from jpa.ops.prefill import paged_prefill
-from jpa.ops.qmatmul import kernel_serves, packed_matmul
+from jpa.ops.qmatmul import kernel_serves, packed_matmul, scaled_kernel_serves, scaled_matmul
 from jpa.ops.ragged import ragged_paged_attention
 from jpa.core.quant import (check_weight_quantization, dequantize_blocks, dequantize_weight, quantize_weight,
                             super_scaled)
@@ -407,6 +407,12 @@ class Block(nnx.Module):
         layer: the layer index when `_run` kept this block's packed 4-bit weights stacked
         (`stacked_packed`): they are read by `jpa.ops.qmatmul.packed_matmul` from the stack."""
         codes = getattr(self, name)[...]
+        if layer is not None and codes.ndim == 3 and hasattr(self, name + "_scale"):  # int8 / fp8, kept stacked
+            lead = x.shape[:-1]
+            y = scaled_matmul(x.reshape(-1, x.shape[-1]), codes, getattr(self, name + "_scale")[...], layer=layer,
+                              compute_dtype=self.dtype).reshape(*lead, -1)
+            b = None if bias is None else self._bias(bias)
+            return y if b is None else y + _v(b).astype(jnp.float32)
         if layer is not None and codes.ndim == 3 and hasattr(self, name + "_bscale"):
             lead = x.shape[:-1]
             x2 = _permuted_input(self, name, x).reshape(-1, x.shape[-1])  # [M, in]
@@ -566,6 +572,13 @@ class GPT(nnx.Module):
                 out = _dense(h, emb.T, scale=self.tok_embeddings_scale, compute_dtype=self.dtype)
         elif _packed(self, "output", self.dtype) is not None:
             out = _dense(_permuted_input(self, "output", h), _packed(self, "output", self.dtype))
+        elif hasattr(self, "output_scale") and scaled_kernel_serves(
+                int(np.prod(h.shape[:-1])), *self.output.shape, self.output.dtype, self.dtype):
+            # int8 / fp8 head on a GPU the Mosaic kernel serves: it reads the stored values (XLA, under
+            # the engine's cuBLAS options, would write a bf16 copy of the head every step)
+            lead = h.shape[:-1]
+            out = scaled_matmul(h.reshape(-1, h.shape[-1]), self.output[...], self.output_scale[...],
+                                compute_dtype=self.dtype).reshape(*lead, -1)
         else:
             out = _dense(h, self.output, scale=getattr(self, "output_scale", None), compute_dtype=self.dtype)
         return _soft_cap(out, self.config.final_soft_cap)
@@ -764,7 +777,7 @@ def _check_weights(weights, expected, config):
 
 def stacked_packed(model: GPT, rows: int, mesh=None) -> tuple:
     """Names of the layers' packed 4-bit weights (Q4_0 / Q4_1 forms: GGUF, AWQ, GPTQ,
-    compressed-tensors) that the Mosaic GPU dequantizing matmul serves for `rows` tokens on the
+    compressed-tensors) and int8 / fp8 per-channel ones that the Mosaic GPU dequantizing matmul serves for `rows` tokens on the
     device being compiled for (`jpa.ops.qmatmul.kernel_serves`); none under a tensor-parallel
     mesh. `_run` keeps them stacked through the scan: the kernel reads a layer of the stack by its
     index, so no layer's codes are sliced into a copy and no dense float weight is written."""
@@ -772,6 +785,12 @@ def stacked_packed(model: GPT, rows: int, mesh=None) -> tuple:
         return ()
     layers, out = model.layers, []
     for name, axis in QUANT_AXIS.items():
+        scale = getattr(layers, name + "_scale", None)
+        if axis == -2 and scale is not None and hasattr(layers, name):  # int8 / fp8 per channel
+            q = getattr(layers, name)[...]
+            if q.ndim == 3 and scaled_kernel_serves(rows, q.shape[1], q.shape[2], q.dtype, model.dtype):
+                out.append(name)
+            continue
         d = getattr(layers, name + "_bscale", None)
         if axis != -2 or d is None:
             continue
@@ -799,7 +818,7 @@ def _run(model: GPT, tokens, positions, attend, state, stack_packed: bool = Fals
     x = model.embed(tokens, positions)  # f32[B, T, d_model]
     graphdef, params = nnx.split(model.layers)
     names = stacked_packed(model, tokens.size) if stack_packed else ()
-    kept = {k: params[k] for n in names for k in (n, n + "_bscale", n + "_bmin") if k in params}
+    kept = {k: params[k] for n in names for k in (n, n + "_bscale", n + "_bmin", n + "_scale") if k in params}
     if kept:
         params = nnx.State({k: v for k, v in params.items() if k not in kept})
     period = model.layer_period()

@@ -53,12 +53,29 @@ def test_kernel_in_interpret_mode_equals_numpy_dequantize_then_matmul(rows, k, n
     assert not np.allclose(other, got)
 
 
+@pytest.mark.parametrize("rows,fmt", [(5, "int8"), (40, "fp8")])
+def test_8bit_kernel_in_interpret_mode_equals_numpy(rows, fmt):
+    """int8 / float8_e4m3fn values with per-channel scales (jpa.core.quant.quantize_weight): widened exactly,
+    summed in f32, then scaled, as the XLA path (x @ q.astype(bf16)) * scale."""
+    from jpa.core.quant import quantize_weight
+    rng = np.random.default_rng()
+    q, scale = quantize_weight(rng.normal(size=(2, 256, 128)).astype(np.float32), fmt)
+    x = rng.normal(size=(rows, 256)).astype(BF16)
+    got = np.asarray(kernel.qmatmul_scaled(jnp.asarray(x), q, scale, layer=1, interpret=True))
+    want = (x.astype(np.float32) @ q[1].astype(np.float32)) * scale[1]
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    with pytest.raises(ValueError, match="does not fit q"):
+        kernel.qmatmul_scaled(jnp.asarray(x), q, scale[:, :64], interpret=True)
+
+
 def test_kernel_order_of_k_is_a_permutation_within_blocks():
     x = np.arange(64, dtype=np.float32)[None]
     p = np.asarray(kernel.permute_k(jnp.asarray(x)))[0]
     assert sorted(p) == list(range(64))
     # slot 16c + 2i + h holds value 8c + i + 16h (block 0), shifted by 32 in block 1
     assert list(p[:6]) == [0, 16, 1, 17, 2, 18] and list(p[16:18]) == [8, 24] and p[32] == 32
+    p8 = np.asarray(kernel.permute_k8(jnp.asarray(x)))[0]
+    assert sorted(p8) == list(range(64)) and list(p8[:4]) == [0, 8, 1, 9] and list(p8[16:18]) == [16, 24]
 
 
 def test_kernel_rejects_shapes_it_cannot_take():
@@ -93,7 +110,7 @@ from jpa.tools import deviceless
 deviceless.configure_environment()
 import jax, jax.numpy as jnp
 from jpa.ops.dispatch import current_target
-from jpa.ops.qmatmul import packed_matmul
+from jpa.ops.qmatmul import packed_matmul, scaled_matmul
 from jpa.tools import traffic as tr
 L, K, N, G, M = 2, 1024, 2048, 32, 4
 def fn(x, codes, d, m):
@@ -101,12 +118,20 @@ def fn(x, codes, d, m):
         y = packed_matmul(x, codes, d, m, layer=i, compute_dtype=jnp.bfloat16)
         return x + y[:, :K].astype(x.dtype), None
     return jax.lax.scan(layer, x, jnp.arange(L, dtype=jnp.int32))[0]
+def fn8(x, q, scale):
+    def layer(x, i):
+        y = scaled_matmul(x, q, scale, layer=i, compute_dtype=jnp.bfloat16)
+        return x + y[:, :K].astype(x.dtype), None
+    return jax.lax.scan(layer, x, jnp.arange(L, dtype=jnp.int32))[0]
 S = jax.ShapeDtypeStruct
-args = (S((M, K), jnp.bfloat16), S((L, K // 2, N), jnp.uint8), S((L, K // G, N), jnp.float16),
-        S((L, K // G, N), jnp.float16))
+cases = [(fn, (S((M, K), jnp.bfloat16), S((L, K // 2, N), jnp.uint8), S((L, K // G, N), jnp.float16),
+               S((L, K // G, N), jnp.float16))),
+         (fn8, (S((M, K), jnp.bfloat16), S((L, K, N), jnp.int8), S((L, N), jnp.float32)))]
 out = {}
-for target in ("h100", "a100"):
-    rec = deviceless.Compiler(target).compile(target, fn, args, keep_hlo=True, compiler_options=tr.WEIGHTS_IN_PLACE)
+for target, (fn, args) in [(t, c) for t in ("h100", "a100") for c in cases]:
+    target = target + ("" if fn.__name__ == "fn" else "-int8")
+    rec = deviceless.Compiler(target.split("-")[0]).compile(target, fn, args, keep_hlo=True,
+                                                             compiler_options=tr.WEIGHTS_IN_PLACE)
     spec = tr.Spec(weight_types=tr.weight_types_of(args[1:], (L,)),
                    stacked_weights={(t, d) for t, d in tr.weight_types_of(args[1:]) if d[0] == L},
                    dense_sizes=tr.dense_sizes_of(args[1:], (L,)))
@@ -121,7 +146,8 @@ print(json.dumps(out))
 @pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
                     reason="the compile-only GPU packages are not installed (pip install -e '.[gpu]')")
 def test_kernel_compiles_for_h100_and_a100_and_reads_each_layer_once():
-    """A scan over 2 stacked Q4_1 layers calling `packed_matmul` with the layer index, compiled for an H100
+    """A scan over 2 stacked Q4_1 layers calling `packed_matmul` with the layer index (and over 2 int8 ones
+    calling `scaled_matmul`), compiled for an H100
     (TMA copies) and an A100 (cp.async) without one: the Mosaic kernel runs (no ptxas spills), reads
     exactly the stack's codes and scales over the scan (one layer a call), and no kernel writes a copy
     of a weight (dense or sliced). The dense copy of today's plain-JAX path would fail `written == 0`."""

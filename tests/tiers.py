@@ -19,6 +19,8 @@ BENCH = {
     **{f"tests/test_quant_gpu.py::test_kernel_in_interpret_mode_equals_numpy_dequantize_then_matmul[{c}]": why
        for c, why in (("q4_0-g128", "2 s: the Q4_0 form at 20 rows (m_warps 2)"),
                       ("f32-min-g64", "2 s: f32 minimums at 64 rows (m_warps 4)"))},
+    "tests/test_quant_gpu.py::test_8bit_kernel_in_interpret_mode_equals_numpy[40-fp8]":
+        "2 s: float8 values at 40 rows (the int8 case at 5 rows stays)",
     "tests/test_quant_gpu.py::test_kernel_compiles_for_h100_and_a100_and_reads_each_layer_once":
         "12 s: deviceless H100 + A100 compile of the kernel in a layer scan (the interpret-mode Q4_1 case stays; "
         "tests/test_bench_quant.py compiles the engine step too)",
