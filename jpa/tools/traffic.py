@@ -592,7 +592,9 @@ def engine_spec(params, config, pools, *, max_seqs: int, context: int, page_size
     leaves = jax.tree_util.tree_leaves(params)
     weights = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in leaves)
     if not config.tie_embeddings:
-        w_item = np.dtype(leaves[0].dtype).itemsize
+        # The table's own storage (int8 / fp8 when quantized: a leaf's dtype is not the table's).
+        table = [x for x in leaves if tuple(x.shape) == (config.vocab_size, config.d_model)]
+        w_item = np.dtype((table or leaves)[0].dtype).itemsize
         weights -= config.vocab_size * config.d_model * w_item
         weights += max_seqs * rows_per_seq * config.d_model * w_item
     ideal = dict(weights=weights, kv_read=len(pools) * L * kv_per_call,
