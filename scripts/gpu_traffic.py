@@ -13,6 +13,7 @@ with its XLA options (`jpa.core.xla_options.WEIGHTS_IN_PLACE`); --xla-default le
     python scripts/gpu_traffic.py --option xla_gpu_enable_triton_gemm=false   # any XLA option
     python scripts/gpu_traffic.py --model llama-small --layers 80 --max-seqs 64   # compile time vs depth
     python scripts/gpu_traffic.py --max-seqs 1 8 64 --context 8192 --project 1024 8192   # projected tok/s
+    python scripts/gpu_traffic.py --quantization int8 Q4_1 awq --max-seqs 1 64   # quantized weights (issue 35)
 
 A deviceless-compile figure: bytes the compiled program moves, not a measured time.
 """

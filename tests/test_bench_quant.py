@@ -74,7 +74,7 @@ print(json.dumps(dict(matrix_copies=r["matrix_copies"], checks=r["checks"], weig
 
 @pytest.mark.parametrize("quantization", ["Q4_1", "gptq"])
 def test_engine_gpu_step_reads_4bit_weights_once_without_a_dense_copy(quantization):
-    """~40 s each: the engine's unified step of a 2-layer Llama with Q4_1 (GGUF, 32-value groups) or GPTQ
+    """~40 s each (SOAK): the engine's unified step of a 2-layer Llama with Q4_1 (GGUF, 32-value groups) or GPTQ
     g128 (Q4_0 form) layer weights, compiled for an H100 without one: the layers' linears are the Mosaic
     dequantizing matmul (7 a layer body, beside 3 attention kernels, in the ragged pass and the decode
     loop), the decode step reads each weight's stored bytes once, and no kernel anywhere in the program
