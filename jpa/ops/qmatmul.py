@@ -36,12 +36,14 @@ def _target_cc():
 
 
 def scaled_kernel_serves(m: int, k: int, n: int, codes_dtype, compute_dtype) -> bool:
-    """Whether `scaled_matmul` runs the Mosaic kernel (int8 from sm_80, float8_e4m3fn from sm_89:
-    Ampere has no float8 conversion) for an [m, k] x [k, n] product here."""
+    """Whether `scaled_matmul` runs the Mosaic kernel (int8 on sm_80-sm_10x, float8_e4m3fn on sm_89 /
+    sm_90: Ampere has no float8 conversion) for an [m, k] x [k, n] product here."""
     from jpa.pallas.mosaic import qmatmul as kernel
 
     cc = _target_cc()
-    if cc is None or (np.dtype(codes_dtype) != np.int8 and cc < 8.9):
+    # float8 -> bf16 needs sm_89's cvt; on sm_100 ptxas rejected the kernel's float8 conversion in the
+    # deviceless compile (int8 and 4-bit compile there), so float8 stays on XLA's path off Ada / Hopper.
+    if cc is None or (np.dtype(codes_dtype) != np.int8 and not 8.9 <= cc < 10.0):
         return False
     return kernel.unsupported_reason_scaled(m, k, n, codes_dtype, compute_dtype) is None
 
