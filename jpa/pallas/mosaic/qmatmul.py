@@ -27,6 +27,11 @@ nibbles, scaled (the scale and minimum rows broadcast along k) and rounded to bf
 the mma's rhs; x is the lhs, loaded from SMEM in the MMA_LHS layout. R = 16, 32 or 64 rows of x
 (m_warps 1, 2, 4 of `MMALayouts`: at R = 16 the four warps split the tile's columns).
 
+`qmatmul_scaled` is the same kernel for 8-bit weights with one scale per output channel (jpa.core.quant's
+int8 / fp8 path: q int8 / float8_e4m3fn [L, K, N], scale f32[L, N]): the values are widened exactly,
+two rows of a k16 slice joined per register (`permute_k8` orders x's K to match), and the scale
+multiplies the f32 result: (x @ q) * scale.
+
 Interpret mode (`interpret=True`) runs the same body with `MmaOps`' stand-ins: plain ref copies
 and `jnp.dot`; the real layouts, cp.async / TMA and `mma` are proven by the deviceless compile
 (tests/test_quant_gpu.py, scripts/bench_quant.py).
