@@ -53,6 +53,7 @@ from flax import nnx
 from jpa.kv.cache import CacheConfig, KVCache, write_kv
 from jpa.ops.decode import paged_decode
 from jpa.ops.prefill import paged_prefill
+from jpa.ops.qmatmul import kernel_serves, packed_matmul, scaled_kernel_serves, scaled_matmul
 from jpa.ops.ragged import ragged_paged_attention
 from jpa.core.quant import (check_weight_quantization, dequantize_blocks, dequantize_weight, quantize_weight,
                             super_scaled)
@@ -401,8 +402,25 @@ class Block(nnx.Module):
         if quantization is not None:
             _quantize_params(self, quantization)
 
-    def _linear(self, x, name, bias=None):
-        """x @ self.<name> (+ self.<bias> when the model has it), quantized, packed or not (`_dense`)."""
+    def _linear(self, x, name, bias=None, layer=None):
+        """x @ self.<name> (+ self.<bias> when the model has it), quantized, packed or not (`_dense`).
+        layer: the layer index when `_run` kept this block's packed 4-bit weights stacked
+        (`stacked_packed`): they are read by `jpa.ops.qmatmul.packed_matmul` from the stack."""
+        codes = getattr(self, name)[...]
+        if layer is not None and codes.ndim == 3 and hasattr(self, name + "_scale"):  # int8 / fp8, kept stacked
+            lead = x.shape[:-1]
+            y = scaled_matmul(x.reshape(-1, x.shape[-1]), codes, getattr(self, name + "_scale")[...], layer=layer,
+                              compute_dtype=self.dtype).reshape(*lead, -1)
+            b = None if bias is None else self._bias(bias)
+            return y if b is None else y + _v(b).astype(jnp.float32)
+        if layer is not None and codes.ndim == 3 and hasattr(self, name + "_bscale"):
+            lead = x.shape[:-1]
+            x2 = _permuted_input(self, name, x).reshape(-1, x.shape[-1])  # [M, in]
+            bmin = getattr(self, name + "_bmin", None)
+            y = packed_matmul(x2, codes, getattr(self, name + "_bscale")[...], None if bmin is None else bmin[...],
+                              layer=layer, compute_dtype=self.dtype).reshape(*lead, -1)
+            b = None if bias is None else self._bias(bias)
+            return y if b is None else y + _v(b).astype(jnp.float32)
         w = _packed(self, name, self.dtype)
         if w is not None:  # GGUF blocks: dequantized in the compute dtype where the dot reads them
             return _dense(_permuted_input(self, name, x), w, None if bias is None else self._bias(bias))
@@ -417,14 +435,15 @@ class Block(nnx.Module):
     def _bias(self, name):
         return getattr(self, name, None)
 
-    def qkv(self, x, positions):
-        """x f32[B, T, d_model], positions i32[B, T] -> q f32[B, T, N, H], k, v f32[B, T, K, H]."""
+    def qkv(self, x, positions, layer=None):
+        """x f32[B, T, d_model], positions i32[B, T] -> q f32[B, T, N, H], k, v f32[B, T, K, H].
+        layer: i32[] this block's layer when its packed weights are kept stacked (`_linear`)."""
         c = self.config
         batch, num_tokens, _ = x.shape
         h = self._norm(x, self.attn_norm, "attn_norm_bias")
-        q = self._linear(h, "wq", "bq").reshape(batch, num_tokens, c.num_q_heads, c.head_dim)
-        k = self._linear(h, "wk", "bk").reshape(batch, num_tokens, c.num_kv_heads, c.head_dim)
-        v = self._linear(h, "wv", "bv").reshape(batch, num_tokens, c.num_kv_heads, c.head_dim)
+        q = self._linear(h, "wq", "bq", layer).reshape(batch, num_tokens, c.num_q_heads, c.head_dim)
+        k = self._linear(h, "wk", "bk", layer).reshape(batch, num_tokens, c.num_kv_heads, c.head_dim)
+        v = self._linear(h, "wv", "bv", layer).reshape(batch, num_tokens, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
         if c.family == "llama":
@@ -437,13 +456,14 @@ class Block(nnx.Module):
         """f32[N] attention sinks of this layer (gpt-oss), or None."""
         return self.sinks[...].astype(jnp.float32) if self.config.attn_sinks else None
 
-    def finish(self, x, attn, experts=None):
+    def finish(self, x, attn, layer=None, experts=None):
         """x f32[B, T, d_model], attn [B, T, N, H] -> x f32[B, T, d_model] after both residuals.
-        experts: None, or (mesh, layout) of a tensor-parallel mixture of experts (models.moe.expert_parallel)."""
+        layer: as `qkv`. experts: None, or (mesh, layout) of a tensor-parallel mixture of experts
+        (models.moe.expert_parallel)."""
         c = self.config
         batch, num_tokens = attn.shape[:2]
         attn = attn.reshape(batch, num_tokens, c.num_q_heads * c.head_dim)  # [B, T, N * H]
-        h = self._linear(attn, "wo", "bo")
+        h = self._linear(attn, "wo", "bo", layer)
         x = x + (self._norm(h, self.post_attn_norm) if c.post_norms else h)
         h = self._norm(x, self.ffn_norm, "ffn_norm_bias")
         if c.num_experts:
@@ -457,12 +477,13 @@ class Block(nnx.Module):
                         biases=biases, parallel=experts).reshape(batch, num_tokens, c.d_model)
             return x + (self._norm(h, self.post_ffn_norm) if c.post_norms else h)
         if c.family == "gpt2":
-            h = jax.nn.gelu(self._linear(h, "w_up", "b_up"), approximate=True)
+            h = jax.nn.gelu(self._linear(h, "w_up", "b_up", layer), approximate=True)
         elif c.mlp_activation == "gelu_tanh":
-            h = jax.nn.gelu(self._linear(h, "w_gate"), approximate=True) * self._linear(h, "w_up")
+            h = jax.nn.gelu(self._linear(h, "w_gate", None, layer), approximate=True) * self._linear(h, "w_up", None,
+                                                                                                   layer)
         else:
-            h = jax.nn.silu(self._linear(h, "w_gate")) * self._linear(h, "w_up")
-        h = self._linear(h, "w_down", "b_down")
+            h = jax.nn.silu(self._linear(h, "w_gate", None, layer)) * self._linear(h, "w_up", None, layer)
+        h = self._linear(h, "w_down", "b_down", layer)
         return x + (self._norm(h, self.post_ffn_norm) if c.post_norms else h)
 
 
@@ -555,6 +576,13 @@ class GPT(nnx.Module):
                 out = _dense(h, emb.T, scale=self.tok_embeddings_scale, compute_dtype=self.dtype)
         elif _packed(self, "output", self.dtype) is not None:
             out = _dense(_permuted_input(self, "output", h), _packed(self, "output", self.dtype))
+        elif hasattr(self, "output_scale") and scaled_kernel_serves(
+                int(np.prod(h.shape[:-1])), *self.output.shape, self.output.dtype, self.dtype):
+            # int8 / fp8 head on a GPU the Mosaic kernel serves: it reads the stored values (XLA, under
+            # the engine's cuBLAS options, would write a bf16 copy of the head every step)
+            lead = h.shape[:-1]
+            out = scaled_matmul(h.reshape(-1, h.shape[-1]), self.output[...], self.output_scale[...],
+                                compute_dtype=self.dtype).reshape(*lead, -1)
         else:
             out = _dense(h, self.output, scale=getattr(self, "output_scale", None), compute_dtype=self.dtype)
         return _soft_cap(out, self.config.final_soft_cap)
@@ -751,7 +779,36 @@ def _check_weights(weights, expected, config):
             check(f"'layers'][{i}]['{name}'", lw[name], shape)
 
 
-def _run(model: GPT, tokens, positions, attend, state, mesh=None):
+def stacked_packed(model: GPT, rows: int, mesh=None) -> tuple:
+    """Names of the layers' packed 4-bit weights (Q4_0 / Q4_1 forms: GGUF, AWQ, GPTQ,
+    compressed-tensors) and int8 / fp8 per-channel ones that the Mosaic GPU dequantizing matmul serves for `rows` tokens on the
+    device being compiled for (`jpa.ops.qmatmul.kernel_serves`); none under a tensor-parallel
+    mesh. `_run` keeps them stacked through the scan: the kernel reads a layer of the stack by its
+    index, so no layer's codes are sliced into a copy and no dense float weight is written."""
+    if mesh is not None:
+        return ()
+    layers, out = model.layers, []
+    for name, axis in QUANT_AXIS.items():
+        scale = getattr(layers, name + "_scale", None)
+        if axis == -2 and scale is not None and hasattr(layers, name):  # int8 / fp8 per channel
+            q = getattr(layers, name)[...]
+            if q.ndim == 3 and scaled_kernel_serves(rows, q.shape[1], q.shape[2], q.dtype, model.dtype):
+                out.append(name)
+            continue
+        d = getattr(layers, name + "_bscale", None)
+        if axis != -2 or d is None:
+            continue
+        codes, d = getattr(layers, name)[...], d[...]
+        if codes.ndim != 3 or codes.dtype != jnp.uint8:
+            continue
+        k = codes.shape[1] * 2
+        if kernel_serves(rows, k, codes.shape[2], k // d.shape[1], codes.dtype, model.dtype,
+                         d2=getattr(layers, name + "_bscale2", None)):
+            out.append(name)
+    return tuple(out)
+
+
+def _run(model: GPT, tokens, positions, attend, state, mesh=None, stack_packed: bool = False):
     """Embeds, runs every block in a scan over the layers, returns (x, state).
 
     attend(r, layer, q, k, v, state, sinks) -> (attn, state): r the static position of the layer in
@@ -759,12 +816,19 @@ def _run(model: GPT, tokens, positions, attend, state, mesh=None):
     layer index, sinks the layer's f32[N] attention sinks or None. `state` (the KV pools) is the
     scan's carry: every layer updates it whole. mesh: the tensor-parallel mesh (a mixture of experts
     runs its experts in the layout models.sharding gave them, `GPT.expert_layout`), or None.
+    stack_packed: the packed weights of `stacked_packed` stay out of the scanned slices and each
+    layer reads them stacked (the engine's steps without a tensor-parallel mesh; False: every
+    weight is sliced per layer, as XLA needs under GSPMD).
     """
     c = model.config
     layout = getattr(model, "expert_layout", None)  # None on one device (and on a 1-device mesh)
     experts = (mesh, layout) if mesh is not None and c.num_experts and layout is not None else None
     x = model.embed(tokens, positions)  # f32[B, T, d_model]
     graphdef, params = nnx.split(model.layers)
+    names = stacked_packed(model, tokens.size, mesh) if stack_packed else ()
+    kept = {k: params[k] for n in names for k in (n, n + "_bscale", n + "_bmin", n + "_scale") if k in params}
+    if kept:
+        params = nnx.State({k: v for k, v in params.items() if k not in kept})
     period = model.layer_period()
     groups = c.num_layers // period
     # Period 1 scans the stacked parameters as they are (each step's slice is one layer's).
@@ -774,10 +838,12 @@ def _run(model: GPT, tokens, positions, attend, state, mesh=None):
         x, state = carry
         group, g = xs
         for r in range(period):
-            block = nnx.merge(graphdef, group if period == 1 else jax.tree.map(lambda a: a[r], group))
-            q, k, v = block.qkv(x, positions)
+            p = group if period == 1 else jax.tree.map(lambda a: a[r], group)
+            block = nnx.merge(graphdef, nnx.State({**p, **kept}) if kept else p)
+            layer = g * period + r if kept else None
+            q, k, v = block.qkv(x, positions, layer)
             attn, state = attend(r, g * period + r, q, k, v, state, block.attn_sinks())
-            x = block.finish(x, attn, experts)
+            x = block.finish(x, attn, layer, experts)
         return (x, state), None
 
     (x, state), _ = jax.lax.scan(body, (x, state), (grouped, jnp.arange(groups, dtype=jnp.int32)))
@@ -905,7 +971,7 @@ def prefill(model: GPT, cache: KVCache, tokens, start, chunk_lens, slot_mapping,
         return step(pools, q.astype(model.dtype), flat(k), flat(v), slots, block_tables, start, chunk_lens, layer,
                     sinks)
 
-    x, pools = _run(model, tokens, positions, attend, cache.pools(), mesh)
+    x, pools = _run(model, tokens, positions, attend, cache.pools(), mesh, stack_packed=mesh is None)
     cache = cache.replace_pools(*pools)
     last = jnp.maximum(chunk_lens - 1, 0)  # i32[B]
     x_last = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # f32[B, d_model]
@@ -958,7 +1024,7 @@ def decode(model: GPT, cache: KVCache, tokens, seq_lens, slot_mapping, block_tab
                           seq_lens, layer, sinks)
         return out[:, None], pools
 
-    x, pools = _run(model, tokens[:, None], positions, attend, cache.pools(), mesh)
+    x, pools = _run(model, tokens[:, None], positions, attend, cache.pools(), mesh, stack_packed=mesh is None)
     cache = cache.replace_pools(*pools)
     return model.logits(x[:, 0]), cache
 
@@ -1034,5 +1100,5 @@ def ragged_hidden(model: GPT, cache: KVCache, tokens, positions, slot_mapping, b
                           cu_q_lens, num_seqs, layer, sinks)
         return out[None], pools
 
-    x, pools = _run(model, tokens[None], positions[None], attend, cache.pools(), mesh)  # x: f32[1, T, d_model]
+    x, pools = _run(model, tokens[None], positions[None], attend, cache.pools(), mesh, stack_packed=mesh is None)
     return x[0], cache.replace_pools(*pools)

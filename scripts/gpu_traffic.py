@@ -13,6 +13,7 @@ with its XLA options (`jpa.core.xla_options.WEIGHTS_IN_PLACE`); --xla-default le
     python scripts/gpu_traffic.py --option xla_gpu_enable_triton_gemm=false   # any XLA option
     python scripts/gpu_traffic.py --model llama-small --layers 80 --max-seqs 64   # compile time vs depth
     python scripts/gpu_traffic.py --max-seqs 1 8 64 --context 8192 --project 1024 8192   # projected tok/s
+    python scripts/gpu_traffic.py --quantization int8 Q4_1 awq --max-seqs 1 64   # quantized weights (issue 35)
 
 A deviceless-compile figure: bytes the compiled program moves, not a measured time.
 """
@@ -57,6 +58,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-seqs", type=int, nargs="+", default=[1, 64])
     p.add_argument("--context", type=int, default=1024, help="tokens of context of every sequence")
     p.add_argument("--pool-gib", type=float, default=8.0)
+    p.add_argument("--quantization", nargs="+", default=[None], metavar="FORMAT",
+                   help="the weights stored quantized (jpa.tools.traffic.ABSTRACT_FORMATS: int8 fp8 Q4_0 Q4_1 Q4_K "
+                        "awq gptq; 'none': bfloat16); several: one table each")
     p.add_argument("--which", nargs="+", choices=("plain", "spec"), default=["plain"])
     p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                    help="an XLA option for the compile (repeatable), e.g. xla_gpu_enable_triton_gemm=false")
@@ -80,17 +84,18 @@ def main(argv=None) -> int:
         options[k] = _value(v)
     shapes = dict(SHAPES[args.model], **({"num_layers": args.layers} if args.layers else {}))
     out = []
-    for which in args.which:
-        for seqs in args.max_seqs:
+    quants = [None if q in (None, "none") else q for q in args.quantization]
+    for quant, which, seqs in [(q, w, n) for q in quants for w in args.which for n in args.max_seqs]:
+        if True:
             tag = "_".join(f"{k}={v}" for k, v in options.items())
-            fname = f"{args.target}_{which}_{seqs}_{'xla' if args.xla_default else 'engine'}_{tag or 'options'}.hlo"
+            fname = f"{args.target}_{quant or 'bf16'}_{which}_{seqs}_{'xla' if args.xla_default else 'engine'}_{tag or 'options'}.hlo"
             saved = None
             if args.from_hlo:
                 with open(os.path.join(args.from_hlo, fname)) as f:
                     saved = f.read()
             r = engine_traffic(args.target, shapes, max_seqs=seqs, context=args.context, pool_gib=args.pool_gib,
                                which=which, compiler_options=options, label=args.model, hlo=saved,
-                               engine_options=not args.xla_default)
+                               engine_options=not args.xla_default, quantization=quant)
             s = r["summary"]
             if args.hlo:
                 os.makedirs(args.hlo, exist_ok=True)
@@ -98,9 +103,11 @@ def main(argv=None) -> int:
                     f.write(r["hlo"])
             how = ("from saved HLO" if r["seconds"] is None
                    else f"compiled in {r['seconds']} s ({r['cpu_seconds']} CPU s)")
-            print(f"\n{r['name']} on {args.target}, {seqs} x {args.context} tokens of context, "
+            print(f"\n{r['name']}, weights {quant or 'bf16'}, on {args.target}, {seqs} x {args.context} tokens of context, "
                   f"XLA options {r['compiler_options']}: "
-                  f"{how}; {len(s['weight_copies'])} materialized weight slices")
+                  f"{how}; {len(s['weight_copies'])} materialized weight slices"
+                  + "".join(f"\n  weight copy: {c['bytes'] / 1e9:.3f} GB {c['name']} -> {c['result'][:60]}"
+                            for c in s["weight_copies"]))
             print(table(s))
             for k in r["top"][:args.top]:
                 parts = ", ".join([f"R {p} {b / 1e9:.3f}" for p, b in k["read"].items()]
@@ -113,7 +120,7 @@ def main(argv=None) -> int:
                 print("|---:|---:|---:|---:|---:|---|")
                 for ctx in args.project:
                     rc = engine_traffic(args.target, shapes, max_seqs=seqs, context=ctx, pool_gib=args.pool_gib,
-                                        which=which, label=args.model, hlo=r["hlo"])
+                                        which=which, label=args.model, hlo=r["hlo"], quantization=quant)
                     sc = rc["summary"]
                     kv = seqs * ctx * 2 * shapes["num_layers"] * shapes["num_kv_heads"] * shapes["head_dim"] * 2
                     weights = sc["weights"]["ideal"] + shapes["vocab_size"] * shapes["d_model"] * 2  # + the table
@@ -125,7 +132,7 @@ def main(argv=None) -> int:
                     out.append(dict(target=args.target, model=args.model, max_seqs=seqs, context=ctx, which=which,
                                     projected_from_context=args.context, summary=sc, projection=pr,
                                     efficiency=args.efficiency))
-            out.append(dict(target=args.target, model=args.model, num_layers=shapes["num_layers"], max_seqs=seqs,
+            out.append(dict(target=args.target, model=args.model, quantization=quant, num_layers=shapes["num_layers"], max_seqs=seqs,
                             context=args.context, which=which, options=r["compiler_options"], seconds=r["seconds"],
                             cpu_seconds=r["cpu_seconds"], temp_bytes=r["temp_bytes"], summary=s, top=r["top"]))
     if args.json:

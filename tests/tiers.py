@@ -15,6 +15,15 @@ tests/test_layers.py checks that every entry still names a test (or a file).
 """
 
 BENCH = {
+    # --- the 4-bit dequantizing Mosaic matmul: the Q4_1 case (m_warps 1) stays in interpret mode
+    **{f"tests/test_quant_gpu.py::test_kernel_in_interpret_mode_equals_numpy_dequantize_then_matmul[{c}]": why
+       for c, why in (("q4_0-g128", "2 s: the Q4_0 form at 20 rows (m_warps 2)"),
+                      ("f32-min-g64", "2 s: f32 minimums at 64 rows (m_warps 4)"))},
+    "tests/test_quant_gpu.py::test_8bit_kernel_in_interpret_mode_equals_numpy[40-fp8]":
+        "2 s: float8 values at 40 rows (the int8 case at 5 rows stays)",
+    "tests/test_quant_gpu.py::test_kernel_compiles_for_h100_and_a100_and_reads_each_layer_once":
+        "12 s: deviceless H100 + A100 compile of the kernel in a layer scan (the interpret-mode Q4_1 case stays; "
+        "tests/test_bench_quant.py compiles the engine step too)",
     # --- Hugging Face quantized checkpoints: fp8 per channel and per tensor, AWQ, GPTQ v1 act order (asymmetric,
     # with a quantized lm_head) and pack-quantized asymmetric stay against NumPy's dequantize-then-matmul
     **{f"tests/test_quant_hf.py::test_quantized_checkpoint_equals_numpy_dequantize_then_matmul[{fmt}]": why
@@ -241,6 +250,10 @@ BENCH = {
 
 
 SOAK = {
+    **{f"tests/test_bench_quant.py::test_engine_gpu_step_reads_4bit_weights_once_without_a_dense_copy[{q}]":
+       "40 s: the engine's unified step of a 2-layer Llama with 4-bit weights compiled for an H100 (the bench "
+       "tier keeps tests/test_quant_gpu.py's kernel compile in a layer scan, H100 + A100, no weight written)"
+       for q in ("Q4_1", "gptq")},
     "tests/test_bench_traffic.py":
         "5 min: the Llama-8B traffic tables, XLA's default and the engine's options, and the small engine step "
         "under XLA's default (scripts/gpu_traffic.py prints them; tests/test_traffic.py keeps the model's "

@@ -97,7 +97,8 @@ def read_mosaic_dump(dump_dir) -> dict:
 def hlo_type(shape, dtype) -> str:
     """The HLO spelling of an array type, e.g. (8, 16) bfloat16 -> "bf16[8,16]"."""
     names = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "int8": "s8",
-             "float8_e4m3fn": "f8e4m3fn", "float8_e5m2": "f8e5m2", "int32": "s32", "uint8": "u8"}
+             "float8_e4m3fn": "f8e4m3fn", "float8_e5m2": "f8e5m2", "int32": "s32", "uint8": "u8",
+             "int4": "s4", "uint4": "u4", "uint32": "u32"}
     return f"{names[np.dtype(dtype).name]}[{','.join(map(str, shape))}]"
 
 

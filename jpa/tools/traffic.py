@@ -160,12 +160,19 @@ class Spec:
     each, with and without the leading 1: `weight_types_of`); pool_types: the page pools' (dtype,
     dims); vocab_size: an array with that axis is logits / sampling work; kv_read_per_call: the
     bytes a Pallas kernel really reads from one pool operand per call (one layer's live K or V),
-    None to count the pool operand whole.
+    None to count the pool operand whole; stacked_weights: (dtype, dims) of the stacked layer
+    weights, of which a Pallas kernel reads one layer (dims[1:]) per call.
     """
     weight_types: set = dataclasses.field(default_factory=set)
     pool_types: set = dataclasses.field(default_factory=set)
     vocab_size: int | None = None
     kv_read_per_call: int | None = None
+    # (dtype, dims) of stacked [num_layers, ...] weights: a Pallas kernel that takes one whole (the
+    # quantized matmul, `jpa.pallas.mosaic.qmatmul`, with a layer index) reads one layer of it.
+    stacked_weights: set = dataclasses.field(default_factory=set)
+    # Element counts of the float weights that quantized ones stand for (`dense_sizes_of`): a kernel
+    # that makes a float array of such a size out of weights alone writes a dense copy of a weight.
+    dense_sizes: set = dataclasses.field(default_factory=set)
 
     def __post_init__(self):
         self.pool_types = set(self.pool_types)
@@ -203,6 +210,25 @@ def weight_types_of(params, stacked_axis_sizes=()) -> set:
         if dims and dims[0] in stacked_axis_sizes:
             out.add((t, dims[1:]))
             out.add((t, (1,) + dims[1:]))
+    return out
+
+
+def dense_sizes_of(params, stacked_axis_sizes=()) -> set:
+    """Element counts of the float weights the quantized leaves of a parameter tree stand for: an
+    8-bit leaf's own count, a uint8 leaf's (two 4-bit codes a byte) twice it; for stacked leaves
+    (leading axis in stacked_axis_sizes) one layer's too."""
+    import jax
+
+    out = set()
+    for leaf in jax.tree_util.tree_leaves(params):
+        dt = np.dtype(leaf.dtype)
+        if dt.itemsize != 1:
+            continue
+        per = 2 if dt == np.uint8 else 1
+        n = int(np.prod(leaf.shape))
+        out.add(per * n)
+        if leaf.shape and leaf.shape[0] in stacked_axis_sizes:
+            out.add(per * n // leaf.shape[0])
     return out
 
 
@@ -320,8 +346,9 @@ def traffic(hlo: str, spec: Spec) -> list:
         if r["read"]["weights"] and r["read"]["weights"] >= 0.99 * moved and not r["gathers"]:
             for leaf in _leaves(r["result"]):
                 for t, dims in arrays(leaf):
-                    if (spec.purpose(t, dims) == "other" and t in dtypes
-                            and int(np.prod(dims)) >= MATCH_BY_SIZE):
+                    n = int(np.prod(dims))
+                    dense = t in ("bf16", "f16", "f32") and n in spec.dense_sizes  # a dequantized weight
+                    if spec.purpose(t, dims) == "other" and (t in dtypes or dense) and n >= MATCH_BY_SIZE:
                         derived.add((t, dims))
     if not derived:
         return rows
@@ -398,6 +425,9 @@ def _kernel_bytes(ins: Instr, comp: dict, comps: dict, spec: Spec) -> tuple:
             p = spec.purpose(dt, dims)
             if pallas and p == "kv_read" and spec.kv_read_per_call is not None:
                 read["kv_read"] += spec.kv_read_per_call
+                continue
+            if pallas and p == "weights" and (dt, dims) in spec.stacked_weights:
+                read["weights"] += whole // dims[0]  # one layer of the stack, by its index
                 continue
             if ins.op in IN_PLACE and i == 0:
                 continue  # a bare in-place update reads nothing of the updated array
@@ -555,12 +585,17 @@ def engine_spec(params, config, pools, *, max_seqs: int, context: int, page_size
     itemsize = np.dtype(dtype).itemsize
     live = -(-context // page_size) * page_size
     kv_per_call = max_seqs * live * config.num_kv_heads * config.head_dim * itemsize
+    stacked = {(hlo_type(x.shape, x.dtype).split("[")[0], tuple(x.shape)) for x in jax.tree_util.tree_leaves(params)
+               if len(x.shape) >= 2 and x.shape[0] == L}
     spec = Spec(weight_types=weight_types_of(params, (L, L // layer_period(config))), pool_types=spec_pools,
-                vocab_size=config.vocab_size, kv_read_per_call=kv_per_call)
+                vocab_size=config.vocab_size, kv_read_per_call=kv_per_call, stacked_weights=stacked,
+                dense_sizes=dense_sizes_of(params, (L,)))
     leaves = jax.tree_util.tree_leaves(params)
     weights = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in leaves)
     if not config.tie_embeddings:
-        w_item = np.dtype(leaves[0].dtype).itemsize
+        # The table's own storage (int8 / fp8 when quantized: a leaf's dtype is not the table's).
+        table = [x for x in leaves if tuple(x.shape) == (config.vocab_size, config.d_model)]
+        w_item = np.dtype((table or leaves)[0].dtype).itemsize
         weights -= config.vocab_size * config.d_model * w_item
         weights += max_seqs * rows_per_seq * config.d_model * w_item
     ideal = dict(weights=weights, kv_read=len(pools) * L * kv_per_call,
@@ -568,10 +603,56 @@ def engine_spec(params, config, pools, *, max_seqs: int, context: int, page_size
     return spec, ideal
 
 
+# Abstract quantized models (no weights read): each format as jpa keeps a checkpoint of it on the
+# device (jpa.core.quant, models.gpt.PackedWeight). format -> (group size, {array: (dtype, axis
+# divisor of `in`)}) for the packed forms: codes u8 [in / 2, out], block scales d (and minimums m;
+# K-quants: integer sub-block scales and minimums with f16 super-block ones, d2 / m2).
+PACKED_FORMS = {
+    "Q4_0": {"codes": ("uint8", 2), "d": ("float16", 32)},
+    "Q4_1": {"codes": ("uint8", 2), "d": ("float16", 32), "m": ("float16", 32)},
+    "Q4_K": {"codes": ("uint8", 2), "d": ("uint8", 32), "m": ("uint8", 32), "d2": ("float16", 256),
+             "m2": ("float16", 256)},
+    # AutoAWQ GEMM g128 (zero points: m = -z * s in f32) and GPTQ symmetric g128 (the Q4_0 form).
+    "awq": {"codes": ("uint8", 2), "d": ("float16", 128), "m": ("float32", 128)},
+    "gptq": {"codes": ("uint8", 2), "d": ("float16", 128)},
+}
+ABSTRACT_FORMATS = ("int8", "fp8", *PACKED_FORMS)
+
+
+def abstract_model(config, quantization: str):
+    """An abstract (nnx.eval_shape) bfloat16 models.GPT of `config` whose layer linears are stored
+    in `quantization`: "int8" / "fp8" (per output channel, embeddings and head too: what
+    `--quantization` makes), or a packed 4-bit form of PACKED_FORMS (the layers only: GGUF
+    Q4_0 / Q4_1 / Q4_K, AWQ g128, GPTQ g128; embeddings and head stay bfloat16 as those
+    checkpoints' usually are). For deviceless compiles: nothing is allocated."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jpa.models import GPT
+    from jpa.models.gpt import QUANT_AXIS
+
+    if quantization not in ABSTRACT_FORMATS:
+        raise ValueError(f"quantization must be one of {list(ABSTRACT_FORMATS)}; got {quantization!r}")
+    if quantization in ("int8", "fp8"):
+        return nnx.eval_shape(lambda: GPT(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), quantization=quantization))
+    model = nnx.eval_shape(lambda: GPT(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    form = PACKED_FORMS[quantization]
+    suffix = {"codes": "", "d": "_bscale", "m": "_bmin", "d2": "_bscale2", "m2": "_bmin2"}
+    for name, axis in QUANT_AXIS.items():
+        if axis != -2 or not hasattr(model.layers, name):
+            continue
+        L, k, n = getattr(model.layers, name).get_value().shape  # [layers, in, out]
+        for part, (dtype, div) in form.items():
+            setattr(model.layers, name + suffix[part], nnx.Param(jax.ShapeDtypeStruct((L, k // div, n), dtype)))
+    model.quantization = "gguf" if quantization.startswith("Q") else quantization
+    return model
+
+
 def engine_traffic(target: str = "h100", config=None, *, max_seqs: int = 64, context: int = 1024,
                    pool_gib: float = 8.0, page_size: int = 16, which: str = "plain", compiler_options=None,
                    label: str = "Llama-3-8B", hlo: str | None = None, engine_options: bool = True,
-                   budget: int = 512) -> dict:
+                   budget: int = 512, quantization: str | None = None) -> dict:
     """Compiles the engine's unified step (`engine_steps`: a ragged pass, then the decode loop;
     "spec": with n-gram speculation, k = 4) for a deviceless target and models one iteration of its
     decode loop: a decode step at `max_seqs` sequences of `context` tokens (a verify step of
@@ -585,7 +666,8 @@ def engine_traffic(target: str = "h100", config=None, *, max_seqs: int = 64, con
     Returns dict(name, summary (`summary` against the ideal), top (`top_kernels`), seconds and
     cpu_seconds (the compile: wall, and this process's CPU time; None given hlo), temp_bytes, rows
     (every row of the decode step), hlo, matrix_copies (`matrix_copies` of the whole program) and
-    checks (the compile record's ok, problems, pool_copies, pool and alias bytes, kernel calls))."""
+    checks (the compile record's ok, problems, pool_copies, pool and alias bytes, kernel calls)).
+    quantization: the model's weights stored in that format (`abstract_model`); None: bfloat16."""
     from jpa.models import ModelConfig
     from jpa.tools.deviceless import Compiler
     from jpa.tools.engine_checks import LLAMA_SHAPED, engine_steps
@@ -594,7 +676,7 @@ def engine_traffic(target: str = "h100", config=None, *, max_seqs: int = 64, con
     max_model_len = max(2048, -(-context // page_size) * page_size)
     (name, fn, args, jit_options, pools, _), = engine_steps(
         pool_gib=pool_gib, max_seqs=max_seqs, page_size=page_size, max_model_len=max_model_len, config=config,
-        label=label, which=(which,), budget=budget)
+        label=label, which=(which,), budget=budget, quantization=quantization)
     jit_options = dict(jit_options)
     options = {**(jit_options.pop("compiler_options", {}) if engine_options else {}), **(compiler_options or {})}
     jit_options.pop("compiler_options", None)

@@ -1,0 +1,103 @@
+"""x @ W for one layer of a stacked quantized weight (issue 35): the Mosaic GPU dequantizing matmul
+(`jpa.pallas.mosaic.qmatmul`) where it serves the device the step is compiled for, else plain JAX
+(the layer's blocks dequantized, or its 8-bit values widened, where the dot reads them). Packed
+4-bit weights (`packed_matmul`) and int8 / fp8 ones with per-channel scales (`scaled_matmul`).
+
+`kernel_serves(...)` says, before tracing a layer scan, whether the kernel takes such a weight
+here; `models.gpt` then keeps those weights stacked through the scan (no per-layer slice copy) and
+calls `packed_matmul` with the layer index. The environment variable JPA_QMATMUL=0 turns the
+kernel off (every packed weight then takes the plain-JAX path, which writes a dense copy of each
+weight per step on a GPU: the "before" of BENCHMARKS.md's issue-35 table).
+"""
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+
+from jpa.core.quant import dequantize_blocks
+from jpa.ops.dispatch import current_target
+
+
+def _target_cc():
+    """The compute capability of the NVIDIA GPU being compiled for when the Mosaic kernels serve it
+    (8.x-10.x, Mosaic lowering for it), else None; None too under JPA_QMATMUL=0."""
+    from jpa.pallas.mosaic import decode as mosaic_decode
+
+    if os.environ.get("JPA_QMATMUL", "1") == "0":
+        return None
+    target = current_target()
+    cc = target.compute_capability
+    if not target.is_nvidia_gpu or cc is None or not 8.0 <= cc < 11.0:
+        return None
+    if not target.executable and mosaic_decode.aot_unsupported_reason(cc) is not None:
+        return None
+    return cc
+
+
+def scaled_kernel_serves(m: int, k: int, n: int, codes_dtype, compute_dtype) -> bool:
+    """Whether `scaled_matmul` runs the Mosaic kernel (int8 on sm_80-sm_10x, float8_e4m3fn on sm_89 /
+    sm_90: Ampere has no float8 conversion) for an [m, k] x [k, n] product here."""
+    from jpa.pallas.mosaic import qmatmul as kernel
+
+    cc = _target_cc()
+    # float8 -> bf16 needs sm_89's cvt; on sm_100 ptxas rejected the kernel's float8 conversion in the
+    # deviceless compile (int8 and 4-bit compile there), so float8 stays on XLA's path off Ada / Hopper.
+    if cc is None or (np.dtype(codes_dtype) != np.int8 and not 8.9 <= cc < 10.0):
+        return False
+    return kernel.unsupported_reason_scaled(m, k, n, codes_dtype, compute_dtype) is None
+
+
+def scaled_matmul(x, q, scale, *, layer=None, compute_dtype):
+    """(x [M, K] @ q) * scale for an 8-bit weight with per-output-channel scales (q [L, K, N] with
+    `layer`, or [K, N]; scale f32[L, N] / [N]) -> f32[M, N]: the Mosaic kernel when
+    `scaled_kernel_serves`, else q widened to compute_dtype where the dot reads it, then the scale."""
+    from jpa.pallas.mosaic import qmatmul as kernel
+
+    mm, k = x.shape
+    if scaled_kernel_serves(mm, k, q.shape[-1], q.dtype, compute_dtype):
+        return kernel.qmatmul_scaled(x.astype(compute_dtype), q, scale, layer=0 if layer is None else layer,
+                                     tma=kernel.uses_tma(_target_cc()))
+    if layer is not None:
+        q, scale = jnp.take(q, layer, axis=0), jnp.take(scale, layer, axis=0)
+    y = jnp.dot(x.astype(compute_dtype), q.astype(compute_dtype), preferred_element_type=jnp.float32)
+    return y * scale
+
+
+def kernel_serves(m: int, k: int, n: int, group: int, codes_dtype, compute_dtype, *, d2=None) -> bool:
+    """Whether `packed_matmul` runs the Mosaic GPU kernel for an [m, k] x [k, n] product of a
+    packed weight with groups of `group` values (d2: a K-quant's super-block scales, which the
+    kernel does not read: False) on the device being compiled for: an NVIDIA GPU of compute
+    capability 8.x-10.x whose Mosaic lowering targets it (`jpa.pallas.mosaic.decode.
+    aot_unsupported_reason`)."""
+    from jpa.pallas.mosaic import qmatmul as kernel
+
+    if d2 is not None or _target_cc() is None:
+        return False
+    return kernel.unsupported_reason(m, k, n, group, codes_dtype, compute_dtype) is None
+
+
+def packed_matmul(x, codes, d, m=None, *, layer, compute_dtype):
+    """x [M, K] @ W (layer `layer` of codes u8[L, K / 2, N], d / m [L, K / G, N]: jpa.core.quant's
+    Q4_0 / Q4_1 forms) -> f32[M, N]. The Mosaic GPU kernel when `kernel_serves`, else W dequantized
+    in compute_dtype (one layer's slice, read inside the dequantizing fusion) and a dot."""
+    from jpa.pallas.mosaic import qmatmul as kernel
+
+    mm, k = x.shape
+    n = codes.shape[-1]
+    group = k // d.shape[-2]
+    if kernel_serves(mm, k, n, group, codes.dtype, compute_dtype):
+        return kernel.qmatmul(x.astype(compute_dtype), codes, d, m, layer=layer, tma=kernel.uses_tma(_target_cc()))
+    take = lambda a: None if a is None else jnp.take(a, layer, axis=0)
+    w = dequantize_blocks(take(codes), take(d), take(m), -2, compute_dtype)
+    return jnp.dot(x.astype(compute_dtype), w, preferred_element_type=jnp.float32)
+
+
+def reference(x, codes, d, m=None, layer=0):
+    """NumPy: x @ W with W dequantized in f32 (`dequantize_blocks`), f32[M, N]."""
+    codes, d = np.asarray(codes), np.asarray(d)
+    if codes.ndim == 3:
+        codes, d = codes[layer], d[layer]
+        m = None if m is None else np.asarray(m)[layer]
+    w = dequantize_blocks(codes, d, None if m is None else np.asarray(m), -2, np.float32)
+    return np.asarray(x, np.float32) @ w

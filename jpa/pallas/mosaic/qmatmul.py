@@ -1,0 +1,286 @@
+"""A 4-bit dequantizing matmul as a Pallas Mosaic GPU kernel on mma.sync (issue 35): the decode
+step's x @ W for a weight kept in jpa's packed 4-bit form, reading the codes and scales as stored
+and never writing a float copy of W.
+
+Einsum letters: M rows of x (the tokens of the step), K the weight's in, N its out, G a group.
+
+The weight is one layer of a stacked [num_layers, ...] parameter (the kernel takes the stacked
+arrays and the layer index, as the attention kernels take the stacked pool, so the scan over
+layers passes it without slicing a copy):
+
+    codes u8[L, K / 2, N]   two 4-bit codes a byte, GGUF's order (jpa.core.quant.pack_nibbles):
+                            byte j of a 32-value block holds value j (low nibble) and j + 16 (high)
+    d     [L, K / G, N]     group scales (f16 / bf16 / f32)
+    m     [L, K / G, N]     group minimums (the Q4_1 form: w = q * d + m) or None (Q4_0 form:
+                            w = (q - 8) * d)
+
+and the program computes, for a tile of TN output columns,
+
+    y[M, TN] = sum over 32-value blocks b of  x[:, b] @ W[b, TN]        "MK,KN->MN"
+    W[b]     = (q[b] * d[g(b)] + m[g(b)]) in f32, rounded to x's dtype  (as `dequantize_blocks`)
+
+Its copies: each step copies a [KB / 2, TN] tile of codes and the rows [R, KB] of x into SMEM
+(cp.async below sm_90, TMA with mbarriers from sm_90: `pipeline.MmaOps`), double buffered, and
+reads the step's scale rows from GMEM. Registers: the codes are loaded from SMEM in the MMA_RHS
+layout of a 16-bit operand (two consecutive k per register) as 32-bit integers, split into their
+nibbles, scaled (the scale and minimum rows broadcast along k) and rounded to bf16 in registers:
+the mma's rhs; x is the lhs, loaded from SMEM in the MMA_LHS layout. R = 16, 32 or 64 rows of x
+(m_warps 1, 2, 4 of `MMALayouts`: at R = 16 the four warps split the tile's columns).
+
+`qmatmul_scaled` is the same kernel for 8-bit weights with one scale per output channel (jpa.core.quant's
+int8 / fp8 path: q int8 / float8_e4m3fn [L, K, N], scale f32[L, N]): the values are widened exactly,
+two rows of a k16 slice joined per register (`permute_k8` orders x's K to match), and the scale
+multiplies the f32 result: (x @ q) * scale.
+
+Interpret mode (`interpret=True`) runs the same body with `MmaOps`' stand-ins: plain ref copies
+and `jnp.dot`; the real layouts, cp.async / TMA and `mma` are proven by the deviceless compile
+(tests/test_quant_gpu.py, scripts/bench_quant.py).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jpa.pallas.common import layer_index, layer_operand
+from jpa.pallas.mosaic.pipeline import MmaOps, launch, uses_tma
+
+BLOCK = 32          # values of one nibble block (GGUF's Q4 order)
+TN = 64             # output columns of one program
+KB = 128            # values of K one step copies (4 blocks: 64 code bytes a column)
+MAX_ROWS = 64       # rows of x one call takes (4 warps x 16)
+SLOTS = 2
+
+
+def permute_k(x):
+    """x [..., K] in the kernel's order of K: within each 32-value block, slot 16c + 2i + h holds value
+    8c + i + 16h (c, h in {0, 1}, i < 8): byte 8c + i's low nibble (h = 0) and high nibble (h = 1)
+    side by side, as `pair_rows` puts them in an mma's k16 slice."""
+    *lead, k = x.shape
+    x = x.reshape(*lead, k // BLOCK, 2, 2, 8)  # [..., block, h, c, i]
+    return jnp.swapaxes(jnp.swapaxes(x, -3, -2), -2, -1).reshape(*lead, k)  # [..., block, c, i, h]
+
+
+def rows_for(m: int) -> int:
+    """Rows of the kernel's x tile for m rows of x: 16, 32 or 64."""
+    return 16 if m <= 16 else 32 if m <= 32 else 64
+
+
+def unsupported_reason(m: int, k: int, n: int, group: int, codes_dtype, x_dtype=jnp.bfloat16) -> str | None:
+    """Why the kernel cannot compute an [m, k] x [k, n] product of this form, or None."""
+    if np.dtype(codes_dtype) != np.uint8:
+        return f"codes of {np.dtype(codes_dtype)}: the kernel reads 4-bit codes packed in uint8"
+    if m > MAX_ROWS:
+        return f"{m} rows of x: the kernel takes at most {MAX_ROWS} (a decode step)"
+    if k % KB or n % TN:
+        return f"a [{k}, {n}] weight: K must be a multiple of {KB} and N of {TN}"
+    if group % BLOCK or k % group:
+        return f"group size {group}: a multiple of {BLOCK} that divides K = {k}"
+    if np.dtype(x_dtype) not in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)):
+        return f"compute dtype {np.dtype(x_dtype)}: the kernel multiplies in bfloat16 or float16"
+    return None
+
+
+def _kernel(x_ref, c_ref, d_ref, m_ref, layer_ref, o_ref, x_smem, c_smem, bars, *, ops, rows, group,
+            m_warps, dtype, bits):
+    # 4 bits: x_ref [R, K] (permute_k); c_ref u8[L, K / 2, N]; d_ref, m_ref [L, K / G, N] (m_ref None:
+    # Q4_0 form); c_smem u8[SLOTS, KB / 2, TN].
+    # 8 bits: x_ref [R, K] (permute_k8); c_ref int8 / float8 [L, K, N]; d_ref f32[L, N] per-channel
+    # scales; c_smem [SLOTS, KB, TN].
+    # layer_ref i32[1]; o_ref f32[R, N]; x_smem [SLOTS, R, KB].
+    nt = lax.axis_index("n")
+    n0 = pl.multiple_of(nt * TN, TN)
+    layer = layer_index(layer_ref, c_ref.shape[0])
+    k = x_ref.shape[1]
+    steps = k // KB
+    lhs_l = plgpu.Layout.MMA_LHS(dtype, m_warps=m_warps)
+    # The codes' byte rows in the MMA_RHS layout of a 32-bit operand (m16n8k8: thread t holds row
+    # t % 4 (+ 4) of column t / 4), which is the 16-bit operand's layout (m16n8k16: rows 2 (t % 4)
+    # and 2 (t % 4) + 1) with each byte standing for a pair of rows (`pair_rows`).
+    byte_l = plgpu.Layout.MMA_RHS(jnp.float32, m_warps=m_warps)
+    acc_l = plgpu.Layout.MMA_ACC(dtype, m_warps=m_warps)
+
+    def issue(s, slot):
+        bar = bars.at[slot] if ops.tma else None
+        ops.copy(x_ref.at[:, pl.ds(s * KB, KB)], x_smem.at[slot], bar)
+        rows_per_step = KB * bits // 8
+        ops.copy(c_ref.at[layer, pl.ds(s * rows_per_step, rows_per_step), pl.ds(n0, TN)], c_smem.at[slot], bar)
+
+    def wait(s, slot):
+        if ops.tma:
+            plgpu.barrier_wait(bars.at[slot])
+        else:  # the next step is issued after this wait: nothing else is in flight
+            ops.wait(0)
+
+    def load_bytes(ref):  # [8, TN] 8-bit rows in byte_l
+        return ref[...] if ops.interpret else plgpu.load(ref, layout=byte_l, optimized=False)
+
+    def widen(v):  # int8 / float8 codes -> the mma dtype, exactly
+        v = v.astype(jnp.int32 if jnp.issubdtype(v.dtype, jnp.integer) else jnp.float32)
+        return v.astype(jnp.float32).astype(dtype)
+
+    def row(ref, g):  # one group's f32[8, TN] scale (or minimum) row, broadcast along the 8 byte rows
+        if ops.interpret:
+            v = ref[layer, g, pl.ds(n0, TN)].astype(jnp.float32)
+            return jnp.broadcast_to(v[None], (8, TN))
+        v = plgpu.load(ref.at[layer, g, pl.ds(n0, TN)], layout=byte_l.reduce(0), optimized=False)
+        return plgpu.layout_cast(lax.broadcast_in_dim(v.astype(jnp.float32), (8, TN), [1]), byte_l)
+
+    def body(s, acc):
+        slot = lax.rem(s, SLOTS)
+        wait(s, slot)
+        pl.when(s + 1 < steps)(lambda: issue(s + 1, lax.rem(s + 1, SLOTS)))
+        xs, cs = x_smem.at[slot], c_smem.at[slot]
+        lhs = lambda a_ref: ops.lhs(a_ref) if ops.interpret else plgpu.load(a_ref, layout=lhs_l, optimized=False)
+        if bits == 8:  # k16 slice j: rows 16j + i and 16j + 8 + i side by side (permute_k8)
+            for j in range(KB // 16):
+                lo, hi = (load_bytes(cs.at[pl.ds(16 * j + 8 * h, 8)]) for h in (0, 1))
+                lo, hi = (widen(v) for v in (lo, hi))
+                acc = ops.mma(acc, lhs(xs.at[:, pl.ds(16 * j, 16)]), pair_rows(lo, hi, ops.interpret, m_warps))
+            return acc
+        for b in range(KB // BLOCK):
+            g = (s * KB + b * BLOCK) // group
+            d = row(d_ref, g)
+            mn = row(m_ref, g) if m_ref is not None else d * -8.0
+            for c in range(2):  # bytes 8c .. 8c + 7 of the block: values 8c + i and 8c + i + 16
+                q = load_bytes(cs.at[pl.ds(b * (BLOCK // 2) + c * 8, 8)]).astype(jnp.int32)  # [8, TN]
+                lo = ((q & 15).astype(jnp.float32) * d + mn).astype(dtype)  # as dequantize_blocks rounds
+                hi = ((q >> 4).astype(jnp.float32) * d + mn).astype(dtype)
+                w = pair_rows(lo, hi, ops.interpret, m_warps)  # [16, TN]: rows 2i, 2i + 1 = lo[i], hi[i]
+                acc = ops.mma(acc, lhs(xs.at[:, pl.ds(b * BLOCK + c * 16, 16)]), w)
+        return acc
+
+    issue(0, 0)
+    acc = jnp.zeros((rows, TN), jnp.float32)
+    if not ops.interpret:
+        acc = plgpu.layout_cast(acc, acc_l)
+    acc = lax.fori_loop(0, steps, body, acc)
+    if bits == 8:  # the per-channel scale leaves the sum: (x @ q) * scale
+        if ops.interpret:
+            sc = d_ref[layer, pl.ds(n0, TN)][None]
+        else:
+            sc = plgpu.load(d_ref.at[layer, pl.ds(n0, TN)], layout=acc_l.reduce(0), optimized=False)
+            sc = plgpu.layout_cast(lax.broadcast_in_dim(sc, (rows, TN), [1]), acc_l)
+        acc = acc * sc
+    o_ref.at[:, pl.ds(n0, TN)][...] = acc
+
+
+def pair_rows(lo, hi, interpret: bool, m_warps: int):
+    """[8, TN] lo and hi (16-bit, in the 32-bit MMA_RHS layout) -> [16, TN] with rows 2i = lo[i],
+    2i + 1 = hi[i], in the 16-bit MMA_RHS layout.
+
+    For m16n8k8 (32-bit) a thread holds B[t % 4 (+ 4), t / 4]; for m16n8k16 (16-bit) it holds
+    B[2 (t % 4) + {0, 1} (+ 8), t / 4] as one register of two values. So the same thread owns
+    both rows of each pair, and the register arrays have the same shape: each 16-bit register is
+    the 32-bit layout's lo value and hi value, concatenated."""
+    if interpret:
+        return jnp.stack([lo, hi], axis=1).reshape(2 * lo.shape[0], lo.shape[1])
+    import jax.experimental.mosaic.gpu as mgpu  # the lowering's own library
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    src = plgpu.Layout.MMA_RHS(jnp.float32, m_warps=m_warps)
+    dst = plgpu.Layout.MMA_RHS(lo.dtype, m_warps=m_warps)
+    shape = (2 * lo.shape[0], lo.shape[1])
+
+    @plgpu.inline_mgpu(arg_types=(src, src), return_type=plgpu.ShapeDtypeStruct(shape, lo.dtype, dst))
+    def pair(_, a, b):
+        layout = mgpu.MMALayouts(a.mlir_dtype, m_warps=m_warps).rhs
+        regs = np.empty(layout.registers_shape(shape), dtype=object)
+        for i, (x, y) in enumerate(zip(a.registers.flat, b.registers.flat)):
+            regs.flat[i] = mgpu_utils.vector_concat([x, y])
+        return mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
+    return pair(lo, hi)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "tma"))
+def qmatmul(x, codes, d, m=None, *, layer=0, interpret=False, tma=False):
+    """x @ W for one layer of a stacked packed 4-bit weight, W never materialized.
+
+    Args:
+      x: [M, K] float (M <= 64), rounded to bfloat16 (f16 x stays f16) for the mma.
+      codes: u8[L, K / 2, N] (jpa.core.quant's nibble order), or u8[K / 2, N] (one layer).
+      d: [L, K / G, N] group scales; m: the same shape (w = q * d + m) or None (w = (q - 8) * d).
+      layer: i32 scalar, the layer (clamped into [0, L)).
+      interpret: GPU interpret mode (the stand-ins of `MmaOps`).
+      tma: TMA copies with mbarriers (sm_90 and later) instead of cp.async (sm_8x).
+
+    Returns:
+      f32[M, N].
+    """
+    if codes.ndim == 2:
+        codes, d = codes[None], d[None]
+        m = None if m is None else m[None]
+    mm, k = x.shape
+    _, half_k, n = codes.shape
+    if half_k * 2 != k or d.shape[:1] + d.shape[2:] != codes.shape[:1] + (n,) or (k // d.shape[1]) * d.shape[1] != k:
+        raise ValueError(f"qmatmul: x [{mm}, {k}] does not fit codes {list(codes.shape)} and scales "
+                         f"{list(d.shape)} (codes [L, K / 2, N], scales [L, K / G, N])")
+    if m is not None and m.shape != d.shape:
+        raise ValueError(f"qmatmul: minimums {list(m.shape)} differ from scales {list(d.shape)}")
+    group = k // d.shape[1]
+    dtype = jnp.float16 if x.dtype == jnp.float16 else jnp.bfloat16
+    why = unsupported_reason(mm, k, n, group, codes.dtype, dtype)
+    if why is not None:
+        raise ValueError(f"qmatmul: {why}")
+    rows = rows_for(mm)
+    xp = jnp.pad(permute_k(x.astype(dtype)), ((0, rows - mm), (0, 0)))
+    return _call(xp, codes, d, m, layer, mm, n, rows, group, dtype, 4, interpret, tma)
+
+
+def _call(xp, codes, d, m, layer, mm, n, rows, group, dtype, bits, interpret, tma):
+    m_warps = rows // 16
+    ops = MmaOps(interpret, tma)
+
+    def jpa_mosaic_qmatmul(x_ref, c_ref, d_ref, *rest):
+        m_ref, layer_ref, o_ref = rest if m is not None else (None, *rest)
+
+        def scoped(x_smem, c_smem, *bars):
+            _kernel(x_ref, c_ref, d_ref, m_ref, layer_ref, o_ref, x_smem, c_smem, bars[0] if bars else None,
+                    ops=ops, rows=rows, group=group, m_warps=m_warps, dtype=dtype, bits=bits)
+
+        pl.run_scoped(scoped, plgpu.SMEM((SLOTS, rows, KB), dtype),
+                      plgpu.SMEM((SLOTS, KB * bits // 8, TN), codes.dtype),
+                      *([plgpu.Barrier(num_arrivals=2, num_barriers=SLOTS)] if ops.tma else []))
+
+    out = launch(jpa_mosaic_qmatmul, jax.ShapeDtypeStruct((rows, n), jnp.float32), (n // TN,), ("n",),
+                 interpret)(xp, codes, d, *([m] if m is not None else []), layer_operand(layer))
+    return out[:mm]
+
+
+def permute_k8(x):
+    """x [..., K] in the 8-bit kernel's order of K: slot 16j + 2i + h holds value 16j + 8h + i (i < 8),
+    rows i and 8 + i of a k16 slice side by side (`pair_rows`)."""
+    *lead, k = x.shape
+    return jnp.swapaxes(x.reshape(*lead, k // 16, 2, 8), -2, -1).reshape(*lead, k)
+
+
+def unsupported_reason_scaled(m: int, k: int, n: int, codes_dtype, x_dtype=jnp.bfloat16) -> str | None:
+    """`unsupported_reason` for `qmatmul_scaled` (8-bit codes with per-channel scales)."""
+    if np.dtype(codes_dtype) not in (np.dtype(jnp.int8), np.dtype(jnp.float8_e4m3fn)):
+        return f"codes of {np.dtype(codes_dtype)}: the 8-bit kernel reads int8 or float8_e4m3fn"
+    return unsupported_reason(m, k, n, BLOCK, np.uint8, x_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "tma"))
+def qmatmul_scaled(x, q, scale, *, layer=0, interpret=False, tma=False):
+    """(x @ q) * scale for one layer of a stacked 8-bit weight with per-output-channel scales (the
+    int8 / fp8 path of jpa.core.quant: q int8 / float8_e4m3fn [L, K, N] or [K, N], scale f32[L, N] or
+    [N]), q widened to x's dtype exactly inside the kernel. x [M, K] (M <= 64). Returns f32[M, N]."""
+    if q.ndim == 2:
+        q, scale = q[None], scale[None]
+    mm, k = x.shape
+    _, kq, n = q.shape
+    if kq != k or scale.shape != (q.shape[0], n):
+        raise ValueError(f"qmatmul_scaled: x [{mm}, {k}] does not fit q {list(q.shape)} and scale "
+                         f"{list(scale.shape)} (q [L, K, N], scale [L, N])")
+    dtype = jnp.float16 if x.dtype == jnp.float16 else jnp.bfloat16
+    why = unsupported_reason_scaled(mm, k, n, q.dtype, dtype)
+    if why is not None:
+        raise ValueError(f"qmatmul_scaled: {why}")
+    rows = rows_for(mm)
+    xp = jnp.pad(permute_k8(x.astype(dtype)), ((0, rows - mm), (0, 0)))
+    return _call(xp, q, scale.astype(jnp.float32), None, layer, mm, n, rows, BLOCK, dtype, 8, interpret, tma)

@@ -1,0 +1,166 @@
+"""The 4-bit dequantizing matmul (issue 35): the Mosaic GPU kernel in GPU interpret mode against NumPy's
+dequantize-then-matmul, its input checks, and its deviceless compile for an H100 and an A100 inside a scan
+over stacked layers: codes and scales read once a layer, no dense float copy of a weight written."""
+
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jpa.core.quant import dequantize_blocks
+from jpa.ops import qmatmul as op
+from jpa.pallas.mosaic import qmatmul as kernel
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BF16 = ml_dtypes.bfloat16
+
+
+def _stack(rng, layers, k, n, group, with_min, scale_dtype=np.float16):
+    codes = rng.integers(0, 256, (layers, k // 2, n)).astype(np.uint8)
+    d = rng.uniform(0.005, 0.05, (layers, k // group, n)).astype(scale_dtype)
+    m = rng.uniform(-0.4, 0.4, (layers, k // group, n)).astype(scale_dtype) if with_min else None
+    return codes, d, m
+
+
+@pytest.mark.parametrize("rows,k,n,group,with_min,scale_dtype", [
+    (3, 256, 128, 32, True, np.float16),     # GGUF Q4_1: 32-value groups with minimums, m_warps 1
+    (20, 256, 64, 128, False, np.float16),   # GPTQ / Q4_0 form: (q - 8) * d, 128-value groups, m_warps 2
+    (64, 128, 64, 64, True, np.float32),     # AWQ-like f32 minimums, 64-value groups, m_warps 4
+], ids=["q4_1-g32", "q4_0-g128", "f32-min-g64"])
+def test_kernel_in_interpret_mode_equals_numpy_dequantize_then_matmul(rows, k, n, group, with_min, scale_dtype):
+    rng = np.random.default_rng()
+    codes, d, m = _stack(rng, 3, k, n, group, with_min, scale_dtype)
+    x = rng.normal(size=(rows, k)).astype(BF16)
+    layer = 2
+    got = np.asarray(kernel.qmatmul(jnp.asarray(x), codes, d, m, layer=layer, interpret=True))
+    # The kernel's weight: q * d + m in f32, rounded to bf16 once (as dequantize_blocks); products summed in f32.
+    w = dequantize_blocks(codes[layer], d[layer], None if m is None else m[layer], -2, np.float32)
+    want = x.astype(np.float32) @ w.astype(BF16).astype(np.float32)
+    assert got.shape == (rows, n) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-4 * np.abs(want).max())
+    # Against the float32 weight (no rounding): within bf16's rounding of w.
+    exact = op.reference(x.astype(np.float32), codes, d, m, layer)
+    np.testing.assert_allclose(got, exact, rtol=0, atol=2e-2 * np.abs(exact).max())
+    # A different layer gives a different product: the kernel reads the layer it is given.
+    other = np.asarray(kernel.qmatmul(jnp.asarray(x), codes, d, m, layer=0, interpret=True))
+    assert not np.allclose(other, got)
+
+
+@pytest.mark.parametrize("rows,fmt", [(5, "int8"), (40, "fp8")])
+def test_8bit_kernel_in_interpret_mode_equals_numpy(rows, fmt):
+    """int8 / float8_e4m3fn values with per-channel scales (jpa.core.quant.quantize_weight): widened exactly,
+    summed in f32, then scaled, as the XLA path (x @ q.astype(bf16)) * scale."""
+    from jpa.core.quant import quantize_weight
+    rng = np.random.default_rng()
+    q, scale = quantize_weight(rng.normal(size=(2, 256, 128)).astype(np.float32), fmt)
+    x = rng.normal(size=(rows, 256)).astype(BF16)
+    got = np.asarray(kernel.qmatmul_scaled(jnp.asarray(x), q, scale, layer=1, interpret=True))
+    want = (x.astype(np.float32) @ q[1].astype(np.float32)) * scale[1]
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    with pytest.raises(ValueError, match="does not fit q"):
+        kernel.qmatmul_scaled(jnp.asarray(x), q, scale[:, :64], interpret=True)
+
+
+def test_kernel_order_of_k_is_a_permutation_within_blocks():
+    x = np.arange(64, dtype=np.float32)[None]
+    p = np.asarray(kernel.permute_k(jnp.asarray(x)))[0]
+    assert sorted(p) == list(range(64))
+    # slot 16c + 2i + h holds value 8c + i + 16h (block 0), shifted by 32 in block 1
+    assert list(p[:6]) == [0, 16, 1, 17, 2, 18] and list(p[16:18]) == [8, 24] and p[32] == 32
+    p8 = np.asarray(kernel.permute_k8(jnp.asarray(x)))[0]
+    assert sorted(p8) == list(range(64)) and list(p8[:4]) == [0, 8, 1, 9] and list(p8[16:18]) == [16, 24]
+
+
+def test_kernel_rejects_shapes_it_cannot_take():
+    rng = np.random.default_rng(0)
+    codes, d, m = _stack(rng, 1, 256, 128, 32, True)
+    x = jnp.zeros((65, 256), jnp.bfloat16)
+    with pytest.raises(ValueError, match="65 rows of x: the kernel takes at most 64"):
+        kernel.qmatmul(x, codes, d, m, interpret=True)
+    with pytest.raises(ValueError, match=r"does not fit codes \[1, 128, 128\]"):
+        kernel.qmatmul(jnp.zeros((2, 128), jnp.bfloat16), codes, d, m, interpret=True)
+    with pytest.raises(ValueError, match="minimums"):
+        kernel.qmatmul(jnp.zeros((2, 256), jnp.bfloat16), codes, d, m[:, :4], interpret=True)
+    assert kernel.unsupported_reason(4, 256, 96, 32, np.uint8) is not None  # N not a multiple of 64
+    assert kernel.unsupported_reason(4, 256, 128, 32, np.int8) is not None  # 8-bit codes
+    assert kernel.unsupported_reason(4, 256, 128, 32, np.uint8, jnp.float32) is not None
+
+
+def test_plain_jax_path_off_the_gpu_equals_numpy():
+    """On this CPU `packed_matmul` is the dequantize-then-dot path (the kernel serves NVIDIA GPUs)."""
+    rng = np.random.default_rng()
+    codes, d, m = _stack(rng, 2, 256, 128, 32, True)
+    x = rng.normal(size=(5, 256)).astype(np.float32)
+    assert not op.kernel_serves(5, 256, 128, 32, np.uint8, jnp.bfloat16)
+    got = np.asarray(op.packed_matmul(jnp.asarray(x), codes, d, m, layer=1, compute_dtype=jnp.float32))
+    np.testing.assert_allclose(got, op.reference(x, codes, d, m, 1), rtol=1e-5, atol=1e-5)
+
+
+COMPILE = """
+import json, os
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from jpa.tools import deviceless
+deviceless.configure_environment()
+import jax, jax.numpy as jnp
+from jpa.ops.dispatch import current_target
+from jpa.ops.qmatmul import packed_matmul, scaled_matmul
+from jpa.tools import traffic as tr
+L, K, N, G, M = 2, 1024, 2048, 32, 4
+def fn(x, codes, d, m):
+    def layer(x, i):
+        y = packed_matmul(x, codes, d, m, layer=i, compute_dtype=jnp.bfloat16)
+        return x + y[:, :K].astype(x.dtype), None
+    return jax.lax.scan(layer, x, jnp.arange(L, dtype=jnp.int32))[0]
+def fn8(x, q, scale):
+    def layer(x, i):
+        y = scaled_matmul(x, q, scale, layer=i, compute_dtype=jnp.bfloat16)
+        return x + y[:, :K].astype(x.dtype), None
+    return jax.lax.scan(layer, x, jnp.arange(L, dtype=jnp.int32))[0]
+S = jax.ShapeDtypeStruct
+cases = [(fn, (S((M, K), jnp.bfloat16), S((L, K // 2, N), jnp.uint8), S((L, K // G, N), jnp.float16),
+               S((L, K // G, N), jnp.float16))),
+         (fn8, (S((M, K), jnp.bfloat16), S((L, K, N), jnp.int8), S((L, N), jnp.float32)))]
+out = {}
+for target, (fn, args) in [(t, c) for t in ("h100", "a100") for c in cases]:
+    target = target + ("" if fn.__name__ == "fn" else "-int8")
+    rec = deviceless.Compiler(target.split("-")[0]).compile(target, fn, args, keep_hlo=True,
+                                                             compiler_options=tr.WEIGHTS_IN_PLACE)
+    spec = tr.Spec(weight_types=tr.weight_types_of(args[1:], (L,)),
+                   stacked_weights={(t, d) for t, d in tr.weight_types_of(args[1:]) if d[0] == L},
+                   dense_sizes=tr.dense_sizes_of(args[1:], (L,)))
+    s = tr.summary(tr.select(tr.traffic(rec["hlo"], spec)))
+    out[target] = dict(ok=rec["ok"], problems=rec["problems"], mosaic=rec["mosaic_calls"], kernels=rec["kernels"],
+                       read=s["weights"]["read"], written=s["weights"]["written"], copies=len(s["weight_copies"]),
+                       stack=sum(a.size * a.dtype.itemsize for a in args[1:]))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
+                    reason="the compile-only GPU packages are not installed (pip install -e '.[gpu]')")
+def test_kernel_compiles_for_h100_and_a100_and_reads_each_layer_once():
+    """A scan over 2 stacked Q4_1 layers calling `packed_matmul` with the layer index (and over 2 int8 ones
+    calling `scaled_matmul`), compiled for an H100
+    (TMA copies) and an A100 (cp.async) without one: the Mosaic kernel runs (no ptxas spills), reads
+    exactly the stack's codes and scales over the scan (one layer a call), and no kernel writes a copy
+    of a weight (dense or sliced). The dense copy of today's plain-JAX path would fail `written == 0`."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_CPP_VMODULE", "XLA_FLAGS",
+                                                             "JPA_QMATMUL")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    proc = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True, timeout=600, env=env,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for target, r in out.items():
+        assert r["ok"] and r["mosaic"] == 1, (target, r)
+        k = r["kernels"]["jpa_mosaic_qmatmul"]
+        assert k["spill_stores"] == 0 and k["spill_loads"] == 0, (target, k)
+        assert r["written"] == 0 and r["copies"] == 0, (target, r)
+        assert r["read"] == r["stack"], (target, r)
