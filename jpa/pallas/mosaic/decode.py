@@ -324,13 +324,11 @@ def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap
     """
     if compute_capability is not None and (8.0 <= compute_capability < 9.0
                                            or 10.0 <= compute_capability < 11.0):
-        if k_scales is not None:
-            raise ValueError("the mma.sync Mosaic kernel (Ampere/Ada/Blackwell) does not take 8-bit "
-                             "caches (see decode_ampere.unsupported_reason)")
         return decode_ampere.paged_decode(
             q, k_pages, v_pages, block_tables, seq_lens, scale=scale, soft_cap=soft_cap,
             alibi_slopes=alibi_slopes, sliding_window=sliding_window, interpret=interpret,
-            layer=layer, tma=uses_tma(compute_capability), sinks=sinks,
+            layer=layer, tma=uses_tma(compute_capability), sinks=sinks, k_scales=k_scales,
+            v_scales=v_scales, fp8_cvt=decode_ampere.converts_fp8(compute_capability),
             tuning=tuning or tuning_table.lookup_ampere(compute_capability, q.shape[-1]))
     return _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, scale=scale,
                          soft_cap=soft_cap, alibi_slopes=alibi_slopes,

@@ -67,6 +67,7 @@ from jpa.pallas.mosaic.tuning import MosaicTuning
 from jpa.pallas.spec import DecodeSpec
 
 SUPPORTED_DTYPES = ("bfloat16", "float16")
+QUANTIZED_DTYPES = ("int8", "float8_e4m3fn", "float8_e5m2")
 MAX_PAGE_SIZE = 256
 
 
@@ -84,11 +85,10 @@ def unsupported_reason(spec: DecodeSpec, compute_capability: float | None = None
     if spec.q_dtype not in SUPPORTED_DTYPES:
         return (f"q dtype {spec.q_dtype} is not supported: mma.sync has no exact float32 path "
                 f"(only tf32); use bfloat16 or float16")
-    if spec.quantized:
-        return (f"8-bit caches ({spec.cache_dtype}) are not supported by the mma.sync Mosaic "
-                f"kernel (Ampere/Ada/Blackwell) yet: copying the per-token scales and widening "
-                f"K/V for mma.sync are not written")
-    if spec.cache_dtype != spec.q_dtype:
+    if spec.quantized and spec.cache_dtype not in QUANTIZED_DTYPES:
+        return (f"8-bit cache dtype {spec.cache_dtype} is not supported: use one of "
+                f"{', '.join(QUANTIZED_DTYPES)}")
+    if not spec.quantized and spec.cache_dtype != spec.q_dtype:
         return (f"the cache dtype ({spec.cache_dtype}) must equal q's dtype ({spec.q_dtype}): "
                 f"mma operands share one dtype")
     if spec.q_per_kv > BLOCK_Q:
@@ -103,11 +103,12 @@ def unsupported_reason(spec: DecodeSpec, compute_capability: float | None = None
         return (f"page_size = {ps} is not supported: it must divide {bt} (>= 8) or be a multiple "
                 f"of {bt} up to {MAX_PAGE_SIZE} (the kernel reads keys in {bt}-token blocks)")
     rows = min(ps, bt)
-    if kv_swizzle(spec.head_dim, rows) is None:
+    cache_itemsize = 1 if spec.quantized else 2
+    if kv_swizzle(spec.head_dim, rows, cache_itemsize) is None:
         return (f"page_size = {ps} with head_dim = {spec.head_dim} is not supported: a cp.async "
-                f"copy of one page ({rows} rows of {spec.head_dim * 2} bytes) must be a multiple "
-                f"of 4 SMEM tiles of 8 rows x 32/64/128 bytes (one per warp); use pages of >= 32 "
-                f"tokens or a head_dim that is a multiple of {64 if rows == 8 else 32}")
+                f"copy of one page ({rows} rows of {spec.head_dim * cache_itemsize} bytes) must be "
+                f"a multiple of 4 SMEM tiles of 8 rows x 32/64/128 bytes (one per warp); use "
+                f"larger pages or a head_dim that is a multiple of 64")
     if uses_tma(compute_capability):
         # A TMA's coordinates are signed 32-bit: Mosaic folds the (layer, kv head, page) index of
         # a page into one.
@@ -115,33 +116,46 @@ def unsupported_reason(spec: DecodeSpec, compute_capability: float | None = None
         if pages >= 2 ** 31:
             return (f"num_layers x num_kv_heads x num_pages = {pages} pages: a TMA coordinate "
                     f"(32-bit) cannot address them; use fewer pages")
-    if num_slots(spec.head_dim, tuning=tuning) == 0:
+    if num_slots(spec.head_dim, cache_itemsize=cache_itemsize, tuning=tuning) == 0:
         return (f"head_dim = {spec.head_dim} needs more than {tuning.smem_budget // 1024} KiB of "
                 f"SMEM for two K/V blocks of {bt} tokens on this GPU")
     return None
 
 
-def smem_plan(head_dim: int, itemsize: int = 2, *, tuning: MosaicTuning, f32_rows: int = 1) -> tuple:
+def converts_fp8(compute_capability: float | None) -> bool:
+    """Whether the GPU converts float8 to 16-bit in hardware (sm_89 and later; interpret mode
+    too): else the kernels widen float8 by bit manipulation (`pipeline.widen_fp8_bits`)."""
+    return compute_capability is None or compute_capability >= 8.9
+
+
+def smem_plan(head_dim: int, itemsize: int = 2, *, tuning: MosaicTuning, f32_rows: int = 1,
+              cache_itemsize: int | None = None) -> tuple:
     """(slots, bytes) of one program's SMEM: the q tile, `f32_rows` f32 rows (ALiBi slopes; the
-    ragged tile kernel's sinks) and as many K/V slots as fit tuning.smem_budget, at most
-    tuning.max_slots (0: two do not fit)."""
-    per_slot = 2 * tuning.block_tokens * head_dim * itemsize
+    ragged tile kernel's sinks) and as many K/V slots (cache_itemsize bytes an element; None:
+    itemsize, q's) as fit tuning.smem_budget, at most tuning.max_slots (0: two do not fit).
+    8-bit caches add a K and a V block widened to q's dtype."""
+    per_slot = 2 * tuning.block_tokens * head_dim * (cache_itemsize or itemsize)
     fixed = BLOCK_Q * head_dim * itemsize + f32_rows * F32_ROW * 4
+    if cache_itemsize == 1:
+        fixed += 2 * tuning.block_tokens * head_dim * itemsize
     fit = (tuning.smem_budget - fixed) // per_slot
     slots = int(min(tuning.max_slots, fit)) if fit >= 2 else 0
     return slots, fixed + slots * per_slot
 
 
-def num_slots(head_dim: int, itemsize: int = 2, *, tuning: MosaicTuning, f32_rows: int = 1) -> int:
-    return smem_plan(head_dim, itemsize, tuning=tuning, f32_rows=f32_rows)[0]
+def num_slots(head_dim: int, itemsize: int = 2, *, tuning: MosaicTuning, f32_rows: int = 1,
+              cache_itemsize: int | None = None) -> int:
+    return smem_plan(head_dim, itemsize, tuning=tuning, f32_rows=f32_rows,
+                     cache_itemsize=cache_itemsize)[0]
 
 
-def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, layer_ref,  # GMEM
+def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, layer_ref, scale_refs,  # GMEM
             acc_out, m_out, l_out, bars, *, ops, scale, soft_cap, sliding_window, q_per_kv, page_size,
             block_tokens, blocks_per_part, slots):
     # q_ref [num_seqs * num_q_heads + q_pad, H]; k_ref, v_ref [K, P, S_p, H] or [L, K, P, S_p, H];
     # tables_ref i32[B, pages_per_seq]; lens_ref i32[B]; slopes_ref f32[N + pad] or None.
     # acc_out f32[B, K, parts, BLOCK_Q, H]; m_out, l_out f32[B, K, parts, BLOCK_Q].
+    # scale_refs: 8-bit caches' (ks_ref, vs_ref) f32[K, P, S_p] or [L, K, P, S_p], else None.
     # bars: the TMA path's (q-tile barriers, slot barriers), else ().
     b = lax.axis_index("seq")
     kh = lax.axis_index("kv_head")
@@ -153,10 +167,10 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, layer_ref,  #
     start, lo, num_steps = decode_key_range(seq_len, part, blocks_per_part, block_tokens,
                                             sliding_window)
 
-    def main_loop(q_smem, k_smem, v_smem, slopes_smem):
+    def main_loop(q_smem, k_smem, v_smem, slopes_smem, *wide):
         blocks = MmaBlocks(ops, tables_ref, b, lo, num_steps, head, (k_ref, v_ref),
                            (k_smem, v_smem), bars[1] if ops.tma else None, page_size,
-                           block_tokens, slots)
+                           block_tokens, slots, scale_refs, wide if scale_refs is not None else None)
         q_row0 = (b * num_kv_heads + kh) * q_per_kv
         rows = ([] if slopes_smem is None
                 else [(slopes_ref.at[pl.ds(kh * q_per_kv, F32_ROW)], slopes_smem)])
@@ -169,9 +183,11 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, layer_ref,  #
     accs, m, l = pl.run_scoped(
         main_loop,
         plgpu.SMEM((BLOCK_Q, head_dim), dtype, transforms=operand_transforms(dtype, head_dim)),
-        *[plgpu.SMEM((slots, block_tokens, head_dim), dtype,
-                     transforms=kv_transforms(dtype, head_dim, min(page_size, block_tokens)))] * 2,
-        plgpu.SMEM((F32_ROW,), jnp.float32) if slopes_ref is not None else None)
+        *[plgpu.SMEM((slots, block_tokens, head_dim), k_ref.dtype,
+                     transforms=kv_transforms(k_ref.dtype, head_dim, min(page_size, block_tokens)))] * 2,
+        plgpu.SMEM((F32_ROW,), jnp.float32) if slopes_ref is not None else None,
+        *[plgpu.SMEM((block_tokens, head_dim), dtype, transforms=kv_transforms(dtype, head_dim, block_tokens))
+          if scale_refs is not None else None] * 2)
     for (c0, w), acc in zip(mma_chunks(head_dim), accs):
         acc_out.at[b, kh, part, :, pl.ds(c0, w)][...] = acc
     m_out.at[b, kh, part][...] = m
@@ -180,7 +196,7 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, layer_ref,  #
 
 def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap, alibi_slopes,
                   sliding_window, interpret, blocks_per_part=None, layer=None, tuning=None,
-                  tma=False, sinks=None):
+                  tma=False, sinks=None, k_scales=None, v_scales=None, fp8_cvt=True):
     num_seqs, num_q_heads, head_dim = q.shape
     num_layers, num_kv_heads, _, page_size, _ = pool_layout(k_pages, layer)
     stacked = num_layers is not None
@@ -190,7 +206,8 @@ def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_ca
     blocks_per_part, parts = partitions(num_seqs, num_kv_heads, block_tables.shape[1], page_size,
                                         tuning, blocks_per_part)
     dtype = q.dtype
-    slots = num_slots(head_dim, dtype.itemsize, tuning=tuning)
+    quantized = k_scales is not None
+    slots = num_slots(head_dim, dtype.itemsize, tuning=tuning, cache_itemsize=k_pages.dtype.itemsize)
 
     # q flattened (free) and padded so the 64-row q tile of the last kv head stays in bounds.
     q_pad = BLOCK_Q + (-(num_seqs * num_q_heads)) % ROW_ALIGN
@@ -199,7 +216,7 @@ def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_ca
         slopes = jnp.pad(alibi_slopes.astype(jnp.float32), (0, F32_ROW))
     else:
         slopes = jnp.zeros((F32_ROW,), jnp.float32)  # unused placeholder operand
-    ops = MmaOps(interpret, tma)
+    ops = MmaOps(interpret, tma, fp8_cvt)
 
     kernel = functools.partial(
         _kernel, ops=ops, scale=scale, soft_cap=soft_cap,
@@ -208,9 +225,11 @@ def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_ca
 
     # The body's name is the kernel's name (ptxas reports and MOSAIC_GPU_DUMP_TO files).
     def jpa_mosaic_decode_ampere(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, *rest):
+        scale_refs, rest = (rest[:2], rest[2:]) if quantized else (None, rest)
         layer_ref, outs = (rest[0], rest[1:]) if stacked else (None, rest)
         run = functools.partial(kernel, q_ref, k_ref, v_ref, tables_ref, lens_ref,
-                                slopes_ref if alibi_slopes is not None else None, layer_ref, *outs)
+                                slopes_ref if alibi_slopes is not None else None, layer_ref,
+                                scale_refs, *outs)
         # TMA path: the q tile's and slopes' barriers, and one per slot for its K and V pieces.
         pl.run_scoped(lambda *bars: run(bars),
                       *ops.barriers(1, mma_copies_per_block(page_size, bt), slots))
@@ -219,6 +238,7 @@ def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_ca
         jpa_mosaic_decode_ampere, partition_outputs(num_seqs, num_kv_heads, parts, BLOCK_Q, head_dim),
         (num_seqs, num_kv_heads, parts), ("seq", "kv_head", "part"), interpret,
     )(q_rows, k_pages, v_pages, block_tables, seq_lens.astype(jnp.int32), slopes,
+      *([k_scales.astype(jnp.float32), v_scales.astype(jnp.float32)] if quantized else []),
       *([layer_operand(layer)] if stacked else []))
     # Attention sinks join at the split-K combine (exact for any partitioning).
     out = merge_partitions(acc[..., :q_per_kv, :], m[..., :q_per_kv], l[..., :q_per_kv], dtype,
@@ -227,14 +247,17 @@ def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_ca
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "interpret",
-                                             "tuning", "blocks_per_part", "tma"))
+                                             "tuning", "blocks_per_part", "tma", "fp8_cvt"))
 def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap=None,
                  alibi_slopes=None, sliding_window=None, interpret=False, layer=None, tuning=None,
-                 blocks_per_part=None, tma=False, sinks=None):
+                 blocks_per_part=None, tma=False, sinks=None, k_scales=None, v_scales=None,
+                 fp8_cvt=True):
     """Paged decode attention with the mma.sync Mosaic GPU kernel. Arguments as
-    `decode.paged_decode` (validated; `unsupported_reason` is None for their DecodeSpec); no
-    k_scales / v_scales (8-bit caches are refused). tuning None: `tuning.lookup_ampere(None, H)`.
-    tma: TMA copies with mbarriers (Blackwell, sm_100) instead of cp.async (Ampere/Ada).
+    `decode.paged_decode` (validated; `unsupported_reason` is None for their DecodeSpec);
+    k_scales / v_scales f32[K, P, S_p] (stacked: [L, K, P, S_p]) with an int8 / float8 cache.
+    tuning None: `tuning.lookup_ampere(None, H)`. tma: TMA copies with mbarriers (Blackwell,
+    sm_100) instead of cp.async (Ampere/Ada). fp8_cvt: the GPU converts float8 in hardware
+    (sm_89+); False widens float8 by bit manipulation (sm_80/86; `pipeline.widen_fp8_bits`).
 
     Returns:
       [num_seqs, num_q_heads, head_dim] in q's dtype.
@@ -242,4 +265,5 @@ def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap
     return _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, scale=scale,
                          soft_cap=soft_cap, alibi_slopes=alibi_slopes,
                          sliding_window=sliding_window, interpret=interpret, layer=layer,
-                         tuning=tuning, blocks_per_part=blocks_per_part, tma=tma, sinks=sinks)
+                         tuning=tuning, blocks_per_part=blocks_per_part, tma=tma, sinks=sinks,
+                         k_scales=k_scales, v_scales=v_scales, fp8_cvt=fp8_cvt)
