@@ -329,7 +329,8 @@ def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap
             alibi_slopes=alibi_slopes, sliding_window=sliding_window, interpret=interpret,
             layer=layer, tma=uses_tma(compute_capability), sinks=sinks, k_scales=k_scales,
             v_scales=v_scales, fp8_cvt=decode_ampere.converts_fp8(compute_capability),
-            tuning=tuning or tuning_table.lookup_ampere(compute_capability, q.shape[-1]))
+            tuning=tuning or tuning_table.lookup_ampere(compute_capability, q.shape[-1],
+                                                        k_scales is not None))
     return _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, scale=scale,
                          soft_cap=soft_cap, alibi_slopes=alibi_slopes,
                          sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales,

@@ -81,7 +81,7 @@ def unsupported_reason(spec: DecodeSpec, compute_capability: float | None = None
                 f"paths: cp.async + mma.sync on Ampere/Ada (8.x), TMA + mma.sync on Blackwell "
                 f"(10.x)")
     if tuning is None:
-        tuning = tuning_table.lookup_ampere(compute_capability, spec.head_dim)
+        tuning = tuning_table.lookup_ampere(compute_capability, spec.head_dim, spec.quantized)
     if spec.q_dtype not in SUPPORTED_DTYPES:
         return (f"q dtype {spec.q_dtype} is not supported: mma.sync has no exact float32 path "
                 f"(only tf32); use bfloat16 or float16")
@@ -201,7 +201,7 @@ def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_ca
     num_layers, num_kv_heads, _, page_size, _ = pool_layout(k_pages, layer)
     stacked = num_layers is not None
     q_per_kv = num_q_heads // num_kv_heads
-    tuning = tuning or tuning_table.lookup_ampere(None, head_dim)
+    tuning = tuning or tuning_table.lookup_ampere(None, head_dim, k_scales is not None)
     bt = tuning.block_tokens
     blocks_per_part, parts = partitions(num_seqs, num_kv_heads, block_tables.shape[1], page_size,
                                         tuning, blocks_per_part)

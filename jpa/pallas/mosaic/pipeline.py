@@ -780,13 +780,12 @@ class MmaBlocks(NamedTuple):
             self.ops.copy(k_ref.at[(*self.head, page, src_rows)], k_smem.at[slot, rows], bar)
             self.ops.copy(v_ref.at[(*self.head, page, src_rows)], v_smem.at[slot, rows], bar)
 
-    def scale_vectors(self, step, dtype):
-        """8-bit caches: (K scales, V scales) f32[S] of block lo + step in the scores' column
-        layout (`MmaOps.key_vector`), read from GMEM when the block is computed."""
-        pieces = self.pieces(step)
-        return tuple(self.ops.key_vector([ref.at[(*self.head, page, src_rows)]
-                                          for page, src_rows, _ in pieces], dtype)
-                     for ref in self.scales)
+    def scale_vector(self, step, which, dtype):
+        """8-bit caches: K's (which 0) or V's (1) scales f32[S] of block lo + step in the scores'
+        column layout (`MmaOps.key_vector`), read from GMEM when the block is computed."""
+        ref = self.scales[which]
+        return self.ops.key_vector([ref.at[(*self.head, page, src_rows)]
+                                    for page, src_rows, _ in self.pieces(step)], dtype)
 
     def prefetch(self):
         """Starts the copies of the first slots - 1 blocks (those that exist)."""
@@ -889,16 +888,18 @@ def attend_mma(blocks: MmaBlocks, q_smem, *, scale, soft_cap, logits, key_range,
         s = s * scale
         block_start = (blocks.lo + step) * block_tokens
         if quantized:
-            # Read here, not before the wait: held across the widening they made sm_80 spill.
-            k_scale, v_scale = blocks.scale_vectors(step, dtype)
+            # Read where used, not before the wait: held across the widening (and V's across
+            # the softmax) they made sm_80 spill.
+            k_scale = blocks.scale_vector(step, 0, dtype)
             s = s * lax.broadcast_in_dim(k_scale, s.shape, [1])
-            key = block_start + ops.iota((block_tokens,), 0, plgpu.Layout.MMA_ACC(dtype).reduce(0))
-            v_scale = jnp.where((key < key_end) & (key >= key_lo), v_scale * shift, 0.0)
         s = apply_soft_cap(s, soft_cap)
         pos = block_start + ops.iota((BLOCK_Q, block_tokens), 1, plgpu.Layout.MMA_ACC(dtype))
         s, vis = logits(s, pos)
         p, m_new, alpha, l = softmax_step(s, vis, m, l, zero_masked_p=zero_masked_p)
         if quantized:
+            v_scale = blocks.scale_vector(step, 1, dtype)
+            key = block_start + ops.iota((block_tokens,), 0, plgpu.Layout.MMA_ACC(dtype).reduce(0))
+            v_scale = jnp.where((key < key_end) & (key >= key_lo), v_scale * shift, 0.0)
             p = p * lax.broadcast_in_dim(v_scale, p.shape, [1])
         p_op = ops.to_lhs(p.astype(dtype))
         alpha_b = lax.broadcast_in_dim(alpha, (BLOCK_Q, CHUNK), [0])

@@ -274,10 +274,7 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
     q_per_kv = num_q_heads // num_kv_heads
     num_seqs = jnp.asarray(num_seqs, jnp.int32)
     mma = is_mma_path(compute_capability)
-    if mma and k_scales is not None:
-        raise ValueError("the mma.sync Mosaic kernels (Ampere/Ada/Blackwell) do not take 8-bit "
-                         "caches (see ragged_ampere.unsupported_reason)")
-    tuning = tuning or (tuning_table.lookup_ampere(compute_capability, head_dim) if mma
+    tuning = tuning or (tuning_table.lookup_ampere(compute_capability, head_dim, k_scales is not None) if mma
                         else tuning_table.lookup(None, head_dim))
     opts = dict(scale=scale, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
                 sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales, sinks=sinks)
@@ -297,7 +294,8 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
             q_rows, k_pages, v_pages, block_tables, tiles, alibi_slopes, sinks, scale=scale,
             soft_cap=soft_cap, sliding_window=sliding_window, interpret=interpret, layer=layer,
             tuning=tuning, tma=uses_tma(compute_capability), q_per_kv=q_per_kv,
-            rows_per_head=rows_per_head)  # [W, K, BLOCK_Q, H]
+            rows_per_head=rows_per_head, k_scales=k_scales, v_scales=v_scales,
+            fp8_cvt=ragged_ampere.decode_ampere.converts_fp8(compute_capability))  # [W, K, BLOCK_Q, H]
     else:
         out_tiles = _tile_rows(q, k_pages, v_pages, block_tables, tiles, alibi_slopes, k_scales,
                                v_scales, scale=scale, soft_cap=soft_cap,

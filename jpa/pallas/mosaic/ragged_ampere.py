@@ -58,20 +58,22 @@ def unsupported_reason(spec: RaggedSpec, compute_capability: float | None = None
     if reason is not None:
         return reason
     from jpa.pallas.mosaic import tuning as tuning_table
-    tuning = tuning or tuning_table.lookup_ampere(compute_capability, spec.head_dim)
-    if decode_ampere.num_slots(spec.head_dim, tuning=tuning, f32_rows=_F32_ROWS) == 0:
+    tuning = tuning or tuning_table.lookup_ampere(compute_capability, spec.head_dim, spec.quantized)
+    if decode_ampere.num_slots(spec.head_dim, tuning=tuning, f32_rows=_F32_ROWS,
+                               cache_itemsize=1 if spec.quantized else 2) == 0:
         return (f"head_dim = {spec.head_dim} needs more than {tuning.smem_budget // 1024} KiB of "
                 f"SMEM for two K/V blocks of {tuning.block_tokens} tokens next to the tile's rows")
     return None
 
 
 def _kernel(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref, pos0_ref, slopes_ref,
-            sinks_ref, layer_ref, out_ref, bars, *, ops, scale, soft_cap, sliding_window, q_per_kv,
+            sinks_ref, layer_ref, scale_refs, out_ref, bars, *, ops, scale, soft_cap, sliding_window, q_per_kv,
             page_size, block_tokens, slots, rows_per_head):
     # q_ref [K * rows_per_head, H] (the Hopper tile kernel's layout); k_ref, v_ref [K, P, S_p, H]
     # or [L, K, P, S_p, H] (layer_ref i32[1], else None); tables_ref i32[max_num_seqs,
     # pages_per_seq]; seq_ref, row0_ref, ntok_ref, pos0_ref i32[num_tiles]; slopes_ref, sinks_ref
     # f32[K, F32_ROW] (row r < BLOCK_Q: q head kh * q_per_kv + r % q_per_kv) or None;
+    # scale_refs: 8-bit caches' (ks_ref, vs_ref) f32[K, P, S_p] or [L, K, P, S_p], else None.
     # out_ref f32[num_tiles, K, BLOCK_Q, H]. bars: the TMA path's, else ().
     w = lax.axis_index("tile")
     kh = lax.axis_index("kv_head")
@@ -82,10 +84,10 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref, pos0_r
     kv_lo, kv_end, lo, num_steps = tile_key_range(pos0, ntok, block_tokens, sliding_window)
     acc_layout = plgpu.Layout.MMA_ACC(dtype)
 
-    def main_loop(q_smem, k_smem, v_smem, slopes_smem, sinks_smem):
+    def main_loop(q_smem, k_smem, v_smem, slopes_smem, sinks_smem, *wide):
         blocks = MmaBlocks(ops, tables_ref, seq, lo, num_steps, head, (k_ref, v_ref),
                            (k_smem, v_smem), bars[1] if ops.tma else None, page_size,
-                           block_tokens, slots)
+                           block_tokens, slots, scale_refs, wide if scale_refs is not None else None)
         rows = [(ref.at[kh], smem) for ref, smem in ((slopes_ref, slopes_smem), (sinks_ref, sinks_smem))
                 if ref is not None]
         loaded = mma_prologue(blocks, q_ref.at[pl.ds(kh * rows_per_head + row0 * q_per_kv, BLOCK_Q)],
@@ -103,14 +105,18 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref, pos0_r
                                 key_range=(kv_lo, kv_end), zero_masked_p=True)
         return accs, m, l, sink
 
-    transforms = kv_transforms(dtype, head_dim, min(page_size, block_tokens))
+    cache_dtype = k_ref.dtype
+    transforms = kv_transforms(cache_dtype, head_dim, min(page_size, block_tokens))
     accs, m, l, sink = pl.run_scoped(
         main_loop,
         plgpu.SMEM((BLOCK_Q, head_dim), dtype, transforms=operand_transforms(dtype, head_dim)),
-        plgpu.SMEM((slots, block_tokens, head_dim), dtype, transforms=transforms),
-        plgpu.SMEM((slots, block_tokens, head_dim), dtype, transforms=transforms),
+        plgpu.SMEM((slots, block_tokens, head_dim), cache_dtype, transforms=transforms),
+        plgpu.SMEM((slots, block_tokens, head_dim), cache_dtype, transforms=transforms),
         plgpu.SMEM((F32_ROW,), jnp.float32) if slopes_ref is not None else None,
-        plgpu.SMEM((F32_ROW,), jnp.float32) if sinks_ref is not None else None)
+        plgpu.SMEM((F32_ROW,), jnp.float32) if sinks_ref is not None else None,
+        # 8-bit caches: the K and V blocks widened to q's dtype.
+        *[plgpu.SMEM((block_tokens, head_dim), dtype, transforms=kv_transforms(dtype, head_dim, block_tokens))
+          if scale_refs is not None else None] * 2)
     alpha = None
     if sink is not None:
         alpha, l = merge_sink(m, l, sink)
@@ -126,17 +132,22 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref, pos0_r
 
 
 def tile_rows(q_rows, k_pages, v_pages, block_tables, tiles, alibi_slopes, sinks, *, scale,
-              soft_cap, sliding_window, interpret, layer, tuning, tma, q_per_kv, rows_per_head):
+              soft_cap, sliding_window, interpret, layer, tuning, tma, q_per_kv, rows_per_head,
+              k_scales=None, v_scales=None, fp8_cvt=True):
     """Runs the tile kernel over `ragged`'s q layout (q_rows [K * rows_per_head, H]) and tile map
     (`query_tiles`' 4 x i32[num_tiles]). Returns out_tiles f32[num_tiles, K, BLOCK_Q, H]
-    (normalized; rows of dead tiles, and rows past a tile's tokens, are unspecified)."""
+    (normalized; rows of dead tiles, and rows past a tile's tokens, are unspecified).
+    k_scales / v_scales: f32 per-token scales of an int8 / float8 pool (as `decode_ampere`);
+    fp8_cvt: as `decode_ampere.paged_decode`."""
     num_layers, num_kv_heads, _, page_size, head_dim = pool_layout(k_pages, layer)
     stacked = num_layers is not None
     num_tiles = tiles[0].shape[0]
     dtype = q_rows.dtype
     bt = tuning.block_tokens
-    slots = decode_ampere.num_slots(head_dim, dtype.itemsize, tuning=tuning, f32_rows=_F32_ROWS)
-    ops = MmaOps(interpret, tma)
+    quantized = k_scales is not None
+    slots = decode_ampere.num_slots(head_dim, dtype.itemsize, tuning=tuning, f32_rows=_F32_ROWS,
+                                    cache_itemsize=k_pages.dtype.itemsize)
+    ops = MmaOps(interpret, tma, fp8_cvt)
     r = jnp.arange(BLOCK_Q) % q_per_kv  # row r of a tile is q head kh * q_per_kv + r % q_per_kv
 
     def per_row(x):  # f32[num_q_heads] -> f32[K, F32_ROW], laid out like the tile's rows
@@ -152,10 +163,12 @@ def tile_rows(q_rows, k_pages, v_pages, block_tables, tiles, alibi_slopes, sinks
     # The body's name is the kernel's name (ptxas reports and MOSAIC_GPU_DUMP_TO files).
     def jpa_mosaic_ragged_ampere(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref,
                                  pos0_ref, slopes_ref, sinks_ref, *rest):
+        scale_refs, rest = (rest[:2], rest[2:]) if quantized else (None, rest)
         layer_ref, (out_ref,) = (rest[0], rest[1:]) if stacked else (None, rest)
         run = functools.partial(kernel, q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref,
                                 pos0_ref, slopes_ref if alibi_slopes is not None else None,
-                                sinks_ref if sinks is not None else None, layer_ref, out_ref)
+                                sinks_ref if sinks is not None else None, layer_ref, scale_refs,
+                                out_ref)
         pl.run_scoped(lambda *bars: run(bars),
                       *ops.barriers(f32_rows, mma_copies_per_block(page_size, bt), slots))
 
@@ -166,4 +179,5 @@ def tile_rows(q_rows, k_pages, v_pages, block_tables, tiles, alibi_slopes, sinks
     )(q_rows, k_pages, v_pages, block_tables, *tiles,
       per_row(alibi_slopes) if alibi_slopes is not None else placeholder,
       per_row(sinks) if sinks is not None else placeholder,
+      *([k_scales.astype(jnp.float32), v_scales.astype(jnp.float32)] if quantized else []),
       *([layer_operand(layer)] if stacked else []))
