@@ -62,7 +62,9 @@ from jpa.pallas.mosaic import tuning as tuning_table
 from jpa.pallas.mosaic.pipeline import (BLOCK_Q, F32_ROW, ROW_ALIGN, MmaBlocks, MmaOps, attend_mma,
                                         decode_key_range, decode_logits, kv_swizzle, kv_transforms, launch,
                                         mma_chunks, mma_copies_per_block, mma_prologue,
-                                        operand_transforms, partition_outputs, partitions, uses_tma)
+                                        operand_transforms, q_transforms, out_width, partition_outputs, partitions, staged, staging_scratch,
+                                        untiled_copy_ok, untiled_rows,
+                                        uses_tma)
 from jpa.pallas.mosaic.tuning import MosaicTuning
 from jpa.pallas.spec import DecodeSpec
 
@@ -93,18 +95,22 @@ def unsupported_reason(spec: DecodeSpec, compute_capability: float | None = None
                 f"mma operands share one dtype")
     if spec.q_per_kv > BLOCK_Q:
         return f"q_per_kv = {spec.q_per_kv} exceeds the {BLOCK_Q}-row mma q tile"
-    if spec.head_dim % 32 or not 64 <= spec.head_dim <= 256:
+    if spec.head_dim % 16 or not 64 <= spec.head_dim <= 256:
         return (f"head_dim = {spec.head_dim} is not supported by the mma.sync Mosaic kernel: it "
-                f"must be a multiple of 32 from 64 to 256 (at head_dim 80 and 112 Mosaic GPU refuses the "
-                f"page copies: a warp's share is not whole 128-byte GMEM lines; the TMA path keeps "
-                f"the same rule)")
+                f"must be a multiple of 16 (the mma's k) from 64 to 256")
     ps, bt = spec.page_size, tuning.block_tokens
     if ps < 8 or (ps < bt and bt % ps) or (ps >= bt and ps % bt) or ps > MAX_PAGE_SIZE:
         return (f"page_size = {ps} is not supported: it must divide {bt} (>= 8) or be a multiple "
                 f"of {bt} up to {MAX_PAGE_SIZE} (the kernel reads keys in {bt}-token blocks)")
     rows = min(ps, bt)
     cache_itemsize = 1 if spec.quantized else 2
-    if kv_swizzle(spec.head_dim, rows, cache_itemsize) is None:
+    if untiled_rows(spec.head_dim):
+        if not untiled_copy_ok(rows, spec.head_dim, cache_itemsize):
+            return (f"page_size = {ps} with head_dim = {spec.head_dim} and a {cache_itemsize}-byte "
+                    f"cache is not supported: the untiled cp.async copy of one page ({rows} rows; "
+                    f"head dims 80 / 112 are copied untiled) must move >= 4 bytes per thread "
+                    f"piece; use larger pages")
+    elif kv_swizzle(spec.head_dim, rows, cache_itemsize) is None:
         return (f"page_size = {ps} with head_dim = {spec.head_dim} is not supported: a cp.async "
                 f"copy of one page ({rows} rows of {spec.head_dim * cache_itemsize} bytes) must be "
                 f"a multiple of 4 SMEM tiles of 8 rows x 32/64/128 bytes (one per warp); use "
@@ -133,11 +139,11 @@ def smem_plan(head_dim: int, itemsize: int = 2, *, tuning: MosaicTuning, f32_row
     """(slots, bytes) of one program's SMEM: the q tile, `f32_rows` f32 rows (ALiBi slopes; the
     ragged tile kernel's sinks) and as many K/V slots (cache_itemsize bytes an element; None:
     itemsize, q's) as fit tuning.smem_budget, at most tuning.max_slots (0: two do not fit).
-    8-bit caches add a K and a V block widened to q's dtype."""
+    The blocks restaged in q's dtype (`pipeline.staged`: K and V of an 8-bit cache, V of head dims
+    80 / 112) come on top."""
     per_slot = 2 * tuning.block_tokens * head_dim * (cache_itemsize or itemsize)
     fixed = BLOCK_Q * head_dim * itemsize + f32_rows * F32_ROW * 4
-    if cache_itemsize == 1:
-        fixed += 2 * tuning.block_tokens * head_dim * itemsize
+    fixed += sum(staged(head_dim, cache_itemsize == 1)) * tuning.block_tokens * head_dim * itemsize
     fit = (tuning.smem_budget - fixed) // per_slot
     slots = int(min(tuning.max_slots, fit)) if fit >= 2 else 0
     return slots, fixed + slots * per_slot
@@ -170,7 +176,7 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, layer_ref, sc
     def main_loop(q_smem, k_smem, v_smem, slopes_smem, *wide):
         blocks = MmaBlocks(ops, tables_ref, b, lo, num_steps, head, (k_ref, v_ref),
                            (k_smem, v_smem), bars[1] if ops.tma else None, page_size,
-                           block_tokens, slots, scale_refs, wide if scale_refs is not None else None)
+                           block_tokens, slots, scale_refs, wide)
         q_row0 = (b * num_kv_heads + kh) * q_per_kv
         rows = ([] if slopes_smem is None
                 else [(slopes_ref.at[pl.ds(kh * q_per_kv, F32_ROW)], slopes_smem)])
@@ -182,13 +188,12 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, layer_ref, sc
 
     accs, m, l = pl.run_scoped(
         main_loop,
-        plgpu.SMEM((BLOCK_Q, head_dim), dtype, transforms=operand_transforms(dtype, head_dim)),
+        plgpu.SMEM((BLOCK_Q, head_dim), dtype, transforms=q_transforms(dtype, head_dim)),
         *[plgpu.SMEM((slots, block_tokens, head_dim), k_ref.dtype,
                      transforms=kv_transforms(k_ref.dtype, head_dim, min(page_size, block_tokens)))] * 2,
         plgpu.SMEM((F32_ROW,), jnp.float32) if slopes_ref is not None else None,
-        *[plgpu.SMEM((block_tokens, head_dim), dtype, transforms=kv_transforms(dtype, head_dim, block_tokens))
-          if scale_refs is not None else None] * 2)
-    for (c0, w), acc in zip(mma_chunks(head_dim), accs):
+        *staging_scratch(dtype, head_dim, block_tokens, scale_refs is not None))
+    for (c0, w), acc in zip(mma_chunks(out_width(head_dim)), accs):
         acc_out.at[b, kh, part, :, pl.ds(c0, w)][...] = acc
     m_out.at[b, kh, part][...] = m
     l_out.at[b, kh, part][...] = l
@@ -235,13 +240,14 @@ def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_ca
                       *ops.barriers(1, mma_copies_per_block(page_size, bt), slots))
 
     acc, m, l = launch(
-        jpa_mosaic_decode_ampere, partition_outputs(num_seqs, num_kv_heads, parts, BLOCK_Q, head_dim),
+        jpa_mosaic_decode_ampere,
+        partition_outputs(num_seqs, num_kv_heads, parts, BLOCK_Q, out_width(head_dim)),
         (num_seqs, num_kv_heads, parts), ("seq", "kv_head", "part"), interpret,
     )(q_rows, k_pages, v_pages, block_tables, seq_lens.astype(jnp.int32), slopes,
       *([k_scales.astype(jnp.float32), v_scales.astype(jnp.float32)] if quantized else []),
       *([layer_operand(layer)] if stacked else []))
     # Attention sinks join at the split-K combine (exact for any partitioning).
-    out = merge_partitions(acc[..., :q_per_kv, :], m[..., :q_per_kv], l[..., :q_per_kv], dtype,
+    out = merge_partitions(acc[..., :q_per_kv, :head_dim], m[..., :q_per_kv], l[..., :q_per_kv], dtype,
                            None if sinks is None else sinks.reshape(num_kv_heads, q_per_kv))
     return out.reshape(num_seqs, num_q_heads, head_dim)
 

@@ -552,8 +552,67 @@ def kv_swizzle(head_dim: int, rows: int, itemsize: int = 2) -> int | None:
     return None
 
 
+def untiled_rows(head_dim: int) -> bool:
+    """Whether the mma path keeps its [rows, head_dim] SMEM tiles untiled (row-major, no swizzle):
+    head dims that are not a multiple of 32 (80, 112). A tiled cp.async copy moves 8-row x
+    swizzle-byte tiles a warp at a time and Mosaic GPU wants each warp's share to be whole 128-byte
+    GMEM lines, which 160- / 224-byte rows are not; an untiled copy moves the contiguous page
+    (or q rows) as one run of 16-byte pieces."""
+    return head_dim % 32 != 0
+
+
+def out_width(head_dim: int) -> int:
+    """Columns of the mma path's accumulators and f32 outputs: head_dim, rounded up to a multiple
+    of 32 for untiled rows (`untiled_rows`): an f32 output chunk is stored in whole 128-byte GMEM
+    lines, which 16 columns (head_dim 80's last chunk) are not. The extra columns come from the
+    restaged V block's unwritten columns and are sliced off by the wrappers."""
+    return -(-head_dim // 32) * 32 if untiled_rows(head_dim) else head_dim
+
+
+def untiled_copy_ok(rows: int, head_dim: int, itemsize: int) -> bool:
+    """Whether an untiled cp.async copy of a [rows, head_dim] page piece works: a multiple of 128
+    elements, each thread's share moved in pieces of >= 4 bytes (Mosaic's WGStridedFragLayout)."""
+    size = rows * head_dim
+    if size % 128:
+        return False
+    vec = min(8 // itemsize, size // 128)
+    while vec > 0 and size % (vec * 128):
+        vec //= 2
+    return vec * itemsize >= 4
+
+
+def q_transforms(dtype, head_dim: int):
+    """The mma path's q tile transforms: `operand_transforms`, or none (`untiled_rows`)."""
+    return () if untiled_rows(head_dim) else operand_transforms(dtype, head_dim)
+
+
+def staged(head_dim: int, quantized: bool) -> tuple:
+    """(K, V): which blocks the mma path restages through a tiled SMEM block in q's dtype before
+    its operand loads (`MmaOps.widen_block`): both for an 8-bit cache (widened), V for untiled rows
+    (`untiled_rows`: V's operand pairs run along tokens, which Mosaic GPU loads only from tiled
+    16-bit SMEM; K^T's run along head_dim and load from untiled rows)."""
+    return quantized, quantized or untiled_rows(head_dim)
+
+
+def staging_scratch(dtype, head_dim: int, block_tokens: int, quantized: bool) -> list:
+    """The two restaging blocks of `staged` for `pl.run_scoped` ([S, H] in q's dtype, or None)."""
+    k_on, v_on = staged(head_dim, quantized)
+    if untiled_rows(head_dim):
+        # 32-byte swizzle: tiles of 16 columns, which head_dim 80's / 112's last mma chunks (16,
+        # 48 columns) cut whole.
+        bits = jnp.dtype(dtype).itemsize * 8
+        transforms = (plgpu.TilingTransform((8, 32 * 8 // bits)), plgpu.SwizzleTransform(32))
+        return [plgpu.SMEM((block_tokens, width), dtype, transforms=transforms) if on else None
+                for on, width in ((k_on, head_dim), (v_on, out_width(head_dim)))]
+    return [plgpu.SMEM((block_tokens, head_dim), dtype, transforms=operand_transforms(dtype, head_dim))
+            if on else None for on in (k_on, v_on)]
+
+
 def kv_transforms(dtype, head_dim: int, rows: int):
-    """Tiling + swizzle of the mma path's K/V SMEM blocks (`kv_swizzle`; rows per copy)."""
+    """Tiling + swizzle of the mma path's K/V SMEM blocks (`kv_swizzle`; rows per copy), or none
+    (`untiled_rows`)."""
+    if untiled_rows(head_dim):
+        return ()
     swizzle = kv_swizzle(head_dim, rows, jnp.dtype(dtype).itemsize)
     bits = jnp.dtype(dtype).itemsize * 8
     return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
@@ -758,7 +817,7 @@ class MmaBlocks(NamedTuple):
     block_tokens: int
     slots: int
     scales: tuple | None = None  # 8-bit caches: (ks_ref, vs_ref) f32[..., P, S_p] in GMEM
-    wide: tuple | None = None  # 8-bit caches: (k, v) [S, H] SMEM in q's dtype, widened blocks
+    wide: tuple = (None, None)  # (k, v) restaging blocks [S, H] in q's dtype or None (`staged`)
 
     @property
     def groups(self) -> int:
@@ -859,6 +918,9 @@ def attend_mma(blocks: MmaBlocks, q_smem, *, scale, soft_cap, logits, key_range,
     slots, block_tokens = blocks.slots, blocks.block_tokens
     dtype = q_smem.dtype
     chunks = mma_chunks(q_smem.shape[-1])
+    # P @ V's column chunks: the restaged V block's width (`out_width`) when there is one.
+    v_wide = blocks.wide[1]
+    pv_chunks = chunks if v_wide is None else mma_chunks(v_wide.shape[-1])
     key_lo, key_end = key_range
     quantized = blocks.scales is not None
     shift = p_shift(k_smem.dtype) if quantized else 1.0
@@ -872,16 +934,18 @@ def attend_mma(blocks: MmaBlocks, q_smem, *, scale, soft_cap, logits, key_range,
         nxt = step + slots - 1
         pl.when(nxt < blocks.num_steps)(lambda: blocks.issue(nxt, lax.rem(nxt, slots)))
         k_blk, v_blk = k_smem.at[slot], v_smem.at[slot]
-        if quantized:
-            # K and V widened into SMEM (see MmaOps). The previous block's readers are done: on
-            # cp.async the wait above synced the warpgroup after them; TMA waits do not sync.
+        if any(x is not None for x in blocks.wide):
+            # Blocks restaged in SMEM (`staged`: 8-bit K and V widened, V of untiled rows). The
+            # previous block's readers are done: on cp.async the wait above synced the warpgroup
+            # after them; TMA waits do not sync.
             if ops.tma:
                 ops.sync()
             for src, dst in zip((k_blk, v_blk), blocks.wide):
-                for c0, w in chunks:
-                    ops.widen_block(src.at[:, pl.ds(c0, w)], dst.at[:, pl.ds(c0, w)], dtype)
+                if dst is not None:
+                    for c0, w in chunks:
+                        ops.widen_block(src.at[:, pl.ds(c0, w)], dst.at[:, pl.ds(c0, w)], dtype)
             ops.sync()
-            k_blk, v_blk = blocks.wide
+            k_blk, v_blk = (blk if dst is None else dst for blk, dst in zip((k_blk, v_blk), blocks.wide))
         s = ops.zeros((BLOCK_Q, block_tokens), dtype)
         for c0, w in chunks:
             s = ops.mma(s, ops.lhs(q_smem.at[:, pl.ds(c0, w)]), ops.rhs_t(k_blk.at[:, pl.ds(c0, w)]))
@@ -904,7 +968,7 @@ def attend_mma(blocks: MmaBlocks, q_smem, *, scale, soft_cap, logits, key_range,
         p_op = ops.to_lhs(p.astype(dtype))
         alpha_b = lax.broadcast_in_dim(alpha, (BLOCK_Q, CHUNK), [0])
         new = []
-        for (c0, w), acc in zip(chunks, accs):
+        for (c0, w), acc in zip(pv_chunks, accs):
             a = acc * (alpha_b if w == CHUNK else lax.broadcast_in_dim(alpha, acc.shape, [0]))
             v = ops.rhs(v_blk.at[:, pl.ds(c0, w)])
             tok = block_start + ops.iota((block_tokens, w), 0, plgpu.Layout.MMA_RHS(dtype))
@@ -912,7 +976,7 @@ def attend_mma(blocks: MmaBlocks, q_smem, *, scale, soft_cap, logits, key_range,
             new.append(ops.mma(a, p_op, v))
         return tuple(new), m_new, l
 
-    init = (tuple(ops.zeros((BLOCK_Q, w), dtype) for _, w in chunks),
+    init = (tuple(ops.zeros((BLOCK_Q, w), dtype) for _, w in pv_chunks),
             ops.full_rows(MASK_VALUE, dtype), ops.full_rows(0.0, dtype))
     accs, m, l = lax.fori_loop(0, blocks.num_steps, body, init)
     if quantized:

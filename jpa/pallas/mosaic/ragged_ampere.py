@@ -42,7 +42,8 @@ from jpa.pallas.common import layer_index, layer_operand, pool_layout
 from jpa.pallas.mosaic import decode_ampere
 from jpa.pallas.mosaic.pipeline import (BLOCK_Q, F32_ROW, MmaBlocks, MmaOps, attend_mma, kv_transforms, launch,
                                         merge_sink, mma_chunks, mma_copies_per_block, mma_prologue,
-                                        operand_transforms, ragged_logits, tile_key_range)
+                                        operand_transforms, out_width, q_transforms, ragged_logits, staging_scratch,
+                                        tile_key_range)
 from jpa.pallas.mosaic.tuning import MosaicTuning
 from jpa.pallas.spec import RaggedSpec
 
@@ -87,7 +88,7 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref, pos0_r
     def main_loop(q_smem, k_smem, v_smem, slopes_smem, sinks_smem, *wide):
         blocks = MmaBlocks(ops, tables_ref, seq, lo, num_steps, head, (k_ref, v_ref),
                            (k_smem, v_smem), bars[1] if ops.tma else None, page_size,
-                           block_tokens, slots, scale_refs, wide if scale_refs is not None else None)
+                           block_tokens, slots, scale_refs, wide)
         rows = [(ref.at[kh], smem) for ref, smem in ((slopes_ref, slopes_smem), (sinks_ref, sinks_smem))
                 if ref is not None]
         loaded = mma_prologue(blocks, q_ref.at[pl.ds(kh * rows_per_head + row0 * q_per_kv, BLOCK_Q)],
@@ -109,14 +110,13 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref, pos0_r
     transforms = kv_transforms(cache_dtype, head_dim, min(page_size, block_tokens))
     accs, m, l, sink = pl.run_scoped(
         main_loop,
-        plgpu.SMEM((BLOCK_Q, head_dim), dtype, transforms=operand_transforms(dtype, head_dim)),
+        plgpu.SMEM((BLOCK_Q, head_dim), dtype, transforms=q_transforms(dtype, head_dim)),
         plgpu.SMEM((slots, block_tokens, head_dim), cache_dtype, transforms=transforms),
         plgpu.SMEM((slots, block_tokens, head_dim), cache_dtype, transforms=transforms),
         plgpu.SMEM((F32_ROW,), jnp.float32) if slopes_ref is not None else None,
         plgpu.SMEM((F32_ROW,), jnp.float32) if sinks_ref is not None else None,
-        # 8-bit caches: the K and V blocks widened to q's dtype.
-        *[plgpu.SMEM((block_tokens, head_dim), dtype, transforms=kv_transforms(dtype, head_dim, block_tokens))
-          if scale_refs is not None else None] * 2)
+        # Restaged K / V blocks in q's dtype (8-bit caches; V of head dims 80 / 112).
+        *staging_scratch(dtype, head_dim, block_tokens, scale_refs is not None))
     alpha = None
     if sink is not None:
         alpha, l = merge_sink(m, l, sink)
@@ -126,7 +126,7 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref, pos0_r
 
     @pl.when(ntok > 0)
     def _store():
-        for (c0, width), acc in zip(mma_chunks(head_dim), accs):
+        for (c0, width), acc in zip(mma_chunks(out_width(head_dim)), accs):
             out = acc * lax.broadcast_in_dim(scale_rows, acc.shape, [0])
             out_ref.at[w, kh, :, pl.ds(c0, width)][...] = out
 
@@ -172,12 +172,13 @@ def tile_rows(q_rows, k_pages, v_pages, block_tables, tiles, alibi_slopes, sinks
         pl.run_scoped(lambda *bars: run(bars),
                       *ops.barriers(f32_rows, mma_copies_per_block(page_size, bt), slots))
 
-    return launch(
+    out = launch(
         jpa_mosaic_ragged_ampere,
-        jax.ShapeDtypeStruct((num_tiles, num_kv_heads, BLOCK_Q, head_dim), jnp.float32),
+        jax.ShapeDtypeStruct((num_tiles, num_kv_heads, BLOCK_Q, out_width(head_dim)), jnp.float32),
         (num_tiles, num_kv_heads), ("tile", "kv_head"), interpret,
     )(q_rows, k_pages, v_pages, block_tables, *tiles,
       per_row(alibi_slopes) if alibi_slopes is not None else placeholder,
       per_row(sinks) if sinks is not None else placeholder,
       *([k_scales.astype(jnp.float32), v_scales.astype(jnp.float32)] if quantized else []),
       *([layer_operand(layer)] if stacked else []))
+    return out[..., :head_dim]  # the padding columns of `out_width`
