@@ -61,7 +61,8 @@ SELF_CHECK_SEQS = 3
 # Word boundaries keep "A10" from matching "A100" and "L4" from matching "L40".
 _KIND_CC = ((r"\bGH200\b|\bH100\b|\bH200\b|\bH800\b|\bH20\b", 9.0), (r"\bA100\b|\bA800\b|\bA30\b", 8.0),
             (r"\bA10G?\b|\bA40\b|\bRTX A\d+|\bRTX 30\d0", 8.6), (r"\bL40S?\b|\bL4\b|\bRTX 40\d0", 8.9),
-            (r"\bGB200\b|\bB200\b", 10.0), (r"\bGB300\b|\bB300\b", 10.3), (r"\bT4\b", 7.5),
+            (r"\bGB200\b|\bB200\b", 10.0), (r"\bGB300\b|\bB300\b", 10.3),
+            (r"\bRTX PRO \d+ Blackwell\b|\bRTX 50\d0\b", 12.0), (r"\bT4\b", 7.5),
             (r"\bV100\b", 7.0))
 
 

@@ -87,8 +87,7 @@ def unsupported_reason(spec: DecodeSpec, compute_capability: float | None = None
     compute_capability None (interpret mode, or an unknown device) skips the device check.
     tuning: the tiling to check (None: `tuning.lookup(compute_capability, spec.head_dim)`).
     """
-    if compute_capability is not None and (8.0 <= compute_capability < 9.0
-                                           or 10.0 <= compute_capability < 11.0):
+    if decode_ampere.serves(compute_capability):
         return decode_ampere.unsupported_reason(spec, compute_capability)
     if tuning is None:
         tuning = tuning_table.lookup(compute_capability, spec.head_dim)
@@ -322,8 +321,7 @@ def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap
     Returns:
       [num_seqs, num_q_heads, head_dim] in q's dtype.
     """
-    if compute_capability is not None and (8.0 <= compute_capability < 9.0
-                                           or 10.0 <= compute_capability < 11.0):
+    if decode_ampere.serves(compute_capability):
         return decode_ampere.paged_decode(
             q, k_pages, v_pages, block_tables, seq_lens, scale=scale, soft_cap=soft_cap,
             alibi_slopes=alibi_slopes, sliding_window=sliding_window, interpret=interpret,

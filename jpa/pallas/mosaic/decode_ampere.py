@@ -77,11 +77,10 @@ def unsupported_reason(spec: DecodeSpec, compute_capability: float | None = None
                        tuning: MosaicTuning | None = None) -> str | None:
     """Why this kernel cannot serve `spec` on a GPU of `compute_capability`, or None when it can
     (None: interpret mode, device limits from the sm_80 row)."""
-    if compute_capability is not None and not (8.0 <= compute_capability < 9.0
-                                               or 10.0 <= compute_capability < 11.0):
+    if compute_capability is not None and not serves(compute_capability):
         return (f"compute capability {compute_capability} is served by neither of this kernel's "
                 f"paths: cp.async + mma.sync on Ampere/Ada (8.x), TMA + mma.sync on Blackwell "
-                f"(10.x)")
+                f"(10.x, 12.x)")
     if tuning is None:
         tuning = tuning_table.lookup_ampere(compute_capability, spec.head_dim, spec.quantized)
     if spec.q_dtype not in SUPPORTED_DTYPES:
@@ -126,6 +125,15 @@ def unsupported_reason(spec: DecodeSpec, compute_capability: float | None = None
         return (f"head_dim = {spec.head_dim} needs more than {tuning.smem_budget // 1024} KiB of "
                 f"SMEM for two K/V blocks of {bt} tokens on this GPU")
     return None
+
+
+def serves(compute_capability: float | None) -> bool:
+    """Whether a GPU of this compute capability runs the mma.sync kernels (this one and
+    `ragged_ampere`): Ampere/Ada (8.x, cp.async) and Blackwell (10.x data center, 12.x RTX PRO /
+    RTX 50xx: TMA copies; sm_120 has no WGMMA and no tcgen05 for jpa's other kernels)."""
+    return compute_capability is not None and (8.0 <= compute_capability < 9.0
+                                               or 10.0 <= compute_capability < 11.0
+                                               or 12.0 <= compute_capability < 13.0)
 
 
 def converts_fp8(compute_capability: float | None) -> bool:

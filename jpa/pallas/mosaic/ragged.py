@@ -90,8 +90,7 @@ def aot_unsupported_reason(compute_capability: float | None) -> str | None:
 def is_mma_path(compute_capability: float | None) -> bool:
     """Whether a GPU of this compute capability runs the mma.sync kernels (`decode_ampere`,
     `ragged_ampere`): Ampere/Ada (8.x, cp.async) and Blackwell (10.x, TMA)."""
-    return compute_capability is not None and (8.0 <= compute_capability < 9.0
-                                               or 10.0 <= compute_capability < 11.0)
+    return ragged_ampere.decode_ampere.serves(compute_capability)
 
 
 def tile_tokens(q_per_kv: int) -> int:

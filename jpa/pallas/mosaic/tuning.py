@@ -140,6 +140,19 @@ AMPERE_TABLE = (
         tuning=MosaicTuning(block_tokens=32, max_slots=4, smem_budget=200 * 1024,
                             target_programs=2 * 148),
         measured="ptxas, deviceless B200 compile (JAX 0.12.0.1). Speed: not measured."),
+    # Blackwell RTX (sm_120: RTX PRO 6000, RTX 50xx) through the TMA path: 99 KiB of SMEM per block
+    # as sm_86 / sm_89; 188 SMs on the RTX PRO 6000.
+    TuningRow(
+        gpus="RTX PRO 6000 / RTX 50xx (sm_120), head_dim <= 128", compute_capability=(12.0, 13.0),
+        head_dims=(1, 128),
+        tuning=MosaicTuning(block_tokens=64, max_slots=3, smem_budget=97 * 1024,
+                            target_programs=2 * 188),
+        measured="ptxas, deviceless RTX PRO 6000 compile (JAX 0.12.0.1). Speed: not measured."),
+    TuningRow(
+        gpus="RTX PRO 6000 / RTX 50xx (sm_120), head_dim > 128", compute_capability=(12.0, 13.0),
+        tuning=MosaicTuning(block_tokens=32, max_slots=3, smem_budget=97 * 1024,
+                            target_programs=2 * 188),
+        measured="ptxas, deviceless RTX PRO 6000 compile (JAX 0.12.0.1). Speed: not measured."),
     # Interpret mode / unknown: the A100 rows' tiling.
     TuningRow(
         gpus="any other (interpret mode), head_dim > 128", compute_capability=None,
