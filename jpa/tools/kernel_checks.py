@@ -176,7 +176,7 @@ def check_kernels(compiler: Compiler, impls, subset: str, log=print, random: int
                 quantized = cfg.spec().quantized
                 rec["mosaic_smem_planned"] = decode_ampere.smem_plan(
                     cfg.head_dim, q_item, tuning=mosaic_tuning.lookup_ampere(cc, cfg.head_dim, quantized),
-                    cache_itemsize=1 if quantized else None)[1]
+                    cache_itemsize=1 if quantized else None, page_size=cfg.page_size)[1]
             elif impl == "mosaic" and rec["ok"]:
                 from jpa.pallas.mosaic import decode as mosaic_decode
                 q_item = np.dtype(jnp.dtype(cfg.q_dtype)).itemsize

@@ -63,7 +63,7 @@ from jpa.pallas.mosaic.pipeline import (BLOCK_Q, F32_ROW, ROW_ALIGN, MmaBlocks, 
                                         decode_key_range, decode_logits, kv_swizzle, kv_transforms, launch,
                                         mma_chunks, mma_copies_per_block, mma_prologue,
                                         operand_transforms, q_transforms, out_width, partition_outputs, partitions, staged, staging_scratch,
-                                        untiled_copy_ok, untiled_rows,
+                                        kv_untiled, untiled_copy_ok,
                                         uses_tma)
 from jpa.pallas.mosaic.tuning import MosaicTuning
 from jpa.pallas.spec import DecodeSpec
@@ -103,17 +103,14 @@ def unsupported_reason(spec: DecodeSpec, compute_capability: float | None = None
                 f"of {bt} up to {MAX_PAGE_SIZE} (the kernel reads keys in {bt}-token blocks)")
     rows = min(ps, bt)
     cache_itemsize = 1 if spec.quantized else 2
-    if untiled_rows(spec.head_dim):
-        if not untiled_copy_ok(rows, spec.head_dim, cache_itemsize):
-            return (f"page_size = {ps} with head_dim = {spec.head_dim} and a {cache_itemsize}-byte "
-                    f"cache is not supported: the untiled cp.async copy of one page ({rows} rows; "
-                    f"head dims 80 / 112 are copied untiled) must move >= 4 bytes per thread "
-                    f"piece; use larger pages")
-    elif kv_swizzle(spec.head_dim, rows, cache_itemsize) is None:
-        return (f"page_size = {ps} with head_dim = {spec.head_dim} is not supported: a cp.async "
-                f"copy of one page ({rows} rows of {spec.head_dim * cache_itemsize} bytes) must be "
-                f"a multiple of 4 SMEM tiles of 8 rows x 32/64/128 bytes (one per warp); use "
-                f"larger pages or a head_dim that is a multiple of 64")
+    # (TMA copies, sm_100 / sm_120, move any page of 16-byte-multiple rows.)
+    if (not uses_tma(compute_capability) and kv_untiled(spec.head_dim, rows, cache_itemsize)
+            and not untiled_copy_ok(rows, spec.head_dim, cache_itemsize)):
+        return (f"page_size = {ps} with head_dim = {spec.head_dim} and a {cache_itemsize}-byte "
+                f"cache is not supported: a page ({rows} rows of {spec.head_dim * cache_itemsize} "
+                f"bytes) is neither a multiple of 4 SMEM tiles of 8 rows x 32/64/128 bytes (a "
+                f"tiled cp.async copy, one tile per warp) nor a whole number of >= 4-byte pieces "
+                f"per thread (an untiled copy); use larger pages")
     if uses_tma(compute_capability):
         # A TMA's coordinates are signed 32-bit: Mosaic folds the (layer, kv head, page) index of
         # a page into one.
@@ -121,7 +118,7 @@ def unsupported_reason(spec: DecodeSpec, compute_capability: float | None = None
         if pages >= 2 ** 31:
             return (f"num_layers x num_kv_heads x num_pages = {pages} pages: a TMA coordinate "
                     f"(32-bit) cannot address them; use fewer pages")
-    if num_slots(spec.head_dim, cache_itemsize=cache_itemsize, tuning=tuning) == 0:
+    if num_slots(spec.head_dim, cache_itemsize=cache_itemsize, tuning=tuning, page_size=ps) == 0:
         return (f"head_dim = {spec.head_dim} needs more than {tuning.smem_budget // 1024} KiB of "
                 f"SMEM for two K/V blocks of {bt} tokens on this GPU")
     return None
@@ -143,7 +140,7 @@ def converts_fp8(compute_capability: float | None) -> bool:
 
 
 def smem_plan(head_dim: int, itemsize: int = 2, *, tuning: MosaicTuning, f32_rows: int = 1,
-              cache_itemsize: int | None = None) -> tuple:
+              cache_itemsize: int | None = None, page_size: int | None = None) -> tuple:
     """(slots, bytes) of one program's SMEM: the q tile, `f32_rows` f32 rows (ALiBi slopes; the
     ragged tile kernel's sinks) and as many K/V slots (cache_itemsize bytes an element; None:
     itemsize, q's) as fit tuning.smem_budget, at most tuning.max_slots (0: two do not fit).
@@ -151,16 +148,18 @@ def smem_plan(head_dim: int, itemsize: int = 2, *, tuning: MosaicTuning, f32_row
     80 / 112) come on top."""
     per_slot = 2 * tuning.block_tokens * head_dim * (cache_itemsize or itemsize)
     fixed = BLOCK_Q * head_dim * itemsize + f32_rows * F32_ROW * 4
-    fixed += sum(staged(head_dim, cache_itemsize == 1)) * tuning.block_tokens * head_dim * itemsize
+    rows = min(page_size or tuning.block_tokens, tuning.block_tokens)
+    fixed += (sum(staged(head_dim, rows, cache_itemsize == 1)) * tuning.block_tokens
+              * out_width(head_dim) * itemsize)
     fit = (tuning.smem_budget - fixed) // per_slot
     slots = int(min(tuning.max_slots, fit)) if fit >= 2 else 0
     return slots, fixed + slots * per_slot
 
 
 def num_slots(head_dim: int, itemsize: int = 2, *, tuning: MosaicTuning, f32_rows: int = 1,
-              cache_itemsize: int | None = None) -> int:
+              cache_itemsize: int | None = None, page_size: int | None = None) -> int:
     return smem_plan(head_dim, itemsize, tuning=tuning, f32_rows=f32_rows,
-                     cache_itemsize=cache_itemsize)[0]
+                     cache_itemsize=cache_itemsize, page_size=page_size)[0]
 
 
 def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, layer_ref, scale_refs,  # GMEM
@@ -200,7 +199,7 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lens_ref, slopes_ref, layer_ref, sc
         *[plgpu.SMEM((slots, block_tokens, head_dim), k_ref.dtype,
                      transforms=kv_transforms(k_ref.dtype, head_dim, min(page_size, block_tokens)))] * 2,
         plgpu.SMEM((F32_ROW,), jnp.float32) if slopes_ref is not None else None,
-        *staging_scratch(dtype, head_dim, block_tokens, scale_refs is not None))
+        *staging_scratch(dtype, head_dim, block_tokens, min(page_size, block_tokens), scale_refs is not None))
     for (c0, w), acc in zip(mma_chunks(out_width(head_dim)), accs):
         acc_out.at[b, kh, part, :, pl.ds(c0, w)][...] = acc
     m_out.at[b, kh, part][...] = m
@@ -220,7 +219,8 @@ def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_ca
                                         tuning, blocks_per_part)
     dtype = q.dtype
     quantized = k_scales is not None
-    slots = num_slots(head_dim, dtype.itemsize, tuning=tuning, cache_itemsize=k_pages.dtype.itemsize)
+    slots = num_slots(head_dim, dtype.itemsize, tuning=tuning, cache_itemsize=k_pages.dtype.itemsize,
+                      page_size=page_size)
 
     # q flattened (free) and padded so the 64-row q tile of the last kv head stays in bounds.
     q_pad = BLOCK_Q + (-(num_seqs * num_q_heads)) % ROW_ALIGN

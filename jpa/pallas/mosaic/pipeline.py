@@ -586,17 +586,25 @@ def q_transforms(dtype, head_dim: int):
     return () if untiled_rows(head_dim) else operand_transforms(dtype, head_dim)
 
 
-def staged(head_dim: int, quantized: bool) -> tuple:
+def kv_untiled(head_dim: int, rows: int, itemsize: int) -> bool:
+    """Whether the K/V SMEM blocks are untiled: head dims 80 / 112 (`untiled_rows`), or pages
+    whose tiled cp.async copy has no swizzle that works (`kv_swizzle`: small pages of narrow rows,
+    e.g. 8 tokens x 64 int8). Untiled copies move the contiguous page (`untiled_copy_ok`)."""
+    return untiled_rows(head_dim) or kv_swizzle(head_dim, rows, itemsize) is None
+
+
+def staged(head_dim: int, rows: int, quantized: bool) -> tuple:
     """(K, V): which blocks the mma path restages through a tiled SMEM block in q's dtype before
-    its operand loads (`MmaOps.widen_block`): both for an 8-bit cache (widened), V for untiled rows
-    (`untiled_rows`: V's operand pairs run along tokens, which Mosaic GPU loads only from tiled
-    16-bit SMEM; K^T's run along head_dim and load from untiled rows)."""
-    return quantized, quantized or untiled_rows(head_dim)
+    its operand loads (`MmaOps.widen_block`): both for an 8-bit cache (widened), V for untiled
+    K/V blocks (`kv_untiled`; rows: a page copy's rows; V's operand pairs run along tokens, which
+    Mosaic GPU loads only from tiled 16-bit SMEM; K^T's run along head_dim and load from untiled
+    rows)."""
+    return quantized, quantized or kv_untiled(head_dim, rows, 1 if quantized else 2)
 
 
-def staging_scratch(dtype, head_dim: int, block_tokens: int, quantized: bool) -> list:
+def staging_scratch(dtype, head_dim: int, block_tokens: int, rows: int, quantized: bool) -> list:
     """The two restaging blocks of `staged` for `pl.run_scoped` ([S, H] in q's dtype, or None)."""
-    k_on, v_on = staged(head_dim, quantized)
+    k_on, v_on = staged(head_dim, rows, quantized)
     if untiled_rows(head_dim):
         # 32-byte swizzle: tiles of 16 columns, which head_dim 80's / 112's last mma chunks (16,
         # 48 columns) cut whole.
@@ -610,8 +618,8 @@ def staging_scratch(dtype, head_dim: int, block_tokens: int, quantized: bool) ->
 
 def kv_transforms(dtype, head_dim: int, rows: int):
     """Tiling + swizzle of the mma path's K/V SMEM blocks (`kv_swizzle`; rows per copy), or none
-    (`untiled_rows`)."""
-    if untiled_rows(head_dim):
+    (`kv_untiled`)."""
+    if kv_untiled(head_dim, rows, jnp.dtype(dtype).itemsize):
         return ()
     swizzle = kv_swizzle(head_dim, rows, jnp.dtype(dtype).itemsize)
     bits = jnp.dtype(dtype).itemsize * 8
@@ -677,13 +685,18 @@ class MmaOps(NamedTuple):
         if not self.interpret and not self.tma:
             plgpu.wait_gmem_to_smem(groups)
 
+    # Operand loads pass optimized=False: from an untiled block (`kv_untiled`) Mosaic GPU may find
+    # no bank-conflict-free pattern (192-byte rows) and would refuse rather than load slower.
     def lhs(self, ref):
-        return ref[...] if self.interpret else plgpu.load(ref, layout=plgpu.Layout.MMA_LHS(ref.dtype))
+        if self.interpret:
+            return ref[...]
+        return plgpu.load(ref, layout=plgpu.Layout.MMA_LHS(ref.dtype), optimized=False)
 
     def rhs(self, ref, dtype=None):
         """ref [S, W] as an mma rhs of `dtype` (None: ref's; an 8-bit ref is widened to it)."""
         dtype = dtype or ref.dtype
-        x = ref[...] if self.interpret else plgpu.load(ref, layout=plgpu.Layout.MMA_RHS(dtype))
+        x = ref[...] if self.interpret else plgpu.load(ref, layout=plgpu.Layout.MMA_RHS(dtype),
+                                                        optimized=False)
         return self.widen_operand(x, dtype)
 
     def rhs_t(self, ref, dtype=None):
@@ -691,7 +704,8 @@ class MmaOps(NamedTuple):
         dtype = dtype or ref.dtype
         if self.interpret:
             return self.widen_operand(ref[...].T, dtype)
-        return self.widen_operand(plgpu.load(ref.T, layout=plgpu.Layout.MMA_RHS(dtype)), dtype)
+        return self.widen_operand(
+            plgpu.load(ref.T, layout=plgpu.Layout.MMA_RHS(dtype), optimized=False), dtype)
 
     def widen_operand(self, x, dtype):
         """An operand tile read from an 8-bit block -> q's dtype, exactly (int8 and both float8

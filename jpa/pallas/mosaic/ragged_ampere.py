@@ -61,7 +61,8 @@ def unsupported_reason(spec: RaggedSpec, compute_capability: float | None = None
     from jpa.pallas.mosaic import tuning as tuning_table
     tuning = tuning or tuning_table.lookup_ampere(compute_capability, spec.head_dim, spec.quantized)
     if decode_ampere.num_slots(spec.head_dim, tuning=tuning, f32_rows=_F32_ROWS,
-                               cache_itemsize=1 if spec.quantized else 2) == 0:
+                               cache_itemsize=1 if spec.quantized else 2,
+                               page_size=spec.page_size) == 0:
         return (f"head_dim = {spec.head_dim} needs more than {tuning.smem_budget // 1024} KiB of "
                 f"SMEM for two K/V blocks of {tuning.block_tokens} tokens next to the tile's rows")
     return None
@@ -116,7 +117,7 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, seq_ref, row0_ref, ntok_ref, pos0_r
         plgpu.SMEM((F32_ROW,), jnp.float32) if slopes_ref is not None else None,
         plgpu.SMEM((F32_ROW,), jnp.float32) if sinks_ref is not None else None,
         # Restaged K / V blocks in q's dtype (8-bit caches; V of head dims 80 / 112).
-        *staging_scratch(dtype, head_dim, block_tokens, scale_refs is not None))
+        *staging_scratch(dtype, head_dim, block_tokens, min(page_size, block_tokens), scale_refs is not None))
     alpha = None
     if sink is not None:
         alpha, l = merge_sink(m, l, sink)
@@ -146,7 +147,7 @@ def tile_rows(q_rows, k_pages, v_pages, block_tables, tiles, alibi_slopes, sinks
     bt = tuning.block_tokens
     quantized = k_scales is not None
     slots = decode_ampere.num_slots(head_dim, dtype.itemsize, tuning=tuning, f32_rows=_F32_ROWS,
-                                    cache_itemsize=k_pages.dtype.itemsize)
+                                    cache_itemsize=k_pages.dtype.itemsize, page_size=page_size)
     ops = MmaOps(interpret, tma, fp8_cvt)
     r = jnp.arange(BLOCK_Q) % q_per_kv  # row r of a tile is q head kh * q_per_kv + r % q_per_kv
 
