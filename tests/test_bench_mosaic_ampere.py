@@ -47,6 +47,10 @@ GRID = [
     # page 256 with head_dim 64 (64-token slices), q_per_kv 16, window crossing blocks.
     Case((256, 3, 200), num_q_heads=16, num_kv_heads=1, head_dim=64, page_size=256,
          pages_per_seq=1, sliding_window=130, seed=5, **BF16),
+    # An 8-bit cache with per-token scales: e5m2 at head_dim 112 (untiled rows, K and V widened
+    # into SMEM, outputs padded to 128 columns).
+    Case((31, 32, 70), num_q_heads=4, num_kv_heads=2, head_dim=112, page_size=32, pages_per_seq=3,
+         alibi=True, seed=8, q_dtype="float16", cache_dtype="float8_e5m2"),
 ]
 
 
@@ -57,11 +61,13 @@ def test_grid_matches_reference(case):
     args, opts = make_inputs(case)
     assert mosaic_decode.unsupported_reason(case_spec(case), 8.0) is None, case
     assert mosaic_decode.unsupported_reason(case_spec(case), 10.0) is None, case
+    # float8 through the bit manipulation of sm_80/86 on the cp.async path, converted on TMA's.
     for blocks_per_part, tma in ((None, False), (1, True)):
         got = decode_ampere.paged_decode(*args[:5], scale=opts["scale"], soft_cap=opts["soft_cap"],
                                          alibi_slopes=opts["alibi_slopes"],
                                          sliding_window=opts["sliding_window"], interpret=True,
-                                         blocks_per_part=blocks_per_part, tma=tma)
+                                         blocks_per_part=blocks_per_part, tma=tma, fp8_cvt=tma,
+                                         k_scales=opts["k_scales"], v_scales=opts["v_scales"])
         check(case, got, args, opts)
 
 
