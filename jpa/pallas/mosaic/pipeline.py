@@ -571,14 +571,16 @@ def out_width(head_dim: int) -> int:
 
 def untiled_copy_ok(rows: int, head_dim: int, itemsize: int) -> bool:
     """Whether an untiled cp.async copy of a [rows, head_dim] page piece works: a multiple of 128
-    elements, each thread's share moved in pieces of >= 4 bytes (Mosaic's WGStridedFragLayout)."""
+    elements, each thread's share moved in pieces of 4, 8 or 16 bytes (the vector Mosaic's
+    WGStridedFragLayout picks: the thread's share up to 8 bytes, halved until it divides; 5 or 6
+    int8 elements of an 8-row page at head_dim 80 / 96 are no cp.async size)."""
     size = rows * head_dim
     if size % 128:
         return False
     vec = min(8 // itemsize, size // 128)
     while vec > 0 and size % (vec * 128):
         vec //= 2
-    return vec * itemsize >= 4
+    return vec * itemsize in (4, 8, 16)
 
 
 def q_transforms(dtype, head_dim: int):
