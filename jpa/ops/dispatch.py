@@ -47,11 +47,12 @@ KERNEL_MODULES = {"triton": "jpa.pallas.triton.decode", "mosaic": "jpa.pallas.mo
 # lowered, so only when it is asked for or chosen) is in the ladder only where Mosaic leaves gaps
 # that it fills: Hopper, and GPUs no Mosaic kernel serves (11.x, 13.0 on). Measured over the
 # deviceless tier's covering grids (90 decode and 30 ragged configurations,
-# `jpa.tools.kernel_checks`; BENCHMARKS.md "Mosaic GPU on Ampere, Ada and Blackwell"): on A100 /
-# A6000 / L4 the mma.sync kernels refuse 5 decode and 7 ragged configurations that Triton serves
-# (float32 q, which mma.sync cannot compute exactly; head_dim 80 with 8-token 16-bit or 16-token
-# 8-bit pages, which cp.async cannot copy), on B200 / RTX PRO 6000 1 and 7 (float32 q): those fall
-# to plain JAX with one warning. On H100 the WGMMA kernels refuse 23 decode and 8 ragged ones
+# `jpa.tools.kernel_checks`; BENCHMARKS.md "Mosaic GPU on Ampere, Ada and Blackwell"): Mosaic
+# serves 83 and 22 of them on A100 / A6000 / L4, 89 and 23 on B200 / RTX PRO 6000 (before 8-bit
+# caches and head dims 80 / 112: 42 and 8). The rest, which Triton serves, fall to plain JAX with
+# one warning: float32 q (1 decode, 7 ragged; mma.sync cannot compute it exactly) and, on 8.x only,
+# 6 decode / 1 ragged page shapes cp.async cannot copy (8- or 16-token pages of head_dim 80 / 96
+# rows of 8-bit, or 8-token ones of head_dim 80 at 16 bits). On H100 the WGMMA kernels refuse 23 decode and 8 ragged ones
 # beside float32 q (8-bit caches with pages < 32, head_dim 80 / 256 with 8-bit caches) that Triton
 # serves, so Triton stays there.
 AUTO_ORDER = (("mosaic", 8.0, 11.0), ("mosaic", 12.0, 13.0), ("triton", 9.0, 10.0),
