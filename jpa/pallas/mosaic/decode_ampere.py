@@ -1,12 +1,12 @@
 """Paged decode attention as a Pallas Mosaic GPU kernel on mma.sync: Ampere and Ada (sm_80, sm_86,
-sm_89; cp.async copies) and Blackwell (sm_100; the same kernel with TMA copies, `tma=True`).
+sm_89; cp.async copies) and Blackwell (sm_100, sm_120; the same kernel with TMA copies, `tma=True`).
 
 Einsum letters: G rows of the q tile, S key tokens of one block, H head_dim.
 
 The Hopper kernel (`decode`) is built on TMA copies with mbarriers and on WGMMA; none of them
 exists below sm_90. This one keeps its contract (inputs, GQA packing, online softmax, split-K,
 the stacked pool with a layer index, soft cap, sliding window, ALiBi; `decode.paged_decode`
-routes here for compute capability 8.x) and changes the three hardware pieces:
+routes here for compute capability 8.x, 10.x and 12.x) and changes the three hardware pieces:
 
 - copies: `cp.async` (Mosaic GPU's `copy_gmem_to_smem` without a barrier below sm_90), one
   commit group per page (or page slice) of K and of V, awaited with `wait_gmem_to_smem(n)` (which
@@ -35,14 +35,23 @@ GPU interpret mode models neither `cp.async` without a barrier nor `mma` nor the
 there (`interpret=True`) the same kernel body copies with plain ref reads/writes (TMA path: real
 TMAs and barriers, which the interpreter models) and multiplies with `jnp.dot` (`MmaOps`): block
 walk, masking, softmax, split-K and the layer index are the code that runs on the GPU; the
-stand-in primitives are proven by the deviceless compile for sm_80/86/89 and sm_100.
+stand-in primitives are proven by the deviceless compile for sm_80/86/89, sm_100 and sm_120.
 
-Rejected (see `unsupported_reason`): compute capabilities outside 8.x and 10.x (sm_120 is not
-compiled yet); float32 q; caches whose dtype differs from q's (8-bit caches with scales: not yet on
-this kernel); q_per_kv > 64; head_dim not a multiple of 32 (80 and 112: Mosaic GPU refuses page
-copies that are not whole 128-byte GMEM lines per warp), below 64 or above 256; page sizes that neither divide nor are multiples of the block up to 256;
-shapes whose two K/V blocks do not fit the target's SMEM (tuning's smem_budget); on the TMA path,
-pools of 2**31 pages or more (TMA coordinates are 32-bit).
+8-bit caches (int8, float8 e4m3fn / e5m2, per-token f32 scales `k_scales` / `v_scales`): the 8-bit
+blocks are copied as stored and widened to q's dtype into an SMEM block per K and V (float8 by bit
+manipulation where the GPU has no float8 convert, sm_80/86: `fp8_cvt=False`); the scales are read
+from GMEM into the scores' column layout (`pipeline.MmaOps.key_vector`) and scale the logits (K) and
+p (V), as the Hopper kernel and the reference. Head dims 80 / 112, and pages whose tiled cp.async
+copy has no swizzle: untiled page copies, V restaged through a tiled block
+(`pipeline.kv_untiled`, `staged`), outputs padded to a multiple of 32 columns (`out_width`).
+
+Rejected (see `unsupported_reason`): compute capabilities outside 8.x, 10.x and 12.x; float32 q
+(mma.sync has no exact float32 path); 16-bit caches whose dtype differs from q's; q_per_kv > 64;
+head_dim not a multiple of 16, below 64 or above 256; page sizes that neither divide nor are
+multiples of the block up to 256; on cp.async (8.x), pages neither a tiled nor an untiled copy can
+move (8/16-token pages of head_dim 80 / 96 rows); shapes whose two K/V blocks do not fit the
+target's SMEM (tuning's smem_budget); on the TMA path, pools of 2**31 pages or more (TMA
+coordinates are 32-bit).
 
 The block walk, the online softmax and the copies are `pipeline`'s mma path (`MmaBlocks`,
 `mma_prologue`, `attend_mma`), shared with the ragged tile kernel (`ragged_ampere`); which keys a

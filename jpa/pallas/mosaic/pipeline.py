@@ -518,9 +518,10 @@ def attend(blocks: KVBlocks, q_smem, p_smem, kd_smem, vd_smem, *, scale, soft_ca
 # WGMMA: `plgpu.mma` (m16n8k16 mma.sync) on register operands loaded from SMEM, the f32
 # accumulator in the MMA_ACC layout, one [64, <= CHUNK] accumulator per head_dim column chunk.
 # Copies: cp.async commit groups below sm_90; TMA + one mbarrier per slot on sm_100 (Mosaic GPU
-# copies only by TMA from sm_90 on). The per-generation difference is `MmaOps.tma` (and the tiling
-# row, `tuning.lookup_ampere`); GPU interpret mode gets stand-ins for the primitives it does not
-# model (`MmaOps.interpret`).
+# copies only by TMA from sm_90 on; sm_120 the same). The per-generation difference is
+# `MmaOps.tma`, `MmaOps.fp8_cvt` (float8 converted in hardware from sm_89, by bit manipulation
+# below) and the tiling row (`tuning.lookup_ampere`); GPU interpret mode gets stand-ins for the
+# primitives it does not model (`MmaOps.interpret`).
 
 # Columns of q / K / V handled per mma sweep (one [64, 64] f32 accumulator each).
 CHUNK = 64

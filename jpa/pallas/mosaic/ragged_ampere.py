@@ -1,9 +1,10 @@
 """The ragged tile kernel on mma.sync: Ampere / Ada (sm_80, sm_86, sm_89; cp.async copies) and
-Blackwell (sm_100; TMA copies), the twin of `ragged`'s WGMMA tile kernel (Hopper).
+Blackwell (sm_100, sm_120; TMA copies), the twin of `ragged`'s WGMMA tile kernel (Hopper). 8-bit
+caches, head dims 80 / 112 and the column padding as `decode_ampere` (the pipeline's mma path).
 
 Einsum letters: G rows of the q tile, S key tokens of one block, H head_dim.
 
-`ragged.ragged_paged_attention` runs it for compute capability 8.x and 10.x, next to the mma.sync
+`ragged.ragged_paged_attention` runs it for compute capability 8.x, 10.x and 12.x, next to the mma.sync
 decode kernel (`decode_ampere`) that serves every sequence's last row. Same contract as the Hopper
 tile kernel: grid (num_tiles, num_kv_heads), a tile is up to BLOCK_Q // q_per_kv query tokens of
 one sequence with their q_per_kv heads packed into the 64 rows ([kv head, token, q_per_kv, H] q
