@@ -166,19 +166,27 @@ AMPERE_TABLE = (
 )
 
 
-# 8-bit caches on Ampere/Ada: blocks of at most this many tokens. The widened K/V blocks, the
-# per-token scales and (sm_80/86) float8's bit manipulation sit next to the scores; with 64-token
-# blocks the decode kernel spilled 12-16 B on sm_80 (float16 q, e5m2, GQA 8, head_dim 128).
+# 8-bit caches: blocks of at most this many tokens on Ampere/Ada, and of at most
+# QUANTIZED_BLOCK_TOKENS_WIDE above head_dim 128 on every generation. The widened K/V blocks, the
+# per-token scales and (sm_80/86) float8's bit manipulation sit next to the scores: with 64-token
+# blocks the decode kernel spilled 12-16 B on sm_80 (float16 q, e5m2, GQA 8, head_dim 128), and
+# with 32-token blocks the ragged tile kernel spilled 32 B on sm_120 at head_dim 256 (int8 and
+# e5m2).
 QUANTIZED_BLOCK_TOKENS_SM8X = 32
+QUANTIZED_BLOCK_TOKENS_WIDE = 16
 
 
 def lookup_ampere(compute_capability: float | None = None, head_dim: int = 128,
                   quantized: bool = False) -> MosaicTuning:
     """The Ampere/Ada kernel's default tiling (AMPERE_TABLE) for a GPU and a head_dim; 8-bit caches
-    (`quantized`) on 8.x (and interpret mode, which stands for them) take blocks of at most
-    QUANTIZED_BLOCK_TOKENS_SM8X tokens."""
+    (`quantized`) take smaller blocks: at most QUANTIZED_BLOCK_TOKENS_SM8X tokens on 8.x (and in
+    interpret mode, which stands for it), at most QUANTIZED_BLOCK_TOKENS_WIDE above head_dim 128."""
     tuning = lookup_tuning(AMPERE_TABLE, compute_capability, head_dim).tuning
-    if quantized and (compute_capability is None or compute_capability < 9.0):
-        tuning = dataclasses.replace(
-            tuning, block_tokens=min(tuning.block_tokens, QUANTIZED_BLOCK_TOKENS_SM8X))
+    if quantized:
+        cap = tuning.block_tokens
+        if compute_capability is None or compute_capability < 9.0:
+            cap = min(cap, QUANTIZED_BLOCK_TOKENS_SM8X)
+        if head_dim > 128:
+            cap = min(cap, QUANTIZED_BLOCK_TOKENS_WIDE)
+        tuning = dataclasses.replace(tuning, block_tokens=cap)
     return tuning
