@@ -69,11 +69,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jpa.pallas.common import layer_index, layer_operand, merge_partitions, pool_layout
 from jpa.pallas.mosaic import tuning as tuning_table
 from jpa.pallas.mosaic.pipeline import (BLOCK_Q, F32_ROW, ROW_ALIGN, MmaBlocks, MmaOps, attend_mma,
-                                        decode_key_range, decode_logits, kv_swizzle, kv_transforms, launch,
-                                        mma_chunks, mma_copies_per_block, mma_prologue,
-                                        operand_transforms, q_transforms, out_width, partition_outputs, partitions, staged, staging_scratch,
-                                        kv_untiled, untiled_copy_ok,
-                                        uses_tma)
+                                        decode_key_range, decode_logits, kv_transforms, kv_untiled,
+                                        launch, mma_chunks, mma_copies_per_block, mma_prologue,
+                                        out_width, partition_outputs, partitions, q_transforms, staged,
+                                        staging_scratch, untiled_copy_ok, uses_tma)
 from jpa.pallas.mosaic.tuning import MosaicTuning
 from jpa.pallas.spec import DecodeSpec
 

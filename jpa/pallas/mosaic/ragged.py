@@ -89,7 +89,7 @@ def aot_unsupported_reason(compute_capability: float | None) -> str | None:
 
 def is_mma_path(compute_capability: float | None) -> bool:
     """Whether a GPU of this compute capability runs the mma.sync kernels (`decode_ampere`,
-    `ragged_ampere`): Ampere/Ada (8.x, cp.async) and Blackwell (10.x, TMA)."""
+    `ragged_ampere`): Ampere/Ada (8.x, cp.async) and Blackwell (10.x, 12.x; TMA)."""
     return ragged_ampere.decode_ampere.serves(compute_capability)
 
 

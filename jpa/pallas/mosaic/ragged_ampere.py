@@ -43,7 +43,7 @@ from jpa.pallas.common import layer_index, layer_operand, pool_layout
 from jpa.pallas.mosaic import decode_ampere
 from jpa.pallas.mosaic.pipeline import (BLOCK_Q, F32_ROW, MmaBlocks, MmaOps, attend_mma, kv_transforms, launch,
                                         merge_sink, mma_chunks, mma_copies_per_block, mma_prologue,
-                                        operand_transforms, out_width, q_transforms, ragged_logits, staging_scratch,
+                                        out_width, q_transforms, ragged_logits, staging_scratch,
                                         tile_key_range)
 from jpa.pallas.mosaic.tuning import MosaicTuning
 from jpa.pallas.spec import RaggedSpec
