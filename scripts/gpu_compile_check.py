@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     # Mosaic GPU: the WGMMA kernels on Hopper (9.x), the mma.sync decode on Ampere/Ada (8.x,
     # cp.async) and Blackwell (10.x, TMA).
-    impls = ("triton", "mosaic") if TARGETS[args.target]["cc"][0] in (8, 9, 10) else ("triton",)
+    impls = ("triton", "mosaic") if TARGETS[args.target]["cc"][0] in (8, 9, 10, 12) else ("triton",)
     records = []
     if args.only in ("kernels", "all"):
         records += check_kernels(compiler, impls, args.subset, random=args.random, seed=args.seed)

@@ -2,8 +2,8 @@
 tests/test_mosaic_ampere.py): GPU interpret mode against the float64 oracle over head dims
 64-256, bf16/f16, every page size and the stacked pool, for the decode kernel and the ragged op
 (tile kernel + decode kernel of the last rows) on both copy paths; and the deviceless compile
-tier's fast kernel and ragged subsets for sm_80 (A100), sm_86 (RTX A6000), sm_89 (L4) and sm_100
-(B200): every configuration the Mosaic `unsupported_reason` accepts there compiles as the mma.sync
+tier's fast kernel and ragged subsets for sm_80 (A100), sm_86 (RTX A6000), sm_89 (L4), sm_100
+(B200) and sm_120 (RTX PRO 6000): every configuration the Mosaic `unsupported_reason` accepts there compiles as the mma.sync
 kernels (cp.async copies on 8.x, TMA on 10.x), PTX for that SM, without spills."""
 
 import importlib.util
@@ -47,6 +47,10 @@ GRID = [
     # page 256 with head_dim 64 (64-token slices), q_per_kv 16, window crossing blocks.
     Case((256, 3, 200), num_q_heads=16, num_kv_heads=1, head_dim=64, page_size=256,
          pages_per_seq=1, sliding_window=130, seed=5, **BF16),
+    # An 8-bit cache with per-token scales: e5m2 at head_dim 112 (untiled rows, K and V widened
+    # into SMEM, outputs padded to 128 columns).
+    Case((31, 32, 70), num_q_heads=4, num_kv_heads=2, head_dim=112, page_size=32, pages_per_seq=3,
+         alibi=True, seed=8, q_dtype="float16", cache_dtype="float8_e5m2"),
 ]
 
 
@@ -57,11 +61,13 @@ def test_grid_matches_reference(case):
     args, opts = make_inputs(case)
     assert mosaic_decode.unsupported_reason(case_spec(case), 8.0) is None, case
     assert mosaic_decode.unsupported_reason(case_spec(case), 10.0) is None, case
+    # float8 through the bit manipulation of sm_80/86 on the cp.async path, converted on TMA's.
     for blocks_per_part, tma in ((None, False), (1, True)):
         got = decode_ampere.paged_decode(*args[:5], scale=opts["scale"], soft_cap=opts["soft_cap"],
                                          alibi_slopes=opts["alibi_slopes"],
                                          sliding_window=opts["sliding_window"], interpret=True,
-                                         blocks_per_part=blocks_per_part, tma=tma)
+                                         blocks_per_part=blocks_per_part, tma=tma, fp8_cvt=tma,
+                                         k_scales=opts["k_scales"], v_scales=opts["v_scales"])
         check(case, got, args, opts)
 
 
@@ -90,14 +96,15 @@ def test_stacked_pool_reads_the_given_layer():
 @pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
                     reason="the compile-only GPU packages are not installed (pip install -e '.[gpu]')")
 @pytest.mark.parametrize("target,sm", [("a100", "sm_80"), ("a6000", "sm_86"), ("l4", "sm_89"),
-                                       ("b200", "sm_100a")])
+                                       ("b200", "sm_100a"), ("rtx6000pro", "sm_120a")])
 def test_kernel_subset_compiles_for_ampere_ada_and_blackwell(tmp_path, target, sm):
     from jpa.tools.deviceless import TARGETS
     proc, report = run_check(tmp_path, "--target", target, "--subset", "fast", "--only", "kernels")
     failed = [(r["name"], r.get("error") or r.get("problems")) for r in report["records"] if not r["ok"]]
-    if target == "a6000":
-        # Pallas Triton cannot lower for an abstract "NVIDIA RTX A6000": its GPU registry
-        # (jax/_src/pallas/triton/gpu_info.py) does not know the kind. Only Triton fails so.
+    if target in ("a6000", "rtx6000pro"):
+        # Pallas Triton cannot lower for an abstract "NVIDIA RTX A6000" (nor, presumably, an RTX PRO
+        # 6000): its GPU registry (jax/_src/pallas/triton/gpu_info.py) does not know the kind. Only
+        # Triton fails so.
         failed = [(n, e) for n, e in failed
                   if not (n.startswith("triton") and "No supported GPU devices found" in str(e))]
     else:
@@ -165,12 +172,12 @@ def test_ragged_stacked_pool_reads_the_given_layer():
 @pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
                     reason="the compile-only GPU packages are not installed (pip install -e '.[gpu]')")
 @pytest.mark.parametrize("target,sm", [("a100", "sm_80"), ("a6000", "sm_86"), ("l4", "sm_89"),
-                                       ("b200", "sm_100a")])
+                                       ("b200", "sm_100a"), ("rtx6000pro", "sm_120a")])
 def test_ragged_subset_compiles_for_ampere_ada_and_blackwell(tmp_path, target, sm):
     from jpa.tools.deviceless import TARGETS
     proc, report = run_check(tmp_path, "--target", target, "--subset", "fast", "--only", "ragged")
     failed = [(r["name"], r.get("error") or r.get("problems")) for r in report["records"] if not r["ok"]]
-    if target == "a6000":  # Pallas Triton does not know an abstract "NVIDIA RTX A6000" (see above)
+    if target in ("a6000", "rtx6000pro"):  # Pallas Triton does not know the abstract kind (see above)
         failed = [(n, e) for n, e in failed
                   if not (n.split()[1] == "triton" and "No supported GPU devices found" in str(e))]
     else:

@@ -24,8 +24,10 @@ from jpa.ops.reference import paged_decode_xla
 H100 = dispatch.Target("gpu", "NVIDIA H100 80GB HBM3", 9.0, True)
 A100 = dispatch.Target("gpu", "NVIDIA A100-SXM4-80GB", 8.0, True)
 B200 = dispatch.Target("gpu", "NVIDIA B200", 10.0, True)
-# sm_120 (RTX PRO 6000 / RTX 50xx): only the Triton kernels serve it.
+# sm_120 (RTX PRO 6000 / RTX 50xx): the mma.sync Mosaic kernels (TMA copies).
 SM120 = dispatch.Target("gpu", "NVIDIA RTX PRO 6000 Blackwell Server Edition", 12.0, True)
+# sm_110 (Jetson Thor): no Mosaic kernel serves it; only the Triton kernels.
+SM110 = dispatch.Target("gpu", "NVIDIA Jetson AGX Thor", 11.0, True)
 T4 = dispatch.Target("gpu", "Tesla T4", 7.5, True)
 
 
@@ -106,8 +108,8 @@ def test_cpu_uses_reference(fake_gpu):
 
 
 @pytest.mark.parametrize("target,expected", [(A100, "fake_mosaic_good"), (H100, "fake_mosaic_good"),
-                                             (B200, "fake_mosaic_good"), (SM120, "fake_triton_good"),
-                                             (T4, None)])
+                                             (B200, "fake_mosaic_good"), (SM120, "fake_mosaic_good"),
+                                             (SM110, "fake_triton_good"), (T4, None)])
 def test_auto_picks_kernel_eagerly_and_under_jit(fake_gpu, target, expected):
     calls = fake_gpu(target)
     args = case()
@@ -123,7 +125,7 @@ def test_auto_picks_kernel_eagerly_and_under_jit(fake_gpu, target, expected):
 
 
 def test_nested_jit_picks_kernel(fake_gpu):
-    fake_gpu(SM120)
+    fake_gpu(SM110)
     inner = jax.jit(lambda *a: jpa.paged_decode(*a) * 2.0)
     outer = jax.jit(lambda *a: inner(*a) + 1.0)
     args = case()
@@ -134,7 +136,7 @@ def test_nested_jit_picks_kernel(fake_gpu):
 def test_self_check_runs_outside_the_trace(fake_gpu):
     """The check's inputs are concrete even when the first call is traced: it passes under jit
     (before, a traced self-check hit TracerArrayConversionError and fell back)."""
-    calls = fake_gpu(SM120)
+    calls = fake_gpu(SM110)
     args = case()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a failed self-check would warn
@@ -142,14 +144,14 @@ def test_self_check_runs_outside_the_trace(fake_gpu):
     spec = jpa.ops.decode.decode_spec(args[0], args[1], args[3], soft_cap=None, alibi_slopes=None,
                                   sliding_window=None)
     n = len(calls)
-    assert dispatch.self_check("triton", spec, SM120, None) is None  # memoized: passed, not rerun
+    assert dispatch.self_check("triton", spec, SM110, None) is None  # memoized: passed, not rerun
     assert len(calls) == n
 
 
 @pytest.mark.parametrize("behaviour,reason", [("wrong", "differs from the reference"),
                                               ("raise", "PTX compilation failed")])
 def test_failed_self_check_warns_once_and_falls_back(fake_gpu, behaviour, reason):
-    calls = fake_gpu(SM120, triton=behaviour)
+    calls = fake_gpu(SM110, triton=behaviour)
     args = case()
     with pytest.warns(RuntimeWarning, match=f"triton paged-decode kernel failed its self-check.*{reason}"):
         out = fresh_jit()(*args)
@@ -164,7 +166,7 @@ def test_failed_self_check_warns_once_and_falls_back(fake_gpu, behaviour, reason
 
 def test_self_check_compiles_the_exact_shapes(fake_gpu, monkeypatch):
     """A kernel that fails only for the real (large) shapes is refused at selection, not at compile."""
-    calls = fake_gpu(SM120)
+    calls = fake_gpu(SM110)
     mod = sys.modules["fake_triton_good"]
     ok = mod.paged_decode
 
@@ -204,6 +206,20 @@ def test_hopper_tries_triton_when_mosaic_refuses_and_says_why(fake_gpu, monkeypa
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per configuration
         np.testing.assert_allclose(np.asarray(fresh_jit()(*args)), want(args), atol=1e-6)
+
+
+@pytest.mark.parametrize("target", [A100, B200, SM120])
+def test_mma_generations_fall_from_mosaic_to_reference_not_triton(fake_gpu, monkeypatch, target):
+    """Where the mma.sync Mosaic kernels serve (8.x, 10.x, 12.x) Triton is not in auto's ladder:
+    a configuration Mosaic refuses goes to plain JAX, with one warning giving the reason."""
+    calls = fake_gpu(target)
+    monkeypatch.setattr(sys.modules["fake_mosaic_good"], "unsupported_reason",
+                        lambda spec, cc=None: "q dtype float32 is not supported (simulated)")
+    args = case()
+    with pytest.warns(RuntimeWarning, match="mosaic paged-decode kernel refuses this configuration: q dtype "
+                                            "float32.*Using the reference path"):
+        assert kernels_in(fresh_jit(), *args) == set()
+    assert calls == []
 
 
 def test_hopper_falls_back_to_reference_only_after_both_kernels_fail(fake_gpu):
@@ -246,7 +262,7 @@ def test_engine_decode_loop_uses_the_kernel(fake_gpu, monkeypatch):
     prompts = ["paged attention", "x", "a somewhat longer prompt for the cache"]
     want = [o.token_ids for o in LLMEngine(models.GPTForEngine(gpt), tok, EngineConfig(**cfg)).generate(
         prompts, params)]
-    calls = fake_gpu(SM120)
+    calls = fake_gpu(SM110)
     monkeypatch.setitem(sys.modules, "fake_ragged_good", fake_ragged("fake_ragged_good", "good", calls))
     monkeypatch.setattr(ragged, "RAGGED", ragged.RAGGED._replace(modules=(("triton", "fake_ragged_good"),)))
     eng = LLMEngine(models.GPTForEngine(gpt), tok, EngineConfig(**cfg))
@@ -275,7 +291,8 @@ def test_resolve_decode_impl_with_shapes_only(fake_gpu):
                                      ("NVIDIA A100-SXM4-80GB", 8.0), ("NVIDIA A10G", 8.6),
                                      ("NVIDIA L4", 8.9), ("NVIDIA L40S", 8.9), ("NVIDIA B200", 10.0),
                                      ("NVIDIA GeForce RTX 4090", 8.9), ("NVIDIA H20", 9.0),
-                                     ("Some Future GPU", None)])
+                                     ("NVIDIA RTX PRO 6000 Blackwell Server Edition", 12.0),
+                                     ("NVIDIA GeForce RTX 5090", 12.0), ("Some Future GPU", None)])
 def test_compute_capability_of_device_kinds(kind, cc):
     assert dispatch.compute_capability_of(kind) == cc
 
@@ -286,10 +303,12 @@ def abstract_mesh(kind, cores):
 
 
 @pytest.mark.parametrize("kind,cores,call", [("NVIDIA H100 80GB HBM3", 132, "mosaic_gpu"),
-                                             ("NVIDIA A100-SXM4-80GB", 108, "__gpu$xla.gpu.triton"),
-                                             ("NVIDIA B200", 148, "__gpu$xla.gpu.triton")])
+                                             ("NVIDIA A100-SXM4-80GB", 108, None),
+                                             ("NVIDIA B200", 148, None)])
 def test_aot_target_picks_its_kernel(kind, cores, call):
-    """Under an AOT lowering for an absent GPU, auto uses the kernel for THAT GPU, and says so."""
+    """Under an AOT lowering for an absent GPU, auto uses the kernel for THAT GPU, and says so. An
+    A100 / B200 from this host (Mosaic would lower for sm_90: `aot_unsupported_reason`) gets plain
+    JAX, not Triton, saying why (the compile tier sets the arch: the next test)."""
     dispatch.self_check.cache_clear()
     dispatch._announce_aot.cache_clear()
     rng = np.random.default_rng()
@@ -300,17 +319,18 @@ def test_aot_target_picks_its_kernel(kind, cores, call):
     with jax.sharding.use_abstract_mesh(abstract_mesh(kind, cores)):
         target = dispatch.current_target()
         assert (target.executable, target.is_nvidia_gpu) == (False, True)
-        with pytest.warns(UserWarning, match=f"compiling for {kind}.*cannot be self-checked"):
+        warning = ((UserWarning, f"compiling for {kind}.*cannot be self-checked") if call else
+                   (RuntimeWarning, "Mosaic GPU would lower for sm_90.*Using the reference path"))
+        with pytest.warns(warning[0], match=warning[1]):
             text = fresh_jit().trace(q, k, k, tables, lens).lower(
                 lowering_platforms=("cuda",)).as_text()
-    assert call in text
-    other = "__gpu$xla.gpu.triton" if call == "mosaic_gpu" else "mosaic_gpu"
-    assert other not in text
+    assert "__gpu$xla.gpu.triton" not in text
+    assert ("mosaic_gpu" in text) == (call == "mosaic_gpu")
 
 
 def test_aot_for_an_a100_uses_mosaic_only_when_it_lowers_for_sm_80():
     """Mosaic GPU infers sm_90 under an abstract device: an AOT compile for an A100 from this host
-    would hold Hopper code, so auto passes Mosaic over (saying why) and uses Triton; under
+    would hold Hopper code, so auto passes Mosaic over (saying why) and uses plain JAX; under
     `deviceless.mosaic_arch` (as jpa's compile tier runs) Mosaic lowers for sm_80 and is used."""
     from jpa.tools.deviceless import mosaic_arch
     rng = np.random.default_rng()
@@ -318,17 +338,18 @@ def test_aot_for_an_a100_uses_mosaic_only_when_it_lowers_for_sm_80():
     k = jnp.asarray(rng.standard_normal((2, 16, 64, 64)), jnp.bfloat16)
     tables = jnp.asarray(rng.integers(0, 16, (4, 4)), jnp.int32)
     lens = jnp.asarray(rng.integers(0, 257, (4,)), jnp.int32)
-    for arch, call, match in ((None, "__gpu$xla.gpu.triton", "Mosaic GPU would lower for sm_90"),
+    for arch, call, match in ((None, None, "Mosaic GPU would lower for sm_90.*reference path"),
                               ((8, 0), "mosaic_gpu", "uses the mosaic paged-decode kernel")):
         dispatch._announce_aot.cache_clear()
+        dispatch._announce_fallback.cache_clear()
         with contextlib.ExitStack() as stack:
             if arch:
                 stack.enter_context(mosaic_arch(arch))
             stack.enter_context(jax.sharding.use_abstract_mesh(abstract_mesh("NVIDIA A100-SXM4-80GB", 108)))
-            with pytest.warns(UserWarning, match=match):
+            with pytest.warns(UserWarning if call else RuntimeWarning, match=match):
                 text = fresh_jit().trace(q, k, k, tables, lens).lower(lowering_platforms=("cuda",)).as_text()
-        assert call in text
-        assert ("mosaic_gpu" if call != "mosaic_gpu" else "__gpu$xla.gpu.triton") not in text
+        assert "__gpu$xla.gpu.triton" not in text
+        assert ("mosaic_gpu" in text) == (call == "mosaic_gpu")
 
 
 def fake_ragged(name, behaviour, calls=None):
@@ -353,13 +374,13 @@ def fake_ragged(name, behaviour, calls=None):
 @pytest.mark.parametrize("behaviour", ["good", "wrong"])
 def test_ragged_auto_self_checks_like_decode(monkeypatch, behaviour):
     """ragged_paged_attention(impl="auto") goes through the same dispatch: under jit on a
-    (simulated) sm_120 GPU it uses a kernel that passes its self-check, and falls back from one that
+    (simulated) sm_110 GPU it uses a kernel that passes its self-check, and falls back from one that
     does not, with one warning."""
     from jpa.ops import ragged
     name = f"fake_ragged_{behaviour}"
     monkeypatch.setitem(sys.modules, name, fake_ragged(name, behaviour))
     monkeypatch.setattr(ragged, "RAGGED", ragged.RAGGED._replace(modules=(("triton", name),)))
-    monkeypatch.setattr(dispatch, "current_target", lambda: SM120)
+    monkeypatch.setattr(dispatch, "current_target", lambda: SM110)
     dispatch.self_check.cache_clear()
     dispatch._announce_fallback.cache_clear()
     rng = np.random.default_rng()

@@ -68,23 +68,72 @@ def test_matches_reference_with_every_option_and_split_k():
         assert not np.asarray(got[0].astype(jnp.float32)).any()  # length 0: exactly zero
 
 
+@pytest.mark.parametrize("cache,q_dtype,fp8_cvt,tma", [
+    ("int8", "bfloat16", True, False),           # Ampere/Ada: cp.async
+    pytest.param("float8_e4m3fn", "float16", False, True, marks=pytest.mark.bench),  # bit-manipulated float8 (sm_80/86), TMA copies; CI bench tier
+])
+def test_8bit_caches_match_reference(cache, q_dtype, fp8_cvt, tma):
+    # Per-token scales (NaN where a slot is hidden), blocks of 32 tokens from pages of 16 (two
+    # pages' scales joined per block), ALiBi, soft cap, a window, split-K (a partial partition).
+    case = Case((1, 90), num_q_heads=4, num_kv_heads=1, head_dim=64, page_size=16,
+                pages_per_seq=6, soft_cap=10.0, alibi=True, sliding_window=70, share_page=True,
+                seed=37, q_dtype=q_dtype, cache_dtype=cache)
+    args, opts = make_inputs(case)
+    got = decode_ampere.paged_decode(*args[:5], scale=opts["scale"], soft_cap=10.0,
+                                     alibi_slopes=opts["alibi_slopes"], sliding_window=70,
+                                     interpret=True, blocks_per_part=2, tma=tma, fp8_cvt=fp8_cvt,
+                                     k_scales=opts["k_scales"], v_scales=opts["v_scales"])
+    check(case, got, args, opts)
+
+
+def test_head_dim_80_matches_reference():
+    # Untiled q and K/V copies, V restaged through a tiled block, accumulators and the f32 partial
+    # outputs padded to 96 columns (the padding sliced off): cp.async copies, split-K.
+    case = Case((1, 70), num_q_heads=2, num_kv_heads=1, head_dim=80, page_size=16, pages_per_seq=5,
+                alibi=True, seed=39, q_dtype="bfloat16", cache_dtype="bfloat16")
+    args, opts = make_inputs(case)
+    got = decode_ampere.paged_decode(*args[:5], scale=opts["scale"], alibi_slopes=opts["alibi_slopes"],
+                                     interpret=True, blocks_per_part=1)
+    check(case, got, args, opts)
+
+
+def test_fp8_bit_widening_is_exact():
+    from jpa.pallas.mosaic.pipeline import widen_fp8_bits
+    for dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+        x = jnp.asarray(np.arange(256, dtype=np.uint8)).view(dtype)
+        want = np.asarray(x.astype(jnp.float32))
+        got = np.asarray(widen_fp8_bits(x).astype(jnp.float32))
+        finite = np.isfinite(want)
+        np.testing.assert_array_equal(got[finite], want[finite])
+        assert np.isinf(got[np.isinf(want)]).all()
+
+
 def test_refusals_are_reasons_and_routing_follows_the_compute_capability():
     base = DecodeSpec("bfloat16", "bfloat16", 32, 8, 128, 16, 32, False, False, False, False, 64, 8192)
     assert mosaic_decode.unsupported_reason(base, A100) is None
     assert mosaic_decode.unsupported_reason(base, L4) is None
     assert mosaic_decode.unsupported_reason(base, H100) is None
     assert mosaic_decode.unsupported_reason(base, B200) is None
-    assert "Blackwell (10.x, TMA)" in mosaic_decode.unsupported_reason(base, 12.0)
+    assert mosaic_decode.unsupported_reason(base, 12.0) is None  # sm_120: the TMA path
+    assert "Blackwell (10.x, 12.x)" in decode_ampere.unsupported_reason(base, 11.0)
     refused = {
-        "8-bit caches": base._replace(cache_dtype="int8", quantized=True, page_size=32),
         "mma.sync has no exact float32": base._replace(q_dtype="float32", cache_dtype="float32"),
-        "must be a multiple of 32 from 64 to 256": base._replace(head_dim=80),
+        "must be a multiple of 16 (the mma's k) from 64 to 256": base._replace(head_dim=72),
+        # head_dim 80 pages go untiled; 16 int8 rows of 80 bytes are 2-byte pieces per thread.
+        ">= 4-byte pieces per thread": base._replace(cache_dtype="int8", quantized=True, head_dim=80),
     }
     for words, spec in refused.items():
         reason = mosaic_decode.unsupported_reason(spec, A100)
         assert reason and words in reason, (words, reason)
-    # Only the WGMMA kernel knows 8-bit caches: Hopper still accepts the int8 spec.
-    assert mosaic_decode.unsupported_reason(refused["8-bit caches"], H100) is None
+    # TMA copies (Blackwell) move that page; head dims 80 / 112 are served.
+    assert mosaic_decode.unsupported_reason(refused[">= 4-byte pieces per thread"], B200) is None
+    for hd in (80, 112):
+        assert mosaic_decode.unsupported_reason(base._replace(head_dim=hd), A100) is None
+    # 8-bit caches on every generation's mma path (fp8 widened by bit manipulation on sm_80/86).
+    for cache in ("int8", "float8_e4m3fn", "float8_e5m2"):
+        for cc in (A100, 8.6, L4, B200):  # (Hopper's WGMMA kernel has its own page-size rule)
+            spec = base._replace(cache_dtype=cache, quantized=True)
+            assert mosaic_decode.unsupported_reason(spec, cc) is None, (cache, cc)
 
 
 def test_auto_picks_mosaic_on_ampere_and_ada_decode():
@@ -93,15 +142,18 @@ def test_auto_picks_mosaic_on_ampere_and_ada_decode():
     # does (`mosaic_arch`); test_dispatch.py covers the AOT case without it (Triton, with why).
     for kind, cc, want in (("NVIDIA A100-SXM4-80GB", A100, "mosaic"), ("NVIDIA L4", L4, "mosaic"),
                            ("NVIDIA H100 80GB HBM3", H100, "mosaic"), ("NVIDIA B200", B200, "mosaic"),
-                           ("NVIDIA RTX PRO 6000", 12.0, "triton")):
+                           ("NVIDIA RTX PRO 6000 Blackwell", 12.0, "mosaic")):
         target = dispatch.Target("gpu", kind, cc, executable=False)
         with mosaic_arch((int(cc), int(round(cc * 10)) % 10)), pytest.warns(UserWarning, match="not attached"):
             assert dispatch.choose_impl("auto", spec, target) == want, kind
-    # A configuration the Ampere kernel refuses falls back to Triton there.
-    q8 = spec._replace(cache_dtype="int8", quantized=True)
+    # A configuration the Ampere kernel refuses falls to plain JAX there (Triton is not in auto's
+    # ladder on 8.x / 10.x / 12.x), saying why; 8-bit caches are Mosaic's.
+    f32 = spec._replace(q_dtype="float32", cache_dtype="float32")
     a100 = dispatch.Target("gpu", "NVIDIA A100-SXM4-80GB", A100, executable=False)
-    with mosaic_arch((8, 0)), pytest.warns(UserWarning, match="8-bit caches"):
-        assert dispatch.choose_impl("auto", q8, a100) == "triton"
+    with mosaic_arch((8, 0)), pytest.warns(RuntimeWarning, match="no exact float32.*reference path"):
+        assert dispatch.choose_impl("auto", f32, a100) == "xla"
+    with mosaic_arch((8, 0)), pytest.warns(UserWarning, match="not attached"):
+        assert dispatch.choose_impl("auto", spec._replace(cache_dtype="int8", quantized=True), a100) == "mosaic"
     assert dispatch.kernel_options("mosaic", A100) == {"compute_capability": A100}
     assert dispatch.kernel_options("triton", A100) == {}
 
@@ -149,20 +201,23 @@ def test_ragged_refusals_and_auto_routing():
                       False, 1, False)
     for cc in (A100, 8.6, L4, H100, B200):
         assert mosaic_ragged.unsupported_reason(spec, cc) is None, cc
-    assert "Blackwell (10.x)" in mosaic_ragged.unsupported_reason(spec, 12.0)
+    assert mosaic_ragged.unsupported_reason(spec, 12.0) is None
     q8 = spec._replace(cache_dtype="int8", quantized=True, page_size=32)
-    assert "8-bit caches" in mosaic_ragged.unsupported_reason(q8, A100)
-    assert mosaic_ragged.unsupported_reason(q8, H100) is None  # the WGMMA kernels widen 8-bit pages
+    f32 = spec._replace(q_dtype="float32", cache_dtype="float32")
+    for cc in (A100, H100, B200):  # 8-bit caches on both paths
+        assert mosaic_ragged.unsupported_reason(q8, cc) is None, cc
+    assert "no exact float32" in mosaic_ragged.unsupported_reason(f32, A100)
     from jpa.ops.ragged import RAGGED
     for kind, cc in (("NVIDIA A100-SXM4-80GB", A100), ("NVIDIA RTX A6000", 8.6), ("NVIDIA L4", L4),
-                     ("NVIDIA B200", B200)):
+                     ("NVIDIA B200", B200), ("NVIDIA RTX PRO 6000 Blackwell", 12.0)):
         target = dispatch.Target("gpu", kind, cc, executable=False)
         with mosaic_arch((int(cc), int(round(cc * 10)) % 10)), pytest.warns(UserWarning, match="not attached"):
             assert dispatch.choose_impl("auto", spec, target, RAGGED) == "mosaic", kind
-        # What Mosaic refuses there falls to Triton, saying why (with the AOT notice).
+        # What Mosaic refuses there falls to plain JAX, saying why.
+        dispatch._announce_fallback.cache_clear()
         with mosaic_arch((int(cc), int(round(cc * 10)) % 10)), \
-                pytest.warns(UserWarning, match="mosaic ragged kernel refuses this configuration: 8-bit"):
-            assert dispatch.choose_impl("auto", q8, target, RAGGED) == "triton", kind
+                pytest.warns(RuntimeWarning, match="mosaic ragged kernel refuses this configuration: q dtype"):
+            assert dispatch.choose_impl("auto", f32, target, RAGGED) == "xla", kind
     assert dispatch.kernel_options("mosaic", A100, RAGGED) == {"compute_capability": A100}
 
 

@@ -241,11 +241,11 @@ def test_unsupported_reason_refuses_what_does_not_lower():
     for ps in (320, 512):
         assert "up to 256" in mosaic_decode.unsupported_reason(base._replace(page_size=ps))
     assert mosaic_decode.unsupported_reason(base._replace(page_size=256)) is None
-    assert "Hopper" in mosaic_decode.unsupported_reason(base, 12.0)
+    assert "Hopper" in mosaic_decode.unsupported_reason(base, 11.0)
     # Ampere/Ada and Blackwell are judged by the mma.sync kernel (`decode_ampere`): head_dim 32 is
     # refused there, head_dim 64 accepted.
-    for cc in (8.0, 8.9, 10.0):
-        assert "must be a multiple of 32 from 64 to 256" in mosaic_decode.unsupported_reason(base, cc)
+    for cc in (8.0, 8.9, 10.0, 12.0):
+        assert "must be a multiple of 16 (the mma's k) from 64 to 256" in mosaic_decode.unsupported_reason(base, cc)
         assert mosaic_decode.unsupported_reason(base._replace(head_dim=64), cc) is None
     # Measured spills are refused with the reason (auto then takes the Triton kernel).
     quant = base._replace(quantized=True, cache_dtype="int8", page_size=32)

@@ -291,6 +291,11 @@ SOAK = {
         "the A6000's ragged subset (A100 and B200 stay in the bench tier)",
     "tests/test_bench_mosaic_ampere.py::test_ragged_subset_compiles_for_ampere_ada_and_blackwell[l4-sm_89]":
         "the L4's ragged subset (A100 and B200 stay in the bench tier)",
+    "tests/test_bench_mosaic_ampere.py::test_kernel_subset_compiles_for_ampere_ada_and_blackwell[rtx6000pro-sm_120a]":
+        "the RTX PRO 6000's decode subset (sm_120 runs B200's TMA code path; B200's ragged subset stays in the "
+        "bench tier)",
+    "tests/test_bench_mosaic_ampere.py::test_ragged_subset_compiles_for_ampere_ada_and_blackwell[rtx6000pro-sm_120a]":
+        "the RTX PRO 6000's ragged subset (B200's, the same TMA code path, stays in the bench tier)",
     "tests/test_bench_moe_hf.py::test_generate_gpt_oss_with_prefix_caching_and_ngram_speculation[gpt_oss_mxfp4-24]":
         "60 s: jpa generate on the MXFP4 gpt-oss (the bf16 one stays in the bench tier; the main tier keeps "
         "MXFP4's prefill logits against transformers)",

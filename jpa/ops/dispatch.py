@@ -39,18 +39,24 @@ import numpy as np
 from jpa.pallas.spec import DecodeSpec
 
 KERNEL_MODULES = {"triton": "jpa.pallas.triton.decode", "mosaic": "jpa.pallas.mosaic.decode"}
-# impl="auto" preference order, each with the compute capabilities it serves: [min, max).
+# impl="auto" preference order, each entry with the compute capabilities it serves: [min, max).
 # Mosaic GPU has WGMMA kernels for Hopper (9.x) and mma.sync kernels (`jpa.pallas.mosaic.decode_ampere`,
-# `ragged_ampere`) with cp.async copies on Ampere/Ada (8.x) and TMA copies on Blackwell (10.x), for
-# both ops; each kernel module's unsupported_reason says per op and configuration what it serves.
-# Triton (deprecated by JAX; JAX warns when a Pallas Triton kernel is lowered, so only when it is
-# asked for or chosen) stays the fallback where Mosaic refuses, and the only kernel from 11.0 on.
-# Measured over the deviceless tier's covering grids (90 decode and 30 ragged configurations,
-# `jpa.tools.kernel_checks`): on A100 / A6000 / L4 / B200 Mosaic serves 42 and 8, and Triton serves
-# 45-46 and 22 of those Mosaic refuses (8-bit caches, float32 q, head_dim 80/112); without Triton in
-# the ladder they would fall to the plain-JAX path. BENCHMARKS.md "Mosaic GPU on Ampere, Ada and
-# Blackwell".
-AUTO_ORDER = (("mosaic", 8.0, 11.0), ("triton", 8.0, float("inf")))
+# `ragged_ampere`) with cp.async copies on Ampere/Ada (8.x) and TMA copies on Blackwell (10.x data
+# center, 12.x RTX), for both ops; each kernel module's unsupported_reason says per op and
+# configuration what it serves. Triton (deprecated by JAX; JAX warns when a Pallas Triton kernel is
+# lowered, so only when it is asked for or chosen) is in the ladder only where Mosaic leaves gaps
+# that it fills: Hopper, and GPUs no Mosaic kernel serves (11.x, 13.0 on). Measured over the
+# deviceless tier's covering grids (90 decode and 30 ragged configurations,
+# `jpa.tools.kernel_checks`; BENCHMARKS.md "Mosaic GPU on Ampere, Ada and Blackwell"): Mosaic
+# serves 83 and 22 of them on A100 / A6000 / L4, 89 and 23 on B200 / RTX PRO 6000 (before 8-bit
+# caches and head dims 80 / 112: 42 and 8). The rest, which Triton serves, fall to plain JAX with
+# one warning: float32 q (1 decode, 7 ragged; mma.sync cannot compute it exactly) and, on 8.x only,
+# 6 decode / 1 ragged page shapes cp.async cannot copy (8- or 16-token pages of head_dim 80 / 96
+# rows of 8-bit, or 8-token ones of head_dim 80 at 16 bits). On H100 the WGMMA kernels refuse 23
+# decode and 8 ragged ones beside float32 q (8-bit caches with pages < 32, head_dim 80 / 256 with
+# 8-bit caches) that Triton serves, so Triton stays there.
+AUTO_ORDER = (("mosaic", 8.0, 11.0), ("mosaic", 12.0, 13.0), ("triton", 9.0, 10.0),
+              ("triton", 11.0, 12.0), ("triton", 13.0, float("inf")))
 # Self-check tolerance per q dtype (max abs error vs the reference on O(1) values).
 SELF_CHECK_TOL = {"float32": 2e-3, "bfloat16": 4e-2, "float16": 1e-2}
 # Distinct sequences (each with its own pages) in the self-check's small pool; further sequences
@@ -61,7 +67,8 @@ SELF_CHECK_SEQS = 3
 # Word boundaries keep "A10" from matching "A100" and "L4" from matching "L40".
 _KIND_CC = ((r"\bGH200\b|\bH100\b|\bH200\b|\bH800\b|\bH20\b", 9.0), (r"\bA100\b|\bA800\b|\bA30\b", 8.0),
             (r"\bA10G?\b|\bA40\b|\bRTX A\d+|\bRTX 30\d0", 8.6), (r"\bL40S?\b|\bL4\b|\bRTX 40\d0", 8.9),
-            (r"\bGB200\b|\bB200\b", 10.0), (r"\bGB300\b|\bB300\b", 10.3), (r"\bT4\b", 7.5),
+            (r"\bGB200\b|\bB200\b", 10.0), (r"\bGB300\b|\bB300\b", 10.3),
+            (r"\bRTX PRO \d+ Blackwell\b|\bRTX 50\d0\b", 12.0), (r"\bT4\b", 7.5),
             (r"\bV100\b", 7.0))
 
 
@@ -155,8 +162,8 @@ def kernel_module(impl: str, op: Op | None = None):
 
 def kernel_options(impl: str, compute_capability: float | None, op: Op | None = None) -> dict:
     """Static options a kernel entry point needs from the target: the Mosaic decode and ragged
-    entries take the compute capability (they run their mma.sync kernels on 8.x and 10.x, the
-    WGMMA ones otherwise)."""
+    entries take the compute capability (they run their mma.sync kernels on 8.x, 10.x and 12.x,
+    the WGMMA ones otherwise)."""
     if impl == "mosaic" and compute_capability is not None:
         return {"compute_capability": float(compute_capability)}
     return {}
@@ -366,7 +373,8 @@ def choose_impl(impl: str, spec, target: Target | None = None, op: Op | None = N
             chosen = name
             break
         skipped.append((name, "failed its self-check", reason))
-    if skipped and target.executable:
+    if skipped and (target.executable or chosen == "xla"):
+        # (Ahead of time a chosen kernel's notice lists what was passed over: `_announce_aot`.)
         _announce_fallback(tuple(skipped), chosen, spec, target, op_name)
     return chosen
 

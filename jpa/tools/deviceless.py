@@ -99,6 +99,14 @@ TARGETS = {
                threads_per_core_limit=1536, shared_memory_per_core=102400,
                shared_memory_per_block_optin=101376, memory_bandwidth=300000000000,
                l2_cache_size=50331648, clock_rate_ghz=2.04, device_memory_size=24152899584),
+    # XLA's rtx6000pro.txtpb (sm_120: RTX PRO 6000 Blackwell; RTX 50xx share the arch).
+    "rtx6000pro": dict(kind="NVIDIA RTX PRO 6000 Blackwell", cc=(12, 0), core_count=188,
+                       fpus_per_core=128, threads_per_core_limit=1536, shared_memory_per_core=131072,
+                       shared_memory_per_block_optin=101376, memory_bandwidth=1792000000000,
+                       l2_cache_size=134217728, clock_rate_ghz=2.6, device_memory_size=103079215104,
+                       # XLA's spec says NONE; Mosaic GPU emits sm_120a PTX (arch-specific features
+                       # from sm_90 on), which ptxas builds only for sm_120a.
+                       feature_extension="ACCELERATED_FEATURES"),
     # XLA's b200.txtpb (sm_100a).
     "b200": dict(kind="NVIDIA B200", cc=(10, 0), core_count=148, fpus_per_core=128,
                  shared_memory_per_core=233472, shared_memory_per_block_optin=232448,
@@ -136,9 +144,10 @@ def compute_capability(target: str) -> float:
 def target_config(name: str) -> str:
     """The GpuTargetConfigProto text of a target."""
     t = {**_COMMON, **TARGETS[name]}
-    fields = "\n".join(f"  {k}: {v}" for k, v in t.items() if k not in ("kind", "cc"))
+    fields = "\n".join(f"  {k}: {v}" for k, v in t.items() if k not in ("kind", "cc", "feature_extension"))
     major, minor = t["cc"]
-    return (f"gpu_device_info {{\n{fields}\n  cuda_compute_capability {{ major: {major} minor: {minor} }}\n}}\n"
+    ext = f" feature_extension: {t['feature_extension']}" if "feature_extension" in t else ""
+    return (f"gpu_device_info {{\n{fields}\n  cuda_compute_capability {{ major: {major} minor: {minor}{ext} }}\n}}\n"
             f'platform_name: "CUDA"\ndnn_version_info {{ major: 9 minor: 7 }}\n'
             f'runtime_version {{ major: 12 minor: 8 }}\ndevice_description_str: "{t["kind"]}"\n')
 

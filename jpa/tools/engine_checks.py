@@ -37,14 +37,14 @@ def step_program(runner, num_tokens: int, platform: str = "cuda"):
 def expected_kernel_calls(target: str, kernel_calls, decode_calls: int) -> dict:
     """{impl: calls} of an engine step with `kernel_calls` attention kernel calls, `decode_calls` of
     them the decode loop's plain `jpa.paged_decode`: all Mosaic on Hopper (WGMMA), Ampere/Ada (8.x)
-    and Blackwell (10.x) (mma.sync: decode and the ragged op's two calls); Triton elsewhere.
+    and Blackwell (10.x, 12.x) (mma.sync: decode and the ragged op's two calls); Triton elsewhere.
     kernel_calls: an int, or {"hopper": n, "other": m} when Hopper's count differs (the verify
     pass's one multi-row decode kernel call where the others make two)."""
     del decode_calls  # every call is the same kernel family now
     major = TARGETS[target]["cc"][0]
     if isinstance(kernel_calls, dict):
         kernel_calls = kernel_calls["hopper" if major == 9 else "other"]
-    if major in (8, 9, 10):
+    if major in (8, 9, 10, 12):
         return {"mosaic": kernel_calls}
     return {"triton": kernel_calls}
 

@@ -170,11 +170,14 @@ def check_kernels(compiler: Compiler, impls, subset: str, log=print, random: int
             if rec["ok"] and rec[want] != 1:
                 rec["ok"] = False
                 rec["problems"].append(f"expected one {impl} kernel call, found {rec[want]}")
-            if impl == "mosaic" and rec["ok"] and 8.0 <= cc < 9.0:
-                from jpa.pallas.mosaic import decode_ampere, tuning as mosaic_tuning
+            from jpa.pallas.mosaic import decode_ampere
+            if impl == "mosaic" and rec["ok"] and decode_ampere.serves(cc):
+                from jpa.pallas.mosaic import tuning as mosaic_tuning
                 q_item = np.dtype(jnp.dtype(cfg.q_dtype)).itemsize
+                quantized = cfg.spec().quantized
                 rec["mosaic_smem_planned"] = decode_ampere.smem_plan(
-                    cfg.head_dim, q_item, tuning=mosaic_tuning.lookup_ampere(cc, cfg.head_dim))[1]
+                    cfg.head_dim, q_item, tuning=mosaic_tuning.lookup_ampere(cc, cfg.head_dim, quantized),
+                    cache_itemsize=1 if quantized else None, page_size=cfg.page_size)[1]
             elif impl == "mosaic" and rec["ok"]:
                 from jpa.pallas.mosaic import decode as mosaic_decode
                 q_item = np.dtype(jnp.dtype(cfg.q_dtype)).itemsize

@@ -93,8 +93,7 @@ def unsupported_reason(spec: DecodeSpec, compute_capability: float | None = None
     compute_capability None (interpret mode, or an unknown device) skips the device check.
     tuning: the tiling to check (None: `tuning.lookup(compute_capability, spec.head_dim)`).
     """
-    if compute_capability is not None and (8.0 <= compute_capability < 9.0
-                                           or 10.0 <= compute_capability < 11.0):
+    if decode_ampere.serves(compute_capability):
         return decode_ampere.unsupported_reason(spec, compute_capability)
     if tuning is None:
         tuning = tuning_table.lookup(compute_capability, spec.head_dim)
@@ -429,16 +428,14 @@ def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap
     Returns:
       [num_seqs, num_q_heads, head_dim] in q's dtype.
     """
-    if compute_capability is not None and (8.0 <= compute_capability < 9.0
-                                           or 10.0 <= compute_capability < 11.0):
-        if k_scales is not None:
-            raise ValueError("the mma.sync Mosaic kernel (Ampere/Ada/Blackwell) does not take 8-bit "
-                             "caches (see decode_ampere.unsupported_reason)")
+    if decode_ampere.serves(compute_capability):
         return decode_ampere.paged_decode(
             q, k_pages, v_pages, block_tables, seq_lens, scale=scale, soft_cap=soft_cap,
             alibi_slopes=alibi_slopes, sliding_window=sliding_window, interpret=interpret,
-            layer=layer, tma=uses_tma(compute_capability), sinks=sinks,
-            tuning=tuning or tuning_table.lookup_ampere(compute_capability, q.shape[-1]))
+            layer=layer, tma=uses_tma(compute_capability), sinks=sinks, k_scales=k_scales,
+            v_scales=v_scales, fp8_cvt=decode_ampere.converts_fp8(compute_capability),
+            tuning=tuning or tuning_table.lookup_ampere(compute_capability, q.shape[-1],
+                                                        k_scales is not None))
     return _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, scale=scale,
                          soft_cap=soft_cap, alibi_slopes=alibi_slopes,
                          sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales,

@@ -518,9 +518,10 @@ def attend(blocks: KVBlocks, q_smem, p_smem, kd_smem, vd_smem, *, scale, soft_ca
 # WGMMA: `plgpu.mma` (m16n8k16 mma.sync) on register operands loaded from SMEM, the f32
 # accumulator in the MMA_ACC layout, one [64, <= CHUNK] accumulator per head_dim column chunk.
 # Copies: cp.async commit groups below sm_90; TMA + one mbarrier per slot on sm_100 (Mosaic GPU
-# copies only by TMA from sm_90 on). The per-generation difference is `MmaOps.tma` (and the tiling
-# row, `tuning.lookup_ampere`); GPU interpret mode gets stand-ins for the primitives it does not
-# model (`MmaOps.interpret`).
+# copies only by TMA from sm_90 on; sm_120 the same). The per-generation difference is
+# `MmaOps.tma`, `MmaOps.fp8_cvt` (float8 converted in hardware from sm_89, by bit manipulation
+# below) and the tiling row (`tuning.lookup_ampere`); GPU interpret mode gets stand-ins for the
+# primitives it does not model (`MmaOps.interpret`).
 
 # Columns of q / K / V handled per mma sweep (one [64, 64] f32 accumulator each).
 CHUNK = 64
@@ -540,16 +541,89 @@ def kv_swizzle(head_dim: int, rows: int, itemsize: int = 2) -> int | None:
 
     A cp.async copy of a tiled SMEM buffer is spread over the 4 warps a tile at a time (tiles of
     8 rows x swizzle bytes), so a page copy of `rows` rows must be a multiple of 4 tiles: the
-    widest swizzle (fewest bank conflicts) that divides a row and gives such a count."""
+    widest swizzle (fewest bank conflicts) that divides a row and gives such a count. A tile is
+    at most CHUNK columns wide (128-byte tiles of an 8-bit block would be 128 columns, which the
+    CHUNK-column operand slices cannot cut)."""
     row_bytes = head_dim * itemsize
     for swizzle in (128, 64, 32):
+        if swizzle > CHUNK * itemsize:
+            continue
         if row_bytes % swizzle == 0 and (rows // 8) * (row_bytes // swizzle) % 4 == 0:
             return swizzle
     return None
 
 
+def untiled_rows(head_dim: int) -> bool:
+    """Whether the mma path keeps its [rows, head_dim] SMEM tiles untiled (row-major, no swizzle):
+    head dims that are not a multiple of 32 (80, 112). A tiled cp.async copy moves 8-row x
+    swizzle-byte tiles a warp at a time and Mosaic GPU wants each warp's share to be whole 128-byte
+    GMEM lines, which 160- / 224-byte rows are not; an untiled copy moves the contiguous page
+    (or q rows) as one run of 16-byte pieces."""
+    return head_dim % 32 != 0
+
+
+def out_width(head_dim: int) -> int:
+    """Columns of the mma path's accumulators and f32 outputs: head_dim, rounded up to a multiple
+    of 32 for untiled rows (`untiled_rows`): an f32 output chunk is stored in whole 128-byte GMEM
+    lines, which 16 columns (head_dim 80's last chunk) are not. The extra columns come from the
+    restaged V block's unwritten columns and are sliced off by the wrappers."""
+    return -(-head_dim // 32) * 32 if untiled_rows(head_dim) else head_dim
+
+
+def untiled_copy_ok(rows: int, head_dim: int, itemsize: int) -> bool:
+    """Whether an untiled cp.async copy of a [rows, head_dim] page piece works: a multiple of 128
+    elements, each thread's share moved in pieces of 4, 8 or 16 bytes (the vector Mosaic's
+    WGStridedFragLayout picks: the thread's share up to 8 bytes, halved until it divides; 5 or 6
+    int8 elements of an 8-row page at head_dim 80 / 96 are no cp.async size)."""
+    size = rows * head_dim
+    if size % 128:
+        return False
+    vec = min(8 // itemsize, size // 128)
+    while vec > 0 and size % (vec * 128):
+        vec //= 2
+    return vec * itemsize in (4, 8, 16)
+
+
+def q_transforms(dtype, head_dim: int):
+    """The mma path's q tile transforms: `operand_transforms`, or none (`untiled_rows`)."""
+    return () if untiled_rows(head_dim) else operand_transforms(dtype, head_dim)
+
+
+def kv_untiled(head_dim: int, rows: int, itemsize: int) -> bool:
+    """Whether the K/V SMEM blocks are untiled: head dims 80 / 112 (`untiled_rows`), or pages
+    whose tiled cp.async copy has no swizzle that works (`kv_swizzle`: small pages of narrow rows,
+    e.g. 8 tokens x 64 int8). Untiled copies move the contiguous page (`untiled_copy_ok`)."""
+    return untiled_rows(head_dim) or kv_swizzle(head_dim, rows, itemsize) is None
+
+
+def staged(head_dim: int, rows: int, quantized: bool) -> tuple:
+    """(K, V): which blocks the mma path restages through a tiled SMEM block in q's dtype before
+    its operand loads (`MmaOps.widen_block`): both for an 8-bit cache (widened), V for untiled
+    K/V blocks (`kv_untiled`; rows: a page copy's rows; V's operand pairs run along tokens, which
+    Mosaic GPU loads only from tiled 16-bit SMEM; K^T's run along head_dim and load from untiled
+    rows)."""
+    return quantized, quantized or kv_untiled(head_dim, rows, 1 if quantized else 2)
+
+
+def staging_scratch(dtype, head_dim: int, block_tokens: int, rows: int, quantized: bool) -> list:
+    """The two restaging blocks of `staged` for `pl.run_scoped` ([S, H] in q's dtype, or None)."""
+    k_on, v_on = staged(head_dim, rows, quantized)
+    if untiled_rows(head_dim):
+        # 32-byte swizzle: tiles of 16 columns, which head_dim 80's / 112's last mma chunks (16,
+        # 48 columns) cut whole.
+        bits = jnp.dtype(dtype).itemsize * 8
+        transforms = (plgpu.TilingTransform((8, 32 * 8 // bits)), plgpu.SwizzleTransform(32))
+        return [plgpu.SMEM((block_tokens, width), dtype, transforms=transforms) if on else None
+                for on, width in ((k_on, head_dim), (v_on, out_width(head_dim)))]
+    return [plgpu.SMEM((block_tokens, head_dim), dtype, transforms=operand_transforms(dtype, head_dim))
+            if on else None for on in (k_on, v_on)]
+
+
 def kv_transforms(dtype, head_dim: int, rows: int):
-    """Tiling + swizzle of the mma path's K/V SMEM blocks (`kv_swizzle`; rows per copy)."""
+    """Tiling + swizzle of the mma path's K/V SMEM blocks (`kv_swizzle`; rows per copy), or none
+    (`kv_untiled`)."""
+    if kv_untiled(head_dim, rows, jnp.dtype(dtype).itemsize):
+        return ()
     swizzle = kv_swizzle(head_dim, rows, jnp.dtype(dtype).itemsize)
     bits = jnp.dtype(dtype).itemsize * 8
     return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
@@ -589,9 +663,16 @@ class MmaOps(NamedTuple):
     cp.async without a barrier nor `mma` nor the accumulator -> lhs relayout; there copies are
     plain ref reads/writes (TMA path: real TMAs and barriers, which the interpreter models) and
     matmuls `jnp.dot`. Block walk, masking, softmax, split-K and the layer index are the code that
-    runs on the GPU."""
+    runs on the GPU. fp8_cvt: the GPU converts float8 in hardware (sm_89 and later: cvt from
+    e4m3/e5m2); without it (sm_80/86) float8 widens by integer bit manipulation (`widen_fp8_bits`).
+
+    8-bit caches: a K or V block is widened to q's dtype into an SMEM block (`widen_block`),
+    which the operand loads then read as a 16-bit cache's. (V's operand pairs run along tokens,
+    strided, which Mosaic GPU loads only from 16-bit tiles; widening K in registers next to the
+    scores, the other choice for K, spilled on sm_80.)"""
     interpret: bool
     tma: bool = False
+    fp8_cvt: bool = True
 
     def copy(self, src, dst, bar=None):
         if self.tma:
@@ -607,17 +688,57 @@ class MmaOps(NamedTuple):
         if not self.interpret and not self.tma:
             plgpu.wait_gmem_to_smem(groups)
 
+    # Operand loads pass optimized=False: from an untiled block (`kv_untiled`) Mosaic GPU may find
+    # no bank-conflict-free pattern (192-byte rows) and would refuse rather than load slower.
     def lhs(self, ref):
-        return ref[...] if self.interpret else plgpu.load(ref, layout=plgpu.Layout.MMA_LHS(ref.dtype))
-
-    def rhs(self, ref):
-        return ref[...] if self.interpret else plgpu.load(ref, layout=plgpu.Layout.MMA_RHS(ref.dtype))
-
-    def rhs_t(self, ref):
-        """ref [S, W] -> its transpose [W, S] as an mma rhs."""
         if self.interpret:
-            return ref[...].T
-        return plgpu.load(ref.T, layout=plgpu.Layout.MMA_RHS(ref.dtype))
+            return ref[...]
+        return plgpu.load(ref, layout=plgpu.Layout.MMA_LHS(ref.dtype), optimized=False)
+
+    def rhs(self, ref, dtype=None):
+        """ref [S, W] as an mma rhs of `dtype` (None: ref's; an 8-bit ref is widened to it)."""
+        dtype = dtype or ref.dtype
+        x = ref[...] if self.interpret else plgpu.load(ref, layout=plgpu.Layout.MMA_RHS(dtype),
+                                                        optimized=False)
+        return self.widen_operand(x, dtype)
+
+    def rhs_t(self, ref, dtype=None):
+        """ref [S, W] -> its transpose [W, S] as an mma rhs of `dtype` (as `rhs`)."""
+        dtype = dtype or ref.dtype
+        if self.interpret:
+            return self.widen_operand(ref[...].T, dtype)
+        return self.widen_operand(
+            plgpu.load(ref.T, layout=plgpu.Layout.MMA_RHS(dtype), optimized=False), dtype)
+
+    def widen_operand(self, x, dtype):
+        """An operand tile read from an 8-bit block -> q's dtype, exactly (int8 and both float8
+        formats are exact in bfloat16 and float16); x itself when it already has that dtype."""
+        if x.dtype == dtype:
+            return x
+        if jnp.issubdtype(x.dtype, jnp.floating) and not self.fp8_cvt:
+            return widen_fp8_bits(x).astype(dtype)
+        # Through f32 for int8 too: Mosaic's direct int8 -> bfloat16 uses sub.bf16x2 (sm_90+).
+        return x.astype(jnp.float32).astype(dtype)
+
+    def sync(self):
+        """A warpgroup barrier (bar.sync): SMEM written by some warps is then visible to all."""
+        if self.interpret:
+            return
+        import jax.experimental.mosaic.gpu as mgpu  # the lowering's own library
+
+        @plgpu.inline_mgpu()
+        def barrier(_):
+            mgpu.utils.warpgroup_barrier()
+        barrier()
+
+    def widen_block(self, src, dst, dtype):
+        """dst[...] = src[...] widened to dtype (an 8-bit K or V block [S, W] -> q's dtype in
+        SMEM), through registers in the layout of a transposed operand load (pairs along W,
+        contiguous in both)."""
+        if self.interpret:
+            dst[...] = self.widen_operand(src[...], dtype)
+            return
+        dst.T[...] = self.rhs_t(src, dtype)
 
     def mma(self, acc, a, b):
         if self.interpret:
@@ -640,6 +761,18 @@ class MmaOps(NamedTuple):
         return plgpu.layout_cast(jnp.full((BLOCK_Q,), value, jnp.float32),
                                  plgpu.Layout.MMA_ACC(dtype).reduce(1))
 
+    def key_vector(self, pieces, dtype):
+        """f32[S] per-key values of a block (8-bit caches' scales) read straight from GMEM into
+        the column layout of the [BLOCK_Q, S] scores: pieces, the block's slices of the scale
+        pool in key order (one per page, or one slice of a page), are loaded and joined in
+        registers. (A cp.async copy moves whole 128-element or 4-warp-tile pieces: a page's scales
+        are fewer.)"""
+        if self.interpret:
+            return jnp.concatenate([ref[...] for ref in pieces]) if len(pieces) > 1 else pieces[0][...]
+        layout = plgpu.Layout.MMA_ACC(dtype).reduce(0)
+        parts = [plgpu.load(ref, layout=layout, optimized=False) for ref in pieces]
+        return parts[0] if len(parts) == 1 else join_columns(parts, dtype)
+
     def barriers(self, rows: int, arrivals: int, slots: int) -> tuple:
         """The TMA path's barriers, for `pl.run_scoped`: one per q-tile copy (q, then `rows` f32
         rows) and one per slot with `arrivals` TMAs (K and V pieces); none on cp.async."""
@@ -647,6 +780,36 @@ class MmaOps(NamedTuple):
             return ()
         return (plgpu.Barrier(num_barriers=1 + rows),
                 plgpu.Barrier(num_arrivals=arrivals, num_barriers=slots))
+
+
+def widen_fp8_bits(x):
+    """float8 e4m3fn / e5m2 -> float16 by integer bit manipulation, for GPUs without a float8
+    convert (sm_80/86). e5m2 is float16's top byte. e4m3fn's bits (sign, 4 exponent bits of bias
+    7, 3 mantissa bits) placed at float16's (bias 15) give x * 2**-8 for normal and subnormal x
+    alike, so one exact multiply by 256 restores x. (0x7f/0xff, e4m3fn's NaN, become +-480: the
+    kernels mask every key outside a sequence, the only place a NaN may sit.)"""
+    bits = lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.uint16)
+    if x.dtype == jnp.float8_e5m2:
+        return lax.bitcast_convert_type(bits << 8, jnp.float16)
+    h = ((bits & 0x80) << 8) | ((bits & 0x7F) << 7)
+    return lax.bitcast_convert_type(h, jnp.float16) * jnp.float16(256.0)
+
+
+def join_columns(parts, dtype):
+    """f32 vectors in the column layout of a [BLOCK_Q, n_i] MMA_ACC tile -> one vector of
+    sum(n_i), in order. A column vector's registers are one group per 8 columns (the m16n8
+    accumulator tile's width), so joining is concatenating the register groups."""
+    import jax.experimental.mosaic.gpu as mgpu  # the lowering's own library
+
+    layout = plgpu.Layout.MMA_ACC(dtype).reduce(0)
+    total = sum(p.shape[0] for p in parts)
+
+    @plgpu.inline_mgpu(arg_types=(layout,) * len(parts),
+                       return_type=plgpu.ShapeDtypeStruct((total,), jnp.float32, layout))
+    def join(_, *xs):
+        regs = np.concatenate([x.registers for x in xs], axis=0)
+        return mgpu.FragmentedArray(_registers=regs, _layout=xs[0].layout, _is_signed=None)
+    return join(*parts)
 
 
 def mma_copies_per_block(page_size: int, block_tokens: int) -> int:
@@ -670,23 +833,35 @@ class MmaBlocks(NamedTuple):
     page_size: int
     block_tokens: int
     slots: int
+    scales: tuple | None = None  # 8-bit caches: (ks_ref, vs_ref) f32[..., P, S_p] in GMEM
+    wide: tuple = (None, None)  # (k, v) restaging blocks [S, H] in q's dtype or None (`staged`)
 
     @property
     def groups(self) -> int:
         return mma_copies_per_block(self.page_size, self.block_tokens)
 
+    def pieces(self, step):
+        """block_pieces of block lo + step (its pages read from the block table)."""
+        src = block_source(self.tables_ref, self.seq, self.lo + step, page_size=self.page_size,
+                           block_tokens=self.block_tokens, pages_per_seq=self.tables_ref.shape[1],
+                           num_pages=self.gmem[0].shape[-3])
+        return block_pieces(src, page_size=self.page_size, block_tokens=self.block_tokens)
+
     def issue(self, step, slot):
         """Starts the copies of block lo + step into slot."""
         k_ref, v_ref = self.gmem
         k_smem, v_smem = self.smem
-        src = block_source(self.tables_ref, self.seq, self.lo + step, page_size=self.page_size,
-                           block_tokens=self.block_tokens, pages_per_seq=self.tables_ref.shape[1],
-                           num_pages=k_ref.shape[-3])
         bar = self.bars.at[slot] if self.ops.tma else None
-        for page, src_rows, rows in block_pieces(src, page_size=self.page_size,
-                                                 block_tokens=self.block_tokens):
+        for page, src_rows, rows in self.pieces(step):
             self.ops.copy(k_ref.at[(*self.head, page, src_rows)], k_smem.at[slot, rows], bar)
             self.ops.copy(v_ref.at[(*self.head, page, src_rows)], v_smem.at[slot, rows], bar)
+
+    def scale_vector(self, step, which, dtype):
+        """8-bit caches: K's (which 0) or V's (1) scales f32[S] of block lo + step in the scores'
+        column layout (`MmaOps.key_vector`), read from GMEM when the block is computed."""
+        ref = self.scales[which]
+        return self.ops.key_vector([ref.at[(*self.head, page, src_rows)]
+                                    for page, src_rows, _ in self.pieces(step)], dtype)
 
     def prefetch(self):
         """Starts the copies of the first slots - 1 blocks (those that exist)."""
@@ -742,6 +917,15 @@ def attend_mma(blocks: MmaBlocks, q_smem, *, scale, soft_cap, logits, key_range,
     layout to the lhs layout in registers (`acc_to_lhs`). V rows outside key_range are zeroed in
     registers (p is 0 there, but 0 * NaN from a recycled page is not).
 
+    8-bit caches (blocks.scales set): K and V operand tiles are loaded from the 8-bit SMEM block
+    in q's operand layout and widened in registers (exact); the per-token scales, read from GMEM
+    per block, multiply the scores' columns (K) and p's columns before p is rounded (V), as the
+    WGMMA path and the reference: s = (q . k_int) * scale * k_scale, acc += (p * v_scale) @ v_int.
+    V scales outside key_range are zeroed (an unwritten slot's scale may be NaN). p * v_scale is
+    taken times a power of two near the 8-bit format's largest value (`p_shift`), and the
+    accumulators times its inverse at the end (both exact): p * v_scale alone falls into
+    float16's subnormal range for float8 e5m2 (scale = amax / 57344) and loses bits there.
+
     Returns:
       (accs, m, l): a tuple of f32[BLOCK_Q, width] per chunk, f32[BLOCK_Q] twice; unnormalized,
       in the MMA_ACC layouts.
@@ -751,7 +935,12 @@ def attend_mma(blocks: MmaBlocks, q_smem, *, scale, soft_cap, logits, key_range,
     slots, block_tokens = blocks.slots, blocks.block_tokens
     dtype = q_smem.dtype
     chunks = mma_chunks(q_smem.shape[-1])
+    # P @ V's column chunks: the restaged V block's width (`out_width`) when there is one.
+    v_wide = blocks.wide[1]
+    pv_chunks = chunks if v_wide is None else mma_chunks(v_wide.shape[-1])
     key_lo, key_end = key_range
+    quantized = blocks.scales is not None
+    shift = p_shift(k_smem.dtype) if quantized else 1.0
 
     def body(step, carry):
         accs, m, l = carry
@@ -762,18 +951,41 @@ def attend_mma(blocks: MmaBlocks, q_smem, *, scale, soft_cap, logits, key_range,
         nxt = step + slots - 1
         pl.when(nxt < blocks.num_steps)(lambda: blocks.issue(nxt, lax.rem(nxt, slots)))
         k_blk, v_blk = k_smem.at[slot], v_smem.at[slot]
+        if any(x is not None for x in blocks.wide):
+            # Blocks restaged in SMEM (`staged`: 8-bit K and V widened, V of untiled rows). The
+            # previous block's readers are done: on cp.async the wait above synced the warpgroup
+            # after them; TMA waits do not sync.
+            if ops.tma:
+                ops.sync()
+            for src, dst in zip((k_blk, v_blk), blocks.wide):
+                if dst is not None:
+                    for c0, w in chunks:
+                        ops.widen_block(src.at[:, pl.ds(c0, w)], dst.at[:, pl.ds(c0, w)], dtype)
+            ops.sync()
+            k_blk, v_blk = (blk if dst is None else dst for blk, dst in zip((k_blk, v_blk), blocks.wide))
         s = ops.zeros((BLOCK_Q, block_tokens), dtype)
         for c0, w in chunks:
             s = ops.mma(s, ops.lhs(q_smem.at[:, pl.ds(c0, w)]), ops.rhs_t(k_blk.at[:, pl.ds(c0, w)]))
-        s = apply_soft_cap(s * scale, soft_cap)
+        s = s * scale
         block_start = (blocks.lo + step) * block_tokens
+        if quantized:
+            # Read where used, not before the wait: held across the widening (and V's across
+            # the softmax) they made sm_80 spill.
+            k_scale = blocks.scale_vector(step, 0, dtype)
+            s = s * lax.broadcast_in_dim(k_scale, s.shape, [1])
+        s = apply_soft_cap(s, soft_cap)
         pos = block_start + ops.iota((BLOCK_Q, block_tokens), 1, plgpu.Layout.MMA_ACC(dtype))
         s, vis = logits(s, pos)
         p, m_new, alpha, l = softmax_step(s, vis, m, l, zero_masked_p=zero_masked_p)
+        if quantized:
+            v_scale = blocks.scale_vector(step, 1, dtype)
+            key = block_start + ops.iota((block_tokens,), 0, plgpu.Layout.MMA_ACC(dtype).reduce(0))
+            v_scale = jnp.where((key < key_end) & (key >= key_lo), v_scale * shift, 0.0)
+            p = p * lax.broadcast_in_dim(v_scale, p.shape, [1])
         p_op = ops.to_lhs(p.astype(dtype))
         alpha_b = lax.broadcast_in_dim(alpha, (BLOCK_Q, CHUNK), [0])
         new = []
-        for (c0, w), acc in zip(chunks, accs):
+        for (c0, w), acc in zip(pv_chunks, accs):
             a = acc * (alpha_b if w == CHUNK else lax.broadcast_in_dim(alpha, acc.shape, [0]))
             v = ops.rhs(v_blk.at[:, pl.ds(c0, w)])
             tok = block_start + ops.iota((block_tokens, w), 0, plgpu.Layout.MMA_RHS(dtype))
@@ -781,6 +993,18 @@ def attend_mma(blocks: MmaBlocks, q_smem, *, scale, soft_cap, logits, key_range,
             new.append(ops.mma(a, p_op, v))
         return tuple(new), m_new, l
 
-    init = (tuple(ops.zeros((BLOCK_Q, w), dtype) for _, w in chunks),
+    init = (tuple(ops.zeros((BLOCK_Q, w), dtype) for _, w in pv_chunks),
             ops.full_rows(MASK_VALUE, dtype), ops.full_rows(0.0, dtype))
-    return lax.fori_loop(0, blocks.num_steps, body, init)
+    accs, m, l = lax.fori_loop(0, blocks.num_steps, body, init)
+    if quantized:
+        accs = tuple(acc * (1.0 / shift) for acc in accs)
+    return accs, m, l
+
+
+def p_shift(cache_dtype) -> float:
+    """The power of two that p * v_scale is scaled by on the mma path (`attend_mma`): the largest
+    one <= the 8-bit format's largest value (int8 64, e4m3fn 256, e5m2 32768), so p * v_scale *
+    shift is about p * |V row| / 1-2, a normal float16 number."""
+    dt = jnp.dtype(cache_dtype)
+    top = float(jnp.iinfo(dt).max if jnp.issubdtype(dt, jnp.integer) else jnp.finfo(dt).max)
+    return float(2.0 ** np.floor(np.log2(top)))

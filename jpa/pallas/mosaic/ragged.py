@@ -94,9 +94,8 @@ def aot_unsupported_reason(compute_capability: float | None) -> str | None:
 
 def is_mma_path(compute_capability: float | None) -> bool:
     """Whether a GPU of this compute capability runs the mma.sync kernels (`decode_ampere`,
-    `ragged_ampere`): Ampere/Ada (8.x, cp.async) and Blackwell (10.x, TMA)."""
-    return compute_capability is not None and (8.0 <= compute_capability < 9.0
-                                               or 10.0 <= compute_capability < 11.0)
+    `ragged_ampere`): Ampere/Ada (8.x, cp.async) and Blackwell (10.x, 12.x; TMA)."""
+    return ragged_ampere.decode_ampere.serves(compute_capability)
 
 
 def tile_tokens(q_per_kv: int) -> int:
@@ -311,10 +310,7 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
     q_per_kv = num_q_heads // num_kv_heads
     num_seqs = jnp.asarray(num_seqs, jnp.int32)
     mma = is_mma_path(compute_capability)
-    if mma and k_scales is not None:
-        raise ValueError("the mma.sync Mosaic kernels (Ampere/Ada/Blackwell) do not take 8-bit "
-                         "caches (see ragged_ampere.unsupported_reason)")
-    tuning = tuning or (tuning_table.lookup_ampere(compute_capability, head_dim) if mma
+    tuning = tuning or (tuning_table.lookup_ampere(compute_capability, head_dim, k_scales is not None) if mma
                         else tuning_table.lookup(None, head_dim))
     opts = dict(scale=scale, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
                 sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales, sinks=sinks)
@@ -337,7 +333,8 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
             q_rows, k_pages, v_pages, block_tables, tiles, alibi_slopes, sinks, scale=scale,
             soft_cap=soft_cap, sliding_window=sliding_window, interpret=interpret, layer=layer,
             tuning=tuning, tma=uses_tma(compute_capability), q_per_kv=q_per_kv,
-            rows_per_head=rows_per_head)  # [W, K, BLOCK_Q, H]
+            rows_per_head=rows_per_head, k_scales=k_scales, v_scales=v_scales,
+            fp8_cvt=ragged_ampere.decode_ampere.converts_fp8(compute_capability))  # [W, K, BLOCK_Q, H]
     else:
         out_tiles = _tile_rows(q, k_pages, v_pages, block_tables, tiles, alibi_slopes, k_scales,
                                v_scales, scale=scale, soft_cap=soft_cap,

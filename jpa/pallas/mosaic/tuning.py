@@ -140,6 +140,19 @@ AMPERE_TABLE = (
         tuning=MosaicTuning(block_tokens=32, max_slots=4, smem_budget=200 * 1024,
                             target_programs=2 * 148),
         measured="ptxas, deviceless B200 compile (JAX 0.12.0.1). Speed: not measured."),
+    # Blackwell RTX (sm_120: RTX PRO 6000, RTX 50xx) through the TMA path: 99 KiB of SMEM per block
+    # as sm_86 / sm_89; 188 SMs on the RTX PRO 6000.
+    TuningRow(
+        gpus="RTX PRO 6000 / RTX 50xx (sm_120), head_dim <= 128", compute_capability=(12.0, 13.0),
+        head_dims=(1, 128),
+        tuning=MosaicTuning(block_tokens=64, max_slots=3, smem_budget=97 * 1024,
+                            target_programs=2 * 188),
+        measured="ptxas, deviceless RTX PRO 6000 compile (JAX 0.12.0.1). Speed: not measured."),
+    TuningRow(
+        gpus="RTX PRO 6000 / RTX 50xx (sm_120), head_dim > 128", compute_capability=(12.0, 13.0),
+        tuning=MosaicTuning(block_tokens=32, max_slots=3, smem_budget=97 * 1024,
+                            target_programs=2 * 188),
+        measured="ptxas, deviceless RTX PRO 6000 compile (JAX 0.12.0.1). Speed: not measured."),
     # Interpret mode / unknown: the A100 rows' tiling.
     TuningRow(
         gpus="any other (interpret mode), head_dim > 128", compute_capability=None,
@@ -153,6 +166,27 @@ AMPERE_TABLE = (
 )
 
 
-def lookup_ampere(compute_capability: float | None = None, head_dim: int = 128) -> MosaicTuning:
-    """The Ampere/Ada kernel's default tiling (AMPERE_TABLE) for a GPU and a head_dim."""
-    return lookup_tuning(AMPERE_TABLE, compute_capability, head_dim).tuning
+# 8-bit caches: blocks of at most this many tokens on Ampere/Ada, and of at most
+# QUANTIZED_BLOCK_TOKENS_WIDE above head_dim 128 on every generation. The widened K/V blocks, the
+# per-token scales and (sm_80/86) float8's bit manipulation sit next to the scores: with 64-token
+# blocks the decode kernel spilled 12-16 B on sm_80 (float16 q, e5m2, GQA 8, head_dim 128), and
+# with 32-token blocks the ragged tile kernel spilled 32 B on sm_120 at head_dim 256 (int8 and
+# e5m2).
+QUANTIZED_BLOCK_TOKENS_SM8X = 32
+QUANTIZED_BLOCK_TOKENS_WIDE = 16
+
+
+def lookup_ampere(compute_capability: float | None = None, head_dim: int = 128,
+                  quantized: bool = False) -> MosaicTuning:
+    """The Ampere/Ada kernel's default tiling (AMPERE_TABLE) for a GPU and a head_dim; 8-bit caches
+    (`quantized`) take smaller blocks: at most QUANTIZED_BLOCK_TOKENS_SM8X tokens on 8.x (and in
+    interpret mode, which stands for it), at most QUANTIZED_BLOCK_TOKENS_WIDE above head_dim 128."""
+    tuning = lookup_tuning(AMPERE_TABLE, compute_capability, head_dim).tuning
+    if quantized:
+        cap = tuning.block_tokens
+        if compute_capability is None or compute_capability < 9.0:
+            cap = min(cap, QUANTIZED_BLOCK_TOKENS_SM8X)
+        if head_dim > 128:
+            cap = min(cap, QUANTIZED_BLOCK_TOKENS_WIDE)
+        tuning = dataclasses.replace(tuning, block_tokens=cap)
+    return tuning
