@@ -459,6 +459,59 @@ def sample(logits, temperature, top_k, top_p, seeds, counters):
     return sample_with_logprobs(logits, temperature, top_k, top_p, seeds, counters)[0]
 
 
+def _filtered(x, top_tok, top_k, top_p, min_p):
+    """x f32[B, V] with the tokens that top-k, top-p and min-p drop set to -inf (`sample_with_logprobs`;
+    top_tok: i32[B] the index of each row's largest entry, which every filter keeps)."""
+    # Both filters are thresholds found by bisection on order-preserving integer keys of the
+    # values (32 exact steps, O(vocab) each), not a sort of the vocabulary: on a CPU a
+    # per-row sort of 49k logits costs more than the whole model step.
+    key = _order_key(x)  # u32[B, V]
+    ways = search_ways()
+    if ways == 2:
+        # top-k: keep values >= the k-th largest (ties with it are kept too).
+        t_k = _bisect(lambda t: jnp.sum(key >= t[:, None], axis=-1) < top_k, x.shape[0])
+    else:   # t: [B, ways - 1] thresholds, counted over the vocabulary in one pass
+        t_k = _bisect(lambda t: jnp.sum(key[:, :, None] >= t[:, None, :], axis=1) < top_k[:, None],
+                      x.shape[0], ways)
+    t_k = jnp.where(t_k > 0, t_k - 1, 0)  # top_k >= vocab keeps everything (no wrap-around)
+    keep = jnp.where(top_k[:, None] > 0, key >= t_k[:, None], True)
+    # softmax(where(keep, x, -inf)) (jax.nn.softmax's operations) with its max known: x at the
+    # argmax, which top-k keeps; two passes over the vocabulary instead of three.
+    e = jnp.exp(jnp.where(keep, x, -jnp.inf) - jnp.take_along_axis(x, top_tok[:, None], axis=-1))
+    probs = e / jnp.sum(e, axis=-1, keepdims=True)
+    # top-p: keep a token when the mass of the tokens above it is < top_p (the smallest set
+    # of top tokens reaching top_p; the most likely token always stays).
+    if ways == 2:
+        pkey = _order_key(probs)
+        t_p = _bisect(lambda t: jnp.sum(jnp.where(pkey > t[:, None], probs, 0.0), axis=-1) < top_p,
+                      x.shape[0])
+        keep = keep & jnp.where(top_p[:, None] < 1.0, pkey >= t_p[:, None], True)
+    else:
+        # The keys' comparisons made on the probabilities themselves (`_key_compare`): no key
+        # array written and read back each pass.
+        cmp = lambda t, op: _key_compare(probs[:, :, None], t[:, None, :], op)  # noqa: E731
+        t_p = _bisect(lambda t: jnp.sum(jnp.where(cmp(t, jnp.greater), probs[:, :, None], 0.0), axis=1)
+                      < top_p[:, None], x.shape[0], ways)
+        keep = keep & jnp.where(top_p[:, None] < 1.0, cmp(t_p[:, None], jnp.greater_equal)[:, :, 0], True)
+    if min_p is not None:
+        # The largest probability is the most likely token's (probs rise with x): a gather,
+        # not a pass over the vocabulary.
+        p_max = jnp.take_along_axis(probs, top_tok[:, None], axis=-1)
+        keep = keep & (probs >= min_p[:, None] * p_max)
+    return jnp.where(keep, x, -jnp.inf)
+
+
+def _top_logprobs(d, lse, top_n):
+    """The top_n of the distribution d f32[B, V] (log-normalizer lse f32[B]) as (log-probabilities, ids)."""
+    if current_target().platform == "gpu":
+        # The top_n of d, then minus lse: no [B, V] array of d - lse written for the selection.
+        # The same log-probabilities; ids of entries whose values tie only after the
+        # subtraction come in d's order (the CPU program: by index).
+        vals, ids = lax.top_k(d, top_n)
+        return vals - lse[:, None], ids
+    return tuple(lax.top_k(d - lse[:, None], top_n))
+
+
 def sample_with_logprobs(logits, temperature, top_k, top_p, seeds, counters, *, min_p=None, top_n=None,
                          want_top=None):
     """Picks one token per row and returns its log-probability.
@@ -501,43 +554,7 @@ def sample_with_logprobs(logits, temperature, top_k, top_p, seeds, counters, *, 
         min_p = jnp.where(sampled, min_p, 0.0)
 
     def filtered(x):
-        # Both filters are thresholds found by bisection on order-preserving integer keys of the
-        # values (32 exact steps, O(vocab) each), not a sort of the vocabulary: on a CPU a
-        # per-row sort of 49k logits costs more than the whole model step.
-        key = _order_key(x)  # u32[B, V]
-        ways = search_ways()
-        if ways == 2:
-            # top-k: keep values >= the k-th largest (ties with it are kept too).
-            t_k = _bisect(lambda t: jnp.sum(key >= t[:, None], axis=-1) < top_k, x.shape[0])
-        else:   # t: [B, ways - 1] thresholds, counted over the vocabulary in one pass
-            t_k = _bisect(lambda t: jnp.sum(key[:, :, None] >= t[:, None, :], axis=1) < top_k[:, None],
-                          x.shape[0], ways)
-        t_k = jnp.where(t_k > 0, t_k - 1, 0)  # top_k >= vocab keeps everything (no wrap-around)
-        keep = jnp.where(top_k[:, None] > 0, key >= t_k[:, None], True)
-        # softmax(where(keep, x, -inf)) (jax.nn.softmax's operations) with its max known: x at the
-        # argmax, which top-k keeps; two passes over the vocabulary instead of three.
-        e = jnp.exp(jnp.where(keep, x, -jnp.inf) - jnp.take_along_axis(x, top_tok[:, None], axis=-1))
-        probs = e / jnp.sum(e, axis=-1, keepdims=True)
-        # top-p: keep a token when the mass of the tokens above it is < top_p (the smallest set
-        # of top tokens reaching top_p; the most likely token always stays).
-        if ways == 2:
-            pkey = _order_key(probs)
-            t_p = _bisect(lambda t: jnp.sum(jnp.where(pkey > t[:, None], probs, 0.0), axis=-1) < top_p,
-                          x.shape[0])
-            keep = keep & jnp.where(top_p[:, None] < 1.0, pkey >= t_p[:, None], True)
-        else:
-            # The keys' comparisons made on the probabilities themselves (`_key_compare`): no key
-            # array written and read back each pass.
-            cmp = lambda t, op: _key_compare(probs[:, :, None], t[:, None, :], op)  # noqa: E731
-            t_p = _bisect(lambda t: jnp.sum(jnp.where(cmp(t, jnp.greater), probs[:, :, None], 0.0), axis=1)
-                          < top_p[:, None], x.shape[0], ways)
-            keep = keep & jnp.where(top_p[:, None] < 1.0, cmp(t_p[:, None], jnp.greater_equal)[:, :, 0], True)
-        if min_p is not None:
-            # The largest probability is the most likely token's (probs rise with x): a gather,
-            # not a pass over the vocabulary.
-            p_max = jnp.take_along_axis(probs, top_tok[:, None], axis=-1)
-            keep = keep & (probs >= min_p[:, None] * p_max)
-        return jnp.where(keep, x, -jnp.inf)
+        return _filtered(x, top_tok, top_k, top_p, min_p)
 
     needs_filter = jnp.any((top_k > 0) | (top_p < 1.0) | (False if min_p is None else jnp.any(min_p > 0)))
     scaled = lax.cond(needs_filter, filtered, lambda x: x, scaled)
@@ -558,14 +575,8 @@ def sample_with_logprobs(logits, temperature, top_k, top_p, seeds, counters, *, 
 
     top_n = min(top_n, vocab)
 
-    def top(d):  # the top_n of the same distribution, as (log-probabilities, ids)
-        if current_target().platform == "gpu":
-            # The top_n of d, then minus lse: no [B, V] array of d - lse written for the selection.
-            # The same log-probabilities; ids of entries whose values tie only after the
-            # subtraction come in d's order (the CPU program: by index).
-            vals, ids = lax.top_k(d, top_n)
-            return vals - lse[:, None], ids
-        return tuple(lax.top_k(d - lse[:, None], top_n))
+    def top(d):
+        return _top_logprobs(d, lse, top_n)
 
     empty = lambda d: (jnp.full((d.shape[0], top_n), -jnp.inf, jnp.float32),  # noqa: E731
                        jnp.full((d.shape[0], top_n), -1, jnp.int32))
