@@ -1,7 +1,8 @@
 """x @ W for one layer of a stacked quantized weight (issue 35): the Mosaic GPU dequantizing matmul
 (`jpa.pallas.mosaic.qmatmul`) where it serves the device the step is compiled for, else plain JAX
 (the layer's blocks dequantized, or its 8-bit values widened, where the dot reads them). Packed
-4-bit weights (`packed_matmul`) and int8 / fp8 ones with per-channel scales (`scaled_matmul`).
+4-bit weights (`packed_matmul`: the Q4_0 / Q4_1 forms, and GGUF Q4_K with its super-block scales)
+and int8 / fp8 ones with per-channel scales (`scaled_matmul`).
 
 `kernel_serves(...)` says, before tracing a layer scan, whether the kernel takes such a weight
 here; `models.gpt` then keeps those weights stacked through the scan (no per-layer slice copy) and

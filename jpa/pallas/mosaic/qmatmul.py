@@ -13,6 +13,10 @@ layers passes it without slicing a copy):
     d     [L, K / G, N]     group scales (f16 / bf16 / f32)
     m     [L, K / G, N]     group minimums (the Q4_1 form: w = q * d + m) or None (Q4_0 form:
                             w = (q - 8) * d)
+    d2/m2 [L, K / G2, N]    GGUF Q4_K only: f16 super-block scales / negated minimums (G2 = 256);
+                            d and m are then its uint8 sub-block scales / minimums (G = 32), and
+                            the group's scale d2 * d and minimum m2 * m are formed in f32 in
+                            registers from the stored values (exact, as `super_scaled`)
 
 and the program computes, for a tile of TN output columns,
 
