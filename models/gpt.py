@@ -416,9 +416,9 @@ class Block(nnx.Module):
         if layer is not None and codes.ndim == 3 and hasattr(self, name + "_bscale"):
             lead = x.shape[:-1]
             x2 = _permuted_input(self, name, x).reshape(-1, x.shape[-1])  # [M, in]
-            bmin = getattr(self, name + "_bmin", None)
-            y = packed_matmul(x2, codes, getattr(self, name + "_bscale")[...], None if bmin is None else bmin[...],
-                              layer=layer, compute_dtype=self.dtype).reshape(*lead, -1)
+            opt = lambda suffix: None if (a := getattr(self, name + suffix, None)) is None else a[...]
+            y = packed_matmul(x2, codes, getattr(self, name + "_bscale")[...], opt("_bmin"), opt("_bscale2"),
+                              opt("_bmin2"), layer=layer, compute_dtype=self.dtype).reshape(*lead, -1)
             b = None if bias is None else self._bias(bias)
             return y if b is None else y + _v(b).astype(jnp.float32)
         w = _packed(self, name, self.dtype)
@@ -781,7 +781,8 @@ def _check_weights(weights, expected, config):
 
 def stacked_packed(model: GPT, rows: int, mesh=None) -> tuple:
     """Names of the layers' packed 4-bit weights (Q4_0 / Q4_1 forms: GGUF, AWQ, GPTQ,
-    compressed-tensors) and int8 / fp8 per-channel ones that the Mosaic GPU dequantizing matmul serves for `rows` tokens on the
+    compressed-tensors; GGUF Q4_K: integer sub-block scales with f16 super-block ones) and int8 / fp8
+    per-channel ones that the Mosaic GPU dequantizing matmul serves for `rows` tokens on the
     device being compiled for (`jpa.ops.qmatmul.kernel_serves`); none under a tensor-parallel
     mesh. `_run` keeps them stacked through the scan: the kernel reads a layer of the stack by its
     index, so no layer's codes are sliced into a copy and no dense float weight is written."""
@@ -802,8 +803,10 @@ def stacked_packed(model: GPT, rows: int, mesh=None) -> tuple:
         if codes.ndim != 3 or codes.dtype != jnp.uint8:
             continue
         k = codes.shape[1] * 2
+        m = getattr(layers, name + "_bmin", None)
         if kernel_serves(rows, k, codes.shape[2], k // d.shape[1], codes.dtype, model.dtype,
-                         d2=getattr(layers, name + "_bscale2", None)):
+                         d2=getattr(layers, name + "_bscale2", None),
+                         sub_dtypes=None if m is None else (d.dtype, m[...].dtype)):
             out.append(name)
     return tuple(out)
 
@@ -826,7 +829,8 @@ def _run(model: GPT, tokens, positions, attend, state, mesh=None, stack_packed: 
     x = model.embed(tokens, positions)  # f32[B, T, d_model]
     graphdef, params = nnx.split(model.layers)
     names = stacked_packed(model, tokens.size, mesh) if stack_packed else ()
-    kept = {k: params[k] for n in names for k in (n, n + "_bscale", n + "_bmin", n + "_scale") if k in params}
+    kept = {k: params[k] for n in names for k in (n, n + "_bscale", n + "_bmin", n + "_bscale2", n + "_bmin2",
+                                                  n + "_scale") if k in params}
     if kept:
         params = nnx.State({k: v for k, v in params.items() if k not in kept})
     period = model.layer_period()

@@ -164,3 +164,40 @@ def test_kernel_compiles_for_h100_and_a100_and_reads_each_layer_once():
         assert k["spill_stores"] == 0 and k["spill_loads"] == 0, (target, k)
         assert r["written"] == 0 and r["copies"] == 0, (target, r)
         assert r["read"] == r["stack"], (target, r)
+
+
+def test_q4_k_kernel_in_interpret_mode_equals_gguf_dequantize_then_matmul():
+    """GGUF Q4_K kept as jpa keeps it (nibbles, uint8 sub-block scales / minimums, f16 super-block d / -dmin):
+    the kernel forms each group's scale d2 * sc and minimum m2 * m in f32 from the stored values, and its
+    product equals x @ gguf.quants.dequantize(W) (the weight rounded to bf16 once, products summed in f32)."""
+    from gguf import GGMLQuantizationType, quants
+
+    from jpa.core.quant import K_FORMATS, unpack_k_blocks
+
+    rng = np.random.default_rng()
+    layers, k, n, rows = 2, 512, 64, 5
+    raws = rng.integers(0, 256, (layers, n, k // 256, K_FORMATS["Q4_K"])).astype(np.uint8)
+    for at in (0, 2):  # sane f16 d and dmin; every code, sub-scale and minimum bit random
+        raws[..., at:at + 2] = rng.uniform(5e-4, 2e-3, raws.shape[:3] + (1,)).astype(np.float16).view(np.uint8)
+    raws = raws.reshape(layers, n, -1)
+    kept = [unpack_k_blocks(r, "Q4_K", n, k) for r in raws]  # each (codes, d, m, d2, m2) of [N, K / ...]
+    codes, d, m, d2, m2 = (np.stack([np.ascontiguousarray(p[i].T) for p in kept]) for i in range(5))
+    assert codes.shape == (layers, k // 2, n) and d.dtype == np.uint8 and d2.shape == (layers, 2, n)
+    x = rng.normal(size=(rows, k)).astype(BF16)
+    for layer in range(layers):
+        w = quants.dequantize(raws[layer], GGMLQuantizationType.Q4_K).reshape(n, k).T  # the oracle, f32 [K, N]
+        want = x.astype(np.float32) @ w.astype(BF16).astype(np.float32)
+        got = np.asarray(kernel.qmatmul(jnp.asarray(x), codes, d, m, d2, m2, layer=layer, interpret=True))
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-4 * np.abs(want).max())
+        np.testing.assert_allclose(op.reference(x, codes, d, m, layer, d2, m2), x.astype(np.float32) @ w,
+                                   rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    with pytest.raises(ValueError, match="takes its super-block scales d2 and minimums m2"):
+        kernel.qmatmul(jnp.asarray(x), codes, d, None, d2, m2, interpret=True)
+    with pytest.raises(ValueError, match="do not fit sub-block scales"):
+        kernel.qmatmul(jnp.asarray(x), codes, d, m, d2[:, :, :32], m2[:, :, :32], interpret=True)
+    with pytest.raises(ValueError, match="reads them as uint8"):
+        kernel.qmatmul(jnp.asarray(x), codes, d.astype(np.float32), m, d2, m2, interpret=True)
+    # Off the GPU (this CPU) `packed_matmul` dequantizes the Q4_K layer and dots: the same product.
+    assert not op.kernel_serves(rows, k, n, 32, np.uint8, jnp.bfloat16, d2=d2, sub_dtypes=(np.uint8, np.uint8))
+    plain = op.packed_matmul(jnp.asarray(x, jnp.float32), codes, d, m, d2, m2, layer=1, compute_dtype=jnp.float32)
+    np.testing.assert_allclose(np.asarray(plain), op.reference(x, codes, d, m, 1, d2, m2), rtol=1e-5, atol=1e-4)

@@ -1,7 +1,8 @@
 """x @ W for one layer of a stacked quantized weight (issue 35): the Mosaic GPU dequantizing matmul
 (`jpa.pallas.mosaic.qmatmul`) where it serves the device the step is compiled for, else plain JAX
 (the layer's blocks dequantized, or its 8-bit values widened, where the dot reads them). Packed
-4-bit weights (`packed_matmul`) and int8 / fp8 ones with per-channel scales (`scaled_matmul`).
+4-bit weights (`packed_matmul`: the Q4_0 / Q4_1 forms, and GGUF Q4_K with its super-block scales)
+and int8 / fp8 ones with per-channel scales (`scaled_matmul`).
 
 `kernel_serves(...)` says, before tracing a layer scan, whether the kernel takes such a weight
 here; `models.gpt` then keeps those weights stacked through the scan (no per-layer slice copy) and
@@ -64,40 +65,49 @@ def scaled_matmul(x, q, scale, *, layer=None, compute_dtype):
     return y * scale
 
 
-def kernel_serves(m: int, k: int, n: int, group: int, codes_dtype, compute_dtype, *, d2=None) -> bool:
+def kernel_serves(m: int, k: int, n: int, group: int, codes_dtype, compute_dtype, *, d2=None,
+                  sub_dtypes=None) -> bool:
     """Whether `packed_matmul` runs the Mosaic GPU kernel for an [m, k] x [k, n] product of a
-    packed weight with groups of `group` values (d2: a K-quant's super-block scales, which the
-    kernel does not read: False) on the device being compiled for: an NVIDIA GPU of compute
-    capability 8.x-10.x whose Mosaic lowering targets it (`jpa.pallas.mosaic.decode.
-    aot_unsupported_reason`)."""
+    packed weight with groups of `group` values on the device being compiled for: an NVIDIA GPU of
+    compute capability 8.x-10.x whose Mosaic lowering targets it (`jpa.pallas.mosaic.decode.
+    aot_unsupported_reason`). d2: a K-quant's super-block scales (or anything not None for one), with
+    sub_dtypes the dtypes of its sub-block scales and minimums (None: it has no minimums): the kernel
+    serves Q4_K's form (uint8 scales and minimums), not Q6_K's (no minimums)."""
     from jpa.pallas.mosaic import qmatmul as kernel
 
-    if d2 is not None or _target_cc() is None:
+    if _target_cc() is None:
+        return False
+    if d2 is not None and (sub_dtypes is None or kernel.sub_scales_unsupported(*sub_dtypes) is not None):
         return False
     return kernel.unsupported_reason(m, k, n, group, codes_dtype, compute_dtype) is None
 
 
-def packed_matmul(x, codes, d, m=None, *, layer, compute_dtype):
+def packed_matmul(x, codes, d, m=None, d2=None, m2=None, *, layer, compute_dtype):
     """x [M, K] @ W (layer `layer` of codes u8[L, K / 2, N], d / m [L, K / G, N]: jpa.core.quant's
-    Q4_0 / Q4_1 forms) -> f32[M, N]. The Mosaic GPU kernel when `kernel_serves`, else W dequantized
-    in compute_dtype (one layer's slice, read inside the dequantizing fusion) and a dot."""
+    Q4_0 / Q4_1 forms; with d2 / m2 [L, K / 256, N], the Q4_K form: d / m the integer sub-block scales
+    and minimums, d2 / m2 the f16 super-block ones) -> f32[M, N]. The Mosaic GPU kernel when
+    `kernel_serves`, else W dequantized in compute_dtype (one layer's slice, read inside the
+    dequantizing fusion) and a dot."""
     from jpa.pallas.mosaic import qmatmul as kernel
 
     mm, k = x.shape
     n = codes.shape[-1]
     group = k // d.shape[-2]
-    if kernel_serves(mm, k, n, group, codes.dtype, compute_dtype):
-        return kernel.qmatmul(x.astype(compute_dtype), codes, d, m, layer=layer, tma=kernel.uses_tma(_target_cc()))
+    sub = None if m is None else (d.dtype, m.dtype)
+    if kernel_serves(mm, k, n, group, codes.dtype, compute_dtype, d2=d2, sub_dtypes=sub):
+        return kernel.qmatmul(x.astype(compute_dtype), codes, d, m, d2, m2, layer=layer,
+                              tma=kernel.uses_tma(_target_cc()))
     take = lambda a: None if a is None else jnp.take(a, layer, axis=0)
-    w = dequantize_blocks(take(codes), take(d), take(m), -2, compute_dtype)
+    w = dequantize_blocks(take(codes), take(d), take(m), -2, compute_dtype, take(d2), take(m2))
     return jnp.dot(x.astype(compute_dtype), w, preferred_element_type=jnp.float32)
 
 
-def reference(x, codes, d, m=None, layer=0):
+def reference(x, codes, d, m=None, layer=0, d2=None, m2=None):
     """NumPy: x @ W with W dequantized in f32 (`dequantize_blocks`), f32[M, N]."""
     codes, d = np.asarray(codes), np.asarray(d)
+    m, d2, m2 = (None if a is None else np.asarray(a) for a in (m, d2, m2))
     if codes.ndim == 3:
         codes, d = codes[layer], d[layer]
-        m = None if m is None else np.asarray(m)[layer]
-    w = dequantize_blocks(codes, d, None if m is None else np.asarray(m), -2, np.float32)
+        m, d2, m2 = (None if a is None else a[layer] for a in (m, d2, m2))
+    w = dequantize_blocks(codes, d, m, -2, np.float32, d2, m2)
     return np.asarray(x, np.float32) @ w

@@ -13,6 +13,10 @@ layers passes it without slicing a copy):
     d     [L, K / G, N]     group scales (f16 / bf16 / f32)
     m     [L, K / G, N]     group minimums (the Q4_1 form: w = q * d + m) or None (Q4_0 form:
                             w = (q - 8) * d)
+    d2/m2 [L, K / G2, N]    GGUF Q4_K only: f16 super-block scales / negated minimums (G2 = 256);
+                            d and m are then its uint8 sub-block scales / minimums (G = 32), and
+                            the group's scale d2 * d and minimum m2 * m are formed in f32 in
+                            registers from the stored values (exact, as `super_scaled`)
 
 and the program computes, for a tile of TN output columns,
 
@@ -85,10 +89,12 @@ def unsupported_reason(m: int, k: int, n: int, group: int, codes_dtype, x_dtype=
     return None
 
 
-def _kernel(x_ref, c_ref, d_ref, m_ref, layer_ref, o_ref, x_smem, c_smem, bars, *, ops, rows, group,
-            m_warps, dtype, bits):
+def _kernel(x_ref, c_ref, d_ref, m_ref, d2_ref, m2_ref, layer_ref, o_ref, x_smem, c_smem, bars, *, ops, rows,
+            group, m_warps, dtype, bits):
     # 4 bits: x_ref [R, K] (permute_k); c_ref u8[L, K / 2, N]; d_ref, m_ref [L, K / G, N] (m_ref None:
-    # Q4_0 form); c_smem u8[SLOTS, KB / 2, TN].
+    # Q4_0 form); c_smem u8[SLOTS, KB / 2, TN]. A K-quant (Q4_K): d_ref, m_ref the integer sub-block
+    # scales / minimums u8[L, K / G, N] and d2_ref, m2_ref the f16 super-block ones [L, K / G2, N]
+    # (else None): group g's scale is f32(d2[g2]) * f32(d[g]), as `super_scaled` computes it.
     # 8 bits: x_ref [R, K] (permute_k8); c_ref int8 / float8 [L, K, N]; d_ref f32[L, N] per-channel
     # scales; c_smem [SLOTS, KB, TN].
     # layer_ref i32[1]; o_ref f32[R, N]; x_smem [SLOTS, R, KB].
@@ -145,7 +151,13 @@ def _kernel(x_ref, c_ref, d_ref, m_ref, layer_ref, o_ref, x_smem, c_smem, bars, 
         for b in range(KB // BLOCK):
             g = (s * KB + b * BLOCK) // group
             d = row(d_ref, g)
-            mn = row(m_ref, g) if m_ref is not None else d * -8.0
+            mn = row(m_ref, g) if m_ref is not None else None
+            if d2_ref is not None:  # a K-quant: the super-block scales times the integer sub-block ones
+                g2 = g // (d_ref.shape[1] // d2_ref.shape[1])
+                d = row(d2_ref, g2) * d
+                mn = row(m2_ref, g2) * mn
+            if mn is None:
+                mn = d * -8.0
             for c in range(2):  # bytes 8c .. 8c + 7 of the block: values 8c + i and 8c + i + 16
                 q = load_bytes(cs.at[pl.ds(b * (BLOCK // 2) + c * 8, 8)]).astype(jnp.int32)  # [8, TN]
                 lo = ((q & 15).astype(jnp.float32) * d + mn).astype(dtype)  # as dequantize_blocks rounds
@@ -197,13 +209,16 @@ def pair_rows(lo, hi, interpret: bool, m_warps: int):
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "tma"))
-def qmatmul(x, codes, d, m=None, *, layer=0, interpret=False, tma=False):
+def qmatmul(x, codes, d, m=None, d2=None, m2=None, *, layer=0, interpret=False, tma=False):
     """x @ W for one layer of a stacked packed 4-bit weight, W never materialized.
 
     Args:
       x: [M, K] float (M <= 64), rounded to bfloat16 (f16 x stays f16) for the mma.
       codes: u8[L, K / 2, N] (jpa.core.quant's nibble order), or u8[K / 2, N] (one layer).
       d: [L, K / G, N] group scales; m: the same shape (w = q * d + m) or None (w = (q - 8) * d).
+      d2, m2: a K-quant's (Q4_K's) f16 super-block scales and negated minimums [L, K / G2, N] (G2 a
+        multiple of G: 256) when d and m hold its integer sub-block scales and minimums (uint8): the
+        group scale is d2 * d and the minimum m2 * m, each in f32 (`jpa.core.quant.super_scaled`).
       layer: i32 scalar, the layer (clamped into [0, L)).
       interpret: GPU interpret mode (the stand-ins of `MmaOps`).
       tma: TMA copies with mbarriers (sm_90 and later) instead of cp.async (sm_8x).
@@ -213,7 +228,7 @@ def qmatmul(x, codes, d, m=None, *, layer=0, interpret=False, tma=False):
     """
     if codes.ndim == 2:
         codes, d = codes[None], d[None]
-        m = None if m is None else m[None]
+        m, d2, m2 = (None if a is None else a[None] for a in (m, d2, m2))
     mm, k = x.shape
     _, half_k, n = codes.shape
     if half_k * 2 != k or d.shape[:1] + d.shape[2:] != codes.shape[:1] + (n,) or (k // d.shape[1]) * d.shape[1] != k:
@@ -221,33 +236,56 @@ def qmatmul(x, codes, d, m=None, *, layer=0, interpret=False, tma=False):
                          f"{list(d.shape)} (codes [L, K / 2, N], scales [L, K / G, N])")
     if m is not None and m.shape != d.shape:
         raise ValueError(f"qmatmul: minimums {list(m.shape)} differ from scales {list(d.shape)}")
+    if (d2 is not None or m2 is not None) and (d2 is None or m2 is None or m is None):
+        raise ValueError("qmatmul: a K-quant takes its super-block scales d2 and minimums m2 and its sub-block "
+                         "minimums m together (the Q4_K form)")
+    if d2 is not None and (m2.shape != d2.shape or d2.shape[:1] + d2.shape[2:] != d.shape[:1] + d.shape[2:]
+                           or d2.shape[1] == 0 or d.shape[1] % d2.shape[1]):
+        raise ValueError(f"qmatmul: super-block scales {list(d2.shape)} / minimums {list(m2.shape)} do not fit "
+                         f"sub-block scales {list(d.shape)} ([L, K / G2, N], G2 a multiple of G)")
     group = k // d.shape[1]
     dtype = jnp.float16 if x.dtype == jnp.float16 else jnp.bfloat16
     why = unsupported_reason(mm, k, n, group, codes.dtype, dtype)
+    if why is None and d2 is not None:
+        why = sub_scales_unsupported(d.dtype, m.dtype)
     if why is not None:
         raise ValueError(f"qmatmul: {why}")
     rows = rows_for(mm)
     xp = jnp.pad(permute_k(x.astype(dtype)), ((0, rows - mm), (0, 0)))
-    return _call(xp, codes, d, m, layer, mm, n, rows, group, dtype, 4, interpret, tma)
+    return _call(xp, codes, d, m, layer, mm, n, rows, group, dtype, 4, interpret, tma, d2, m2)
 
 
-def _call(xp, codes, d, m, layer, mm, n, rows, group, dtype, bits, interpret, tma):
+def sub_scales_unsupported(d_dtype, m_dtype) -> str | None:
+    """Why the kernel cannot read a K-quant's sub-block scales / minimums of these dtypes, or None: it
+    reads them as stored, one byte each (Q4_K's 6-bit values in uint8)."""
+    if np.dtype(d_dtype) != np.uint8 or np.dtype(m_dtype) != np.uint8:
+        return (f"K-quant sub-block scales / minimums of {np.dtype(d_dtype)} / {np.dtype(m_dtype)}: the kernel "
+                f"reads them as uint8 (Q4_K)")
+    return None
+
+
+def _call(xp, codes, d, m, layer, mm, n, rows, group, dtype, bits, interpret, tma, d2=None, m2=None):
     m_warps = rows // 16
     ops = MmaOps(interpret, tma)
+    optional = [a for a in (m, d2, m2) if a is not None]
 
     def jpa_mosaic_qmatmul(x_ref, c_ref, d_ref, *rest):
-        m_ref, layer_ref, o_ref = rest if m is not None else (None, *rest)
+        refs = list(rest[:len(optional)])
+        m_ref = refs.pop(0) if m is not None else None
+        d2_ref, m2_ref = (refs[0], refs[1]) if d2 is not None else (None, None)
+        layer_ref, o_ref = rest[len(optional):]
 
         def scoped(x_smem, c_smem, *bars):
-            _kernel(x_ref, c_ref, d_ref, m_ref, layer_ref, o_ref, x_smem, c_smem, bars[0] if bars else None,
-                    ops=ops, rows=rows, group=group, m_warps=m_warps, dtype=dtype, bits=bits)
+            _kernel(x_ref, c_ref, d_ref, m_ref, d2_ref, m2_ref, layer_ref, o_ref, x_smem, c_smem,
+                    bars[0] if bars else None, ops=ops, rows=rows, group=group, m_warps=m_warps, dtype=dtype,
+                    bits=bits)
 
         pl.run_scoped(scoped, plgpu.SMEM((SLOTS, rows, KB), dtype),
                       plgpu.SMEM((SLOTS, KB * bits // 8, TN), codes.dtype),
                       *([plgpu.Barrier(num_arrivals=2, num_barriers=SLOTS)] if ops.tma else []))
 
     out = launch(jpa_mosaic_qmatmul, jax.ShapeDtypeStruct((rows, n), jnp.float32), (n // TN,), ("n",),
-                 interpret)(xp, codes, d, *([m] if m is not None else []), layer_operand(layer))
+                 interpret)(xp, codes, d, *optional, layer_operand(layer))
     return out[:mm]
 
 
