@@ -400,7 +400,7 @@ def check_engine_equals_the_checkpoint_loaded_dense(tmp, fmt):
         np.testing.assert_allclose(out.logprobs, rows[np.arange(len(rows)), out.token_ids], atol=2e-4)
 
 
-@pytest.mark.parametrize("fmt,tp", [("awq", 4), ("fp8-channel", 3), ("gptq-actorder", 4)])
+@pytest.mark.parametrize("fmt,tp", [("awq", 4), ("fp8-channel", 3), ("gptq-actorder", 4), ("fp8-block", 4)])
 def test_head_plans_keep_checkpoint_quantization(tmp_path, fmt, tp):
     """Tensor parallelism re-plans heads (tp=4 replicates the 2 kv heads; tp=3 pads): the codes, group
     scales and per-channel scales move with their weights and the function is unchanged."""
@@ -443,3 +443,16 @@ def test_act_order_weight_is_not_replanned_where_its_inputs_move(tmp_path):
     qm, _ = models.load(qdir, dtype=jnp.float32)
     with pytest.raises(ValueError, match=r"tp=3 pad: .* w_down is an act-order GPTQ weight \(its inputs permuted\)"):
         sharding.with_heads(qm, sharding.plan_heads(qm.config, 3))
+
+
+def test_block_fp8_tensor_parallel_that_splits_a_block_is_refused(tmp_path):
+    """tp=3 pads the ffn to 129 features: w_down's `in` (its scale groups of gcd(128, 48) = 16) cannot be split
+    in whole groups, so the plan is refused in one line (tp=4 above shards the block scales with their weights)."""
+    from jpa.models import sharding
+
+    qdir, _ = write_quantized(tmp_path, "fp8-block")
+    qm, _ = models.load(qdir, dtype=jnp.float32)
+    with pytest.raises(ValueError, match=r"the blocks of w_down_bscale \(16 features each\) cannot be split at this "
+                                         r"tensor-parallel size") as e:
+        sharding.with_heads(qm, sharding.plan_heads(qm.config, 3))
+    assert "\n" not in str(e.value)
