@@ -16,10 +16,10 @@ expert and q/k/v/o biases, clamped SwiGLU, attention sinks, sliding window on th
 `layer_types` names (by default the even ones), YaRN RoPE). Anything else, and any option of these
 families that the model does not implement, is refused with a ValueError naming it.
 
-Quantized checkpoints (a `quantization_config`: compressed-tensors FP8 / int8 / pack-quantized int4,
-the older "fp8" layout, AutoAWQ GEMM, GPTQ) are read as stored and kept quantized on the device
-(`quant_scheme`, `_quant_entry`; the embeddings and an unquantized head stay dense), or dequantized on
-the host with quantization="none".
+Quantized checkpoints (a `quantization_config`: compressed-tensors FP8 (tensor / channel / block) /
+int8 / pack-quantized int4, the older "fp8" layout, per tensor or block-wise, AutoAWQ GEMM, GPTQ) are
+read as stored and kept quantized on the device (`quant_scheme`, `_quant_entry`; the embeddings and an
+unquantized head stay dense), or dequantized on the host with quantization="none".
 
 Loading is two passes. The first reads only metadata: config.json, the safetensors headers (the
 index file when there is one), and checks every tensor the model needs for presence, shape and
@@ -337,8 +337,8 @@ def quant_scheme(cfg: dict, where: str = "config.json"):
                 schemes.add(("packed", g))
             else:
                 refuse(f"group {gname!r} has weights {dict(type=key[0], num_bits=key[1], strategy=key[2])} in format "
-                       f"{fmt!r}: jpa loads float-quantized FP8 (tensor / channel / block), int8 (naive / int-quantized) and "
-                       f"pack-quantized int4 (group / channel)")
+                       f"{fmt!r}: jpa loads float-quantized FP8 (tensor / channel / block), int8 (naive / "
+                       f"int-quantized) and pack-quantized int4 (group / channel)")
         if len(schemes) != 1:
             refuse(f"mixes schemes {sorted(schemes, key=str)}: jpa stacks the layers and needs one per checkpoint")
         layout, g = schemes.pop()

@@ -256,8 +256,9 @@ def main(argv=None):
     h.add_argument("formats", nargs="*", default=["none", "int8", "fp8", "gguf"])
     h.add_argument("--batch", type=int, default=64)
     b = sub.add_parser("bytes")
-    b.add_argument("formats", nargs="*", default=["fp8", "int8", "fp8-block128", "awq-g128", "gptq-sym-g128", "gptq-asym-g128",
-                                                  "pack-quantized-sym-g128", "Q8_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"])
+    b.add_argument("formats", nargs="*", default=["fp8", "int8", "fp8-block128", "awq-g128", "gptq-sym-g128",
+                                                  "gptq-asym-g128", "pack-quantized-sym-g128", "Q8_0", "Q4_1", "Q4_K",
+                                                  "Q5_K", "Q6_K"])
     args = ap.parse_args(argv)
     if args.cmd == "bytes":
         weight_bytes(args.formats)
