@@ -16,10 +16,10 @@ expert and q/k/v/o biases, clamped SwiGLU, attention sinks, sliding window on th
 `layer_types` names (by default the even ones), YaRN RoPE). Anything else, and any option of these
 families that the model does not implement, is refused with a ValueError naming it.
 
-Quantized checkpoints (a `quantization_config`: compressed-tensors FP8 / int8 / pack-quantized int4,
-the older "fp8" layout, AutoAWQ GEMM, GPTQ) are read as stored and kept quantized on the device
-(`quant_scheme`, `_quant_entry`; the embeddings and an unquantized head stay dense), or dequantized on
-the host with quantization="none".
+Quantized checkpoints (a `quantization_config`: compressed-tensors FP8 (tensor / channel / block) /
+int8 / pack-quantized int4, the older "fp8" layout, per tensor or block-wise, AutoAWQ GEMM, GPTQ) are
+read as stored and kept quantized on the device (`quant_scheme`, `_quant_entry`; the embeddings and an
+unquantized head stay dense), or dequantized on the host with quantization="none".
 
 Loading is two passes. The first reads only metadata: config.json, the safetensors headers (the
 index file when there is one), and checks every tensor the model needs for presence, shape and
@@ -237,6 +237,11 @@ def _moe_options(cfg: dict, model_type: str, layers: int, where: str) -> dict:
 #             "float-quantized" (strategy tensor / channel), "naive-quantized" / "int-quantized" int8, and
 #             the older quant_method "fp8" layout (per-tensor weight_scale). Stored as models.gpt's int8 /
 #             fp8 weights: q [in, out] with an f32 scale per output channel (a per-tensor scale repeated).
+#   "block"   block-wise FP8: P.weight F8_E4M3 [out, in] and one scale per [bo, bi] block,
+#             P.weight_scale_inv (quant_method "fp8" with weight_block_size: DeepSeek-V3, Qwen3-*-FP8) or
+#             P.weight_scale (compressed-tensors float-quantized strategy "block", block_structure), F32 /
+#             BF16 [ceil(out / bo), ceil(in / bi)] (jpa.core.quant.fp8_block): a models.gpt.PackedWeight
+#             of the fp8 codes and the block scales per output channel, dequantized inside the matmul.
 #   "awq"     AutoAWQ GEMM: P.qweight, P.qzeros, P.scales (jpa.core.quant.awq_int4).
 #   "gptq"    GPTQ: P.qweight, P.qzeros, P.scales, P.g_idx (jpa.core.quant.gptq_int4; v1 / v2 zero points;
 #             act order: rows sorted by group and an input permutation, jpa.core.quant.gptq_act_order).
@@ -253,10 +258,14 @@ SCALE_DTYPES = ("F32", "F16", "BF16")
 def quant_scheme(cfg: dict, where: str = "config.json"):
     """The quantization of a config.json's `quantization_config`: None (none), or a dict with
     "method" (the quant_method: "fp8", "awq", "gptq", "compressed-tensors"), "layout" ("scaled",
-    "awq", "gptq" or "packed"), "group_size" (int4; None: per channel) and "v2" (GPTQ v2 zero points).
+    "block", "awq", "gptq" or "packed"), "group_size" (int4; None: per channel) and "v2" (GPTQ v2 zero points).
 
     Raises CheckpointError naming what is not supported (an unknown method, bits other than 4 for
-    AWQ / GPTQ, AWQ without zero points or other than GEMM, block-wise FP8 scales, a KV-cache scheme)."""
+    AWQ / GPTQ, AWQ without zero points or other than GEMM, a bad FP8 block size, a KV-cache scheme).
+    Block-wise FP8 ("layout" "block") adds "block" (bo, bi) and "scale_role" (the scales' tensor name:
+    "weight_scale_inv" for quant_method "fp8", "weight_scale" for compressed-tensors)."""
+    from jpa.core.quant import check_fp8_block
+
     q = cfg.get("quantization_config")
     if q is None:
         return None
@@ -267,10 +276,19 @@ def quant_scheme(cfg: dict, where: str = "config.json"):
     def refuse(why):
         raise CheckpointError(f"{where}: quantization_config ({method!r}) {why}")
 
+    def block_of(b, what):
+        try:
+            return check_fp8_block(b, what)
+        except ValueError as e:
+            refuse(str(e))
+
     if method == "fp8":
-        if q.get("weight_block_size"):
-            refuse(f"has weight_block_size {q['weight_block_size']}: block-wise FP8 scales are not supported "
-                   f"(per-tensor and per-channel are)")
+        if q.get("weight_block_size") is not None:  # DeepSeek-V3 / Qwen3-*-FP8: P.weight_scale_inv per block
+            if q.get("activation_scheme", "dynamic") != "dynamic":
+                refuse(f"has activation_scheme {q['activation_scheme']!r} with block-wise scales: vLLM and jpa read "
+                       f"block-wise FP8 with dynamic activations only")
+            return dict(method=method, layout="block", block=block_of(q["weight_block_size"], "weight_block_size"),
+                        scale_role="weight_scale_inv", group_size=None, v2=False)
         return dict(method=method, layout="scaled", group_size=None, v2=False)
     if method in ("awq", "gptq"):
         bits = q.get("bits", q.get("w_bit"))
@@ -307,6 +325,8 @@ def quant_scheme(cfg: dict, where: str = "config.json"):
             if key in (("float", 8, "tensor"), ("float", 8, "channel")) and fmt in ("float-quantized",
                                                                                   "naive-quantized"):
                 schemes.add(("scaled", None))
+            elif key == ("float", 8, "block") and fmt == "float-quantized":
+                schemes.add(("block", block_of(w.get("block_structure"), f"group {gname!r} block_structure")))
             elif key in (("int", 8, "tensor"), ("int", 8, "channel")) and w.get("symmetric", True) and fmt in (
                     "naive-quantized", "int-quantized"):
                 schemes.add(("scaled", None))
@@ -317,11 +337,13 @@ def quant_scheme(cfg: dict, where: str = "config.json"):
                 schemes.add(("packed", g))
             else:
                 refuse(f"group {gname!r} has weights {dict(type=key[0], num_bits=key[1], strategy=key[2])} in format "
-                       f"{fmt!r}: jpa loads float-quantized FP8 (tensor / channel), int8 (naive / int-quantized) and "
-                       f"pack-quantized int4 (group / channel)")
+                       f"{fmt!r}: jpa loads float-quantized FP8 (tensor / channel / block), int8 (naive / "
+                       f"int-quantized) and pack-quantized int4 (group / channel)")
         if len(schemes) != 1:
             refuse(f"mixes schemes {sorted(schemes, key=str)}: jpa stacks the layers and needs one per checkpoint")
         layout, g = schemes.pop()
+        if layout == "block":
+            return dict(method=method, layout=layout, block=g, scale_role="weight_scale", group_size=None, v2=False)
         return dict(method=method, layout=layout, group_size=g, v2=False)
     raise CheckpointError(f"{where}: quantization_config ({method!r}) is not supported: jpa loads float16/bfloat16/"
                           f"float32 weights and the fp8, awq, gptq and compressed-tensors quantizations")
@@ -440,9 +462,9 @@ def _quant_entry(name, want, index, path, scheme):
     layout = scheme["layout"] if scheme else None
     if name in index and index[name][1] in STORED_DTYPES:
         return None
-    if layout is None or (layout != "scaled" and prefix + "." + INT4_ROLES[layout][0] not in index):
+    if layout is None or (layout not in ("scaled", "block") and prefix + "." + INT4_ROLES[layout][0] not in index):
         return None  # _check_tensor names what is missing or of an unsupported dtype
-    g = k if layout == "scaled" or scheme["group_size"] is None else scheme["group_size"]
+    g = k if layout in ("scaled", "block") or scheme["group_size"] is None else scheme["group_size"]
     if k % g:
         raise CheckpointError(f"{path}: tensor {prefix} has {k} input features, not a multiple of the group size {g}")
     ng = k // g
@@ -450,6 +472,10 @@ def _quant_entry(name, want, index, path, scheme):
         "scaled": {"weight": (tuple(SCALED_DTYPES), [(n, k)], True),
                    "weight_scale": (SCALE_DTYPES, [(), (1,), (n,), (n, 1)], True),
                    "input_scale": (SCALE_DTYPES, [(), (1,)], False)},
+        "block": {"weight": (("F8_E4M3",), [(n, k)], True),
+                  **({scheme["scale_role"]: (SCALE_DTYPES, [tuple(-(-x // b) for x, b in zip((n, k), scheme["block"]))],
+                                             True)} if layout == "block" else {}),
+                  "input_scale": (SCALE_DTYPES, [(), (1,)], False)},
         "awq": {"qweight": (("I32",), [(k, n // 8)], True), "qzeros": (("I32",), [(ng, n // 8)], True),
                 "scales": (SCALE_DTYPES, [(ng, n)], True)},
         "gptq": {"qweight": (("I32",), [(k // 8, n)], True), "qzeros": (("I32",), [(ng, n // 8)], True),
@@ -603,6 +629,9 @@ def _read_quant(entry: QuantTensor, scheme: dict):
             if q.dtype != np.int8 and not np.isfinite(q.astype(np.float32)).all():
                 raise ValueError(f"tensor {prefix}.weight ({q.dtype}) holds NaN codes: corrupt")
             return "scaled", np.ascontiguousarray(q.T), scale
+        if entry.layout == "block":
+            codes, d = quant.fp8_block(t["weight"], t[scheme["scale_role"]], scheme["block"], name=prefix)
+            return "packed", PackedWeight(codes, d, None, -2)
         if entry.layout == "awq":
             blocks = quant.awq_int4(t["qweight"], t["qzeros"], t["scales"], name=prefix)
         elif entry.layout == "gptq":

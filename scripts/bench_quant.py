@@ -202,6 +202,9 @@ def _stored(fmt, k, n, rng):
     if fmt in ("fp8", "int8"):  # q [in, out] + an f32 scale per output channel (per-tensor scales: repeated)
         dt = ml_dtypes.float8_e4m3fn if fmt == "fp8" else np.int8
         return [np.zeros((k, n), dt), np.ones(n, np.float32)]
+    if fmt == "fp8-block128":  # DeepSeek-V3 / Qwen3-*-FP8: [128, 128] block scales (models.hf "block" layout)
+        return list(quant.fp8_block(np.zeros((n, k), ml_dtypes.float8_e4m3fn),
+                                    np.ones((-(-n // 128), -(-k // 128)), np.float32), (128, 128)))
     if fmt == "awq-g128":
         return list(quant.awq_int4(i32(k, n // 8), i32(k // g, n // 8), f16(k // g, n)))
     if fmt == "gptq-sym-g128":
@@ -253,8 +256,9 @@ def main(argv=None):
     h.add_argument("formats", nargs="*", default=["none", "int8", "fp8", "gguf"])
     h.add_argument("--batch", type=int, default=64)
     b = sub.add_parser("bytes")
-    b.add_argument("formats", nargs="*", default=["fp8", "int8", "awq-g128", "gptq-sym-g128", "gptq-asym-g128",
-                                                  "pack-quantized-sym-g128", "Q8_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"])
+    b.add_argument("formats", nargs="*", default=["fp8", "int8", "fp8-block128", "awq-g128", "gptq-sym-g128",
+                                                  "gptq-asym-g128", "pack-quantized-sym-g128", "Q8_0", "Q4_1", "Q4_K",
+                                                  "Q5_K", "Q6_K"])
     args = ap.parse_args(argv)
     if args.cmd == "bytes":
         weight_bytes(args.formats)

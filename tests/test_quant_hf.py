@@ -29,6 +29,10 @@ BASE = "tests/data/hf/llama"
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")
 F8 = ml_dtypes.float8_e4m3fn
+# Block-wise FP8 in the tests: [out, in] blocks that divide none of the tiny model's sizes (64, 32, 128), so
+# every weight has ragged edge blocks and several blocks (DeepSeek-V3 / Qwen3-*-FP8 use [128, 128]).
+BLOCK_SIZE = (40, 48)
+BLOCK = ("fp8-block", "fp8-block-ct")
 
 
 def _base_tensors(base=BASE):
@@ -96,6 +100,19 @@ def _quantize_linear(fmt, w, rng):
         if fmt == "fp8-legacy":
             t["input_scale"] = np.float32(0.02).reshape(())  # a static activation scale (unused)
         return t, oracle
+    if fmt in BLOCK:  # block-wise FP8: a scale per [bo, bi] block of W [out, in], ragged at the edges
+        bo, bi = BLOCK_SIZE
+        s = np.zeros((-(-n // bo), -(-k // bi)), np.float32)
+        for i in range(s.shape[0]):
+            for j in range(s.shape[1]):
+                s[i, j] = np.abs(w[i * bo:(i + 1) * bo, j * bi:(j + 1) * bi]).max() / 448.0
+        if fmt == "fp8-block-ct":
+            s = s.astype(ml_dtypes.bfloat16)  # llm-compressor writes the scales in the model dtype
+        full = np.repeat(np.repeat(s.astype(np.float32), bo, 0), bi, 1)[:n, :k]
+        q = (w / full).astype(F8)
+        oracle = q.astype(np.float32) * full
+        role = "weight_scale_inv" if fmt == "fp8-block" else "weight_scale"
+        return {"weight": q, role: s}, oracle
     wt = w.T  # [in, out]
     if fmt == "awq":  # AutoAWQ GEMM: w = (q - z) * s; out packed 8 to an int32 in AWQ_ORDER
         g = 32
@@ -137,6 +154,10 @@ def _qconfig(fmt):
         "fp8-channel": ct(dict(num_bits=8, type="float", strategy="channel", symmetric=True), "float-quantized"),
         "fp8-tensor": ct(dict(num_bits=8, type="float", strategy="tensor", symmetric=True), "float-quantized"),
         "int8-channel": ct(dict(num_bits=8, type="int", strategy="channel", symmetric=True), "naive-quantized"),
+        "fp8-block": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                      "weight_block_size": list(BLOCK_SIZE)},
+        "fp8-block-ct": ct(dict(num_bits=8, type="float", strategy="block", symmetric=True,
+                                block_structure=list(BLOCK_SIZE)), "float-quantized"),
         "fp8-legacy": {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"]},
         "awq": {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"},
         "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 64, "desc_act": False, "sym": False},
@@ -150,10 +171,10 @@ def _qconfig(fmt):
     }[fmt]
 
 
-def write_quantized(tmp, fmt, seed=0, quantize_head=False, base_dir=BASE):
+def write_quantized(tmp, fmt, seed=0, quantize_head=False, base_dir=BASE, edit=None):
     """Writes tests/data/hf/llama (or another base_dir) quantized in `fmt` to tmp / fmt, and the dense
     checkpoint of the weights those codes stand for to tmp / (fmt + "-ref"). Returns (quantized dir,
-    reference dir)."""
+    reference dir). edit: called on the quantized tensors {name: array} before they are written."""
     import pathlib
 
     from safetensors.numpy import save_file
@@ -170,6 +191,8 @@ def write_quantized(tmp, fmt, seed=0, quantize_head=False, base_dir=BASE):
             ref[name] = np.ascontiguousarray(oracle, np.float32)
         else:
             qt[name] = ref[name] = w
+    if edit is not None:
+        edit(qt)
     with open(f"{base_dir}/config.json") as f:
         cfg = json.load(f)
     dirs = []
@@ -196,7 +219,7 @@ def _logprobs(model, tokens):
 
 
 FORMATS = ["fp8-channel", "fp8-tensor", "fp8-legacy", "int8-channel", "awq", "gptq", "gptq-sym", "gptq-v2",
-           "gptq-actorder", "packed", "packed-asym"]
+           "gptq-actorder", "packed", "packed-asym", *BLOCK]
 STORED = {"fp8-channel": F8, "fp8-tensor": F8, "fp8-legacy": F8, "int8-channel": np.int8}
 
 
@@ -210,6 +233,10 @@ def test_quantized_checkpoint_equals_numpy_dequantize_then_matmul(tmp_path, fmt)
     wq = qm.layers.wq[...]
     if fmt in STORED:  # int8 / float8 [in, out] with an f32 scale per output channel
         assert wq.dtype == STORED[fmt] and qm.layers.wq_scale[...].shape == (2, 64)
+        assert qm.weight_bytes() < 0.6 * ref.weight_bytes()
+    elif fmt in BLOCK:  # float8 [in, out] and the block scales per output channel, in groups of gcd(in, 48) = 16
+        assert wq.dtype == F8 and wq.shape == (2, 64, 64) and qm.layers.wq_bscale[...].shape == (2, 4, 64)
+        assert qm.layers.w_down_bscale[...].shape == (2, 8, 64) and qm.layers.wk_bscale[...].shape == (2, 4, 32)
         assert qm.weight_bytes() < 0.6 * ref.weight_bytes()
     else:  # 4-bit codes two to a byte along `in`, group scales beside them
         assert wq.dtype == np.uint8 and wq.shape == (2, 32, 64) and hasattr(qm.layers, "wq_bscale")
@@ -275,17 +302,18 @@ def _make_dense(t, prefix):
      r"^tensor model.layers.1.self_attn.o_proj \(gptq int4\) has non-finite scales: corrupt$"),
     ("packed", lambda t: t.pop("model.layers.0.mlp.down_proj.weight_scale"),
      r"tensor model.layers.0.mlp.down_proj.weight_scale is missing \(a compressed-tensors packed linear needs it\)"),
+    # block-wise FP8: scales written for another block size (a [64, 64] weight in [128, 128] blocks), a NaN scale
+    ("fp8-block", lambda t: t.update({"model.layers.1.self_attn.o_proj.weight_scale_inv": np.ones((1, 1), np.float32)}),
+     r"tensor model.layers.1.self_attn.o_proj.weight_scale_inv is F32 \[1, 1\]; the fp8 block layout with "
+     r"config.json implies F32 or F16 or BF16 \[2, 2\]$"),
+    ("fp8-block-ct", lambda t: t["model.layers.0.mlp.up_proj.weight_scale"].__setitem__((1, 0), np.nan),
+     r"^tensor model.layers.0.mlp.up_proj \(block-wise fp8\) has non-finite or non-positive scales: corrupt$"),
     ("awq", lambda t: _make_dense(t, "model.layers.1.self_attn.q_proj"),
      r"awq: layers.0.wq is stored awq but layers.1.wq is stored dense; jpa stacks the layers and needs one "
      r"storage per weight \(load with quantization 'none'\)"),
 ])
 def test_corrupt_quantized_tensor_is_one_line_naming_it(tmp_path, fmt, edit, match):
-    from safetensors.numpy import load_file, save_file
-
-    qdir, _ = write_quantized(tmp_path, fmt)
-    t = load_file(str(qdir / "model.safetensors"))
-    edit(t)
-    save_file(t, str(qdir / "model.safetensors"))
+    qdir, _ = write_quantized(tmp_path, fmt, edit=edit)
     with pytest.raises(hf.CheckpointError, match=match) as e:
         models.load(qdir)
     assert "\n" not in str(e.value)
@@ -296,10 +324,18 @@ def test_corrupt_quantized_tensor_is_one_line_naming_it(tmp_path, fmt, edit, mat
                                                             r"4-bit AWQ checkpoints"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, r"has version 'gemv'"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 48}, r"has group_size 48: jpa needs -1 or a multiple of 32"),
-    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, r"block-wise FP8 scales are not supported"),
+    ({"quant_method": "fp8", "weight_block_size": [128]}, r"^config.json: quantization_config \('fp8'\) "
+     r"weight_block_size is \[128\]; block-wise FP8 needs two positive integers \[out, in\]$"),
+    ({"quant_method": "fp8", "weight_block_size": [0, 128]}, r"weight_block_size is \[0, 128\]; block-wise FP8"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},
+     r"has activation_scheme 'static' with block-wise scales"),
     ({"quant_method": "bitsandbytes"}, r"quantization_config \('bitsandbytes'\) is not supported"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {
-        "weights": {"num_bits": 8, "type": "float", "strategy": "block"}}}}, r"group 'g' has weights"),
+        "weights": {"num_bits": 8, "type": "float", "strategy": "block"}}}},
+     r"group 'g' block_structure is None; block-wise FP8 needs two positive integers"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {
+        "weights": {"num_bits": 4, "type": "float", "strategy": "block", "block_structure": [128, 128]}}}},
+     r"group 'g' has weights"),
 ])
 def test_unsupported_quantization_config_is_one_line(qc, match):
     cfg = json.load(open(f"{BASE}/config.json"))
@@ -364,7 +400,7 @@ def check_engine_equals_the_checkpoint_loaded_dense(tmp, fmt):
         np.testing.assert_allclose(out.logprobs, rows[np.arange(len(rows)), out.token_ids], atol=2e-4)
 
 
-@pytest.mark.parametrize("fmt,tp", [("awq", 4), ("fp8-channel", 3), ("gptq-actorder", 4)])
+@pytest.mark.parametrize("fmt,tp", [("awq", 4), ("fp8-channel", 3), ("gptq-actorder", 4), ("fp8-block", 4)])
 def test_head_plans_keep_checkpoint_quantization(tmp_path, fmt, tp):
     """Tensor parallelism re-plans heads (tp=4 replicates the 2 kv heads; tp=3 pads): the codes, group
     scales and per-channel scales move with their weights and the function is unchanged."""
@@ -407,3 +443,16 @@ def test_act_order_weight_is_not_replanned_where_its_inputs_move(tmp_path):
     qm, _ = models.load(qdir, dtype=jnp.float32)
     with pytest.raises(ValueError, match=r"tp=3 pad: .* w_down is an act-order GPTQ weight \(its inputs permuted\)"):
         sharding.with_heads(qm, sharding.plan_heads(qm.config, 3))
+
+
+def test_block_fp8_tensor_parallel_that_splits_a_block_is_refused(tmp_path):
+    """tp=3 pads the ffn to 129 features: w_down's `in` (its scale groups of gcd(128, 48) = 16) cannot be split
+    in whole groups, so the plan is refused in one line (tp=4 above shards the block scales with their weights)."""
+    from jpa.models import sharding
+
+    qdir, _ = write_quantized(tmp_path, "fp8-block")
+    qm, _ = models.load(qdir, dtype=jnp.float32)
+    with pytest.raises(ValueError, match=r"the blocks of w_down_bscale \(16 features each\) cannot be split at this "
+                                         r"tensor-parallel size") as e:
+        sharding.with_heads(qm, sharding.plan_heads(qm.config, 3))
+    assert "\n" not in str(e.value)

@@ -200,8 +200,9 @@ def unpack_k_blocks(data, fmt, rows, cols, name: str = "tensor"):
 
 
 def packed_format(codes, minimum) -> str:
-    """The block format of stored codes: int8 -> Q8_0, uint8 with a minimum -> Q4_1, else Q4_0."""
-    if np.dtype(codes.dtype) == np.int8:
+    """The block format of stored codes: int8 (or float8_e4m3fn: block-wise FP8, `fp8_block`, w = q * d
+    the same way) -> Q8_0, uint8 with a minimum -> Q4_1, else Q4_0."""
+    if np.dtype(codes.dtype) in (np.dtype(np.int8), np.dtype(jnp.float8_e4m3fn)):
         return "Q8_0"
     return "Q4_1" if minimum is not None else "Q4_0"
 
@@ -465,3 +466,53 @@ def pack_quantized_int4(weight_packed, weight_scale, weight_zero_point=None, nam
         _check_shape(name, fmt, "weight_zero_point", np.asarray(weight_zero_point), (out // 8, n_groups))
         z = _nibbles(np.asarray(weight_zero_point), 0).astype(np.int32).T  # [in / G, out]
     return _int4_blocks(q, z, weight_scale.T, name, fmt)
+
+
+# ---------------------------------------------------------------------------------------------
+# Block-wise FP8 (issue 35): DeepSeek-V3 / Qwen3-*-FP8 (quant_method "fp8" with weight_block_size
+# [bo, bi], scales P.weight_scale_inv) and compressed-tensors float-quantized strategy "block"
+# (block_structure [bo, bi], scales P.weight_scale) store W [out, in] as float8_e4m3fn codes with one
+# f32 scale per bo x bi block: W[o, i] = q[o, i] * s[o // bo, i // bi], s of shape
+# [ceil(out / bo), ceil(in / bi)] (the last block of each axis may be ragged). vLLM:
+# vllm/model_executor/layers/quantization/fp8.py (weight_block_size, weight_scale_inv) and
+# utils/fp8_utils.py. jpa keeps the codes (1 byte a weight) in the Q8_0 form of `dequantize_blocks`
+# (w = q * d, groups along `in`): d [in / g, out] f32 is the block scale repeated over each block's
+# bo output channels, with g = gcd(in, bi) (= bi when in is a multiple of bi, as in the released
+# checkpoints: 4 / bi bytes a weight, 0.03 at bi = 128; a ragged `in` edge repeats the scale over
+# smaller groups).
+
+
+def check_fp8_block(block, where: str = "weight_block_size"):
+    """[bo, bi] -> (bo, bi), two positive ints; ValueError (one line naming `where`) otherwise."""
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise ValueError(f"{where} is {block!r}; block-wise FP8 needs two positive integers [out, in]")
+    return int(block[0]), int(block[1])
+
+
+def fp8_block(weight, scale, block, name: str = "tensor"):
+    """A block-wise FP8 linear (weight float8_e4m3fn [out, in], scale [ceil(out / bo), ceil(in / bi)])
+    -> (codes float8_e4m3fn [in, out], d f32 [in / g, out]) for dequantize_blocks(axis=-2), with
+    g = gcd(in, bi). NumPy, on the host. Raises ValueError naming the tensor on a shape that does not
+    match the block size, non-finite or non-positive scales, or NaN codes."""
+    import math
+
+    bo, bi = check_fp8_block(block)
+    weight, scale = np.asarray(weight), np.asarray(scale)
+    if weight.ndim != 2 or np.dtype(weight.dtype) != np.dtype(jnp.float8_e4m3fn):
+        raise ValueError(f"tensor {name}.weight is {weight.dtype} {list(weight.shape)}; block-wise FP8 needs "
+                         f"float8_e4m3fn [out, in]")
+    n, k = weight.shape
+    want = (-(-n // bo), -(-k // bi))
+    if scale.shape != want:
+        raise ValueError(f"tensor {name} scales have shape {list(scale.shape)}; a [{n}, {k}] weight in "
+                         f"[{bo}, {bi}] blocks has {list(want)}: wrong block size or truncated")
+    s = scale.astype(np.float32)
+    if not (np.isfinite(s).all() and (s > 0).all()):
+        raise ValueError(f"tensor {name} (block-wise fp8) has non-finite or non-positive scales: corrupt")
+    if not np.isfinite(weight.astype(np.float32)).all():
+        raise ValueError(f"tensor {name}.weight (float8_e4m3fn) holds NaN codes: corrupt")
+    g = math.gcd(k, bi)
+    d = np.repeat(s, bo, axis=0)[:n]  # [out, ceil(in / bi)]: each block's scale on its output channels
+    d = np.repeat(d, bi // g, axis=1)[:, :k // g]  # [out, in / g]: groups of g inside each block
+    return np.ascontiguousarray(weight.T), np.ascontiguousarray(d.T)
