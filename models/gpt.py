@@ -130,7 +130,7 @@ class PackedWeight:
     def shape(self) -> tuple:
         """The float weight's shape."""
         shape = list(self.codes.shape)
-        shape[self.axis] *= 1 if self.codes.dtype == np.int8 else 2
+        shape[self.axis] *= 2 if self.codes.dtype == np.uint8 else 1   # uint8: two 4-bit codes a byte
         return tuple(shape)
 
     @property
