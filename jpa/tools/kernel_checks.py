@@ -170,8 +170,8 @@ def check_kernels(compiler: Compiler, impls, subset: str, log=print, random: int
             if rec["ok"] and rec[want] != 1:
                 rec["ok"] = False
                 rec["problems"].append(f"expected one {impl} kernel call, found {rec[want]}")
-            from jpa.pallas.mosaic import decode_ampere
-            if impl == "mosaic" and rec["ok"] and decode_ampere.serves(cc):
+            from jpa.pallas.mosaic import decode as mosaic_decode, decode_ampere
+            if impl == "mosaic" and rec["ok"] and mosaic_decode.runs_mma(cfg.spec(), cc):
                 from jpa.pallas.mosaic import tuning as mosaic_tuning
                 q_item = np.dtype(jnp.dtype(cfg.q_dtype)).itemsize
                 quantized = cfg.spec().quantized

@@ -127,6 +127,20 @@ AMPERE_TABLE = (
         tuning=MosaicTuning(block_tokens=32, max_slots=3, smem_budget=97 * 1024,
                             target_programs=2 * 58),
         measured="ptxas, deviceless sm_86 / sm_89 compile (JAX 0.12.0.1). Speed: not measured."),
+    # Hopper (sm_90a: H100 / H200) through the same kernel with TMA copies, for the shapes the WGMMA
+    # kernels refuse (`decode.runs_mma`): the B200 rows' SMEM budget (227 KiB a block as a B200),
+    # 132 SMs.
+    TuningRow(
+        gpus="H100 / H200 (sm_90a) where WGMMA refuses, head_dim <= 128", compute_capability=(9.0, 10.0),
+        head_dims=(1, 128),
+        tuning=MosaicTuning(block_tokens=64, max_slots=4, smem_budget=200 * 1024,
+                            target_programs=2 * 132),
+        measured="ptxas, deviceless H100 compile (JAX 0.12.0.1). Speed: not measured."),
+    TuningRow(
+        gpus="H100 / H200 (sm_90a) where WGMMA refuses, head_dim > 128", compute_capability=(9.0, 10.0),
+        tuning=MosaicTuning(block_tokens=32, max_slots=4, smem_budget=200 * 1024,
+                            target_programs=2 * 132),
+        measured="ptxas, deviceless H100 compile (JAX 0.12.0.1). Speed: not measured."),
     # Blackwell (sm_100: B200 / GB200; B300 is 10.3) through the same kernel with TMA copies:
     # 227 KiB of SMEM per block as an H100.
     TuningRow(
