@@ -116,7 +116,7 @@ def test_refusals_are_reasons_and_routing_follows_the_compute_capability():
     assert mosaic_decode.unsupported_reason(base, H100) is None
     assert mosaic_decode.unsupported_reason(base, B200) is None
     assert mosaic_decode.unsupported_reason(base, 12.0) is None  # sm_120: the TMA path
-    assert "Blackwell (10.x, 12.x)" in decode_ampere.unsupported_reason(base, 11.0)
+    assert "Hopper and Blackwell (9.x, 10.x, 12.x)" in decode_ampere.unsupported_reason(base, 11.0)
     refused = {
         "mma.sync has no exact float32": base._replace(q_dtype="float32", cache_dtype="float32"),
         "must be a multiple of 16 (the mma's k) from 64 to 256": base._replace(head_dim=72),
