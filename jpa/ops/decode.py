@@ -1,10 +1,7 @@
 """`jpa.paged_decode`: decode attention over a paged KV cache, with backend dispatch."""
 
-import numpy as np
-
 from jpa.ops import dispatch
-from jpa.pallas.spec import decode_spec  # noqa: F401 (re-exported: jpa.ops.decode.decode_spec)
-from jpa.core.quant import is_quantized
+from jpa.pallas.spec import decode_spec
 from jpa.ops.reference import paged_decode_xla
 from jpa.ops.validate import check_decode_args, check_layer
 

@@ -39,7 +39,7 @@ from jax import lax
 from jpa.ops import dispatch
 from jpa.pallas.common import decode_last_rows, max_query_tiles, query_tiles
 from jpa.pallas.spec import RaggedSpec, ragged_spec  # noqa: F401 (ragged_spec re-exported)
-from jpa.core.quant import FLOAT_DTYPES, is_quantized
+from jpa.core.quant import FLOAT_DTYPES
 from jpa.ops.reference import paged_decode_xla, paged_prefill_xla
 from jpa.ops.validate import (check_cache_pair, check_dtype, check_layer, check_ndim, check_options,
                               check_tables, check_used_pages, is_concrete)
