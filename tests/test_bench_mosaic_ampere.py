@@ -191,3 +191,25 @@ def test_ragged_subset_compiles_for_ampere_ada_and_blackwell(tmp_path, target, s
             assert k["ptx_targets"] == [sm] and k["spill_stores"] == 0 and 0 < k["registers"] <= 255, r["name"]
             assert 0 < k["shared_memory"] <= TARGETS[target]["shared_memory_per_block_optin"], r["name"]
         assert r["pool_copies"] == [], r["name"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
+                    reason="the compile-only GPU packages are not installed (pip install -e '.[gpu]')")
+def test_hopper_mma_route_compiles_for_an_h100(tmp_path):
+    """The first covering-grid decode configuration the WGMMA kernel refuses on an H100 (an int8
+    cache in pages of 8), compiled deviceless for the H100 as `auto` routes it: the mma.sync kernel
+    with TMA copies, PTX sm_90a, no spills (scripts/hopper_mma_compile_check.py runs them all)."""
+    import json
+    import subprocess
+    import sys
+    from test_gpu_compile import ROOT, fresh_env
+    out = tmp_path / "hop.json"
+    env = {k: v for k, v in fresh_env().items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_CPP_VMODULE")}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "hopper_mma_compile_check.py"), "h100",
+                           "--max", "1", "--ops", "decode", "--json", str(out)], capture_output=True, text=True,
+                          timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0 and out.exists(), proc.stdout[-2000:] + proc.stderr[-2000:]
+    (rec,) = json.loads(out.read_text())
+    assert rec["ok"] and "refused" not in rec and rec["mosaic_calls"] == 1 and rec["triton_calls"] == 0, rec
+    k = rec["kernels"]["jpa_mosaic_decode_ampere"]
+    assert k["ptx_targets"] == ["sm_90a"] and k["spill_stores"] == 0 and 0 < k["registers"] <= 255, k

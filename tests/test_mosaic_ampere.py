@@ -16,6 +16,7 @@ The grids (head dims, dtypes, page sizes, generations) are tests/test_bench_mosa
 import importlib.util
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -115,7 +116,7 @@ def test_refusals_are_reasons_and_routing_follows_the_compute_capability():
     assert mosaic_decode.unsupported_reason(base, H100) is None
     assert mosaic_decode.unsupported_reason(base, B200) is None
     assert mosaic_decode.unsupported_reason(base, 12.0) is None  # sm_120: the TMA path
-    assert "Blackwell (10.x, 12.x)" in decode_ampere.unsupported_reason(base, 11.0)
+    assert "Hopper and Blackwell (9.x, 10.x, 12.x)" in decode_ampere.unsupported_reason(base, 11.0)
     refused = {
         "mma.sync has no exact float32": base._replace(q_dtype="float32", cache_dtype="float32"),
         "must be a multiple of 16 (the mma's k) from 64 to 256": base._replace(head_dim=72),
@@ -276,3 +277,39 @@ def test_auto_ragged_lowers_to_mosaic_only_without_the_triton_warning(kind, core
     assert not [m for m in messages if "Triton backend is deprecated" in m], messages
     assert any("uses the mosaic ragged kernel" in m for m in messages), messages
     assert text.count("mosaic_gpu") >= 2 and "__gpu$xla.gpu.triton" not in text
+
+
+def test_hopper_routes_what_wgmma_refuses_to_the_mma_path():
+    """On an H100 a shape the WGMMA kernels refuse (an int8 cache in pages of 16: its scales are no
+    128-byte TMA) goes to the mma.sync kernels with TMA copies, in the decode kernel entry point,
+    the ragged op and `auto`; float32 q, which neither serves, still goes to Triton with both
+    reasons. (Traces the entry point's jaxpr only: no lowering, no compile.)"""
+    import jax
+    from jpa.ops.ragged import RAGGED
+    base = DecodeSpec("bfloat16", "bfloat16", 32, 8, 128, 16, 32, False, False, False, False, 64, 8192)
+    q8 = base._replace(cache_dtype="int8", quantized=True)
+    assert "page_size = 16 is too small" in mosaic_decode.wgmma_reason(q8, H100)
+    assert mosaic_decode.runs_mma(q8, H100) and mosaic_decode.unsupported_reason(q8, H100) is None
+    assert not mosaic_decode.runs_mma(base, H100)  # what WGMMA serves stays there
+    assert not mosaic_decode.runs_mma(q8, None)  # interpret mode: the WGMMA kernel's contract
+    f32 = base._replace(q_dtype="float32", cache_dtype="float32")
+    assert not mosaic_decode.runs_mma(f32, H100)
+    assert re.search("WGMMA has no exact float32.*mma.sync kernel .TMA copies. neither: q dtype float32",
+                     mosaic_decode.unsupported_reason(f32, H100))
+    rq8 = RaggedSpec("bfloat16", "int8", 512, 64, 32, 8, 128, 16, 256, 8192, True, False, True, True, 1, False)
+    assert mosaic_ragged.runs_mma(rq8, H100) and mosaic_ragged.unsupported_reason(rq8, H100) is None
+    assert not mosaic_ragged.runs_mma(rq8._replace(cache_dtype="bfloat16", quantized=False), H100)
+    h100 = dispatch.Target("gpu", "NVIDIA H100 80GB HBM3", H100, executable=False)
+    for spec, op in ((q8, None), (rq8, RAGGED)):
+        with mosaic_arch((9, 0)), pytest.warns(UserWarning, match="not attached"):
+            assert dispatch.choose_impl("auto", spec, h100, op) == "mosaic"
+    # The entry point (the dispatch passes the H100's compute capability) runs the mma kernel.
+    sds = jax.ShapeDtypeStruct
+    pool = (8, 64, 16, 128)
+    args = (sds((4, 32, 128), jnp.bfloat16), sds(pool, jnp.int8), sds(pool, jnp.int8),
+            sds((4, 8), jnp.int32), sds((4,), jnp.int32))
+    scales = dict(k_scales=sds(pool[:3], jnp.float32), v_scales=sds(pool[:3], jnp.float32))
+    with mosaic_arch((9, 0)):
+        jaxpr = str(jax.make_jaxpr(lambda *a, **kw: mosaic_decode.paged_decode(
+            *a, scale=0.1, compute_capability=H100, **kw))(*args, **scales))
+    assert "jpa_mosaic_decode_ampere" in jaxpr and "jpa_mosaic_decode\"" not in jaxpr

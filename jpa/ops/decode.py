@@ -1,26 +1,9 @@
 """`jpa.paged_decode`: decode attention over a paged KV cache, with backend dispatch."""
 
-import numpy as np
-
 from jpa.ops import dispatch
-from jpa.pallas.spec import DecodeSpec
-from jpa.core.quant import is_quantized
+from jpa.pallas.spec import decode_spec
 from jpa.ops.reference import paged_decode_xla
 from jpa.ops.validate import check_decode_args, check_layer
-
-
-def decode_spec(q, k_pages, block_tables, *, soft_cap, alibi_slopes, sliding_window,
-                sinks=None) -> DecodeSpec:
-    """The static configuration of a (validated) paged_decode call: shapes, dtypes, options."""
-    num_kv_heads, num_pages, page_size, head_dim = k_pages.shape[-4:]
-    num_seqs, pages_per_seq = block_tables.shape
-    return DecodeSpec(
-        q_dtype=np.dtype(q.dtype).name, cache_dtype=np.dtype(k_pages.dtype).name,
-        num_q_heads=q.shape[1], num_kv_heads=num_kv_heads, head_dim=head_dim,
-        page_size=page_size, pages_per_seq=pages_per_seq, soft_cap=soft_cap is not None,
-        alibi=alibi_slopes is not None, sliding_window=sliding_window is not None,
-        quantized=is_quantized(k_pages.dtype), num_seqs=num_seqs, num_pages=num_pages,
-        num_layers=k_pages.shape[0] if k_pages.ndim == 5 else 1, sinks=sinks is not None)
 
 
 def resolve_decode_impl(q, k_pages, block_tables, *, soft_cap=None, alibi_slopes=None,

@@ -52,9 +52,10 @@ KERNEL_MODULES = {"triton": "jpa.pallas.triton.decode", "mosaic": "jpa.pallas.mo
 # caches and head dims 80 / 112: 42 and 8). The rest, which Triton serves, fall to plain JAX with
 # one warning: float32 q (1 decode, 7 ragged; mma.sync cannot compute it exactly) and, on 8.x only,
 # 6 decode / 1 ragged page shapes cp.async cannot copy (8- or 16-token pages of head_dim 80 / 96
-# rows of 8-bit, or 8-token ones of head_dim 80 at 16 bits). On H100 the WGMMA kernels refuse 23
-# decode and 8 ragged ones beside float32 q (8-bit caches with pages < 32, head_dim 80 / 256 with
-# 8-bit caches) that Triton serves, so Triton stays there.
+# rows of 8-bit, or 8-token ones of head_dim 80 at 16 bits). On H100 the WGMMA kernels refuse 24
+# decode (one, an int8 pool of 2**32 elements, too large for Triton too) and 8 ragged ones beside
+# float32 q (8-bit caches with pages < 32, head_dim 80 / 256 with 8-bit caches); the mma.sync kernels with TMA copies take all of them (`decode.runs_mma`), so
+# Mosaic serves 89 and 23 there too, and Triton stays in Hopper's ladder for float32 q only.
 AUTO_ORDER = (("mosaic", 8.0, 11.0), ("mosaic", 12.0, 13.0), ("triton", 9.0, 10.0),
               ("triton", 11.0, 12.0), ("triton", 13.0, float("inf")))
 # Self-check tolerance per q dtype (max abs error vs the reference on O(1) values).

@@ -38,8 +38,8 @@ from jax import lax
 
 from jpa.ops import dispatch
 from jpa.pallas.common import decode_last_rows, max_query_tiles, query_tiles
-from jpa.pallas.spec import RaggedSpec
-from jpa.core.quant import FLOAT_DTYPES, is_quantized
+from jpa.pallas.spec import RaggedSpec, ragged_spec  # noqa: F401 (ragged_spec re-exported)
+from jpa.core.quant import FLOAT_DTYPES
 from jpa.ops.reference import paged_decode_xla, paged_prefill_xla
 from jpa.ops.validate import (check_cache_pair, check_dtype, check_layer, check_ndim, check_options,
                               check_tables, check_used_pages, is_concrete)
@@ -54,20 +54,6 @@ SHORT_QUERY_ROWS = 17
 # Kernel modules behind impl="triton"/"mosaic" (each exposes `unsupported_reason(RaggedSpec,
 # compute_capability)` and `ragged_paged_attention` with this module's argument order).
 KERNEL_MODULES = {"triton": "jpa.pallas.triton.ragged", "mosaic": "jpa.pallas.mosaic.ragged"}
-
-
-def ragged_spec(q, k_pages, block_tables, *, soft_cap, alibi_slopes, sliding_window,
-                sinks=None) -> RaggedSpec:
-    """The static configuration of a (validated) ragged_paged_attention call."""
-    num_kv_heads, num_pages, page_size, head_dim = k_pages.shape[-4:]
-    return RaggedSpec(
-        q_dtype=np.dtype(q.dtype).name, cache_dtype=np.dtype(k_pages.dtype).name,
-        num_tokens=q.shape[0], max_num_seqs=block_tables.shape[0], num_q_heads=q.shape[1],
-        num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
-        pages_per_seq=block_tables.shape[1], num_pages=num_pages, soft_cap=soft_cap is not None,
-        alibi=alibi_slopes is not None, sliding_window=sliding_window is not None,
-        quantized=is_quantized(k_pages.dtype), num_layers=k_pages.shape[0] if k_pages.ndim == 5 else 1,
-        sinks=sinks is not None)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "tile_tokens"))

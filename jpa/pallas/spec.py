@@ -2,6 +2,10 @@
 
 from typing import NamedTuple
 
+import numpy as np
+
+from jpa.core.quant import is_quantized
+
 # Derived sizes shared by both specs (NamedTuples cannot share a base class with methods).
 _Q_PER_KV = property(lambda self: self.num_q_heads // self.num_kv_heads, doc="num_q_heads // num_kv_heads")
 _POOL_ELEMENTS = property(
@@ -59,3 +63,31 @@ class RaggedSpec(NamedTuple):
 
     q_per_kv = _Q_PER_KV
     pool_elements = _POOL_ELEMENTS
+
+
+def decode_spec(q, k_pages, block_tables, *, soft_cap, alibi_slopes, sliding_window,
+                sinks=None) -> DecodeSpec:
+    """The static configuration of a (validated) paged_decode call: shapes, dtypes, options."""
+    num_kv_heads, num_pages, page_size, head_dim = k_pages.shape[-4:]
+    num_seqs, pages_per_seq = block_tables.shape
+    return DecodeSpec(
+        q_dtype=np.dtype(q.dtype).name, cache_dtype=np.dtype(k_pages.dtype).name,
+        num_q_heads=q.shape[1], num_kv_heads=num_kv_heads, head_dim=head_dim,
+        page_size=page_size, pages_per_seq=pages_per_seq, soft_cap=soft_cap is not None,
+        alibi=alibi_slopes is not None, sliding_window=sliding_window is not None,
+        quantized=is_quantized(k_pages.dtype), num_seqs=num_seqs, num_pages=num_pages,
+        num_layers=k_pages.shape[0] if k_pages.ndim == 5 else 1, sinks=sinks is not None)
+
+
+def ragged_spec(q, k_pages, block_tables, *, soft_cap, alibi_slopes, sliding_window,
+                sinks=None) -> RaggedSpec:
+    """The static configuration of a (validated) ragged_paged_attention call."""
+    num_kv_heads, num_pages, page_size, head_dim = k_pages.shape[-4:]
+    return RaggedSpec(
+        q_dtype=np.dtype(q.dtype).name, cache_dtype=np.dtype(k_pages.dtype).name,
+        num_tokens=q.shape[0], max_num_seqs=block_tables.shape[0], num_q_heads=q.shape[1],
+        num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
+        pages_per_seq=block_tables.shape[1], num_pages=num_pages, soft_cap=soft_cap is not None,
+        alibi=alibi_slopes is not None, sliding_window=sliding_window is not None,
+        quantized=is_quantized(k_pages.dtype), num_layers=k_pages.shape[0] if k_pages.ndim == 5 else 1,
+        sinks=sinks is not None)

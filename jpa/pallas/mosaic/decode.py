@@ -70,7 +70,7 @@ from jpa.pallas.mosaic.pipeline import (BLOCK_Q, ROW_ALIGN, KVBlocks, attend, ba
                                         num_slots, operand_transforms, partition_outputs, partitions, prologue,
                                         ragged_logits, smem_plan, tmas_per_block, uses_tma)
 from jpa.pallas.mosaic.tuning import MosaicTuning
-from jpa.pallas.spec import DecodeSpec
+from jpa.pallas.spec import DecodeSpec, decode_spec
 
 # Pages may be smaller than a block (a block is several pages, one TMA each) or larger (a block is
 # a slice of a page); both must tile a block or be tiled by it. Larger pages are not tested.
@@ -84,17 +84,45 @@ MAX_TMA_COORD = 2 ** 31
 MAX_QUANT_HEAD_DIM = 192
 
 
+def runs_mma(spec, compute_capability: float | None, mma_reason=decode_ampere.unsupported_reason) -> bool:
+    """Whether jpa's Mosaic kernels for `spec` on a GPU of `compute_capability` are the mma.sync
+    ones (`decode_ampere`, `ragged_ampere`) rather than the WGMMA ones: always on 8.x, 10.x and
+    12.x (`decode_ampere.serves`); on Hopper (9.x) when the WGMMA kernel refuses `spec` and the
+    mma.sync kernel with TMA copies takes it; never in interpret mode (None). The one routing rule
+    of `paged_decode`, `unsupported_reason` and the ragged op.
+    mma_reason: the mma.sync kernels' check (the ragged op passes `ragged_ampere`'s)."""
+    if decode_ampere.serves(compute_capability):
+        return True
+    return (compute_capability is not None and 9.0 <= compute_capability < 10.0
+            and wgmma_reason(spec, compute_capability) is not None
+            and mma_reason(spec, compute_capability) is None)
+
+
 def unsupported_reason(spec: DecodeSpec, compute_capability: float | None = None, *,
                        tuning: MosaicTuning | None = None) -> str | None:
-    """Why this kernel cannot serve `spec` on a GPU of `compute_capability`, or None when it can.
-
-    Compute capabilities 8.x and 10.x are judged by the mma.sync kernel (`decode_ampere`), which
-    `paged_decode` runs there.
+    """Why jpa's Mosaic GPU decode kernels cannot serve `spec` on a GPU of `compute_capability`,
+    or None when one can: the mma.sync kernel (`decode_ampere`) where `runs_mma`, else the WGMMA
+    one (`wgmma_reason`). On Hopper a refusal gives both kernels' reasons.
     compute_capability None (interpret mode, or an unknown device) skips the device check.
-    tuning: the tiling to check (None: `tuning.lookup(compute_capability, spec.head_dim)`).
+    tuning: the WGMMA tiling to check (None: `tuning.lookup(compute_capability, spec.head_dim)`).
     """
-    if decode_ampere.serves(compute_capability):
+    if runs_mma(spec, compute_capability):
         return decode_ampere.unsupported_reason(spec, compute_capability)
+    return hopper_reasons(wgmma_reason(spec, compute_capability, tuning=tuning), spec,
+                          compute_capability, decode_ampere.unsupported_reason)
+
+
+def hopper_reasons(wgmma: str | None, spec, compute_capability: float | None, mma_reason) -> str | None:
+    """The WGMMA kernel's refusal `wgmma`, with the mma.sync kernel's (`mma_reason`) added on
+    Hopper, where both were tried."""
+    if wgmma is None or compute_capability is None or not 9.0 <= compute_capability < 10.0:
+        return wgmma
+    return f"{wgmma}; the mma.sync kernel (TMA copies) neither: {mma_reason(spec, compute_capability)}"
+
+
+def wgmma_reason(spec: DecodeSpec, compute_capability: float | None = None, *,
+                 tuning: MosaicTuning | None = None) -> str | None:
+    """Why the WGMMA (Hopper) decode kernel cannot serve `spec`, or None when it can."""
     if tuning is None:
         tuning = tuning_table.lookup(compute_capability, spec.head_dim)
     if compute_capability is not None and not 9.0 <= compute_capability < 10.0:
@@ -420,15 +448,17 @@ def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, *, scale, soft_cap
 
     tuning: a `MosaicTuning` (static); None takes `tuning.lookup(None, head_dim)`, the table's
     fallback row (the same values as its H100 row).
-    compute_capability: the GPU compiled for (static; the dispatch passes its target's). 8.x and
-    10.x run the mma.sync kernel (`decode_ampere.paged_decode`: cp.async on 8.x, TMA on 10.x; its
-    tiling from `tuning.lookup_ampere(compute_capability, head_dim)` unless `tuning` is given);
-    anything else (None included) the Hopper kernel.
+    compute_capability: the GPU compiled for (static; the dispatch passes its target's). Where
+    `runs_mma` (8.x, 10.x, 12.x; on 9.x the shapes the WGMMA kernel refuses) the mma.sync kernel
+    runs (`decode_ampere.paged_decode`: cp.async on 8.x, TMA from 9.x on; its tiling from
+    `tuning.lookup_ampere(compute_capability, head_dim)` unless `tuning` is given); anything else
+    (None included) the Hopper WGMMA kernel.
 
     Returns:
       [num_seqs, num_q_heads, head_dim] in q's dtype.
     """
-    if decode_ampere.serves(compute_capability):
+    if runs_mma(decode_spec(q, k_pages, block_tables, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
+                            sliding_window=sliding_window, sinks=sinks), compute_capability):
         return decode_ampere.paged_decode(
             q, k_pages, v_pages, block_tables, seq_lens, scale=scale, soft_cap=soft_cap,
             alibi_slopes=alibi_slopes, sliding_window=sliding_window, interpret=interpret,

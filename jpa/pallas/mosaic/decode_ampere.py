@@ -85,10 +85,10 @@ def unsupported_reason(spec: DecodeSpec, compute_capability: float | None = None
                        tuning: MosaicTuning | None = None) -> str | None:
     """Why this kernel cannot serve `spec` on a GPU of `compute_capability`, or None when it can
     (None: interpret mode, device limits from the sm_80 row)."""
-    if compute_capability is not None and not serves(compute_capability):
+    if compute_capability is not None and not compiles_for(compute_capability):
         return (f"compute capability {compute_capability} is served by neither of this kernel's "
-                f"paths: cp.async + mma.sync on Ampere/Ada (8.x), TMA + mma.sync on Blackwell "
-                f"(10.x, 12.x)")
+                f"paths: cp.async + mma.sync on Ampere/Ada (8.x), TMA + mma.sync on Hopper and "
+                f"Blackwell (9.x, 10.x, 12.x)")
     if tuning is None:
         tuning = tuning_table.lookup_ampere(compute_capability, spec.head_dim, spec.quantized)
     if spec.q_dtype not in SUPPORTED_DTYPES:
@@ -139,6 +139,14 @@ def serves(compute_capability: float | None) -> bool:
     return compute_capability is not None and (8.0 <= compute_capability < 9.0
                                                or 10.0 <= compute_capability < 11.0
                                                or 12.0 <= compute_capability < 13.0)
+
+
+def compiles_for(compute_capability: float | None) -> bool:
+    """Whether this kernel (and `ragged_ampere`) builds for a GPU of this compute capability: the
+    generations it `serves`, and Hopper (9.x, TMA copies), where it takes what the WGMMA kernels
+    refuse (`decode.runs_mma`)."""
+    return serves(compute_capability) or (compute_capability is not None
+                                           and 9.0 <= compute_capability < 10.0)
 
 
 def converts_fp8(compute_capability: float | None) -> bool:

@@ -65,7 +65,7 @@ from jpa.pallas.mosaic.pipeline import (BLOCK_Q, ROW_ALIGN, KVBlocks, attend, ba
                                         merge_sink, num_slots, operand_transforms, prologue,
                                         ragged_logits, tile_key_range, tmas_per_block, uses_tma)
 from jpa.pallas.mosaic.tuning import MosaicTuning
-from jpa.pallas.spec import RaggedSpec
+from jpa.pallas.spec import RaggedSpec, ragged_spec
 
 # Placeholder operand for absent optional inputs (Mosaic GPU kernels take a fixed operand list).
 _PLACEHOLDER_ROWS = 8
@@ -74,16 +74,25 @@ _PLACEHOLDER_ROWS = 8
 def unsupported_reason(spec: RaggedSpec, compute_capability: float | None = None, *,
                        tuning: MosaicTuning | None = None) -> str | None:
     """Why these kernels cannot serve `spec` on a GPU of `compute_capability` (None: skip the
-    device check), or None when they can. Hopper (9.x; None too): the WGMMA decode kernel's limits,
-    which cover the tile kernel. Ampere/Ada (8.x) and Blackwell (10.x): the mma.sync kernels'
-    (`ragged_ampere.unsupported_reason`)."""
-    if compute_capability is not None and is_mma_path(compute_capability):
+    device check), or None when they can. Where `runs_mma` (8.x, 10.x, 12.x; on Hopper the shapes
+    the WGMMA kernels refuse): the mma.sync kernels' limits (`ragged_ampere.unsupported_reason`).
+    Else (Hopper; None too) the WGMMA decode kernel's limits, which cover the tile kernel; on Hopper
+    a refusal gives both paths' reasons."""
+    if runs_mma(spec, compute_capability):
         return ragged_ampere.unsupported_reason(spec, compute_capability, tuning=tuning)
     if compute_capability is not None and not 9.0 <= compute_capability < 10.0:
         return (f"compute capability {compute_capability} is served by none of the Mosaic GPU ragged "
                 f"kernels: WGMMA + TMA on Hopper (9.x), mma.sync + cp.async on Ampere/Ada (8.x), "
-                f"mma.sync + TMA on Blackwell (10.x)")
-    return mosaic_decode.unsupported_reason(spec, compute_capability, tuning=tuning)
+                f"mma.sync + TMA on Hopper and Blackwell (9.x, 10.x, 12.x)")
+    return mosaic_decode.hopper_reasons(
+        mosaic_decode.wgmma_reason(spec, compute_capability, tuning=tuning), spec, compute_capability,
+        ragged_ampere.unsupported_reason)
+
+
+def runs_mma(spec: RaggedSpec, compute_capability: float | None) -> bool:
+    """Whether the ragged op for `spec` runs the mma.sync kernels (`ragged_ampere`'s tile kernel,
+    `decode_ampere` for the last rows): `decode.runs_mma` judged with `ragged_ampere`'s limits."""
+    return mosaic_decode.runs_mma(spec, compute_capability, ragged_ampere.unsupported_reason)
 
 
 def aot_unsupported_reason(compute_capability: float | None) -> str | None:
@@ -94,7 +103,8 @@ def aot_unsupported_reason(compute_capability: float | None) -> str | None:
 
 def is_mma_path(compute_capability: float | None) -> bool:
     """Whether a GPU of this compute capability runs the mma.sync kernels (`decode_ampere`,
-    `ragged_ampere`): Ampere/Ada (8.x, cp.async) and Blackwell (10.x, 12.x; TMA)."""
+    `ragged_ampere`) for every shape: Ampere/Ada (8.x, cp.async) and Blackwell (10.x, 12.x; TMA).
+    On Hopper only some shapes do (`runs_mma`)."""
     return ragged_ampere.decode_ampere.serves(compute_capability)
 
 
@@ -291,9 +301,10 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
     head_dim)`, the table's fallback row (the same values as its H100 row).
     sinks: f32[num_q_heads] attention sinks or None: the decode kernel folds them in at its split-K
     combine, the tile kernel into each row's final softmax state.
-    compute_capability: the GPU compiled for (static; the dispatch passes its target's). 8.x and
-    10.x run the mma.sync kernels (`ragged_ampere`'s tile kernel, `decode_ampere` for the last
-    rows; cp.async copies on 8.x, TMA on 10.x; tiling `tuning.lookup_ampere(compute_capability,
+    compute_capability: the GPU compiled for (static; the dispatch passes its target's). Where
+    `runs_mma` (8.x, 10.x, 12.x; on 9.x the shapes the WGMMA kernels refuse) the mma.sync kernels
+    run (`ragged_ampere`'s tile kernel, `decode_ampere` for the last rows; cp.async copies on 8.x,
+    TMA from 9.x on; tiling `tuning.lookup_ampere(compute_capability,
     head_dim)` unless `tuning` is given); anything else (None included) the WGMMA kernels.
     max_q_len: None, or the caller's promise (static) that no live sequence has more query rows
       (a speculative verify pass: k + 1). On Hopper, when that many tokens' heads fit the 64-row q
@@ -309,12 +320,13 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
     num_kv_heads = pool_layout(k_pages, layer)[1]
     q_per_kv = num_q_heads // num_kv_heads
     num_seqs = jnp.asarray(num_seqs, jnp.int32)
-    mma = is_mma_path(compute_capability)
+    mma = runs_mma(ragged_spec(q, k_pages, block_tables, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
+                               sliding_window=sliding_window, sinks=sinks), compute_capability)
     tuning = tuning or (tuning_table.lookup_ampere(compute_capability, head_dim, k_scales is not None) if mma
                         else tuning_table.lookup(None, head_dim))
     opts = dict(scale=scale, soft_cap=soft_cap, alibi_slopes=alibi_slopes,
                 sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales, sinks=sinks)
-    if short_rows(q_per_kv, max_q_len, compute_capability):
+    if not mma and short_rows(q_per_kv, max_q_len, compute_capability):
         return _short_rows(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, num_seqs, max_q_len,
                            interpret=interpret, layer=layer, tuning=tuning, **opts)
     # 1. Last rows (all decode tokens) through the split-K decode kernel of the same path.

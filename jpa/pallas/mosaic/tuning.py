@@ -127,6 +127,20 @@ AMPERE_TABLE = (
         tuning=MosaicTuning(block_tokens=32, max_slots=3, smem_budget=97 * 1024,
                             target_programs=2 * 58),
         measured="ptxas, deviceless sm_86 / sm_89 compile (JAX 0.12.0.1). Speed: not measured."),
+    # Hopper (sm_90a: H100 / H200) through the same kernel with TMA copies, for the shapes the WGMMA
+    # kernels refuse (`decode.runs_mma`): the B200 rows' SMEM budget (227 KiB a block as a B200),
+    # 132 SMs.
+    TuningRow(
+        gpus="H100 / H200 (sm_90a) where WGMMA refuses, head_dim <= 128", compute_capability=(9.0, 10.0),
+        head_dims=(1, 128),
+        tuning=MosaicTuning(block_tokens=64, max_slots=4, smem_budget=200 * 1024,
+                            target_programs=2 * 132),
+        measured="ptxas, deviceless H100 compile (JAX 0.12.0.1). Speed: not measured."),
+    TuningRow(
+        gpus="H100 / H200 (sm_90a) where WGMMA refuses, head_dim > 128", compute_capability=(9.0, 10.0),
+        tuning=MosaicTuning(block_tokens=32, max_slots=4, smem_budget=200 * 1024,
+                            target_programs=2 * 132),
+        measured="ptxas, deviceless H100 compile (JAX 0.12.0.1). Speed: not measured."),
     # Blackwell (sm_100: B200 / GB200; B300 is 10.3) through the same kernel with TMA copies:
     # 227 KiB of SMEM per block as an H100.
     TuningRow(
@@ -171,7 +185,8 @@ AMPERE_TABLE = (
 # per-token scales and (sm_80/86) float8's bit manipulation sit next to the scores: with 64-token
 # blocks the decode kernel spilled 12-16 B on sm_80 (float16 q, e5m2, GQA 8, head_dim 128), and
 # with 32-token blocks the ragged tile kernel spilled 32 B on sm_120 at head_dim 256 (int8 and
-# e5m2).
+# e5m2). On Hopper (sm_90a, TMA copies) the ragged op's decode kernel spilled 36 B with 64-token
+# blocks (int8, GQA 8, head_dim 128, pages of 16): 32 there too.
 QUANTIZED_BLOCK_TOKENS_SM8X = 32
 QUANTIZED_BLOCK_TOKENS_WIDE = 16
 
@@ -179,12 +194,12 @@ QUANTIZED_BLOCK_TOKENS_WIDE = 16
 def lookup_ampere(compute_capability: float | None = None, head_dim: int = 128,
                   quantized: bool = False) -> MosaicTuning:
     """The Ampere/Ada kernel's default tiling (AMPERE_TABLE) for a GPU and a head_dim; 8-bit caches
-    (`quantized`) take smaller blocks: at most QUANTIZED_BLOCK_TOKENS_SM8X tokens on 8.x (and in
-    interpret mode, which stands for it), at most QUANTIZED_BLOCK_TOKENS_WIDE above head_dim 128."""
+    (`quantized`) take smaller blocks: at most QUANTIZED_BLOCK_TOKENS_SM8X tokens on 8.x and 9.x (and
+    in interpret mode, which stands for 8.x), at most QUANTIZED_BLOCK_TOKENS_WIDE above head_dim 128."""
     tuning = lookup_tuning(AMPERE_TABLE, compute_capability, head_dim).tuning
     if quantized:
         cap = tuning.block_tokens
-        if compute_capability is None or compute_capability < 9.0:
+        if compute_capability is None or compute_capability < 10.0:
             cap = min(cap, QUANTIZED_BLOCK_TOKENS_SM8X)
         if head_dim > 128:
             cap = min(cap, QUANTIZED_BLOCK_TOKENS_WIDE)
