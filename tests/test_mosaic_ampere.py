@@ -13,7 +13,6 @@ unused block-table entries garbage (`kernel_cases`), so reading what a sequence 
 The grids (head dims, dtypes, page sizes, generations) are tests/test_bench_mosaic_ampere.py.
 """
 
-import importlib.util
 import os
 import pathlib
 import re
@@ -33,6 +32,7 @@ from jpa.pallas.mosaic import ragged as mosaic_ragged
 from jpa.pallas.spec import DecodeSpec, RaggedSpec
 from jpa.testing.kernel_cases import (Case, RaggedCase, make_inputs, make_ragged_inputs, np_ragged_reference,
                                       np_reference, tolerance)
+from jpa.tools import deviceless
 from jpa.tools.deviceless import mosaic_arch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -222,8 +222,7 @@ def test_ragged_refusals_and_auto_routing():
     assert dispatch.kernel_options("mosaic", A100, RAGGED) == {"compute_capability": A100}
 
 
-@pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
-                    reason="the compile-only GPU packages are not installed (pip install -e '.[gpu]')")
+@pytest.mark.skipif(deviceless.missing_packages() is not None, reason=str(deviceless.missing_packages()))
 def test_ragged_op_compiles_for_an_a100_as_mma_kernels_without_spills():
     # A fresh process: XLA's log must be configured before XLA starts to read ptxas's report. The
     # ragged op (impl="mosaic", the A100's compute capability passed on) holds the tile kernel and

@@ -2,7 +2,6 @@
 dequantize-then-matmul, its input checks, and its deviceless compile for an H100 and an A100 inside a scan
 over stacked layers: codes and scales read once a layer, no dense float copy of a weight written."""
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -17,6 +16,7 @@ import pytest
 from jpa.core.quant import dequantize_blocks
 from jpa.ops import qmatmul as op
 from jpa.pallas.mosaic import qmatmul as kernel
+from jpa.tools import deviceless
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BF16 = ml_dtypes.bfloat16
@@ -143,8 +143,7 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
-                    reason="the compile-only GPU packages are not installed (pip install -e '.[gpu]')")
+@pytest.mark.skipif(deviceless.missing_packages() is not None, reason=str(deviceless.missing_packages()))
 def test_kernel_compiles_for_h100_and_a100_and_reads_each_layer_once():
     """A scan over 2 stacked Q4_1 layers calling `packed_matmul` with the layer index (and over 2 int8 ones
     calling `scaled_matmul`), compiled for an H100

@@ -56,12 +56,31 @@ def configure_environment() -> bool:
     want = {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "subprocess_compilation=3"}
     changed = any(os.environ.get(k) != v for k, v in want.items())
     os.environ.update(want)
-    spec = importlib.util.find_spec("nvidia.cuda_nvcc")
+    spec = _find_spec("nvidia.cuda_nvcc")
     flags = os.environ.get("XLA_FLAGS", "")
     if spec is not None and spec.submodule_search_locations and "xla_gpu_cuda_data_dir" not in flags:
         root = list(spec.submodule_search_locations)[0]
         os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_cuda_data_dir={root}".strip()
     return changed
+
+
+def _find_spec(name: str):
+    """`importlib.util.find_spec`, None also where a parent package is absent (find_spec raises
+    ModuleNotFoundError for "nvidia.cuda_nvcc" when no `nvidia` package is installed)."""
+    try:
+        return importlib.util.find_spec(name)
+    except ModuleNotFoundError:
+        return None
+
+
+def missing_packages() -> str | None:
+    """Why a deviceless compile cannot run here (the `gpu` extra, or part of it, not installed),
+    or None: JAX's CUDA plugin and the CUDA 12 ptxas must both be importable."""
+    missing = [name for name in ("jax_plugins.xla_cuda12", "nvidia.cuda_nvcc") if _find_spec(name) is None]
+    if not missing:
+        return None
+    return (f"the compile-only GPU packages are not installed ({', '.join(missing)} missing: "
+            f"pip install -e '.[gpu]', with jax-cuda12-plugin/-pjrt of the installed JAX's version)")
 
 
 def _xla_started() -> bool:
