@@ -63,12 +63,12 @@ def _read(tmp_path, name) -> str:
     return (tmp_path / name).read_text()
 
 
-def _reference(texts, params, config):
+def _reference(texts, params, config, model=MODEL):
     """One process, tensor_parallel=1: the outputs the job must reproduce."""
     from jpa import models
     from jpa.engine import LLMEngine
 
-    gpt, tok = models.load(MODEL)
+    gpt, tok = models.load(model)
     return LLMEngine(models.GPTForEngine(gpt), tok, config).generate(texts, params)
 
 
@@ -137,6 +137,39 @@ def _post(url, body, timeout=60):
     import httpx
 
     return httpx.post(url, json=body, timeout=timeout)
+
+
+def test_mixture_of_experts_over_two_processes_equals_one(tmp_path):
+    """A mixture of experts (the tiny Qwen3-MoE: 16 experts, 4 a token) under `jpa generate`, 2
+    processes x 2 devices, --tp 4: its experts split over the 4 devices of both processes (the "ffn"
+    layout, one all-reduce of the experts' sum per layer across the processes); every token and
+    logprob equals tensor_parallel=1 in one process, greedy and sampled."""
+    model = str(ROOT / "tests" / "data" / "hf" / "qwen3_moe")
+    rng = np.random.default_rng()
+    words = ["river", "stone", "cloud", "lamp", "seven", "green", "quiet", "north", "paper", "salt"]
+    texts = [" ".join(rng.choice(words, int(n))) for n in rng.integers(4, 20, 4)]
+    seed = int(rng.integers(1 << 20))
+    params = [dict(max_new_tokens=24, greedy=(i % 2 == 0), temperature=0.9, seed=seed + i, ignore_eos=True)
+              for i in range(len(texts))]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": t, **p}) + "\n" for t, p in zip(texts, params)))
+    sizes = dict(page_size=4, num_pages=64, max_seqs=2, max_num_batched_tokens=24, max_model_len=128,
+                 steps_per_call=4)
+    flags = ["--model", model, "--prompts-file", str(tmp_path / "p.jsonl"), "--json", "--no-progress", "--tp", "4",
+             *(f for k, v in sizes.items() for f in (f"--{k.replace('_', '-')}", str(v)))]
+    procs = _launch("generate", 2, 2, flags, tmp_path)
+    try:
+        rcs = [_wait(p, 240) for p in procs]
+    finally:
+        _kill(procs)
+    err0, err1 = _read(tmp_path, "err0.txt"), _read(tmp_path, "err1.txt")
+    assert rcs == [0, 0], f"exit codes {rcs}\n--- process 0:\n{err0[-3000:]}\n--- process 1:\n{err1[-3000:]}"
+    *recs, summary = [json.loads(line) for line in _read(tmp_path, "out0.txt").splitlines()]
+    assert summary["summary"]["tensor_parallel"] == 4
+    want = _reference(texts, params, _engine_config(**sizes), model)
+    assert len(recs) == len(want)
+    for k, (r, w) in enumerate(zip(recs, want)):
+        assert r["token_ids"] == list(w.token_ids), f"request {k}"
+        _close(r["logprobs"], w.logprobs, f"request {k}")
 
 
 def test_serve_over_two_processes_and_a_hung_peer(tmp_path):

@@ -250,6 +250,10 @@ BENCH = {
 
 
 SOAK = {
+    "tests/test_multihost.py::test_mixture_of_experts_over_two_processes_equals_one":
+        "about 1 min: a mixture of experts at tp=4 over 2 processes (tests/test_moe_ep.py keeps the sharded "
+        "experts vs one device on simulated devices; test_generate_over_two_processes_equals_one keeps the "
+        "multi-process engine)",
     **{f"tests/test_bench_quant.py::test_engine_gpu_step_reads_4bit_weights_once_without_a_dense_copy[{q}]":
        "40 s: the engine's unified step of a 2-layer Llama with 4-bit weights compiled for an H100 (the bench "
        "tier keeps tests/test_quant_gpu.py's kernel compile in a layer scan, H100 + A100, no weight written)"
