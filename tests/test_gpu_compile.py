@@ -70,7 +70,11 @@ def test_kernel_grid_subset_compiles(tmp_path, target, kernel_names):
             # the SMEM scratch Mosaic planned and the threads of its one warpgroup.
             # (the A100's is the cp.async + mma.sync kernel, its PTX for sm_80, not Mosaic's default sm_90a).
             assert r["mosaic_calls"] == 1 and r["triton_calls"] == 0
-            k = r["kernels"]["jpa_mosaic_decode" + ("_ampere" if target == "a100" else "")]
+            # (on an H100 a configuration the WGMMA kernel refuses runs the mma.sync kernel with TMA copies).
+            (name,) = r["kernels"]
+            assert name in (("jpa_mosaic_decode_ampere",) if target == "a100"
+                            else ("jpa_mosaic_decode", "jpa_mosaic_decode_ampere")), (r["name"], name)
+            k = r["kernels"][name]
             assert k["ptx_targets"] == ["sm_80" if target == "a100" else "sm_90a"], r["name"]
             assert k["ptxas_reports"] >= 1 and 0 < k["registers"] <= 255 and k["spill_stores"] == 0, r["name"]
             assert 0 < k["shared_memory"] <= 232448 and k["threads"][0] == 128
