@@ -15,6 +15,13 @@ tests/test_layers.py checks that every entry still names a test (or a file).
 """
 
 BENCH = {
+    # --- 2026-11-25 (third session): second cases of this session's main-tier additions
+    "tests/test_ragged.py::test_mosaic_verify_rows_match_oracle[N8K2H128S16x9-bfloat16-bfloat16-L[130, 9, 40, 70, 5]-shared-sink0.5-Q[5, 1, 3, 0, 5]-T20-B6-5]":
+        "4 s: the multi-row decode kernel with sinks and split-K over a 130-token sequence (the int8 / ALiBi / "
+        "window case L[60, 21, 33] stays; test_ragged_lowering keeps the one-call property)",
+    "tests/test_quant_hf.py::test_quantized_checkpoint_equals_numpy_dequantize_then_matmul[fp8-block]":
+        "2.5 s: quant_method fp8 with weight_block_size (the compressed-tensors block layout stays, and "
+        "test_head_plans_keep_checkpoint_quantization[fp8-block-4] loads this one at tp=4)",
     # --- the 4-bit dequantizing Mosaic matmul: the Q4_1 case (m_warps 1) stays in interpret mode
     **{f"tests/test_quant_gpu.py::test_kernel_in_interpret_mode_equals_numpy_dequantize_then_matmul[{c}]": why
        for c, why in (("q4_0-g128", "2 s: the Q4_0 form at 20 rows (m_warps 2)"),
@@ -250,6 +257,17 @@ BENCH = {
 
 
 SOAK = {
+    # --- 2026-11-25 (third session): the bench tier measured 724 s from a clean clone; the longest compiles out
+    "tests/test_bench_mosaic_ampere.py::test_ragged_subset_compiles_for_ampere_ada_and_blackwell[b200-sm_100a]":
+        "100-170 s: B200's ragged subset, now with 8-bit caches (the bench tier keeps B200's whole engine step, "
+        "test_engine_steps_compile_with_the_targets_kernel[b200-...], with the Mosaic decode and ragged kernels)",
+    "tests/test_gpu_compile.py::test_engine_steps_compile_with_the_targets_kernel[h100-mosaic_calls-spec-4]":
+        "60-160 s: the H100's speculative engine step (4 Mosaic calls: the verify pass's one multi-row call); "
+        "test_ragged_lowering's test_mosaic_verify_rows_read_the_kv_once keeps the one call in the main tier, "
+        "test_traffic the H100's plain step read in place, and the bench tier the H100 kernel subset",
+    "tests/test_bench_offload.py::test_offload_compile_check_h100":
+        "115 s: scripts/offload_compile_check.py for an H100 (test_kv_offload's "
+        "test_offload_programs_place_and_alias keeps the placement and aliasing on the CPU backend)",
     "tests/test_multihost.py::test_mixture_of_experts_over_two_processes_equals_one":
         "about 1 min: a mixture of experts at tp=4 over 2 processes (tests/test_moe_ep.py keeps the sharded "
         "experts vs one device on simulated devices; test_generate_over_two_processes_equals_one keeps the "
