@@ -5,14 +5,10 @@ over the scan, nothing of a weight written (the kernel forms each group's scale 
 tests/test_quant_gpu.py keeps the kernel's values against gguf.quants.dequantize in interpret mode."""
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from test_quant_gpu import ROOT
+from test_quant_gpu import check_compiled_in_place, run_compile
 
 pytestmark = pytest.mark.bench
 
@@ -53,20 +49,9 @@ print(json.dumps(out))
 def test_q4_k_kernel_compiles_for_h100_and_a100_and_reads_the_stored_scales_once():
     """~6 s (16 and 64 rows on each target). The plain-JAX path (JPA_QMATMUL=0, or kernel_serves refusing d2,
     as before) would fail `mosaic == 1` and `written == 0`: it writes each layer's dense bf16 weight."""
-    env = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_CPP_VMODULE", "XLA_FLAGS",
-                                                             "JPA_QMATMUL")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    proc = subprocess.run([sys.executable, "-c", COMPILE_Q4_K], capture_output=True, text=True, timeout=600,
-                          env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_compile(COMPILE_Q4_K)
     assert set(out) == {"h100-4", "h100-64", "a100-4", "a100-64"}
-    for target, r in out.items():
-        assert r["ok"] and r["mosaic"] == 1, (target, r)
-        k = r["kernels"]["jpa_mosaic_qmatmul"]
-        assert k["spill_stores"] == 0 and k["spill_loads"] == 0, (target, k)
-        assert r["written"] == 0 and r["copies"] == 0, (target, r)
-        assert r["read"] == r["stack"], (target, r)
+    check_compiled_in_place(out)
 
 
 @pytest.mark.soak
