@@ -401,6 +401,25 @@ def test_a_round_that_consumed_its_state_and_failed_stops_the_engine(ctx_model):
             call()
 
 
+def test_pool_is_whole_is_a_query(engines):
+    """pool_is_whole() reads the state after the pending release without making it: the release
+    stays pending (the next round's step makes it) and the device state is the same object."""
+    eng = engines.get()
+    ids = [eng.add_request(p, GREEDY).request_id for p in PROMPTS[:2]]
+    eng.step()
+    assert not eng.pool_is_whole()   # requests hold pages
+    for i in ids:
+        assert eng.abort(i)
+    release, state = eng.scheduler.pending_release, eng.runner.page_state
+    prefix = eng.scheduler.prefix
+    assert release and not eng.runner.pool_is_whole(prefix.cached)   # the device still holds their pages
+    assert eng.pool_is_whole()
+    assert eng.scheduler.pending_release == release and eng.runner.page_state is state
+    assert {o.request_id for o in eng.step() if o.finished} == set(ids)
+    eng.flush_releases()
+    assert not eng.scheduler.pending_release and eng.runner.pool_is_whole(prefix.cached) and eng.pool_is_whole()
+
+
 def test_engine_takes_a_model_protocol_not_a_gpt():
     gpt, tok = models.load("tiny-llama", seed=1)
     with pytest.raises(TypeError, match=r"models.GPTForEngine\(gpt\).*lacks: params"):

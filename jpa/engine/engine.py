@@ -28,9 +28,10 @@ own). The sum is exact unless two released slots share uncached pages (`DeviceCo
 forked sample and its leader stopping together); then, and before anything that needs the page
 state after the release sooner, the release is a device call of its own (`flush_releases` ->
 `ModelRunner.retire`): before KV offload's swap-ins (programs of their own before the step),
-`pool_is_whole`, `flush_prefix_cache`. So every plan is the one the old order (release, then
-plan) made. `check_page_state` checks the device's state after the pending release (on a copy)
-and that the host's projected free count is that state's.
+`flush_prefix_cache`. So every plan is the one the old order (release, then plan) made. The
+queries `check_page_state` and `pool_is_whole` read the device's state after the pending release
+(computed on a copy: they change nothing); the first checks that the host's projected free count
+is that state's.
 
 Feature hook points (where a feature plugs in; see `jpa.engine.runner` for the device side):
   plan       `Scheduler.plan_round`; a request hook's `plan(req)` (`Scheduler(hooks=...)`:
@@ -812,15 +813,23 @@ class LLMEngine:
         self.stats.compile_seconds = self.runner.compile_seconds
         return [results[g[0]] if len(g) == 1 else [results[i] for i in g] for g in groups]
 
+    def _page_state_after_release(self):
+        """The device's PageState once the pending release is done, as the next round starts from
+        it (computed on a copy: the device's state and the pending release are unchanged)."""
+        release = self.scheduler.pending_release
+        return pages.release(self.runner.page_state, list(release)) if release else self.runner.page_state
+
     def pool_is_whole(self) -> bool:
         """True when no request holds a page and every page is free or held by the prefix cache
         alone, exactly the pages the host's cache knows (check after generate(): nothing leaked;
-        `flush_prefix_cache()` then frees every page)."""
-        self.flush_releases()
+        `flush_prefix_cache()` then frees every page). A query: it reads the state after the
+        pending release without making it."""
+        self._usable()
         prefix = self.scheduler.prefix
         host = self.host_tier
         # The host tier: no swap block left, every page free or holding one spilled prefix page.
-        return (not self.scheduler.running and self.runner.pool_is_whole(prefix.cached if prefix else ())
+        return (not self.scheduler.running
+                and self.runner.pool_is_whole(prefix.cached if prefix else (), self._page_state_after_release())
                 and (host is None or (not host.blocks and host.num_free + len(host.spilled) == host.num_pages
                                       and not host.check() and not self.scheduler.waiting
                                       and not (prefix.check() if prefix else host.spilled))))
@@ -834,9 +843,8 @@ class LLMEngine:
         every host page is free, in one block or holding one spilled prefix page, every block belongs
         to a waiting request, and each prefix key names a page in exactly one tier."""
         self._usable()
-        # The state the next round starts from: the device's, after the pending release (on a copy).
         release = self.scheduler.pending_release
-        ps = jax.device_get(pages.release(self.runner.page_state, list(release)) if release else self.runner.page_state)
+        ps = jax.device_get(self._page_state_after_release())   # the state the next round starts from
         n, size = self.num_pages, self.config.page_size
         free = np.asarray(ps.free_pages)[: int(ps.num_free)]
         ref, cached = np.asarray(ps.refcounts), np.asarray(ps.cached)

@@ -492,10 +492,11 @@ class ModelRunner:
         free, lens = jax.device_get((self.page_state.num_free, self.page_state.seq_lens))
         return int(free), lens
 
-    def pool_is_whole(self, cached=()) -> bool:
+    def pool_is_whole(self, cached=(), page_state=None) -> bool:
         """True when no table holds a page and every page is free or one of `cached` (the host's
-        prefix cache), held by the cache alone (no leak) — valid when no request is running."""
-        ps = jax.device_get(self.page_state)
+        prefix cache), held by the cache alone (no leak) — valid when no request is running.
+        page_state: the PageState to check (default: this runner's)."""
+        ps = jax.device_get(self.page_state if page_state is None else page_state)
         want = np.zeros(self.cache_config.num_pages, bool)
         want[list(cached)] = True
         return (int(ps.num_free) == self.cache_config.num_pages - int(want.sum())
