@@ -291,13 +291,43 @@ def test_cross_host_classifier_flags_heads_moving_between_hosts():
     assert heads["cross_host"] and heads["layer_body"] and heads["hosts_per_group"] == 2
     assert not per_host["cross_host"] and per_host["group_size"] == 8 and not per_host["layer_body"]
     assert sampling["cross_host"] and not sampling["layer_body"] and sampling["loops"] == []
-    sizes = dict(d_model=4096, head_dim=128, num_pages=32768, max_tokens=512)
+    sizes = dict(d_model=4096, head_dim=128, num_pages=32768, page_size=16, max_tokens=512)
     problems = hlo.cross_host_problems(items, **sizes)
     assert len(problems) == 1 and "bf16[64,16,128]" in problems[0] and "heads" in problems[0], problems
     # Without the heads' all-gather the rule holds.
     assert hlo.cross_host_problems([c for c in items if c is not heads], **sizes) == []
     # The same all-gather within one host's 8 GPUs does not cross hosts: not flagged by this rule.
     assert hlo.cross_host_problems([dict(heads, cross_host=False, hosts_per_group=1)], **sizes) == []
+
+
+POOL_OR_NOT_HLO = """
+HloModule pool_or_not
+
+ENTRY %main (x: f32[4096,20]) -> f32[4096,20] {
+  %all-gather.1 = f32[4096,20]{1,0} all-gather(%x), channel_id=1, replica_groups=[1,16]<=[16], dimensions={0}, use_global_device_ids=true
+  %all-gather.2 = f32[1,8,4096,16]{3,2,1,0} all-gather(%s), channel_id=2, replica_groups=[1,16]<=[16], dimensions={1}, use_global_device_ids=true
+  %all-gather.3 = bf16[1,8,4096,16,128]{4,3,2,1,0} all-gather(%k), channel_id=3, replica_groups=[1,16]<=[16], dimensions={1}, use_global_device_ids=true
+  ROOT %r = f32[4096,20] copy(%all-gather.1)
+}
+"""
+
+
+def test_cross_host_classifier_matches_the_pool_by_its_axes():
+    """With 4096 pages of 16 tokens, a sampling all-gather f32[4096, 20] holds the page count but
+    is not the pool (the old rule flagged any type containing "4096,"); the pool's scales
+    [layers, kv heads, pages, page_size] and its K/V pages are, axis by axis."""
+    items = hlo.host_collectives(POOL_OR_NOT_HLO, [0] * 8 + [1] * 8)
+    sampling, scales, kv = items
+    assert [c["type"] for c in items] == ["f32[4096,20]", "f32[1,8,4096,16]", "bf16[1,8,4096,16,128]"]
+    assert all(c["cross_host"] for c in items)
+    moves = lambda c, **kw: hlo.moves_heads_or_pool(c, **{**dict(head_dim=128, num_pages=4096, page_size=16), **kw})
+    assert not moves(sampling) and moves(scales) and moves(kv)
+    assert moves(kv, num_pages=32768) and not moves(scales, num_pages=32768)   # K/V: by its head axis too
+    assert moves(sampling, page_size=20)   # were the pool [4096 pages, 20 tokens]: moved
+    sizes = dict(d_model=4096, head_dim=128, num_pages=4096, page_size=16, max_tokens=512)
+    problems = hlo.cross_host_problems(items, **sizes)
+    assert len(problems) == 2 and "f32[1,8,4096,16]" in problems[0] and "bf16[1,8,4096,16,128]" in problems[1], problems
+    assert hlo.cross_host_problems([sampling], **sizes) == []
 
 
 def test_tensor_parallel_llama70b_over_2_hosts(tmp_path):
