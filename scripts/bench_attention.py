@@ -44,6 +44,9 @@ import jpa
 from jpa.ops.reference import MASK_VALUE, chunk_pages, paged_decode_xla
 
 from jpa.tools.bench import machine, write_json
+from jpa.core.platform import cpu_without_gpu
+
+cpu_without_gpu()   # no NVIDIA driver, JAX_PLATFORMS unset: JAX on the CPU (as ./run does)
 
 TARGET = 1.3
 NUM_Q_HEADS, NUM_KV_HEADS = 8, 2

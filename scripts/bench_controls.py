@@ -18,6 +18,10 @@ import os
 import sys
 import time
 
+from jpa.core.platform import cpu_without_gpu
+
+cpu_without_gpu()   # no NVIDIA driver, JAX_PLATFORMS unset: JAX on the CPU (as ./run does)
+
 
 # name -> (parameters of every request, more parameters of the first request only)
 SYSTEMS = {

@@ -33,6 +33,10 @@ import sys
 import tempfile
 import time
 
+from jpa.core.platform import cpu_without_gpu
+
+cpu_without_gpu()   # no NVIDIA driver, JAX_PLATFORMS unset: JAX on the CPU (as ./run does)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import bench_serving  # a sibling script: Python puts this directory first when it runs a script
 from jpa.cli import serve_dp

@@ -57,6 +57,9 @@ from jpa.engine import EngineConfig, EngineStats, LLMEngine, SamplingParams  # n
 from jpa.models.gpt import _run  # noqa: E402  (the block loop, for baselines with the same weights)
 from jpa.tools.bench import machine, write_json
 from jpa.tools.bench import PROMPTS  # the main job's built-in prompts, then more questions
+from jpa.core.platform import cpu_without_gpu
+
+cpu_without_gpu()   # no NVIDIA driver, JAX_PLATFORMS unset: JAX on the CPU (as ./run does)
 
 TARGETS = {"concat": 2.0, "dense": 1.3}
 

@@ -22,6 +22,10 @@ import pathlib
 import subprocess
 import sys
 
+from jpa.core.platform import cpu_without_gpu
+
+cpu_without_gpu()   # no NVIDIA driver, JAX_PLATFORMS unset: JAX on the CPU (as ./run does)
+
 CHILD = r"""
 import json, pathlib, sys, time
 import jax, jax.numpy as jnp

@@ -31,6 +31,9 @@ import numpy as np
 from jpa import models  # noqa: E402
 from jpa.engine import EngineConfig, EngineStats, LLMEngine, SamplingParams  # noqa: E402
 from jpa.tools.bench import machine, write_json
+from jpa.core.platform import cpu_without_gpu
+
+cpu_without_gpu()   # no NVIDIA driver, JAX_PLATFORMS unset: JAX on the CPU (as ./run does)
 
 TARGET_RATIO = 1.5
 

@@ -29,6 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jpa
+from jpa.core.platform import cpu_without_gpu
+
+cpu_without_gpu()   # no NVIDIA driver, JAX_PLATFORMS unset: JAX on the CPU (as ./run does)
 
 # Peak HBM/GDDR bandwidth in GB/s by device kind (first substring match wins; most specific first).
 PEAK_GBPS = [

@@ -54,6 +54,9 @@ import numpy as np
 
 from jpa.kv import pages  # noqa: E402
 from jpa.tools.bench import machine, write_json
+from jpa.core.platform import cpu_without_gpu
+
+cpu_without_gpu()   # no NVIDIA driver, JAX_PLATFORMS unset: JAX on the CPU (as ./run does)
 
 MAX_LEN = 2048
 PAGE_SIZES = (8, 16, 32, 64)

@@ -43,6 +43,10 @@ import os
 import sys
 import time
 
+from jpa.core.platform import cpu_without_gpu
+
+cpu_without_gpu()   # no NVIDIA driver, JAX_PLATFORMS unset: JAX on the CPU (as ./run does)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from jpa import models  # noqa: E402
 from jpa.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402

@@ -22,6 +22,9 @@ import numpy as np
 
 from jpa.kv import pages
 from jpa.tools.bench import write_json
+from jpa.core.platform import cpu_without_gpu
+
+cpu_without_gpu()   # no NVIDIA driver, JAX_PLATFORMS unset: JAX on the CPU (as ./run does)
 
 TARGET_US = 100.0
 TARGET_SEQS = 256

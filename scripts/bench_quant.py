@@ -26,6 +26,10 @@ import re
 import sys
 import time
 
+from jpa.core.platform import cpu_without_gpu
+
+cpu_without_gpu()   # no NVIDIA driver, JAX_PLATFORMS unset: JAX on the CPU (as ./run does)
+
 
 def quality(formats, n=32, new_tokens=32):
     import jax

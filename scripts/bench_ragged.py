@@ -26,6 +26,9 @@ from jpa.tools.bench import machine, write_json
 from jpa.ops.reference import paged_prefill_xla  # noqa: E402
 from jpa.ops.ragged import ragged_paged_attention_xla  # noqa: E402
 from jpa.ops.reference import paged_decode_xla  # noqa: E402
+from jpa.core.platform import cpu_without_gpu
+
+cpu_without_gpu()   # no NVIDIA driver, JAX_PLATFORMS unset: JAX on the CPU (as ./run does)
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 9, 3, 64, 16
 NUM_TOKENS, NUM_SEQS, PAGES_PER_SEQ = 512, 32, 128

@@ -20,6 +20,9 @@ import numpy as np
 from jpa.engine import EngineConfig, LLMEngine, SamplingParams
 from jpa.testing.engine import context_llama
 from jpa.tools.bench import machine, write_json
+from jpa.core.platform import cpu_without_gpu
+
+cpu_without_gpu()   # no NVIDIA driver, JAX_PLATFORMS unset: JAX on the CPU (as ./run does)
 
 
 def workload(eng, n, new_tokens, seed):

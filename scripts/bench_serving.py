@@ -40,6 +40,10 @@ import time
 
 import numpy as np
 
+from jpa.core.platform import cpu_without_gpu
+
+cpu_without_gpu()   # no NVIDIA driver, JAX_PLATFORMS unset: JAX on the CPU (as ./run does)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -32,6 +32,10 @@ import time
 
 import numpy as np
 
+from jpa.core.platform import cpu_without_gpu
+
+cpu_without_gpu()   # no NVIDIA driver, JAX_PLATFORMS unset: JAX on the CPU (as ./run does)
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 from jpa.tools.bench import machine, write_json

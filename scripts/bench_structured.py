@@ -27,6 +27,10 @@ import statistics
 import sys
 import time
 
+from jpa.core.platform import cpu_without_gpu
+
+cpu_without_gpu()   # no NVIDIA driver, JAX_PLATFORMS unset: JAX on the CPU (as ./run does)
+
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 24},

@@ -17,6 +17,10 @@ decompression returns them. Run 2026-11-25 with compressed-tensors 0.20.0: every
 
 import sys
 
+from jpa.core.platform import cpu_without_gpu
+
+cpu_without_gpu()   # no NVIDIA driver, JAX_PLATFORMS unset: JAX on the CPU (as ./run does)
+
 
 def make(path):
     import torch

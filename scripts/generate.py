@@ -6,6 +6,9 @@ has the flags: `python scripts/generate.py --help`."""
 import sys
 
 from jpa.cli.generate import main
+from jpa.core.platform import cpu_without_gpu
+
+cpu_without_gpu()   # no NVIDIA driver, JAX_PLATFORMS unset: JAX on the CPU (as ./run does)
 
 if __name__ == "__main__":
     sys.exit(main())

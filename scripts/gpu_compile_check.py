@@ -1,4 +1,5 @@
-"""Deviceless GPU compile tier: compile jpa's kernels and jitted steps for an H100 or A100 that is not here.
+"""Deviceless GPU compile tier: compile jpa's kernels and jitted steps for a GPU that is not here (--target:
+h100, a100, a6000, l4, rtx6000pro, b200).
 
 The command line over `jpa.tools` (deviceless.Compiler: XLA's whole GPU pipeline for a compile-only
 GPU, ptxas included; kernel_checks and engine_checks: what is compiled and checked). It compiles
@@ -23,8 +24,11 @@ For each it reports: compiled or the error; each kernel's grid, threads, shared 
 and spills; whether the page pools reach the kernels uncopied. A jpa kernel that spills registers
 fails its record. It exits non-zero on any failure.
 
-Not covered here (needs a GPU): numerics and speed of compiled code (`scripts/gpu_validate.py`);
-Mosaic GPU for an A100 (scripts/mosaic_ampere_spike.py: jpa's Mosaic kernels are Hopper-only).
+jpa's Mosaic kernels are compiled for every target: the WGMMA ones on Hopper (and, for what they refuse
+there, the mma.sync ones with TMA copies), the mma.sync ones on Ampere/Ada (cp.async), Blackwell and
+the RTX PRO 6000 (TMA). (scripts/mosaic_ampere_spike.py was the first look at Mosaic GPU on an A100.)
+
+Not covered here (needs a GPU): numerics and speed of compiled code (`scripts/gpu_validate.py`).
 
 Needs the compile-only GPU packages: `pip install -e ".[gpu]"` (./run test installs them).
 

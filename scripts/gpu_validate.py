@@ -39,6 +39,10 @@ import time
 import traceback
 import warnings
 
+from jpa.core.platform import cpu_without_gpu
+
+cpu_without_gpu()   # no NVIDIA driver, JAX_PLATFORMS unset: JAX on the CPU (as ./run does)
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 SECTIONS = {

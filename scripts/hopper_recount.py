@@ -5,6 +5,9 @@ import sys, json
 from jpa.tools import kernel_checks as kc
 from jpa.ops import dispatch, ragged
 from jpa.pallas.mosaic import decode as md, ragged as mr
+from jpa.core.platform import cpu_without_gpu
+
+cpu_without_gpu()   # no NVIDIA driver, JAX_PLATFORMS unset: JAX on the CPU (as ./run does)
 cc = float(sys.argv[1]) if len(sys.argv) > 1 else 9.0
 dec = kc.covering_grid("mosaic", "full")
 out = {"decode": {}, "ragged": {}}

@@ -11,6 +11,9 @@ The machinery and the list of faults are jpa/tools/mutation.py (its docstring ex
 import sys
 
 from jpa.tools.mutation import main
+from jpa.core.platform import cpu_without_gpu
+
+cpu_without_gpu()   # no NVIDIA driver, JAX_PLATFORMS unset: JAX on the CPU (as ./run does)
 
 if __name__ == "__main__":
     sys.exit(main())

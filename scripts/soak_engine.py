@@ -36,6 +36,9 @@ import pathlib
 import sys
 
 from jpa.testing.soak import soak
+from jpa.core.platform import cpu_without_gpu
+
+cpu_without_gpu()   # no NVIDIA driver, JAX_PLATFORMS unset: JAX on the CPU (as ./run does)
 
 
 def main(argv=None):

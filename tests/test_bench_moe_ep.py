@@ -10,19 +10,17 @@ tests/test_moe_ep.py).
   collective is the experts' psum.
 The 8-H100 compiles of Qwen3-30B-A3B and gpt-oss-120b shapes: SOAK (test_moe_tp_compiles_of_the_large_shapes)."""
 
-import importlib.util
 import json
 
 import numpy as np
 import pytest
 
+from jpa.tools import deviceless
 from test_moe_ep import check_holdings, run_check
 
 pytestmark = pytest.mark.bench   # CI's bench tier (.ci/run), not ./run test
 
-needs_gpu_packages = pytest.mark.skipif(
-    importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
-    reason="the compile-only GPU packages are not installed (pip install -e '.[gpu]'; ./run test does)")
+needs_gpu_packages = pytest.mark.skipif(deviceless.missing_packages() is not None, reason=str(deviceless.missing_packages()))
 
 
 def test_model_logits_under_expert_parallelism(tmp_path):

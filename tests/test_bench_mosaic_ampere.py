@@ -6,7 +6,6 @@ tier's fast kernel and ragged subsets for sm_80 (A100), sm_86 (RTX A6000), sm_89
 (B200) and sm_120 (RTX PRO 6000): every configuration the Mosaic `unsupported_reason` accepts there compiles as the mma.sync
 kernels (cp.async copies on 8.x, TMA on 10.x), PTX for that SM, without spills."""
 
-import importlib.util
 
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +14,7 @@ import pytest
 from jpa.pallas.mosaic import decode as mosaic_decode
 from jpa.pallas.mosaic import decode_ampere
 from jpa.pallas.mosaic import ragged as mosaic_ragged
+from jpa.tools import deviceless
 from test_gpu_compile import compiled, run_check
 from test_mosaic_ampere import RAGGED_CASE, check, ragged_check, ragged_opts
 from jpa.testing.kernel_cases import Case, RaggedCase, make_inputs, make_ragged_inputs
@@ -93,8 +93,7 @@ def test_stacked_pool_reads_the_given_layer():
     check(case, got, args, opts)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
-                    reason="the compile-only GPU packages are not installed (pip install -e '.[gpu]')")
+@pytest.mark.skipif(deviceless.missing_packages() is not None, reason=str(deviceless.missing_packages()))
 @pytest.mark.parametrize("target,sm", [("a100", "sm_80"), ("a6000", "sm_86"), ("l4", "sm_89"),
                                        ("b200", "sm_100a"), ("rtx6000pro", "sm_120a")])
 def test_kernel_subset_compiles_for_ampere_ada_and_blackwell(tmp_path, target, sm):
@@ -169,8 +168,7 @@ def test_ragged_stacked_pool_reads_the_given_layer():
         ragged_check(case, got, args, opts)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
-                    reason="the compile-only GPU packages are not installed (pip install -e '.[gpu]')")
+@pytest.mark.skipif(deviceless.missing_packages() is not None, reason=str(deviceless.missing_packages()))
 @pytest.mark.parametrize("target,sm", [("a100", "sm_80"), ("a6000", "sm_86"), ("l4", "sm_89"),
                                        ("b200", "sm_100a"), ("rtx6000pro", "sm_120a")])
 def test_ragged_subset_compiles_for_ampere_ada_and_blackwell(tmp_path, target, sm):
@@ -193,8 +191,7 @@ def test_ragged_subset_compiles_for_ampere_ada_and_blackwell(tmp_path, target, s
         assert r["pool_copies"] == [], r["name"]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
-                    reason="the compile-only GPU packages are not installed (pip install -e '.[gpu]')")
+@pytest.mark.skipif(deviceless.missing_packages() is not None, reason=str(deviceless.missing_packages()))
 def test_hopper_mma_route_compiles_for_an_h100(tmp_path):
     """The first covering-grid decode configuration the WGMMA kernel refuses on an H100 (an int8
     cache in pages of 8), compiled deviceless for the H100 as `auto` routes it: the mma.sync kernel

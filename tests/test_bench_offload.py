@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jpa.testing.engine import assert_same, mixed_params, random_prompts, run, snapshot
+from jpa.tools import deviceless
 
 pytestmark = pytest.mark.bench   # CI's bench tier (.ci/run), not ./run test
 
@@ -162,8 +163,7 @@ def test_generate_summary_line_has_offload(tmp_path, capsys):
     assert "KV offload: " in err and "prefix pages spilled" in err and "pool whole after run: True" in err
 
 
-@pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
-                    reason="the compile-only GPU packages are not installed (pip install -e '.[gpu]')")
+@pytest.mark.skipif(deviceless.missing_packages() is not None, reason=str(deviceless.missing_packages()))
 def test_offload_compile_check_h100(tmp_path):
     """scripts/offload_compile_check.py (deviceless H100, ~35 s here): swap-out and spill outputs in
     host memory through asynchronous copies, swap-in and restore update the donated pool in place,

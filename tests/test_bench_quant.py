@@ -80,16 +80,17 @@ def test_engine_gpu_step_reads_4bit_weights_once_without_a_dense_copy(quantizati
     loop), the decode step reads each weight's stored bytes once, and no kernel anywhere in the program
     writes a weight matrix (no dense bf16 copy, no layer slice). tests/test_quant_gpu.py keeps the
     kernel-level form of this check."""
-    import importlib.util
     import json
     import os
     import subprocess
     import sys
 
+    from jpa.tools import deviceless
     from test_traffic import ROOT
 
-    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
-        pytest.skip("the compile-only GPU packages are not installed (pip install -e '.[gpu]')")
+    missing = deviceless.missing_packages()
+    if missing is not None:
+        pytest.skip(missing)
     env = {k: v for k, v in os.environ.items()
            if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_CPP_VMODULE", "XLA_FLAGS", "JPA_QMATMUL")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))

@@ -4,10 +4,9 @@ scales and minimums, f16 super-block d / -dmin) read as they are: no ptxas spill
 over the scan, nothing of a weight written (the kernel forms each group's scale d2 * sc in registers).
 tests/test_quant_gpu.py keeps the kernel's values against gguf.quants.dequantize in interpret mode."""
 
-import importlib.util
-
 import pytest
 
+from jpa.tools import deviceless
 from test_quant_gpu import check_compiled_in_place, run_compile
 
 pytestmark = pytest.mark.bench
@@ -44,8 +43,7 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
-                    reason="the compile-only GPU packages are not installed (pip install -e '.[gpu]')")
+@pytest.mark.skipif(deviceless.missing_packages() is not None, reason=str(deviceless.missing_packages()))
 def test_q4_k_kernel_compiles_for_h100_and_a100_and_reads_the_stored_scales_once():
     """~6 s (16 and 64 rows on each target). The plain-JAX path (JPA_QMATMUL=0, or kernel_serves refusing d2,
     as before) would fail `mosaic == 1` and `written == 0`: it writes each layer's dense bf16 weight."""

@@ -4,7 +4,6 @@ and as the engine compiles it, with `jpa.core.xla_options.WEIGHTS_IN_PLACE` (cuB
 layer's weights by offset).
 Minutes of compiling: CI's bench tier."""
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -12,11 +11,10 @@ import subprocess
 import sys
 
 import pytest
+from jpa.tools import deviceless
 from test_traffic import engine_step_traffic
 
-pytestmark = [pytest.mark.bench, pytest.mark.skipif(
-    importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
-    reason="the compile-only GPU packages are not installed (pip install -e '.[gpu]')")]
+pytestmark = [pytest.mark.bench, pytest.mark.skipif(deviceless.missing_packages() is not None, reason=str(deviceless.missing_packages()))]
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

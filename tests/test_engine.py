@@ -329,6 +329,97 @@ def test_abort_and_add_between_steps(engines):
     assert eng.pool_is_whole()
 
 
+def test_a_round_that_fails_after_its_call_leaves_one_page_state(engines, rng, monkeypatch):
+    """The unified step ran (the round's release, page work, prefill, decode steps, prefix pages
+    cached) but reading its result back raised: the engine preempts every request to be recomputed,
+    releases every slot and reconciles the prefix cache, so the host and the device agree again
+    (check_page_state), and the requests end as the reference's. (Before, the host undid the
+    admissions and kept the release pending against a device that had run the round.)"""
+    import jax
+    from jpa.engine.batch import StepResult
+
+    params = SamplingParams(max_new_tokens=16, greedy=True, ignore_eos=True)
+    prompts = random_prompts(rng, 5, lo=9, hi=30)
+    want = engines.reference(prompts, [params] * 5)
+    eng = engines.get()
+    ids = [eng.add_request(p, params).request_id for p in prompts]
+    outs = {}
+    for _ in range(2):
+        outs.update((o.request_id, o.output) for o in eng.step() if o.finished)
+    gone = next(iter(eng.scheduler.running.values())).request_id
+    assert eng.abort(gone) and eng.scheduler.pending_release   # the failing round releases it
+    real = jax.device_get
+
+    def read_back(x):
+        if isinstance(x, StepResult):
+            monkeypatch.setattr(jax, "device_get", real)
+            raise RuntimeError("injected: the step's read-back failed")
+        return real(x)
+
+    monkeypatch.setattr(jax, "device_get", read_back)
+    calls = eng.runner.step_calls
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            eng.step()
+        assert eng.runner.step_calls == calls + 1   # it failed after the call ran
+        assert eng.num_running == 0 and not eng.scheduler.pending_release
+        eng.check_page_state()
+        while eng.has_unfinished:
+            outs.update((o.request_id, o.output) for o in eng.step() if o.finished)
+            eng.check_page_state()
+    except BaseException:
+        engines.discard(eng)
+        raise
+    assert outs[gone].finish_reason == "abort"
+    assert_same([outs[i] for i in ids if i != gone], [w for i, w in zip(ids, want) if i != gone], "recovered")
+    assert eng.pool_is_whole()
+
+
+def test_a_round_that_consumed_its_state_and_failed_stops_the_engine(ctx_model):
+    """A step call that fails after consuming its donated state (as a device error at run time
+    does) leaves no state to go on with: the engine says so on every later call instead of failing
+    on deleted arrays or planning from a state that is gone. (The executable is replaced by one that
+    does just that: nothing is compiled.)"""
+    import jax
+    from jpa.testing.engine import BASE
+
+    eng = LLMEngine(*ctx_model, EngineConfig(**BASE))
+    eng.add_request("hello", GREEDY)
+    runner = eng.runner
+
+    def consume_and_fail(params, cache, page_state, slots, batch):
+        for a in jax.tree_util.tree_leaves((cache, page_state, slots)):
+            a.delete()
+        raise RuntimeError("injected: the call failed at run time")
+
+    runner._step_exe, runner.step_tokens = consume_and_fail, eng.config.max_num_batched_tokens
+    with pytest.raises(RuntimeError, match="injected"):
+        eng.step()
+    assert runner.step_calls == 1
+    for call in (eng.step, eng.check_page_state, eng.pool_is_whole):
+        with pytest.raises(RuntimeError, match="device state was lost with a failed round .*make a new engine"):
+            call()
+
+
+def test_pool_is_whole_is_a_query(engines):
+    """pool_is_whole() reads the state after the pending release without making it: the release
+    stays pending (the next round's step makes it) and the device state is the same object."""
+    eng = engines.get()
+    ids = [eng.add_request(p, GREEDY).request_id for p in PROMPTS[:2]]
+    eng.step()
+    assert not eng.pool_is_whole()   # requests hold pages
+    for i in ids:
+        assert eng.abort(i)
+    release, state = eng.scheduler.pending_release, eng.runner.page_state
+    prefix = eng.scheduler.prefix
+    assert release and not eng.runner.pool_is_whole(prefix.cached)   # the device still holds their pages
+    assert eng.pool_is_whole()
+    assert eng.scheduler.pending_release == release and eng.runner.page_state is state
+    assert {o.request_id for o in eng.step() if o.finished} == set(ids)
+    eng.flush_releases()
+    assert not eng.scheduler.pending_release and eng.runner.pool_is_whole(prefix.cached) and eng.pool_is_whole()
+
+
 def test_engine_takes_a_model_protocol_not_a_gpt():
     gpt, tok = models.load("tiny-llama", seed=1)
     with pytest.raises(TypeError, match=r"models.GPTForEngine\(gpt\).*lacks: params"):

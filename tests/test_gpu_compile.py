@@ -8,7 +8,6 @@ as its users run it, checking its JSON report, or a few lines over `jpa.tools`. 
 `python scripts/gpu_compile_check.py --target h100|a100` (BENCHMARKS.md).
 """
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -18,14 +17,14 @@ import sys
 import numpy as np
 import pytest
 
-from jpa.tools import hlo
+from jpa.tools import deviceless, hlo
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_compile_check.py"
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
-    reason="the compile-only GPU packages are not installed (pip install -e '.[gpu]'; ./run test does)")
+# The compiling tests need the `gpu` extra; the HLO readers' tests on hand-written modules run anywhere.
+needs_gpu_packages = pytest.mark.skipif(deviceless.missing_packages() is not None,
+                                        reason=str(deviceless.missing_packages()))
 
 
 def fresh_env(**extra):
@@ -49,6 +48,7 @@ def compiled(report):
     return [r for r in report["records"] if "refused" not in r]
 
 
+@needs_gpu_packages
 @pytest.mark.parametrize("target,kernel_names", [("h100", ("triton", "mosaic")), ("a100", ("triton", "mosaic"))])
 def test_kernel_grid_subset_compiles(tmp_path, target, kernel_names):
     proc, report = run_check(tmp_path, "--target", target, "--subset", "fast", "--only", "kernels")
@@ -81,6 +81,7 @@ def test_kernel_grid_subset_compiles(tmp_path, target, kernel_names):
     assert report["summary"]["ptxas"], "ptxas did not run: registers cannot have been read"
 
 
+@needs_gpu_packages
 @pytest.mark.parametrize("target,kernel_names", [("h100", ("triton", "mosaic")), ("a100", ("triton", "mosaic"))])
 def test_stacked_pool_in_a_layer_loop_compiles(tmp_path, target, kernel_names):
     """The layer-scanned model's call: a loop over 40 layers, ONE [L, K, P, S_p, H] pool per K/V
@@ -103,6 +104,7 @@ def test_stacked_pool_in_a_layer_loop_compiles(tmp_path, target, kernel_names):
             assert 0 < k["registers"] <= 255 and k["spill_stores"] == 0, r["name"]
 
 
+@needs_gpu_packages
 def test_random_accepted_configs_compile(tmp_path):
     """Whatever unsupported_reason accepts for the target compiles (fresh random configurations)."""
     seed = int(np.random.default_rng().integers(1 << 30))
@@ -113,6 +115,7 @@ def test_random_accepted_configs_compile(tmp_path):
         assert proc.returncode == 0 and not failed, (f"seed {seed}", failed)
 
 
+@needs_gpu_packages
 def test_oversized_kernel_is_reported_not_crashed(tmp_path):
     """A kernel asking for more shared memory than the target has fails in the tier, as on a GPU,
     and the tier reports it with a non-zero exit (the check that refuses to pass by accident)."""
@@ -142,6 +145,7 @@ print("RESULT", rec["ok"], rec.get("error", ""))
 # The H100's speculative step in the main tier; the A100's and the B200's plain ones (another ~25 s
 # deviceless SmolLM2 compile each; their mma.sync kernels are compiled above and in
 # tests/test_bench_mosaic_ampere.py, alone and in a layer loop) in CI's bench tier.
+@needs_gpu_packages
 @pytest.mark.parametrize("target,call,steps,calls", [
     ("h100", "mosaic_calls", "spec", 4),
     pytest.param("a100", "mosaic_calls", "plain", 3, marks=pytest.mark.bench),
@@ -172,6 +176,7 @@ def test_engine_steps_compile_with_the_targets_kernel(tmp_path, target, call, st
         assert r["temp_bytes"] < r["pool_bytes"] // 4 and r["pool_copies"] == [], r["name"]
 
 
+@needs_gpu_packages
 def test_a_spilling_kernel_fails_the_record(tmp_path):
     """ptxas spills are a failure of the tier (every accepted configuration must compile without
     them): a Triton kernel made to spill (two [64, 128] f32 tiles live across a loop in one warp:
@@ -207,6 +212,7 @@ print("RESULT", rec["ok"], rec.get("spills"), rec.get("problems"), rec.get("erro
     assert line.startswith("RESULT False {'jpa_spill':") and "ptxas spills registers" in line, line
 
 
+@needs_gpu_packages
 def test_a_compiler_made_after_xla_started_warns(tmp_path):
     """ptxas's report reaches XLA's log only if `configure_environment` ran before XLA started: a
     Compiler made later (here after `jax.devices()`, with a parent's TF_CPP_MIN_LOG_LEVEL=1) says
@@ -291,7 +297,7 @@ def test_cross_host_classifier_flags_heads_moving_between_hosts():
     assert heads["cross_host"] and heads["layer_body"] and heads["hosts_per_group"] == 2
     assert not per_host["cross_host"] and per_host["group_size"] == 8 and not per_host["layer_body"]
     assert sampling["cross_host"] and not sampling["layer_body"] and sampling["loops"] == []
-    sizes = dict(d_model=4096, head_dim=128, num_pages=32768, max_tokens=512)
+    sizes = dict(d_model=4096, head_dim=128, num_pages=32768, page_size=16, max_tokens=512)
     problems = hlo.cross_host_problems(items, **sizes)
     assert len(problems) == 1 and "bf16[64,16,128]" in problems[0] and "heads" in problems[0], problems
     # Without the heads' all-gather the rule holds.
@@ -300,6 +306,37 @@ def test_cross_host_classifier_flags_heads_moving_between_hosts():
     assert hlo.cross_host_problems([dict(heads, cross_host=False, hosts_per_group=1)], **sizes) == []
 
 
+POOL_OR_NOT_HLO = """
+HloModule pool_or_not
+
+ENTRY %main (x: f32[4096,20]) -> f32[4096,20] {
+  %all-gather.1 = f32[4096,20]{1,0} all-gather(%x), channel_id=1, replica_groups=[1,16]<=[16], dimensions={0}, use_global_device_ids=true
+  %all-gather.2 = f32[1,8,4096,16]{3,2,1,0} all-gather(%s), channel_id=2, replica_groups=[1,16]<=[16], dimensions={1}, use_global_device_ids=true
+  %all-gather.3 = bf16[1,8,4096,16,128]{4,3,2,1,0} all-gather(%k), channel_id=3, replica_groups=[1,16]<=[16], dimensions={1}, use_global_device_ids=true
+  ROOT %r = f32[4096,20] copy(%all-gather.1)
+}
+"""
+
+
+def test_cross_host_classifier_matches_the_pool_by_its_axes():
+    """With 4096 pages of 16 tokens, a sampling all-gather f32[4096, 20] holds the page count but
+    is not the pool (the old rule flagged any type containing "4096,"); the pool's scales
+    [layers, kv heads, pages, page_size] and its K/V pages are, axis by axis."""
+    items = hlo.host_collectives(POOL_OR_NOT_HLO, [0] * 8 + [1] * 8)
+    sampling, scales, kv = items
+    assert [c["type"] for c in items] == ["f32[4096,20]", "f32[1,8,4096,16]", "bf16[1,8,4096,16,128]"]
+    assert all(c["cross_host"] for c in items)
+    moves = lambda c, **kw: hlo.moves_heads_or_pool(c, **{**dict(head_dim=128, num_pages=4096, page_size=16), **kw})
+    assert not moves(sampling) and moves(scales) and moves(kv)
+    assert moves(kv, num_pages=32768) and not moves(scales, num_pages=32768)   # K/V: by its head axis too
+    assert moves(sampling, page_size=20)   # were the pool [4096 pages, 20 tokens]: moved
+    sizes = dict(d_model=4096, head_dim=128, num_pages=4096, page_size=16, max_tokens=512)
+    problems = hlo.cross_host_problems(items, **sizes)
+    assert len(problems) == 2 and "f32[1,8,4096,16]" in problems[0] and "bf16[1,8,4096,16,128]" in problems[1], problems
+    assert hlo.cross_host_problems([sampling], **sizes) == []
+
+
+@needs_gpu_packages
 def test_tensor_parallel_llama70b_over_2_hosts(tmp_path):
     """Llama-3-70B's shapes (2 of its 80 layers, for time) over 2 hosts x 8 compile-only H100s
     (topology 2x1x8, tp=16, each kv head replicated on 2 devices of one host): the unified step

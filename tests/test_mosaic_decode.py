@@ -62,8 +62,10 @@ CASES = [
     # time), blocks cut at the sequence end; an 8-bit page of 256 tokens read in 64-token slices.
     Case((5, 70, 129), num_q_heads=4, num_kv_heads=2, head_dim=192, page_size=64, pages_per_seq=3,
          q_dtype="bfloat16", cache_dtype="int8", seed=20),
+    # V scaled by 1e-2: float8 e5m2's per-token V scale (amax / 57344) times p lies in float16's
+    # subnormals unless the kernel shifts it out (`pipeline.p_shift`); seen as a 5-15% error.
     Case((1, 100, 256), num_q_heads=6, num_kv_heads=2, head_dim=64, page_size=256, pages_per_seq=1,
-         q_dtype="float16", cache_dtype="float8_e5m2", seed=21),
+         q_dtype="float16", cache_dtype="float8_e5m2", seed=21, v_gain=1e-2),
     # quantized caches (unwritten slots carry NaN scales): int8, float8_e4m3fn, float8_e5m2.
     Case((0, 32, 33, 100), num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=32,
          q_dtype="bfloat16", cache_dtype="int8", share_page=True, seed=14),

@@ -127,6 +127,15 @@ def test_unsupported_configurations_raise(kwargs, message):
         _call(**kwargs)
 
 
+def test_wgmma_refusal_of_head_dim_256_with_an_8bit_cache_names_what_serves_it():
+    """The WGMMA kernel refuses head_dim 256 with an 8-bit cache (it spills); its message names the
+    kernel that serves it on Hopper, the mma.sync one with TMA copies, and that one does take it."""
+    for cache in ("int8", "float8_e5m2"):
+        spec = DecodeSpec("bfloat16", cache, 32, 8, 256, 32, 16, False, False, False, True, num_pages=1024)
+        assert mosaic_decode.wgmma_reason(spec, 9.0).endswith("on Hopper the mma.sync kernel (TMA copies) serves it")
+        assert mosaic_decode.runs_mma(spec, 9.0) and mosaic_decode.unsupported_reason(spec, 9.0) is None
+
+
 def test_smem_overflow_is_refused():
     """With 64-token blocks every accepted shape fits an H100's SMEM (head_dim 256: 2 slots in
     168 KiB); a smaller budget shows the refusal that keeps an overflow out of the compile."""

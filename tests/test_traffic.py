@@ -4,7 +4,6 @@ H100 that is not here: a matmul over stacked weights in a scan of known trip cou
 weights' bytes are known. The Llama-3-8B-shaped engine step's table is in the bench tier
 (tests/test_bench_traffic.py)."""
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -13,6 +12,7 @@ import sys
 
 import pytest
 
+from jpa.tools import deviceless
 from jpa.tools import traffic as tr
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -192,8 +192,7 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
-                    reason="the compile-only GPU packages are not installed (pip install -e '.[gpu]')")
+@pytest.mark.skipif(deviceless.missing_packages() is not None, reason=str(deviceless.missing_packages()))
 def test_compiled_scan_weights():
     """Two gemms a layer over stacked weights, the layers scanned (XLA knows the trip count): every
     weight byte is read once per layer's gemm, plus twice more (the copy's read and write) for each
@@ -285,8 +284,7 @@ def engine_step_traffic(engine_options: bool = True) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
-                    reason="the compile-only GPU packages are not installed (pip install -e '.[gpu]')")
+@pytest.mark.skipif(deviceless.missing_packages() is not None, reason=str(deviceless.missing_packages()))
 def test_engine_gpu_step_reads_weights_in_place():
     """The engine's own unified step as it compiles it for an H100 (deviceless: `step_program`,
     the runner's jit options with `jpa.core.xla_options.WEIGHTS_IN_PLACE`), a small 2-layer Llama:

@@ -28,9 +28,10 @@ own). The sum is exact unless two released slots share uncached pages (`DeviceCo
 forked sample and its leader stopping together); then, and before anything that needs the page
 state after the release sooner, the release is a device call of its own (`flush_releases` ->
 `ModelRunner.retire`): before KV offload's swap-ins (programs of their own before the step),
-`pool_is_whole`, `flush_prefix_cache`. So every plan is the one the old order (release, then
-plan) made. `check_page_state` checks the device's state after the pending release (on a copy)
-and that the host's projected free count is that state's.
+`flush_prefix_cache`. So every plan is the one the old order (release, then plan) made. The
+queries `check_page_state` and `pool_is_whole` read the device's state after the pending release
+(computed on a copy: they change nothing); the first checks that the host's projected free count
+is that state's.
 
 Feature hook points (where a feature plugs in; see `jpa.engine.runner` for the device side):
   plan       `Scheduler.plan_round`; a request hook's `plan(req)` (`Scheduler(hooks=...)`:
@@ -298,6 +299,7 @@ class LLMEngine:
                 self._follower = multihost.Follower(self.runner, **lockstep)
         self.host_tier = self.swap_cost = None
         self._spilled = {}   # KV offload: this round's spilled pages' data (execute -> update)
+        self._lost = None    # why the engine cannot go on (its device state was lost with a failed round)
         if config.kv_offload_bytes:
             if self.num_processes > 1:
                 raise ValueError("EngineConfig.kv_offload_bytes needs a single process (the host tier of a "
@@ -508,6 +510,7 @@ class LLMEngine:
         """Verb 1 of a round: the scheduler's plan over the token budget (decode rows, prompt
         chunks, admissions, evictions, and the slots released on the host since the last device call,
         which the round's step releases first)."""
+        self._usable()
         if not self.scheduler.release_is_exact():   # the plan counts exactly what the release frees
             self.flush_releases()
         plan = self.scheduler.plan_round(self.config.max_num_batched_tokens)
@@ -520,7 +523,9 @@ class LLMEngine:
 
     def execute(self, plan: RoundPlan) -> StepResult:
         """Verb 2: the plan as a StepBatch, ONE device call (page work, ragged pass, verify loop),
-        its StepResult read back. A failed call or reservation leaves the plan undone."""
+        its StepResult read back. A failed call or reservation leaves the plan undone; a call that
+        ran but failed before its result was recorded is recovered from (`_recover`)."""
+        self._usable()
         if plan.release and plan.swap_in:
             # KV offload: swap-ins are programs of their own before the step; they need the pages
             # the release frees, so it is made first, as a call of its own.
@@ -531,13 +536,17 @@ class LLMEngine:
         batch = make_step_batch(plan, self.shapes, masks=self.grammars.masks(constrained) if constrained else None)
         t0, c0 = time.perf_counter(), self.runner.compile_seconds
         swapped = []
+        calls = self.runner.step_calls
         try:
             self._spill(plan)
             self._swap_in(plan, swapped)
             result = self.runner.step(batch)
         except BaseException:
-            self._undo_swap_ins(plan, swapped)
-            self.scheduler.unplan(plan)   # the call did not happen: admitted requests go back, in order
+            if self.runner.step_calls != calls:   # the call ran: the device is ahead of the host
+                self._recover(plan)
+            else:
+                self._undo_swap_ins(plan, swapped)
+                self.scheduler.unplan(plan)   # the call did not happen: admitted requests go back, in order
             raise
         if swapped and not all(bool(ok) for ok in jax.device_get(swapped)):
             self._undo_swap_ins(plan, swapped)
@@ -602,13 +611,45 @@ class LLMEngine:
         self._spilled = {}
         if oks:
             self.scheduler.set_pages(*self.runner.retire([s.slot for s in plan.swap_in[: len(oks)]]))
-            prefix = self.scheduler.prefix
-            if prefix is not None:
-                on_device = {int(p) for p in self.runner.cached_pages()}
-                prefix.forget([p for p in prefix.lru if p not in on_device])   # evicted by a swap-in that ran
-                unknown = sorted(on_device - set(prefix.lru))
-                if unknown:
-                    self.scheduler.set_pages(*self.runner.uncache(unknown))
+            self._reconcile_prefix()
+
+    def _reconcile_prefix(self) -> None:
+        """After device page work the host did not record (a failed round): the host's prefix cache
+        forgets the pages the device evicted, and the device evicts the pages it cached that the host
+        does not know (their contents are never looked up)."""
+        prefix = self.scheduler.prefix
+        if prefix is not None:
+            on_device = {int(p) for p in self.runner.cached_pages()}
+            prefix.forget([p for p in prefix.lru if p not in on_device])   # evicted by a call that ran
+            unknown = sorted(on_device - set(prefix.lru))
+            if unknown:
+                self.scheduler.set_pages(*self.runner.uncache(unknown))
+
+    def _recover(self, plan: RoundPlan) -> None:
+        """A round whose unified step ran (the device state changed) but raised before the host
+        recorded its result (a failed read-back, an interrupt): the device is ahead of the host
+        (tokens, seq_lens, the round's release, pages reserved, cached or evicted). Brings both back
+        to one state, as a preemption of everyone would: the round's admissions go back to the
+        queue, every running request is preempted to be recomputed (its generated tokens kept), every
+        slot is released on the device, the pending release with them, and the prefix cache is
+        reconciled. If the device state cannot be read (lost with the failed call), the engine
+        refuses further rounds (`_lost`)."""
+        self._spilled = {}
+        self.scheduler.unplan(plan)
+        preempted = self.scheduler.requeue_running()
+        try:
+            jax.device_get(self.runner.page_state.num_free)   # the state is there to go on with
+            self.scheduler.set_pages(*self.runner.retire(range(self.config.max_seqs)))
+            self._reconcile_prefix()
+        except Exception as e:
+            self._lost = (f"the engine's device state was lost with a failed round ({type(e).__name__}: {e}); "
+                          f"make a new engine")
+            return
+        self.stats.preemptions += len(preempted)
+
+    def _usable(self) -> None:
+        if self._lost is not None:
+            raise RuntimeError(self._lost)
 
     def update(self, plan: RoundPlan, result: StepResult | None) -> list[StepOutput]:
         """Verb 3: the host's post-process. Tokens, stops and the device's page counts go to the
@@ -662,6 +703,7 @@ class LLMEngine:
         release first: for when the host needs the page state after the release sooner (a count
         the device's last figures do not make exact, page moves of their own, checks, an idle
         engine's cleanup). KV offload's swap-outs are dispatched first."""
+        self._usable()
         self._swap_outs()
         release = self.scheduler.take_releases()
         if release:
@@ -771,15 +813,23 @@ class LLMEngine:
         self.stats.compile_seconds = self.runner.compile_seconds
         return [results[g[0]] if len(g) == 1 else [results[i] for i in g] for g in groups]
 
+    def _page_state_after_release(self):
+        """The device's PageState once the pending release is done, as the next round starts from
+        it (computed on a copy: the device's state and the pending release are unchanged)."""
+        release = self.scheduler.pending_release
+        return pages.release(self.runner.page_state, list(release)) if release else self.runner.page_state
+
     def pool_is_whole(self) -> bool:
         """True when no request holds a page and every page is free or held by the prefix cache
         alone, exactly the pages the host's cache knows (check after generate(): nothing leaked;
-        `flush_prefix_cache()` then frees every page)."""
-        self.flush_releases()
+        `flush_prefix_cache()` then frees every page). A query: it reads the state after the
+        pending release without making it."""
+        self._usable()
         prefix = self.scheduler.prefix
         host = self.host_tier
         # The host tier: no swap block left, every page free or holding one spilled prefix page.
-        return (not self.scheduler.running and self.runner.pool_is_whole(prefix.cached if prefix else ())
+        return (not self.scheduler.running
+                and self.runner.pool_is_whole(prefix.cached if prefix else (), self._page_state_after_release())
                 and (host is None or (not host.blocks and host.num_free + len(host.spilled) == host.num_pages
                                       and not host.check() and not self.scheduler.waiting
                                       and not (prefix.check() if prefix else host.spilled))))
@@ -792,9 +842,9 @@ class LLMEngine:
         cache's; each running request's cached token count matches its progress; with KV offload,
         every host page is free, in one block or holding one spilled prefix page, every block belongs
         to a waiting request, and each prefix key names a page in exactly one tier."""
-        # The state the next round starts from: the device's, after the pending release (on a copy).
+        self._usable()
         release = self.scheduler.pending_release
-        ps = jax.device_get(pages.release(self.runner.page_state, list(release)) if release else self.runner.page_state)
+        ps = jax.device_get(self._page_state_after_release())   # the state the next round starts from
         n, size = self.num_pages, self.config.page_size
         free = np.asarray(ps.free_pages)[: int(ps.num_free)]
         ref, cached = np.asarray(ps.refcounts), np.asarray(ps.cached)

@@ -218,6 +218,7 @@ class ModelRunner:
         self.width = self.loop.width
         self.step_traces = 0
         self.cow_copies = 0  # pages copied on write (parallel samples' shared last pages)
+        self.step_calls = 0  # unified-step calls that ran or consumed their donated state (see `step`)
         self.compile_seconds = 0.0
         self.step_from_cache = None  # set by compile_step
         self.step_source = None      # set by compile_step: "compiled", "persistent cache" or "process"
@@ -383,7 +384,9 @@ class ModelRunner:
         """Runs one round (StepBatch of numpy arrays) and reads its StepResult back in one transfer.
 
         The result's `loop` is cut to the steps run. When `ok` is False the round changed nothing
-        on the device.
+        on the device. `step_calls` counts the calls that changed the device state: one whose count
+        it raised and that raises changed it without handing back the result (the caller's host
+        bookkeeping is behind the device; `LLMEngine.execute` recovers).
         """
         num_tokens = batch.rows.tokens.shape[0]
         if self._step_exe is None:
@@ -391,8 +394,16 @@ class ModelRunner:
         elif num_tokens != self.step_tokens:
             raise ValueError(f"the unified step was compiled for a token budget of {self.step_tokens}; got "
                              f"{num_tokens}")
-        self.cache, self.page_state, self.slots, res = self._step_exe(
-            *self.state(), self._put(jax.tree_util.tree_map(jnp.asarray, batch)))
+        state = self.state()
+        try:
+            self.cache, self.page_state, self.slots, res = self._step_exe(
+                *state, self._put(jax.tree_util.tree_map(jnp.asarray, batch)))
+        except BaseException:
+            # A call that failed after consuming its donated state left this runner none to run on.
+            if any(a.is_deleted() for a in jax.tree_util.tree_leaves(state[1:])):
+                self.step_calls += 1
+            raise
+        self.step_calls += 1
         if not (np.asarray(batch.prompt.targets) >= 0).any():  # nobody asked: not read back
             res = res.replace(prompt=None)
         res = jax.device_get(res)
@@ -481,10 +492,11 @@ class ModelRunner:
         free, lens = jax.device_get((self.page_state.num_free, self.page_state.seq_lens))
         return int(free), lens
 
-    def pool_is_whole(self, cached=()) -> bool:
+    def pool_is_whole(self, cached=(), page_state=None) -> bool:
         """True when no table holds a page and every page is free or one of `cached` (the host's
-        prefix cache), held by the cache alone (no leak) — valid when no request is running."""
-        ps = jax.device_get(self.page_state)
+        prefix cache), held by the cache alone (no leak) — valid when no request is running.
+        page_state: the PageState to check (default: this runner's)."""
+        ps = jax.device_get(self.page_state if page_state is None else page_state)
         want = np.zeros(self.cache_config.num_pages, bool)
         want[list(cached)] = True
         return (int(ps.num_free) == self.cache_config.num_pages - int(want.sum())

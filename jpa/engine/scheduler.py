@@ -741,19 +741,38 @@ class Scheduler:
 
         preempted = []
         while self.running and self.next_step_pages() > available():
-            req = max(self.running.values(), key=lambda r: r.admitted_at)
-            req = req.leader if req.phase is Phase.FORKING else req   # a sample waiting to fork goes with its leader
-            for sib in req.siblings:
-                if sib.phase is Phase.FORKING:
-                    self._to_release.append((sib.slot, sib))
-                    self._move(sib, Phase.WAITING)
-            self._to_release.append((req.slot, req))
-            self._swap_out(req)
-            self._move(req, Phase.WAITING)
-            req.num_preemptions += 1
-            self.num_preemptions += 1
-            self.waiting.appendleft(req)
-            preempted.append(req)
+            preempted.append(self._preempt_newest(swap=True))
         if preempted:
             self._preempted_last_round = True
         return list(self.pending_release), preempted
+
+    def _preempt_newest(self, *, swap: bool) -> Request:
+        """Preempts the newest admitted running request (with its samples still waiting to fork):
+        its slots join the pending release and it goes back to the front of the queue, its
+        generated tokens kept; swapped out to the host tier when `swap` and `_swap_out` says so,
+        else recomputed. Returns it."""
+        req = max(self.running.values(), key=lambda r: r.admitted_at)
+        req = req.leader if req.phase is Phase.FORKING else req   # a sample waiting to fork goes with its leader
+        for sib in req.siblings:
+            if sib.phase is Phase.FORKING:
+                self._to_release.append((sib.slot, sib))
+                self._move(sib, Phase.WAITING)
+        self._to_release.append((req.slot, req))
+        if swap:
+            self._swap_out(req)
+        self._move(req, Phase.WAITING)
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        return req
+
+    def requeue_running(self) -> list[Request]:
+        """Preempts every running request, newest first, to be recomputed (no swap-out): for the
+        engine's recovery from a round whose device call ran but whose result the host never
+        recorded (`LLMEngine.execute`), when the device is ahead of the host. Every slot then
+        belongs to the pending release; the caller releases all slots on the device and records
+        its counts (`set_pages`). Returns the preempted requests."""
+        preempted = []
+        while self.running:
+            preempted.append(self._preempt_newest(swap=False))
+        return preempted

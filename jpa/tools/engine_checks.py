@@ -244,8 +244,8 @@ def tp_engine_steps(compiler: Compiler, config: dict | None = None, pool_gib_per
                    num_layers=mc.num_layers, layers_per_body=layer_period(mc),
                    d_model=mc.d_model, num_q_heads=mc.num_q_heads,
                    num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, vocab_size=mc.vocab_size,
-                   num_pages=cache_cfg.num_pages, max_seqs=max_seqs, steps_per_call=steps_per_call,
-                   param_bytes_per_device=param_bytes, pool_bytes_per_device=cache_cfg.nbytes // tp,
+                   num_pages=cache_cfg.num_pages, page_size=page_size, max_seqs=max_seqs,
+                   steps_per_call=steps_per_call, param_bytes_per_device=param_bytes, pool_bytes_per_device=cache_cfg.nbytes // tp,
                    pool_spec=str(runner.cache.k.sharding.spec),
                    param_specs={n: str(layer_params[n].sharding.spec) for n in spec_names},
                    num_experts=mc.num_experts, expert_layout=model.head_plan.experts,
@@ -284,7 +284,8 @@ def check_hosts(rec: dict, hlo: str, compiler: Compiler, details: dict) -> list:
                cross_host_collectives=sum(r["count"] for r in table if r["cross_host"]),
                within_host_collectives=sum(r["count"] for r in table if not r["cross_host"]))
     problems = cross_host_problems(items, d_model=details["d_model"], head_dim=details["head_dim"],
-                                   num_pages=details["num_pages"], max_tokens=details["budget"])
+                                   num_pages=details["num_pages"], page_size=details["page_size"],
+                                   max_tokens=details["budget"])
     return problems
 
 
@@ -324,8 +325,8 @@ def check_tp(compiler: Compiler, log=print, **sizes) -> list:
                 rec["problems"].append(f"expected 2 row-parallel all-reduces per layer and model pass "
                                        f"({2 * passes * num_layers}); found {len(row)}")
             # Nothing with a head axis (K/V, q, attention outputs) or a pool dimension may move.
-            h, pages = details["head_dim"], details["num_pages"]
-            moved = [c for c in items if moves_heads_or_pool(c, h, pages)]
+            moved = [c for c in items
+                     if moves_heads_or_pool(c, details["head_dim"], details["num_pages"], details["page_size"])]
             if moved:
                 rec["problems"].append(f"K/V, heads or pool moved between devices: {moved[:3]}")
             if compiler.hosts > 1:

@@ -335,14 +335,20 @@ def host_table(items: list, layers_per_body: int) -> list:
     return sorted(rows.values(), key=lambda r: (r["where"] != "layer", r["op"], -r["bytes_each"]))
 
 
-def moves_heads_or_pool(c: dict, head_dim: int, num_pages: int) -> bool:
-    """Whether a collective moves something with a head axis (K/V, q, attention outputs) or a pool
-    dimension, or is an all-to-all/permute (the shape of a head or page exchange)."""
-    return (f",{head_dim}]" in c["type"] or f"{num_pages}," in c["type"]
-            or c["op"] in ("all-to-all", "collective-permute"))
+def moves_heads_or_pool(c: dict, head_dim: int, num_pages: int, page_size: int) -> bool:
+    """Whether a collective moves heads (K/V, q, attention outputs: [..., heads, head_dim], last axis
+    head_dim; rank 2 counts too, for a head axis of 1 that XLA dropped), part of the pool (the pool's
+    consecutive [..., num_pages, page_size, ...] axes: K/V pages or their scales), or is an
+    all-to-all/permute (the shape of a head or page exchange). Shapes are matched axis by axis, not
+    a number anywhere in the type: a sampling all-gather f32[num_pages, 20] is neither."""
+    dims = [int(d) for d in re.fullmatch(r"\w+\[([\d,]*)\]", c["type"]).group(1).split(",") if d]
+    heads = len(dims) >= 2 and dims[-1] == head_dim
+    pool = any(dims[i:i + 2] == [num_pages, page_size] for i in range(len(dims) - 1))
+    return heads or pool or c["op"] in ("all-to-all", "collective-permute")
 
 
-def cross_host_problems(items: list, *, d_model: int, head_dim: int, num_pages: int, max_tokens: int) -> list:
+def cross_host_problems(items: list, *, d_model: int, head_dim: int, num_pages: int, page_size: int,
+                        max_tokens: int) -> list:
     """What is wrong with the cross-host collectives of `host_collectives` entries, under the rule
     of a tensor-parallel model spread over hosts: in a layer only the row-parallel f32[tokens,
     d_model] all-reduces (after wo and w_down) cross hosts; outside the layers only a fixed few
@@ -356,7 +362,7 @@ def cross_host_problems(items: list, *, d_model: int, head_dim: int, num_pages: 
             continue
         what = f"{c['op']} {c['type']} over {c['hosts_per_group']} hosts"
         row = c["op"] == "all-reduce" and c["type"].startswith("f32[") and c["type"].endswith(f",{d_model}]")
-        if moves_heads_or_pool(c, head_dim, num_pages):
+        if moves_heads_or_pool(c, head_dim, num_pages, page_size):
             problems.append(f"{what} moves heads, K/V or the pool across hosts")
         elif c["layer_body"] and not row:
             problems.append(f"{what} in a layer crosses hosts (only the row-parallel all-reduces may)")

@@ -144,7 +144,7 @@ def wgmma_reason(spec: DecodeSpec, compute_capability: float | None = None, *,
         return (f"head_dim = {spec.head_dim} with an 8-bit cache is not supported: above "
                 f"{MAX_QUANT_HEAD_DIM} the widened K/V tiles next to the f32 accumulator keep this "
                 f"kernel at ptxas's 255-register cap, and it spills (head_dim 256, int8, soft cap: "
-                f"8 bytes); the Triton kernel serves it")
+                f"8 bytes); on Hopper the mma.sync kernel (TMA copies) serves it")
     if spec.quantized and spec.head_dim % 32:
         return (f"head_dim = {spec.head_dim} is not supported with an 8-bit cache: it must be a "
                 f"multiple of 32 (8-bit SMEM pages are swizzled in >= 32-byte units)")

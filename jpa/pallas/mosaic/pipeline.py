@@ -424,6 +424,9 @@ def attend(blocks: KVBlocks, q_smem, p_smem, kd_smem, vd_smem, *, scale, soft_ca
     col_layout = plgpu.Layout.WGMMA.reduce(0)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     key_lo, key_end = key_range
+    # p * v_scale is rounded to q's dtype for the WGMMA: times `p_shift` (exact) it stays out of
+    # float16's subnormals (float8 e5m2: v_scale = amax / 57344); acc is shifted back at the end.
+    shift = p_shift(k_smem.dtype) if quantized else 1.0
 
     def body(step, carry):
         acc, m, l, nxt_pages = carry  # f32[BLOCK_Q, H], f32[BLOCK_Q], f32[BLOCK_Q], i32s
@@ -465,7 +468,7 @@ def attend(blocks: KVBlocks, q_smem, p_smem, kd_smem, vd_smem, *, scale, soft_ca
         if quantized:
             # acc += (p * v_scale) @ v: the scale is per key token, a column of p. Masked
             # columns may carry NaN scales (unwritten slots), so they are zeroed after.
-            v_scale = plgpu.load(vs_smem.at[slot], layout=col_layout)  # f32[S]
+            v_scale = plgpu.load(vs_smem.at[slot], layout=col_layout) * shift  # f32[S]
             p = jnp.where(vis, p * lax.broadcast_in_dim(v_scale, p.shape, [1]), 0.0)
         if not register_acc:
             p_smem[...] = p.astype(dtype)  # interpret mode: SMEM operands only
@@ -509,6 +512,8 @@ def attend(blocks: KVBlocks, q_smem, p_smem, kd_smem, vd_smem, *, scale, soft_ca
         blocks.lookup(slots - 1),
     )
     acc, m, l, _ = lax.fori_loop(0, blocks.num_steps, body, init)
+    if quantized:
+        acc = acc * (1.0 / shift)
     return acc, m, l
 
 
@@ -1002,7 +1007,7 @@ def attend_mma(blocks: MmaBlocks, q_smem, *, scale, soft_cap, logits, key_range,
 
 
 def p_shift(cache_dtype) -> float:
-    """The power of two that p * v_scale is scaled by on the mma path (`attend_mma`): the largest
+    """The power of two that p * v_scale is scaled by (`attend`, `attend_mma`): the largest
     one <= the 8-bit format's largest value (int8 64, e4m3fn 256, e5m2 32768), so p * v_scale *
     shift is about p * |V row| / 1-2, a normal float16 number."""
     dt = jnp.dtype(cache_dtype)
