@@ -209,3 +209,142 @@ def test_q4_k_kernel_in_interpret_mode_equals_gguf_dequantize_then_matmul():
     assert not op.kernel_serves(rows, k, n, 32, np.uint8, jnp.bfloat16, d2=d2, sub_dtypes=(np.uint8, np.uint8))
     plain = op.packed_matmul(jnp.asarray(x, jnp.float32), codes, d, m, d2, m2, layer=1, compute_dtype=jnp.float32)
     np.testing.assert_allclose(np.asarray(plain), op.reference(x, codes, d, m, 1, d2, m2), rtol=1e-5, atol=1e-4)
+
+
+# GGUF block bytes: (values a block, bytes a block, offsets of the block's f16 scales)
+GGUF_BYTES = {"Q8_0": (32, 34, (0,)), "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,))}
+
+
+def _gguf_grouped(rng, fmt, layers, k, n):
+    """Random GGUF `fmt` tensors [n, k] (every code and sub-scale bit random, sane f16 scales) as jpa keeps
+    them for the matmul ([L, K, N] codes, [L, K / G, N] scales, ...) and the oracle gguf.quants.dequantize's
+    f32 weights [L, K, N]."""
+    from gguf import GGMLQuantizationType, quants
+
+    from jpa.core.quant import unpack_gguf_rows, unpack_k_blocks
+
+    per, nbytes, at = GGUF_BYTES[fmt]
+    raws = rng.integers(0, 256, (layers, n, k // per, nbytes)).astype(np.uint8)
+    for a in at:
+        raws[..., a:a + 2] = rng.uniform(5e-4, 2e-3, raws.shape[:3] + (1,)).astype(np.float16).view(np.uint8)
+    raws = raws.reshape(layers, n, -1)
+    unpack = (lambda r: unpack_gguf_rows(r, fmt, n, k) + (None, None)) if fmt == "Q8_0" else \
+        (lambda r: unpack_k_blocks(r, fmt, n, k))
+    kept = [unpack(r) for r in raws]  # each (codes, d, m, d2, m2) of [N, K / ...]
+    parts = [None if kept[0][i] is None else np.stack([np.ascontiguousarray(p[i].T) for p in kept]) for i in range(5)]
+    oracle = np.stack([quants.dequantize(r, getattr(GGMLQuantizationType, fmt)).reshape(n, k).T for r in raws])
+    return parts, oracle
+
+
+def _fp8_block_grouped(rng, layers, k, n):
+    """Random block-wise FP8 weights (e4m3 codes [out, in], f32 scales per 128 x 128 block) through
+    jpa.core.quant.fp8_block, and the f32 weights q * s [L, K, N]."""
+    from jpa.core.quant import fp8_block
+
+    parts, oracle = [], []
+    for _ in range(layers):
+        q = rng.normal(scale=100, size=(n, k)).astype(ml_dtypes.float8_e4m3fn)
+        s = rng.uniform(1e-4, 1e-3, (n // 128, k // 128)).astype(np.float32)
+        parts.append(fp8_block(q, s, [128, 128]))
+        oracle.append((q.astype(np.float32) * np.repeat(np.repeat(s, 128, 0), 128, 1)).T)
+    return [np.stack([p[0] for p in parts]), np.stack([p[1] for p in parts]), None, None, None], np.stack(oracle)
+
+
+@pytest.mark.parametrize("fmt,rows", [("Q6_K", 3), ("Q8_0", 20), ("Q5_K", 64), ("fp8-block", 9)])
+def test_grouped_8bit_kernel_in_interpret_mode_equals_gguf_dequantize_then_matmul(fmt, rows):
+    """8-bit codes with group scales, as jpa keeps GGUF Q8_0 (int8 codes, f16 scale per 32), Q6_K (codes
+    -32..31, int8 scales per 16, f16 super-block scales), Q5_K (codes 0..31, uint8 scales and minimums per
+    32, f16 d / -dmin) and block-wise FP8 (e4m3, f32 per 128 x 128): the kernel's product equals x @ W with
+    W (layer 1 of 2) from gguf.quants.dequantize (or q * s) rounded to bf16 once, products summed in f32."""
+    rng = np.random.default_rng()
+    layers, k, n = 2, 256, 128 if fmt == "fp8-block" else 64
+    parts, oracle = (_fp8_block_grouped(rng, layers, k, n) if fmt == "fp8-block"
+                     else _gguf_grouped(rng, fmt, layers, k, n))
+    codes, d, m, d2, m2 = parts
+    assert codes.shape == (layers, k, n) and codes.dtype != np.uint8
+    x = rng.normal(size=(rows, k)).astype(BF16)
+    for layer in (1,):
+        want = x.astype(np.float32) @ oracle[layer].astype(BF16).astype(np.float32)
+        got = np.asarray(kernel.qmatmul_grouped(jnp.asarray(x), codes, d, m, d2, m2, layer=layer, interpret=True))
+        assert got.shape == (rows, n) and got.dtype == np.float32
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-4 * np.abs(want).max())
+        # jpa's own dequantizer (the plain-JAX path and the engine's dense reference) is the oracle's weight
+        np.testing.assert_allclose(op.reference(x, codes, d, m, layer, d2, m2), x.astype(np.float32) @ oracle[layer],
+                                   rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_grouped_8bit_kernel_rejects_what_it_cannot_take():
+    rng = np.random.default_rng(0)
+    (codes, d, m, d2, m2), _ = _gguf_grouped(rng, "Q5_K", 1, 256, 64)
+    x = jnp.zeros((2, 256), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"does not fit codes \[1, 256, 64\]"):
+        kernel.qmatmul_grouped(jnp.zeros((2, 128), jnp.bfloat16), codes, d, m, d2, m2, interpret=True)
+    with pytest.raises(ValueError, match="minimums m2 come with"):
+        kernel.qmatmul_grouped(x, codes, d, None, d2, m2, interpret=True)
+    with pytest.raises(ValueError, match="do not fit sub-block scales"):
+        kernel.qmatmul_grouped(x, codes, d, m, d2[:, :, :32], m2[:, :, :32], interpret=True)
+    with pytest.raises(ValueError, match="int8 / uint8 scales"):
+        kernel.qmatmul_grouped(x, codes, d.astype(np.float32), m, d2, m2, interpret=True)
+    with pytest.raises(ValueError, match="reads int8 or float8_e4m3fn"):
+        kernel.qmatmul_grouped(x, codes.view(np.uint8), d, m, d2, m2, interpret=True)
+    assert kernel.unsupported_reason_grouped(4, 256, 64, 8, np.int8) is not None  # groups under 16 values
+    assert kernel.unsupported_reason_grouped(4, 384, 64, 96, np.int8) is not None  # 96 neither divides nor is a multiple of 128
+    assert kernel.unsupported_reason_grouped(4, 512, 64, 256, np.int8) is None
+
+
+def _h100_mesh():
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+    return AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=AbstractDevice(
+        device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="cuda"))
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q5_K", "Q6_K", "fp8-block"])
+def test_new_8bit_formats_stay_in_the_kernel_on_a_gpu(fmt):
+    """No dense copy returns (traced for an H100, nothing compiled): a Llama whose layer linears (and, for the
+    GGUF forms, its Q8_0 / Q6_K head) are stored as jpa keeps Q8_0 / Q5_K / Q6_K / block-wise FP8 has every
+    linear kept stacked for the Mosaic kernel (`stacked_packed`), and its head is the kernel (its mma.sync):
+    no dequantizing convert of a head-sized array."""
+    import jax
+
+    from jpa.models import ModelConfig
+    from jpa.models.gpt import stacked_packed
+    from jpa.tools.traffic import HEAD_FORMS, abstract_model
+
+    config = ModelConfig(family="llama", vocab_size=512, d_model=256, num_layers=2, num_q_heads=4, num_kv_heads=2,
+                         head_dim=64, ffn_dim=768, max_seq_len=256, tie_embeddings=False)
+    from flax import nnx
+
+    graphdef, state = nnx.split(abstract_model(config, fmt))
+    kept = {}
+
+    def head(state, h, where):
+        model = nnx.merge(graphdef, state)
+        kept[where] = stacked_packed(model, 4)
+        return model.logits(h)
+
+    h = jax.ShapeDtypeStruct((4, 256), jnp.float32)
+    with jax.sharding.use_abstract_mesh(_h100_mesh()):
+        jaxpr = jax.make_jaxpr(head, static_argnums=2)(state, h, "h100")
+    jax.make_jaxpr(head, static_argnums=2)(state, h, "cpu")
+    assert set(kept["h100"]) == {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}, kept
+    assert kept["cpu"] == ()  # on this CPU: the plain-JAX path
+    eqns = list(_eqns(jaxpr.jaxpr))
+    prims = {e.primitive.name for e in eqns}
+    head_converts = [e for e in eqns if e.primitive.name == "convert_element_type"
+                     and np.prod(e.outvars[0].aval.shape) >= 256 * 512]
+    if fmt in HEAD_FORMS:
+        assert "mma" in prims and not head_converts, " ".join(sorted(prims))  # the kernel's mma.sync
+    else:  # a block-FP8 checkpoint's head is bf16: a plain dot
+        assert "mma" not in prims, " ".join(sorted(prims))
+
+
+def _eqns(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs in its equations' parameters (kernel bodies too)."""
+    for e in jaxpr.eqns:
+        yield e
+        for v in e.params.values():
+            for sub in (v if isinstance(v, (list, tuple)) else [v]):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _eqns(inner)
