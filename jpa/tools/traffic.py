@@ -186,7 +186,10 @@ class Spec:
         n = int(np.prod(dims))
         if (t, dims) in self.pool_types or (t, n) in self._pool_sizes:
             return "kv_read"
-        if (t, dims) in self.weight_types or (t, n) in self._weight_sizes:
+        # dims[1:]: a weight viewed with a leading axis of 1 (a bitcast, the same bytes: the quantized matmul
+        # takes one [K, N] weight, a model's head, as a stack of one layer)
+        if ((t, dims) in self.weight_types or (t, n) in self._weight_sizes
+                or (len(dims) > 1 and dims[0] == 1 and (t, tuple(dims[1:])) in self.weight_types)):
             return "weights"
         if self.vocab_size and self.vocab_size in dims:
             return "logits"
