@@ -34,7 +34,11 @@ the mma's rhs; x is the lhs, loaded from SMEM in the MMA_LHS layout. R = 16, 32 
 `qmatmul_scaled` is the same kernel for 8-bit weights with one scale per output channel (jpa.core.quant's
 int8 / fp8 path: q int8 / float8_e4m3fn [L, K, N], scale f32[L, N]): the values are widened exactly,
 two rows of a k16 slice joined per register (`permute_k8` orders x's K to match), and the scale
-multiplies the f32 result: (x @ q) * scale.
+multiplies the f32 result: (x @ q) * scale. `qmatmul_grouped` is the same 8-bit kernel for codes with a
+scale per group of K (jpa.core.quant's Q8_0 form: q int8 / float8_e4m3fn [L, K, N], d [L, K / G, N], G a
+multiple of 16, optional minimums m; GGUF Q8_0, Q5_K / Q6_K as jpa keeps them with d2 / m2 as Q4_K's, and
+block-wise FP8): each k16 slice's values become q * d + m in f32 in registers, rounded once, as the 4-bit
+path does.
 
 Interpret mode (`interpret=True`) runs the same body with `MmaOps`' stand-ins: plain ref copies
 and `jnp.dot`; the real layouts, cp.async / TMA and `mma` are proven by the deviceless compile
@@ -96,7 +100,8 @@ def _kernel(x_ref, c_ref, d_ref, m_ref, d2_ref, m2_ref, layer_ref, o_ref, x_smem
     # scales / minimums u8[L, K / G, N] and d2_ref, m2_ref the f16 super-block ones [L, K / G2, N]
     # (else None): group g's scale is f32(d2[g2]) * f32(d[g]), as `super_scaled` computes it.
     # 8 bits: x_ref [R, K] (permute_k8); c_ref int8 / float8 [L, K, N]; d_ref f32[L, N] per-channel
-    # scales; c_smem [SLOTS, KB, TN].
+    # scales, or group scales [L, K / G, N] with m_ref / d2_ref / m2_ref as above (`grouped`); c_smem
+    # [SLOTS, KB, TN].
     # layer_ref i32[1]; o_ref f32[R, N]; x_smem [SLOTS, R, KB].
     nt = lax.axis_index("n")
     n0 = pl.multiple_of(nt * TN, TN)
