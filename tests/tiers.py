@@ -29,7 +29,7 @@ BENCH = {
     "tests/test_quant_gpu.py::test_8bit_kernel_in_interpret_mode_equals_numpy[40-fp8]":
         "2 s: float8 values at 40 rows (the int8 case at 5 rows stays)",
     "tests/test_quant_gpu.py::test_grouped_kernel_compiles_for_h100_and_a100_and_reads_each_layer_once[subset]":
-        "10 s: deviceless H100 compile of the 8-bit group-scaled kernel on Q5_K (minimums and super-block scales; "
+        "6 s: deviceless H100 compile of the 8-bit group-scaled kernel on Q5_K (minimums and super-block scales; "
         "test_new_8bit_formats_stay_in_the_kernel_on_a_gpu keeps the H100 routing of every new format)",
     # --- the 8-bit group-scaled kernel in interpret mode: the Q6_K case (int8 sub-scales per 16) stays
     **{f"tests/test_quant_gpu.py::test_grouped_8bit_kernel_in_interpret_mode_equals_gguf_dequantize_then_matmul[{c}]":
