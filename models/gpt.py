@@ -574,6 +574,16 @@ class GPT(nnx.Module):
                 out = jnp.dot(h.astype(emb.dtype), emb.T, preferred_element_type=jnp.float32)
             else:  # the rows' scales are the head's per-output-channel scales
                 out = _dense(h, emb.T, scale=self.tok_embeddings_scale, compute_dtype=self.dtype)
+        elif hasattr(self, "output_bscale") and _kernel_serves_packed(
+                int(np.prod(h.shape[:-1])), self.output[...], self.output_bscale[...],
+                getattr(self, "output_bmin", None), getattr(self, "output_bscale2", None), self.dtype):
+            # a packed head (GGUF's Q6_K / Q8_0 / Q4 output) on a GPU the Mosaic kernel serves: it reads the
+            # stored codes (the dequantizing path would write a dense bf16 copy of the head every step)
+            lead = h.shape[:-1]
+            opt = lambda suffix: None if (a := getattr(self, "output" + suffix, None)) is None else a[...]
+            h2 = _permuted_input(self, "output", h).reshape(-1, h.shape[-1])
+            out = packed_matmul(h2, self.output[...], self.output_bscale[...], opt("_bmin"), opt("_bscale2"),
+                                opt("_bmin2"), layer=None, compute_dtype=self.dtype).reshape(*lead, -1)
         elif _packed(self, "output", self.dtype) is not None:
             out = _dense(_permuted_input(self, "output", h), _packed(self, "output", self.dtype))
         elif hasattr(self, "output_scale") and scaled_kernel_serves(
@@ -781,10 +791,10 @@ def _check_weights(weights, expected, config):
 
 def stacked_packed(model: GPT, rows: int, mesh=None) -> tuple:
     """Names of the layers' packed 4-bit weights (Q4_0 / Q4_1 forms: GGUF, AWQ, GPTQ,
-    compressed-tensors; GGUF Q4_K: integer sub-block scales with f16 super-block ones) and int8 / fp8
-    per-channel ones that the Mosaic GPU dequantizing matmul serves for `rows` tokens on the
-    device being compiled for (`jpa.ops.qmatmul.kernel_serves`); none under a tensor-parallel
-    mesh. `_run` keeps them stacked through the scan: the kernel reads a layer of the stack by its
+    compressed-tensors; GGUF Q4_K: integer sub-block scales with f16 super-block ones), packed 8-bit
+    ones with group scales (GGUF Q8_0, Q5_K, Q6_K, block-wise FP8) and int8 / fp8 per-channel ones
+    that the Mosaic GPU dequantizing matmul serves for `rows` tokens on the device being compiled for
+    (`jpa.ops.qmatmul.kernel_serves`); none under a tensor-parallel mesh. `_run` keeps them stacked through the scan: the kernel reads a layer of the stack by its
     index, so no layer's codes are sliced into a copy and no dense float weight is written."""
     if mesh is not None:
         return ()
@@ -800,15 +810,20 @@ def stacked_packed(model: GPT, rows: int, mesh=None) -> tuple:
         if axis != -2 or d is None:
             continue
         codes, d = getattr(layers, name)[...], d[...]
-        if codes.ndim != 3 or codes.dtype != jnp.uint8:
+        if codes.ndim != 3:
             continue
-        k = codes.shape[1] * 2
         m = getattr(layers, name + "_bmin", None)
-        if kernel_serves(rows, k, codes.shape[2], k // d.shape[1], codes.dtype, model.dtype,
-                         d2=getattr(layers, name + "_bscale2", None),
-                         sub_dtypes=None if m is None else (d.dtype, m[...].dtype)):
+        if _kernel_serves_packed(rows, codes, d, m, getattr(layers, name + "_bscale2", None), model.dtype):
             out.append(name)
     return tuple(out)
+
+
+def _kernel_serves_packed(rows, codes, d, m, d2, dtype) -> bool:
+    """`kernel_serves` for one packed weight (codes [..., K(/ 2), N], d [..., K / G, N]; 4-bit codes are
+    uint8 holding two, 8-bit ones int8 / float8)."""
+    k = codes.shape[-2] * (2 if codes.dtype == jnp.uint8 else 1)
+    return kernel_serves(rows, k, codes.shape[-1], k // d.shape[-2], codes.dtype, dtype, d2=d2,
+                         sub_dtypes=(d.dtype, None if m is None else m[...].dtype))
 
 
 def _run(model: GPT, tokens, positions, attend, state, mesh=None, stack_packed: bool = False):

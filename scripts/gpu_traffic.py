@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     p.add_argument("--pool-gib", type=float, default=8.0)
     p.add_argument("--quantization", nargs="+", default=[None], metavar="FORMAT",
                    help="the weights stored quantized (jpa.tools.traffic.ABSTRACT_FORMATS: int8 fp8 Q4_0 Q4_1 Q4_K "
-                        "awq gptq; 'none': bfloat16); several: one table each")
+                        "Q8_0 Q5_K Q6_K fp8-block awq gptq; 'none': bfloat16); several: one table each")
     p.add_argument("--which", nargs="+", choices=("plain", "spec"), default=["plain"])
     p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                    help="an XLA option for the compile (repeatable), e.g. xla_gpu_enable_triton_gemm=false")

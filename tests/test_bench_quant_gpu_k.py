@@ -60,3 +60,27 @@ def test_engine_gpu_step_reads_q4_k_weights_once_without_a_dense_copy():
     import test_bench_quant
 
     test_bench_quant.test_engine_gpu_step_reads_4bit_weights_once_without_a_dense_copy("Q4_K")
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("quantization", ["Q6_K", "fp8-block"])
+def test_engine_gpu_step_reads_8bit_group_scaled_weights_once(quantization):
+    """1.5-2 min each on the loaded 2-core VM (SOAK): the engine's unified step of a 2-layer Llama whose layer
+    linears are GGUF Q6_K (and its untied head Q6_K, as the K-quant files keep it) or block-wise FP8 (bf16 head),
+    compiled for an H100: every linear and the Q6_K head are the Mosaic kernel (`qmatmul_grouped`) wherever the
+    program computes them, the decode step reads each stored byte once and no weight matrix is written (before,
+    XLA wrote a dense bf16 copy of each, the head's too)."""
+    import json
+
+    from test_bench_quant import ENGINE_STEP_4BIT
+    from test_quant_gpu import run_compile
+
+    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+        pytest.skip("the compile-only GPU packages are not installed (pip install -e '.[gpu]')")
+    out = run_compile(ENGINE_STEP_4BIT.replace("QUANT", quantization))
+    assert out["matrix_copies"] == [], json.dumps(out["matrix_copies"])
+    w = out["weights"]
+    assert w["written"] == 0 and w["ideal"] <= w["read"] <= 1.01 * w["ideal"], w
+    c = out["checks"]
+    head = 3 if quantization == "Q6_K" else 0  # the head's calls: one in each program branch that computes logits
+    assert c["ok"] and c["mosaic_calls"] == 3 + 2 * 7 + head, c

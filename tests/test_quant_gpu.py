@@ -209,3 +209,205 @@ def test_q4_k_kernel_in_interpret_mode_equals_gguf_dequantize_then_matmul():
     assert not op.kernel_serves(rows, k, n, 32, np.uint8, jnp.bfloat16, d2=d2, sub_dtypes=(np.uint8, np.uint8))
     plain = op.packed_matmul(jnp.asarray(x, jnp.float32), codes, d, m, d2, m2, layer=1, compute_dtype=jnp.float32)
     np.testing.assert_allclose(np.asarray(plain), op.reference(x, codes, d, m, 1, d2, m2), rtol=1e-5, atol=1e-4)
+
+
+# GGUF block bytes: (values a block, bytes a block, offsets of the block's f16 scales)
+GGUF_BYTES = {"Q8_0": (32, 34, (0,)), "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,))}
+
+
+def _gguf_grouped(rng, fmt, layers, k, n):
+    """Random GGUF `fmt` tensors [n, k] (every code and sub-scale bit random, sane f16 scales) as jpa keeps
+    them for the matmul ([L, K, N] codes, [L, K / G, N] scales, ...) and the oracle gguf.quants.dequantize's
+    f32 weights [L, K, N]."""
+    from gguf import GGMLQuantizationType, quants
+
+    from jpa.core.quant import unpack_gguf_rows, unpack_k_blocks
+
+    per, nbytes, at = GGUF_BYTES[fmt]
+    raws = rng.integers(0, 256, (layers, n, k // per, nbytes)).astype(np.uint8)
+    for a in at:
+        raws[..., a:a + 2] = rng.uniform(5e-4, 2e-3, raws.shape[:3] + (1,)).astype(np.float16).view(np.uint8)
+    raws = raws.reshape(layers, n, -1)
+    unpack = (lambda r: unpack_gguf_rows(r, fmt, n, k) + (None, None)) if fmt == "Q8_0" else \
+        (lambda r: unpack_k_blocks(r, fmt, n, k))
+    kept = [unpack(r) for r in raws]  # each (codes, d, m, d2, m2) of [N, K / ...]
+    parts = [None if kept[0][i] is None else np.stack([np.ascontiguousarray(p[i].T) for p in kept]) for i in range(5)]
+    oracle = np.stack([quants.dequantize(r, getattr(GGMLQuantizationType, fmt)).reshape(n, k).T for r in raws])
+    return parts, oracle
+
+
+def _fp8_block_grouped(rng, layers, k, n):
+    """Random block-wise FP8 weights (e4m3 codes [out, in], f32 scales per 128 x 128 block) through
+    jpa.core.quant.fp8_block, and the f32 weights q * s [L, K, N]."""
+    from jpa.core.quant import fp8_block
+
+    parts, oracle = [], []
+    for _ in range(layers):
+        q = np.clip(rng.normal(scale=100, size=(n, k)), -448, 448).astype(ml_dtypes.float8_e4m3fn)  # e4m3fn's range
+        s = rng.uniform(1e-4, 1e-3, (n // 128, k // 128)).astype(np.float32)
+        parts.append(fp8_block(q, s, [128, 128]))
+        oracle.append((q.astype(np.float32) * np.repeat(np.repeat(s, 128, 0), 128, 1)).T)
+    return [np.stack([p[0] for p in parts]), np.stack([p[1] for p in parts]), None, None, None], np.stack(oracle)
+
+
+def _mixed_grouped(rng, layers, k, n):
+    """The form `PackedWeight.stack` gives layers of mixed K-quant types (a Q4_K_M file's ffn_down: Q4_K in some
+    layers, Q6_K in others): int8 codes, f32 scales and minimums per 16 values; the f32 weights [L, K, N]."""
+    codes = rng.integers(-32, 32, (layers, k, n)).astype(np.int8)
+    d = rng.uniform(1e-3, 3e-2, (layers, k // 16, n)).astype(np.float32)
+    m = rng.uniform(-0.3, 0.3, (layers, k // 16, n)).astype(np.float32)
+    return [codes, d, m, None, None], dequantize_blocks(codes, d, m, -2, np.float32)
+
+
+@pytest.mark.parametrize("fmt,rows", [("Q6_K", 3), ("Q8_0", 20), ("Q5_K", 64), ("fp8-block", 9), ("mixed", 33)])
+def test_grouped_8bit_kernel_in_interpret_mode_equals_gguf_dequantize_then_matmul(fmt, rows):
+    """8-bit codes with group scales, as jpa keeps GGUF Q8_0 (int8 codes, f16 scale per 32), Q6_K (codes
+    -32..31, int8 scales per 16, f16 super-block scales), Q5_K (codes 0..31, uint8 scales and minimums per
+    32, f16 d / -dmin), block-wise FP8 (e4m3, f32 per 128 x 128) and mixed K-quant layers (int8 codes, f32
+    scales and minimums per 16): the kernel's product equals x @ W with
+    W (layer 1 of 2) from gguf.quants.dequantize (or q * s) rounded to bf16 once, products summed in f32."""
+    rng = np.random.default_rng()
+    layers, k, n = 2, 256, 128 if fmt == "fp8-block" else 64
+    make = {"fp8-block": _fp8_block_grouped, "mixed": _mixed_grouped}.get(fmt)
+    parts, oracle = make(rng, layers, k, n) if make else _gguf_grouped(rng, fmt, layers, k, n)
+    codes, d, m, d2, m2 = parts
+    assert codes.shape == (layers, k, n) and codes.dtype != np.uint8
+    x = rng.normal(size=(rows, k)).astype(BF16)
+    for layer in (1,):
+        want = x.astype(np.float32) @ oracle[layer].astype(BF16).astype(np.float32)
+        got = np.asarray(kernel.qmatmul_grouped(jnp.asarray(x), codes, d, m, d2, m2, layer=layer, interpret=True))
+        assert got.shape == (rows, n) and got.dtype == np.float32
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-4 * np.abs(want).max())
+        # jpa's own dequantizer (the plain-JAX path and the engine's dense reference) is the oracle's weight
+        np.testing.assert_allclose(op.reference(x, codes, d, m, layer, d2, m2), x.astype(np.float32) @ oracle[layer],
+                                   rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_grouped_8bit_kernel_rejects_what_it_cannot_take():
+    rng = np.random.default_rng(0)
+    (codes, d, m, d2, m2), _ = _gguf_grouped(rng, "Q5_K", 1, 256, 64)
+    x = jnp.zeros((2, 256), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"does not fit codes \[1, 256, 64\]"):
+        kernel.qmatmul_grouped(jnp.zeros((2, 128), jnp.bfloat16), codes, d, m, d2, m2, interpret=True)
+    with pytest.raises(ValueError, match="minimums m2 come with"):
+        kernel.qmatmul_grouped(x, codes, d, None, d2, m2, interpret=True)
+    with pytest.raises(ValueError, match="do not fit sub-block scales"):
+        kernel.qmatmul_grouped(x, codes, d, m, d2[:, :, :32], m2[:, :, :32], interpret=True)
+    with pytest.raises(ValueError, match="int8 / uint8 scales"):
+        kernel.qmatmul_grouped(x, codes, d.astype(np.float32), m, d2, m2, interpret=True)
+    with pytest.raises(ValueError, match="reads int8 or float8_e4m3fn"):
+        kernel.qmatmul_grouped(x, codes.view(np.uint8), d, m, d2, m2, interpret=True)
+    assert kernel.unsupported_reason_grouped(4, 256, 64, 8, np.int8) is not None  # groups under 16 values
+    assert kernel.unsupported_reason_grouped(4, 384, 64, 96, np.int8) is not None  # 96 neither divides nor is a multiple of 128
+    assert kernel.unsupported_reason_grouped(4, 512, 64, 256, np.int8) is None
+
+
+def _h100_mesh():
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+    return AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=AbstractDevice(
+        device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="cuda"))
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q5_K", "Q6_K", "fp8-block"])
+def test_new_8bit_formats_stay_in_the_kernel_on_a_gpu(fmt):
+    """No dense copy returns (traced for an H100, nothing compiled): a Llama whose layer linears (and, for the
+    GGUF forms, its Q8_0 / Q6_K head) are stored as jpa keeps Q8_0 / Q5_K / Q6_K / block-wise FP8 has every
+    linear kept stacked for the Mosaic kernel (`stacked_packed`), and its head is the kernel (its mma.sync):
+    no dequantizing convert of a head-sized array."""
+    import jax
+
+    from jpa.models import ModelConfig
+    from jpa.models.gpt import stacked_packed
+    from jpa.tools.traffic import HEAD_FORMS, abstract_model
+
+    config = ModelConfig(family="llama", vocab_size=512, d_model=256, num_layers=2, num_q_heads=4, num_kv_heads=2,
+                         head_dim=64, ffn_dim=768, max_seq_len=256, tie_embeddings=False)
+    from flax import nnx
+
+    graphdef, state = nnx.split(abstract_model(config, fmt))
+    kept = {}
+
+    def head(state, h, where):
+        model = nnx.merge(graphdef, state)
+        kept[where] = stacked_packed(model, 4)
+        return model.logits(h)
+
+    h = jax.ShapeDtypeStruct((4, 256), jnp.float32)
+    with jax.sharding.use_abstract_mesh(_h100_mesh()):
+        jaxpr = jax.make_jaxpr(head, static_argnums=2)(state, h, "h100")
+    jax.make_jaxpr(head, static_argnums=2)(state, h, "cpu")
+    assert set(kept["h100"]) == {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}, kept
+    assert kept["cpu"] == ()  # on this CPU: the plain-JAX path
+    eqns = list(_eqns(jaxpr.jaxpr))
+    prims = {e.primitive.name for e in eqns}
+    head_converts = [e for e in eqns if e.primitive.name == "convert_element_type"
+                     and np.prod(e.outvars[0].aval.shape) >= 256 * 512]
+    if fmt in HEAD_FORMS:
+        assert "mma" in prims and not head_converts, " ".join(sorted(prims))  # the kernel's mma.sync
+    else:  # a block-FP8 checkpoint's head is bf16: a plain dot
+        assert "mma" not in prims, " ".join(sorted(prims))
+
+
+def _eqns(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs in its equations' parameters (kernel bodies too)."""
+    for e in jaxpr.eqns:
+        yield e
+        for v in e.params.values():
+            for sub in (v if isinstance(v, (list, tuple)) else [v]):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _eqns(inner)
+
+
+COMPILE_GROUPED = """
+import json, os
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from jpa.tools import deviceless
+deviceless.configure_environment()
+import jax, jax.numpy as jnp
+from jpa.ops.qmatmul import packed_matmul
+from jpa.tools import traffic as tr
+L, K, N = 2, 1024, 2048
+S = jax.ShapeDtypeStruct
+PARTS = ("codes", "d", "m", "d2", "m2")
+out = {}
+for target, fmt, M in CASES:
+    form = tr.PACKED_FORMS[fmt]  # the abstract model's layout of the format: {part: (dtype, divisor of K)}
+    names = [p for p in PARTS if p in form]
+    def fn(x, *arrs):
+        kw = dict(zip(names, arrs))
+        def layer(x, i):
+            y = packed_matmul(x, *(kw.get(p) for p in PARTS), layer=i, compute_dtype=jnp.bfloat16)
+            return x + y[:, :K].astype(x.dtype), None
+        return jax.lax.scan(layer, x, jnp.arange(L, dtype=jnp.int32))[0]
+    args = (S((M, K), jnp.bfloat16), *(S((L, K // form[p][1], N), form[p][0]) for p in names))
+    name = f"{target}-{fmt}-{M}"
+    rec = deviceless.Compiler(target).compile(name, fn, args, keep_hlo=True, compiler_options=tr.WEIGHTS_IN_PLACE)
+    spec = tr.Spec(weight_types=tr.weight_types_of(args[1:], (L,)),
+                   stacked_weights={(t, d) for t, d in tr.weight_types_of(args[1:]) if d[0] == L},
+                   dense_sizes=tr.dense_sizes_of(args[1:], (L,)))
+    s = tr.summary(tr.select(tr.traffic(rec["hlo"], spec)))
+    out[name] = dict(ok=rec["ok"], problems=rec["problems"], mosaic=rec["mosaic_calls"], kernels=rec["kernels"],
+                     read=s["weights"]["read"], written=s["weights"]["written"], copies=len(s["weight_copies"]),
+                     stack=sum(a.size * a.dtype.itemsize for a in args[1:]))
+print(json.dumps(out))
+"""
+
+# (target, format, rows): fp8 codes on Hopper only (Ampere has no float8 conversion: XLA's path serves it)
+GROUPED_CASES = [(t, f, m) for t in ("h100", "a100") for f in ("Q8_0", "Q5_K", "Q6_K", "fp8-block")
+                 for m in (16, 32, 64) if not (t == "a100" and f == "fp8-block")]
+
+
+@pytest.mark.skipif(deviceless.missing_packages() is not None, reason=str(deviceless.missing_packages()))
+@pytest.mark.parametrize("cases", [[("h100", "Q5_K", 4)],
+                                   GROUPED_CASES], ids=["subset", "grid"])
+def test_grouped_kernel_compiles_for_h100_and_a100_and_reads_each_layer_once(cases):
+    """The 8-bit group-scaled kernel (GGUF Q8_0 / Q5_K / Q6_K as jpa keeps them, block-wise FP8) in a scan over
+    2 stacked layers calling `packed_matmul` with the layer index, compiled for an H100 (TMA) and an A100
+    (cp.async) without one: one Mosaic call, no ptxas spills, the stack's codes and scales read once, no weight
+    written (the dense bf16 copy XLA's path makes would fail `written == 0`). "grid": 16 / 32 / 64 rows of
+    every format (SOAK)."""
+    out = run_compile(COMPILE_GROUPED.replace("for target, fmt, M in CASES:", f"for target, fmt, M in {cases!r}:"))
+    assert len(out) == len(cases)
+    check_compiled_in_place(out)

@@ -59,6 +59,15 @@ BENCH = {
                       ("f32-min-g64", "2 s: f32 minimums at 64 rows (m_warps 4)"))},
     "tests/test_quant_gpu.py::test_8bit_kernel_in_interpret_mode_equals_numpy[40-fp8]":
         "2 s: float8 values at 40 rows (the int8 case at 5 rows stays)",
+    "tests/test_quant_gpu.py::test_grouped_kernel_compiles_for_h100_and_a100_and_reads_each_layer_once[subset]":
+        "6 s: deviceless H100 compile of the 8-bit group-scaled kernel on Q5_K (minimums and super-block scales; "
+        "test_new_8bit_formats_stay_in_the_kernel_on_a_gpu keeps the H100 routing of every new format)",
+    # --- the 8-bit group-scaled kernel in interpret mode: the Q6_K case (int8 sub-scales per 16) stays
+    **{f"tests/test_quant_gpu.py::test_grouped_8bit_kernel_in_interpret_mode_equals_gguf_dequantize_then_matmul[{c}]":
+       why for c, why in (("Q8_0-20", "2 s: GGUF Q8_0 at 20 rows (m_warps 2)"),
+                          ("Q5_K-64", "2 s: Q5_K's minimums at 64 rows (m_warps 4)"),
+                          ("fp8-block-9", "2 s: block-wise FP8 codes"),
+                          ("mixed-33", "2 s: mixed K-quant layers' f32 scales and minimums"))},
     "tests/test_quant_gpu.py::test_kernel_compiles_for_h100_and_a100_and_reads_each_layer_once":
         "12 s: deviceless H100 + A100 compile of the kernel in a layer scan (the interpret-mode Q4_1 case stays; "
         "tests/test_bench_quant.py compiles the engine step too)",
@@ -292,6 +301,9 @@ SOAK = {
     "tests/test_sampling_controls.py::test_controls_survive_preemption_prefix_hits_and_forks":
         "25-60 s: penalties under preemption, prefix hits and forks (the main tier keeps the numpy reference of "
         "each control and its effect; the bench tier keeps structured outputs and prompt logprobs under preemption)",
+    "tests/test_quant_gpu.py::test_grouped_kernel_compiles_for_h100_and_a100_and_reads_each_layer_once[grid]":
+        "3 min: the 8-bit group-scaled kernel's 21 deviceless compiles (4 formats x 16 / 32 / 64 rows, H100 and "
+        "A100; the bench tier keeps a 3-compile subset)",
     # --- 2026-11-25 (third session): the bench tier measured 724 s from a clean clone; the longest compiles out
     "tests/test_bench_mosaic_ampere.py::test_ragged_subset_compiles_for_ampere_ada_and_blackwell[b200-sm_100a]":
         "100-170 s: B200's ragged subset, now with 8-bit caches (the bench tier keeps B200's whole engine step, "

@@ -1,8 +1,9 @@
 """x @ W for one layer of a stacked quantized weight (issue 35): the Mosaic GPU dequantizing matmul
 (`jpa.pallas.mosaic.qmatmul`) where it serves the device the step is compiled for, else plain JAX
 (the layer's blocks dequantized, or its 8-bit values widened, where the dot reads them). Packed
-4-bit weights (`packed_matmul`: the Q4_0 / Q4_1 forms, and GGUF Q4_K with its super-block scales)
-and int8 / fp8 ones with per-channel scales (`scaled_matmul`).
+weights (`packed_matmul`: the 4-bit Q4_0 / Q4_1 forms and GGUF Q4_K with its super-block scales; 8-bit
+codes with group scales: GGUF Q8_0, Q5_K, Q6_K, block-wise FP8) and int8 / fp8 ones with per-channel
+scales (`scaled_matmul`).
 
 `kernel_serves(...)` says, before tracing a layer scan, whether the kernel takes such a weight
 here; `models.gpt` then keeps those weights stacked through the scan (no per-layer slice copy) and
@@ -71,13 +72,22 @@ def kernel_serves(m: int, k: int, n: int, group: int, codes_dtype, compute_dtype
     packed weight with groups of `group` values on the device being compiled for: an NVIDIA GPU of
     compute capability 8.x-10.x whose Mosaic lowering targets it (`jpa.pallas.mosaic.decode.
     aot_unsupported_reason`). d2: a K-quant's super-block scales (or anything not None for one), with
-    sub_dtypes the dtypes of its sub-block scales and minimums (None: it has no minimums): the kernel
-    serves Q4_K's form (uint8 scales and minimums), not Q6_K's (no minimums)."""
+    sub_dtypes (sub-block scale dtype, minimum dtype or None) its sub-block scales' and minimums' dtypes:
+    4-bit codes (uint8) take Q4_K's form (uint8 scales and minimums); 8-bit codes (int8: GGUF Q8_0 and,
+    as jpa keeps them, Q5_K / Q6_K; float8_e4m3fn: block-wise FP8, on sm_89 / sm_90 only, as
+    `scaled_kernel_serves`) take group scales, and a K-quant's int8 / uint8 sub-block scales."""
     from jpa.pallas.mosaic import qmatmul as kernel
 
-    if _target_cc() is None:
+    cc = _target_cc()
+    if cc is None:
         return False
-    if d2 is not None and (sub_dtypes is None or kernel.sub_scales_unsupported(*sub_dtypes) is not None):
+    if np.dtype(codes_dtype) != np.uint8:  # 8-bit codes with group scales
+        if np.dtype(codes_dtype) != np.int8 and not 8.9 <= cc < 10.0:
+            return False
+        sub = sub_dtypes if d2 is not None else None
+        return kernel.unsupported_reason_grouped(m, k, n, group, codes_dtype, compute_dtype, sub) is None
+    if d2 is not None and (sub_dtypes is None or sub_dtypes[1] is None
+                           or kernel.sub_scales_unsupported(*sub_dtypes) is not None):
         return False
     return kernel.unsupported_reason(m, k, n, group, codes_dtype, compute_dtype) is None
 
@@ -85,19 +95,22 @@ def kernel_serves(m: int, k: int, n: int, group: int, codes_dtype, compute_dtype
 def packed_matmul(x, codes, d, m=None, d2=None, m2=None, *, layer, compute_dtype):
     """x [M, K] @ W (layer `layer` of codes u8[L, K / 2, N], d / m [L, K / G, N]: jpa.core.quant's
     Q4_0 / Q4_1 forms; with d2 / m2 [L, K / 256, N], the Q4_K form: d / m the integer sub-block scales
-    and minimums, d2 / m2 the f16 super-block ones) -> f32[M, N]. The Mosaic GPU kernel when
-    `kernel_serves`, else W dequantized in compute_dtype (one layer's slice, read inside the
-    dequantizing fusion) and a dot."""
+    and minimums, d2 / m2 the f16 super-block ones; or 8-bit codes int8 / float8_e4m3fn [L, K, N], the
+    Q8_0 form: GGUF Q8_0, Q5_K and Q6_K (d2 / m2 as Q4_K's; Q6_K without minimums), block-wise FP8)
+    -> f32[M, N]. layer None: codes [K(/ 2), N] and its scales are one weight (a model's head). The
+    Mosaic GPU kernel when `kernel_serves`, else W dequantized in compute_dtype (one layer's slice,
+    read inside the dequantizing fusion) and a dot."""
     from jpa.pallas.mosaic import qmatmul as kernel
 
     mm, k = x.shape
     n = codes.shape[-1]
     group = k // d.shape[-2]
-    sub = None if m is None else (d.dtype, m.dtype)
+    sub = (d.dtype, None if m is None else m.dtype)
     if kernel_serves(mm, k, n, group, codes.dtype, compute_dtype, d2=d2, sub_dtypes=sub):
-        return kernel.qmatmul(x.astype(compute_dtype), codes, d, m, d2, m2, layer=layer,
-                              tma=kernel.uses_tma(_target_cc()))
-    take = lambda a: None if a is None else jnp.take(a, layer, axis=0)
+        call = kernel.qmatmul if codes.dtype == jnp.uint8 else kernel.qmatmul_grouped
+        return call(x.astype(compute_dtype), codes, d, m, d2, m2, layer=0 if layer is None else layer,
+                    tma=kernel.uses_tma(_target_cc()))
+    take = lambda a: a if a is None or layer is None else jnp.take(a, layer, axis=0)
     w = dequantize_blocks(take(codes), take(d), take(m), -2, compute_dtype, take(d2), take(m2))
     return jnp.dot(x.astype(compute_dtype), w, preferred_element_type=jnp.float32)
 

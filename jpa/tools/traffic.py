@@ -186,7 +186,10 @@ class Spec:
         n = int(np.prod(dims))
         if (t, dims) in self.pool_types or (t, n) in self._pool_sizes:
             return "kv_read"
-        if (t, dims) in self.weight_types or (t, n) in self._weight_sizes:
+        # dims[1:]: a weight viewed with a leading axis of 1 (a bitcast, the same bytes: the quantized matmul
+        # takes one [K, N] weight, a model's head, as a stack of one layer)
+        if ((t, dims) in self.weight_types or (t, n) in self._weight_sizes
+                or (len(dims) > 1 and dims[0] == 1 and (t, tuple(dims[1:])) in self.weight_types)):
             return "weights"
         if self.vocab_size and self.vocab_size in dims:
             return "logits"
@@ -615,7 +618,19 @@ PACKED_FORMS = {
     # AutoAWQ GEMM g128 (zero points: m = -z * s in f32) and GPTQ symmetric g128 (the Q4_0 form).
     "awq": {"codes": ("uint8", 2), "d": ("float16", 128), "m": ("float32", 128)},
     "gptq": {"codes": ("uint8", 2), "d": ("float16", 128)},
+    # 8-bit codes with group scales along `in` (jpa.core.quant's Q8_0 form): GGUF Q8_0 (f16 scale per 32),
+    # Q5_K (codes 0..31 in int8, uint8 sub-block scales / minimums per 32, f16 super-block ones per 256),
+    # Q6_K (codes -32..31 in int8, int8 sub-block scales per 16, f16 super-block scales per 256) and
+    # block-wise FP8 (e4m3 codes, the 128 x 128 blocks' f32 scale per 128 inputs of each output channel).
+    "Q8_0": {"codes": ("int8", 1), "d": ("float16", 32)},
+    "Q5_K": {"codes": ("int8", 1), "d": ("uint8", 32), "m": ("uint8", 32), "d2": ("float16", 256),
+             "m2": ("float16", 256)},
+    "Q6_K": {"codes": ("int8", 1), "d": ("int8", 16), "d2": ("float16", 256)},
+    "fp8-block": {"codes": ("float8_e4m3fn", 1), "d": ("float32", 128)},
 }
+# The untied head's form where a checkpoint of that format quantizes it (GGUF files do: Q8_0 files in
+# Q8_0, the K-quant files in Q6_K); the other formats keep a bfloat16 head.
+HEAD_FORMS = {"Q8_0": "Q8_0", "Q5_K": "Q6_K", "Q6_K": "Q6_K"}
 ABSTRACT_FORMATS = ("int8", "fp8", *PACKED_FORMS)
 
 
@@ -623,8 +638,9 @@ def abstract_model(config, quantization: str):
     """An abstract (nnx.eval_shape) bfloat16 models.GPT of `config` whose layer linears are stored
     in `quantization`: "int8" / "fp8" (per output channel, embeddings and head too: what
     `--quantization` makes), or a packed 4-bit form of PACKED_FORMS (the layers only: GGUF
-    Q4_0 / Q4_1 / Q4_K, AWQ g128, GPTQ g128; embeddings and head stay bfloat16 as those
-    checkpoints' usually are). For deviceless compiles: nothing is allocated."""
+    Q4_0 / Q4_1 / Q4_K / Q8_0 / Q5_K / Q6_K, AWQ g128, GPTQ g128, block-wise FP8 128 x 128; embeddings
+    stay bfloat16, and the head too except where HEAD_FORMS quantizes it as those files do). For
+    deviceless compiles: nothing is allocated."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -645,6 +661,10 @@ def abstract_model(config, quantization: str):
         L, k, n = getattr(model.layers, name).get_value().shape  # [layers, in, out]
         for part, (dtype, div) in form.items():
             setattr(model.layers, name + suffix[part], nnx.Param(jax.ShapeDtypeStruct((L, k // div, n), dtype)))
+    if quantization in HEAD_FORMS and hasattr(model, "output"):
+        k, n = model.output.get_value().shape  # [d_model, vocab]
+        for part, (dtype, div) in PACKED_FORMS[HEAD_FORMS[quantization]].items():
+            setattr(model, "output" + suffix[part], nnx.Param(jax.ShapeDtypeStruct((k // div, n), dtype)))
     model.quantization = "gguf" if quantization.startswith("Q") else quantization
     return model
 

@@ -34,7 +34,11 @@ the mma's rhs; x is the lhs, loaded from SMEM in the MMA_LHS layout. R = 16, 32 
 `qmatmul_scaled` is the same kernel for 8-bit weights with one scale per output channel (jpa.core.quant's
 int8 / fp8 path: q int8 / float8_e4m3fn [L, K, N], scale f32[L, N]): the values are widened exactly,
 two rows of a k16 slice joined per register (`permute_k8` orders x's K to match), and the scale
-multiplies the f32 result: (x @ q) * scale.
+multiplies the f32 result: (x @ q) * scale. `qmatmul_grouped` is the same 8-bit kernel for codes with a
+scale per group of K (jpa.core.quant's Q8_0 form: q int8 / float8_e4m3fn [L, K, N], d [L, K / G, N], G a
+multiple of 16, optional minimums m; GGUF Q8_0, Q5_K / Q6_K as jpa keeps them with d2 / m2 as Q4_K's, and
+block-wise FP8): each k16 slice's values become q * d + m in f32 in registers, rounded once, as the 4-bit
+path does.
 
 Interpret mode (`interpret=True`) runs the same body with `MmaOps`' stand-ins: plain ref copies
 and `jnp.dot`; the real layouts, cp.async / TMA and `mma` are proven by the deviceless compile
@@ -96,7 +100,8 @@ def _kernel(x_ref, c_ref, d_ref, m_ref, d2_ref, m2_ref, layer_ref, o_ref, x_smem
     # scales / minimums u8[L, K / G, N] and d2_ref, m2_ref the f16 super-block ones [L, K / G2, N]
     # (else None): group g's scale is f32(d2[g2]) * f32(d[g]), as `super_scaled` computes it.
     # 8 bits: x_ref [R, K] (permute_k8); c_ref int8 / float8 [L, K, N]; d_ref f32[L, N] per-channel
-    # scales; c_smem [SLOTS, KB, TN].
+    # scales, or group scales [L, K / G, N] with m_ref / d2_ref / m2_ref as above (`grouped`); c_smem
+    # [SLOTS, KB, TN].
     # layer_ref i32[1]; o_ref f32[R, N]; x_smem [SLOTS, R, KB].
     nt = lax.axis_index("n")
     n0 = pl.multiple_of(nt * TN, TN)
@@ -136,6 +141,25 @@ def _kernel(x_ref, c_ref, d_ref, m_ref, d2_ref, m2_ref, layer_ref, o_ref, x_smem
         v = plgpu.load(ref.at[layer, g, pl.ds(n0, TN)], layout=byte_l.reduce(0), optimized=False)
         return plgpu.layout_cast(lax.broadcast_in_dim(v.astype(jnp.float32), (8, TN), [1]), byte_l)
 
+    # 8 bits with group scales d_ref [L, K / G, N] (`qmatmul_grouped`: GGUF Q8_0 / Q5_K / Q6_K, block-wise
+    # FP8) rather than per-channel ones [L, N]: each group's w = q * d (+ m) in f32, rounded to the mma
+    # dtype in registers, as `dequantize_blocks` rounds it.
+    grouped = bits == 8 and len(d_ref.shape) == 3
+
+    def group_rows(g):  # group g's f32 [8, TN] scale and minimum (or None) rows; K-quants: d2 * d, m2 * m
+        d = row(d_ref, g)
+        mn = row(m_ref, g) if m_ref is not None else None
+        if d2_ref is not None:
+            g2 = g // (d_ref.shape[1] // d2_ref.shape[1])
+            d = row(d2_ref, g2) * d
+            mn = None if mn is None else row(m2_ref, g2) * mn
+        return d, mn
+
+    def scale_rows(v, d, mn):  # [8, TN] 8-bit codes -> (q * d + m) in the mma dtype
+        v = v.astype(jnp.int32 if jnp.issubdtype(v.dtype, jnp.integer) else jnp.float32).astype(jnp.float32)
+        w = v * d
+        return (w if mn is None else w + mn).astype(dtype)
+
     def body(s, acc):
         slot = lax.rem(s, SLOTS)
         wait(s, slot)
@@ -145,7 +169,12 @@ def _kernel(x_ref, c_ref, d_ref, m_ref, d2_ref, m2_ref, layer_ref, o_ref, x_smem
         if bits == 8:  # k16 slice j: rows 16j + i and 16j + 8 + i side by side (permute_k8)
             for j in range(KB // 16):
                 lo, hi = (load_bytes(cs.at[pl.ds(16 * j + 8 * h, 8)]) for h in (0, 1))
-                lo, hi = (widen(v) for v in (lo, hi))
+                if grouped:  # a new group starts at this slice: its scale (and minimum) rows
+                    if j == 0 or (16 * j) % group == 0:
+                        d, mn = group_rows((s * KB + 16 * j) // group)
+                    lo, hi = (scale_rows(v, d, mn) for v in (lo, hi))
+                else:
+                    lo, hi = (widen(v) for v in (lo, hi))
                 acc = ops.mma(acc, lhs(xs.at[:, pl.ds(16 * j, 16)]), pair_rows(lo, hi, ops.interpret, m_warps))
             return acc
         for b in range(KB // BLOCK):
@@ -171,7 +200,7 @@ def _kernel(x_ref, c_ref, d_ref, m_ref, d2_ref, m2_ref, layer_ref, o_ref, x_smem
     if not ops.interpret:
         acc = plgpu.layout_cast(acc, acc_l)
     acc = lax.fori_loop(0, steps, body, acc)
-    if bits == 8:  # the per-channel scale leaves the sum: (x @ q) * scale
+    if bits == 8 and not grouped:  # the per-channel scale leaves the sum: (x @ q) * scale
         if ops.interpret:
             sc = d_ref[layer, pl.ds(n0, TN)][None]
         else:
@@ -272,7 +301,8 @@ def _call(xp, codes, d, m, layer, mm, n, rows, group, dtype, bits, interpret, tm
     def jpa_mosaic_qmatmul(x_ref, c_ref, d_ref, *rest):
         refs = list(rest[:len(optional)])
         m_ref = refs.pop(0) if m is not None else None
-        d2_ref, m2_ref = (refs[0], refs[1]) if d2 is not None else (None, None)
+        d2_ref = refs.pop(0) if d2 is not None else None
+        m2_ref = refs.pop(0) if m2 is not None else None  # None with d2: Q6_K (no minimums)
         layer_ref, o_ref = rest[len(optional):]
 
         def scoped(x_smem, c_smem, *bars):
@@ -322,3 +352,68 @@ def qmatmul_scaled(x, q, scale, *, layer=0, interpret=False, tma=False):
     rows = rows_for(mm)
     xp = jnp.pad(permute_k8(x.astype(dtype)), ((0, rows - mm), (0, 0)))
     return _call(xp, q, scale.astype(jnp.float32), None, layer, mm, n, rows, BLOCK, dtype, 8, interpret, tma)
+
+
+def unsupported_reason_grouped(m: int, k: int, n: int, group: int, codes_dtype, x_dtype=jnp.bfloat16,
+                               sub_dtypes=None) -> str | None:
+    """`unsupported_reason` for `qmatmul_grouped` (8-bit codes with scales per group of `group` values of K).
+    sub_dtypes: a K-quant's (Q5_K / Q6_K) sub-block scale and minimum dtypes (minimum None: Q6_K), else None."""
+    if np.dtype(codes_dtype) not in (np.dtype(jnp.int8), np.dtype(jnp.float8_e4m3fn)):
+        return f"codes of {np.dtype(codes_dtype)}: the 8-bit kernel reads int8 or float8_e4m3fn"
+    if group % 16 or k % group or (KB % group and group % KB):
+        return f"group size {group}: a multiple of 16 that divides K = {k} and divides or is a multiple of {KB}"
+    if sub_dtypes is not None:
+        d_dtype, m_dtype = sub_dtypes
+        if np.dtype(d_dtype) not in (np.dtype(np.uint8), np.dtype(np.int8)) or (
+                m_dtype is not None and np.dtype(m_dtype) != np.uint8):
+            return (f"K-quant sub-block scales / minimums of {np.dtype(d_dtype)} / "
+                    f"{None if m_dtype is None else np.dtype(m_dtype)}: the kernel reads int8 / uint8 scales "
+                    f"(Q6_K / Q5_K) and uint8 minimums")
+    return unsupported_reason(m, k, n, BLOCK, np.uint8, x_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "tma"))
+def qmatmul_grouped(x, codes, d, m=None, d2=None, m2=None, *, layer=0, interpret=False, tma=False):
+    """x @ W for one layer of a stacked 8-bit weight with scales per group of K (jpa.core.quant's Q8_0 form:
+    GGUF Q8_0, Q5_K and Q6_K as jpa keeps them, block-wise FP8), W never materialized.
+
+    Args:
+      x: [M, K] float (M <= 64), rounded to bfloat16 (f16 x stays f16) for the mma.
+      codes: int8 / float8_e4m3fn [L, K, N] or [K, N] (one layer).
+      d: [L, K / G, N] group scales (f16 / bf16 / f32; G a multiple of 16); m: the same shape (w = q * d + m)
+        or None (w = q * d).
+      d2, m2: a K-quant's f16 super-block scales / negated minimums [L, K / G2, N] (G2 = 256) when d (and m)
+        hold its integer sub-block scales (minimums): int8 d and no m (Q6_K), or uint8 d, m with m2 (Q5_K).
+      layer: i32 scalar, the layer (clamped into [0, L)).
+      interpret, tma: as `qmatmul`.
+
+    Returns:
+      f32[M, N]: x @ W with W = (q * d + m) in f32 (d, m times d2, m2 for a K-quant) rounded to x's dtype.
+    """
+    if codes.ndim == 2:
+        codes, d = codes[None], d[None]
+        m, d2, m2 = (None if a is None else a[None] for a in (m, d2, m2))
+    mm, k = x.shape
+    _, kq, n = codes.shape
+    if (kq != k or d.ndim != 3 or d.shape[:1] + d.shape[2:] != codes.shape[:1] + (n,) or d.shape[1] == 0
+            or k % d.shape[1]):
+        raise ValueError(f"qmatmul_grouped: x [{mm}, {k}] does not fit codes {list(codes.shape)} and scales "
+                         f"{list(d.shape)} (codes [L, K, N], scales [L, K / G, N])")
+    if m is not None and m.shape != d.shape:
+        raise ValueError(f"qmatmul_grouped: minimums {list(m.shape)} differ from scales {list(d.shape)}")
+    if (m2 is not None) != (d2 is not None and m is not None) or (d2 is None and m2 is not None):
+        raise ValueError("qmatmul_grouped: a K-quant's super-block minimums m2 come with its sub-block minimums m "
+                         "and super-block scales d2 (Q5_K), and only then")
+    if d2 is not None and (d2.shape[:1] + d2.shape[2:] != d.shape[:1] + d.shape[2:] or d2.shape[1] == 0
+                           or d.shape[1] % d2.shape[1] or (m2 is not None and m2.shape != d2.shape)):
+        raise ValueError(f"qmatmul_grouped: super-block scales {list(d2.shape)} do not fit sub-block scales "
+                         f"{list(d.shape)} ([L, K / G2, N], G2 a multiple of G)")
+    group = k // d.shape[1]
+    dtype = jnp.float16 if x.dtype == jnp.float16 else jnp.bfloat16
+    sub = None if d2 is None else (d.dtype, None if m is None else m.dtype)
+    why = unsupported_reason_grouped(mm, k, n, group, codes.dtype, dtype, sub)
+    if why is not None:
+        raise ValueError(f"qmatmul_grouped: {why}")
+    rows = rows_for(mm)
+    xp = jnp.pad(permute_k8(x.astype(dtype)), ((0, rows - mm), (0, 0)))
+    return _call(xp, codes, d, m, layer, mm, n, rows, group, dtype, 8, interpret, tma, d2, m2)
