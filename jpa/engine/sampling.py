@@ -429,7 +429,7 @@ def sample_rows(logits, params: SlotParams, counters, history_fn=None, num_cache
     branch."""
     n, vocab = logits.shape
     per = max(1, max_elements // vocab)
-    if n <= per:
+    if n <= per or gpu_sampler():   # the GPU sampler's temporaries are [n, 4096] and [8, vocab]
         return sample_slots(logits, params, counters, history_fn, num_cached, stop_ids)
     chunks = -(-n // per)
     size = -(-n // chunks)
@@ -740,24 +740,27 @@ def _sample_candidates(logits, temperature, top_k, top_p, seeds, counters, *, mi
 
     k_row, top_vals, top_ids, _ = lax.while_loop(lambda c: jnp.any(c[3]), fallback, (k_row, top_vals, top_ids, need))
 
-    # Pass 2: the filtered distribution where(key >= K, x, -inf), drawn from and normalized.
-    x = scaled(logits)
-    dist = jnp.where(_order_key(x) >= k_row[:, None], x, -jnp.inf)
+    # Pass 2: the filtered distribution where(key >= K, x, -inf), drawn from and normalized. Each
+    # consumer recomputes it from the logits (the draw's branch too: an operand of the conditional
+    # would be written out).
+    def filtered_dist(a, k_row):
+        x = scaled(a)
+        return jnp.where(_order_key(x) >= k_row[:, None], x, -jnp.inf)
 
-    def draw(d):
+    def draw(a, k_row):
         keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
-        return jax.vmap(lambda k, r: jax.random.categorical(k, r))(keys, d).astype(jnp.int32)
+        return jax.vmap(lambda k, r: jax.random.categorical(k, r))(keys, filtered_dist(a, k_row)).astype(jnp.int32)
 
-    drawn = lax.cond(jnp.any(sampled), draw, lambda d: greedy_tok, dist)
+    drawn = lax.cond(jnp.any(sampled), draw, lambda a, k_row: greedy_tok, logits, k_row)
     tok = jnp.where(sampled, drawn, greedy_tok)
-    lse = _logsumexp_at(dist, m)
-    picked = jnp.take_along_axis(x, tok[:, None], axis=-1)[:, 0]
+    lse = _logsumexp_at(filtered_dist(logits, k_row), m)
+    picked = scaled(jnp.take_along_axis(logits, tok[:, None], axis=-1))[:, 0]
     if top_n is None:
         return tok, picked - lse
     # Entries past the kept tokens (-inf) name the lowest ids outside them, as lax.top_k over the
     # whole row does: among the first 2 x top_n ids at least top_n are outside a set of < top_n.
     w = min(vocab, 2 * top_n)
-    head = x[:, :w]
+    head = scaled(logits[:, :w])
     out = ~(_order_key(head) >= k_row[:, None]) | (head == -jnp.inf)
     _, spare = lax.sort((~out, jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (n, w))), dimension=1, num_keys=2)
     finite = jnp.sum(top_vals > -jnp.inf, axis=-1, dtype=jnp.int32)
