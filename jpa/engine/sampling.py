@@ -629,35 +629,19 @@ def _block_stats(x, block: int):
     return lax.reduce((x, jnp.ones_like(x)), (jnp.float32(-jnp.inf), jnp.float32(0.0)), combine, (2,))
 
 
-def _sample_candidates(logits, temperature, top_k, top_p, seeds, counters, *, min_p=None, top_n=None,
-                       want_top=None):
-    """`sample_with_logprobs` as compiled for a GPU: the same tokens (the same draw: categorical over
-    the filtered distribution with the request's key), log-probabilities within float rounding (sums
-    taken in another order), the same top log-probabilities (ids of -inf entries aside), in two
-    passes over the [B, V] logits instead of about 25.
-
-    Pass 1 (`_block_stats`): each block's max and sum of exponentials. From them: each row's max
-    and normalizer, and the candidates: the GPU_CANDIDATE_BLOCKS blocks with the largest maxima,
-    gathered and sorted (key descending, id ascending: [B, 4096]). Every token above beta (the
-    smallest chosen block max) is a candidate, so a threshold above beta is exact from the
-    candidates: top-k's k-th largest, top-p's mass above each token (normalized by the row's sum,
-    or the top-k set's), min-p's cut. The kept set of every filter is an up-set in the order of
-    the values, so each row's filtered distribution is where(key >= K, x, -inf) for one u32 K
-    (0: every token). A row whose kept set can reach below beta is searched over its whole row
-    (`_keep`, GPU_FALLBACK_ROWS rows an iteration of a loop that runs only for such rows).
-    Pass 2: the draw (jax.random.categorical, as the dense program) and the log-normalizer over
-    where(key >= K, x, -inf), fused into one pass over x."""
+def _candidate_thresholds(logits, t, top_k, top_p, min_p, top_n, want):
+    """Pass 1 and the candidates of `_sample_candidates` (its arguments, the filters already off
+    for greedy rows; t: the rows' temperatures, 1 for greedy ones). Returns dict(k_row u32[B]
+    (each row's key threshold: its filtered distribution is where(key >= k_row, x, -inf)), need
+    bool[B] (rows the candidates cannot serve: k_row, or the top entries they want, not exact),
+    top_vals, top_ids ([B, top_n], or None without top_n), m f32[B] (the row's max), greedy_tok,
+    filt bool[B] (a filter is on))."""
     n, vocab = logits.shape
     block = min(GPU_CANDIDATE_BLOCK, vocab)
     nb = -(-vocab // block)
     count = min(GPU_CANDIDATE_BLOCKS, nb)
     complete = count * block >= vocab and count == nb   # every token a candidate
-    sampled = temperature > 0
-    t = jnp.where(sampled, temperature, 1.0)
     scaled = lambda a: a / t[:, None]  # noqa: E731  (the dense program's `scaled`, bit for bit)
-    top_k = jnp.where(sampled, top_k, 0)
-    top_p = jnp.where(sampled, top_p, 1.0)
-    min_p = jnp.zeros_like(top_p) if min_p is None else jnp.where(sampled, min_p, 0.0)
     # Pass 1.
     bmax, bsum = _block_stats(scaled(logits), block)
     m = jnp.max(bmax, axis=-1)  # the row's max (scaled at the logits' argmax)
@@ -702,9 +686,7 @@ def _sample_candidates(logits, temperature, top_k, top_p, seeds, counters, *, mi
     confined = complete | jnp.where(k_on, k_exact, (p_on & p_exact) | (m_on & m_exact))
     k_row = jnp.where(filt, jnp.min(jnp.where(keep, key, jnp.uint32(0xFFFFFFFF)), axis=-1), jnp.uint32(0))
     need = filt & ~confined
-    top_n = None if top_n is None else min(top_n, vocab)
     if top_n is not None:
-        want = jnp.ones((n,), bool) if want_top is None else want_top
         kept = key >= k_row[:, None]
         top_vals = jnp.where(kept, vals, -jnp.inf)[:, :top_n]
         top_ids = ids[:, :top_n]
@@ -719,6 +701,39 @@ def _sample_candidates(logits, temperature, top_k, top_p, seeds, counters, *, mi
         need = need | (want & ~top_ok)
     else:
         top_vals = top_ids = None
+    return dict(k_row=k_row, need=need, top_vals=top_vals, top_ids=top_ids, m=m, greedy_tok=greedy_tok, filt=filt)
+
+
+def _sample_candidates(logits, temperature, top_k, top_p, seeds, counters, *, min_p=None, top_n=None,
+                       want_top=None):
+    """`sample_with_logprobs` as compiled for a GPU: the same tokens (the same draw: categorical over
+    the filtered distribution with the request's key), log-probabilities within float rounding (sums
+    taken in another order), the same top log-probabilities (ids of -inf entries aside), in two
+    passes over the [B, V] logits instead of about 25.
+
+    Pass 1 (`_block_stats`): each block's max and sum of exponentials. From them: each row's max
+    and normalizer, and the candidates: the GPU_CANDIDATE_BLOCKS blocks with the largest maxima,
+    gathered and sorted (key descending, id ascending: [B, 4096]). Every token above beta (the
+    smallest chosen block max) is a candidate, so a threshold above beta is exact from the
+    candidates: top-k's k-th largest, top-p's mass above each token (normalized by the row's sum,
+    or the top-k set's), min-p's cut. The kept set of every filter is an up-set in the order of
+    the values, so each row's filtered distribution is where(key >= K, x, -inf) for one u32 K
+    (0: every token). A row whose kept set can reach below beta is searched over its whole row
+    (`_keep`, GPU_FALLBACK_ROWS rows an iteration of a loop that runs only for such rows).
+    Pass 2: the draw (jax.random.categorical, as the dense program) and the log-normalizer over
+    where(key >= K, x, -inf), fused into one pass over x."""
+    n, vocab = logits.shape
+    sampled = temperature > 0
+    t = jnp.where(sampled, temperature, 1.0)
+    scaled = lambda a: a / t[:, None]  # noqa: E731  (the dense program's `scaled`, bit for bit)
+    top_k = jnp.where(sampled, top_k, 0)
+    top_p = jnp.where(sampled, top_p, 1.0)
+    min_p = jnp.zeros_like(top_p) if min_p is None else jnp.where(sampled, min_p, 0.0)
+    top_n = None if top_n is None else min(top_n, vocab)
+    want = None if top_n is None else (jnp.ones((n,), bool) if want_top is None else want_top)
+    c = _candidate_thresholds(logits, t, top_k, top_p, min_p, top_n, want)
+    k_row, need, top_vals, top_ids, m, greedy_tok, filt = (c[k] for k in (
+        "k_row", "need", "top_vals", "top_ids", "m", "greedy_tok", "filt"))
 
     # Rows the candidates cannot serve: their whole row, GPU_FALLBACK_ROWS at a time.
     rows = min(GPU_FALLBACK_ROWS, n)
@@ -728,7 +743,7 @@ def _sample_candidates(logits, temperature, top_k, top_p, seeds, counters, *, mi
         idx = jnp.argsort(~need, stable=True)[:rows].astype(jnp.int32)
         live = need[idx]
         x = logits[idx] / t[idx][:, None]   # the rows of `scaled`
-        kf = _keep(x, greedy_tok[idx], top_k[idx], top_p[idx], jnp.where(m_on, min_p, 0.0)[idx])
+        kf = _keep(x, greedy_tok[idx], top_k[idx], top_p[idx], min_p[idx])
         xkey = _order_key(x)
         kr = jnp.where(filt[idx], jnp.min(jnp.where(kf, xkey, jnp.uint32(0xFFFFFFFF)), axis=-1), jnp.uint32(0))
         k_row = k_row.at[idx].set(jnp.where(live, kr, k_row[idx]))
@@ -747,13 +762,15 @@ def _sample_candidates(logits, temperature, top_k, top_p, seeds, counters, *, mi
         x = scaled(a)
         return jnp.where(_order_key(x) >= k_row[:, None], x, -jnp.inf)
 
+    # The log-normalizer in each branch: with the draw, XLA reads the logits once for both.
     def draw(a, k_row):
         keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
-        return jax.vmap(lambda k, r: jax.random.categorical(k, r))(keys, filtered_dist(a, k_row)).astype(jnp.int32)
+        d = filtered_dist(a, k_row)
+        return jax.vmap(lambda k, r: jax.random.categorical(k, r))(keys, d).astype(jnp.int32), _logsumexp_at(d, m)
 
-    drawn = lax.cond(jnp.any(sampled), draw, lambda a, k_row: greedy_tok, logits, k_row)
+    drawn, lse = lax.cond(jnp.any(sampled), draw,
+                          lambda a, k_row: (greedy_tok, _logsumexp_at(filtered_dist(a, k_row), m)), logits, k_row)
     tok = jnp.where(sampled, drawn, greedy_tok)
-    lse = _logsumexp_at(filtered_dist(logits, k_row), m)
     picked = scaled(jnp.take_along_axis(logits, tok[:, None], axis=-1))[:, 0]
     if top_n is None:
         return tok, picked - lse
