@@ -599,7 +599,7 @@ def sample_with_logprobs(logits, temperature, top_k, top_p, seeds, counters, *, 
 # smallest of those maxima is among them, so the filters' thresholds and the top log-probabilities
 # come from the candidates whenever they lie above it. Rows where they do not (a top-p or min-p that
 # keeps a flat tail, a top_k past the candidates) are searched over their whole row,
-# GPU_FALLBACK_ROWS rows at a time.
+# GPU_FALLBACK_ROWS rows at a time (fewer in a batch of fewer than 64 rows: an eighth of it).
 GPU_CANDIDATE_BLOCK = 128
 GPU_CANDIDATE_BLOCKS = 32
 GPU_FALLBACK_ROWS = 8
@@ -735,8 +735,9 @@ def _sample_candidates(logits, temperature, top_k, top_p, seeds, counters, *, mi
     k_row, need, top_vals, top_ids, m, greedy_tok, filt = (c[k] for k in (
         "k_row", "need", "top_vals", "top_ids", "m", "greedy_tok", "filt"))
 
-    # Rows the candidates cannot serve: their whole row, GPU_FALLBACK_ROWS at a time.
-    rows = min(GPU_FALLBACK_ROWS, n)
+    # Rows the candidates cannot serve: their whole row, GPU_FALLBACK_ROWS at a time (an eighth of
+    # the batch when that is fewer, at least one): an iteration reads at most 1/8 of the logits.
+    rows = max(1, min(GPU_FALLBACK_ROWS, n // 8))
 
     def fallback(c):
         k_row, top_vals, top_ids, need = c
