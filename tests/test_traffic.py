@@ -262,15 +262,17 @@ from jpa.tools import deviceless
 deviceless.configure_environment()
 from jpa.tools import traffic as tr
 # A Llama-shaped model with small widths (scripts/gpu_traffic.py's llama-small), 2 layers.
-# (A vocabulary of 640: no activation of the ragged pass, [budget, d_model], has the embedding's type.)
-cfg = dict(family="llama", vocab_size=640, d_model=256, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=64,
+# (A vocabulary of 32768: no activation of the ragged pass, [budget, d_model], has the embedding's
+# type, and the GPU sampler's 4096 candidates are an eighth of a row.)
+cfg = dict(family="llama", vocab_size=32768, d_model=256, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=64,
            ffn_dim=768, max_seq_len=2048, rope_base=500000.0, norm_eps=1e-5, tie_embeddings=False,
            bos_token_id=256, eos_token_id=257)
 r = tr.engine_traffic("h100", cfg, max_seqs=4, context=256, pool_gib=0.25, label="llama-small", budget=64,
                       engine_options=ENGINE_OPTIONS)
 s = r["summary"]
 print(json.dumps(dict(options=r["compiler_options"], matrix_copies=r["matrix_copies"], checks=r["checks"],
-                      weights=s["weights"], kv_read=s["kv_read"], kv_write=s["kv_write"])))
+                      weights=s["weights"], kv_read=s["kv_read"], kv_write=s["kv_write"], logits=s["logits"],
+                      logits_passes=tr.passes(r["rows"], "logits", r["max_seqs"] * cfg["vocab_size"] * 4))))
 """
 
 

@@ -3,6 +3,11 @@
 Every request samples with its own key, derived from its seed and the index of the token being
 sampled: `fold_in(key(seed), num_generated)`. A request's output therefore does not depend on
 which other requests share its batch, on its slot, or on preemption and recompute.
+
+Compiled for a GPU, `sample_with_logprobs` is `_sample_candidates`: the same tokens and
+log-probabilities in two passes over the [rows, vocab] logits (thresholds from each row's 4096
+candidates, a whole-row search only for rows they cannot serve); the CPU program is the dense
+formulation (tests/test_sampling_controls.py forces the GPU one on the CPU and compares).
 """
 
 import dataclasses
@@ -425,7 +430,9 @@ def sample_rows(logits, params: SlotParams, counters, history_fn=None, num_cache
     (a `lax.map` over chunks of equal size; the last one overlaps the one before rather than
     padding, its shared rows sampled twice, identically). Each row is sampled exactly as
     `sample_slots` samples it (by its own key, counter and parameters); n x vocab <= max_elements
-    is `sample_slots` itself. history_fn: () -> i32[n, L], sliced per chunk inside the controls'
+    is `sample_slots` itself, and so is every n on a GPU (`gpu_sampler`: its temporaries are
+    [n, 4096] candidates and whole rows GPU_FALLBACK_ROWS at a time, never [n, vocab]; chunks would
+    only copy the logits). history_fn: () -> i32[n, L], sliced per chunk inside the controls'
     branch."""
     n, vocab = logits.shape
     per = max(1, max_elements // vocab)
