@@ -15,6 +15,9 @@ tests/test_layers.py checks that every entry still names a test (or a file).
 """
 
 BENCH = {
+    # --- issue 34, the GPU sampler: blocks of 16 x 4 stay in the main tier
+    "tests/test_sampling_controls.py::test_gpu_candidate_sampler_draws_the_dense_samplers_tokens[4-8]":
+        "4 s: the GPU sampler's candidates in blocks of 4 (the 16 x 4 case keeps both paths in the main tier)",
     # --- 2026-11-25 (third session): second cases of this session's main-tier additions
     "tests/test_ragged.py::test_mosaic_verify_rows_match_oracle[N8K2H128S16x9-bfloat16-bfloat16-L[130, 9, 40, 70, 5]-shared-sink0.5-Q[5, 1, 3, 0, 5]-T20-B6-5]":
         "4 s: the multi-row decode kernel with sinks and split-K over a 130-token sequence (the int8 / ALiBi / "
