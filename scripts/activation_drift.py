@@ -8,6 +8,7 @@ the greedy tokens.
 
     python scripts/activation_drift.py                       # SmolLM2-135M-Instruct (bf16), 4 prompts
     python scripts/activation_drift.py --model tiny-llama    # a random tiny Llama
+    python scripts/activation_drift.py --reference           # for scale: bf16 against f32 weights
 """
 
 import os
@@ -27,19 +28,26 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a t
            "The three laws of thermodynamics state that"]
 
 
-def drift(model, token_lists) -> dict:
-    """Log-probability drift between float32 and bfloat16 matmul results over token_lists."""
-    out = {}
-    for name, dtype in (("f32", None), ("bf16", jnp.bfloat16)):
-        orig = gpt.matmul_out_dtype
-        if dtype is not None:
-            gpt.matmul_out_dtype = lambda d: jnp.bfloat16 if jnp.dtype(d) == jnp.bfloat16 else jnp.float32
-        try:
-            out[name] = [np.asarray(jax.nn.log_softmax(gpt.forward_dense(model, jnp.asarray([t], jnp.int32))[0], -1))
-                         for t in token_lists]
-        finally:
-            gpt.matmul_out_dtype = orig
-    a, b = np.concatenate(out["f32"]), np.concatenate(out["bf16"])
+def logprobs(model, token_lists, bf16_outputs: bool) -> np.ndarray:
+    """log_softmax of forward_dense's logits at every position of token_lists, with the GPU's bf16
+    matmul outputs forced (bf16_outputs) or the CPU's float32 ones."""
+    orig = gpt.matmul_out_dtype
+    if bf16_outputs:
+        gpt.matmul_out_dtype = lambda d: jnp.bfloat16 if jnp.dtype(d) == jnp.bfloat16 else jnp.float32
+    try:
+        return np.concatenate([np.asarray(jax.nn.log_softmax(
+            gpt.forward_dense(model, jnp.asarray([t], jnp.int32))[0], -1)) for t in token_lists])
+    finally:
+        gpt.matmul_out_dtype = orig
+
+
+def drift(model, token_lists, reference=None) -> dict:
+    """Log-probability drift between float32 and bfloat16 matmul results over token_lists; with
+    reference (the same model with float32 weights), between it and the model (float32 outputs)."""
+    if reference is None:
+        a, b = logprobs(model, token_lists, False), logprobs(model, token_lists, True)
+    else:
+        a, b = logprobs(reference, token_lists, False), logprobs(model, token_lists, False)
     top = a.argmax(-1)
     rows = np.arange(len(top))
     live = a > -20   # the tokens with a probability worth reporting (> 2e-9)
@@ -52,15 +60,20 @@ def drift(model, token_lists) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m", help="a preset of jpa.models (default smollm2-135m)")
+    p.add_argument("--reference", action="store_true",
+                   help="instead: the drift of bf16 weights against float32 weights (float32 outputs both), "
+                        "for scale")
     args = p.parse_args(argv)
+    kw = dict(quantization="none") if args.model == "smollm2-135m" else {}
+    model, tok = models.load(args.model, dtype=jnp.bfloat16, **kw)
     if args.model == "smollm2-135m":
-        model, tok = models.load(args.model, dtype=jnp.bfloat16, quantization="none")
         token_lists = [tok.encode(s) for s in PROMPTS]
     else:
-        model, tok = models.load(args.model, dtype=jnp.bfloat16)
         token_lists = [list(np.random.default_rng(i).integers(0, model.config.vocab_size, 24)) for i in range(4)]
-    d = drift(model, token_lists)
-    print(f"{args.model} (bf16 weights), {d['positions']} positions: |logprob f32 - bf16 matmul outputs| "
+    reference = models.load(args.model, dtype=jnp.float32, **kw)[0] if args.reference else None
+    d = drift(model, token_lists, reference)
+    what = "f32 - bf16 weights" if args.reference else "f32 - bf16 matmul outputs"
+    print(f"{args.model} (bf16 weights), {d['positions']} positions: |logprob {what}| "
           f"at the top token max {d['max_abs_top']:.2e} mean {d['mean_abs_top']:.2e}; over tokens with logprob > -20 "
           f"max {d['max_abs_live']:.2e} mean {d['mean_abs_live']:.2e}; greedy tokens equal at "
           f"{d['greedy_agree']:.1%} of positions")
