@@ -280,7 +280,8 @@ SOAK = {
        "tier keeps tests/test_quant_gpu.py's kernel compile in a layer scan, H100 + A100, no weight written)"
        for q in ("Q4_1", "gptq")},
     "tests/test_bench_traffic.py":
-        "5 min: the Llama-8B traffic tables, XLA's default and the engine's options, and the small engine step "
+        "6 min: the Llama-8B traffic tables, XLA's default and the engine's options, the speculative step's "
+        "sampler passes (issue 34; test_traffic keeps the small step's in the main tier), and the small engine step "
         "under XLA's default (scripts/gpu_traffic.py prints them; tests/test_traffic.py keeps the model's "
         "accounting on a known program and the engine's own small step read in place in the main tier)",
     "tests/test_bench_mosaic_ampere.py::test_grid_matches_reference":
