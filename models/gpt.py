@@ -27,6 +27,8 @@ the cache donated (`graphdef, params = nnx.split(model)`, then `nnx.merge` insid
 
 Precision: parameters are stored in `dtype` (float32 or bfloat16); matmuls take inputs in
 `dtype` and accumulate in float32; the residual stream, norms, RoPE and softmax are float32.
+Compiled for a GPU, the layers' matmuls over bfloat16 weights write bfloat16 results
+(`matmul_out_dtype`; the head's logits stay float32).
 
 Layers are a `jax.lax.scan` (issue 24: the compiled program holds one layer body, not 30 or 80, so
 compile time does not grow with depth). The layer parameters are stacked (`model.layers` is one
@@ -52,6 +54,7 @@ from flax import nnx
 
 from jpa.kv.cache import CacheConfig, KVCache, write_kv
 from jpa.ops.decode import paged_decode
+from jpa.ops.dispatch import current_target
 from jpa.ops.prefill import paged_prefill
 from jpa.ops.qmatmul import kernel_serves, packed_matmul, scaled_kernel_serves, scaled_matmul
 from jpa.ops.ragged import ragged_paged_attention
@@ -81,18 +84,29 @@ def _v(p):
     return p[...] if isinstance(p, nnx.Variable) else p
 
 
-def _dense(x, w, b=None, scale=None, compute_dtype=None):
+def _dense(x, w, b=None, scale=None, compute_dtype=None, out_dtype=jnp.float32):
     """x [..., in] @ w [in, out] with an f32 result: inputs in w's dtype, or, for a quantized w
     (int8 / float8 with scale f32[out]), (x @ w.astype(compute_dtype)) * scale: the dot reads the
     stored weight (XLA fuses the convert into the gemm's operand) and the per-channel scale
-    multiplies the f32 result, never a dense float copy of w."""
+    multiplies the f32 result, never a dense float copy of w. out_dtype: the dtype the dot (of an
+    unquantized w) writes (`matmul_out_dtype`), widened to f32 where it is read."""
     w, b = _v(w), None if b is None else _v(b)
     if scale is None:
-        y = jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+        y = jnp.dot(x.astype(w.dtype), w, preferred_element_type=out_dtype).astype(jnp.float32)
     else:
         y = jnp.dot(x.astype(compute_dtype), w.astype(compute_dtype), preferred_element_type=jnp.float32)
         y = y * _v(scale)
     return y if b is None else y + b.astype(jnp.float32)
+
+
+def matmul_out_dtype(dtype):
+    """The dtype the layers' matmuls write their results in: bfloat16 for bfloat16 weights compiled
+    for a GPU (cuBLAS accumulates in float32 and rounds once on the way out; half the activation
+    bytes written and read back per step, issue 34), float32 elsewhere (the CPU program and its
+    outputs unchanged). The head's logits, the norms, RoPE, softmax and the residual stream stay
+    float32 everywhere."""
+    gpu = np.dtype(dtype) == np.dtype(jnp.bfloat16) and current_target().platform == "gpu"
+    return jnp.bfloat16 if gpu else jnp.float32
 
 
 def _quantize_params(module, quantization):
@@ -425,7 +439,7 @@ class Block(nnx.Module):
         if w is not None:  # GGUF blocks: dequantized in the compute dtype where the dot reads them
             return _dense(_permuted_input(self, name, x), w, None if bias is None else self._bias(bias))
         return _dense(x, getattr(self, name), None if bias is None else self._bias(bias),
-                      getattr(self, name + "_scale", None), self.dtype)
+                      getattr(self, name + "_scale", None), self.dtype, matmul_out_dtype(self.dtype))
 
     def _norm(self, x, scale, bias_name=None):
         if self.config.family == "gpt2":

@@ -30,7 +30,7 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 
 from jpa.tools.engine_checks import MODEL_SHAPES  # noqa: E402
-from jpa.tools.traffic import engine_traffic, projection, table  # noqa: E402
+from jpa.tools.traffic import engine_traffic, passes, projection, table  # noqa: E402
 
 
 # scripts/bench_compile.py's Llama-shaped model with small widths (its compile-time-vs-depth model).
@@ -109,6 +109,10 @@ def main(argv=None) -> int:
                   + "".join(f"\n  weight copy: {c['bytes'] / 1e9:.3f} GB {c['name']} -> {c['result'][:60]}"
                             for c in s["weight_copies"]))
             print(table(s))
+            rows = seqs * (5 if which == "spec" else 1)
+            logit_passes = passes(r["rows"], "logits", rows * shapes["vocab_size"] * 4)
+            print(f"  logits / sampling: {logit_passes:.2f} reads of the step's [{rows}, {shapes['vocab_size']}] float32 "
+                  f"logits (outside the sampler's whole-row search for the rows that need it)")
             for k in r["top"][:args.top]:
                 parts = ", ".join([f"R {p} {b / 1e9:.3f}" for p, b in k["read"].items()]
                                   + [f"W {p} {b / 1e9:.3f}" for p, b in k["written"].items()])
@@ -134,7 +138,8 @@ def main(argv=None) -> int:
                                     efficiency=args.efficiency))
             out.append(dict(target=args.target, model=args.model, quantization=quant, num_layers=shapes["num_layers"], max_seqs=seqs,
                             context=args.context, which=which, options=r["compiler_options"], seconds=r["seconds"],
-                            cpu_seconds=r["cpu_seconds"], temp_bytes=r["temp_bytes"], summary=s, top=r["top"]))
+                            cpu_seconds=r["cpu_seconds"], temp_bytes=r["temp_bytes"], summary=s, top=r["top"],
+                            logit_passes=logit_passes))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

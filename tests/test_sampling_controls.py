@@ -331,3 +331,55 @@ def test_gpu_sampler_formulations_equal_the_cpus(monkeypatch):
     np.testing.assert_allclose(gpu[1], cpu[1], rtol=1e-5, atol=1e-5)   # their logprobs
     np.testing.assert_allclose(gpu[3], cpu[3], rtol=1e-5, atol=1e-5)   # top logprobs, in order
     assert (gpu[2] == cpu[2]).mean() > 0.95, (gpu[2], cpu[2])
+
+
+@pytest.mark.parametrize("block,count", [(16, 4), (4, 8)])
+def test_gpu_candidate_sampler_draws_the_dense_samplers_tokens(monkeypatch, block, count):
+    """The GPU sampler (`_sample_candidates`: two passes over the logits, thresholds from the
+    candidate blocks, a whole-row search for the rows they cannot serve), forced here on the CPU,
+    draws the dense sampler's tokens with its log-probabilities and top log-probabilities, on
+    fresh random logits: greedy rows, top-k (past the candidates too), top-p (a flat row whose
+    kept set reaches below the candidates), min-p, combinations, rows that want the top entries.
+    The small blocks (16 or 32 candidates of 900) make some rows take the whole-row search, others the candidates (checked). The whole vocabulary in the
+    candidates: test_gpu_sampler_formulations_equal_the_cpus."""
+    from jpa.engine import sampling
+    from jpa.ops.dispatch import Target
+    rng = np.random.default_rng(block * 100 + count)
+    n, vocab = 16, 900
+    logits = rng.normal(0, 3, (n, vocab)).astype(np.float32)
+    logits[3] = rng.normal(0, 0.05, vocab)     # flat: top-p / min-p keep a long tail
+    logits[9, 100:140] = logits[9].max() + 1   # ties at the top
+    t = rng.uniform(0.3, 1.5, n).astype(np.float32)
+    t[[0, 5]] = 0
+    k = np.array([0, 1, 5, 50, 0, 0, 20, 700, 3, 0, 9, 100, 0, 300, 0, 899], np.int32)
+    p = np.array([1, 1, .9, 1, .5, .95, .8, 1, 1, .99, .3, .7, 1, .9, .999, 1], np.float32)
+    mp = np.where(np.arange(n) % 4 == 3, 0.05, 0.0).astype(np.float32)
+    mp[12] = 0.2
+    want = np.arange(n) % 2 == 0
+    args = [jnp.asarray(a) for a in (logits, t, k, p, np.arange(n, dtype=np.int32),
+                                      rng.integers(0, 9, n).astype(np.int32))]
+    sampled = t > 0
+    off = [jnp.asarray(a) for a in (np.where(sampled, t, 1), np.where(sampled, k, 0), np.where(sampled, p, 1),
+                                    np.where(sampled, mp, 0))]   # the filters as the sampler sets them
+
+    def run(*a):
+        out = sampling.sample_with_logprobs(*a, min_p=jnp.asarray(mp), top_n=20, want_top=jnp.asarray(want))
+        return out, (sampling._candidate_thresholds(a[0], *off, 20, jnp.asarray(want))
+                     if sampling.gpu_sampler() else None)
+
+    dense = [np.asarray(a) for a in jax.jit(run)(*args)[0]]
+    monkeypatch.setattr(sampling, "current_target", lambda: Target("gpu", "NVIDIA H100 80GB HBM3", 9.0, False))
+    monkeypatch.setattr(sampling, "GPU_CANDIDATE_BLOCK", block)
+    monkeypatch.setattr(sampling, "GPU_CANDIDATE_BLOCKS", count)
+    monkeypatch.setattr(sampling, "GPU_FALLBACK_ROWS", 3)   # several iterations of the whole-row search
+    gpu, c = jax.jit(lambda *a: run(*a))(*args)   # a new function: not the dense trace from the cache
+    gpu = [np.asarray(a) for a in gpu]
+    np.testing.assert_array_equal(gpu[0], dense[0])
+    np.testing.assert_allclose(gpu[1], dense[1], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(gpu[2][want], dense[2][want])
+    np.testing.assert_allclose(gpu[3][want], dense[3][want], rtol=1e-5, atol=1e-5)
+    need, filt = np.asarray(c["need"]), np.asarray(c["filt"])
+    if block * count >= vocab:
+        assert not need.any()
+    else:   # both paths taken: rows from the candidates alone, rows searched whole
+        assert need.sum() >= 2 and (filt & ~need).sum() >= 2, (need, filt)

@@ -260,8 +260,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from jpa.tools import deviceless
 deviceless.configure_environment()
 from jpa.tools import traffic as tr
+from jpa.engine import sampling
 # A Llama-shaped model with small widths (scripts/gpu_traffic.py's llama-small), 2 layers.
-# (A vocabulary of 640: no activation of the ragged pass, [budget, d_model], has the embedding's type.)
+# (A vocabulary of 640: no activation of the ragged pass, [budget, d_model], has the embedding's type.
+# The GPU sampler's candidates scaled with it: 64 of 640, as 4096 of Llama-3's 128256 are 1/31.)
+sampling.GPU_CANDIDATE_BLOCK, sampling.GPU_CANDIDATE_BLOCKS = 16, 4
 cfg = dict(family="llama", vocab_size=640, d_model=256, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=64,
            ffn_dim=768, max_seq_len=2048, rope_base=500000.0, norm_eps=1e-5, tie_embeddings=False,
            bos_token_id=256, eos_token_id=257)
@@ -269,7 +272,8 @@ r = tr.engine_traffic("h100", cfg, max_seqs=4, context=256, pool_gib=0.25, label
                       engine_options=ENGINE_OPTIONS)
 s = r["summary"]
 print(json.dumps(dict(options=r["compiler_options"], matrix_copies=r["matrix_copies"], checks=r["checks"],
-                      weights=s["weights"], kv_read=s["kv_read"], kv_write=s["kv_write"])))
+                      weights=s["weights"], kv_read=s["kv_read"], kv_write=s["kv_write"], logits=s["logits"],
+                      logits_passes=tr.passes(r["rows"], "logits", r["max_seqs"] * cfg["vocab_size"] * 4))))
 """
 
 
@@ -290,7 +294,8 @@ def test_engine_gpu_step_reads_weights_in_place():
     the runner's jit options with `jpa.core.xla_options.WEIGHTS_IN_PLACE`), a small 2-layer Llama:
     no weight matrix (or layer slice of one) materialized anywhere in the program, every weight
     byte of the decode step read once, no copy of a page pool, the donated pools aliased, the
-    Mosaic kernels in place (3 a layer body). XLA's default compile copies the slices
+    Mosaic kernels in place (3 a layer body), the sampler's passes over the logits few. XLA's
+    default compile copies the slices
     (tests/test_bench_traffic.py: this program and Llama-3-8B's, both ways)."""
     from jpa.core.xla_options import WEIGHTS_IN_PLACE
     out = engine_step_traffic()
@@ -302,6 +307,11 @@ def test_engine_gpu_step_reads_weights_in_place():
     assert c["mosaic_calls"] == 3, c
     assert out["kv_read"]["total"] == out["kv_read"]["ideal"] > 0
     assert out["kv_write"]["total"] == out["kv_write"]["ideal"]
+    # The GPU sampler (`jpa.engine.sampling._sample_candidates`, the decode and verify passes' own)
+    # reads the step's [rows, vocab] logits twice: 9.4 reads of them in all here (at a vocabulary of
+    # 640 the logit controls' dense branch counts too; 2.05 for Llama-3-8B at 64 sequences); the dense
+    # formulation's threshold searches: 184 (their [rows, vocab, 15] compares written out at this size).
+    assert out["logits_passes"] <= 14, (out["logits_passes"], out["logits"])
 
 
 def test_projection_from_bytes_and_bandwidth():

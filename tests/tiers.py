@@ -46,6 +46,9 @@ BENCH = {
     "tests/test_sinks.py::test_ragged_kernels_interpret[triton]":
         "~4 s: sinks through the deprecated Triton ragged kernel (the Mosaic ragged kernel's case and the Triton "
         "decode's split-K case stay)",
+    # --- issue 34, the GPU sampler: blocks of 16 x 4 stay in the main tier
+    "tests/test_sampling_controls.py::test_gpu_candidate_sampler_draws_the_dense_samplers_tokens[4-8]":
+        "4 s: the GPU sampler's candidates in blocks of 4 (the 16 x 4 case keeps both paths in the main tier)",
     # --- 2026-11-25 (third session): second cases of this session's main-tier additions
     "tests/test_ragged.py::test_mosaic_verify_rows_match_oracle[N8K2H128S16x9-bfloat16-bfloat16-L[130, 9, 40, 70, 5]-shared-sink0.5-Q[5, 1, 3, 0, 5]-T20-B6-5]":
         "4 s: the multi-row decode kernel with sinks and split-K over a 130-token sequence (the int8 / ALiBi / "
@@ -324,7 +327,8 @@ SOAK = {
        "tier keeps tests/test_quant_gpu.py's kernel compile in a layer scan, H100 + A100, no weight written)"
        for q in ("Q4_1", "gptq")},
     "tests/test_bench_traffic.py":
-        "5 min: the Llama-8B traffic tables, XLA's default and the engine's options, and the small engine step "
+        "6 min: the Llama-8B traffic tables, XLA's default and the engine's options, the speculative step's "
+        "sampler passes (issue 34; test_traffic keeps the small step's in the main tier), and the small engine step "
         "under XLA's default (scripts/gpu_traffic.py prints them; tests/test_traffic.py keeps the model's "
         "accounting on a known program and the engine's own small step read in place in the main tier)",
     "tests/test_bench_mosaic_ampere.py::test_grid_matches_reference":

@@ -3,6 +3,11 @@
 Every request samples with its own key, derived from its seed and the index of the token being
 sampled: `fold_in(key(seed), num_generated)`. A request's output therefore does not depend on
 which other requests share its batch, on its slot, or on preemption and recompute.
+
+Compiled for a GPU, `sample_with_logprobs` is `_sample_candidates`: the same tokens and
+log-probabilities in two passes over the [rows, vocab] logits (thresholds from each row's 4096
+candidates, a whole-row search only for rows they cannot serve); the CPU program is the dense
+formulation (tests/test_sampling_controls.py forces the GPU one on the CPU and compares).
 """
 
 import dataclasses
@@ -425,11 +430,13 @@ def sample_rows(logits, params: SlotParams, counters, history_fn=None, num_cache
     (a `lax.map` over chunks of equal size; the last one overlaps the one before rather than
     padding, its shared rows sampled twice, identically). Each row is sampled exactly as
     `sample_slots` samples it (by its own key, counter and parameters); n x vocab <= max_elements
-    is `sample_slots` itself. history_fn: () -> i32[n, L], sliced per chunk inside the controls'
+    is `sample_slots` itself, and so is every n on a GPU (`gpu_sampler`: its temporaries are
+    [n, 4096] candidates and whole rows GPU_FALLBACK_ROWS at a time, never [n, vocab]; chunks would
+    only copy the logits). history_fn: () -> i32[n, L], sliced per chunk inside the controls'
     branch."""
     n, vocab = logits.shape
     per = max(1, max_elements // vocab)
-    if n <= per:
+    if n <= per or gpu_sampler():   # the GPU sampler's temporaries are [n, 4096] and [8, vocab]
         return sample_slots(logits, params, counters, history_fn, num_cached, stop_ids)
     chunks = -(-n // per)
     size = -(-n // chunks)
@@ -462,6 +469,11 @@ def sample(logits, temperature, top_k, top_p, seeds, counters):
 def _filtered(x, top_tok, top_k, top_p, min_p):
     """x f32[B, V] with the tokens that top-k, top-p and min-p drop set to -inf (`sample_with_logprobs`;
     top_tok: i32[B] the index of each row's largest entry, which every filter keeps)."""
+    return jnp.where(_keep(x, top_tok, top_k, top_p, min_p), x, -jnp.inf)
+
+
+def _keep(x, top_tok, top_k, top_p, min_p):
+    """bool[B, V]: the tokens of x f32[B, V] that top-k, top-p and min-p keep (`_filtered`)."""
     # Both filters are thresholds found by bisection on order-preserving integer keys of the
     # values (32 exact steps, O(vocab) each), not a sort of the vocabulary: on a CPU a
     # per-row sort of 49k logits costs more than the whole model step.
@@ -498,7 +510,7 @@ def _filtered(x, top_tok, top_k, top_p, min_p):
         # not a pass over the vocabulary.
         p_max = jnp.take_along_axis(probs, top_tok[:, None], axis=-1)
         keep = keep & (probs >= min_p[:, None] * p_max)
-    return jnp.where(keep, x, -jnp.inf)
+    return keep
 
 
 def _top_logprobs(d, lse, top_n):
@@ -539,6 +551,9 @@ def sample_with_logprobs(logits, temperature, top_k, top_p, seeds, counters, *, 
       when no row wants them).
     """
     logits = logits.astype(jnp.float32)
+    if gpu_sampler():
+        return _sample_candidates(logits, temperature, top_k, top_p, seeds, counters, min_p=min_p, top_n=top_n,
+                                  want_top=want_top)
     greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     vocab = logits.shape[-1]
     sampled = temperature > 0
@@ -581,4 +596,202 @@ def sample_with_logprobs(logits, temperature, top_k, top_p, seeds, counters, *, 
     empty = lambda d: (jnp.full((d.shape[0], top_n), -jnp.inf, jnp.float32),  # noqa: E731
                        jnp.full((d.shape[0], top_n), -1, jnp.int32))
     top_lps, top_ids = lax.cond(jnp.any(want_top), top, empty, dist)
+    return tok, picked - lse, top_ids.astype(jnp.int32), top_lps
+
+
+# ---------------------------------------------------------------- the GPU sampler: two passes over the logits
+
+# The GPU sampler (`_sample_candidates`) keeps, per row, the GPU_CANDIDATE_BLOCKS blocks of
+# GPU_CANDIDATE_BLOCK logits with the largest maxima (4096 candidates): every token larger than the
+# smallest of those maxima is among them, so the filters' thresholds and the top log-probabilities
+# come from the candidates whenever they lie above it. Rows where they do not (a top-p or min-p that
+# keeps a flat tail, a top_k past the candidates) are searched over their whole row,
+# GPU_FALLBACK_ROWS rows at a time (fewer in a batch of fewer than 64 rows: an eighth of it).
+GPU_CANDIDATE_BLOCK = 128
+GPU_CANDIDATE_BLOCKS = 32
+GPU_FALLBACK_ROWS = 8
+
+
+def gpu_sampler() -> bool:
+    """True when the sampler is compiled for a GPU: `sample_with_logprobs` is `_sample_candidates`
+    there (two passes over the logits); the CPU program is the dense formulation."""
+    return current_target().platform == "gpu"
+
+
+def _block_stats(x, block: int):
+    """(max, sum(exp(x - max))) of each block of `block` entries of x f32[B, V] (the last block
+    padded with -inf): f32[B, ceil(V / block)] each, one variadic reduction (one pass over x)."""
+    n, vocab = x.shape
+    nb = -(-vocab // block)
+    if nb * block != vocab:
+        x = jnp.pad(x, ((0, 0), (0, nb * block - vocab)), constant_values=-jnp.inf)
+    x = x.reshape(n, nb, block)
+
+    def combine(a, b):
+        (m1, s1), (m2, s2) = a, b
+        m = jnp.maximum(m1, m2)
+        ref = jnp.where(m == -jnp.inf, 0.0, m)
+        return m, s1 * jnp.exp(m1 - ref) + s2 * jnp.exp(m2 - ref)
+
+    return lax.reduce((x, jnp.ones_like(x)), (jnp.float32(-jnp.inf), jnp.float32(0.0)), combine, (2,))
+
+
+def _candidate_thresholds(logits, t, top_k, top_p, min_p, top_n, want):
+    """Pass 1 and the candidates of `_sample_candidates` (its arguments, the filters already off
+    for greedy rows; t: the rows' temperatures, 1 for greedy ones). Returns dict(k_row u32[B]
+    (each row's key threshold: its filtered distribution is where(key >= k_row, x, -inf)), need
+    bool[B] (rows the candidates cannot serve: k_row, or the top entries they want, not exact),
+    top_vals, top_ids ([B, top_n], or None without top_n), m f32[B] (the row's max), greedy_tok,
+    filt bool[B] (a filter is on))."""
+    n, vocab = logits.shape
+    block = min(GPU_CANDIDATE_BLOCK, vocab)
+    nb = -(-vocab // block)
+    count = min(GPU_CANDIDATE_BLOCKS, nb)
+    complete = count * block >= vocab and count == nb   # every token a candidate
+    scaled = lambda a: a / t[:, None]  # noqa: E731  (the dense program's `scaled`, bit for bit)
+    # Pass 1.
+    bmax, bsum = _block_stats(scaled(logits), block)
+    m = jnp.max(bmax, axis=-1)  # the row's max (scaled at the logits' argmax)
+    ref = jnp.where(jnp.isfinite(m), m, 0.0)
+    z = jnp.sum(bsum * jnp.exp(bmax - ref[:, None]), axis=-1)  # sum(exp(x - m)) over the row
+    bv, bi = lax.top_k(bmax, count)
+    ids = (bi[:, :, None] * block + jnp.arange(block, dtype=jnp.int32)[None, None, :]).reshape(n, count * block)
+    vals = scaled(jnp.take_along_axis(logits, jnp.minimum(ids, vocab - 1), axis=-1))
+    vals = jnp.where(ids < vocab, vals, -jnp.inf)
+    key = _order_key(vals)
+    nkey, ids, vals = lax.sort((~key, ids, vals), dimension=1, num_keys=2)  # key descending, then id
+    key = ~nkey
+    size = key.shape[1]
+    # Tokens with a key above kb are all candidates (complete: every token is).
+    kb = _order_key(bv[:, -1])
+    above = (lambda k: jnp.ones(k.shape, bool)) if complete else (lambda k: k > kb.reshape(kb.shape + (1,) * (k.ndim - 1)))
+    greedy_tok = ids[:, 0]  # the largest key, lowest id first: argmax of the logits
+    # top-k: the k-th largest key (top_k >= vocab keeps all).
+    k_on = (top_k > 0) & (top_k < vocab)
+    t_k = jnp.take_along_axis(key, jnp.clip(top_k - 1, 0, size - 1)[:, None], axis=1)[:, 0]
+    k_exact = (top_k <= size) & above(t_k)
+    keep = jnp.where(k_on[:, None], key >= t_k[:, None], True)
+    e = jnp.exp(jnp.where(keep, vals, -jnp.inf) - m[:, None])
+    zk = jnp.where(k_on, jnp.sum(e, axis=-1), z)
+    probs = e / zk[:, None]
+    # top-p: a token stays when the mass of the tokens above it (strictly) is < top_p.
+    p_on = top_p < 1.0
+    first = jnp.concatenate([jnp.ones((n, 1), bool), key[:, 1:] != key[:, :-1]], axis=1)
+    pos = jnp.arange(size, dtype=jnp.int32)[None, :]
+    group = lax.cummax(jnp.where(first, pos, 0), axis=1)
+    before = jnp.cumsum(probs, axis=1) - probs  # exclusive
+    mass_above = jnp.take_along_axis(before, group, axis=1)
+    keep = keep & jnp.where(p_on[:, None], mass_above < top_p[:, None], True)
+    p_exact = jnp.sum(jnp.where(above(key), probs, 0.0), axis=-1) >= top_p
+    # min-p: probs >= min_p x the largest probability (1 / zk, the dense program's probs at the argmax).
+    m_on = min_p > 0
+    p_max = 1.0 / zk
+    keep = keep & jnp.where(m_on[:, None], probs >= (min_p * p_max)[:, None], True)
+    p_beta = jnp.exp(bv[:, -1] - m) / zk
+    m_exact = p_beta * (1 + 1e-5) < min_p * p_max
+    filt = k_on | p_on | m_on
+    confined = complete | jnp.where(k_on, k_exact, (p_on & p_exact) | (m_on & m_exact))
+    k_row = jnp.where(filt, jnp.min(jnp.where(keep, key, jnp.uint32(0xFFFFFFFF)), axis=-1), jnp.uint32(0))
+    need = filt & ~confined
+    if top_n is not None:
+        kept = key >= k_row[:, None]
+        top_vals = jnp.where(kept, vals, -jnp.inf)[:, :top_n]
+        top_ids = ids[:, :top_n]
+        # Exact from the candidates when the row's kept set is (confined filters) or its top_n-th
+        # kept key lies above beta.
+        top_ok = filt & confined
+        if size >= top_n:
+            top_ok = top_ok | above(jnp.where(kept[:, top_n - 1], key[:, top_n - 1], jnp.uint32(0)))
+        else:   # fewer candidates than top_n (a tiny block setting): not complete, so only confined rows
+            top_vals = jnp.pad(top_vals, ((0, 0), (0, top_n - size)), constant_values=-jnp.inf)
+            top_ids = jnp.pad(top_ids, ((0, 0), (0, top_n - size)))
+        need = need | (want & ~top_ok)
+    else:
+        top_vals = top_ids = None
+    return dict(k_row=k_row, need=need, top_vals=top_vals, top_ids=top_ids, m=m, greedy_tok=greedy_tok, filt=filt)
+
+
+def _sample_candidates(logits, temperature, top_k, top_p, seeds, counters, *, min_p=None, top_n=None,
+                       want_top=None):
+    """`sample_with_logprobs` as compiled for a GPU: the same tokens (the same draw: categorical over
+    the filtered distribution with the request's key), log-probabilities within float rounding (sums
+    taken in another order), the same top log-probabilities (ids of -inf entries aside), in two
+    passes over the [B, V] logits instead of about 25.
+
+    Pass 1 (`_block_stats`): each block's max and sum of exponentials. From them: each row's max
+    and normalizer, and the candidates: the GPU_CANDIDATE_BLOCKS blocks with the largest maxima,
+    gathered and sorted (key descending, id ascending: [B, 4096]). Every token above beta (the
+    smallest chosen block max) is a candidate, so a threshold above beta is exact from the
+    candidates: top-k's k-th largest, top-p's mass above each token (normalized by the row's sum,
+    or the top-k set's), min-p's cut. The kept set of every filter is an up-set in the order of
+    the values, so each row's filtered distribution is where(key >= K, x, -inf) for one u32 K
+    (0: every token). A row whose kept set can reach below beta is searched over its whole row
+    (`_keep`, GPU_FALLBACK_ROWS rows an iteration of a loop that runs only for such rows).
+    Pass 2: the draw (jax.random.categorical, as the dense program) and the log-normalizer over
+    where(key >= K, x, -inf), fused into one pass over x."""
+    n, vocab = logits.shape
+    sampled = temperature > 0
+    t = jnp.where(sampled, temperature, 1.0)
+    scaled = lambda a: a / t[:, None]  # noqa: E731  (the dense program's `scaled`, bit for bit)
+    top_k = jnp.where(sampled, top_k, 0)
+    top_p = jnp.where(sampled, top_p, 1.0)
+    min_p = jnp.zeros_like(top_p) if min_p is None else jnp.where(sampled, min_p, 0.0)
+    top_n = None if top_n is None else min(top_n, vocab)
+    want = None if top_n is None else (jnp.ones((n,), bool) if want_top is None else want_top)
+    c = _candidate_thresholds(logits, t, top_k, top_p, min_p, top_n, want)
+    k_row, need, top_vals, top_ids, m, greedy_tok, filt = (c[k] for k in (
+        "k_row", "need", "top_vals", "top_ids", "m", "greedy_tok", "filt"))
+
+    # Rows the candidates cannot serve: their whole row, GPU_FALLBACK_ROWS at a time (an eighth of
+    # the batch when that is fewer, at least one): an iteration reads at most 1/8 of the logits.
+    rows = max(1, min(GPU_FALLBACK_ROWS, n // 8))
+
+    def fallback(c):
+        k_row, top_vals, top_ids, need = c
+        idx = jnp.argsort(~need, stable=True)[:rows].astype(jnp.int32)
+        live = need[idx]
+        x = logits[idx] / t[idx][:, None]   # the rows of `scaled`
+        kf = _keep(x, greedy_tok[idx], top_k[idx], top_p[idx], min_p[idx])
+        xkey = _order_key(x)
+        kr = jnp.where(filt[idx], jnp.min(jnp.where(kf, xkey, jnp.uint32(0xFFFFFFFF)), axis=-1), jnp.uint32(0))
+        k_row = k_row.at[idx].set(jnp.where(live, kr, k_row[idx]))
+        if top_vals is not None:
+            tv, ti = lax.top_k(jnp.where(xkey >= kr[:, None], x, -jnp.inf), top_n)
+            top_vals = top_vals.at[idx].set(jnp.where(live[:, None], tv, top_vals[idx]))
+            top_ids = top_ids.at[idx].set(jnp.where(live[:, None], ti.astype(jnp.int32), top_ids[idx]))
+        return k_row, top_vals, top_ids, need.at[idx].set(False)
+
+    k_row, top_vals, top_ids, _ = lax.while_loop(lambda c: jnp.any(c[3]), fallback, (k_row, top_vals, top_ids, need))
+
+    # Pass 2: the filtered distribution where(key >= K, x, -inf), drawn from and normalized. Each
+    # consumer recomputes it from the logits (the draw's branch too: an operand of the conditional
+    # would be written out).
+    def filtered_dist(a, k_row):
+        x = scaled(a)
+        return jnp.where(_order_key(x) >= k_row[:, None], x, -jnp.inf)
+
+    # The log-normalizer in each branch: with the draw, XLA reads the logits once for both.
+    def draw(a, k_row):
+        keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
+        d = filtered_dist(a, k_row)
+        return jax.vmap(lambda k, r: jax.random.categorical(k, r))(keys, d).astype(jnp.int32), _logsumexp_at(d, m)
+
+    drawn, lse = lax.cond(jnp.any(sampled), draw,
+                          lambda a, k_row: (greedy_tok, _logsumexp_at(filtered_dist(a, k_row), m)), logits, k_row)
+    tok = jnp.where(sampled, drawn, greedy_tok)
+    picked = scaled(jnp.take_along_axis(logits, tok[:, None], axis=-1))[:, 0]
+    if top_n is None:
+        return tok, picked - lse
+    # Entries past the kept tokens (-inf) name the lowest ids outside them, as lax.top_k over the
+    # whole row does: among the first 2 x top_n ids at least top_n are outside a set of < top_n.
+    w = min(vocab, 2 * top_n)
+    head = scaled(logits[:, :w])
+    out = ~(_order_key(head) >= k_row[:, None]) | (head == -jnp.inf)
+    _, spare = lax.sort((~out, jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (n, w))), dimension=1, num_keys=2)
+    finite = jnp.sum(top_vals > -jnp.inf, axis=-1, dtype=jnp.int32)
+    at = jnp.clip(jnp.arange(top_n, dtype=jnp.int32)[None, :] - finite[:, None], 0, w - 1)
+    top_ids = jnp.where(top_vals > -jnp.inf, top_ids, jnp.take_along_axis(spare, at, axis=1))
+    any_top = jnp.any(want)
+    top_lps = jnp.where(any_top, top_vals - lse[:, None], -jnp.inf)
+    top_ids = jnp.where(any_top, top_ids, -1)
     return tok, picked - lse, top_ids.astype(jnp.int32), top_lps

@@ -154,7 +154,8 @@ class VerifyLoop:
             hidden, cache = self.proposer.target_hidden(self.model, params, cache, args, self.impl)
         slots = slots.write_tokens(tok, slot_mapping)
         rs = slots.rows(s)
-        # Sampled in chunks of rows (`sample_rows`): its temporaries do not scale with rows x vocab.
+        # `sample_rows`: its temporaries do not scale with rows x vocab (chunks of rows on a CPU; on a
+        # GPU the sampler reads the logits twice and keeps [rows, 4096] candidates).
         y = sample_rows(self.model.head(params, hidden), rs.params, rs.num_generated + j,
                         lambda: slots.history(ps.block_tables[s]), lens[s] + 1 + j, self.stop_ids)
         start = cu[jnp.argsort(order)]  # i32[num_seqs]: each slot's first row

@@ -571,6 +571,18 @@ def decode_step(rows: list) -> list | None:
     return select(rows, loop)
 
 
+def passes(rows: list, purpose: str, nbytes: int) -> float:
+    """The bytes of `purpose` that the kernels of `rows` (a `decode_step`) read, in units of nbytes
+    (one read of an array of that size, e.g. the step's [rows, vocab] float32 logits: passes over
+    it), leaving out the step's data-dependent loops: loops of unknown trip count that hold no
+    attention kernel (the GPU sampler's whole-row search, which runs for the rows that need it,
+    an eighth of the batch an iteration; `jpa.engine.sampling._sample_candidates`). Loops of known
+    trip count count every trip."""
+    model_loops = {b for r in rows if r["kernel"] in ("mosaic", "triton") for b, t in r["loops"] if t is None}
+    return sum(r["read"][purpose] * r["executions"] for r in rows
+               if all(t is not None or b in model_loops for b, t in r["loops"])) / nbytes
+
+
 def engine_spec(params, config, pools, *, max_seqs: int, context: int, page_size: int, rows_per_seq: int = 1):
     """(Spec, ideal) of one decode step of the engine over `params` (the abstract model params),
     `config` (its ModelConfig), `pools` ([(shape, dtype)] of the stacked K and V pools), max_seqs
