@@ -365,3 +365,19 @@ def test_tensor_parallel_llama70b_over_2_hosts(tmp_path):
         assert r["op"] in ("all-reduce", "all-gather") and ",128]" not in r["type"], r
     assert step["pool_copies"] == [] and step["alias_bytes"] >= step["pool_bytes"] == step["pool_bytes_per_device"]
     assert step["pool_spec"] == "P(None, 'tp')" and step["param_specs"]["wo"] == "P(None, 'tp', None)"
+
+
+def test_a_plugin_of_another_jaxlib_version_is_named_not_crashed(monkeypatch):
+    """JAX will not load a CUDA plugin whose version differs from jaxlib's (a newer jaxlib than the newest
+    plugin on the registry: 0.12.1 vs 0.12.0.1); `missing_packages` then names both versions, so the
+    deviceless tests skip with that reason instead of failing inside XLA. Matching versions pass."""
+    from importlib import metadata
+
+    versions = {"jax-cuda12-plugin": "0.12.0.1", "jaxlib": "0.12.1"}
+    monkeypatch.setattr(metadata, "version", lambda name: versions[name])
+    why = deviceless.plugin_mismatch()
+    assert why is not None and "0.12.0.1" in why and "0.12.1" in why, why
+    versions["jaxlib"] = "0.12.0.1"
+    assert deviceless.plugin_mismatch() is None
+    versions["jax-cuda12-plugin"] = "0.12.0.1.dev20261201"  # a suffix past the dotted release, as JAX ignores it
+    assert deviceless.plugin_mismatch() is None

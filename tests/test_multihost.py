@@ -23,13 +23,14 @@ import pytest
 ROOT = Path(__file__).parents[1]
 from jpa.testing.procs import cpu_env as _env, free_port as _free_port
 MODEL = str(ROOT / "tests" / "data" / "hf" / "llama")   # 4 q heads, 2 kv heads: tp=4 replicates, tp=2 splits
-PEER_TIMEOUT = 10
+PEER_TIMEOUT = 10        # the hung-peer test waits for it
+PEER_TIMEOUT_WORKING = 60  # runs that must finish: a step of 4 simulated devices on a loaded 2-core VM once took > 10 s
 LOGPROB_ATOL = 2e-5
 
 
 
 
-def _launch(command: str, num: int, devices: int, args: list, tmp_path) -> list:
+def _launch(command: str, num: int, devices: int, args: list, tmp_path, peer_timeout=PEER_TIMEOUT_WORKING) -> list:
     """num processes of `jpa <command>` joined into one job; stdout/stderr to files in tmp_path."""
     coord = f"127.0.0.1:{_free_port()}"
     procs = []
@@ -37,7 +38,7 @@ def _launch(command: str, num: int, devices: int, args: list, tmp_path) -> list:
         out, err = open(tmp_path / f"out{i}.txt", "w"), open(tmp_path / f"err{i}.txt", "w")
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "jpa", command, *args, "--coordinator", coord, "--num-processes", str(num),
-             "--process-id", str(i), "--peer-timeout", str(PEER_TIMEOUT), "--no-compile-cache"],
+             "--process-id", str(i), "--peer-timeout", str(peer_timeout), "--no-compile-cache"],
             stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=_env(devices), start_new_session=True))
     return procs
 
@@ -183,7 +184,7 @@ def test_serve_over_two_processes_and_a_hung_peer(tmp_path):
     port = _free_port()
     flags = ["--model", MODEL, "--port", str(port), "--tp", "2", "--max-seqs", "4", "--page-size", "8",
              "--num-pages", "64", "--max-model-len", "128", "--steps-per-call", "4", "--max-num-batched-tokens", "32"]
-    procs = _launch("serve", 2, 1, flags, tmp_path)
+    procs = _launch("serve", 2, 1, flags, tmp_path, peer_timeout=PEER_TIMEOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         t0 = time.monotonic()

@@ -279,7 +279,10 @@ def test_chunked_rows_sample_as_the_whole_batch():
         a, b = np.asarray(a), np.asarray(b)
         if k >= 2:   # top log-probabilities: only the rows that ask (others get them or not by chunk)
             a, b = a[want_top], b[want_top]
-        np.testing.assert_array_equal(a, b)
+        if np.issubdtype(a.dtype, np.floating):  # sums over the vocabulary in two programs: XLA may order them
+            np.testing.assert_allclose(a, b, rtol=0, atol=2e-6)  # differently (1 ulp seen on jaxlib 0.12.1)
+        else:
+            np.testing.assert_array_equal(a, b)
 
 
 def test_key_comparisons_on_probabilities_equal_the_keys():

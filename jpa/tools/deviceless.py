@@ -77,10 +77,34 @@ def missing_packages() -> str | None:
     """Why a deviceless compile cannot run here (the `gpu` extra, or part of it, not installed),
     or None: JAX's CUDA plugin and the CUDA 12 ptxas must both be importable."""
     missing = [name for name in ("jax_plugins.xla_cuda12", "nvidia.cuda_nvcc") if _find_spec(name) is None]
-    if not missing:
+    if missing:
+        return (f"the compile-only GPU packages are not installed ({', '.join(missing)} missing: "
+                f"pip install -e '.[gpu]', with jax-cuda12-plugin/-pjrt of the installed JAX's version)")
+    return plugin_mismatch()
+
+
+def plugin_mismatch() -> str | None:
+    """Why JAX will not load the installed CUDA plugin, or None: JAX loads a plugin only when its version
+    equals jaxlib's (`jaxlib.plugin_support`: "not compatible with the installed jaxlib version ... so it
+    will not be used"), and every deviceless compile then fails inside XLA."""
+    from importlib import metadata
+
+    try:
+        plugin, jaxlib = metadata.version("jax-cuda12-plugin"), metadata.version("jaxlib")
+    except metadata.PackageNotFoundError:
         return None
-    return (f"the compile-only GPU packages are not installed ({', '.join(missing)} missing: "
-            f"pip install -e '.[gpu]', with jax-cuda12-plugin/-pjrt of the installed JAX's version)")
+    if _release(plugin) == _release(jaxlib):
+        return None
+    return (f"jax-cuda12-plugin {plugin} does not match jaxlib {jaxlib}, so JAX will not load it: install the "
+            f"plugin and jax-cuda12-pjrt of jaxlib's version (pip install 'jax-cuda12-plugin=={jaxlib}' "
+            f"'jax-cuda12-pjrt=={jaxlib}'), or jax / jaxlib of the plugin's")
+
+
+def _release(version: str) -> tuple:
+    """The dotted numeric prefix of a version string, as jaxlib.plugin_support compares them."""
+    import re
+
+    return tuple(int(p) for p in re.match(r"[0-9]+(?:\.[0-9]+)*", version).group(0).split("."))
 
 
 def _xla_started() -> bool:
