@@ -40,7 +40,7 @@ MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]
 class Live:
     def __init__(self, url, aengine, tok):
         self.url, self.aengine, self.tok = url, aengine, tok
-        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=180)
 
     def post(self, path, body):
         return httpx.post(f"{self.url}{path}", json={"model": NAME, **body}, timeout=60)
