@@ -333,6 +333,9 @@ SOAK = {
        "40 s: the engine's unified step of a 2-layer Llama with 4-bit weights compiled for an H100 (the bench "
        "tier keeps tests/test_quant_gpu.py's kernel compile in a layer scan, H100 + A100, no weight written)"
        for q in ("Q4_1", "gptq")},
+    "tests/test_bench_quant.py::test_engine_gpu_prompt_pass_over_64_rows_reads_4bit_weights_once":
+        "90 s: the same engine step at a 256-token budget (the prompt pass through the kernel's row tiles; the "
+        "main tier keeps the row tiles in interpret mode and test_kernel_serves_every_row_count_on_an_h100)",
     "tests/test_bench_traffic.py":
         "6 min: the Llama-8B traffic tables, XLA's default and the engine's options, the speculative step's "
         "sampler passes (issue 34; test_traffic keeps the small step's in the main tier), and the small engine step "
