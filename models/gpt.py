@@ -808,7 +808,8 @@ def stacked_packed(model: GPT, rows: int, mesh=None) -> tuple:
     compressed-tensors; GGUF Q4_K: integer sub-block scales with f16 super-block ones), packed 8-bit
     ones with group scales (GGUF Q8_0, Q5_K, Q6_K, block-wise FP8) and int8 / fp8 per-channel ones
     that the Mosaic GPU dequantizing matmul serves for `rows` tokens on the device being compiled for
-    (`jpa.ops.qmatmul.kernel_serves`); none under a tensor-parallel mesh. `_run` keeps them stacked through the scan: the kernel reads a layer of the stack by its
+    (`jpa.ops.qmatmul.kernel_serves`: any number of rows, so the decode step, the ragged prompt pass and the
+    verify pass alike); none under a tensor-parallel mesh. `_run` keeps them stacked through the scan: the kernel reads a layer of the stack by its
     index, so no layer's codes are sliced into a copy and no dense float weight is written."""
     if mesh is not None:
         return ()

@@ -64,7 +64,7 @@ from jpa.tools import traffic as tr
 cfg = dict(family="llama", vocab_size=640, d_model=256, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=64,
            ffn_dim=768, max_seq_len=2048, rope_base=500000.0, norm_eps=1e-5, tie_embeddings=False,
            bos_token_id=256, eos_token_id=257)
-r = tr.engine_traffic("h100", cfg, max_seqs=4, context=256, pool_gib=0.25, label="llama-small", budget=64,
+r = tr.engine_traffic("h100", cfg, max_seqs=4, context=256, pool_gib=0.25, label="llama-small", budget=BUDGET,
                       quantization="QUANT")
 s = r["summary"]
 print(json.dumps(dict(matrix_copies=r["matrix_copies"], checks=r["checks"], weights=s["weights"],
@@ -80,6 +80,20 @@ def test_engine_gpu_step_reads_4bit_weights_once_without_a_dense_copy(quantizati
     loop), the decode step reads each weight's stored bytes once, and no kernel anywhere in the program
     writes a weight matrix (no dense bf16 copy, no layer slice). tests/test_quant_gpu.py keeps the
     kernel-level form of this check."""
+    check_engine_step_4bit(quantization, budget=64)
+
+
+def test_engine_gpu_prompt_pass_over_64_rows_reads_4bit_weights_once():
+    """~90 s (SOAK): as above at a 256-token budget, so the ragged prompt pass runs 256 rows through the
+    dequantizing matmul (4 row tiles of 64: the kernel's grid; before row tiles the kernel refused more than
+    64 rows and that pass wrote a dense bf16 copy of every layer weight): the same kernel calls, no weight
+    written, each weight's stored bytes read once."""
+    check_engine_step_4bit("Q4_1", budget=256)
+
+
+def check_engine_step_4bit(quantization: str, budget: int) -> None:
+    """Compiles ENGINE_STEP_4BIT for an H100 (2 layers, 4 sequences, a `budget`-token ragged pass) and checks
+    that every layer linear is the Mosaic kernel and no weight is written."""
     import json
     import os
     import subprocess
@@ -94,8 +108,8 @@ def test_engine_gpu_step_reads_4bit_weights_once_without_a_dense_copy(quantizati
     env = {k: v for k, v in os.environ.items()
            if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_CPP_VMODULE", "XLA_FLAGS", "JPA_QMATMUL")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    proc = subprocess.run([sys.executable, "-c", ENGINE_STEP_4BIT.replace("QUANT", quantization)],
-                          capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    code = ENGINE_STEP_4BIT.replace("QUANT", quantization).replace("BUDGET", str(budget))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["matrix_copies"] == [], out["matrix_copies"]

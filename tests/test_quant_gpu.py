@@ -68,6 +68,53 @@ def test_8bit_kernel_in_interpret_mode_equals_numpy(rows, fmt):
         kernel.qmatmul_scaled(jnp.asarray(x), q, scale[:, :64], interpret=True)
 
 
+@pytest.mark.parametrize("rows", [100, 200])
+@pytest.mark.parametrize("form", ["q4_1", "int8", "Q8_0"])
+def test_row_tiles_in_interpret_mode_equal_numpy(form, rows):
+    """Over 64 rows (a ragged prompt pass, a verify pass) the kernel runs a grid of 64-row tiles x 64-column
+    tiles: 100 rows are 2 tiles (the last one 36 rows and padding), 200 rows 4, over 2 column tiles. Every form
+    (4-bit Q4_1, 8-bit per channel, 8-bit with group scales) equals NumPy's dequantize-then-matmul (the weight
+    rounded to bf16 once; the per-channel scale after the f32 sum), on layer 1 of 2."""
+    from jpa.core.quant import quantize_weight
+    rng = np.random.default_rng()
+    layers, k, n, layer = 2, 128, 128, 1
+    x = rng.normal(size=(rows, k)).astype(BF16)
+    xf = x.astype(np.float32)
+    assert kernel.row_tiles(rows) == -(-rows // 64)
+    if form == "q4_1":
+        codes, d, m = _stack(rng, layers, k, n, 32, True)
+        got = kernel.qmatmul(jnp.asarray(x), codes, d, m, layer=layer, interpret=True)
+        want = xf @ dequantize_blocks(codes[layer], d[layer], m[layer], -2, np.float32).astype(BF16).astype(np.float32)
+        exact = op.reference(xf, codes, d, m, layer)
+    elif form == "int8":
+        q, scale = quantize_weight(rng.normal(size=(layers, k, n)).astype(np.float32), "int8")
+        got = kernel.qmatmul_scaled(jnp.asarray(x), q, scale, layer=layer, interpret=True)
+        want = exact = (xf @ q[layer].astype(np.float32)) * scale[layer]
+    else:
+        codes = rng.integers(-127, 128, (layers, k, n)).astype(np.int8)
+        d = rng.uniform(1e-3, 1e-2, (layers, k // 32, n)).astype(np.float16)
+        got = kernel.qmatmul_grouped(jnp.asarray(x), codes, d, layer=layer, interpret=True)
+        want = xf @ dequantize_blocks(codes[layer], d[layer], None, -2, np.float32).astype(BF16).astype(np.float32)
+        exact = op.reference(xf, codes, d, None, layer)
+    got = np.asarray(got)
+    assert got.shape == (rows, n) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-4 * np.abs(want).max())
+    np.testing.assert_allclose(got, exact, rtol=0, atol=2e-2 * np.abs(exact).max())
+
+
+def test_kernel_serves_every_row_count_on_an_h100():
+    """The engine's passes over more than 64 rows (a 512-row ragged prompt pass, a 64 x 5-row verify pass) take
+    the kernel on an H100 (traced for one, nothing compiled), as a decode step does; on this CPU none does."""
+    import jax
+
+    with jax.sharding.use_abstract_mesh(_h100_mesh()):
+        for rows in (1, 64, 65, 320, 512):
+            assert op.kernel_serves(rows, 4096, 14336, 32, np.uint8, jnp.bfloat16), rows
+            assert op.kernel_serves(rows, 4096, 14336, 32, np.int8, jnp.bfloat16), rows
+            assert op.scaled_kernel_serves(rows, 4096, 14336, np.int8, jnp.bfloat16), rows
+    assert not op.kernel_serves(320, 4096, 14336, 32, np.uint8, jnp.bfloat16)
+
+
 def test_kernel_order_of_k_is_a_permutation_within_blocks():
     x = np.arange(64, dtype=np.float32)[None]
     p = np.asarray(kernel.permute_k(jnp.asarray(x)))[0]
@@ -81,9 +128,9 @@ def test_kernel_order_of_k_is_a_permutation_within_blocks():
 def test_kernel_rejects_shapes_it_cannot_take():
     rng = np.random.default_rng(0)
     codes, d, m = _stack(rng, 1, 256, 128, 32, True)
-    x = jnp.zeros((65, 256), jnp.bfloat16)
-    with pytest.raises(ValueError, match="65 rows of x: the kernel takes at most 64"):
-        kernel.qmatmul(x, codes, d, m, interpret=True)
+    # Any number of rows (row tiles of 64); N is bounded by the grid's y axis (65535 column tiles of 64).
+    assert kernel.unsupported_reason(100_000, 256, 128, 32, np.uint8) is None
+    assert "65535 column tiles" in kernel.unsupported_reason(4, 256, 64 * 65536, 32, np.uint8)
     with pytest.raises(ValueError, match=r"does not fit codes \[1, 128, 128\]"):
         kernel.qmatmul(jnp.zeros((2, 128), jnp.bfloat16), codes, d, m, interpret=True)
     with pytest.raises(ValueError, match="minimums"):
@@ -151,6 +198,19 @@ def test_kernel_compiles_for_h100_and_a100_and_reads_each_layer_once():
     exactly the stack's codes and scales over the scan (one layer a call), and no kernel writes a copy
     of a weight (dense or sliced). The dense copy of today's plain-JAX path would fail `written == 0`."""
     check_compiled_in_place(run_compile(COMPILE))
+
+
+@pytest.mark.skipif(deviceless.missing_packages() is not None, reason=str(deviceless.missing_packages()))
+def test_row_tiles_compile_for_h100_and_a100_and_read_each_layer_once():
+    """200 rows (4 row tiles of 64: a prompt pass or a verify pass, not a decode step) through the 4-bit and the
+    int8 per-channel kernel, and the 8-bit group-scaled one (Q8_0), in a scan over 2 stacked layers compiled for
+    an H100 (TMA) and an A100 (cp.async): one Mosaic call each, no ptxas spills, no weight written, the stack
+    counted read once (the row tiles re-read a layer's weight tiles from L2: jpa.tools.traffic counts HBM)."""
+    out = run_compile(COMPILE.replace("L, K, N, G, M = 2, 1024, 2048, 32, 4", "L, K, N, G, M = 2, 1024, 2048, 32, 200"))
+    out.update(run_compile(COMPILE_GROUPED.replace("for target, fmt, M in CASES:",
+                                                   "for target, fmt, M in [('h100', 'Q8_0', 200), ('a100', 'Q8_0', 200)]:")))
+    assert len(out) == 6
+    check_compiled_in_place(out)
 
 
 def run_compile(code: str) -> dict:

@@ -74,6 +74,13 @@ BENCH = {
     "tests/test_quant_gpu.py::test_kernel_compiles_for_h100_and_a100_and_reads_each_layer_once":
         "12 s: deviceless H100 + A100 compile of the kernel in a layer scan (the interpret-mode Q4_1 case stays; "
         "tests/test_bench_quant.py compiles the engine step too)",
+    # --- issue 35, row tiles (passes over 64 rows): the 100-row cases of every form stay in interpret mode
+    **{f"tests/test_quant_gpu.py::test_row_tiles_in_interpret_mode_equal_numpy[{f}-200]":
+       f"1.6 s: {f} at 200 rows (4 row tiles; the 100-row case keeps 2 row tiles x 2 column tiles of the form)"
+       for f in ("q4_1", "int8", "Q8_0")},
+    "tests/test_quant_gpu.py::test_row_tiles_compile_for_h100_and_a100_and_read_each_layer_once":
+        "60 s: 6 deviceless compiles (H100 + A100, 4-bit / int8 / Q8_0 at 200 rows: 0 spills, the stack read once; "
+        "the interpret-mode row-tile tests and test_kernel_serves_every_row_count_on_an_h100 stay)",
     # --- Hugging Face quantized checkpoints: fp8 per channel and per tensor, AWQ, GPTQ v1 act order (asymmetric,
     # with a quantized lm_head) and pack-quantized asymmetric stay against NumPy's dequantize-then-matmul
     **{f"tests/test_quant_hf.py::test_quantized_checkpoint_equals_numpy_dequantize_then_matmul[{fmt}]": why
@@ -326,6 +333,9 @@ SOAK = {
        "40 s: the engine's unified step of a 2-layer Llama with 4-bit weights compiled for an H100 (the bench "
        "tier keeps tests/test_quant_gpu.py's kernel compile in a layer scan, H100 + A100, no weight written)"
        for q in ("Q4_1", "gptq")},
+    "tests/test_bench_quant.py::test_engine_gpu_prompt_pass_over_64_rows_reads_4bit_weights_once":
+        "90 s: the same engine step at a 256-token budget (the prompt pass through the kernel's row tiles; the "
+        "main tier keeps the row tiles in interpret mode and test_kernel_serves_every_row_count_on_an_h100)",
     "tests/test_bench_traffic.py":
         "6 min: the Llama-8B traffic tables, XLA's default and the engine's options, the speculative step's "
         "sampler passes (issue 34; test_traffic keeps the small step's in the main tier), and the small engine step "

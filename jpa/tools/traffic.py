@@ -430,7 +430,11 @@ def _kernel_bytes(ins: Instr, comp: dict, comps: dict, spec: Spec) -> tuple:
                 read["kv_read"] += spec.kv_read_per_call
                 continue
             if pallas and p == "weights" and (dt, dims) in spec.stacked_weights:
-                read["weights"] += whole // dims[0]  # one layer of the stack, by its index
+                # One layer of the stack, by its index, counted once from HBM also when the call has several
+                # row tiles (x over 64 rows: a ragged prompt pass, a verify pass): each tile's programs read the
+                # layer's weight tiles again, but from L2, since the programs of one weight column tile are
+                # launched together (jpa.pallas.mosaic.qmatmul, the note at ROW_TILE). This counts HBM bytes.
+                read["weights"] += whole // dims[0]
                 continue
             if ins.op in IN_PLACE and i == 0:
                 continue  # a bare in-place update reads nothing of the updated array

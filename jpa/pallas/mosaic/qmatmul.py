@@ -31,6 +31,12 @@ nibbles, scaled (the scale and minimum rows broadcast along k) and rounded to bf
 the mma's rhs; x is the lhs, loaded from SMEM in the MMA_LHS layout. R = 16, 32 or 64 rows of x
 (m_warps 1, 2, 4 of `MMALayouts`: at R = 16 the four warps split the tile's columns).
 
+Any number of rows: x is padded to a multiple of R (R = 64 above 64 rows) and the grid is
+(N / TN column tiles, M / R row tiles), each program computing its [R, TN] output tile. The row-tile
+axis is the grid's last (Mosaic GPU reverses the grid: CUDA's x, launched fastest), so the M / R
+programs that read the same column tile of the weight are launched one after another and run in the
+same wave: the tile comes from HBM once and M / R - 1 times from L2 (the note at ROW_TILE).
+
 `qmatmul_scaled` is the same kernel for 8-bit weights with one scale per output channel (jpa.core.quant's
 int8 / fp8 path: q int8 / float8_e4m3fn [L, K, N], scale f32[L, N]): the values are widened exactly,
 two rows of a k16 slice joined per register (`permute_k8` orders x's K to match), and the scale
@@ -60,7 +66,15 @@ from jpa.pallas.mosaic.pipeline import MmaOps, launch, uses_tma
 BLOCK = 32          # values of one nibble block (GGUF's Q4 order)
 TN = 64             # output columns of one program
 KB = 128            # values of K one step copies (4 blocks: 64 code bytes a column)
-MAX_ROWS = 64       # rows of x one call takes (4 warps x 16)
+ROW_TILE = 64       # rows of x one program takes at most (4 warps x 16); more rows: more row tiles
+MAX_COL_TILES = 65535  # the grid's second axis is CUDA's y (at most 65535 blocks): N <= 65535 * TN
+# What the row tiles cost: every program reads its whole [K, TN] column tile of codes and scales,
+# so a call of T row tiles moves T x the layer's weight bytes from L2 to the SMs, but from HBM once: the T
+# programs of a column tile are consecutive in launch order (row tiles on CUDA's x axis), so they run in
+# the same wave and all but the first find the tile in L2. A wave of an H100's 132 programs holds about 132 / T
+# column tiles (at most 132 x K x TN bytes: 7.7 MB for a 4-bit K = 14336 at T = 8), far under its 50 MB L2.
+# x [M, K] itself is read once per column tile (N / TN times) from L2, as it was with one row tile.
+# Checked deviceless (H100, 200 rows, N = 512): Mosaic's gpu.launch has blocks (4, 8, 1), row tiles on x.
 SLOTS = 2
 
 
@@ -74,18 +88,24 @@ def permute_k(x):
 
 
 def rows_for(m: int) -> int:
-    """Rows of the kernel's x tile for m rows of x: 16, 32 or 64."""
-    return 16 if m <= 16 else 32 if m <= 32 else 64
+    """Rows of the kernel's x tile (one program's) for m rows of x: 16, 32 or 64 (ROW_TILE; above 64 rows
+    the call has several row tiles, `row_tiles`)."""
+    return 16 if m <= 16 else 32 if m <= 32 else ROW_TILE
+
+
+def row_tiles(m: int) -> int:
+    """Row tiles of a call with m rows of x (at least one: an empty x still launches a tile)."""
+    return max(1, -(-m // rows_for(m)))
 
 
 def unsupported_reason(m: int, k: int, n: int, group: int, codes_dtype, x_dtype=jnp.bfloat16) -> str | None:
     """Why the kernel cannot compute an [m, k] x [k, n] product of this form, or None."""
     if np.dtype(codes_dtype) != np.uint8:
         return f"codes of {np.dtype(codes_dtype)}: the kernel reads 4-bit codes packed in uint8"
-    if m > MAX_ROWS:
-        return f"{m} rows of x: the kernel takes at most {MAX_ROWS} (a decode step)"
     if k % KB or n % TN:
         return f"a [{k}, {n}] weight: K must be a multiple of {KB} and N of {TN}"
+    if n // TN > MAX_COL_TILES:
+        return f"N = {n}: the grid takes at most {MAX_COL_TILES} column tiles of {TN} (N <= {MAX_COL_TILES * TN})"
     if group % BLOCK or k % group:
         return f"group size {group}: a multiple of {BLOCK} that divides K = {k}"
     if np.dtype(x_dtype) not in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)):
@@ -95,16 +115,17 @@ def unsupported_reason(m: int, k: int, n: int, group: int, codes_dtype, x_dtype=
 
 def _kernel(x_ref, c_ref, d_ref, m_ref, d2_ref, m2_ref, layer_ref, o_ref, x_smem, c_smem, bars, *, ops, rows,
             group, m_warps, dtype, bits):
-    # 4 bits: x_ref [R, K] (permute_k); c_ref u8[L, K / 2, N]; d_ref, m_ref [L, K / G, N] (m_ref None:
+    # 4 bits: x_ref [T * R, K] (permute_k); c_ref u8[L, K / 2, N]; d_ref, m_ref [L, K / G, N] (m_ref None:
     # Q4_0 form); c_smem u8[SLOTS, KB / 2, TN]. A K-quant (Q4_K): d_ref, m_ref the integer sub-block
     # scales / minimums u8[L, K / G, N] and d2_ref, m2_ref the f16 super-block ones [L, K / G2, N]
     # (else None): group g's scale is f32(d2[g2]) * f32(d[g]), as `super_scaled` computes it.
-    # 8 bits: x_ref [R, K] (permute_k8); c_ref int8 / float8 [L, K, N]; d_ref f32[L, N] per-channel
+    # 8 bits: x_ref [T * R, K] (permute_k8); c_ref int8 / float8 [L, K, N]; d_ref f32[L, N] per-channel
     # scales, or group scales [L, K / G, N] with m_ref / d2_ref / m2_ref as above (`grouped`); c_smem
     # [SLOTS, KB, TN].
-    # layer_ref i32[1]; o_ref f32[R, N]; x_smem [SLOTS, R, KB].
-    nt = lax.axis_index("n")
-    n0 = pl.multiple_of(nt * TN, TN)
+    # layer_ref i32[1]; o_ref f32[T * R, N] (T row tiles); x_ref [T * R, K]; x_smem [SLOTS, R, KB].
+    # This program: rows m0 .. m0 + R - 1 (row tile "m") and columns n0 .. n0 + TN - 1 (column tile "n").
+    m0 = pl.multiple_of(lax.axis_index("m") * rows, rows)
+    n0 = pl.multiple_of(lax.axis_index("n") * TN, TN)
     layer = layer_index(layer_ref, c_ref.shape[0])
     k = x_ref.shape[1]
     steps = k // KB
@@ -117,7 +138,7 @@ def _kernel(x_ref, c_ref, d_ref, m_ref, d2_ref, m2_ref, layer_ref, o_ref, x_smem
 
     def issue(s, slot):
         bar = bars.at[slot] if ops.tma else None
-        ops.copy(x_ref.at[:, pl.ds(s * KB, KB)], x_smem.at[slot], bar)
+        ops.copy(x_ref.at[pl.ds(m0, rows), pl.ds(s * KB, KB)], x_smem.at[slot], bar)
         rows_per_step = KB * bits // 8
         ops.copy(c_ref.at[layer, pl.ds(s * rows_per_step, rows_per_step), pl.ds(n0, TN)], c_smem.at[slot], bar)
 
@@ -207,7 +228,7 @@ def _kernel(x_ref, c_ref, d_ref, m_ref, d2_ref, m2_ref, layer_ref, o_ref, x_smem
             sc = plgpu.load(d_ref.at[layer, pl.ds(n0, TN)], layout=acc_l.reduce(0), optimized=False)
             sc = plgpu.layout_cast(lax.broadcast_in_dim(sc, (rows, TN), [1]), acc_l)
         acc = acc * sc
-    o_ref.at[:, pl.ds(n0, TN)][...] = acc
+    o_ref.at[pl.ds(m0, rows), pl.ds(n0, TN)][...] = acc
 
 
 def pair_rows(lo, hi, interpret: bool, m_warps: int):
@@ -242,7 +263,7 @@ def qmatmul(x, codes, d, m=None, d2=None, m2=None, *, layer=0, interpret=False, 
     """x @ W for one layer of a stacked packed 4-bit weight, W never materialized.
 
     Args:
-      x: [M, K] float (M <= 64), rounded to bfloat16 (f16 x stays f16) for the mma.
+      x: [M, K] float (any M: row tiles of 64 above 64 rows), rounded to bfloat16 (f16 x stays f16) for the mma.
       codes: u8[L, K / 2, N] (jpa.core.quant's nibble order), or u8[K / 2, N] (one layer).
       d: [L, K / G, N] group scales; m: the same shape (w = q * d + m) or None (w = (q - 8) * d).
       d2, m2: a K-quant's (Q4_K's) f16 super-block scales and negated minimums [L, K / G2, N] (G2 a
@@ -280,7 +301,7 @@ def qmatmul(x, codes, d, m=None, d2=None, m2=None, *, layer=0, interpret=False, 
     if why is not None:
         raise ValueError(f"qmatmul: {why}")
     rows = rows_for(mm)
-    xp = jnp.pad(permute_k(x.astype(dtype)), ((0, rows - mm), (0, 0)))
+    xp = jnp.pad(permute_k(x.astype(dtype)), ((0, row_tiles(mm) * rows - mm), (0, 0)))  # [T * R, K]
     return _call(xp, codes, d, m, layer, mm, n, rows, group, dtype, 4, interpret, tma, d2, m2)
 
 
@@ -314,8 +335,11 @@ def _call(xp, codes, d, m, layer, mm, n, rows, group, dtype, bits, interpret, tm
                       plgpu.SMEM((SLOTS, KB * bits // 8, TN), codes.dtype),
                       *([plgpu.Barrier(num_arrivals=2, num_barriers=SLOTS)] if ops.tma else []))
 
-    out = launch(jpa_mosaic_qmatmul, jax.ShapeDtypeStruct((rows, n), jnp.float32), (n // TN,), ("n",),
-                 interpret)(xp, codes, d, *optional, layer_operand(layer))
+    # Row tiles last: Mosaic GPU reverses the grid, so they are CUDA's x axis, launched fastest, and a column
+    # tile's programs run together (the note at ROW_TILE); the column tiles are CUDA's y (MAX_COL_TILES).
+    tiles = xp.shape[0] // rows
+    out = launch(jpa_mosaic_qmatmul, jax.ShapeDtypeStruct((tiles * rows, n), jnp.float32), (n // TN, tiles),
+                 ("n", "m"), interpret)(xp, codes, d, *optional, layer_operand(layer))
     return out[:mm]
 
 
@@ -337,7 +361,7 @@ def unsupported_reason_scaled(m: int, k: int, n: int, codes_dtype, x_dtype=jnp.b
 def qmatmul_scaled(x, q, scale, *, layer=0, interpret=False, tma=False):
     """(x @ q) * scale for one layer of a stacked 8-bit weight with per-output-channel scales (the
     int8 / fp8 path of jpa.core.quant: q int8 / float8_e4m3fn [L, K, N] or [K, N], scale f32[L, N] or
-    [N]), q widened to x's dtype exactly inside the kernel. x [M, K] (M <= 64). Returns f32[M, N]."""
+    [N]), q widened to x's dtype exactly inside the kernel. x [M, K] (any M). Returns f32[M, N]."""
     if q.ndim == 2:
         q, scale = q[None], scale[None]
     mm, k = x.shape
@@ -350,7 +374,7 @@ def qmatmul_scaled(x, q, scale, *, layer=0, interpret=False, tma=False):
     if why is not None:
         raise ValueError(f"qmatmul_scaled: {why}")
     rows = rows_for(mm)
-    xp = jnp.pad(permute_k8(x.astype(dtype)), ((0, rows - mm), (0, 0)))
+    xp = jnp.pad(permute_k8(x.astype(dtype)), ((0, row_tiles(mm) * rows - mm), (0, 0)))  # [T * R, K]
     return _call(xp, q, scale.astype(jnp.float32), None, layer, mm, n, rows, BLOCK, dtype, 8, interpret, tma)
 
 
@@ -378,7 +402,7 @@ def qmatmul_grouped(x, codes, d, m=None, d2=None, m2=None, *, layer=0, interpret
     GGUF Q8_0, Q5_K and Q6_K as jpa keeps them, block-wise FP8), W never materialized.
 
     Args:
-      x: [M, K] float (M <= 64), rounded to bfloat16 (f16 x stays f16) for the mma.
+      x: [M, K] float (any M: row tiles of 64 above 64 rows), rounded to bfloat16 (f16 x stays f16) for the mma.
       codes: int8 / float8_e4m3fn [L, K, N] or [K, N] (one layer).
       d: [L, K / G, N] group scales (f16 / bf16 / f32; G a multiple of 16); m: the same shape (w = q * d + m)
         or None (w = q * d).
@@ -415,5 +439,5 @@ def qmatmul_grouped(x, codes, d, m=None, d2=None, m2=None, *, layer=0, interpret
     if why is not None:
         raise ValueError(f"qmatmul_grouped: {why}")
     rows = rows_for(mm)
-    xp = jnp.pad(permute_k8(x.astype(dtype)), ((0, rows - mm), (0, 0)))
+    xp = jnp.pad(permute_k8(x.astype(dtype)), ((0, row_tiles(mm) * rows - mm), (0, 0)))  # [T * R, K]
     return _call(xp, codes, d, m, layer, mm, n, rows, group, dtype, 8, interpret, tma, d2, m2)
