@@ -42,9 +42,7 @@ class GPTForEngine:
         `models.sharding.shard` (embeddings=)."""
         from jpa.models import sharding
 
-        # models.sharding plans the table's [vocab, d_model] rows (the kernel does not serve under a mesh)
-        gpt, plan = sharding.shard(set_embeddings_layout(nnx.merge(self.graphdef, self.params), False), mesh,
-                                   **options)
+        gpt, plan = sharding.shard(nnx.merge(self.graphdef, self.params), mesh, **options)  # table in rows
         out = GPTForEngine(gpt, mesh=mesh, **self.decode_options)
         out.head_plan = plan
         return out

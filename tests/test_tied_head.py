@@ -220,3 +220,18 @@ def test_tied_head_compiles_for_h100_without_a_dense_copy():
         assert r["table"] <= r["read"] <= 1.05 * r["table"], (name, r)
     before = out["Q8_0-False"]
     assert before["mosaic"] == 0 and before["written"] >= 4096 * 512 * 2, before  # a bf16 copy of the table
+
+
+def test_sharding_plans_the_rows():
+    """A table kept in columns goes back to [vocab, d_model] rows under a tensor-parallel mesh (models.sharding
+    plans the rows; the kernel is not used there): the sharded table is the rows table."""
+    from jpa.core.sharding import TP
+    from jpa.models.sharding import shard
+
+    model = _model("int8")
+    want = np.asarray(model.tok_embeddings[...])
+    set_embeddings_layout(model, True)
+    mesh = jax.make_mesh((1,), (TP,), axis_types=(jax.sharding.AxisType.Explicit,))
+    out, _ = shard(model, mesh)
+    assert not out.embeddings_columns and out.tok_embeddings[...].shape == (CONFIG.vocab_size, CONFIG.d_model)
+    np.testing.assert_array_equal(np.asarray(out.tok_embeddings[...]), want)
