@@ -896,6 +896,10 @@ def set_embeddings_layout(model: GPT, columns: bool) -> GPT:
     (the old arrays are dropped: no second table); works on an abstract model (nnx.eval_shape). Returns model."""
     if getattr(model, "embeddings_columns", False) == columns:
         return model
+    if columns and not (hasattr(model, "tok_embeddings_bscale") or hasattr(model, "tok_embeddings_scale")):
+        raise ValueError("set_embeddings_layout: columns=True wants a quantized embedding table (GGUF blocks or "
+                         "int8 / fp8 with row scales), the tied head the Mosaic matmul reads; this table is "
+                         f"{np.dtype(model.tok_embeddings.get_value().dtype).name} without scales")
     for suffix in EMBEDDING_PARTS:
         var = getattr(model, "tok_embeddings" + suffix, None)
         if var is None:

@@ -120,7 +120,11 @@ def test_engine_keeps_rows_on_the_cpu():
     assert not tied_head_served(model)
     GPTForEngine(model)
     assert not model.embeddings_columns
-    assert not tied_head_served(GPT(CONFIG, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    dense = GPT(CONFIG, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    assert not tied_head_served(dense)
+    with pytest.raises(ValueError, match="columns=True wants a quantized embedding table"):
+        set_embeddings_layout(dense, True)
+    assert set_embeddings_layout(dense, False) is dense  # rows already: nothing to do
 
 
 def _h100_mesh():
