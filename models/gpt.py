@@ -892,8 +892,10 @@ def tied_head_served(model: GPT, rows: int = 1) -> bool:
 def set_embeddings_layout(model: GPT, columns: bool) -> GPT:
     """Keeps `model`'s embedding table (a tied head's weight) [d_model, vocab] (columns=True: the layout the
     Mosaic matmul reads a tied quantized head in; `GPT.embed` gathers the tokens' columns) or [vocab, d_model]
-    (False: the lookup's rows, what every loader, `models.sharding` and the CPU path use). In place, one copy
-    (the old arrays are dropped: no second table); works on an abstract model (nnx.eval_shape). Returns model."""
+    (False: the lookup's rows, what every loader, `models.sharding` and the CPU path use). In place: the
+    transposed arrays replace the old ones, which are freed when nothing else holds them (the model keeps one
+    table; the transpose itself holds two for a moment). Works on an abstract model (nnx.eval_shape). Returns
+    model."""
     if getattr(model, "embeddings_columns", False) == columns:
         return model
     if columns and not (hasattr(model, "tok_embeddings_bscale") or hasattr(model, "tok_embeddings_scale")):
