@@ -7,7 +7,7 @@ back inside the engine's jit, so the weights are jit arguments, not constants.
 
 from flax import nnx
 
-from jpa.models.gpt import GPT, decode, prefill, ragged, ragged_hidden
+from jpa.models.gpt import GPT, decode, prefill, ragged, ragged_hidden, set_embeddings_layout, tied_head_served
 
 
 class GPTForEngine:
@@ -24,6 +24,10 @@ class GPTForEngine:
     def __init__(self, model: GPT, *, mesh=None, **decode_options):
         if not isinstance(model, GPT):
             raise ValueError(f"model must be a models.GPT; got {type(model).__name__}")
+        if mesh is None and tied_head_served(model):
+            # a tied quantized head on a GPU the Mosaic matmul serves: the table kept [d_model, vocab] (in
+            # place, one copy), so the head reads its codes as stored instead of a dense bf16 copy a step
+            set_embeddings_layout(model, True)
         self.config = model.config
         self.dtype = model.dtype
         self.quantization = model.quantization  # weight-only quantization (None, "int8", "fp8")
@@ -38,7 +42,7 @@ class GPTForEngine:
         `models.sharding.shard` (embeddings=)."""
         from jpa.models import sharding
 
-        gpt, plan = sharding.shard(nnx.merge(self.graphdef, self.params), mesh, **options)
+        gpt, plan = sharding.shard(nnx.merge(self.graphdef, self.params), mesh, **options)  # table in rows
         out = GPTForEngine(gpt, mesh=mesh, **self.decode_options)
         out.head_plan = plan
         return out

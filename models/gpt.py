@@ -546,6 +546,9 @@ class GPT(nnx.Module):
         self.tok_embeddings = _param(rngs, (c.vocab_size, c.d_model), dtype)  # [vocab, d_model]
         if c.family == "gpt2":
             self.pos_embeddings = _param(rngs, (c.max_seq_len, c.d_model), dtype, std=0.01)
+        # The embedding table's layout: False, [vocab, d_model] (rows, for the lookup); True, [d_model, vocab]
+        # (`set_embeddings_layout`: a tied quantized head the Mosaic matmul reads as stored, [in, out]).
+        self.embeddings_columns = False
         # Built one by one (the same random draws as a list of blocks), then stacked on a leading axis.
         self.layers = stack_blocks([Block(c, dtype=dtype, rngs=rngs, quantization=quantization)
                                     for _ in range(c.num_layers)])
@@ -559,9 +562,12 @@ class GPT(nnx.Module):
 
     def embed(self, tokens, positions):
         """tokens, positions i32[B, T] -> f32[B, T, d_model]."""
-        x = jnp.take(self.tok_embeddings[...], tokens, axis=0, mode="clip").astype(jnp.float32)
-        if self.quantization == "gguf" and hasattr(self, "tok_embeddings_bscale"):  # the rows' blocks
+        if getattr(self, "embeddings_columns", False):  # [d_model(/ 2), vocab]: gather the tokens' columns
+            take = lambda a: None if a is None else jnp.moveaxis(jnp.take(a[...], tokens, axis=1, mode="clip"), 0, -1)
+        else:
             take = lambda a: None if a is None else jnp.take(a[...], tokens, axis=0, mode="clip")
+        x = take(self.tok_embeddings).astype(jnp.float32)  # [B, T, d_model] (codes: [B, T, d_model(/ 2)])
+        if self.quantization == "gguf" and hasattr(self, "tok_embeddings_bscale"):  # the rows' blocks
             opt = lambda suffix: take(getattr(self, "tok_embeddings" + suffix, None))
             x = dequantize_blocks(take(self.tok_embeddings), take(self.tok_embeddings_bscale), opt("_bmin"), -1,
                                   jnp.float32, opt("_bscale2"), opt("_bmin2"))
@@ -581,7 +587,20 @@ class GPT(nnx.Module):
             h = _layer_norm(x, self.norm, self.norm_bias, self.config.norm_eps)
         else:
             h = _rms_norm(x, self.norm, self.config.norm_eps, self.config.norm_weight_offset)
-        if self.config.tie_embeddings:
+        if self.config.tie_embeddings and getattr(self, "embeddings_columns", False):
+            # the table kept [d_model, vocab] (`set_embeddings_layout`): the head's [in, out] codes, read as
+            # stored by the Mosaic matmul where it serves (else dequantized where the dot reads them, as below)
+            lead = h.shape[:-1]
+            h2 = h.reshape(-1, h.shape[-1])
+            if hasattr(self, "tok_embeddings_bscale"):
+                opt = lambda suffix: None if (a := getattr(self, "tok_embeddings" + suffix, None)) is None else a[...]
+                out = packed_matmul(h2, self.tok_embeddings[...], self.tok_embeddings_bscale[...], opt("_bmin"),
+                                    opt("_bscale2"), opt("_bmin2"), layer=None, compute_dtype=self.dtype)
+            else:  # int8 / fp8: the rows' scales are the head's per-output-channel scales
+                out = scaled_matmul(h2, self.tok_embeddings[...], self.tok_embeddings_scale[...],
+                                    compute_dtype=self.dtype)
+            out = out.reshape(*lead, -1)
+        elif self.config.tie_embeddings:
             emb = _packed(self, "tok_embeddings", self.dtype)
             emb = self.tok_embeddings[...] if emb is None else emb  # [vocab, d_model]
             if not hasattr(self, "tok_embeddings_scale"):
@@ -658,6 +677,9 @@ class GPT(nnx.Module):
                 if not isinstance(var, nnx.Param) or (owner is self and name == "layers"):
                     continue
                 x = getattr(owner, name)[...]
+                if owner is self and name == "tok_embeddings" and getattr(self, "embeddings_columns", False):
+                    var.set_value(_embedding_rows(self).astype(self.dtype))
+                    continue
                 packed = _packed(owner, name, jnp.float32) if name in QUANT_AXIS else None
                 if packed is not None:
                     perm = getattr(owner, name + "_perm", None)
@@ -839,6 +861,70 @@ def _kernel_serves_packed(rows, codes, d, m, d2, dtype) -> bool:
     k = codes.shape[-2] * (2 if codes.dtype == jnp.uint8 else 1)
     return kernel_serves(rows, k, codes.shape[-1], k // d.shape[-2], codes.dtype, dtype, d2=d2,
                          sub_dtypes=(d.dtype, None if m is None else m[...].dtype))
+
+
+# The embedding table's arrays that `set_embeddings_layout` transposes (codes / values and the GGUF block
+# scales and minimums, all [vocab, ...]); an int8 / fp8 table's f32[vocab] row scales stay as they are.
+EMBEDDING_PARTS = ("", "_bscale", "_bmin", "_bscale2", "_bmin2")
+
+
+def tied_head_served(model: GPT, rows: int = 1) -> bool:
+    """Whether the Mosaic dequantizing matmul (`jpa.ops.qmatmul`) serves `model`'s tied head for `rows` tokens
+    on the device being compiled for once its quantized table is kept [d_model, vocab]: the head's [in, out]
+    codes, the same bytes (GGUF blocks run along d_model, so the transposed blocks are `qmatmul_grouped`'s /
+    `qmatmul`'s [K, N] codes with [K / G, N] scales; an int8 / fp8 table's row scales are per-output-channel
+    scales). False for an untied head, a float table, or where the kernel does not serve (a CPU, K = d_model
+    not a multiple of 128: SmolLM2's 576)."""
+    if not model.config.tie_embeddings:
+        return False
+    cols = getattr(model, "embeddings_columns", False)
+    part = lambda suffix: (None if (v := getattr(model, "tok_embeddings" + suffix, None)) is None
+                           else jax.ShapeDtypeStruct(v.get_value().shape[::1 if cols else -1], v.get_value().dtype))
+    codes, d, m = part(""), part("_bscale"), part("_bmin")
+    if d is not None:  # codes [K(/ 2), N], d [K / G, N] as the head reads them
+        k = codes.shape[0] * (2 if codes.dtype == jnp.uint8 else 1)
+        return kernel_serves(rows, k, codes.shape[1], k // d.shape[0], codes.dtype, model.dtype,
+                             d2=part("_bscale2"), sub_dtypes=(d.dtype, None if m is None else m.dtype))
+    if hasattr(model, "tok_embeddings_scale"):
+        return scaled_kernel_serves(rows, *codes.shape, codes.dtype, model.dtype)
+    return False
+
+
+def set_embeddings_layout(model: GPT, columns: bool) -> GPT:
+    """Keeps `model`'s embedding table (a tied head's weight) [d_model, vocab] (columns=True: the layout the
+    Mosaic matmul reads a tied quantized head in; `GPT.embed` gathers the tokens' columns) or [vocab, d_model]
+    (False: the lookup's rows, what every loader, `models.sharding` and the CPU path use). In place: the
+    transposed arrays replace the old ones, which are freed when nothing else holds them (the model keeps one
+    table; the transpose itself holds two for a moment). Works on an abstract model (nnx.eval_shape). Returns
+    model."""
+    if getattr(model, "embeddings_columns", False) == columns:
+        return model
+    if columns and not (hasattr(model, "tok_embeddings_bscale") or hasattr(model, "tok_embeddings_scale")):
+        raise ValueError("set_embeddings_layout: columns=True wants a quantized embedding table (GGUF blocks or "
+                         "int8 / fp8 with row scales), the tied head the Mosaic matmul reads; this table is "
+                         f"{np.dtype(model.tok_embeddings.get_value().dtype).name} without scales")
+    for suffix in EMBEDDING_PARTS:
+        var = getattr(model, "tok_embeddings" + suffix, None)
+        if var is None:
+            continue
+        x = var.get_value()
+        if isinstance(x, jax.ShapeDtypeStruct):
+            x = jax.ShapeDtypeStruct(x.shape[::-1], x.dtype)
+        else:
+            x = jnp.transpose(x)
+        var.set_value(x)
+    model.embeddings_columns = columns
+    return model
+
+
+def _embedding_rows(model: GPT):
+    """The float32 [vocab, d_model] table of a model whose table is kept [d_model, vocab]."""
+    v = lambda suffix: None if (a := getattr(model, "tok_embeddings" + suffix, None)) is None else a[...]
+    if v("_bscale") is not None:
+        return dequantize_blocks(v(""), v("_bscale"), v("_bmin"), -2, jnp.float32, v("_bscale2"), v("_bmin2")).T
+    if v("_scale") is not None:
+        return dequantize_weight(v("").T, v("_scale"), QUANT_AXIS["tok_embeddings"])
+    return v("").T.astype(jnp.float32)
 
 
 def _run(model: GPT, tokens, positions, attend, state, mesh=None, stack_packed: bool = False):

@@ -419,10 +419,14 @@ def shard(model, mesh, *, embeddings: str = "vocab", experts: str | None = None)
     heads). For an abstract model (nnx.eval_shape) the params become ShapeDtypeStructs carrying
     their NamedShardings (deviceless compiles).
     """
+    from jpa.models.gpt import set_embeddings_layout
+
     check_mesh(mesh)
     tp = mesh.shape[TP]
     plan = plan_heads(model.config, tp, embeddings, experts)
-    model = with_heads(model, plan)
+    # the rules plan the embedding table's [vocab, d_model] rows (a table kept [d_model, vocab] for a GPU's
+    # Mosaic head goes back to rows: the kernel does not serve under a mesh)
+    model = with_heads(set_embeddings_layout(model, False), plan)
     graphdef, params = nnx.split(model)
     specs = param_specs(params, embeddings=plan.embeddings, experts=plan.experts)
     check_divisible(params, specs, tp)

@@ -14,6 +14,8 @@ with its XLA options (`jpa.core.xla_options.WEIGHTS_IN_PLACE`); --xla-default le
     python scripts/gpu_traffic.py --model llama-small --layers 80 --max-seqs 64   # compile time vs depth
     python scripts/gpu_traffic.py --max-seqs 1 8 64 --context 8192 --project 1024 8192   # projected tok/s
     python scripts/gpu_traffic.py --quantization int8 Q4_1 awq --max-seqs 1 64   # quantized weights (issue 35)
+    python scripts/gpu_traffic.py --tied --quantization Q8_0 --max-seqs 1   # a tied head (SmolLM2's form)
+    python scripts/gpu_traffic.py --tied rows --quantization Q8_0 --max-seqs 1   # ... its table kept in rows (before)
 
 A deviceless-compile figure: bytes the compiled program moves, not a measured time.
 """
@@ -61,6 +63,10 @@ def main(argv=None) -> int:
     p.add_argument("--quantization", nargs="+", default=[None], metavar="FORMAT",
                    help="the weights stored quantized (jpa.tools.traffic.ABSTRACT_FORMATS: int8 fp8 Q4_0 Q4_1 Q4_K "
                         "Q8_0 Q5_K Q6_K fp8-block awq gptq; 'none': bfloat16); several: one table each")
+    p.add_argument("--tied", nargs="?", const="columns", choices=("columns", "rows"),
+                   help="tie the head to the embedding table (quantized in the format's head form, as SmolLM2's "
+                        "GGUF keeps it: jpa.tools.traffic.abstract_model); 'rows': keep the table [vocab, d_model] "
+                        "instead of the [d_model, vocab] the engine keeps for the Mosaic matmul (the before)")
     p.add_argument("--which", nargs="+", choices=("plain", "spec"), default=["plain"])
     p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                    help="an XLA option for the compile (repeatable), e.g. xla_gpu_enable_triton_gemm=false")
@@ -82,20 +88,22 @@ def main(argv=None) -> int:
             p.error(f"--option wants NAME=VALUE; got {o!r}")
         k, v = o.split("=", 1)
         options[k] = _value(v)
-    shapes = dict(SHAPES[args.model], **({"num_layers": args.layers} if args.layers else {}))
+    shapes = dict(SHAPES[args.model], **({"num_layers": args.layers} if args.layers else {}),
+                  **({"tie_embeddings": True} if args.tied else {}))
     out = []
     quants = [None if q in (None, "none") else q for q in args.quantization]
     for quant, which, seqs in [(q, w, n) for q in quants for w in args.which for n in args.max_seqs]:
         if True:
             tag = "_".join(f"{k}={v}" for k, v in options.items())
-            fname = f"{args.target}_{quant or 'bf16'}_{which}_{seqs}_{'xla' if args.xla_default else 'engine'}_{tag or 'options'}.hlo"
+            fname = f"{args.target}_{quant or 'bf16'}{'_tied-' + args.tied if args.tied else ''}_{which}_{seqs}_{'xla' if args.xla_default else 'engine'}_{tag or 'options'}.hlo"
             saved = None
             if args.from_hlo:
                 with open(os.path.join(args.from_hlo, fname)) as f:
                     saved = f.read()
             r = engine_traffic(args.target, shapes, max_seqs=seqs, context=args.context, pool_gib=args.pool_gib,
                                which=which, compiler_options=options, label=args.model, hlo=saved,
-                               engine_options=not args.xla_default, quantization=quant)
+                               engine_options=not args.xla_default, quantization=quant,
+                               embeddings_columns=None if args.tied is None else args.tied == "columns")
             s = r["summary"]
             if args.hlo:
                 os.makedirs(args.hlo, exist_ok=True)
@@ -103,7 +111,7 @@ def main(argv=None) -> int:
                     f.write(r["hlo"])
             how = ("from saved HLO" if r["seconds"] is None
                    else f"compiled in {r['seconds']} s ({r['cpu_seconds']} CPU s)")
-            print(f"\n{r['name']}, weights {quant or 'bf16'}, on {args.target}, {seqs} x {args.context} tokens of context, "
+            print(f"\n{r['name']}, weights {quant or 'bf16'}{', tied head (table in ' + args.tied + ')' if args.tied else ''}, on {args.target}, {seqs} x {args.context} tokens of context, "
                   f"XLA options {r['compiler_options']}: "
                   f"{how}; {len(s['weight_copies'])} materialized weight slices"
                   + "".join(f"\n  weight copy: {c['bytes'] / 1e9:.3f} GB {c['name']} -> {c['result'][:60]}"
@@ -136,7 +144,7 @@ def main(argv=None) -> int:
                     out.append(dict(target=args.target, model=args.model, max_seqs=seqs, context=ctx, which=which,
                                     projected_from_context=args.context, summary=sc, projection=pr,
                                     efficiency=args.efficiency))
-            out.append(dict(target=args.target, model=args.model, quantization=quant, num_layers=shapes["num_layers"], max_seqs=seqs,
+            out.append(dict(target=args.target, model=args.model, quantization=quant, tied=args.tied, num_layers=shapes["num_layers"], max_seqs=seqs,
                             context=args.context, which=which, options=r["compiler_options"], seconds=r["seconds"],
                             cpu_seconds=r["cpu_seconds"], temp_bytes=r["temp_bytes"], summary=s, top=r["top"],
                             logit_passes=logit_passes))

@@ -81,6 +81,12 @@ BENCH = {
     "tests/test_quant_gpu.py::test_row_tiles_compile_for_h100_and_a100_and_read_each_layer_once":
         "60 s: 6 deviceless compiles (H100 + A100, 4-bit / int8 / Q8_0 at 200 rows: 0 spills, the stack read once; "
         "the interpret-mode row-tile tests and test_kernel_serves_every_row_count_on_an_h100 stay)",
+    # --- the tied quantized head (issue 35): the deviceless compile; the traced H100 check stays
+    "tests/test_tied_head.py::test_tied_head_compiles_for_h100_without_a_dense_copy":
+        "20 s: deviceless H100 compile of a tied Q8_0 / int8 head, table in columns and in rows "
+        "(test_tied_head_is_the_kernel_on_an_h100 keeps the head as the kernel's mma with no table-sized convert)",
+    "tests/test_tied_head.py::test_tied_head_kernel_in_interpret_mode_equals_numpy[Q8_0-64]":
+        "3 s: the transposed Q8_0 table at 64 rows (the 3-row Q8_0 and 20-row int8 cases stay)",
     # --- Hugging Face quantized checkpoints: fp8 per channel and per tensor, AWQ, GPTQ v1 act order (asymmetric,
     # with a quantized lm_head) and pack-quantized asymmetric stay against NumPy's dequantize-then-matmul
     **{f"tests/test_quant_hf.py::test_quantized_checkpoint_equals_numpy_dequantize_then_matmul[{fmt}]": why

@@ -53,7 +53,7 @@ def expected_kernel_calls(target: str, kernel_calls, decode_calls: int) -> dict:
 
 def engine_steps(pool_gib: float = 1.5, max_seqs: int = 64, page_size: int = 16, max_model_len: int = 2048,
                  steps_per_call: int = 8, budget: int = 512, config=None, label: str = "SmolLM2",
-                 which=("plain", "spec"), quantization: str | None = None):
+                 which=("plain", "spec"), quantization: str | None = None, embeddings_columns: bool | None = None):
     """[(name, fn, args, jit_options, pool shapes, expected kernel calls)] of the engine's one
     program, the unified step: a ragged step over `budget` tokens in one pass, then the decode loop
     ("plain"), and the same with n-gram speculation ("spec"); `which` picks. jit_options: what the
@@ -64,7 +64,8 @@ def engine_steps(pool_gib: float = 1.5, max_seqs: int = 64, page_size: int = 16,
     a runner with allocate=False): no weights are read and no pool is allocated, so this runs
     without the model package. quantization: the model's weights as a quantized checkpoint keeps
     them (`jpa.tools.traffic.abstract_model`: "int8", "fp8", "Q4_0", "Q4_1", "Q4_K", "awq", "gptq");
-    None: bfloat16.
+    None: bfloat16. embeddings_columns: a tied quantized table's layout (`abstract_model`; None: the one the
+    engine keeps on a GPU the Mosaic matmul serves, [d_model, vocab]).
     """
     from flax import nnx
 
@@ -80,7 +81,7 @@ def engine_steps(pool_gib: float = 1.5, max_seqs: int = 64, page_size: int = 16,
         model = GPTForEngine(nnx.eval_shape(lambda: GPT(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))
     else:
         from jpa.tools.traffic import abstract_model
-        model = GPTForEngine(abstract_model(config, quantization))
+        model = GPTForEngine(abstract_model(config, quantization, embeddings_columns))
     cache_cfg = CacheConfig.from_memory(int(pool_gib * 2 ** 30), num_layers=config.num_layers,
                                         num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
                                         page_size=page_size, dtype="bfloat16")

@@ -650,13 +650,17 @@ HEAD_FORMS = {"Q8_0": "Q8_0", "Q5_K": "Q6_K", "Q6_K": "Q6_K"}
 ABSTRACT_FORMATS = ("int8", "fp8", *PACKED_FORMS)
 
 
-def abstract_model(config, quantization: str):
+def abstract_model(config, quantization: str, embeddings_columns: bool | None = None):
     """An abstract (nnx.eval_shape) bfloat16 models.GPT of `config` whose layer linears are stored
     in `quantization`: "int8" / "fp8" (per output channel, embeddings and head too: what
     `--quantization` makes), or a packed 4-bit form of PACKED_FORMS (the layers only: GGUF
     Q4_0 / Q4_1 / Q4_K / Q8_0 / Q5_K / Q6_K, AWQ g128, GPTQ g128, block-wise FP8 128 x 128; embeddings
     stay bfloat16, and the head too except where HEAD_FORMS quantizes it as those files do). For
-    deviceless compiles: nothing is allocated."""
+    deviceless compiles: nothing is allocated. A tied config's table is the head: int8 / fp8 as above, in
+    the HEAD_FORMS form where the format has one (as SmolLM2's GGUF keeps its tied Q8_0 table), else
+    bfloat16. embeddings_columns: keep a quantized tied table [d_model, vocab] (`models.gpt.
+    set_embeddings_layout`: what the engine keeps on a GPU the Mosaic matmul serves); None: so for a
+    tied quantized table."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -666,8 +670,16 @@ def abstract_model(config, quantization: str):
 
     if quantization not in ABSTRACT_FORMATS:
         raise ValueError(f"quantization must be one of {list(ABSTRACT_FORMATS)}; got {quantization!r}")
+    from jpa.models.gpt import set_embeddings_layout
+
+    def layout(model):
+        tied = config.tie_embeddings and (hasattr(model, "tok_embeddings_scale")
+                                          or hasattr(model, "tok_embeddings_bscale"))
+        return set_embeddings_layout(model, tied if embeddings_columns is None else embeddings_columns and tied)
+
     if quantization in ("int8", "fp8"):
-        return nnx.eval_shape(lambda: GPT(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), quantization=quantization))
+        return layout(nnx.eval_shape(lambda: GPT(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0),
+                                                 quantization=quantization)))
     model = nnx.eval_shape(lambda: GPT(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
     form = PACKED_FORMS[quantization]
     suffix = {"codes": "", "d": "_bscale", "m": "_bmin", "d2": "_bscale2", "m2": "_bmin2"}
@@ -681,14 +693,19 @@ def abstract_model(config, quantization: str):
         k, n = model.output.get_value().shape  # [d_model, vocab]
         for part, (dtype, div) in PACKED_FORMS[HEAD_FORMS[quantization]].items():
             setattr(model, "output" + suffix[part], nnx.Param(jax.ShapeDtypeStruct((k // div, n), dtype)))
+    if quantization in HEAD_FORMS and config.tie_embeddings:  # [vocab, d_model] rows, blocks along d_model
+        n, k = model.tok_embeddings.get_value().shape
+        for part, (dtype, div) in PACKED_FORMS[HEAD_FORMS[quantization]].items():
+            setattr(model, "tok_embeddings" + suffix[part], nnx.Param(jax.ShapeDtypeStruct((n, k // div), dtype)))
     model.quantization = "gguf" if quantization.startswith("Q") else quantization
-    return model
+    return layout(model)
 
 
 def engine_traffic(target: str = "h100", config=None, *, max_seqs: int = 64, context: int = 1024,
                    pool_gib: float = 8.0, page_size: int = 16, which: str = "plain", compiler_options=None,
                    label: str = "Llama-3-8B", hlo: str | None = None, engine_options: bool = True,
-                   budget: int = 512, quantization: str | None = None) -> dict:
+                   budget: int = 512, quantization: str | None = None,
+                   embeddings_columns: bool | None = None) -> dict:
     """Compiles the engine's unified step (`engine_steps`: a ragged pass, then the decode loop;
     "spec": with n-gram speculation, k = 4) for a deviceless target and models one iteration of its
     decode loop: a decode step at `max_seqs` sequences of `context` tokens (a verify step of
@@ -703,7 +720,8 @@ def engine_traffic(target: str = "h100", config=None, *, max_seqs: int = 64, con
     cpu_seconds (the compile: wall, and this process's CPU time; None given hlo), temp_bytes, rows
     (every row of the decode step), hlo, matrix_copies (`matrix_copies` of the whole program) and
     checks (the compile record's ok, problems, pool_copies, pool and alias bytes, kernel calls)).
-    quantization: the model's weights stored in that format (`abstract_model`); None: bfloat16."""
+    quantization: the model's weights stored in that format (`abstract_model`); None: bfloat16.
+    embeddings_columns: a tied quantized table's layout (`abstract_model`)."""
     from jpa.models import ModelConfig
     from jpa.tools.deviceless import Compiler
     from jpa.tools.engine_checks import LLAMA_SHAPED, engine_steps
@@ -712,7 +730,8 @@ def engine_traffic(target: str = "h100", config=None, *, max_seqs: int = 64, con
     max_model_len = max(2048, -(-context // page_size) * page_size)
     (name, fn, args, jit_options, pools, _), = engine_steps(
         pool_gib=pool_gib, max_seqs=max_seqs, page_size=page_size, max_model_len=max_model_len, config=config,
-        label=label, which=(which,), budget=budget, quantization=quantization)
+        label=label, which=(which,), budget=budget, quantization=quantization,
+        embeddings_columns=embeddings_columns)
     jit_options = dict(jit_options)
     options = {**(jit_options.pop("compiler_options", {}) if engine_options else {}), **(compiler_options or {})}
     jit_options.pop("compiler_options", None)

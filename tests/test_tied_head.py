@@ -1,0 +1,241 @@
+"""A tied quantized head through the Mosaic dequantizing matmul (issue 35): the embedding table kept
+[d_model, vocab] (`models.gpt.set_embeddings_layout`) is the head's [in, out] codes, read as stored; the
+lookup gathers the tokens' columns. Checked against NumPy (the kernel in GPU interpret mode), against
+today's [vocab, d_model] layout (embed exactly, logits, dequantized, weight bytes), traced for an H100
+(the head is the kernel: no head-sized dequantizing convert) and compiled for one without a GPU (no
+dense float copy of the table written)."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+from jpa.core.quant import dequantize_blocks, quantize_weight
+from jpa.models import GPT, GPTForEngine, ModelConfig
+from jpa.models.gpt import PackedWeight, set_embeddings_layout, set_packed, tied_head_served
+from jpa.pallas.mosaic import qmatmul as kernel
+from jpa.tools import deviceless
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BF16 = ml_dtypes.bfloat16
+# K = d_model a multiple of the kernel's 128, N = vocab of its 64
+CONFIG = ModelConfig(family="llama", vocab_size=256, d_model=128, num_layers=1, num_q_heads=2, num_kv_heads=1,
+                     head_dim=64, ffn_dim=256, max_seq_len=256, tie_embeddings=True)
+
+
+def _table(rng, fmt, vocab, d):
+    """A random quantized embedding table as jpa keeps it in rows ([vocab, ...], blocks along d_model):
+    (parts {suffix: array}, its float32 [vocab, d] value)."""
+    if fmt in ("int8", "fp8"):
+        q, scale = quantize_weight(rng.standard_normal((vocab, d)).astype(np.float32), fmt, -1)
+        q, scale = np.asarray(q), np.asarray(scale)
+        return {"": q, "_scale": scale}, q.astype(np.float32) * scale[:, None]
+    if fmt == "Q8_0":
+        codes = rng.integers(-127, 128, (vocab, d)).astype(np.int8)
+        parts = {"": codes, "_bscale": rng.uniform(0.005, 0.05, (vocab, d // 32)).astype(np.float16)}
+    else:  # Q4_1: two 4-bit codes a byte, f16 scales and minimums per 32
+        parts = {"": rng.integers(0, 256, (vocab, d // 2)).astype(np.uint8),
+                 "_bscale": rng.uniform(0.005, 0.05, (vocab, d // 32)).astype(np.float16),
+                 "_bmin": rng.uniform(-0.4, 0.4, (vocab, d // 32)).astype(np.float16)}
+    w = dequantize_blocks(parts[""], parts["_bscale"], parts.get("_bmin"), -1, np.float32)
+    return parts, w
+
+
+@pytest.mark.parametrize("fmt,rows", [("Q8_0", 3), ("int8", 20), ("Q8_0", 64)])
+def test_tied_head_kernel_in_interpret_mode_equals_numpy(fmt, rows):
+    """The table's codes transposed ([d_model, vocab], scales [d_model / 32, vocab] or f32[vocab]): the same
+    bytes, no requantization, are `qmatmul_grouped`'s / `qmatmul_scaled`'s [K, N] weight; the kernel equals
+    x @ W.T of the table dequantized by NumPy."""
+    rng = np.random.default_rng()
+    vocab, d = 192, 256
+    parts, w = _table(rng, fmt, vocab, d)
+    x = rng.normal(size=(rows, d)).astype(BF16)
+    if fmt == "int8":
+        got = kernel.qmatmul_scaled(jnp.asarray(x), parts[""].T, parts["_scale"], interpret=True)
+        want = (x.astype(np.float32) @ parts[""].T.astype(np.float32)) * parts["_scale"]
+        tol = 1e-5
+    else:
+        got = kernel.qmatmul_grouped(jnp.asarray(x), parts[""].T, parts["_bscale"].T, interpret=True)
+        want = x.astype(np.float32) @ w.T.astype(BF16).astype(np.float32)  # W rounded to bf16 once, as the kernel
+        tol = 2e-4
+    got = np.asarray(got)
+    assert got.shape == (rows, vocab) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=0, atol=tol * np.abs(want).max())
+    exact = x.astype(np.float32) @ w.T
+    np.testing.assert_allclose(got, exact, rtol=0, atol=2e-2 * np.abs(exact).max())
+
+
+def _model(fmt, seed=0):
+    """A tiny tied llama (bfloat16) whose embedding table is a random `fmt` table, in rows."""
+    model = GPT(CONFIG, dtype=jnp.bfloat16, rngs=nnx.Rngs(seed), quantization=fmt if fmt in ("int8", "fp8") else None)
+    parts, _ = _table(np.random.default_rng(seed), fmt, CONFIG.vocab_size, CONFIG.d_model)
+    if fmt in ("int8", "fp8"):
+        model.tok_embeddings.set_value(jnp.asarray(parts[""]))
+        model.tok_embeddings_scale.set_value(jnp.asarray(parts["_scale"]))
+    else:
+        set_packed(model, "tok_embeddings", PackedWeight(parts[""], parts["_bscale"], parts.get("_bmin"), -1))
+        model.quantization = "gguf"
+    return model
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_1", "int8", "fp8"])
+def test_columns_layout_equals_rows_layout(fmt):
+    """The table kept [d_model, vocab]: embed() gathers the tokens' columns and equals the rows' lookup
+    exactly; logits (here on the CPU: the codes dequantized where the dot reads them, as the untied head's
+    path), dequantized() and weight_bytes() equal today's; one copy (the arrays transposed, none added);
+    and back to rows gives the same arrays."""
+    model = _model(fmt)
+    tokens = jnp.asarray([[0, 5, 255], [17, 3, 300]], jnp.int32)  # 300: past the table, clipped as before
+    positions = jnp.asarray([[0, 1, 2], [0, 1, 2]], jnp.int32)
+    h = jnp.asarray(np.random.default_rng(1).normal(size=(2, 3, CONFIG.d_model)), jnp.float32)
+    before = dict(embed=np.asarray(model.embed(tokens, positions)), logits=np.asarray(model.logits(h)),
+                  deq=np.asarray(model.dequantized().tok_embeddings[...].astype(jnp.float32)),
+                  nbytes=model.weight_bytes(), table=np.asarray(model.tok_embeddings[...]))
+    leaves = len(jax.tree.leaves(nnx.state(model, nnx.Param)))
+    set_embeddings_layout(model, True)
+    assert model.embeddings_columns and model.tok_embeddings[...].shape[-1] == CONFIG.vocab_size
+    np.testing.assert_array_equal(np.asarray(model.embed(tokens, positions)), before["embed"])
+    np.testing.assert_allclose(np.asarray(model.logits(h)), before["logits"], rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(model.dequantized().tok_embeddings[...].astype(jnp.float32)),
+                                  before["deq"])
+    assert model.weight_bytes() == before["nbytes"]
+    assert len(jax.tree.leaves(nnx.state(model, nnx.Param))) == leaves
+    set_embeddings_layout(model, False)
+    assert not model.embeddings_columns
+    np.testing.assert_array_equal(np.asarray(model.tok_embeddings[...]), before["table"])
+
+
+def test_engine_keeps_rows_on_the_cpu():
+    """On this CPU the kernel does not serve: the engine keeps the table in rows (CPU outputs unchanged);
+    a float or untied table never serves."""
+    model = _model("Q8_0")
+    assert not tied_head_served(model)
+    GPTForEngine(model)
+    assert not model.embeddings_columns
+    dense = GPT(CONFIG, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    assert not tied_head_served(dense)
+    with pytest.raises(ValueError, match="columns=True wants a quantized embedding table"):
+        set_embeddings_layout(dense, True)
+    assert set_embeddings_layout(dense, False) is dense  # rows already: nothing to do
+
+
+def _h100_mesh():
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+    return AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=AbstractDevice(
+        device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="cuda"))
+
+
+def _eqns(jaxpr):
+    for e in jaxpr.eqns:
+        yield e
+        for v in e.params.values():
+            for sub in (v if isinstance(v, (list, tuple)) else [v]):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _eqns(inner)
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "int8", "fp8"])
+def test_tied_head_is_the_kernel_on_an_h100(fmt):
+    """Traced for an H100 (nothing compiled): an abstract tied model (`abstract_model`: SmolLM2's form, Q8_0
+    table; or int8 / fp8) keeps its table [d_model, vocab], `tied_head_served` says so, and its head is the
+    kernel's mma.sync with no head-sized dequantizing convert; in rows (today's layout) it is the convert."""
+    from jpa.tools.traffic import abstract_model
+
+    config = ModelConfig(family="llama", vocab_size=512, d_model=256, num_layers=2, num_q_heads=4, num_kv_heads=2,
+                         head_dim=64, ffn_dim=768, max_seq_len=256, tie_embeddings=True)
+    h = jax.ShapeDtypeStruct((4, 256), jnp.float32)
+    found = {}
+    for columns in (True, False):
+        graphdef, state = nnx.split(abstract_model(config, fmt, embeddings_columns=columns))
+        served = {}
+
+        def head(state, h):
+            model = nnx.merge(graphdef, state)
+            served["h100"] = tied_head_served(model, 4)
+            return model.logits(h)
+
+        with jax.sharding.use_abstract_mesh(_h100_mesh()):
+            jaxpr = jax.make_jaxpr(head)(state, h)
+        eqns = list(_eqns(jaxpr.jaxpr))
+        converts = [e for e in eqns if e.primitive.name == "convert_element_type"
+                    and np.prod(e.outvars[0].aval.shape) >= 256 * 512]
+        found[columns] = ("mma" in {e.primitive.name for e in eqns}, len(converts), served["h100"])
+    assert found[True] == (True, 0, True), found
+    assert not found[False][0] and found[False][1] >= 1, found
+
+
+COMPILE = """
+import json, os
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from jpa.tools import deviceless
+deviceless.configure_environment()
+import jax, jax.numpy as jnp
+from flax import nnx
+from jpa.models import ModelConfig
+from jpa.tools import traffic as tr
+config = ModelConfig(family="llama", vocab_size=4096, d_model=512, num_layers=1, num_q_heads=8, num_kv_heads=2,
+                     head_dim=64, ffn_dim=1024, max_seq_len=256, tie_embeddings=True)
+out = {}
+for fmt, columns in CASES:
+    graphdef, state = nnx.split(tr.abstract_model(config, fmt, embeddings_columns=columns))
+    def fn(state, h):
+        return nnx.merge(graphdef, state).logits(h)
+    args = (state, jax.ShapeDtypeStruct((8, 512), jnp.float32))
+    leaves = [v for k, v in nnx.to_flat_state(state) if k[0].startswith("tok_embeddings")]
+    leaves = [jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype) for v in leaves]
+    rec = deviceless.Compiler("h100").compile(f"{fmt}-{columns}", fn, args, keep_hlo=True,
+                                              compiler_options=tr.WEIGHTS_IN_PLACE)
+    spec = tr.Spec(weight_types=tr.weight_types_of(leaves), dense_sizes=tr.dense_sizes_of(leaves))
+    s = tr.summary(tr.select(tr.traffic(rec["hlo"], spec)))
+    out[f"{fmt}-{columns}"] = dict(ok=rec["ok"], problems=rec["problems"], mosaic=rec["mosaic_calls"],
+                                   read=s["weights"]["read"], written=s["weights"]["written"],
+                                   copies=len(s["weight_copies"]), table=sum(a.size * a.dtype.itemsize for a in leaves))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(deviceless.missing_packages() is not None, reason=str(deviceless.missing_packages()))
+def test_tied_head_compiles_for_h100_without_a_dense_copy():
+    """`GPT.logits` of a tied Q8_0 and int8 table compiled for an H100 without one: in columns one Mosaic
+    call reads the table's codes and scales once and no table-sized float array is written; in rows (today's
+    layout, the "before") XLA writes a dense copy of the table."""
+    cases = [("Q8_0", True), ("Q8_0", False), ("int8", True)]
+    code = COMPILE.replace("for fmt, columns in CASES:", f"for fmt, columns in {cases!r}:")
+    env = {k: v for k, v in os.environ.items() if k != "JPA_QMATMUL"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env,
+                         timeout=1200)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    for name, r in out.items():
+        assert r["ok"] and not r["problems"], (name, r)
+    for name in ("Q8_0-True", "int8-True"):
+        r = out[name]
+        assert r["mosaic"] == 1 and r["written"] < 0.01 * r["table"] and r["copies"] == 0, (name, r)
+        assert r["table"] <= r["read"] <= 1.05 * r["table"], (name, r)
+    before = out["Q8_0-False"]
+    assert before["mosaic"] == 0 and before["written"] >= 4096 * 512 * 2, before  # a bf16 copy of the table
+
+
+def test_sharding_plans_the_rows():
+    """A table kept in columns goes back to [vocab, d_model] rows under a tensor-parallel mesh (models.sharding
+    plans the rows; the kernel is not used there): the sharded table is the rows table."""
+    from jpa.core.sharding import TP
+    from jpa.models.sharding import shard
+
+    model = _model("int8")
+    want = np.asarray(model.tok_embeddings[...])
+    set_embeddings_layout(model, True)
+    mesh = jax.make_mesh((1,), (TP,), axis_types=(jax.sharding.AxisType.Explicit,))
+    out, _ = shard(model, mesh)
+    assert not out.embeddings_columns and out.tok_embeddings[...].shape == (CONFIG.vocab_size, CONFIG.d_model)
+    np.testing.assert_array_equal(np.asarray(out.tok_embeddings[...]), want)
