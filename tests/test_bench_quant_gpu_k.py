@@ -32,13 +32,7 @@ out = {}
 for target, M in [(t, m) for t in ("h100", "a100") for m in (4, 64)]:  # 16 rows (m_warps 1) and 64 (m_warps 4)
     args = (S((M, K), jnp.bfloat16), *weights)
     rec = deviceless.Compiler(target).compile(target, fn, args, keep_hlo=True, compiler_options=tr.WEIGHTS_IN_PLACE)
-    spec = tr.Spec(weight_types=tr.weight_types_of(args[1:], (L,)),
-                   stacked_weights={(t, d) for t, d in tr.weight_types_of(args[1:]) if d[0] == L},
-                   dense_sizes=tr.dense_sizes_of(args[1:], (L,)))
-    s = tr.summary(tr.select(tr.traffic(rec["hlo"], spec)))
-    out[f"{target}-{M}"] = dict(ok=rec["ok"], problems=rec["problems"], mosaic=rec["mosaic_calls"],
-                                kernels=rec["kernels"], read=s["weights"]["read"], written=s["weights"]["written"],
-                                copies=len(s["weight_copies"]), stack=sum(a.size * a.dtype.itemsize for a in args[1:]))
+    out[f"{target}-{M}"] = tr.stacked_weight_record(rec, args[1:], L)
 print(json.dumps(out))
 """
 

@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from jpa.testing.jaxprs import equations
 from jpa.core.quant import dequantize_blocks
 from jpa.ops import qmatmul as op
 from jpa.pallas.mosaic import qmatmul as kernel
@@ -179,13 +180,7 @@ for target, (fn, args) in [(t, c) for t in ("h100", "a100") for c in cases]:
     target = target + ("" if fn.__name__ == "fn" else "-int8")
     rec = deviceless.Compiler(target.split("-")[0]).compile(target, fn, args, keep_hlo=True,
                                                              compiler_options=tr.WEIGHTS_IN_PLACE)
-    spec = tr.Spec(weight_types=tr.weight_types_of(args[1:], (L,)),
-                   stacked_weights={(t, d) for t, d in tr.weight_types_of(args[1:]) if d[0] == L},
-                   dense_sizes=tr.dense_sizes_of(args[1:], (L,)))
-    s = tr.summary(tr.select(tr.traffic(rec["hlo"], spec)))
-    out[target] = dict(ok=rec["ok"], problems=rec["problems"], mosaic=rec["mosaic_calls"], kernels=rec["kernels"],
-                       read=s["weights"]["read"], written=s["weights"]["written"], copies=len(s["weight_copies"]),
-                       stack=sum(a.size * a.dtype.itemsize for a in args[1:]))
+    out[target] = tr.stacked_weight_record(rec, args[1:], L)
 print(json.dumps(out))
 """
 
@@ -399,7 +394,7 @@ def test_new_8bit_formats_stay_in_the_kernel_on_a_gpu(fmt):
     jax.make_jaxpr(head, static_argnums=2)(state, h, "cpu")
     assert set(kept["h100"]) == {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}, kept
     assert kept["cpu"] == ()  # on this CPU: the plain-JAX path
-    eqns = list(_eqns(jaxpr.jaxpr))
+    eqns = list(equations(jaxpr.jaxpr))
     prims = {e.primitive.name for e in eqns}
     head_converts = [e for e in eqns if e.primitive.name == "convert_element_type"
                      and np.prod(e.outvars[0].aval.shape) >= 256 * 512]
@@ -408,16 +403,6 @@ def test_new_8bit_formats_stay_in_the_kernel_on_a_gpu(fmt):
     else:  # a block-FP8 checkpoint's head is bf16: a plain dot
         assert "mma" not in prims, " ".join(sorted(prims))
 
-
-def _eqns(jaxpr):
-    """Every equation of a jaxpr and of the jaxprs in its equations' parameters (kernel bodies too)."""
-    for e in jaxpr.eqns:
-        yield e
-        for v in e.params.values():
-            for sub in (v if isinstance(v, (list, tuple)) else [v]):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from _eqns(inner)
 
 
 COMPILE_GROUPED = """
@@ -444,13 +429,7 @@ for target, fmt, M in CASES:
     args = (S((M, K), jnp.bfloat16), *(S((L, K // form[p][1], N), form[p][0]) for p in names))
     name = f"{target}-{fmt}-{M}"
     rec = deviceless.Compiler(target).compile(name, fn, args, keep_hlo=True, compiler_options=tr.WEIGHTS_IN_PLACE)
-    spec = tr.Spec(weight_types=tr.weight_types_of(args[1:], (L,)),
-                   stacked_weights={(t, d) for t, d in tr.weight_types_of(args[1:]) if d[0] == L},
-                   dense_sizes=tr.dense_sizes_of(args[1:], (L,)))
-    s = tr.summary(tr.select(tr.traffic(rec["hlo"], spec)))
-    out[name] = dict(ok=rec["ok"], problems=rec["problems"], mosaic=rec["mosaic_calls"], kernels=rec["kernels"],
-                     read=s["weights"]["read"], written=s["weights"]["written"], copies=len(s["weight_copies"]),
-                     stack=sum(a.size * a.dtype.itemsize for a in args[1:]))
+    out[name] = tr.stacked_weight_record(rec, args[1:], L)
 print(json.dumps(out))
 """
 

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jpa.testing.jaxprs import equations
 from jpa.core.quant import dequantize_blocks, quantize_weight
 from jpa.models import GPT, GPTForEngine, ModelConfig
 from jpa.models.gpt import PackedWeight, set_embeddings_layout, set_packed, tied_head_served
@@ -134,15 +135,6 @@ def _h100_mesh():
         device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="cuda"))
 
 
-def _eqns(jaxpr):
-    for e in jaxpr.eqns:
-        yield e
-        for v in e.params.values():
-            for sub in (v if isinstance(v, (list, tuple)) else [v]):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from _eqns(inner)
-
 
 @pytest.mark.parametrize("fmt", ["Q8_0", "int8", "fp8"])
 def test_tied_head_is_the_kernel_on_an_h100(fmt):
@@ -166,7 +158,7 @@ def test_tied_head_is_the_kernel_on_an_h100(fmt):
 
         with jax.sharding.use_abstract_mesh(_h100_mesh()):
             jaxpr = jax.make_jaxpr(head)(state, h)
-        eqns = list(_eqns(jaxpr.jaxpr))
+        eqns = list(equations(jaxpr.jaxpr))
         converts = [e for e in eqns if e.primitive.name == "convert_element_type"
                     and np.prod(e.outvars[0].aval.shape) >= 256 * 512]
         found[columns] = ("mma" in {e.primitive.name for e in eqns}, len(converts), served["h100"])

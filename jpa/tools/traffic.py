@@ -235,6 +235,20 @@ def dense_sizes_of(params, stacked_axis_sizes=()) -> set:
     return out
 
 
+def stacked_weight_record(rec: dict, weights, num_layers: int) -> dict:
+    """What a deviceless compile record (`deviceless.Compiler.compile(..., keep_hlo=True)`) of a program over
+    stacked [num_layers, ...] weights (ShapeDtypeStructs) did with them: {ok, problems, mosaic, kernels, read,
+    written, copies, stack}: weight bytes read and written, weight-shaped arrays materialized and the stack's
+    bytes (the quantized-matmul compile checks compare read with stack / num_layers per layer)."""
+    spec = Spec(weight_types=weight_types_of(weights, (num_layers,)),
+                stacked_weights={(t, d) for t, d in weight_types_of(weights) if d[0] == num_layers},
+                dense_sizes=dense_sizes_of(weights, (num_layers,)))
+    s = summary(select(traffic(rec["hlo"], spec)))
+    return dict(ok=rec["ok"], problems=rec["problems"], mosaic=rec["mosaic_calls"], kernels=rec["kernels"],
+                read=s["weights"]["read"], written=s["weights"]["written"], copies=len(s["weight_copies"]),
+                stack=sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in weights))
+
+
 def _param_reads(comp: dict, comps: dict | None = None, depth: int = 0) -> dict:
     """{parameter number: bytes read, or None for the whole operand} of a fused computation: a
     parameter used only as the sliced operand of slices / gathers reads their bytes; one used only
