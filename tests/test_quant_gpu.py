@@ -152,6 +152,8 @@ def test_smollm2_linears_and_tied_head_take_the_kernel_on_an_h100_and_an_a100():
     assert model.embeddings_columns and model.tok_embeddings.get_value().shape == (576, 49152)
     assert model.tok_embeddings_bscale.get_value().shape == (576 // 32, 49152)
     assert model.layers.w_down.get_value().shape == (30, 1536 // 2, 576)  # Q4_1 codes [L, K / 2, N]
+    with pytest.raises(ValueError, match="a packed head form as 'Q4_1:Q8_0'; got 'int8:Q8_0'"):
+        abstract_model(PRESETS["smollm2-135m"], "int8:Q8_0")
     graphdef, state = nnx.split(model)
     found = {}
 
