@@ -874,7 +874,7 @@ def tied_head_served(model: GPT, rows: int = 1) -> bool:
     codes, the same bytes (GGUF blocks run along d_model, so the transposed blocks are `qmatmul_grouped`'s /
     `qmatmul`'s [K, N] codes with [K / G, N] scales; an int8 / fp8 table's row scales are per-output-channel
     scales). False for an untied head, a float table, or where the kernel does not serve (a CPU, K = d_model
-    not a multiple of 128: SmolLM2's 576)."""
+    not a multiple of 64; SmolLM2's 576 is served, walked 64 values a step)."""
     if not model.config.tie_embeddings:
         return False
     cols = getattr(model, "embeddings_columns", False)

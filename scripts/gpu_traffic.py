@@ -16,6 +16,7 @@ with its XLA options (`jpa.core.xla_options.WEIGHTS_IN_PLACE`); --xla-default le
     python scripts/gpu_traffic.py --quantization int8 Q4_1 awq --max-seqs 1 64   # quantized weights (issue 35)
     python scripts/gpu_traffic.py --tied --quantization Q8_0 --max-seqs 1   # a tied head (SmolLM2's form)
     python scripts/gpu_traffic.py --tied rows --quantization Q8_0 --max-seqs 1   # ... its table kept in rows (before)
+    python scripts/gpu_traffic.py --model smollm2 --tied --quantization Q4_1:Q8_0 --max-seqs 1   # SmolLM2's GGUF form
 
 A deviceless-compile figure: bytes the compiled program moves, not a measured time.
 """
@@ -39,7 +40,11 @@ from jpa.tools.traffic import engine_traffic, passes, projection, table  # noqa:
 SHAPES = dict(MODEL_SHAPES, **{"llama-small": dict(
     family="llama", vocab_size=512, d_model=256, num_layers=8, num_q_heads=4, num_kv_heads=2, head_dim=64,
     ffn_dim=768, max_seq_len=2048, rope_base=500000.0, norm_eps=1e-5, tie_embeddings=False, bos_token_id=256,
-    eos_token_id=257)})
+    eos_token_id=257)}, **{"smollm2": dict(
+    # SmolLM2-135M-Instruct's shapes (models.config PRESETS["smollm2-135m"]): d_model 576 = 4 x 128 + 64, tied head.
+    family="llama", vocab_size=49152, d_model=576, num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=64,
+    ffn_dim=1536, max_seq_len=8192, rope_base=100000.0, norm_eps=1e-5, tie_embeddings=True, bos_token_id=1,
+    eos_token_id=2)})
 
 
 def _value(text: str):
@@ -62,7 +67,8 @@ def main(argv=None) -> int:
     p.add_argument("--pool-gib", type=float, default=8.0)
     p.add_argument("--quantization", nargs="+", default=[None], metavar="FORMAT",
                    help="the weights stored quantized (jpa.tools.traffic.ABSTRACT_FORMATS: int8 fp8 Q4_0 Q4_1 Q4_K "
-                        "Q8_0 Q5_K Q6_K fp8-block awq gptq; 'none': bfloat16); several: one table each")
+                        "Q8_0 Q5_K Q6_K fp8-block awq gptq; 'none': bfloat16; 'Q4_1:Q8_0': Q4_1 layers and a Q8_0 head or "
+                        "tied table, SmolLM2's GGUF); several: one table each")
     p.add_argument("--tied", nargs="?", const="columns", choices=("columns", "rows"),
                    help="tie the head to the embedding table (quantized in the format's head form, as SmolLM2's "
                         "GGUF keeps it: jpa.tools.traffic.abstract_model); 'rows': keep the table [vocab, d_model] "
@@ -95,7 +101,7 @@ def main(argv=None) -> int:
     for quant, which, seqs in [(q, w, n) for q in quants for w in args.which for n in args.max_seqs]:
         if True:
             tag = "_".join(f"{k}={v}" for k, v in options.items())
-            fname = f"{args.target}_{quant or 'bf16'}{'_tied-' + args.tied if args.tied else ''}_{which}_{seqs}_{'xla' if args.xla_default else 'engine'}_{tag or 'options'}.hlo"
+            fname = f"{args.target}_{(quant or 'bf16').replace(':', '+')}{'_tied-' + args.tied if args.tied else ''}_{which}_{seqs}_{'xla' if args.xla_default else 'engine'}_{tag or 'options'}.hlo"
             saved = None
             if args.from_hlo:
                 with open(os.path.join(args.from_hlo, fname)) as f:

@@ -103,6 +103,80 @@ def test_row_tiles_in_interpret_mode_equal_numpy(form, rows):
     np.testing.assert_allclose(got, exact, rtol=0, atol=2e-2 * np.abs(exact).max())
 
 
+@pytest.mark.parametrize("form", ["q4_1", "int8", "Q8_0"])
+def test_k_a_multiple_of_64_in_interpret_mode_equals_numpy(form):
+    """K = 576 (SmolLM2's d_model: 4 x 128 + 64) walks K 64 values a step (`k_step`: 9 steps, double buffered);
+    every form (4-bit Q4_1, 8-bit per channel, 8-bit with group scales: GGUF Q8_0) equals NumPy's
+    dequantize-then-matmul on layer 1 of 2, and K = 1536 (SmolLM2's w_down) keeps the 128-value step."""
+    from jpa.core.quant import quantize_weight
+    assert kernel.k_step(576) == 64 and kernel.k_step(1536) == 128 and kernel.k_step(4096) == 128
+    rng = np.random.default_rng()
+    layers, k, n, layer, rows = 2, 576, 128, 1, 5
+    x = rng.normal(size=(rows, k)).astype(BF16)
+    xf = x.astype(np.float32)
+    if form == "q4_1":
+        codes, d, m = _stack(rng, layers, k, n, 32, True)
+        got = kernel.qmatmul(jnp.asarray(x), codes, d, m, layer=layer, interpret=True)
+        want = xf @ dequantize_blocks(codes[layer], d[layer], m[layer], -2, np.float32).astype(BF16).astype(np.float32)
+        exact = op.reference(xf, codes, d, m, layer)
+    elif form == "int8":
+        q, scale = quantize_weight(rng.normal(size=(layers, k, n)).astype(np.float32), "int8")
+        got = kernel.qmatmul_scaled(jnp.asarray(x), q, scale, layer=layer, interpret=True)
+        want = exact = (xf @ q[layer].astype(np.float32)) * scale[layer]
+    else:
+        (codes, d, _, _, _), oracle = _gguf_grouped(rng, "Q8_0", layers, k, n)
+        got = kernel.qmatmul_grouped(jnp.asarray(x), codes, d, layer=layer, interpret=True)
+        want = xf @ oracle[layer].astype(BF16).astype(np.float32)
+        exact = op.reference(xf, codes, d, None, layer)
+        np.testing.assert_allclose(exact, xf @ oracle[layer], rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    got = np.asarray(got)
+    assert got.shape == (rows, n) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-4 * np.abs(want).max())
+    np.testing.assert_allclose(got, exact, rtol=0, atol=2e-2 * np.abs(exact).max())
+
+
+def test_smollm2_linears_and_tied_head_take_the_kernel_on_an_h100_and_an_a100():
+    """SmolLM2-135M's shapes in its GGUF form (Q4_1 layers, a tied Q8_0 table; d_model 576, not a multiple of
+    128): traced for an H100 and an A100 (nothing compiled), every layer linear is kept stacked for the Mosaic
+    kernel (`stacked_packed`) and the tied head is served (`tied_head_served`) at 1 and 64 rows; on this CPU
+    neither. int8 per channel at K = 576 too; K not a multiple of 64 is still refused."""
+    import jax
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+    from jpa.models.config import PRESETS
+    from jpa.models.gpt import stacked_packed, tied_head_served
+    from jpa.tools.traffic import abstract_model
+
+    from flax import nnx
+
+    model = abstract_model(PRESETS["smollm2-135m"], "Q4_1:Q8_0")
+    assert model.embeddings_columns and model.tok_embeddings.get_value().shape == (576, 49152)
+    assert model.tok_embeddings_bscale.get_value().shape == (576 // 32, 49152)
+    assert model.layers.w_down.get_value().shape == (30, 1536 // 2, 576)  # Q4_1 codes [L, K / 2, N]
+    with pytest.raises(ValueError, match="a packed head form as 'Q4_1:Q8_0'; got 'int8:Q8_0'"):
+        abstract_model(PRESETS["smollm2-135m"], "int8:Q8_0")
+    graphdef, state = nnx.split(model)
+    found = {}
+
+    def served(state, where):  # traced: the layer weights' dtypes are read inside the trace
+        model = nnx.merge(graphdef, state)
+        found[where] = {rows: (set(stacked_packed(model, rows)), tied_head_served(model, rows)) for rows in (1, 64)}
+        return jnp.zeros(())
+
+    linears = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}
+    for kind, cores, cc in (("NVIDIA H100 80GB HBM3", 132, (9, 0)), ("NVIDIA A100-SXM4-80GB", 108, (8, 0))):
+        mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,),
+                            abstract_device=AbstractDevice(device_kind=kind, num_cores=cores, platform="cuda"))
+        with jax.sharding.use_abstract_mesh(mesh), deviceless.mosaic_arch(cc):  # Mosaic lowers for the target
+            jax.make_jaxpr(served, static_argnums=1)(state, kind)
+            assert op.scaled_kernel_serves(1, 576, 1536, np.int8, jnp.bfloat16)
+            assert op.kernel_serves(1, 576, 192, 32, np.int8, jnp.bfloat16)  # wk / wv: 3 kv heads x 64
+            assert not op.kernel_serves(1, 544, 1536, 32, np.uint8, jnp.bfloat16)  # 544 = 8 x 64 + 32
+        assert found[kind] == {1: (linears, True), 64: (linears, True)}, (kind, found[kind])
+    jax.make_jaxpr(served, static_argnums=1)(state, "cpu")
+    assert found["cpu"] == {1: (set(), False), 64: (set(), False)}
+
+
 def test_kernel_serves_every_row_count_on_an_h100():
     """The engine's passes over more than 64 rows (a 512-row ragged prompt pass, a 64 x 5-row verify pass) take
     the kernel on an H100 (traced for one, nothing compiled), as a decode step does; on this CPU none does."""
@@ -137,6 +211,8 @@ def test_kernel_rejects_shapes_it_cannot_take():
     with pytest.raises(ValueError, match="minimums"):
         kernel.qmatmul(jnp.zeros((2, 256), jnp.bfloat16), codes, d, m[:, :4], interpret=True)
     assert kernel.unsupported_reason(4, 256, 96, 32, np.uint8) is not None  # N not a multiple of 64
+    assert kernel.unsupported_reason(4, 576, 128, 32, np.uint8) is None  # K a multiple of 64: the 64-value step
+    assert "multiple of 64" in kernel.unsupported_reason(4, 544, 128, 32, np.uint8)  # 544 = 8 x 64 + 32
     assert kernel.unsupported_reason(4, 256, 128, 32, np.int8) is not None  # 8-bit codes
     assert kernel.unsupported_reason(4, 256, 128, 32, np.uint8, jnp.float32) is not None
 
@@ -355,6 +431,10 @@ def test_grouped_8bit_kernel_rejects_what_it_cannot_take():
     assert kernel.unsupported_reason_grouped(4, 256, 64, 8, np.int8) is not None  # groups under 16 values
     assert kernel.unsupported_reason_grouped(4, 384, 64, 96, np.int8) is not None  # 96 neither divides nor is a multiple of 128
     assert kernel.unsupported_reason_grouped(4, 512, 64, 256, np.int8) is None
+    # K = 576 walks 64 values a step: groups dividing 64 or multiples of it (dividing K)
+    assert kernel.unsupported_reason_grouped(4, 576, 64, 32, np.int8) is None
+    assert kernel.unsupported_reason_grouped(4, 576, 64, 192, np.int8) is None
+    assert "K step there (64)" in kernel.unsupported_reason_grouped(4, 576, 64, 96, np.int8)
 
 
 def _h100_mesh():
@@ -449,4 +529,16 @@ def test_grouped_kernel_compiles_for_h100_and_a100_and_reads_each_layer_once(cas
     every format (SOAK)."""
     out = run_compile(COMPILE_GROUPED.replace("for target, fmt, M in CASES:", f"for target, fmt, M in {cases!r}:"))
     assert len(out) == len(cases)
+    check_compiled_in_place(out)
+
+
+@pytest.mark.skipif(deviceless.missing_packages() is not None, reason=str(deviceless.missing_packages()))
+def test_k_a_multiple_of_64_compiles_for_h100_and_a100_and_reads_each_layer_once():
+    """K = 576 (SmolLM2's d_model; the kernel's 64-value K step) through the 4-bit Q4_1 kernel, the int8
+    per-channel one and the Q8_0 group-scaled one, in a scan over 2 stacked layers compiled for an H100 (TMA) and
+    an A100 (cp.async): one Mosaic call each, no ptxas spills, the stack read once, no weight written."""
+    out = run_compile(COMPILE.replace("L, K, N, G, M = 2, 1024, 2048, 32, 4", "L, K, N, G, M = 2, 576, 2048, 32, 4"))
+    out.update(run_compile(COMPILE_GROUPED.replace("L, K, N = 2, 1024, 2048", "L, K, N = 2, 576, 2048").replace(
+        "for target, fmt, M in CASES:", "for target, fmt, M in [('h100', 'Q8_0', 4), ('a100', 'Q8_0', 4)]:")))
+    assert len(out) == 6
     check_compiled_in_place(out)

@@ -81,6 +81,10 @@ BENCH = {
     "tests/test_quant_gpu.py::test_row_tiles_compile_for_h100_and_a100_and_read_each_layer_once":
         "60 s: 6 deviceless compiles (H100 + A100, 4-bit / int8 / Q8_0 at 200 rows: 0 spills, the stack read once; "
         "the interpret-mode row-tile tests and test_kernel_serves_every_row_count_on_an_h100 stay)",
+    "tests/test_quant_gpu.py::test_k_a_multiple_of_64_compiles_for_h100_and_a100_and_reads_each_layer_once":
+        "~60 s: 6 deviceless compiles at K = 576 (the 64-value K step: H100 + A100, Q4_1 / int8 / Q8_0, 0 spills, "
+        "the stack read once; test_k_a_multiple_of_64_in_interpret_mode_equals_numpy keeps the 64-value step's "
+        "numerics and test_smollm2_linears_and_tied_head_take_the_kernel_on_an_h100_and_an_a100 its routing)",
     # --- the tied quantized head (issue 35): the deviceless compile; the traced H100 check stays
     "tests/test_tied_head.py::test_tied_head_compiles_for_h100_without_a_dense_copy":
         "20 s: deviceless H100 compile of a tied Q8_0 / int8 head, table in columns and in rows "

@@ -674,7 +674,8 @@ def abstract_model(config, quantization: str, embeddings_columns: bool | None = 
     the HEAD_FORMS form where the format has one (as SmolLM2's GGUF keeps its tied Q8_0 table), else
     bfloat16. embeddings_columns: keep a quantized tied table [d_model, vocab] (`models.gpt.
     set_embeddings_layout`: what the engine keeps on a GPU the Mosaic matmul serves); None: so for a
-    tied quantized table."""
+    tied quantized table. "FORMAT:HEAD" (e.g. "Q4_1:Q8_0", SmolLM2's GGUF: Q4_1 layers, a Q8_0 tied table)
+    stores the layers in FORMAT and the head (or tied table) in HEAD, a packed form."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -682,8 +683,12 @@ def abstract_model(config, quantization: str, embeddings_columns: bool | None = 
     from jpa.models import GPT
     from jpa.models.gpt import QUANT_AXIS
 
-    if quantization not in ABSTRACT_FORMATS:
-        raise ValueError(f"quantization must be one of {list(ABSTRACT_FORMATS)}; got {quantization!r}")
+    quantization, _, head_form = quantization.partition(":")
+    if quantization not in ABSTRACT_FORMATS or head_form and (head_form not in PACKED_FORMS
+                                                              or quantization not in PACKED_FORMS):
+        raise ValueError(f"quantization must be one of {list(ABSTRACT_FORMATS)}, or a packed one and a packed "
+                         f"head form as 'Q4_1:Q8_0'; got {quantization + (':' + head_form if head_form else '')!r}")
+    head_form = head_form or HEAD_FORMS.get(quantization)
     from jpa.models.gpt import set_embeddings_layout
 
     def layout(model):
@@ -703,13 +708,13 @@ def abstract_model(config, quantization: str, embeddings_columns: bool | None = 
         L, k, n = getattr(model.layers, name).get_value().shape  # [layers, in, out]
         for part, (dtype, div) in form.items():
             setattr(model.layers, name + suffix[part], nnx.Param(jax.ShapeDtypeStruct((L, k // div, n), dtype)))
-    if quantization in HEAD_FORMS and hasattr(model, "output"):
+    if head_form and hasattr(model, "output"):
         k, n = model.output.get_value().shape  # [d_model, vocab]
-        for part, (dtype, div) in PACKED_FORMS[HEAD_FORMS[quantization]].items():
+        for part, (dtype, div) in PACKED_FORMS[head_form].items():
             setattr(model, "output" + suffix[part], nnx.Param(jax.ShapeDtypeStruct((k // div, n), dtype)))
-    if quantization in HEAD_FORMS and config.tie_embeddings:  # [vocab, d_model] rows, blocks along d_model
+    if head_form and config.tie_embeddings:  # [vocab, d_model] rows, blocks along d_model
         n, k = model.tok_embeddings.get_value().shape
-        for part, (dtype, div) in PACKED_FORMS[HEAD_FORMS[quantization]].items():
+        for part, (dtype, div) in PACKED_FORMS[head_form].items():
             setattr(model, "tok_embeddings" + suffix[part], nnx.Param(jax.ShapeDtypeStruct((n, k // div), dtype)))
     model.quantization = "gguf" if quantization.startswith("Q") else quantization
     return layout(model)

@@ -23,7 +23,8 @@ and the program computes, for a tile of TN output columns,
     y[M, TN] = sum over 32-value blocks b of  x[:, b] @ W[b, TN]        "MK,KN->MN"
     W[b]     = (q[b] * d[g(b)] + m[g(b)]) in f32, rounded to x's dtype  (as `dequantize_blocks`)
 
-Its copies: each step copies a [KB / 2, TN] tile of codes and the rows [R, KB] of x into SMEM
+Its copies: each step copies a [KB / 2, TN] tile of codes and the rows [R, KB] of x into SMEM (KB = 128
+values of K, or 64 where K is a multiple of 64 but not of 128: `k_step`, SmolLM2's d_model 576)
 (cp.async below sm_90, TMA with mbarriers from sm_90: `pipeline.MmaOps`), double buffered, and
 reads the step's scale rows from GMEM. Registers: the codes are loaded from SMEM in the MMA_RHS
 layout of a 16-bit operand (two consecutive k per register) as 32-bit integers, split into their
@@ -65,7 +66,8 @@ from jpa.pallas.mosaic.pipeline import MmaOps, launch, uses_tma
 
 BLOCK = 32          # values of one nibble block (GGUF's Q4 order)
 TN = 64             # output columns of one program
-KB = 128            # values of K one step copies (4 blocks: 64 code bytes a column)
+KB = 128            # values of K one step copies (4 blocks: 64 code bytes a column) where K is a multiple of it
+KB_TAIL = 64        # the step where K is a multiple of 64 only (SmolLM2's d_model 576 = 9 x 64): 2 blocks
 ROW_TILE = 64       # rows of x one program takes at most (4 warps x 16); more rows: more row tiles
 MAX_COL_TILES = 65535  # the grid's second axis is CUDA's y (at most 65535 blocks): N <= 65535 * TN
 # What the row tiles cost: every program reads its whole [K, TN] column tile of codes and scales,
@@ -87,6 +89,13 @@ def permute_k(x):
     return jnp.swapaxes(jnp.swapaxes(x, -3, -2), -2, -1).reshape(*lead, k)  # [..., block, c, i, h]
 
 
+def k_step(k: int) -> int:
+    """Values of K one step of the kernel copies for a K of k: KB (128) where k is a multiple of it, else
+    KB_TAIL (64; k must then be a multiple of 64). A static of the call: the 128-value step, and so the
+    programs compiled for such K, are those of a kernel that only had it."""
+    return KB if k % KB == 0 else KB_TAIL
+
+
 def rows_for(m: int) -> int:
     """Rows of the kernel's x tile (one program's) for m rows of x: 16, 32 or 64 (ROW_TILE; above 64 rows
     the call has several row tiles, `row_tiles`)."""
@@ -102,8 +111,8 @@ def unsupported_reason(m: int, k: int, n: int, group: int, codes_dtype, x_dtype=
     """Why the kernel cannot compute an [m, k] x [k, n] product of this form, or None."""
     if np.dtype(codes_dtype) != np.uint8:
         return f"codes of {np.dtype(codes_dtype)}: the kernel reads 4-bit codes packed in uint8"
-    if k % KB or n % TN:
-        return f"a [{k}, {n}] weight: K must be a multiple of {KB} and N of {TN}"
+    if k % KB_TAIL or n % TN:
+        return f"a [{k}, {n}] weight: K must be a multiple of {KB_TAIL} and N of {TN}"
     if n // TN > MAX_COL_TILES:
         return f"N = {n}: the grid takes at most {MAX_COL_TILES} column tiles of {TN} (N <= {MAX_COL_TILES * TN})"
     if group % BLOCK or k % group:
@@ -114,7 +123,7 @@ def unsupported_reason(m: int, k: int, n: int, group: int, codes_dtype, x_dtype=
 
 
 def _kernel(x_ref, c_ref, d_ref, m_ref, d2_ref, m2_ref, layer_ref, o_ref, x_smem, c_smem, bars, *, ops, rows,
-            group, m_warps, dtype, bits):
+            group, m_warps, dtype, bits, kb):
     # 4 bits: x_ref [T * R, K] (permute_k); c_ref u8[L, K / 2, N]; d_ref, m_ref [L, K / G, N] (m_ref None:
     # Q4_0 form); c_smem u8[SLOTS, KB / 2, TN]. A K-quant (Q4_K): d_ref, m_ref the integer sub-block
     # scales / minimums u8[L, K / G, N] and d2_ref, m2_ref the f16 super-block ones [L, K / G2, N]
@@ -123,12 +132,13 @@ def _kernel(x_ref, c_ref, d_ref, m_ref, d2_ref, m2_ref, layer_ref, o_ref, x_smem
     # scales, or group scales [L, K / G, N] with m_ref / d2_ref / m2_ref as above (`grouped`); c_smem
     # [SLOTS, KB, TN].
     # layer_ref i32[1]; o_ref f32[T * R, N] (T row tiles); x_ref [T * R, K]; x_smem [SLOTS, R, KB].
+    # KB here is kb, the call's K step (`k_step`: 128, or 64 where K is not a multiple of 128).
     # This program: rows m0 .. m0 + R - 1 (row tile "m") and columns n0 .. n0 + TN - 1 (column tile "n").
     m0 = pl.multiple_of(lax.axis_index("m") * rows, rows)
     n0 = pl.multiple_of(lax.axis_index("n") * TN, TN)
     layer = layer_index(layer_ref, c_ref.shape[0])
     k = x_ref.shape[1]
-    steps = k // KB
+    steps = k // kb
     lhs_l = plgpu.Layout.MMA_LHS(dtype, m_warps=m_warps)
     # The codes' byte rows in the MMA_RHS layout of a 32-bit operand (m16n8k8: thread t holds row
     # t % 4 (+ 4) of column t / 4), which is the 16-bit operand's layout (m16n8k16: rows 2 (t % 4)
@@ -138,8 +148,8 @@ def _kernel(x_ref, c_ref, d_ref, m_ref, d2_ref, m2_ref, layer_ref, o_ref, x_smem
 
     def issue(s, slot):
         bar = bars.at[slot] if ops.tma else None
-        ops.copy(x_ref.at[pl.ds(m0, rows), pl.ds(s * KB, KB)], x_smem.at[slot], bar)
-        rows_per_step = KB * bits // 8
+        ops.copy(x_ref.at[pl.ds(m0, rows), pl.ds(s * kb, kb)], x_smem.at[slot], bar)
+        rows_per_step = kb * bits // 8
         ops.copy(c_ref.at[layer, pl.ds(s * rows_per_step, rows_per_step), pl.ds(n0, TN)], c_smem.at[slot], bar)
 
     def wait(s, slot):
@@ -188,18 +198,18 @@ def _kernel(x_ref, c_ref, d_ref, m_ref, d2_ref, m2_ref, layer_ref, o_ref, x_smem
         xs, cs = x_smem.at[slot], c_smem.at[slot]
         lhs = lambda a_ref: ops.lhs(a_ref) if ops.interpret else plgpu.load(a_ref, layout=lhs_l, optimized=False)
         if bits == 8:  # k16 slice j: rows 16j + i and 16j + 8 + i side by side (permute_k8)
-            for j in range(KB // 16):
+            for j in range(kb // 16):
                 lo, hi = (load_bytes(cs.at[pl.ds(16 * j + 8 * h, 8)]) for h in (0, 1))
                 if grouped:  # a new group starts at this slice: its scale (and minimum) rows
                     if j == 0 or (16 * j) % group == 0:
-                        d, mn = group_rows((s * KB + 16 * j) // group)
+                        d, mn = group_rows((s * kb + 16 * j) // group)
                     lo, hi = (scale_rows(v, d, mn) for v in (lo, hi))
                 else:
                     lo, hi = (widen(v) for v in (lo, hi))
                 acc = ops.mma(acc, lhs(xs.at[:, pl.ds(16 * j, 16)]), pair_rows(lo, hi, ops.interpret, m_warps))
             return acc
-        for b in range(KB // BLOCK):
-            g = (s * KB + b * BLOCK) // group
+        for b in range(kb // BLOCK):
+            g = (s * kb + b * BLOCK) // group
             d = row(d_ref, g)
             mn = row(m_ref, g) if m_ref is not None else None
             if d2_ref is not None:  # a K-quant: the super-block scales times the integer sub-block ones
@@ -316,6 +326,7 @@ def sub_scales_unsupported(d_dtype, m_dtype) -> str | None:
 
 def _call(xp, codes, d, m, layer, mm, n, rows, group, dtype, bits, interpret, tma, d2=None, m2=None):
     m_warps = rows // 16
+    kb = k_step(xp.shape[1])
     ops = MmaOps(interpret, tma)
     optional = [a for a in (m, d2, m2) if a is not None]
 
@@ -329,10 +340,10 @@ def _call(xp, codes, d, m, layer, mm, n, rows, group, dtype, bits, interpret, tm
         def scoped(x_smem, c_smem, *bars):
             _kernel(x_ref, c_ref, d_ref, m_ref, d2_ref, m2_ref, layer_ref, o_ref, x_smem, c_smem,
                     bars[0] if bars else None, ops=ops, rows=rows, group=group, m_warps=m_warps, dtype=dtype,
-                    bits=bits)
+                    bits=bits, kb=kb)
 
-        pl.run_scoped(scoped, plgpu.SMEM((SLOTS, rows, KB), dtype),
-                      plgpu.SMEM((SLOTS, KB * bits // 8, TN), codes.dtype),
+        pl.run_scoped(scoped, plgpu.SMEM((SLOTS, rows, kb), dtype),
+                      plgpu.SMEM((SLOTS, kb * bits // 8, TN), codes.dtype),
                       *([plgpu.Barrier(num_arrivals=2, num_barriers=SLOTS)] if ops.tma else []))
 
     # Row tiles last: Mosaic GPU reverses the grid, so they are CUDA's x axis, launched fastest, and a column
@@ -384,8 +395,10 @@ def unsupported_reason_grouped(m: int, k: int, n: int, group: int, codes_dtype, 
     sub_dtypes: a K-quant's (Q5_K / Q6_K) sub-block scale and minimum dtypes (minimum None: Q6_K), else None."""
     if np.dtype(codes_dtype) not in (np.dtype(jnp.int8), np.dtype(jnp.float8_e4m3fn)):
         return f"codes of {np.dtype(codes_dtype)}: the 8-bit kernel reads int8 or float8_e4m3fn"
-    if group % 16 or k % group or (KB % group and group % KB):
-        return f"group size {group}: a multiple of 16 that divides K = {k} and divides or is a multiple of {KB}"
+    kb = k_step(k)
+    if group % 16 or k % group or (kb % group and group % kb):
+        return (f"group size {group}: a multiple of 16 that divides K = {k} and divides or is a multiple of the "
+                f"kernel's K step there ({kb})")
     if sub_dtypes is not None:
         d_dtype, m_dtype = sub_dtypes
         if np.dtype(d_dtype) not in (np.dtype(np.uint8), np.dtype(np.int8)) or (
