@@ -69,6 +69,44 @@ def test_8bit_kernel_in_interpret_mode_equals_numpy(rows, fmt):
         kernel.qmatmul_scaled(jnp.asarray(x), q, scale[:, :64], interpret=True)
 
 
+def _form_call(form, rng, x, layers, k, n, layer, gguf_q8_0=False):
+    """One form of the kernel on layer `layer` of a fresh random [layers, k, n] stack: (got, want, exact), want
+    NumPy's dequantize-then-matmul with the weight rounded to bf16 as the kernel rounds it, exact in f32.
+    gguf_q8_0: the Q8_0 form's codes and scales as GGUF writes them (`_gguf_grouped`), else random ones."""
+    from jpa.core.quant import quantize_weight
+    xf = x.astype(np.float32)
+    if form == "q4_1":
+        codes, d, m = _stack(rng, layers, k, n, 32, True)
+        got = kernel.qmatmul(jnp.asarray(x), codes, d, m, layer=layer, interpret=True)
+        want = xf @ dequantize_blocks(codes[layer], d[layer], m[layer], -2, np.float32).astype(BF16).astype(np.float32)
+        return np.asarray(got), want, op.reference(xf, codes, d, m, layer)
+    if form == "int8":
+        q, scale = quantize_weight(rng.normal(size=(layers, k, n)).astype(np.float32), "int8")
+        got = kernel.qmatmul_scaled(jnp.asarray(x), q, scale, layer=layer, interpret=True)
+        want = (xf @ q[layer].astype(np.float32)) * scale[layer]
+        return np.asarray(got), want, want
+    if gguf_q8_0:
+        (codes, d, _, _, _), oracle = _gguf_grouped(rng, "Q8_0", layers, k, n)
+        w = oracle[layer]
+    else:
+        codes = rng.integers(-127, 128, (layers, k, n)).astype(np.int8)
+        d = rng.uniform(1e-3, 1e-2, (layers, k // 32, n)).astype(np.float16)
+        w = dequantize_blocks(codes[layer], d[layer], None, -2, np.float32)
+    got = kernel.qmatmul_grouped(jnp.asarray(x), codes, d, layer=layer, interpret=True)
+    want = xf @ w.astype(BF16).astype(np.float32)
+    exact = op.reference(xf, codes, d, None, layer)
+    if gguf_q8_0:
+        np.testing.assert_allclose(exact, xf @ w, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    return np.asarray(got), want, exact
+
+
+def _check_form(got, want, exact):
+    """The kernel's f32 output equals the bf16-rounded weight's product closely and the exact one loosely."""
+    assert got.shape == want.shape and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-4 * np.abs(want).max())
+    np.testing.assert_allclose(got, exact, rtol=0, atol=2e-2 * np.abs(exact).max())
+
+
 @pytest.mark.parametrize("rows", [100, 200])
 @pytest.mark.parametrize("form", ["q4_1", "int8", "Q8_0"])
 def test_row_tiles_in_interpret_mode_equal_numpy(form, rows):
@@ -76,31 +114,11 @@ def test_row_tiles_in_interpret_mode_equal_numpy(form, rows):
     tiles: 100 rows are 2 tiles (the last one 36 rows and padding), 200 rows 4, over 2 column tiles. Every form
     (4-bit Q4_1, 8-bit per channel, 8-bit with group scales) equals NumPy's dequantize-then-matmul (the weight
     rounded to bf16 once; the per-channel scale after the f32 sum), on layer 1 of 2."""
-    from jpa.core.quant import quantize_weight
     rng = np.random.default_rng()
     layers, k, n, layer = 2, 128, 128, 1
     x = rng.normal(size=(rows, k)).astype(BF16)
-    xf = x.astype(np.float32)
     assert kernel.row_tiles(rows) == -(-rows // 64)
-    if form == "q4_1":
-        codes, d, m = _stack(rng, layers, k, n, 32, True)
-        got = kernel.qmatmul(jnp.asarray(x), codes, d, m, layer=layer, interpret=True)
-        want = xf @ dequantize_blocks(codes[layer], d[layer], m[layer], -2, np.float32).astype(BF16).astype(np.float32)
-        exact = op.reference(xf, codes, d, m, layer)
-    elif form == "int8":
-        q, scale = quantize_weight(rng.normal(size=(layers, k, n)).astype(np.float32), "int8")
-        got = kernel.qmatmul_scaled(jnp.asarray(x), q, scale, layer=layer, interpret=True)
-        want = exact = (xf @ q[layer].astype(np.float32)) * scale[layer]
-    else:
-        codes = rng.integers(-127, 128, (layers, k, n)).astype(np.int8)
-        d = rng.uniform(1e-3, 1e-2, (layers, k // 32, n)).astype(np.float16)
-        got = kernel.qmatmul_grouped(jnp.asarray(x), codes, d, layer=layer, interpret=True)
-        want = xf @ dequantize_blocks(codes[layer], d[layer], None, -2, np.float32).astype(BF16).astype(np.float32)
-        exact = op.reference(xf, codes, d, None, layer)
-    got = np.asarray(got)
-    assert got.shape == (rows, n) and got.dtype == np.float32
-    np.testing.assert_allclose(got, want, rtol=0, atol=2e-4 * np.abs(want).max())
-    np.testing.assert_allclose(got, exact, rtol=0, atol=2e-2 * np.abs(exact).max())
+    _check_form(*_form_call(form, rng, x, layers, k, n, layer))
 
 
 @pytest.mark.parametrize("form", ["q4_1", "int8", "Q8_0"])
@@ -108,31 +126,11 @@ def test_k_a_multiple_of_64_in_interpret_mode_equals_numpy(form):
     """K = 576 (SmolLM2's d_model: 4 x 128 + 64) walks K 64 values a step (`k_step`: 9 steps, double buffered);
     every form (4-bit Q4_1, 8-bit per channel, 8-bit with group scales: GGUF Q8_0) equals NumPy's
     dequantize-then-matmul on layer 1 of 2, and K = 1536 (SmolLM2's w_down) keeps the 128-value step."""
-    from jpa.core.quant import quantize_weight
     assert kernel.k_step(576) == 64 and kernel.k_step(1536) == 128 and kernel.k_step(4096) == 128
     rng = np.random.default_rng()
     layers, k, n, layer, rows = 2, 576, 128, 1, 5
     x = rng.normal(size=(rows, k)).astype(BF16)
-    xf = x.astype(np.float32)
-    if form == "q4_1":
-        codes, d, m = _stack(rng, layers, k, n, 32, True)
-        got = kernel.qmatmul(jnp.asarray(x), codes, d, m, layer=layer, interpret=True)
-        want = xf @ dequantize_blocks(codes[layer], d[layer], m[layer], -2, np.float32).astype(BF16).astype(np.float32)
-        exact = op.reference(xf, codes, d, m, layer)
-    elif form == "int8":
-        q, scale = quantize_weight(rng.normal(size=(layers, k, n)).astype(np.float32), "int8")
-        got = kernel.qmatmul_scaled(jnp.asarray(x), q, scale, layer=layer, interpret=True)
-        want = exact = (xf @ q[layer].astype(np.float32)) * scale[layer]
-    else:
-        (codes, d, _, _, _), oracle = _gguf_grouped(rng, "Q8_0", layers, k, n)
-        got = kernel.qmatmul_grouped(jnp.asarray(x), codes, d, layer=layer, interpret=True)
-        want = xf @ oracle[layer].astype(BF16).astype(np.float32)
-        exact = op.reference(xf, codes, d, None, layer)
-        np.testing.assert_allclose(exact, xf @ oracle[layer], rtol=1e-5, atol=1e-5 * np.abs(want).max())
-    got = np.asarray(got)
-    assert got.shape == (rows, n) and got.dtype == np.float32
-    np.testing.assert_allclose(got, want, rtol=0, atol=2e-4 * np.abs(want).max())
-    np.testing.assert_allclose(got, exact, rtol=0, atol=2e-2 * np.abs(exact).max())
+    _check_form(*_form_call(form, rng, x, layers, k, n, layer, gguf_q8_0=True))
 
 
 def test_smollm2_linears_and_tied_head_take_the_kernel_on_an_h100_and_an_a100():
