@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from jpa.testing.procs import fast_compile_env
+
 SCRIPT = pathlib.Path(__file__).parents[1] / "scripts" / "generate.py"
 
 
@@ -112,7 +114,7 @@ def test_bad_checkpoint_directory_is_one_line_and_exit_2(tmp_path, capsys):
 
 
 def test_compile_cache_is_on_by_default(tmp_path):
-    env = dict(os.environ, JPA_CACHE_DIR=str(tmp_path), JAX_PLATFORMS="cpu")
+    env = fast_compile_env(dict(os.environ, JPA_CACHE_DIR=str(tmp_path), JAX_PLATFORMS="cpu"))
     r = subprocess.run([sys.executable, str(SCRIPT), "--model", "tiny-llama", "--max-new-tokens", "2",
                         "--no-progress", "hi"], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr

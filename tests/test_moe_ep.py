@@ -18,6 +18,7 @@ from flax import nnx
 from jpa import models
 from jpa.core.sharding import tp_mesh
 from jpa.models import hf, sharding
+from jpa.testing.procs import fast_compile_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HF = ROOT / "tests" / "data" / "hf"
@@ -25,7 +26,7 @@ HF = ROOT / "tests" / "data" / "hf"
 
 def run_check(tmp_path, mode, *extra):
     out = tmp_path / "report.json"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = fast_compile_env({k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "moe_ep_check.py"), str(out), mode, *extra],
                           capture_output=True, text=True, timeout=1800, env=env, cwd=ROOT)
     assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]

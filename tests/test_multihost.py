@@ -21,7 +21,12 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).parents[1]
-from jpa.testing.procs import cpu_env as _env, free_port as _free_port
+from jpa.testing.procs import cpu_env, fast_compile_env, free_port as _free_port
+
+
+def _env(devices):
+    """The CPU environment of a child with `devices` simulated devices, compiling at XLA's CPU optimization level 0."""
+    return fast_compile_env(cpu_env(devices))
 MODEL = str(ROOT / "tests" / "data" / "hf" / "llama")   # 4 q heads, 2 kv heads: tp=4 replicates, tp=2 splits
 PEER_TIMEOUT = 10        # the hung-peer test waits for it
 PEER_TIMEOUT_WORKING = 60  # runs that must finish: a step of 4 simulated devices on a loaded 2-core VM once took > 10 s

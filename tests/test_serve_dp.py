@@ -17,6 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from jpa.testing.procs import fast_compile_env
+
 openai = pytest.importorskip("openai")
 
 from router_util import ROOT, require_router, serve_dp, serve_dp_running  # noqa: E402
@@ -55,7 +57,7 @@ def _counts(replicas: list[str]) -> list[tuple[float, float]]:
 
 
 def _env(tmp_path):
-    return {**os.environ, "PYTHONPATH": str(ROOT), "JPA_CACHE_DIR": str(tmp_path), "JAX_PLATFORMS": "cpu"}
+    return fast_compile_env({**os.environ, "PYTHONPATH": str(ROOT), "JPA_CACHE_DIR": str(tmp_path), "JAX_PLATFORMS": "cpu"})
 
 
 def _group_gone(pgid: int) -> bool:

@@ -33,6 +33,7 @@ pytest.importorskip("prometheus_client")
 from jpa import models  # noqa: E402
 from jpa.engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from jpa.server import attach, build_app  # noqa: E402
+from jpa.testing.procs import fast_compile_env  # noqa: E402
 from server_util import serving  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -1199,7 +1200,7 @@ def test_serve_script_bad_flags(capsys):
 
 def test_serve_script_stops_while_loading(tmp_path):
     """SIGTERM while the model loads (JAX busy on the loader thread): a clean exit, code 0."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JPA_CACHE_DIR": str(tmp_path), "JAX_PLATFORMS": "cpu"}
+    env = fast_compile_env({**os.environ, "PYTHONPATH": str(ROOT), "JPA_CACHE_DIR": str(tmp_path), "JAX_PLATFORMS": "cpu"})
     proc = subprocess.Popen([sys.executable, "-m", "jpa", "serve", "--model", "tiny-llama", "--port", "0",
                              "--max-model-len", "128", "--num-pages", "64"],
                             cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
@@ -1229,7 +1230,7 @@ def test_serve_script_end_to_end(tmp_path):
     """`jpa serve --port 0` on loopback: listens at once and answers /health 503 (and
     requests 503 with Retry-After) while the model loads and compiles, then 200; serves a request;
     stops cleanly on SIGTERM."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JPA_CACHE_DIR": str(tmp_path), "JAX_PLATFORMS": "cpu"}
+    env = fast_compile_env({**os.environ, "PYTHONPATH": str(ROOT), "JPA_CACHE_DIR": str(tmp_path), "JAX_PLATFORMS": "cpu"})
     proc = subprocess.Popen([sys.executable, "-m", "jpa", "serve", "--model", "tiny-llama", "--port", "0",
                              "--max-model-len", "128", "--num-pages", "64"],
                             cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)

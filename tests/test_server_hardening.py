@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from jpa.testing.procs import fast_compile_env
+
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
@@ -34,7 +36,7 @@ class Proc:
     """`jpa serve` in a subprocess (`python -m jpa serve`, run from the repository root)."""
 
     def __init__(self, tmp, *args, ready=True):
-        env = {**os.environ, "JPA_CACHE_DIR": str(tmp), "JAX_PLATFORMS": "cpu"}
+        env = fast_compile_env({**os.environ, "JPA_CACHE_DIR": str(tmp), "JAX_PLATFORMS": "cpu"})
         self.proc = subprocess.Popen([sys.executable, "-m", "jpa", "serve", "--model", MODEL, "--port", "0",
                                       "--max-model-len", "256", "--num-pages", "96", "--max-seqs", "4", *args],
                                      cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)

@@ -313,6 +313,54 @@ BENCH = {
     "tests/test_mosaic_decode.py::test_matches_reference[N8K2H128S16x4-bfloat16-bfloat16-L[0, 5, 40, 64]]":
         "2.5 s: the decode kernel's one-partition epilogue for one row (test_ragged.py's verify case "
         "L[60, 21, 33] keeps it for several rows, with an 8-bit cache, ALiBi and a window)",
+    # --- 2026-12-07: a clean clone's main tier took 18 m 40 s on this machine (1163 passed, pytest 996 s); second
+    # cases and the longest end-to-end runs out (seconds: a loaded 3-worker run's --durations, about 1.8x quiet)
+    "tests/test_model.py::test_smollm2_paged_matches_transformers_golden":
+        "71 s: SmolLM2 against transformers' golden tokens through the paged model (test_smollm2's "
+        "test_jpa_prefill_and_greedy_decode_match_transformers keeps the real model against transformers)",
+    "tests/test_readme.py::test_readme_llm_example_runs":
+        "60 s: README's LLM(...) example on SmolLM2 (test_llm keeps LLM(...) equal to the engine built by hand; "
+        "test_readme_example_runs keeps README's library example)",
+    "tests/test_speculative.py::test_sampled_distribution_matches_plain_sampling":
+        "60 s: the token distribution with drafts (test_outputs_equal_without_speculation_under_preemption_and_"
+        "prefix_hits keeps seeded samples identical with and without drafts)",
+    "tests/test_chunked_prefill.py::test_preempting_prefilling_requests_keeps_outputs":
+        "54 s: preemption of requests mid-prefill (test_prompt_logprobs' test_a_prompt_preempted_mid_prefill_asks_"
+        "only_for_what_it_lacks preempts mid-prefill; test_chunks_equal_the_reference_at_any_budget keeps chunks)",
+    "tests/test_server_router.py":
+        "82 s: a server behind vllm-router (test_serve_dp's test_a_dying_replica_stops_everything starts "
+        "vllm-router over replicas)",
+    **{f"tests/test_serve_dp.py::test_bad_flags[{a}]": "8-13 s: one more bad serve-dp flag, a process each "
+       "(--dp, a replica flag and --router-args stay)" for a in (
+           "args1---port must be 0 or leave room for 2 consecutive ports",
+           "args2---router-port 9001 is one of the replicas' ports 9000..9001",
+           "args3-argument --policy: invalid choice: 'fastest'",
+           "args5---devices-per-replica must be >= 1",
+           "args7-replica flags: --model 'nope' is unknown",
+           "args8-replica flags: unrecognized arguments: --no-such-flag")},
+    **{f"tests/test_hf_models.py::test_greedy_continuation_and_paged_decode_equal_dense_every_step[{f}]":
+       f"7-10 s: {f} (llama, gemma2 and qwen3_moe stay; each family's prefill logits against transformers stay)"
+       for f in ("qwen2", "qwen3", "mistral", "mixtral")},
+    "tests/test_hf_models.py::test_generate_command_runs_a_moe_checkpoint":
+        "17 s: jpa generate on a MoE checkpoint folder (test_generate_script keeps the command; qwen3_moe keeps "
+        "the MoE engine step)",
+    **{f"tests/test_mosaic_decode.py::test_matches_reference[{c}]": why for c, why in (
+        ("N8K2H128S16x6-bfloat16-bfloat16-L[16, 17, 64, 65]-shared",
+         "22 s: GQA with a shared page (the every-feature case keeps a shared page)"),
+        ("N2K2H80S8x5-bfloat16-bfloat16-L[0, 1, 8, 9, 40]",
+         "19 s: MHA at page 8 (the every-feature case keeps head_dim 64, test_mosaic_lowering the page sizes)"),
+        ("N8K2H128S128x2-float16-float16-L[128, 129, 255]",
+         "18 s: page 128 (the int8 case keeps several pages per sequence; test_mosaic_lowering page 128 for H100)"))},
+    "tests/test_gpu_validate.py::test_sections_are_isolated_and_the_report_is_written":
+        "47 s: scripts/gpu_validate.py's sections in a CPU dry run (test_plan_lists_every_section_and_what_it_needs "
+        "and test_refuses_without_a_gpu stay)",
+    "tests/test_gpu_compile.py::test_stacked_pool_in_a_layer_loop_compiles[h100-kernel_names0]":
+        "39 s: deviceless H100 compile of the stacked pool in a layer loop (test_traffic's "
+        "test_engine_gpu_step_reads_weights_in_place compiles the engine's scanned 2-layer step for an H100 "
+        "with its Mosaic kernels and no pool copy)",
+    "tests/test_stacked_kernels.py::test_scan_over_layers_with_traced_layer[mosaic_decode-bfloat16]":
+        "20 s: the Mosaic decode kernel scanned over layers (the Mosaic ragged kernel's scan, the engine's path, "
+        "and the decode kernel's one-layer slice stay)",
 }
 
 

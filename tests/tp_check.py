@@ -5,8 +5,8 @@ device, so these runs need their own process:
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu python tests/tp_check.py OUT.json
 
-(the script sets both itself; `--hf` runs the tiny Hugging Face checkpoints (Gemma-2, Qwen3) instead of
-the tiny presets: CI's bench tier, tests/test_bench_tp_hf.py; `--full` runs both and adds tiny-gpt2 at tp=2,
+(the script sets both itself; `--hf` runs the tiny Hugging Face checkpoints (Gemma-2, Qwen3) and tiny-gpt2
+(pad, with biases) instead of tiny-llama: CI's bench tier, tests/test_bench_tp_hf.py; `--full` runs both and adds tiny-gpt2 at tp=2,
 tiny-llama at tp=3 and 4, and the real SmolLM2-135M at tp=2, 3 and 4). For each (model, tp) it runs the engine greedily and records the
 tokens, how often each step was compiled, the shardings of the cache and the weights, and (tiny
 models) the largest difference between the sharded and the single-device model's logits on
@@ -38,11 +38,12 @@ GEMMA2, QWEN3 = str(HF / "gemma2"), str(HF / "qwen3")  # tiny Hugging Face check
 CASES = {  # model -> tensor-parallel sizes (1 first: the reference)
     "tiny-llama": (1, 2),         # 4 q / 2 kv heads: split (--full: and 4, replicate; 3, pad). Replicate at
                                   # tp=4 is in the suite over 2 processes (tests/test_multihost.py)
-    "tiny-gpt2": (1, 3),          # 4 heads with biases: pad (q/k/v biases, ffn 256 -> 258)
 }
-HF_CASES = {  # --hf (and --full): the Hugging Face families with their own layer code
+HF_CASES = {  # --hf (and --full): the Hugging Face families with their own layer code, and GPT-2's biases
     GEMMA2: (1, 2),               # soft caps, sliding window on alternating layers, post-norms
     QWEN3: (1, 2),                # q/k RMSNorm
+    "tiny-gpt2": (1, 3),          # 4 heads with biases: pad (q/k/v biases, ffn 256 -> 258); the main tier
+                                  # keeps pad's function in process (test_replicated_or_padded_heads_...)
 }
 # SmolLM2 (9 q / 3 kv heads: split at 3, pad at 2 and 4) runs with --full only: the suite's time.
 FULL = {"tiny-llama": (1, 2, 4, 3), "tiny-gpt2": (1, 3, 2), "smollm2-135m": (1, 3, 2, 4)}
