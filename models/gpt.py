@@ -550,6 +550,9 @@ class GPT(nnx.Module):
         # A mixture of experts under tensor parallelism: "experts" or "ffn" (models.moe.EXPERT_LAYOUTS),
         # set by models.sharding.shard; None on one device.
         self.expert_layout = None
+        # Under tensor parallelism, the embeddings' and head's layout models.sharding.shard gave them: "vocab"
+        # (split on the vocabulary) or "replicated"; None on one device.
+        self.embeddings_layout = None
         if quantization is not None and c.num_experts:
             raise ValueError(f"quantization={quantization!r} is not supported for a mixture-of-experts model "
                              f"(num_experts={c.num_experts}): jpa does not quantize the experts' weights yet; "
@@ -592,12 +595,25 @@ class GPT(nnx.Module):
             x = x + jnp.take(self.pos_embeddings[...], positions, axis=0, mode="clip").astype(jnp.float32)
         return x
 
-    def logits(self, x):
-        """x f32[..., d_model] -> f32[..., vocab] (final norm, then the head)."""
+    def logits(self, x, mesh=None):
+        """x f32[..., d_model] -> f32[..., vocab] (final norm, then the head). mesh: the tensor-parallel mesh
+        the model is sharded on, or None: a quantized head split on the vocabulary (`embeddings_layout`
+        "vocab") then runs the Mosaic matmul on each device's columns (`_tp_matmul`)."""
         if self.config.family == "gpt2":
             h = _layer_norm(x, self.norm, self.norm_bias, self.config.norm_eps)
         else:
             h = _rms_norm(x, self.norm, self.config.norm_eps, self.config.norm_weight_offset)
+        rows = int(np.prod(h.shape[:-1]))
+        # A head split on the vocabulary (models.sharding's "vocab" layout): the kernel on each device's columns.
+        head_mesh = mesh if mesh is not None and self.embeddings_layout == "vocab" else None
+        tp = 1 if head_mesh is None else head_mesh.shape[TP]
+
+        def local(var):  # one device's shard of a head array ([..., vocab]: the columns), shape and dtype only
+            if var is None:
+                return None
+            v = var.get_value()
+            return jax.ShapeDtypeStruct(v.shape[:-1] + (v.shape[-1] // tp,), v.dtype)
+
         if self.config.tie_embeddings and getattr(self, "embeddings_columns", False):
             # the table kept [d_model, vocab] (`set_embeddings_layout`): the head's [in, out] codes, read as
             # stored by the Mosaic matmul where it serves (else dequantized where the dot reads them, as below)
@@ -619,24 +635,32 @@ class GPT(nnx.Module):
             else:  # the rows' scales are the head's per-output-channel scales
                 out = _dense(h, emb.T, scale=self.tok_embeddings_scale, compute_dtype=self.dtype)
         elif hasattr(self, "output_bscale") and _kernel_serves_packed(
-                int(np.prod(h.shape[:-1])), self.output[...], self.output_bscale[...],
-                getattr(self, "output_bmin", None), getattr(self, "output_bscale2", None), self.dtype):
+                rows, *(local(getattr(self, "output" + sx, None)) for sx in ("", "_bscale", "_bmin", "_bscale2")),
+                self.dtype):
             # a packed head (GGUF's Q6_K / Q8_0 / Q4 output) on a GPU the Mosaic kernel serves: it reads the
             # stored codes (the dequantizing path would write a dense bf16 copy of the head every step)
             lead = h.shape[:-1]
-            opt = lambda suffix: None if (a := getattr(self, "output" + suffix, None)) is None else a[...]
             h2 = _permuted_input(self, "output", h).reshape(-1, h.shape[-1])
-            out = packed_matmul(h2, self.output[...], self.output_bscale[...], opt("_bmin"), opt("_bscale2"),
-                                opt("_bmin2"), layer=None, compute_dtype=self.dtype).reshape(*lead, -1)
+            parts = {sx: getattr(self, "output" + sx)[...] for sx in PACKED_PARTS if hasattr(self, "output" + sx)}
+            present = tuple(parts)
+
+            def mm(x2, _, *arrays):
+                a = dict(zip(present, arrays))
+                return packed_matmul(x2, a[""], a["_bscale"], a.get("_bmin"), a.get("_bscale2"), a.get("_bmin2"),
+                                     layer=None, compute_dtype=self.dtype)
+
+            out = _tp_matmul(mm, h2, None, "output", parts, head_mesh, stacked=False).reshape(*lead, -1)
         elif _packed(self, "output", self.dtype) is not None:
             out = _dense(_permuted_input(self, "output", h), _packed(self, "output", self.dtype))
         elif hasattr(self, "output_scale") and scaled_kernel_serves(
-                int(np.prod(h.shape[:-1])), *self.output.shape, self.output.dtype, self.dtype):
+                rows, *local(self.output).shape, self.output.dtype, self.dtype):
             # int8 / fp8 head on a GPU the Mosaic kernel serves: it reads the stored values (XLA, under
             # the engine's cuBLAS options, would write a bf16 copy of the head every step)
             lead = h.shape[:-1]
-            out = scaled_matmul(h.reshape(-1, h.shape[-1]), self.output[...], self.output_scale[...],
-                                compute_dtype=self.dtype).reshape(*lead, -1)
+            mm = lambda x2, _, q, scale: scaled_matmul(x2, q, scale, compute_dtype=self.dtype)  # noqa: E731
+            out = _tp_matmul(mm, h.reshape(-1, h.shape[-1]), None, "output",
+                             {"": self.output[...], "_scale": self.output_scale[...]}, head_mesh,
+                             stacked=False).reshape(*lead, -1)
         else:
             out = _dense(h, self.output, scale=getattr(self, "output_scale", None), compute_dtype=self.dtype)
         return _soft_cap(out, self.config.final_soft_cap)
@@ -919,9 +943,10 @@ def qmatmul_plan(model: GPT, rows: int, mesh=None) -> dict:
     return out
 
 
-def _tp_matmul(matmul, x2, layer, name: str, parts: dict, mesh):
+def _tp_matmul(matmul, x2, layer, name: str, parts: dict, mesh, stacked: bool = True):
     """matmul(x2 [M, K], layer, *parts.values()) -> f32[M, N] for a stacked quantized layer weight `name` whose
-    arrays are parts {suffix: array} (`PACKED_PARTS`, or "_scale"): on one device (mesh None) the call itself;
+    arrays are parts {suffix: array} (`PACKED_PARTS`, or "_scale"), or (stacked False, layer None) a model's
+    head ("output": column-parallel on the vocabulary): on one device (mesh None) the call itself;
     under a tensor-parallel mesh one `jax.shard_map` in which every device runs it on its own shard, the arrays
     split as models.sharding's RULES place them (no resharding of a weight): a column-parallel weight (wq, wk,
     wv, w_gate, w_up) takes x whole and gives the device's output columns (f32[M, N] split on N); a row-parallel
@@ -935,14 +960,16 @@ def _tp_matmul(matmul, x2, layer, name: str, parts: dict, mesh):
     P = jax.sharding.PartitionSpec
     row = RULES[name] == RULES["wo"]  # split on `in` (K)
 
-    def local(x, i, *arrays):  # one device: x [M, K / tp] (row) or [M, K]; its shard of every array
-        y = matmul(x, i, *arrays)
+    def local(x, *rest):  # one device: x [M, K / tp] (row) or [M, K]; (the layer,) its shard of every array
+        y = matmul(x, *rest) if layer is not None else matmul(x, None, *rest)
         return jax.lax.psum(y, TP) if row else y
 
-    specs = tuple(P(None, *RULES[name + sx]) for sx in parts)  # stacked: the layer axis first, never split
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(P(None, TP) if row else P(), P(), *specs),
+    # stacked: the layer axis first, never split
+    specs = tuple(P(None, *RULES[name + sx]) if stacked else RULES[name + sx] for sx in parts)
+    lead = (layer,) if layer is not None else ()
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(P(None, TP) if row else P(), *(P() for _ in lead), *specs),
                        out_specs=P() if row else P(None, TP), check_vma=False)
-    return fn(x2, layer, *parts.values())
+    return fn(x2, *lead, *parts.values())
 
 
 def _kernel_serves_packed(rows, codes, d, m, d2, dtype) -> bool:
@@ -950,7 +977,7 @@ def _kernel_serves_packed(rows, codes, d, m, d2, dtype) -> bool:
     uint8 holding two, 8-bit ones int8 / float8)."""
     k = codes.shape[-2] * (2 if codes.dtype == jnp.uint8 else 1)
     return kernel_serves(rows, k, codes.shape[-1], k // d.shape[-2], codes.dtype, dtype, d2=d2,
-                         sub_dtypes=(d.dtype, None if m is None else m[...].dtype))
+                         sub_dtypes=(d.dtype, None if m is None else _v(m).dtype))
 
 
 # The embedding table's arrays that `set_embeddings_layout` transposes (codes / values and the GGUF block
@@ -1185,7 +1212,7 @@ def prefill(model: GPT, cache: KVCache, tokens, start, chunk_lens, slot_mapping,
     cache = cache.replace_pools(*pools)
     last = jnp.maximum(chunk_lens - 1, 0)  # i32[B]
     x_last = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # f32[B, d_model]
-    return model.logits(x_last), cache
+    return model.logits(x_last, mesh), cache
 
 
 def decode(model: GPT, cache: KVCache, tokens, seq_lens, slot_mapping, block_tables, *, impl="auto",
@@ -1236,7 +1263,7 @@ def decode(model: GPT, cache: KVCache, tokens, seq_lens, slot_mapping, block_tab
 
     x, pools = _run(model, tokens[:, None], positions, attend, cache.pools(), mesh, stack_packed=True)
     cache = cache.replace_pools(*pools)
-    return model.logits(x[:, 0]), cache
+    return model.logits(x[:, 0], mesh), cache
 
 
 def ragged(model: GPT, cache: KVCache, tokens, positions, slot_mapping, block_tables, seq_lens, cu_q_lens,
@@ -1252,7 +1279,7 @@ def ragged(model: GPT, cache: KVCache, tokens, positions, slot_mapping, block_ta
     x, cache = ragged_hidden(model, cache, tokens, positions, slot_mapping, block_tables, seq_lens, cu_q_lens,
                              num_seqs, impl=impl, mesh=mesh)
     last = jnp.clip(cu_q_lens[1:] - 1, 0, x.shape[0] - 1)  # i32[max_num_seqs]
-    return model.logits(x[last]), cache
+    return model.logits(x[last], mesh), cache
 
 
 def ragged_hidden(model: GPT, cache: KVCache, tokens, positions, slot_mapping, block_tables, seq_lens, cu_q_lens,

@@ -9,7 +9,7 @@ JAX fixes its device count when it starts, so this runs in its own process:
 small bfloat16 Llama with fresh random weights in three of the forms the kernel takes: wq / wk / wv / w_gate as
 Q4_1 blocks (4-bit, column-parallel), wo / w_down as Q8_0 blocks (8-bit with group scales, row-parallel: each
 device holds whole 32-value groups of K) and w_up int8 per output channel (column-parallel, its scales split with
-it). The reference is the single-device model on XLA's path (this CPU: the layer's blocks dequantized where the
+it), and the head int8 per output channel (split on the vocabulary). The reference is the single-device model on XLA's path (this CPU: the layer's blocks dequantized where the
 dot reads them); the sharded one runs under JPA_QMATMUL=interpret, so every layer linear is the kernel's code on
 its device's shard inside `models.gpt._tp_matmul`'s shard_map. Reported: the largest logit gap of a decode step
 (and, with --prefill, of a prefill chunk) against the reference and the reference's largest logit; the
@@ -64,6 +64,9 @@ def quantized_model(rng, num_layers: int) -> GPT:
     q, scale = quantize_weight(rng.normal(0, 0.05, shape("w_up")).astype(np.float32), "int8")
     layers.w_up = nnx.Param(jnp.asarray(q))
     layers.w_up_scale = nnx.Param(jnp.asarray(scale))
+    q, scale = quantize_weight(rng.normal(0, 0.05, model.output.get_value().shape).astype(np.float32), "int8")
+    model.output = nnx.Param(jnp.asarray(q))  # the head int8 per vocabulary column: split on the vocabulary
+    model.output_scale = nnx.Param(jnp.asarray(scale))
     model.quantization = "gguf"
     return model
 
@@ -134,7 +137,8 @@ def main(out_path, num_layers: int = 1, prefill: bool = False):
         plan=qmatmul_plan(sharded, 3, mesh),
         calls=kernel_calls(jaxpr), sharded_seconds=round(time.perf_counter() - t0, 1),
         shapes={name: list(getattr(model.layers, name).get_value().shape)
-                for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")})
+                for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")},
+        head=list(model.output.get_value().shape))
     pathlib.Path(out_path).write_text(json.dumps(report))
 
 
