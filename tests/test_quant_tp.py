@@ -184,7 +184,12 @@ SHAPES = dict(family="llama", vocab_size=512, d_model=256, num_layers=4, num_q_h
 r = tr.engine_traffic("h100", SHAPES, max_seqs=4, context=256, pool_gib=0.05, quantization=FMT, label="tiny",
                       tensor_parallel=2)
 s = r["summary"]
+from jpa.tools.hlo import collectives
+coll = collectives(r["hlo"])
+items = coll["step"] + coll["outside"]
+row = [c for c in items if c["op"] == "all-reduce" and c["type"].startswith("f32[") and c["type"].endswith(",256]")]
 print(json.dumps(dict(checks=r["checks"], weights=s["weights"], copies=len(tr.matrix_copies(s)),
+                      row_sums=len(row), gathers=[c for c in items if c["op"] == "all-gather"],
                       kernels=sorted({k["name"].split(".")[0] for k in r["top"] if k["name"].startswith("mpmd_map")}))))
 """
 
@@ -196,7 +201,9 @@ def test_tp_engine_step_compiles_for_two_h100s_without_a_dense_copy(fmt):
     tensor-parallel over two compile-only H100s, compiled deviceless (XLA's whole GPU pipeline, Mosaic's ptxas):
     one device's program holds the attention kernels and the 7 linears' Mosaic calls of both passes in its layer
     body (3 + 2 x 7 = 17), no ptxas spills, the weights read once (its shards: the ideal) and none written, no
-    weight matrix materialized (the XLA path this replaces wrote a dense bf16 copy of each: `JPA_QMATMUL=0`)."""
+    weight matrix materialized (the XLA path this replaces wrote a dense bf16 copy of each: `JPA_QMATMUL=0`), and
+    the collectives are the dense path's: two f32[tokens, d_model] all-reduces a layer body and pass (the psums
+    after wo and w_down), no all-gather of a weight."""
     env = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_CPP_VMODULE", "XLA_FLAGS",
                                                              "JPA_QMATMUL")}
     proc = subprocess.run([sys.executable, "-c", COMPILE.replace("FMT", repr(fmt))], capture_output=True, text=True,
@@ -208,3 +215,9 @@ def test_tp_engine_step_compiles_for_two_h100s_without_a_dense_copy(fmt):
     w = r["weights"]
     assert w["written"] <= 0.01 * w["ideal"] and w["ideal"] <= w["read"] <= 1.01 * w["ideal"], w
     assert r["copies"] == 0, r
+    # the collectives of the dense path: one f32[tokens, d_model] all-reduce after each row-parallel linear
+    # (wo, w_down) of the layer body, in both passes; no weight (or shard) gathered
+    # (the sampler's all-gathers over the vocabulary shards stay: f32 / s32 [seqs(, vocab)])
+    weight_dims = {"256", "384", "768"}  # d_model, ffn / 2, ffn
+    moved = [g["type"] for g in r["gathers"] if weight_dims & set(g["type"].split("[")[1].rstrip("]").split(","))]
+    assert r["row_sums"] == 2 * 2 and not moved, (r["row_sums"], moved, r["gathers"])
