@@ -71,4 +71,4 @@ class GPTForEngine:
 
     def head(self, params, hidden):
         """hidden f32[..., d_model] -> logits f32[..., vocab] (final norm and output layer)."""
-        return nnx.merge(self.graphdef, params).logits(hidden)
+        return nnx.merge(self.graphdef, params).logits(hidden, self.mesh)

@@ -56,7 +56,8 @@ from jpa.kv.cache import CacheConfig, KVCache, write_kv
 from jpa.ops.decode import paged_decode
 from jpa.ops.dispatch import current_target
 from jpa.ops.prefill import paged_prefill
-from jpa.ops.qmatmul import kernel_serves, packed_matmul, scaled_kernel_serves, scaled_matmul
+from jpa.ops.qmatmul import (kernel_serves, packed_matmul, scaled_kernel_serves, scaled_matmul,
+                             scaled_unsupported_reason, unsupported_reason)
 from jpa.ops.ragged import ragged_paged_attention
 from jpa.core.quant import (check_weight_quantization, dequantize_blocks, dequantize_weight, quantize_weight,
                             super_scaled)
@@ -416,23 +417,32 @@ class Block(nnx.Module):
         if quantization is not None:
             _quantize_params(self, quantization)
 
-    def _linear(self, x, name, bias=None, layer=None):
+    def _linear(self, x, name, bias=None, layer=None, mesh=None):
         """x @ self.<name> (+ self.<bias> when the model has it), quantized, packed or not (`_dense`).
         layer: the layer index when `_run` kept this block's packed 4-bit weights stacked
-        (`stacked_packed`): they are read by `jpa.ops.qmatmul.packed_matmul` from the stack."""
+        (`stacked_packed`): they are read by `jpa.ops.qmatmul.packed_matmul` from the stack. mesh: the
+        tensor-parallel mesh those stacked weights are sharded on (`_tp_matmul`: each device's shard), or None."""
         codes = getattr(self, name)[...]
         if layer is not None and codes.ndim == 3 and hasattr(self, name + "_scale"):  # int8 / fp8, kept stacked
             lead = x.shape[:-1]
-            y = scaled_matmul(x.reshape(-1, x.shape[-1]), codes, getattr(self, name + "_scale")[...], layer=layer,
-                              compute_dtype=self.dtype).reshape(*lead, -1)
+            mm = lambda x2, i, q, scale: scaled_matmul(x2, q, scale, layer=i, compute_dtype=self.dtype)
+            y = _tp_matmul(mm, x.reshape(-1, x.shape[-1]), layer, name,
+                           {"": codes, "_scale": getattr(self, name + "_scale")[...]}, mesh).reshape(*lead, -1)
             b = None if bias is None else self._bias(bias)
             return y if b is None else y + _v(b).astype(jnp.float32)
         if layer is not None and codes.ndim == 3 and hasattr(self, name + "_bscale"):
             lead = x.shape[:-1]
             x2 = _permuted_input(self, name, x).reshape(-1, x.shape[-1])  # [M, in]
-            opt = lambda suffix: None if (a := getattr(self, name + suffix, None)) is None else a[...]
-            y = packed_matmul(x2, codes, getattr(self, name + "_bscale")[...], opt("_bmin"), opt("_bscale2"),
-                              opt("_bmin2"), layer=layer, compute_dtype=self.dtype).reshape(*lead, -1)
+            parts = {suffix: getattr(self, name + suffix)[...] for suffix in PACKED_PARTS
+                     if hasattr(self, name + suffix)}
+            present = tuple(parts)
+
+            def mm(x2, i, *arrays):
+                a = dict(zip(present, arrays))
+                return packed_matmul(x2, a[""], a["_bscale"], a.get("_bmin"), a.get("_bscale2"), a.get("_bmin2"),
+                                     layer=i, compute_dtype=self.dtype)
+
+            y = _tp_matmul(mm, x2, layer, name, parts, mesh).reshape(*lead, -1)
             b = None if bias is None else self._bias(bias)
             return y if b is None else y + _v(b).astype(jnp.float32)
         w = _packed(self, name, self.dtype)
@@ -449,15 +459,16 @@ class Block(nnx.Module):
     def _bias(self, name):
         return getattr(self, name, None)
 
-    def qkv(self, x, positions, layer=None):
+    def qkv(self, x, positions, layer=None, mesh=None):
         """x f32[B, T, d_model], positions i32[B, T] -> q f32[B, T, N, H], k, v f32[B, T, K, H].
-        layer: i32[] this block's layer when its packed weights are kept stacked (`_linear`)."""
+        layer: i32[] this block's layer when its packed weights are kept stacked (`_linear`); mesh: the
+        tensor-parallel mesh they are sharded on, or None."""
         c = self.config
         batch, num_tokens, _ = x.shape
         h = self._norm(x, self.attn_norm, "attn_norm_bias")
-        q = self._linear(h, "wq", "bq", layer).reshape(batch, num_tokens, c.num_q_heads, c.head_dim)
-        k = self._linear(h, "wk", "bk", layer).reshape(batch, num_tokens, c.num_kv_heads, c.head_dim)
-        v = self._linear(h, "wv", "bv", layer).reshape(batch, num_tokens, c.num_kv_heads, c.head_dim)
+        q = self._linear(h, "wq", "bq", layer, mesh).reshape(batch, num_tokens, c.num_q_heads, c.head_dim)
+        k = self._linear(h, "wk", "bk", layer, mesh).reshape(batch, num_tokens, c.num_kv_heads, c.head_dim)
+        v = self._linear(h, "wv", "bv", layer, mesh).reshape(batch, num_tokens, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
         if c.family == "llama":
@@ -470,14 +481,14 @@ class Block(nnx.Module):
         """f32[N] attention sinks of this layer (gpt-oss), or None."""
         return self.sinks[...].astype(jnp.float32) if self.config.attn_sinks else None
 
-    def finish(self, x, attn, layer=None, experts=None):
+    def finish(self, x, attn, layer=None, experts=None, mesh=None):
         """x f32[B, T, d_model], attn [B, T, N, H] -> x f32[B, T, d_model] after both residuals.
-        layer: as `qkv`. experts: None, or (mesh, layout) of a tensor-parallel mixture of experts
+        layer, mesh: as `qkv`. experts: None, or (mesh, layout) of a tensor-parallel mixture of experts
         (models.moe.expert_parallel)."""
         c = self.config
         batch, num_tokens = attn.shape[:2]
         attn = attn.reshape(batch, num_tokens, c.num_q_heads * c.head_dim)  # [B, T, N * H]
-        h = self._linear(attn, "wo", "bo", layer)
+        h = self._linear(attn, "wo", "bo", layer, mesh)
         x = x + (self._norm(h, self.post_attn_norm) if c.post_norms else h)
         h = self._norm(x, self.ffn_norm, "ffn_norm_bias")
         if c.num_experts:
@@ -490,14 +501,14 @@ class Block(nnx.Module):
                         router_bias=self.router_bias[...] if c.router_bias else None,
                         biases=biases, parallel=experts).reshape(batch, num_tokens, c.d_model)
             return x + (self._norm(h, self.post_ffn_norm) if c.post_norms else h)
+        lin = lambda h, name, bias=None: self._linear(h, name, bias, layer, mesh)
         if c.family == "gpt2":
-            h = jax.nn.gelu(self._linear(h, "w_up", "b_up", layer), approximate=True)
+            h = jax.nn.gelu(lin(h, "w_up", "b_up"), approximate=True)
         elif c.mlp_activation == "gelu_tanh":
-            h = jax.nn.gelu(self._linear(h, "w_gate", None, layer), approximate=True) * self._linear(h, "w_up", None,
-                                                                                                   layer)
+            h = jax.nn.gelu(lin(h, "w_gate"), approximate=True) * lin(h, "w_up")
         else:
-            h = jax.nn.silu(self._linear(h, "w_gate", None, layer)) * self._linear(h, "w_up", None, layer)
-        h = self._linear(h, "w_down", "b_down", layer)
+            h = jax.nn.silu(lin(h, "w_gate")) * lin(h, "w_up")
+        h = lin(h, "w_down", "b_down")
         return x + (self._norm(h, self.post_ffn_norm) if c.post_norms else h)
 
 
@@ -539,6 +550,9 @@ class GPT(nnx.Module):
         # A mixture of experts under tensor parallelism: "experts" or "ffn" (models.moe.EXPERT_LAYOUTS),
         # set by models.sharding.shard; None on one device.
         self.expert_layout = None
+        # Under tensor parallelism, the embeddings' and head's layout models.sharding.shard gave them: "vocab"
+        # (split on the vocabulary) or "replicated"; None on one device.
+        self.embeddings_layout = None
         if quantization is not None and c.num_experts:
             raise ValueError(f"quantization={quantization!r} is not supported for a mixture-of-experts model "
                              f"(num_experts={c.num_experts}): jpa does not quantize the experts' weights yet; "
@@ -581,12 +595,25 @@ class GPT(nnx.Module):
             x = x + jnp.take(self.pos_embeddings[...], positions, axis=0, mode="clip").astype(jnp.float32)
         return x
 
-    def logits(self, x):
-        """x f32[..., d_model] -> f32[..., vocab] (final norm, then the head)."""
+    def logits(self, x, mesh=None):
+        """x f32[..., d_model] -> f32[..., vocab] (final norm, then the head). mesh: the tensor-parallel mesh
+        the model is sharded on, or None: a quantized head split on the vocabulary (`embeddings_layout`
+        "vocab") then runs the Mosaic matmul on each device's columns (`_tp_matmul`)."""
         if self.config.family == "gpt2":
             h = _layer_norm(x, self.norm, self.norm_bias, self.config.norm_eps)
         else:
             h = _rms_norm(x, self.norm, self.config.norm_eps, self.config.norm_weight_offset)
+        rows = int(np.prod(h.shape[:-1]))
+        # A head split on the vocabulary (models.sharding's "vocab" layout): the kernel on each device's columns.
+        head_mesh = mesh if mesh is not None and self.embeddings_layout == "vocab" else None
+        tp = 1 if head_mesh is None else head_mesh.shape[TP]
+
+        def local(var):  # one device's shard of a head array ([..., vocab]: the columns), shape and dtype only
+            if var is None:
+                return None
+            v = var.get_value()
+            return jax.ShapeDtypeStruct(v.shape[:-1] + (v.shape[-1] // tp,), v.dtype)
+
         if self.config.tie_embeddings and getattr(self, "embeddings_columns", False):
             # the table kept [d_model, vocab] (`set_embeddings_layout`): the head's [in, out] codes, read as
             # stored by the Mosaic matmul where it serves (else dequantized where the dot reads them, as below)
@@ -608,24 +635,32 @@ class GPT(nnx.Module):
             else:  # the rows' scales are the head's per-output-channel scales
                 out = _dense(h, emb.T, scale=self.tok_embeddings_scale, compute_dtype=self.dtype)
         elif hasattr(self, "output_bscale") and _kernel_serves_packed(
-                int(np.prod(h.shape[:-1])), self.output[...], self.output_bscale[...],
-                getattr(self, "output_bmin", None), getattr(self, "output_bscale2", None), self.dtype):
+                rows, *(local(getattr(self, "output" + sx, None)) for sx in ("", "_bscale", "_bmin", "_bscale2")),
+                self.dtype):
             # a packed head (GGUF's Q6_K / Q8_0 / Q4 output) on a GPU the Mosaic kernel serves: it reads the
             # stored codes (the dequantizing path would write a dense bf16 copy of the head every step)
             lead = h.shape[:-1]
-            opt = lambda suffix: None if (a := getattr(self, "output" + suffix, None)) is None else a[...]
             h2 = _permuted_input(self, "output", h).reshape(-1, h.shape[-1])
-            out = packed_matmul(h2, self.output[...], self.output_bscale[...], opt("_bmin"), opt("_bscale2"),
-                                opt("_bmin2"), layer=None, compute_dtype=self.dtype).reshape(*lead, -1)
+            parts = {sx: getattr(self, "output" + sx)[...] for sx in PACKED_PARTS if hasattr(self, "output" + sx)}
+            present = tuple(parts)
+
+            def mm(x2, _, *arrays):
+                a = dict(zip(present, arrays))
+                return packed_matmul(x2, a[""], a["_bscale"], a.get("_bmin"), a.get("_bscale2"), a.get("_bmin2"),
+                                     layer=None, compute_dtype=self.dtype)
+
+            out = _tp_matmul(mm, h2, None, "output", parts, head_mesh, stacked=False).reshape(*lead, -1)
         elif _packed(self, "output", self.dtype) is not None:
             out = _dense(_permuted_input(self, "output", h), _packed(self, "output", self.dtype))
         elif hasattr(self, "output_scale") and scaled_kernel_serves(
-                int(np.prod(h.shape[:-1])), *self.output.shape, self.output.dtype, self.dtype):
+                rows, *local(self.output).shape, self.output.dtype, self.dtype):
             # int8 / fp8 head on a GPU the Mosaic kernel serves: it reads the stored values (XLA, under
             # the engine's cuBLAS options, would write a bf16 copy of the head every step)
             lead = h.shape[:-1]
-            out = scaled_matmul(h.reshape(-1, h.shape[-1]), self.output[...], self.output_scale[...],
-                                compute_dtype=self.dtype).reshape(*lead, -1)
+            mm = lambda x2, _, q, scale: scaled_matmul(x2, q, scale, compute_dtype=self.dtype)  # noqa: E731
+            out = _tp_matmul(mm, h.reshape(-1, h.shape[-1]), None, "output",
+                             {"": self.output[...], "_scale": self.output_scale[...]}, head_mesh,
+                             stacked=False).reshape(*lead, -1)
         else:
             out = _dense(h, self.output, scale=getattr(self, "output_scale", None), compute_dtype=self.dtype)
         return _soft_cap(out, self.config.final_soft_cap)
@@ -825,34 +860,116 @@ def _check_weights(weights, expected, config):
             check(f"'layers'][{i}]['{name}'", lw[name], shape)
 
 
+# The arrays of a packed weight `name` (codes, block scales, minimums, K-quants' super-block ones): name + suffix.
+PACKED_PARTS = ("", "_bscale", "_bmin", "_bscale2", "_bmin2")
+
+
 def stacked_packed(model: GPT, rows: int, mesh=None) -> tuple:
     """Names of the layers' packed 4-bit weights (Q4_0 / Q4_1 forms: GGUF, AWQ, GPTQ,
     compressed-tensors; GGUF Q4_K: integer sub-block scales with f16 super-block ones), packed 8-bit
     ones with group scales (GGUF Q8_0, Q5_K, Q6_K, block-wise FP8) and int8 / fp8 per-channel ones
     that the Mosaic GPU dequantizing matmul serves for `rows` tokens on the device being compiled for
     (`jpa.ops.qmatmul.kernel_serves`: any number of rows, so the decode step, the ragged prompt pass and the
-    verify pass alike); none under a tensor-parallel mesh. `_run` keeps them stacked through the scan: the kernel reads a layer of the stack by its
-    index, so no layer's codes are sliced into a copy and no dense float weight is written."""
-    if mesh is not None:
-        return ()
-    layers, out = model.layers, []
+    verify pass alike): those `qmatmul_plan` gives no reason against. `_run` keeps them stacked through the
+    scan: the kernel reads a layer of the stack by its index, so no layer's codes are sliced into a copy and no
+    dense float weight is written. Under a tensor-parallel mesh each device runs it on its shard
+    (`_tp_matmul`)."""
+    return tuple(name for name, why in qmatmul_plan(model, rows, mesh).items() if why is None)
+
+
+def _local_shape(shape, spec, tp: int) -> tuple:
+    """One device's shard of an array of `shape` placed with PartitionSpec `spec` over a "tp" axis of tp."""
+    spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+    return tuple(n // tp if a == TP else n for n, a in zip(shape, spec))
+
+
+def qmatmul_plan(model: GPT, rows: int, mesh=None) -> dict:
+    """{name: None where the Mosaic dequantizing matmul serves the quantized layer linear `name` for `rows`
+    tokens on the device being compiled for, else why not} (`jpa.ops.qmatmul.unsupported_reason`), over the
+    model's stacked quantized layer linears (packed blocks or int8 / fp8 per channel).
+
+    mesh: a tensor-parallel mesh: the kernel runs on each device's shard (`_tp_matmul`), placed as
+    models.sharding's RULES place it: a column-parallel weight (wq, wk, wv, w_gate, w_up) split on its output
+    columns N (its scales with them), a row-parallel one (wo, w_down) on its input rows K (block scales and
+    minimums along K with them; per-channel scales whole). The decision is the kernel's on that shard: a
+    row-parallel split must leave each device whole groups (K / tp a multiple of the group, K-quants' 256-value
+    super-blocks too) and K / tp a multiple of the kernel's K step (64); a column-parallel one N / tp a
+    multiple of its 64-column tile. A weight refused keeps today's path (XLA dequantizes each layer's slice),
+    with the reason here."""
+    from jpa.models.sharding import RULES
+
+    tp = 1 if mesh is None else mesh.shape[TP]
+    layers, out = model.layers, {}
     for name, axis in QUANT_AXIS.items():
-        scale = getattr(layers, name + "_scale", None)
-        if axis == -2 and scale is not None and hasattr(layers, name):  # int8 / fp8 per channel
-            q = getattr(layers, name)[...]
-            if q.ndim == 3 and scaled_kernel_serves(rows, q.shape[1], q.shape[2], q.dtype, model.dtype):
-                out.append(name)
+        if axis != -2 or not hasattr(layers, name):
             continue
-        d = getattr(layers, name + "_bscale", None)
-        if axis != -2 or d is None:
+        suffixes = ("", "_scale") if hasattr(layers, name + "_scale") else tuple(
+            sx for sx in PACKED_PARTS if hasattr(layers, name + sx))
+        if len(suffixes) < 2 or getattr(layers, name).get_value().ndim != 3:
+            continue  # a float weight, or not stacked
+        arrays = {sx: getattr(layers, name + sx).get_value() for sx in suffixes}
+        local, uneven = {}, []
+        for sx, a in arrays.items():
+            spec = jax.sharding.PartitionSpec(None, *RULES[name + sx])
+            local[sx] = _local_shape(a.shape, spec, tp)
+            if any(n % tp for n, ax in zip(a.shape, tuple(spec) + (None,) * a.ndim) if ax == TP):
+                uneven.append(f"{name}{sx} {list(a.shape)}")
+        codes = arrays[""]
+        per = 2 if codes.dtype == jnp.uint8 else 1  # uint8: two 4-bit codes a byte
+        k, n = local[""][1] * per, local[""][2]
+        where = ""
+        if tp > 1:
+            kind = "row" if RULES[name] == RULES["wo"] else "column"
+            where = (f" (each of {tp} devices' shard of the {kind}-parallel {name}: [{k}, {n}] of "
+                     f"[{codes.shape[1] * per}, {codes.shape[2]}])")
+        if uneven:
+            out[name] = f"{', '.join(uneven)} do not split into {tp} equal shards" + where
             continue
-        codes, d = getattr(layers, name)[...], d[...]
-        if codes.ndim != 3:
-            continue
-        m = getattr(layers, name + "_bmin", None)
-        if _kernel_serves_packed(rows, codes, d, m, getattr(layers, name + "_bscale2", None), model.dtype):
-            out.append(name)
-    return tuple(out)
+        if "_scale" in arrays:
+            why = scaled_unsupported_reason(rows, k, n, codes.dtype, model.dtype)
+        else:
+            d = local["_bscale"]
+            group, global_group = k // d[1], codes.shape[1] * per // arrays["_bscale"].shape[1]
+            if group != global_group or k % d[1]:
+                why = f"K / {tp} = {k} is not whole groups of {global_group}"
+            elif "_bscale2" in arrays and local["_bscale2"][1] * (
+                    super_group := codes.shape[1] * per // arrays["_bscale2"].shape[1]) != k:
+                why = f"K / {tp} = {k} is not whole super-blocks of {super_group}"
+            else:
+                m = arrays.get("_bmin")
+                why = unsupported_reason(rows, k, n, group, codes.dtype, model.dtype, d2=arrays.get("_bscale2"),
+                                         sub_dtypes=(arrays["_bscale"].dtype, None if m is None else m.dtype))
+        out[name] = None if why is None else why + where
+    return out
+
+
+def _tp_matmul(matmul, x2, layer, name: str, parts: dict, mesh, stacked: bool = True):
+    """matmul(x2 [M, K], layer, *parts.values()) -> f32[M, N] for a stacked quantized layer weight `name` whose
+    arrays are parts {suffix: array} (`PACKED_PARTS`, or "_scale"), or (stacked False, layer None) a model's
+    head ("output": column-parallel on the vocabulary): on one device (mesh None) the call itself;
+    under a tensor-parallel mesh one `jax.shard_map` in which every device runs it on its own shard, the arrays
+    split as models.sharding's RULES place them (no resharding of a weight): a column-parallel weight (wq, wk,
+    wv, w_gate, w_up) takes x whole and gives the device's output columns (f32[M, N] split on N); a row-parallel
+    one (wo, w_down) takes x's columns matching its K rows (x arrives split so: the heads, the MLP's hidden
+    units) and the partial products are summed by ONE psum of f32[M, N] over "tp", the all-reduce the GSPMD path
+    makes after those matmuls. check_vma is off: a Pallas call has no varying-axes rule."""
+    if mesh is None:
+        return matmul(x2, layer, *parts.values())
+    from jpa.models.sharding import RULES
+
+    P = jax.sharding.PartitionSpec
+    row = RULES[name] == RULES["wo"]  # split on `in` (K)
+
+    def local(x, *rest):  # one device: x [M, K / tp] (row) or [M, K]; (the layer,) its shard of every array
+        y = matmul(x, *rest) if layer is not None else matmul(x, None, *rest)
+        return jax.lax.psum(y, TP) if row else y
+
+    # stacked: the layer axis first, never split
+    specs = tuple(P(None, *RULES[name + sx]) if stacked else RULES[name + sx] for sx in parts)
+    lead = (layer,) if layer is not None else ()
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(P(None, TP) if row else P(), *(P() for _ in lead), *specs),
+                       out_specs=P() if row else P(None, TP), check_vma=False)
+    return fn(x2, *lead, *parts.values())
 
 
 def _kernel_serves_packed(rows, codes, d, m, d2, dtype) -> bool:
@@ -860,7 +977,7 @@ def _kernel_serves_packed(rows, codes, d, m, d2, dtype) -> bool:
     uint8 holding two, 8-bit ones int8 / float8)."""
     k = codes.shape[-2] * (2 if codes.dtype == jnp.uint8 else 1)
     return kernel_serves(rows, k, codes.shape[-1], k // d.shape[-2], codes.dtype, dtype, d2=d2,
-                         sub_dtypes=(d.dtype, None if m is None else m[...].dtype))
+                         sub_dtypes=(d.dtype, None if m is None else _v(m).dtype))
 
 
 # The embedding table's arrays that `set_embeddings_layout` transposes (codes / values and the GGUF block
@@ -936,8 +1053,8 @@ def _run(model: GPT, tokens, positions, attend, state, mesh=None, stack_packed: 
     scan's carry: every layer updates it whole. mesh: the tensor-parallel mesh (a mixture of experts
     runs its experts in the layout models.sharding gave them, `GPT.expert_layout`), or None.
     stack_packed: the packed weights of `stacked_packed` stay out of the scanned slices and each
-    layer reads them stacked (the engine's steps without a tensor-parallel mesh; False: every
-    weight is sliced per layer, as XLA needs under GSPMD).
+    layer reads them stacked (the engine's steps; under a tensor-parallel mesh each device's shard,
+    `_tp_matmul`); False: every weight is sliced per layer.
     """
     c = model.config
     layout = getattr(model, "expert_layout", None)  # None on one device (and on a 1-device mesh)
@@ -961,9 +1078,9 @@ def _run(model: GPT, tokens, positions, attend, state, mesh=None, stack_packed: 
             p = group if period == 1 else jax.tree.map(lambda a: a[r], group)
             block = nnx.merge(graphdef, nnx.State({**p, **kept}) if kept else p)
             layer = g * period + r if kept else None
-            q, k, v = block.qkv(x, positions, layer)
+            q, k, v = block.qkv(x, positions, layer, mesh)
             attn, state = attend(r, g * period + r, q, k, v, state, block.attn_sinks())
-            x = block.finish(x, attn, layer, experts)
+            x = block.finish(x, attn, layer, experts, mesh)
         return (x, state), None
 
     (x, state), _ = jax.lax.scan(body, (x, state), (grouped, jnp.arange(groups, dtype=jnp.int32)))
@@ -1091,11 +1208,11 @@ def prefill(model: GPT, cache: KVCache, tokens, start, chunk_lens, slot_mapping,
         return step(pools, q.astype(model.dtype), flat(k), flat(v), slots, block_tables, start, chunk_lens, layer,
                     sinks)
 
-    x, pools = _run(model, tokens, positions, attend, cache.pools(), mesh, stack_packed=mesh is None)
+    x, pools = _run(model, tokens, positions, attend, cache.pools(), mesh, stack_packed=True)
     cache = cache.replace_pools(*pools)
     last = jnp.maximum(chunk_lens - 1, 0)  # i32[B]
     x_last = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # f32[B, d_model]
-    return model.logits(x_last), cache
+    return model.logits(x_last, mesh), cache
 
 
 def decode(model: GPT, cache: KVCache, tokens, seq_lens, slot_mapping, block_tables, *, impl="auto",
@@ -1144,9 +1261,9 @@ def decode(model: GPT, cache: KVCache, tokens, seq_lens, slot_mapping, block_tab
                           seq_lens, layer, sinks)
         return out[:, None], pools
 
-    x, pools = _run(model, tokens[:, None], positions, attend, cache.pools(), mesh, stack_packed=mesh is None)
+    x, pools = _run(model, tokens[:, None], positions, attend, cache.pools(), mesh, stack_packed=True)
     cache = cache.replace_pools(*pools)
-    return model.logits(x[:, 0]), cache
+    return model.logits(x[:, 0], mesh), cache
 
 
 def ragged(model: GPT, cache: KVCache, tokens, positions, slot_mapping, block_tables, seq_lens, cu_q_lens,
@@ -1162,7 +1279,7 @@ def ragged(model: GPT, cache: KVCache, tokens, positions, slot_mapping, block_ta
     x, cache = ragged_hidden(model, cache, tokens, positions, slot_mapping, block_tables, seq_lens, cu_q_lens,
                              num_seqs, impl=impl, mesh=mesh)
     last = jnp.clip(cu_q_lens[1:] - 1, 0, x.shape[0] - 1)  # i32[max_num_seqs]
-    return model.logits(x[last]), cache
+    return model.logits(x[last], mesh), cache
 
 
 def ragged_hidden(model: GPT, cache: KVCache, tokens, positions, slot_mapping, block_tables, seq_lens, cu_q_lens,
@@ -1220,5 +1337,5 @@ def ragged_hidden(model: GPT, cache: KVCache, tokens, positions, slot_mapping, b
                           cu_q_lens, num_seqs, layer, sinks)
         return out[None], pools
 
-    x, pools = _run(model, tokens[None], positions[None], attend, cache.pools(), mesh, stack_packed=mesh is None)
+    x, pools = _run(model, tokens[None], positions[None], attend, cache.pools(), mesh, stack_packed=True)
     return x[0], cache.replace_pools(*pools)

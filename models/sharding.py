@@ -439,4 +439,5 @@ def shard(model, mesh, *, embeddings: str = "vocab", experts: str | None = None)
     params = jax.tree_util.tree_map(place, params, specs)
     out = nnx.merge(graphdef, params)
     out.expert_layout = plan.experts  # how models.moe runs the experts under this mesh (None: dense)
+    out.embeddings_layout = plan.embeddings  # "vocab": a quantized head runs the Mosaic matmul per device
     return out, plan

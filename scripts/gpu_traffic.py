@@ -17,6 +17,7 @@ with its XLA options (`jpa.core.xla_options.WEIGHTS_IN_PLACE`); --xla-default le
     python scripts/gpu_traffic.py --tied --quantization Q8_0 --max-seqs 1   # a tied head (SmolLM2's form)
     python scripts/gpu_traffic.py --tied rows --quantization Q8_0 --max-seqs 1   # ... its table kept in rows (before)
     python scripts/gpu_traffic.py --model smollm2 --tied --quantization Q4_1:Q8_0 --max-seqs 1   # SmolLM2's GGUF form
+    python scripts/gpu_traffic.py --tp 2 --quantization Q4_0 --max-seqs 1   # 2-way tensor parallel: one device's program
 
 A deviceless-compile figure: bytes the compiled program moves, not a measured time.
 """
@@ -74,6 +75,9 @@ def main(argv=None) -> int:
                         "GGUF keeps it: jpa.tools.traffic.abstract_model); 'rows': keep the table [vocab, d_model] "
                         "instead of the [d_model, vocab] the engine keeps for the Mosaic matmul (the before)")
     p.add_argument("--which", nargs="+", choices=("plain", "spec"), default=["plain"])
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="compile the step tensor-parallel over N compile-only GPUs (models.sharding's layout; "
+                        "--pool-gib per device) and model one device's program (plain step only)")
     p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                    help="an XLA option for the compile (repeatable), e.g. xla_gpu_enable_triton_gemm=false")
     p.add_argument("--xla-default", action="store_true",
@@ -101,7 +105,7 @@ def main(argv=None) -> int:
     for quant, which, seqs in [(q, w, n) for q in quants for w in args.which for n in args.max_seqs]:
         if True:
             tag = "_".join(f"{k}={v}" for k, v in options.items())
-            fname = f"{args.target}_{(quant or 'bf16').replace(':', '+')}{'_tied-' + args.tied if args.tied else ''}_{which}_{seqs}_{'xla' if args.xla_default else 'engine'}_{tag or 'options'}.hlo"
+            fname = f"{args.target}_{(quant or 'bf16').replace(':', '+')}{'_tied-' + args.tied if args.tied else ''}{f'_tp{args.tp}' if args.tp > 1 else ''}_{which}_{seqs}_{'xla' if args.xla_default else 'engine'}_{tag or 'options'}.hlo"
             saved = None
             if args.from_hlo:
                 with open(os.path.join(args.from_hlo, fname)) as f:
@@ -109,7 +113,8 @@ def main(argv=None) -> int:
             r = engine_traffic(args.target, shapes, max_seqs=seqs, context=args.context, pool_gib=args.pool_gib,
                                which=which, compiler_options=options, label=args.model, hlo=saved,
                                engine_options=not args.xla_default, quantization=quant,
-                               embeddings_columns=None if args.tied is None else args.tied == "columns")
+                               embeddings_columns=None if args.tied is None else args.tied == "columns",
+                               tensor_parallel=args.tp)
             s = r["summary"]
             if args.hlo:
                 os.makedirs(args.hlo, exist_ok=True)
@@ -117,7 +122,7 @@ def main(argv=None) -> int:
                     f.write(r["hlo"])
             how = ("from saved HLO" if r["seconds"] is None
                    else f"compiled in {r['seconds']} s ({r['cpu_seconds']} CPU s)")
-            print(f"\n{r['name']}, weights {quant or 'bf16'}{', tied head (table in ' + args.tied + ')' if args.tied else ''}, on {args.target}, {seqs} x {args.context} tokens of context, "
+            print(f"\n{r['name']}, weights {quant or 'bf16'}{f', tensor-parallel over {args.tp} (one device)' if args.tp > 1 else ''}{', tied head (table in ' + args.tied + ')' if args.tied else ''}, on {args.target}, {seqs} x {args.context} tokens of context, "
                   f"XLA options {r['compiler_options']}: "
                   f"{how}; {len(s['weight_copies'])} materialized weight slices"
                   + "".join(f"\n  weight copy: {c['bytes'] / 1e9:.3f} GB {c['name']} -> {c['result'][:60]}"
@@ -150,7 +155,8 @@ def main(argv=None) -> int:
                     out.append(dict(target=args.target, model=args.model, max_seqs=seqs, context=ctx, which=which,
                                     projected_from_context=args.context, summary=sc, projection=pr,
                                     efficiency=args.efficiency))
-            out.append(dict(target=args.target, model=args.model, quantization=quant, tied=args.tied, num_layers=shapes["num_layers"], max_seqs=seqs,
+            out.append(dict(target=args.target, model=args.model, quantization=quant, tied=args.tied, tp=args.tp,
+                            num_layers=shapes["num_layers"], max_seqs=seqs,
                             context=args.context, which=which, options=r["compiler_options"], seconds=r["seconds"],
                             cpu_seconds=r["cpu_seconds"], temp_bytes=r["temp_bytes"], summary=s, top=r["top"],
                             logit_passes=logit_passes))

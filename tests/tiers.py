@@ -91,6 +91,14 @@ BENCH = {
         "(test_tied_head_is_the_kernel_on_an_h100 keeps the head as the kernel's mma with no table-sized convert)",
     "tests/test_tied_head.py::test_tied_head_kernel_in_interpret_mode_equals_numpy[Q8_0-64]":
         "3 s: the transposed Q8_0 table at 64 rows (the 3-row Q8_0 and 20-row int8 cases stay)",
+    # --- quantized layer linears under tensor parallelism (issue 35): the deviceless compile; the traced check stays
+    "tests/test_quant_tp.py::test_tp_engine_step_compiles_for_two_h100s_without_a_dense_copy":
+        "~80 s: deviceless compile of a small Q4_0 Llama's engine step over two H100s (17 Mosaic calls a layer body, "
+        "0 spills, weights read once, none written; test_each_device_runs_the_kernel_on_its_shard_on_an_h100 keeps "
+        "the kernel per shard and no dense copy in the traced step)",
+    "tests/test_quant_tp.py::test_sharded_logits_equal_one_device_with_the_kernel_per_shard[2-layers-prefill]":
+        "~30 s: two layers and a prefill chunk through the kernel per shard in interpret mode on 2 CPU devices "
+        "([decode] keeps the sharded logits equal to one device's, every linear and the head per shard)",
     # --- Hugging Face quantized checkpoints: fp8 per channel and per tensor, AWQ, GPTQ v1 act order (asymmetric,
     # with a quantized lm_head) and pack-quantized asymmetric stay against NumPy's dequantize-then-matmul
     **{f"tests/test_quant_hf.py::test_quantized_checkpoint_equals_numpy_dequantize_then_matmul[{fmt}]": why

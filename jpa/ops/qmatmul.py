@@ -9,7 +9,13 @@ scales (`scaled_matmul`).
 here; `models.gpt` then keeps those weights stacked through the scan (no per-layer slice copy) and
 calls `packed_matmul` with the layer index. The environment variable JPA_QMATMUL=0 turns the
 kernel off (every packed weight then takes the plain-JAX path, which writes a dense copy of each
-weight per step on a GPU: the "before" of BENCHMARKS.md's issue-35 table).
+weight per step on a GPU: the "before" of BENCHMARKS.md's issue-35 table). JPA_QMATMUL=interpret runs
+the kernel in GPU interpret mode wherever its shape rules take a weight, whatever the device (on this
+CPU: what the tests use to run a whole model through the kernel's code path, tensor-parallel included);
+the rules are an H100's (float8 codes served).
+
+`unsupported_reason(...)` / `scaled_unsupported_reason(...)` say why the kernel does not take a weight
+(None: it does); `kernel_serves` / `scaled_kernel_serves` are those being None.
 """
 
 import os
@@ -21,33 +27,73 @@ from jpa.core.quant import dequantize_blocks
 from jpa.ops.dispatch import current_target
 
 
-def _target_cc():
-    """The compute capability of the NVIDIA GPU being compiled for when the Mosaic kernels serve it
-    (8.x-10.x, Mosaic lowering for it), else None; None too under JPA_QMATMUL=0."""
+INTERPRET_CC = 9.0  # the compute capability whose rules JPA_QMATMUL=interpret applies (an H100's)
+
+
+def _interpret() -> bool:
+    """Whether JPA_QMATMUL=interpret asks for the kernel in GPU interpret mode (module docstring)."""
+    return os.environ.get("JPA_QMATMUL", "1") == "interpret"
+
+
+def _target_why():
+    """(compute capability, None) of the NVIDIA GPU being compiled for when the Mosaic kernels serve it
+    (8.x-10.x, Mosaic lowering for it), else (None, why not); under JPA_QMATMUL=interpret
+    (INTERPRET_CC, None); under JPA_QMATMUL=0 (None, why)."""
     from jpa.pallas.mosaic import decode as mosaic_decode
 
     if os.environ.get("JPA_QMATMUL", "1") == "0":
-        return None
+        return None, "JPA_QMATMUL=0 turns the Mosaic dequantizing matmul off"
+    if _interpret():
+        return INTERPRET_CC, None
     target = current_target()
     cc = target.compute_capability
     if not target.is_nvidia_gpu or cc is None or not 8.0 <= cc < 11.0:
-        return None
-    if not target.executable and mosaic_decode.aot_unsupported_reason(cc) is not None:
-        return None
-    return cc
+        return None, (f"the target ({target.platform}: {target.device_kind}) is not an NVIDIA GPU of compute "
+                      f"capability 8.x-10.x, which the Mosaic dequantizing matmul serves")
+    if not target.executable:
+        why = mosaic_decode.aot_unsupported_reason(cc)
+        if why is not None:
+            return None, why
+    return cc, None
+
+
+def _target_cc():
+    """The compute capability of `_target_why` (None where the kernels do not serve)."""
+    return _target_why()[0]
+
+
+def _call_options() -> dict:
+    """The kernel's static options for the target: interpret mode (cp.async stand-ins) or its copies."""
+    from jpa.pallas.mosaic import qmatmul as kernel
+
+    if _interpret():
+        return dict(interpret=True, tma=False)
+    return dict(tma=kernel.uses_tma(_target_cc()))
+
+
+def _fp8_why(codes_dtype, cc) -> str | None:
+    # float8 -> bf16 needs sm_89's cvt; on sm_100 ptxas rejected the kernel's float8 conversion in the
+    # deviceless compile (int8 and 4-bit compile there), so float8 stays on XLA's path off Ada / Hopper.
+    if np.dtype(codes_dtype) not in (np.dtype(np.int8), np.dtype(np.uint8)) and not 8.9 <= cc < 10.0:
+        return f"{np.dtype(codes_dtype)} codes: the kernel converts float8 on sm_89 / sm_90 only (target {cc})"
+    return None
+
+
+def scaled_unsupported_reason(m: int, k: int, n: int, codes_dtype, compute_dtype) -> str | None:
+    """Why `scaled_matmul` does not run the Mosaic kernel for an [m, k] x [k, n] product here, or None (int8 on
+    sm_80-sm_10x, float8_e4m3fn on sm_89 / sm_90: Ampere has no float8 conversion)."""
+    from jpa.pallas.mosaic import qmatmul as kernel
+
+    cc, why = _target_why()
+    if cc is None:
+        return why
+    return _fp8_why(codes_dtype, cc) or kernel.unsupported_reason_scaled(m, k, n, codes_dtype, compute_dtype)
 
 
 def scaled_kernel_serves(m: int, k: int, n: int, codes_dtype, compute_dtype) -> bool:
     """Whether `scaled_matmul` runs the Mosaic kernel (int8 on sm_80-sm_10x, float8_e4m3fn on sm_89 /
     sm_90: Ampere has no float8 conversion) for an [m, k] x [k, n] product here."""
-    from jpa.pallas.mosaic import qmatmul as kernel
-
-    cc = _target_cc()
-    # float8 -> bf16 needs sm_89's cvt; on sm_100 ptxas rejected the kernel's float8 conversion in the
-    # deviceless compile (int8 and 4-bit compile there), so float8 stays on XLA's path off Ada / Hopper.
-    if cc is None or (np.dtype(codes_dtype) != np.int8 and not 8.9 <= cc < 10.0):
-        return False
-    return kernel.unsupported_reason_scaled(m, k, n, codes_dtype, compute_dtype) is None
+    return scaled_unsupported_reason(m, k, n, codes_dtype, compute_dtype) is None
 
 
 def scaled_matmul(x, q, scale, *, layer=None, compute_dtype):
@@ -59,11 +105,33 @@ def scaled_matmul(x, q, scale, *, layer=None, compute_dtype):
     mm, k = x.shape
     if scaled_kernel_serves(mm, k, q.shape[-1], q.dtype, compute_dtype):
         return kernel.qmatmul_scaled(x.astype(compute_dtype), q, scale, layer=0 if layer is None else layer,
-                                     tma=kernel.uses_tma(_target_cc()))
+                                     **_call_options())
     if layer is not None:
         q, scale = jnp.take(q, layer, axis=0), jnp.take(scale, layer, axis=0)
     y = jnp.dot(x.astype(compute_dtype), q.astype(compute_dtype), preferred_element_type=jnp.float32)
     return y * scale
+
+
+def unsupported_reason(m: int, k: int, n: int, group: int, codes_dtype, compute_dtype, *, d2=None,
+                       sub_dtypes=None) -> str | None:
+    """Why `packed_matmul` does not run the Mosaic GPU kernel for an [m, k] x [k, n] product of a packed weight
+    with groups of `group` values on the device being compiled for, or None (`kernel_serves`)."""
+    from jpa.pallas.mosaic import qmatmul as kernel
+
+    cc, why = _target_why()
+    if cc is None:
+        return why
+    if np.dtype(codes_dtype) != np.uint8:  # 8-bit codes with group scales
+        sub = sub_dtypes if d2 is not None else None
+        return _fp8_why(codes_dtype, cc) or kernel.unsupported_reason_grouped(m, k, n, group, codes_dtype,
+                                                                               compute_dtype, sub)
+    if d2 is not None:
+        if sub_dtypes is None or sub_dtypes[1] is None:
+            return "a 4-bit K-quant without sub-block minimums: the kernel takes Q4_K's form"
+        why = kernel.sub_scales_unsupported(*sub_dtypes)
+        if why is not None:
+            return why
+    return kernel.unsupported_reason(m, k, n, group, codes_dtype, compute_dtype)
 
 
 def kernel_serves(m: int, k: int, n: int, group: int, codes_dtype, compute_dtype, *, d2=None,
@@ -76,20 +144,7 @@ def kernel_serves(m: int, k: int, n: int, group: int, codes_dtype, compute_dtype
     4-bit codes (uint8) take Q4_K's form (uint8 scales and minimums); 8-bit codes (int8: GGUF Q8_0 and,
     as jpa keeps them, Q5_K / Q6_K; float8_e4m3fn: block-wise FP8, on sm_89 / sm_90 only, as
     `scaled_kernel_serves`) take group scales, and a K-quant's int8 / uint8 sub-block scales."""
-    from jpa.pallas.mosaic import qmatmul as kernel
-
-    cc = _target_cc()
-    if cc is None:
-        return False
-    if np.dtype(codes_dtype) != np.uint8:  # 8-bit codes with group scales
-        if np.dtype(codes_dtype) != np.int8 and not 8.9 <= cc < 10.0:
-            return False
-        sub = sub_dtypes if d2 is not None else None
-        return kernel.unsupported_reason_grouped(m, k, n, group, codes_dtype, compute_dtype, sub) is None
-    if d2 is not None and (sub_dtypes is None or sub_dtypes[1] is None
-                           or kernel.sub_scales_unsupported(*sub_dtypes) is not None):
-        return False
-    return kernel.unsupported_reason(m, k, n, group, codes_dtype, compute_dtype) is None
+    return unsupported_reason(m, k, n, group, codes_dtype, compute_dtype, d2=d2, sub_dtypes=sub_dtypes) is None
 
 
 def packed_matmul(x, codes, d, m=None, d2=None, m2=None, *, layer, compute_dtype):
@@ -109,7 +164,7 @@ def packed_matmul(x, codes, d, m=None, d2=None, m2=None, *, layer, compute_dtype
     if kernel_serves(mm, k, n, group, codes.dtype, compute_dtype, d2=d2, sub_dtypes=sub):
         call = kernel.qmatmul if codes.dtype == jnp.uint8 else kernel.qmatmul_grouped
         return call(x.astype(compute_dtype), codes, d, m, d2, m2, layer=0 if layer is None else layer,
-                    tma=kernel.uses_tma(_target_cc()))
+                    **_call_options())
     take = lambda a: a if a is None or layer is None else jnp.take(a, layer, axis=0)
     w = dequantize_blocks(take(codes), take(d), take(m), -2, compute_dtype, take(d2), take(m2))
     return jnp.dot(x.astype(compute_dtype), w, preferred_element_type=jnp.float32)

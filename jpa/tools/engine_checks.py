@@ -200,13 +200,15 @@ def with_layers(shapes: dict, num_layers: int | None) -> dict:
 
 def tp_engine_steps(compiler: Compiler, config: dict | None = None, pool_gib_per_device: float = 8.0,
                     max_seqs: int = 64, page_size: int = 16, max_model_len: int = 4096, steps_per_call: int = 8,
-                    budget: int = 512, embeddings: str = "vocab", experts: str = "auto"):
+                    budget: int = 512, embeddings: str = "vocab", experts: str = "auto",
+                    quantization: str | None = None):
     """The engine's unified step (a `budget`-token ragged pass, then the decode loop) of a
     tensor-parallel model on compiler.tp_mesh.
 
     The model is abstract (nnx.eval_shape) and sharded by models.sharding (params become
     ShapeDtypeStructs carrying their NamedShardings); the runner's state is abstract and sharded
     as the engine shards it. experts: a mixture of experts' layout (models.sharding.plan_experts).
+    quantization: the weights stored in that format (`jpa.tools.traffic.abstract_model`); None: bfloat16.
     Returns (records' inputs, details): [(name, fn, args, jit_options, per-device pool shapes,
     expected kernel calls, model passes)] and a dict of the sizes.
     """
@@ -219,8 +221,12 @@ def tp_engine_steps(compiler: Compiler, config: dict | None = None, pool_gib_per
 
     mesh = compiler.tp_mesh
     tp = mesh.shape["tp"]
-    config = ModelConfig(**(config or LLAMA_SHAPED))
-    model = GPTForEngine(nnx.eval_shape(lambda: GPT(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))
+    config = ModelConfig(**(config or LLAMA_SHAPED)) if not isinstance(config, ModelConfig) else config
+    if quantization is None:
+        model = GPTForEngine(nnx.eval_shape(lambda: GPT(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))
+    else:
+        from jpa.tools.traffic import abstract_model
+        model = GPTForEngine(abstract_model(config, quantization))
     model = model.shard(mesh, embeddings=embeddings, **({"experts": experts} if config.num_experts else {}))
     mc = model.config
     cache_cfg = CacheConfig.from_memory(int(pool_gib_per_device * 2 ** 30 * tp), num_layers=mc.num_layers,

@@ -724,7 +724,7 @@ def engine_traffic(target: str = "h100", config=None, *, max_seqs: int = 64, con
                    pool_gib: float = 8.0, page_size: int = 16, which: str = "plain", compiler_options=None,
                    label: str = "Llama-3-8B", hlo: str | None = None, engine_options: bool = True,
                    budget: int = 512, quantization: str | None = None,
-                   embeddings_columns: bool | None = None) -> dict:
+                   embeddings_columns: bool | None = None, tensor_parallel: int = 1) -> dict:
     """Compiles the engine's unified step (`engine_steps`: a ragged pass, then the decode loop;
     "spec": with n-gram speculation, k = 4) for a deviceless target and models one iteration of its
     decode loop: a decode step at `max_seqs` sequences of `context` tokens (a verify step of
@@ -740,30 +740,56 @@ def engine_traffic(target: str = "h100", config=None, *, max_seqs: int = 64, con
     (every row of the decode step), hlo, matrix_copies (`matrix_copies` of the whole program) and
     checks (the compile record's ok, problems, pool_copies, pool and alias bytes, kernel calls)).
     quantization: the model's weights stored in that format (`abstract_model`); None: bfloat16.
-    embeddings_columns: a tied quantized table's layout (`abstract_model`)."""
+    embeddings_columns: a tied quantized table's layout (`abstract_model`). tensor_parallel: N > 1 compiles the
+    step tensor-parallel over N compile-only GPUs (`engine_checks.tp_engine_steps`, the model sharded by
+    models.sharding, pool_gib per device) and models ONE device's program: its shards of the weights and the
+    pool, its heads, its vocabulary shard (the ideal is that device's bytes)."""
     from jpa.models import ModelConfig
     from jpa.tools.deviceless import Compiler
     from jpa.tools.engine_checks import LLAMA_SHAPED, engine_steps
 
     config = ModelConfig(**(config or LLAMA_SHAPED)) if not isinstance(config, ModelConfig) else config
     max_model_len = max(2048, -(-context // page_size) * page_size)
-    (name, fn, args, jit_options, pools, _), = engine_steps(
-        pool_gib=pool_gib, max_seqs=max_seqs, page_size=page_size, max_model_len=max_model_len, config=config,
-        label=label, which=(which,), budget=budget, quantization=quantization,
-        embeddings_columns=embeddings_columns)
+    compiler = None
+    if tensor_parallel > 1:
+        import jax
+
+        from jpa.tools.engine_checks import tp_engine_steps
+        if which != "plain":
+            raise ValueError("tensor_parallel > 1 models the plain step only (which='plain')")
+        compiler = Compiler(target, num_devices=tensor_parallel)
+        (step,), details = tp_engine_steps(compiler, config, pool_gib_per_device=pool_gib, max_seqs=max_seqs,
+                                           page_size=page_size, max_model_len=max_model_len, budget=budget,
+                                           quantization=quantization)
+        name, fn, args, jit_options, pools = step[:5]
+        name = f"{label} {name}"
+        tp = tensor_parallel
+        # one device's program: its shard of every parameter, its heads, its vocabulary shard
+        local = lambda x: jax.ShapeDtypeStruct(x.sharding.shard_shape(x.shape), x.dtype)
+        spec_params = jax.tree_util.tree_map(local, args[0])
+        split_vocab = details["embeddings"] == "vocab"
+        spec_config = dataclasses.replace(
+            config, num_q_heads=details["num_q_heads"] // tp, num_kv_heads=details["num_kv_heads"] // tp,
+            vocab_size=config.vocab_size // tp if split_vocab else config.vocab_size, bos_token_id=0, eos_token_id=0)
+    else:
+        (name, fn, args, jit_options, pools, _), = engine_steps(
+            pool_gib=pool_gib, max_seqs=max_seqs, page_size=page_size, max_model_len=max_model_len, config=config,
+            label=label, which=(which,), budget=budget, quantization=quantization,
+            embeddings_columns=embeddings_columns)
+        spec_params, spec_config = args[0], config
     jit_options = dict(jit_options)
     options = {**(jit_options.pop("compiler_options", {}) if engine_options else {}), **(compiler_options or {})}
     jit_options.pop("compiler_options", None)
     cpu0 = time.process_time()
     if hlo is None:
-        rec = Compiler(target).compile(name, fn, args, jit_options=jit_options, pool_shapes=pools, keep_hlo=True,
-                                       compiler_options=options)
+        rec = (compiler or Compiler(target)).compile(name, fn, args, jit_options=jit_options, pool_shapes=pools,
+                                                     keep_hlo=True, compiler_options=options)
         if "error" in rec:
             raise RuntimeError(f"{name}: {rec['error']}")
     else:
         rec = dict(hlo=hlo, seconds=None, temp_bytes=None)
-    spec, ideal = engine_spec(args[0], config, pools, max_seqs=max_seqs, context=context, page_size=page_size,
-                              rows_per_seq=5 if which == "spec" else 1)
+    spec, ideal = engine_spec(spec_params, spec_config, pools, max_seqs=max_seqs, context=context,
+                              page_size=page_size, rows_per_seq=5 if which == "spec" else 1)
     all_rows = traffic(rec["hlo"], spec)
     step = decode_step(all_rows)
     if step is None:
