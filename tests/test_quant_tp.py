@@ -25,6 +25,7 @@ from jpa.kv.cache import KVCache
 from jpa.models import ModelConfig, sharding
 from jpa.models.gpt import decode, qmatmul_plan
 from jpa.testing.jaxprs import equations
+from jpa.testing.procs import fast_compile_env
 from jpa.tools import deviceless
 from jpa.tools.traffic import abstract_model
 
@@ -158,7 +159,7 @@ def test_sharded_logits_equal_one_device_with_the_kernel_per_shard(args, tmp_pat
     the largest logit: checked by hand.) "2-layers-prefill": two layers (the kernel reads layer i of the stack) and
     a prefill chunk's logits (24 rows) before the decode step."""
     out = tmp_path / "report.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JPA_QMATMUL")}
+    env = fast_compile_env({k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JPA_QMATMUL")})
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "quant_tp_check.py"), str(out), *args],
                           capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]

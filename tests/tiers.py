@@ -369,10 +369,163 @@ BENCH = {
     "tests/test_stacked_kernels.py::test_scan_over_layers_with_traced_layer[mosaic_decode-bfloat16]":
         "20 s: the Mosaic decode kernel scanned over layers (the Mosaic ragged kernel's scan, the engine's path, "
         "and the decode kernel's one-layer slice stay)",
+    "tests/test_engine.py::test_sampling_follows_the_distribution":
+        "20 s: sampled token frequencies against the model's distribution (test_sampled_logprobs_are_those_of_the_"
+        "sampling_distribution and test_sampling_controls' NumPy references stay)",
+    "tests/test_engine.py::test_stop_string_in_the_round_the_pool_runs_out[22]":
+        "37 s: a stop string in the round the pool runs out (test_stops_on_eos_and_max_new_tokens, "
+        "test_chunked_prefill's seeded sampling and stop strings and test_server's stop strings stay)",
+    **{f"tests/test_ragged.py::test_mosaic_matches_oracle[{c}]": why for c, why in (
+        ("N9K3H80S16x4-bfloat16-bfloat16-L[30, 1, 45]-alibi-win13-Q[25, 1, 22]-T50",
+         "13 s: head_dim 80 with ALiBi and a window (the int8 case keeps the options' path; test_mosaic_ampere "
+         "head_dim 80)"),
+        ("N2K2H64S8x5-bfloat16-bfloat16-L[1, 9, 40, 20, 6]-Q[1, 1, 1, 7, 6]-T20-B7",
+         "11 s: five sequences at page 8 (the int8 case and the empty batch stay)"))},
+    "tests/test_server_structured.py::test_forced_tool_calls_validate_and_stream[required]":
+        "28 s: tool_choice required (the named case stays; test_required_tools_with_local_refs keeps required)",
+    "tests/test_server_toolcalls.py::test_auto_calls_stream_piece_by_piece_and_equal_the_answer[cut]":
+        "22 s: auto tool calls cut by max_tokens (the whole case stays; test_server_hardening's named tool call "
+        "cut by max_tokens stays)",
+    "tests/test_server_reasoning.py::test_constraint_applies_to_the_answer_after_the_thought[deepseek_r1]":
+        "13 s: a constraint after DeepSeek-R1's thought (the qwen3 case stays)",
 }
 
 
 SOAK = {
+    # --- 2026-12-07: .ci/run took 36 minutes from a clean clone (main 18 m 40 s, bench 11 m, compat 6 m 22 s); these
+    # leave CI (seconds: a loaded 3-worker bench run's --durations, about 2.4x quiet)
+    'tests/test_bench_chunked.py::test_quick_run_on_tiny_model':
+        "223 s: the chunked-prefill benchmark's smoke run (scripts/bench_chunked.py prints it; test_chunked_prefill keeps chunks = reference)",
+    'tests/test_gpu_compile.py::test_kernel_grid_subset_compiles[h100-kernel_names0]':
+        "186 s: the H100 kernel grid subset (test_mosaic_lowering, test_ragged_lowering and test_traffic's engine step keep H100 compiles without spills)",
+    'tests/test_bench_offload.py':
+        '403 s: the offload benchmark and its second cases (test_kv_offload keeps swap = recompute, spills and the cost rule)',
+    'tests/test_gpu_compile.py::test_engine_steps_compile_with_the_targets_kernel[b200-mosaic_calls-plain-3]':
+        "151 s: the B200's deviceless engine step (test_traffic keeps the H100's, the other targets' cases stay in the bench tier)",
+    'tests/test_mosaic_decode.py::test_long_context_several_partitions_and_slots':
+        '147 s: a long context over several partitions (the split-K cases of test_mosaic_decode and test_sinks stay)',
+    'tests/test_bench_spec.py::test_tiny_run':
+        "124 s: the speculation benchmark's smoke run (test_speculative keeps the outputs equal and the metrics)",
+    'tests/test_structured.py::test_with_speculative_decoding':
+        "105 s: structured outputs with drafts (test_structured's main cases and test_speculative stay)",
+    'tests/test_quant_gpu.py::test_row_tiles_compile_for_h100_and_a100_and_read_each_layer_once':
+        '102 s: deviceless H100/A100 compile of the row tiles (their interpret-mode cases stay; scripts/gpu_traffic.py compiles them)',
+    'tests/test_bench_structured.py::test_quick_run_on_the_tiny_model':
+        "96 s: the structured-output benchmark's smoke run",
+    'tests/test_prompt_logprobs.py::test_prompt_logprobs_survive_preemption_and_forks':
+        '86 s: prompt logprobs through preemption and forks (the preempted-mid-prefill case stays)',
+    'tests/test_bench_compile.py::test_smallest_cpu_run':
+        "80 s: the compile benchmark's smoke run (scripts/bench_compile.py)",
+    'tests/test_bench_prefix.py::test_quick_run_tiny_model':
+        "79 s: the prefix-cache benchmark's smoke run (test_prefix_cache stays)",
+    'tests/test_engine.py::test_preemption_keeps_outputs[1]':
+        '76 s: preemption at one step per call ([4] stays)',
+    'tests/test_bench_parallel.py::test_quick_run_on_the_tiny_model':
+        "70 s: the parallel-sampling benchmark's smoke run (test_parallel_sampling stays)",
+    'tests/test_serve_dp.py::test_two_replicas_behind_the_router':
+        '69 s: 2 replicas behind vllm-router (test_a_dying_replica_stops_everything and test_server_router stay)',
+    'tests/test_bench_moe_hf.py::test_generate_gpt_oss_with_prefix_caching_and_ngram_speculation[gpt_oss-16]':
+        '69 s: gpt-oss with prefix caching and n-gram drafts (gpt_oss_mxfp4 greedy = dense stays)',
+    'tests/test_hf_models.py::test_generate_command_runs_a_checkpoint_directory':
+        '69 s: jpa generate on a checkpoint folder (test_multihost runs jpa generate --model <folder>)',
+    'tests/test_server_toolparsers.py::test_calls_in_each_format_through_the_server[mistral]':
+        "65 s: a second tool-call format through the server (pythonic stays; every format's parser stays)",
+    'tests/test_server_toolparsers.py::test_calls_in_each_format_through_the_server[qwen3_coder]':
+        '45 s: a third tool-call format through the server (pythonic stays)',
+    'tests/test_bench_quant.py::test_engine_on_a_quantized_checkpoint_equals_it_loaded_dense[awq]':
+        "56 s: AWQ through the engine (fp8-channel stays; test_quant_hf keeps AWQ's logits)",
+    'tests/test_hf_models.py::test_greedy_continuation_and_paged_decode_equal_dense_every_step[gpt_oss]':
+        '44 s: gpt-oss in bf16 (gpt_oss_mxfp4 stays)',
+    'tests/test_quant_gpu.py::test_kernel_compiles_for_h100_and_a100_and_reads_each_layer_once':
+        "52 s: deviceless compile of the 4-bit kernel in a layer scan (test_quant_tp's bench H100 engine step and test_tied_head's compile stay)",
+    'tests/test_smollm2.py::test_numpy_reference_matches_transformers[unicode_code]':
+        '50 s: a fourth prompt of the NumPy oracle',
+    'tests/test_gpu_compile.py::test_stacked_pool_in_a_layer_loop_compiles[a100-kernel_names1]':
+        "46 s: the A100's stacked pool in a layer loop (test_mosaic_ampere keeps the A100's ragged op compile)",
+    'tests/test_engine.py::test_stop_string_in_the_round_the_pool_runs_out[23]':
+        '36 s: a second stop length',
+    'tests/test_quant_gpu.py::test_k_a_multiple_of_64_compiles_for_h100_and_a100_and_reads_each_layer_once':
+        '35 s: deviceless compile of the K tail (its interpret-mode cases stay)',
+    'tests/test_bench_quant_gpu_k.py':
+        "32 s: Q4_K's deviceless compile (its interpret-mode case stays)",
+    'tests/test_triton_decode.py::test_forced_split_k[N8K2H80S8x8-bfloat16-int8-L[0, 1, 25, 64, 47]-sc10.0-alibi-win19-shared-16]':
+        "11 s: the deprecated Triton kernels' second cases (each keeps a case in the main tier)",
+    'tests/test_triton_decode.py::test_matches_reference[N10K2H64S16x5-float32-float32-L[7, 70]]':
+        "8 s: the deprecated Triton kernels' second cases (each keeps a case in the main tier)",
+    'tests/test_triton_decode.py::test_matches_reference[N16K2H128S16x4-bfloat16-bfloat16-L[1, 40, 64]-alibi]':
+        "10 s: the deprecated Triton kernels' second cases (each keeps a case in the main tier)",
+    'tests/test_triton_decode.py::test_matches_reference[N2K2H128S128x2-float16-float16-L[1, 129, 256]]':
+        "6 s: the deprecated Triton kernels' second cases (each keeps a case in the main tier)",
+    'tests/test_triton_decode.py::test_matches_reference[N2K2H64S16x4-float32-float8_e5m2-L[16, 33, 64]-sc20.0]':
+        "11 s: the deprecated Triton kernels' second cases (each keeps a case in the main tier)",
+    'tests/test_triton_decode.py::test_matches_reference[N4K1H120S16x4-float16-float8_e4m3fn-L[1, 32, 50]]':
+        "10 s: the deprecated Triton kernels' second cases (each keeps a case in the main tier)",
+    'tests/test_triton_decode.py::test_matches_reference[N4K1H96S16x4-float32-float32-L[5, 31, 48]-sc5.0]':
+        "9 s: the deprecated Triton kernels' second cases (each keeps a case in the main tier)",
+    'tests/test_triton_decode.py::test_matches_reference[N4K2H112S8x5-float32-float32-L[3, 20, 21, 40]-win11]':
+        "7 s: the deprecated Triton kernels' second cases (each keeps a case in the main tier)",
+    'tests/test_triton_decode.py::test_matches_reference[N4K2H64S12x4-float32-float32-L[12, 13, 35]]':
+        "7 s: the deprecated Triton kernels' second cases (each keeps a case in the main tier)",
+    'tests/test_triton_decode.py::test_matches_reference[N4K2H64S16x4-bfloat16-float32-L[9, 47]]':
+        "8 s: the deprecated Triton kernels' second cases (each keeps a case in the main tier)",
+    'tests/test_triton_decode.py::test_matches_reference[N4K2H64S16x64-float32-float32-L[1024, 1023, 513]]':
+        "6 s: the deprecated Triton kernels' second cases (each keeps a case in the main tier)",
+    'tests/test_triton_decode.py::test_matches_reference[N8K1H192S32x3-float16-float16-L[33, 64, 1]]':
+        "6 s: the deprecated Triton kernels' second cases (each keeps a case in the main tier)",
+    'tests/test_triton_decode.py::test_matches_reference[N8K2H256S128x2-bfloat16-bfloat16-L[128, 129, 255]]':
+        "7 s: the deprecated Triton kernels' second cases (each keeps a case in the main tier)",
+    'tests/test_triton_decode.py::test_matches_reference[N8K2H64S32x80-bfloat16-bfloat16-L[2560, 1025, 1024, 7]-win1500]':
+        "12 s: the deprecated Triton kernels' second cases (each keeps a case in the main tier)",
+    'tests/test_triton_decode.py::test_matches_reference[N8K2H80S16x4-bfloat16-bfloat16-L[16, 17, 3, 64]-shared]':
+        "8 s: the deprecated Triton kernels' second cases (each keeps a case in the main tier)",
+    'tests/test_triton_decode.py::test_matches_reference[N8K2H80S16x4-bfloat16-int8-L[0, 17, 63]-shared]':
+        "10 s: the deprecated Triton kernels' second cases (each keeps a case in the main tier)",
+    'tests/test_triton_decode.py::test_random_lengths[41]':
+        "10 s: the deprecated Triton kernels' second cases (each keeps a case in the main tier)",
+    'tests/test_triton_decode.py::test_random_lengths[42]':
+        "7 s: the deprecated Triton kernels' second cases (each keeps a case in the main tier)",
+    'tests/test_ragged.py::test_triton_forced_split_k':
+        "9 s: the deprecated Triton kernels' second cases (each keeps a case in the main tier)",
+    'tests/test_ragged.py::test_triton_matches_oracle[N4K1H64S16x4-float16-float8_e4m3fn-L[1, 32, 50]-Q[1, 5, 30]-T40]':
+        "15 s: the deprecated Triton kernels' second cases (each keeps a case in the main tier)",
+    'tests/test_ragged.py::test_triton_matches_oracle[N4K2H256S128x2-bfloat16-bfloat16-L[129, 5]-Q[3, 5]-T8]':
+        "12 s: the deprecated Triton kernels' second cases (each keeps a case in the main tier)",
+    'tests/test_ragged.py::test_triton_matches_oracle[N4K2H64S12x4-float32-float32-L[12, 13, 35]-win5-Q[12, 1, 9]-T24]':
+        "11 s: the deprecated Triton kernels' second cases (each keeps a case in the main tier)",
+    'tests/test_ragged.py::test_triton_matches_oracle[N8K1H128S32x3-float16-float16-L[70]-Q[12]-T16-B3]':
+        "13 s: the deprecated Triton kernels' second cases (each keeps a case in the main tier)",
+    'tests/test_ragged.py::test_triton_matches_oracle[N8K2H80S16x4-bfloat16-bfloat16-L[17, 40, 3]-shared-Q[1, 33, 3]-T40]':
+        "16 s: the deprecated Triton kernels' second cases (each keeps a case in the main tier)",
+    'tests/test_ragged.py::test_triton_matches_oracle[N8K2H80S16x4-bfloat16-int8-L[0, 17, 63]-shared-Q[0, 17, 2]-T20-B4]':
+        "13 s: the deprecated Triton kernels' second cases (each keeps a case in the main tier)",
+    'tests/test_ragged.py::test_triton_matches_oracle[N8K2H80S16x4-bfloat16-int8-L[1, 25, 64, 9]-sc10.0-alibi-win19-shared-Q[1, 20, 3, 9]-T36-B6]':
+        "20 s: the deprecated Triton kernels' second cases (each keeps a case in the main tier)",
+    'tests/test_ragged.py::test_triton_matches_oracle[N9K3H64S16x4-float32-float32-L[30, 1, 45]-sc5.0-Q[25, 1, 2]-T32]':
+        "12 s: the deprecated Triton kernels' second cases (each keeps a case in the main tier)",
+    'tests/test_stacked_kernels.py::test_one_layer_matches_reference_on_its_slice[triton_decode-bfloat16]':
+        "8 s: the deprecated Triton kernels' second cases (each keeps a case in the main tier)",
+    'tests/test_stacked_kernels.py::test_one_layer_matches_reference_on_its_slice[triton_decode-int8]':
+        "12 s: the deprecated Triton kernels' second cases (each keeps a case in the main tier)",
+    'tests/test_stacked_kernels.py::test_one_layer_matches_reference_on_its_slice[triton_ragged-bfloat16]':
+        "23 s: the deprecated Triton kernels' second cases (each keeps a case in the main tier)",
+    'tests/test_stacked_kernels.py::test_one_layer_matches_reference_on_its_slice[triton_ragged-int8]':
+        "21 s: the deprecated Triton kernels' second cases (each keeps a case in the main tier)",
+    'tests/test_stacked_kernels.py::test_scan_over_layers_with_traced_layer[triton_decode-int8]':
+        "7 s: the deprecated Triton kernels' second cases (each keeps a case in the main tier)",
+    'tests/test_stacked_kernels.py::test_scan_over_layers_with_traced_layer[triton_ragged-int8]':
+        "14 s: the deprecated Triton kernels' second cases (each keeps a case in the main tier)",
+    'tests/test_bench_chunked.py::test_bad_flags_exit_2_with_a_message[argv1---budgets must name at least one budget >= 1]':
+        '17 s: a second bench_chunked bad flag (argv0 stays)',
+    'tests/test_bench_chunked.py::test_bad_flags_exit_2_with_a_message[argv2---long-max (800) must be >= --long-min (900)]':
+        '17 s: a second bench_chunked bad flag (argv0 stays)',
+    'tests/test_bench_chunked.py::test_bad_flags_exit_2_with_a_message[argv3---max-seqs (8) must hold --num-short + --num-long (10)]':
+        '15 s: a second bench_chunked bad flag (argv0 stays)',
+    'tests/test_mosaic_decode.py::test_no_races[N8K1H64S32x15-float16-int8-L[450, 9]-alibi-win400]':
+        '27 s: a second race check (the shared-page case stays)',
+    'tests/test_smollm2.py::test_truncated_file_raises_clear_error[98358336]':
+        '27 s: a second truncation point (the others stay)',
+    'tests/test_pages.py::test_random_operation_sequences[config1]':
+        '25 s: a second configuration (config0 stays)',
     # --- 2026-11-25 (fourth session): room in CI's bench tier for the main tier's second cases above
     "tests/test_sampling_controls.py::test_controls_survive_preemption_prefix_hits_and_forks":
         "25-60 s: penalties under preemption, prefix hits and forks (the main tier keeps the numpy reference of "
