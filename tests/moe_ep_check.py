@@ -43,7 +43,7 @@ from jpa.models import moe, sharding  # noqa: E402
 
 # Run as a script, its own folder (tests/) is first on the path.
 from conftest import _cpu_programs_at_llvm_o0  # noqa: E402
-from tp_check import gap_inputs  # noqa: E402
+from jpa.testing.engine import gap_inputs  # noqa: E402
 
 _cpu_programs_at_llvm_o0()
 
@@ -60,7 +60,7 @@ SPEC = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, promp
 
 
 def logits(model, mesh, inputs, decode=True):
-    """(prefill logits[, then decode-step logits]) of `model` on tp_check's gap inputs (sharded over mesh if set)."""
+    """(prefill logits[, then decode-step logits]) of `model` on gap inputs (jpa.testing.engine.gap_inputs; sharded over mesh if set)."""
     from jpa.kv.cache import KVCache
 
     (num_pages, page_size), pre_args, dec_args = inputs

@@ -38,6 +38,7 @@ from jpa.core.sharding import tp_mesh  # noqa: E402
 from jpa.kv.cache import KVCache  # noqa: E402
 from jpa.models import GPT, ModelConfig, sharding  # noqa: E402
 from jpa.models.gpt import PackedWeight, qmatmul_plan, set_packed  # noqa: E402
+from jpa.testing.engine import gap_inputs  # noqa: E402
 from jpa.testing.jaxprs import equations  # noqa: E402
 
 KERNEL = "jpa_mosaic_qmatmul"
@@ -69,22 +70,6 @@ def quantized_model(rng, num_layers: int) -> GPT:
     model.output_scale = nnx.Param(jnp.asarray(scale))
     model.quantization = "gguf"
     return model
-
-
-def gap_inputs(config, rng):
-    """Random prefill chunks and a decode token per sequence over a shared random block table (as
-    tests/tp_check.py's, which sets its own device count when imported)."""
-    batch, width, page_size, pages_per_seq, num_pages = 3, 8, 4, 4, 32
-    tables = rng.permutation(num_pages)[: batch * pages_per_seq].reshape(batch, pages_per_seq)
-    lens = rng.integers(1, width + 1, batch)  # prompt chunk lengths; the decode token goes at lens
-    slot = lambda b, p: tables[b, p // page_size] * page_size + p % page_size  # noqa: E731
-    slots = np.array([[slot(b, p) if p < lens[b] else -1 for p in range(width)] for b in range(batch)])
-    i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
-    tokens = i32(rng.integers(0, config.vocab_size, (batch, width)))
-    new_tok = i32(rng.integers(0, config.vocab_size, batch))
-    pre_args = (tokens, i32(np.zeros(batch)), i32(lens), i32(slots), i32(tables))
-    dec_args = (new_tok, i32(lens + 1), i32([slot(b, lens[b]) for b in range(batch)]), i32(tables))
-    return (num_pages, page_size), pre_args, dec_args
 
 
 def run(model, mesh, inputs, prefill: bool):

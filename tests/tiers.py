@@ -392,6 +392,34 @@ BENCH = {
 
 
 SOAK = {
+    # --- 2026-12-07, second step: the bench tier measured 511 s from a clean clone (134 passed); its longest out
+    # (seconds: that run's --durations, quiet)
+    'tests/test_quant_tp.py::test_tp_engine_step_compiles_for_two_h100s_without_a_dense_copy[Q4_0]':
+        "127 s: the deviceless compile of a Q4_0 engine step on two H100s (test_quant_tp's traced checks keep the kernel per shard, the psum and no dense copy; scripts/gpu_traffic.py --tp 2 prints the compiled step)",
+    'tests/test_speculative.py::test_sampled_distribution_matches_plain_sampling':
+        '67 s: the token distribution with drafts (seeded samples identical with and without drafts stay in the main tier)',
+    'tests/test_structured.py::test_under_preemption_with_parallel_samples':
+        "59 s: structured outputs under preemption with n > 1 (test_structured's main cases and the server's stay)",
+    'tests/test_chunked_prefill.py::test_chunks_equal_the_reference_at_any_budget[64-8]':
+        '48 s: a third budget (budget 4 stays in the main tier, 37 in the bench tier)',
+    'tests/test_quant_tp.py::test_sharded_logits_equal_one_device_with_the_kernel_per_shard[2-layers-prefill]':
+        '41 s: two layers and a prefill chunk (the decode case stays)',
+    'tests/test_model.py::test_smollm2_paged_matches_transformers_golden':
+        "37 s: SmolLM2's golden tokens through the paged model (test_smollm2 keeps the real model against transformers)",
+    'tests/test_engine.py::test_stop_string_in_the_round_the_pool_runs_out[22]':
+        '27 s: a stop string in the round the pool runs out (stop strings stay in test_engine, test_chunked_prefill and test_server)',
+    'tests/test_generate_script.py::test_prompt_logprobs_and_text_flags':
+        "27 s: jpa generate's prompt-logprob and text flags (test_jsonl_prompts_to_json_lines stays)",
+    'tests/test_gpu_compile.py::test_stacked_pool_in_a_layer_loop_compiles[h100-kernel_names0]':
+        "27 s: the H100's stacked pool in a layer loop (test_traffic's engine step compiles it)",
+    'tests/test_server_reasoning.py::test_constraint_applies_to_the_answer_after_the_thought[deepseek_r1]':
+        "25 s: DeepSeek-R1's thought before a constraint (qwen3 stays)",
+    'tests/test_smollm2.py::test_numpy_reference_matches_transformers[story]':
+        '24 s: a third prompt of the NumPy oracle',
+    'tests/test_gpu_validate.py::test_sections_are_isolated_and_the_report_is_written':
+        "23 s: gpu_validate.py's sections in a CPU dry run (its plan and refusal stay)",
+    'tests/test_hf_models.py::test_generate_command_runs_a_moe_checkpoint':
+        "22 s: jpa generate on a MoE checkpoint (qwen3_moe's engine step stays)",
     # --- 2026-12-07: .ci/run took 36 minutes from a clean clone (main 18 m 40 s, bench 11 m, compat 6 m 22 s); these
     # leave CI (seconds: a loaded 3-worker bench run's --durations, about 2.4x quiet)
     'tests/test_bench_chunked.py::test_quick_run_on_tiny_model':

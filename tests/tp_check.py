@@ -25,11 +25,10 @@ import time  # noqa: E402
 
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jpa import models  # noqa: E402
-from jpa.testing.engine import context_gpt, mixed_params, random_prompts
+from jpa.testing.engine import context_gpt, gap_inputs, mixed_params, random_prompts  # noqa: E402
 from jpa.kv.cache import KVCache  # noqa: E402
 from jpa.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
@@ -59,21 +58,6 @@ SPEC = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, promp
 # Logits compared directly on random inputs (4 more compiles per case: kept to the fast models; the
 # greedy tokens of a real model are the check for SmolLM2).
 LOGITS_GAP = ("tiny-llama", "tiny-gpt2")
-
-
-def gap_inputs(config, rng):
-    """Random prefill and decode inputs over a shared random block table, for `logits`."""
-    batch, width, page_size, pages_per_seq, num_pages = 3, 8, 4, 4, 32
-    tables = rng.permutation(num_pages)[: batch * pages_per_seq].reshape(batch, pages_per_seq)
-    lens = rng.integers(1, width + 1, batch)  # prompt chunk lengths; the decode token goes at lens
-    slot = lambda b, p: tables[b, p // page_size] * page_size + p % page_size  # noqa: E731
-    slots = np.array([[slot(b, p) if p < lens[b] else -1 for p in range(width)] for b in range(batch)])
-    i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
-    tokens = i32(rng.integers(0, config.vocab_size, (batch, width)))
-    new_tok = i32(rng.integers(0, config.vocab_size, batch))
-    pre_args = (tokens, i32(np.zeros(batch)), i32(lens), i32(slots), i32(tables))
-    dec_args = (new_tok, i32(lens + 1), i32([slot(b, lens[b]) for b in range(batch)]), i32(tables))
-    return (num_pages, page_size), pre_args, dec_args
 
 
 def logits(model, mesh, inputs):

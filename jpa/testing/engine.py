@@ -214,3 +214,22 @@ def compiled_once(eng) -> bool:
     """One compiled program (the unified step) served every call of this engine."""
     s = eng.summary()
     return s["step_compiles"] == 1 and not s.get("decode_compiles") and not s.get("prefill_compiles")
+
+
+def gap_inputs(config, rng):
+    """Random prefill chunks and a decode token per sequence over a shared random block table, for comparing a
+    sharded model's logits with one device's (tests/tp_check.py, quant_tp_check.py, moe_ep_check.py):
+    ((num_pages, page_size), prefill args, decode args) of `models.prefill` / `models.decode`."""
+    import jax.numpy as jnp
+
+    batch, width, page_size, pages_per_seq, num_pages = 3, 8, 4, 4, 32
+    tables = rng.permutation(num_pages)[: batch * pages_per_seq].reshape(batch, pages_per_seq)
+    lens = rng.integers(1, width + 1, batch)  # prompt chunk lengths; the decode token goes at lens
+    slot = lambda b, p: tables[b, p // page_size] * page_size + p % page_size  # noqa: E731
+    slots = np.array([[slot(b, p) if p < lens[b] else -1 for p in range(width)] for b in range(batch)])
+    i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
+    tokens = i32(rng.integers(0, config.vocab_size, (batch, width)))
+    new_tok = i32(rng.integers(0, config.vocab_size, batch))
+    pre_args = (tokens, i32(np.zeros(batch)), i32(lens), i32(slots), i32(tables))
+    dec_args = (new_tok, i32(lens + 1), i32([slot(b, lens[b]) for b in range(batch)]), i32(tables))
+    return (num_pages, page_size), pre_args, dec_args
