@@ -433,15 +433,7 @@ class Block(nnx.Module):
         if layer is not None and codes.ndim == 3 and hasattr(self, name + "_bscale"):
             lead = x.shape[:-1]
             x2 = _permuted_input(self, name, x).reshape(-1, x.shape[-1])  # [M, in]
-            parts = {suffix: getattr(self, name + suffix)[...] for suffix in PACKED_PARTS
-                     if hasattr(self, name + suffix)}
-            present = tuple(parts)
-
-            def mm(x2, i, *arrays):
-                a = dict(zip(present, arrays))
-                return packed_matmul(x2, a[""], a["_bscale"], a.get("_bmin"), a.get("_bscale2"), a.get("_bmin2"),
-                                     layer=i, compute_dtype=self.dtype)
-
+            parts, mm = _packed_call(self, name, self.dtype)
             y = _tp_matmul(mm, x2, layer, name, parts, mesh).reshape(*lead, -1)
             b = None if bias is None else self._bias(bias)
             return y if b is None else y + _v(b).astype(jnp.float32)
@@ -641,14 +633,7 @@ class GPT(nnx.Module):
             # stored codes (the dequantizing path would write a dense bf16 copy of the head every step)
             lead = h.shape[:-1]
             h2 = _permuted_input(self, "output", h).reshape(-1, h.shape[-1])
-            parts = {sx: getattr(self, "output" + sx)[...] for sx in PACKED_PARTS if hasattr(self, "output" + sx)}
-            present = tuple(parts)
-
-            def mm(x2, _, *arrays):
-                a = dict(zip(present, arrays))
-                return packed_matmul(x2, a[""], a["_bscale"], a.get("_bmin"), a.get("_bscale2"), a.get("_bmin2"),
-                                     layer=None, compute_dtype=self.dtype)
-
+            parts, mm = _packed_call(self, "output", self.dtype)
             out = _tp_matmul(mm, h2, None, "output", parts, head_mesh, stacked=False).reshape(*lead, -1)
         elif _packed(self, "output", self.dtype) is not None:
             out = _dense(_permuted_input(self, "output", h), _packed(self, "output", self.dtype))
@@ -941,6 +926,21 @@ def qmatmul_plan(model: GPT, rows: int, mesh=None) -> dict:
                                          sub_dtypes=(arrays["_bscale"].dtype, None if m is None else m.dtype))
         out[name] = None if why is None else why + where
     return out
+
+
+def _packed_call(owner, name: str, compute_dtype) -> tuple:
+    """(parts, matmul) for the packed weight `name` of owner (a Block's stacked layers or the GPT's head): parts
+    {suffix: array} of the arrays it has (`PACKED_PARTS`), and matmul(x2, layer, *parts.values()) -> f32[M, N]
+    through `jpa.ops.qmatmul.packed_matmul` (layer None: an unstacked weight), the call `_tp_matmul` makes."""
+    parts = {sx: getattr(owner, name + sx)[...] for sx in PACKED_PARTS if hasattr(owner, name + sx)}
+    present = tuple(parts)
+
+    def matmul(x2, layer, *arrays):
+        a = dict(zip(present, arrays))
+        return packed_matmul(x2, a[""], a["_bscale"], a.get("_bmin"), a.get("_bscale2"), a.get("_bmin2"),
+                             layer=layer, compute_dtype=compute_dtype)
+
+    return parts, matmul
 
 
 def _tp_matmul(matmul, x2, layer, name: str, parts: dict, mesh, stacked: bool = True):
