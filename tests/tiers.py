@@ -428,8 +428,6 @@ SOAK = {
         "186 s: the H100 kernel grid subset (test_mosaic_lowering, test_ragged_lowering and test_traffic's engine step keep H100 compiles without spills)",
     'tests/test_bench_offload.py':
         '403 s: the offload benchmark and its second cases (test_kv_offload keeps swap = recompute, spills and the cost rule)',
-    'tests/test_gpu_compile.py::test_engine_steps_compile_with_the_targets_kernel[b200-mosaic_calls-plain-3]':
-        "151 s: the B200's deviceless engine step (test_traffic keeps the H100's, the other targets' cases stay in the bench tier)",
     'tests/test_mosaic_decode.py::test_long_context_several_partitions_and_slots':
         '147 s: a long context over several partitions (the split-K cases of test_mosaic_decode and test_sinks stay)',
     'tests/test_bench_spec.py::test_tiny_run':
