@@ -72,6 +72,24 @@ def engines(ctx_model):
     return Engines(*ctx_model)
 
 
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` (`./run test`), with tests/tiers.py's SHARED groups of files each one unit of work (a
+    worker compiles the engine programs a group shares once), and the units handed out in collection order
+    (SLOW_FIRST's files first) rather than pytest-xdist's default of the unit with most tests first."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    from tiers import scope
+
+    class SharedEngines(LoadFileScheduling):
+        def _split_scope(self, nodeid):
+            return scope(nodeid)
+
+    config.option.loadscopereorder = False
+    return SharedEngines(config, log)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Tests named in tests/tiers.py's BENCH run in CI's bench tier (`./run test -m bench`), not in

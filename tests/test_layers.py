@@ -120,6 +120,9 @@ def test_every_test_moved_to_the_bench_tier_exists():
         assert (root / path).is_file(), nodeid
         assert not name or re.search(rf"^def {re.escape(name)}\(", (root / path).read_text(), re.M), nodeid
         assert why.strip(), f"{nodeid}: say why it moved and what keeps the property in the main tier"
-    from tiers import SLOW_FIRST
+    from tiers import SHARED, SLOW_FIRST, scope
 
     assert all((root / path).is_file() for path in SLOW_FIRST), SLOW_FIRST
+    grouped = [path for files in SHARED.values() for path in files]
+    assert all((root / path).is_file() for path in grouped) and len(grouped) == len(set(grouped)), SHARED
+    assert scope("tests/test_engine.py::test_x[1]") == "engines" and scope("tests/test_a.py::t") == "tests/test_a.py"

@@ -388,10 +388,76 @@ BENCH = {
         "cut by max_tokens stays)",
     "tests/test_server_reasoning.py::test_constraint_applies_to_the_answer_after_the_thought[deepseek_r1]":
         "13 s: a constraint after DeepSeek-R1's thought (the qwen3 case stays)",
+    # --- 2026-12-07 (third step): the main tier measured 899 s of pytest from a clean clone, CPU-bound on 2 cores
+    # with a third of its CPU in child processes; the runs that start other processes (simulated devices, a second
+    # host, the deviceless GPU compiler, `jpa serve` itself) to the bench tier, each with what keeps it in process
+    "tests/test_traffic.py::test_engine_gpu_step_reads_weights_in_place":
+        "90 s: the engine's own step compiled deviceless for an H100, its traffic and copies (the main tier keeps "
+        "test_compiled_scan_weights: stacked weights read in place in a compiled H100 scan, and test_dispatch's "
+        "engine decode loop through the kernels under jit)",
+    "tests/test_multihost.py::test_generate_over_two_processes_equals_one":
+        "76 s: jpa generate over two processes equals one (test_followers_only_follow_and_watchdog keeps the "
+        "follower loop and watchdog over two processes)",
+    **{f"tests/test_tensor_parallel.py::{t}": "92 s together (tp_check.py's run on 8 simulated devices, made once "
+       "for them): tiny-llama at tp 2, plain and speculative, against tp 1 (the main tier keeps the head plans, the "
+       "weight rules and the padded and replicated heads computing the same function in process)"
+       for t in ("test_greedy_outputs_identical_to_one_device", "test_sampled_outputs_and_logprobs_identical_to_one_device",
+                 "test_speculative_decoding_under_tensor_parallelism", "test_logits_match_one_device",
+                 "test_compiled_once_per_run", "test_cache_and_weight_shardings", "test_head_plans")},
+    "tests/test_moe_ep.py::test_sharded_moe_mlp_equals_one_device_and_devices_hold_their_experts":
+        "38 s: the expert-parallel MoE layer on simulated devices in a child process (the layout rule, its errors "
+        "and the abstract model's shards stay)",
+    "tests/test_server.py::test_serve_script_end_to_end":
+        "37 s: `jpa serve` in a child process end to end (the in-process server tests keep every endpoint; "
+        "test_packaging keeps `python -m jpa` running its commands)",
+    "tests/test_server.py::test_serve_script_bad_flags":
+        "12 s: `jpa serve` refusing bad flags, a process each (test_server's in-process flag checks stay)",
+    "tests/test_server_hardening.py::test_sigterm_drains_then_ends_requests_with_errors":
+        "35 s: SIGTERM drains `jpa serve` in a child process (test_server_hardening's child server keeps the "
+        "grammar and adversarial-constraint checks)",
+    "tests/test_speculative.py::test_outputs_equal_without_speculation_under_preemption_and_prefix_hits":
+        "42 s: speculation under preemption and prefix hits, two engines of their own (test_speculative's "
+        "one-program, abort and length-limit tests keep drafts in the engine; test_engine keeps preemption)",
 }
 
 
 SOAK = {
+    # --- 2026-12-07, third step: the main tier's child-process runs moved into the bench tier (above), so more of
+    # the bench tier's grids go by hand (seconds: the bench tier's --durations from a clean clone, quiet)
+    **{f"tests/test_mosaic_decode.py::test_matches_reference[{c}]": why for c, why in (
+        ("N4K2H112S8x20-float16-float16-L[3, 20, 70, 150]-win11", "13 s: head_dim 112, 20 pages a sequence"),
+        ("N6K2H64S256x1-float16-float8_e5m2-L[1, 100, 256]", "10 s: a 256-token page, fp8 e5m2"),
+        ("N8K2H128S128x2-float16-float16-L[128, 129, 255]", "10 s: 128-token pages across their boundary"),
+        ("N8K2H128S32x4-bfloat16-int8-L[0, 32, 33, 100]-shared", "8 s: int8 with a shared page"),
+        ("N2K2H80S8x5-bfloat16-bfloat16-L[0, 1, 8, 9, 40]", "8 s: head_dim 80 at page 8"),
+        ("N8K2H128S16x6-bfloat16-bfloat16-L[16, 17, 64, 65]-shared", "7 s: page-boundary lengths, shared"),
+        ("N16K2H128S16x4-bfloat16-bfloat16-L[1, 40, 64]-alibi", "6 s: 16 q heads with ALiBi"),
+        ("N4K1H64S64x2-float16-float8_e4m3fn-L[1, 64, 65]-sc20.0", "6 s: fp8 e4m3 with a soft cap"))
+       for why in [why + " (the Mosaic decode kernel in interpret mode; the main tier keeps int8 at head_dim 192, "
+                   "fp8 e5m2 with ALiBi and a window, and every option with a shared page; the bench tier the "
+                   "other cases)"]},
+    **{f"tests/test_ragged.py::test_mosaic_matches_oracle[{c}]": why + " (the Mosaic ragged kernel in interpret "
+       "mode; the main tier keeps int8 with an empty row and the empty batch; the bench tier the head_dim 256 case)"
+       for c, why in (
+        ("N2K2H64S8x5-bfloat16-bfloat16-L[1, 9, 40, 20, 6]-Q[1, 1, 1, 7, 6]-T20-B7", "16 s: five sequences at page 8"),
+        ("N9K3H80S16x4-bfloat16-bfloat16-L[30, 1, 45]-alibi-win13-Q[25, 1, 22]-T50", "13 s: head_dim 80, ALiBi, a window"),
+        ("N8K2H128S16x4-float16-float16-L[17, 60, 3]-sc5.0-shared-Q[1, 40, 3]-T48", "12 s: float16, soft cap, shared"),
+        ("N4K1H64S64x2-float16-float8_e4m3fn-L[1, 100]-win40-Q[1, 50]-T56", "9 s: fp8 e4m3 with a window"))},
+    **{f"tests/test_ragged.py::test_xla_matches_oracle[{c}]": "3-5 s: a further case of the plain-JAX ragged op "
+       "(its oracle test keeps four cases in the main tier: int8 with every option, float32 at page 8, fp8, empty)"
+       for c in ("N4K1H64S16x4-float16-float8_e4m3fn-L[1, 32, 50]-Q[1, 5, 30]-T40",
+                 "N4K2H256S128x2-bfloat16-bfloat16-L[129, 5]-Q[3, 5]-T8",
+                 "N8K2H80S16x4-bfloat16-int8-L[0, 17, 63]-shared-Q[0, 17, 2]-T20-B4",
+                 "N16K2H128S16x4-bfloat16-bfloat16-L[1, 40, 8, 64]-alibi-Q[1, 10, 0, 4]-T15",
+                 "N8K2H80S16x4-bfloat16-bfloat16-L[17, 40, 3]-shared-Q[1, 33, 3]-T40",
+                 "N8K1H128S32x3-float16-float16-L[70]-Q[12]-T16-B3")},
+    **{f"tests/test_stacked_kernels.py::test_scan_over_layers_with_traced_layer[{c}]":
+       "10 s: an int8 pool in the traced-layer scan (the bf16 cases of both Mosaic kernels stay; "
+       "test_one_layer_matches_reference_on_its_slice keeps int8 stacked pools)" for c in ("mosaic_decode-int8", "mosaic_ragged-int8")},
+    **{f"tests/test_bench_sinks.py::test_ragged_kernels_with_sinks[{c}]": "4-6 s: sinks in the deprecated Triton "
+       "ragged kernel (the Mosaic cases stay; tests/test_sinks.py keeps sinks in both Triton kernels in interpret mode)" for c in (
+           "N8K2H64S16x6-bfloat16-bfloat16-L[1, 40, 70, 3]-sc20.0-alibi-sink1-Q[1, 17, 30, 3]-T64-B6-triton",
+           "N4K1H128S32x3-float16-float16-L[20, 90]-win25-sink-2-Q[20, 33]-T56-triton")},
     # --- 2026-12-07, second step: the bench tier measured 511 s from a clean clone (134 passed); its longest out
     # (seconds: that run's --durations, quiet)
     'tests/test_quant_tp.py::test_tp_engine_step_compiles_for_two_h100s_without_a_dense_copy[Q4_0]':
@@ -583,7 +649,7 @@ SOAK = {
         "main tier keeps the row tiles in interpret mode and test_kernel_serves_every_row_count_on_an_h100)",
     "tests/test_bench_traffic.py":
         "6 min: the Llama-8B traffic tables, XLA's default and the engine's options, the speculative step's "
-        "sampler passes (issue 34; test_traffic keeps the small step's in the main tier), and the small engine step "
+        "sampler passes (issue 34; test_traffic keeps the small step's in the bench tier), and the small engine step "
         "under XLA's default (scripts/gpu_traffic.py prints them; tests/test_traffic.py keeps the model's "
         "accounting on a known program and the engine's own small step read in place in the main tier)",
     "tests/test_bench_mosaic_ampere.py::test_grid_matches_reference":
@@ -658,8 +724,8 @@ SOAK = {
     "tests/test_gpu_compile.py::test_tensor_parallel_llama70b_over_2_hosts":
         "48 s: Llama-70B-shaped TP over 2 hosts (the collectives' host classifier keeps its unit tests)",
     "tests/test_gpu_compile.py::test_engine_steps_compile_with_the_targets_kernel[a100-mosaic_calls-plain-3]":
-        "39 s: the A100's engine step (the bench tier keeps B200's and the H100's speculative step; the main "
-        "tier the H100's plain step read in place)",
+        "39 s: the A100's engine step (the bench tier keeps B200's engine step and test_traffic's H100 plain "
+        "step read in place; test_mosaic_ampere the A100's kernels)",
     "tests/test_bench_offload.py::test_offload_soak_short":
         "45 s: a short soak with offload (scripts/soak_engine.py --kv-offload-memory; the bench tier keeps "
         "on = off under speculation, the main tier the multi-turn spill and swap = recompute)",
@@ -676,17 +742,39 @@ SOAK = {
     "tests/test_bench_dp.py":
         "61 s: bench_dp.py's smoke run (tests/test_serve_dp.py keeps two replicas behind the router)",
     "tests/test_bench_multihost.py":
-        "61 s: bench_multihost.py's smoke run (tests/test_multihost.py keeps generate over two processes)",
+        "61 s: bench_multihost.py's smoke run (tests/test_multihost.py keeps generate over two processes, in the bench tier)",
 }
 
 
-# The test files that keep a worker busiest (a 2-worker run of the main tier), started first: `./run test`
-# hands whole files to its 2 workers in collection order, so a long file collected last would run alone
-# at the end while the other worker idles. tests/conftest.py sorts them to the front, in this order.
-SLOW_FIRST = ("tests/test_tensor_parallel.py", "tests/test_gpu_compile.py", "tests/test_multihost.py",
-              "tests/test_server_hardening.py", "tests/test_engine.py", "tests/test_server.py",
-              "tests/test_speculative.py", "tests/test_structured.py", "tests/test_dispatch.py",
-              "tests/test_chunked_prefill.py", "tests/test_llm.py", "tests/test_ragged.py")
+# The test files that keep a worker busiest, started first: `./run test` hands whole files (or SHARED groups)
+# to its workers in collection order (tests/conftest.py's scheduler), so a long file collected last would run
+# alone at the end while the others idle. tests/conftest.py sorts them to the front, in this order (the main
+# tier's longest in a clean-clone run of 2026-12-07, in-worker seconds).
+SLOW_FIRST = ("tests/test_engine.py", "tests/test_server.py", "tests/test_server_hardening.py",
+              "tests/test_ragged.py", "tests/test_dispatch.py", "tests/test_step_contract.py",
+              "tests/test_hf_models.py", "tests/test_sampling_controls.py", "tests/test_server_structured.py",
+              "tests/test_smollm2.py", "tests/test_pages.py", "tests/test_model.py", "tests/test_tensor_parallel.py",
+              "tests/test_gpu_compile.py", "tests/test_multihost.py", "tests/test_speculative.py",
+              "tests/test_structured.py", "tests/test_chunked_prefill.py", "tests/test_llm.py")
+
+# Files whose tests build engines of the same configurations: a worker compiles a step program once and every
+# later engine of that program in the process reuses it (jpa.engine.runner.STEP_EXECUTABLES), so each group runs
+# in one worker (tests/conftest.py's scheduler) instead of each worker that meets a file compiling the same
+# programs. "engines": conftest's `engines` (its REFERENCE, BASE and tight pools, budgets 32 and 4); "tiny_server":
+# tests/server_util.tiny_server's engine. In a clean-clone run of 2026-12-07 the reference program was compiled by
+# three workers, the base one by three, the tight one by two, tiny_server's by three.
+SHARED = {
+    "engines": ("tests/test_engine.py", "tests/test_chunked_prefill.py", "tests/test_prefix_cache.py",
+                "tests/test_structured.py", "tests/test_parallel_sampling.py", "tests/test_speculative.py"),
+    "tiny_server": ("tests/test_server_toolcalls.py", "tests/test_server_responses.py",
+                    "tests/test_server_toolparsers.py"),
+}
+
+
+def scope(nodeid: str) -> str:
+    """The unit of work a worker gets nodeid in: its SHARED group's name, or its file."""
+    path = nodeid.split("::", 1)[0]
+    return next((name for name, files in SHARED.items() if path in files), path)
 
 
 def slow_first(nodeid: str) -> int:
