@@ -248,24 +248,24 @@ def test_unsupported_config_routes_to_reference_or_raises(fake_gpu):
         jpa.paged_decode(*args, impl="mosaic")
 
 
-def test_engine_decode_loop_uses_the_kernel(fake_gpu, monkeypatch):
+def test_engine_decode_loop_uses_the_kernel(fake_gpu, monkeypatch, engines):
     """The engine's compiled unified step (the ragged step and the decode loop, while_loops over
     the model, jitted with donated state) traces both kernels on a GPU, and its greedy outputs
-    equal the reference engine's."""
-    from jpa import models
+    equal the reference engine's (conftest's `engines`: the context-dependent tiny-llama)."""
+    from flax import nnx
+
     from jpa.ops import ragged
     from jpa.engine import EngineConfig, LLMEngine, SamplingParams
 
-    gpt, tok = models.load("tiny-llama", seed=3)
+    gpt = nnx.merge(engines.model.graphdef, engines.model.params)
     cfg = dict(max_seqs=3, page_size=8, num_pages=48, steps_per_call=4, max_model_len=128)
     params = SamplingParams(max_new_tokens=12, greedy=True, ignore_eos=True)
     prompts = ["paged attention", "x", "a somewhat longer prompt for the cache"]
-    want = [o.token_ids for o in LLMEngine(models.GPTForEngine(gpt), tok, EngineConfig(**cfg)).generate(
-        prompts, params)]
+    want = [o.token_ids for o in engines.reference(prompts, [params] * len(prompts))]
     calls = fake_gpu(SM110)
     monkeypatch.setitem(sys.modules, "fake_ragged_good", fake_ragged("fake_ragged_good", "good", calls))
     monkeypatch.setattr(ragged, "RAGGED", ragged.RAGGED._replace(modules=(("triton", "fake_ragged_good"),)))
-    eng = LLMEngine(models.GPTForEngine(gpt), tok, EngineConfig(**cfg))
+    eng = LLMEngine(engines.model, engines.tokenizer, EngineConfig(**cfg))
     got = [o.token_ids for o in eng.generate(prompts, params)]
     assert got == want
     # Each kernel is traced once by the self-check's compile, once by its small run, then once by

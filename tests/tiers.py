@@ -1,15 +1,17 @@
-"""Which tests run where: the main tier (`./run test`, <= 10 minutes from a clean clone) and CI's
-bench tier (`./run test -m bench`, after it in .ci/run).
+"""Which tests run where: the main tier (`./run test`, <= 10 minutes from a clean clone: the fast subset a
+developer runs) and the bench tier (`./run test -m bench`). CI runs both in one pytest session
+(`.ci/run`: `./run test -m "not soak"`), so a test in the bench tier is still checked on every landing.
 
 Files named tests/test_bench_*.py are bench-tier by their own `pytestmark`. BENCH below moves single
-tests (or single parametrizations) of main-tier files to the bench tier: each entry says what it
-costs (seconds on the 2-core CI VM, quiet) and which main-tier test keeps the same property fast.
-A test is moved when it is a second or third case of a property the main tier already checks, a
-grid, or a long end-to-end run; never the only test of a property.
+tests (or single parametrizations, or whole files) of main-tier files to the bench tier: each entry says what
+it costs (seconds on the 2-core CI VM) and what the main tier keeps of the same layer or property. A test is
+moved when it is a second or third case of a property the main tier already checks, a grid, a long
+end-to-end run, a run in child processes (servers, simulated devices, a second host, the deviceless GPU
+compiler), or one of the server's feature files (tests/test_server.py keeps the server in the main tier).
 
 SOAK names bench-tier tests too long for CI's 20-minute budget: full grids and tables whose scripts print
-the same figures. They are marked `bench` and `soak`; CI runs `-m "bench and not soak"`, and
-`./run test -m soak` runs them by hand (before a release, or after changing what they cover).
+the same figures. They are marked `bench` and `soak`; CI runs `-m "not soak"`, and `./run test -m soak`
+runs them by hand (before a release, or after changing what they cover).
 
 tests/test_layers.py checks that every entry still names a test (or a file).
 """
@@ -418,10 +420,75 @@ BENCH = {
     "tests/test_speculative.py::test_outputs_equal_without_speculation_under_preemption_and_prefix_hits":
         "42 s: speculation under preemption and prefix hits, two engines of their own (test_speculative's "
         "one-program, abort and length-limit tests keep drafts in the engine; test_engine keeps preemption)",
+    # The server's feature files (each builds its own engine behind an in-process server; the hardening file
+    # also starts `jpa serve` in a child process): CI runs them with the rest of the bench tier, in the same
+    # pytest session as the main tier (.ci/run). The main tier keeps tests/test_server.py (every endpoint, the
+    # OpenAI client, errors, streaming, logprobs, overload) and the engine-level structured outputs
+    # (tests/test_structured.py); 2026-12-07, in-worker seconds of the clean-clone run.
+    "tests/test_server_structured.py":
+        "76 s: structured outputs, tool calls and pydantic parsing through the server (test_structured keeps "
+        "the engine's constraints; test_server the endpoints)",
+    "tests/test_server_hardening.py":
+        "89 s: adversarial grammars and constraints against `jpa serve` in a child process, bounded "
+        "temperatures, seeds, cached tokens (test_server keeps bad requests as 400s and overload as 503s)",
+    "tests/test_server_reasoning.py":
+        "48 s: reasoning parsers streamed and not (test_server keeps the chat endpoint streamed and not)",
+    "tests/test_server_toolcalls.py":
+        "21 s (with tiny_server's engine: 42): tool calls streamed piece by piece (test_server keeps streaming)",
+    "tests/test_server_toolparsers.py":
+        "20 s: the tool-call parsers' formats through the server (test_server keeps the chat endpoint)",
+    "tests/test_server_responses.py":
+        "32 s: the Responses API (test_server keeps chat and completions)",
+    # Child processes and deviceless GPU compiles (in-worker CPU ~0: the time is another process's)
+    "tests/test_quant_tp.py::test_sharded_logits_equal_one_device_with_the_kernel_per_shard":
+        "29 s: the kernel per shard on 2 simulated devices in a child process (the traced checks for two H100s "
+        "stay; the compat tier runs it on JAX 0.11.2)",
+    "tests/test_mosaic_ampere.py::test_ragged_op_compiles_for_an_a100_as_mma_kernels_without_spills":
+        "23 s: the ragged op compiled deviceless for an A100 (the mma.sync kernels' interpret-mode cases stay; "
+        "the compat tier compiles it on JAX 0.11.2)",
+    "tests/test_gpu_compile.py::test_oversized_kernel_is_reported_not_crashed":
+        "23 s: the compile-check tool on a kernel too big for shared memory, in a child process (the record's "
+        "parsing and the plugin checks stay)",
+    "tests/test_gpu_compile.py::test_a_spilling_kernel_fails_the_record":
+        "17 s: the compile-check tool on a spilling kernel, in a child process (as above)",
+    "tests/test_packaging.py::test_python_m_jpa_lists_and_runs_the_commands":
+        "21 s: `python -m jpa` running each command in a child process (the wheel's contents and the `jpa` "
+        "entry point stay)",
+    "tests/test_serve_dp.py::test_a_dying_replica_stops_everything":
+        "18 s: serve-dp's replicas behind vllm-router with one dying (the flag checks and device assignment stay)",
+    "tests/test_server.py::test_serve_script_stops_while_loading":
+        "18 s: SIGTERM to `jpa serve` while it loads, a child process (test_server's in-process lifecycle stays)",
+    "tests/test_mutation_check.py::test_caught_missed_and_broken_on_a_tiny_repo":
+        "12 s: the mutation tool on a tiny repository, child pytest runs (its dry run and errors stay)",
+    "tests/test_hf_models.py::test_gpt_oss_ragged_step_equals_transformers":
+        "9 s: gpt-oss's ragged step against transformers (its prefill logits stay)",
+    **{f"tests/test_hf_models.py::test_greedy_continuation_and_paged_decode_equal_dense_every_step[{f}]":
+       "8-9 s: a further family's paged greedy steps (llama's stays; every family's prefill logits stay)"
+       for f in ("qwen3_moe", "gemma2")},
 }
 
 
 SOAK = {
+    # --- 2026-12-07, fourth step: CI runs the main and bench tiers in one pytest session; to keep .ci/run near
+    # 20 minutes these leave it (seconds: the bench tier's --durations from a clean clone, under the tier's load)
+    "tests/test_gpu_compile.py::test_engine_steps_compile_with_the_targets_kernel[b200-mosaic_calls-plain-3]":
+        "130 s: the B200's engine step compiled deviceless (the bench tier keeps test_traffic's H100 engine step, "
+        "the same engine code with the Mosaic kernels; tests/test_mosaic_ampere.py lowers the ragged op for "
+        "B200's sm_100; `scripts/gpu_compile_check.py` compiles every target's step)",
+    "tests/test_generate_script.py::test_compile_cache_is_on_by_default":
+        "34 s: jpa generate twice in child processes, the second from JAX's persistent cache (the cache flags and "
+        "the generate script's outputs stay; `./run generate` runs with the cache)",
+    "tests/test_server_structured.py::test_parse_with_a_pydantic_model":
+        "29 s: the openai client's pydantic parse (the named forced tool call and json_schema cases stay)",
+    "tests/test_bench_quant.py::test_engine_on_a_quantized_checkpoint_equals_it_loaded_dense[fp8-channel]":
+        "26 s: an engine on an fp8-channel checkpoint (the awq, gptq and packed cases stay; test_quant_hf keeps "
+        "fp8-channel's logits)",
+    "tests/test_chunked_prefill.py::test_chunks_equal_the_reference_at_any_budget[37-5]":
+        "20 s: budget 37 with 5-row passes (budget 4 stays in the main tier; test_prompt_logprobs chunks prompts "
+        "at other budgets)",
+    "tests/test_server_toolcalls.py::test_auto_calls_stream_piece_by_piece_and_equal_the_answer[cut]":
+        "21 s: auto tool calls cut by max_tokens (the whole case stays; a named tool call cut by max_tokens "
+        "stays in test_server_hardening)",
     # --- 2026-12-07, third step: the main tier's child-process runs moved into the bench tier (above), so more of
     # the bench tier's grids go by hand (seconds: the bench tier's --durations from a clean clone, quiet)
     **{f"tests/test_mosaic_decode.py::test_matches_reference[{c}]": why for c, why in (
@@ -765,7 +832,8 @@ SLOW_FIRST = ("tests/test_engine.py", "tests/test_server.py", "tests/test_server
 # three workers, the base one by three, the tight one by two, tiny_server's by three.
 SHARED = {
     "engines": ("tests/test_engine.py", "tests/test_chunked_prefill.py", "tests/test_prefix_cache.py",
-                "tests/test_structured.py", "tests/test_parallel_sampling.py", "tests/test_speculative.py"),
+                "tests/test_structured.py", "tests/test_parallel_sampling.py", "tests/test_speculative.py",
+                "tests/test_kv_offload.py", "tests/test_prompt_logprobs.py", "tests/test_dispatch.py"),
     "tiny_server": ("tests/test_server_toolcalls.py", "tests/test_server_responses.py",
                     "tests/test_server_toolparsers.py"),
 }
