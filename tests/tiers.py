@@ -465,6 +465,22 @@ BENCH = {
     **{f"tests/test_hf_models.py::test_greedy_continuation_and_paged_decode_equal_dense_every_step[{f}]":
        "8-9 s: a further family's paged greedy steps (llama's stays; every family's prefill logits stay)"
        for f in ("qwen3_moe", "gemma2")},
+    # After measuring `./run test` at 662 s from a clean clone (pytest 631 s) with the moves above:
+    "tests/test_engine_random.py::test_random_requests_under_page_pressure":
+        "52 s: a seeded random workload with aborts and stop strings under page pressure, against the reference "
+        "engine (scripts/soak_engine.py runs fresh seeds; test_engine keeps preemption, aborts and stop strings)",
+    "tests/test_generate_script.py::test_jsonl_prompts_to_json_lines":
+        "19 s: jpa generate's JSON-lines prompts and output, building its engine (its flag checks stay; "
+        "test_llm keeps the offline API on an engine)",
+    "tests/test_ragged.py::test_mosaic_no_races":
+        "19 s: the Mosaic ragged kernel under GPU interpret mode's race detector (test_mosaic_decode's "
+        "test_no_races keeps the detector on the decode kernel's pipeline, which the ragged kernel shares)",
+    "tests/test_stacked_kernels.py::test_one_layer_matches_reference_on_its_slice[mosaic_ragged-bfloat16]":
+        "16 s: the Mosaic ragged kernel on one layer of a stacked pool (its traced-layer scan case stays, and the "
+        "decode kernel's one-layer cases)",
+    "tests/test_hf_models.py::test_gemma2_soft_caps_and_window_go_through_paged_attention":
+        "16 s: Gemma-2's soft caps and window through the paged kernels' options (Gemma-2's prefill logits and "
+        "chat template against transformers stay; test_decode keeps soft caps and windows in the op)",
 }
 
 
