@@ -481,6 +481,21 @@ BENCH = {
     "tests/test_hf_models.py::test_gemma2_soft_caps_and_window_go_through_paged_attention":
         "16 s: Gemma-2's soft caps and window through the paged kernels' options (Gemma-2's prefill logits and "
         "chat template against transformers stay; test_decode keeps soft caps and windows in the op)",
+    # After measuring `./run test` at 623 s from a clean clone (pytest 598 s, 79bb128):
+    "tests/test_async_engine.py":
+        "29 s, most of it its engine: the AsyncEngine's streams, aborts, idling, overload and shutdown (the main "
+        "tier's tests/test_server.py drives the AsyncEngine behind every endpoint, with aborts and overload)",
+    "tests/test_llm.py::test_importing_jpa_and_the_engine_does_not_import_models":
+        "13 s: the import graph in a child process (tests/test_engine.py's test_engine_does_not_import_models and "
+        "tests/test_layers.py's static import checks stay)",
+    "tests/test_gpu_compile.py::test_a_compiler_made_after_xla_started_warns":
+        "12 s: the compile-check tool's warning, in a child process (the plugin version check stays)",
+    "tests/test_quant.py::test_head_plans_keep_quantized_weights_and_the_function":
+        "14 s: quantized heads padded for tp=3 (tests/test_tensor_parallel.py keeps the head plans in process)",
+    **{f"tests/test_engine.py::{t}": "22 s together (an engine of its own, a 40-token limit): the model's "
+       "length limit and bad requests beside a good one (test_speculative keeps the length limit with and without "
+       "drafts; test_server keeps bad requests as 400s)"
+       for t in ("test_length_limit_of_the_model", "test_bad_requests_fail_alone")},
 }
 
 
