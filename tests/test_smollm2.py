@@ -39,19 +39,24 @@ def gguf_path():
 
 @pytest.fixture(scope="module")
 def smol(gguf_path):
+    """(metadata, weights dequantized to float32): about 19 s; the tests that need only the metadata take `meta`."""
     meta, weights = smollm2.read_gguf(gguf_path)
     return meta, weights
 
 
 @pytest.fixture(scope="module")
-def tok(smol):
-    return Tokenizer.from_gguf_metadata(smol[0])
+def meta(gguf_path):
+    return smollm2.read_gguf_metadata(gguf_path)
+
+
+@pytest.fixture(scope="module")
+def tok(meta):
+    return Tokenizer.from_gguf_metadata(meta)
 
 
 # ---- the GGUF file ----
 
-def test_metadata_says_smollm2_135m(smol):
-    meta, _ = smol
+def test_metadata_says_smollm2_135m(meta):
     for key, want in smollm2.EXPECTED.items():
         assert meta[key] == want, key
     assert meta["max_seq_len"] == 8192 and meta["pad_token_id"] == 2
@@ -102,8 +107,8 @@ def test_truncated_file_raises_clear_error(gguf_path, tmp_path, keep):
         smollm2.read_gguf(cut)
 
 
-def test_wrong_hyperparameters_are_named(smol):
-    meta = dict(smol[0], num_kv_heads=9, d_model=512)
+def test_wrong_hyperparameters_are_named(meta):
+    meta = dict(meta, num_kv_heads=9, d_model=512)
     with pytest.raises(ValueError, match=r"d_model 512 \(expected 576\), num_kv_heads 9 \(expected 3\)"):
         smollm2._check_expected(meta, "x.gguf")
 
