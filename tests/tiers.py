@@ -329,7 +329,7 @@ BENCH = {
         "71 s: SmolLM2 against transformers' golden tokens through the paged model (test_smollm2's "
         "test_jpa_prefill_and_greedy_decode_match_transformers keeps the real model against transformers)",
     "tests/test_readme.py::test_readme_llm_example_runs":
-        "60 s: README's LLM(...) example on SmolLM2 (test_llm keeps LLM(...) equal to the engine built by hand; "
+        "60 s: README's LLM(...) example on SmolLM2 (test_llm, in the bench tier, keeps LLM(...) equal to the engine built by hand; "
         "test_readme_example_runs keeps README's library example)",
     "tests/test_speculative.py::test_sampled_distribution_matches_plain_sampling":
         "60 s: the token distribution with drafts (test_outputs_equal_without_speculation_under_preemption_and_"
@@ -471,7 +471,7 @@ BENCH = {
         "engine (scripts/soak_engine.py runs fresh seeds; test_engine keeps preemption, aborts and stop strings)",
     "tests/test_generate_script.py::test_jsonl_prompts_to_json_lines":
         "19 s: jpa generate's JSON-lines prompts and output, building its engine (its flag checks stay; "
-        "test_llm keeps the offline API on an engine)",
+        "test_llm keeps the offline API on an engine, in the bench tier)",
     "tests/test_ragged.py::test_mosaic_no_races":
         "19 s: the Mosaic ragged kernel under GPU interpret mode's race detector (test_mosaic_decode's "
         "test_no_races keeps the detector on the decode kernel's pipeline, which the ragged kernel shares)",
@@ -505,6 +505,16 @@ BENCH = {
     "tests/test_smollm2.py::test_weights_have_the_documented_shapes":
         "the dequantized weights' shapes (needs the 19 s float32 read above; jpa's model built from the same file "
         "stays)",
+    # ./run test measured 629 s (pytest 603 s) from a clean clone of e77d345:
+    "tests/test_llm.py":
+        "38 s, most of it its engine: the offline API, LLM(...) (vLLM's names, chat templates, its errors) equal "
+        "to the engine built by hand (the main tier keeps the engine and the server's API)",
+    **{f"tests/test_serve_dp.py::{t}": "40 s together: serve-dp refusing flags and a busy router port, a `python "
+       "-m jpa serve-dp` process each (serve-dp's device assignment stays)" for t in ("test_bad_flags",
+                                                                                    "test_busy_router_port")},
+    "tests/test_parallel_sampling.py::test_slot_finished_at_the_fork_is_not_charged_a_copy":
+        "23 s, an engine of its own (6 pages): a sample finished at the fork is not charged a page copy (n samples "
+        "equal n separate requests and aborting the leader before the fork stay)",
 }
 
 
