@@ -519,8 +519,9 @@ BENCH = {
 
 
 SOAK = {
-    # --- 2026-12-07 (fourth session): .ci/run measured 1052 s (17 m 32 s) from a clean clone on this VM, while CI's
-    # machine took 1.0-1.17x this VM's time for the same commits: these leave CI for a margin under 20 minutes
+    # --- 2026-12-07 (fourth session): .ci/run measured 1052 s (17 m 32 s) from a clean clone on this VM; CI's own
+    # machine has reported up to ~1.17x this VM's figures (1636 s for e0e3704, whose tests ran here in 1396 s at
+    # e1407b2; 1666 s against 1687 s here for 2fad163): these leave CI for a margin under 20 minutes
     # (seconds: the bench tier's --durations from a clean clone, alone, under its own load)
     "tests/test_gpu_compile.py::test_a_spilling_kernel_fails_the_record":
         "32 s: a kernel made to spill fails scripts/gpu_compile_check.py's record (test_oversized_kernel_is_reported_"
@@ -546,13 +547,16 @@ SOAK = {
         "test_readme_example_runs in the main tier)",
     "tests/test_server_reasoning.py::test_reasoning_content_streamed_and_not[deepseek_r1]":
         "22 s: DeepSeek-R1's reasoning streamed and not (the qwen3 case stays; the parser's unit tests stay)",
-    "tests/test_hf_models.py::test_greedy_continuation_and_paged_decode_equal_dense_every_step[gpt_oss_mxfp4]":
-        "18 s: 32 paged greedy steps of the MXFP4 gpt-oss checkpoint (its prefill logits against transformers "
-        "stay in the main tier, the float gpt-oss's greedy steps in CI's bench tier)",
     "tests/test_smollm2.py::test_weights_have_the_documented_shapes":
         "15 s: every dequantized weight's shape (the metadata tests and the real model against transformers stay)",
     "tests/test_bench_chunked.py::test_bad_flags_exit_2_with_a_message[argv0---budgets must be comma-separated integers]":
         "12 s: one more bad flag of the chunked benchmark, a process (argv4 stays in CI's bench tier)",
+    "tests/test_server_router.py":
+        "23 s: a server behind vllm-router (test_serve_dp's test_a_dying_replica_stops_everything starts vllm-router "
+        "over replicas in CI's bench tier)",
+    "tests/test_server_structured.py::test_forced_tool_calls_validate_and_stream[required]":
+        "20 s: tool_choice required, streamed and not (the named case and test_required_tools_with_local_refs stay "
+        "in CI's bench tier)",
     # --- 2026-12-07, fourth step: CI runs the main and bench tiers in one pytest session; to keep .ci/run near
     # 20 minutes these leave it (seconds: the bench tier's --durations from a clean clone, under the tier's load)
     "tests/test_gpu_compile.py::test_engine_steps_compile_with_the_targets_kernel[b200-mosaic_calls-plain-3]":
@@ -564,9 +568,6 @@ SOAK = {
         "the generate script's outputs stay; `./run generate` runs with the cache)",
     "tests/test_server_structured.py::test_parse_with_a_pydantic_model":
         "29 s: the openai client's pydantic parse (the named forced tool call and json_schema cases stay)",
-    "tests/test_bench_quant.py::test_engine_on_a_quantized_checkpoint_equals_it_loaded_dense[fp8-channel]":
-        "26 s: an engine on an fp8-channel checkpoint (the awq, gptq and packed cases stay; test_quant_hf keeps "
-        "fp8-channel's logits)",
     "tests/test_chunked_prefill.py::test_chunks_equal_the_reference_at_any_budget[37-5]":
         "20 s: budget 37 with 5-row passes (budget 4 stays in the main tier; test_prompt_logprobs chunks prompts "
         "at other budgets)",
@@ -666,7 +667,7 @@ SOAK = {
     'tests/test_bench_parallel.py::test_quick_run_on_the_tiny_model':
         "70 s: the parallel-sampling benchmark's smoke run (test_parallel_sampling stays)",
     'tests/test_serve_dp.py::test_two_replicas_behind_the_router':
-        '69 s: 2 replicas behind vllm-router (test_a_dying_replica_stops_everything and test_server_router stay)',
+        '69 s: 2 replicas behind vllm-router (test_a_dying_replica_stops_everything stays in CI\'s bench tier)',
     'tests/test_bench_moe_hf.py::test_generate_gpt_oss_with_prefix_caching_and_ngram_speculation[gpt_oss-16]':
         '69 s: gpt-oss with prefix caching and n-gram drafts (gpt_oss_mxfp4 greedy = dense stays)',
     'tests/test_hf_models.py::test_generate_command_runs_a_checkpoint_directory':
