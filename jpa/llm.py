@@ -167,6 +167,25 @@ class LLM:
             prompts.append(self.tokenizer.render_chat(list(conv)))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def update_weights(self, weights) -> int:
+        """Serves new weights from the next round on, with no compile (vLLM's `update_weights`; an RL
+        trainer calls it after each optimizer step).
+
+        Args:
+          weights: a mapping of Hugging Face tensor names to float arrays (NumPy or JAX; all of them or
+            some: the others stay), cast to the served dtype or quantized as the served model is (int8 /
+            fp8 on the fly); a safetensors file or directory of such tensors; or the model's own
+            parameter pytree (`llm.engine.model.params`' structure, e.g. `nnx.state(gpt, nnx.Param)` of
+            a `models.GPT` of the same config).
+
+        Returns:
+          The new weight version (updates counted from 0; `RequestOutput.weight_version`).
+
+        Raises:
+          ValueError: a wrong name, shape or dtype, naming the tensor; the served weights stay as they were.
+        """
+        return self.engine.update_weights(weights)
+
     def __repr__(self) -> str:
         return f"LLM({self.engine.cache_config.describe()})"
 
@@ -198,7 +217,15 @@ def build_engine(model, tokenizer, config: EngineConfig, *, draft_model=None) ->
                                      quantization=quant if quant in ("int8", "fp8") else None)
     if isinstance(draft_model, models.GPT):
         draft_model = models.GPTForEngine(draft_model)
-    return LLMEngine(model, tokenizer, config, draft_model=draft_model)
+    engine = LLMEngine(model, tokenizer, config, draft_model=draft_model)
+    if isinstance(model, models.GPTForEngine):   # update_weights with Hugging Face names (or a safetensors path)
+        def convert(weights):
+            from jpa.models import hf   # safetensors and the name map: only when named weights come
+
+            return hf.params_from_hf(engine.model, weights)
+
+        engine.weight_converter = convert
+    return engine
 
 
 def engine_from_args(args, *, log=True, **config_extra):

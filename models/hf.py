@@ -760,3 +760,136 @@ def load(path, dtype=None, quantization=None):
     if quantized:
         model.quantization = scheme["method"]
     return model, tokenizer
+
+
+# ---------------------------------------------------------------------------------------------
+# Weight updates (`LLMEngine.update_weights`, RL rollouts): Hugging Face tensor names -> the served
+# model's parameter pytree, with this loader's name map (`hf_names`) and quantization (`set_weight`'s).
+
+
+def read_tensors(path) -> dict:
+    """{tensor name: NumPy array} of a safetensors file, or of every safetensors file of a directory
+    (with or without its index), in the stored dtypes (bfloat16 and float8 as ml_dtypes')."""
+    from safetensors import SafetensorError, safe_open
+
+    path = pathlib.Path(path)
+    if path.is_dir():
+        return {name: _read_raw(file, name) for name, (file, _, _) in _tensor_index(path).items()}
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is neither a safetensors file nor a directory of them")
+    try:
+        with safe_open(path, framework="numpy") as f:
+            names = list(f.keys())
+    except SafetensorError as e:
+        raise CheckpointError(f"{path} is not a whole safetensors file ({e})") from e
+    return {name: _read_raw(path, name) for name in names}
+
+
+def _served_model_type(c: ModelConfig, names) -> str:
+    """The `hf_names` model type whose tensor names a served model's config takes."""
+    if c.family != "llama":
+        raise ValueError(f"update_weights with Hugging Face names serves llama-family models; this one is {c.family!r} "
+                         f"(pass the model's parameter pytree)")
+    if c.attn_sinks:
+        raise ValueError("update_weights with Hugging Face names does not read gpt-oss's interleaved gate_up_proj "
+                         "(pass the model's parameter pytree)")
+    if c.post_norms:
+        return "gemma2"
+    if c.num_experts:
+        return "mixtral" if any(".block_sparse_moe." in n for n in names) else "qwen3_moe"
+    return "llama"
+
+
+def params_from_hf(served, weights):
+    """The served model's parameter pytree with Hugging Face tensors in place (a weight update).
+
+    Args:
+      served: the model being served (`models.GPTForEngine`: config, dtype, quantization, params).
+      weights: {Hugging Face tensor name: float array (NumPy or JAX)}, or a safetensors file or
+        directory (`read_tensors`). Tensors not named keep their served values (a partial update).
+        Each is transposed to x @ W's layout as `load` does, cast to the served dtype, or quantized
+        per output channel when the model is served "int8" / "fp8" on the fly (`set_weight`'s rule).
+
+    Returns:
+      A pytree of `served.params`' structure: NumPy arrays where a tensor was given, the served
+      arrays elsewhere (the engine places them: `ModelRunner.set_params`).
+
+    Raises:
+      ValueError: an unknown tensor name, a wrong shape or a non-float dtype, naming the tensor, or a
+        model served from quantized blocks (GGUF, AWQ, GPTQ, FP8 checkpoints): nothing is changed.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from jpa.core.quant import quantize_weight
+    from jpa.models.gpt import QUANT_AXIS, expected_shapes
+
+    if isinstance(weights, (str, bytes)) or hasattr(weights, "__fspath__"):
+        weights = read_tensors(weights)
+    c, quant = served.config, getattr(served, "quantization", None)
+    if quant not in (None, "int8", "fp8"):
+        raise ValueError(f"update_weights with Hugging Face names needs dense weights or int8 / fp8 quantized on the "
+                         f"fly; this model holds {quant!r} blocks as stored (load it with quantization 'none')")
+    model_type = _served_model_type(c, weights)
+    shapes = expected_shapes(c)
+    where = {}   # HF name -> (our parameter, layer or None, expert or None, transpose, stored shape)
+    for ours, (name, transpose, *_) in hf_names(c, model_type).items():
+        param, layer = (ours.split(".")[2], int(ours.split(".")[1])) if ours.startswith("layers.") else (ours, None)
+        want = shapes["layers"][param] if layer is not None else shapes[param]
+        experts = range(want[0]) if "{j}" in name else (None,)
+        for j in experts:
+            w = want[1:] if j is not None else want
+            where[name.format(j=j) if j is not None else name] = (param, layer, j, transpose,
+                                                                   tuple(reversed(w)) if transpose else tuple(w))
+    groups = {}
+    for name, a in weights.items():
+        if name not in where:
+            if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and c.tie_embeddings):
+                continue
+            raise ValueError(f"weights: tensor {name!r} is not a parameter of this {model_type} model (names as in "
+                             f"its Hugging Face checkpoint, e.g. {next(iter(where))!r})")
+        param, layer, j, transpose, stored = where[name]
+        shape, dtype = tuple(getattr(a, "shape", ())), getattr(a, "dtype", None)
+        if shape != stored:
+            raise ValueError(f"weights: tensor {name} must have shape {list(stored)}; got {list(shape)}")
+        try:
+            floating = dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+        except TypeError:
+            floating = False
+        if not floating:
+            raise ValueError(f"weights: tensor {name} must hold floats; got {dtype}")
+        groups.setdefault(param, {})[(layer, j)] = (a, transpose)
+
+    flat, treedef = jax.tree_util.tree_flatten_with_path(served.params)
+    index = {tuple(getattr(k, "key") for k in path if isinstance(k, jax.tree_util.DictKey)): i
+             for i, (path, _) in enumerate(flat)}
+    leaves = [leaf for _, leaf in flat]
+
+    def leaf(param, suffix=""):
+        key = ("layers", param + suffix) if param in shapes["layers"] else (param + suffix,)
+        return index[key]
+
+    for param, given in groups.items():
+        stacked = param in shapes["layers"]
+        want = shapes["layers"][param] if stacked else shapes[param]
+        slots = [(i, j) for i in (range(c.num_layers) if stacked else (None,))
+                 for j in (range(want[0]) if (stacked and c.num_experts and param.startswith("experts")) else (None,))]
+        quantized = quant is not None and param in QUANT_AXIS
+        targets = [leaf(param)] + ([leaf(param, "_scale")] if quantized else [])
+        full = all(s in given for s in slots)
+        outs = [np.empty(leaves[t].shape, leaves[t].dtype) if full else np.array(jax.device_get(leaves[t]))
+                for t in targets]
+        columns = not stacked and param == "tok_embeddings" and outs[0].shape == tuple(reversed(want))
+        for (i, j), (a, transpose) in given.items():
+            x = np.asarray(jax.device_get(a), np.float32)
+            x = x.T if transpose else x
+            at = tuple(k for k in (i, j) if k is not None)
+            if quantized:
+                q, scale = quantize_weight(x, quant, QUANT_AXIS[param])
+                outs[0][at] = q.T if columns else q
+                outs[1][at] = scale
+            else:
+                outs[0][at] = x.T if columns else x
+        for t, out in zip(targets, outs):
+            leaves[t] = out
+    return jax.tree_util.tree_unflatten(treedef, leaves)

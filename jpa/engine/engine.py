@@ -234,6 +234,14 @@ class EngineStats:
         return self.host_seconds / total if total else float("nan")
 
 
+def _is_named(weights) -> bool:
+    """A flat mapping of tensor names (dotted strings) to arrays, not a parameter pytree."""
+    import collections.abc
+
+    return (isinstance(weights, collections.abc.Mapping) and not hasattr(weights, "flat_state") and bool(weights)
+            and all(isinstance(k, str) and "." in k for k in weights))
+
+
 class LLMEngine:
     """Continuous-batching generation with a paged KV cache.
 
@@ -326,6 +334,11 @@ class LLMEngine:
         self._live_ids: set = set()
         self._live_samples: dict = {}
         self._ids = itertools.count()
+        # Weight updates: the version served (0 = the weights it was built with), and the converter of
+        # named weights (a mapping of checkpoint tensor names, or a safetensors path) into `model.params`,
+        # set by the composition root (`jpa.llm.build_engine`: `jpa.models.hf.params_from_hf`).
+        self.weight_version = 0
+        self.weight_converter = None
 
     @staticmethod
     def _cache_configs(model, draft_model, config: EngineConfig):
@@ -384,6 +397,7 @@ class LLMEngine:
             except (TypeError, ValueError) as e:
                 return self._fail(req, f"invalid sampling parameters: {e}")
         req.params = params or SamplingParams()
+        req.weight_version = self.weight_version
         try:
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         except Exception as e:  # a tokenizer failure is this request's problem, not the batch's
@@ -490,6 +504,45 @@ class LLMEngine:
             self._outbox.append(StepOutput(req.request_id, (), req.detokenizer.take_delta(True), True,
                                            req.to_output()))
         return True
+
+    def update_weights(self, weights) -> int:
+        """Serves new weights from the next round on, with no compile (vLLM's `update_weights`).
+
+        Safe between rounds. Requests in flight keep their KV (computed from the old weights) and go on
+        with the new ones; each output token's version is recorded (`RequestOutput.weight_version`,
+        `weight_versions`). The prefix cache never serves KV of older weights again. See
+        `ModelRunner.set_params` for casting, placement, and what is freed.
+
+        Args:
+          weights: the model's own parameter pytree (`model.params`' structure, leaves of its shapes;
+            floating leaves are cast to the served dtype; quantized leaves as served), or named
+            weights, a mapping of checkpoint tensor names to arrays or a safetensors file or directory,
+            when the engine has a `weight_converter` (`jpa.llm.build_engine` sets one: Hugging Face
+            names, quantized as the served model is).
+
+        Returns:
+          The new weight version (1 after the first update).
+
+        Raises:
+          ValueError: a wrong name, shape or dtype, naming the tensor; the served weights stay.
+        """
+        self._leader_only("update_weights")
+        self._usable()
+        if isinstance(weights, (str, bytes)) or hasattr(weights, "__fspath__") or _is_named(weights):
+            if self.weight_converter is None:
+                raise ValueError("update_weights: named weights (checkpoint tensor names or a safetensors path) "
+                                 "need the engine's weight_converter (jpa.llm.build_engine sets one); pass the "
+                                 "model's parameter pytree")
+            weights = self.weight_converter(weights)
+        self.runner.set_params(weights)
+        prefix = self.scheduler.prefix
+        if prefix is not None:
+            for req in self.scheduler.running.values():
+                if req.kv_epoch is None:   # its pages hold KV of the old weights: never cache them under the new
+                    req.kv_epoch = prefix.epoch
+            prefix.epoch += 1
+        self.weight_version += 1
+        return self.weight_version
 
     @property
     def has_unfinished(self) -> bool:
@@ -675,6 +728,7 @@ class LLMEngine:
         outputs, self._outbox = self._outbox, []
         for ev in events:
             req = ev.request
+            req.note_tokens(len(ev.new_token_ids), self.weight_version)
             text = req.detokenizer.take_delta(ev.finished)
             prompt_lps = req.take_prompt_logprobs()
             if ev.new_token_ids or text or ev.finished or prompt_lps is not None:

@@ -84,6 +84,13 @@ class Request:
     # params.structured set: its grammar state (`jpa.engine.structured.Matcher`), fed every output
     # token; each parallel sample has its own.
     matcher: object = None
+    # Weight updates (`LLMEngine.update_weights`): the weight version of each run of output tokens,
+    # [(index of its first token, version), ...], and the version when it was added; kv_epoch, the
+    # prefix cache's epoch its cached KV belongs to (None: the current one; set to the old one for
+    # requests holding a slot across an update, so pages computed from old weights are never reused).
+    weight_runs: list = dataclasses.field(default_factory=list)
+    weight_version: int = 0
+    kv_epoch: int | None = None
 
     @property
     def needs_prompt_logprobs(self) -> bool:
@@ -120,11 +127,29 @@ class Request:
         """Completion text so far (cut before a stop string)."""
         return self.detokenizer.text if self.detokenizer is not None else ""
 
+    def note_tokens(self, count: int, version: int) -> None:
+        """`count` tokens were just appended to output_ids, sampled with weight version `version`."""
+        if count and (not self.weight_runs or self.weight_runs[-1][1] != version):
+            self.weight_runs.append((len(self.output_ids) - count, version))
+        self.weight_version = version if count else self.weight_version
+
+    @property
+    def weight_versions(self) -> tuple[int, ...] | None:
+        """The weight version of each output token when they differ (an update in flight), else None."""
+        if len(self.weight_runs) < 2:
+            return None
+        bounds = [start for start, _ in self.weight_runs[1:]] + [len(self.output_ids)]
+        out = [self.weight_runs[0][1]] * bounds[0]
+        for (start, v), end in zip(self.weight_runs, bounds):
+            out[start:end] = [v] * (end - start)
+        return tuple(out[: len(self.output_ids)])
+
     def to_output(self) -> "RequestOutput":
         return RequestOutput(self.request_id, self.prompt, self.text, tuple(self.prompt_ids),
                              tuple(self.output_ids), self.finish_reason, self.error, self.num_preemptions,
                              tuple(self.output_logprobs), tuple(self.output_top_logprobs), self.prompt_logprobs,
-                             self.num_draft_tokens, self.num_accepted_tokens, self.num_cached_tokens)
+                             self.num_draft_tokens, self.num_accepted_tokens, self.num_cached_tokens,
+                             weight_version=self.weight_version, weight_versions=self.weight_versions)
 
 
 class Logprob(NamedTuple):
@@ -182,6 +207,11 @@ class RequestOutput:
     # Prompt tokens found in the prefix cache when it was first admitted (OpenAI's
     # usage.prompt_tokens_details.cached_tokens); 0 without a prefix cache.
     num_cached_tokens: int = 0
+    # The weight version (`LLMEngine.update_weights`: 0 until the first update) its last token was
+    # sampled with (the version when it was added, if it has none); weight_versions: each token's,
+    # when an update happened while it ran (pause_generation(mode="keep")), else None.
+    weight_version: int = 0
+    weight_versions: tuple[int, ...] | None = None
     # n > 1: every sample's RequestOutput (this one is samples[0]), set by `with_samples`.
     samples: tuple = dataclasses.field(default=(), repr=False, compare=False)
 
@@ -229,6 +259,9 @@ class RequestOutput:
                "num_preemptions": self.num_preemptions,
                # each token's log-probability (None where it is not a number)
                "logprobs": [lp if math.isfinite(lp) else None for lp in map(float, self.logprobs)]}
+        out["weight_version"] = self.weight_version
+        if self.weight_versions is not None:
+            out["weight_versions"] = list(self.weight_versions)
         if self.num_draft_tokens:
             out["num_draft_tokens"] = self.num_draft_tokens
             out["num_accepted_tokens"] = self.num_accepted_tokens

@@ -411,6 +411,67 @@ class ModelRunner:
         self.cow_copies += int(res.usage.cow_copies)
         return res.replace(loop=jax.tree_util.tree_map(lambda a: a[:rows], res.loop))
 
+    def set_params(self, params) -> None:
+        """Swaps the served weights (of the target model, with a draft model beside it) for `params`,
+        a pytree of the served one's structure, between calls; the compiled step is unchanged (params
+        are an argument of it, so the next call runs the new weights with no compile).
+
+        Each leaf must have the served leaf's shape; a floating leaf of another floating dtype is
+        cast to the served dtype (a quantized leaf's dtype must match exactly). Every leaf is placed
+        where the served one lives (`device_put` to its sharding: under tensor parallelism, the
+        shards per the model's sharding). A leaf that already has the served dtype and placement is
+        used as it is (no copy: do not delete or donate it afterwards). Everything is checked before
+        anything changes: a ValueError names the first bad leaf and the served weights stay.
+
+        The old weights are freed: the runner drops its references, and deletes the buffers it
+        made itself (casts and copies of an earlier update) at once. Peak memory is the served
+        weights plus the new ones placed (what was passed in, when it is already in place).
+        """
+        pair = isinstance(self.model, DraftPair)
+        served = self.params[0] if pair else self.params
+        old, treedef = jax.tree_util.tree_flatten_with_path(served)
+        new, new_def = jax.tree_util.tree_flatten_with_path(params)
+        if new_def != treedef:
+            want = {jax.tree_util.keystr(p) for p, _ in old}
+            got = {jax.tree_util.keystr(p) for p, _ in new}
+            missing, extra = sorted(want - got), sorted(got - want)
+            raise ValueError(f"params must have the served weights' structure ({len(old)} arrays); "
+                             f"missing {missing[:4]}, unexpected {extra[:4]}" if missing or extra else
+                             f"params must have the served weights' structure; got {new_def} for {treedef}")
+        for (path, cur), (_, x) in zip(old, new):
+            name = jax.tree_util.keystr(path)
+            shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+            if shape is None or dtype is None:
+                raise ValueError(f"params{name} must be an array; got {type(x).__name__}")
+            if tuple(shape) != tuple(cur.shape):
+                raise ValueError(f"params{name} must have shape {list(cur.shape)}; got {list(shape)}")
+            floats = jnp.issubdtype(cur.dtype, jnp.floating) and jnp.issubdtype(dtype, jnp.floating)
+            if np.dtype(dtype) != np.dtype(cur.dtype) and not (floats and cur.dtype.itemsize > 1
+                                                               and np.dtype(dtype).itemsize > 1):
+                raise ValueError(f"params{name} must have dtype {np.dtype(cur.dtype).name} (the served weight's"
+                                 f"{', quantized' if cur.dtype.itemsize == 1 else ''}); got {np.dtype(dtype).name}")
+        owned = getattr(self, "_owned_params", set())
+        leaves = []
+        for (_, cur), (_, x) in zip(old, new):
+            y = x
+            if not (isinstance(x, jax.Array) and x.dtype == cur.dtype and x.sharding == cur.sharding):
+                y = jax.device_put(jnp.asarray(x, dtype=cur.dtype) if not isinstance(x, jax.Array)
+                                   else x.astype(cur.dtype), cur.sharding)
+            leaves.append(y)
+        tree = jax.tree_util.tree_unflatten(treedef, leaves)
+        kept = {id(y) for y in leaves}
+        for _, cur in old:   # buffers an earlier update made: nobody else holds them
+            if id(cur) in owned and id(cur) not in kept:
+                cur.delete()
+        self._owned_params = {id(y) for y, (_, x) in zip(leaves, new) if y is not x} | (
+            {i for i in owned if i in kept})
+        if pair:
+            self.params = (tree, self.params[1])
+            self.model.target.params = tree
+            self.model.params = self.params
+        else:
+            self.params = self.model.params = tree
+
     def retire(self, seq_ids):
         """Releases slots (finished on the host, aborted or preempted) now, as a call of its own.
 

@@ -233,6 +233,7 @@ class Scheduler:
         if req.phase is Phase.WAITING and phase is not Phase.FINISHED:   # admission: a fresh stay in a slot
             assert slot not in self.running, f"slot {slot} is taken"
             req.slot, req.num_computed_tokens, req.cache_refs, req.cow_pending = slot, 0, (), False
+            req.kv_epoch = None   # its KV is computed from the weights served now
             self.running[slot] = req
         elif phase in (Phase.WAITING, Phase.FINISHED) and req.slot >= 0:
             del self.running[req.slot]
@@ -610,7 +611,7 @@ class Scheduler:
                     e.request.cache_refs = self.running[e.fork_of].cache_refs
                 elif e.final:
                     pages = [int(p) for p in row[: e.cache_upto]]
-                    self.prefix.register(self.prefill_tokens(e.request), pages)
+                    self.prefix.register(self.prefill_tokens(e.request), pages, e.request.kv_epoch)
                     e.request.cache_refs = tuple(pages)
         at = 0
         for e in plan.entries:

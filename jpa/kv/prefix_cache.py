@@ -52,16 +52,20 @@ class PrefixCache:
         self.query_tokens = 0                      # prompt tokens of admitted requests
         self.host_query_tokens = 0                 # of them, looked up past the device's hit (host tier)
         self.host_hit_tokens = 0                   # prompt tokens served from the host tier (restored)
+        # The weights the cached KV was computed with (`LLMEngine.update_weights` advances it): the
+        # root of every key chain, so pages of older weights are never found again (LRU evicts them).
+        self.epoch = 0
 
     @property
     def cached(self):
         """The device's cached pages (a view)."""
         return self.lru.keys()
 
-    def _key_ids(self, tokens, num_pages: int, *, create: bool) -> list:
+    def _key_ids(self, tokens, num_pages: int, *, create: bool, epoch: int | None = None) -> list:
         """Ids of the chained keys of tokens' first num_pages pages (up to the first unknown one
-        unless create); returns (key, id) pairs."""
-        ps, parent, out = self.page_size, -1, []
+        unless create), rooted in the weights' `epoch` (default: the current one); returns (key, id)
+        pairs."""
+        ps, parent, out = self.page_size, -1 - (self.epoch if epoch is None else epoch), []
         for j in range(num_pages):
             key = (parent, tuple(tokens[j * ps:(j + 1) * ps]))
             kid = self._ids.get(key)
@@ -122,14 +126,16 @@ class PrefixCache:
         self.host_query_tokens += host_query
         self.host_hit_tokens += host_hit
 
-    def register(self, tokens, pages) -> None:
-        """The device cached `pages`, the first full pages of a sequence holding `tokens`.
+    def register(self, tokens, pages, epoch: int | None = None) -> None:
+        """The device cached `pages`, the first full pages of a sequence holding `tokens` (their KV
+        computed from the weights of `epoch`, default the current one: a request admitted before a
+        weight update registers under the old epoch, where no lookup finds it).
 
         Pages already cached (hits) stay as they are; a page whose key is already held by another
         page (two requests computed the same prefix at once) is kept unkeyed, first in line for
         eviction.
         """
-        keys = self._key_ids(tokens, len(pages), create=True)
+        keys = self._key_ids(tokens, len(pages), create=True, epoch=epoch)
         for (key, kid), page in zip(keys, pages):
             if page in self.lru:
                 continue
