@@ -12,7 +12,13 @@ fills with `loop.call_soon_threadsafe`. The loop:
         publish a Snapshot (running, waiting, pages, rounds, tokens/s) for metrics
 
 So an abort that arrives while a round runs is applied right after that round, before the next
-one: its pages are back within one round. There is one scheduler, the LLMEngine's; the offline
+one: its pages are back within one round.
+
+RL rollouts (vLLM's names): `update_weights(weights)` runs `LLMEngine.update_weights` on the engine
+thread between two rounds and returns the new version. `pause_generation(mode)` stops the rounds:
+"abort" aborts every request in flight, "wait" lets them finish, "keep" stops at once with their
+slots and KV kept (after `resume_generation()` they go on, with whatever weights are served then,
+each token's version reported). Requests submitted while paused are accepted and wait for the resume. There is one scheduler, the LLMEngine's; the offline
 `LLMEngine.generate()` is the same add_request/step loop run inline.
 
 Backpressure: at most `max_waiting` requests wait (accepted, not yet running) at once; a
@@ -21,6 +27,7 @@ submission beyond that raises EngineOverloaded at once, and nothing of it is que
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -33,6 +40,9 @@ from jpa.engine.request import RequestOutput, StepOutput
 from jpa.engine.sampling import SamplingParams
 
 log = logging.getLogger("jpa.engine")
+
+
+PAUSE_MODES = ("abort", "wait", "keep")
 
 
 class EngineOverloaded(Exception):
@@ -68,6 +78,8 @@ class Snapshot:
       alive: the engine thread is running.
       compilations / compile_seconds: programs the engine compiled so far (its one program, the
         unified step: 1 once it ran) and the time it took.
+      paused: generation is paused (`AsyncEngine.pause_generation`): no round runs.
+      weight_version: the weights served (`update_weights`: 0 until the first update).
     """
     num_running: int = 0
     num_waiting: int = 0
@@ -83,6 +95,8 @@ class Snapshot:
     alive: bool = False
     compilations: int = 0
     compile_seconds: float = 0.0
+    paused: bool = False
+    weight_version: int = 0
 
 
 @dataclasses.dataclass
@@ -193,6 +207,9 @@ class AsyncEngine:
         self._generation_tokens = 0
         self._rate = collections.deque()          # (monotonic time, generation_tokens) per round
         self._last_abort_rounds = -1
+        self._pause: str | None = None     # pause_generation's mode while paused or pausing
+        self._paused = False               # the engine thread runs no round (acknowledged)
+        self._held: list[tuple] = []       # submissions while paused: applied at the resume
         self.snapshot = Snapshot(num_pages=engine.num_pages)
 
     # ------------------------------------------------------------------ life cycle
@@ -265,8 +282,9 @@ class AsyncEngine:
             group = RequestGroup(self, ids, loop)
             for i, sid in enumerate(ids):
                 self._streams[sid] = _Stream(group, i)
+            queue = self._held if self._pause is not None else self._commands   # paused: they wait for resume
             for rid, (prompt, params) in zip(rids, requests):
-                self._commands.append(("add", rid, prompt, params))
+                queue.append(("add", rid, prompt, params))
             self._cv.notify()
         return group
 
@@ -277,6 +295,73 @@ class AsyncEngine:
             if request_id in self._streams:
                 self._commands.append(("abort", request_id, self._rounds))
                 self._cv.notify()
+
+    # ------------------------------------------------------------------ RL: weights, pause and resume
+
+    def update_weights(self, weights, timeout: float | None = None) -> int:
+        """`LLMEngine.update_weights(weights)` on the engine thread, between two rounds (thread-safe;
+        blocks until done). Returns the new weight version; raises its ValueError (nothing changed)."""
+        future = concurrent.futures.Future()
+        with self._cv:
+            if not self.alive or self._stopping:
+                raise EngineDead(f"the engine is not running{f': {self._dead}' if self._dead else ''}")
+            self._commands.append(("update", weights, future))
+            self._cv.notify()
+        return future.result(timeout)
+
+    def pause_generation(self, mode: str = "abort", timeout: float | None = None) -> None:
+        """Stops generation (thread-safe; returns once no round runs). Requests submitted meanwhile
+        wait for `resume_generation`.
+
+        Args:
+          mode: "abort": requests in flight end now with finish_reason "abort"; "wait": they run to
+            the end first; "keep": they stop where they are, keeping their slots and KV, and go on
+            after the resume (with the weights served then).
+          timeout: seconds to wait for the pause ("wait" waits for requests to finish); None: no limit.
+
+        Raises:
+          ValueError: an unknown mode. TimeoutError: not paused within `timeout` (it pauses still).
+        """
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause_generation: mode must be one of {', '.join(PAUSE_MODES)}; got {mode!r}")
+        with self._cv:
+            if not self.alive or self._stopping:
+                raise EngineDead(f"the engine is not running{f': {self._dead}' if self._dead else ''}")
+            if not (self._paused and self._pause == mode):
+                self._pause, self._paused = mode, False
+            if mode == "abort":   # everything accepted before the pause (not what waits for the resume)
+                held = {c[1] for c in self._held}
+                self._commands += [("abort", rid, self._rounds) for rid in self._streams
+                                   if (rid[0] if isinstance(rid, tuple) else rid) not in held]
+            self._cv.notify_all()
+            if not self._cv.wait_for(lambda: self._paused or not self.alive, timeout):
+                raise TimeoutError(f"pause_generation(mode={mode!r}): requests still running after {timeout} s")
+
+    def resume_generation(self) -> None:
+        """Ends a pause (thread-safe; a no-op when not paused): rounds run again, requests submitted
+        while paused are queued in the order they came."""
+        with self._cv:
+            self._pause, self._paused = None, False
+            self._commands += self._held
+            self._held = []
+            self._cv.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        """Generation is paused (or pausing)."""
+        return self._pause is not None
+
+    def _may_step(self) -> bool:
+        """Rounds may run: not paused, or pausing with "wait" / "abort" (draining what is in flight)."""
+        return self._pause in (None, "wait", "abort")
+
+    def _settle_pause(self) -> None:
+        """Marks the pause reached when nothing may run any more (engine thread)."""
+        with self._cv:
+            if self._pause is not None and not self._paused and (
+                    self._pause == "keep" or not self.engine.has_unfinished):
+                self._paused = True
+                self._cv.notify_all()
 
     async def generate(self, prompt, params: SamplingParams | None = None) -> RequestOutput:
         """Runs one request to completion (aborted if the caller is cancelled)."""
@@ -293,8 +378,9 @@ class AsyncEngine:
         self._publish()
         while True:
             with self._cv:
-                while not self._commands and not eng.has_unfinished and not self._stopping:
-                    self._cv.wait()  # idle: nothing to do until a command arrives
+                while not self._commands and not (eng.has_unfinished and self._may_step()) \
+                        and not self._stopping and (self._pause is None or self._paused):
+                    self._cv.wait()  # idle (or paused): nothing to do until a command arrives
                 commands, self._commands = self._commands, []
                 stopping = self._stopping
             try:
@@ -303,7 +389,7 @@ class AsyncEngine:
                 if stopping:
                     for rid in list(self._streams):
                         eng.abort(rid)
-                if eng.has_unfinished:
+                if eng.has_unfinished and self._may_step():
                     outputs = eng.step()
                     self._rounds += 1
                     self._count(outputs)
@@ -313,6 +399,7 @@ class AsyncEngine:
                     self._publish()
             except Exception as e:  # a bug in a round: fail what is in flight, keep serving if we can
                 self._recover(e)
+            self._settle_pause()
             if stopping or self._dead is not None:
                 break
         self._fail_all(EngineDead("the engine shut down"))
@@ -320,7 +407,14 @@ class AsyncEngine:
 
     def _apply(self, cmd) -> None:
         eng = self.engine
-        if cmd[0] == "add":
+        if cmd[0] == "update":
+            _, weights, future = cmd
+            try:
+                future.set_result(eng.update_weights(weights))
+            except Exception as e:   # the caller's error (a bad tensor): the engine is unchanged
+                future.set_exception(e)
+            self._publish()
+        elif cmd[0] == "add":
             _, rid, prompt, params = cmd
             req = eng.add_request(prompt, params, request_id=rid)
             self._prompt_tokens += len(req.prompt_ids)
@@ -370,7 +464,8 @@ class AsyncEngine:
             pool_whole=eng.pool_is_whole() if idle else None, last_abort_rounds=self._last_abort_rounds,
             alive=self.alive and not self._stopping,
             compilations=eng.runner.compiles,
-            compile_seconds=eng.runner.compile_seconds)
+            compile_seconds=eng.runner.compile_seconds, paused=self._pause is not None,
+            weight_version=eng.weight_version)
 
     def _recover(self, e: Exception) -> None:
         log.error("engine round failed; failing the requests in flight:\n%s", traceback.format_exc())
@@ -390,6 +485,10 @@ class AsyncEngine:
     def _fail_all(self, error: BaseException) -> None:
         with self._cv:
             streams, self._streams = list(self._streams.values()), {}
-            self._commands = [c for c in self._commands if c[0] != "add"]
+            updates = [c[2] for c in self._commands if c[0] == "update"]
+            self._commands = [c for c in self._commands if c[0] not in ("add", "update")]
+            self._held = []
+        for future in updates:
+            future.set_exception(EngineDead(f"the engine stopped before the weight update: {error}"))
         for group in {id(s.group): s.group for s in streams}.values():
             group._put(error)

@@ -2,7 +2,8 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (over the chat
 pipeline: `jpa.server.responses`), GET /v1/models, POST /tokenize and /detokenize, GET
-/tokenizer_info (vLLM's shapes), GET /version, GET /health, GET /metrics (Prometheus text). Errors are
+/tokenizer_info (vLLM's shapes), GET /version, GET /health, GET /metrics (Prometheus text), and the RL
+rollout endpoints of `jpa.server.admin` (POST /pause, /resume, /update_weights). Errors are
 OpenAI error objects: 400 for bad input (naming the field), 401 for a missing/wrong API key, 404
 for an unknown model or route, 413 for a body over `max_request_bytes` (refused before it is
 read), 503 with Retry-After while the model loads, when the waiting queue is full or the engine is
@@ -54,7 +55,7 @@ from jpa.engine.structured import Grammars, Reasoning, StructuredOutputs
 from jpa.server.limits import CompileGuard, ConstraintLimits, check_constraint, first_mask_allows_something
 from jpa.server.metrics import ServerMetrics, Timing
 from jpa.server.reasoning import END, START, ReasoningParser, ReasoningStream
-from jpa.server import responses as responses_api
+from jpa.server import admin, responses as responses_api
 from jpa.server.toolparsers import MISTRAL
 from jpa.server.tools import (TOOL_CALL_PARSERS, ToolStream, constraint_field, parse_output, parser_format,
                               request_constraint, tool_mode)
@@ -177,6 +178,7 @@ def build_app(engine: AsyncEngine | None, tokenizer, *, model_name: str, api_key
         raw = await request.body()
         return await asyncio.to_thread(api.ready().detokenize, raw)
 
+    admin.register(app, api)   # POST /pause, /resume, /update_weights (RL rollouts)
     app.add_middleware(_Gate, api=api, api_key=api_key, max_request_bytes=max_request_bytes)
     origins = list(allowed_origins)
     if origins:   # outermost: a browser's preflight (OPTIONS) carries no key
