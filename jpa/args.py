@@ -19,6 +19,7 @@
     --kv-offload-memory GIB (--swap-space)   kv_offload_memory (GiB)      EngineConfig.kv_offload_bytes
     --coordinator, --num-processes, --process-id   (several processes: `join_processes`)
     --no-compile-cache                       compile_cache=False          (JAX's persistent compilation cache)
+    --batch-invariant                        batch_invariant              EngineConfig.batch_invariant
 
 `EngineArgs.add_cli_args(parser)` adds the flags, `EngineArgs.from_cli_args(namespace)` reads them
 back, `check()` refuses values no request could run with (`UsageError`, one line, exit code 2 in the
@@ -74,6 +75,7 @@ class EngineArgs:
     peer_timeout: float = 60.0
     compile_cache: bool = True
     kv_offload_memory: float = 0.0
+    batch_invariant: bool = False
 
     @staticmethod
     def add_cli_args(ap: argparse.ArgumentParser, *, steps_per_call: int = 8,
@@ -120,6 +122,9 @@ class EngineArgs:
         ap.add_argument("--kv-offload-memory", "--swap-space", dest="kv_offload_memory", type=float, default=0,
                         metavar="GIB", help="KV offload: GiB of host memory for a tier of KV pages; a preempted "
                         "request's pages are swapped there and back instead of recomputed (default 0: off)")
+        ap.add_argument("--batch-invariant", action="store_true", help="a request's tokens and logprobs bitwise "
+                        "the same whatever else runs, and prompt logprobs equal to the sampler's (RL; costs "
+                        "throughput: one token per request per round)")
         ap.add_argument("--no-compile-cache", action="store_true", help="do not use JAX's persistent "
                         "compilation cache ($JPA_CACHE_DIR/xla, default ~/.cache/jpa/xla)")
 
@@ -193,7 +198,8 @@ class EngineArgs:
                                 max_num_batched_tokens=self.max_num_batched_tokens,
                                 speculative=self.speculative_config, tensor_parallel=self.tp,
                                 peer_timeout=self.peer_timeout,
-                                kv_offload_bytes=int(self.kv_offload_memory * 2 ** 30), **extra)
+                                kv_offload_bytes=int(self.kv_offload_memory * 2 ** 30),
+                                batch_invariant=self.batch_invariant, **extra)
         except ValueError as e:
             raise UsageError(str(e)) from None
 

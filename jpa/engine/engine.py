@@ -137,6 +137,19 @@ class EngineConfig:
         instead of being recomputed, when the cost rule prefers the copy and the tier has room; with
         prefix caching, pages the prefix cache evicts are kept there too and copied back on a
         later hit (see `jpa.kv.offload`). vLLM's --swap-space / --kv-offloading-size.
+      batch_invariant: a request's tokens and logprobs are bitwise the same whatever else runs
+        (batch size, slot, neighbours, prefill chunking, steps_per_call, preemption and recompute,
+        prefix-cache hits), and the prompt logprobs of prompt + completion equal a greedy sampler's
+        logprobs (scoring parity): vLLM's VLLM_BATCH_INVARIANT, SGLang's deterministic mode, for RL.
+        How: every token is a row of the ragged pass (no decode loop: one token per request per
+        round, `steps_per_call` unused), whose model passes always have one shape (`block_tokens`
+        rows; the head [max_seqs, d_model] for sampling and prompt logprobs alike), and attention
+        computes each row as a decode query of its own in plain JAX (`jpa.ops.ragged.rows_independent`).
+        So the step must keep ONE compiled shape in this mode: a ladder of step shapes (batch-size
+        buckets) must use its single full-budget shape when batch_invariant is set. Not with
+        speculative decoding. Proven on CPU (tests/test_batch_invariant.py); on a GPU the GEMMs'
+        algorithm is then fixed per program (one shape), which remains to be checked there
+        (scripts/gpu_validate.py).
     """
     max_seqs: int = 16
     page_size: int = 16
@@ -154,6 +167,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     peer_timeout: float = 60.0
     kv_offload_bytes: int = 0
+    batch_invariant: bool = False
 
     def __post_init__(self):
         if self.speculative is not None:
@@ -180,6 +194,11 @@ class EngineConfig:
                              "is not built yet)")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"EngineConfig.watermark must be in [0, 1); got {self.watermark!r}")
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"EngineConfig.batch_invariant must be a bool; got {self.batch_invariant!r}")
+        if self.batch_invariant and self.speculative is not None:
+            raise ValueError("EngineConfig.batch_invariant does not go with speculative decoding (its verify rows "
+                             "are batched per step); turn one off")
         if not isinstance(self.prefix_caching, bool):
             raise ValueError(f"EngineConfig.prefix_caching must be a bool; got {self.prefix_caching!r}")
         if self.max_num_batched_tokens < self.max_seqs:
@@ -232,6 +251,19 @@ class EngineStats:
     def host_overhead(self) -> float:
         total = self.decode_seconds + self.host_seconds
         return self.host_seconds / total if total else float("nan")
+
+
+class RaggedRowsHook:
+    """Batch-invariant mode (`EngineConfig.batch_invariant`) at the scheduler's request hook points: every
+    decoding request takes a ragged row every round (`schedule` then plans no decode-loop step)."""
+
+    @staticmethod
+    def plan(req) -> bool:
+        return True
+
+    @staticmethod
+    def post(req, device_done: bool):
+        return None
 
 
 def _is_named(weights) -> bool:
@@ -290,7 +322,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.cache_config, shapes=self.shapes, stop_ids=self.stop_ids,
                                   attention_impl=config.attention_impl, mesh=self.mesh,
                                   block_tokens=config.ragged_block_tokens, speculative=config.speculative,
-                                  draft=draft_model, draft_cache_config=self.draft_cache_config)
+                                  draft=draft_model, draft_cache_config=self.draft_cache_config,
+                                  batch_invariant=config.batch_invariant)
         # Several processes: process 0 leads (its device calls are sent to the others), the others follow.
         self.process_index, self.num_processes = jax.process_index(), jax.process_count()
         self._follower = None
@@ -323,7 +356,8 @@ class LLMEngine:
             self.swap_cost = SwapCost.for_model(mc, params, per_page // config.page_size, platform)
         self.scheduler = Scheduler.for_shapes(self.shapes, watermark=config.watermark, stop_ids=self.stop_ids,
                                               prefix_caching=config.prefix_caching, host_tier=self.host_tier,
-                                              swap_cost=self.swap_cost)
+                                              swap_cost=self.swap_cost,
+                                              extra_hooks=(RaggedRowsHook,) if config.batch_invariant else ())
         self.stats = EngineStats()
         # Structured outputs: the tokenizer as llguidance reads it, built with the first constrained request.
         self.grammars = Grammars(tokenizer, model.config.vocab_size, self.stop_ids)
@@ -567,6 +601,8 @@ class LLMEngine:
         if not self.scheduler.release_is_exact():   # the plan counts exactly what the release frees
             self.flush_releases()
         plan = self.scheduler.plan_round(self.config.max_num_batched_tokens)
+        if self.config.batch_invariant and plan.decode_steps:   # every token a row of the ragged pass
+            plan = dataclasses.replace(plan, decode_steps=0)
         if not plan.entries and not self.scheduler.running and self.scheduler.waiting:
             # An idle engine admits any request that passed add_request's checks, so this is a bug;
             # the requests stay queued.

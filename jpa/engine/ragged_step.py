@@ -30,7 +30,7 @@ from jpa.kv import pages
 from jpa.engine.batch import PromptLogprobs, Sampled, StepBatch
 from jpa.engine.device import copy_on_write, finished, select
 from jpa.engine.model import has_hidden
-from jpa.engine.sampling import MAX_TOP_LOGPROBS, sample_slots
+from jpa.engine.sampling import MAX_TOP_LOGPROBS, logsumexp_at, sample_slots
 from jpa.engine.structured import allowed_rows
 
 
@@ -235,7 +235,9 @@ class RaggedStep:
 
             def compute(acc):
                 logits = self.model.head(params, lax.dynamic_slice_in_dim(hidden, r0, c)).astype(jnp.float32)
-                lsm = jax.nn.log_softmax(logits, axis=-1)  # f32[c, vocab]
+                # log_softmax as the sampler takes a greedy token's logprob (`sample_with_logprobs`): the
+                # same operations, so a scoring pass gives the sampler's bits (batch-invariant mode)
+                lsm = logits - logsumexp_at(logits, jnp.max(logits, axis=-1))[:, None]  # f32[c, vocab]
                 lp = jnp.take_along_axis(lsm, jnp.maximum(t, 0)[:, None], axis=1)[:, 0]
                 rank = jnp.sum(lsm >= lp[:, None], axis=-1, dtype=jnp.int32)  # vLLM's rank: 1 = the top
                 top_lps, top_ids = lax.top_k(lsm, tn)

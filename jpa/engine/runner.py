@@ -78,6 +78,7 @@ from jpa.engine.speculative import DraftPair, SpeculativeConfig, make_proposer
 from jpa.engine.structured import hold_constrained, restore_held
 from jpa.engine.verify import VerifyLoop
 from jpa.core.sharding import REPLICATED, STACKED_POOL, named
+from jpa.ops.ragged import rows_independent
 from jpa.core.xla_options import step_compiler_options
 
 
@@ -167,7 +168,8 @@ class ModelRunner:
                  pages_per_seq: int | None = None, steps_per_call: int | None = None, shapes: EngineShapes | None = None,
                  attention_impl: str = "auto", allocate: bool = True, mesh=None, block_tokens: int | None = None,
                  speculative: SpeculativeConfig | None = None, draft=None,
-                 draft_cache_config: CacheConfig | None = None, compiler_options: dict | None = None):
+                 draft_cache_config: CacheConfig | None = None, compiler_options: dict | None = None,
+                 batch_invariant: bool = False):
         check_model(model)
         if shapes is None:
             shapes = EngineShapes(max_seqs=max_seqs, page_size=cache_config.page_size,
@@ -201,6 +203,7 @@ class ModelRunner:
         self._compiler_options = dict(compiler_options or {})
         step_compiler_options(self.platform, self._compiler_options)  # a bad option name fails here
         self.model, self.params = model, model.params
+        self.batch_invariant = batch_invariant   # `EngineConfig.batch_invariant`: rows independent, one head shape
         self.cache_config = cache_config
         self.attention_impl = attention_impl
         self._block_tokens = block_tokens
@@ -275,7 +278,8 @@ class ModelRunner:
         usage0 = tally(Usage.zero(), 0, page_state)  # the entries' pages reserved
         ragged = RaggedStep(self.model, self.shapes, self.stop_ids, self.attention_impl, self.block_tokens,
                             self.prompt_chunk)
-        cache, page_state, slots, first = ragged(params, cache, page_state, slots, batch, lay, work)  # 2.
+        with rows_independent(self.batch_invariant):
+            cache, page_state, slots, first = ragged(params, cache, page_state, slots, batch, lay, work)  # 2.
         decode_steps = jnp.where(work.ok, jnp.minimum(batch.decode_steps, self.steps_per_call), 0)
         loop_slots, held = hold_constrained(slots)                                          # 3.
         cache, page_state, slots, out, steps, usage, counts = self.loop(params, cache, page_state, loop_slots,
@@ -334,6 +338,8 @@ class ModelRunner:
         default = 64 if jax.default_backend() == "cpu" else num_tokens
         self.block_tokens = min(self._block_tokens or default, num_tokens)
         self.prompt_chunk = max(1, min(self.block_tokens, PROMPT_LOGITS_ELEMENTS // self.shapes.vocab_size))
+        if self.batch_invariant:   # the sampler's head shape [max_seqs, d_model]: prompt logprobs are its bits
+            self.prompt_chunk = self.shapes.max_seqs
         return self.block_tokens
 
     def step_inputs(self, num_tokens: int):

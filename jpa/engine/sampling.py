@@ -454,7 +454,7 @@ def sample_rows(logits, params: SlotParams, counters, history_fn=None, num_cache
     return tuple(a[c, row - starts[c]] for a in out)
 
 
-def _logsumexp_at(x, amax):
+def logsumexp_at(x, amax):
     """`jax.nn.logsumexp(x, axis=-1)` given each row's max amax f32[B] (the same operations, one
     pass over x instead of two)."""
     amax = jnp.where(jnp.isfinite(amax), amax, 0.0)
@@ -583,7 +583,7 @@ def sample_with_logprobs(logits, temperature, top_k, top_p, seeds, counters, *, 
     drawn = lax.cond(jnp.any(temperature > 0), draw, lambda x: greedy_tok, scaled)
     tok = jnp.where(sampled, drawn, greedy_tok)  # i32[B]
     dist = scaled  # f32[B, V]; -inf = filtered out (sampled rows only)
-    lse = _logsumexp_at(dist, jnp.take_along_axis(dist, top_tok[:, None], axis=-1)[:, 0])
+    lse = logsumexp_at(dist, jnp.take_along_axis(dist, top_tok[:, None], axis=-1)[:, 0])
     picked = jnp.take_along_axis(dist, tok[:, None], axis=-1)[:, 0]
     if top_n is None:
         return tok, picked - lse
@@ -774,10 +774,10 @@ def _sample_candidates(logits, temperature, top_k, top_p, seeds, counters, *, mi
     def draw(a, k_row):
         keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
         d = filtered_dist(a, k_row)
-        return jax.vmap(lambda k, r: jax.random.categorical(k, r))(keys, d).astype(jnp.int32), _logsumexp_at(d, m)
+        return jax.vmap(lambda k, r: jax.random.categorical(k, r))(keys, d).astype(jnp.int32), logsumexp_at(d, m)
 
     drawn, lse = lax.cond(jnp.any(sampled), draw,
-                          lambda a, k_row: (greedy_tok, _logsumexp_at(filtered_dist(a, k_row), m)), logits, k_row)
+                          lambda a, k_row: (greedy_tok, logsumexp_at(filtered_dist(a, k_row), m)), logits, k_row)
     tok = jnp.where(sampled, drawn, greedy_tok)
     picked = scaled(jnp.take_along_axis(logits, tok[:, None], axis=-1))[:, 0]
     if top_n is None:

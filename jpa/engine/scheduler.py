@@ -215,12 +215,14 @@ class Scheduler:
 
     @classmethod
     def for_shapes(cls, shapes, *, watermark: float, stop_ids=(), prefix_caching: bool = False,
-                   host_tier: HostTier | None = None, swap_cost: SwapCost | None = None) -> "Scheduler":
-        """The scheduler of an engine whose sizes are `shapes` (`jpa.engine.shapes.EngineShapes`)."""
+                   host_tier: HostTier | None = None, swap_cost: SwapCost | None = None,
+                   extra_hooks=()) -> "Scheduler":
+        """The scheduler of an engine whose sizes are `shapes` (`jpa.engine.shapes.EngineShapes`);
+        extra_hooks: request hooks after the default ones."""
         return cls(max_seqs=shapes.max_seqs, page_size=shapes.page_size, num_pages=shapes.num_pages,
                    max_model_len=shapes.max_model_len, steps_per_call=shapes.steps_per_call, watermark=watermark,
                    stop_ids=stop_ids, prefix_caching=prefix_caching, host_tier=host_tier,
-                   swap_cost=swap_cost)
+                   swap_cost=swap_cost, hooks=(STRUCTURED, *extra_hooks))
 
     # ------------------------------------------------------------------ the one place phases change
 

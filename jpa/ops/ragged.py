@@ -56,13 +56,14 @@ SHORT_QUERY_ROWS = 17
 KERNEL_MODULES = {"triton": "jpa.pallas.triton.ragged", "mosaic": "jpa.pallas.mosaic.ragged"}
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "tile_tokens"))
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "tile_tokens", "per_row"))
 def ragged_paged_attention_xla(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, num_seqs,
                                *, scale, soft_cap=None, alibi_slopes=None, sliding_window=None,
                                k_scales=None, v_scales=None, tile_tokens=None, layer=None,
-                               sinks=None):
+                               sinks=None, per_row=False):
     """Ragged paged attention in plain JAX. Arguments as `ragged_paged_attention` (validated;
-    `layer` an i32[] with stacked pools; `sinks` f32[num_q_heads] or None).
+    `layer` an i32[] with stacked pools; `sinks` f32[num_q_heads] or None). per_row: every row a
+    decode query of its own whatever the query lengths (`rows_independent`).
 
     Returns:
       [num_tokens, num_q_heads, head_dim] in q's dtype; zero rows for padding.
@@ -93,6 +94,8 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, block_tables, seq_lens, cu_q
     def tiles(_):
         return _ragged_tiles_xla(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, num_seqs, tile, opts)
 
+    if per_row:   # each row's result independent of the others (`rows_independent`)
+        return per_row(None)
     if tile_tokens is not None:   # tiles asked for by size: always tiles
         return tiles(None)
     return lax.cond(max_q <= SHORT_QUERY_ROWS, per_row, tiles, None)
@@ -194,6 +197,21 @@ def check_ragged_args(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, nu
 
 # The `max_q_len` that `ragged_paged_attention` calls traced under `query_rows_at_most` get.
 _MAX_Q_LEN = contextvars.ContextVar("jpa_max_q_len", default=None)
+_ROWS_INDEPENDENT = contextvars.ContextVar("jpa_rows_independent", default=False)
+
+
+@contextlib.contextmanager
+def rows_independent(on: bool = True):
+    """Within this context (while a program is traced), `ragged_paged_attention` computes every query
+    row as a decode query of its own, in plain JAX: its key chunks aligned to absolute positions, the
+    same operations in the same order whatever the other rows, the chunking of its prompt or the
+    batch (chunks past a row's length are exact no-ops of the online softmax). The engine's
+    batch-invariant mode (`EngineConfig.batch_invariant`) traces its ragged pass in it."""
+    token = _ROWS_INDEPENDENT.set(bool(on))
+    try:
+        yield
+    finally:
+        _ROWS_INDEPENDENT.reset(token)
 
 
 @contextlib.contextmanager
@@ -281,6 +299,8 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_len
     if sinks is not None:
         opts["sinks"] = sinks
     args = (q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, num_seqs)
+    if _ROWS_INDEPENDENT.get():
+        return ragged_paged_attention_xla(*args, **opts, per_row=True)
     chosen = choose_impl(impl, ragged_spec(q, k_pages, block_tables, soft_cap=soft_cap,
                                            alibi_slopes=alibi_slopes,
                                            sliding_window=sliding_window, sinks=sinks))
