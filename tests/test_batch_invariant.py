@@ -53,6 +53,7 @@ def bits(outs):
     return [(o.token_ids, np.asarray(o.logprobs, np.float32).tobytes()) for o in outs]
 
 
+@pytest.mark.bench   # two compiles (a second engine for preemption and steps_per_call): about 20 s
 def test_tokens_and_logprobs_do_not_depend_on_the_batch(model):
     gpt, tok = model
     rng = np.random.default_rng()
@@ -94,3 +95,14 @@ def test_scoring_parity(model):
 def test_config_errors(kw, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(**kw)
+
+
+def test_batch_invariant_flag():
+    import argparse
+
+    from jpa.args import EngineArgs
+
+    ap = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(ap)
+    assert EngineArgs.from_cli_args(ap.parse_args(["--batch-invariant"])).engine_config().batch_invariant
+    assert not EngineArgs.from_cli_args(ap.parse_args([])).engine_config().batch_invariant

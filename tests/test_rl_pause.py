@@ -26,8 +26,9 @@ def aengine():
     from jpa import models
 
     gpt, tok = models.load(DATA)
+    # test_update_weights' engine (the same compiled step, when one process runs both)
     eng = build_engine(gpt, tok, EngineConfig(max_seqs=4, page_size=8, num_pages=64, max_num_batched_tokens=32,
-                                              steps_per_call=2, watermark=0.0))
+                                              steps_per_call=4, watermark=0.0))
     with AsyncEngine(eng) as a:
         yield a
 
