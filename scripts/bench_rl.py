@@ -3,6 +3,9 @@
   update   `LLM.update_weights` on SmolLM2-135M (float32, dense): ms and peak RSS over the served weights, for
            the model's own pytree (NumPy leaves) and for Hugging Face names (transposed, cast, stacked).
   invariant  the throughput of `batch_invariant=True` against the default on one workload (tokens/s).
+  model    bytes an update moves for Llama-3-8B's shapes (bfloat16 served) on an H100, by where the new
+           weights come from: arithmetic over the parameter shapes (`models.gpt.expected_shapes`), with the
+           H100's HBM bandwidth (3.35 TB/s) and a PCIe Gen5 x16 host link taken as 50 GB/s. Modelled, not measured.
 
     python scripts/bench_rl.py [--skip-update] [--model tiny-llama]
 """
@@ -96,6 +99,27 @@ def bench_invariant(model: str, requests: int = 32, max_tokens: int = 32) -> Non
                           "device_calls": llm.engine.stats.decode_calls}), flush=True)
 
 
+LLAMA3_8B = dict(family="llama", vocab_size=128256, d_model=4096, num_layers=32, num_q_heads=32, num_kv_heads=8,
+                 head_dim=128, ffn_dim=14336, max_seq_len=8192, rope_base=500000.0, tie_embeddings=False)
+
+
+def model_llama8b() -> None:
+    from jpa.models import ModelConfig
+    from jpa.models.gpt import expected_shapes
+
+    shapes = expected_shapes(ModelConfig(**LLAMA3_8B))
+    layers = shapes.pop("layers")
+    n = sum(int(np.prod(s)) for s in shapes.values()) + LLAMA3_8B["num_layers"] * sum(
+        int(np.prod(s)) for s in layers.values())
+    hbm, pcie = 3.35e12, 50e9
+    for source, moved, bw in (("trainer's bf16 arrays, same device and sharding (used in place)", 0, hbm),
+                              ("trainer's f32 arrays on the device (one cast: read 4 B, write 2 B)", 6 * n, hbm),
+                              ("host arrays or a safetensors file (bf16 over PCIe)", 2 * n, pcie)):
+        print(json.dumps({"bench": "update_model", "model": "llama-3-8b shapes", "params": n, "served_bytes": 2 * n,
+                          "source": source, "bytes_moved": moved, "ms_at_bandwidth": round(moved / bw * 1e3, 1)}),
+              flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--update-model", default="smollm2-135m")
@@ -103,6 +127,7 @@ def main():
     ap.add_argument("--skip-update", action="store_true")
     ap.add_argument("--skip-invariant", action="store_true")
     args = ap.parse_args()
+    model_llama8b()
     if not args.skip_invariant:
         bench_invariant(args.model)
     if not args.skip_update:

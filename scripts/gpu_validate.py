@@ -23,6 +23,9 @@ as each section finishes):
 5. engine     the engine (public API) with SmolLM2-shaped and 8B-shaped random models, 64
               sequences x 2k context: tokens/s (bf16 and f32), and greedy float32 token ids
               with impl="auto" equal to the plain-JAX path's.
+6. invariant  `batch_invariant=True` on the GPU (issue 53): a request's tokens and logprobs bitwise the
+              same alone and among random neighbours (slots, chunking, prefix hits), scoring parity
+              (prompt logprobs = the greedy sampler's), and `update_weights` with no compile.
 
 On a machine without an NVIDIA GPU it refuses (exit 2). Exit 1 if any section failed.
 """
@@ -57,6 +60,8 @@ SECTIONS = {
     "engine": "GPU, ~20 GiB free; flax. jpa.engine.LLMEngine with random SmolLM2-shaped and 4-layer "
               "Llama-3-8B-shaped models, 64 seqs x 2k context (--quick: 8 x 512): tokens/s, greedy "
               "f32 equality auto vs impl='xla'. ~5-10 min.",
+    "invariant": "GPU; flax. batch_invariant=True with a random SmolLM2-shaped bf16 model: one request's "
+                 "bits alone vs among neighbours, scoring parity, update_weights without a compile. ~1-2 min.",
 }
 
 
@@ -514,8 +519,54 @@ def section_engine(ctx) -> dict:
     return dict(ok=ok, greedy_f32_auto_vs_xla=equal, runs=runs)
 
 
+def section_invariant(ctx) -> dict:
+    """batch_invariant=True on this GPU: what the CPU tests prove (tests/test_batch_invariant.py), checked
+    where XLA's GPU GEMMs and reductions run: one request's tokens and logprobs alone vs among random
+    neighbours in random order (other slots, chunking, prefix-cache hits), scoring parity, and an
+    update_weights round trip with the step compiled once."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from jpa import models
+    from jpa.engine import LLMEngine, SamplingParams
+    config = models.PRESETS["smollm2-135m"]
+    gpt = models.GPT(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    tok = IdTokenizer(config.vocab_size, config.eos_token_id, config.bos_token_id)
+    cfg, _ = _engine_config(max_seqs=8, page_size=16, num_pages=512, max_num_batched_tokens=256, batch_invariant=True)
+    eng = LLMEngine(models.GPTForEngine(gpt), tok, cfg)
+    rng = np.random.default_rng(0)
+    target = [int(t) for t in rng.integers(2, config.vocab_size, 200)]
+    sp = SamplingParams(max_tokens=32, temperature=0.0, logprobs=1, ignore_eos=True)
+    bits = lambda o: (list(o.token_ids), np.asarray(o.logprobs, np.float32).tobytes())  # noqa: E731
+    alone = eng.generate([target], sp)[0]
+    eng.flush_prefix_cache()
+    mixed_ok = []
+    for trial in range(3):   # the 2nd and 3rd see prefix-cache hits
+        others = [[int(t) for t in rng.integers(2, config.vocab_size, int(rng.integers(10, 400)))] for _ in range(10)]
+        reqs = others[:4] + [target] + others[4:]
+        order = rng.permutation(len(reqs))
+        outs = eng.generate([reqs[k] for k in order], [sp] * len(reqs))
+        got = outs[int(np.flatnonzero(order == 4)[0])]
+        mixed_ok.append(bits(got) == bits(alone))
+    eng.flush_prefix_cache()
+    scored = eng.generate([target + list(alone.token_ids)], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
+    parity = [scored.prompt_logprobs[len(target) + i].logprob for i in range(len(alone.token_ids))]
+    parity_ok = np.asarray(parity, np.float32).tobytes() == np.asarray(alone.logprobs, np.float32).tobytes()
+    params = eng.model.params
+    eng.update_weights(jax.tree.map(lambda a: a * 2, params))
+    eng.update_weights(params)
+    back = eng.generate([target], sp)[0]
+    compiles = eng.summary()["step_compiles"]
+    ok = all(mixed_ok) and parity_ok and bits(back) == bits(alone) and compiles == 1
+    return dict(ok=ok, mixed_bitwise_equal=mixed_ok, scoring_parity=parity_ok,
+                update_back_equal=bits(back) == bits(alone), step_compiles=compiles,
+                attention=eng.summary().get("attention"))
+
+
 SECTION_FNS = dict(kernels=section_kernels, auto=section_auto, bandwidth=section_bandwidth,
-                   peers=section_peers, engine=section_engine)
+                   peers=section_peers, engine=section_engine, invariant=section_invariant)
 
 
 # ---------------------------------------------------------------- profile (Nsight Compute)

@@ -13,7 +13,7 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_validate.py"
-SECTIONS = ("kernels", "auto", "bandwidth", "peers", "engine")
+SECTIONS = ("kernels", "auto", "bandwidth", "peers", "engine", "invariant")
 
 
 def run(*args, timeout=900):

@@ -562,6 +562,9 @@ class LLMEngine:
         """
         self._leader_only("update_weights")
         self._usable()
+        if self.num_processes > 1:
+            raise RuntimeError("update_weights needs a single-process engine (the other processes' copies of the "
+                               "weights are not updated yet)")
         if isinstance(weights, (str, bytes)) or hasattr(weights, "__fspath__") or _is_named(weights):
             if self.weight_converter is None:
                 raise ValueError("update_weights: named weights (checkpoint tensor names or a safetensors path) "

@@ -460,7 +460,8 @@ class ModelRunner:
         leaves = []
         for (_, cur), (_, x) in zip(old, new):
             y = x
-            if not (isinstance(x, jax.Array) and x.dtype == cur.dtype and x.sharding == cur.sharding):
+            if not (isinstance(x, jax.Array) and x.dtype == cur.dtype and x.sharding == cur.sharding
+                    and not x.weak_type):
                 y = jax.device_put(jnp.asarray(x, dtype=cur.dtype) if not isinstance(x, jax.Array)
                                    else x.astype(cur.dtype), cur.sharding)
             leaves.append(y)
