@@ -356,9 +356,11 @@ class AsyncEngine:
         return self._pause in (None, "wait", "abort")
 
     def _settle_pause(self) -> None:
-        """Marks the pause reached when nothing may run any more (engine thread)."""
+        """Marks the pause reached when nothing may run any more (engine thread): every command that came
+        before the pause applied (a request accepted then is in flight), and with "wait" / "abort" every
+        request finished."""
         with self._cv:
-            if self._pause is not None and not self._paused and (
+            if self._pause is not None and not self._paused and not self._commands and (
                     self._pause == "keep" or not self.engine.has_unfinished):
                 self._paused = True
                 self._cv.notify_all()
