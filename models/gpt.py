@@ -53,6 +53,7 @@ import numpy as np
 from flax import nnx
 
 from jpa.kv.cache import CacheConfig, KVCache, write_kv
+from jpa.kv.spec import CacheSpec
 from jpa.ops.decode import paged_decode
 from jpa.ops.dispatch import current_target
 from jpa.ops.prefill import paged_prefill
@@ -504,6 +505,13 @@ class Block(nnx.Module):
         return x + (self._norm(h, self.post_ffn_norm) if c.post_norms else h)
 
 
+def cache_spec(config: ModelConfig) -> CacheSpec:
+    """The cache a model of `config` keeps (jpa.kv.spec): full attention in every layer, except the layers of
+    `sliding_window_layers`, a sliding-window group of `sliding_window` (Gemma-2, gpt-oss, Mistral)."""
+    return CacheSpec.attention(config.num_layers, config.num_kv_heads, config.head_dim,
+                               window=config.sliding_window, window_layers=config.sliding_window_layers)
+
+
 def layer_period(config: ModelConfig) -> int:
     """The smallest p dividing num_layers such that layer i has layer i % p's attention options
     (sliding window): the layers one scan step runs (1 unless layers alternate, e.g. Gemma-2's 2)."""
@@ -714,6 +722,10 @@ class GPT(nnx.Module):
         sliding_window (None where the config does not set them)."""
         c = self.config
         return dict(scale=c.attn_scale, soft_cap=c.attn_soft_cap, sliding_window=c.layer_window(layer))
+
+    def cache_spec(self) -> CacheSpec:
+        """The cache this model's layers keep, per group (`cache_spec(config)`)."""
+        return cache_spec(self.config)
 
     def cache_config(self, num_pages: int, page_size: int = 16, dtype=None) -> CacheConfig:
         """The CacheConfig of a paged cache for this model (dtype defaults to the model's)."""

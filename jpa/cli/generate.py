@@ -161,6 +161,7 @@ def run(args):
     if leader:
         print(f"[jpa] model ready in {engine.load_seconds:.1f} s; KV cache: {engine.cache_config.describe()}",
               file=sys.stderr)
+        print(f"[jpa] {engine.cache_report()}", file=sys.stderr)
         if ea.tp > 1:
             print(f"[jpa] tensor parallel: {engine.summary()['head_plan']}; the pool is split on its kv heads, "
                   f"{engine.cache_config.nbytes / ea.tp / 2**20:.1f} MiB per device", file=sys.stderr)

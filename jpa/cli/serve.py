@@ -244,6 +244,7 @@ class _Loader:
                        "process": " (an earlier engine's of this process)"}.get(engine.runner.step_source, ""))
         print(f"[jpa] model ready in {time.perf_counter() - t0:.1f} s{compiled}; KV cache: "
               f"{engine.cache_config.describe()}; max_model_len {engine.max_model_len}", file=sys.stderr, flush=True)
+        print(f"[jpa] {engine.cache_report()}", file=sys.stderr, flush=True)
 
     def stop(self):
         with self._lock:

@@ -78,7 +78,7 @@ from jpa.kv.offload import HostTier, SwapCost
 from jpa.engine.batch import StepResult, make_step_batch
 from jpa.engine import multihost
 from jpa.engine.detokenizer import IncrementalDetokenizer
-from jpa.engine.model import EngineModel, check_model, has_hidden
+from jpa.engine.model import EngineModel, cache_spec_of, check_model, has_hidden
 from jpa.engine.request import Phase, Request, RequestOutput, StepOutput
 from jpa.engine.runner import ModelRunner
 from jpa.engine.sampling import SamplingParams
@@ -267,7 +267,10 @@ class LLMEngine:
         mc = model.config  # under tensor parallelism: the head counts the shards hold
         self.max_model_len = min(config.max_model_len or mc.max_seq_len, mc.max_seq_len)
         self.pages_per_seq = -(-self.max_model_len // config.page_size)
-        self.cache_config, self.draft_cache_config = self._cache_configs(model, draft_model, config)
+        # The cache the model declares, per group of layers (jpa.kv.spec): what the pool is sized from and what
+        # the start-up summary reports.
+        self.cache_spec = cache_spec_of(model)
+        self.cache_config, self.draft_cache_config = self._cache_configs(model, draft_model, config, self.cache_spec)
         self.num_pages = self.cache_config.num_pages
         # A sequence must be able to reach its length limit alone in the pool, or preemption
         # could never make room for it.
@@ -328,21 +331,21 @@ class LLMEngine:
         self._ids = itertools.count()
 
     @staticmethod
-    def _cache_configs(model, draft_model, config: EngineConfig):
-        """(the pool's CacheConfig, the draft model's or None): num_pages as configured, else as
-        many as kv_memory_bytes holds (with a draft model, a page costs the target's bytes plus
-        the draft's: `jpa.engine.speculative.draft_cache_config`)."""
-        mc = model.config
+    def _cache_configs(model, draft_model, config: EngineConfig, spec):
+        """(the pool's CacheConfig, the draft model's or None) for the model's cache spec (`spec.check_served`:
+        its paged attention groups share one stacked pool of one head shape): num_pages as configured, else as
+        many as kv_memory_bytes holds (with a draft model, a page costs the target's bytes plus the draft's:
+        `jpa.engine.speculative.draft_cache_config`)."""
+        num_kv_heads, head_dim = spec.check_served()
         dtype = config.cache_dtype or np.dtype(model.dtype).name
         draft_cfg = draft_cache_config(draft_model, config.page_size, dtype)
-        target = CacheConfig(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.num_pages or 1, config.page_size,
-                             dtype)
+        target = CacheConfig(spec.num_layers, num_kv_heads, head_dim, config.num_pages or 1, config.page_size, dtype)
         if config.num_pages is None:
             budget = config.kv_memory_bytes * config.tensor_parallel
             if draft_cfg is not None:
                 budget = budget * target.bytes_per_page // (target.bytes_per_page + draft_cfg.bytes_per_page)
-            target = CacheConfig.from_memory(budget, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
-                                             head_dim=mc.head_dim, page_size=config.page_size, dtype=dtype)
+            target = CacheConfig.from_memory(budget, num_layers=spec.num_layers, num_kv_heads=num_kv_heads,
+                                             head_dim=head_dim, page_size=config.page_size, dtype=dtype)
         if draft_cfg is not None:
             draft_cfg = dataclasses.replace(draft_cfg, num_pages=target.num_pages)
         return target, draft_cfg
@@ -907,6 +910,14 @@ class LLMEngine:
             self.scheduler.set_pages(*self.runner.uncache(evicted))
         return len(evicted)
 
+    def cache_report(self) -> str:
+        """The start-up line on the cache: the model's groups (`jpa.kv.spec.CacheSpec.describe`), bytes per token
+        and per sequence at max_model_len as the pool holds them."""
+        cc, spec = self.cache_config, self.cache_spec
+        per_seq = spec.bytes_per_sequence(self.max_model_len, cc.dtype, cc.page_size)
+        return (f"cache groups: {spec.describe(cc.dtype, cc.page_size)}; {spec.bytes_per_token(cc.dtype):,.0f} B/token, "
+                f"{per_seq / 2**20:,.1f} MiB per sequence at max_model_len {self.max_model_len}")
+
     def summary(self) -> dict:
         """The run's figures, for the script's summary line and --json consumers."""
         s = self.stats
@@ -946,6 +957,7 @@ class LLMEngine:
             "preemptions": s.preemptions,
             "kv_cache": self.cache_config.describe() + (
                 f"; draft model: {self.draft_cache_config.describe()}" if self.draft_cache_config else ""),
+            "cache_spec": self.cache_spec.describe(self.cache_config.dtype, self.cache_config.page_size),
             "attention": self.runner.attention,  # what the compiled decode loop runs (None before)
             "prefix_caching": self.scheduler.prefix is not None,
             "prefix_hit_tokens": self.scheduler.prefix.hit_tokens if self.scheduler.prefix else 0,
