@@ -1,4 +1,4 @@
-"""The layering of design.md, checked on the source: every `import` in the package (at module level
+"""The layering of docs/architecture.md, checked on the source: every `import` in the package (at module level
 or inside a function) goes from a layer to itself or to a layer it may use. A wrong arrow (the
 engine importing the models layer, a kernel importing an op, the library importing a script) fails
 here with the file and line."""

@@ -10,7 +10,7 @@ own record instead of fields threaded through every layer:
     StepResult  first (Sampled [B])  loop (Sampled [steps * width, B])  ok, steps
                 state (DeviceCounts)  usage (PageUsage)  spec (SpecCounts)  prompt (PromptLogprobs | None)
 
-Shapes use design.md's legend: B = max_seqs (entries of the ragged step, live entries first,
+Shapes use docs/architecture.md's legend: B = max_seqs (entries of the ragged step, live entries first,
 then padding), T = the token budget (max_num_batched_tokens), P = num_pages,
 steps = steps_per_call, top_n = min(20, vocab).
 """

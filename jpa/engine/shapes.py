@@ -3,7 +3,7 @@
 `EngineShapes` is built once (`EngineShapes.build`, by `LLMEngine` from its config, the model and
 the pool it sized) and handed to the scheduler's batch builder (`jpa.engine.batch.make_step_batch`)
 and to the runner, instead of `page_size`, `max_seqs`, `pages_per_seq`, ... re-passed as keywords
-to each. Names follow design.md's legend.
+to each. Names follow docs/architecture.md's legend.
 """
 
 import dataclasses
