@@ -16,7 +16,11 @@ cache groups and the bytes one sequence holds at 8k and 32k tokens, bfloat16 cac
 import argparse
 import json
 
-from jpa.kv.spec import CacheSpec
+from jpa.core.platform import cpu_without_gpu
+
+cpu_without_gpu()   # no NVIDIA driver, JAX_PLATFORMS unset: JAX on the CPU (as ./run does)
+
+from jpa.kv.spec import CacheSpec  # noqa: E402
 
 # (name, layers, kv heads, head_dim, window, sliding layers) from each model's config.json.
 SHAPES = (
