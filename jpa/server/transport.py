@@ -7,8 +7,12 @@ protocol here adds one: a connection must deliver a complete request head within
 `timeout_header` seconds of opening (or of its previous response), else it is closed; and a
 request's body must arrive within `timeout_body` seconds of its head, else the client gets 408
 (an OpenAI error object) and the connection is closed, so a client that sends a head and then
-trickles its body, or stops, never holds a connection slot for long. With `limit_concurrency`,
-uvicorn answers 503 once that many connections or requests are open.
+trickles its body, or stops, never holds a connection slot for long.
+
+With `limit_concurrency`, a request that arrives while that many connections or requests are open
+is answered 503 with an OpenAI error object (uvicorn's own answer is plain text) and Retry-After,
+except GET /health: it is always served (a reserved slot: it costs nothing and reads no body), so
+an orchestrator probing a busy server sees it up, not dead.
 """
 
 import asyncio
@@ -22,6 +26,9 @@ DEFAULT_TIMEOUT_KEEP_ALIVE = 5      # seconds (uvicorn's and vLLM's default)
 DEFAULT_TIMEOUT_HEADER = 20         # seconds to deliver a request head (nginx 60, Apache 20-40)
 DEFAULT_TIMEOUT_BODY = 30           # seconds to deliver a request body once its head arrived
 DEFAULT_LIMIT_CONCURRENCY = 1024    # open connections + requests in flight, then 503
+_OVERLOADED = json.dumps({"error": {"message": "too many open connections or requests; try again shortly",
+                                     "type": "server_error", "param": None, "code": "overloaded"}}).encode()
+_ALWAYS_SERVED = frozenset({"/health"})   # served past limit_concurrency
 _BODY_TIMEOUT = json.dumps({"error": {"message": "the request body did not arrive in time", "type":
                                       "invalid_request_error", "param": None, "code": "request_timeout"}}).encode()
 
@@ -32,6 +39,25 @@ class HeaderTimeoutProtocol(H11Protocol):
 
     timeout_header: float = DEFAULT_TIMEOUT_HEADER
     timeout_body: float = DEFAULT_TIMEOUT_BODY
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # The limit is checked by _limited (JSON answer, /health exempt), not by uvicorn (plain text).
+        self._limit, self.limit_concurrency = self.limit_concurrency, None
+        if self._limit is not None:
+            self._app, self.app = self.app, self._limited
+
+    async def _limited(self, scope, receive, send) -> None:
+        # This request's own task is in self.tasks already (uvicorn counted before adding it).
+        if scope["type"] == "http" and scope["path"] not in _ALWAYS_SERVED and (
+                len(self.connections) >= self._limit or len(self.tasks) > self._limit):
+            self.logger.warning("Exceeded concurrency limit.")
+            await send({"type": "http.response.start", "status": 503, "headers": [
+                (b"content-type", b"application/json"), (b"content-length", str(len(_OVERLOADED)).encode()),
+                (b"retry-after", b"1"), (b"connection", b"close")]})
+            await send({"type": "http.response.body", "body": _OVERLOADED, "more_body": False})
+            return
+        await self._app(scope, receive, send)
 
     def connection_made(self, transport) -> None:
         self._header_timer: asyncio.TimerHandle | None = None
@@ -124,8 +150,8 @@ def server_config(app, *, timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE
       timeout_header: seconds a connection has to deliver a complete request head.
       timeout_body: seconds a request has to deliver its body once its head arrived (then 408 and
         the connection is closed).
-      limit_concurrency: open connections or requests in flight beyond which uvicorn answers 503
-        (None: no limit).
+      limit_concurrency: open connections or requests in flight beyond which a request is answered
+        503 (an OpenAI error object; GET /health is always served; None: no limit).
     """
     for name, v in (("timeout_keep_alive", timeout_keep_alive), ("timeout_header", timeout_header),
                     ("timeout_body", timeout_body)):
