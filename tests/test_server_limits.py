@@ -82,7 +82,7 @@ def test_json_pieces_are_json_dumps():
         r = rng.random()
         if depth > 3 or r < 0.3:
             return rng.choice([1, -2.5, "é\"\n", None, True, 1e-9, "a" * rng.randrange(6), -9999.0])
-        k = rng.choice([0, 1, 3, 300, 700]) if depth < 2 else rng.choice([0, 1, 3, 30])
+        k = rng.choice([(0, 1, 3, 300), (0, 1, 3, 30), (0, 1, 3)][min(depth, 2)])
         return [value(depth + 1) for _ in range(k)] if r < 0.65 else {f"k{i}é": value(depth + 1) for i in range(k)}
 
     for _ in range(60):
@@ -408,3 +408,20 @@ def test_connection_limit_answers_json_and_health_stays_reachable(live):
         time.sleep(0.3)
         r = httpx.post(f"{url}/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 1}, timeout=30)
         assert r.status_code == 200, r.text
+
+
+def test_bad_bounds_are_refused_naming_them():
+    """The bounds' own values: build_app and ResponseStore raise ValueError naming the argument;
+    `jpa serve` exits with a usage error naming the flag."""
+    from jpa.args import UsageError
+    from jpa.cli.serve import parse_args
+    from jpa.server import build_app
+
+    for kw in ({"max_response_logprobs": 0}, {"response_store_bytes": 0}):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            build_app(None, None, model_name=NAME, **kw)
+    with pytest.raises(ValueError, match="max_bytes"):
+        ResponseStore(max_bytes=0)
+    for flag in ("--max-response-logprobs", "--response-store-bytes"):
+        with pytest.raises(UsageError, match=flag):
+            parse_args(["--model", "tiny-llama", flag, "0"])

@@ -105,6 +105,8 @@ def build_app(engine: AsyncEngine | None, tokenizer, *, model_name: str, api_key
         raise ValueError(f"max_request_bytes must be >= 1; got {max_request_bytes!r}")
     if max_response_logprobs < 1:
         raise ValueError(f"max_response_logprobs must be >= 1; got {max_response_logprobs!r}")
+    if response_store_bytes < 1:
+        raise ValueError(f"response_store_bytes must be >= 1; got {response_store_bytes!r}")
     if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"tool_call_parser must be None or one of {', '.join(TOOL_CALL_PARSERS)}; "
                          f"got {tool_call_parser!r}")

@@ -6,8 +6,12 @@ with text parts, `function_call`, `function_call_output`; `reasoning` items are 
 `max_output_tokens`, `temperature`, `top_p`, `seed` (extension), function `tools`, `tool_choice`,
 `parallel_tool_calls`, `text.format` (text, json_object, json_schema). The chat answer (tool calls,
 reasoning with a reasoning parser, constraints) becomes output items (`output_items`), streamed as
-the Responses event sequence (`EventStream`). Stored responses (`store`, default true) live in a
-bounded in-memory LRU (`ResponseStore`): a restart forgets them.
+the Responses event sequence (`EventStream`). Stored responses (`store`, default true) live in an
+in-memory LRU bounded by count and by bytes (`ResponseStore`): a restart forgets them. A response
+continuing another is stored as its own input and answer and a reference to the one it continued,
+so a chain is never copied, re-encoded or re-parsed; an answer with no text and no call is stored as
+empty text, so every stored answer can be continued. Ids and names in `input` items are at most
+256 characters (`jpa.server.protocol.MAX_ID_CHARS`): stored, rendered by the template or not.
 
 Not supported (400 naming the field): built-in tools (web search, file search, ...), `background`,
 `conversation`, `prompt`, `include`, `truncation: "auto"`, `top_logprobs`, non-text input parts.
