@@ -173,6 +173,50 @@ def test_a_big_answer_does_not_stall_health(live):
     assert peak[0] - base < 400 * 2 ** 20, (peak[0] - base) / 2 ** 20
 
 
+@pytest.mark.bench
+def test_a_client_that_never_reads_is_disconnected(live):
+    """Before: a client that sent a request for a big answer and never read it kept the answer in
+    the server's memory for as long as it kept the connection. Now: once the send buffer has stayed
+    full for timeout_write seconds the connection is dropped (the answer's encoder stops, its memory
+    is freed), and the server serves others meanwhile."""
+    from server_util import serving
+
+    p = RNG.randrange(500, 700)
+    body = {"model": NAME, "prompt": [RNG.randrange(3, 200) for _ in range(p)], "echo": True, "logprobs": 20,
+            "prompt_logprobs": 20, "max_tokens": 1, "n": 8}
+    raw = json.dumps(body).encode()
+    live.api.max_response_logprobs = 10 ** 6
+    try:
+        with serving(live.app, timeout_write=1) as url:
+            # Warm (compiled, the prompt's pages cached): the 8 choices below are made within seconds.
+            assert httpx.post(f"{url}/v1/completions", json={**body, "n": 1}, timeout=300).status_code == 200
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: " + str(len(raw)).encode() + b"\r\n\r\n" + raw)
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 8:   # the answer (~9 MB) is made, then waits on the full buffer
+                assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+                time.sleep(0.5)
+            got, closed = 0, False
+            s.settimeout(10)
+            try:
+                while True:
+                    chunk = s.recv(1 << 20)
+                    if not chunk:
+                        closed = True
+                        break
+                    got += len(chunk)
+            except ConnectionResetError:
+                closed = True
+            s.close()
+    finally:
+        live.api.max_response_logprobs = LIMIT
+    assert closed and got < 8 * (2 * p + 1) * 21 * 30, got    # cut before the whole answer (~38 B an entry)
+    assert live.post("/v1/completions", {"prompt": "x", "max_tokens": 1}).status_code == 200
+
+
 # ---------------------------------------------------------------------- probes 2 and 3: the store
 
 def _msg(rng, size):
@@ -257,6 +301,17 @@ def test_stored_chains_are_references_and_bounded(live):
     # Each entry holds only its own turn: the messages of the parent are the same objects.
     assert entry.parent.conversation() == conv[:-2] and all(a is b for a, b in zip(entry.parent.conversation(), conv))
     assert store.nbytes <= STORE
+    # A conversation with more text than the context could hold is refused before it is rendered.
+    api, chars = live.api, sum(len(m.content) for m in conv) + len("more")
+    renders, render, limit = [], api._render, api.max_prompt_chars
+    api._render = lambda *a, **k: renders.append(1) or render(*a, **k)
+    api.max_prompt_chars = chars - 1
+    try:
+        r = live.post("/v1/responses", {"input": "more", "previous_response_id": prev, "max_output_tokens": 2})
+    finally:
+        api._render, api.max_prompt_chars = render, limit
+    assert r.status_code == 400 and f"messages has {chars} characters" in r.json()["error"]["message"], r.text
+    assert not renders
 
 
 # ---------------------------------------------------------------------- probe 4: unknown names

@@ -58,6 +58,9 @@ def parse_args(argv=None):
                     "slower ones are closed")
     ap.add_argument("--timeout-body", type=float, default=30, help="seconds a request has to send its body once "
                     "its head arrived (default 30); slower ones get 408 and are closed")
+    ap.add_argument("--timeout-write", type=float, default=60, help="seconds a client may leave its answer "
+                    "unread while the server waits to send more (default 60); then it is disconnected and its "
+                    "request aborted, freeing what the answer held")
     ap.add_argument("--shutdown-timeout", type=float, default=30, help="seconds requests in flight may finish in "
                     "after SIGTERM (new ones get 503) before they are ended with an error (default 30)")
     ap.add_argument("--grammar-compile-timeout", type=float, default=10, help="seconds a structured-output "
@@ -85,7 +88,7 @@ def check_args(args):
     args.engine.check({name: getattr(args, name) for name in ("max_waiting", "max_n", "max_request_bytes",
                                                                "limit_concurrency", "max_response_logprobs",
                                                                "response_store_bytes")})
-    for name in ("timeout_keep_alive", "timeout_header", "timeout_body", "grammar_compile_timeout"):
+    for name in ("timeout_keep_alive", "timeout_header", "timeout_body", "timeout_write", "grammar_compile_timeout"):
         v = getattr(args, name)
         if not v > 0 or v == float("inf"):
             raise UsageError(f"--{name.replace('_', '-')} must be a positive number of seconds; got {v}")
@@ -166,6 +169,7 @@ def run(args, sock):
                     max_response_logprobs=args.max_response_logprobs, response_store_bytes=args.response_store_bytes)
     server = build_server(app, log_level=args.log_level, timeout_keep_alive=args.timeout_keep_alive,
                           timeout_header=args.timeout_header, timeout_body=args.timeout_body,
+                          timeout_write=args.timeout_write,
                           limit_concurrency=args.limit_concurrency, shutdown_timeout=args.shutdown_timeout)
     loader = _Loader(args, app, server)
     host, port = sock.getsockname()[:2]

@@ -378,9 +378,12 @@ class _API:
     def _check_length(self, text: str, param: str) -> None:
         # A text far longer than any prompt that fits is refused before it is tokenized: tokenizing
         # megabytes takes seconds (and tokenizers' encode holds the GIL, stalling every other request).
-        if len(text) > self.max_prompt_chars:
+        self._check_chars(len(text), param)
+
+    def _check_chars(self, chars: int, param: str) -> None:
+        if chars > self.max_prompt_chars:
             raise APIError(400, f"this model's maximum context length is {self.engine.max_model_len} tokens; the "
-                                f"{param} has {len(text)} characters, more than that many tokens can hold",
+                                f"{param} has {chars} characters, more than that many tokens can hold",
                            param="prompt")
 
     def _encode(self, text: str, param: str) -> list[int]:
@@ -606,6 +609,10 @@ class _API:
             # text the parser reads (vLLM's mistral parser does the same).
             body = body.model_copy(update={"skip_special_tokens": False})
         tools = body.tools if body.tool_choice != "none" else None
+        # The template renders every message's text: more of it than the context holds is refused before
+        # rendering (a long stored conversation is not rendered only to be refused).
+        self._check_chars(sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text) for p in m.content)
+                              for m in body.messages if m.content), "messages")
         prompts = [self._encode(self._render(body.messages, tools=tools, template_kwargs=body.chat_template_kwargs),
                                 "messages")]
         return body, self._params(body, prompts, body.max_completion_tokens or body.max_tokens, None,

@@ -9,6 +9,10 @@ request's body must arrive within `timeout_body` seconds of its head, else the c
 (an OpenAI error object) and the connection is closed, so a client that sends a head and then
 trickles its body, or stops, never holds a connection slot for long.
 
+A client that stops reading its answer (the socket's send buffer stays full) for `timeout_write`
+seconds is disconnected: the request is aborted and the answer it held is freed, so a client that
+never reads cannot keep a big answer in memory.
+
 With `limit_concurrency`, a request that arrives while that many connections or requests are open
 is answered 503 with an OpenAI error object (uvicorn's own answer is plain text) and Retry-After,
 except GET /health: it is always served (a reserved slot: it costs nothing and reads no body), so
@@ -25,6 +29,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 DEFAULT_TIMEOUT_KEEP_ALIVE = 5      # seconds (uvicorn's and vLLM's default)
 DEFAULT_TIMEOUT_HEADER = 20         # seconds to deliver a request head (nginx 60, Apache 20-40)
 DEFAULT_TIMEOUT_BODY = 30           # seconds to deliver a request body once its head arrived
+DEFAULT_TIMEOUT_WRITE = 60          # seconds a client may leave the send buffer full (not reading)
 DEFAULT_LIMIT_CONCURRENCY = 1024    # open connections + requests in flight, then 503
 _OVERLOADED = json.dumps({"error": {"message": "too many open connections or requests; try again shortly",
                                      "type": "server_error", "param": None, "code": "overloaded"}}).encode()
@@ -39,6 +44,7 @@ class HeaderTimeoutProtocol(H11Protocol):
 
     timeout_header: float = DEFAULT_TIMEOUT_HEADER
     timeout_body: float = DEFAULT_TIMEOUT_BODY
+    timeout_write: float = DEFAULT_TIMEOUT_WRITE
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -59,7 +65,29 @@ class HeaderTimeoutProtocol(H11Protocol):
             return
         await self._app(scope, receive, send)
 
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_timer is None:
+            self._write_timer = self.loop.call_later(self.timeout_write, self._on_write_timeout)
+
+    def resume_writing(self) -> None:
+        self._disarm_write()
+        super().resume_writing()
+
+    def _disarm_write(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def _on_write_timeout(self) -> None:
+        # The buffer never drained: the client is not reading. abort(), not close(): close() would wait
+        # for the buffer to drain. connection_lost then tells the app the client is gone.
+        self._write_timer = None
+        self.logger.info("closing a connection whose client did not read its answer for %g s", self.timeout_write)
+        self.transport.abort()
+
     def connection_made(self, transport) -> None:
+        self._write_timer: asyncio.TimerHandle | None = None
         self._header_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
         self._body_cycle = None
@@ -134,6 +162,7 @@ class HeaderTimeoutProtocol(H11Protocol):
         self._check_head()
 
     def connection_lost(self, exc) -> None:
+        self._disarm_write()
         self._disarm()
         self._disarm_body()
         super().connection_lost(exc)
@@ -141,7 +170,7 @@ class HeaderTimeoutProtocol(H11Protocol):
 
 def server_config(app, *, timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE,
                   timeout_header: float = DEFAULT_TIMEOUT_HEADER, timeout_body: float = DEFAULT_TIMEOUT_BODY,
-                  limit_concurrency: int | None = DEFAULT_LIMIT_CONCURRENCY, log_level: str = "warning",
+                  timeout_write: float = DEFAULT_TIMEOUT_WRITE, limit_concurrency: int | None = DEFAULT_LIMIT_CONCURRENCY, log_level: str = "warning",
                   timeout_graceful_shutdown: int | None = 5) -> Config:
     """A uvicorn Config serving `app` with the limits above (run it with `uvicorn.Server(config)`).
 
@@ -150,16 +179,19 @@ def server_config(app, *, timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE
       timeout_header: seconds a connection has to deliver a complete request head.
       timeout_body: seconds a request has to deliver its body once its head arrived (then 408 and
         the connection is closed).
+      timeout_write: seconds a client may not read while its answer waits to be sent (then it is
+        disconnected and its request aborted).
       limit_concurrency: open connections or requests in flight beyond which a request is answered
         503 (an OpenAI error object; GET /health is always served; None: no limit).
     """
     for name, v in (("timeout_keep_alive", timeout_keep_alive), ("timeout_header", timeout_header),
-                    ("timeout_body", timeout_body)):
+                    ("timeout_body", timeout_body), ("timeout_write", timeout_write)):
         if not v > 0:
             raise ValueError(f"{name} must be > 0 seconds; got {v!r}")
     if limit_concurrency is not None and limit_concurrency < 1:
         raise ValueError(f"limit_concurrency must be >= 1 or None; got {limit_concurrency!r}")
     protocol = type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,), {"timeout_header": float(timeout_header),
-                                                                         "timeout_body": float(timeout_body)})
+                                                                         "timeout_body": float(timeout_body),
+                                                                         "timeout_write": float(timeout_write)})
     return Config(app, http=protocol, timeout_keep_alive=timeout_keep_alive, limit_concurrency=limit_concurrency,
                   log_level=log_level, timeout_graceful_shutdown=timeout_graceful_shutdown)
