@@ -135,6 +135,32 @@ def test_response_size_is_bounded_up_front(live):
         assert c["text"].startswith(choices[0]["text"][:10])
 
 
+def test_the_bound_counts_what_a_completion_answer_holds(live):
+    """logprob_entries (the bound's count) equals the entries the answers hold: per choice its
+    logprobs tokens (echoed prompt and completion) x (1 + logprobs) and its prompt_logprobs field
+    (asked for, or returned by echo with logprobs) x (1 + prompt_logprobs), for random options."""
+    from jpa.server.payload import logprob_entries
+    from jpa.server.protocol import CompletionRequest
+
+    rng = random.Random()
+    for _ in range(4):
+        p, want = rng.randrange(5, 30), rng.randrange(1, 6)
+        body = {"model": NAME, "prompt": [rng.randrange(3, 200) for _ in range(p)], "n": rng.randrange(1, 4),
+                "max_tokens": want, "ignore_eos": True, "logprobs": rng.choice([None, 0, 3, 20]),
+                "echo": rng.random() < 0.5, "prompt_logprobs": rng.choice([None, 0, 5])}
+        body = {k: v for k, v in body.items() if v is not None}
+        r = live.post("/v1/completions", body)
+        assert r.status_code == 200, r.text[:300]
+        held = 0
+        for c in r.json()["choices"]:
+            if c["logprobs"] is not None:
+                held += len(c["logprobs"]["tokens"]) * (1 + body["logprobs"])
+            if "prompt_logprobs" in c:
+                k = body.get("prompt_logprobs", body.get("logprobs"))
+                held += len(c["prompt_logprobs"]) * (1 + k)
+        assert logprob_entries(CompletionRequest.model_validate(body), [p], [want], chat=False)[0] == held, body
+
+
 @pytest.mark.bench
 def test_a_big_answer_does_not_stall_health(live):
     """Before: a 100 MB completions answer was built and encoded on the event loop (/health frozen

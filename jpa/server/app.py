@@ -13,7 +13,10 @@ request) with 503 until `attach(app, engine, tokenizer)`, so a server can listen
 the model and routers see it come up.
 
 Request bodies are parsed, validated, tokenized and rendered (chat template) on a worker thread,
-not on the event loop, so a huge prompt does not stall /health or other clients' streams.
+not on the event loop, so a huge prompt does not stall /health or other clients' streams. So are
+answers built and JSON-encoded, in pieces (`jpa.server.payload`); how many logprob entries one
+answer may hold is bounded up front (`max_response_logprobs`), and a prompt's echoed logprobs and
+prompt_logprobs are built once for its n choices.
 
 `n` choices of a prompt are one engine request with n samples: the prompt is prefilled once and
 its pages are shared (parallel sampling); sample j draws with seed + j (a random base seed when

@@ -6,8 +6,9 @@ logprob entries, 100 MB of JSON built and encoded while every other client waits
 
 1. `logprob_entries` counts, before anything runs, the logprob entries (a token and each of its
    alternatives) a response would hold: per choice `max_tokens x (1 + logprobs)`, with `echo` the
-   prompt's tokens too, and `prompt_logprobs` `prompt x (1 + prompt_logprobs)` (per choice in a
-   completion, as vLLM reports them; once in a chat response), summed over prompts and n. Past
+   prompt's tokens too, and the `prompt_logprobs` field `prompt x (1 + prompt_logprobs)` (per choice
+   in a completion, as vLLM reports them; once in a chat response; `echo` with `logprobs` k returns
+   it with k too), summed over prompts and n. Past
    `max_response_logprobs` the request is a 400 naming the fields (vLLM bounds logprobs per token,
    `--max-logprobs`; this bounds their product). A stream holds one chunk at a time: only its
    echoed prompt (one chunk per choice) counts.
@@ -50,9 +51,10 @@ def logprob_entries(body, prompt_lens: list[int], wants: list[int], chat: bool) 
             gen += n * want * (1 + top)
         if top is not None and echo:
             prompt += n * length * (1 + top)          # the echoed prompt's tokens in each choice's logprobs
-        if plp is not None and body.prompt_logprobs is not None and not body.stream:
-            prompt += (1 if chat else n) * length * (1 + plp)   # the prompt_logprobs field
+        if plp is not None and not body.stream:   # the prompt_logprobs field (echo + logprobs returns it too)
+            prompt += (1 if chat else n) * length * (1 + plp)
     field = "prompt_logprobs" if prompt > gen and body.prompt_logprobs is not None else "logprobs"
+    # (echo with logprobs: "logprobs" asks for the prompt's entries too)
     return gen + prompt, (field if gen + prompt else None)
 
 
