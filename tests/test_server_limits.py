@@ -301,6 +301,11 @@ def test_ids_and_names_the_template_does_not_render_are_bounded(live):
             {"id": "x" * size, "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "x", "content": "1"}]})
     assert r.status_code == 400 and "tool_calls" in r.json()["error"]["message"], r.text[:300]
+    # A model's own "auto" call may name anything: stored cut to the bound, never a failure.
+    from jpa.server.responses import stored_answer
+    answer = stored_answer({"content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "n" * size, "arguments": "{}"}}]})
+    assert len(ChatMessage.model_validate(answer, strict=False).tool_calls[0].function.name) == 256
 
 
 def test_stored_chains_are_references_and_bounded(live):

@@ -114,7 +114,7 @@ class ResponseStore:
                 self._release(old)
 
     def describe(self) -> str:
-        return f"the latest {self.capacity} and {self.max_bytes} bytes"
+        return f"at most {self.capacity} responses and {self.max_bytes} bytes, the least recently used dropped first"
 
 
 def _bad(param: str, message: str) -> APIError:
@@ -201,7 +201,7 @@ def to_chat(obj, store: ResponseStore) -> tuple[dict, "_Entry | None", int]:
         parent = store.get(prev) if isinstance(prev, str) else None
         if parent is None:
             raise APIError(404, f"previous response {str(prev)[:100]!r} not found (stored responses are kept in "
-                                f"memory, {store.describe()})", param="previous_response_id",
+                                f"memory: {store.describe()})", param="previous_response_id",
                            type="not_found_error")
     conversation = input_messages(obj["input"])
     instructions = obj.get("instructions")
@@ -296,8 +296,10 @@ def stored_answer(message: dict) -> dict:
     required call cut before its name) is stored as empty text, so that it can always be continued."""
     answer = {"role": "assistant", "content": message.get("content")}
     if message.get("tool_calls"):
-        answer["tool_calls"] = [{"id": c["id"], "type": "function", "function": dict(c["function"])}
-                                for c in message["tool_calls"]]
+        # A name is the model's text (an "auto" call may name anything): cut to what a message may hold.
+        answer["tool_calls"] = [{"id": c["id"][:MAX_ID_CHARS], "type": "function", "function": {
+            "name": c["function"]["name"][:MAX_NAME_CHARS], "arguments": c["function"]["arguments"]}}
+            for c in message["tool_calls"]]
     elif not answer["content"]:
         answer["content"] = ""
     return answer
