@@ -429,13 +429,15 @@ def test_bf16_matmul_weight_is_the_dense_bf16_weight(tmp_path):
     """In bf16 the matmul's weight (dequantized in f32, rounded once) is bit for bit the weight of the
     checkpoint loaded dense-dequantized in bf16: AWQ's q * s + (-z * s) cancels, so rounding s and -z * s
     to bf16 first would not be."""
-    from jpa.models.gpt import _packed
+    from jpa.models.linear import format_of
 
     qdir, _ = write_quantized(tmp_path, "awq")
     qm, _ = models.load(qdir, dtype=jnp.bfloat16)
     dense, _ = models.load(qdir, dtype=jnp.bfloat16, quantization="none")
     for name in ("wq", "wo", "w_down"):
-        got = np.asarray(_packed(qm.layers, name, jnp.bfloat16)).astype(np.float32)
+        w, scale = format_of(qm.layers, name).weight(qm.layers, name, jnp.bfloat16)  # what the dot reads
+        assert scale is None
+        got = np.asarray(w).astype(np.float32)
         np.testing.assert_array_equal(got, np.asarray(getattr(dense.layers, name)[...]).astype(np.float32))
 
 
