@@ -210,9 +210,7 @@ def set_weight(owner, name, w, dtype, quantization=None):
     cast to `dtype`, or, when `quantization` is set and `name` is in QUANT_AXIS, quantized on the
     host (so no float copy of it reaches the device) with `<name>_scale` set beside it."""
     if quantization is not None and name in QUANT_AXIS:
-        q, scale = quantize_weight(np.asarray(w, np.float32), quantization, QUANT_AXIS[name])
-        getattr(owner, name).set_value(jnp.asarray(q))
-        getattr(owner, name + "_scale").set_value(jnp.asarray(scale))
+        set_scaled(owner, name, *quantize_weight(np.asarray(w, np.float32), quantization, QUANT_AXIS[name]))
     elif np.asarray(w).dtype == np.uint8:  # MXFP4 expert codes and scales (models.moe) stay as they are
         getattr(owner, name).set_value(jnp.asarray(w))
     else:
@@ -592,9 +590,7 @@ class GPT(nnx.Module):
                 if isinstance(x, jax.ShapeDtypeStruct):  # abstract: the new model's shapes already hold
                     continue
                 if name in QUANT_AXIS:
-                    q, scale = quantize_weight(x, quantization, QUANT_AXIS[name])
-                    getattr(new, name).set_value(q)
-                    getattr(new, name + "_scale").set_value(scale)
+                    set_scaled(new, name, *quantize_weight(x, quantization, QUANT_AXIS[name]))
                 else:
                     getattr(new, name).set_value(x)
         return model
