@@ -61,7 +61,7 @@ from jpa.ops.ragged import ragged_paged_attention
 from jpa.core.quant import check_weight_quantization, dequantize_blocks, quantize_weight, super_scaled
 from jpa.core.sharding import HEADS, HEADS_T, REPLICATED, STACKED_POOL, TP, head_parallel
 from jpa.models.config import ModelConfig
-from jpa.models.linear import (DENSE, QUANT_AXIS, SCALED, Packed, _v, format_of, formats, set_format,
+from jpa.models.linear import (DENSE, MXFP4, QUANT_AXIS, SCALED, Packed, _v, format_of, formats, set_format,
                                unpermute_rows)
 from jpa.models.moe import moe_ffn
 
@@ -94,7 +94,7 @@ def _record_dense(module):
 def _quantize_params(module, quantization):
     """Replaces each float weight of `module` (its recorded formats) by its quantized values and adds
     `<name>_scale` (jpa.core.quant.quantize_weight): Scaled."""
-    for name in formats(module):
+    for name in [n for n in formats(module) if n in QUANT_AXIS]:
         q, scale = quantize_weight(getattr(module, name)[...], quantization, QUANT_AXIS[name])
         set_scaled(module, name, q, scale)
 
@@ -370,6 +370,8 @@ class Block(nnx.Module):
         if c.post_norms:
             self.post_attn_norm, self.post_ffn_norm = ones(d), ones(d)
         _record_dense(self)
+        for name in ("experts_gate", "experts_up", "experts_down") if c.num_experts else ():
+            set_format(self, name, MXFP4 if c.expert_format == "mxfp4" else DENSE)
         if quantization is not None:
             _quantize_params(self, quantization)
 
@@ -428,8 +430,7 @@ class Block(nnx.Module):
             flat = h.reshape(batch * num_tokens, c.d_model)
             biases = (tuple(getattr(self, f"experts_{n}_bias")[...] for n in ("gate", "up", "down"))
                       if c.expert_bias else None)
-            w = lambda n: ((getattr(self, n)[...], getattr(self, n + "_scales")[...]) if c.expert_format == "mxfp4"
-                           else getattr(self, n)[...])
+            w = lambda n: format_of(self, n).operand(self, n)  # MXFP4: (codes, scales)
             h = moe_ffn(flat, self.router[...], w("experts_gate"), w("experts_up"), w("experts_down"), c, self.dtype,
                         router_bias=self.router_bias[...] if c.router_bias else None,
                         biases=biases, parallel=experts).reshape(batch, num_tokens, c.d_model)
@@ -608,7 +609,7 @@ class GPT(nnx.Module):
                 if owner is self and name == "tok_embeddings" and self.embeddings_columns:
                     var.set_value(_embedding_rows(self).astype(self.dtype))
                     continue
-                fmt = formats(owner).get(name)
+                fmt = formats(owner).get(name) if name in QUANT_AXIS else None
                 x = getattr(owner, name)[...] if fmt is None else fmt.dequantize(owner, name)
                 var.set_value(x.astype(self.dtype))
         return model

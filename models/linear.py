@@ -13,12 +13,14 @@ the kernel does not serve them (`unsupported_reason`, None where it does).
   compressed-tensors int4, block FP8): `name` the codes, `name_bscale` the block scales, and where the format
   has them `name_bmin` (minimums), `name_bscale2` / `name_bmin2` (K-quants' super-blocks) and `name_perm`
   (act-order GPTQ: the stored rows are W[perm], so x[..., perm] is what multiplies them).
+- `Mxfp4`: a mixture of experts' weight in MXFP4 (gpt-oss): `name` u8[E, out, in / 2] e2m1 codes and
+  `name_scales` u8[E, out, in / 32] e8m0 exponents; models.moe routes x to the experts, reading `operand`.
 
 The module records each weight's format once, where the weight is set (`set_format`: models.gpt's
 constructors, `set_packed`, `set_scaled`): its attribute `weight_formats`, a tuple of (name, format) pairs.
 It is no nnx.Variable, so it lives in the module's graphdef: it survives nnx.split / merge, stacking,
 nnx.eval_shape and models.sharding.shard, and a jitted function sees it as static. The compute paths ask
-`format_of(owner, name)`, never the parameters' names. MXFP4 experts (models.moe) are not formats here yet.
+`format_of(owner, name)`, never the parameters' names.
 
 Parameter names and layouts are models.sharding's RULES and the loaders' (models.hf, models.smollm2).
 """
@@ -33,6 +35,7 @@ from flax import nnx
 
 from jpa.core.quant import dequantize_blocks, dequantize_weight
 from jpa.core.sharding import TP
+from jpa.models.moe import dequantize_mxfp4
 from jpa.ops.qmatmul import packed_matmul, scaled_matmul, scaled_unsupported_reason, unsupported_reason
 
 # The weights a model may store quantized, each with the axis its scales are shared along (-2: one scale per
@@ -102,6 +105,10 @@ class Format:
     def dequantize(self, owner, name, axis=None):
         """The float32 weight `name` as stored (axis: that of its scales, default QUANT_AXIS[name]); a dense
         weight as it is."""
+        return getattr(owner, name)[...]
+
+    def operand(self, owner, name):
+        """What models.moe's expert matmuls take for the experts' weight `name`: the array as stored."""
         return getattr(owner, name)[...]
 
     def embed(self, owner, name, tokens, columns=False):
@@ -246,7 +253,24 @@ class Packed(Format):
         return matmul
 
 
-DENSE, SCALED = Dense(), Scaled()
+@dataclasses.dataclass(frozen=True)
+class Mxfp4(Format):
+    """MXFP4 experts (models.moe): codes `name` u8[E, out, in / 2] and block exponents `name_scales`."""
+    key: ClassVar[str] = "mxfp4"
+    parts: tuple = ("", "_scales")
+
+    def apply(self, owner, name, x, bias=None, **options):
+        raise ValueError(f"weight {name} holds MXFP4 experts: models.moe.moe_ffn routes x to them (`operand`), "
+                         f"there is no one x @ W")
+
+    def dequantize(self, owner, name, axis=None):  # f32[E, in, out]
+        return dequantize_mxfp4(*self.operand(owner, name), jnp.float32)
+
+    def operand(self, owner, name):  # (codes, scales), models.moe's MXFP4 form
+        return tuple(self.arrays(owner, name).values())
+
+
+DENSE, SCALED, MXFP4 = Dense(), Scaled(), Mxfp4()
 
 
 def unpermute_rows(w, perm):

@@ -15,7 +15,8 @@ from jpa.core.quant import quantize_weight
 from jpa.core.sharding import tp_mesh
 from jpa.models import GPT, ModelConfig, sharding
 from jpa.models.gpt import PackedWeight, set_packed, set_scaled
-from jpa.models.linear import DENSE, SCALED, Dense, Packed, Scaled, format_of, formats, set_format
+from jpa.models.linear import DENSE, MXFP4, SCALED, Dense, Packed, Scaled, format_of, formats, set_format
+from jpa.models.moe import FP4_E2M1, dequantize_mxfp4
 
 CONFIG = ModelConfig(family="llama", vocab_size=128, d_model=64, num_layers=2, num_q_heads=2, num_kv_heads=1,
                      head_dim=32, ffn_dim=128, max_seq_len=64, tie_embeddings=False)
@@ -142,6 +143,32 @@ def test_record_survives_split_eval_shape_stacking_and_sharding():
     assert formats(nnx.eval_shape(lambda: GPT(CONFIG, rngs=nnx.Rngs(0))).layers) == {n: DENSE for n in want}
     sharded, _ = sharding.shard(model, tp_mesh(1))
     assert formats(sharded.layers) == want and formats(sharded) == formats(model)
+
+
+def test_mxfp4_experts_are_a_recorded_format():
+    """A gpt-oss-style model records its experts as MXFP4 (models.moe takes their (codes, scales) `operand`), a
+    float mixture of experts as Dense; the dequantized weight is e2m1 value times 2^(scale - 127), [E, in, out]."""
+    config = dataclasses.replace(CONFIG, num_experts=4, experts_per_token=2, ffn_dim=64)
+    dense = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: GPT(dataclasses.replace(config, expert_format="mxfp4"), rngs=nnx.Rngs(0)))
+    names = ("experts_gate", "experts_up", "experts_down")
+    assert {n: formats(dense.layers)[n] for n in names} == {n: DENSE for n in names}
+    assert {n: formats(model.layers)[n] for n in names} == {n: MXFP4 for n in names}
+    assert "w_up" not in formats(model.layers)  # no dense MLP in a mixture of experts
+    rng = np.random.default_rng()
+    codes = rng.integers(0, 256, (4, 64, 32)).astype(np.uint8)  # [E, out, in / 2]
+    scales = rng.integers(120, 134, (4, 64, 2)).astype(np.uint8)  # [E, out, in / 32]
+    model.layers.experts_up = nnx.Param(jnp.asarray(codes))
+    model.layers.experts_up_scales = nnx.Param(jnp.asarray(scales))
+    c, s = MXFP4.operand(model.layers, "experts_up")
+    np.testing.assert_array_equal(np.asarray(c), codes)
+    np.testing.assert_array_equal(np.asarray(s), scales)
+    values = np.stack([FP4_E2M1[codes & 15], FP4_E2M1[codes >> 4]], -1).reshape(4, 64, 2, 32)  # [E, out, blocks, 32]
+    want = np.swapaxes((values * 2.0 ** (scales.astype(np.int64) - 127)[..., None]).reshape(4, 64, 64), -1, -2)
+    np.testing.assert_array_equal(np.asarray(MXFP4.dequantize(model.layers, "experts_up")), want)
+    np.testing.assert_array_equal(np.asarray(dequantize_mxfp4(c, s, jnp.float32)), want)
+    with pytest.raises(ValueError, match=r"weight experts_up holds MXFP4 experts: models.moe.moe_ffn routes x"):
+        MXFP4.apply(model.layers, "experts_up", jnp.ones((1, 64)), dtype=jnp.float32)
 
 
 def test_errors_name_the_weight_and_the_rule():

@@ -681,7 +681,7 @@ def abstract_model(config, quantization: str, embeddings_columns: bool | None = 
     from flax import nnx
 
     from jpa.models import GPT
-    from jpa.models.linear import Packed, format_of, formats, set_format
+    from jpa.models.linear import QUANT_AXIS, Packed, format_of, formats, set_format
 
     quantization, _, head_form = quantization.partition(":")
     if quantization not in ABSTRACT_FORMATS or head_form and (head_form not in PACKED_FORMS
@@ -701,7 +701,7 @@ def abstract_model(config, quantization: str, embeddings_columns: bool | None = 
     model = nnx.eval_shape(lambda: GPT(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
     form = PACKED_FORMS[quantization]
     suffix = {"codes": "", "d": "_bscale", "m": "_bmin", "d2": "_bscale2", "m2": "_bmin2"}
-    for name in formats(model.layers):  # the layers' linears, [layers, in, out]
+    for name in [n for n in formats(model.layers) if n in QUANT_AXIS]:  # the layers' linears, [layers, in, out]
         L, k, n = getattr(model.layers, name).get_value().shape  # [layers, in, out]
         for part, (dtype, div) in form.items():
             setattr(model.layers, name + suffix[part], nnx.Param(jax.ShapeDtypeStruct((L, k // div, n), dtype)))
