@@ -312,6 +312,7 @@ def _stacked(path) -> bool:
 def with_heads(model, plan: HeadPlan):
     """The model rebuilt with the plan's head counts and ffn size (itself when nothing changes)."""
     from jpa.models.gpt import GPT  # models.gpt imports jpa.core.sharding only; no cycle at import time
+    from jpa.models.linear import SCALED, format_of, formats
 
     c = model.config
     if (plan.num_q_heads, plan.num_kv_heads, plan.ffn_dim) == (c.num_q_heads, c.num_kv_heads, c.ffn_dim):
@@ -321,14 +322,14 @@ def with_heads(model, plan: HeadPlan):
     # GGUF blocks, or a checkpoint stored quantized (models.hf: some weights quantized, the embeddings not):
     # attributes GPT(quantization=...) would not rebuild.
     packed = model.quantization is not None and not (model.quantization in ("int8", "fp8")
-                                                     and hasattr(model, "tok_embeddings_scale"))
+                                                     and format_of(model, "tok_embeddings") == SCALED)
     if packed:  # the same attributes as the model's (GGUF blocks), at the planned sizes
         new = _abstract_like(model, new_c)
     else:
         new = nnx.eval_shape(lambda: GPT(new_c, dtype=model.dtype, rngs=nnx.Rngs(0),
                                          quantization=model.quantization))
     for name, changes in (("wo", plan.num_q_heads != c.num_q_heads), ("w_down", plan.ffn_dim != c.ffn_dim)):
-        if changes and hasattr(model.layers, name + "_perm"):  # its `in` axis holds what the plan resizes
+        if changes and "_perm" in getattr(formats(model.layers).get(name), "parts", ()):  # `in` is resized
             raise ValueError(f"{plan.describe()}: {name} is an act-order GPTQ weight (its inputs permuted), which "
                              f"jpa does not re-plan; load it with quantization 'none' or at a tensor-parallel size "
                              f"that divides the heads")
@@ -370,6 +371,7 @@ def _abstract_like(model, new_c):
         for name, var in vars(owner).items():
             if isinstance(var, nnx.Param):
                 setattr(dst, name, nnx.Param(jax.ShapeDtypeStruct(var.shape, var.dtype)))
+        dst.weight_formats = owner.weight_formats  # models.linear: the same formats
     new.quantization = model.quantization
     return new
 

@@ -681,7 +681,7 @@ def abstract_model(config, quantization: str, embeddings_columns: bool | None = 
     from flax import nnx
 
     from jpa.models import GPT
-    from jpa.models.gpt import QUANT_AXIS
+    from jpa.models.linear import QUANT_AXIS, Packed, format_of, formats, set_format
 
     quantization, _, head_form = quantization.partition(":")
     if quantization not in ABSTRACT_FORMATS or head_form and (head_form not in PACKED_FORMS
@@ -692,8 +692,7 @@ def abstract_model(config, quantization: str, embeddings_columns: bool | None = 
     from jpa.models.gpt import set_embeddings_layout
 
     def layout(model):
-        tied = config.tie_embeddings and (hasattr(model, "tok_embeddings_scale")
-                                          or hasattr(model, "tok_embeddings_bscale"))
+        tied = config.tie_embeddings and bool(format_of(model, "tok_embeddings").kernel_parts)  # quantized
         return set_embeddings_layout(model, tied if embeddings_columns is None else embeddings_columns and tied)
 
     if quantization in ("int8", "fp8"):
@@ -702,20 +701,21 @@ def abstract_model(config, quantization: str, embeddings_columns: bool | None = 
     model = nnx.eval_shape(lambda: GPT(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
     form = PACKED_FORMS[quantization]
     suffix = {"codes": "", "d": "_bscale", "m": "_bmin", "d2": "_bscale2", "m2": "_bmin2"}
-    for name, axis in QUANT_AXIS.items():
-        if axis != -2 or not hasattr(model.layers, name):
-            continue
+    for name in [n for n in formats(model.layers) if n in QUANT_AXIS]:  # the layers' linears, [layers, in, out]
         L, k, n = getattr(model.layers, name).get_value().shape  # [layers, in, out]
         for part, (dtype, div) in form.items():
             setattr(model.layers, name + suffix[part], nnx.Param(jax.ShapeDtypeStruct((L, k // div, n), dtype)))
-    if head_form and hasattr(model, "output"):
+        set_format(model.layers, name, Packed(tuple(suffix[part] for part in form)))
+    if head_form and "output" in formats(model):
         k, n = model.output.get_value().shape  # [d_model, vocab]
         for part, (dtype, div) in PACKED_FORMS[head_form].items():
             setattr(model, "output" + suffix[part], nnx.Param(jax.ShapeDtypeStruct((k // div, n), dtype)))
+        set_format(model, "output", Packed(tuple(suffix[part] for part in PACKED_FORMS[head_form])))
     if head_form and config.tie_embeddings:  # [vocab, d_model] rows, blocks along d_model
         n, k = model.tok_embeddings.get_value().shape
         for part, (dtype, div) in PACKED_FORMS[head_form].items():
             setattr(model, "tok_embeddings" + suffix[part], nnx.Param(jax.ShapeDtypeStruct((n, k // div), dtype)))
+        set_format(model, "tok_embeddings", Packed(tuple(suffix[part] for part in PACKED_FORMS[head_form])))
     model.quantization = "gguf" if quantization.startswith("Q") else quantization
     return layout(model)
 
