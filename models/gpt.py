@@ -64,6 +64,7 @@ from jpa.models.config import ModelConfig
 from jpa.models.linear import (DENSE, MXFP4, QUANT_AXIS, SCALED, Packed, _v, format_of, formats, set_format,
                                unpermute_rows)
 from jpa.models.moe import moe_ffn
+from jpa.models.partition import RULES
 
 PARAM_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))
 SINKS = jax.sharding.PartitionSpec(TP)  # a layer's f32[num_q_heads] attention sinks, split by head like q
@@ -786,8 +787,6 @@ def qmatmul_plan(model: GPT, rows: int, mesh=None) -> dict:
     super-blocks too) and K / tp a multiple of the kernel's K step (64); a column-parallel one N / tp a
     multiple of its 64-column tile. A weight refused keeps today's path (XLA dequantizes each layer's slice),
     with the reason here."""
-    from jpa.models.sharding import RULES
-
     tp = 1 if mesh is None else mesh.shape[TP]
     layers, recorded, out = model.layers, formats(model.layers), {}
     for name in QUANT_AXIS:

@@ -36,6 +36,7 @@ from flax import nnx
 from jpa.core.quant import dequantize_blocks, dequantize_weight
 from jpa.core.sharding import TP
 from jpa.models.moe import dequantize_mxfp4
+from jpa.models.partition import RULES
 from jpa.ops.qmatmul import packed_matmul, scaled_matmul, scaled_unsupported_reason, unsupported_reason
 
 # The weights a model may store quantized, each with the axis its scales are shared along (-2: one scale per
@@ -315,8 +316,6 @@ def tp_matmul(matmul, x2, layer, name: str, parts: dict, mesh, stacked: bool = T
     makes after those matmuls. check_vma is off: a Pallas call has no varying-axes rule."""
     if mesh is None:
         return matmul(x2, layer, *parts.values())
-    from jpa.models.sharding import RULES
-
     P = jax.sharding.PartitionSpec
     row = RULES[name] == RULES["wo"]  # split on `in` (K)
 
