@@ -211,8 +211,8 @@ def test_plan_without_prompt_work_is_decode_only():
     s = scheduler()
     s.add(request(0, 3))
     plan = s.plan_round(8)
-    assert plan.decode_steps == 3, "the last chunk: steps_per_call - 1 decode steps follow"
-    s.stepped(plan, result([5], 31, [3, 0, 0, 0], steps=3))
+    assert plan.decode_steps == 0, "a prompt's first token comes back with the round that samples it"
+    s.stepped(plan, result([5], 31, [3, 0, 0, 0], steps=0))
     plan = s.plan_round(8)
     assert plan.entries == () and plan.decode_steps == 4
 
