@@ -51,7 +51,8 @@ def parse_args(argv=None):
     ap.add_argument("--users", type=int, default=32)
     ap.add_argument("--lengths", default="16,128,480", help="prompt lengths (tokens) of the TTFT-by-length rows")
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--modes", default="off,ladder")
+    ap.add_argument("--modes", default="off,ladder", help="step_shapes of the engines compared (default: "
+                    "a name not given to the engine, for a checkout from before the ladder)")
     ap.add_argument("--no-compile-cache", action="store_true")
     ap.add_argument("--out", default=None)
     return ap.parse_args(argv)
@@ -112,18 +113,21 @@ def main(argv=None):
     modes = args.modes.split(",")
     engines, compiles = {}, {}
     for mode in modes:
+        # "default": the engine's defaults, no step_shapes keyword (an engine from before the ladder).
+        shapes = {} if mode == "default" else dict(step_shapes=mode)
         llm = LLM.from_model(gpt, tok, max_seqs=args.max_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                             steps_per_call=args.steps_per_call, max_model_len=2048, step_shapes=mode)
+                             steps_per_call=args.steps_per_call, max_model_len=2048, **shapes)
         eng = llm.engine
         t = time.perf_counter()
         run(eng, chat[:1], 2)                       # the full shape compiles (or loads) here
         first = time.perf_counter() - t
-        eng.runner.ladder.wait()
+        if hasattr(eng.runner, "ladder"):
+            eng.runner.ladder.wait()
         s = eng.summary()
         compiles[mode] = dict(first_round_s=round(first, 2), full_shape_compile_s=round(s["compile_seconds"], 2),
-                              full_shape_source=s["step_source"], shapes=s["step_shapes"],
-                              ladder_compiles=s["ladder_compiles"],
-                              ladder_compile_s=round(s["ladder_compile_seconds"], 2))
+                              full_shape_source=s["step_source"], shapes=s.get("step_shapes"),
+                              ladder_compiles=s.get("ladder_compiles"),
+                              ladder_compile_s=round(s.get("ladder_compile_seconds") or 0.0, 2))
         print(f"[bench] {mode}: {compiles[mode]}", file=sys.stderr)
         run(eng, chat[: args.users], 4)             # warm every shape's first call
         for n in lengths:

@@ -241,7 +241,9 @@ def run(args):
           + f"(unified step compiled {s['step_compiles']}x"
           + {"persistent cache": ", from the persistent compilation cache",
              "process": ", an earlier engine's of this process"}.get(s["step_source"], "")
-          + f", token budget {s['token_budget']})" +
+          + f", token budget {s['token_budget']}"
+          + (f"; step shapes {len(s['step_shapes_ready'])}/{len(s['step_shapes'])} ready, {s['ladder_compiles']} "
+             f"in the background in {s['ladder_compile_seconds']:.1f} s" if len(s["step_shapes"]) > 1 else "") + ")" +
           f" | pool whole after run: {engine.pool_is_whole()}", file=sys.stderr)
     return 1 if failed else 0
 

@@ -37,9 +37,16 @@ plug in; KV offload and LoRA are meant to take the same points):
   5. the result (`StepResult`, a record per concern), read back in one transfer; the host's
      post-process is `Scheduler.stepped` (tokens, stops, matchers, prefix cache).
 
-Public entry points for tools: `lower(num_tokens)` (the jitted step lowered for this runner's
-state), `compiled_step` (the executable once compiled), `step_function` (the traced function,
-for callers that lower it themselves, e.g. for a GPU that is not attached).
+Step shapes (`jpa.engine.ladder`): the step compiles for the full shape (max_seqs entries, the
+whole token budget) and, with a ladder (`step_shapes`), for smaller ones in a background thread;
+each round runs the shape its StepBatch was made for (`pick`: the smallest ready one that holds
+it). Below max_seqs rows the verify loop runs the held slots gathered from the state, scattered
+back after it. One program per shape; the state is donated into each.
+
+Public entry points for tools: `lower(num_tokens, rows)` (the jitted step lowered for this runner's
+state), `compiled_step` (the full shape's executable once compiled; `compiled_steps` every shape's),
+`step_function` (the traced function, for callers that lower it themselves, e.g. for a GPU that is
+not attached).
 
 The model is anything that meets `jpa.engine.model.EngineModel`; its params are an argument of
 the compiled step (never a closed-over constant) and the cache, page state and slots are donated.
