@@ -8,8 +8,8 @@ compiled and warmed before anything is timed (the ladder waits for its backgroun
 measured interleaved (off, ladder, off, ladder, ...), medians of --reps:
 
   - one user: --prompts chat prompts one at a time, greedy, --max-new-tokens each: output tokens/s
-    over the wall time, and the median time to first token (add_request -> the round that hands
-    the first token out);
+    over the wall time (and per CPU second of this process: steadier on a shared machine), and the
+    median time to first token (add_request -> the round that hands the first token out);
   - TTFT by prompt length: one user, prompts of --lengths random ordinary tokens (1 token out);
   - TTFT under load: one new request while --users - 1 others decode;
   - many users: --users chat prompts at once: output tokens/s and their median time to first token.
@@ -58,12 +58,13 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def run(eng, prompts, max_new, *, greedy=True):
-    """Adds prompts (token-id lists or text) at once, steps to the end: (wall s, output tokens, TTFTs s)."""
+def run(eng, prompts, max_new):
+    """Adds prompts (token-id lists or text) at once, steps to the end: (wall s, output tokens, TTFTs s,
+    CPU s of this process)."""
     from jpa.engine import SamplingParams
 
     params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     ids = [eng.add_request(p, params).request_id for p in prompts]
     first, tokens = {}, 0
     while eng.has_unfinished:
@@ -71,7 +72,7 @@ def run(eng, prompts, max_new, *, greedy=True):
             tokens += len(o.new_token_ids)
             if o.new_token_ids and o.request_id not in first:
                 first[o.request_id] = time.perf_counter() - t0
-    return time.perf_counter() - t0, tokens, [first[i] for i in ids]
+    return time.perf_counter() - t0, tokens, [first[i] for i in ids], time.process_time() - c0
 
 
 def ttft_under_load(eng, chat, users, max_new):
@@ -109,7 +110,8 @@ def main(argv=None):
     chat = [tok.render_chat([{"role": "user", "content": CHAT[i % len(CHAT)]}]) for i in range(max(args.users, 8))]
     rng = np.random.default_rng(0)
     lengths = [int(x) for x in args.lengths.split(",")]
-    long_prompts = {n: [int(x) for x in rng.integers(1000, 40000, n)] for n in lengths}
+    lo, hi = (32, 127) if args.model.startswith("tiny") else (1000, 40000)   # ordinary tokens (byte-level tiny presets)
+    long_prompts = {n: [int(x) for x in rng.integers(lo, hi, n)] for n in lengths}
     modes = args.modes.split(",")
     engines, compiles = {}, {}
     for mode in modes:
@@ -134,27 +136,30 @@ def main(argv=None):
             run(eng, [long_prompts[n]], 1)
         engines[mode] = eng
 
-    rows = {m: {k: [] for k in ("one_user_tok_s", "one_user_ttft_ms", "users_tok_s", "users_ttft_ms",
+    rows = {m: {k: [] for k in ("one_user_tok_s", "one_user_tok_per_cpu_s", "one_user_ttft_ms", "users_tok_s",
+                                "users_tok_per_cpu_s", "users_ttft_ms",
                                 "ttft_under_load_ms", *[f"ttft_len{n}_ms" for n in lengths])} for m in modes}
     for rep in range(args.reps):
         for mode in modes:
             eng, r = engines[mode], rows[mode]
-            wall, tokens, ttfts = 0.0, 0, []
+            wall, cpu, tokens, ttfts = 0.0, 0.0, 0, []
             for p in chat[: args.prompts]:
-                w, n, f = run(eng, [p], args.max_new_tokens)
-                wall, tokens = wall + w, tokens + n
+                w, n, f, c = run(eng, [p], args.max_new_tokens)
+                wall, cpu, tokens = wall + w, cpu + c, tokens + n
                 ttfts += f
             r["one_user_tok_s"].append(tokens / wall)
+            r["one_user_tok_per_cpu_s"].append(tokens / cpu)
             r["one_user_ttft_ms"].append(1e3 * statistics.median(ttfts))
             for n in lengths:
                 r[f"ttft_len{n}_ms"].append(1e3 * run(eng, [long_prompts[n]], 1)[2][0])
-            w, n, f = run(eng, chat[: args.users], args.max_new_tokens)
+            w, n, f, c = run(eng, chat[: args.users], args.max_new_tokens)
             r["users_tok_s"].append(n / w)
+            r["users_tok_per_cpu_s"].append(n / c)
             r["users_ttft_ms"].append(1e3 * statistics.median(f))
             r["ttft_under_load_ms"].append(1e3 * ttft_under_load(eng, chat, args.users, args.max_new_tokens))
             print(f"[bench] rep {rep} {mode}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in r.items()), file=sys.stderr)
     result = dict(config=vars(args), compiles=compiles,
-                  medians={m: {k: round(statistics.median(v), 1) for k, v in r.items()} for m, r in rows.items()},
+                  medians={m: {k: round(statistics.median(v), 1) if v else None for k, v in r.items()} for m, r in rows.items()},
                   runs=rows)
     text = json.dumps(result, indent=1)
     print(text)

@@ -301,18 +301,18 @@ class ModelRunner:
         ragged = RaggedStep(self.model, self.shapes, self.stop_ids, self.attention_impl, *blocks)
         cache, page_state, slots, first = ragged(params, cache, page_state, slots, batch, lay, work)  # 2.
         decode_steps = jnp.where(work.ok, jnp.minimum(batch.decode_steps, self.steps_per_call), 0)
-        loop_slots, held = hold_constrained(slots)                                          # 3.
+        unconstrained, held_out = hold_constrained(slots)                                   # 3.
         loop = self._loop(rows)
         if rows == self.max_seqs:                                                           # 4. verify loop
-            cache, page_state, slots, out, steps, usage, counts = loop(params, cache, page_state, loop_slots,
+            cache, page_state, slots, out, steps, usage, counts = loop(params, cache, page_state, unconstrained,
                                                                        decode_steps)
-        else:   # a rung of the ladder: the loop runs the held slots only (`jpa.engine.ladder`)
+        else:   # a rung of the ladder: the loop runs the slots holding a request only (`jpa.engine.ladder`)
             idx = batch.loop_slots
-            sub_ps, sub_slots = gather_slots(page_state, loop_slots, idx)
+            sub_ps, sub_slots = gather_slots(page_state, unconstrained, idx)
             cache, sub_ps, sub_slots, out, steps, usage, counts = loop(params, cache, sub_ps, sub_slots, decode_steps)
-            page_state, slots = scatter_slots(page_state, loop_slots, sub_ps, sub_slots, idx)
+            page_state, slots = scatter_slots(page_state, unconstrained, sub_ps, sub_slots, idx)
             out, counts = scatter_outputs(out, counts, idx, self.max_seqs)
-        slots = restore_held(slots, held)
+        slots = restore_held(slots, held_out)
         more = usage.peak > usage0.peak
         own, shared = own_pages(page_state)  # what releasing each slot in the next round frees
         return cache, page_state, slots, StepResult(                                        # 5.

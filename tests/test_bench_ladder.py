@@ -1,0 +1,31 @@
+"""scripts/bench_ladder.py on the tiny model: it runs, and its figures hold together (both engines
+made every token, the ladder compiled every shape once in the background, TTFTs measured)."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.bench   # CI's bench tier (.ci/run), not ./run test
+ROOT = pathlib.Path(__file__).parents[1]
+
+
+def test_quick_run_on_the_tiny_model(tmp_path):
+    out = tmp_path / "ladder.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_ladder.py"), "--model", "tiny-llama",
+                           "--max-seqs", "4", "--max-num-batched-tokens", "64", "--users", "4", "--prompts", "1",
+                           "--max-new-tokens", "4", "--lengths", "8,40", "--reps", "1", "--no-compile-cache",
+                           "--out", str(out)], capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(out.read_text())
+    lad, off = r["compiles"]["ladder"], r["compiles"]["off"]
+    assert off["shapes"] == [[4, 64]] and off["ladder_compiles"] == 0
+    assert lad["shapes"] == [[1, 16], [2, 32], [4, 64]] and lad["ladder_compiles"] == 2
+    for mode in ("off", "ladder"):
+        m = r["medians"][mode]
+        assert m["one_user_tok_s"] > 0 and m["users_tok_s"] > 0 and m["one_user_ttft_ms"] > 0
+        assert m["ttft_len8_ms"] > 0 and m["ttft_len40_ms"] > 0 and m["ttft_under_load_ms"] > 0
