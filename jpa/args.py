@@ -79,7 +79,7 @@ class EngineArgs:
 
     @staticmethod
     def add_cli_args(ap: argparse.ArgumentParser, *, steps_per_call: int = 8,
-                     steps_help: str = "decode steps per host round trip") -> None:
+                     steps_help: str = "decode steps per host round trip", step_shapes: str = "ladder") -> None:
         """Adds the model and engine flags to `ap` (--model and everything `engine_config` reads)."""
         ap.add_argument("--model", default="smollm2-135m", help="model preset (default: smollm2-135m; "
                         "tiny-llama / tiny-gpt2 are random and fast) or PATH of a local Hugging Face checkpoint "
@@ -122,11 +122,11 @@ class EngineArgs:
         ap.add_argument("--kv-offload-memory", "--swap-space", dest="kv_offload_memory", type=float, default=0,
                         metavar="GIB", help="KV offload: GiB of host memory for a tier of KV pages; a preempted "
                         "request's pages are swapped there and back instead of recomputed (default 0: off)")
-        ap.add_argument("--step-shapes", default="ladder", metavar="ladder|off|R:T,...", help="the compiled step's "
-                        "shapes: ladder (default: 1, 2, 4, ... rows and 16 tokens a row up to --max-seqs and "
+        ap.add_argument("--step-shapes", default=step_shapes, metavar="ladder|off|R:T,...", help="the compiled "
+                        "step's shapes: ladder (1, 2, 4, ... rows and 16 tokens a row up to --max-seqs and "
                         "--max-num-batched-tokens; each round runs the smallest that holds it, the others compile "
                         "in the background), off (one shape: every round computes --max-seqs rows), or "
-                        "rows:tokens pairs, e.g. 1:16,4:64")
+                        f"rows:tokens pairs, e.g. 1:16,4:64 (default {step_shapes})")
         ap.add_argument("--no-compile-cache", action="store_true", help="do not use JAX's persistent "
                         "compilation cache ($JPA_CACHE_DIR/xla, default ~/.cache/jpa/xla)")
 

@@ -73,7 +73,9 @@ def parse_args(argv=None):
                     "stop token's text) that ended a request in its completion")
     ap.add_argument("--no-skip-special-tokens", action="store_true", help="keep special tokens (e.g. <|im_end|>) "
                     "in the completion text")
-    EngineArgs.add_cli_args(ap, steps_per_call=8, steps_help="decode steps per host round trip")
+    # One shape by default: a run of a few prompts ends before the ladder's shapes are loaded in the
+    # background, and would wait at exit for the one being compiled (README, "Step shapes").
+    EngineArgs.add_cli_args(ap, steps_per_call=8, steps_help="decode steps per host round trip", step_shapes="off")
     ap.add_argument("--json", action="store_true", help="JSON lines on stdout")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
