@@ -123,16 +123,22 @@ def staggered(eng, prompts, params):
 
 
 @pytest.mark.bench
-@pytest.mark.parametrize("spec", [None, '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}'])
-def test_ladder_outputs_equal_the_full_shape(tiny, spec):
+@pytest.mark.parametrize("case", ["plain", "ngram", "samples"])
+def test_ladder_outputs_equal_the_full_shape(tiny, case):
     """Fresh random prompts and sampling parameters (seeded, top logprobs) through an engine with one
     shape and one with the ladder: the same tokens, logprobs within f32 rounding (the shapes' matmuls
-    have other row counts), on several shapes; one program per shape, donated state at each."""
+    have other row counts), on several shapes; one program per shape, donated state at each. Cases:
+    plain decoding, n-gram speculation (repetitive prompts), parallel samples (n = 2, forked pages)
+    of prompts sharing a prefix (prefix-cache hits)."""
     rng = np.random.default_rng()
-    prompts = ["".join(chr(97 + x) for x in rng.integers(0, 8 if spec else 26, rng.integers(6, 40))) * (2 if spec else 1)
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}' if case == "ngram" else None
+    word = lambda lo, hi, k=26: "".join(chr(97 + x) for x in rng.integers(0, k, rng.integers(lo, hi)))  # noqa: E731
+    shared = word(16, 24)
+    prompts = [word(6, 20, 8) * 2 if case == "ngram" else (shared + word(2, 10) if case == "samples" else word(6, 40))
                for _ in range(6)]
     params = [SamplingParams(max_new_tokens=int(rng.integers(6, 16)), temperature=float(rng.uniform(0.3, 1.0)),
-                             seed=int(rng.integers(1 << 30)), top_logprobs=3) for _ in prompts]
+                             seed=int(rng.integers(1 << 30)), top_logprobs=3, n=2 if case == "samples" else 1)
+              for _ in prompts]
     cfg = dict(CFG, speculative=spec)
     full, _ = staggered(LLMEngine(*tiny, EngineConfig(**cfg)), prompts, params)
     eng = LLMEngine(*tiny, EngineConfig(**cfg, step_shapes="ladder"))
