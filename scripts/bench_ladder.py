@@ -53,6 +53,9 @@ def parse_args(argv=None):
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--modes", default="off,ladder", help="step_shapes of the engines compared (default: "
                     "a name not given to the engine, for a checkout from before the ladder)")
+    ap.add_argument("--sweep", default=None, help="instead of the workloads above: users at once, e.g. "
+                    "1,2,4,8,16,32 (chat prompts, --max-new-tokens each): output tokens per CPU second and per "
+                    "wall second by users and mode, and the step shapes the rounds ran (what the ladder's rungs buy)")
     ap.add_argument("--no-compile-cache", action="store_true")
     ap.add_argument("--out", default=None)
     return ap.parse_args(argv)
@@ -136,6 +139,8 @@ def main(argv=None):
             run(eng, [long_prompts[n]], 1)
         engines[mode] = eng
 
+    if args.sweep:
+        return sweep(args, engines, chat, [int(x) for x in args.sweep.split(",")], compiles)
     rows = {m: {k: [] for k in ("one_user_tok_s", "one_user_tok_per_cpu_s", "one_user_ttft_ms", "users_tok_s",
                                 "users_tok_per_cpu_s", "users_ttft_ms",
                                 "ttft_under_load_ms", *[f"ttft_len{n}_ms" for n in lengths])} for m in modes}
@@ -161,6 +166,40 @@ def main(argv=None):
     result = dict(config=vars(args), compiles=compiles,
                   medians={m: {k: round(statistics.median(v), 1) if v else None for k, v in r.items()} for m, r in rows.items()},
                   runs=rows)
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+def sweep(args, engines, chat, users, compiles):
+    """--sweep: for each count of users at once, each mode, --reps times interleaved: tokens per CPU
+    second and per wall second (medians), and the shapes the rounds ran."""
+    from jpa.engine.shapes import StepShape
+
+    out = {m: {} for m in engines}
+    for n in users:
+        for rep in range(args.reps):
+            for mode, eng in engines.items():
+                shapes, step = [], eng.runner.step
+
+                def spy(batch, step=step, shapes=shapes):
+                    shapes.append(StepShape(batch.rows.seq_ids.shape[0], batch.rows.tokens.shape[0]))
+                    return step(batch)
+
+                eng.runner.step = spy
+                w, k, _, c = run(eng, chat[:n], args.max_new_tokens)
+                eng.runner.step = step
+                r = out[mode].setdefault(n, dict(tok_per_cpu_s=[], tok_s=[], shapes=set()))
+                r["tok_per_cpu_s"].append(k / c)
+                r["tok_s"].append(k / w)
+                r["shapes"] |= {(s.rows, s.tokens) for s in shapes}
+                print(f"[bench] {n} users {mode}: {k / c:.1f} tokens per CPU s, {k / w:.1f} tokens/s", file=sys.stderr)
+    result = dict(config=vars(args), compiles=compiles, sweep={
+        m: {n: dict(tok_per_cpu_s=round(statistics.median(r["tok_per_cpu_s"]), 1),
+                    tok_s=round(statistics.median(r["tok_s"]), 1), shapes=sorted(r["shapes"]))
+            for n, r in by.items()} for m, by in out.items()})
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:
