@@ -29,3 +29,17 @@ def test_quick_run_on_the_tiny_model(tmp_path):
         m = r["medians"][mode]
         assert m["one_user_tok_s"] > 0 and m["users_tok_s"] > 0 and m["one_user_ttft_ms"] > 0
         assert m["ttft_len8_ms"] > 0 and m["ttft_len40_ms"] > 0 and m["ttft_under_load_ms"] > 0
+
+
+def test_sweep_on_the_tiny_model(tmp_path):
+    out = tmp_path / "sweep.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_ladder.py"), "--model", "tiny-llama",
+                           "--max-seqs", "4", "--max-num-batched-tokens", "64", "--users", "4", "--max-new-tokens", "4",
+                           "--lengths", "8", "--reps", "1", "--no-compile-cache", "--sweep", "1,3",
+                           "--out", str(out)], capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(out.read_text())["sweep"]
+    assert r["off"]["1"]["shapes"] == [[4, 64]] and r["off"]["3"]["shapes"] == [[4, 64]]
+    assert [1, 16] in r["ladder"]["1"]["shapes"] and r["ladder"]["3"]["shapes"] == [[4, 64]]
+    assert all(v["tok_per_cpu_s"] > 0 and v["tok_s"] > 0 for by in r.values() for v in by.values())
