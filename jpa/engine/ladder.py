@@ -21,6 +21,7 @@ them (the full shape at worst).
 """
 
 import atexit
+import os
 import threading
 import time
 import weakref
@@ -68,6 +69,10 @@ def scatter_outputs(out: Sampled, counts: SpecCounts, idx, max_seqs: int):
     out = Sampled(put(out.tokens, -1), put(out.logprobs, 0), put(out.top_ids, -1), put(out.top_logprobs, -jnp.inf))
     z = lambda a: jnp.zeros((max_seqs,), a.dtype).at[drop].set(a, mode="drop")  # noqa: E731
     return out, SpecCounts(z(counts.drafted), z(counts.accepted), z(counts.steps), counts.accepted_per_pos)
+
+
+# The ladder thread's niceness: its compiles yield the cores to the engine's rounds.
+LADDER_NICE = 10
 
 
 class Ladder:
@@ -121,6 +126,10 @@ class Ladder:
         atexit.register(lambda: ref() is not None and ref().stop())
 
     def _run(self) -> None:
+        try:   # below the rounds in the OS scheduler (Linux: per thread; the compiler's threads inherit it)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LADDER_NICE)
+        except (AttributeError, OSError):
+            pass
         for shape in self.shapes:
             if self._stop.is_set():
                 return
