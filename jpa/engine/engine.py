@@ -84,7 +84,7 @@ from jpa.engine.runner import ModelRunner
 from jpa.engine.sampling import SamplingParams
 from jpa.engine.scheduler import RoundPlan, Scheduler
 from jpa.engine.speculative import SpeculativeConfig, draft_cache_config, record_spec_counts, spec_summary
-from jpa.engine.shapes import EngineShapes
+from jpa.engine.shapes import EngineShapes, step_ladder
 from jpa.engine.structured import Grammars, constrained_rows
 from jpa.core.sharding import tp_mesh
 
@@ -132,6 +132,12 @@ class EngineConfig:
         it (greedy and seeded sampling alike). See README "Speculative decoding".
       peer_timeout: several processes (`jax.distributed`, see `jpa.engine.multihost`): seconds a
         device call may wait for the other processes before this one gives up on them and exits.
+      step_shapes: the compiled step's shapes (`jpa.engine.ladder`): "off" (one program, max_seqs
+        entries and the whole token budget in every round, as a batch-invariant mode needs),
+        "ladder" (rungs of 1, 2, 4, ... rows and 16 tokens a row, each round on the smallest
+        compiled one that holds it; the full shape compiles first, the others in a background
+        thread), or a sequence of (rows, tokens) pairs (the full shape is added). Outputs are the
+        same at every shape.
       kv_offload_bytes: KV offload: bytes of host memory for a tier of KV pages (0 = off). A
         preempted request's pages are copied there (swap out) and back on resume (swap in)
         instead of being recomputed, when the cost rule prefers the copy and the tier has room; with
@@ -154,6 +160,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     peer_timeout: float = 60.0
     kv_offload_bytes: int = 0
+    step_shapes: str | tuple = "off"
 
     def __post_init__(self):
         if self.speculative is not None:
@@ -185,6 +192,10 @@ class EngineConfig:
         if self.max_num_batched_tokens < self.max_seqs:
             raise ValueError(f"EngineConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                              f"max_seqs ({self.max_seqs}): every decoding sequence takes one token of the budget")
+        if not isinstance(self.step_shapes, str):   # hashable, and checked against the sizes here
+            object.__setattr__(self, "step_shapes", tuple(tuple(p) if isinstance(p, (list, tuple)) else p
+                                                          for p in self.step_shapes))
+        step_ladder(self.step_shapes, self.max_seqs, self.max_num_batched_tokens)
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"EngineConfig.attention_impl must be one of {ATTENTION_IMPLS}; "
                              f"got {self.attention_impl!r}")
@@ -285,7 +296,9 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.cache_config, shapes=self.shapes, stop_ids=self.stop_ids,
                                   attention_impl=config.attention_impl, mesh=self.mesh,
                                   block_tokens=config.ragged_block_tokens, speculative=config.speculative,
-                                  draft=draft_model, draft_cache_config=self.draft_cache_config)
+                                  draft=draft_model, draft_cache_config=self.draft_cache_config,
+                                  step_shapes=step_ladder(config.step_shapes if jax.process_count() == 1 else "off",
+                                                          config.max_seqs, config.max_num_batched_tokens))
         # Several processes: process 0 leads (its device calls are sent to the others), the others follow.
         self.process_index, self.num_processes = jax.process_index(), jax.process_count()
         self._follower = None
@@ -536,7 +549,10 @@ class LLMEngine:
             plan = dataclasses.replace(plan, release=())
         # Structured outputs (batch fields): the grammar mask of each entry that samples under one.
         constrained = constrained_rows(plan)
-        batch = make_step_batch(plan, self.shapes, masks=self.grammars.masks(constrained) if constrained else None)
+        # The smallest compiled step shape that holds the round (`jpa.engine.ladder`).
+        shape = self.runner.pick(max(len(plan.entries), len(plan.held)), sum(e.q_len for e in plan.entries))
+        batch = make_step_batch(plan, self.shapes, masks=self.grammars.masks(constrained) if constrained else None,
+                                shape=shape)
         t0, c0 = time.perf_counter(), self.runner.compile_seconds
         swapped = []
         calls = self.runner.step_calls
@@ -944,7 +960,12 @@ class LLMEngine:
             "decode_seconds": wall,
             "host_overhead": s.host_overhead,
             "compile_seconds": self.runner.compile_seconds,
-            "step_compiles": self.runner.step_traces,    # the unified step: 1 once it ran
+            "step_compiles": self.runner.step_traces,    # the unified step: 1 once it ran (the ladder's not counted)
+            # The step-shape ladder: its shapes, those compiled, what its background thread took.
+            "step_shapes": [(s.rows, s.tokens) for s in self.runner.ladder.shapes],
+            "step_shapes_ready": [(s.rows, s.tokens) for s in sorted(self.runner.ladder.exes)],
+            "ladder_compiles": self.runner.ladder.background_compiles,
+            "ladder_compile_seconds": self.runner.ladder.background_seconds,
             "step_from_cache": self.runner.step_from_cache,  # served by a compilation cache (step_source says which)
             "step_source": self.runner.step_source,  # "compiled", "persistent cache" or "process" (runner.STEP_EXECUTABLES)
             "token_budget": self.config.max_num_batched_tokens,
