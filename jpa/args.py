@@ -17,6 +17,7 @@
     --tp N                                   tp                           EngineConfig.tensor_parallel
     --peer-timeout SEC                       peer_timeout                 EngineConfig.peer_timeout
     --kv-offload-memory GIB (--swap-space)   kv_offload_memory (GiB)      EngineConfig.kv_offload_bytes
+    --step-shapes ladder|off|R:T,...         step_shapes                  EngineConfig.step_shapes
     --coordinator, --num-processes, --process-id   (several processes: `join_processes`)
     --no-compile-cache                       compile_cache=False          (JAX's persistent compilation cache)
     --batch-invariant                        batch_invariant              EngineConfig.batch_invariant
@@ -76,10 +77,11 @@ class EngineArgs:
     compile_cache: bool = True
     kv_offload_memory: float = 0.0
     batch_invariant: bool = False
+    step_shapes: str = "ladder"
 
     @staticmethod
     def add_cli_args(ap: argparse.ArgumentParser, *, steps_per_call: int = 8,
-                     steps_help: str = "decode steps per host round trip") -> None:
+                     steps_help: str = "decode steps per host round trip", step_shapes: str = "ladder") -> None:
         """Adds the model and engine flags to `ap` (--model and everything `engine_config` reads)."""
         ap.add_argument("--model", default="smollm2-135m", help="model preset (default: smollm2-135m; "
                         "tiny-llama / tiny-gpt2 are random and fast) or PATH of a local Hugging Face checkpoint "
@@ -125,6 +127,11 @@ class EngineArgs:
         ap.add_argument("--batch-invariant", action="store_true", help="a request's tokens and logprobs bitwise "
                         "the same whatever else runs, and prompt logprobs equal to the sampler's (RL; costs "
                         "throughput: one token per request per round)")
+        ap.add_argument("--step-shapes", default=step_shapes, metavar="ladder|off|R:T,...", help="the compiled "
+                        "step's shapes: ladder (1, 2, 4, ... rows and 16 tokens a row up to --max-seqs and "
+                        "--max-num-batched-tokens; each round runs the smallest that holds it, the others compile "
+                        "in the background), off (one shape: every round computes --max-seqs rows), or "
+                        f"rows:tokens pairs, e.g. 1:16,4:64 (default {step_shapes})")
         ap.add_argument("--no-compile-cache", action="store_true", help="do not use JAX's persistent "
                         "compilation cache ($JPA_CACHE_DIR/xla, default ~/.cache/jpa/xla)")
 
@@ -165,6 +172,7 @@ class EngineArgs:
                 raise UsageError(f"--coordinator must be HOST:PORT; got {self.coordinator!r}")
         if not (math.isfinite(self.kv_offload_memory) and self.kv_offload_memory >= 0):
             raise UsageError(f"--kv-offload-memory must be a number of GiB >= 0; got {self.kv_offload_memory}")
+        step_shapes(self.step_shapes)
         if not (math.isfinite(self.peer_timeout) and self.peer_timeout > 0):
             raise UsageError(f"--peer-timeout must be a positive number of seconds; got {self.peer_timeout}")
         if not known_model(self.model):
@@ -199,9 +207,22 @@ class EngineArgs:
                                 speculative=self.speculative_config, tensor_parallel=self.tp,
                                 peer_timeout=self.peer_timeout,
                                 kv_offload_bytes=int(self.kv_offload_memory * 2 ** 30),
-                                batch_invariant=self.batch_invariant, **extra)
+                                batch_invariant=self.batch_invariant,
+                                step_shapes=step_shapes("off" if self.batch_invariant else self.step_shapes), **extra)
         except ValueError as e:
             raise UsageError(str(e)) from None
+
+
+def step_shapes(flag: str):
+    """EngineConfig.step_shapes of the --step-shapes flag: "ladder", "off" or ((rows, tokens), ...)
+    from "R:T,R:T" (UsageError otherwise)."""
+    if flag in ("ladder", "off"):
+        return flag
+    try:
+        return tuple(tuple(int(x) for x in pair.split(":", 1)) for pair in flag.split(","))
+    except ValueError:
+        raise UsageError(f"--step-shapes must be ladder, off or rows:tokens pairs (e.g. 1:16,4:64); "
+                         f"got {flag!r}") from None
 
 
 def known_model(name: str) -> bool:

@@ -7,7 +7,7 @@ back inside the engine's jit, so the weights are jit arguments, not constants.
 
 from flax import nnx
 
-from jpa.models.gpt import GPT, decode, prefill, ragged, ragged_hidden, set_embeddings_layout, tied_head_served
+from jpa.models.gpt import GPT, cache_spec, decode, prefill, ragged, ragged_hidden, set_embeddings_layout, tied_head_served
 
 
 class GPTForEngine:
@@ -46,6 +46,11 @@ class GPTForEngine:
         out = GPTForEngine(gpt, mesh=mesh, **self.decode_options)
         out.head_plan = plan
         return out
+
+    def cache_spec(self):
+        """The cache this model's layers keep (EngineModel's optional `cache_spec`; `GPT.cache_spec`), with the
+        head count the pool holds (under tensor parallelism, `config` is the sharded model's)."""
+        return cache_spec(self.config)
 
     def prefill(self, params, cache, tokens, start, chunk_lens, slot_mapping, block_tables):
         model = nnx.merge(self.graphdef, params)

@@ -53,51 +53,28 @@ import numpy as np
 from flax import nnx
 
 from jpa.kv.cache import CacheConfig, KVCache, write_kv
+from jpa.kv.spec import CacheSpec
 from jpa.ops.decode import paged_decode
 from jpa.ops.dispatch import current_target
 from jpa.ops.prefill import paged_prefill
-from jpa.ops.qmatmul import (kernel_serves, packed_matmul, scaled_kernel_serves, scaled_matmul,
-                             scaled_unsupported_reason, unsupported_reason)
 from jpa.ops.ragged import ragged_paged_attention
-from jpa.core.quant import (check_weight_quantization, dequantize_blocks, dequantize_weight, quantize_weight,
-                            super_scaled)
+from jpa.core.quant import check_weight_quantization, dequantize_blocks, quantize_weight, super_scaled
 from jpa.core.sharding import HEADS, HEADS_T, REPLICATED, STACKED_POOL, TP, head_parallel
 from jpa.models.config import ModelConfig
+from jpa.models.linear import (DENSE, MXFP4, QUANT_AXIS, SCALED, Packed, _v, format_of, formats, set_format,
+                               unpermute_rows)
 from jpa.models.moe import moe_ffn
+from jpa.models.partition import RULES
 
 PARAM_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))
 SINKS = jax.sharding.PartitionSpec(TP)  # a layer's f32[num_q_heads] attention sinks, split by head like q
 INIT_STD = 0.02  # GPT-2's initializer range
-# Weight-only quantization (jpa.core.quant): the parameters stored quantized, each with the axis its
-# scale is shared along (-2: one scale per output channel of an [in, out] weight; -1: one per row
-# of the embedding table, which is also the tied head's output channel). A quantized `name` holds
-# int8 / float8_e4m3fn values and `name + "_scale"` its f32 scales.
-QUANT_AXIS = {"wq": -2, "wk": -2, "wv": -2, "wo": -2, "w_gate": -2, "w_up": -2, "w_down": -2,
-              "output": -2, "tok_embeddings": -1}
+# Weight-only quantization (jpa.core.quant): the parameters that may be stored quantized are
+# models.linear.QUANT_AXIS's; each weight's format (Dense, Scaled, Packed) is recorded where it is set.
 
 
 def _param(rngs, shape, dtype, std=INIT_STD):
     return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(dtype))
-
-
-def _v(p):
-    """The array held by an nnx.Variable (or p itself)."""
-    return p[...] if isinstance(p, nnx.Variable) else p
-
-
-def _dense(x, w, b=None, scale=None, compute_dtype=None, out_dtype=jnp.float32):
-    """x [..., in] @ w [in, out] with an f32 result: inputs in w's dtype, or, for a quantized w
-    (int8 / float8 with scale f32[out]), (x @ w.astype(compute_dtype)) * scale: the dot reads the
-    stored weight (XLA fuses the convert into the gemm's operand) and the per-channel scale
-    multiplies the f32 result, never a dense float copy of w. out_dtype: the dtype the dot (of an
-    unquantized w) writes (`matmul_out_dtype`), widened to f32 where it is read."""
-    w, b = _v(w), None if b is None else _v(b)
-    if scale is None:
-        y = jnp.dot(x.astype(w.dtype), w, preferred_element_type=out_dtype).astype(jnp.float32)
-    else:
-        y = jnp.dot(x.astype(compute_dtype), w.astype(compute_dtype), preferred_element_type=jnp.float32)
-        y = y * _v(scale)
-    return y if b is None else y + b.astype(jnp.float32)
 
 
 def matmul_out_dtype(dtype):
@@ -110,14 +87,17 @@ def matmul_out_dtype(dtype):
     return jnp.bfloat16 if gpu else jnp.float32
 
 
+def _record_dense(module):
+    """Records every QUANT_AXIS weight `module` has as Dense (models.linear: its constructor's float weights)."""
+    module.weight_formats = tuple((name, DENSE) for name in QUANT_AXIS if name in vars(module))
+
+
 def _quantize_params(module, quantization):
-    """Replaces each float parameter of `module` named in QUANT_AXIS by its quantized values and
-    adds `<name>_scale` (jpa.core.quant.quantize_weight)."""
-    for name, axis in QUANT_AXIS.items():
-        if hasattr(module, name):
-            q, scale = quantize_weight(getattr(module, name)[...], quantization, axis)
-            setattr(module, name, nnx.Param(q))
-            setattr(module, name + "_scale", nnx.Param(scale))
+    """Replaces each float weight of `module` (its recorded formats) by its quantized values and adds
+    `<name>_scale` (jpa.core.quant.quantize_weight): Scaled."""
+    for name in [n for n in formats(module) if n in QUANT_AXIS]:
+        q, scale = quantize_weight(getattr(module, name)[...], quantization, QUANT_AXIS[name])
+        set_scaled(module, name, q, scale)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,46 +186,24 @@ class PackedWeight:
         return w if self.perm is None else unpermute_rows(w, self.perm)
 
 
-def unpermute_rows(w, perm):
-    """W from the act-order rows W[perm] ([..., in, out], perm [..., in]; NumPy or jnp)."""
-    xp = np if isinstance(w, np.ndarray) else jnp
-    inv = xp.argsort(perm, axis=-1)
-    return xp.take_along_axis(w, inv[..., None], axis=-2)
-
-
-def _permuted_input(owner, name, x):
-    """x[..., perm] for an act-order weight `name` of `owner` (the rows it stores are W[perm]); else x."""
-    perm = getattr(owner, name + "_perm", None)
-    return x if perm is None else jnp.take(x, perm[...], axis=-1)
-
-
-def _packed(owner, name, dtype):
-    """The float weight `name` of `owner` dequantized from its GGUF blocks (in `dtype`), or None if it
-    is not packed."""
-    d = getattr(owner, name + "_bscale", None)
-    if d is None:
-        return None
-    v = lambda suffix: None if getattr(owner, name + suffix, None) is None else getattr(owner, name + suffix)[...]
-    return dequantize_blocks(getattr(owner, name)[...], d[...], v("_bmin"), QUANT_AXIS[name], dtype, v("_bscale2"),
-                             v("_bmin2"))
-
-
 def set_packed(owner, name, w: PackedWeight):
-    """Replaces float parameter `name` of `owner` by GGUF blocks (`PackedWeight`)."""
+    """Replaces float parameter `name` of `owner` by GGUF blocks (`PackedWeight`) and records its format
+    (models.linear.Packed with the parts w has)."""
     if QUANT_AXIS.get(name) not in (w.axis, w.axis - w.codes.ndim):
         raise ValueError(f"weight {name} must be packed with its blocks on axis {QUANT_AXIS.get(name)}; got {w.axis}")
-    setattr(owner, name, nnx.Param(jnp.asarray(w.codes)))
-    setattr(owner, name + "_bscale", nnx.Param(jnp.asarray(w.d)))
-    for suffix, a in (("_bmin", w.m), ("_bscale2", w.d2), ("_bmin2", w.m2), ("_perm", w.perm)):
-        if a is not None:
-            setattr(owner, name + suffix, nnx.Param(jnp.asarray(a)))
+    fmt = Packed.of(w)
+    arrays = {"": w.codes, "_bscale": w.d, "_bmin": w.m, "_bscale2": w.d2, "_bmin2": w.m2, "_perm": w.perm}
+    for suffix in fmt.parts:
+        setattr(owner, name + suffix, nnx.Param(jnp.asarray(arrays[suffix])))
+    set_format(owner, name, fmt)
 
 
 def set_scaled(owner, name, q, scale):
     """Replaces float parameter `name` of `owner` by stored int8 / float8 values q and their f32
-    per-output-channel scales (a checkpoint quantized that way: models.hf's FP8 layouts)."""
+    per-output-channel scales (a checkpoint quantized that way: models.hf's FP8 layouts); records Scaled."""
     setattr(owner, name, nnx.Param(jnp.asarray(q)))
     setattr(owner, name + "_scale", nnx.Param(jnp.asarray(scale, jnp.float32)))
+    set_format(owner, name, SCALED)
 
 
 def set_weight(owner, name, w, dtype, quantization=None):
@@ -253,9 +211,7 @@ def set_weight(owner, name, w, dtype, quantization=None):
     cast to `dtype`, or, when `quantization` is set and `name` is in QUANT_AXIS, quantized on the
     host (so no float copy of it reaches the device) with `<name>_scale` set beside it."""
     if quantization is not None and name in QUANT_AXIS:
-        q, scale = quantize_weight(np.asarray(w, np.float32), quantization, QUANT_AXIS[name])
-        getattr(owner, name).set_value(jnp.asarray(q))
-        getattr(owner, name + "_scale").set_value(jnp.asarray(scale))
+        set_scaled(owner, name, *quantize_weight(np.asarray(w, np.float32), quantization, QUANT_AXIS[name]))
     elif np.asarray(w).dtype == np.uint8:  # MXFP4 expert codes and scales (models.moe) stay as they are
         getattr(owner, name).set_value(jnp.asarray(w))
     else:
@@ -414,34 +370,22 @@ class Block(nnx.Module):
             self.q_norm, self.k_norm = ones(c.head_dim), ones(c.head_dim)
         if c.post_norms:
             self.post_attn_norm, self.post_ffn_norm = ones(d), ones(d)
+        _record_dense(self)
+        for name in ("experts_gate", "experts_up", "experts_down") if c.num_experts else ():
+            set_format(self, name, MXFP4 if c.expert_format == "mxfp4" else DENSE)
         if quantization is not None:
             _quantize_params(self, quantization)
 
     def _linear(self, x, name, bias=None, layer=None, mesh=None):
-        """x @ self.<name> (+ self.<bias> when the model has it), quantized, packed or not (`_dense`).
-        layer: the layer index when `_run` kept this block's packed 4-bit weights stacked
-        (`stacked_packed`): they are read by `jpa.ops.qmatmul.packed_matmul` from the stack. mesh: the
-        tensor-parallel mesh those stacked weights are sharded on (`_tp_matmul`: each device's shard), or None."""
-        codes = getattr(self, name)[...]
-        if layer is not None and codes.ndim == 3 and hasattr(self, name + "_scale"):  # int8 / fp8, kept stacked
-            lead = x.shape[:-1]
-            mm = lambda x2, i, q, scale: scaled_matmul(x2, q, scale, layer=i, compute_dtype=self.dtype)
-            y = _tp_matmul(mm, x.reshape(-1, x.shape[-1]), layer, name,
-                           {"": codes, "_scale": getattr(self, name + "_scale")[...]}, mesh).reshape(*lead, -1)
-            b = None if bias is None else self._bias(bias)
-            return y if b is None else y + _v(b).astype(jnp.float32)
-        if layer is not None and codes.ndim == 3 and hasattr(self, name + "_bscale"):
-            lead = x.shape[:-1]
-            x2 = _permuted_input(self, name, x).reshape(-1, x.shape[-1])  # [M, in]
-            parts, mm = _packed_call(self, name, self.dtype)
-            y = _tp_matmul(mm, x2, layer, name, parts, mesh).reshape(*lead, -1)
-            b = None if bias is None else self._bias(bias)
-            return y if b is None else y + _v(b).astype(jnp.float32)
-        w = _packed(self, name, self.dtype)
-        if w is not None:  # GGUF blocks: dequantized in the compute dtype where the dot reads them
-            return _dense(_permuted_input(self, name, x), w, None if bias is None else self._bias(bias))
-        return _dense(x, getattr(self, name), None if bias is None else self._bias(bias),
-                      getattr(self, name + "_scale", None), self.dtype, matmul_out_dtype(self.dtype))
+        """x @ self.<name> (+ self.<bias> when the model has it) in the weight's recorded format
+        (models.linear). layer: the layer index when `_run` kept this block's quantized weights stacked
+        (`stacked_packed`: those whose codes here still have the layer axis): they are read by the Mosaic
+        matmul (`jpa.ops.qmatmul`) from the stack. mesh: the tensor-parallel mesh those stacked weights are
+        sharded on (`models.linear.tp_matmul`: each device's shard), or None."""
+        kernel = layer is not None and getattr(self, name).get_value().ndim == 3
+        return format_of(self, name).apply(self, name, x, None if bias is None else self._bias(bias),
+                                           dtype=self.dtype, out_dtype=matmul_out_dtype(self.dtype),
+                                           kernel=kernel, layer=layer, mesh=mesh)
 
     def _norm(self, x, scale, bias_name=None):
         if self.config.family == "gpt2":
@@ -487,8 +431,7 @@ class Block(nnx.Module):
             flat = h.reshape(batch * num_tokens, c.d_model)
             biases = (tuple(getattr(self, f"experts_{n}_bias")[...] for n in ("gate", "up", "down"))
                       if c.expert_bias else None)
-            w = lambda n: ((getattr(self, n)[...], getattr(self, n + "_scales")[...]) if c.expert_format == "mxfp4"
-                           else getattr(self, n)[...])
+            w = lambda n: format_of(self, n).operand(self, n)  # MXFP4: (codes, scales)
             h = moe_ffn(flat, self.router[...], w("experts_gate"), w("experts_up"), w("experts_down"), c, self.dtype,
                         router_bias=self.router_bias[...] if c.router_bias else None,
                         biases=biases, parallel=experts).reshape(batch, num_tokens, c.d_model)
@@ -502,6 +445,13 @@ class Block(nnx.Module):
             h = jax.nn.silu(lin(h, "w_gate")) * lin(h, "w_up")
         h = lin(h, "w_down", "b_down")
         return x + (self._norm(h, self.post_ffn_norm) if c.post_norms else h)
+
+
+def cache_spec(config: ModelConfig) -> CacheSpec:
+    """The cache a model of `config` keeps (jpa.kv.spec): full attention in every layer, except the layers of
+    `sliding_window_layers`, a sliding-window group of `sliding_window` (Gemma-2, gpt-oss, Mistral)."""
+    return CacheSpec.attention(config.num_layers, config.num_kv_heads, config.head_dim,
+                               window=config.sliding_window, window_layers=config.sliding_window_layers)
 
 
 def layer_period(config: ModelConfig) -> int:
@@ -563,22 +513,14 @@ class GPT(nnx.Module):
             self.norm_bias = nnx.Param(jnp.zeros((c.d_model,), dtype))
         if not c.tie_embeddings:
             self.output = _param(rngs, (c.d_model, c.vocab_size), dtype)  # [d_model, vocab]
+        # `weight_formats` (models.linear): each weight's format, static; set_packed / set_scaled change it
+        _record_dense(self)
         if quantization is not None:
             _quantize_params(self, quantization)
 
     def embed(self, tokens, positions):
         """tokens, positions i32[B, T] -> f32[B, T, d_model]."""
-        if getattr(self, "embeddings_columns", False):  # [d_model(/ 2), vocab]: gather the tokens' columns
-            take = lambda a: None if a is None else jnp.moveaxis(jnp.take(a[...], tokens, axis=1, mode="clip"), 0, -1)
-        else:
-            take = lambda a: None if a is None else jnp.take(a[...], tokens, axis=0, mode="clip")
-        x = take(self.tok_embeddings).astype(jnp.float32)  # [B, T, d_model] (codes: [B, T, d_model(/ 2)])
-        if self.quantization == "gguf" and hasattr(self, "tok_embeddings_bscale"):  # the rows' blocks
-            opt = lambda suffix: take(getattr(self, "tok_embeddings" + suffix, None))
-            x = dequantize_blocks(take(self.tok_embeddings), take(self.tok_embeddings_bscale), opt("_bmin"), -1,
-                                  jnp.float32, opt("_bscale2"), opt("_bmin2"))
-        elif hasattr(self, "tok_embeddings_scale"):  # int8 / fp8: a row's values times its scale
-            x = x * jnp.take(self.tok_embeddings_scale[...], tokens, axis=0, mode="clip")[..., None]
+        x = format_of(self, "tok_embeddings").embed(self, "tok_embeddings", tokens, self.embeddings_columns)
         if self.config.embed_scale != 1.0:
             # transformers (Gemma) rounds the scale to the activation dtype before multiplying.
             x = x * jnp.asarray(self.config.embed_scale, self.dtype).astype(jnp.float32)
@@ -590,7 +532,7 @@ class GPT(nnx.Module):
     def logits(self, x, mesh=None):
         """x f32[..., d_model] -> f32[..., vocab] (final norm, then the head). mesh: the tensor-parallel mesh
         the model is sharded on, or None: a quantized head split on the vocabulary (`embeddings_layout`
-        "vocab") then runs the Mosaic matmul on each device's columns (`_tp_matmul`)."""
+        "vocab") then runs the Mosaic matmul on each device's columns (`models.linear.tp_matmul`)."""
         if self.config.family == "gpt2":
             h = _layer_norm(x, self.norm, self.norm_bias, self.config.norm_eps)
         else:
@@ -601,53 +543,24 @@ class GPT(nnx.Module):
         tp = 1 if head_mesh is None else head_mesh.shape[TP]
 
         def local(var):  # one device's shard of a head array ([..., vocab]: the columns), shape and dtype only
-            if var is None:
-                return None
             v = var.get_value()
             return jax.ShapeDtypeStruct(v.shape[:-1] + (v.shape[-1] // tp,), v.dtype)
 
-        if self.config.tie_embeddings and getattr(self, "embeddings_columns", False):
+        if self.config.tie_embeddings:
             # the table kept [d_model, vocab] (`set_embeddings_layout`): the head's [in, out] codes, read as
-            # stored by the Mosaic matmul where it serves (else dequantized where the dot reads them, as below)
-            lead = h.shape[:-1]
-            h2 = h.reshape(-1, h.shape[-1])
-            if hasattr(self, "tok_embeddings_bscale"):
-                opt = lambda suffix: None if (a := getattr(self, "tok_embeddings" + suffix, None)) is None else a[...]
-                out = packed_matmul(h2, self.tok_embeddings[...], self.tok_embeddings_bscale[...], opt("_bmin"),
-                                    opt("_bscale2"), opt("_bmin2"), layer=None, compute_dtype=self.dtype)
-            else:  # int8 / fp8: the rows' scales are the head's per-output-channel scales
-                out = scaled_matmul(h2, self.tok_embeddings[...], self.tok_embeddings_scale[...],
-                                    compute_dtype=self.dtype)
-            out = out.reshape(*lead, -1)
-        elif self.config.tie_embeddings:
-            emb = _packed(self, "tok_embeddings", self.dtype)
-            emb = self.tok_embeddings[...] if emb is None else emb  # [vocab, d_model]
-            if not hasattr(self, "tok_embeddings_scale"):
-                out = jnp.dot(h.astype(emb.dtype), emb.T, preferred_element_type=jnp.float32)
-            else:  # the rows' scales are the head's per-output-channel scales
-                out = _dense(h, emb.T, scale=self.tok_embeddings_scale, compute_dtype=self.dtype)
-        elif hasattr(self, "output_bscale") and _kernel_serves_packed(
-                rows, *(local(getattr(self, "output" + sx, None)) for sx in ("", "_bscale", "_bmin", "_bscale2")),
-                self.dtype):
-            # a packed head (GGUF's Q6_K / Q8_0 / Q4 output) on a GPU the Mosaic kernel serves: it reads the
-            # stored codes (the dequantizing path would write a dense bf16 copy of the head every step)
-            lead = h.shape[:-1]
-            h2 = _permuted_input(self, "output", h).reshape(-1, h.shape[-1])
-            parts, mm = _packed_call(self, "output", self.dtype)
-            out = _tp_matmul(mm, h2, None, "output", parts, head_mesh, stacked=False).reshape(*lead, -1)
-        elif _packed(self, "output", self.dtype) is not None:
-            out = _dense(_permuted_input(self, "output", h), _packed(self, "output", self.dtype))
-        elif hasattr(self, "output_scale") and scaled_kernel_serves(
-                rows, *local(self.output).shape, self.output.dtype, self.dtype):
-            # int8 / fp8 head on a GPU the Mosaic kernel serves: it reads the stored values (XLA, under
-            # the engine's cuBLAS options, would write a bf16 copy of the head every step)
-            lead = h.shape[:-1]
-            mm = lambda x2, _, q, scale: scaled_matmul(x2, q, scale, compute_dtype=self.dtype)  # noqa: E731
-            out = _tp_matmul(mm, h.reshape(-1, h.shape[-1]), None, "output",
-                             {"": self.output[...], "_scale": self.output_scale[...]}, head_mesh,
-                             stacked=False).reshape(*lead, -1)
+            # stored by the Mosaic matmul where it serves (else dequantized where the dot reads them); kept
+            # [vocab, d_model]: x @ its transpose, the rows' scales the head's per-output-channel scales
+            out = format_of(self, "tok_embeddings").apply(self, "tok_embeddings", h, dtype=self.dtype,
+                                                          transpose=not self.embeddings_columns,
+                                                          kernel=self.embeddings_columns, stacked=False)
         else:
-            out = _dense(h, self.output, scale=getattr(self, "output_scale", None), compute_dtype=self.dtype)
+            # a quantized head on a GPU the Mosaic kernel serves (GGUF's Q6_K / Q8_0 / Q4 output, int8 / fp8):
+            # it reads the stored codes (XLA, under the engine's cuBLAS options, would write a dense bf16 copy of
+            # the head every step); else dequantized where the dot reads it
+            fmt = format_of(self, "output")
+            kernel = bool(fmt.kernel_parts) and fmt.unsupported_reason(
+                rows, {sx: local(getattr(self, "output" + sx)) for sx in fmt.kernel_parts}, self.dtype) is None
+            out = fmt.apply(self, "output", h, dtype=self.dtype, kernel=kernel, mesh=head_mesh, stacked=False)
         return _soft_cap(out, self.config.final_soft_cap)
 
     def layer_period(self) -> int:
@@ -679,9 +592,7 @@ class GPT(nnx.Module):
                 if isinstance(x, jax.ShapeDtypeStruct):  # abstract: the new model's shapes already hold
                     continue
                 if name in QUANT_AXIS:
-                    q, scale = quantize_weight(x, quantization, QUANT_AXIS[name])
-                    getattr(new, name).set_value(q)
-                    getattr(new, name + "_scale").set_value(scale)
+                    set_scaled(new, name, *quantize_weight(x, quantization, QUANT_AXIS[name]))
                 else:
                     getattr(new, name).set_value(x)
         return model
@@ -696,16 +607,11 @@ class GPT(nnx.Module):
             for name, var in vars(new).items():
                 if not isinstance(var, nnx.Param) or (owner is self and name == "layers"):
                     continue
-                x = getattr(owner, name)[...]
-                if owner is self and name == "tok_embeddings" and getattr(self, "embeddings_columns", False):
+                if owner is self and name == "tok_embeddings" and self.embeddings_columns:
                     var.set_value(_embedding_rows(self).astype(self.dtype))
                     continue
-                packed = _packed(owner, name, jnp.float32) if name in QUANT_AXIS else None
-                if packed is not None:
-                    perm = getattr(owner, name + "_perm", None)
-                    x = packed if perm is None else unpermute_rows(packed, perm[...])
-                elif name in QUANT_AXIS and hasattr(owner, name + "_scale"):
-                    x = dequantize_weight(x, getattr(owner, name + "_scale")[...], QUANT_AXIS[name])
+                fmt = formats(owner).get(name) if name in QUANT_AXIS else None
+                x = getattr(owner, name)[...] if fmt is None else fmt.dequantize(owner, name)
                 var.set_value(x.astype(self.dtype))
         return model
 
@@ -714,6 +620,10 @@ class GPT(nnx.Module):
         sliding_window (None where the config does not set them)."""
         c = self.config
         return dict(scale=c.attn_scale, soft_cap=c.attn_soft_cap, sliding_window=c.layer_window(layer))
+
+    def cache_spec(self) -> CacheSpec:
+        """The cache this model's layers keep, per group (`cache_spec(config)`)."""
+        return cache_spec(self.config)
 
     def cache_config(self, num_pages: int, page_size: int = 16, dtype=None) -> CacheConfig:
         """The CacheConfig of a paged cache for this model (dtype defaults to the model's)."""
@@ -845,10 +755,6 @@ def _check_weights(weights, expected, config):
             check(f"'layers'][{i}]['{name}'", lw[name], shape)
 
 
-# The arrays of a packed weight `name` (codes, block scales, minimums, K-quants' super-block ones): name + suffix.
-PACKED_PARTS = ("", "_bscale", "_bmin", "_bscale2", "_bmin2")
-
-
 def stacked_packed(model: GPT, rows: int, mesh=None) -> tuple:
     """Names of the layers' packed 4-bit weights (Q4_0 / Q4_1 forms: GGUF, AWQ, GPTQ,
     compressed-tensors; GGUF Q4_K: integer sub-block scales with f16 super-block ones), packed 8-bit
@@ -858,7 +764,7 @@ def stacked_packed(model: GPT, rows: int, mesh=None) -> tuple:
     verify pass alike): those `qmatmul_plan` gives no reason against. `_run` keeps them stacked through the
     scan: the kernel reads a layer of the stack by its index, so no layer's codes are sliced into a copy and no
     dense float weight is written. Under a tensor-parallel mesh each device runs it on its shard
-    (`_tp_matmul`)."""
+    (`models.linear.tp_matmul`)."""
     return tuple(name for name, why in qmatmul_plan(model, rows, mesh).items() if why is None)
 
 
@@ -873,7 +779,7 @@ def qmatmul_plan(model: GPT, rows: int, mesh=None) -> dict:
     tokens on the device being compiled for, else why not} (`jpa.ops.qmatmul.unsupported_reason`), over the
     model's stacked quantized layer linears (packed blocks or int8 / fp8 per channel).
 
-    mesh: a tensor-parallel mesh: the kernel runs on each device's shard (`_tp_matmul`), placed as
+    mesh: a tensor-parallel mesh: the kernel runs on each device's shard (`models.linear.tp_matmul`), placed as
     models.sharding's RULES place it: a column-parallel weight (wq, wk, wv, w_gate, w_up) split on its output
     columns N (its scales with them), a row-parallel one (wo, w_down) on its input rows K (block scales and
     minimums along K with them; per-channel scales whole). The decision is the kernel's on that shard: a
@@ -881,27 +787,23 @@ def qmatmul_plan(model: GPT, rows: int, mesh=None) -> dict:
     super-blocks too) and K / tp a multiple of the kernel's K step (64); a column-parallel one N / tp a
     multiple of its 64-column tile. A weight refused keeps today's path (XLA dequantizes each layer's slice),
     with the reason here."""
-    from jpa.models.sharding import RULES
-
     tp = 1 if mesh is None else mesh.shape[TP]
-    layers, out = model.layers, {}
-    for name, axis in QUANT_AXIS.items():
-        if axis != -2 or not hasattr(layers, name):
-            continue
-        suffixes = ("", "_scale") if hasattr(layers, name + "_scale") else tuple(
-            sx for sx in PACKED_PARTS if hasattr(layers, name + sx))
-        if len(suffixes) < 2 or getattr(layers, name).get_value().ndim != 3:
-            continue  # a float weight, or not stacked
-        arrays = {sx: getattr(layers, name + sx).get_value() for sx in suffixes}
+    layers, recorded, out = model.layers, formats(model.layers), {}
+    for name in QUANT_AXIS:
+        fmt = recorded.get(name)
+        if fmt is None or not fmt.kernel_parts or getattr(layers, name).get_value().ndim != 3:
+            continue  # not a layer weight, a float one, or not stacked
+        arrays = {sx: getattr(layers, name + sx).get_value() for sx in fmt.kernel_parts}
+        full = {sx: jax.ShapeDtypeStruct(a.shape, a.dtype) for sx, a in arrays.items()}
         local, uneven = {}, []
         for sx, a in arrays.items():
             spec = jax.sharding.PartitionSpec(None, *RULES[name + sx])
-            local[sx] = _local_shape(a.shape, spec, tp)
+            local[sx] = jax.ShapeDtypeStruct(_local_shape(a.shape, spec, tp), a.dtype)
             if any(n % tp for n, ax in zip(a.shape, tuple(spec) + (None,) * a.ndim) if ax == TP):
                 uneven.append(f"{name}{sx} {list(a.shape)}")
         codes = arrays[""]
         per = 2 if codes.dtype == jnp.uint8 else 1  # uint8: two 4-bit codes a byte
-        k, n = local[""][1] * per, local[""][2]
+        k, n = local[""].shape[1] * per, local[""].shape[2]
         where = ""
         if tp > 1:
             kind = "row" if RULES[name] == RULES["wo"] else "column"
@@ -910,79 +812,9 @@ def qmatmul_plan(model: GPT, rows: int, mesh=None) -> dict:
         if uneven:
             out[name] = f"{', '.join(uneven)} do not split into {tp} equal shards" + where
             continue
-        if "_scale" in arrays:
-            why = scaled_unsupported_reason(rows, k, n, codes.dtype, model.dtype)
-        else:
-            d = local["_bscale"]
-            group, global_group = k // d[1], codes.shape[1] * per // arrays["_bscale"].shape[1]
-            if group != global_group or k % d[1]:
-                why = f"K / {tp} = {k} is not whole groups of {global_group}"
-            elif "_bscale2" in arrays and local["_bscale2"][1] * (
-                    super_group := codes.shape[1] * per // arrays["_bscale2"].shape[1]) != k:
-                why = f"K / {tp} = {k} is not whole super-blocks of {super_group}"
-            else:
-                m = arrays.get("_bmin")
-                why = unsupported_reason(rows, k, n, group, codes.dtype, model.dtype, d2=arrays.get("_bscale2"),
-                                         sub_dtypes=(arrays["_bscale"].dtype, None if m is None else m.dtype))
+        why = fmt.unsupported_reason(rows, local, model.dtype, full, tp)
         out[name] = None if why is None else why + where
     return out
-
-
-def _packed_call(owner, name: str, compute_dtype) -> tuple:
-    """(parts, matmul) for the packed weight `name` of owner (a Block's stacked layers or the GPT's head): parts
-    {suffix: array} of the arrays it has (`PACKED_PARTS`), and matmul(x2, layer, *parts.values()) -> f32[M, N]
-    through `jpa.ops.qmatmul.packed_matmul` (layer None: an unstacked weight), the call `_tp_matmul` makes."""
-    parts = {sx: getattr(owner, name + sx)[...] for sx in PACKED_PARTS if hasattr(owner, name + sx)}
-    present = tuple(parts)
-
-    def matmul(x2, layer, *arrays):
-        a = dict(zip(present, arrays))
-        return packed_matmul(x2, a[""], a["_bscale"], a.get("_bmin"), a.get("_bscale2"), a.get("_bmin2"),
-                             layer=layer, compute_dtype=compute_dtype)
-
-    return parts, matmul
-
-
-def _tp_matmul(matmul, x2, layer, name: str, parts: dict, mesh, stacked: bool = True):
-    """matmul(x2 [M, K], layer, *parts.values()) -> f32[M, N] for a stacked quantized layer weight `name` whose
-    arrays are parts {suffix: array} (`PACKED_PARTS`, or "_scale"), or (stacked False, layer None) a model's
-    head ("output": column-parallel on the vocabulary): on one device (mesh None) the call itself;
-    under a tensor-parallel mesh one `jax.shard_map` in which every device runs it on its own shard, the arrays
-    split as models.sharding's RULES place them (no resharding of a weight): a column-parallel weight (wq, wk,
-    wv, w_gate, w_up) takes x whole and gives the device's output columns (f32[M, N] split on N); a row-parallel
-    one (wo, w_down) takes x's columns matching its K rows (x arrives split so: the heads, the MLP's hidden
-    units) and the partial products are summed by ONE psum of f32[M, N] over "tp", the all-reduce the GSPMD path
-    makes after those matmuls. check_vma is off: a Pallas call has no varying-axes rule."""
-    if mesh is None:
-        return matmul(x2, layer, *parts.values())
-    from jpa.models.sharding import RULES
-
-    P = jax.sharding.PartitionSpec
-    row = RULES[name] == RULES["wo"]  # split on `in` (K)
-
-    def local(x, *rest):  # one device: x [M, K / tp] (row) or [M, K]; (the layer,) its shard of every array
-        y = matmul(x, *rest) if layer is not None else matmul(x, None, *rest)
-        return jax.lax.psum(y, TP) if row else y
-
-    # stacked: the layer axis first, never split
-    specs = tuple(P(None, *RULES[name + sx]) if stacked else RULES[name + sx] for sx in parts)
-    lead = (layer,) if layer is not None else ()
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(P(None, TP) if row else P(), *(P() for _ in lead), *specs),
-                       out_specs=P() if row else P(None, TP), check_vma=False)
-    return fn(x2, *lead, *parts.values())
-
-
-def _kernel_serves_packed(rows, codes, d, m, d2, dtype) -> bool:
-    """`kernel_serves` for one packed weight (codes [..., K(/ 2), N], d [..., K / G, N]; 4-bit codes are
-    uint8 holding two, 8-bit ones int8 / float8)."""
-    k = codes.shape[-2] * (2 if codes.dtype == jnp.uint8 else 1)
-    return kernel_serves(rows, k, codes.shape[-1], k // d.shape[-2], codes.dtype, dtype, d2=d2,
-                         sub_dtypes=(d.dtype, None if m is None else _v(m).dtype))
-
-
-# The embedding table's arrays that `set_embeddings_layout` transposes (codes / values and the GGUF block
-# scales and minimums, all [vocab, ...]); an int8 / fp8 table's f32[vocab] row scales stay as they are.
-EMBEDDING_PARTS = ("", "_bscale", "_bmin", "_bscale2", "_bmin2")
 
 
 def tied_head_served(model: GPT, rows: int = 1) -> bool:
@@ -994,17 +826,13 @@ def tied_head_served(model: GPT, rows: int = 1) -> bool:
     not a multiple of 64; SmolLM2's 576 is served, walked 64 values a step)."""
     if not model.config.tie_embeddings:
         return False
-    cols = getattr(model, "embeddings_columns", False)
-    part = lambda suffix: (None if (v := getattr(model, "tok_embeddings" + suffix, None)) is None
-                           else jax.ShapeDtypeStruct(v.get_value().shape[::1 if cols else -1], v.get_value().dtype))
-    codes, d, m = part(""), part("_bscale"), part("_bmin")
-    if d is not None:  # codes [K(/ 2), N], d [K / G, N] as the head reads them
-        k = codes.shape[0] * (2 if codes.dtype == jnp.uint8 else 1)
-        return kernel_serves(rows, k, codes.shape[1], k // d.shape[0], codes.dtype, model.dtype,
-                             d2=part("_bscale2"), sub_dtypes=(d.dtype, None if m is None else m.dtype))
-    if hasattr(model, "tok_embeddings_scale"):
-        return scaled_kernel_serves(rows, *codes.shape, codes.dtype, model.dtype)
-    return False
+    fmt = format_of(model, "tok_embeddings")
+    if not fmt.kernel_parts:
+        return False
+    flip = 1 if model.embeddings_columns else -1  # as the head reads them: [K(/ 2), N], scales [K / G, N]
+    shapes = {sx: jax.ShapeDtypeStruct((v := getattr(model, "tok_embeddings" + sx).get_value()).shape[::flip],
+                                       v.dtype) for sx in fmt.kernel_parts}
+    return fmt.unsupported_reason(rows, shapes, model.dtype) is None
 
 
 def set_embeddings_layout(model: GPT, columns: bool) -> GPT:
@@ -1014,17 +842,18 @@ def set_embeddings_layout(model: GPT, columns: bool) -> GPT:
     transposed arrays replace the old ones, which are freed when nothing else holds them (the model keeps one
     table; the transpose itself holds two for a moment). Works on an abstract model (nnx.eval_shape). Returns
     model."""
-    if getattr(model, "embeddings_columns", False) == columns:
+    if model.embeddings_columns == columns:
         return model
-    if columns and not (hasattr(model, "tok_embeddings_bscale") or hasattr(model, "tok_embeddings_scale")):
+    fmt = format_of(model, "tok_embeddings")
+    if columns and not fmt.kernel_parts:
         raise ValueError("set_embeddings_layout: columns=True wants a quantized embedding table (GGUF blocks or "
                          "int8 / fp8 with row scales), the tied head the Mosaic matmul reads; this table is "
                          f"{np.dtype(model.tok_embeddings.get_value().dtype).name} without scales")
-    for suffix in EMBEDDING_PARTS:
-        var = getattr(model, "tok_embeddings" + suffix, None)
-        if var is None:
-            continue
+    for suffix in fmt.parts:
+        var = getattr(model, "tok_embeddings" + suffix)
         x = var.get_value()
+        if len(x.shape) != 2:  # an int8 / fp8 table's f32[vocab] row scales stay as they are
+            continue
         if isinstance(x, jax.ShapeDtypeStruct):
             x = jax.ShapeDtypeStruct(x.shape[::-1], x.dtype)
         else:
@@ -1036,12 +865,7 @@ def set_embeddings_layout(model: GPT, columns: bool) -> GPT:
 
 def _embedding_rows(model: GPT):
     """The float32 [vocab, d_model] table of a model whose table is kept [d_model, vocab]."""
-    v = lambda suffix: None if (a := getattr(model, "tok_embeddings" + suffix, None)) is None else a[...]
-    if v("_bscale") is not None:
-        return dequantize_blocks(v(""), v("_bscale"), v("_bmin"), -2, jnp.float32, v("_bscale2"), v("_bmin2")).T
-    if v("_scale") is not None:
-        return dequantize_weight(v("").T, v("_scale"), QUANT_AXIS["tok_embeddings"])
-    return v("").T.astype(jnp.float32)
+    return format_of(model, "tok_embeddings").dequantize(model, "tok_embeddings", axis=-2).T.astype(jnp.float32)
 
 
 def _run(model: GPT, tokens, positions, attend, state, mesh=None, stack_packed: bool = False):
@@ -1054,7 +878,7 @@ def _run(model: GPT, tokens, positions, attend, state, mesh=None, stack_packed: 
     runs its experts in the layout models.sharding gave them, `GPT.expert_layout`), or None.
     stack_packed: the packed weights of `stacked_packed` stay out of the scanned slices and each
     layer reads them stacked (the engine's steps; under a tensor-parallel mesh each device's shard,
-    `_tp_matmul`); False: every weight is sliced per layer.
+    `models.linear.tp_matmul`); False: every weight is sliced per layer.
     """
     c = model.config
     layout = getattr(model, "expert_layout", None)  # None on one device (and on a 1-device mesh)
@@ -1062,8 +886,7 @@ def _run(model: GPT, tokens, positions, attend, state, mesh=None, stack_packed: 
     x = model.embed(tokens, positions)  # f32[B, T, d_model]
     graphdef, params = nnx.split(model.layers)
     names = stacked_packed(model, tokens.size, mesh) if stack_packed else ()
-    kept = {k: params[k] for n in names for k in (n, n + "_bscale", n + "_bmin", n + "_bscale2", n + "_bmin2",
-                                                  n + "_scale") if k in params}
+    kept = {n + sx: params[n + sx] for n in names for sx in format_of(model.layers, n).kernel_parts}
     if kept:
         params = nnx.State({k: v for k, v in params.items() if k not in kept})
     period = model.layer_period()

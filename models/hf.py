@@ -2,19 +2,11 @@
 
     model, tokenizer = models.hf.load("path/to/Qwen2.5-0.5B-Instruct", dtype=jnp.bfloat16)
 
-Supported `model_type`s (config.json), each a config-driven variant of the llama family of
-models.GPT (see ModelConfig): "llama" (Llama 2/3, Llama-3 `rope_scaling`, tied or untied head),
-"mistral" (sliding window on every layer when set), "qwen2" (q/k/v biases), "qwen3" (q/k
-RMSNorm) and "gemma2" (embedding scale, GeGLU, (1 + w) RMSNorm, post-norms, query scale from
-query_pre_attn_scalar, attention and final logit soft caps, sliding window on the layers
-`layer_types` names, by default every other one), and the mixtures of experts (models.moe)
-"mixtral" (per-expert w1/w3/w2 tensors under block_sparse_moe), "qwen3_moe" (per-expert
-gate/up/down_proj under mlp, q/k RMSNorm; every layer sparse), whose experts' tensors are stacked
-on an expert axis as they are read, and "gpt_oss" (transformers' GptOss: the experts stacked in the
-checkpoint, gate and up interleaved in gate_up_proj [E, D, 2F] (gate the even columns), router,
-expert and q/k/v/o biases, clamped SwiGLU, attention sinks, sliding window on the layers
-`layer_types` names (by default the even ones), YaRN RoPE). Anything else, and any option of these
-families that the model does not implement, is refused with a ValueError naming it.
+Supported `model_type`s (config.json): those of the family modules in `models.families`, one module per
+family, registered by model_type and architectures (llama: Llama 2/3, Mistral, Qwen2, Qwen3; gemma2; mixtral:
+Mixtral, Qwen3-MoE; gpt_oss). This module reads what every family shares (sizes, RoPE, quantization, layer
+types, the safetensors files) and asks the family for its variant's options and tensor names. Anything else,
+and any option of these families that the model does not implement, is refused with a ValueError naming it.
 
 Quantized checkpoints (a `quantization_config`: compressed-tensors FP8 (tensor / channel / block) /
 int8 / pack-quantized int4, the older "fp8" layout, per tensor or block-wise, AutoAWQ GEMM, GPTQ) are
@@ -37,16 +29,15 @@ import pathlib
 import numpy as np
 
 from jpa.models.config import ModelConfig
+from jpa.models.families import CheckpointError, family_of, supported_model_types
+from jpa.models.families.base import LLAMA_LAYER_NAMES, Sizes, refuse as _refuse
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "mixtral", "qwen3_moe", "gpt_oss")
+# The model types of the registered families (models.families: one module per family).
+SUPPORTED_MODEL_TYPES = supported_model_types()
 # safetensors dtype -> NumPy dtype name (bfloat16 comes from ml_dtypes, which JAX imports).
 STORED_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 # Tensors a checkpoint may carry that the model does not use.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory is incomplete, inconsistent or damaged."""
 
 
 def _read_json(path: pathlib.Path, required: bool):
@@ -111,15 +102,10 @@ def _yarn(params: dict, cfg: dict, where: str) -> tuple:
             int(old), float(attn), 1.0 if params.get("truncate", True) else 0.0)
 
 
-def _refuse(cfg: dict, where: str, key: str, allowed, what: str):
-    val = cfg.get(key)
-    if val not in allowed:
-        raise CheckpointError(f"{where}: {key} = {val!r} is not supported ({what})")
-
-
 def config_from_hf(cfg: dict, *, where: str = "config.json", bos_token_id: int = 0,
                    eos_token_id: int = 0) -> ModelConfig:
-    """The ModelConfig of a Hugging Face config.json dict.
+    """The ModelConfig of a Hugging Face config.json dict: the sizes, RoPE, quantization and layer types every
+    family shares are read here, the variant's options by its family module (`models.families`).
 
     Args:
       cfg: config.json's contents.
@@ -129,103 +115,36 @@ def config_from_hf(cfg: dict, *, where: str = "config.json", bos_token_id: int =
     Raises:
       CheckpointError (a ValueError): unsupported model_type or option, naming it.
     """
-    model_type = cfg.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise CheckpointError(f"{where}: model_type {model_type!r} is not supported; jpa loads "
-                              f"{list(SUPPORTED_MODEL_TYPES)}")
+    family, model_type = family_of(cfg, where)
+    cfg = {**cfg, "model_type": model_type}
     try:
         d, n = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
         layers, vocab, ffn = int(cfg["num_hidden_layers"]), int(cfg["vocab_size"]), int(cfg["intermediate_size"])
     except KeyError as e:
         raise CheckpointError(f"{where}: {e.args[0]!r} is missing") from e
-    head_dim = cfg.get("head_dim") or d // n
-    gemma = model_type == "gemma2"
-    act = cfg.get("hidden_activation") or cfg.get("hidden_act") if gemma else cfg.get("hidden_act", "silu")
-    want_act = "gelu_pytorch_tanh" if gemma else "silu"
-    if act != want_act:
-        raise CheckpointError(f"{where}: activation {act!r} is not supported for {model_type} (expected "
-                              f"{want_act!r})")
-    for key in ("attention_bias", "mlp_bias"):
-        if model_type not in ("qwen2", "gpt_oss"):
-            _refuse(cfg, where, key, (None, False), "the model has no biases besides Qwen2's q/k/v and gpt-oss's")
-    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
-        _refuse(cfg, where, "use_sliding_window", (None, False), "Qwen sliding-window layers")
+    head_dim = int(cfg.get("head_dim") or d // n)
     _refuse(cfg, where, "use_bidirectional_attention", (None, False), "jpa's attention is causal")
-    quant = cfg.get("quantization_config")
-    mxfp4 = model_type == "gpt_oss" and isinstance(quant, dict) and quant.get("quant_method") == "mxfp4"
     quant_scheme(cfg, where)  # an unsupported quantization_config is refused here, before any tensor is read
     base, scaling = _rope(cfg, where)
-    window, window_layers = None, ()
     layer_types = cfg.get("layer_types")
     if layer_types is not None:
         unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
         if unknown or len(layer_types) != layers:
             raise CheckpointError(f"{where}: layer_types must be {layers} entries of 'full_attention' / "
                                   f"'sliding_attention'; got {layer_types!r}")
-    gpt_oss = model_type == "gpt_oss"
-    if gemma or gpt_oss or model_type in ("mistral", "mixtral"):
-        window = cfg.get("sliding_window", 128 if gpt_oss else None)
-        if window is not None:
-            if layer_types is None:  # transformers' defaults: Gemma-2 and gpt-oss even layers, Mistral all
-                layer_types = (["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
-                               if gemma or gpt_oss else ["sliding_attention"] * layers)
-            window_layers = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
-            window = int(window) if window_layers else None
-    elif layer_types is not None and "sliding_attention" in layer_types:
-        raise CheckpointError(f"{where}: sliding_attention layers are not supported for {model_type}")
-    tie_default = gemma  # transformers' default per family
-    kw = _moe_options(cfg, model_type, layers, where)
-    if mxfp4:  # gpt-oss's released checkpoints: the experts in MXFP4 (models.moe.dequantize_mxfp4)
-        kw["expert_format"] = "mxfp4"
-    if model_type == "qwen3_moe":
-        ffn = int(cfg.get("moe_intermediate_size") or 0) or ffn
-    if gemma:
-        kw.update(mlp_activation="gelu_tanh", norm_weight_offset=1.0, embed_scale=math.sqrt(d),
-                  post_norms=True, attn_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5,
-                  attn_soft_cap=cfg.get("attn_logit_softcapping"),
-                  final_soft_cap=cfg.get("final_logit_softcapping"))
+    kw = dict(ffn_dim=ffn)
+    kw.update(family.options(cfg, where, Sizes(d_model=d, num_heads=n, num_layers=layers, head_dim=head_dim,
+                                               ffn_dim=ffn)))
     try:
         return ModelConfig(
             family="llama", vocab_size=vocab, d_model=d, num_layers=layers, num_q_heads=n,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or n), head_dim=int(head_dim), ffn_dim=ffn,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or n), head_dim=head_dim,
             max_seq_len=int(cfg.get("max_position_embeddings", 2048)), rope_base=base,
             norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", tie_default)),
-            bos_token_id=bos_token_id, eos_token_id=eos_token_id,
-            qkv_bias=model_type == "qwen2" or (gpt_oss and bool(cfg.get("attention_bias", True))),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"), rope_scaling=scaling, sliding_window=window,
-            sliding_window_layers=window_layers, **kw)
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", family.tie_default)),
+            bos_token_id=bos_token_id, eos_token_id=eos_token_id, rope_scaling=scaling, **kw)
     except ValueError as e:
         raise CheckpointError(f"{where}: {e}") from e
-
-
-def _moe_options(cfg: dict, model_type: str, layers: int, where: str) -> dict:
-    """The ModelConfig mixture-of-experts fields of a mixtral / qwen3_moe config ({} otherwise).
-    Every layer must be a MoE layer: a Qwen3-MoE config with dense layers (mlp_only_layers, or
-    decoder_sparse_step > 1) is refused (the scanned layers hold one parameter set)."""
-    if model_type not in ("mixtral", "qwen3_moe", "gpt_oss"):
-        return {}
-    experts = cfg.get("num_local_experts") if model_type != "qwen3_moe" else cfg.get(
-        "num_experts", cfg.get("num_local_experts"))
-    k = cfg.get("num_experts_per_tok", cfg.get("experts_per_token") if model_type == "gpt_oss" else None)
-    if experts is None or k is None:
-        raise CheckpointError(f"{where}: {model_type} needs num_experts (num_local_experts) and num_experts_per_tok")
-    if model_type == "qwen3_moe":
-        step, dense = cfg.get("decoder_sparse_step", 1), cfg.get("mlp_only_layers") or []
-        moe = [i for i in range(layers) if i not in dense and int(experts) > 0 and (i + 1) % int(step) == 0]
-        if len(moe) != layers:
-            raise CheckpointError(f"{where}: layers {sorted(set(range(layers)) - set(moe))} are dense MLP layers "
-                                  f"(mlp_only_layers={dense!r}, decoder_sparse_step={step!r}); jpa's scanned "
-                                  f"layers need every layer to be a mixture-of-experts layer")
-        norm = bool(cfg.get("norm_topk_prob", False))
-    else:
-        norm = True  # Mixtral, gpt-oss: softmax over the chosen experts' logits
-    out = dict(num_experts=int(experts), experts_per_token=int(k), norm_topk_prob=norm)
-    if model_type == "gpt_oss":  # transformers' GptOss: biases, clamped SwiGLU, sinks
-        out.update(router_bias=True, expert_bias=True, attn_sinks=True,
-                   o_bias=bool(cfg.get("attention_bias", True)),
-                   swiglu_clamp=(float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0))))
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -360,38 +279,8 @@ def hf_names(c: ModelConfig, model_type: str) -> dict:
     """
     from jpa.models.gpt import expected_shapes
 
-    pre_ffn = "pre_feedforward_layernorm" if model_type == "gemma2" else "post_attention_layernorm"
-    layer = {
-        "attn_norm": ("input_layernorm.weight", False), "wq": ("self_attn.q_proj.weight", True),
-        "wk": ("self_attn.k_proj.weight", True), "wv": ("self_attn.v_proj.weight", True),
-        "wo": ("self_attn.o_proj.weight", True), "ffn_norm": (f"{pre_ffn}.weight", False),
-        "w_gate": ("mlp.gate_proj.weight", True), "w_up": ("mlp.up_proj.weight", True),
-        "w_down": ("mlp.down_proj.weight", True), "bq": ("self_attn.q_proj.bias", False),
-        "bk": ("self_attn.k_proj.bias", False), "bv": ("self_attn.v_proj.bias", False),
-        "q_norm": ("self_attn.q_norm.weight", False), "k_norm": ("self_attn.k_norm.weight", False),
-        "post_attn_norm": ("post_attention_layernorm.weight", False),
-        "post_ffn_norm": ("post_feedforward_layernorm.weight", False),
-    }
-    moe = "block_sparse_moe" if model_type == "mixtral" else "mlp"
-    layer["router"] = (f"{moe}.gate.weight", True)
-    if model_type == "gpt_oss":  # experts stacked in the checkpoint as [E, in, out]; gate and up interleaved
-        layer.update(router=("mlp.router.weight", True), router_bias=("mlp.router.bias", False),
-                     experts_gate=("mlp.experts.gate_up_proj", False, 0),
-                     experts_up=("mlp.experts.gate_up_proj", False, 1),
-                     experts_down=("mlp.experts.down_proj", False),
-                     experts_gate_bias=("mlp.experts.gate_up_proj_bias", False, 0),
-                     experts_up_bias=("mlp.experts.gate_up_proj_bias", False, 1),
-                     experts_down_bias=("mlp.experts.down_proj_bias", False),
-                     bo=("self_attn.o_proj.bias", False), sinks=("self_attn.sinks", False))
-        if c.expert_format == "mxfp4":  # *_blocks [E, out, in / 32, 16] and *_scales [E, out, in / 32], u8
-            for ours, theirs, p in (("experts_gate", "gate_up_proj", 0), ("experts_up", "gate_up_proj", 1),
-                                    ("experts_down", "down_proj", None)):
-                layer[ours] = (f"mlp.experts.{theirs}_blocks", False, ("blocks", p))
-                layer[ours + "_scales"] = (f"mlp.experts.{theirs}_scales", False, ("scales", p))
-    # An expert parameter [E, ...] is E checkpoint tensors: the name holds "{j}" for the expert.
-    expert = {"mixtral": ("w1", "w3", "w2")}.get(model_type, ("gate_proj", "up_proj", "down_proj"))
-    for ours, theirs in zip(("experts_gate", "experts_up", "experts_down"), expert):
-        layer.setdefault(ours, (f"{moe}.experts.{{j}}.{theirs}.weight", True))
+    family, model_type = family_of({"model_type": model_type})
+    layer = {**LLAMA_LAYER_NAMES, **family.layer_names(c, model_type)}
     shapes = expected_shapes(c)
     out = {"tok_embeddings": ("model.embed_tokens.weight", False), "norm": ("model.norm.weight", False)}
     if not c.tie_embeddings:

@@ -71,47 +71,9 @@ from jax.sharding import PartitionSpec as P
 
 from jpa.core.sharding import TP, check_mesh, named
 from jpa.models.config import ModelConfig
-
-COL = P(None, TP)  # [in, out] split on out
-ROW = P(TP, None)  # [in, out] split on in
-VEC = P(TP)        # a bias of a column-parallel matmul
-REP = P()
-
-RULES = {
-    # attention: column-parallel q/k/v (heads), row-parallel output
-    "wq": COL, "wk": COL, "wv": COL, "bq": VEC, "bk": VEC, "bv": VEC,
-    "wo": ROW, "bo": REP,
-    # MLP: column-parallel gate/up, row-parallel down
-    "w_gate": COL, "w_up": COL, "b_up": VEC, "w_down": ROW, "b_down": REP,
-    # embeddings: vocabulary-parallel ([vocab, d_model] and [d_model, vocab])
-    "tok_embeddings": P(TP, None), "output": P(None, TP),
-    # norms: replicated
-    "attn_norm": REP, "attn_norm_bias": REP, "ffn_norm": REP, "ffn_norm_bias": REP,
-    "norm": REP, "norm_bias": REP, "pos_embeddings": REP,
-    # Qwen3's per-head q/k RMSNorm scales ([head_dim], the same for every head) and Gemma-2's
-    # post-attention / post-MLP norms: replicated
-    "q_norm": REP, "k_norm": REP, "post_attn_norm": REP, "post_ffn_norm": REP,
-    # mixture of experts: the router replicated (the experts' rules depend on the layout: expert_rules)
-    "router": REP, "router_bias": REP,
-    # gpt-oss's attention sinks, one per q head: split with the q heads
-    "sinks": VEC,
-    # quantized weights' per-output-channel scales (models.gpt.QUANT_AXIS) go with their weights'
-    # output axis: split for column-parallel weights, replicated for row-parallel ones (their
-    # output, d_model, is whole on every device), split on the vocabulary with the embeddings
-    "wq_scale": VEC, "wk_scale": VEC, "wv_scale": VEC, "wo_scale": REP,
-    "w_gate_scale": VEC, "w_up_scale": VEC, "w_down_scale": REP,
-    "tok_embeddings_scale": VEC, "output_scale": VEC,
-}
-# GGUF blocks kept packed (models.gpt.PackedWeight): the codes keep their weight's name and rule; the
-# block scales / minimums ([in / 32, out], or [vocab, d_model / 32]) have the weight's rank and
-# orientation, so they take its rule too (a row-parallel split of `in` keeps whole blocks when
-# in / 32 divides by N; check_divisible says when not).
-for _w in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "tok_embeddings", "output"):
-    for _s in ("_bscale", "_bmin", "_bscale2", "_bmin2"):  # K-quants: super-block scales lie the same way
-        RULES[_w + _s] = RULES[_w]
-    RULES[_w + "_perm"] = REP  # an act-order GPTQ weight's input permutation: every device gathers its x
-# embeddings="replicated" (and a vocabulary that does not divide by N).
-REPLICATED_EMBEDDINGS = {name: REP for name in RULES if name.startswith(("tok_embeddings", "output"))}
+# The placement of every parameter kind (column-, row-parallel, replicated) is models.partition's RULES, a leaf
+# module models.gpt and models.linear read too.
+from jpa.models.partition import COL, REP, REPLICATED_EMBEDDINGS, ROW, RULES, VEC  # noqa: F401
 
 
 def expert_rules(layout: str) -> dict:
@@ -312,6 +274,7 @@ def _stacked(path) -> bool:
 def with_heads(model, plan: HeadPlan):
     """The model rebuilt with the plan's head counts and ffn size (itself when nothing changes)."""
     from jpa.models.gpt import GPT  # models.gpt imports jpa.core.sharding only; no cycle at import time
+    from jpa.models.linear import SCALED, format_of, formats
 
     c = model.config
     if (plan.num_q_heads, plan.num_kv_heads, plan.ffn_dim) == (c.num_q_heads, c.num_kv_heads, c.ffn_dim):
@@ -321,14 +284,14 @@ def with_heads(model, plan: HeadPlan):
     # GGUF blocks, or a checkpoint stored quantized (models.hf: some weights quantized, the embeddings not):
     # attributes GPT(quantization=...) would not rebuild.
     packed = model.quantization is not None and not (model.quantization in ("int8", "fp8")
-                                                     and hasattr(model, "tok_embeddings_scale"))
+                                                     and format_of(model, "tok_embeddings") == SCALED)
     if packed:  # the same attributes as the model's (GGUF blocks), at the planned sizes
         new = _abstract_like(model, new_c)
     else:
         new = nnx.eval_shape(lambda: GPT(new_c, dtype=model.dtype, rngs=nnx.Rngs(0),
                                          quantization=model.quantization))
     for name, changes in (("wo", plan.num_q_heads != c.num_q_heads), ("w_down", plan.ffn_dim != c.ffn_dim)):
-        if changes and hasattr(model.layers, name + "_perm"):  # its `in` axis holds what the plan resizes
+        if changes and "_perm" in getattr(formats(model.layers).get(name), "parts", ()):  # `in` is resized
             raise ValueError(f"{plan.describe()}: {name} is an act-order GPTQ weight (its inputs permuted), which "
                              f"jpa does not re-plan; load it with quantization 'none' or at a tensor-parallel size "
                              f"that divides the heads")
@@ -370,6 +333,7 @@ def _abstract_like(model, new_c):
         for name, var in vars(owner).items():
             if isinstance(var, nnx.Param):
                 setattr(dst, name, nnx.Param(jax.ShapeDtypeStruct(var.shape, var.dtype)))
+        dst.weight_formats = owner.weight_formats  # models.linear: the same formats
     new.quantization = model.quantization
     return new
 

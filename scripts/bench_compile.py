@@ -21,7 +21,7 @@ cpu: seconds to compile the engine's unified step on this CPU with JAX's persist
   `generate.py`'s default EngineConfig: 16 slots, page 16, 256 MiB pool, max_model_len 2048,
   8 decode steps per call, token budget 512. Goals (issue 24): SmolLM2 <= 5 s, the 80-layer
   model within 1.5x of the 8-layer one.
-h100: a deviceless compile for an H100 (design.md's recipe, `jpa.tools.deviceless.Compiler`; needs
+h100: a deviceless compile for an H100 (docs/architecture.md's recipe, `jpa.tools.deviceless.Compiler`; needs
   the `gpu` extra) of the unified step of Llama-3-8B's shapes (32 layers, bf16, 64 sequences, an
   8 GiB pool, `check_engine`) and of Llama-3-70B's shapes tensor-parallel over 8 compile-only
   H100s (80 layers, topology 1x1x8, 8 GiB of pool per device, `check_tp`): lower and compile
@@ -190,7 +190,7 @@ def worker_cpu(spec: dict) -> dict:
 
 def _stacked_slice_types(pools) -> set:
     """HLO types of one layer of each [num_layers, ...] pool: a copy of that shape is a layer's
-    pool materialized (design.md's first pitfall) that a whole-pool-shaped check would miss."""
+    pool materialized (docs/architecture.md's first pitfall) that a whole-pool-shaped check would miss."""
     from jpa.tools.hlo import hlo_type
     return {hlo_type(s[1:], d) for s, d in pools if len(s) >= 5}
 

@@ -1,33 +1,44 @@
-"""Everything only a GPU can show, in one command, on a bare GPU image.
+"""Everything only a GPU can show, in one command, on a bare GPU image, within a time budget.
 
-    PYTHONPATH=. python3 scripts/gpu_validate.py --out DIR [--quick]
-    PYTHONPATH=. python3 scripts/gpu_validate.py --plan            # the sections and what each needs
+    PYTHONPATH=. python3 scripts/gpu_validate.py --out DIR [--budget-s 420] [--quick]
+    PYTHONPATH=. python3 scripts/gpu_validate.py --plan            # the sections, what each needs and costs
+    PYTHONPATH=. python3 scripts/gpu_validate.py --dry-run         # on a CPU: everything but the device
     PYTHONPATH=. python3 scripts/gpu_validate.py --profile decode:mosaic:bfloat16:bfloat16:64:4096:8:4:128:16
 
 Needs only JAX with its CUDA plugin (0.11.2 or 0.12), flax, chex and numpy: no pip install, no
 download, no tokenizer package. Models are random weights at real shapes (SmolLM2-135M and a
-4-layer Llama-3-8B-shaped model). Sections (each in its own subprocess: a crash, even an abort in
-a compiler, is recorded and the others still run; DIR/report.json and DIR/report.md are rewritten
-as each section finishes):
+4-layer Llama-3-8B-shaped model). A short GPU rental is the common case, so the sections run in the
+order of what they prove, each in its own subprocess (a crash, even an abort in a compiler, is
+recorded and the others still run), and the whole run keeps to `--budget-s` (default 420 s, start to
+report): a section stops taking new cases when the budget is spent and reports what it ran and what it
+left; DIR/report.json and DIR/report.md are complete after every case, so a run cut short still leaves
+a report. Every section states its own time.
 
-1. kernels    every kernel (Triton and Mosaic decode, Triton and Mosaic ragged) natively on a
-              covering grid (page sizes, GQA ratios, head dims incl. 80/96/192/256, 16-bit,
-              int8 and fp8 caches, soft cap, ALiBi, window, NaN-poisoned unused slots) against
-              the float64 NumPy oracle, float32 dots at HIGHEST precision (no TF32).
+1. kernels    each case of a covering grid (page sizes, GQA ratios, head dims incl. 80/96/192/256,
+              16-bit, int8 and fp8 caches, soft cap, ALiBi, window, NaN-poisoned unused slots)
+              through the kernel `impl="auto"` picks for it on this GPU, against the float64 NumPy
+              oracle, float32 dots at HIGHEST precision (no TF32).
 2. auto       `impl="auto"` under jax.jit for decode and ragged, per q dtype: which kernel the
               compiled program holds, and each candidate kernel's self-check result.
-3. bandwidth  decode and ragged GB/s per kernel and % of the roofline, the roofline being a
+3. engine     the engine (public API) with SmolLM2-shaped and 8B-shaped random models: greedy float32
+              token ids with impl="auto" equal to the plain-JAX path's.
+4. bandwidth  decode and ragged GB/s per kernel and % of the roofline, the roofline being a
               device-to-device copy of the same number of bytes measured in the same run.
-4. peers      on the same GPU and shapes: JAX's `jax.experimental.pallas.ops.gpu.paged_attention`
+5. peers      on the same GPU and shapes: JAX's `jax.experimental.pallas.ops.gpu.paged_attention`
               and dense XLA attention over a contiguous cache, next to jpa's kernels.
-5. engine     the engine (public API) with SmolLM2-shaped and 8B-shaped random models, 64
-              sequences x 2k context: tokens/s (bf16 and f32), and greedy float32 token ids
-              with impl="auto" equal to the plain-JAX path's.
-6. invariant  `batch_invariant=True` on the GPU (issue 53): a request's tokens and logprobs bitwise the
+6. throughput the engine's tokens/s (bf16 and f32) with the same models at 64 x 2k.
+7. kernels_rest  the kernel grid through the kernels auto passes over on this GPU.
+8. invariant  `batch_invariant=True` on the GPU (issue 53): a request's tokens and logprobs bitwise the
               same alone and among random neighbours (slots, chunking, prefix hits), scoring parity
               (prompt logprobs = the greedy sampler's), and `update_weights` with no compile.
 
-On a machine without an NVIDIA GPU it refuses (exit 2). Exit 1 if any section failed.
+On a machine without an NVIDIA GPU it refuses (exit 2), except `--dry-run`, which builds every
+section's cases, shapes and models (abstractly) on the CPU and prints each section's estimate against
+the budget, proving nothing about a GPU. Exit 1 if any section failed.
+
+Not included: a model-output comparison against transformers (the GPU image has transformers and torch).
+The tiny checkpoints of tests/data/hf would fit the 64 MiB tree, but the CPU tests already compare every
+family with transformers; on the GPU the engine section's auto-vs-plain-JAX equality covers the kernels.
 """
 
 import argparse
@@ -49,20 +60,35 @@ cpu_without_gpu()   # no NVIDIA driver, JAX_PLATFORMS unset: JAX on the CPU (as 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 SECTIONS = {
-    "kernels": "GPU; jpa, numpy. Every kernel natively vs the float64 oracle (f32 dots at HIGHEST "
-               "precision). ~2-4 min on an H100 (one compile per case).",
+    "kernels": "GPU; jpa, numpy. Each case through the kernel impl='auto' picks for it on this GPU, natively "
+               "vs the float64 oracle (f32 dots at HIGHEST precision). ~6 s a case (one compile each).",
     "auto": "GPU. impl='auto' under jit (decode, ragged) per q dtype: kernel in the compiled program, "
             "each candidate's self-check. ~1 min.",
+    "engine": "GPU, ~4 GiB free; flax. jpa.engine.LLMEngine with random SmolLM2-shaped and 4-layer "
+              "Llama-3-8B-shaped models: greedy f32 token ids with impl='auto' equal to impl='xla''s "
+              "(8 seqs x 512 context, 32 new tokens). ~30 s a run.",
     "bandwidth": "GPU, ~4 GiB free. Decode and ragged GB/s per kernel, % of a same-size device-to-device "
-                 "copy (the roofline). ~2 min.",
+                 "copy (the roofline). ~5 s a row.",
     "peers": "GPU, ~4 GiB free; jax.experimental.pallas.ops.gpu.paged_attention (JAX's deprecated "
-             "Triton op; recorded as unavailable if it does not import). Same shapes as jpa. ~1 min.",
-    "engine": "GPU, ~20 GiB free; flax. jpa.engine.LLMEngine with random SmolLM2-shaped and 4-layer "
-              "Llama-3-8B-shaped models, 64 seqs x 2k context (--quick: 8 x 512): tokens/s, greedy "
-              "f32 equality auto vs impl='xla'. ~5-10 min.",
+             "Triton op; recorded as unavailable if it does not import). Same shapes as jpa. ~5 s a row.",
+    "throughput": "GPU, ~20 GiB free; flax. The engine's tokens/s with the same models, bf16 and f32, 64 seqs x "
+                  "2k context (--quick: 8 x 512). ~90 s a run.",
+    "kernels_rest": "GPU; jpa, numpy. The same grid through the kernels auto passes over on this GPU (the "
+                    "deprecated Triton ones on Hopper, for float32 q only in auto). ~6 s a case.",
     "invariant": "GPU; flax. batch_invariant=True with a random SmolLM2-shaped bf16 model: one request's "
                  "bits alone vs among neighbours, scoring parity, update_weights without a compile. ~1-2 min.",
 }
+# Seconds one item of each section takes on an H100 (a kernel case's compile and run, an engine run, a timed
+# row) and the section's fixed start-up (a process importing JAX and initializing the GPU): the estimates
+# --plan and --dry-run print against the budget. From the sections' descriptions; to be replaced by the
+# first GPU run's own figures (each section reports its seconds).
+ITEM_SECONDS = {"kernels": 6, "auto": 10, "engine": 30, "bandwidth": 5, "peers": 5, "throughput": 90,
+                "kernels_rest": 6, "invariant": 90}
+DRY_RUN_CC = 9.0
+START_SECONDS = 15
+DEFAULT_BUDGET_S = 420
+# A section is not started with less than this left: its process start alone would use it.
+MIN_SECTION_S = 30
 
 
 # ---------------------------------------------------------------- helpers (run in the child)
@@ -96,6 +122,44 @@ def _copy_seconds(nbytes: int, iters: int) -> float:
     import jax.numpy as jnp
     x = jnp.zeros((max(1, nbytes // 4),), jnp.uint32)
     return _time(jax.jit(lambda a: jnp.copy(a) + jnp.uint32(1)), x, iters=iters)
+
+
+class Progress:
+    """A section's budget and its partial result, in the child: `allows()` says whether another item
+    (a case, a run, a timed row) fits in what is left of the run's budget; `save(res)` rewrites the
+    section's file with what it has so far (marked partial), so a section killed at the budget still
+    leaves its finished items in the report."""
+
+    def __init__(self, out_file: pathlib.Path, deadline: float, item_seconds: float):
+        self.out_file, self.deadline, self.item_seconds = out_file, deadline, item_seconds
+        self.left = 0   # items not run for the budget
+        self.t0 = time.perf_counter()
+
+    def allows(self) -> bool:
+        if time.time() + self.item_seconds <= self.deadline:
+            return True
+        self.left += 1
+        return False
+
+    def save(self, res: dict):
+        partial = dict(res, partial=True, not_run_for_budget=self.left,
+                       seconds=round(time.perf_counter() - self.t0, 1))
+        self.out_file.write_text(json.dumps(partial, indent=1, default=str) + "\n")
+
+
+def _auto_pick(op: str, spec, cc, impls=("mosaic", "triton")) -> str | None:
+    """The kernel impl='auto' prefers for this configuration on compute capability cc, before its
+    self-check (the first of AUTO_ORDER serving cc that accepts the configuration); None: plain JAX."""
+    from jpa.ops import dispatch
+    from jpa.ops import ragged
+    for name, lo, hi in dispatch.AUTO_ORDER:
+        if cc is None or not lo <= cc < hi or name not in impls:
+            continue
+        reason = (dispatch.unsupported_reason(name, spec, cc) if op == "decode"
+                  else ragged.unsupported_reason(name, spec, cc))
+        if reason is None:
+            return name
+    return None
 
 
 @contextlib.contextmanager
@@ -164,20 +228,45 @@ def _spec_of(op, args, opts):
 
 
 def section_kernels(ctx) -> dict:
+    return _kernels_section(ctx, auto_picks=True)
+
+
+def section_kernels_rest(ctx) -> dict:
+    return _kernels_section(ctx, auto_picks=False)
+
+
+def _kernels_section(ctx, auto_picks: bool) -> dict:
+    """The kernel grid against the float64 oracle, through the kernels auto picks (auto_picks) or the others."""
     import numpy as np
 
     import jpa
     from jpa.ops import dispatch
     from jpa.ops import ragged
     from jpa.testing.kernel_cases import make_inputs, make_ragged_inputs, np_ragged_reference, np_reference, tolerance
-    cc, interpret = ctx["cc"], ctx["interpret"]
+    cc, interpret, progress = ctx["cc"], ctx["interpret"], ctx["progress"]
     rows = []
     plan = [("decode", impl, c) for impl in ("triton", "mosaic") for c in decode_grid(ctx["quick"])]
     plan += [("ragged", impl, c) for impl in ("triton", "mosaic") for c in ragged_grid(ctx["quick"])]
     if interpret:  # --debug-cpu-interpret: the report machinery on a CPU, one small case per op
         plan = [("decode", "triton", decode_grid(True)[0]), ("ragged", "triton", ragged_grid(True)[0])]
+    # What proves most first (the "kernels" section): every case through the kernel auto picks for it on this
+    # GPU; "kernels_rest", at the end of the run, the kernels auto passes over.
+    picks = {}
+    for op, _, case in plan:
+        if (op, str(case)) not in picks:
+            args, opts = (make_inputs if op == "decode" else make_ragged_inputs)(case)
+            picks[(op, str(case))] = _auto_pick(op, _spec_of(op, args, opts), cc)
+    picked = {(op, impl, str(c)): picks[(op, str(c))] == impl for op, impl, c in plan}
+    if not interpret:
+        plan = [p for p in plan if picked[(p[0], p[1], str(p[2]))] == auto_picks]
+    if ctx["dry_run"]:
+        return dict(ok=True, dry_run=True, items=len(plan), auto_picked=sum(picked.values()),
+                    plan=[f"{op} {impl}{' (auto picks)' if picked[(op, impl, str(c))] else ''} {c}"
+                          for op, impl, c in plan])
     for op, impl, case in plan:
-        row = dict(op=op, impl=impl, case=str(case))
+        if not progress.allows():
+            continue
+        row = dict(op=op, impl=impl, case=str(case), auto_picks=picked[(op, impl, str(case))])
         try:
             if op == "decode":
                 args, opts = make_inputs(case)
@@ -203,8 +292,14 @@ def section_kernels(ctx) -> dict:
         except Exception as e:  # every failing case is reported, not only the first
             rows.append({**row, "error": _err(e), "ok": False})
         print(f"  {'ok  ' if rows[-1]['ok'] else 'FAIL'} {op} {impl} {case}", flush=True)
+        progress.save(_kernels_result(rows, progress))
+    return _kernels_result(rows, progress)
+
+
+def _kernels_result(rows, progress) -> dict:
     return dict(ok=all(r["ok"] for r in rows), cases=rows, ran=sum("refused" not in r for r in rows),
-                refused=sum("refused" in r for r in rows), failed=sum(not r["ok"] for r in rows))
+                refused=sum("refused" in r for r in rows), failed=sum(not r["ok"] for r in rows),
+                not_run_for_budget=progress.left)
 
 
 # ---------------------------------------------------------------- 2. auto
@@ -217,9 +312,13 @@ def section_auto(ctx) -> dict:
     import jpa
     from jpa.ops import dispatch
     from jpa.ops import ragged
+    if ctx["dry_run"]:
+        return dict(ok=True, dry_run=True, items=6, plan=[f"{op} {d}" for d in ("bfloat16", "float16", "float32")
+                                                           for op in ("decode", "ragged")])
     target = dispatch.current_target()
     out = {}
     rng = np.random.default_rng(0)
+    progress = ctx["progress"]
     for dtype in ("bfloat16", "float16", "float32"):
         q = jnp.asarray(rng.standard_normal((16, 32, 128)), dtype)
         k = jnp.asarray(rng.standard_normal((8, 256, 16, 128)), dtype)
@@ -228,6 +327,8 @@ def section_auto(ctx) -> dict:
         cu = jnp.asarray(np.concatenate([[0], np.cumsum(rng.integers(1, 5, 16))]), jnp.int32)
         rq = jnp.asarray(rng.standard_normal((64, 32, 128)), dtype)
         for op in ("decode", "ragged"):
+            if not progress.allows():
+                continue
             with warnings.catch_warnings(record=True) as w:
                 warnings.simplefilter("always")
                 if op == "decode":
@@ -253,7 +354,8 @@ def section_auto(ctx) -> dict:
             out[f"{op} {dtype}"] = dict(in_compiled_program=in_hlo, self_checks=checks,
                                         warnings=[str(x.message)[:400] for x in w],
                                         ok=in_hlo != "xla" and checks.get(in_hlo) == "passed")
-    return dict(ok=all(v["ok"] for v in out.values()), by_op_dtype=out)
+            progress.save(dict(ok=all(v["ok"] for v in out.values()), by_op_dtype=out))
+    return dict(ok=all(v["ok"] for v in out.values()), by_op_dtype=out, not_run_for_budget=progress.left)
 
 
 # ---------------------------------------------------------------- 3. bandwidth and 4. peers
@@ -291,8 +393,15 @@ def decode_problem(shape, seed=0):
             pools.append(x.astype(dtype))
     tables = jnp.asarray(rng.permutation(num_pages).reshape(b, pps), jnp.int32)
     lens = jnp.full((b,), ctx, jnp.int32)
-    nbytes = 2 * kh * b * ctx * h * np.dtype(pools[0].dtype).itemsize + (2 * kh * b * ctx * 4 if "k_scales" in opts else 0)
-    return (q, pools[0], pools[1], tables, lens), opts, nbytes
+    return (q, pools[0], pools[1], tables, lens), opts, decode_bytes(shape)
+
+
+def decode_bytes(shape) -> int:
+    """Bytes a decode call of `shape` must read: every sequence's K and V (and an 8-bit cache's f32 scales)."""
+    _, b, ctx, kh, _, h, _, dtype = shape
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "float8_e4m3fn": 1}[dtype]
+    scales = 2 * kh * b * ctx * 4 if itemsize == 1 else 0
+    return 2 * kh * b * ctx * h * itemsize + scales
 
 
 def section_bandwidth(ctx) -> dict:
@@ -302,7 +411,15 @@ def section_bandwidth(ctx) -> dict:
     rows = []
     iters = 10 if ctx["quick"] else 30
     shapes = DECODE_SHAPES[:2] if ctx["quick"] else DECODE_SHAPES
+    if ctx["dry_run"]:
+        plan = [f"decode {shape[0]} {impl}" for shape in shapes for impl in ("mosaic", "triton", "xla")]
+        plan += [f"ragged {impl}" for impl in ("mosaic", "triton", "xla")]
+        return dict(ok=True, dry_run=True, items=len(plan), plan=plan,
+                    bytes={shape[0]: decode_bytes(shape) for shape in shapes})
+    progress = ctx["progress"]
     for shape in shapes:
+        if not progress.allows():
+            continue
         args, opts, nbytes = decode_problem(shape)
         copy_s = _copy_seconds(nbytes, iters)
         copy_gbps = 2 * nbytes / copy_s / 1e9
@@ -317,9 +434,12 @@ def section_bandwidth(ctx) -> dict:
                                    iters, nbytes, copy_gbps))
             print(f"  {row['shape']} {impl}: {rows[-1].get('gbps', rows[-1].get('error', rows[-1].get('refused')))}",
                   flush=True)
-    rows += _ragged_bandwidth(ctx, iters)
+        progress.save(dict(ok=all("error" not in r for r in rows), rows=rows))
+    if progress.allows():
+        rows += _ragged_bandwidth(ctx, iters)
     ok = all("error" not in r for r in rows) and any("gbps" in r for r in rows)
-    return dict(ok=ok, rows=rows, roofline="a device-to-device copy of the same bytes in this run: "
+    return dict(ok=ok, rows=rows, not_run_for_budget=progress.left,
+                roofline="a device-to-device copy of the same bytes in this run: "
                 "copy GB/s counts read + write; a kernel's GB/s counts the K/V (+ scales) it must read")
 
 
@@ -399,7 +519,15 @@ def section_peers(ctx) -> dict:
     except Exception as e:
         jax_pa, peer_error = None, _err(e)
     shapes = [s for s in DECODE_SHAPES if s[7] in ("bfloat16", "float16")]
-    for shape in shapes[:2] if ctx["quick"] else shapes:
+    shapes = shapes[:2] if ctx["quick"] else shapes
+    if ctx["dry_run"]:
+        plan = [f"{shape[0]} {name}" for shape in shapes
+                for name in ("jpa auto", "dense XLA", "jax.experimental paged_attention")]
+        return dict(ok=True, dry_run=True, items=len(plan), plan=plan, jax_paged_attention_import_error=peer_error)
+    progress = ctx["progress"]
+    for shape in shapes:
+        if not progress.allows():
+            continue
         args, opts, nbytes = decode_problem(shape)
         q, kp, vp, tables, lens = args
         b, ctx_len, kh, _, h = shape[1], shape[2], shape[3], shape[4], shape[5]
@@ -424,8 +552,9 @@ def section_peers(ctx) -> dict:
                 rows.append({**row, "error": _err(e)})
             print(f"  {shape[0]} {name}: {rows[-1].get('gbps', rows[-1].get('error'))}", flush=True)
         del kc, vc
-    return dict(ok=any(r["impl"] == "jpa auto" and "gbps" in r for r in rows), rows=rows,
-                jax_paged_attention_import_error=peer_error)
+        progress.save(dict(ok=True, rows=rows, jax_paged_attention_import_error=peer_error))
+    return dict(ok=any(r["impl"] == "jpa auto" and "gbps" in r for r in rows) or not rows, rows=rows,
+                jax_paged_attention_import_error=peer_error, not_run_for_budget=progress.left)
 
 
 # ---------------------------------------------------------------- 5. engine
@@ -488,33 +617,68 @@ def _engine_run(model_name, config, dtype, impl, prompts, max_new, max_model_len
 
 
 def section_engine(ctx) -> dict:
+    """The greedy equality: float32 token ids with impl='auto' equal to the plain-JAX path's, both models."""
+    return _engine_section(ctx, (8, 512, 32), [(m, "float32", impl) for m in (0, 1) for impl in ("auto", "xla")])
+
+
+def section_throughput(ctx) -> dict:
+    """The engine's tokens/s: bfloat16 and float32 with impl='auto', both models."""
+    sizes = (8, 512, 32) if ctx["quick"] else (64, 2048, 128)
+    return _engine_section(ctx, sizes, [(m, dtype, "auto") for dtype in ("bfloat16", "float32") for m in (0, 1)])
+
+
+def _engine_section(ctx, sizes, runs_wanted) -> dict:
     import numpy as np
 
     from jpa import models
     from jpa.models import ModelConfig
-    seqs, ctx_len, gen = (8, 512, 32) if ctx["quick"] else (64, 2048, 128)
-    runs, equal = [], {}
-    for name, config in (("smollm2-135m shape", models.PRESETS["smollm2-135m"]),
-                         ("llama-3-8b shape, 4 layers", ModelConfig(**LLAMA8B_4L))):
+    seqs, ctx_len, gen = sizes
+    shapes = (("smollm2-135m shape", models.PRESETS["smollm2-135m"]),
+              ("llama-3-8b shape, 4 layers", ModelConfig(**LLAMA8B_4L)))
+    plan = [(*shapes[m], dtype, impl) for m, dtype, impl in runs_wanted]
+    if ctx["dry_run"]:
+        import jax.numpy as jnp
+        from flax import nnx
+        sizes = {name: sum(int(np.prod(x.shape)) for x in jax_leaves(nnx.state(nnx.eval_shape(
+            lambda c=config: models.GPT(c, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))))) for name, config in shapes}
+        cfg, dropped = _engine_config(max_seqs=seqs, page_size=16, num_pages=seqs * ctx_len // 16 + 64,
+                                      max_model_len=ctx_len, attention_impl="auto")
+        return dict(ok=True, dry_run=True, items=len(plan), parameters=sizes, dropped_config_fields=dropped,
+                    plan=[f"{name} {dtype} {impl}: {seqs} seqs x {ctx_len}" for name, _, dtype, impl in plan])
+    progress = ctx["progress"]
+    runs, got = [], {}
+    for name, config, dtype, impl in plan:
+        if not progress.allows():
+            continue
         rng = np.random.default_rng(0)
         prompts = [[int(t) for t in rng.integers(2, config.vocab_size, ctx_len - gen)] for _ in range(seqs)]
-        got = {}
-        for dtype, impl in (("float32", "auto"), ("float32", "xla"), ("bfloat16", "auto")):
-            try:
-                ids, run = _engine_run(name, config, dtype, impl, prompts, gen, ctx_len)
-                got[(dtype, impl)] = ids
-            except Exception as e:
-                run = dict(model=name, dtype=dtype, impl=impl, error=_err(e), trace=traceback.format_exc()[-2000:])
-            runs.append(run)
-            print(f"  {name} {dtype} {impl}: {run.get('tokens_per_s', run.get('error'))} tok/s", flush=True)
-        a, x = got.get(("float32", "auto")), got.get(("float32", "xla"))
-        if a is not None and x is not None:
-            diverged = [dict(seq=i, first_token=next(j for j, (p, q) in enumerate(zip(u, v)) if p != q)
-                             if any(p != q for p, q in zip(u, v)) else min(len(u), len(v)))
-                        for i, (u, v) in enumerate(zip(a, x)) if u != v]
-            equal[name] = dict(identical=not diverged, diverged=diverged[:8])
-        else:
-            equal[name] = dict(identical=False, diverged="a run failed")
+        try:
+            ids, run = _engine_run(name, config, dtype, impl, prompts, gen, ctx_len)
+            got[(name, dtype, impl)] = ids
+        except Exception as e:
+            run = dict(model=name, dtype=dtype, impl=impl, error=_err(e), trace=traceback.format_exc()[-2000:])
+        runs.append(run)
+        print(f"  {name} {dtype} {impl}: {run.get('tokens_per_s', run.get('error'))} tok/s", flush=True)
+        progress.save(_engine_result(shapes, got, runs))
+    return dict(_engine_result(shapes, got, runs), not_run_for_budget=progress.left)
+
+
+def jax_leaves(tree):
+    import jax
+    return jax.tree_util.tree_leaves(tree)
+
+
+def _engine_result(shapes, got, runs) -> dict:
+    """The section's result from the runs so far: greedy f32 equality per model where both runs finished."""
+    equal = {}
+    for name, _ in shapes:
+        a, x = got.get((name, "float32", "auto")), got.get((name, "float32", "xla"))
+        if a is None or x is None:
+            continue
+        diverged = [dict(seq=i, first_token=next(j for j, (p, q) in enumerate(zip(u, v)) if p != q)
+                         if any(p != q for p, q in zip(u, v)) else min(len(u), len(v)))
+                    for i, (u, v) in enumerate(zip(a, x)) if u != v]
+        equal[name] = dict(identical=not diverged, diverged=diverged[:8])
     ok = all(v["identical"] for v in equal.values()) and all("error" not in r for r in runs)
     return dict(ok=ok, greedy_f32_auto_vs_xla=equal, runs=runs)
 
@@ -524,6 +688,8 @@ def section_invariant(ctx) -> dict:
     where XLA's GPU GEMMs and reductions run: one request's tokens and logprobs alone vs among random
     neighbours in random order (other slots, chunking, prefix-cache hits), scoring parity, and an
     update_weights round trip with the step compiled once."""
+    if ctx["dry_run"]:
+        return dict(ok=True, dry_run=True, items=1, plan=["smollm2-135m shape, bfloat16, batch_invariant=True"])
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -565,8 +731,9 @@ def section_invariant(ctx) -> dict:
                 attention=eng.summary().get("attention"))
 
 
-SECTION_FNS = dict(kernels=section_kernels, auto=section_auto, bandwidth=section_bandwidth,
-                   peers=section_peers, engine=section_engine, invariant=section_invariant)
+SECTION_FNS = dict(kernels=section_kernels, auto=section_auto, engine=section_engine, bandwidth=section_bandwidth,
+                   peers=section_peers, throughput=section_throughput, kernels_rest=section_kernels_rest,
+                   invariant=section_invariant)
 
 
 # ---------------------------------------------------------------- profile (Nsight Compute)
@@ -593,12 +760,18 @@ def profile(config: str, iters: int) -> int:
 # ---------------------------------------------------------------- the parent: report
 
 def markdown(report: dict) -> str:
+    dry = " (DRY RUN on a CPU: nothing here is a GPU result)" if report.get("dry_run") else ""
     lines = [f"# gpu_validate: {report.get('device_kind')} (cc {report.get('compute_capability')}), "
-             f"JAX {report.get('jax')}", "", "| section | result | seconds | note |", "|---|---|---|---|"]
+             f"JAX {report.get('jax')}{dry}", "",
+             f"Budget {report.get('budget_s')} s; took {report.get('seconds', '(running)')} s.", "",
+             "| section | result | seconds | estimate s | items | not run (budget) | note |",
+             "|---|---|---|---|---|---|---|"]
     for name in report.get("sections", {}):
         r = report["sections"][name]
         note = r.get("error", "")[:200] if isinstance(r.get("error"), str) else ""
-        lines.append(f"| {name} | {'ok' if r.get('ok') else 'FAILED'} | {r.get('seconds', '')} | {note} |")
+        note = note or r.get("cut", "")
+        lines.append(f"| {name} | {section_status(r)} | {r.get('seconds', '')} | {r.get('estimate_s', '')} | "
+                     f"{r.get('items', '')} | {r.get('not_run_for_budget', '')} | {note} |")
     for name in ("bandwidth", "peers"):
         rows = report.get("sections", {}).get(name, {}).get("rows", [])
         if rows:
@@ -608,9 +781,10 @@ def markdown(report: dict) -> str:
                 lines.append(f"| {r.get('shape')} | {r.get('impl')} | {r.get('us', '')} | {r.get('gbps', '')} | "
                              f"{r.get('pct_of_copy_roofline', '')} | {(r.get('error') or r.get('refused') or '')[:120]} |")
     eng = report.get("sections", {}).get("engine", {})
-    if eng.get("runs"):
+    runs = eng.get("runs", []) + report.get("sections", {}).get("throughput", {}).get("runs", [])
+    if runs:
         lines += ["", "## engine", "", "| model | dtype | impl | attention | tokens/s | note |", "|---|---|---|---|---|---|"]
-        for r in eng["runs"]:
+        for r in runs:
             lines.append(f"| {r.get('model')} | {r.get('dtype')} | {r.get('impl')} | {r.get('attention', '')} | "
                          f"{r.get('tokens_per_s', '')} | {r.get('error', '')[:120]} |")
         for m, v in eng.get("greedy_f32_auto_vs_xla", {}).items():
@@ -621,6 +795,17 @@ def markdown(report: dict) -> str:
         lines += ["", "## failing kernel cases", ""] + [f"- {c['op']} {c['impl']} {c['case']}: "
                                                        f"{c.get('error') or c.get('max_abs_err')}" for c in bad]
     return "\n".join(lines) + "\n"
+
+
+def section_status(r: dict) -> str:
+    """ok / FAILED / planned (dry run) / skipped (no budget left) / partial (cut by the budget), for the report."""
+    if r.get("skipped"):
+        return "skipped"
+    if r.get("dry_run") and r.get("ok"):
+        return "planned"
+    if not r.get("ok"):
+        return "FAILED"
+    return "partial" if r.get("not_run_for_budget") or r.get("cut") else "ok"
 
 
 def write_report(out: pathlib.Path, report: dict):
@@ -636,8 +821,11 @@ def run_child(args) -> int:
     target = dispatch.current_target()
     if args.debug_crash == args.section:
         os.abort()  # the isolation test: a crash the parent must record
-    ctx = dict(quick=args.quick, cc=target.compute_capability if target.is_nvidia_gpu else None,
-               interpret=args.debug_cpu_interpret)
+    out_file = args.out / f"section-{args.section}.json"
+    # A dry run plans for an H100 (compute capability 9.0): which kernel auto would pick for each case.
+    cc = DRY_RUN_CC if args.dry_run else target.compute_capability if target.is_nvidia_gpu else None
+    ctx = dict(quick=args.quick, cc=cc, interpret=args.debug_cpu_interpret, dry_run=args.dry_run,
+               progress=Progress(out_file, args.deadline or float("inf"), ITEM_SECONDS[args.section]))
     t0 = time.perf_counter()
     try:
         res = SECTION_FNS[args.section](ctx)
@@ -645,7 +833,7 @@ def run_child(args) -> int:
         res = dict(ok=False, error=_err(e), trace=traceback.format_exc()[-4000:])
     res["seconds"] = round(time.perf_counter() - t0, 1)
     res["jax"] = jax.__version__
-    (args.out / f"section-{args.section}.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
+    out_file.write_text(json.dumps(res, indent=1, default=str) + "\n")
     return 0
 
 
@@ -663,54 +851,105 @@ def main(argv=None) -> int:
                    help="debug: run on a CPU, kernels in interpret mode (tests the report machinery; "
                         "proves nothing about a GPU)")
     p.add_argument("--debug-crash", metavar="SECTION", help="debug: abort the process of this section")
+    p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
+                   help=f"seconds for the whole run, start to report (default {DEFAULT_BUDGET_S}); sections past it are "
+                        f"cut, with what they ran reported")
+    p.add_argument("--dry-run", action="store_true",
+                   help="on a CPU: build every section's cases, shapes and models (abstractly) and print the "
+                        "estimates against the budget; nothing runs on a device")
+    p.add_argument("--deadline", type=float, help=argparse.SUPPRESS)  # internal: the child's absolute deadline
     args = p.parse_args(argv)
     if args.plan:
         for name, need in SECTIONS.items():
             print(f"{name:10s} {need}")
-        print("\nEach section runs in its own subprocess; DIR/report.json and DIR/report.md after each.")
+        print(f"\nIn this order, each in its own subprocess, within --budget-s (default {DEFAULT_BUDGET_S} s); "
+              f"DIR/report.json and DIR/report.md after each case.")
         return 0
     unknown = [s for s in args.sections.split(",") if s not in SECTIONS]
     if unknown:
         p.error(f"--sections: unknown {unknown}; the sections are {list(SECTIONS)}")
+    if not args.budget_s > 0:
+        p.error(f"--budget-s must be > 0; got {args.budget_s}")
     jax = _jax()
     from jpa.ops import dispatch
     target = dispatch.current_target()
-    if not (target.is_nvidia_gpu and target.executable) and not args.debug_cpu_interpret:
+    if not (target.is_nvidia_gpu and target.executable) and not (args.debug_cpu_interpret or args.dry_run):
         print(f"gpu_validate: needs an NVIDIA GPU, and JAX sees {target.platform} ({target.device_kind}). "
               f"Nothing here can pass without one. On a GPU machine JAX needs its CUDA plugin "
-              f"(jax[cuda12] or jax[cuda13]); deviceless compile checks are scripts/gpu_compile_check.py.",
-              file=sys.stderr)
+              f"(jax[cuda12] or jax[cuda13]); deviceless compile checks are scripts/gpu_compile_check.py; "
+              f"--dry-run plans the run on a CPU.", file=sys.stderr)
         return 2
     if args.section:
         return run_child(args)
     if args.profile:
         return profile(args.profile, args.iters)
+    return run_sections(args, target, jax.__version__)
+
+
+def run_sections(args, target, jax_version) -> int:
+    """The parent: each section in its own subprocess, in order, within the budget; the report after each."""
     report = dict(device_kind=target.device_kind, compute_capability=target.compute_capability,
-                  jax=jax.__version__, quick=args.quick, started=time.strftime("%Y-%m-%d %H:%M:%S"),
-                  sections={})
+                  jax=jax_version, quick=args.quick, started=time.strftime("%Y-%m-%d %H:%M:%S"),
+                  budget_s=args.budget_s, dry_run=args.dry_run, sections={})
     t0 = time.perf_counter()
+    deadline = time.time() + args.budget_s
+    planned = 0.0   # a dry run: the estimates' running sum
     for name in args.sections.split(","):
         print(f"== {name}", flush=True)
         out_file = args.out / f"section-{name}.json"
         args.out.mkdir(parents=True, exist_ok=True)
         out_file.unlink(missing_ok=True)
-        cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--section", name, "--out", str(args.out)]
+        left = deadline - time.time()
+        if not args.dry_run and left < MIN_SECTION_S:
+            report["sections"][name] = dict(ok=True, skipped=True, seconds=0,
+                                            cut=f"not started: {left:.0f} s of the budget left")
+            print(f"   skipped ({left:.0f} s left)", flush=True)
+            write_report(args.out, report)
+            continue
+        cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--section", name, "--out", str(args.out),
+               "--deadline", str(deadline)]
         cmd += ["--quick"] * args.quick + ["--debug-cpu-interpret"] * args.debug_cpu_interpret
+        cmd += ["--dry-run"] * args.dry_run
         cmd += ["--debug-crash", args.debug_crash] if args.debug_crash else []
         t = time.perf_counter()
-        proc = subprocess.run(cmd, stdout=None, stderr=subprocess.PIPE, text=True)
+        cut = None
+        try:
+            # The child stops taking items at the deadline; past it (one item ran long) it is killed, and what it
+            # saved so far is the section's result.
+            proc = subprocess.run(cmd, stdout=None, stderr=subprocess.PIPE, text=True,
+                                  timeout=None if args.dry_run else max(5.0, left + 20))
+            returncode, stderr = proc.returncode, proc.stderr
+        except subprocess.TimeoutExpired as e:
+            returncode, stderr = None, (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) \
+                else (e.stderr or "")
+            cut = f"killed {time.perf_counter() - t:.0f} s in, at the end of the budget"
         if out_file.exists():
             res = json.loads(out_file.read_text())
-        else:  # the child died (abort, segfault, out of memory): recorded, the next section runs
-            res = dict(ok=False, error=f"section process exited with {proc.returncode} and no result",
-                       stderr_tail=proc.stderr[-4000:], seconds=round(time.perf_counter() - t, 1))
+            if cut:
+                res["cut"] = cut
+        else:  # the child died (abort, segfault, out of memory, the budget): recorded, the next section runs
+            why = cut or f"section process exited with {returncode} and no result"
+            res = dict(ok=False, error=why, stderr_tail=stderr[-4000:], seconds=round(time.perf_counter() - t, 1))
+        if args.dry_run and "items" in res:
+            # The items that fit in what the sections before left of the budget (the run's order).
+            left = args.budget_s - planned - START_SECONDS
+            res["items_within_budget"] = max(0, min(res["items"], int(left // ITEM_SECONDS[name])))
+            res["estimate_s"] = START_SECONDS + res["items"] * ITEM_SECONDS[name]
+            res["not_run_for_budget"] = res["items"] - res["items_within_budget"]
+            planned += START_SECONDS + res["items_within_budget"] * ITEM_SECONDS[name] if left > 0 else 0
         report["sections"][name] = res
-        print(f"   {'ok' if res.get('ok') else 'FAILED'} ({res.get('seconds')} s)", flush=True)
+        print(f"   {section_status(res)} ({res.get('seconds')} s"
+              + (f"; on a GPU: estimate {res.get('estimate_s')} s for {res.get('items')} items, "
+                 f"{res.get('items_within_budget')} within the budget, {planned:.0f} s of it used" if args.dry_run else "")
+              + ")", flush=True)
         write_report(args.out, report)
     report["seconds"] = round(time.perf_counter() - t0, 1)
     report["ok"] = all(r.get("ok") for r in report["sections"].values())
+    if args.dry_run:
+        report["estimate_s"] = planned
     write_report(args.out, report)
-    print(f"gpu_validate: {'PASSED' if report['ok'] else 'FAILED'} in {report['seconds']} s; "
+    what = "DRY RUN (planned; nothing ran on a GPU)" if args.dry_run else "PASSED" if report["ok"] else "FAILED"
+    print(f"gpu_validate: {what} in {report['seconds']} s (budget {args.budget_s:.0f} s); "
           f"{args.out / 'report.json'}, {args.out / 'report.md'}")
     return 0 if report["ok"] else 1
 

@@ -11,7 +11,7 @@ Q4_1 blocks (4-bit, column-parallel), wo / w_down as Q8_0 blocks (8-bit with gro
 device holds whole 32-value groups of K) and w_up int8 per output channel (column-parallel, its scales split with
 it), and the head int8 per output channel (split on the vocabulary). The reference is the single-device model on XLA's path (this CPU: the layer's blocks dequantized where the
 dot reads them); the sharded one runs under JPA_QMATMUL=interpret, so every layer linear is the kernel's code on
-its device's shard inside `models.gpt._tp_matmul`'s shard_map. Reported: the largest logit gap of a decode step
+its device's shard inside `models.linear.tp_matmul`'s shard_map. Reported: the largest logit gap of a decode step
 (and, with --prefill, of a prefill chunk) against the reference and the reference's largest logit; the
 `qmatmul_plan` under the mesh; in the sharded decode step's jaxpr, each shard_map's Mosaic qmatmul calls with
 their codes' shapes (one device's shard) and whether it sums over "tp" (psum).
@@ -37,7 +37,7 @@ from jpa.core.quant import quantize_weight  # noqa: E402
 from jpa.core.sharding import tp_mesh  # noqa: E402
 from jpa.kv.cache import KVCache  # noqa: E402
 from jpa.models import GPT, ModelConfig, sharding  # noqa: E402
-from jpa.models.gpt import PackedWeight, qmatmul_plan, set_packed  # noqa: E402
+from jpa.models.gpt import PackedWeight, qmatmul_plan, set_packed, set_scaled  # noqa: E402
 from jpa.testing.engine import gap_inputs  # noqa: E402
 from jpa.testing.jaxprs import equations  # noqa: E402
 
@@ -63,11 +63,9 @@ def quantized_model(rng, num_layers: int) -> GPT:
             rng.integers(-127, 128, (n_layers, k, n)).astype(np.int8),
             rng.uniform(2e-4, 2e-3, (n_layers, k // 32, n)).astype(np.float16), None, -2))
     q, scale = quantize_weight(rng.normal(0, 0.05, shape("w_up")).astype(np.float32), "int8")
-    layers.w_up = nnx.Param(jnp.asarray(q))
-    layers.w_up_scale = nnx.Param(jnp.asarray(scale))
+    set_scaled(layers, "w_up", q, scale)
     q, scale = quantize_weight(rng.normal(0, 0.05, model.output.get_value().shape).astype(np.float32), "int8")
-    model.output = nnx.Param(jnp.asarray(q))  # the head int8 per vocabulary column: split on the vocabulary
-    model.output_scale = nnx.Param(jnp.asarray(scale))
+    set_scaled(model, "output", q, scale)  # the head int8 per vocabulary column: split on the vocabulary
     model.quantization = "gguf"
     return model
 

@@ -106,3 +106,8 @@ def test_batch_invariant_flag():
     EngineArgs.add_cli_args(ap)
     assert EngineArgs.from_cli_args(ap.parse_args(["--batch-invariant"])).engine_config().batch_invariant
     assert not EngineArgs.from_cli_args(ap.parse_args([])).engine_config().batch_invariant
+
+
+def test_batch_invariant_needs_one_step_shape():
+    with pytest.raises(ValueError, match="batch_invariant needs one compiled step shape"):
+        EngineConfig(batch_invariant=True, step_shapes="ladder")

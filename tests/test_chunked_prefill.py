@@ -211,10 +211,21 @@ def test_plan_without_prompt_work_is_decode_only():
     s = scheduler()
     s.add(request(0, 3))
     plan = s.plan_round(8)
-    assert plan.decode_steps == 3, "the last chunk: steps_per_call - 1 decode steps follow"
-    s.stepped(plan, result([5], 31, [3, 0, 0, 0], steps=3))
+    assert plan.decode_steps == 0, "a prompt's first token comes back with the round that samples it"
+    s.stepped(plan, result([5], 31, [3, 0, 0, 0], steps=0))
     plan = s.plan_round(8)
     assert plan.entries == () and plan.decode_steps == 4
+
+
+def test_a_resumed_request_keeps_the_decode_steps_after_its_last_chunk():
+    """Only a first token comes back alone: a preempted request recomputing its prompt and output
+    (its pending token known) runs steps_per_call - 1 decode steps after its last chunk."""
+    s = scheduler()
+    r = request(0, 3)
+    r.output_ids = [7, 8]   # generated before its preemption
+    s.add(r)
+    plan = s.plan_round(8)
+    assert plan.entries[0].final and plan.decode_steps == 3
 
 
 def test_plan_chunk_fits_the_free_pages():

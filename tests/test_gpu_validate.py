@@ -11,9 +11,11 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_validate.py"
-SECTIONS = ("kernels", "auto", "bandwidth", "peers", "engine", "invariant")
+SECTIONS = ("kernels", "auto", "engine", "bandwidth", "peers", "throughput", "kernels_rest", "invariant")
 
 
 def run(*args, timeout=900):
@@ -34,6 +36,46 @@ def test_plan_lists_every_section_and_what_it_needs():
     lines = {line.split()[0]: line for line in proc.stdout.splitlines() if line.strip()}
     for name in SECTIONS:
         assert name in lines and "GPU" in lines[name], (name, proc.stdout)
+
+
+def test_plan_orders_the_sections_by_what_they_prove():
+    proc = run("--plan")
+    order = [line.split()[0] for line in proc.stdout.splitlines() if line.split() and line.split()[0] in SECTIONS]
+    assert order == list(SECTIONS)
+
+
+@pytest.mark.bench  # ~30 s: a process per section importing JAX and building the cases (CI runs it)
+def test_dry_run_plans_every_section_within_the_budget_on_a_cpu(tmp_path):
+    """--dry-run builds each section's cases, shapes and (abstract) models on the CPU and reports each one's
+    estimate and how many of its items the budget reaches, in the run's order; nothing runs on a device."""
+    out = tmp_path / "out"
+    proc = run("--dry-run", "--quick", "--budget-s", "240", "--sections", "kernels,engine,bandwidth",
+               "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["dry_run"] and report["budget_s"] == 240
+    secs = report["sections"]
+    assert list(secs) == ["kernels", "engine", "bandwidth"]
+    for name, r in secs.items():
+        assert r["dry_run"] and r["items"] == len(r["plan"]) > 0, (name, r)
+        assert r["items_within_budget"] + r["not_run_for_budget"] == r["items"]
+    # the kernels section holds only the cases auto picks a kernel for on the planned H100, each marked so
+    assert all("(auto picks)" in line for line in secs["kernels"]["plan"])
+    # in order, the budget reaches every kernel case and engine run, then part of the bandwidth rows
+    assert secs["kernels"]["not_run_for_budget"] == 0 and secs["engine"]["not_run_for_budget"] == 0
+    assert 0 < secs["bandwidth"]["not_run_for_budget"] < secs["bandwidth"]["items"]
+    assert report["estimate_s"] <= 240
+    assert "DRY RUN" in (out / "report.md").read_text()
+
+
+def test_sections_past_the_budget_are_skipped_and_reported(tmp_path):
+    out = tmp_path / "out"
+    proc = run("--debug-cpu-interpret", "--budget-s", "5", "--sections", "kernels,auto", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    for name in ("kernels", "auto"):
+        assert report["sections"][name]["skipped"] and "of the budget left" in report["sections"][name]["cut"]
+    assert "| kernels | skipped |" in (out / "report.md").read_text()
 
 
 def test_sections_are_isolated_and_the_report_is_written(tmp_path):

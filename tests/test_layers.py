@@ -1,4 +1,4 @@
-"""The layering of design.md, checked on the source: every `import` in the package (at module level
+"""The layering of docs/architecture.md, checked on the source: every `import` in the package (at module level
 or inside a function) goes from a layer to itself or to a layer it may use. A wrong arrow (the
 engine importing the models layer, a kernel importing an op, the library importing a script) fails
 here with the file and line."""
@@ -126,3 +126,45 @@ def test_every_test_moved_to_the_bench_tier_exists():
     grouped = [path for files in SHARED.values() for path in files]
     assert all((root / path).is_file() for path in grouped) and len(grouped) == len(set(grouped)), SHARED
     assert scope("tests/test_engine.py::test_x[1]") == "engines" and scope("tests/test_a.py::t") == "tests/test_a.py"
+
+
+def test_no_module_imports_itself_through_others():
+    """No import circle between the package's modules (imports inside functions count too): a circle means two
+    modules that cannot be read, tested or moved apart."""
+    mods = dict((m.replace(".__init__", ""), p) for p, m in sources())
+    graph = {m: set() for m in mods}
+    for m, path in mods.items():
+        for _, target in imports(path, m if not path.name == "__init__.py" else m + ".__init__"):
+            while target and target not in mods:  # `from a.b import c` names a.b.c; a package names its __init__
+                target = target.rpartition(".")[0]
+            if target and target != m and not (m.startswith(target + ".") and mods[target].name == "__init__.py"):
+                graph[m].add(target)
+    # Tarjan's strongly connected components: a component of more than one module is a circle.
+    index, low, stack, on, circles, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                circles.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert not circles, "import circles:\n" + "\n".join(" <-> ".join(c) for c in circles)

@@ -24,6 +24,7 @@ from jpa.engine import EngineConfig, SamplingParams
 from jpa.llm import LLM, build_engine
 from jpa.models import GPT, PRESETS, forward_dense, sharding
 from jpa.models.gpt import QUANT_AXIS
+from jpa.models.linear import DENSE, Packed, format_of
 
 HF_QWEN3 = "tests/data/hf/qwen3"
 
@@ -371,5 +372,9 @@ def test_k_quant_model_equals_the_model_dequantized_at_load():
     assert pm.layers.w_down[...].dtype == np.int8 and pm.layers.w_down_bscale[...].shape == (2, 256 // 16, 256)
     assert pm.tok_embeddings_bscale[...].dtype == np.int8 and pm.tok_embeddings_bscale2[...].shape == (300, 1)
     assert pm.weight_bytes() < 0.4 * dm.weight_bytes()
+    # GPT.from_weights records the formats it set (models.linear), the K-quants' super-block parts with them
+    assert format_of(pm.layers, "wq") == Packed(("", "_bscale", "_bmin", "_bscale2", "_bmin2"))
+    assert format_of(pm.layers, "w_down") == Packed(("", "_bscale", "_bmin"))  # the common form
+    assert format_of(dm.layers, "wq") == DENSE
     tokens = jnp.asarray(rng.integers(0, c.vocab_size, (2, 10)), jnp.int32)
     np.testing.assert_allclose(_logprobs(pm, tokens), _logprobs(dm, tokens), atol=5e-5, rtol=0)

@@ -24,6 +24,7 @@ from flax import nnx
 from jpa import models
 from jpa.core.quant import AWQ_ORDER, awq_int4, dequantize_blocks, gptq_int4
 from jpa.models import forward_dense, hf
+from jpa.models.linear import DENSE, SCALED, Packed, formats
 
 BASE = "tests/data/hf/llama"
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
@@ -244,6 +245,13 @@ def test_quantized_checkpoint_equals_numpy_dequantize_then_matmul(tmp_path, fmt)
     assert not hasattr(qm, "tok_embeddings_scale")  # the embeddings (and lm_head unless quantized) stay dense
     assert hasattr(qm, "output_bscale") == (fmt in ("gptq", "gptq-actorder"))
     assert hasattr(qm.layers, "w_down_perm") == (fmt == "gptq-actorder")  # act order: x gathered, rows sorted
+    # the loader records each weight's format where it sets it (models.linear): what the forward pass reads
+    recorded = formats(qm.layers)
+    assert recorded["wq"] == (SCALED if fmt in STORED else Packed(tuple(
+        sx for sx in ("", "_bscale", "_bmin") if hasattr(qm.layers, "wq" + sx))))
+    assert ("_perm" in recorded["w_down"].parts) == (fmt == "gptq-actorder")
+    assert formats(qm)["tok_embeddings"] == DENSE and isinstance(formats(qm).get("output"), Packed) == (
+        fmt in ("gptq", "gptq-actorder"))
     rng = np.random.default_rng()
     tokens = jnp.asarray(rng.integers(0, qm.config.vocab_size, (2, 12)), jnp.int32)
     got, want = _logprobs(qm, tokens), _logprobs(ref, tokens)
@@ -429,13 +437,15 @@ def test_bf16_matmul_weight_is_the_dense_bf16_weight(tmp_path):
     """In bf16 the matmul's weight (dequantized in f32, rounded once) is bit for bit the weight of the
     checkpoint loaded dense-dequantized in bf16: AWQ's q * s + (-z * s) cancels, so rounding s and -z * s
     to bf16 first would not be."""
-    from jpa.models.gpt import _packed
+    from jpa.models.linear import format_of
 
     qdir, _ = write_quantized(tmp_path, "awq")
     qm, _ = models.load(qdir, dtype=jnp.bfloat16)
     dense, _ = models.load(qdir, dtype=jnp.bfloat16, quantization="none")
     for name in ("wq", "wo", "w_down"):
-        got = np.asarray(_packed(qm.layers, name, jnp.bfloat16)).astype(np.float32)
+        w, scale = format_of(qm.layers, name).weight(qm.layers, name, jnp.bfloat16)  # what the dot reads
+        assert scale is None
+        got = np.asarray(w).astype(np.float32)
         np.testing.assert_array_equal(got, np.asarray(getattr(dense.layers, name)[...]).astype(np.float32))
 
 

@@ -1,5 +1,5 @@
 """Quantized layer linears under tensor parallelism (issue 35): each device runs the Mosaic dequantizing matmul on
-its own shard of a quantized weight (`models.gpt._tp_matmul`: one shard_map; column-parallel wq / wk / wv / w_gate /
+its own shard of a quantized weight (`models.linear.tp_matmul`: one shard_map; column-parallel wq / wk / wv / w_gate /
 w_up on their output columns, row-parallel wo / w_down on their K rows and a psum over "tp"), where the kernel
 takes that shard (`models.gpt.qmatmul_plan`), instead of XLA dequantizing a dense copy of every layer's weight.
 

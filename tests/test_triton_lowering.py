@@ -124,7 +124,7 @@ def test_checker_catches_a_sliced_pool():
     args = (jax.ShapeDtypeStruct((2, 8, 128), jnp.bfloat16), pool, pool,
             jax.ShapeDtypeStruct((2, 4), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.int32))
 
-    def sliced(q, k_pages, v_pages, tables, lens):  # the design.md pitfall
+    def sliced(q, k_pages, v_pages, tables, lens):  # docs/architecture.md's first pitfall
         return jpa.paged_decode(q, k_pages[:, :32], v_pages[:, :32], tables, lens, impl="triton")
 
     def whole(q, k_pages, v_pages, tables, lens):

@@ -435,6 +435,12 @@ BENCH = {
         "48 s: reasoning parsers streamed and not (test_server keeps the chat endpoint streamed and not)",
     "tests/test_server_toolcalls.py":
         "21 s (with tiny_server's engine: 42): tool calls streamed piece by piece (test_server keeps streaming)",
+    "tests/test_server_limits.py::test_response_size_is_bounded_up_front":
+        "11 s: n x prompt logprobs over the response bound, then under it (test_server keeps prompt_logprobs "
+        "and echo; the main tier keeps the file's store, name, connection and constraint bounds)",
+    "tests/test_server_limits.py::test_a_required_call_cut_by_max_tokens_is_the_same_streamed_or_not":
+        "4 s: required calls cut at four max_tokens, chat and Responses, streamed and not (test_server_hardening "
+        "keeps the named call cut)",
     "tests/test_server_toolparsers.py":
         "20 s: the tool-call parsers' formats through the server (test_server keeps the chat endpoint)",
     "tests/test_server_responses.py":

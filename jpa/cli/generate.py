@@ -73,7 +73,9 @@ def parse_args(argv=None):
                     "stop token's text) that ended a request in its completion")
     ap.add_argument("--no-skip-special-tokens", action="store_true", help="keep special tokens (e.g. <|im_end|>) "
                     "in the completion text")
-    EngineArgs.add_cli_args(ap, steps_per_call=8, steps_help="decode steps per host round trip")
+    # One shape by default: a run of a few prompts ends before the ladder's shapes are loaded in the
+    # background, and would wait at exit for the one being compiled (README, "Step shapes").
+    EngineArgs.add_cli_args(ap, steps_per_call=8, steps_help="decode steps per host round trip", step_shapes="off")
     ap.add_argument("--json", action="store_true", help="JSON lines on stdout")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
@@ -161,6 +163,7 @@ def run(args):
     if leader:
         print(f"[jpa] model ready in {engine.load_seconds:.1f} s; KV cache: {engine.cache_config.describe()}",
               file=sys.stderr)
+        print(f"[jpa] {engine.cache_report()}", file=sys.stderr)
         if ea.tp > 1:
             print(f"[jpa] tensor parallel: {engine.summary()['head_plan']}; the pool is split on its kv heads, "
                   f"{engine.cache_config.nbytes / ea.tp / 2**20:.1f} MiB per device", file=sys.stderr)
@@ -241,7 +244,9 @@ def run(args):
           + f"(unified step compiled {s['step_compiles']}x"
           + {"persistent cache": ", from the persistent compilation cache",
              "process": ", an earlier engine's of this process"}.get(s["step_source"], "")
-          + f", token budget {s['token_budget']})" +
+          + f", token budget {s['token_budget']}"
+          + (f"; step shapes {len(s['step_shapes_ready'])}/{len(s['step_shapes'])} ready, {s['ladder_compiles']} "
+             f"in the background in {s['ladder_compile_seconds']:.1f} s" if len(s["step_shapes"]) > 1 else "") + ")" +
           f" | pool whole after run: {engine.pool_is_whole()}", file=sys.stderr)
     return 1 if failed else 0
 

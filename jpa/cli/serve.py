@@ -44,6 +44,13 @@ def parse_args(argv=None):
     ap.add_argument("--no-warmup", action="store_true", help="do not compile with a first request before serving")
     ap.add_argument("--max-request-bytes", type=int, default=8 * 2 ** 20, help="largest request body in bytes "
                     "(default 8 MiB); a larger one is answered 413 before it is read")
+    ap.add_argument("--max-response-logprobs", type=int, default=1_000_000, help="most logprob entries (a token "
+                    "or one of its alternatives) one response may hold: n x prompts x (prompt tokens reported + "
+                    "max_tokens) x (1 + logprobs), prompt_logprobs counted the same way (default 1000000, about "
+                    "30-80 MB of JSON); a larger request is a 400 before it runs")
+    ap.add_argument("--response-store-bytes", type=int, default=128 * 2 ** 20, help="bytes of stored Responses "
+                    "(store: true, for previous_response_id) kept in memory, least recently used dropped first "
+                    "(default 128 MiB; at most 1000 responses)")
     ap.add_argument("--timeout-keep-alive", type=float, default=5, help="seconds an idle keep-alive connection "
                     "stays open after a response (default 5)")
     ap.add_argument("--timeout-header", type=float, default=20, help="seconds a connection has to send a "
@@ -51,6 +58,9 @@ def parse_args(argv=None):
                     "slower ones are closed")
     ap.add_argument("--timeout-body", type=float, default=30, help="seconds a request has to send its body once "
                     "its head arrived (default 30); slower ones get 408 and are closed")
+    ap.add_argument("--timeout-write", type=float, default=60, help="seconds a client may leave its answer "
+                    "unread while the server waits to send more (default 60); then it is disconnected and its "
+                    "request aborted, freeing what the answer held")
     ap.add_argument("--shutdown-timeout", type=float, default=30, help="seconds requests in flight may finish in "
                     "after SIGTERM (new ones get 503) before they are ended with an error (default 30)")
     ap.add_argument("--grammar-compile-timeout", type=float, default=10, help="seconds a structured-output "
@@ -76,8 +86,9 @@ def parse_args(argv=None):
 
 def check_args(args):
     args.engine.check({name: getattr(args, name) for name in ("max_waiting", "max_n", "max_request_bytes",
-                                                               "limit_concurrency")})
-    for name in ("timeout_keep_alive", "timeout_header", "timeout_body", "grammar_compile_timeout"):
+                                                               "limit_concurrency", "max_response_logprobs",
+                                                               "response_store_bytes")})
+    for name in ("timeout_keep_alive", "timeout_header", "timeout_body", "timeout_write", "grammar_compile_timeout"):
         v = getattr(args, name)
         if not v > 0 or v == float("inf"):
             raise UsageError(f"--{name.replace('_', '-')} must be a positive number of seconds; got {v}")
@@ -154,9 +165,11 @@ def run(args, sock):
     app = build_app(None, None, model_name=name, api_key=args.api_key, max_n=args.max_n,
                     max_request_bytes=args.max_request_bytes, allowed_origins=args.allowed_origins,
                     constraint_limits=ConstraintLimits(compile_timeout=args.grammar_compile_timeout),
-                    reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser)
+                    reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+                    max_response_logprobs=args.max_response_logprobs, response_store_bytes=args.response_store_bytes)
     server = build_server(app, log_level=args.log_level, timeout_keep_alive=args.timeout_keep_alive,
                           timeout_header=args.timeout_header, timeout_body=args.timeout_body,
+                          timeout_write=args.timeout_write,
                           limit_concurrency=args.limit_concurrency, shutdown_timeout=args.shutdown_timeout)
     loader = _Loader(args, app, server)
     host, port = sock.getsockname()[:2]
@@ -244,6 +257,7 @@ class _Loader:
                        "process": " (an earlier engine's of this process)"}.get(engine.runner.step_source, ""))
         print(f"[jpa] model ready in {time.perf_counter() - t0:.1f} s{compiled}; KV cache: "
               f"{engine.cache_config.describe()}; max_model_len {engine.max_model_len}", file=sys.stderr, flush=True)
+        print(f"[jpa] {engine.cache_report()}", file=sys.stderr, flush=True)
 
     def stop(self):
         with self._lock:

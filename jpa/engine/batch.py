@@ -6,13 +6,14 @@ handed to `Scheduler.stepped`. Both are nested records, one per concern, so a fe
 own record instead of fields threaded through every layer:
 
     StepBatch   rows (RaggedRows)  pages (PageOps)  sampling (SamplingInputs)
-                structured (GrammarMasks)  prompt (PromptTargets)  run_ragged, decode_steps
+                structured (GrammarMasks)  prompt (PromptTargets)  run_ragged, decode_steps, loop_slots
     StepResult  first (Sampled [B])  loop (Sampled [steps * width, B])  ok, steps
                 state (DeviceCounts)  usage (PageUsage)  spec (SpecCounts)  prompt (PromptLogprobs | None)
 
-Shapes use design.md's legend: B = max_seqs (entries of the ragged step, live entries first,
-then padding), T = the token budget (max_num_batched_tokens), P = num_pages,
-steps = steps_per_call, top_n = min(20, vocab).
+Shapes use docs/architecture.md's legend: B = the round's rows (`jpa.engine.shapes.StepShape.rows`, <= max_seqs:
+entries of the ragged step, live entries first, then padding; slots of the decode loop), T = the
+round's token budget (`StepShape.tokens`, <= max_num_batched_tokens), P = num_pages,
+steps = steps_per_call, top_n = min(20, vocab). Arrays over every slot are [max_seqs].
 """
 
 import flax.struct
@@ -50,7 +51,7 @@ class PageOps:
     """Page work of the round, done first (see `ModelRunner._step_impl`).
 
     Attributes:
-      release: i32[B]; slots the host finished or preempted since the last device call (stop
+      release: i32[max_seqs]; slots the host finished or preempted since the last device call (stop
         strings, aborts, preemptions: `RoundPlan.release`), released before anything else of the
         round (-1 = padding). Not undone when the rest of the page work fails.
       evict: i32[P]; cached-idle pages evicted before anything is reserved (-1 = padding).
@@ -100,6 +101,9 @@ class StepBatch:
       prompt: PromptTargets.
       run_ragged: i32[]; 1 to run the ragged step, 0 for a decode-only round.
       decode_steps: i32[]; decode steps after it (<= steps_per_call).
+      loop_slots: i32[B]; the slots the decode loop runs when B < max_seqs (every slot holding a
+        request: the loop's state is gathered from them and scattered back; -1 = padding). At
+        B == max_seqs the loop runs every slot and this is not read.
     """
     rows: RaggedRows
     pages: PageOps
@@ -108,6 +112,7 @@ class StepBatch:
     prompt: PromptTargets
     run_ragged: jax.Array
     decode_steps: jax.Array
+    loop_slots: jax.Array
 
 
 @flax.struct.dataclass
@@ -227,14 +232,19 @@ class StepResult:
     prompt: PromptLogprobs | None = None
 
 
-def make_step_batch(plan, shapes, masks=None) -> StepBatch:
+def make_step_batch(plan, shapes, masks=None, shape=None) -> StepBatch:
     """The StepBatch (numpy arrays) of a `scheduler.RoundPlan` for `shapes` (`EngineShapes`: its
     budget, slots and sizes); masks: {entry index: i32[ceil(vocab_size / 32)] allowed-token bitmask}
-    of the entries that sample under a grammar (`jpa.engine.structured.Grammars.masks`)."""
-    entries, b, num_tokens = plan.entries, shapes.max_seqs, shapes.num_tokens
+    of the entries that sample under a grammar (`jpa.engine.structured.Grammars.masks`); shape: the
+    `StepShape` (rung of the step-shape ladder) to fill, default the full (max_seqs, budget)."""
+    b, num_tokens = (shapes.max_seqs, shapes.num_tokens) if shape is None else (shape.rows, shape.tokens)
+    entries, held = plan.entries, getattr(plan, "held", None)
     if len(entries) > b or sum(e.q_len for e in entries) > num_tokens:
         raise ValueError(f"a plan of {len(entries)} entries and {sum(e.q_len for e in entries)} rows does not fit "
                          f"{b} entries and a budget of {num_tokens} tokens")
+    if b < shapes.max_seqs and (held is None or len(held) > b):
+        raise ValueError(f"a step of {b} < max_seqs ({shapes.max_seqs}) rows needs the plan's held slots, at most "
+                         f"{b} of them; got {held!r}")
     index = {e.slot: i for i, e in enumerate(entries)}
     col = lambda fill, dt=np.int32: np.full((b,), fill, dt)  # noqa: E731
     seq_ids, q_lens, num_generated, resume = col(-1), col(0), col(0), col(-1)
@@ -257,8 +267,11 @@ def make_step_batch(plan, shapes, masks=None) -> StepBatch:
             out = e.request.output_ids
             rows[i] = SlotParams.row(e.request.params, shapes.max_model_len, len(e.request.prompt_ids))
             num_generated[i], resume[i] = len(out), (out[-1] if out else -1)
-    release = col(-1)
+    release = np.full((shapes.max_seqs,), -1, np.int32)
     release[: len(getattr(plan, "release", ()))] = getattr(plan, "release", ())
+    loop_slots = col(-1)
+    if b < shapes.max_seqs:
+        loop_slots[: len(held)] = held
     evict = np.full((shapes.num_pages,), -1, np.int32)
     if not getattr(plan, "swap_in", ()):   # KV offload: the first swap-in did the round's evictions
         evict[: len(plan.evict)] = plan.evict
@@ -275,4 +288,4 @@ def make_step_batch(plan, shapes, masks=None) -> StepBatch:
                                 resume_token=resume),
         structured=GrammarMasks(allowed=allowed, constrained=constrained),
         prompt=PromptTargets(targets=targets),
-        run_ragged=np.int32(len(entries) > 0), decode_steps=np.int32(plan.decode_steps))
+        run_ragged=np.int32(len(entries) > 0), decode_steps=np.int32(plan.decode_steps), loop_slots=loop_slots)

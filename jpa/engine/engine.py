@@ -78,13 +78,13 @@ from jpa.kv.offload import HostTier, SwapCost
 from jpa.engine.batch import StepResult, make_step_batch
 from jpa.engine import multihost
 from jpa.engine.detokenizer import IncrementalDetokenizer
-from jpa.engine.model import EngineModel, check_model, has_hidden
+from jpa.engine.model import EngineModel, cache_spec_of, check_model, has_hidden
 from jpa.engine.request import Phase, Request, RequestOutput, StepOutput
 from jpa.engine.runner import ModelRunner
 from jpa.engine.sampling import SamplingParams
 from jpa.engine.scheduler import RoundPlan, Scheduler
 from jpa.engine.speculative import SpeculativeConfig, draft_cache_config, record_spec_counts, spec_summary
-from jpa.engine.shapes import EngineShapes
+from jpa.engine.shapes import EngineShapes, step_ladder
 from jpa.engine.structured import Grammars, constrained_rows
 from jpa.core.sharding import tp_mesh
 
@@ -132,6 +132,12 @@ class EngineConfig:
         it (greedy and seeded sampling alike). See README "Speculative decoding".
       peer_timeout: several processes (`jax.distributed`, see `jpa.engine.multihost`): seconds a
         device call may wait for the other processes before this one gives up on them and exits.
+      step_shapes: the compiled step's shapes (`jpa.engine.ladder`): "off" (one program, max_seqs
+        entries and the whole token budget in every round, as a batch-invariant mode needs),
+        "ladder" (rungs of 1, 2, 4, ... rows and 16 tokens a row, each round on the smallest
+        compiled one that holds it; the full shape compiles first, the others in a background
+        thread), or a sequence of (rows, tokens) pairs (the full shape is added). Outputs are the
+        same at every shape.
       kv_offload_bytes: KV offload: bytes of host memory for a tier of KV pages (0 = off). A
         preempted request's pages are copied there (swap out) and back on resume (swap in)
         instead of being recomputed, when the cost rule prefers the copy and the tier has room; with
@@ -146,7 +152,8 @@ class EngineConfig:
         rows; the head [max_seqs, d_model] for sampling and prompt logprobs alike), and attention
         computes each row as a decode query of its own in plain JAX (`jpa.ops.ragged.rows_independent`).
         So the step must keep ONE compiled shape in this mode: a ladder of step shapes (batch-size
-        buckets) must use its single full-budget shape when batch_invariant is set. Not with
+        buckets) must use its single full-budget shape when batch_invariant is set (step_shapes "off";
+        any other is a ValueError, and `--batch-invariant` turns the CLI's default ladder off). Not with
         speculative decoding. Proven on CPU (tests/test_batch_invariant.py); on a GPU the GEMMs'
         algorithm is then fixed per program (one shape), which remains to be checked there
         (scripts/gpu_validate.py).
@@ -168,6 +175,7 @@ class EngineConfig:
     peer_timeout: float = 60.0
     kv_offload_bytes: int = 0
     batch_invariant: bool = False
+    step_shapes: str | tuple = "off"
 
     def __post_init__(self):
         if self.speculative is not None:
@@ -204,6 +212,13 @@ class EngineConfig:
         if self.max_num_batched_tokens < self.max_seqs:
             raise ValueError(f"EngineConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                              f"max_seqs ({self.max_seqs}): every decoding sequence takes one token of the budget")
+        if not isinstance(self.step_shapes, str):   # hashable, and checked against the sizes here
+            object.__setattr__(self, "step_shapes", tuple(tuple(p) if isinstance(p, (list, tuple)) else p
+                                                          for p in self.step_shapes))
+        step_ladder(self.step_shapes, self.max_seqs, self.max_num_batched_tokens)
+        if self.batch_invariant and self.step_shapes != "off":
+            raise ValueError(f"EngineConfig.batch_invariant needs one compiled step shape (step_shapes='off'); got "
+                             f"step_shapes={self.step_shapes!r}")
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"EngineConfig.attention_impl must be one of {ATTENTION_IMPLS}; "
                              f"got {self.attention_impl!r}")
@@ -307,7 +322,10 @@ class LLMEngine:
         mc = model.config  # under tensor parallelism: the head counts the shards hold
         self.max_model_len = min(config.max_model_len or mc.max_seq_len, mc.max_seq_len)
         self.pages_per_seq = -(-self.max_model_len // config.page_size)
-        self.cache_config, self.draft_cache_config = self._cache_configs(model, draft_model, config)
+        # The cache the model declares, per group of layers (jpa.kv.spec): what the pool is sized from and what
+        # the start-up summary reports.
+        self.cache_spec = cache_spec_of(model)
+        self.cache_config, self.draft_cache_config = self._cache_configs(model, draft_model, config, self.cache_spec)
         self.num_pages = self.cache_config.num_pages
         # A sequence must be able to reach its length limit alone in the pool, or preemption
         # could never make room for it.
@@ -323,7 +341,9 @@ class LLMEngine:
                                   attention_impl=config.attention_impl, mesh=self.mesh,
                                   block_tokens=config.ragged_block_tokens, speculative=config.speculative,
                                   draft=draft_model, draft_cache_config=self.draft_cache_config,
-                                  batch_invariant=config.batch_invariant)
+                                  batch_invariant=config.batch_invariant,
+                                  step_shapes=step_ladder(config.step_shapes if jax.process_count() == 1 else "off",
+                                                          config.max_seqs, config.max_num_batched_tokens))
         # Several processes: process 0 leads (its device calls are sent to the others), the others follow.
         self.process_index, self.num_processes = jax.process_index(), jax.process_count()
         self._follower = None
@@ -375,21 +395,21 @@ class LLMEngine:
         self.weight_converter = None
 
     @staticmethod
-    def _cache_configs(model, draft_model, config: EngineConfig):
-        """(the pool's CacheConfig, the draft model's or None): num_pages as configured, else as
-        many as kv_memory_bytes holds (with a draft model, a page costs the target's bytes plus
-        the draft's: `jpa.engine.speculative.draft_cache_config`)."""
-        mc = model.config
+    def _cache_configs(model, draft_model, config: EngineConfig, spec):
+        """(the pool's CacheConfig, the draft model's or None) for the model's cache spec (`spec.check_served`:
+        its paged attention groups share one stacked pool of one head shape): num_pages as configured, else as
+        many as kv_memory_bytes holds (with a draft model, a page costs the target's bytes plus the draft's:
+        `jpa.engine.speculative.draft_cache_config`)."""
+        num_kv_heads, head_dim = spec.check_served()
         dtype = config.cache_dtype or np.dtype(model.dtype).name
         draft_cfg = draft_cache_config(draft_model, config.page_size, dtype)
-        target = CacheConfig(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.num_pages or 1, config.page_size,
-                             dtype)
+        target = CacheConfig(spec.num_layers, num_kv_heads, head_dim, config.num_pages or 1, config.page_size, dtype)
         if config.num_pages is None:
             budget = config.kv_memory_bytes * config.tensor_parallel
             if draft_cfg is not None:
                 budget = budget * target.bytes_per_page // (target.bytes_per_page + draft_cfg.bytes_per_page)
-            target = CacheConfig.from_memory(budget, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
-                                             head_dim=mc.head_dim, page_size=config.page_size, dtype=dtype)
+            target = CacheConfig.from_memory(budget, num_layers=spec.num_layers, num_kv_heads=num_kv_heads,
+                                             head_dim=head_dim, page_size=config.page_size, dtype=dtype)
         if draft_cfg is not None:
             draft_cfg = dataclasses.replace(draft_cfg, num_pages=target.num_pages)
         return target, draft_cfg
@@ -625,7 +645,10 @@ class LLMEngine:
             plan = dataclasses.replace(plan, release=())
         # Structured outputs (batch fields): the grammar mask of each entry that samples under one.
         constrained = constrained_rows(plan)
-        batch = make_step_batch(plan, self.shapes, masks=self.grammars.masks(constrained) if constrained else None)
+        # The smallest compiled step shape that holds the round (`jpa.engine.ladder`).
+        shape = self.runner.pick(max(len(plan.entries), len(plan.held)), sum(e.q_len for e in plan.entries))
+        batch = make_step_batch(plan, self.shapes, masks=self.grammars.masks(constrained) if constrained else None,
+                                shape=shape)
         t0, c0 = time.perf_counter(), self.runner.compile_seconds
         swapped = []
         calls = self.runner.step_calls
@@ -1000,6 +1023,14 @@ class LLMEngine:
             self.scheduler.set_pages(*self.runner.uncache(evicted))
         return len(evicted)
 
+    def cache_report(self) -> str:
+        """The start-up line on the cache: the model's groups (`jpa.kv.spec.CacheSpec.describe`), bytes per token
+        and per sequence at max_model_len as the pool holds them."""
+        cc, spec = self.cache_config, self.cache_spec
+        per_seq = spec.bytes_per_sequence(self.max_model_len, cc.dtype, cc.page_size)
+        return (f"cache groups: {spec.describe(cc.dtype, cc.page_size)}; {spec.bytes_per_token(cc.dtype):,.0f} B/token, "
+                f"{per_seq / 2**20:,.1f} MiB per sequence at max_model_len {self.max_model_len}")
+
     def summary(self) -> dict:
         """The run's figures, for the script's summary line and --json consumers."""
         s = self.stats
@@ -1026,7 +1057,12 @@ class LLMEngine:
             "decode_seconds": wall,
             "host_overhead": s.host_overhead,
             "compile_seconds": self.runner.compile_seconds,
-            "step_compiles": self.runner.step_traces,    # the unified step: 1 once it ran
+            "step_compiles": self.runner.step_traces,    # the unified step: 1 once it ran (the ladder's not counted)
+            # The step-shape ladder: its shapes, those compiled, what its background thread took.
+            "step_shapes": [(s.rows, s.tokens) for s in self.runner.ladder.shapes],
+            "step_shapes_ready": [(s.rows, s.tokens) for s in sorted(self.runner.ladder.exes)],
+            "ladder_compiles": self.runner.ladder.background_compiles,
+            "ladder_compile_seconds": self.runner.ladder.background_seconds,
             "step_from_cache": self.runner.step_from_cache,  # served by a compilation cache (step_source says which)
             "step_source": self.runner.step_source,  # "compiled", "persistent cache" or "process" (runner.STEP_EXECUTABLES)
             "token_budget": self.config.max_num_batched_tokens,
@@ -1039,6 +1075,7 @@ class LLMEngine:
             "preemptions": s.preemptions,
             "kv_cache": self.cache_config.describe() + (
                 f"; draft model: {self.draft_cache_config.describe()}" if self.draft_cache_config else ""),
+            "cache_spec": self.cache_spec.describe(self.cache_config.dtype, self.cache_config.page_size),
             "attention": self.runner.attention,  # what the compiled decode loop runs (None before)
             "prefix_caching": self.scheduler.prefix is not None,
             "prefix_hit_tokens": self.scheduler.prefix.hit_tokens if self.scheduler.prefix else 0,

@@ -8,6 +8,8 @@ the cache donated.
 
 from typing import Any, Protocol, runtime_checkable
 
+from jpa.kv.spec import CacheSpec
+
 SIZE_FIELDS = ("num_layers", "num_q_heads", "num_kv_heads", "head_dim", "vocab_size", "max_seq_len")
 
 
@@ -40,6 +42,11 @@ class EngineModel(Protocol):
     kv heads (`jpa.core.sharding.head_parallel`), and `config.num_kv_heads` the head count the pool
     must hold (a multiple of N). The engine shards the pool on that head axis and replicates
     everything else. `models.GPTForEngine` has it.
+
+    Optional: `cache_spec() -> jpa.kv.spec.CacheSpec`, the cache the model's layers keep, per group of
+    layers (full attention, sliding window, latent, recurrent state). The engine sizes and reports the
+    pool from it (`cache_spec_of`); without it a model is one group of full attention over
+    `config.num_layers` layers of `config.num_kv_heads` x `config.head_dim`. `models.GPTForEngine` has it.
 
     Optional, for `SamplingParams.prompt_logprobs` (and the server's `echo`): the pair
     `ragged_hidden(params, cache, <ragged's arguments>) -> (hidden f32[T, d_model], cache)`, the
@@ -91,6 +98,23 @@ class EngineModel(Protocol):
         Returns:
           (f32[max_num_seqs, vocab_size] logits at each sequence's last row, the updated cache).
         """
+
+def cache_spec_of(model) -> CacheSpec:
+    """The model's declared `cache_spec()`, or one full-attention group over its config's layers. Raises
+    ValueError when the declared spec's layers do not match `config.num_layers`."""
+    c = model.config
+    declare = getattr(model, "cache_spec", None)
+    if not callable(declare):
+        return CacheSpec.attention(c.num_layers, c.num_kv_heads, c.head_dim)
+    spec = declare()
+    if not isinstance(spec, CacheSpec):
+        raise ValueError(f"{type(model).__name__}.cache_spec() must return a jpa.kv.spec.CacheSpec; got "
+                         f"{type(spec).__name__}")
+    if spec.num_layers != c.num_layers:
+        raise ValueError(f"{type(model).__name__}.cache_spec() covers {spec.num_layers} layers; the model's config "
+                         f"has num_layers = {c.num_layers}")
+    return spec
+
 
 def has_hidden(model) -> bool:
     """True when `model` has EngineModel's optional ragged_hidden/head pair (prompt logprobs)."""

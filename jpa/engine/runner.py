@@ -37,9 +37,16 @@ plug in; KV offload and LoRA are meant to take the same points):
   5. the result (`StepResult`, a record per concern), read back in one transfer; the host's
      post-process is `Scheduler.stepped` (tokens, stops, matchers, prefix cache).
 
-Public entry points for tools: `lower(num_tokens)` (the jitted step lowered for this runner's
-state), `compiled_step` (the executable once compiled), `step_function` (the traced function,
-for callers that lower it themselves, e.g. for a GPU that is not attached).
+Step shapes (`jpa.engine.ladder`): the step compiles for the full shape (max_seqs entries, the
+whole token budget) and, with a ladder (`step_shapes`), for smaller ones in a background thread;
+each round runs the shape its StepBatch was made for (`pick`: the smallest ready one that holds
+it). Below max_seqs rows the verify loop runs the held slots gathered from the state, scattered
+back after it. One program per shape; the state is donated into each.
+
+Public entry points for tools: `lower(num_tokens, rows)` (the jitted step lowered for this runner's
+state), `compiled_step` (the full shape's executable once compiled; `compiled_steps` every shape's),
+`step_function` (the traced function, for callers that lower it themselves, e.g. for a GPU that is
+not attached).
 
 The model is anything that meets `jpa.engine.model.EngineModel`; its params are an argument of
 the compiled step (never a closed-over constant) and the cache, page state and slots are donated.
@@ -59,6 +66,7 @@ shardings as its inputs, so one executable serves every call.
 
 import collections
 import hashlib
+import threading
 import time
 import types
 
@@ -72,8 +80,9 @@ from jpa.kv.offload import Mover, bucket, host_memory_kind
 from jpa.engine.batch import DeviceCounts, PageUsage, StepBatch, StepResult, make_step_batch
 from jpa.engine.device import Slots, Usage, tally
 from jpa.engine.model import EngineModel, check_model, has_hidden
+from jpa.engine.ladder import Ladder, gather_slots, scatter_outputs, scatter_slots
 from jpa.engine.ragged_step import RaggedStep, RowLayout, own_pages, page_work, release_slots
-from jpa.engine.shapes import EngineShapes
+from jpa.engine.shapes import EngineShapes, StepShape
 from jpa.engine.speculative import DraftPair, SpeculativeConfig, make_proposer
 from jpa.engine.structured import hold_constrained, restore_held
 from jpa.engine.verify import VerifyLoop
@@ -169,7 +178,7 @@ class ModelRunner:
                  attention_impl: str = "auto", allocate: bool = True, mesh=None, block_tokens: int | None = None,
                  speculative: SpeculativeConfig | None = None, draft=None,
                  draft_cache_config: CacheConfig | None = None, compiler_options: dict | None = None,
-                 batch_invariant: bool = False):
+                 step_shapes: tuple[StepShape, ...] | None = None, batch_invariant: bool = False):
         check_model(model)
         if shapes is None:
             shapes = EngineShapes(max_seqs=max_seqs, page_size=cache_config.page_size,
@@ -219,6 +228,16 @@ class ModelRunner:
                                make_proposer(speculative, model, shapes.page_size, attention_impl),
                                speculative, self.verify_rows)
         self.width = self.loop.width
+        self._loops = {shapes.max_seqs: self.loop}   # VerifyLoop per row count of the ladder
+        # The step-shape ladder (`jpa.engine.ladder`): default one shape, (max_seqs, budget).
+        full = StepShape(shapes.max_seqs, shapes.num_tokens)
+        step_shapes = tuple(step_shapes or (full,))
+        if step_shapes[-1] != full or any(not full.holds(s.rows, s.tokens) for s in step_shapes):
+            raise ValueError(f"step_shapes must end with the full shape {full} and hold no larger one; "
+                             f"got {step_shapes}")
+        self.ladder = Ladder(step_shapes, self._compile_shape)
+        self._background = threading.local()   # .on: the ladder's thread is tracing (not counted in step_traces)
+        self.ladder_traces = 0   # programs the ladder's thread traced
         self.step_traces = 0
         self.cow_copies = 0  # pages copied on write (parallel samples' shared last pages)
         self.step_calls = 0  # unified-step calls that ran or consumed their donated state (see `step`)
@@ -271,20 +290,32 @@ class ModelRunner:
         inputs and StepResult for what it returns besides (cache, page_state, slots), and the
         module docstring for the hook points.
         """
-        self.step_traces += 1
+        if getattr(self._background, "on", False):
+            self.ladder_traces += 1
+        else:
+            self.step_traces += 1
+        rows, num_tokens = batch.rows.seq_ids.shape[0], batch.rows.tokens.shape[0]
         lay = RowLayout.of(batch)
         page_state, slots = release_slots(page_state, slots, batch.pages.release)         # 1. releases,
         page_state, work = page_work(page_state, batch, lay)                              #    page work
         usage0 = tally(Usage.zero(), 0, page_state)  # the entries' pages reserved
-        ragged = RaggedStep(self.model, self.shapes, self.stop_ids, self.attention_impl, self.block_tokens,
-                            self.prompt_chunk)
+        blocks = (self.block_tokens, self.prompt_chunk) if rows == self.max_seqs else self.blocks_for(num_tokens)
+        ragged = RaggedStep(self.model, self.shapes, self.stop_ids, self.attention_impl, *blocks)
         with rows_independent(self.batch_invariant):
             cache, page_state, slots, first = ragged(params, cache, page_state, slots, batch, lay, work)  # 2.
         decode_steps = jnp.where(work.ok, jnp.minimum(batch.decode_steps, self.steps_per_call), 0)
-        loop_slots, held = hold_constrained(slots)                                          # 3.
-        cache, page_state, slots, out, steps, usage, counts = self.loop(params, cache, page_state, loop_slots,
-                                                                        decode_steps)      # 4. verify loop
-        slots = restore_held(slots, held)
+        unconstrained, held_out = hold_constrained(slots)                                   # 3.
+        loop = self._loop(rows)
+        if rows == self.max_seqs:                                                           # 4. verify loop
+            cache, page_state, slots, out, steps, usage, counts = loop(params, cache, page_state, unconstrained,
+                                                                       decode_steps)
+        else:   # a rung of the ladder: the loop runs the slots holding a request only (`jpa.engine.ladder`)
+            idx = batch.loop_slots
+            sub_ps, sub_slots = gather_slots(page_state, unconstrained, idx)
+            cache, sub_ps, sub_slots, out, steps, usage, counts = loop(params, cache, sub_ps, sub_slots, decode_steps)
+            page_state, slots = scatter_slots(page_state, unconstrained, sub_ps, sub_slots, idx)
+            out, counts = scatter_outputs(out, counts, idx, self.max_seqs)
+        slots = restore_held(slots, held_out)
         more = usage.peak > usage0.peak
         own, shared = own_pages(page_state)  # what releasing each slot in the next round frees
         return cache, page_state, slots, StepResult(                                        # 5.
@@ -332,77 +363,141 @@ class ModelRunner:
         return self.params, self.cache, self.page_state, self.slots
 
     def set_block_tokens(self, num_tokens: int) -> int:
-        """Fixes the ragged step's rows per model pass for a budget of num_tokens: the configured
-        value, else 64 rows on a CPU (compute-bound: padding rows cost as much as real ones) and the
-        whole budget elsewhere (one pass; a GPU reads the weights once per pass)."""
-        default = 64 if jax.default_backend() == "cpu" else num_tokens
-        self.block_tokens = min(self._block_tokens or default, num_tokens)
-        self.prompt_chunk = max(1, min(self.block_tokens, PROMPT_LOGITS_ELEMENTS // self.shapes.vocab_size))
+        """Fixes the ragged step's rows per model pass for a budget of num_tokens (the engine's
+        full budget; `blocks_for` gives a smaller shape's): the configured value, else 64 rows on a
+        CPU (compute-bound: padding rows cost as much as real ones) and the whole budget elsewhere
+        (one pass; a GPU reads the weights once per pass)."""
+        self.block_tokens, self.prompt_chunk = self._blocks(num_tokens, num_tokens)
         if self.batch_invariant:   # the sampler's head shape [max_seqs, d_model]: prompt logprobs are its bits
             self.prompt_chunk = self.shapes.max_seqs
         return self.block_tokens
 
-    def step_inputs(self, num_tokens: int):
-        """ShapeDtypeStructs of the step's StepBatch for a budget of num_tokens (for lowering)."""
-        empty = types.SimpleNamespace(entries=(), evict=(), decode_steps=0)  # only the shapes matter
-        batch = make_step_batch(empty, self.shapes.with_budget(num_tokens))
+    def _blocks(self, num_tokens: int, budget: int) -> tuple[int, int]:
+        default = 64 if jax.default_backend() == "cpu" else budget
+        block = min(self._block_tokens or default, num_tokens)
+        return block, max(1, min(block, PROMPT_LOGITS_ELEMENTS // self.shapes.vocab_size))
+
+    def blocks_for(self, num_tokens: int) -> tuple[int, int]:
+        """(rows per model pass, rows per prompt-logprobs head pass) of a step of num_tokens tokens:
+        as `set_block_tokens` fixed them for the full budget, at most num_tokens."""
+        if self.block_tokens is None:
+            self.set_block_tokens(self.shapes.num_tokens)
+        return self._blocks(num_tokens, self.shapes.num_tokens)
+
+    def _loop(self, rows: int) -> VerifyLoop:
+        """The verify loop over `rows` slots (a ladder shape's; the engine's own at max_seqs)."""
+        loop = self._loops.get(rows)
+        if loop is None:
+            verify_rows = None if self.spec is None else self.spec.rows(rows, self.platform)
+            loop = self._loops[rows] = VerifyLoop(self.model, self.shapes, self.stop_ids, self.attention_impl,
+                                                  self.loop.proposer, self.spec, verify_rows)
+        return loop
+
+    def step_inputs(self, num_tokens: int, rows: int | None = None):
+        """ShapeDtypeStructs of the step's StepBatch for a budget of num_tokens and `rows` entries
+        (default max_seqs), for lowering."""
+        empty = types.SimpleNamespace(entries=(), evict=(), decode_steps=0, held=())  # only the shapes matter
+        shape = StepShape(rows or self.max_seqs, num_tokens)
+        batch = make_step_batch(empty, self.shapes.with_budget(max(num_tokens, self.shapes.num_tokens)), shape=shape)
         sharding = {} if self.mesh is None else dict(sharding=self._rep)
         return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, **sharding), batch)
 
-    def trace(self, num_tokens: int):
-        """The unified step for a budget of num_tokens, jitted with `jit_options()` and traced over
-        this runner's state (`jax.stages.Traced`; `.lower()` then `.compile()`). Fixes the rows
-        per model pass first (`set_block_tokens`) unless already fixed."""
-        if self.block_tokens is None:
-            self.set_block_tokens(num_tokens)
-        return jax.jit(self._step_impl, **self.jit_options()).trace(*self.state(), self.step_inputs(num_tokens))
+    def _state_avals(self):
+        """The step's leading arguments with the donated state as ShapeDtypeStructs (a trace never
+        touches the buffers, which the ladder's thread may see donated by a running step)."""
+        params, *state = self.state()
+        avals = jax.tree_util.tree_map(
+            lambda a: a if isinstance(a, jax.ShapeDtypeStruct) else jax.ShapeDtypeStruct(
+                a.shape, a.dtype, sharding=a.sharding), tuple(state))
+        return (params,) + avals
 
-    def lower(self, num_tokens: int):
-        """The unified step lowered for a budget of num_tokens (`jax.stages.Lowered`): what
-        `compile_step` compiles; e.g. `runner.lower(budget).compile().as_text()`."""
-        return self.trace(num_tokens).lower()
+    def trace(self, num_tokens: int, rows: int | None = None, state=None):
+        """The unified step for a budget of num_tokens and `rows` entries (default max_seqs), jitted
+        with `jit_options()` and traced over this runner's state (`jax.stages.Traced`; `.lower()`
+        then `.compile()`). Fixes the rows per model pass first (`set_block_tokens`) unless
+        already fixed."""
+        if self.block_tokens is None:
+            self.set_block_tokens(max(num_tokens, self.shapes.num_tokens) if rows else num_tokens)
+        return jax.jit(self._step_impl, **self.jit_options()).trace(*(state or self.state()),
+                                                                    self.step_inputs(num_tokens, rows))
+
+    def lower(self, num_tokens: int, rows: int | None = None):
+        """The unified step lowered for a budget of num_tokens and `rows` entries (default max_seqs;
+        `jax.stages.Lowered`): what `compile_step` compiles; e.g. `runner.lower(budget).compile().as_text()`."""
+        return self.trace(num_tokens, rows).lower()
 
     @property
     def compiled_step(self):
-        """The compiled unified step (`jax.stages.Compiled`: `as_text()`, `memory_analysis()`), or
-        None before the first `step` / `compile_step`."""
+        """The compiled unified step of the full shape (max_seqs, budget) (`jax.stages.Compiled`:
+        `as_text()`, `memory_analysis()`), or None before the first `step` / `compile_step`."""
         return self._step_exe
 
-    def compile_step(self, num_tokens: int):
-        """Compiles the unified step for a token budget (done by the first `step`). Sets
-        `step_source`: "process" when an earlier engine of this process compiled the same program
-        (`STEP_EXECUTABLES`), "persistent cache" when JAX's persistent compilation cache served it,
-        else "compiled"; `step_from_cache` is True for either cache."""
-        self.set_block_tokens(num_tokens)
+    @property
+    def compiled_steps(self) -> dict:
+        """{StepShape: compiled step} of every shape compiled so far (the ladder's included)."""
+        return dict(self.ladder.exes)
+
+    def compile_step(self, num_tokens: int, rows: int | None = None):
+        """Compiles the unified step for a token budget and `rows` entries (default max_seqs; done
+        by the first `step`). Sets `step_source`: "process" when an earlier engine of this process
+        compiled the same program (`STEP_EXECUTABLES`), "persistent cache" when JAX's persistent
+        compilation cache served it, else "compiled"; `step_from_cache` is True for either cache."""
+        shape = StepShape(rows or self.max_seqs, num_tokens)
+        with self.ladder.lock:
+            self.ladder.exes[shape] = self._compile_shape(shape)
+
+    def _compile_shape(self, shape: StepShape, background: bool = False):
+        """The executable of one step shape. In the foreground (the first step, a shape not ready
+        yet): counted in compile_seconds and step_source; the ladder's thread (background=True)
+        counts its own (`Ladder`), traced over abstract state."""
+        if self.block_tokens is None:
+            self.set_block_tokens(self.shapes.num_tokens if shape.rows < self.max_seqs else shape.tokens)
         t0 = time.perf_counter()
         hits = _CACHE_HITS[0]
-        devices = sorted({d for leaf in jax.tree_util.tree_leaves(self.state()[:2]) for d in leaf.sharding.device_set},
+        state = self._state_avals()
+        devices = sorted({d for leaf in jax.tree_util.tree_leaves(state[:2]) for d in leaf.sharding.device_set},
                          key=lambda d: (d.process_index, d.id))
-        self._step_exe, reused = STEP_EXECUTABLES.compile(self.lower(num_tokens), devices)
+        self._background.on = background
+        try:
+            lowered = self.trace(shape.tokens, shape.rows, state).lower()
+        finally:
+            self._background.on = False
+        exe, reused = STEP_EXECUTABLES.compile(lowered, devices)
+        if background:
+            return exe
         self.step_source = "process" if reused else "persistent cache" if _CACHE_HITS[0] > hits else "compiled"
         self.step_from_cache = self.step_source != "compiled"
-
         self.compile_seconds += time.perf_counter() - t0
-        self.attention = attention_in(self._step_exe.as_text())
-        self.step_tokens = num_tokens
+        if shape == self.ladder.full:
+            self._step_exe, self.step_tokens = exe, shape.tokens
+        if self.attention is None:
+            self.attention = attention_in(exe.as_text())
+        return exe
+
+    def pick(self, rows: int, tokens: int) -> StepShape:
+        """The step shape for a round of `rows` entries / held slots and `tokens` rows (`Ladder.pick`)."""
+        return self.ladder.pick(rows, tokens)
 
     def step(self, batch: StepBatch) -> StepResult:
         """Runs one round (StepBatch of numpy arrays) and reads its StepResult back in one transfer.
 
-        The result's `loop` is cut to the steps run. When `ok` is False the round changed nothing
-        on the device. `step_calls` counts the calls that changed the device state: one whose count
-        it raised and that raises changed it without handing back the result (the caller's host
-        bookkeeping is behind the device; `LLMEngine.execute` recovers).
+        The batch's shape (entries, token budget) picks the compiled step (`compiled_steps`): one
+        of the step-shape ladder, compiled now if it is not yet. The result's `loop` is cut to the
+        steps run. When `ok` is False the round changed nothing on the device. `step_calls` counts
+        the calls that changed the device state: one whose count it raised and that raises changed
+        it without handing back the result (the caller's host bookkeeping is behind the device;
+        `LLMEngine.execute` recovers).
         """
-        num_tokens = batch.rows.tokens.shape[0]
-        if self._step_exe is None:
-            self.compile_step(num_tokens)
-        elif num_tokens != self.step_tokens:
-            raise ValueError(f"the unified step was compiled for a token budget of {self.step_tokens}; got "
-                             f"{num_tokens}")
+        shape = StepShape(batch.rows.seq_ids.shape[0], batch.rows.tokens.shape[0])
+        if shape not in self.ladder.shapes:
+            raise ValueError(f"the unified step is compiled for the shapes {list(self.ladder.shapes)}; got a batch "
+                             f"of {shape.rows} entries and a token budget of {shape.tokens}")
+        exe = self._step_exe if shape == self.ladder.full and self._step_exe is not None else self.ladder.get(shape)
+        if self.ladder.full in self.ladder.exes:
+            self.ladder.start()   # the other shapes, ahead of need (no-op once started or when there are none)
         state = self.state()
         try:
-            self.cache, self.page_state, self.slots, res = self._step_exe(
+            self.cache, self.page_state, self.slots, res = exe(
                 *state, self._put(jax.tree_util.tree_map(jnp.asarray, batch)))
         except BaseException:
             # A call that failed after consuming its donated state left this runner none to run on.

@@ -392,13 +392,6 @@ def _penalties_sparse(logits, params: SlotParams, tok, seen, is_out):
     return logits.at[rows, jnp.where(live, t, vocab)].set(v, mode="drop")
 
 
-def allowed_tokens(bitmask, vocab: int):
-    """bool[n, vocab] from an allowed-token bitmask i32[n, ceil(vocab / 32)] (llguidance's layout:
-    bit t % 32 of word t // 32 is token t)."""
-    t = jnp.arange(vocab, dtype=jnp.int32)
-    return ((bitmask[:, t // 32] >> (t % 32)) & 1).astype(bool)
-
-
 def sample_slots(logits, params: SlotParams, counters, history_fn=None, num_cached=None, stop_ids=None,
                  allowed=None):
     """`sample_with_logprobs` with each row's parameters from SlotParams columns. With history_fn

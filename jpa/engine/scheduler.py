@@ -34,7 +34,8 @@ Policies (vLLM v1's, in nano-vllm's split):
   min(budget left, prompt left, what the free pages hold). A round with no prompt work skips the
   ragged step and runs steps_per_call decode steps (unless a constrained request decodes: see
   structured outputs below); a round with prompt work runs steps_per_call - 1 decode steps after
-  it only when no prompt work is left for the next round.
+  it only when no prompt work is left for the next round and no prompt ends in it with its first
+  token (time to first token: that token comes back with the round that samples it).
 - admission: first come, first served, into free slots, while the pool holds the prompt plus its
   growth during the next decode call, the running requests' growth (headroom) and a watermark of
   free pages; an idle engine admits any prompt that fits in the whole pool. No admission in the
@@ -134,6 +135,8 @@ class RoundPlan:
     spill: tuple[int, ...] = ()      # KV offload: the evicted pages copied to the host tier first
     release: tuple[int, ...] = ()    # slots the step releases before anything else (released on the host
                                      # since the last device call: stop strings, aborts, preemptions)
+    held: tuple[int, ...] = ()       # slots holding a request once planned, ascending (the decode loop's
+                                     # slots: a step shape needs rows for each, `StepBatch.loop_slots`)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -423,7 +426,8 @@ class Scheduler:
         # is a page of prefill; its copy, out and back).
         pays = self.swap_cost is None or self.swap_cost.prefers_swap(self.page_size)
         spill = tuple(self.prefix.spillable(evict)) if evict and pays else ()
-        return RoundPlan(entries, steps, tuple(r.admitted), evict, tuple(r.swap_in), spill, self.pending_release)
+        return RoundPlan(entries, steps, tuple(r.admitted), evict, tuple(r.swap_in), spill, self.pending_release,
+                         tuple(sorted(self.running)))
 
     def _fit(self, r: "_RoundDraft", seq_len: int) -> int:
         """Tokens a sequence holding seq_len can add within the free pages."""
@@ -533,7 +537,10 @@ class Scheduler:
             forks = [Entry(sib.slot, sib, 0, False, True, fork_of=e.slot)
                      for e in prompt if e.final for sib in e.request.siblings if sib.phase is Phase.FORKING]
             entries = tuple(Entry(s, self.running[s], 1, True, False) for s in decoding) + tuple(prompt) + tuple(forks)
-            return entries, 0 if more else self.steps_per_call - 1
+            # A request's first token comes back with the round that samples it, not after
+            # steps_per_call - 1 decode steps more (time to first token; one more host round trip).
+            first = any(e.final and not e.request.output_ids for e in prompt)
+            return entries, 0 if more or first else self.steps_per_call - 1
         r.alloc = 0
         return (), self.steps_per_call
 

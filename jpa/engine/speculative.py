@@ -35,7 +35,7 @@ import dataclasses
 import json
 
 from jpa.kv.cache import CacheConfig
-from jpa.engine.model import check_model
+from jpa.engine.model import cache_spec_of, check_model
 
 import jax.numpy as jnp
 from jax import lax
@@ -299,8 +299,9 @@ def draft_cache_config(draft_model, page_size: int, dtype: str) -> CacheConfig |
     if draft_model is None:
         return None
     check_model(draft_model)
-    dc = draft_model.config
-    return CacheConfig(dc.num_layers, dc.num_kv_heads, dc.head_dim, 1, page_size, dtype)
+    spec = cache_spec_of(draft_model)
+    num_kv_heads, head_dim = spec.check_served()
+    return CacheConfig(spec.num_layers, num_kv_heads, head_dim, 1, page_size, dtype)
 
 
 def record_spec_counts(stats, counts) -> None:

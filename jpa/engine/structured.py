@@ -53,6 +53,7 @@ import time
 
 import flax.struct
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 # JSON schemas compile to compact JSON (no whitespace between tokens) unless the schema's own
@@ -443,8 +444,14 @@ def allowed_rows(masks: GrammarMasks, vocab: int):
     """bool[B, vocab]: the device hook on the ragged pass's logits: each constrained row's grammar
     mask, everything allowed elsewhere (applied by `sample_slots(allowed=...)` after the logit
     controls, before temperature and the filters)."""
-    from jpa.engine.sampling import allowed_tokens   # sampling imports this module (StructuredOutputs)
     return ~masks.constrained[:, None] | allowed_tokens(masks.allowed, vocab)
+
+
+def allowed_tokens(bitmask, vocab: int):
+    """bool[n, vocab] from an allowed-token bitmask i32[n, ceil(vocab / 32)] (llguidance's layout:
+    bit t % 32 of word t // 32 is token t)."""
+    t = jnp.arange(vocab, dtype=jnp.int32)
+    return ((bitmask[:, t // 32] >> (t % 32)) & 1).astype(bool)
 
 
 def constrained_rows(plan) -> list:

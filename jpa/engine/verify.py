@@ -224,7 +224,7 @@ class VerifyLoop:
 
         Returns (cache, page_state, slots, out: Sampled, steps i32[], usage: Usage, counts: SpecCounts).
         """
-        num_seqs, tn = self.shapes.max_seqs, min(MAX_TOP_LOGPROBS, self.shapes.vocab_size)
+        num_seqs, tn = slots.active.shape[0], min(MAX_TOP_LOGPROBS, self.shapes.vocab_size)  # max_seqs, or a ladder shape's rows
         total = self.shapes.steps_per_call * self.width
         out = Sampled(jnp.full((total, num_seqs), -1, jnp.int32), jnp.zeros((total, num_seqs), jnp.float32),
                       jnp.full((total, num_seqs, tn), -1, jnp.int32),

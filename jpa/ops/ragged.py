@@ -1,7 +1,7 @@
 """`jpa.ragged_paged_attention`: one attention call for a ragged batch of prefill chunks and
 decode tokens over a paged KV cache (vLLM v1's "unified" attention, TPU's ragged paged attention).
 
-Legend (design.md names; T = num_tokens, the static token budget):
+Legend (docs/architecture.md's names; T = num_tokens, the static token budget):
 
 - q [T, num_q_heads, head_dim]: the query tokens of all sequences back to back, padded to T.
 - Sequence i < num_seqs owns query rows `cu_q_lens[i]:cu_q_lens[i + 1]`; q_len_i is their count.

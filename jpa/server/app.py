@@ -14,7 +14,10 @@ request) with 503 until `attach(app, engine, tokenizer)`, so a server can listen
 the model and routers see it come up.
 
 Request bodies are parsed, validated, tokenized and rendered (chat template) on a worker thread,
-not on the event loop, so a huge prompt does not stall /health or other clients' streams.
+not on the event loop, so a huge prompt does not stall /health or other clients' streams. So are
+answers built and JSON-encoded, in pieces (`jpa.server.payload`); how many logprob entries one
+answer may hold is bounded up front (`max_response_logprobs`), and a prompt's echoed logprobs and
+prompt_logprobs are built once for its n choices.
 
 `n` choices of a prompt are one engine request with n samples: the prompt is prefilled once and
 its pages are shared (parallel sampling); sample j draws with seed + j (a random base seed when
@@ -54,12 +57,13 @@ CONTROL_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty",
 from jpa.engine.structured import Grammars, Reasoning, StructuredOutputs
 from jpa.server.limits import CompileGuard, ConstraintLimits, check_constraint, first_mask_allows_something
 from jpa.server.metrics import ServerMetrics, Timing
+from jpa.server.payload import DEFAULT_MAX_RESPONSE_LOGPROBS, logprob_entries, send_json
 from jpa.server.reasoning import END, START, ReasoningParser, ReasoningStream
 from jpa.server import admin, responses as responses_api
 from jpa.server.toolparsers import MISTRAL
 from jpa.server.tools import (TOOL_CALL_PARSERS, ToolStream, constraint_field, parse_output, parser_format,
                               request_constraint, tool_mode)
-from jpa.server.protocol import (SEED_LIMIT, APIError, ChatCompletionRequest, CompletionRequest,
+from jpa.server.protocol import (SEED_LIMIT, APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
                                  DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, chat_messages,
                                  check_messages, check_unsupported, engine_seed, error_body, parse_body, parse_json,
                                  stop_strings,
@@ -68,6 +72,7 @@ from jpa.server.protocol import (SEED_LIMIT, APIError, ChatCompletionRequest, Co
 log = logging.getLogger("jpa.server")
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2 ** 20
+MAX_UNKNOWN_LOGGED = 1000   # unknown field names remembered (and logged once each)
 _REQUEST_ID_OK = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
 
 
@@ -75,7 +80,9 @@ def build_app(engine: AsyncEngine | None, tokenizer, *, model_name: str, api_key
               max_n: int = 16, retry_after: int = 1, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
               allowed_origins=(), version: str | None = None,
               constraint_limits: ConstraintLimits | None = None, reasoning_parser: str | None = None,
-              tool_call_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None,
+              max_response_logprobs: int = DEFAULT_MAX_RESPONSE_LOGPROBS,
+              response_store_bytes: int = responses_api.DEFAULT_STORE_BYTES) -> FastAPI:
     """The FastAPI app serving `engine` (started by the caller) under the name `model_name`.
 
     Args:
@@ -94,16 +101,24 @@ def build_app(engine: AsyncEngine | None, tokenizer, *, model_name: str, api_key
         outputs' think blocks become `reasoning_content` (see that module).
       tool_call_parser: the format "auto" tool calls are parsed in (`jpa.server.tools.TOOL_CALL_PARSERS`:
         "hermes", "llama3_json", "mistral", "qwen3_coder", "pythonic"); None: from the chat template.
+      max_response_logprobs: most logprob entries (a token or one of its alternatives) one response may
+        hold (`jpa.server.payload.logprob_entries`); beyond it a request is a 400 naming the fields.
+      response_store_bytes: bytes of stored Responses (`jpa.server.responses.ResponseStore`) kept.
     """
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1; got {max_request_bytes!r}")
+    if max_response_logprobs < 1:
+        raise ValueError(f"max_response_logprobs must be >= 1; got {max_response_logprobs!r}")
+    if response_store_bytes < 1:
+        raise ValueError(f"response_store_bytes must be >= 1; got {response_store_bytes!r}")
     if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"tool_call_parser must be None or one of {', '.join(TOOL_CALL_PARSERS)}; "
                          f"got {tool_call_parser!r}")
     app = FastAPI(title="jpa", docs_url=None, redoc_url=None, openapi_url=None)
-    api = _API(model_name, max_n, retry_after, constraint_limits or ConstraintLimits())
+    api = _API(model_name, max_n, retry_after, constraint_limits or ConstraintLimits(), response_store_bytes)
     api.reasoning = ReasoningParser(reasoning_parser) if reasoning_parser is not None else None
     api.tool_call_parser = tool_call_parser
+    api.max_response_logprobs = max_response_logprobs
     metrics = api.metrics
     app.state.jpa = api
     if version is None:
@@ -267,14 +282,15 @@ class _Gate:
 
 
 class _API:
-    def __init__(self, model_name: str, max_n: int, retry_after: int, limits: ConstraintLimits):
+    def __init__(self, model_name: str, max_n: int, retry_after: int, limits: ConstraintLimits,
+                 store_bytes: int = responses_api.DEFAULT_STORE_BYTES):
         self.engine: AsyncEngine | None = None
         self.limits = limits
         self.draining = False   # set on SIGTERM (jpa.server.run): new requests get 503
         self.guard = CompileGuard(limits)
         self.grammars: Grammars | None = None   # the server's own (validation only; the engine has one)
         self._grammars_lock = threading.Lock()
-        self.response_store = responses_api.ResponseStore()
+        self.response_store = responses_api.ResponseStore(max_bytes=store_bytes)
         self.reasoning: ReasoningParser | None = None   # `--reasoning-parser` (set by build_app)
         self._thought_spec: Reasoning | None = None    # its think block as a grammar prefix (`_thought`)
         self.tok = None
@@ -282,7 +298,7 @@ class _API:
         self.retry_headers = {"Retry-After": str(retry_after)}
         self.metrics = ServerMetrics(lambda: self.engine, model_name)
         self.created = int(time.time())
-        self._unknown_logged: set[str] = set()
+        self._unknown_logged: set[str] = set()   # at most MAX_UNKNOWN_LOGGED names
         self._lock = threading.Lock()
 
     def attach(self, engine: AsyncEngine, tokenizer) -> None:
@@ -330,14 +346,24 @@ class _API:
                            param="model", type="not_found_error", code="model_not_found")
 
     def note_unknown(self, body, endpoint: str) -> None:
-        """Logs each ignored field name once per server (as vLLM warns about ignored fields)."""
+        """Logs each ignored field name once per server (as vLLM warns about ignored fields): the first
+        MAX_UNKNOWN_LOGGED names (each cut to 100 characters), then one line saying no more are logged,
+        so a client sending new names forever grows neither the memory nor the log."""
         names = unknown_fields(body)
+        if not names:
+            return
         with self._lock:
-            new = [n for n in names if n not in self._unknown_logged]
+            room = MAX_UNKNOWN_LOGGED - len(self._unknown_logged)
+            new = [n for n in dict.fromkeys(x[:100] for x in names) if n not in self._unknown_logged]
+            full = 0 < room <= len(new)   # this request fills the set
+            new = new[:max(room, 0)]
             self._unknown_logged.update(new)
         for name in new:
             log.warning("ignoring the unknown request field %r (first seen on %s; logged once per name)",
                         name, endpoint)
+        if full:
+            log.warning("%d unknown request field names logged; further new ones are ignored without a log line",
+                        MAX_UNKNOWN_LOGGED)
 
     # ------------------------------------------------------------------ request -> engine requests
     # (these run on a worker thread: parsing and tokenizing a big body must not stall the loop)
@@ -357,9 +383,12 @@ class _API:
     def _check_length(self, text: str, param: str) -> None:
         # A text far longer than any prompt that fits is refused before it is tokenized: tokenizing
         # megabytes takes seconds (and tokenizers' encode holds the GIL, stalling every other request).
-        if len(text) > self.max_prompt_chars:
+        self._check_chars(len(text), param)
+
+    def _check_chars(self, chars: int, param: str) -> None:
+        if chars > self.max_prompt_chars:
             raise APIError(400, f"this model's maximum context length is {self.engine.max_model_len} tokens; the "
-                                f"{param} has {len(text)} characters, more than that many tokens can hold",
+                                f"{param} has {chars} characters, more than that many tokens can hold",
                            param="prompt")
 
     def _encode(self, text: str, param: str) -> list[int]:
@@ -505,7 +534,7 @@ class _API:
         limit = self.engine.max_model_len
         # Seeds the engine can take are used as given; other 64-bit seeds are folded (engine_seed).
         base = engine_seed(body.seed, body.n) if body.seed is not None else random.randrange(SEED_LIMIT - body.n + 1)
-        out = []
+        wants = []
         for ids in prompts:
             room = limit - len(ids)
             if room < 1:
@@ -516,6 +545,10 @@ class _API:
                 raise APIError(400, f"this model's maximum context length is {limit} tokens; you asked for "
                                     f"{len(ids) + want} ({len(ids)} in the prompt, {want} for the completion): "
                                     f"lower max_tokens to at most {room}", param="max_tokens")
+            wants.append(want)
+        self._check_response_size(body, [len(ids) for ids in prompts], wants)
+        out = []
+        for ids, want in zip(prompts, wants):
             # n choices of one prompt are one engine request with n samples (sample j: seed base + j),
             # prefilled once on shared pages, when the engine has a slot for each; else n requests.
             shared = body.n <= self.max_samples
@@ -533,6 +566,17 @@ class _API:
                 out.append((ids, sp))
         return out
 
+    def _check_response_size(self, body, prompt_lens: list[int], wants: list[int]) -> None:
+        chat = isinstance(body, ChatCompletionRequest)
+        entries, field = logprob_entries(body, prompt_lens, wants, chat)
+        if entries > self.max_response_logprobs:
+            what = "(1 + top_logprobs)" if chat else "(1 + logprobs)"
+            raise APIError(400, f"the response would hold {entries} logprob entries (n {body.n} x {len(prompt_lens)} "
+                                f"prompt(s) x (prompt tokens reported + max_tokens) x {what}, prompt_logprobs "
+                                f"{body.prompt_logprobs}); this server sends at most {self.max_response_logprobs}: "
+                                f"lower n, max_tokens, logprobs or prompt_logprobs", param=field,
+                           code="response_too_large")
+
     def prepare_completion(self, raw: bytes):
         body = parse_body(raw, CompletionRequest)
         self.note_unknown(body, "/v1/completions")
@@ -548,9 +592,14 @@ class _API:
         structured = request_constraint(body, chat=False, build=self._constraint)
         return body, self._params(body, prompts, body.max_tokens, 16, structured), len(prompts), fmt
 
-    def prepare_chat(self, raw: bytes):
+    def prepare_chat(self, raw: bytes, earlier=None):
+        """earlier: (where, messages): validated messages (a stored conversation) put in the body's
+        messages at index `where` (they are not parsed again)."""
         body = parse_body(raw, ChatCompletionRequest)
         self.note_unknown(body, "/v1/chat/completions")
+        if earlier is not None:
+            where, msgs = earlier
+            body = body.model_copy(update={"messages": [*body.messages[:where], *msgs, *body.messages[where:]]})
         self.check_model(body.model)
         check_unsupported(body)
         if body.max_tokens is not None and body.max_completion_tokens is not None:
@@ -565,6 +614,10 @@ class _API:
             # text the parser reads (vLLM's mistral parser does the same).
             body = body.model_copy(update={"skip_special_tokens": False})
         tools = body.tools if body.tool_choice != "none" else None
+        # The template renders every message's text: more of it than the context holds is refused before
+        # rendering (a long stored conversation is not rendered only to be refused).
+        self._check_chars(sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text) for p in m.content)
+                              for m in body.messages if m.content), "messages")
         prompts = [self._encode(self._render(body.messages, tools=tools, template_kwargs=body.chat_template_kwargs),
                                 "messages")]
         return body, self._params(body, prompts, body.max_completion_tokens or body.max_tokens, None,
@@ -680,8 +733,9 @@ class _API:
         outs = [results[i] for i in range(len(group))]
         completion_tokens = 0 if fmt.score_only else sum(len(o.token_ids) for o in outs)
         cached = sum(outs[i * per_prompt].num_cached_tokens for i in range(num_prompts))
-        return JSONResponse(fmt.response([fmt.choice(i, o) for i, o in enumerate(outs)],
-                                         _usage(prompt_tokens, completion_tokens, cached), outs))
+        # Built and encoded on a worker thread (jpa.server.payload): a big answer never stalls the loop.
+        return await send_json(lambda: fmt.response([fmt.choice(i, o) for i, o in enumerate(outs)],
+                                                    _usage(prompt_tokens, completion_tokens, cached), outs))
 
     def _generation_error(self, body, error: str | None, rid: str) -> APIError:
         """The error of a request the engine failed: under a constraint, a 400 naming the constraint's
@@ -704,11 +758,13 @@ class _API:
 
         def prepare():
             obj = parse_json(raw)
-            chat, conversation = responses_api.to_chat(obj, self.response_store)
+            chat, parent, num_input = responses_api.to_chat(obj, self.response_store)
             if chat.get("seed") is None:
                 chat.pop("seed", None)
-            body, reqs, num_prompts, fmt_class = self.prepare_chat(json.dumps(chat).encode())
-            return obj, conversation, body, reqs
+            # The stored conversation is put in as it was validated: a chain is never re-encoded or re-parsed.
+            earlier = None if parent is None else (len(chat["messages"]) - num_input, parent.conversation())
+            body, reqs, num_prompts, fmt_class = self.prepare_chat(json.dumps(chat).encode(), earlier)
+            return obj, (parent, body.messages[len(body.messages) - num_input:]), body, reqs
 
         obj, conversation, body, reqs = await asyncio.to_thread(prepare)
         fmt = _ChatFormat(self, body, rid_header)
@@ -735,8 +791,14 @@ class _API:
         r = responses_api.response_object(resp_id, obj, self.model_name, responses_api.output_items(message), usage,
                                           out.finish_reason, time.time())
         if store:
-            self.response_store.put(resp_id, responses_api.stored_messages(conversation, message))
+            self._store(resp_id, conversation, message)
         return JSONResponse(r)
+
+    def _store(self, resp_id: str, conversation, message: dict) -> None:
+        """Stores a Responses answer: its input messages and answer after the response it continued."""
+        parent, inputs = conversation
+        answer = ChatMessage.model_validate(responses_api.stored_answer(message), strict=False)
+        self.response_store.put(resp_id, parent, [*inputs, answer])
 
     async def _responses_stream(self, group, fmt, timing, prompt_tokens, obj, conversation, resp_id, store, body,
                                 rid):
@@ -769,7 +831,7 @@ class _API:
             for e in closing:
                 yield sse(e)
             if store:
-                self.response_store.put(resp_id, responses_api.stored_messages(conversation, events.message()))
+                self._store(resp_id, conversation, events.message())
         except EngineDead as e:
             yield sse(events._event("error", code="engine_unavailable", message=str(e), param=None))
         finally:
@@ -957,6 +1019,10 @@ class _CompletionFormat(_Format):
         self.echo = bool(body.echo)
         self.score_only = self.echo and body.max_tokens == 0
         self._echoed: set[int] = set()
+        # Per prompt, built once and shared by its n choices: the echoed prompt's logprobs, its
+        # prompt_logprobs (the engine computes them once per prompt too).
+        self._echo_heads: dict[int, dict] = {}
+        self._prompt_lps: dict[int, list] = {}
 
     def _prompt(self, index: int):
         return self.prompts[index // self.body.n]
@@ -989,10 +1055,13 @@ class _CompletionFormat(_Format):
         ptext, ids = self._prompt(index)
         if lp is None:
             return ptext + text, None
-        pieces = prompt_pieces(self.api.tok, ids, self.skip_special)
-        offsets = list(itertools.accumulate((len(p) for p in pieces[:-1]), initial=0))
-        entries = [None] + list(plp[1:]) if plp is not None else [None] * len(ids)
-        head = {"tokens": pieces, "token_logprobs": [None if e is None else _finite(e.logprob) for e in entries],
+        head = self._echo_heads.get(index // self.body.n)
+        if head is None:
+            pieces = prompt_pieces(self.api.tok, ids, self.skip_special)
+            offsets = list(itertools.accumulate((len(p) for p in pieces[:-1]), initial=0))
+            entries = [None] + list(plp[1:]) if plp is not None else [None] * len(ids)
+            head = self._echo_heads[index // self.body.n] = {
+                "tokens": pieces, "token_logprobs": [None if e is None else _finite(e.logprob) for e in entries],
                 "top_logprobs": None if lp["top_logprobs"] is None else [
                     None if e is None else self._top_dict(e.top) for e in entries],
                 "text_offset": offsets}
@@ -1006,7 +1075,10 @@ class _CompletionFormat(_Format):
         choice = {"index": index, "text": text, "logprobs": lp,
                   "finish_reason": "length" if self.score_only else out.finish_reason}
         if out.prompt_logprobs is not None:   # asked for (prompt_logprobs, or echo with logprobs): vLLM's field
-            choice["prompt_logprobs"] = self.prompt_logprobs_json(self._prompt(index)[1], out.prompt_logprobs)
+            p = index // self.body.n
+            if p not in self._prompt_lps:
+                self._prompt_lps[p] = self.prompt_logprobs_json(self._prompt(index)[1], out.prompt_logprobs)
+            choice["prompt_logprobs"] = self._prompt_lps[p]
         return choice
 
     def chunk(self, index: int, out):
@@ -1065,11 +1137,11 @@ class _ChatFormat(_Format):
         if self.reasoning is not None:
             reasoning, text = self.reasoning.split(out.completion)
             text = text or ""
-        message = {"role": "assistant", "content": text}
         content, calls = parse_output(text, self.tool_mode, self.tool_format, self.tool_name, self.parallel,
                                       self.body.tools)
+        message = {"role": "assistant", "content": content}
         if calls:
-            message = {"role": "assistant", "content": content, "tool_calls": calls}
+            message["tool_calls"] = calls
         if self.reasoning is not None:
             if not message["content"] and reasoning is not None:
                 message["content"] = None

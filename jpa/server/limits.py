@@ -467,6 +467,50 @@ class CompileGuard:
                                f"({time.monotonic() - t0:.1f} s)") from None
 
 
+DRY_RUN_STEPS = 48
+_ROW = re.compile(r"row has (\d+) items; max is (\d+)")
+# Tokens a dry run prefers, in order: those that open structures (where a grammar's rows are widest:
+# an object with hundreds of optional properties right after its `{`), close strings, and separate.
+_DRY_RUN_PREFERRED = '{[":,}]0'
+
+
+def dry_run(grammars, matcher, steps: int = DRY_RUN_STEPS) -> str | None:
+    """Walks `matcher` (a fresh llguidance LLMatcher) `steps` tokens into its grammar, each step the
+    first allowed of `_DRY_RUN_PREFERRED` (else the allowed token of lowest id); returns llguidance's
+    error (shortened) if one of its limits is hit on the way (e.g. "Current row has 2207 items; max is
+    2000": an object with ~550 optional properties, right after its `{`), else None. Such grammars
+    compile and pass the first mask, then failed in the middle of generation."""
+    from jpa.engine.structured import Matcher, _short
+
+    llt = grammars.llg_tokenizer()
+    preferred = []
+    for c in _DRY_RUN_PREFERRED:
+        ids = llt.tokenize_str(c)
+        if len(ids) == 1:
+            preferred.append(ids[0])
+    row = np.zeros((grammars.words,), np.int32)
+    wrapped = Matcher(matcher)
+    for _ in range(steps):
+        if matcher.is_stopped() or matcher.is_error():
+            break
+        row[:] = 0
+        wrapped.fill(row)
+        if matcher.is_error():
+            break
+        bits = row.view(np.uint32)
+        allowed = lambda t: bool((bits[t >> 5] >> (t & 31)) & 1)  # noqa: E731
+        token = next((t for t in preferred if allowed(t)), None)
+        if token is None:
+            nz = np.flatnonzero(bits)
+            if not len(nz):
+                break
+            word = int(nz[0])
+            token = word * 32 + (int(bits[word]) & -int(bits[word])).bit_length() - 1
+        if not matcher.consume_token(token):
+            break
+    return _short(matcher.get_error()) if matcher.is_error() else None
+
+
 def first_mask_allows_something(grammars, spec) -> str | None:
     """Builds spec's matcher over the tokenizer (as the engine will) and computes its first mask;
     returns an error message (llguidance's, shortened) or None. `grammars`: a
@@ -484,4 +528,12 @@ def first_mask_allows_something(grammars, spec) -> str | None:
         return _short(m.get_error())
     if not row.any():
         return "no token can start an output that matches it"
+    error = dry_run(grammars, llg.LLMatcher(grammars.llg_tokenizer(), spec.grammar_text(), log_level=0))
+    if error:
+        m = _ROW.search(error)
+        if m:   # llguidance's max_items_in_row, named (an object with hundreds of optional properties)
+            return (f"the constraint's parser needs {m.group(1)} items in one row a few tokens in; llguidance "
+                    f"allows {m.group(2)} (its row limit, max_items_in_row): use fewer optional properties or "
+                    f"alternatives at one place")
+        return f"the constraint exceeds a limit of llguidance a few tokens in: {error}"
     return None

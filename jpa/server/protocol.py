@@ -30,6 +30,9 @@ FIELD_TYPES = {
     "content": "a string or a list of {type: 'text', text} parts",
 }
 MAX_STOP = 16
+# Ids and names in messages are stored and echoed whether or not a chat template renders them: bounded.
+MAX_ID_CHARS = 256     # a tool call's id, a tool message's tool_call_id (OpenAI's are about 30 characters)
+MAX_NAME_CHARS = 256   # a message's name, a called function's name (tools declare names of at most 64)
 SEED_LIMIT = 2 ** 31   # the engine's seeds are in [0, 2**31); choice j of n uses seed + j
 SEED_MIN, SEED_END = -2 ** 63, 2 ** 64   # a request's seed: any signed or unsigned 64-bit integer (vLLM: int64)
 
@@ -247,22 +250,22 @@ class TextPart(_Lenient):
 
 
 class ToolCallFunction(_Lenient):
-    name: str
+    name: str = Field(max_length=MAX_NAME_CHARS)
     arguments: str                                         # JSON text, as OpenAI returns it
 
 
 class ToolCall(_Lenient):
-    id: str | None = None
+    id: str | None = Field(None, max_length=MAX_ID_CHARS)
     type: Literal["function"] = "function"
     function: ToolCallFunction
 
 
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None            # None only for an assistant's tool calls
-    name: str | None = None
+    content: str | list[TextPart] | None = None            # None only for an assistant's turn (as "")
+    name: str | None = Field(None, max_length=MAX_NAME_CHARS)
     tool_calls: list[ToolCall] | None = None               # assistant: calls it made
-    tool_call_id: str | None = None                        # tool: the call this result answers
+    tool_call_id: str | None = Field(None, max_length=MAX_ID_CHARS)   # tool: the call this result answers
 
 
 class FunctionDef(_Lenient):
@@ -405,15 +408,16 @@ def engine_seed(seed: int, n: int) -> int:
 
 
 def check_messages(messages) -> None:
-    """400 naming the message: tool calls only on assistant messages, content required unless an
-    assistant message makes tool calls, a tool message names its call (tool_call_id)."""
+    """400 naming the message: tool calls only on assistant messages, content required but in an
+    assistant message (an answer with no text, e.g. only reasoning, comes back with content null and
+    must be continuable: it renders as empty text), a tool message names its call (tool_call_id)."""
     for i, m in enumerate(messages):
         if m.tool_calls and m.role != "assistant":
             raise APIError(400, f"'messages.{i}.tool_calls': only assistant messages make tool calls",
                            param="messages")
-        if m.content is None and not (m.role == "assistant" and m.tool_calls):
-            raise APIError(400, f"'messages.{i}.content' is required (only an assistant message with "
-                                f"tool_calls may leave it out)", param="messages")
+        if m.content is None and m.role != "assistant":
+            raise APIError(400, f"'messages.{i}.content' is required (only an assistant message may leave it "
+                                f"out)", param="messages")
         if m.role == "tool" and not m.tool_call_id:
             raise APIError(400, f"'messages.{i}.tool_call_id' is required in a tool message", param="messages")
 

@@ -6,49 +6,115 @@ with text parts, `function_call`, `function_call_output`; `reasoning` items are 
 `max_output_tokens`, `temperature`, `top_p`, `seed` (extension), function `tools`, `tool_choice`,
 `parallel_tool_calls`, `text.format` (text, json_object, json_schema). The chat answer (tool calls,
 reasoning with a reasoning parser, constraints) becomes output items (`output_items`), streamed as
-the Responses event sequence (`EventStream`). Stored responses (`store`, default true) live in a
-bounded in-memory LRU (`ResponseStore`): a restart forgets them.
+the Responses event sequence (`EventStream`). Stored responses (`store`, default true) live in an
+in-memory LRU bounded by count and by bytes (`ResponseStore`): a restart forgets them. A response
+continuing another is stored as its own input and answer and a reference to the one it continued,
+so a chain is never copied, re-encoded or re-parsed; an answer with no text and no call is stored as
+empty text, so every stored answer can be continued. Ids and names in `input` items are at most
+256 characters (`jpa.server.protocol.MAX_ID_CHARS`): stored, rendered by the template or not.
 
 Not supported (400 naming the field): built-in tools (web search, file search, ...), `background`,
 `conversation`, `prompt`, `include`, `truncation: "auto"`, `top_logprobs`, non-text input parts.
 """
 
 import collections
-import copy
+import sys
 import threading
 import time
 import uuid
 
-from jpa.server.protocol import APIError
+from jpa.server.protocol import MAX_ID_CHARS, MAX_NAME_CHARS, APIError
 
-MAX_STORED = 1000
+MAX_STORED = 1000                     # stored responses (each also counts its bytes)
+DEFAULT_STORE_BYTES = 128 * 2 ** 20   # bytes of their messages (`--response-store-bytes`)
 
 
 def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-class ResponseStore:
-    """response id -> the conversation it ended (chat messages, its output included); LRU, bounded."""
+def message_bytes(m) -> int:
+    """Memory held by a stored chat message (`jpa.server.protocol.ChatMessage`): its strings as
+    Python holds them (sys.getsizeof), every field counted, rendered by the template or not."""
+    strings = [m.content] if isinstance(m.content, str) else [p.text for p in m.content or ()]
+    strings += [m.name, m.tool_call_id, m.role]
+    for c in m.tool_calls or ():
+        strings += [c.id, c.function.name, c.function.arguments]
+    return 256 + sum(sys.getsizeof(x) for x in strings if isinstance(x, str))
 
-    def __init__(self, capacity: int = MAX_STORED):
-        self.capacity = capacity
+
+class _Entry:
+    """One stored response: the messages its request added (input and answer) and the entry it
+    continued (a reference: a chain is never copied)."""
+    __slots__ = ("parent", "messages", "nbytes", "refs")
+
+    def __init__(self, parent, messages: list, nbytes: int):
+        self.parent, self.messages, self.nbytes, self.refs = parent, messages, nbytes, 0
+
+    def conversation(self) -> list:
+        """The messages of the whole chain, oldest first (a new list; the messages are shared)."""
+        parts, e = [], self
+        while e is not None:
+            parts.append(e.messages)
+            e = e.parent
+        return [m for part in reversed(parts) for m in part]
+
+
+class ResponseStore:
+    """response id -> the conversation it ended, as a chain of `_Entry`s; least recently used
+    dropped first, bounded by count (capacity) and by bytes (max_bytes: every message of every
+    entry still reachable, those only an ancestor of a stored one included).
+
+    An entry is held by the index (its id) and by each entry continuing it; its bytes count while
+    either holds it (a reference count), so dropping an id whose continuations are stored frees
+    nothing until they go too."""
+
+    def __init__(self, capacity: int = MAX_STORED, max_bytes: int = DEFAULT_STORE_BYTES):
+        if capacity < 1 or max_bytes < 1:
+            raise ValueError(f"ResponseStore capacity and max_bytes must be >= 1; got {capacity}, {max_bytes}")
+        self.capacity, self.max_bytes = capacity, max_bytes
+        self.nbytes = 0
         self._items: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, rid: str):
-        with self._lock:
-            msgs = self._items.get(rid)
-            if msgs is not None:
-                self._items.move_to_end(rid)
-            return copy.deepcopy(msgs)
+    def __len__(self) -> int:
+        return len(self._items)
 
-    def put(self, rid: str, messages: list) -> None:
+    def get(self, rid: str) -> _Entry | None:
         with self._lock:
-            self._items[rid] = messages
-            self._items.move_to_end(rid)
-            while len(self._items) > self.capacity:
-                self._items.popitem(last=False)
+            entry = self._items.get(rid)
+            if entry is not None:
+                self._items.move_to_end(rid)
+            return entry
+
+    def _hold(self, entry) -> None:
+        while entry is not None:
+            entry.refs += 1
+            if entry.refs > 1:
+                return
+            self.nbytes += entry.nbytes      # newly held (or held again after being freed)
+            entry = entry.parent
+
+    def _release(self, entry) -> None:
+        while entry is not None:
+            entry.refs -= 1
+            if entry.refs > 0:
+                return
+            self.nbytes -= entry.nbytes
+            entry = entry.parent
+
+    def put(self, rid: str, parent: _Entry | None, messages: list) -> None:
+        """Stores the response rid: `messages` (ChatMessages: its input and answer) after parent's."""
+        entry = _Entry(parent, list(messages), sum(message_bytes(m) for m in messages))
+        with self._lock:
+            self._hold(entry)
+            self._items[rid] = entry
+            while self._items and (len(self._items) > self.capacity or self.nbytes > self.max_bytes):
+                _, old = self._items.popitem(last=False)
+                self._release(old)
+
+    def describe(self) -> str:
+        return f"at most {self.capacity} responses and {self.max_bytes} bytes, the least recently used dropped first"
 
 
 def _bad(param: str, message: str) -> APIError:
@@ -67,6 +133,12 @@ def _text_of(content, where: str) -> str:
             raise _bad("input", f"{where}.content.{j}: only text parts (input_text, output_text) are supported")
         out.append(part["text"])
     return "".join(out)
+
+
+def _check_length(item: dict, key: str, limit: int, i: int) -> None:
+    # Ids and names are stored with the conversation whether or not the chat template renders them.
+    if len(item[key]) > limit:
+        raise _bad("input", f"input.{i}.{key} has {len(item[key])} characters; at most {limit} are accepted")
 
 
 def input_messages(items) -> list[dict]:
@@ -88,6 +160,8 @@ def input_messages(items) -> list[dict]:
         elif kind == "function_call":
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
                 raise _bad("input", f"input.{i}: a function_call needs call_id, name and arguments (strings)")
+            _check_length(item, "call_id", MAX_ID_CHARS, i)
+            _check_length(item, "name", MAX_NAME_CHARS, i)
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
             if msgs and msgs[-1]["role"] == "assistant" and msgs[-1].get("tool_calls") is not None:
@@ -98,6 +172,7 @@ def input_messages(items) -> list[dict]:
             output = item.get("output")
             if not isinstance(item.get("call_id"), str):
                 raise _bad("input", f"input.{i}: a function_call_output needs call_id")
+            _check_length(item, "call_id", MAX_ID_CHARS, i)
             msgs.append({"role": "tool", "tool_call_id": item["call_id"],
                          "content": output if isinstance(output, str) else _text_of(output, f"input.{i}")})
         elif kind == "reasoning":
@@ -107,8 +182,11 @@ def input_messages(items) -> list[dict]:
     return msgs
 
 
-def to_chat(obj, store: ResponseStore) -> tuple[dict, list[dict]]:
-    """(chat completion body, the conversation's messages) of a Responses request body."""
+def to_chat(obj, store: ResponseStore) -> tuple[dict, "_Entry | None", int]:
+    """(chat completion body, the stored response it continues (previous_response_id) or None, how
+    many of the body's messages are its input) of a Responses request body. The body holds the
+    instructions (a system message) and the input, not the stored conversation: the caller puts
+    that (already validated, `_Entry.conversation`) between them."""
     if not isinstance(obj, dict):
         raise APIError(400, "the request body must be a JSON object")
     for name, neutral in (("background", (None, False)), ("conversation", (None,)), ("prompt", (None,)),
@@ -117,15 +195,15 @@ def to_chat(obj, store: ResponseStore) -> tuple[dict, list[dict]]:
             raise _bad(name, f"not supported (only {' or '.join(repr(x) for x in neutral if x is not None) or 'absent'})")
     if "input" not in obj:
         raise APIError(400, "'input' is required", param="input")
-    msgs = []
+    parent = None
     prev = obj.get("previous_response_id")
     if prev is not None:
-        earlier = store.get(prev) if isinstance(prev, str) else None
-        if earlier is None:
-            raise APIError(404, f"previous response {prev!r} not found (stored responses are kept in memory, the "
-                                f"latest {store.capacity})", param="previous_response_id", type="not_found_error")
-        msgs += earlier
-    conversation = msgs + input_messages(obj["input"])
+        parent = store.get(prev) if isinstance(prev, str) else None
+        if parent is None:
+            raise APIError(404, f"previous response {str(prev)[:100]!r} not found (stored responses are kept in "
+                                f"memory: {store.describe()})", param="previous_response_id",
+                           type="not_found_error")
+    conversation = input_messages(obj["input"])
     instructions = obj.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise _bad("instructions", "must be a string")
@@ -162,7 +240,7 @@ def to_chat(obj, store: ResponseStore) -> tuple[dict, list[dict]]:
             k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}}
     elif fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise _bad("text", "text.format must be {type: text}, {type: json_object} or {type: json_schema, ...}")
-    return chat, conversation
+    return chat, parent, len(conversation)
 
 
 def output_items(message: dict, ids: dict | None = None) -> list[dict]:
@@ -212,13 +290,19 @@ def response_object(rid: str, obj: dict, model: str, items: list, usage: dict | 
     return out
 
 
-def stored_messages(conversation: list, message: dict) -> list:
-    """The conversation to store: its messages and the answer (reasoning dropped)."""
+def stored_answer(message: dict) -> dict:
+    """The answer to store as a chat message: its text and calls (reasoning dropped, as templates
+    drop earlier turns' reasoning). An answer with neither (a thought cut by max_output_tokens, a
+    required call cut before its name) is stored as empty text, so that it can always be continued."""
     answer = {"role": "assistant", "content": message.get("content")}
     if message.get("tool_calls"):
-        answer["tool_calls"] = [{"id": c["id"], "type": "function", "function": dict(c["function"])}
-                                for c in message["tool_calls"]]
-    return conversation + [answer]
+        # A name is the model's text (an "auto" call may name anything): cut to what a message may hold.
+        answer["tool_calls"] = [{"id": c["id"][:MAX_ID_CHARS], "type": "function", "function": {
+            "name": c["function"]["name"][:MAX_NAME_CHARS], "arguments": c["function"]["arguments"]}}
+            for c in message["tool_calls"]]
+    elif not answer["content"]:
+        answer["content"] = ""
+    return answer
 
 
 class EventStream:

@@ -26,7 +26,7 @@ import time
 import uvicorn
 
 from jpa.server.transport import (DEFAULT_LIMIT_CONCURRENCY, DEFAULT_TIMEOUT_BODY, DEFAULT_TIMEOUT_HEADER,
-                                  DEFAULT_TIMEOUT_KEEP_ALIVE, server_config)
+                                  DEFAULT_TIMEOUT_KEEP_ALIVE, DEFAULT_TIMEOUT_WRITE, server_config)
 
 log = logging.getLogger("jpa.server")
 
@@ -80,12 +80,12 @@ class DrainingServer(uvicorn.Server):
 
 def build_server(app, *, log_level: str = "warning", timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE,
                  timeout_header: float = DEFAULT_TIMEOUT_HEADER, timeout_body: float = DEFAULT_TIMEOUT_BODY,
-                 limit_concurrency: int | None = DEFAULT_LIMIT_CONCURRENCY,
+                 timeout_write: float = DEFAULT_TIMEOUT_WRITE, limit_concurrency: int | None = DEFAULT_LIMIT_CONCURRENCY,
                  shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> DrainingServer:
     """The uvicorn server for `app` (from `build_app`) with jpa's limits and graceful shutdown.
 
     Args:
-      timeout_keep_alive / timeout_header / timeout_body / limit_concurrency: see
+      timeout_keep_alive / timeout_header / timeout_body / timeout_write / limit_concurrency: see
         `jpa.server.transport.server_config`.
       shutdown_timeout: seconds requests in flight may run on after SIGTERM/SIGINT before they are
         ended with an error (new requests get 503 meanwhile).
@@ -94,7 +94,7 @@ def build_server(app, *, log_level: str = "warning", timeout_keep_alive: float =
         raise ValueError(f"shutdown_timeout must be a number of seconds >= 0; got {shutdown_timeout!r}")
     # uvicorn's own grace (phase 3) only has connections left to close by then.
     config = server_config(app, log_level=log_level, timeout_keep_alive=timeout_keep_alive,
-                           timeout_header=timeout_header, timeout_body=timeout_body,
+                           timeout_header=timeout_header, timeout_body=timeout_body, timeout_write=timeout_write,
                            limit_concurrency=limit_concurrency, timeout_graceful_shutdown=5)
     server = DrainingServer(config)
     server.shutdown_timeout = float(shutdown_timeout)

@@ -13,7 +13,10 @@ Tool calling (chat): the tools are rendered by the chat template; then, by `tool
   max_tokens: the call with the arguments so far and finish_reason "length", streamed or not);
 - "required": the output is constrained to a JSON array of {"name", "parameters"} calls of the
   given functions (one at most with parallel_tool_calls false), returned as tool_calls
-  (finish_reason "tool_calls");
+  (finish_reason "tool_calls"); it is never content: cut by max_tokens, the answer is the calls
+  whose names were complete (the last one's arguments as written so far), content null (streamed:
+  no content delta), finish_reason "length"; cut before the first name is complete, no call and
+  no content. The Responses API shows the same (function_call items; none when cut that early);
 - "auto" (the default with tools): the model decides; calls are parsed from its text by format:
   Hermes `<tool_call>{"name", "arguments"}</tool_call>` blocks (Qwen2.5, Qwen3, and the ChatML
   models here, whose tools are rendered that way) or Llama-3.1 JSON (`{"name", "parameters"}`, after
@@ -257,8 +260,14 @@ def parse_output(text: str, mode: str | None, fmt: str, name: str | None = None,
         # The arguments as generated (and streamed), even when max_tokens cut them (finish_reason
         # "length", as vLLM): streamed and non-streamed answers are the same call.
         return None, [_call(name, text)]
-    if mode in ("auto", "required"):
-        return call_stream(REQUIRED if mode == "required" else fmt, parallel, tools).content_and_calls(text)
+    if mode == "required":
+        # The output is the grammar's JSON array of calls, never content: cut by max_tokens, it is the
+        # calls whose names are complete, the last one's arguments as written so far, and no content
+        # (a stream shows the same: it never streams content under "required").
+        _, calls = call_stream(REQUIRED, parallel, tools).content_and_calls(text)
+        return None, calls
+    if mode == "auto":
+        return call_stream(fmt, parallel, tools).content_and_calls(text)
     return text, []
 
 

@@ -6,7 +6,7 @@ devices, and `jax.jit(f).lower(<ShapeDtypeStructs on such a device>).compile()` 
 GPU pipeline: fusion, buffer assignment, Triton's compilation of Pallas Triton kernels, the CUDA
 plugin's compilation of Mosaic GPU kernels (JAX >= 0.9.1 compiles the `mosaic_gpu` custom call to
 a cubin when the executable is built, with no driver call), and ptxas on every kernel
-(design.md, "Compiling for a GPU that is not here").
+(docs/architecture.md, "Compiling for a GPU that is not here").
 
 `Compiler(target).compile(name, fn, args, ...)` does that for one function and returns a record
 (a JSON-able dict): compiled or the error; each jpa kernel's grid, threads, shared memory,
@@ -117,7 +117,7 @@ def _xla_started() -> bool:
         return False
 
 
-# ---- Targets: values of XLA's xla/backends/gpu/target_config/specs (see shared/design.md) ----
+# ---- Targets: values of XLA's xla/backends/gpu/target_config/specs (docs/architecture.md lists the fields) ----
 
 _COMMON = dict(threads_per_block_limit=1024, threads_per_warp=32, shared_memory_per_block=49152,
                threads_per_core_limit=2048, block_dim_limit_x=2147483647, block_dim_limit_y=65535,

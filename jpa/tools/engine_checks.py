@@ -63,7 +63,7 @@ def engine_steps(pool_gib: float = 1.5, max_seqs: int = 64, page_size: int = 16,
     record; default SmolLM2-135M's. The model and the engine's state are abstract (nnx.eval_shape;
     a runner with allocate=False): no weights are read and no pool is allocated, so this runs
     without the model package. quantization: the model's weights as a quantized checkpoint keeps
-    them (`jpa.tools.traffic.abstract_model`: "int8", "fp8", "Q4_0", "Q4_1", "Q4_K", "awq", "gptq");
+    them (`jpa.tools.abstract.abstract_model`: "int8", "fp8", "Q4_0", "Q4_1", "Q4_K", "awq", "gptq");
     None: bfloat16. embeddings_columns: a tied quantized table's layout (`abstract_model`; None: the one the
     engine keeps on a GPU the Mosaic matmul serves, [d_model, vocab]).
     """
@@ -80,7 +80,7 @@ def engine_steps(pool_gib: float = 1.5, max_seqs: int = 64, page_size: int = 16,
     if quantization is None:
         model = GPTForEngine(nnx.eval_shape(lambda: GPT(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))
     else:
-        from jpa.tools.traffic import abstract_model
+        from jpa.tools.abstract import abstract_model
         model = GPTForEngine(abstract_model(config, quantization, embeddings_columns))
     cache_cfg = CacheConfig.from_memory(int(pool_gib * 2 ** 30), num_layers=config.num_layers,
                                         num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
@@ -208,7 +208,7 @@ def tp_engine_steps(compiler: Compiler, config: dict | None = None, pool_gib_per
     The model is abstract (nnx.eval_shape) and sharded by models.sharding (params become
     ShapeDtypeStructs carrying their NamedShardings); the runner's state is abstract and sharded
     as the engine shards it. experts: a mixture of experts' layout (models.sharding.plan_experts).
-    quantization: the weights stored in that format (`jpa.tools.traffic.abstract_model`); None: bfloat16.
+    quantization: the weights stored in that format (`jpa.tools.abstract.abstract_model`); None: bfloat16.
     Returns (records' inputs, details): [(name, fn, args, jit_options, per-device pool shapes,
     expected kernel calls, model passes)] and a dict of the sizes.
     """
@@ -225,7 +225,7 @@ def tp_engine_steps(compiler: Compiler, config: dict | None = None, pool_gib_per
     if quantization is None:
         model = GPTForEngine(nnx.eval_shape(lambda: GPT(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))
     else:
-        from jpa.tools.traffic import abstract_model
+        from jpa.tools.abstract import abstract_model
         model = GPTForEngine(abstract_model(config, quantization))
     model = model.shard(mesh, embeddings=embeddings, **({"experts": experts} if config.num_experts else {}))
     mc = model.config
