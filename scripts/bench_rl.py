@@ -15,10 +15,14 @@ import json
 import threading
 import time
 
-import jax
-import numpy as np
+from jpa.core.platform import cpu_without_gpu
 
-from jpa import LLM, SamplingParams
+cpu_without_gpu()   # no NVIDIA driver, JAX_PLATFORMS unset: JAX on the CPU (as ./run does)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jpa import LLM, SamplingParams  # noqa: E402
 
 
 def rss() -> int:

@@ -21,7 +21,7 @@ from jpa import LLM, SamplingParams
 from jpa.engine import AsyncEngine, EngineConfig
 from jpa.llm import build_engine
 from jpa.models import hf
-from tests.server_util import serving
+from server_util import serving
 
 KEY = "sk-admin"
 
