@@ -1028,8 +1028,8 @@ class LLMEngine:
         and per sequence at max_model_len as the pool holds them."""
         cc, spec = self.cache_config, self.cache_spec
         per_seq = spec.bytes_per_sequence(self.max_model_len, cc.dtype, cc.page_size)
-        return (f"cache groups: {spec.describe(cc.dtype, cc.page_size)}; {spec.bytes_per_token(cc.dtype):,.0f} B/token, "
-                f"{per_seq / 2**20:,.1f} MiB per sequence at max_model_len {self.max_model_len}")
+        return (f"cache groups: {spec.describe(cc.dtype, cc.page_size)}; in all {spec.bytes_per_token(cc.dtype):,.0f} "
+                f"B/token, {per_seq / 2**20:,.1f} MiB per sequence at max_model_len {self.max_model_len}")
 
     def summary(self) -> dict:
         """The run's figures, for the script's summary line and --json consumers."""
