@@ -67,9 +67,13 @@ def test_tokens_and_logprobs_do_not_depend_on_the_batch(model):
     assert all(o.num_cached_tokens > 0 for o in hits)
     # A small pool (preemption and recompute) and another steps_per_call: another engine.
     small = LLM.from_model(gpt, tok, **{**ENGINE, "num_pages": 14, "steps_per_call": 3})
-    squeezed = run_mixed(small, rng, prompts, params, n=6)
+    squeezed = []
+    for _ in range(4):  # random neighbours need not overflow 14 pages: fresh ones until a run preempts (bounded)
+        squeezed.append(run_mixed(small, rng, prompts, params, n=8))
+        if small.engine.stats.preemptions:
+            break
     assert small.engine.stats.preemptions > 0
-    assert bits(mixed) == bits(alone) and bits(hits) == bits(alone) and bits(squeezed) == bits(alone)
+    assert bits(mixed) == bits(alone) and bits(hits) == bits(alone) and all(bits(r) == bits(alone) for r in squeezed)
 
 
 def test_scoring_parity(model):
