@@ -165,8 +165,8 @@ def test_the_bound_counts_what_a_completion_answer_holds(live):
 def test_a_big_answer_does_not_stall_health(live):
     """Before: a 100 MB completions answer was built and encoded on the event loop (/health frozen
     5.8-9.1 s, +670 MiB). Now: under the default bound (1000000 entries) it is built and encoded on a
-    worker thread, piece by piece: /health answers within 0.5 s throughout, and the process grows by
-    a bounded amount."""
+    worker thread, piece by piece: /health answers within 0.5 s throughout (above its own worst latency
+    on this machine at the moment, measured first), and the process grows by a bounded amount."""
     psutil = pytest.importorskip("psutil")
     proc = psutil.Process()
     p = RNG.randrange(500, 700)
@@ -187,6 +187,15 @@ def test_a_big_answer_does_not_stall_health(live):
     try:
         r = live.post("/v1/completions", body)    # warm: compiled, the prompt's pages cached
         assert r.status_code == 200, r.text[:300]
+        # /health's worst latency on this machine right now, with no big answer (CI runs 3 test workers on 2
+        # cores, and the poller shares this process's GIL with the server): the bound is 0.5 s above it
+        idle = threading.Thread(target=poll)
+        idle.start()
+        time.sleep(1.5)
+        stop.set()
+        idle.join(60)
+        baseline, worst[0] = worst[0], 0.0
+        stop.clear()
         base = proc.memory_info().rss
         th.start()
         r = live.post("/v1/completions", {**body, "n": 16})
@@ -196,7 +205,7 @@ def test_a_big_answer_does_not_stall_health(live):
             th.join(60)
         live.api.max_response_logprobs = LIMIT
     assert r.status_code == 200 and len(r.json()["choices"]) == 16
-    assert worst[0] < 0.5, worst
+    assert worst[0] < 0.5 + baseline, (worst, baseline)
     assert peak[0] - base < 400 * 2 ** 20, (peak[0] - base) / 2 ** 20
 
 
