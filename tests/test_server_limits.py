@@ -500,7 +500,9 @@ def test_connection_limit_answers_json_and_health_stays_reachable(live):
             assert r.json()["error"]["code"] == "overloaded" and r.json()["error"]["type"] == "server_error"
             t = time.perf_counter()
             h = httpx.get(f"{url}/health", timeout=10)
-            assert h.status_code == 200 and time.perf_counter() - t < 0.5, h.text
+            # served, not refused (before: a 503); the time bound only says it was not queued behind the slots (2 s:
+            # CI's 3 test workers share 2 cores)
+            assert h.status_code == 200 and time.perf_counter() - t < 2.0, h.text
         time.sleep(0.3)
         r = httpx.post(f"{url}/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 1}, timeout=30)
         assert r.status_code == 200, r.text
