@@ -113,10 +113,11 @@ def test_engine_sizes_the_pool_from_the_declared_spec_and_reports_it():
     """The pool's head shape comes from the declaration (not the config), and the summary and start-up line
     report the groups with their bytes."""
     c = models.PRESETS["tiny-llama"]
-    m, tok = _tiny(CacheSpec.attention(c.num_layers, c.num_kv_heads, c.head_dim, window=40, window_layers=(1,)))
-    mem = 3 * CacheConfig(c.num_layers, c.num_kv_heads, c.head_dim, 1, 16, "float32").bytes_per_page
+    heads = 2 * c.num_kv_heads   # not the config's: the pool must follow the declaration (no step runs here)
+    m, tok = _tiny(CacheSpec.attention(c.num_layers, heads, c.head_dim, window=40, window_layers=(1,)))
+    mem = 3 * CacheConfig(c.num_layers, heads, c.head_dim, 1, 16, "float32").bytes_per_page
     engine = LLMEngine(m, tok, EngineConfig(max_seqs=2, kv_memory_bytes=mem, page_size=16))
-    assert engine.cache_config.num_pages == 3
+    assert engine.cache_config.num_kv_heads == heads and engine.cache_config.num_pages == 3
     assert engine.cache_config.bytes_per_page == engine.cache_spec.bytes_per_token("float32") * 16
     s = engine.summary()["cache_spec"]
     assert "full: 1 layers (0)" in s and "sliding: 1 layers (1), sliding window 40" in s
