@@ -317,4 +317,12 @@ def test_server_admin_endpoints(aengine, tensors, tmp_path):
         t0 = time.monotonic()
         out = client.completions.create(model="tiny", prompt="hello", max_tokens=4, temperature=0)
         assert out.choices[0].finish_reason in ("length", "stop") and time.monotonic() - t0 < 60
+        # each answer names the weights it was sampled with: the update's version, in both APIs and the stream
+        assert out.model_extra["weight_version"] == before["weight_version"] + 1
+        chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=2, temperature=0)
+        assert chat.model_extra["weight_version"] == before["weight_version"] + 1
+        last = list(client.completions.create(model="tiny", prompt="hello", max_tokens=2, temperature=0, stream=True,
+                                              stream_options={"include_usage": True}))[-1]
+        assert last.usage is not None and last.model_extra["weight_version"] == before["weight_version"] + 1
     np.testing.assert_array_equal(np.asarray(aengine.engine.model.params["norm"][...]), new["model.norm.weight"])

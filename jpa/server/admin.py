@@ -8,7 +8,8 @@
 
 A trainer's loop is pause -> update_weights -> resume (or update_weights alone: it is applied between two
 rounds, requests in flight going on with the new weights, each token's version reported in
-`RequestOutput.weight_versions`). Errors are OpenAI error objects: 400 naming the parameter or the
+`RequestOutput.weight_versions`). Every completions and chat answer carries `weight_version`, the newest
+weights its tokens were sampled with (in a stream: the usage chunk, with `stream_options.include_usage`). Errors are OpenAI error objects: 400 naming the parameter or the
 tensor (the served weights stay as they were), 503 while the model loads or when the engine is down.
 """
 

@@ -875,7 +875,7 @@ class _API:
     async def _stream(self, group: RequestGroup, fmt, timing: Timing, prompt_tokens: int, include_usage: bool,
                       body=None, rid: str = "", firsts=frozenset({0})):
         """Server-sent events in OpenAI's chunk format, ending with [DONE]."""
-        completion_tokens = cached = 0
+        completion_tokens = cached = version = 0
         try:
             for chunk in fmt.first_chunks(len(group)):
                 yield _sse(chunk)
@@ -885,6 +885,7 @@ class _API:
                 if out.finished:
                     reason = out.output.finish_reason
                     cached += out.output.num_cached_tokens if i in firsts else 0
+                    version = max(version, out.output.weight_version)
                     if reason not in ("stop", "length"):
                         if reason == "error":
                             e = self._generation_error(body, out.output.error, rid)
@@ -896,7 +897,8 @@ class _API:
                 if chunk is not None:
                     yield _sse(chunk)
             if include_usage:
-                yield _sse(fmt.usage_chunk(_usage(prompt_tokens, completion_tokens, cached)))
+                yield _sse({**fmt.usage_chunk(_usage(prompt_tokens, completion_tokens, cached)),
+                            "weight_version": version})
             yield "data: [DONE]\n\n"
         except EngineDead as e:
             yield _sse(error_body(str(e), type="server_error"))
@@ -997,7 +999,12 @@ class _Format:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.api.model_name}
 
     def response(self, choices: list, usage: dict, outs=()) -> dict:
-        return {**self._head(self.OBJECT), "choices": choices, "usage": usage}
+        """The answer; `weight_version` (an extension, as SGLang's meta_info has it): the newest weights any of its
+        tokens was sampled with (`update_weights`; 0 before the first update)."""
+        out = {**self._head(self.OBJECT), "choices": choices, "usage": usage}
+        if outs:
+            out["weight_version"] = max(o.weight_version for o in outs)
+        return out
 
     def usage_chunk(self, usage: dict) -> dict:
         return {**self._head(self.CHUNK), "choices": [], "usage": usage}
