@@ -41,6 +41,7 @@ Needs the compile-only GPU packages: `pip install -e ".[gpu]"` (./run test insta
     python scripts/gpu_compile_check.py --target h100 --only tp --tp 8 --model qwen3-30b-a3b   # MoE: experts sharded
     python scripts/gpu_compile_check.py --target h100 --only tp --tp 8 --model gpt-oss-120b
     python scripts/gpu_compile_check.py --target h100 --only moe-layer --tp 8 --model tiny-moe   # seconds
+    python scripts/gpu_compile_check.py --target h100 --only ladder --max-seqs 32   # each step-shape rung
     python scripts/gpu_compile_check.py --markdown benchmarks/gpu_compile_*.json
 """
 
@@ -74,7 +75,8 @@ def main(argv=None) -> int:
     p.add_argument("--target", choices=sorted(TARGETS))
     p.add_argument("--subset", choices=("fast", "full"), default="full",
                    help="fast: a spread-out subset of the kernel grid (CI); full: the covering grid")
-    p.add_argument("--only", choices=("kernels", "ragged", "stacked", "engine", "all", "tp", "auto", "moe-layer"),
+    p.add_argument("--only", choices=("kernels", "ragged", "stacked", "engine", "all", "tp", "auto", "moe-layer",
+                                       "ladder"),
                    default="all",
                    help="stacked: only the stacked-pool configurations of kernels and ragged (a loop over "
                         "layers, one [L, K, P, S_p, H] pool, the layer a traced index); "
@@ -97,7 +99,8 @@ def main(argv=None) -> int:
                    "(topology HOSTSx1x(TP/HOSTS): one NVLink domain per host) and report which collectives "
                    "cross hosts")
     p.add_argument("--pool-gib", type=float, default=8.0, help="--only tp: KV pool per device, GiB")
-    p.add_argument("--max-seqs", type=int, default=64, help="--only tp: sequences of the decode loop")
+    p.add_argument("--max-seqs", type=int, default=64, help="--only tp / ladder: sequences of the decode loop")
+    p.add_argument("--budget", type=int, default=512, help="--only ladder: the token budget of the full shape")
     p.add_argument("--max-model-len", type=int, default=4096, help="--only tp: tokens per sequence at most")
     p.add_argument("--random", type=int, default=0, metavar="N",
                    help="instead of the covering grid, N random configurations per kernel")
@@ -136,6 +139,10 @@ def main(argv=None) -> int:
         records += check_auto(compiler)
     if args.only in ("engine", "all"):
         records += check_engine(compiler, which=tuple(args.engine_steps.split(",")))
+    if args.only == "ladder":   # the step-shape ladder `jpa serve` compiles (EngineConfig.step_shapes="ladder")
+        from jpa.engine.shapes import step_ladder
+        rungs = step_ladder("ladder", args.max_seqs, args.budget)
+        records += check_engine(compiler, which=("plain",), max_seqs=args.max_seqs, budget=args.budget, rungs=rungs)
     if args.only == "tp":
         config = with_layers(MODEL_SHAPES[args.model], args.layers)
         records += check_tp(compiler, config=config, embeddings=args.embeddings, pool_gib_per_device=args.pool_gib,

@@ -177,6 +177,21 @@ def test_engine_steps_compile_with_the_targets_kernel(tmp_path, target, call, st
 
 
 @needs_gpu_packages
+@pytest.mark.bench
+def test_step_shape_ladder_compiles_for_h100(tmp_path):
+    """Every rung of the step-shape ladder (`--only ladder`; here max_seqs 2, budget 32: the 1 x 16 rung and
+    the 2 x 32 full shape) is the engine's step with the H100's Mosaic kernels three times in the layer body,
+    the pools aliased uncopied, no spill (benchmarks/gpu_compile_ladder_h100.json: the 32-slot ladder)."""
+    proc, report = run_check(tmp_path, "--target", "h100", "--only", "ladder", "--max-seqs", "2", "--budget", "32")
+    recs = report["records"]
+    assert proc.returncode == 0 and all(r["ok"] for r in recs), [r.get("problems") or r.get("error") for r in recs]
+    assert [r["name"].split(" (")[0] for r in recs] == ["engine unified step", "engine step-shape rung 1 rows x 16 tokens"]
+    for r in recs:
+        assert r["attention"] == "mosaic" and r["mosaic_calls"] == 3 and r["triton_calls"] == 0, r["name"]
+        assert r["alias_bytes"] >= r["pool_bytes"] and r["pool_copies"] == [], r["name"]
+
+
+@needs_gpu_packages
 def test_a_spilling_kernel_fails_the_record(tmp_path):
     """ptxas spills are a failure of the tier (every accepted configuration must compile without
     them): a Triton kernel made to spill (two [64, 128] f32 tiles live across a loop in one warp:

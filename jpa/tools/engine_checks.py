@@ -22,15 +22,16 @@ from jpa.tools.hlo import (collective_summary, collectives, cross_host_problems,
                            host_table, moves_heads_or_pool)
 
 
-def step_program(runner, num_tokens: int, platform: str = "cuda"):
-    """(fn, args, jit_options) of a ModelRunner's unified step for a budget of num_tokens, compiled
+def step_program(runner, num_tokens: int, platform: str = "cuda", rows: int | None = None):
+    """(fn, args, jit_options) of a ModelRunner's unified step for a budget of num_tokens and `rows`
+    entries (default max_seqs; fewer: a rung of the step-shape ladder, `jpa.engine.ladder`), compiled
     for `platform` (a GPU: these tools compile for one): `jax.jit(fn, **jit_options).lower(*args)`
     is the program the engine compiles and runs there, with the XLA options it compiles with
     (`ModelRunner.compiler_options`: `jpa.core.xla_options.WEIGHTS_IN_PLACE` on a GPU).
 
     Through the runner's public methods (`step_function`, `state`, `step_inputs`, `jit_options`).
     """
-    return (runner.step_function, (*runner.state(), runner.step_inputs(num_tokens)),
+    return (runner.step_function, (*runner.state(), runner.step_inputs(num_tokens, rows)),
             runner.jit_options(platform))
 
 
@@ -53,7 +54,8 @@ def expected_kernel_calls(target: str, kernel_calls, decode_calls: int) -> dict:
 
 def engine_steps(pool_gib: float = 1.5, max_seqs: int = 64, page_size: int = 16, max_model_len: int = 2048,
                  steps_per_call: int = 8, budget: int = 512, config=None, label: str = "SmolLM2",
-                 which=("plain", "spec"), quantization: str | None = None, embeddings_columns: bool | None = None):
+                 which=("plain", "spec"), quantization: str | None = None, embeddings_columns: bool | None = None,
+                 rungs=()):
     """[(name, fn, args, jit_options, pool shapes, expected kernel calls)] of the engine's one
     program, the unified step: a ragged step over `budget` tokens in one pass, then the decode loop
     ("plain"), and the same with n-gram speculation ("spec"); `which` picks. jit_options: what the
@@ -65,7 +67,9 @@ def engine_steps(pool_gib: float = 1.5, max_seqs: int = 64, page_size: int = 16,
     without the model package. quantization: the model's weights as a quantized checkpoint keeps
     them (`jpa.tools.abstract.abstract_model`: "int8", "fp8", "Q4_0", "Q4_1", "Q4_K", "awq", "gptq");
     None: bfloat16. embeddings_columns: a tied quantized table's layout (`abstract_model`; None: the one the
-    engine keeps on a GPU the Mosaic matmul serves, [d_model, vocab]).
+    engine keeps on a GPU the Mosaic matmul serves, [d_model, vocab]). rungs: `jpa.engine.shapes.StepShape`s of
+    the step-shape ladder (`step_ladder`) to compile besides, each the plain step at (rows, tokens) with the
+    decode loop over its rows' slots (`jpa.engine.ladder`); the full shape is "plain" itself.
     """
     from flax import nnx
 
@@ -121,7 +125,17 @@ def engine_steps(pool_gib: float = 1.5, max_seqs: int = 64, page_size: int = 16,
          {"hopper": (4 if short_rows(config.num_q_heads // config.num_kv_heads, k + 1, 9.0) else 5)
           * layer_period(config), "other": 5 * layer_period(config)}),
     ]
-    return [s for s, kind in zip(steps, ("plain", "spec")) if kind in which]
+    out = [s for s, kind in zip(steps, ("plain", "spec")) if kind in which]
+    for shape in rungs:
+        if (shape.rows, shape.tokens) == (max_seqs, budget):
+            continue   # the full shape: "plain"
+        r = runner_for()
+        fn, args, opts = step_program(r, shape.tokens, rows=shape.rows)
+        # A rung's ragged pass and decode loop hold the same kernels as the full shape's, on fewer rows.
+        out.append((f"engine step-shape rung {shape.rows} rows x {shape.tokens} tokens ({label} bf16, "
+                    f"{steps_per_call} decode steps, {max_seqs} slots, {cache_cfg.num_pages} pages)",
+                    fn, args, opts, pools, 3 * layer_period(config)))
+    return out
 
 
 def check_engine(compiler: Compiler, log=print, **sizes) -> list:
