@@ -51,6 +51,12 @@ not attached).
 The model is anything that meets `jpa.engine.model.EngineModel`; its params are an argument of
 the compiled step (never a closed-over constant) and the cache, page state and slots are donated.
 
+Recurrent state (a model whose cache spec has a recurrent group, `jpa.engine.states`): the cache is a
+`StateCache(pool, states)`, the pool of the paged layers and one state slot per sequence slot, donated
+with everything else; the model calls get `states` and `state_slots` (the ragged pass: each entry's slot;
+the loop: each row's real slot, the ladder's sub-slots included), and a parallel sample's slot takes its
+leader's states after the leader's final chunk.
+
 Attention backend: the step passes `attention_impl` to the model. With "auto", `jpa.paged_decode`
 and `jpa.ragged_paged_attention` pick the kernel for the device the step is compiled for while it
 is traced, with its exact shapes (the self-check runs concretely then, once per configuration).
@@ -79,11 +85,12 @@ from jpa.kv.cache import CacheConfig, KVCache
 from jpa.kv.offload import Mover, bucket, host_memory_kind
 from jpa.engine.batch import DeviceCounts, PageUsage, StepBatch, StepResult, make_step_batch
 from jpa.engine.device import Slots, Usage, tally
-from jpa.engine.model import EngineModel, check_model, has_hidden
+from jpa.engine.model import EngineModel, cache_spec_of, check_model, has_hidden
 from jpa.engine.ladder import Ladder, gather_slots, scatter_outputs, scatter_slots
 from jpa.engine.ragged_step import RaggedStep, RowLayout, own_pages, page_work, release_slots
 from jpa.engine.shapes import EngineShapes, StepShape
 from jpa.engine.speculative import DraftPair, SpeculativeConfig, make_proposer
+from jpa.engine.states import StateCache, refuse_options
 from jpa.engine.structured import hold_constrained, restore_held
 from jpa.engine.verify import VerifyLoop
 from jpa.core.sharding import REPLICATED, STACKED_POOL, named
@@ -190,6 +197,10 @@ class ModelRunner:
                              f"cache config ({cache_config.page_size}, {cache_config.num_pages})")
         self.shapes = shapes
         self.spec = speculative
+        # The cache the model declares: a recurrent group's states live beside the pool (`jpa.engine.states`).
+        self.cache_spec = cache_spec_of(model)
+        refuse_options(self.cache_spec, speculative=speculative,
+                       tensor_parallel=1 if mesh is None else int(mesh.devices.size))
         if (draft is not None) != (speculative is not None and speculative.method == "draft_model"):
             raise ValueError("a draft model goes with speculative method 'draft_model' (and that method needs one)")
         if draft is not None:
@@ -253,8 +264,11 @@ class ModelRunner:
     def _init_state(self, draft, draft_cache_config, allocate):
         s, cc = self.shapes, self.cache_config
         make = lambda f, sharding: self._make(f, sharding, allocate)  # noqa: E731
-        self.cache = make(lambda: KVCache.create(cc) if draft is None else (
-            KVCache.create(cc), KVCache.create(draft_cache_config)), self._pool)
+        if self.cache_spec.has_recurrent:   # the pool of the paged layers and the state slots (one per sequence slot)
+            self.cache = make(lambda: StateCache(KVCache.create(cc), self.cache_spec.init_states(s.max_seqs)), None)
+        else:
+            self.cache = make(lambda: KVCache.create(cc) if draft is None else (
+                KVCache.create(cc), KVCache.create(draft_cache_config)), self._pool)
         self.page_state = make(lambda: pages.init(s.num_pages, s.max_seqs, s.pages_per_seq, s.page_size), self._rep)
         self.slots = make(lambda: Slots.empty(s.max_seqs, s.num_pages, s.page_size), self._rep)
 
@@ -312,7 +326,8 @@ class ModelRunner:
         else:   # a rung of the ladder: the loop runs the slots holding a request only (`jpa.engine.ladder`)
             idx = batch.loop_slots
             sub_ps, sub_slots = gather_slots(page_state, unconstrained, idx)
-            cache, sub_ps, sub_slots, out, steps, usage, counts = loop(params, cache, sub_ps, sub_slots, decode_steps)
+            cache, sub_ps, sub_slots, out, steps, usage, counts = loop(params, cache, sub_ps, sub_slots, decode_steps,
+                                                                       idx)
             page_state, slots = scatter_slots(page_state, unconstrained, sub_ps, sub_slots, idx)
             out, counts = scatter_outputs(out, counts, idx, self.max_seqs)
         slots = restore_held(slots, held_out)
