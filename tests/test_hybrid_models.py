@@ -211,6 +211,28 @@ def test_mtp_weights_are_ignored_with_a_notice_and_other_extras_refused(tmp_path
         models.load(path, dtype=jnp.float32)
 
 
+def test_the_conditional_generation_layout_loads_its_text_model(tmp_path, capsys):
+    """qwen3_5 (Qwen3_5ForConditionalGeneration, the released Qwen3.5 checkpoints): text_config, tensors under
+    model.language_model., the vision tower ignored. Written here from the qwen3_5_text checkpoint."""
+    from safetensors.numpy import load_file, save_file
+
+    src = DATA / "qwen3_5"
+    path = tmp_path / "vl"
+    shutil.copytree(src, path)
+    (path / "model.safetensors").unlink()
+    cfg = json.loads((src / "config.json").read_text())
+    top = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": cfg,
+           "tie_word_embeddings": cfg["tie_word_embeddings"], "vision_config": {"depth": 1}}
+    (path / "config.json").write_text(json.dumps(top))
+    tensors = {k.replace("model.", "model.language_model.", 1): v for k, v in load_file(src / "model.safetensors").items()}
+    tensors["model.visual.patch_embed.proj.weight"] = np.zeros((4, 4), np.float32)
+    save_file(tensors, str(path / "model.safetensors"))
+    model, _ = models.load(path, dtype=jnp.float32)
+    assert "vision tower" in capsys.readouterr().err
+    assert model.config == loaded("qwen3_5").config
+    jax.tree.map(np.testing.assert_array_equal, model.params, loaded("qwen3_5").params)
+
+
 @pytest.mark.parametrize("change,match", [
     (dict(hidden_act="gelu"), "activation 'gelu'"),
     (dict(attention_bias=True), "attention_bias"),

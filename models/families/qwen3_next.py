@@ -28,15 +28,16 @@ def options(cfg, where, sizes):
     raise CheckpointError(f"{where}: {cfg.get('model_type')} is not a models.GPT: its family's load_model builds it")
 
 
-def hybrid_config(cfg: dict, where: str, model_type: str, bos: int = 0, eos: int = 0):
+def hybrid_config(cfg: dict, where: str, model_type: str):
     """The models.hybrid.HybridConfig of a config.json dict (qwen3_5: its text_config). Raises CheckpointError
     naming an unsupported option."""
     from jpa.models.hybrid import FULL, LINEAR, HybridConfig
 
     if model_type == "qwen3_5":
-        cfg = cfg.get("text_config")
-        if not isinstance(cfg, dict):
+        text = cfg.get("text_config")
+        if not isinstance(text, dict):
             raise CheckpointError(f"{where}: a qwen3_5 config needs a text_config")
+        cfg = {**text, **({"tie_word_embeddings": cfg["tie_word_embeddings"]} if "tie_word_embeddings" in cfg else {})}
         where = f"{where} (text_config)"
     check_activation(cfg, where, model_type, "silu")
     refuse(cfg, where, "attention_bias", (None, False), "Qwen3-Next / Qwen3.5 attention has no biases")
@@ -80,7 +81,8 @@ def hybrid_config(cfg: dict, where: str, model_type: str, bos: int = 0, eos: int
             lin_k_heads=int(cfg.get("linear_num_key_heads", 16)),
             lin_v_heads=int(cfg.get("linear_num_value_heads", 32)),
             lin_k_dim=int(cfg.get("linear_key_head_dim", 128)), lin_v_dim=int(cfg.get("linear_value_head_dim", 128)),
-            conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)), bos_token_id=bos, eos_token_id=eos, **moe)
+            conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
+            bos_token_id=int(cfg.get("bos_token_id") or 0), eos_token_id=int(_first(cfg.get("eos_token_id")) or 0), **moe)
     except (KeyError, ValueError) as e:
         raise CheckpointError(f"{where}: {e}") from e
 
@@ -146,8 +148,7 @@ def load_model(path: pathlib.Path, cfg: dict, model_type: str, *, dtype, quantiz
     where = str(path / "config.json")
     if cfg.get("quantization_config"):
         raise CheckpointError(f"{where}: quantized {model_type} checkpoints are not supported")
-    c = hybrid_config(cfg, where, model_type, bos=int(cfg.get("bos_token_id") or 0),
-                      eos=int(_first(cfg.get("eos_token_id")) or 0))
+    c = hybrid_config(cfg, where, model_type)
     prefix = "model.language_model." if model_type == "qwen3_5" else "model."
     index = _tensor_index(path)
     shapes = param_shapes(c)
