@@ -171,6 +171,25 @@ def stack_params(c: HybridConfig, top: dict, layers: list) -> dict:
     return {"top": dict(top), "layers": stacked}
 
 
+def abstract_params(c: HybridConfig, dtype) -> dict:
+    """The parameter pytree of `stack_params` as jax.ShapeDtypeStruct leaves (deviceless compiles, traffic)."""
+    shapes = param_shapes(c)
+    spec = lambda shape: jax.ShapeDtypeStruct(shape, np.dtype(dtype))
+    repeats = c.num_layers // c.period
+    layers = [{n: spec((repeats, *shape)) for n, shape in {**shapes[c.kind(j)[0]], **shapes[c.kind(j)[1]]}.items()}
+              for j in range(c.period)]
+    return {"top": {n: spec(shape) for n, shape in shapes["top"].items()}, "layers": layers}
+
+
+# Qwen3.5-27B's text shapes: 64 layers (GDN x 3, gated attention) x 16, d_model 5120, SwiGLU 17408, attention 24 q /
+# 4 kv heads of 256 (RoPE on 64), vocab 248320. The GDN heads (16 key / 48 value heads of 128) are assumed, not read
+# from the released config.
+QWEN35_27B_SHAPED = HybridConfig(
+    vocab_size=248320, d_model=5120, num_layers=64, num_q_heads=24, num_kv_heads=4, head_dim=256, max_seq_len=262144,
+    ffn_dim=17408, layer_types=tuple(LINEAR if (i + 1) % 4 else FULL for i in range(64)), rotary_dim=64,
+    rope_base=1e7, lin_k_heads=16, lin_v_heads=48, lin_k_dim=128, lin_v_dim=128, conv_kernel=4, tie_embeddings=False)
+
+
 def _mm(x, w):
     """x @ w in w's dtype, accumulated in f32."""
     return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
@@ -436,4 +455,5 @@ def _write(pools, k, v, slot_mapping, layer):
     return out if len(out) == 4 else (*out, None, None)
 
 
-__all__ = ["HybridConfig", "HybridModel", "cache_spec", "init_states", "param_shapes", "stack_params"]
+__all__ = ["HybridConfig", "HybridModel", "QWEN35_27B_SHAPED", "abstract_params", "cache_spec", "init_states",
+           "param_shapes", "stack_params"]

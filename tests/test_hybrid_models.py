@@ -224,7 +224,8 @@ def test_the_conditional_generation_layout_loads_its_text_model(tmp_path, capsys
     top = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": cfg,
            "tie_word_embeddings": cfg["tie_word_embeddings"], "vision_config": {"depth": 1}}
     (path / "config.json").write_text(json.dumps(top))
-    tensors = {k.replace("model.", "model.language_model.", 1): v for k, v in load_file(src / "model.safetensors").items()}
+    tensors = {k.replace("model.", "model.language_model.", 1): v
+               for k, v in load_file(src / "model.safetensors").items()}
     tensors["model.visual.patch_embed.proj.weight"] = np.zeros((4, 4), np.float32)
     save_file(tensors, str(path / "model.safetensors"))
     model, _ = models.load(path, dtype=jnp.float32)
@@ -253,3 +254,47 @@ def test_unsupported_config_options_are_named(change, match, tmp_path):
 def test_weight_quantization_is_refused():
     with pytest.raises(ValueError, match="quantization 'int8' is not supported for qwen3_5_text"):
         models.load(DATA / "qwen3_5", dtype=jnp.float32, quantization="int8")
+
+
+def test_traffic_counts_the_recurrent_state_of_a_decode_step():
+    """jpa.tools.traffic's ideal for a hybrid decode step: each GDN layer reads and writes every sequence's state
+    once, B x (Hv x Dk x Dv + conv_dim x (kernel - 1)) x 4 B x 2; arrays of a state's shape are "state" traffic."""
+    from jpa.tools import traffic as tr
+
+    model = loaded("qwen3_next")
+    c = model.config
+    gdn_layers = sum(t == "linear_attention" for t in c.layer_types)
+    for b in (1, 64):
+        want = gdn_layers * b * (c.lin_v_heads * c.lin_k_dim * c.lin_v_dim + c.conv_dim * (c.conv_kernel - 1)) * 4 * 2
+        assert tr.recurrent_state_ideal(model.cache_spec(), b) == want
+    states = model.init_states(5)
+    spec = tr.Spec(state_types={("f32", tuple(a.shape)) for a in jax.tree_util.tree_leaves(states)})
+    assert spec.purpose("f32", (3, 5, c.lin_v_heads, c.lin_k_dim, c.lin_v_dim)) == "state"
+    assert spec.purpose("f32", (7, c.lin_v_heads, c.lin_k_dim, c.lin_v_dim)) == "state"   # one layer, 7 entries
+    assert spec.purpose("f32", (7, c.conv_dim, c.conv_kernel - 1)) == "state"
+    assert spec.purpose("f32", (c.lin_v_heads, c.lin_k_dim, c.lin_v_dim)) == "other"  # no sequence axis
+    assert spec.purpose("bf16", (7, c.lin_v_heads, c.lin_k_dim, c.lin_v_dim)) == "other"
+
+
+@pytest.mark.bench  # one CPU compile of a decode step (~6 s)
+def test_the_traffic_model_of_a_compiled_decode_step_reads_and_writes_every_state():
+    from jpa import KVCache as Cache
+    from jpa.tools import traffic as tr
+
+    model = loaded("qwen3_5")
+    b = 3
+    states = jax.eval_shape(lambda: model.init_states(b))
+    cache = jax.eval_shape(lambda: Cache.create(model.cache_config(b * 8 + 1, 16)))
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+
+    def step(params, cache, tokens, seq_lens, slot_mapping, block_tables, states, slots):
+        return model.decode(params, cache, tokens, seq_lens, slot_mapping, block_tables, states=states,
+                            state_slots=slots)
+
+    hlo = jax.jit(step, donate_argnums=(1, 6)).lower(model.params, cache, i32(b), i32(b), i32(b), i32(b, 8), states,
+                                                     i32(b)).compile().as_text()
+    out = tr.hybrid_traffic(config=model.config, num_seqs=b, context=128, dtype="float32", hlo=hlo)["summary"]
+    ideal = tr.recurrent_state_ideal(model.cache_spec(), b)
+    assert out["state"]["ideal"] == ideal
+    assert out["state"]["read"] >= ideal / 2 and out["state"]["written"] >= ideal / 2
+    assert out["kv_write"]["total"] == out["kv_write"]["ideal"]

@@ -82,7 +82,8 @@ def hybrid_config(cfg: dict, where: str, model_type: str):
             lin_v_heads=int(cfg.get("linear_num_value_heads", 32)),
             lin_k_dim=int(cfg.get("linear_key_head_dim", 128)), lin_v_dim=int(cfg.get("linear_value_head_dim", 128)),
             conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
-            bos_token_id=int(cfg.get("bos_token_id") or 0), eos_token_id=int(_first(cfg.get("eos_token_id")) or 0), **moe)
+            bos_token_id=int(cfg.get("bos_token_id") or 0), eos_token_id=int(_first(cfg.get("eos_token_id")) or 0),
+            **moe)
     except (KeyError, ValueError) as e:
         raise CheckpointError(f"{where}: {e}") from e
 
