@@ -116,6 +116,9 @@ def config_from_hf(cfg: dict, *, where: str = "config.json", bos_token_id: int =
       CheckpointError (a ValueError): unsupported model_type or option, naming it.
     """
     family, model_type = family_of(cfg, where)
+    if family.load_model is not None:
+        raise CheckpointError(f"{where}: {model_type} is not a models.GPT (no ModelConfig): models.hf.load builds it "
+                              f"with its family's load_model")
     cfg = {**cfg, "model_type": model_type}
     try:
         d, n = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
@@ -556,7 +559,8 @@ def load(path, dtype=None, quantization=None):
         an "fp8" checkpoint), dequantized on the host at load with "none", and refused otherwise.
 
     Returns:
-      (model: models.GPT, tokenizer: models.tokenizer.HFTokenizer).
+      (model: models.GPT, tokenizer: models.tokenizer.HFTokenizer); for a family with its own model class
+      (`Family.load_model`: Qwen3-Next, Qwen3.5), that family's `jpa.engine.EngineModel` instead of a GPT.
 
     Raises:
       FileNotFoundError: a required file is missing.
@@ -588,6 +592,9 @@ def load(path, dtype=None, quantization=None):
     cfg = _read_json(path / "config.json", True)
     gen = _read_json(path / "generation_config.json", False)
     tokenizer = HFTokenizer.from_dir(path, generation_config=gen, model_config=cfg)
+    family, model_type = family_of(cfg, str(path / "config.json"))
+    if family.load_model is not None:  # not the models.GPT stack (a hybrid, MLA): the family builds its model
+        return family.load_model(path, cfg, model_type, dtype=np_dtype, quantization=quantization), tokenizer
     bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     config = config_from_hf(cfg, where=str(path / "config.json"), bos_token_id=int(bos),
                             eos_token_id=tokenizer.eos_token_id)

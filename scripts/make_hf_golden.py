@@ -1,6 +1,7 @@
 """Write tests/data/hf/: tiny random Hugging Face checkpoints and what transformers computes on them.
 
-One directory per family (llama, mistral, qwen2, qwen3, gemma2, mixtral, qwen3_moe, gpt_oss, gpt_oss_mxfp4),
+One directory per family (llama, mistral, qwen2, qwen3, gemma2, mixtral, qwen3_moe, gpt_oss, gpt_oss_mxfp4,
+qwen3_5, qwen3_next),
 each a complete checkpoint in the Hugging Face layout saved by transformers itself (config.json,
 *.safetensors, tokenizer.json, tokenizer_config.json, chat template, generation_config.json; the
 MXFP4 one converted here from gpt_oss's), plus golden.json (prompts, token
@@ -39,6 +40,11 @@ well-separated logits. The configs switch on what each family's loader must get 
            The router weights get a larger scale so that tokens spread over the experts.
   gemma2:  embedding scale, GeGLU, (1 + w) norms, post-norms, query_pre_attn_scalar != head_dim,
            small attention/final soft caps (so they bend the logits), sliding window 8 on even layers.
+  qwen3_5: Qwen3.5 text (qwen3_5_text, Qwen3_5ForCausalLM): 8 layers, 3 Gated DeltaNet to 1 gated full
+           attention, linear key dim != value dim, 4 value heads on 2 key heads, partial RoPE (25%), mrope
+           sections (text positions: plain RoPE), tied head; a "long" prompt of more than two 64-token chunks.
+  qwen3_next: Qwen3-Next: grouped in_proj_qkvz / in_proj_ba, 8 experts top-2 (norm_topk_prob) with a
+           sigmoid-gated shared expert, layer 1 a dense MLP (mlp_only_layers), untied head; the "long" prompt.
 The chat templates are written here in each family's format (Llama-3 headers, ChatML with a default
 system prompt, Qwen3's think blocks with a namespace, Gemma's turns with raise_exception).
 --out can point the big variant (--big) elsewhere: a few-hundred-MB float32 llama checkpoint for
@@ -245,8 +251,35 @@ FAMILIES["gpt_oss"] = dict(
                 rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=8.0, beta_fast=4.0, beta_slow=1.0,
                                      truncate=False, original_max_position_embeddings=64)),
     dtype=torch.bfloat16, shard=None)
+# The hybrids (Gated DeltaNet + gated full attention): a prompt longer than two 64-token GDN chunks (and many
+# pages), for the families whose recurrent state must carry across chunk boundaries.
+HYBRID = dict(
+    specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"],
+    bos=None, eos="<|im_end|>", pad="<|endoftext|>", gen_eos=["<|im_end|>", "<|endoftext|>"], add_bos=False,
+    template=None, dtype=torch.float32, shard=None, long_prompt=True,
+    # The golden data is computed in float64: on these random weights float32 itself is off by up to 4e-3 in
+    # logprob at some positions (with rms_norm_eps 1e-6; 7e-4 with 1e-4), too close to the 2e-3 the tests hold.
+    oracle_dtype=torch.float64)
+FAMILIES["qwen3_5"] = dict(  # Qwen3_5ForCausalLM (qwen3_5_text): separate in_proj_qkv / z / b / a, dense MLP
+    HYBRID, config=dict(model_type="qwen3_5_text", hidden_size=32, intermediate_size=48, num_hidden_layers=8,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
+                        rms_norm_eps=1e-4, tie_word_embeddings=True, linear_conv_kernel_dim=4,
+                        linear_key_head_dim=8, linear_value_head_dim=12, linear_num_key_heads=2,
+                        linear_num_value_heads=4,
+                        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
+                                             mrope_section=[2, 1, 1], mrope_interleaved=True)))
+FAMILIES["qwen3_next"] = dict(  # grouped in_proj_qkvz / in_proj_ba, sparse MoE + gated shared expert, a dense layer
+    HYBRID, config=dict(model_type="qwen3_next", hidden_size=32, intermediate_size=40, num_hidden_layers=4,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
+                        rms_norm_eps=1e-4, tie_word_embeddings=False, linear_conv_kernel_dim=4,
+                        linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+                        linear_num_value_heads=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                        shared_expert_intermediate_size=24, norm_topk_prob=True, decoder_sparse_step=1,
+                        mlp_only_layers=[1],
+                        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25)))
 FAMILIES["mixtral"]["template"] = FAMILIES["mistral"]["template"]
 FAMILIES["qwen3_moe"]["template"] = FAMILIES["qwen3"]["template"]
+FAMILIES["qwen3_5"]["template"] = FAMILIES["qwen3_next"]["template"] = FAMILIES["qwen3"]["template"]
 
 PLAIN_PROMPTS = {
     "paged": "A paged KV cache keeps keys and values in pages; decode attention reads them",
@@ -286,8 +319,10 @@ def train_tokenizer(specials, bos, add_bos) -> Tokenizer:
     return tk
 
 
-# Seeds of the random weights: the first seven families' as before gpt_oss joined (sorted order).
-SEEDS = {f: i + 1 for i, f in enumerate(sorted(set(FAMILIES) - {"gpt_oss"}) + ["gpt_oss"])}
+# Seeds of the random weights: the first seven families' as before gpt_oss joined (sorted order), then the
+# families added later, in the order they joined (so adding one never changes another's weights).
+LATER = ["gpt_oss", "qwen3_5", "qwen3_next"]
+SEEDS = {f: i + 1 for i, f in enumerate(sorted(set(FAMILIES) - set(LATER)) + LATER)}
 
 
 def randomize(model, family):
@@ -417,7 +452,10 @@ def golden(family, spec, out: pathlib.Path):
     tok = transformers.AutoTokenizer.from_pretrained(out)
     # MXFP4 on a CPU: transformers' dequantizing loader (Mxfp4Config(dequantize=True), which needs no accelerate).
     quant = {"quantization_config": transformers.Mxfp4Config(dequantize=True)} if family.endswith("mxfp4") else {}
-    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager",
+    oracle = spec.get("oracle_dtype", torch.float32)
+    if oracle == torch.float64:  # torch's grouped_mm has no float64: the experts' eager loop
+        quant["experts_implementation"] = "eager"
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=oracle, attn_implementation="eager",
                                                               **quant)
     model.eval()
     assert tok.chat_template == spec["template"], "the template did not survive save/load"
@@ -426,6 +464,8 @@ def golden(family, spec, out: pathlib.Path):
     data, arrays = {"family": family, "prompts": {}, "chats": {}, "tokenize": {}}, {}
     user, system = CHAT_PROMPT
     prompts = dict(PLAIN_PROMPTS)
+    if spec.get("long_prompt"):
+        prompts["long"] = " ".join(CORPUS[:3])
     msgs = ([] if family == "gemma2" else [{"role": "system", "content": system}]) + [{"role": "user", "content": user}]
     prompts["chat"] = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     for key, text in prompts.items():

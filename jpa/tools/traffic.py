@@ -30,6 +30,11 @@ instruction XLA runs as GPU work (fusions, custom calls, async fusion starts, ba
 - For a conditional, each branch's kernels are rows of their own (`branch`); `summary` counts, for
   each conditional, its most expensive branch only.
 
+- `state`: a hybrid model's recurrent states (Gated DeltaNet: f32[value heads, key dim, value dim] and the conv's
+  last inputs per sequence per layer; `Spec.state_types`), which a decode step reads and writes whole: the
+  ideal is every live sequence's state read once and written once per recurrent layer
+  (`recurrent_state_ideal`; `hybrid_traffic` models a hybrid's decode step).
+
 `summary(rows, ideal)` groups the rows by purpose against an ideal (every weight read once, the
 live KV read once, the new KV written once) and `table` prints that. `engine_traffic` compiles the
 engine's unified step (`jpa.tools.engine_checks.engine_steps`) for a target and models one decode
@@ -59,7 +64,7 @@ FREE_OPS = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "w
             "after-all", "partition-id", "replica-id", "opt-barrier", "fusion-done", "copy-done", "async-done",
             "send-done", "recv-done", "all-reduce-done", "all-gather-done", "collective-permute-done",
             "add-dependency", "domain", "get-dimension-size", "reshape", "async-start", "async-update"}
-PURPOSES = ("weights", "kv_read", "kv_write", "logits", "pages", "other")
+PURPOSES = ("weights", "kv_read", "kv_write", "state", "logits", "pages", "other")
 SLICING = ("dynamic-slice", "slice", "gather")
 IN_PLACE = ("dynamic-update-slice", "scatter")
 VIEWS = ("bitcast", "reshape", "copy", "get-tuple-element")
@@ -173,6 +178,9 @@ class Spec:
     # Element counts of the float weights that quantized ones stand for (`dense_sizes_of`): a kernel
     # that makes a float array of such a size out of weights alone writes a dense copy of a weight.
     dense_sizes: set = dataclasses.field(default_factory=set)
+    # (dtype, dims) of recurrent states (a hybrid model's GDN states, [layers, slots, ...]): an array of that dtype
+    # whose trailing dims are one sequence's state (dims[2:]) with any leading axes is "state" traffic.
+    state_types: set = dataclasses.field(default_factory=set)
 
     def __post_init__(self):
         self.pool_types = set(self.pool_types)
@@ -181,11 +189,16 @@ class Spec:
         size = lambda dims: int(np.prod(dims))
         self._pool_sizes = {(t, size(d)) for t, d in self.pool_types} | {(t, size(d[1:])) for t, d in self.pool_types}
         self._weight_sizes = {(t, size(d)) for t, d in self.weight_types if size(d) >= MATCH_BY_SIZE}
+        self.state_types = set(self.state_types)
+        # one sequence's state shape (dims after [layers, slots]): any array of that dtype ending with it
+        self._state_shapes = {(t, tuple(d[2:])) for t, d in self.state_types}
 
     def purpose(self, t: str, dims: tuple) -> str:
         n = int(np.prod(dims))
         if (t, dims) in self.pool_types or (t, n) in self._pool_sizes:
             return "kv_read"
+        if any(t == st and len(dims) > len(sh) and tuple(dims[-len(sh):]) == sh for st, sh in self._state_shapes):
+            return "state"
         # dims[1:]: a weight viewed with a leading axis of 1 (a bitcast, the same bytes: the quantized matmul
         # takes one [K, N] weight, a model's head, as a stack of one layer)
         if ((t, dims) in self.weight_types or (t, n) in self._weight_sizes
@@ -748,3 +761,71 @@ def projection(s: dict, target: str, num_seqs: int, *, efficiency: float = 0.8, 
     fits = (None if kv_bytes is None or weight_bytes is None
             else kv_bytes + weight_bytes <= memory_fraction * t["device_memory_size"])
     return dict(step_ms=step * 1e3, tokens_per_s=num_seqs / step, bandwidth=bw, fits=fits)
+
+
+# ---- Hybrid models (models.hybrid: Gated DeltaNet layers beside paged attention) ----
+
+def recurrent_state_ideal(cache_spec, num_seqs: int) -> int:
+    """Bytes one decode step must move for the recurrent states of `cache_spec` (a jpa.kv.spec.CacheSpec): every
+    recurrent layer reads and writes each of num_seqs sequences' state once. For a GDN layer that is
+    num_seqs x value heads x key dim x value dim x 4 B (f32) x 2, plus the conv state's (conv_dim x (kernel - 1) x 4 B
+    x 2)."""
+    return 2 * num_seqs * sum(len(g.layers) * g.layout.bytes_per_sequence() for g in cache_spec.groups if not g.paged)
+
+
+def hybrid_traffic(target: str = "h100", config=None, *, num_seqs: int = 1, context: int = 1024,
+                   page_size: int = 16, dtype="bfloat16", hlo: str | None = None) -> dict:
+    """Compiles a hybrid model's decode step (`models.hybrid.HybridModel.decode`: the GDN layers' recurrent
+    update, the attention layers' paged decode) for a deviceless target (or models `hlo`, the optimized HLO of
+    this program compiled before, or for the CPU in tests) at num_seqs sequences of `context` tokens and
+    returns dict(summary (`summary` against the ideal: every weight once, the attention layers' live KV once and
+    new KV once, the states once each way), top (`top_kernels`), hlo). config: a models.hybrid.HybridConfig
+    (default `models.hybrid.QWEN35_27B_SHAPED`)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jpa.models import hybrid
+    from jpa.tools.hlo import hlo_type
+
+    c = config or hybrid.QWEN35_27B_SHAPED
+    model = hybrid.HybridModel(c, hybrid.abstract_params(c, dtype), dtype)
+    pages_per_seq = -(-context // page_size)
+    num_pages = num_seqs * pages_per_seq + 1
+    cache_cfg = model.cache_config(num_pages, page_size)
+    pool = (cache_cfg.num_layers, c.num_kv_heads, num_pages, page_size, c.head_dim)
+    states = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                          jax.eval_shape(lambda: model.init_states(num_seqs)))
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    cache = jax.eval_shape(lambda: __import__("jpa").KVCache.create(cache_cfg))
+    args = (model.params, cache, i32(num_seqs), i32(num_seqs), i32(num_seqs), i32(num_seqs, pages_per_seq),
+            states, i32(num_seqs))
+
+    def step(params, cache, tokens, seq_lens, slot_mapping, block_tables, states, slots):
+        return model.decode(params, cache, tokens, seq_lens, slot_mapping, block_tables, states=states,
+                            state_slots=slots)
+
+    if hlo is None:
+        from jpa.tools.deviceless import Compiler
+
+        rec = Compiler(target).compile(f"hybrid decode x{num_seqs}", step, args, donate_argnums=(1, 6),
+                                       pool_shapes=[(pool, cache_cfg.dtype)] * 2, keep_hlo=True)
+        if "error" in rec:
+            raise RuntimeError(f"hybrid decode: {rec['error']}")
+        hlo = rec["hlo"]
+    leaves = jax.tree_util.tree_leaves(model.params)
+    spec_types = lambda xs: {(hlo_type(x.shape, x.dtype).split("[")[0], tuple(x.shape)) for x in xs}
+    layers = c.num_layers // c.period
+    spec = Spec(weight_types=weight_types_of(model.params, (layers,)), pool_types=spec_types(
+        [jax.ShapeDtypeStruct(pool, cache_cfg.dtype)]), vocab_size=c.vocab_size,
+        state_types=spec_types(jax.tree_util.tree_leaves(states)))
+    itemsize = np.dtype(cache_cfg.dtype).itemsize
+    w_item = np.dtype(dtype).itemsize
+    weights = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in leaves)
+    if not c.tie_embeddings:  # the table: only the looked-up rows
+        weights -= c.vocab_size * c.d_model * w_item - num_seqs * c.d_model * w_item
+    live = pages_per_seq * page_size
+    per_token = 2 * c.num_kv_heads * c.head_dim * itemsize * cache_cfg.num_layers
+    ideal = dict(weights=weights, kv_read=num_seqs * live * per_token, kv_write=num_seqs * per_token,
+                 state=recurrent_state_ideal(model.cache_spec(), num_seqs))
+    rows = traffic(hlo, spec)
+    return dict(summary=summary(rows, ideal), top=top_kernels(rows, 12), hlo=hlo, rows=rows)

@@ -10,6 +10,7 @@ tests (a tiny checkpoint made with transformers, greedy tokens and logprobs agai
     gemma2    Gemma-2 (models.families.gemma2)
     mixtral   Mixtral, Qwen3-MoE (models.families.mixtral)
     gpt_oss   gpt-oss (models.families.gpt_oss)
+    qwen3_next  Qwen3-Next, Qwen3.5 text: hybrids, not the GPT stack (models.families.qwen3_next, models.hybrid)
 """
 
 import dataclasses
@@ -18,7 +19,7 @@ from typing import Callable
 
 from jpa.models.families.base import CheckpointError
 
-_MODULES = ("llama", "gemma2", "mixtral", "gpt_oss")
+_MODULES = ("llama", "gemma2", "mixtral", "gpt_oss", "qwen3_next")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +36,9 @@ class Family:
       layer_names: (config, model_type) -> {parameter: (checkpoint name after "model.layers.{i}.", transpose
         [, part])} for the layer tensors named otherwise than Llama's (`base.LLAMA_LAYER_NAMES`).
       tie_default: transformers' default for tie_word_embeddings in this family.
+      load_model: None (the family is a models.GPT variant), or `load_model(path: pathlib.Path, cfg: dict,
+        model_type: str, *, dtype, quantization) -> EngineModel` for a family that is not the models.GPT stack
+        (a hybrid, MLA): models.hf.load then returns (family.load_model(...), tokenizer).
     """
     name: str
     model_types: tuple
@@ -42,6 +46,7 @@ class Family:
     options: Callable
     layer_names: Callable = lambda config, model_type: {}
     tie_default: bool = False
+    load_model: Callable | None = None
 
 
 REGISTRY: dict = {}
