@@ -588,6 +588,9 @@ def load(path, dtype=None, quantization=None):
     cfg = _read_json(path / "config.json", True)
     gen = _read_json(path / "generation_config.json", False)
     tokenizer = HFTokenizer.from_dir(path, generation_config=gen, model_config=cfg)
+    family, model_type = family_of(cfg, str(path / "config.json"))
+    if family.load_model is not None:   # a family with its own model class (not the GPT stack)
+        return family.load_model(path, cfg, model_type, dtype=dtype, quantization=quantization), tokenizer
     bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     config = config_from_hf(cfg, where=str(path / "config.json"), bos_token_id=int(bos),
                             eos_token_id=tokenizer.eos_token_id)

@@ -28,7 +28,8 @@ def test_a_config_without_model_type_is_found_by_its_architecture(name):
     fam, t = family_of(cfg)
     bare = {k: v for k, v in cfg.items() if k != "model_type"}
     assert family_of(bare) == (fam, t)
-    assert hf.config_from_hf(bare) == hf.config_from_hf(cfg)
+    if fam.load_model is None:   # a family with its own model class reads its config itself
+        assert hf.config_from_hf(bare) == hf.config_from_hf(cfg)
 
 
 def test_unknown_types_and_duplicate_registrations_are_refused():

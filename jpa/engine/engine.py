@@ -401,15 +401,18 @@ class LLMEngine:
         many as kv_memory_bytes holds (with a draft model, a page costs the target's bytes plus the draft's:
         `jpa.engine.speculative.draft_cache_config`)."""
         num_kv_heads, head_dim = spec.check_served()
+        v_head_dim = 0 if spec.latent else None   # a latent pool: the values are read out of the latents
         dtype = config.cache_dtype or np.dtype(model.dtype).name
         draft_cfg = draft_cache_config(draft_model, config.page_size, dtype)
-        target = CacheConfig(spec.num_layers, num_kv_heads, head_dim, config.num_pages or 1, config.page_size, dtype)
+        target = CacheConfig(spec.num_layers, num_kv_heads, head_dim, config.num_pages or 1, config.page_size, dtype,
+                             v_head_dim)
         if config.num_pages is None:
             budget = config.kv_memory_bytes * config.tensor_parallel
             if draft_cfg is not None:
                 budget = budget * target.bytes_per_page // (target.bytes_per_page + draft_cfg.bytes_per_page)
             target = CacheConfig.from_memory(budget, num_layers=spec.num_layers, num_kv_heads=num_kv_heads,
-                                             head_dim=head_dim, page_size=config.page_size, dtype=dtype)
+                                             head_dim=head_dim, page_size=config.page_size, dtype=dtype,
+                                             v_head_dim=v_head_dim)
         if draft_cfg is not None:
             draft_cfg = dataclasses.replace(draft_cfg, num_pages=target.num_pages)
         return target, draft_cfg

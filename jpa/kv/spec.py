@@ -21,8 +21,10 @@ shares one stacked pool `[num_layers, num_kv_heads, num_pages, page_size, head_d
 block table per sequence for all of them. A sliding-window group therefore keeps every page of a sequence
 although it reads at most the window: `bytes_per_sequence(..., freed=False)` is what it costs as served,
 `freed=True` what it would cost if the pages that fell out of every window were released (the figure a
-per-group pool would reach). Latent and recurrent groups are declared here for the models that need them;
-the engine refuses them until it allocates them (`CacheSpec.check_served`).
+per-group pool would reach). A spec of one latent group (MLA) is served by the same stacked pool with one kv
+head of latent_dim and a zero-wide V pool (`CacheSpec.latent`). Recurrent groups, and a latent group beside
+others, are declared here for the models that need them; the engine refuses them until it allocates them
+(`CacheSpec.check_served`).
 """
 
 import dataclasses
@@ -209,10 +211,19 @@ class CacheSpec:
             total += int(len(g.layers) * pages * page_size * per_token)
         return total
 
+    @property
+    def latent(self) -> bool:
+        """True when the spec is one latent group (MLA): the engine's pool then holds one kv head of latent_dim
+        per layer and a zero-wide V pool (`jpa.kv.cache.CacheConfig.v_head_dim` 0)."""
+        return len(self.groups) == 1 and self.groups[0].layout.kind == "latent"
+
     def check_served(self) -> tuple:
-        """(num_kv_heads, head_dim) of the one stacked pool the engine allocates for this spec. Raises
-        ValueError naming a group the engine cannot allocate yet (a latent or recurrent group, or attention
-        groups of different head shapes, which one pool cannot hold)."""
+        """(num_kv_heads, head_dim) of the one stacked pool the engine allocates for this spec: one latent group
+        over every layer is (1, latent_dim) (see `latent`). Raises ValueError naming a group the engine cannot
+        allocate yet (a recurrent group, a latent group beside other groups, or attention groups of different
+        head shapes, which one pool cannot hold)."""
+        if self.latent:
+            return 1, self.groups[0].layout.latent_dim
         shapes = set()
         for g in self.groups:
             if g.layout.kind not in ("full", "sliding"):

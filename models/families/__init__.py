@@ -10,6 +10,10 @@ tests (a tiny checkpoint made with transformers, greedy tokens and logprobs agai
     gemma2    Gemma-2 (models.families.gemma2)
     mixtral   Mixtral, Qwen3-MoE (models.families.mixtral)
     gpt_oss   gpt-oss (models.families.gpt_oss)
+    deepseek_v3  DeepSeek-V3, Kimi-K2 (models.families.deepseek_v3; MLA, its own model: models.deepseek)
+
+A family whose model is not the models.GPT stack sets `load_model`: models.hf.load then returns its model (an
+`jpa.engine.EngineModel`) and the tokenizer, and `options` / `layer_names` are not asked.
 """
 
 import dataclasses
@@ -18,7 +22,7 @@ from typing import Callable
 
 from jpa.models.families.base import CheckpointError
 
-_MODULES = ("llama", "gemma2", "mixtral", "gpt_oss")
+_MODULES = ("llama", "gemma2", "mixtral", "gpt_oss", "deepseek_v3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +39,8 @@ class Family:
       layer_names: (config, model_type) -> {parameter: (checkpoint name after "model.layers.{i}.", transpose
         [, part])} for the layer tensors named otherwise than Llama's (`base.LLAMA_LAYER_NAMES`).
       tie_default: transformers' default for tie_word_embeddings in this family.
+      load_model: None (the family is a models.GPT), or (path: pathlib.Path, cfg: dict, model_type: str, *, dtype,
+        quantization) -> EngineModel, the family's own model built from the checkpoint directory.
     """
     name: str
     model_types: tuple
@@ -42,6 +48,7 @@ class Family:
     options: Callable
     layer_names: Callable = lambda config, model_type: {}
     tie_default: bool = False
+    load_model: Callable | None = None
 
 
 REGISTRY: dict = {}
