@@ -19,6 +19,7 @@ import pytest
 import jpa
 from jpa import models
 from jpa.engine import EngineConfig
+from jpa.engine.speculative import SpeculativeConfig
 from jpa.kv.spec import CacheSpec
 from jpa.models import deepseek
 
@@ -103,7 +104,9 @@ def test_greedy_tokens_and_logprobs_match_transformers_through_the_engine(family
     dict(prefix_caching=True),
     dict(num_pages=24),                # preemption: the three sequences need ~50 pages
     dict(max_num_batched_tokens=8),    # another chunk budget
-], ids=["prefix_caching", "preemption", "budget8"])
+    dict(num_pages=24, kv_offload_bytes=64 << 20),   # preempted sequences swapped to the host tier and back
+    dict(speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3)),
+], ids=["prefix_caching", "preemption", "budget8", "offload", "ngram_speculation"])
 def test_engine_features_leave_outputs_identical(options):
     """The latent pool under the engine's page work: outputs equal to the baseline's, token for token and
     logprob for logprob, and the feature really ran."""
@@ -112,14 +115,32 @@ def test_engine_features_leave_outputs_identical(options):
     for o, b in zip(outs, base):
         assert o.token_ids == b.token_ids
         np.testing.assert_allclose(o.logprobs, b.logprobs, atol=1e-5, rtol=0)
-    s = llm.engine.scheduler
+    s, st = llm.engine.scheduler, llm.engine.stats
     if "num_pages" in options:
         assert s.num_preemptions > 0
+    if "kv_offload_bytes" in options:
+        assert st.swapped_out > 0 and st.swapped_in > 0
+    if "speculative" in options:
+        assert st.spec_draft_tokens > 0 and st.spec_accepted_tokens > 0
     if options.get("prefix_caching"):
         g, _ = golden("deepseek_v3")
         prompt = next(iter(g["prompts"].values()))["ids"]
         again = llm.generate([prompt], dict(max_tokens=4, temperature=0, ignore_eos=True))[0]
         assert again.token_ids == base[0].token_ids[:4] and s.prefix.hit_tokens > 0
+
+
+@pytest.mark.bench
+def test_parallel_samples_share_pages_and_copy_on_write():
+    """n=2 greedy samples of one prompt share its pages; the first write into the shared last page copies it
+    (copy-on-write of the latent pages): both samples equal the single run."""
+    model, tok = loaded("deepseek_v3")
+    g, _ = golden("deepseek_v3")
+    p = g["prompts"]["robot"]
+    assert len(p["ids"]) % PAGE_SIZE, "the prompt must end mid-page for its last page to be shared"
+    llm = jpa.LLM.from_model(model, tok, max_seqs=4, page_size=PAGE_SIZE, num_pages=64, max_num_batched_tokens=32)
+    out = llm.generate([p["ids"]], dict(n=2, max_tokens=8, temperature=0, ignore_eos=True))[0]
+    assert [list(o.token_ids) for o in out.outputs] == [p["greedy_ids"][:8]] * 2
+    assert llm.engine.runner.cow_copies > 0
 
 
 def test_the_engine_allocates_a_latent_pool_without_a_v_pool():
