@@ -102,6 +102,29 @@ class DeepSeekConfig:
         return self.softmax_scale or self.qk_head_dim ** -0.5
 
 
+# Published sizes (config.json of deepseek-ai/DeepSeek-V3 and DeepSeek-V2-Lite), for sizing and traffic
+# estimates without a checkpoint (`published`).
+PUBLISHED = {
+    "deepseek-v3": dict(vocab_size=129280, d_model=7168, num_layers=61, num_q_heads=128, q_lora_rank=1536,
+                        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, ffn_dim=18432,
+                        moe_ffn_dim=2048, num_experts=256, experts_per_token=8, n_shared_experts=1, n_group=8,
+                        topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense=3,
+                        max_seq_len=163840),
+    "deepseek-v2-lite": dict(vocab_size=102400, d_model=2048, num_layers=27, num_q_heads=16, q_lora_rank=None,
+                             kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                             ffn_dim=10944, moe_ffn_dim=1408, num_experts=64, experts_per_token=6, n_shared_experts=2,
+                             n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False,
+                             first_k_dense=1, max_seq_len=163840),
+}
+
+
+def published(name: str) -> "DeepSeekConfig":
+    """The DeepSeekConfig of a published model's sizes (a key of PUBLISHED)."""
+    if name not in PUBLISHED:
+        raise ValueError(f"name must be one of {sorted(PUBLISHED)}; got {name!r}")
+    return DeepSeekConfig(**PUBLISHED[name])
+
+
 # ----------------------------------------------------------------------------------------- the layers
 
 def _mm(x, w):
@@ -226,6 +249,11 @@ def head(params, config: DeepSeekConfig, hidden):
     return _mm(h, w)
 
 
+def cache_spec(config: DeepSeekConfig) -> CacheSpec:
+    """One latent group over every layer: kv_lora_rank + qk_rope_head_dim values per token and layer."""
+    return CacheSpec((CacheGroup("latent", tuple(range(config.num_layers)), LatentAttention(config.latent_dim)),))
+
+
 def _check_impl(impl):
     if impl not in ("auto", "xla"):
         raise ValueError(f"impl must be 'auto' or 'xla' for MLA (its attention is plain JAX, jpa.ops.mla); "
@@ -241,8 +269,7 @@ class DeepSeekForEngine:
         self.quantization = None
 
     def cache_spec(self) -> CacheSpec:
-        c = self.config
-        return CacheSpec((CacheGroup("latent", tuple(range(c.num_layers)), LatentAttention(c.latent_dim)),))
+        return cache_spec(self.config)
 
     def ragged_hidden(self, params, cache, tokens, positions, slot_mapping, block_tables, seq_lens, cu_q_lens,
                       num_seqs, *, impl="auto"):

@@ -6,6 +6,7 @@ expert, a dense first layer; the second with q_lora_rank None). The engine serve
 with the latent pool (one kv head of kv_lora_rank + rope dim, a zero-wide V pool).
 """
 
+import dataclasses
 import functools
 import json
 import logging
@@ -161,19 +162,12 @@ def test_the_engine_allocates_a_latent_pool_without_a_v_pool():
 def test_kv_bytes_per_token_next_to_llama_3_70b():
     """DeepSeek-V3's spec (61 layers of a 512 + 64 latent) against Llama-3-70B's (80 layers, 8 kv heads x 128,
     K and V), bf16: 70,272 vs 327,680 B/token (4.7x less)."""
-    v3 = deepseek.DeepSeekForEngine(v3_config(), {}, jnp.bfloat16).cache_spec()
+    v3 = deepseek.cache_spec(deepseek.published("deepseek-v3"))
     llama = CacheSpec.attention(80, 8, 128)
     assert v3.bytes_per_token(jnp.bfloat16) == 61 * 576 * 2 == 70272
     assert llama.bytes_per_token(jnp.bfloat16) == 80 * 2 * 8 * 128 * 2 == 327680
-
-
-def v3_config():
-    """DeepSeek-V3's published sizes (config.json of deepseek-ai/DeepSeek-V3)."""
-    return deepseek.DeepSeekConfig(
-        vocab_size=129280, d_model=7168, num_layers=61, num_q_heads=128, q_lora_rank=1536, kv_lora_rank=512,
-        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, ffn_dim=18432, moe_ffn_dim=2048, num_experts=256,
-        experts_per_token=8, n_shared_experts=1, n_group=8, topk_group=4, routed_scaling_factor=2.5,
-        norm_topk_prob=True, first_k_dense=3, max_seq_len=163840)
+    with pytest.raises(ValueError, match="name must be one of \\['deepseek-v2-lite', 'deepseek-v3'\\]"):
+        deepseek.published("deepseek-r2")
 
 
 def test_mtp_layers_are_noticed_and_not_loaded_and_unknown_tensors_are_refused(tmp_path, caplog):
@@ -216,9 +210,8 @@ def test_router_groups_bias_and_scaling_match_numpy():
     """route() against a NumPy transcription of transformers' DeepseekV3TopkRouter on random tokens: the groups'
     top-2 sums pick topk_group groups, the bias steers the choice only, weights normalized and scaled."""
     rng = np.random.default_rng(7)
-    c = v3_config()
-    import dataclasses
-    c = dataclasses.replace(c, num_experts=16, n_group=4, topk_group=2, experts_per_token=3, d_model=8)
+    c = dataclasses.replace(deepseek.published("deepseek-v3"), num_experts=16, n_group=4, topk_group=2,
+                            experts_per_token=3, d_model=8)
     h = rng.standard_normal((20, 8)).astype(np.float32)
     router = rng.standard_normal((8, 16)).astype(np.float32)
     bias = (0.5 * rng.standard_normal(16)).astype(np.float32)
