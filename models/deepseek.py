@@ -1,4 +1,4 @@
-"""DeepSeek-V3 (and its family: Kimi-K2, DeepSeek-V3.1): multi-head latent attention over a paged latent cache,
+"""DeepSeek-V3 (and its family: Kimi-K2, DeepSeek-V3.1; DeepSeek-V2 with its routers): multi-head latent attention over a paged latent cache,
 and DeepSeek's mixture of experts. Its own model class (`DeepSeekForEngine`), not the models.GPT stack; it
 satisfies `jpa.engine.EngineModel`.
 
@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 
 # models.gpt.rope_inv_freq reads (rope_scaling, head_dim, rope_base) off a hashable config: the rope part's.
 _RopeDims = collections.namedtuple("_RopeDims", "rope_scaling head_dim rope_base")
+# The routers: DeepSeek-V3's (topk_method noaux_tc: sigmoid scores, a correction bias, groups by their two best),
+# DeepSeek-V2's (softmax scores; "greedy": the top k; "group_limited_greedy": groups by their best score).
+ROUTERS = ("noaux_tc", "greedy", "group_limited_greedy")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +82,7 @@ class DeepSeekConfig:
     rope_interleave: bool = True
     softmax_scale: float = 0.0     # 0: qk_head_dim ** -0.5
     tie_embeddings: bool = False
+    router: str = "noaux_tc"       # V3's; DeepSeek-V2's "greedy" / "group_limited_greedy" (softmax scores)
     swiglu_clamp = None            # models.moe's experts read it (DeepSeek's SwiGLU is unclamped)
 
     num_kv_heads = property(lambda self: 1)
@@ -94,6 +98,8 @@ class DeepSeekConfig:
             raise ValueError(f"DeepSeekConfig: n_routed_experts ({self.num_experts}) must split into n_group "
                              f"({self.n_group}) groups of >= 2 experts, with 1 <= topk_group ({self.topk_group}) "
                              f"<= n_group")
+        if self.router not in ROUTERS:
+            raise ValueError(f"DeepSeekConfig.router must be one of {ROUTERS}; got {self.router!r}")
         if not 0 <= self.first_k_dense <= self.num_layers:
             raise ValueError(f"DeepSeekConfig.first_k_dense must be in [0, num_layers]; got {self.first_k_dense}")
 
@@ -114,7 +120,7 @@ PUBLISHED = {
                              kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
                              ffn_dim=10944, moe_ffn_dim=1408, num_experts=64, experts_per_token=6, n_shared_experts=2,
                              n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False,
-                             first_k_dense=1, max_seq_len=163840),
+                             first_k_dense=1, max_seq_len=163840, router="greedy"),
 }
 
 
@@ -183,10 +189,21 @@ def _swiglu(h, gate, up, down):
 
 
 def route(h, router, bias, config: DeepSeekConfig):
-    """DeepSeek-V3's router (transformers' DeepseekV3TopkRouter) for tokens h [T, D]: (experts i32[T, k],
-    weights f32[T, k])."""
+    """The router for tokens h [T, D]: (experts i32[T, k], weights f32[T, k]). V3 (noaux_tc; transformers'
+    DeepseekV3TopkRouter) as the module docstring says; V2 (transformers' DeepseekV2TopkRouter): softmax scores,
+    the top k of all ("greedy") or of the topk_group groups with the best single score ("group_limited_greedy"),
+    weighted by their scores times routed_scaling_factor."""
     c = config
-    scores = jax.nn.sigmoid(jnp.dot(h.astype(jnp.float32), router.astype(jnp.float32)))  # [T, E]
+    logits = jnp.dot(h.astype(jnp.float32), router.astype(jnp.float32))  # [T, E]
+    if c.router != "noaux_tc":
+        scores = jax.nn.softmax(logits, axis=-1)
+        if c.router == "group_limited_greedy":
+            best = lax.top_k(jnp.max(scores.reshape(h.shape[0], c.n_group, -1), axis=-1), c.topk_group)[1]
+            keep = jnp.any(best[:, :, None] == jnp.arange(c.n_group)[None, None, :], axis=1)  # [T, G]
+            scores = jnp.where(jnp.repeat(keep, c.num_experts // c.n_group, axis=1), scores, 0.0)
+        weights, experts = lax.top_k(scores, c.experts_per_token)
+        return experts.astype(jnp.int32), weights * c.routed_scaling_factor
+    scores = jax.nn.sigmoid(logits)
     choice = scores + bias.astype(jnp.float32)
     groups = choice.reshape(h.shape[0], c.n_group, c.num_experts // c.n_group)  # [T, G, E/G]
     group_scores = jnp.sum(lax.top_k(groups, 2)[0], axis=-1)  # [T, G]: each group's two best
@@ -203,7 +220,7 @@ def route(h, router, bias, config: DeepSeekConfig):
 def _moe(p, h, config: DeepSeekConfig, dtype):
     from jpa.models.moe import _experts
 
-    experts, weights = route(h, p["router"], p["router_bias"], config)
+    experts, weights = route(h, p["router"], p.get("router_bias"), config)
     routed = _experts(h, experts, weights, None, p["experts_gate"], p["experts_up"], p["experts_down"],
                       (None, None, None), config, dtype)
     return routed + _swiglu(h, p["shared_gate"], p["shared_up"], p["shared_down"])
@@ -307,15 +324,23 @@ def config_from_hf(cfg: dict, where: str = "config.json") -> DeepSeekConfig:
     from jpa.models.families.base import CheckpointError, check_activation, refuse
     from jpa.models.hf import _rope
 
+    v2 = cfg.get("model_type") == "deepseek_v2"
     check_activation(cfg, where, cfg.get("model_type"), "silu")
-    refuse(cfg, where, "attention_bias", (None, False), "DeepSeek-V3's projections have no biases")
-    refuse(cfg, where, "topk_method", (None, "noaux_tc"), "DeepSeek-V3's router is noaux_tc")
-    refuse(cfg, where, "scoring_func", (None, "sigmoid"), "DeepSeek-V3's router scores with a sigmoid")
+    refuse(cfg, where, "attention_bias", (None, False), "DeepSeek's projections have no biases")
+    refuse(cfg, where, "mlp_bias", (None, False), "DeepSeek's MLPs have no biases")
+    if v2:
+        refuse(cfg, where, "topk_method", ("greedy", "group_limited_greedy"), "DeepSeek-V2's routers")
+        refuse(cfg, where, "scoring_func", (None, "softmax"), "DeepSeek-V2's router scores with a softmax")
+        refuse(cfg, where, "norm_topk_prob", (None, False), "transformers' DeepSeek-V2 router ignores it while "
+                                                          "DeepSeek's own code normalizes: ambiguous")
+    else:
+        refuse(cfg, where, "topk_method", (None, "noaux_tc"), "DeepSeek-V3's router is noaux_tc")
+        refuse(cfg, where, "scoring_func", (None, "sigmoid"), "DeepSeek-V3's router scores with a sigmoid")
     refuse(cfg, where, "quantization_config", (None,), "quantized DeepSeek checkpoints (block FP8) are not read yet; "
                                                       "use a bf16 conversion")
     try:
         get = lambda k, d=None: cfg[k] if d is None else cfg.get(k, d)  # noqa: E731
-        base, scaling = _rope({**cfg, "model_type": "deepseek_v3"}, where)
+        base, scaling = _rope(cfg, where)
         params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
         qk = int(get("qk_nope_head_dim")) + int(get("qk_rope_head_dim"))
         scale = qk ** -0.5
@@ -339,7 +364,8 @@ def config_from_hf(cfg: dict, where: str = "config.json") -> DeepSeekConfig:
             else int(get("num_hidden_layers")),
             max_seq_len=int(get("max_position_embeddings", 4096)), rms_eps=float(get("rms_norm_eps", 1e-6)),
             rope_base=float(base), rope_scaling=scaling, rope_interleave=bool(get("rope_interleave", True)),
-            softmax_scale=float(scale), tie_embeddings=bool(get("tie_word_embeddings", False)))
+            softmax_scale=float(scale), tie_embeddings=bool(get("tie_word_embeddings", False)),
+            router=str(cfg.get("topk_method") or "greedy") if v2 else "noaux_tc")
     except KeyError as e:
         raise CheckpointError(f"{where}: {e.args[0]!r} is missing") from e
     except ValueError as e:
@@ -361,7 +387,9 @@ def _names(c: DeepSeekConfig, i: int, moe: bool) -> dict:
         for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
             out[ours] = (f"{a}mlp.{theirs}.weight", True)
         return out
-    out.update(router=(a + "mlp.gate.weight", True), router_bias=(a + "mlp.gate.e_score_correction_bias", False))
+    out["router"] = (a + "mlp.gate.weight", True)
+    if c.router == "noaux_tc":
+        out["router_bias"] = (a + "mlp.gate.e_score_correction_bias", False)
     for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
         out[f"experts_{ours}"] = (tuple(f"{a}mlp.experts.{j}.{theirs}.weight" for j in range(c.num_experts)), True)
         out[f"shared_{ours}"] = (f"{a}mlp.shared_experts.{theirs}.weight", True)

@@ -43,6 +43,8 @@ well-separated logits. The configs switch on what each family's loader must get 
            a random e_score_correction_bias, norm_topk_prob, routed_scaling_factor 2.5) and a shared expert, bf16
            weights; golden.npz also holds the greedy steps' logits. deepseek_v3_noqlora: the same with
            q_lora_rank None (q_proj), default RoPE, 2 groups (top-1), no norm_topk_prob, 2 layers.
+  deepseek_v2: DeepSeek-V2 (V2-Lite's q_proj form): softmax router, group_limited_greedy over 4 groups (top 2),
+           routed_scaling_factor 1.5, YaRN with mscale = mscale_all_dim = 0.707, 2 layers.
   gemma2:  embedding scale, GeGLU, (1 + w) norms, post-norms, query_pre_attn_scalar != head_dim,
            small attention/final soft caps (so they bend the logits), sliding window 8 on even layers.
 The chat templates are written here in each family's format (Llama-3 headers, ChatML with a default
@@ -324,6 +326,14 @@ FAMILIES["deepseek_v3_noqlora"] = dict(FAMILIES["deepseek_v3"], config=dict(
     num_hidden_layers=2,
     rope_parameters=dict(rope_type="default", rope_theta=10000.0)))
 SEEDS["deepseek_v3_noqlora"] = 101
+# DeepSeek-V2 (V2-Lite's form: q_proj): softmax router, group_limited_greedy, YaRN with mscale_all_dim.
+FAMILIES["deepseek_v2"] = dict(FAMILIES["deepseek_v3"], config=dict(
+    {k: v for k, v in FAMILIES["deepseek_v3"]["config"].items() if k not in ("rope_interleave", "norm_topk_prob")},
+    model_type="deepseek_v2", q_lora_rank=None, num_hidden_layers=2, topk_method="group_limited_greedy",
+    routed_scaling_factor=1.5, rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                                     original_max_position_embeddings=64, mscale=0.707,
+                                                     mscale_all_dim=0.707)))
+SEEDS["deepseek_v2"] = 102
 
 
 def randomize(model, family):

@@ -2,7 +2,8 @@
 
 tests/data/hf/deepseek_v3{,_noqlora}/ are tiny random checkpoints transformers made (scripts/make_hf_golden.py:
 q/kv LoRA ranks, the interleaved-RoPE key, YaRN with mscale, grouped routing with a correction bias, a shared
-expert, a dense first layer; the second with q_lora_rank None). The engine serves the model through `jpa.LLM`
+expert, a dense first layer; the second with q_lora_rank None; deepseek_v2 with V2's softmax group-limited
+router). The engine serves the model through `jpa.LLM`
 with the latent pool (one kv head of kv_lora_rank + rope dim, a zero-wide V pool).
 """
 
@@ -25,7 +26,7 @@ from jpa.kv.spec import CacheSpec
 from jpa.models import deepseek
 
 DATA = pathlib.Path(__file__).parent / "data" / "hf"
-FAMILIES = ["deepseek_v3", "deepseek_v3_noqlora"]
+FAMILIES = ["deepseek_v3", "deepseek_v3_noqlora", "deepseek_v2"]
 PAGE_SIZE = 4
 
 
@@ -45,7 +46,8 @@ def latent_cache(model, num_pages):
 
 
 @pytest.mark.parametrize("family", [
-    "deepseek_v3", pytest.param("deepseek_v3_noqlora", marks=pytest.mark.bench)])
+    "deepseek_v3", pytest.param("deepseek_v3_noqlora", marks=pytest.mark.bench),
+    pytest.param("deepseek_v2", marks=pytest.mark.bench)])
 def test_prefill_logits_match_transformers(family):
     """The three prompts as one ragged batch (absorbed MLA over latent pages, interleaved tables): every row's
     logits equal transformers' within 2e-4 (logits of magnitude ~10-13)."""
@@ -227,3 +229,26 @@ def test_router_groups_bias_and_scaling_match_numpy():
     w = np.take_along_axis(scores, np.asarray(experts), -1)
     np.testing.assert_allclose(np.asarray(weights), w / w.sum(-1, keepdims=True) * 2.5, rtol=1e-5)
     assert np.all(np.repeat(keep, 4, 1)[np.arange(20)[:, None], np.asarray(experts)])
+
+
+@pytest.mark.parametrize("method", ["greedy", "group_limited_greedy"])
+def test_v2_routers_match_numpy(method):
+    """DeepSeek-V2's routers against a NumPy transcription of transformers' DeepseekV2TopkRouter: softmax scores,
+    groups by their best score (masked to 0 outside the topk_group best), top k, times routed_scaling_factor."""
+    rng = np.random.default_rng(3)
+    c = dataclasses.replace(deepseek.published("deepseek-v2-lite"), num_experts=16, n_group=4, topk_group=2,
+                            experts_per_token=3, d_model=8, routed_scaling_factor=1.5, router=method)
+    h = rng.standard_normal((20, 8)).astype(np.float32)
+    router = (2 * rng.standard_normal((8, 16))).astype(np.float32)
+    experts, weights = deepseek.route(jnp.asarray(h), jnp.asarray(router), None, c)
+    logits = h @ router
+    scores = np.exp(logits - logits.max(-1, keepdims=True))
+    scores /= scores.sum(-1, keepdims=True)
+    if method == "group_limited_greedy":
+        best = np.argsort(-scores.reshape(20, 4, 4).max(-1), -1)[:, :2]
+        keep = np.zeros((20, 4), bool)
+        np.put_along_axis(keep, best, True, -1)
+        scores = np.where(np.repeat(keep, 4, 1), scores, 0.0)
+    want = np.argsort(-scores, -1)[:, :3]
+    np.testing.assert_array_equal(np.asarray(experts), want)
+    np.testing.assert_allclose(np.asarray(weights), np.take_along_axis(scores, want, -1) * 1.5, rtol=1e-5)

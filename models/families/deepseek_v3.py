@@ -1,5 +1,5 @@
-"""DeepSeek-V3 (and Kimi-K2, DeepSeek-V3.1: model_type deepseek_v3): multi-head latent attention and DeepSeek's
-mixture of experts. Not the models.GPT stack: its own model class (`models.deepseek.DeepSeekForEngine`), built by
+"""DeepSeek-V3 (and Kimi-K2, DeepSeek-V3.1: model_type deepseek_v3) and DeepSeek-V2 (deepseek_v2: V2, V2-Lite):
+multi-head latent attention and DeepSeek's mixtures of experts. Not the models.GPT stack: its own model class (`models.deepseek.DeepSeekForEngine`), built by
 `Family.load_model`."""
 
 from jpa.models.families import Family, register
@@ -17,5 +17,6 @@ def load_model(path, cfg: dict, model_type: str, *, dtype, quantization):
     return deepseek.load_model(path, cfg, model_type, dtype=dtype, quantization=quantization)
 
 
-FAMILY = register(Family(name="deepseek_v3", model_types=("deepseek_v3",), architectures=("DeepseekV3ForCausalLM",),
-                         options=options, load_model=load_model))
+FAMILY = register(Family(name="deepseek_v3", model_types=("deepseek_v3", "deepseek_v2"),
+                         architectures=("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"), options=options,
+                         load_model=load_model))
