@@ -1,6 +1,7 @@
 """Write tests/data/hf/: tiny random Hugging Face checkpoints and what transformers computes on them.
 
-One directory per family (llama, mistral, qwen2, qwen3, gemma2, mixtral, qwen3_moe, gpt_oss, gpt_oss_mxfp4),
+One directory per family (llama, mistral, qwen2, qwen3, gemma2, mixtral, qwen3_moe, gpt_oss, gpt_oss_mxfp4,
+deepseek_v3, deepseek_v3_noqlora, deepseek_v2; tests/test_deepseek.py reads the last three),
 each a complete checkpoint in the Hugging Face layout saved by transformers itself (config.json,
 *.safetensors, tokenizer.json, tokenizer_config.json, chat template, generation_config.json; the
 MXFP4 one converted here from gpt_oss's), plus golden.json (prompts, token

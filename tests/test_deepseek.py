@@ -116,6 +116,7 @@ def test_engine_features_leave_outputs_identical(options):
         assert o.token_ids == b.token_ids
         np.testing.assert_allclose(o.logprobs, b.logprobs, atol=1e-5, rtol=0)
     s, st = llm.engine.scheduler, llm.engine.stats
+    assert llm.engine.runner.compiles == 1   # one program for every mix of lengths, chunks and decode rows
     if "num_pages" in options:
         assert s.num_preemptions > 0
     if "kv_offload_bytes" in options:
