@@ -292,3 +292,28 @@ def test_bfloat16_weights_and_latent_cache_stay_near_transformers():
                                         i32([list(range(pages))]), i32([n]), i32([0, n]), i32(1))
     assert cache.k.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(model.head(model.params, hidden)), arrays["robot_logits"], atol=0.25, rtol=0)
+
+
+@pytest.mark.bench
+@pytest.mark.skipif(__import__("jpa.tools.deviceless", fromlist=["x"]).missing_packages() is not None,
+                    reason="needs the gpu extra (compile-only CUDA packages)")
+def test_engine_step_compiles_for_an_h100_with_the_latent_pool_in_place():
+    """The engine's unified step (ragged pass + decode loop) over the latent pool, bf16, compiled deviceless for an
+    H100: the latent pool is donated and aliased, with no copy of it (XLA does copy the zero-wide V pool, a
+    constant of 0 bytes: measured, not asserted)."""
+    from jpa.engine.runner import ModelRunner
+    from jpa.kv.cache import CacheConfig
+    from jpa.tools import deviceless
+    from jpa.tools.engine_checks import step_program
+
+    model, _ = models.load(DATA / "deepseek_v3", dtype=jnp.bfloat16)
+    c = model.config
+    runner = ModelRunner(model, CacheConfig(c.num_layers, 1, c.latent_dim, 256, 16, "bfloat16", v_head_dim=0),
+                         max_seqs=8, pages_per_seq=16, steps_per_call=4, stop_ids=(1,), allocate=False,
+                         block_tokens=64)
+    runner.set_block_tokens(64)
+    fn, args, opts = step_program(runner, 64)
+    latent = ((c.num_layers, 1, 256, 16, c.latent_dim), "bfloat16")
+    rec = deviceless.Compiler("h100").compile("deepseek step", fn, args, jit_options=opts, pool_shapes=[latent])
+    assert rec["ok"], rec.get("error") or rec["problems"]
+    assert rec["pool_bytes"] == c.num_layers * 256 * 16 * c.latent_dim * 2 <= rec["alias_bytes"]
