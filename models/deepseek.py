@@ -1,6 +1,6 @@
-"""DeepSeek-V3 (and its family: Kimi-K2, DeepSeek-V3.1; DeepSeek-V2 with its routers): multi-head latent attention over a paged latent cache,
-and DeepSeek's mixture of experts. Its own model class (`DeepSeekForEngine`), not the models.GPT stack; it
-satisfies `jpa.engine.EngineModel`.
+"""DeepSeek-V3 (model_type deepseek_v3: V3, V3.1) and DeepSeek-V2 (deepseek_v2, with its routers): multi-head
+latent attention over a paged latent cache, and DeepSeek's mixture of experts. Its own model class
+(`DeepSeekForEngine`), not the models.GPT stack; it satisfies `jpa.engine.EngineModel`.
 
 MLA (transformers' DeepseekV3Attention), per layer, for a token x [D]:
 
@@ -356,7 +356,8 @@ def config_from_hf(cfg: dict, where: str = "config.json") -> DeepSeekConfig:
             qk_nope_head_dim=int(get("qk_nope_head_dim")), qk_rope_head_dim=int(get("qk_rope_head_dim")),
             v_head_dim=int(get("v_head_dim")), ffn_dim=int(get("intermediate_size")),
             moe_ffn_dim=int(get("moe_intermediate_size", 0)), num_experts=n_exp,
-            experts_per_token=int(get("num_experts_per_tok", 0) or 0), n_shared_experts=int(get("n_shared_experts", 0) or 0),
+            experts_per_token=int(get("num_experts_per_tok", 0) or 0),
+            n_shared_experts=int(get("n_shared_experts", 0) or 0),
             n_group=int(get("n_group", 1) or 1), topk_group=int(get("topk_group", 1) or 1),
             routed_scaling_factor=float(get("routed_scaling_factor", 1.0)),
             norm_topk_prob=bool(get("norm_topk_prob", True)),
@@ -375,7 +376,8 @@ def config_from_hf(cfg: dict, where: str = "config.json") -> DeepSeekConfig:
 def _names(c: DeepSeekConfig, i: int, moe: bool) -> dict:
     """{parameter: (checkpoint name or tuple of expert names, transpose)} of layer i."""
     a = f"model.layers.{i}."
-    out = {"attn_norm": (a + "input_layernorm.weight", False), "ffn_norm": (a + "post_attention_layernorm.weight", False),
+    out = {"attn_norm": (a + "input_layernorm.weight", False),
+           "ffn_norm": (a + "post_attention_layernorm.weight", False),
            "wkv_a": (a + "self_attn.kv_a_proj_with_mqa.weight", True),
            "kv_norm": (a + "self_attn.kv_a_layernorm.weight", False), "wo": (a + "self_attn.o_proj.weight", True)}
     if c.q_lora_rank is None:

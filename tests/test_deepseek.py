@@ -295,6 +295,7 @@ def test_bfloat16_weights_and_latent_cache_stay_near_transformers():
 
 
 @pytest.mark.bench
+@pytest.mark.filterwarnings("ignore:XLA started before")   # ptxas's register report is not needed here
 @pytest.mark.skipif(__import__("jpa.tools.deviceless", fromlist=["x"]).missing_packages() is not None,
                     reason="needs the gpu extra (compile-only CUDA packages)")
 def test_engine_step_compiles_for_an_h100_with_the_latent_pool_in_place():

@@ -10,7 +10,7 @@ tests (a tiny checkpoint made with transformers, greedy tokens and logprobs agai
     gemma2    Gemma-2 (models.families.gemma2)
     mixtral   Mixtral, Qwen3-MoE (models.families.mixtral)
     gpt_oss   gpt-oss (models.families.gpt_oss)
-    deepseek_v3  DeepSeek-V3, Kimi-K2 (models.families.deepseek_v3; MLA, its own model: models.deepseek)
+    deepseek_v3  DeepSeek-V3, DeepSeek-V2 (models.families.deepseek_v3; MLA, its own model: models.deepseek)
 
 A family whose model is not the models.GPT stack sets `load_model`: models.hf.load then returns its model (an
 `jpa.engine.EngineModel`) and the tokenizer, and `options` / `layer_names` are not asked.

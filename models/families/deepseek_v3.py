@@ -1,6 +1,6 @@
-"""DeepSeek-V3 (and Kimi-K2, DeepSeek-V3.1: model_type deepseek_v3) and DeepSeek-V2 (deepseek_v2: V2, V2-Lite):
-multi-head latent attention and DeepSeek's mixtures of experts. Not the models.GPT stack: its own model class (`models.deepseek.DeepSeekForEngine`), built by
-`Family.load_model`."""
+"""DeepSeek-V3 (V3, V3.1: model_type deepseek_v3) and DeepSeek-V2 (deepseek_v2: V2, V2-Lite): multi-head latent
+attention and DeepSeek's mixtures of experts. Not the models.GPT stack: its own model class
+(`models.deepseek.DeepSeekForEngine`), built by `Family.load_model`."""
 
 from jpa.models.families import Family, register
 from jpa.models.families.base import CheckpointError
