@@ -1,7 +1,7 @@
 """Write tests/data/hf/: tiny random Hugging Face checkpoints and what transformers computes on them.
 
 One directory per family (llama, mistral, qwen2, qwen3, gemma2, mixtral, qwen3_moe, gpt_oss, gpt_oss_mxfp4,
-qwen3_5, qwen3_next),
+qwen3_5, qwen3_next, deepseek_v3, deepseek_v3_noqlora, deepseek_v2; tests/test_deepseek.py reads the last three),
 each a complete checkpoint in the Hugging Face layout saved by transformers itself (config.json,
 *.safetensors, tokenizer.json, tokenizer_config.json, chat template, generation_config.json; the
 MXFP4 one converted here from gpt_oss's), plus golden.json (prompts, token
@@ -38,6 +38,14 @@ well-separated logits. The configs switch on what each family's loader must get 
   qwen3_moe: 16 experts, top-4 without norm_topk_prob (the weights are the plain softmax
            probabilities), q/k RMSNorm, head_dim != hidden/heads, tied head; Qwen3's template.
            The router weights get a larger scale so that tokens spread over the experts.
+  deepseek_v3: MLA (q LoRA rank 48 with its norm, kv LoRA rank 32, an 8-wide interleaved-RoPE key, nope 16,
+           v 12), YaRN with mscale 0.707 / mscale_all_dim 1.0 (the softmax scale and cos/sin both scaled), a dense
+           first layer then MoE layers of 8 experts in 4 groups (top-2 groups, top-2 experts, sigmoid scores with
+           a random e_score_correction_bias, norm_topk_prob, routed_scaling_factor 2.5) and a shared expert, bf16
+           weights; golden.npz also holds the greedy steps' logits. deepseek_v3_noqlora: the same with
+           q_lora_rank None (q_proj), default RoPE, 2 groups (top-1), no norm_topk_prob, 2 layers.
+  deepseek_v2: DeepSeek-V2 (V2-Lite's q_proj form): softmax router, group_limited_greedy over 4 groups (top 2),
+           routed_scaling_factor 1.5, YaRN with mscale = mscale_all_dim = 0.707, 2 layers.
   gemma2:  embedding scale, GeGLU, (1 + w) norms, post-norms, query_pre_attn_scalar != head_dim,
            small attention/final soft caps (so they bend the logits), sliding window 8 on even layers.
   qwen3_5: Qwen3.5 text (qwen3_5_text, Qwen3_5ForCausalLM): 8 layers, 3 Gated DeltaNet to 1 gated full
@@ -324,6 +332,44 @@ def train_tokenizer(specials, bos, add_bos) -> Tokenizer:
 LATER = ["gpt_oss", "qwen3_5", "qwen3_next"]
 SEEDS = {f: i + 1 for i, f in enumerate(sorted(set(FAMILIES) - set(LATER)) + LATER)}
 
+# DeepSeek-V3 (MLA, models.deepseek), added after the seeds above so that theirs stay as they were.
+FAMILIES["deepseek_v3"] = dict(
+    specials=["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"],
+    bos="<｜begin▁of▁sentence｜>", eos="<｜end▁of▁sentence｜>", pad=None, gen_eos=["<｜end▁of▁sentence｜>"],
+    add_bos=True,
+    template=(
+        "{{- bos_token }}\n"
+        "{%- for message in messages %}\n"
+        "    {%- if message['role'] == 'system' %}{{- message['content'] }}\n"
+        "    {%- elif message['role'] == 'user' %}{{- '<｜User｜>' + message['content'] }}\n"
+        "    {%- else %}{{- '<｜Assistant｜>' + message['content'] + '<｜end▁of▁sentence｜>' }}{%- endif %}\n"
+        "{%- endfor %}\n"
+        "{%- if add_generation_prompt %}{{- '<｜Assistant｜>' }}{%- endif %}\n"),
+    config=dict(model_type="deepseek_v3", hidden_size=64, intermediate_size=96, moe_intermediate_size=24,
+                num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+                q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+                routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True,
+                max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=4.0, beta_slow=1.0,
+                                     mscale=0.707, mscale_all_dim=1.0, original_max_position_embeddings=64)),
+    dtype=torch.bfloat16, shard=None)
+SEEDS["deepseek_v3"] = 100
+# The same model with q_lora_rank None (q_proj, DeepSeek-V2-Lite's form), plain interleaved RoPE, no norm_topk_prob.
+FAMILIES["deepseek_v3_noqlora"] = dict(FAMILIES["deepseek_v3"], config=dict(
+    FAMILIES["deepseek_v3"]["config"], q_lora_rank=None, norm_topk_prob=False, n_group=2, topk_group=1,
+    num_hidden_layers=2,
+    rope_parameters=dict(rope_type="default", rope_theta=10000.0)))
+SEEDS["deepseek_v3_noqlora"] = 101
+# DeepSeek-V2 (V2-Lite's form: q_proj): softmax router, group_limited_greedy, YaRN with mscale_all_dim.
+FAMILIES["deepseek_v2"] = dict(FAMILIES["deepseek_v3"], config=dict(
+    {k: v for k, v in FAMILIES["deepseek_v3"]["config"].items() if k not in ("rope_interleave", "norm_topk_prob")},
+    model_type="deepseek_v2", q_lora_rank=None, num_hidden_layers=2, topk_method="group_limited_greedy",
+    routed_scaling_factor=1.5, rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                                     original_max_position_embeddings=64, mscale=0.707,
+                                                     mscale_all_dim=0.707)))
+SEEDS["deepseek_v2"] = 102
+
 
 def randomize(model, family):
     """Every parameter random: weights ~ N(0, gain / fan_in), norms around their identity, biases."""
@@ -343,11 +389,14 @@ def randomize(model, family):
             elif name.endswith("sinks"):  # gpt-oss: logits of the size of the attention logits
                 val = 1.0 + 1.5 * r
             elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # gpt-oss: stored [E, in, out]
-                val = r / p.shape[-2] ** 0.5
+                val = r / p.shape[-1 if family.startswith("deepseek") else -2] ** 0.5  # deepseek: [E, out, in]
             else:
                 gain = 2.5 if ("q_proj" in name or "k_proj" in name or "lm_head" in name) else 1.0
                 val = gain * r / p.shape[-1] ** 0.5
             p.copy_(val.to(p.dtype))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek's router bias (a buffer): spread, to bite
+                b.copy_(0.3 * torch.randn(b.shape, generator=g, dtype=torch.float32))
 
 
 def build(family, spec, out: pathlib.Path, hidden=None, layers=None, ffn=None, vocab=None):
@@ -485,6 +534,8 @@ def golden(family, spec, out: pathlib.Path):
         if chat:
             data["prompts"][key].update(user=user, system=None if family == "gemma2" else system)
         arrays[f"{key}_logits"] = logits
+        if family.startswith("deepseek"):  # the greedy steps' logits too (per-token logprobs of the continuation)
+            arrays[f"{key}_step_logits"] = step_logits
     for key, conv in CONVERSATIONS.items():
         for gen_prompt in (True, False):
             name = f"{key}/{'gen' if gen_prompt else 'nogen'}"

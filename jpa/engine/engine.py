@@ -407,12 +407,14 @@ class LLMEngine:
         target's bytes plus the draft's: `jpa.engine.speculative.draft_cache_config`). A recurrent group's
         state slots (max_seqs of them) are paid from kv_memory_bytes first, the pages from the rest; a spec
         with no paged group gets a placeholder pool of one layer of one head of width 1 (the page state still
-        counts every sequence's tokens in pages)."""
+        counts every sequence's tokens in pages). A latent spec (MLA) has a zero-wide V pool."""
         num_kv_heads, head_dim = spec.check_served() or (1, 1)
         num_layers = len(spec.paged_layers()) or 1
+        v_head_dim = 0 if spec.latent else None   # a latent pool: the values are read out of the latents
         dtype = config.cache_dtype or np.dtype(model.dtype).name
         draft_cfg = draft_cache_config(draft_model, config.page_size, dtype)
-        target = CacheConfig(num_layers, num_kv_heads, head_dim, config.num_pages or 1, config.page_size, dtype)
+        target = CacheConfig(num_layers, num_kv_heads, head_dim, config.num_pages or 1, config.page_size, dtype,
+                             v_head_dim)
         if config.num_pages is None:
             states = spec.state_bytes_per_sequence() * config.max_seqs
             budget = config.kv_memory_bytes * config.tensor_parallel - states
@@ -423,7 +425,8 @@ class LLMEngine:
             if draft_cfg is not None:
                 budget = budget * target.bytes_per_page // (target.bytes_per_page + draft_cfg.bytes_per_page)
             target = CacheConfig.from_memory(budget, num_layers=num_layers, num_kv_heads=num_kv_heads,
-                                             head_dim=head_dim, page_size=config.page_size, dtype=dtype)
+                                             head_dim=head_dim, page_size=config.page_size, dtype=dtype,
+                                             v_head_dim=v_head_dim)
         if draft_cfg is not None:
             draft_cfg = dataclasses.replace(draft_cfg, num_pages=target.num_pages)
         return target, draft_cfg

@@ -98,19 +98,29 @@ def _copy(pages, src, dst):
 
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
-    """Shape and dtype of a paged KV cache (hashable; usable as a static jit argument)."""
+    """Shape and dtype of a paged KV cache (hashable; usable as a static jit argument).
+
+    v_head_dim: the V pool's head_dim; None (the default) = head_dim. 0 for a latent cache (MLA,
+    `jpa.kv.spec.LatentAttention`): the K pool holds one latent per token (one kv head of latent_dim) and
+    attention reads its values out of it, so the V pool is zero wide and costs nothing."""
     num_layers: int
     num_kv_heads: int
     head_dim: int
     num_pages: int
     page_size: int = 16
     dtype: str = "float32"
+    v_head_dim: int | None = None
 
     def __post_init__(self):
         for name in ("num_layers", "num_kv_heads", "head_dim", "num_pages", "page_size"):
             val = getattr(self, name)
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"CacheConfig.{name} must be an int >= 1; got {val!r}")
+        if self.v_head_dim is None:
+            object.__setattr__(self, "v_head_dim", self.head_dim)
+        if self.v_head_dim not in (0, self.head_dim):
+            raise ValueError(f"CacheConfig.v_head_dim must be None, head_dim ({self.head_dim}) or 0 (a latent "
+                             f"cache); got {self.v_head_dim!r}")
         try:
             dt = np.dtype(jnp.dtype(self.dtype))
         except TypeError:
@@ -119,6 +129,8 @@ class CacheConfig:
             raise ValueError(f"CacheConfig.dtype must be one of "
                              f"({', '.join(d.name for d in CACHE_DTYPES)}); got {self.dtype!r}")
         object.__setattr__(self, "dtype", dt.name)
+        if self.v_head_dim == 0 and self.quantized:
+            raise ValueError(f"CacheConfig: a latent cache (v_head_dim=0) is kept in a float dtype; got {self.dtype}")
 
     @property
     def quantized(self) -> bool:
@@ -127,10 +139,10 @@ class CacheConfig:
     @property
     def bytes_per_page(self) -> int:
         """Bytes one page costs across all layers, K and V, scales included."""
-        per_head = self.page_size * self.head_dim * np.dtype(self.dtype).itemsize
+        per_head = self.page_size * (self.head_dim + self.v_head_dim) * np.dtype(self.dtype).itemsize
         if self.quantized:
-            per_head += self.page_size * 4
-        return 2 * self.num_layers * self.num_kv_heads * per_head
+            per_head += 2 * self.page_size * 4
+        return self.num_layers * self.num_kv_heads * per_head
 
     @property
     def nbytes(self) -> int:
@@ -143,9 +155,9 @@ class CacheConfig:
 
     @classmethod
     def from_memory(cls, memory_bytes: int, *, num_layers, num_kv_heads, head_dim, page_size=16,
-                    dtype="float32") -> "CacheConfig":
+                    dtype="float32", v_head_dim=None) -> "CacheConfig":
         """The largest cache that fits in `memory_bytes`."""
-        probe = cls(num_layers, num_kv_heads, head_dim, 1, page_size, dtype)
+        probe = cls(num_layers, num_kv_heads, head_dim, 1, page_size, dtype, v_head_dim)
         num_pages = int(memory_bytes) // probe.bytes_per_page
         if num_pages < 1:
             raise ValueError(f"memory_bytes={memory_bytes} holds no page: one page costs "
@@ -153,6 +165,10 @@ class CacheConfig:
         return dataclasses.replace(probe, num_pages=num_pages)
 
     def describe(self) -> str:
+        if self.v_head_dim == 0:
+            return (f"{self.num_layers} layers x latent [{self.num_pages}, {self.page_size}, {self.head_dim}] "
+                    f"{self.dtype} = {self.nbytes / 2**20:.1f} MiB ({self.num_slots} token slots, "
+                    f"{self.bytes_per_page} B/page)")
         return (f"{self.num_layers} layers x K,V [{self.num_kv_heads}, {self.num_pages}, {self.page_size}, "
                 f"{self.head_dim}] {self.dtype} = {self.nbytes / 2**20:.1f} MiB "
                 f"({self.num_slots} token slots, {self.bytes_per_page} B/page)")
@@ -182,6 +198,8 @@ class KVCache:
     def create(cls, config: CacheConfig) -> "KVCache":
         shape = (config.num_layers, config.num_kv_heads, config.num_pages, config.page_size, config.head_dim)
         zeros = lambda: jnp.zeros(shape, config.dtype)
+        if config.v_head_dim == 0:   # a latent cache: the values are read out of the K pool's latents
+            return cls(zeros(), jnp.zeros(shape[:4] + (0,), config.dtype))
         if not config.quantized:
             return cls(zeros(), zeros())
         ones = lambda: jnp.ones(shape[:4], jnp.float32)
@@ -212,6 +230,22 @@ class KVCache:
         """Writes k, v [num_tokens, num_kv_heads, head_dim] into layer i (an int or i32[]) at slot_mapping."""
         return self.replace_pools(*write_kv(self.k, self.v, k, v, slot_mapping, k_scales=self.k_scales,
                                             v_scales=self.v_scales, layer=i))
+
+    def write_latent(self, i, latent, slot_mapping) -> "KVCache":
+        """Writes latent [num_tokens, latent_dim] (MLA: one per token for all heads) into layer i (an int or
+        i32[]) of a latent cache (one kv head of latent_dim, `CacheConfig.v_head_dim` 0) at slot_mapping
+        (negative = padding, skipped)."""
+        if self.k.shape[1] != 1 or self.v.shape[-1] != 0 or self.k_scales is not None:
+            raise ValueError(f"write_latent needs a latent cache (K pool [num_layers, 1, num_pages, page_size, "
+                             f"latent_dim], zero-wide V, no scales); got K {list(self.k.shape)}, "
+                             f"V {list(self.v.shape)}")
+        check_ndim("latent", latent, 2, "[num_tokens, latent_dim]")
+        if latent.shape[1] != self.k.shape[-1] or slot_mapping.shape != latent.shape[:1]:
+            raise ValueError(f"latent must be [num_tokens, latent_dim = {self.k.shape[-1]}] with slot_mapping "
+                             f"i32[num_tokens]; got {list(latent.shape)} and {list(slot_mapping.shape)}")
+        num_slots = self.k.shape[2] * self.k.shape[3]
+        slots = jnp.where(slot_mapping >= 0, slot_mapping, num_slots)  # padding lands past the end: dropped
+        return self.replace(k=_scatter(self.k, latent[:, None, :], slots, check_layer(i, self.k.shape[0])))
 
     def replace_pools(self, k, v, k_scales=None, v_scales=None) -> "KVCache":
         """The cache with its stacked pools replaced (as `pools()` / `write_kv(..., layer=)` return them)."""

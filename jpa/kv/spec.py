@@ -22,8 +22,9 @@ block table per sequence for all of them. A sliding-window group therefore keeps
 although it reads at most the window: `bytes_per_sequence(..., freed=False)` is what it costs as served,
 `freed=True` what it would cost if the pages that fell out of every window were released (the figure a
 per-group pool would reach). Recurrent groups are allocated beside the pool as state slots, one per engine
-sequence slot (`CacheSpec.init_states`; the pool then holds `paged_layers()` only). Latent groups are declared
-here for the models that need them; the engine refuses them until it allocates them (`CacheSpec.check_served`).
+sequence slot (`CacheSpec.init_states`; the pool then holds `paged_layers()` only). A spec of one latent group
+(MLA) is served by the same stacked pool with one kv head of latent_dim and a zero-wide V pool
+(`CacheSpec.latent`); a latent group beside others is refused (`CacheSpec.check_served`).
 """
 
 import dataclasses
@@ -237,13 +238,21 @@ class CacheSpec:
         """Bytes of one sequence's recurrent states over every recurrent group's layers (0 without one)."""
         return sum(len(g.layers) * g.layout.bytes_per_sequence() for g in self.recurrent_groups())
 
+    @property
+    def latent(self) -> bool:
+        """True when the spec is one latent group (MLA): the engine's pool then holds one kv head of latent_dim
+        per layer and a zero-wide V pool (`jpa.kv.cache.CacheConfig.v_head_dim` 0)."""
+        return len(self.groups) == 1 and self.groups[0].layout.kind == "latent"
+
     def check_served(self) -> tuple:
         """(num_kv_heads, head_dim) of the one stacked pool the engine allocates for this spec's paged layers
         (`paged_layers()`), or None when the spec has no paged group (only recurrent states: the engine then
         keeps a one-layer placeholder pool of one head of width 1, for the page state's token bookkeeping).
         Recurrent groups are allocated as state slots beside the pool (`init_states`). Raises ValueError naming
         a group the engine cannot allocate yet (a latent group, or attention groups of different head shapes,
-        which one pool cannot hold)."""
+        which one pool cannot hold). One latent group over every layer (MLA, `latent`) is (1, latent_dim)."""
+        if self.latent:
+            return 1, self.groups[0].layout.latent_dim
         shapes = set()
         for g in self.groups:
             if g.layout.kind == "recurrent":

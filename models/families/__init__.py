@@ -11,6 +11,10 @@ tests (a tiny checkpoint made with transformers, greedy tokens and logprobs agai
     mixtral   Mixtral, Qwen3-MoE (models.families.mixtral)
     gpt_oss   gpt-oss (models.families.gpt_oss)
     qwen3_next  Qwen3-Next, Qwen3.5 text: hybrids, not the GPT stack (models.families.qwen3_next, models.hybrid)
+    deepseek_v3  DeepSeek-V3, DeepSeek-V2 (models.families.deepseek_v3; MLA, its own model: models.deepseek)
+
+A family whose model is not the models.GPT stack sets `load_model`: models.hf.load then returns its model (an
+`jpa.engine.EngineModel`) and the tokenizer, and `options` / `layer_names` are not asked.
 """
 
 import dataclasses
@@ -19,7 +23,7 @@ from typing import Callable
 
 from jpa.models.families.base import CheckpointError
 
-_MODULES = ("llama", "gemma2", "mixtral", "gpt_oss", "qwen3_next")
+_MODULES = ("llama", "gemma2", "mixtral", "gpt_oss", "qwen3_next", "deepseek_v3")
 
 
 @dataclasses.dataclass(frozen=True)
