@@ -130,8 +130,9 @@ def test_latent_pool_config_write_and_copy():
     np.testing.assert_array_equal(np.asarray(copied.k)[:, :, 3], k[:, :, 1])
     with pytest.raises(ValueError, match="a latent cache \\(v_head_dim=0\\) is kept in a float dtype"):
         CacheConfig(2, 1, 24, 6, 4, "int8", v_head_dim=0)
-    with pytest.raises(ValueError, match="v_head_dim must be None, head_dim \\(24\\) or 0"):
+    with pytest.raises(ValueError, match=r"v_head_dim must be None \(V as wide as K\) or 0 \(a latent cache\); got 8"):
         CacheConfig(2, 1, 24, 6, 4, "float32", v_head_dim=8)
+    assert cc.latent and not CacheConfig(2, 1, 24, 6, 4).latent
     with pytest.raises(ValueError, match="write_latent needs a latent cache"):
         jpa.KVCache.create(CacheConfig(2, 1, 24, 6, 4)).write_latent(0, jnp.asarray(lat), jnp.zeros(3, jnp.int32))
     with pytest.raises(ValueError, match=r"latent must be \[num_tokens, latent_dim = 24\]"):

@@ -100,9 +100,9 @@ def _copy(pages, src, dst):
 class CacheConfig:
     """Shape and dtype of a paged KV cache (hashable; usable as a static jit argument).
 
-    v_head_dim: the V pool's head_dim; None (the default) = head_dim. 0 for a latent cache (MLA,
-    `jpa.kv.spec.LatentAttention`): the K pool holds one latent per token (one kv head of latent_dim) and
-    attention reads its values out of it, so the V pool is zero wide and costs nothing."""
+    v_head_dim: None (the default: V as wide as K), or 0 for a latent cache (MLA, `jpa.kv.spec.LatentAttention`):
+    the K pool holds one latent per token (one kv head of latent_dim) and attention reads its values out of it,
+    so the V pool is zero wide and costs nothing (`latent`)."""
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -116,11 +116,9 @@ class CacheConfig:
             val = getattr(self, name)
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"CacheConfig.{name} must be an int >= 1; got {val!r}")
-        if self.v_head_dim is None:
-            object.__setattr__(self, "v_head_dim", self.head_dim)
-        if self.v_head_dim not in (0, self.head_dim):
-            raise ValueError(f"CacheConfig.v_head_dim must be None, head_dim ({self.head_dim}) or 0 (a latent "
-                             f"cache); got {self.v_head_dim!r}")
+        if self.v_head_dim is not None and (self.v_head_dim != 0 or isinstance(self.v_head_dim, bool)):
+            raise ValueError(f"CacheConfig.v_head_dim must be None (V as wide as K) or 0 (a latent cache); got "
+                             f"{self.v_head_dim!r}")
         try:
             dt = np.dtype(jnp.dtype(self.dtype))
         except TypeError:
@@ -129,7 +127,7 @@ class CacheConfig:
             raise ValueError(f"CacheConfig.dtype must be one of "
                              f"({', '.join(d.name for d in CACHE_DTYPES)}); got {self.dtype!r}")
         object.__setattr__(self, "dtype", dt.name)
-        if self.v_head_dim == 0 and self.quantized:
+        if self.latent and self.quantized:
             raise ValueError(f"CacheConfig: a latent cache (v_head_dim=0) is kept in a float dtype; got {self.dtype}")
 
     @property
@@ -137,9 +135,15 @@ class CacheConfig:
         return is_quantized(self.dtype)
 
     @property
+    def latent(self) -> bool:
+        """A latent cache (v_head_dim 0): K holds the latents, V is zero wide."""
+        return self.v_head_dim == 0
+
+    @property
     def bytes_per_page(self) -> int:
         """Bytes one page costs across all layers, K and V, scales included."""
-        per_head = self.page_size * (self.head_dim + self.v_head_dim) * np.dtype(self.dtype).itemsize
+        v_width = 0 if self.latent else self.head_dim
+        per_head = self.page_size * (self.head_dim + v_width) * np.dtype(self.dtype).itemsize
         if self.quantized:
             per_head += 2 * self.page_size * 4
         return self.num_layers * self.num_kv_heads * per_head
@@ -165,7 +169,7 @@ class CacheConfig:
         return dataclasses.replace(probe, num_pages=num_pages)
 
     def describe(self) -> str:
-        if self.v_head_dim == 0:
+        if self.latent:
             return (f"{self.num_layers} layers x latent [{self.num_pages}, {self.page_size}, {self.head_dim}] "
                     f"{self.dtype} = {self.nbytes / 2**20:.1f} MiB ({self.num_slots} token slots, "
                     f"{self.bytes_per_page} B/page)")
@@ -198,7 +202,7 @@ class KVCache:
     def create(cls, config: CacheConfig) -> "KVCache":
         shape = (config.num_layers, config.num_kv_heads, config.num_pages, config.page_size, config.head_dim)
         zeros = lambda: jnp.zeros(shape, config.dtype)
-        if config.v_head_dim == 0:   # a latent cache: the values are read out of the K pool's latents
+        if config.latent:   # a latent cache: the values are read out of the K pool's latents
             return cls(zeros(), jnp.zeros(shape[:4] + (0,), config.dtype))
         if not config.quantized:
             return cls(zeros(), zeros())

@@ -16,8 +16,9 @@ pool is not read (the engine allocates it zero wide: `jpa.kv.cache.CacheConfig.v
   serves both dots, all N heads at once (the heads are the rows of one [N, latent_dim] x [latent_dim, S]
   product, the M dimension of a kernel), online softmax over the chunks.
 - `mla_ragged_attention`: prefill chunks and decode rows back to back, as `jpa.ragged_paged_attention`
-  (its plain-JAX path run with the latent pool as K and as V: one gather of the same pages, which XLA
-  reuses for both dots; the value columns past kv_lora_rank are dropped).
+  (its plain-JAX path run with the latent pool as K and as V, the value columns past kv_lora_rank dropped).
+  That path gathers K and V pages apart, so the latent may be read twice here unless XLA merges the two
+  gathers of one operand (not checked); the engine's decode steps run `mla_paged_decode`, which reads it once.
 
 Einsum letters: B num_seqs, N q heads, S key tokens of a chunk, D latent_dim, R kv_lora_rank.
 """
