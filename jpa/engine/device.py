@@ -15,6 +15,7 @@ from jax import lax
 
 from jpa.kv.cache import copy_pages
 from jpa.engine.sampling import SlotParams
+from jpa.engine.states import StateCache
 
 
 @flax.struct.dataclass
@@ -75,8 +76,11 @@ def copy_on_write(cache, slots, cow):
         s, d = (lax.dynamic_slice_in_dim(a, i * size, size) for a in (src, dst))
         toks = slots.page_tokens
         toks = toks.at[jnp.where(d >= 0, d, toks.shape[0])].set(toks[jnp.maximum(s, 0)], mode="drop")
-        cache = (tuple(copy_pages(c, s, d) for c in cache) if isinstance(cache, tuple)
-                 else copy_pages(cache, s, d))   # a draft model's cache too (DraftPair)
+        if isinstance(cache, StateCache):   # the pool's pages (recurrent states are per slot, not per page)
+            cache = cache.replace(pool=copy_pages(cache.pool, s, d))
+        else:
+            cache = (tuple(copy_pages(c, s, d) for c in cache) if isinstance(cache, tuple)
+                     else copy_pages(cache, s, d))   # a draft model's cache too (DraftPair)
         return i + 1, cache, slots.replace(page_tokens=toks)
 
     _, cache, slots = lax.while_loop(lambda c: c[0] * size < n, copy, (jnp.int32(0), cache, slots))

@@ -84,6 +84,7 @@ from jpa.engine.runner import ModelRunner
 from jpa.engine.sampling import SamplingParams
 from jpa.engine.scheduler import RoundPlan, Scheduler
 from jpa.engine.speculative import SpeculativeConfig, draft_cache_config, record_spec_counts, spec_summary
+from jpa.engine.states import refuse_options
 from jpa.engine.shapes import EngineShapes, step_ladder
 from jpa.engine.structured import Grammars, constrained_rows
 from jpa.core.sharding import tp_mesh
@@ -306,6 +307,10 @@ class LLMEngine:
     def __init__(self, model: EngineModel, tokenizer, config: EngineConfig = EngineConfig(), *,
                  draft_model: EngineModel | None = None):
         check_model(model)
+        # A recurrent group's state slots (jpa.engine.states): the options the engine cannot serve with them.
+        refuse_options(cache_spec_of(model), prefix_caching=config.prefix_caching,
+                       kv_offload_bytes=config.kv_offload_bytes, speculative=config.speculative,
+                       tensor_parallel=config.tensor_parallel)
         spec = config.speculative
         if (draft_model is not None) != (spec is not None and spec.method == "draft_model"):
             raise ValueError("speculative method 'draft_model' needs the draft model (LLMEngine(..., draft_model=...)), "
@@ -397,18 +402,27 @@ class LLMEngine:
     @staticmethod
     def _cache_configs(model, draft_model, config: EngineConfig, spec):
         """(the pool's CacheConfig, the draft model's or None) for the model's cache spec (`spec.check_served`:
-        its paged attention groups share one stacked pool of one head shape): num_pages as configured, else as
-        many as kv_memory_bytes holds (with a draft model, a page costs the target's bytes plus the draft's:
-        `jpa.engine.speculative.draft_cache_config`)."""
-        num_kv_heads, head_dim = spec.check_served()
+        its paged attention groups share one stacked pool of one head shape, over `spec.paged_layers()`):
+        num_pages as configured, else as many as kv_memory_bytes holds (with a draft model, a page costs the
+        target's bytes plus the draft's: `jpa.engine.speculative.draft_cache_config`). A recurrent group's
+        state slots (max_seqs of them) are paid from kv_memory_bytes first, the pages from the rest; a spec
+        with no paged group gets a placeholder pool of one layer of one head of width 1 (the page state still
+        counts every sequence's tokens in pages)."""
+        num_kv_heads, head_dim = spec.check_served() or (1, 1)
+        num_layers = len(spec.paged_layers()) or 1
         dtype = config.cache_dtype or np.dtype(model.dtype).name
         draft_cfg = draft_cache_config(draft_model, config.page_size, dtype)
-        target = CacheConfig(spec.num_layers, num_kv_heads, head_dim, config.num_pages or 1, config.page_size, dtype)
+        target = CacheConfig(num_layers, num_kv_heads, head_dim, config.num_pages or 1, config.page_size, dtype)
         if config.num_pages is None:
-            budget = config.kv_memory_bytes * config.tensor_parallel
+            states = spec.state_bytes_per_sequence() * config.max_seqs
+            budget = config.kv_memory_bytes * config.tensor_parallel - states
+            if budget < target.bytes_per_page:
+                raise ValueError(f"EngineConfig.kv_memory_bytes={config.kv_memory_bytes} holds the recurrent states "
+                                 f"of max_seqs={config.max_seqs} sequences ({states} bytes) and no page "
+                                 f"({target.bytes_per_page} bytes)")
             if draft_cfg is not None:
                 budget = budget * target.bytes_per_page // (target.bytes_per_page + draft_cfg.bytes_per_page)
-            target = CacheConfig.from_memory(budget, num_layers=spec.num_layers, num_kv_heads=num_kv_heads,
+            target = CacheConfig.from_memory(budget, num_layers=num_layers, num_kv_heads=num_kv_heads,
                                              head_dim=head_dim, page_size=config.page_size, dtype=dtype)
         if draft_cfg is not None:
             draft_cfg = dataclasses.replace(draft_cfg, num_pages=target.num_pages)
@@ -1028,8 +1042,17 @@ class LLMEngine:
         and per sequence at max_model_len as the pool holds them."""
         cc, spec = self.cache_config, self.cache_spec
         per_seq = spec.bytes_per_sequence(self.max_model_len, cc.dtype, cc.page_size)
-        return (f"cache groups: {spec.describe(cc.dtype, cc.page_size)}; in all {spec.bytes_per_token(cc.dtype):,.0f} "
+        line = (f"cache groups: {spec.describe(cc.dtype, cc.page_size)}; in all {spec.bytes_per_token(cc.dtype):,.0f} "
                 f"B/token, {per_seq / 2**20:,.1f} MiB per sequence at max_model_len {self.max_model_len}")
+        if spec.has_recurrent:
+            line += (f"; recurrent state slots {self.state_bytes / 2**20:,.1f} MiB ({self.config.max_seqs} x "
+                     f"{spec.state_bytes_per_sequence():,} B), pages {cc.nbytes / 2**20:,.1f} MiB")
+        return line
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of the recurrent state slots (max_seqs of them; 0 without a recurrent group)."""
+        return self.cache_spec.state_bytes_per_sequence() * self.config.max_seqs
 
     def summary(self) -> dict:
         """The run's figures, for the script's summary line and --json consumers."""
@@ -1076,6 +1099,8 @@ class LLMEngine:
             "kv_cache": self.cache_config.describe() + (
                 f"; draft model: {self.draft_cache_config.describe()}" if self.draft_cache_config else ""),
             "cache_spec": self.cache_spec.describe(self.cache_config.dtype, self.cache_config.page_size),
+            "state_bytes": self.state_bytes,        # recurrent state slots (0 without a recurrent group)
+            "pool_bytes": self.cache_config.nbytes,  # the paged pool
             "attention": self.runner.attention,  # what the compiled decode loop runs (None before)
             "prefix_caching": self.scheduler.prefix is not None,
             "prefix_hit_tokens": self.scheduler.prefix.hit_tokens if self.scheduler.prefix else 0,

@@ -31,6 +31,7 @@ from jpa.engine.batch import PromptLogprobs, Sampled, StepBatch
 from jpa.engine.device import copy_on_write, finished, select
 from jpa.engine.model import has_hidden
 from jpa.engine.sampling import MAX_TOP_LOGPROBS, logsumexp_at, sample_slots
+from jpa.engine.states import call_model, fork_states
 from jpa.engine.structured import allowed_rows
 
 
@@ -173,7 +174,9 @@ class RaggedStep:
         tokens = jnp.where(batch.rows.decode_row[entry], slots.tokens[safe[entry]], batch.rows.tokens)
         logits, cache, prompt = self._blocks(params, cache, tokens, jnp.where(lay.row_live, pos, 0), slot_mapping,
                                              ps.block_tables[safe], work.old, lay.cu, entry, lay.cu[-1],
-                                             jnp.where(lay.row_live, batch.prompt.targets, -1))
+                                             jnp.where(lay.row_live, batch.prompt.targets, -1), lay.ids)
+        # Parallel samples: each sibling's slot takes its leader's recurrent states after the leader's final chunk.
+        cache = fork_states(cache, jnp.where(lay.sib, lay.ids[lay.lead], -1), jnp.where(lay.sib, lay.ids, -1))
         slots = slots.write_tokens(tokens, slot_mapping)
         logits = jnp.where(lay.sib[:, None], logits[lay.lead], logits)  # a sample draws from its leader's logits
         first, slots, done = self._sample(logits, ps, slots, batch, lay, work)
@@ -255,7 +258,7 @@ class RaggedStep:
 
         return lax.fori_loop(0, num_chunks, chunk, acc)
 
-    def _blocks(self, params, cache, tokens, positions, slot_mapping, tables, old, cu, entry, num_rows, targets):
+    def _blocks(self, params, cache, tokens, positions, slot_mapping, tables, old, cu, entry, num_rows, targets, ids):
         """The model over the ragged batch's first num_rows rows, `block_tokens` rows at a time.
 
         A while_loop over the live blocks only, so a round costs its live rows rounded up to a
@@ -272,7 +275,9 @@ class RaggedStep:
         Args: tokens, positions, slot_mapping i32[T]; tables i32[B, pages_per_seq] per entry; old
           i32[B] tokens cached per entry before the step; cu i32[B + 1] row offsets; entry i32[T]
           the entry of each row; targets i32[T] each row's next prompt token where it asks for
-          prompt logprobs (-1 elsewhere).
+          prompt logprobs (-1 elsewhere); ids i32[B] each entry's slot (-1 = padding), the state slot a
+          model with recurrent state reads and writes (`jpa.engine.states`; -1 for entries without rows in
+          the block).
 
         Returns (logits f32[B, vocab] at each entry's last row, cache, PromptLogprobs [T]).
         """
@@ -297,12 +302,15 @@ class RaggedStep:
             sl = lambda a: lax.dynamic_slice_in_dim(a, b0, tb)  # noqa: E731
             args = (sl(tokens), sl(positions), sl(slot_mapping), tables[jnp.minimum(e, num_entries - 1)], seq_b,
                     cu_b, e1 - e0 + 1)
+            state_slots = jnp.where(in_block & (cu_b[1:] > cu_b[:-1]), ids[jnp.minimum(e, num_entries - 1)], -1)
             if hidden_pair:
-                hidden, cache = self.model.ragged_hidden(params, cache, *args, impl=self.impl)
+                hidden, cache = call_model(self.model.ragged_hidden, params, cache, *args, impl=self.impl,
+                                           state_slots=state_slots)
                 out = self.model.head(params, hidden[jnp.clip(cu_b[1:] - 1, 0, tb - 1)])  # as `ragged` does
                 prompt = self._prompt_logprobs(params, hidden, sl(targets), b0, prompt)
             else:
-                out, cache = self.model.ragged(params, cache, *args, impl=self.impl)
+                out, cache = call_model(self.model.ragged, params, cache, *args, impl=self.impl,
+                                        state_slots=state_slots)
             # Entries whose last row is in this block take their logits from it.
             ends = in_block & (cu[e + 1] <= b1) & (cu[e + 1] > cu[e])
             logits = logits.at[jnp.where(ends, e, num_entries)].set(out, mode="drop")

@@ -79,11 +79,12 @@ from jpa.kv.cache import CacheConfig, KVCache
 from jpa.kv.offload import Mover, bucket, host_memory_kind
 from jpa.engine.batch import DeviceCounts, PageUsage, StepBatch, StepResult, make_step_batch
 from jpa.engine.device import Slots, Usage, tally
-from jpa.engine.model import EngineModel, check_model, has_hidden
+from jpa.engine.model import EngineModel, cache_spec_of, check_model, has_hidden
 from jpa.engine.ladder import Ladder, gather_slots, scatter_outputs, scatter_slots
 from jpa.engine.ragged_step import RaggedStep, RowLayout, own_pages, page_work, release_slots
 from jpa.engine.shapes import EngineShapes, StepShape
 from jpa.engine.speculative import DraftPair, SpeculativeConfig, make_proposer
+from jpa.engine.states import StateCache, refuse_options
 from jpa.engine.structured import hold_constrained, restore_held
 from jpa.engine.verify import VerifyLoop
 from jpa.core.sharding import REPLICATED, STACKED_POOL, named
@@ -190,6 +191,10 @@ class ModelRunner:
                              f"cache config ({cache_config.page_size}, {cache_config.num_pages})")
         self.shapes = shapes
         self.spec = speculative
+        # The cache the model declares: a recurrent group's states live beside the pool (`jpa.engine.states`).
+        self.cache_spec = cache_spec_of(model)
+        refuse_options(self.cache_spec, speculative=speculative,
+                       tensor_parallel=1 if mesh is None else int(mesh.devices.size))
         if (draft is not None) != (speculative is not None and speculative.method == "draft_model"):
             raise ValueError("a draft model goes with speculative method 'draft_model' (and that method needs one)")
         if draft is not None:
@@ -253,8 +258,11 @@ class ModelRunner:
     def _init_state(self, draft, draft_cache_config, allocate):
         s, cc = self.shapes, self.cache_config
         make = lambda f, sharding: self._make(f, sharding, allocate)  # noqa: E731
-        self.cache = make(lambda: KVCache.create(cc) if draft is None else (
-            KVCache.create(cc), KVCache.create(draft_cache_config)), self._pool)
+        if self.cache_spec.has_recurrent:   # the pool of the paged layers and the state slots (one per sequence slot)
+            self.cache = make(lambda: StateCache(KVCache.create(cc), self.cache_spec.init_states(s.max_seqs)), None)
+        else:
+            self.cache = make(lambda: KVCache.create(cc) if draft is None else (
+                KVCache.create(cc), KVCache.create(draft_cache_config)), self._pool)
         self.page_state = make(lambda: pages.init(s.num_pages, s.max_seqs, s.pages_per_seq, s.page_size), self._rep)
         self.slots = make(lambda: Slots.empty(s.max_seqs, s.num_pages, s.page_size), self._rep)
 
@@ -312,7 +320,8 @@ class ModelRunner:
         else:   # a rung of the ladder: the loop runs the slots holding a request only (`jpa.engine.ladder`)
             idx = batch.loop_slots
             sub_ps, sub_slots = gather_slots(page_state, unconstrained, idx)
-            cache, sub_ps, sub_slots, out, steps, usage, counts = loop(params, cache, sub_ps, sub_slots, decode_steps)
+            cache, sub_ps, sub_slots, out, steps, usage, counts = loop(params, cache, sub_ps, sub_slots, decode_steps,
+                                                                       idx)
             page_state, slots = scatter_slots(page_state, unconstrained, sub_ps, sub_slots, idx)
             out, counts = scatter_outputs(out, counts, idx, self.max_seqs)
         slots = restore_held(slots, held_out)

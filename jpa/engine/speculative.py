@@ -300,6 +300,10 @@ def draft_cache_config(draft_model, page_size: int, dtype: str) -> CacheConfig |
         return None
     check_model(draft_model)
     spec = cache_spec_of(draft_model)
+    if spec.has_recurrent:
+        raise ValueError(f"the draft model's cache has a recurrent group "
+                         f"({', '.join(g.name for g in spec.recurrent_groups())}): a draft model must keep paged "
+                         f"attention only")
     num_kv_heads, head_dim = spec.check_served()
     return CacheConfig(spec.num_layers, num_kv_heads, head_dim, 1, page_size, dtype)
 

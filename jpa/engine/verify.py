@@ -34,6 +34,7 @@ from jpa.engine.batch import Sampled, SpecCounts
 from jpa.engine.device import Usage, copy_on_write, finished, slot_mapping_at, tally
 from jpa.engine.sampling import MAX_TOP_LOGPROBS, sample_rows, sample_slots
 from jpa.engine.speculative import accepted_prefix
+from jpa.engine.states import call_model
 
 
 class Lookahead(NamedTuple):
@@ -111,18 +112,20 @@ class VerifyLoop:
 
     # ------------------------------------------------------------------ the passes
 
-    def decode_pass(self, params, cache, ps, slots, lens):
+    def decode_pass(self, params, cache, ps, slots, lens, slot_ids):
         """The plain decode pass over max_seqs rows: per slot [num_seqs, width] (tokens, logprobs,
-        top ids, top logprobs), the row repeated."""
+        top ids, top logprobs), the row repeated. slot_ids i32[num_seqs]: each row's engine slot (the
+        state slot of a model with recurrent state; idle rows read and write none)."""
         act = slots.active
         slot_mapping = slot_mapping_at(ps.block_tables, lens, self.shapes.page_size, act)
         seq_lens = jnp.where(act, lens + 1, 0)
-        inputs = (slots.tokens, seq_lens, slot_mapping, ps.block_tables)
+        inputs = (slots.tokens, seq_lens, slot_mapping, ps.block_tables, jnp.where(act, slot_ids, -1))
         pad = decode_pad_rows(act.shape[0])
         if pad:   # idle rows: no context, nothing written
             inputs = tuple(jnp.concatenate([a, jnp.full((pad,) + a.shape[1:], v, a.dtype)])
-                           for a, v in zip(inputs, (0, 0, -1, 0)))
-        logits, cache = self.model.decode(params, cache, *inputs, impl=self.impl)
+                           for a, v in zip(inputs, (0, 0, -1, 0, -1)))
+        *inputs, state_slots = inputs
+        logits, cache = call_model(self.model.decode, params, cache, *inputs, impl=self.impl, state_slots=state_slots)
         logits = logits[: act.shape[0]]
         slots = slots.write_tokens(slots.tokens, slot_mapping)
         y = sample_slots(logits, slots.params, slots.num_generated, lambda: slots.history(ps.block_tables),
@@ -162,10 +165,10 @@ class VerifyLoop:
         ridx = jnp.clip(start[:, None] + jnp.arange(self.width, dtype=jnp.int32)[None, :], 0, rows - 1)
         return cache, slots, tuple(a[ridx] for a in y)
 
-    def passes(self, params, cache, ps, slots, nxt: Lookahead):
+    def passes(self, params, cache, ps, slots, nxt: Lookahead, slot_ids):
         """The step's model pass(es): (cache, slots, drafts, (y, lp, top_ids, top_lps) [B, width])."""
         if self.k == 0:
-            cache, slots, ys = self.decode_pass(params, cache, ps, slots, nxt.lens)
+            cache, slots, ys = self.decode_pass(params, cache, ps, slots, nxt.lens, slot_ids)
             return cache, slots, nxt.drafts, ys
         num_seqs, tn = slots.active.shape[0], min(MAX_TOP_LOGPROBS, self.shapes.vocab_size)
         w = self.width
@@ -175,7 +178,7 @@ class VerifyLoop:
         cache, drafts = self.proposer.draft(params, cache, ps, slots, nxt.lens, nxt.num, nxt.drafts)
         cache, slots, ys = _once(lambda c, sl: self.verify_pass(params, c, ps, sl, nxt.lens, drafts, nxt.num),
                                  drafting, cache, slots, ys)
-        cache, slots, ys = _once(lambda c, sl: self.decode_pass(params, c, ps, sl, nxt.lens), ~drafting,
+        cache, slots, ys = _once(lambda c, sl: self.decode_pass(params, c, ps, sl, nxt.lens, slot_ids), ~drafting,
                                  cache, slots, ys)
         return cache, slots, drafts, ys
 
@@ -193,12 +196,12 @@ class VerifyLoop:
         emitted = jnp.where(act, jnp.where(stopped, jnp.argmax(stops, axis=1) + 1, a + 1), 0).astype(jnp.int32)
         return a, stopped, emitted
 
-    def step(self, params, c: LoopCarry) -> LoopCarry:
+    def step(self, params, c: LoopCarry, slot_ids) -> LoopCarry:
         nxt = c.nxt
         cache, slots, n = copy_on_write(c.cache, c.slots, nxt.cow)
         ps, act, lens = nxt.ps, slots.active, nxt.lens
         slot_ids = jnp.arange(act.shape[0], dtype=jnp.int32)
-        cache, slots, drafts, (y, lp, top_ids, top_lps) = self.passes(params, cache, ps, slots, nxt)
+        cache, slots, drafts, (y, lp, top_ids, top_lps) = self.passes(params, cache, ps, slots, nxt, slot_ids)
         a, stopped, emitted = self.accept(slots, y, lens, drafts, nxt.num)
         emit = jnp.arange(self.width)[None, :] < emitted[:, None]  # bool[num_seqs, width]
         last = jnp.take_along_axis(y, jnp.maximum(emitted - 1, 0)[:, None], axis=1)[:, 0]
@@ -219,8 +222,11 @@ class VerifyLoop:
                                                                   dtype=jnp.int32))
         return LoopCarry(c.i + 1, cache, ps, slots, out, self.lookahead(ps, slots), tally(c.usage, n, nxt.ps), counts)
 
-    def __call__(self, params, cache, page_state, slots, max_steps):
+    def __call__(self, params, cache, page_state, slots, max_steps, slot_ids=None):
         """Up to max_steps (a traced scalar <= steps_per_call) steps of the active slots.
+
+        slot_ids: i32[num_seqs], the engine slot of each of the loop's slots (the step-shape ladder's
+        gathered sub-slots; default 0..num_seqs-1): the state slots of a model with recurrent state.
 
         Returns (cache, page_state, slots, out: Sampled, steps i32[], usage: Usage, counts: SpecCounts).
         """
@@ -231,10 +237,12 @@ class VerifyLoop:
                       jnp.full((total, num_seqs, tn), -jnp.inf, jnp.float32))
         zeros = jnp.zeros((num_seqs,), jnp.int32)
         counts = SpecCounts(zeros, zeros, zeros, jnp.zeros((max(self.k, 1),), jnp.int32))
+        if slot_ids is None:
+            slot_ids = jnp.arange(num_seqs, dtype=jnp.int32)
         init = LoopCarry(jnp.int32(0), cache, page_state, slots, out, self.lookahead(page_state, slots),
                          Usage.zero(), counts)
         c = lax.while_loop(lambda c: (c.i < max_steps) & c.nxt.ok & jnp.any(c.slots.active),
-                           lambda c: self.step(params, c), init)
+                           lambda c: self.step(params, c, slot_ids), init)
         return c.cache, c.ps, c.slots, c.out, c.i, c.usage, c.counts
 
 

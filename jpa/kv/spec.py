@@ -21,8 +21,9 @@ shares one stacked pool `[num_layers, num_kv_heads, num_pages, page_size, head_d
 block table per sequence for all of them. A sliding-window group therefore keeps every page of a sequence
 although it reads at most the window: `bytes_per_sequence(..., freed=False)` is what it costs as served,
 `freed=True` what it would cost if the pages that fell out of every window were released (the figure a
-per-group pool would reach). Latent and recurrent groups are declared here for the models that need them;
-the engine refuses them until it allocates them (`CacheSpec.check_served`).
+per-group pool would reach). Recurrent groups are allocated beside the pool as state slots, one per engine
+sequence slot (`CacheSpec.init_states`; the pool then holds `paged_layers()` only). Latent groups are declared
+here for the models that need them; the engine refuses them until it allocates them (`CacheSpec.check_served`).
 """
 
 import dataclasses
@@ -209,17 +210,51 @@ class CacheSpec:
             total += int(len(g.layers) * pages * page_size * per_token)
         return total
 
+    @property
+    def has_recurrent(self) -> bool:
+        """Whether a group keeps a recurrent state per sequence (the engine then allocates state slots)."""
+        return any(not g.paged for g in self.groups)
+
+    def paged_layers(self) -> tuple:
+        """The model layer indices of every paged group, increasing: pool layer j is model layer
+        `paged_layers()[j]` (the engine's pool holds these layers only)."""
+        return tuple(sorted(i for g in self.groups if g.paged for i in g.layers))
+
+    def recurrent_groups(self) -> tuple:
+        """The groups that keep a recurrent state, in declaration order."""
+        return tuple(g for g in self.groups if not g.paged)
+
+    def init_states(self, num_slots: int) -> dict:
+        """Zeroed state slots of every recurrent group: {group name: {state name: zeros([len(group.layers),
+        num_slots, *shape], dtype)}}; group layer i is the group's i-th layer in increasing model-layer order."""
+        import jax.numpy as jnp   # the spec is plain data; only this builds arrays
+
+        _check_int("CacheSpec.init_states", "num_slots", num_slots)
+        return {g.name: {name: jnp.zeros((len(g.layers), num_slots) + shape, np.dtype(dtype))
+                         for name, shape, dtype in g.layout.shapes} for g in self.recurrent_groups()}
+
+    def state_bytes_per_sequence(self) -> int:
+        """Bytes of one sequence's recurrent states over every recurrent group's layers (0 without one)."""
+        return sum(len(g.layers) * g.layout.bytes_per_sequence() for g in self.recurrent_groups())
+
     def check_served(self) -> tuple:
-        """(num_kv_heads, head_dim) of the one stacked pool the engine allocates for this spec. Raises
-        ValueError naming a group the engine cannot allocate yet (a latent or recurrent group, or attention
-        groups of different head shapes, which one pool cannot hold)."""
+        """(num_kv_heads, head_dim) of the one stacked pool the engine allocates for this spec's paged layers
+        (`paged_layers()`), or None when the spec has no paged group (only recurrent states: the engine then
+        keeps a one-layer placeholder pool of one head of width 1, for the page state's token bookkeeping).
+        Recurrent groups are allocated as state slots beside the pool (`init_states`). Raises ValueError naming
+        a group the engine cannot allocate yet (a latent group, or attention groups of different head shapes,
+        which one pool cannot hold)."""
         shapes = set()
         for g in self.groups:
+            if g.layout.kind == "recurrent":
+                continue
             if g.layout.kind not in ("full", "sliding"):
                 raise ValueError(f"cache group {g.name!r} keeps a {g.layout.describe()}: the engine allocates paged "
-                                 f"attention groups (full and sliding window) in one pool and cannot serve a "
-                                 f"{g.layout.kind} group yet")
+                                 f"attention groups (full and sliding window) in one pool and recurrent groups as "
+                                 f"state slots, and cannot serve a {g.layout.kind} group yet")
             shapes.add((g.layout.num_kv_heads, g.layout.head_dim))
+        if not shapes:
+            return None
         if len(shapes) != 1:
             raise ValueError(f"the cache groups have different head shapes {sorted(shapes)}: the engine's one "
                              f"stacked pool holds one [num_kv_heads, head_dim]")
