@@ -17,7 +17,7 @@ from jpa.kv.cache import CacheConfig
 from jpa.kv.spec import CacheGroup, CacheSpec, FullAttention, RecurrentState
 from jpa.models.tokenizer import ByteTokenizer
 from jpa.testing.engine import fresh_seed, run
-from jpa.testing.recurrent import HybridConfig, TinyHybrid, reference_logprobs
+from jpa.testing.recurrent import HybridConfig, TinyHybrid, reference_logits, reference_logprobs
 
 ATOL = 1e-4   # float32 engine against the float64 reference
 BASE = dict(max_seqs=4, page_size=8, num_pages=64, max_model_len=128, steps_per_call=4, watermark=0.0,
@@ -91,11 +91,8 @@ def test_neighbouring_slots_keep_their_own_state():
     state read from or written to the other's slot would give it the other's context."""
     rng, model = _rng(), _model()
     eng = _engine()
-    n = int(rng.integers(5, 30))
-    a = rng.integers(3, 256, n).tolist()
-    b = list(a)
-    b[int(rng.integers(0, n - 1))] = int((b[0] + 1) % 253 + 3)  # one token differs, early: only the context tells
-    b[0] = a[0] + 1 if a[0] < 255 else 3
+    a = rng.integers(3, 256, int(rng.integers(5, 30))).tolist()
+    b = [a[0] + 1 if a[0] < 255 else 3] + a[1:]   # only the first token differs: only the context tells them apart
     outs = run(eng, [a, b], [SamplingParams(max_new_tokens=8, greedy=True, ignore_eos=True)] * 2)
     for p, o in zip((a, b), outs):
         assert_reference(model, p, o)
@@ -128,6 +125,69 @@ def test_chunk_budget_and_preemption_do_not_change_outputs():
     before = eng.stats.preemptions
     outs = run(eng, prompts, params)
     assert eng.stats.preemptions > before, "the pool must be small enough to preempt"
+    for k, (p, o) in enumerate(zip(prompts, outs)):
+        assert_reference(model, p, o, where=f"request {k}")
+
+
+def test_step_shape_ladder_runs_sub_slots_on_their_own_states():
+    """With a rung of 2 rows, the decode loop runs the two slots still holding a request gathered out of the 4
+    (slots 2 and 3 once the requests in 0 and 1 finished): their states are read and written at the real
+    slots, and the outputs equal the runs alone."""
+    rng, model = _rng(), _model()
+    eng = _engine(step_shapes=((2, 16),))
+    runner = eng.runner
+    for shape in runner.ladder.shapes:
+        runner.compile_step(shape.tokens, shape.rows)
+    rows, step = [], runner.step
+    runner.step = lambda batch: (rows.append(batch.rows.seq_ids.shape[0]), step(batch))[1]
+    try:
+        prompts = _prompts(rng, 4, 2, 8)
+        params = [SamplingParams(max_new_tokens=n, greedy=True, ignore_eos=True) for n in (2, 3, 20, 24)]
+        outs = run(eng, prompts, params)
+    finally:
+        del runner.step
+    assert 2 in rows and 4 in rows, f"rounds ran on {rows} rows: the rung must serve the last rounds"
+    for k, (p, o) in enumerate(zip(prompts, outs)):
+        assert_reference(model, p, o, where=f"request {k}")
+
+
+def test_structured_outputs_decode_from_the_state():
+    """A regex-constrained greedy request beside free ones: its constrained tokens are held out of the decode
+    loop and decoded by ragged rows, and each is the best allowed token of its sequence run alone."""
+    rng, model = _rng(), _model()
+    eng = _engine()
+    prompts = _prompts(rng, 3, 2, 40)
+    free = SamplingParams(max_new_tokens=10, greedy=True, ignore_eos=True)
+    params = [SamplingParams(max_new_tokens=12, greedy=True, structured={"regex": "[a-z]{3,8}"}), free, free]
+    outs = run(eng, prompts, params)
+    o = outs[0]
+    letters = set(range(ord("a"), ord("z") + 1))
+    text = [t for t in o.token_ids if t != ByteTokenizer.EOS]
+    assert 3 <= len(text) <= 8 and set(text) <= letters, o.token_ids
+    logits = reference_logits(model, prompts[0] + list(o.token_ids))[len(prompts[0]) - 1:]
+    for i, t in enumerate(o.token_ids):
+        allowed = sorted((letters if i < 8 else set()) | ({ByteTokenizer.EOS} if i >= 3 else set()))
+        assert logits[i, t] >= logits[i, allowed].max() - ATOL, f"token {i} is not the best allowed one"
+    for p, o in zip(prompts[1:], outs[1:]):
+        assert_reference(model, p, o)
+
+
+@pytest.mark.bench
+@pytest.mark.parametrize("case", ["ragged", "recurrent_only"])
+def test_other_model_shapes_equal_the_runs_alone(case):
+    """A model without the ragged_hidden/head pair (the engine calls `ragged`), and a model whose every layer
+    is recurrent (no paged group: the engine keeps a placeholder pool for the page state's bookkeeping)."""
+    rng = _rng()
+    if case == "ragged":
+        model = _model(hidden_pair=False)
+    else:
+        model = TinyHybrid(3, HybridConfig(recurrent_layers=(0, 1, 2), attention_layers=()))
+        assert model.cache_spec().check_served() is None
+    eng = LLMEngine(model, ByteTokenizer(), EngineConfig(**BASE))
+    if case == "recurrent_only":
+        assert eng.cache_config.num_layers == 1 and eng.cache_config.head_dim == 1
+    prompts = _prompts(rng, 6)
+    outs = run(eng, prompts, _greedy(rng, 6))
     for k, (p, o) in enumerate(zip(prompts, outs)):
         assert_reference(model, p, o, where=f"request {k}")
 

@@ -112,20 +112,20 @@ class VerifyLoop:
 
     # ------------------------------------------------------------------ the passes
 
-    def decode_pass(self, params, cache, ps, slots, lens, slot_ids):
+    def decode_pass(self, params, cache, ps, slots, lens, state_slots):
         """The plain decode pass over max_seqs rows: per slot [num_seqs, width] (tokens, logprobs,
-        top ids, top logprobs), the row repeated. slot_ids i32[num_seqs]: each row's engine slot (the
+        top ids, top logprobs), the row repeated. state_slots i32[num_seqs]: each row's engine slot (the
         state slot of a model with recurrent state; idle rows read and write none)."""
         act = slots.active
         slot_mapping = slot_mapping_at(ps.block_tables, lens, self.shapes.page_size, act)
         seq_lens = jnp.where(act, lens + 1, 0)
-        inputs = (slots.tokens, seq_lens, slot_mapping, ps.block_tables, jnp.where(act, slot_ids, -1))
+        inputs = (slots.tokens, seq_lens, slot_mapping, ps.block_tables, jnp.where(act, state_slots, -1))
         pad = decode_pad_rows(act.shape[0])
         if pad:   # idle rows: no context, nothing written
             inputs = tuple(jnp.concatenate([a, jnp.full((pad,) + a.shape[1:], v, a.dtype)])
                            for a, v in zip(inputs, (0, 0, -1, 0, -1)))
-        *inputs, state_slots = inputs
-        logits, cache = call_model(self.model.decode, params, cache, *inputs, impl=self.impl, state_slots=state_slots)
+        *inputs, row_states = inputs
+        logits, cache = call_model(self.model.decode, params, cache, *inputs, impl=self.impl, state_slots=row_states)
         logits = logits[: act.shape[0]]
         slots = slots.write_tokens(slots.tokens, slot_mapping)
         y = sample_slots(logits, slots.params, slots.num_generated, lambda: slots.history(ps.block_tables),
@@ -165,10 +165,10 @@ class VerifyLoop:
         ridx = jnp.clip(start[:, None] + jnp.arange(self.width, dtype=jnp.int32)[None, :], 0, rows - 1)
         return cache, slots, tuple(a[ridx] for a in y)
 
-    def passes(self, params, cache, ps, slots, nxt: Lookahead, slot_ids):
+    def passes(self, params, cache, ps, slots, nxt: Lookahead, state_slots):
         """The step's model pass(es): (cache, slots, drafts, (y, lp, top_ids, top_lps) [B, width])."""
         if self.k == 0:
-            cache, slots, ys = self.decode_pass(params, cache, ps, slots, nxt.lens, slot_ids)
+            cache, slots, ys = self.decode_pass(params, cache, ps, slots, nxt.lens, state_slots)
             return cache, slots, nxt.drafts, ys
         num_seqs, tn = slots.active.shape[0], min(MAX_TOP_LOGPROBS, self.shapes.vocab_size)
         w = self.width
@@ -178,8 +178,8 @@ class VerifyLoop:
         cache, drafts = self.proposer.draft(params, cache, ps, slots, nxt.lens, nxt.num, nxt.drafts)
         cache, slots, ys = _once(lambda c, sl: self.verify_pass(params, c, ps, sl, nxt.lens, drafts, nxt.num),
                                  drafting, cache, slots, ys)
-        cache, slots, ys = _once(lambda c, sl: self.decode_pass(params, c, ps, sl, nxt.lens, slot_ids), ~drafting,
-                                 cache, slots, ys)
+        cache, slots, ys = _once(lambda c, sl: self.decode_pass(params, c, ps, sl, nxt.lens, state_slots),
+                                 ~drafting, cache, slots, ys)
         return cache, slots, drafts, ys
 
     # ------------------------------------------------------------------ acceptance and the loop
@@ -196,12 +196,12 @@ class VerifyLoop:
         emitted = jnp.where(act, jnp.where(stopped, jnp.argmax(stops, axis=1) + 1, a + 1), 0).astype(jnp.int32)
         return a, stopped, emitted
 
-    def step(self, params, c: LoopCarry, slot_ids) -> LoopCarry:
+    def step(self, params, c: LoopCarry, state_slots) -> LoopCarry:
         nxt = c.nxt
         cache, slots, n = copy_on_write(c.cache, c.slots, nxt.cow)
         ps, act, lens = nxt.ps, slots.active, nxt.lens
         slot_ids = jnp.arange(act.shape[0], dtype=jnp.int32)
-        cache, slots, drafts, (y, lp, top_ids, top_lps) = self.passes(params, cache, ps, slots, nxt, slot_ids)
+        cache, slots, drafts, (y, lp, top_ids, top_lps) = self.passes(params, cache, ps, slots, nxt, state_slots)
         a, stopped, emitted = self.accept(slots, y, lens, drafts, nxt.num)
         emit = jnp.arange(self.width)[None, :] < emitted[:, None]  # bool[num_seqs, width]
         last = jnp.take_along_axis(y, jnp.maximum(emitted - 1, 0)[:, None], axis=1)[:, 0]
@@ -222,10 +222,10 @@ class VerifyLoop:
                                                                   dtype=jnp.int32))
         return LoopCarry(c.i + 1, cache, ps, slots, out, self.lookahead(ps, slots), tally(c.usage, n, nxt.ps), counts)
 
-    def __call__(self, params, cache, page_state, slots, max_steps, slot_ids=None):
+    def __call__(self, params, cache, page_state, slots, max_steps, state_slots=None):
         """Up to max_steps (a traced scalar <= steps_per_call) steps of the active slots.
 
-        slot_ids: i32[num_seqs], the engine slot of each of the loop's slots (the step-shape ladder's
+        state_slots: i32[num_seqs], the engine slot of each of the loop's slots (the step-shape ladder's
         gathered sub-slots; default 0..num_seqs-1): the state slots of a model with recurrent state.
 
         Returns (cache, page_state, slots, out: Sampled, steps i32[], usage: Usage, counts: SpecCounts).
@@ -237,12 +237,12 @@ class VerifyLoop:
                       jnp.full((total, num_seqs, tn), -jnp.inf, jnp.float32))
         zeros = jnp.zeros((num_seqs,), jnp.int32)
         counts = SpecCounts(zeros, zeros, zeros, jnp.zeros((max(self.k, 1),), jnp.int32))
-        if slot_ids is None:
-            slot_ids = jnp.arange(num_seqs, dtype=jnp.int32)
+        if state_slots is None:
+            state_slots = jnp.arange(num_seqs, dtype=jnp.int32)
         init = LoopCarry(jnp.int32(0), cache, page_state, slots, out, self.lookahead(page_state, slots),
                          Usage.zero(), counts)
         c = lax.while_loop(lambda c: (c.i < max_steps) & c.nxt.ok & jnp.any(c.slots.active),
-                           lambda c: self.step(params, c, slot_ids), init)
+                           lambda c: self.step(params, c, state_slots), init)
         return c.cache, c.ps, c.slots, c.out, c.i, c.usage, c.counts
 
 

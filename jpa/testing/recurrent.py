@@ -73,8 +73,10 @@ class TinyHybrid:
     def cache_spec(self) -> CacheSpec:
         c = self.config
         state = RecurrentState((("conv", (c.conv - 1, c.d_model), "float32"), ("ssm", (c.d_model,), "float32")))
-        return CacheSpec((CacheGroup("attention", c.attention_layers, FullAttention(c.num_kv_heads, c.head_dim)),
-                          CacheGroup("linear", c.recurrent_layers, state)))
+        groups = (CacheGroup("linear", c.recurrent_layers, state),)
+        if c.attention_layers:
+            groups = (CacheGroup("attention", c.attention_layers, FullAttention(c.num_kv_heads, c.head_dim)),) + groups
+        return CacheSpec(groups)
 
     # ------------------------------------------------------------------ layers
 
