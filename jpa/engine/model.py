@@ -48,6 +48,17 @@ class EngineModel(Protocol):
     pool from it (`cache_spec_of`); without it a model is one group of full attention over
     `config.num_layers` layers of `config.num_kv_heads` x `config.head_dim`. `models.GPTForEngine` has it.
 
+    Recurrent state (a spec with a `RecurrentState` group, `CacheSpec.has_recurrent`; `jpa.engine.states`):
+    the pool holds the paged groups' layers only (pool layer j = model layer `spec.paged_layers()[j]`), and the
+    engine allocates `spec.init_states(max_seqs)` = {group: {state: [group layers, max_seqs, *shape]}} (slot s =
+    the engine's sequence slot). It then calls ragged / ragged_hidden / decode with two more keyword arguments,
+    `states` and `state_slots` (i32[entries]: ragged, one per sequence entry b like cu_q_lens[1:]; decode, one
+    per row; -1 = padding, neither read nor written), and gets `(out, cache, states)` back. The model
+    implements the reset rule: an entry whose first row is at position 0 (decode: seq_lens == 1) starts from
+    zero states, else from `states[...][:, slot]`; an entry with no rows leaves its slot as it is; after the
+    call the slot holds the state after the entry's last row. A prompt cut into chunks anywhere must give the
+    same result as one piece. Without a recurrent group the three are called as above.
+
     Optional, for `SamplingParams.prompt_logprobs` (and the server's `echo`): the pair
     `ragged_hidden(params, cache, <ragged's arguments>) -> (hidden f32[T, d_model], cache)`, the
     final hidden row of EVERY token row, and `head(params, hidden f32[..., d_model]) -> f32[...,

@@ -51,6 +51,12 @@ not attached).
 The model is anything that meets `jpa.engine.model.EngineModel`; its params are an argument of
 the compiled step (never a closed-over constant) and the cache, page state and slots are donated.
 
+Recurrent state (a model whose cache spec has a recurrent group, `jpa.engine.states`): the cache is a
+`StateCache(pool, states)`, the pool of the paged layers and one state slot per sequence slot, donated
+with everything else; the model calls get `states` and `state_slots` (the ragged pass: each entry's slot;
+the loop: each row's real slot, the ladder's sub-slots included), and a parallel sample's slot takes its
+leader's states after the leader's final chunk.
+
 Attention backend: the step passes `attention_impl` to the model. With "auto", `jpa.paged_decode`
 and `jpa.ragged_paged_attention` pick the kernel for the device the step is compiled for while it
 is traced, with its exact shapes (the self-check runs concretely then, once per configuration).
