@@ -75,7 +75,9 @@ def test_outputs_equal_each_sequence_run_alone():
     prompts = _prompts(rng, 7)
     params = _greedy(rng, 7)
     params[0] = dataclasses.replace(params[0], prompt_logprobs=0)
+    states = eng.runner.cache.states["linear"]["ssm"]
     outs = run(eng, prompts, params)
+    assert states.is_deleted(), "the state slots must be donated into the step (updated in place)"
     for k, (p, o) in enumerate(zip(prompts, outs)):
         assert len(o.token_ids) == params[k].max_new_tokens
         assert_reference(model, p, o, where=f"request {k}")
@@ -237,3 +239,12 @@ def test_memory_budget_pays_the_states_first():
 def test_options_not_served_with_a_recurrent_group_are_refused(option, value):
     with pytest.raises(ValueError, match=rf"EngineConfig.{option}=.* recurrent group 'linear'"):
         LLMEngine(_model(), ByteTokenizer(), EngineConfig(**{**BASE, option: value}))
+
+
+def test_a_draft_model_with_a_recurrent_group_is_refused():
+    from jpa import models
+
+    gpt, tok = models.load("tiny-llama")
+    spec = SpeculativeConfig(method="draft_model", model="tiny-llama", num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="draft model's cache has a recurrent group \\(linear\\)"):
+        LLMEngine(models.GPTForEngine(gpt), tok, EngineConfig(**{**BASE, "speculative": spec}), draft_model=_model())
