@@ -16,9 +16,12 @@ continues from its slot. What the engine does itself:
 - a parallel sample's slot gets its leader's states after the leader's final chunk (`fork_states`);
 - the step-shape ladder's loop over gathered sub-slots passes the real slot ids (never a gathered
   copy of the states);
+- n-gram speculation: a verify pass advances a slot's states through every draft row, so a slot that
+  rejected some drafts gets its states from before the pass back and runs its kept rows again
+  (`jpa.engine.verify.VerifyLoop.replay`: recompute, one more pass in steps with a rejection);
 - options it cannot serve with a recurrent group are refused at construction (`refuse_options`):
   prefix caching and KV offload (a cached or swapped page would need the state at its boundary),
-  speculative decoding (a rejected draft would have advanced the state), tensor parallelism (the
+  speculative decoding with a draft model (its passes carry no states), tensor parallelism (the
   states are not sharded yet).
 """
 
@@ -72,15 +75,19 @@ def recurrent_names(spec) -> str:
 
 def refuse_options(spec, **options) -> None:
     """Raises ValueError naming the first option set (truthy) that the engine does not serve with the
-    spec's recurrent group(s): prefix_caching, kv_offload_bytes, speculative, tensor_parallel (> 1)."""
+    spec's recurrent group(s): prefix_caching, kv_offload_bytes, speculative (but method "ngram"),
+    tensor_parallel (> 1)."""
     if not spec.has_recurrent:
         return
     why = {"prefix_caching": "a prefix-cache hit would need the recurrent state at the cached block's boundary, "
                              "which the engine does not keep (set prefix_caching=False, --no-prefix-caching)",
            "kv_offload_bytes": "a swapped-out sequence's recurrent state is not swapped with its pages",
-           "speculative": "a rejected draft token would have advanced the recurrent state",
+           "speculative": "a draft model's passes do not carry recurrent states (n-gram speculation, method "
+                          "'ngram', is served: rejected drafts' rows are recomputed)",
            "tensor_parallel": "the recurrent states are not sharded over devices yet"}
     for name, value in options.items():
-        if value and not (name == "tensor_parallel" and value == 1):
+        served = (name == "tensor_parallel" and value == 1) or (name == "speculative" and value is not None
+                                                                 and value.method == "ngram")
+        if value and not served:
             raise ValueError(f"EngineConfig.{name}={value!r} is not served for a model whose cache has a "
                              f"recurrent {recurrent_names(spec)}: {why[name]}")
