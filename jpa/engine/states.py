@@ -61,15 +61,20 @@ def fork_states(cache, src, dst):
     pool untouched). src, dst: i32[n]. A cache without states is returned as it is."""
     if not isinstance(cache, StateCache):
         return cache
-    num_slots = jax.tree_util.tree_leaves(cache.states)[0].shape[1]
+    return cache.replace(states=copy_slots(cache.states, cache.states, src, dst))
+
+
+def copy_slots(states, source, src, dst):
+    """states with each slot dst[i] >= 0 holding slot src[i] of `source` (a states pytree of the same
+    structure; it may be `states` itself). src, dst: i32[n]."""
+    num_slots = jax.tree_util.tree_leaves(states)[0].shape[1]
     to = jnp.where(dst >= 0, dst, num_slots)   # out of range: dropped
     frm = jnp.clip(src, 0, num_slots - 1)
-    states = jax.tree_util.tree_map(lambda a: a.at[:, to].set(a[:, frm], mode="drop"), cache.states)
-    return cache.replace(states=states)
+    return jax.tree_util.tree_map(lambda a, b: a.at[:, to].set(b[:, frm], mode="drop"), states, source)
 
 
 def recurrent_names(spec) -> str:
-    """"group 'linear' (recurrent state ...)": the recurrent groups of a spec, for error messages."""
+    """The recurrent groups of a spec for error messages: "group 'linear' (recurrent state (...) per sequence)"."""
     return ", ".join(f"group {g.name!r} ({g.layout.describe()})" for g in spec.recurrent_groups())
 
 

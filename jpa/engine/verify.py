@@ -39,7 +39,7 @@ from jpa.engine.batch import Sampled, SpecCounts
 from jpa.engine.device import Usage, copy_on_write, finished, slot_mapping_at, tally
 from jpa.engine.sampling import MAX_TOP_LOGPROBS, sample_rows, sample_slots
 from jpa.engine.speculative import accepted_prefix
-from jpa.engine.states import StateCache, call_model
+from jpa.engine.states import StateCache, call_model, copy_slots
 
 
 class Lookahead(NamedTuple):
@@ -203,11 +203,8 @@ class VerifyLoop:
         verify pass) and their kept rows (the first emitted[b]: the pending token and the accepted drafts)
         run again; the other slots keep the verify pass's states. The rows' K/V are written again (the same
         values the verify pass wrote). Returns the cache (a StateCache)."""
-        num_slots = jax.tree_util.tree_leaves(before)[0].shape[1]
         keep = jnp.where(redo, state_slots, -1)   # i32[B] engine slots put back
-        to, frm = jnp.where(keep >= 0, keep, num_slots), jnp.clip(keep, 0, num_slots - 1)
-        states = jax.tree_util.tree_map(lambda now, old: now.at[:, to].set(old[:, frm], mode="drop"),
-                                        cache.states, before)
+        states = copy_slots(cache.states, before, keep, keep)
         args, order, *_ = self._rows(ps, slots, lens, drafts, jnp.where(redo, emitted, 0))
         with query_rows_at_most(self.width):
             _, cache = self.proposer.target_hidden(self.model, params, cache.replace(states=states), args, self.impl,
