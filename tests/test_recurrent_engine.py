@@ -121,9 +121,15 @@ def test_chunk_budget_and_preemption_do_not_change_outputs():
     """A smaller token budget (other chunk boundaries) and a pool so small that requests are preempted and
     recomputed (the reset rule: no state is cleared by the engine) give the same outputs as a run alone."""
     rng, model = _rng(), _model()
+<<<<<<< HEAD
     eng = _engine(max_num_batched_tokens=16, num_pages=20)
     prompts = _prompts(rng, 6, 20, 60)
     params = _greedy(rng, 6, 10, 24)
+=======
+    eng = _engine(max_num_batched_tokens=16, num_pages=16)
+    prompts = _prompts(rng, 6, 40, 60)   # two sequences fill the pool's 16 pages before they finish
+    params = _greedy(rng, 6, 20, 30)
+>>>>>>> recurrent-engine
     before = eng.stats.preemptions
     outs = run(eng, prompts, params)
     assert eng.stats.preemptions > before, "the pool must be small enough to preempt"
@@ -194,6 +200,30 @@ def test_other_model_shapes_equal_the_runs_alone(case):
         assert_reference(model, p, o, where=f"request {k}")
 
 
+<<<<<<< HEAD
+=======
+@pytest.mark.bench
+def test_ngram_speculation_does_not_advance_the_state_past_rejected_drafts():
+    """n-gram speculation: a verify pass runs every draft row through the recurrent layers; a slot that
+    rejects some drafts gets its states from before the pass back and recomputes its kept rows. Outputs equal
+    the runs alone, with drafts both accepted and rejected. (The model of seed 2 repeats itself: its own
+    n-grams are often right; the prompts' repeated patterns are mostly wrong.)"""
+    rng, model = _rng(), TinyHybrid(2)
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, verify_rows=16)
+    eng = LLMEngine(model, ByteTokenizer(), EngineConfig(**{**BASE, "speculative": spec}))
+    prompts = _prompts(rng, 2, 5, 30)
+    for _ in range(2):
+        pattern = rng.integers(3, 256, int(rng.integers(2, 5))).tolist()
+        prompts.append((pattern * 12)[: int(rng.integers(8, 40))])
+    outs = run(eng, prompts, [SamplingParams(max_new_tokens=40, greedy=True, ignore_eos=True)] * 4)
+    for k, (p, o) in enumerate(zip(prompts, outs)):
+        assert_reference(model, p, o, where=f"request {k}")
+    s = eng.summary()["speculative"]
+    print(s)
+    assert 0 < s["num_accepted_tokens"] < s["num_draft_tokens"], s
+
+
+>>>>>>> recurrent-engine
 # ---------------------------------------------------------------------- the spec, memory and refusals
 
 def test_spec_paged_layers_and_states():
@@ -235,7 +265,11 @@ def test_memory_budget_pays_the_states_first():
 
 @pytest.mark.parametrize("option, value", [
     ("prefix_caching", True), ("kv_offload_bytes", 1 << 20), ("tensor_parallel", 2),
+<<<<<<< HEAD
     ("speculative", SpeculativeConfig(method="ngram", num_speculative_tokens=2))])
+=======
+    ("speculative", SpeculativeConfig(method="draft_model", model="tiny-llama", num_speculative_tokens=2))])
+>>>>>>> recurrent-engine
 def test_options_not_served_with_a_recurrent_group_are_refused(option, value):
     with pytest.raises(ValueError, match=rf"EngineConfig.{option}=.* recurrent group 'linear'"):
         LLMEngine(_model(), ByteTokenizer(), EngineConfig(**{**BASE, option: value}))

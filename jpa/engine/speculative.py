@@ -36,6 +36,7 @@ import json
 
 from jpa.kv.cache import CacheConfig
 from jpa.engine.model import cache_spec_of, check_model
+from jpa.engine.states import call_model
 
 import jax.numpy as jnp
 from jax import lax
@@ -220,8 +221,10 @@ class NoDraft:
     def draft(self, params, cache, ps, slots, lens, num, drafts):
         return cache, drafts
 
-    def target_hidden(self, model, params, cache, args, impl):
-        return model.ragged_hidden(params, cache, *args, impl=impl)
+    def target_hidden(self, model, params, cache, args, impl, state_slots=None):
+        """(hidden, cache) of the target's ragged_hidden over args; state_slots: each entry's state slot (a
+        model with recurrent state, `jpa.engine.states`)."""
+        return call_model(model.ragged_hidden, params, cache, *args, impl=impl, state_slots=state_slots)
 
 
 class NgramProposer(NoDraft):
@@ -276,7 +279,7 @@ class DraftModelProposer(NoDraft):
         _, dc, _, drafts = lax.while_loop(lambda c: c[0] <= last, body, init)
         return (cache[0], dc), drafts
 
-    def target_hidden(self, model, params, cache, args, impl):
+    def target_hidden(self, model, params, cache, args, impl, state_slots=None):
         # The draft passes have written the draft's cache for these rows.
         hidden, tc = model.target.ragged_hidden(params[0], cache[0], *args, impl=impl)
         return hidden, (tc, cache[1])

@@ -17,6 +17,11 @@ first. Stop checks (EOS, max_new_tokens, length limit) run on the device and fin
 release their pages inside the loop. A step where no slot has a draft runs the plain decode pass
 over max_seqs rows (no extra rows computed).
 
+A model with recurrent state (`jpa.engine.states`): a verify pass advances each slot's states through
+all its rows, drafts included, so a slot that rejected some drafts gets its states from before the
+pass back and runs its kept rows again (`replay`, under a 0-or-1 loop: steps with no rejection pay
+nothing).
+
 Outputs: `Sampled` with `width` = k + 1 rows per step (row i * width + j: a slot's j-th token of
 step i, -1 past what it emitted), the steps run, the page `Usage`, and `SpecCounts`.
 """
@@ -34,7 +39,7 @@ from jpa.engine.batch import Sampled, SpecCounts
 from jpa.engine.device import Usage, copy_on_write, finished, slot_mapping_at, tally
 from jpa.engine.sampling import MAX_TOP_LOGPROBS, sample_rows, sample_slots
 from jpa.engine.speculative import accepted_prefix
-from jpa.engine.states import call_model
+from jpa.engine.states import StateCache, call_model, copy_slots
 
 
 class Lookahead(NamedTuple):
@@ -132,14 +137,14 @@ class VerifyLoop:
                          seq_lens, self.stop_ids)
         return cache, slots, tuple(jnp.repeat(a[:, None], self.width, axis=1) for a in y)
 
-    def verify_pass(self, params, cache, ps, slots, lens, drafts, num):
-        """Every active slot's pending token and drafts as one entry of a ragged pass of
-        `verify_rows` rows: per slot [num_seqs, width] of rows 0..num."""
-        act, k, rows, ps_ = slots.active, self.k, self.verify_rows, self.shapes.page_size
-        num_seqs = act.shape[0]
-        order = jnp.argsort(~act, stable=True).astype(jnp.int32)  # entries: active slots first
-        q = jnp.where(act, 1 + num, 0)[order]
-        cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q, dtype=jnp.int32)])
+    def _rows(self, ps, slots, lens, drafts, q):
+        """The ragged pass of q[b] rows of slot b (its pending token, then its drafts), slots with rows first:
+        (the model's ragged arguments, order i32[B] (entry -> slot), cu i32[B + 1], each row's slot s and
+        index j in its slot's rows, i32[verify_rows])."""
+        k, rows, ps_ = self.k, self.verify_rows, self.shapes.page_size
+        num_seqs = q.shape[0]
+        order = jnp.argsort(q <= 0, stable=True).astype(jnp.int32)  # entries: slots with rows first
+        cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q[order], dtype=jnp.int32)])
         row = jnp.arange(rows, dtype=jnp.int32)
         e = jnp.clip(jnp.searchsorted(cu[1:], row, side="right"), 0, num_seqs - 1).astype(jnp.int32)
         s, j = order[e], row - cu[e]
@@ -149,12 +154,22 @@ class VerifyLoop:
         tok = jnp.where(live, tok, 0)
         pos = jnp.where(live, lens[s] + j, 0)
         slot_mapping = slot_mapping_at(ps.block_tables[s], pos, ps_, live)
-        seq = jnp.where(act, lens + 1 + num, 0)[order]
-        args = (tok, pos, slot_mapping, ps.block_tables[order], seq, cu, jnp.sum(act, dtype=jnp.int32))
+        seq = jnp.where(q > 0, lens + q, 0)[order]
+        args = (tok, pos, slot_mapping, ps.block_tables[order], seq, cu, jnp.sum(q > 0, dtype=jnp.int32))
+        return args, order, cu, s, j
+
+    def verify_pass(self, params, cache, ps, slots, lens, drafts, num, state_slots):
+        """Every active slot's pending token and drafts as one entry of a ragged pass of
+        `verify_rows` rows: per slot [num_seqs, width] of rows 0..num. state_slots: each slot's
+        state slot (a model with recurrent state)."""
+        act, rows = slots.active, self.verify_rows
+        args, order, cu, s, j = self._rows(ps, slots, lens, drafts, jnp.where(act, 1 + num, 0))
+        tok, slot_mapping = args[0], args[2]
         # At most width rows a sequence: the model's attention may read each sequence's KV once
         # for all of them (`jpa.ops.ragged.query_rows_at_most`: one kernel call on Hopper).
         with query_rows_at_most(self.width):
-            hidden, cache = self.proposer.target_hidden(self.model, params, cache, args, self.impl)
+            hidden, cache = self.proposer.target_hidden(self.model, params, cache, args, self.impl,
+                                                        state_slots=jnp.where(act, state_slots, -1)[order])
         slots = slots.write_tokens(tok, slot_mapping)
         rs = slots.rows(s)
         # `sample_rows`: its temporaries do not scale with rows x vocab (chunks of rows on a CPU; on a
@@ -176,11 +191,25 @@ class VerifyLoop:
               jnp.zeros((num_seqs, w, tn), jnp.int32), jnp.zeros((num_seqs, w, tn), jnp.float32))
         drafting = jnp.any(nxt.num > 0)
         cache, drafts = self.proposer.draft(params, cache, ps, slots, nxt.lens, nxt.num, nxt.drafts)
-        cache, slots, ys = _once(lambda c, sl: self.verify_pass(params, c, ps, sl, nxt.lens, drafts, nxt.num),
-                                 drafting, cache, slots, ys)
+        cache, slots, ys = _once(lambda c, sl: self.verify_pass(params, c, ps, sl, nxt.lens, drafts, nxt.num,
+                                                                state_slots), drafting, cache, slots, ys)
         cache, slots, ys = _once(lambda c, sl: self.decode_pass(params, c, ps, sl, nxt.lens, state_slots),
                                  ~drafting, cache, slots, ys)
         return cache, slots, drafts, ys
+
+    def replay(self, params, cache, before, ps, slots, lens, drafts, redo, emitted, state_slots):
+        """Recurrent state under speculation, by recompute: the slots in `redo` (bool[B]) ran rows of drafts
+        they rejected, which advanced their states. Their states go back to `before` (the states before the
+        verify pass) and their kept rows (the first emitted[b]: the pending token and the accepted drafts)
+        run again; the other slots keep the verify pass's states. The rows' K/V are written again (the same
+        values the verify pass wrote). Returns the cache (a StateCache)."""
+        keep = jnp.where(redo, state_slots, -1)   # i32[B] engine slots put back
+        states = copy_slots(cache.states, before, keep, keep)
+        args, order, *_ = self._rows(ps, slots, lens, drafts, jnp.where(redo, emitted, 0))
+        with query_rows_at_most(self.width):
+            _, cache = self.proposer.target_hidden(self.model, params, cache.replace(states=states), args, self.impl,
+                                                   state_slots=keep[order])
+        return cache
 
     # ------------------------------------------------------------------ acceptance and the loop
 
@@ -201,8 +230,13 @@ class VerifyLoop:
         cache, slots, n = copy_on_write(c.cache, c.slots, nxt.cow)
         ps, act, lens = nxt.ps, slots.active, nxt.lens
         slot_ids = jnp.arange(act.shape[0], dtype=jnp.int32)
+        before = cache.states if self.k and isinstance(cache, StateCache) else None
         cache, slots, drafts, (y, lp, top_ids, top_lps) = self.passes(params, cache, ps, slots, nxt, state_slots)
         a, stopped, emitted = self.accept(slots, y, lens, drafts, nxt.num)
+        if before is not None:   # recurrent state: the rows of rejected drafts must not have advanced it
+            redo = act & ~stopped & (emitted < 1 + nxt.num)
+            cache, _, _ = _once(lambda c, sl: (self.replay(params, c, before, ps, sl, lens, drafts, redo, emitted,
+                                                           state_slots), sl, ()), jnp.any(redo), cache, slots, ())
         emit = jnp.arange(self.width)[None, :] < emitted[:, None]  # bool[num_seqs, width]
         last = jnp.take_along_axis(y, jnp.maximum(emitted - 1, 0)[:, None], axis=1)[:, 0]
         slots = slots.replace(tokens=jnp.where(act, last, slots.tokens), num_generated=slots.num_generated + emitted)
