@@ -363,17 +363,15 @@ class HybridModel:
         n_lin = p - n_full
         repeats = c.num_layers // p
         group = states[STATE_GROUP]
-        # every GDN layer's starting state per entry: [G, B, ...] -> [repeats, n_lin, B, ...]
-        conv0 = jax.vmap(lambda s: gdn.read_slots(s, state_slots, fresh))(group["conv"])
-        ssm0 = jax.vmap(lambda s: gdn.read_slots(s, state_slots, fresh))(group["ssm"])
-        conv0 = conv0.reshape(repeats, n_lin, *conv0.shape[1:])
-        ssm0 = ssm0.reshape(repeats, n_lin, *ssm0.shape[1:])
         x = params["top"]["embed"][tokens].astype(jnp.float32)  # [T, D]
 
+        # The state arrays ride in the scan's carry: GDN layer gi gathers its entries' slots of layer gi
+        # (one gather reading B states) and scatters the new ones back in place, so a decode step reads and
+        # writes each live state about once (a gather of every layer's states before the scan and a scatter after
+        # it would move each state three times more).
         def body(carry, xs):
-            x, pools = carry
-            layer_params, conv_r, ssm_r, r = xs
-            convs, ssms = [], []
+            x, pools, conv_all, ssm_all = carry
+            layer_params, r = xs
             a = g = 0
             for j, (mixer, mlp) in enumerate(kinds):
                 lp = layer_params[j]
@@ -382,21 +380,21 @@ class HybridModel:
                     out, pools = self._attention(lp, h, positions, lambda *qkv: attend(r * n_full + a, *qkv, pools))
                     a += 1
                 else:
-                    out, conv_s, ssm_s = self._gdn(lp, h, conv_r[g], ssm_r[g], mix, rule)
-                    convs.append(conv_s)
-                    ssms.append(ssm_s)
+                    gi = r * n_lin + g
+                    conv0 = gdn.read_slots(conv_all, state_slots, fresh, layer=gi)
+                    ssm0 = gdn.read_slots(ssm_all, state_slots, fresh, layer=gi)
+                    out, conv1, ssm1 = self._gdn(lp, h, conv0, ssm0, mix, rule)
+                    conv_all = gdn.write_slots(conv_all, state_slots, conv1, write, layer=gi)
+                    ssm_all = gdn.write_slots(ssm_all, state_slots, ssm1, write, layer=gi)
                     g += 1
                 x = x + out
                 h = _rms_norm(x, lp["ffn_norm"], c.norm_eps)
                 x = x + (self._moe(lp, h) if mlp == "moe" else _swiglu(h, lp["w_gate"], lp["w_up"], lp["w_down"]))
-            return (x, pools), (jnp.stack(convs), jnp.stack(ssms))
+            return (x, pools, conv_all, ssm_all), None
 
-        xs = (params["layers"], conv0, ssm0, jnp.arange(repeats, dtype=jnp.int32))
-        (x, pools), (conv1, ssm1) = jax.lax.scan(body, (x, cache.pools()), xs)
-        conv1 = conv1.reshape(-1, *conv1.shape[2:])  # [G, B, ...] in model layer order
-        ssm1 = ssm1.reshape(-1, *ssm1.shape[2:])
-        new = {"conv": jax.vmap(lambda s, n: gdn.write_slots(s, state_slots, n, write))(group["conv"], conv1),
-               "ssm": jax.vmap(lambda s, n: gdn.write_slots(s, state_slots, n, write))(group["ssm"], ssm1)}
+        xs = (params["layers"], jnp.arange(repeats, dtype=jnp.int32))
+        (x, pools, conv_all, ssm_all), _ = jax.lax.scan(body, (x, cache.pools(), group["conv"], group["ssm"]), xs)
+        new = {"conv": conv_all, "ssm": ssm_all}
         return x, cache.replace_pools(*pools), {**states, STATE_GROUP: new}
 
     def _attention(self, lp, h, positions, attend):

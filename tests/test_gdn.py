@@ -123,6 +123,13 @@ def test_slots_reset_fresh_entries_and_leave_padding_untouched():
     np.testing.assert_array_equal(out[0], new[2])
     np.testing.assert_array_equal(out[1], states[1])  # no entry's slot
     np.testing.assert_array_equal(out[3], states[3])  # an entry that does not write (no rows)
+    # by layer: states [layers, slots, ...], one layer's slots read and written, the other layers untouched
+    stacked = np.stack([states, states + 1])
+    np.testing.assert_array_equal(np.asarray(gdn.read_slots(stacked, slots, fresh, layer=1)),
+                                  np.where((~fresh & (slots >= 0))[:, None, None], stacked[1][np.clip(slots, 0, 3)], 0))
+    out2 = np.asarray(gdn.write_slots(stacked, slots, new, write, layer=1))
+    np.testing.assert_array_equal(out2[1], np.asarray(gdn.write_slots(states + 1, slots, new, write)))
+    np.testing.assert_array_equal(out2[0], states)
 
 
 def test_conv_ragged_and_step_equal_the_reference():

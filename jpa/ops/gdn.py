@@ -138,11 +138,16 @@ def gdn_step(q, k, v, g, beta, state):
     """
     f32 = lambda a: a.astype(jnp.float32)
     q, k, v, g, beta, state = map(f32, (q, k, v, g, beta, state))
-    state = state * jnp.exp(g)[..., None, None]
-    kv_mem = jnp.einsum("BHKV,BHK->BHV", state, k, precision=HIGHEST)
+    decay = jnp.exp(g)[..., None]  # [B, H, 1]
+    # Both reads of the old state first (S^T k and S^T q: one pass over S), then the new state (one more read,
+    # one write): o = S'^T q = decay S^T q + (k . q) delta, the same as reading S' again, without that pass.
+    # Products and sums over Dk rather than dots: a matrix-vector product per row and head is bound by reading S,
+    # and a dot here makes XLA transpose S into a copy first (jpa.tools.traffic, scripts/hybrid_traffic.py).
+    kv_mem = decay * jnp.sum(state * k[..., :, None], axis=-2)
+    read_q = decay * jnp.sum(state * q[..., :, None], axis=-2)
     delta = (v - kv_mem) * beta[..., None]
-    state = state + k[..., :, None] * delta[..., None, :]
-    o = jnp.einsum("BHKV,BHK->BHV", state, q, precision=HIGHEST)
+    o = read_q + jnp.sum(k * q, axis=-1, keepdims=True) * delta
+    state = state * decay[..., None] + k[..., :, None] * delta[..., None, :]
     return o, state
 
 
@@ -242,18 +247,25 @@ def gdn_ragged(q, k, v, g, beta, states, cu_q_lens, num_seqs, *, chunk: int = CH
 # State slots: the engine's per-sequence states, read and written by slot.
 
 
-def read_slots(states, state_slots, fresh):
+def read_slots(states, state_slots, fresh, *, layer=None):
     """Each entry's starting state: zeros where `fresh` (its first row is position 0) or its slot is -1, else
-    states[slot]. states [num_slots, ...]; state_slots i32[B]; fresh bool[B] -> f32[B, ...]."""
+    states[slot] (states [num_slots, ...]), or with `layer` (i32[]) states[layer, slot] (states [layers,
+    num_slots, ...]: one gather of the entries' slots, no copy of the layer). state_slots i32[B]; fresh bool[B]
+    -> f32[B, ...]."""
     states = jnp.asarray(states)
-    got = states[jnp.clip(state_slots, 0, states.shape[0] - 1)].astype(jnp.float32)
+    slots = jnp.clip(state_slots, 0, states.shape[0 if layer is None else 1] - 1)
+    got = (states[slots] if layer is None else states[layer, slots]).astype(jnp.float32)
     keep = (~fresh) & (state_slots >= 0)
     return jnp.where(keep.reshape(-1, *([1] * (got.ndim - 1))), got, 0.0)
 
 
-def write_slots(states, state_slots, new, write):
-    """states with new[b] stored at slot state_slots[b] where write[b] and the slot is >= 0 (others untouched)."""
+def write_slots(states, state_slots, new, write, *, layer=None):
+    """states with new[b] stored at slot state_slots[b] (with `layer`: at [layer, slot], in place) where write[b]
+    and the slot is >= 0; others untouched."""
     states = jnp.asarray(states)
     ok = write & (state_slots >= 0)
-    idx = jnp.where(ok, state_slots, states.shape[0])  # out of range: dropped
-    return states.at[idx].set(new.astype(states.dtype), mode="drop")
+    idx = jnp.where(ok, state_slots, states.shape[0 if layer is None else 1])  # out of range: dropped
+    new = new.astype(states.dtype)
+    if layer is None:
+        return states.at[idx].set(new, mode="drop")
+    return states.at[layer, idx].set(new, mode="drop")

@@ -807,23 +807,27 @@ def hybrid_traffic(target: str = "h100", config=None, *, num_seqs: int = 1, cont
     if hlo is None:
         from jpa.tools.deviceless import Compiler
 
+        # compiled as the engine compiles its GPU step: with the XLA options that keep the scanned layers' weights
+        # in place (`WEIGHTS_IN_PLACE`)
         rec = Compiler(target).compile(f"hybrid decode x{num_seqs}", step, args, donate_argnums=(1, 6),
-                                       pool_shapes=[(pool, cache_cfg.dtype)] * 2, keep_hlo=True)
+                                       pool_shapes=[(pool, cache_cfg.dtype)] * 2, keep_hlo=True,
+                                       compiler_options=dict(WEIGHTS_IN_PLACE))
         if "error" in rec:
             raise RuntimeError(f"hybrid decode: {rec['error']}")
         hlo = rec["hlo"]
     leaves = jax.tree_util.tree_leaves(model.params)
     spec_types = lambda xs: {(hlo_type(x.shape, x.dtype).split("[")[0], tuple(x.shape)) for x in xs}
     layers = c.num_layers // c.period
+    itemsize = np.dtype(cache_cfg.dtype).itemsize
+    live = pages_per_seq * page_size
     spec = Spec(weight_types=weight_types_of(model.params, (layers,)), pool_types=spec_types(
         [jax.ShapeDtypeStruct(pool, cache_cfg.dtype)]), vocab_size=c.vocab_size,
+        kv_read_per_call=num_seqs * live * c.num_kv_heads * c.head_dim * itemsize,
         state_types=spec_types(jax.tree_util.tree_leaves(states)))
-    itemsize = np.dtype(cache_cfg.dtype).itemsize
     w_item = np.dtype(dtype).itemsize
     weights = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in leaves)
     if not c.tie_embeddings:  # the table: only the looked-up rows
         weights -= c.vocab_size * c.d_model * w_item - num_seqs * c.d_model * w_item
-    live = pages_per_seq * page_size
     per_token = 2 * c.num_kv_heads * c.head_dim * itemsize * cache_cfg.num_layers
     ideal = dict(weights=weights, kv_read=num_seqs * live * per_token, kv_write=num_seqs * per_token,
                  state=recurrent_state_ideal(model.cache_spec(), num_seqs))
