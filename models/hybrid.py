@@ -1,7 +1,8 @@
 """Hybrid linear-attention models: Qwen3.5 (text) and Qwen3-Next, Gated DeltaNet layers beside gated full attention.
 
 Three of every four layers are Gated DeltaNet (GDN, `jpa.ops.gdn`): a per-sequence recurrent state f32[value
-heads, key dim, value dim] and the causal conv's last kernel - 1 inputs, kept in the engine's state slots
+heads, value dim, key dim] (transformers' [key dim, value dim] transposed, `jpa.ops.gdn`) and the causal
+conv's last kernel - 1 inputs, kept in the engine's state slots
 (the `RecurrentState` group of `cache_spec()`). The fourth is full attention with an output gate (q_proj
 yields a query and a sigmoid gate per head), q / k RMSNorm and partial RoPE (the first 25% of each head),
 over the paged KV cache with the project's attention ops (`jpa.ragged_paged_attention`, `jpa.paged_decode`),
@@ -11,7 +12,7 @@ the GDN output norm is w * x / rms * silu(z) (transformers' Qwen3NextRMSNorm, Qw
 
 `HybridModel` satisfies `jpa.engine.EngineModel` with the recurrent-state contract: `ragged`, `ragged_hidden`
 and `decode` take `states` (`{"linear": {"conv": f32[G, slots, conv_dim, kernel - 1], "ssm": f32[G, slots,
-Hv, Dk, Dv]}}`, G the GDN layers in model order) and `state_slots` (i32 per sequence entry, -1 padding) and
+Hv, Dv, Dk]}}`, G the GDN layers in model order) and `state_slots` (i32 per sequence entry, -1 padding) and
 return the updated states as a third value. An entry whose first row has position 0 (decode: seq_lens == 1)
 starts from a zero state; otherwise from its slot. The paged pool (`jpa.KVCache`) holds the full-attention
 layers only, pool layer j being the j-th of them in model order.
@@ -126,7 +127,7 @@ class HybridConfig:
 def cache_spec(c: HybridConfig) -> CacheSpec:
     """The FullAttention group over the gated-attention layers and the RecurrentState group over the GDN layers."""
     state = RecurrentState((("conv", (c.conv_dim, c.conv_kernel - 1), "float32"),
-                            ("ssm", (c.lin_v_heads, c.lin_k_dim, c.lin_v_dim), "float32")))
+                            ("ssm", (c.lin_v_heads, c.lin_v_dim, c.lin_k_dim), "float32")))
     return CacheSpec((CacheGroup("full", c.layers_of("full"), FullAttention(c.num_kv_heads, c.head_dim)),
                       CacheGroup(STATE_GROUP, c.layers_of("linear"), state)))
 
@@ -268,7 +269,7 @@ class HybridModel:
         """`ragged` without the head: (hidden f32[T, d_model] of every row, cache, states).
 
         Args (beyond `jpa.engine.EngineModel.ragged`'s):
-          states: {"linear": {"conv": f32[G, slots, conv_dim, kernel - 1], "ssm": f32[G, slots, Hv, Dk, Dv]}}.
+          states: {"linear": {"conv": f32[G, slots, conv_dim, kernel - 1], "ssm": f32[G, slots, Hv, Dv, Dk]}}.
           state_slots: i32[max_num_seqs], the slot entry i reads and writes (-1: none).
         """
         num_tokens = self._check(cache, tokens, "i32[num_tokens]", states, state_slots, seq_lens.shape[0])

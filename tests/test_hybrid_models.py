@@ -171,7 +171,7 @@ def test_cache_spec_and_the_engine_protocol():
     groups = {grp.name: grp for grp in spec.groups}
     assert groups["full"].layers == (3, 7) and groups["linear"].layers == (0, 1, 2, 4, 5, 6)
     assert groups["linear"].layout.shapes == (("conv", (c.conv_dim, 3), "float32"),
-                                              ("ssm", (c.lin_v_heads, c.lin_k_dim, c.lin_v_dim), "float32"))
+                                              ("ssm", (c.lin_v_heads, c.lin_v_dim, c.lin_k_dim), "float32"))
     assert model.cache_config(8).num_layers == 2
     assert isinstance(loaded("qwen3_next"), HybridModel) and loaded("qwen3_next").config.moe_layers == (0, 2, 3)
 
@@ -269,11 +269,12 @@ def test_traffic_counts_the_recurrent_state_of_a_decode_step():
         assert tr.recurrent_state_ideal(model.cache_spec(), b) == want
     states = model.init_states(5)
     spec = tr.Spec(state_types={("f32", tuple(a.shape)) for a in jax.tree_util.tree_leaves(states)})
-    assert spec.purpose("f32", (3, 5, c.lin_v_heads, c.lin_k_dim, c.lin_v_dim)) == "state"
-    assert spec.purpose("f32", (7, c.lin_v_heads, c.lin_k_dim, c.lin_v_dim)) == "state"   # one layer, 7 entries
+    one = (c.lin_v_heads, c.lin_v_dim, c.lin_k_dim)  # one sequence's GDN state
+    assert spec.purpose("f32", (3, 5, *one)) == "state"
+    assert spec.purpose("f32", (7, *one)) == "state"   # one layer, 7 entries
     assert spec.purpose("f32", (7, c.conv_dim, c.conv_kernel - 1)) == "state"
-    assert spec.purpose("f32", (c.lin_v_heads, c.lin_k_dim, c.lin_v_dim)) == "other"  # no sequence axis
-    assert spec.purpose("bf16", (7, c.lin_v_heads, c.lin_k_dim, c.lin_v_dim)) == "other"
+    assert spec.purpose("f32", one) == "other"  # no sequence axis
+    assert spec.purpose("bf16", (7, *one)) == "other"
 
 
 @pytest.mark.bench  # one CPU compile of a decode step (~6 s)

@@ -1,13 +1,17 @@
 """Gated DeltaNet (GDN) linear attention in plain JAX: the recurrent form (decode), the chunked form
 (prefill), the causal depthwise conv1d with its state, the gated RMSNorm and the l2 norm of q / k.
 
-Qwen3-Next and Qwen3.5 keep, per GDN layer and per sequence, a state S f32[heads, dk, dv] and the last
-kernel - 1 inputs of a short causal conv. One token t updates S by the gated delta rule
-(transformers' `torch_recurrent_gated_delta_rule`, fla's `fused_recurrent_gated_delta_rule`):
+Qwen3-Next and Qwen3.5 keep, per GDN layer and per sequence, a state S and the last kernel - 1 inputs of a
+short causal conv. One token t updates S by the gated delta rule (transformers'
+`torch_recurrent_gated_delta_rule`, fla's `fused_recurrent_gated_delta_rule`), with S as transformers' [dk, dv]:
 
     S  <- exp(g_t) * S                         (g_t <= 0: the gate, a decay in log space)
     S  <- S + k_t (beta_t * (v_t - k_t^T S))^T  (the delta rule: write the correction of what S predicts)
     o_t = S^T q_t
+
+jpa stores S transposed, f32[heads, dv, dk] (transformers' [dk, dv] swapped): every read of the state is then a
+sum over its minor axis, which a GPU does in one pass; with dk second XLA transposes the state into a copy
+before each read (measured with jpa.tools.traffic, scripts/hybrid_traffic.py).
 
 The chunked form (transformers' `torch_chunk_gated_delta_rule`, the WY / UT representation of the
 DeltaNet paper) computes the same over chunks of 64 tokens: inside a chunk the updates are condensed
@@ -22,7 +26,7 @@ gives the same result as one piece (the state carried).
 
 Shape letters: T tokens (rows), B sequence entries, H value heads (q and k already repeated to them),
 Dk key head dim, Dv value head dim, C conv channels, W conv kernel width, L chunk length, N chunks.
-Einsums: "NHLK,NHMK->NHLM" (within-chunk products), "NHLK,NHKV->NHLV" (reads of the state).
+Einsums: "NHLK,NHMK->NHLM" (within-chunk products), "HLK,HVK->HLV" (reads of the state).
 """
 
 import jax
@@ -131,29 +135,27 @@ def gdn_step(q, k, v, g, beta, state):
     Args:
       q, k: f32[B, H, Dk] (q l2-normed and scaled by Dk^-0.5, k l2-normed: the model does it).
       v: f32[B, H, Dv]; g: f32[B, H] the log decay (<= 0); beta: f32[B, H].
-      state: f32[B, H, Dk, Dv].
+      state: f32[B, H, Dv, Dk].
 
     Returns:
-      (o f32[B, H, Dv], the new state f32[B, H, Dk, Dv]).
+      (o f32[B, H, Dv], the new state f32[B, H, Dv, Dk]).
     """
     f32 = lambda a: a.astype(jnp.float32)
     q, k, v, g, beta, state = map(f32, (q, k, v, g, beta, state))
     decay = jnp.exp(g)[..., None]  # [B, H, 1]
     # Both reads of the old state first (S^T k and S^T q: one pass over S), then the new state (one more read,
     # one write): o = S'^T q = decay S^T q + (k . q) delta, the same as reading S' again, without that pass.
-    # Products and sums over Dk rather than dots: a matrix-vector product per row and head is bound by reading S,
-    # and a dot here makes XLA transpose S into a copy first (jpa.tools.traffic, scripts/hybrid_traffic.py).
-    kv_mem = decay * jnp.sum(state * k[..., :, None], axis=-2)
-    read_q = decay * jnp.sum(state * q[..., :, None], axis=-2)
+    kv_mem = decay * jnp.sum(state * k[..., None, :], axis=-1)  # sums over the minor axis, Dk
+    read_q = decay * jnp.sum(state * q[..., None, :], axis=-1)
     delta = (v - kv_mem) * beta[..., None]
     o = read_q + jnp.sum(k * q, axis=-1, keepdims=True) * delta
-    state = state * decay[..., None] + k[..., :, None] * delta[..., None, :]
+    state = state * decay[..., None] + delta[..., :, None] * k[..., None, :]
     return o, state
 
 
 def gdn_recurrent(q, k, v, g, beta, state):
     """The recurrent form over one sequence's T tokens (a scan of `gdn_step`): q, k f32[T, H, Dk], v f32[T, H, Dv],
-    g, beta f32[T, H], state f32[H, Dk, Dv] -> (o f32[T, H, Dv], the state after the last token)."""
+    g, beta f32[T, H], state f32[H, Dv, Dk] -> (o f32[T, H, Dv], the state after the last token)."""
     def body(s, xs):
         o, s = gdn_step(*(a[None] for a in xs), s[None])
         return s[0], o[0]
@@ -189,12 +191,12 @@ def gdn_ragged(q, k, v, g, beta, states, cu_q_lens, num_seqs, *, chunk: int = CH
     Args:
       q, k: f32[T, H, Dk] (q l2-normed and scaled by Dk^-0.5, k l2-normed); v: f32[T, H, Dv].
       g, beta: f32[T, H].
-      states: f32[B, H, Dk, Dv], each sequence entry's state before its first row (zeros for a fresh one).
+      states: f32[B, H, Dv, Dk], each sequence entry's state before its first row (zeros for a fresh one).
       cu_q_lens: i32[B + 1]; num_seqs: i32[] live entries (rows past cu_q_lens[num_seqs] are padding).
       chunk: rows per chunk (64, as fla and transformers).
 
     Returns:
-      (o f32[T, H, Dv] (zeros on padding rows), f32[B, H, Dk, Dv]: each entry's state after its last row;
+      (o f32[T, H, Dv] (zeros on padding rows), f32[B, H, Dv, Dk]: each entry's state after its last row;
        entries with no rows, or past num_seqs, as given).
     """
     num_tokens, heads, dk = k.shape
@@ -227,14 +229,14 @@ def gdn_ragged(q, k, v, g, beta, states, cu_q_lens, num_seqs, *, chunk: int = CH
         s, finals = carry
         nv, kcd, qd, kd, cd, att, seq_c, first_c, last_c = xs
         s = jnp.where(first_c, finals[seq_c], s)  # a sequence's first chunk starts from its entry state
-        v_new = nv - jnp.einsum("HLK,HKV->HLV", kcd, s, precision=HIGHEST)
-        o = jnp.einsum("HLK,HKV->HLV", qd, s, precision=HIGHEST) + jnp.einsum("HLM,HMV->HLV", att, v_new,
+        v_new = nv - jnp.einsum("HLK,HVK->HLV", kcd, s, precision=HIGHEST)
+        o = jnp.einsum("HLK,HVK->HLV", qd, s, precision=HIGHEST) + jnp.einsum("HLM,HMV->HLV", att, v_new,
                                                                               precision=HIGHEST)
-        s = s * cd + jnp.einsum("HLK,HLV->HKV", kd, v_new, precision=HIGHEST)
+        s = s * cd + jnp.einsum("HLV,HLK->HVK", v_new, kd, precision=HIGHEST)
         finals = finals.at[seq_c].set(jnp.where(last_c, s, finals[seq_c]))
         return (s, finals), o
 
-    init = (jnp.zeros((heads, dk, dv), jnp.float32), states.astype(jnp.float32))
+    init = (jnp.zeros((heads, dv, dk), jnp.float32), states.astype(jnp.float32))
     (_, finals), o = jax.lax.scan(body, init, (new_values, k_cumdecay, q_dec, k_dec, chunk_decay, intra, seq, first,
                                                last))
     o = jnp.moveaxis(o, 1, 2)  # [N, L, H, Dv]

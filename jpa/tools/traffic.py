@@ -30,7 +30,7 @@ instruction XLA runs as GPU work (fusions, custom calls, async fusion starts, ba
 - For a conditional, each branch's kernels are rows of their own (`branch`); `summary` counts, for
   each conditional, its most expensive branch only.
 
-- `state`: a hybrid model's recurrent states (Gated DeltaNet: f32[value heads, key dim, value dim] and the conv's
+- `state`: a hybrid model's recurrent states (Gated DeltaNet: f32[value heads, value dim, key dim] and the conv's
   last inputs per sequence per layer; `Spec.state_types`), which a decode step reads and writes whole: the
   ideal is every live sequence's state read once and written once per recurrent layer
   (`recurrent_state_ideal`; `hybrid_traffic` models a hybrid's decode step).
