@@ -272,6 +272,7 @@ def test_traffic_counts_the_recurrent_state_of_a_decode_step():
     one = (c.lin_v_heads, c.lin_v_dim, c.lin_k_dim)  # one sequence's GDN state
     assert spec.purpose("f32", (3, 5, *one)) == "state"
     assert spec.purpose("f32", (7, *one)) == "state"   # one layer, 7 entries
+    assert spec.purpose("f32", (7, *one[:2], 1, 1, one[2])) == "state"   # a view of it with axes of 1
     assert spec.purpose("f32", (7, c.conv_dim, c.conv_kernel - 1)) == "state"
     assert spec.purpose("f32", one) == "other"  # no sequence axis
     assert spec.purpose("bf16", (7, *one)) == "other"

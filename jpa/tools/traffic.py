@@ -179,7 +179,7 @@ class Spec:
     # that makes a float array of such a size out of weights alone writes a dense copy of a weight.
     dense_sizes: set = dataclasses.field(default_factory=set)
     # (dtype, dims) of recurrent states (a hybrid model's GDN states, [layers, slots, ...]): an array of that dtype
-    # whose trailing dims are one sequence's state (dims[2:]) with any leading axes is "state" traffic.
+    # whose trailing dims (axes of 1 left out) are one sequence's state (dims[2:]) after other axes is "state".
     state_types: set = dataclasses.field(default_factory=set)
 
     def __post_init__(self):
@@ -191,13 +191,14 @@ class Spec:
         self._weight_sizes = {(t, size(d)) for t, d in self.weight_types if size(d) >= MATCH_BY_SIZE}
         self.state_types = set(self.state_types)
         # one sequence's state shape (dims after [layers, slots]): any array of that dtype ending with it
-        self._state_shapes = {(t, tuple(d[2:])) for t, d in self.state_types}
+        self._state_shapes = {(t, tuple(n for n in d[2:] if n != 1)) for t, d in self.state_types}
 
     def purpose(self, t: str, dims: tuple) -> str:
         n = int(np.prod(dims))
         if (t, dims) in self.pool_types or (t, n) in self._pool_sizes:
             return "kv_read"
-        if any(t == st and len(dims) > len(sh) and tuple(dims[-len(sh):]) == sh for st, sh in self._state_shapes):
+        core = tuple(d for d in dims if d != 1)  # XLA's views of a state insert axes of 1 ([B, H, V, 1, 1, K])
+        if any(t == st and len(core) > len(sh) and core[-len(sh):] == sh for st, sh in self._state_shapes):
             return "state"
         # dims[1:]: a weight viewed with a leading axis of 1 (a bitcast, the same bytes: the quantized matmul
         # takes one [K, N] weight, a model's head, as a stack of one layer)
