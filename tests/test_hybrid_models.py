@@ -1,7 +1,8 @@
-"""Hybrid models (models.hybrid: Qwen3.5 text, Qwen3-Next) loaded from tiny transformers checkpoints and run
+"""Hybrid models (models.hybrid: Qwen3.5 text, Qwen3-Next, Qwen3.5-MoE text) loaded from tiny transformers checkpoints and run
 through their ragged / decode steps with a paged cache and recurrent state slots, against transformers.
 
-tests/data/hf/qwen3_5 and qwen3_next (scripts/make_hf_golden.py --families qwen3_5 qwen3_next): random weights,
+tests/data/hf/qwen3_5, qwen3_next and qwen3_5_moe (scripts/make_hf_golden.py --families qwen3_5 qwen3_next
+qwen3_5_moe): random weights,
 prompts of 28 to 150 tokens (the "long" one crosses two 64-token GDN chunk boundaries), transformers' prefill
 logits at every position and 32 greedy tokens. Pages of 4 tokens, so every prompt spans many pages.
 """
@@ -23,7 +24,7 @@ from jpa.models.families import CheckpointError
 from jpa.models.hybrid import HybridModel
 
 DATA = pathlib.Path(__file__).parent / "data" / "hf"
-FAMILIES = ["qwen3_5", "qwen3_next"]
+FAMILIES = ["qwen3_5", "qwen3_next", "qwen3_5_moe"]
 PAGE_SIZE, PAGES_PER_SEQ, SLOTS = 4, 48, 4
 LOGPROB_TOL = 2e-3
 
@@ -248,6 +249,15 @@ def test_unsupported_config_options_are_named(change, match, tmp_path):
     cfg.update(change)
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=match):
+        models.load(path, dtype=jnp.float32)
+
+
+def test_a_moe_config_without_expert_sizes_is_refused(tmp_path):
+    path = copy_checkpoint("qwen3_next", tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["moe_intermediate_size"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="'moe_intermediate_size' is missing"):
         models.load(path, dtype=jnp.float32)
 
 
