@@ -147,9 +147,10 @@ def test_a_prompt_in_two_ragged_calls_equals_one_call(family):
     rng = np.random.default_rng()
     cache, states = fresh(model)
     # garbage in every slot: a sequence starting at position 0 must not read it (the reset rule)
-    states = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape), a.dtype), states)
-    untouched = jax.tree.map(np.asarray, states)
-    one, _, s_one, _ = run_ragged(model, cache, states, [(1, 0, ids)], budget=160)
+    garbage = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape), a.dtype), states)
+    untouched = jax.tree.map(np.asarray, garbage)
+    one, _, s_one, _ = run_ragged(model, cache, states, [(1, 0, ids)], budget=160)  # from zero states
+    states = garbage
     cut = 67  # odd, past the first 64-token chunk
     cache, _ = fresh(model)
     first, cache, s_two, _ = run_ragged(model, cache, states, [(1, 0, ids[:cut]), (2, 0, other)], budget=160)
@@ -162,6 +163,29 @@ def test_a_prompt_in_two_ragged_calls_equals_one_call(family):
         got, want = np.asarray(s_two["linear"][name]), np.asarray(s_one["linear"][name])
         np.testing.assert_allclose(got[:, 1], want[:, 1], atol=1e-3, rtol=1e-3)
         np.testing.assert_array_equal(got[:, [0, 3]], untouched["linear"][name][:, [0, 3]])  # no entry's slots
+
+
+@pytest.mark.bench  # a decode compile
+def test_decode_of_a_first_token_starts_from_zero_whatever_its_slot_holds():
+    model = loaded("qwen3_5")
+    g, _ = golden("qwen3_5")
+    tok = g["prompts"]["robot"]["ids"][0]
+    cache, states = fresh(model)
+    want, *_ = run_ragged(model, cache, states, [(2, 0, [tok])], budget=160)
+    rng = np.random.default_rng()
+    garbage = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape), a.dtype), states)
+    _, decode = steps("qwen3_5")
+    bt = jnp.asarray(tables(SLOTS), jnp.int32)
+    rows = jnp.array([2, 0, 1, 3])  # row 0: the sequence of slot 2, at position 0; the others idle
+    slot_map = jnp.array([int(bt[2, 0]) * PAGE_SIZE, -1, -1, -1], jnp.int32)
+    cache, _ = fresh(model)
+    logits, _, new = decode(model.params, cache, {"states": garbage, "slots": jnp.array([2, -1, -1, -1], jnp.int32)},
+                            jnp.full(SLOTS, tok, jnp.int32), jnp.array([1, 0, 0, 0], jnp.int32), slot_map, bt[rows])
+    np.testing.assert_allclose(logprobs(logits[0]), logprobs(model.head(model.params, jnp.asarray(want[0]))),
+                               atol=1e-4, rtol=0)
+    for name in ("conv", "ssm"):  # slots of padding rows untouched
+        np.testing.assert_array_equal(np.asarray(new["linear"][name])[:, [0, 1, 3]],
+                                      np.asarray(garbage["linear"][name])[:, [0, 1, 3]])
 
 
 def test_cache_spec_and_the_engine_protocol():
