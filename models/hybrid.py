@@ -1,7 +1,8 @@
 """Hybrid linear-attention models: Qwen3.5 (text) and Qwen3-Next, Gated DeltaNet layers beside gated full attention.
 
 Three of every four layers are Gated DeltaNet (GDN, `jpa.ops.gdn`): a per-sequence recurrent state f32[value
-heads, key dim, value dim] and the causal conv's last kernel - 1 inputs, kept in the engine's state slots
+heads, value dim, key dim] (transformers' [key dim, value dim] transposed, `jpa.ops.gdn`) and the causal
+conv's last kernel - 1 inputs, kept in the engine's state slots
 (the `RecurrentState` group of `cache_spec()`). The fourth is full attention with an output gate (q_proj
 yields a query and a sigmoid gate per head), q / k RMSNorm and partial RoPE (the first 25% of each head),
 over the paged KV cache with the project's attention ops (`jpa.ragged_paged_attention`, `jpa.paged_decode`),
@@ -11,7 +12,7 @@ the GDN output norm is w * x / rms * silu(z) (transformers' Qwen3NextRMSNorm, Qw
 
 `HybridModel` satisfies `jpa.engine.EngineModel` with the recurrent-state contract: `ragged`, `ragged_hidden`
 and `decode` take `states` (`{"linear": {"conv": f32[G, slots, conv_dim, kernel - 1], "ssm": f32[G, slots,
-Hv, Dk, Dv]}}`, G the GDN layers in model order) and `state_slots` (i32 per sequence entry, -1 padding) and
+Hv, Dv, Dk]}}`, G the GDN layers in model order) and `state_slots` (i32 per sequence entry, -1 padding) and
 return the updated states as a third value. An entry whose first row has position 0 (decode: seq_lens == 1)
 starts from a zero state; otherwise from its slot. The paged pool (`jpa.KVCache`) holds the full-attention
 layers only, pool layer j being the j-th of them in model order.
@@ -126,7 +127,7 @@ class HybridConfig:
 def cache_spec(c: HybridConfig) -> CacheSpec:
     """The FullAttention group over the gated-attention layers and the RecurrentState group over the GDN layers."""
     state = RecurrentState((("conv", (c.conv_dim, c.conv_kernel - 1), "float32"),
-                            ("ssm", (c.lin_v_heads, c.lin_k_dim, c.lin_v_dim), "float32")))
+                            ("ssm", (c.lin_v_heads, c.lin_v_dim, c.lin_k_dim), "float32")))
     return CacheSpec((CacheGroup("full", c.layers_of("full"), FullAttention(c.num_kv_heads, c.head_dim)),
                       CacheGroup(STATE_GROUP, c.layers_of("linear"), state)))
 
@@ -268,7 +269,7 @@ class HybridModel:
         """`ragged` without the head: (hidden f32[T, d_model] of every row, cache, states).
 
         Args (beyond `jpa.engine.EngineModel.ragged`'s):
-          states: {"linear": {"conv": f32[G, slots, conv_dim, kernel - 1], "ssm": f32[G, slots, Hv, Dk, Dv]}}.
+          states: {"linear": {"conv": f32[G, slots, conv_dim, kernel - 1], "ssm": f32[G, slots, Hv, Dv, Dk]}}.
           state_slots: i32[max_num_seqs], the slot entry i reads and writes (-1: none).
         """
         num_tokens = self._check(cache, tokens, "i32[num_tokens]", states, state_slots, seq_lens.shape[0])
@@ -363,17 +364,15 @@ class HybridModel:
         n_lin = p - n_full
         repeats = c.num_layers // p
         group = states[STATE_GROUP]
-        # every GDN layer's starting state per entry: [G, B, ...] -> [repeats, n_lin, B, ...]
-        conv0 = jax.vmap(lambda s: gdn.read_slots(s, state_slots, fresh))(group["conv"])
-        ssm0 = jax.vmap(lambda s: gdn.read_slots(s, state_slots, fresh))(group["ssm"])
-        conv0 = conv0.reshape(repeats, n_lin, *conv0.shape[1:])
-        ssm0 = ssm0.reshape(repeats, n_lin, *ssm0.shape[1:])
         x = params["top"]["embed"][tokens].astype(jnp.float32)  # [T, D]
 
+        # The state arrays ride in the scan's carry: GDN layer gi gathers its entries' slots of layer gi
+        # (one gather reading B states) and scatters the new ones back in place, so a decode step reads and
+        # writes each live state about once (a gather of every layer's states before the scan and a scatter after
+        # it would move each state three times more).
         def body(carry, xs):
-            x, pools = carry
-            layer_params, conv_r, ssm_r, r = xs
-            convs, ssms = [], []
+            x, pools, conv_all, ssm_all = carry
+            layer_params, r = xs
             a = g = 0
             for j, (mixer, mlp) in enumerate(kinds):
                 lp = layer_params[j]
@@ -382,21 +381,21 @@ class HybridModel:
                     out, pools = self._attention(lp, h, positions, lambda *qkv: attend(r * n_full + a, *qkv, pools))
                     a += 1
                 else:
-                    out, conv_s, ssm_s = self._gdn(lp, h, conv_r[g], ssm_r[g], mix, rule)
-                    convs.append(conv_s)
-                    ssms.append(ssm_s)
+                    gi = r * n_lin + g
+                    conv0 = gdn.read_slots(conv_all, state_slots, fresh, layer=gi)
+                    ssm0 = gdn.read_slots(ssm_all, state_slots, fresh, layer=gi)
+                    out, conv1, ssm1 = self._gdn(lp, h, conv0, ssm0, mix, rule)
+                    conv_all = gdn.write_slots(conv_all, state_slots, conv1, write, layer=gi)
+                    ssm_all = gdn.write_slots(ssm_all, state_slots, ssm1, write, layer=gi)
                     g += 1
                 x = x + out
                 h = _rms_norm(x, lp["ffn_norm"], c.norm_eps)
                 x = x + (self._moe(lp, h) if mlp == "moe" else _swiglu(h, lp["w_gate"], lp["w_up"], lp["w_down"]))
-            return (x, pools), (jnp.stack(convs), jnp.stack(ssms))
+            return (x, pools, conv_all, ssm_all), None
 
-        xs = (params["layers"], conv0, ssm0, jnp.arange(repeats, dtype=jnp.int32))
-        (x, pools), (conv1, ssm1) = jax.lax.scan(body, (x, cache.pools()), xs)
-        conv1 = conv1.reshape(-1, *conv1.shape[2:])  # [G, B, ...] in model layer order
-        ssm1 = ssm1.reshape(-1, *ssm1.shape[2:])
-        new = {"conv": jax.vmap(lambda s, n: gdn.write_slots(s, state_slots, n, write))(group["conv"], conv1),
-               "ssm": jax.vmap(lambda s, n: gdn.write_slots(s, state_slots, n, write))(group["ssm"], ssm1)}
+        xs = (params["layers"], jnp.arange(repeats, dtype=jnp.int32))
+        (x, pools, conv_all, ssm_all), _ = jax.lax.scan(body, (x, cache.pools(), group["conv"], group["ssm"]), xs)
+        new = {"conv": conv_all, "ssm": ssm_all}
         return x, cache.replace_pools(*pools), {**states, STATE_GROUP: new}
 
     def _attention(self, lp, h, positions, attend):

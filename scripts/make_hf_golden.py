@@ -1,7 +1,8 @@
 """Write tests/data/hf/: tiny random Hugging Face checkpoints and what transformers computes on them.
 
 One directory per family (llama, mistral, qwen2, qwen3, gemma2, mixtral, qwen3_moe, gpt_oss, gpt_oss_mxfp4,
-qwen3_5, qwen3_next, deepseek_v3, deepseek_v3_noqlora, deepseek_v2; tests/test_deepseek.py reads the last three),
+qwen3_5, qwen3_next, qwen3_5_moe, deepseek_v3, deepseek_v3_noqlora, deepseek_v2; tests/test_deepseek.py reads the
+last three),
 each a complete checkpoint in the Hugging Face layout saved by transformers itself (config.json,
 *.safetensors, tokenizer.json, tokenizer_config.json, chat template, generation_config.json; the
 MXFP4 one converted here from gpt_oss's), plus golden.json (prompts, token
@@ -53,6 +54,8 @@ well-separated logits. The configs switch on what each family's loader must get 
            sections (text positions: plain RoPE), tied head; a "long" prompt of more than two 64-token chunks.
   qwen3_next: Qwen3-Next: grouped in_proj_qkvz / in_proj_ba, 8 experts top-2 (norm_topk_prob) with a
            sigmoid-gated shared expert, layer 1 a dense MLP (mlp_only_layers), untied head; the "long" prompt.
+  qwen3_5_moe: Qwen3.5-MoE text (qwen3_5_moe_text): Qwen3.5's projections, every layer 8 experts top-2 plus the
+           gated shared expert; the "long" prompt.
 The chat templates are written here in each family's format (Llama-3 headers, ChatML with a default
 system prompt, Qwen3's think blocks with a namespace, Gemma's turns with raise_exception).
 --out can point the big variant (--big) elsewhere: a few-hundred-MB float32 llama checkpoint for
@@ -285,9 +288,18 @@ FAMILIES["qwen3_next"] = dict(  # grouped in_proj_qkvz / in_proj_ba, sparse MoE 
                         shared_expert_intermediate_size=24, norm_topk_prob=True, decoder_sparse_step=1,
                         mlp_only_layers=[1],
                         rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25)))
+FAMILIES["qwen3_5_moe"] = dict(  # Qwen3_5MoeForCausalLM: Qwen3.5's GDN projections, every layer MoE + shared expert
+    HYBRID, config=dict(model_type="qwen3_5_moe_text", hidden_size=32, num_hidden_layers=4,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
+                        rms_norm_eps=1e-4, tie_word_embeddings=False, linear_conv_kernel_dim=4,
+                        linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+                        linear_num_value_heads=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                        shared_expert_intermediate_size=24,
+                        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25)))
 FAMILIES["mixtral"]["template"] = FAMILIES["mistral"]["template"]
 FAMILIES["qwen3_moe"]["template"] = FAMILIES["qwen3"]["template"]
-FAMILIES["qwen3_5"]["template"] = FAMILIES["qwen3_next"]["template"] = FAMILIES["qwen3"]["template"]
+for _f in ("qwen3_5", "qwen3_next", "qwen3_5_moe"):
+    FAMILIES[_f]["template"] = FAMILIES["qwen3"]["template"]
 
 PLAIN_PROMPTS = {
     "paged": "A paged KV cache keeps keys and values in pages; decode attention reads them",
@@ -329,7 +341,7 @@ def train_tokenizer(specials, bos, add_bos) -> Tokenizer:
 
 # Seeds of the random weights: the first seven families' as before gpt_oss joined (sorted order), then the
 # families added later, in the order they joined (so adding one never changes another's weights).
-LATER = ["gpt_oss", "qwen3_5", "qwen3_next"]
+LATER = ["gpt_oss", "qwen3_5", "qwen3_next", "qwen3_5_moe"]
 SEEDS = {f: i + 1 for i, f in enumerate(sorted(set(FAMILIES) - set(LATER)) + LATER)}
 
 # DeepSeek-V3 (MLA, models.deepseek), added after the seeds above so that theirs stay as they were.

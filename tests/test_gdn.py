@@ -13,15 +13,17 @@ RTOL, ATOL = 2e-5, 2e-5
 
 
 def np_gdn(q, k, v, g, beta, s):
-    """The gated delta rule token by token in float64 (transformers' torch_recurrent_gated_delta_rule)."""
+    """The gated delta rule token by token in float64 (transformers' torch_recurrent_gated_delta_rule, its state
+    [h, dk, dv]); s and the returned state in jpa's layout [h, dv, dk]."""
     q, k, v, g, beta, s = (np.asarray(a, np.float64) for a in (q, k, v, g, beta, s))
+    s = np.swapaxes(s, -1, -2)
     out = np.zeros(v.shape)
     for t in range(q.shape[0]):
         s = s * np.exp(g[t])[:, None, None]
         kv = np.einsum("hkv,hk->hv", s, k[t])
         s = s + k[t][:, :, None] * ((v[t] - kv) * beta[t][:, None])[:, None, :]
         out[t] = np.einsum("hkv,hk->hv", s, q[t])
-    return out, s
+    return out, np.swapaxes(s, -1, -2)
 
 
 def np_conv(x, w, state):
@@ -55,7 +57,7 @@ def test_chunked_ragged_equals_the_recurrence(lens, budget, num_seqs):
     rng = np.random.default_rng()
     cu = ragged(lens, budget)
     q, k, v, g, beta = inputs(rng, budget)
-    states = rng.standard_normal((len(lens), 3, 8, 6)).astype(np.float32)
+    states = rng.standard_normal((len(lens), 3, 6, 8)).astype(np.float32)  # [B, H, Dv, Dk]
     out, finals = jax.jit(gdn.gdn_ragged)(q, k, v, g, beta, states, cu, num_seqs)
     out, finals = np.asarray(out), np.asarray(finals)
     for b, n in enumerate(lens):
@@ -72,13 +74,13 @@ def test_chunked_ragged_equals_the_recurrence(lens, budget, num_seqs):
 def test_recurrent_and_step_forms_equal_the_reference():
     rng = np.random.default_rng()
     q, k, v, g, beta = inputs(rng, 20)
-    s0 = rng.standard_normal((3, 8, 6)).astype(np.float32)
+    s0 = rng.standard_normal((3, 6, 8)).astype(np.float32)
     out, s = jax.jit(gdn.gdn_recurrent)(q, k, v, g, beta, s0)
     want, want_s = np_gdn(q, k, v, g, beta, s0)
     np.testing.assert_allclose(np.asarray(out), want, rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(np.asarray(s), want_s, rtol=RTOL, atol=ATOL)
     # gdn_step: a batch of rows, each its own sequence, one token
-    states = rng.standard_normal((5, 3, 8, 6)).astype(np.float32)
+    states = rng.standard_normal((5, 3, 6, 8)).astype(np.float32)
     o, new = gdn.gdn_step(q[:5], k[:5], v[:5], g[:5], beta[:5], states)
     for b in range(5):
         want, want_s = np_gdn(q[b:b + 1], k[b:b + 1], v[b:b + 1], g[b:b + 1], beta[b:b + 1], states[b])
@@ -92,7 +94,7 @@ def test_a_sequence_split_anywhere_equals_one_piece():
     cuts = np.sort(rng.choice(np.arange(1, total), size=3, replace=False))
     pieces = np.diff(np.concatenate([[0], cuts, [total]]))
     q, k, v, g, beta = inputs(rng, total)
-    zero = np.zeros((1, 3, 8, 6), np.float32)
+    zero = np.zeros((1, 3, 6, 8), np.float32)
     run = jax.jit(gdn.gdn_ragged)
     whole, s_whole = run(q, k, v, g, beta, zero, np.array([0, total], np.int32), 1)
     state, outs, at = zero, [], 0
@@ -123,6 +125,13 @@ def test_slots_reset_fresh_entries_and_leave_padding_untouched():
     np.testing.assert_array_equal(out[0], new[2])
     np.testing.assert_array_equal(out[1], states[1])  # no entry's slot
     np.testing.assert_array_equal(out[3], states[3])  # an entry that does not write (no rows)
+    # by layer: states [layers, slots, ...], one layer's slots read and written, the other layers untouched
+    stacked = np.stack([states, states + 1])
+    np.testing.assert_array_equal(np.asarray(gdn.read_slots(stacked, slots, fresh, layer=1)),
+                                  np.where((~fresh & (slots >= 0))[:, None, None], stacked[1][np.clip(slots, 0, 3)], 0))
+    out2 = np.asarray(gdn.write_slots(stacked, slots, new, write, layer=1))
+    np.testing.assert_array_equal(out2[1], np.asarray(gdn.write_slots(states + 1, slots, new, write)))
+    np.testing.assert_array_equal(out2[0], states)
 
 
 def test_conv_ragged_and_step_equal_the_reference():

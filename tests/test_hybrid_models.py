@@ -1,7 +1,8 @@
-"""Hybrid models (models.hybrid: Qwen3.5 text, Qwen3-Next) loaded from tiny transformers checkpoints and run
+"""Hybrid models (models.hybrid: Qwen3.5 text, Qwen3-Next, Qwen3.5-MoE text) loaded from tiny transformers checkpoints and run
 through their ragged / decode steps with a paged cache and recurrent state slots, against transformers.
 
-tests/data/hf/qwen3_5 and qwen3_next (scripts/make_hf_golden.py --families qwen3_5 qwen3_next): random weights,
+tests/data/hf/qwen3_5, qwen3_next and qwen3_5_moe (scripts/make_hf_golden.py --families qwen3_5 qwen3_next
+qwen3_5_moe): random weights,
 prompts of 28 to 150 tokens (the "long" one crosses two 64-token GDN chunk boundaries), transformers' prefill
 logits at every position and 32 greedy tokens. Pages of 4 tokens, so every prompt spans many pages.
 """
@@ -23,7 +24,7 @@ from jpa.models.families import CheckpointError
 from jpa.models.hybrid import HybridModel
 
 DATA = pathlib.Path(__file__).parent / "data" / "hf"
-FAMILIES = ["qwen3_5", "qwen3_next"]
+FAMILIES = ["qwen3_5", "qwen3_next", "qwen3_5_moe"]
 PAGE_SIZE, PAGES_PER_SEQ, SLOTS = 4, 48, 4
 LOGPROB_TOL = 2e-3
 
@@ -146,9 +147,10 @@ def test_a_prompt_in_two_ragged_calls_equals_one_call(family):
     rng = np.random.default_rng()
     cache, states = fresh(model)
     # garbage in every slot: a sequence starting at position 0 must not read it (the reset rule)
-    states = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape), a.dtype), states)
-    untouched = jax.tree.map(np.asarray, states)
-    one, _, s_one, _ = run_ragged(model, cache, states, [(1, 0, ids)], budget=160)
+    garbage = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape), a.dtype), states)
+    untouched = jax.tree.map(np.asarray, garbage)
+    one, _, s_one, _ = run_ragged(model, cache, states, [(1, 0, ids)], budget=160)  # from zero states
+    states = garbage
     cut = 67  # odd, past the first 64-token chunk
     cache, _ = fresh(model)
     first, cache, s_two, _ = run_ragged(model, cache, states, [(1, 0, ids[:cut]), (2, 0, other)], budget=160)
@@ -163,6 +165,29 @@ def test_a_prompt_in_two_ragged_calls_equals_one_call(family):
         np.testing.assert_array_equal(got[:, [0, 3]], untouched["linear"][name][:, [0, 3]])  # no entry's slots
 
 
+@pytest.mark.bench  # a decode compile
+def test_decode_of_a_first_token_starts_from_zero_whatever_its_slot_holds():
+    model = loaded("qwen3_5")
+    g, _ = golden("qwen3_5")
+    tok = g["prompts"]["robot"]["ids"][0]
+    cache, states = fresh(model)
+    want, *_ = run_ragged(model, cache, states, [(2, 0, [tok])], budget=160)
+    rng = np.random.default_rng()
+    garbage = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape), a.dtype), states)
+    _, decode = steps("qwen3_5")
+    bt = jnp.asarray(tables(SLOTS), jnp.int32)
+    rows = jnp.array([2, 0, 1, 3])  # row 0: the sequence of slot 2, at position 0; the others idle
+    slot_map = jnp.array([int(bt[2, 0]) * PAGE_SIZE, -1, -1, -1], jnp.int32)
+    cache, _ = fresh(model)
+    logits, _, new = decode(model.params, cache, {"states": garbage, "slots": jnp.array([2, -1, -1, -1], jnp.int32)},
+                            jnp.full(SLOTS, tok, jnp.int32), jnp.array([1, 0, 0, 0], jnp.int32), slot_map, bt[rows])
+    np.testing.assert_allclose(logprobs(logits[0]), logprobs(model.head(model.params, jnp.asarray(want[0]))),
+                               atol=1e-4, rtol=0)
+    for name in ("conv", "ssm"):  # slots of padding rows untouched
+        np.testing.assert_array_equal(np.asarray(new["linear"][name])[:, [0, 1, 3]],
+                                      np.asarray(garbage["linear"][name])[:, [0, 1, 3]])
+
+
 def test_cache_spec_and_the_engine_protocol():
     model = loaded("qwen3_5")
     c = model.config
@@ -171,7 +196,7 @@ def test_cache_spec_and_the_engine_protocol():
     groups = {grp.name: grp for grp in spec.groups}
     assert groups["full"].layers == (3, 7) and groups["linear"].layers == (0, 1, 2, 4, 5, 6)
     assert groups["linear"].layout.shapes == (("conv", (c.conv_dim, 3), "float32"),
-                                              ("ssm", (c.lin_v_heads, c.lin_k_dim, c.lin_v_dim), "float32"))
+                                              ("ssm", (c.lin_v_heads, c.lin_v_dim, c.lin_k_dim), "float32"))
     assert model.cache_config(8).num_layers == 2
     assert isinstance(loaded("qwen3_next"), HybridModel) and loaded("qwen3_next").config.moe_layers == (0, 2, 3)
 
@@ -251,6 +276,15 @@ def test_unsupported_config_options_are_named(change, match, tmp_path):
         models.load(path, dtype=jnp.float32)
 
 
+def test_a_moe_config_without_expert_sizes_is_refused(tmp_path):
+    path = copy_checkpoint("qwen3_next", tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["moe_intermediate_size"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="'moe_intermediate_size' is missing"):
+        models.load(path, dtype=jnp.float32)
+
+
 def test_weight_quantization_is_refused():
     with pytest.raises(ValueError, match="quantization 'int8' is not supported for qwen3_5_text"):
         models.load(DATA / "qwen3_5", dtype=jnp.float32, quantization="int8")
@@ -269,11 +303,13 @@ def test_traffic_counts_the_recurrent_state_of_a_decode_step():
         assert tr.recurrent_state_ideal(model.cache_spec(), b) == want
     states = model.init_states(5)
     spec = tr.Spec(state_types={("f32", tuple(a.shape)) for a in jax.tree_util.tree_leaves(states)})
-    assert spec.purpose("f32", (3, 5, c.lin_v_heads, c.lin_k_dim, c.lin_v_dim)) == "state"
-    assert spec.purpose("f32", (7, c.lin_v_heads, c.lin_k_dim, c.lin_v_dim)) == "state"   # one layer, 7 entries
+    one = (c.lin_v_heads, c.lin_v_dim, c.lin_k_dim)  # one sequence's GDN state
+    assert spec.purpose("f32", (3, 5, *one)) == "state"
+    assert spec.purpose("f32", (7, *one)) == "state"   # one layer, 7 entries
+    assert spec.purpose("f32", (7, *one[:2], 1, 1, one[2])) == "state"   # a view of it with axes of 1
     assert spec.purpose("f32", (7, c.conv_dim, c.conv_kernel - 1)) == "state"
-    assert spec.purpose("f32", (c.lin_v_heads, c.lin_k_dim, c.lin_v_dim)) == "other"  # no sequence axis
-    assert spec.purpose("bf16", (7, c.lin_v_heads, c.lin_k_dim, c.lin_v_dim)) == "other"
+    assert spec.purpose("f32", one) == "other"  # no sequence axis
+    assert spec.purpose("bf16", (7, *one)) == "other"
 
 
 @pytest.mark.bench  # one CPU compile of a decode step (~6 s)

@@ -1,13 +1,17 @@
 """Gated DeltaNet (GDN) linear attention in plain JAX: the recurrent form (decode), the chunked form
 (prefill), the causal depthwise conv1d with its state, the gated RMSNorm and the l2 norm of q / k.
 
-Qwen3-Next and Qwen3.5 keep, per GDN layer and per sequence, a state S f32[heads, dk, dv] and the last
-kernel - 1 inputs of a short causal conv. One token t updates S by the gated delta rule
-(transformers' `torch_recurrent_gated_delta_rule`, fla's `fused_recurrent_gated_delta_rule`):
+Qwen3-Next and Qwen3.5 keep, per GDN layer and per sequence, a state S and the last kernel - 1 inputs of a
+short causal conv. One token t updates S by the gated delta rule (transformers'
+`torch_recurrent_gated_delta_rule`, fla's `fused_recurrent_gated_delta_rule`), with S as transformers' [dk, dv]:
 
     S  <- exp(g_t) * S                         (g_t <= 0: the gate, a decay in log space)
     S  <- S + k_t (beta_t * (v_t - k_t^T S))^T  (the delta rule: write the correction of what S predicts)
     o_t = S^T q_t
+
+jpa stores S transposed, f32[heads, dv, dk] (transformers' [dk, dv] swapped): every read of the state is then a
+sum over its minor axis, which a GPU does in one pass; with dk second XLA transposes the state into a copy
+before each read (measured with jpa.tools.traffic, scripts/hybrid_traffic.py).
 
 The chunked form (transformers' `torch_chunk_gated_delta_rule`, the WY / UT representation of the
 DeltaNet paper) computes the same over chunks of 64 tokens: inside a chunk the updates are condensed
@@ -22,7 +26,7 @@ gives the same result as one piece (the state carried).
 
 Shape letters: T tokens (rows), B sequence entries, H value heads (q and k already repeated to them),
 Dk key head dim, Dv value head dim, C conv channels, W conv kernel width, L chunk length, N chunks.
-Einsums: "NHLK,NHMK->NHLM" (within-chunk products), "NHLK,NHKV->NHLV" (reads of the state).
+Einsums: "NHLK,NHMK->NHLM" (within-chunk products), "HLK,HVK->HLV" (reads of the state).
 """
 
 import jax
@@ -131,24 +135,27 @@ def gdn_step(q, k, v, g, beta, state):
     Args:
       q, k: f32[B, H, Dk] (q l2-normed and scaled by Dk^-0.5, k l2-normed: the model does it).
       v: f32[B, H, Dv]; g: f32[B, H] the log decay (<= 0); beta: f32[B, H].
-      state: f32[B, H, Dk, Dv].
+      state: f32[B, H, Dv, Dk].
 
     Returns:
-      (o f32[B, H, Dv], the new state f32[B, H, Dk, Dv]).
+      (o f32[B, H, Dv], the new state f32[B, H, Dv, Dk]).
     """
     f32 = lambda a: a.astype(jnp.float32)
     q, k, v, g, beta, state = map(f32, (q, k, v, g, beta, state))
-    state = state * jnp.exp(g)[..., None, None]
-    kv_mem = jnp.einsum("BHKV,BHK->BHV", state, k, precision=HIGHEST)
+    decay = jnp.exp(g)[..., None]  # [B, H, 1]
+    # Both reads of the old state first (S^T k and S^T q: one pass over S), then the new state (one more read,
+    # one write): o = S'^T q = decay S^T q + (k . q) delta, the same as reading S' again, without that pass.
+    kv_mem = decay * jnp.sum(state * k[..., None, :], axis=-1)  # sums over the minor axis, Dk
+    read_q = decay * jnp.sum(state * q[..., None, :], axis=-1)
     delta = (v - kv_mem) * beta[..., None]
-    state = state + k[..., :, None] * delta[..., None, :]
-    o = jnp.einsum("BHKV,BHK->BHV", state, q, precision=HIGHEST)
+    o = read_q + jnp.sum(k * q, axis=-1, keepdims=True) * delta
+    state = state * decay[..., None] + delta[..., :, None] * k[..., None, :]
     return o, state
 
 
 def gdn_recurrent(q, k, v, g, beta, state):
     """The recurrent form over one sequence's T tokens (a scan of `gdn_step`): q, k f32[T, H, Dk], v f32[T, H, Dv],
-    g, beta f32[T, H], state f32[H, Dk, Dv] -> (o f32[T, H, Dv], the state after the last token)."""
+    g, beta f32[T, H], state f32[H, Dv, Dk] -> (o f32[T, H, Dv], the state after the last token)."""
     def body(s, xs):
         o, s = gdn_step(*(a[None] for a in xs), s[None])
         return s[0], o[0]
@@ -184,12 +191,12 @@ def gdn_ragged(q, k, v, g, beta, states, cu_q_lens, num_seqs, *, chunk: int = CH
     Args:
       q, k: f32[T, H, Dk] (q l2-normed and scaled by Dk^-0.5, k l2-normed); v: f32[T, H, Dv].
       g, beta: f32[T, H].
-      states: f32[B, H, Dk, Dv], each sequence entry's state before its first row (zeros for a fresh one).
+      states: f32[B, H, Dv, Dk], each sequence entry's state before its first row (zeros for a fresh one).
       cu_q_lens: i32[B + 1]; num_seqs: i32[] live entries (rows past cu_q_lens[num_seqs] are padding).
       chunk: rows per chunk (64, as fla and transformers).
 
     Returns:
-      (o f32[T, H, Dv] (zeros on padding rows), f32[B, H, Dk, Dv]: each entry's state after its last row;
+      (o f32[T, H, Dv] (zeros on padding rows), f32[B, H, Dv, Dk]: each entry's state after its last row;
        entries with no rows, or past num_seqs, as given).
     """
     num_tokens, heads, dk = k.shape
@@ -222,14 +229,14 @@ def gdn_ragged(q, k, v, g, beta, states, cu_q_lens, num_seqs, *, chunk: int = CH
         s, finals = carry
         nv, kcd, qd, kd, cd, att, seq_c, first_c, last_c = xs
         s = jnp.where(first_c, finals[seq_c], s)  # a sequence's first chunk starts from its entry state
-        v_new = nv - jnp.einsum("HLK,HKV->HLV", kcd, s, precision=HIGHEST)
-        o = jnp.einsum("HLK,HKV->HLV", qd, s, precision=HIGHEST) + jnp.einsum("HLM,HMV->HLV", att, v_new,
+        v_new = nv - jnp.einsum("HLK,HVK->HLV", kcd, s, precision=HIGHEST)
+        o = jnp.einsum("HLK,HVK->HLV", qd, s, precision=HIGHEST) + jnp.einsum("HLM,HMV->HLV", att, v_new,
                                                                               precision=HIGHEST)
-        s = s * cd + jnp.einsum("HLK,HLV->HKV", kd, v_new, precision=HIGHEST)
+        s = s * cd + jnp.einsum("HLV,HLK->HVK", v_new, kd, precision=HIGHEST)
         finals = finals.at[seq_c].set(jnp.where(last_c, s, finals[seq_c]))
         return (s, finals), o
 
-    init = (jnp.zeros((heads, dk, dv), jnp.float32), states.astype(jnp.float32))
+    init = (jnp.zeros((heads, dv, dk), jnp.float32), states.astype(jnp.float32))
     (_, finals), o = jax.lax.scan(body, init, (new_values, k_cumdecay, q_dec, k_dec, chunk_decay, intra, seq, first,
                                                last))
     o = jnp.moveaxis(o, 1, 2)  # [N, L, H, Dv]
@@ -242,18 +249,25 @@ def gdn_ragged(q, k, v, g, beta, states, cu_q_lens, num_seqs, *, chunk: int = CH
 # State slots: the engine's per-sequence states, read and written by slot.
 
 
-def read_slots(states, state_slots, fresh):
+def read_slots(states, state_slots, fresh, *, layer=None):
     """Each entry's starting state: zeros where `fresh` (its first row is position 0) or its slot is -1, else
-    states[slot]. states [num_slots, ...]; state_slots i32[B]; fresh bool[B] -> f32[B, ...]."""
+    states[slot] (states [num_slots, ...]), or with `layer` (i32[]) states[layer, slot] (states [layers,
+    num_slots, ...]: one gather of the entries' slots, no copy of the layer). state_slots i32[B]; fresh bool[B]
+    -> f32[B, ...]."""
     states = jnp.asarray(states)
-    got = states[jnp.clip(state_slots, 0, states.shape[0] - 1)].astype(jnp.float32)
+    slots = jnp.clip(state_slots, 0, states.shape[0 if layer is None else 1] - 1)
+    got = (states[slots] if layer is None else states[layer, slots]).astype(jnp.float32)
     keep = (~fresh) & (state_slots >= 0)
     return jnp.where(keep.reshape(-1, *([1] * (got.ndim - 1))), got, 0.0)
 
 
-def write_slots(states, state_slots, new, write):
-    """states with new[b] stored at slot state_slots[b] where write[b] and the slot is >= 0 (others untouched)."""
+def write_slots(states, state_slots, new, write, *, layer=None):
+    """states with new[b] stored at slot state_slots[b] (with `layer`: at [layer, slot], in place) where write[b]
+    and the slot is >= 0; others untouched."""
     states = jnp.asarray(states)
     ok = write & (state_slots >= 0)
-    idx = jnp.where(ok, state_slots, states.shape[0])  # out of range: dropped
-    return states.at[idx].set(new.astype(states.dtype), mode="drop")
+    idx = jnp.where(ok, state_slots, states.shape[0 if layer is None else 1])  # out of range: dropped
+    new = new.astype(states.dtype)
+    if layer is None:
+        return states.at[idx].set(new, mode="drop")
+    return states.at[layer, idx].set(new, mode="drop")

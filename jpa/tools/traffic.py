@@ -30,7 +30,7 @@ instruction XLA runs as GPU work (fusions, custom calls, async fusion starts, ba
 - For a conditional, each branch's kernels are rows of their own (`branch`); `summary` counts, for
   each conditional, its most expensive branch only.
 
-- `state`: a hybrid model's recurrent states (Gated DeltaNet: f32[value heads, key dim, value dim] and the conv's
+- `state`: a hybrid model's recurrent states (Gated DeltaNet: f32[value heads, value dim, key dim] and the conv's
   last inputs per sequence per layer; `Spec.state_types`), which a decode step reads and writes whole: the
   ideal is every live sequence's state read once and written once per recurrent layer
   (`recurrent_state_ideal`; `hybrid_traffic` models a hybrid's decode step).
@@ -179,7 +179,7 @@ class Spec:
     # that makes a float array of such a size out of weights alone writes a dense copy of a weight.
     dense_sizes: set = dataclasses.field(default_factory=set)
     # (dtype, dims) of recurrent states (a hybrid model's GDN states, [layers, slots, ...]): an array of that dtype
-    # whose trailing dims are one sequence's state (dims[2:]) with any leading axes is "state" traffic.
+    # whose trailing dims (axes of 1 left out) are one sequence's state (dims[2:]) after other axes is "state".
     state_types: set = dataclasses.field(default_factory=set)
 
     def __post_init__(self):
@@ -191,13 +191,14 @@ class Spec:
         self._weight_sizes = {(t, size(d)) for t, d in self.weight_types if size(d) >= MATCH_BY_SIZE}
         self.state_types = set(self.state_types)
         # one sequence's state shape (dims after [layers, slots]): any array of that dtype ending with it
-        self._state_shapes = {(t, tuple(d[2:])) for t, d in self.state_types}
+        self._state_shapes = {(t, tuple(n for n in d[2:] if n != 1)) for t, d in self.state_types}
 
     def purpose(self, t: str, dims: tuple) -> str:
         n = int(np.prod(dims))
         if (t, dims) in self.pool_types or (t, n) in self._pool_sizes:
             return "kv_read"
-        if any(t == st and len(dims) > len(sh) and tuple(dims[-len(sh):]) == sh for st, sh in self._state_shapes):
+        core = tuple(d for d in dims if d != 1)  # XLA's views of a state insert axes of 1 ([B, H, V, 1, 1, K])
+        if any(t == st and len(core) > len(sh) and core[-len(sh):] == sh for st, sh in self._state_shapes):
             return "state"
         # dims[1:]: a weight viewed with a leading axis of 1 (a bitcast, the same bytes: the quantized matmul
         # takes one [K, N] weight, a model's head, as a stack of one layer)
@@ -807,23 +808,27 @@ def hybrid_traffic(target: str = "h100", config=None, *, num_seqs: int = 1, cont
     if hlo is None:
         from jpa.tools.deviceless import Compiler
 
+        # compiled as the engine compiles its GPU step: with the XLA options that keep the scanned layers' weights
+        # in place (`WEIGHTS_IN_PLACE`)
         rec = Compiler(target).compile(f"hybrid decode x{num_seqs}", step, args, donate_argnums=(1, 6),
-                                       pool_shapes=[(pool, cache_cfg.dtype)] * 2, keep_hlo=True)
+                                       pool_shapes=[(pool, cache_cfg.dtype)] * 2, keep_hlo=True,
+                                       compiler_options=dict(WEIGHTS_IN_PLACE))
         if "error" in rec:
             raise RuntimeError(f"hybrid decode: {rec['error']}")
         hlo = rec["hlo"]
     leaves = jax.tree_util.tree_leaves(model.params)
     spec_types = lambda xs: {(hlo_type(x.shape, x.dtype).split("[")[0], tuple(x.shape)) for x in xs}
     layers = c.num_layers // c.period
+    itemsize = np.dtype(cache_cfg.dtype).itemsize
+    live = pages_per_seq * page_size
     spec = Spec(weight_types=weight_types_of(model.params, (layers,)), pool_types=spec_types(
         [jax.ShapeDtypeStruct(pool, cache_cfg.dtype)]), vocab_size=c.vocab_size,
+        kv_read_per_call=num_seqs * live * c.num_kv_heads * c.head_dim * itemsize,
         state_types=spec_types(jax.tree_util.tree_leaves(states)))
-    itemsize = np.dtype(cache_cfg.dtype).itemsize
     w_item = np.dtype(dtype).itemsize
     weights = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in leaves)
     if not c.tie_embeddings:  # the table: only the looked-up rows
         weights -= c.vocab_size * c.d_model * w_item - num_seqs * c.d_model * w_item
-    live = pages_per_seq * page_size
     per_token = 2 * c.num_kv_heads * c.head_dim * itemsize * cache_cfg.num_layers
     ideal = dict(weights=weights, kv_read=num_seqs * live * per_token, kv_write=num_seqs * per_token,
                  state=recurrent_state_ideal(model.cache_spec(), num_seqs))

@@ -1,6 +1,7 @@
-"""Hybrid linear-attention families (models.hybrid): Qwen3-Next (`qwen3_next`) and Qwen3.5 text (`qwen3_5_text`,
+"""Hybrid linear-attention families (models.hybrid): Qwen3-Next (`qwen3_next`), Qwen3.5 text (`qwen3_5_text`,
 Qwen3_5ForCausalLM; `qwen3_5`, Qwen3_5ForConditionalGeneration, whose text_config and model.language_model.*
-tensors are read and whose vision tower is ignored). Not the models.GPT stack: the family's `load_model` builds
+tensors are read and whose vision tower is ignored) and Qwen3.5-MoE the same way (`qwen3_5_moe_text`,
+`qwen3_5_moe`: every layer a sparse MoE with a gated shared expert, the chosen experts' weights renormalized). Not the models.GPT stack: the family's `load_model` builds
 a `models.hybrid.HybridModel`.
 
 Checkpoint layouts read:
@@ -19,8 +20,10 @@ import numpy as np
 from jpa.models.families import Family, register
 from jpa.models.families.base import CheckpointError, check_activation, refuse
 
-MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5")
-ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
+ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
+                 "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
+WRAPPED = ("qwen3_5", "qwen3_5_moe")  # ConditionalGeneration: text_config, tensors under model.language_model.
 
 
 def options(cfg, where, sizes):
@@ -33,10 +36,10 @@ def hybrid_config(cfg: dict, where: str, model_type: str):
     naming an unsupported option."""
     from jpa.models.hybrid import FULL, LINEAR, HybridConfig
 
-    if model_type == "qwen3_5":
+    if model_type in WRAPPED:
         text = cfg.get("text_config")
         if not isinstance(text, dict):
-            raise CheckpointError(f"{where}: a qwen3_5 config needs a text_config")
+            raise CheckpointError(f"{where}: a {model_type} config needs a text_config")
         cfg = {**text, **({"tie_word_embeddings": cfg["tie_word_embeddings"]} if "tie_word_embeddings" in cfg else {})}
         where = f"{where} (text_config)"
     check_activation(cfg, where, model_type, "silu")
@@ -60,20 +63,25 @@ def hybrid_config(cfg: dict, where: str, model_type: str):
         raise CheckpointError(f"{where}: layer_types must be {layers} entries of {LINEAR!r} / {FULL!r}; got "
                               f"{layer_types!r}")
     moe = {}
-    if model_type == "qwen3_next" and int(cfg.get("num_experts") or 0) > 0:
-        step, dense = int(cfg.get("decoder_sparse_step", 1)), cfg.get("mlp_only_layers") or []
-        moe = dict(moe_layers=tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
-                   num_experts=int(cfg["num_experts"]), experts_per_token=int(cfg["num_experts_per_tok"]),
-                   moe_ffn_dim=int(cfg["moe_intermediate_size"]),
-                   shared_ffn_dim=int(cfg["shared_expert_intermediate_size"]),
-                   norm_topk_prob=bool(cfg.get("norm_topk_prob", True)))
+    if model_type in ("qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe") and int(cfg.get("num_experts") or 0) > 0:
+        # Qwen3.5-MoE: every layer sparse, the chosen weights always renormalized (Qwen3_5MoeTopKRouter)
+        try:
+            step, dense = int(cfg.get("decoder_sparse_step", 1)), cfg.get("mlp_only_layers") or []
+            moe = dict(moe_layers=tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
+                       num_experts=int(cfg["num_experts"]), experts_per_token=int(cfg["num_experts_per_tok"]),
+                       moe_ffn_dim=int(cfg["moe_intermediate_size"]),
+                       shared_ffn_dim=int(cfg["shared_expert_intermediate_size"]),
+                       norm_topk_prob=bool(cfg.get("norm_topk_prob", True)))
+        except KeyError as e:
+            raise CheckpointError(f"{where}: {e.args[0]!r} is missing (a mixture-of-experts config)") from e
         if not moe["shared_ffn_dim"]:
             raise CheckpointError(f"{where}: shared_expert_intermediate_size 0 is not supported")
     try:
         return HybridConfig(
             vocab_size=vocab, d_model=d, num_layers=layers, num_q_heads=n,
             num_kv_heads=int(cfg.get("num_key_value_heads") or n), head_dim=head_dim,
-            max_seq_len=int(cfg.get("max_position_embeddings", 32768)), ffn_dim=int(cfg["intermediate_size"]),
+            max_seq_len=int(cfg.get("max_position_embeddings", 32768)),
+            ffn_dim=int(cfg.get("intermediate_size") or moe.get("moe_ffn_dim") or 0),  # Qwen3.5-MoE: no dense MLP
             layer_types=tuple(layer_types), rotary_dim=int(head_dim * partial),
             rope_base=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
             norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
@@ -150,7 +158,7 @@ def load_model(path: pathlib.Path, cfg: dict, model_type: str, *, dtype, quantiz
     if cfg.get("quantization_config"):
         raise CheckpointError(f"{where}: quantized {model_type} checkpoints are not supported")
     c = hybrid_config(cfg, where, model_type)
-    prefix = "model.language_model." if model_type == "qwen3_5" else "model."
+    prefix = "model.language_model." if model_type in WRAPPED else "model."
     index = _tensor_index(path)
     shapes = param_shapes(c)
 
@@ -196,7 +204,7 @@ def load_model(path: pathlib.Path, cfg: dict, model_type: str, *, dtype, quantiz
                 w = (c.d_model, c.lin_k_heads * per)
             used.update(need(name, w, transpose))
     ignored = sorted(k for k in index if k.startswith("mtp."))
-    vision = sorted(k for k in index if model_type == "qwen3_5" and k.startswith("model.visual."))
+    vision = sorted(k for k in index if model_type in WRAPPED and k.startswith("model.visual."))
     extra = sorted(k for k in index if k not in used and k not in ignored and k not in vision
                    and not (k == "lm_head.weight" and c.tie_embeddings) and not k.endswith("rotary_emb.inv_freq"))
     if extra:
