@@ -121,15 +121,9 @@ def test_chunk_budget_and_preemption_do_not_change_outputs():
     """A smaller token budget (other chunk boundaries) and a pool so small that requests are preempted and
     recomputed (the reset rule: no state is cleared by the engine) give the same outputs as a run alone."""
     rng, model = _rng(), _model()
-<<<<<<< HEAD
-    eng = _engine(max_num_batched_tokens=16, num_pages=20)
-    prompts = _prompts(rng, 6, 20, 60)
-    params = _greedy(rng, 6, 10, 24)
-=======
     eng = _engine(max_num_batched_tokens=16, num_pages=16)
     prompts = _prompts(rng, 6, 40, 60)   # two sequences fill the pool's 16 pages before they finish
     params = _greedy(rng, 6, 20, 30)
->>>>>>> recurrent-engine
     before = eng.stats.preemptions
     outs = run(eng, prompts, params)
     assert eng.stats.preemptions > before, "the pool must be small enough to preempt"
@@ -200,8 +194,6 @@ def test_other_model_shapes_equal_the_runs_alone(case):
         assert_reference(model, p, o, where=f"request {k}")
 
 
-<<<<<<< HEAD
-=======
 @pytest.mark.bench
 def test_ngram_speculation_does_not_advance_the_state_past_rejected_drafts():
     """n-gram speculation: a verify pass runs every draft row through the recurrent layers; a slot that
@@ -223,7 +215,6 @@ def test_ngram_speculation_does_not_advance_the_state_past_rejected_drafts():
     assert 0 < s["num_accepted_tokens"] < s["num_draft_tokens"], s
 
 
->>>>>>> recurrent-engine
 # ---------------------------------------------------------------------- the spec, memory and refusals
 
 def test_spec_paged_layers_and_states():
@@ -265,11 +256,7 @@ def test_memory_budget_pays_the_states_first():
 
 @pytest.mark.parametrize("option, value", [
     ("prefix_caching", True), ("kv_offload_bytes", 1 << 20), ("tensor_parallel", 2),
-<<<<<<< HEAD
-    ("speculative", SpeculativeConfig(method="ngram", num_speculative_tokens=2))])
-=======
     ("speculative", SpeculativeConfig(method="draft_model", model="tiny-llama", num_speculative_tokens=2))])
->>>>>>> recurrent-engine
 def test_options_not_served_with_a_recurrent_group_are_refused(option, value):
     with pytest.raises(ValueError, match=rf"EngineConfig.{option}=.* recurrent group 'linear'"):
         LLMEngine(_model(), ByteTokenizer(), EngineConfig(**{**BASE, option: value}))

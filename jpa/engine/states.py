@@ -16,18 +16,12 @@ continues from its slot. What the engine does itself:
 - a parallel sample's slot gets its leader's states after the leader's final chunk (`fork_states`);
 - the step-shape ladder's loop over gathered sub-slots passes the real slot ids (never a gathered
   copy of the states);
-<<<<<<< HEAD
-- options it cannot serve with a recurrent group are refused at construction (`refuse_options`):
-  prefix caching and KV offload (a cached or swapped page would need the state at its boundary),
-  speculative decoding (a rejected draft would have advanced the state), tensor parallelism (the
-=======
 - n-gram speculation: a verify pass advances a slot's states through every draft row, so a slot that
   rejected some drafts gets its states from before the pass back and runs its kept rows again
   (`jpa.engine.verify.VerifyLoop.replay`: recompute, one more pass in steps with a rejection);
 - options it cannot serve with a recurrent group are refused at construction (`refuse_options`):
   prefix caching and KV offload (a cached or swapped page would need the state at its boundary),
   speculative decoding with a draft model (its passes carry no states), tensor parallelism (the
->>>>>>> recurrent-engine
   states are not sharded yet).
 """
 
@@ -67,17 +61,6 @@ def fork_states(cache, src, dst):
     pool untouched). src, dst: i32[n]. A cache without states is returned as it is."""
     if not isinstance(cache, StateCache):
         return cache
-<<<<<<< HEAD
-    num_slots = jax.tree_util.tree_leaves(cache.states)[0].shape[1]
-    to = jnp.where(dst >= 0, dst, num_slots)   # out of range: dropped
-    frm = jnp.clip(src, 0, num_slots - 1)
-    states = jax.tree_util.tree_map(lambda a: a.at[:, to].set(a[:, frm], mode="drop"), cache.states)
-    return cache.replace(states=states)
-
-
-def recurrent_names(spec) -> str:
-    """"group 'linear' (recurrent state ...)": the recurrent groups of a spec, for error messages."""
-=======
     return cache.replace(states=copy_slots(cache.states, cache.states, src, dst))
 
 
@@ -92,29 +75,18 @@ def copy_slots(states, source, src, dst):
 
 def recurrent_names(spec) -> str:
     """The recurrent groups of a spec for error messages: "group 'linear' (recurrent state (...) per sequence)"."""
->>>>>>> recurrent-engine
     return ", ".join(f"group {g.name!r} ({g.layout.describe()})" for g in spec.recurrent_groups())
 
 
 def refuse_options(spec, **options) -> None:
     """Raises ValueError naming the first option set (truthy) that the engine does not serve with the
-<<<<<<< HEAD
-    spec's recurrent group(s): prefix_caching, kv_offload_bytes, speculative, tensor_parallel (> 1)."""
-=======
     spec's recurrent group(s): prefix_caching, kv_offload_bytes, speculative (but method "ngram"),
     tensor_parallel (> 1)."""
->>>>>>> recurrent-engine
     if not spec.has_recurrent:
         return
     why = {"prefix_caching": "a prefix-cache hit would need the recurrent state at the cached block's boundary, "
                              "which the engine does not keep (set prefix_caching=False, --no-prefix-caching)",
            "kv_offload_bytes": "a swapped-out sequence's recurrent state is not swapped with its pages",
-<<<<<<< HEAD
-           "speculative": "a rejected draft token would have advanced the recurrent state",
-           "tensor_parallel": "the recurrent states are not sharded over devices yet"}
-    for name, value in options.items():
-        if value and not (name == "tensor_parallel" and value == 1):
-=======
            "speculative": "a draft model's passes do not carry recurrent states (n-gram speculation, method "
                           "'ngram', is served: rejected drafts' rows are recomputed)",
            "tensor_parallel": "the recurrent states are not sharded over devices yet"}
@@ -122,6 +94,5 @@ def refuse_options(spec, **options) -> None:
         served = (name == "tensor_parallel" and value == 1) or (name == "speculative" and value is not None
                                                                  and value.method == "ngram")
         if value and not served:
->>>>>>> recurrent-engine
             raise ValueError(f"EngineConfig.{name}={value!r} is not served for a model whose cache has a "
                              f"recurrent {recurrent_names(spec)}: {why[name]}")

@@ -780,7 +780,8 @@ def hybrid_traffic(target: str = "h100", config=None, *, num_seqs: int = 1, cont
     update, the attention layers' paged decode) for a deviceless target (or models `hlo`, the optimized HLO of
     this program compiled before, or for the CPU in tests) at num_seqs sequences of `context` tokens and
     returns dict(summary (`summary` against the ideal: every weight once, the attention layers' live KV once and
-    new KV once, the states once each way), top (`top_kernels`), hlo). config: a models.hybrid.HybridConfig
+    new KV once, the states once each way), top (`top_kernels`), hlo, rows, seconds (the compile's; None given
+    hlo)). config: a models.hybrid.HybridConfig
     (default `models.hybrid.QWEN35_27B_SHAPED`)."""
     import jax
     import jax.numpy as jnp
@@ -805,6 +806,7 @@ def hybrid_traffic(target: str = "h100", config=None, *, num_seqs: int = 1, cont
         return model.decode(params, cache, tokens, seq_lens, slot_mapping, block_tables, states=states,
                             state_slots=slots)
 
+    seconds = None
     if hlo is None:
         from jpa.tools.deviceless import Compiler
 
@@ -815,7 +817,7 @@ def hybrid_traffic(target: str = "h100", config=None, *, num_seqs: int = 1, cont
                                        compiler_options=dict(WEIGHTS_IN_PLACE))
         if "error" in rec:
             raise RuntimeError(f"hybrid decode: {rec['error']}")
-        hlo = rec["hlo"]
+        hlo, seconds = rec["hlo"], rec["seconds"]
     leaves = jax.tree_util.tree_leaves(model.params)
     spec_types = lambda xs: {(hlo_type(x.shape, x.dtype).split("[")[0], tuple(x.shape)) for x in xs}
     layers = c.num_layers // c.period
@@ -833,4 +835,4 @@ def hybrid_traffic(target: str = "h100", config=None, *, num_seqs: int = 1, cont
     ideal = dict(weights=weights, kv_read=num_seqs * live * per_token, kv_write=num_seqs * per_token,
                  state=recurrent_state_ideal(model.cache_spec(), num_seqs))
     rows = traffic(hlo, spec)
-    return dict(summary=summary(rows, ideal), top=top_kernels(rows, 12), hlo=hlo, rows=rows)
+    return dict(summary=summary(rows, ideal), top=top_kernels(rows, 12), hlo=hlo, rows=rows, seconds=seconds)
