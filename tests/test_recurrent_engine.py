@@ -215,6 +215,22 @@ def test_ngram_speculation_does_not_advance_the_state_past_rejected_drafts():
     assert 0 < s["num_accepted_tokens"] < s["num_draft_tokens"], s
 
 
+@pytest.mark.bench
+def test_kv_offload_swaps_the_state_with_the_pages():
+    """KV offload: a preempted sequence's pages and recurrent states go to the host tier and come back (a
+    decoding one with every token it had: a zero-row chunk, nothing recomputed); outputs equal the runs alone."""
+    rng, model = _rng(), _model()
+    eng = _engine(max_num_batched_tokens=16, num_pages=16, kv_offload_bytes=1 << 20)
+    before = dataclasses.replace(eng.stats)
+    prompts = _prompts(rng, 6, 40, 60)
+    outs = run(eng, prompts, _greedy(rng, 6, 20, 30))
+    st = eng.stats
+    assert st.swapped_out > before.swapped_out and st.swapped_in > before.swapped_in, st
+    for k, (p, o) in enumerate(zip(prompts, outs)):
+        assert_reference(model, p, o, where=f"request {k}")
+    assert eng.host_tier.num_free == eng.host_tier.num_pages
+
+
 # ---------------------------------------------------------------------- the spec, memory and refusals
 
 def test_spec_paged_layers_and_states():
@@ -255,7 +271,7 @@ def test_memory_budget_pays_the_states_first():
 
 
 @pytest.mark.parametrize("option, value", [
-    ("prefix_caching", True), ("kv_offload_bytes", 1 << 20), ("tensor_parallel", 2),
+    ("prefix_caching", True), ("tensor_parallel", 2),
     ("speculative", SpeculativeConfig(method="draft_model", model="tiny-llama", num_speculative_tokens=2))])
 def test_options_not_served_with_a_recurrent_group_are_refused(option, value):
     with pytest.raises(ValueError, match=rf"EngineConfig.{option}=.* recurrent group 'linear'"):

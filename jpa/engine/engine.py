@@ -308,8 +308,7 @@ class LLMEngine:
                  draft_model: EngineModel | None = None):
         check_model(model)
         # A recurrent group's state slots (jpa.engine.states): the options the engine cannot serve with them.
-        refuse_options(cache_spec_of(model), prefix_caching=config.prefix_caching,
-                       kv_offload_bytes=config.kv_offload_bytes, speculative=config.speculative,
+        refuse_options(cache_spec_of(model), prefix_caching=config.prefix_caching, speculative=config.speculative,
                        tensor_parallel=config.tensor_parallel)
         spec = config.speculative
         if (draft_model is not None) != (spec is not None and spec.method == "draft_model"):
@@ -378,10 +377,12 @@ class LLMEngine:
             self.host_tier = HostTier(config.kv_offload_bytes // per_page, per_page)
             params = sum(int(np.prod(a.shape)) for a in jax.tree_util.tree_leaves(model.params))
             platform = jax.devices()[0].platform
-            self.swap_cost = SwapCost.for_model(mc, params, per_page // config.page_size, platform)
+            self.swap_cost = SwapCost.for_model(mc, params, per_page // config.page_size, platform,
+                                                state_bytes=self.cache_spec.state_bytes_per_sequence())
         self.scheduler = Scheduler.for_shapes(self.shapes, watermark=config.watermark, stop_ids=self.stop_ids,
                                               prefix_caching=config.prefix_caching, host_tier=self.host_tier,
                                               swap_cost=self.swap_cost,
+                                              state_pages=self._state_pages(),
                                               extra_hooks=(RaggedRowsHook,) if config.batch_invariant else ())
         self.stats = EngineStats()
         # Structured outputs: the tokenizer as llguidance reads it, built with the first constrained request.
@@ -1051,6 +1052,13 @@ class LLMEngine:
             line += (f"; recurrent state slots {self.state_bytes / 2**20:,.1f} MiB ({self.config.max_seqs} x "
                      f"{spec.state_bytes_per_sequence():,} B), pages {cc.nbytes / 2**20:,.1f} MiB")
         return line
+
+    def _state_pages(self) -> int | None:
+        """KV offload with recurrent state: host pages a swapped sequence's states take beside its KV pages
+        (None without a recurrent group)."""
+        if not self.cache_spec.has_recurrent:
+            return None
+        return -(-self.cache_spec.state_bytes_per_sequence() // self.cache_config.bytes_per_page)
 
     @property
     def state_bytes(self) -> int:

@@ -54,8 +54,8 @@ the compiled step (never a closed-over constant) and the cache, page state and s
 Recurrent state (a model whose cache spec has a recurrent group, `jpa.engine.states`): the cache is a
 `StateCache(pool, states)`, the pool of the paged layers and one state slot per sequence slot, donated
 with everything else; the model calls get `states` and `state_slots` (the ragged pass: each entry's slot;
-the loop: each row's real slot, the ladder's sub-slots included), and a parallel sample's slot takes its
-leader's states after the leader's final chunk.
+the loop: each row's real slot, the ladder's sub-slots included), a parallel sample's slot takes its
+leader's states after the leader's final chunk, and KV offload swaps a slot's states with its pages.
 
 Attention backend: the step passes `attention_impl` to the model. With "auto", `jpa.paged_decode`
 and `jpa.ragged_paged_attention` pick the kernel for the device the step is compiled for while it
@@ -607,7 +607,12 @@ class ModelRunner:
 
     def swap_out(self, slot: int, size: int):
         """KV offload: the block of slot's first `size` pages, copied to host memory (`jpa.kv.offload.Mover`);
-        dispatched asynchronously, before the slot is released."""
+        dispatched asynchronously, before the slot is released. With recurrent state: (the block, the slot's
+        states), both in host memory."""
+        if isinstance(self.cache, StateCache):
+            mover = self._mover()
+            return (mover.swap_out(self.cache.pool, self.page_state, slot, size),
+                    mover.swap_out_states(self.cache.states, slot))
         return self._mover().swap_out(self.cache, self.page_state, slot, size)
 
     def swap_in(self, block, evict, slot: int, hit_pages, hit_tokens: int, num_tokens: int):
@@ -618,6 +623,13 @@ class ModelRunner:
         ev[: len(evict)] = list(evict)
         table = np.zeros((self.pages_per_seq,), np.int32)
         table[: len(hit_pages)] = list(hit_pages)
+        if isinstance(self.cache, StateCache):   # the block and the slot's recurrent states (`swap_out`)
+            block, states = block
+            mover = self._mover()
+            pool, self.page_state, ok = mover.swap_in(self.cache.pool, self.page_state, block, ev, slot, table,
+                                                      hit_tokens, num_tokens)
+            self.cache = StateCache(pool, mover.swap_in_states(self.cache.states, states, ok, slot))
+            return ok
         self.cache, self.page_state, ok = self._mover().swap_in(self.cache, self.page_state, block, ev, slot, table,
                                                                 hit_tokens, num_tokens)
         return ok
@@ -650,7 +662,10 @@ class ModelRunner:
     def warm_swaps(self) -> None:
         """Compiles KV offload's swap programs for every block size now (else each compiles at its first use)."""
         sizes = sorted({bucket(n, self.pages_per_seq) for n in range(1, self.pages_per_seq + 1)})
-        self.cache = self._mover().warm(self.cache, self.page_state, sizes)
+        if isinstance(self.cache, StateCache):
+            self.cache = self.cache.replace(pool=self._mover().warm(self.cache.pool, self.page_state, sizes))
+        else:
+            self.cache = self._mover().warm(self.cache, self.page_state, sizes)
 
     @property
     def offload_memory_kind(self) -> str | None:

@@ -189,7 +189,8 @@ class Scheduler:
 
     def __init__(self, *, max_seqs: int, page_size: int, num_pages: int, max_model_len: int,
                  steps_per_call: int, watermark: float, stop_ids=(), prefix_caching: bool = False,
-                 host_tier: HostTier | None = None, swap_cost: SwapCost | None = None, hooks=(STRUCTURED,)):
+                 host_tier: HostTier | None = None, swap_cost: SwapCost | None = None, hooks=(STRUCTURED,),
+                 state_pages: int | None = None):
         if max_model_len > num_pages * page_size:
             raise ValueError(f"max_model_len must be <= num_pages * page_size = {num_pages * page_size} "
                              f"(a lone sequence must fit in the pool); got {max_model_len}")
@@ -201,6 +202,10 @@ class Scheduler:
         self.running: dict[int, Request] = {}      # slot -> request holding it (prefilling, forking, decoding)
         self.host = host_tier
         self.swap_cost = swap_cost
+        # A model with recurrent state (`jpa.engine.states`): host pages its states take in a swap block beside
+        # its KV pages (None: no recurrent state). A swapped-in request then gets back every token it had: its
+        # state is that of all of them, so nothing may be recomputed (a decoding one takes a zero-row chunk).
+        self.state_pages = state_pages
         self.hooks = tuple(hooks)
         self.recomputed_by_rule = 0                # preemptions the cost rule sent to recompute
         self.prefix = PrefixCache(page_size, host=host_tier) if prefix_caching else None
@@ -219,13 +224,13 @@ class Scheduler:
     @classmethod
     def for_shapes(cls, shapes, *, watermark: float, stop_ids=(), prefix_caching: bool = False,
                    host_tier: HostTier | None = None, swap_cost: SwapCost | None = None,
-                   extra_hooks=()) -> "Scheduler":
+                   extra_hooks=(), state_pages: int | None = None) -> "Scheduler":
         """The scheduler of an engine whose sizes are `shapes` (`jpa.engine.shapes.EngineShapes`);
-        extra_hooks: request hooks after the default ones."""
+        extra_hooks: request hooks after the default ones; state_pages: see `Scheduler`."""
         return cls(max_seqs=shapes.max_seqs, page_size=shapes.page_size, num_pages=shapes.num_pages,
                    max_model_len=shapes.max_model_len, steps_per_call=shapes.steps_per_call, watermark=watermark,
                    stop_ids=stop_ids, prefix_caching=prefix_caching, host_tier=host_tier,
-                   swap_cost=swap_cost, hooks=(STRUCTURED, *extra_hooks))
+                   swap_cost=swap_cost, hooks=(STRUCTURED, *extra_hooks), state_pages=state_pages)
 
     # ------------------------------------------------------------------ the one place phases change
 
@@ -481,7 +486,8 @@ class Scheduler:
             # Shared pages that were idle are no longer evictable.
             newly_held = sum(1 for p in on_device if p not in r.referenced)
             h = len(hit) * ps
-            start = max(h, min(block.num_tokens, len(toks) - 1)) if block is not None else h
+            start = h if block is None else max(h, block.num_tokens if self.state_pages is not None
+                                                else min(block.num_tokens, len(toks) - 1))
             need = (len(restore) + self._growth(h, len(toks) - h + self.steps_per_call)
                     + len(req.siblings) * self._fork_pages())
             alone = not self.running
@@ -489,7 +495,7 @@ class Scheduler:
                     alone and pages_for_tokens(len(toks), ps) - len(on_device) <= self.free_pages + r.idle - newly_held):
                 break
             n = min(r.left, len(toks) - start, self._fit(r, h) - (start - h) - len(restore) * ps)
-            if n <= 0:
+            if n < 0 or (n == 0 and start < len(toks)):   # (a recurrent model's whole swap-in: a zero-row chunk)
                 break
             r.idle -= newly_held
             self.waiting.popleft()
@@ -718,7 +724,7 @@ class Scheduler:
             self.recomputed_by_rule += 1
             return
         size = bucket(pages_for_tokens(n, self.page_size), pages_for_tokens(self.max_model_len, self.page_size))
-        if self.host.reserve(req.request_id, size, n):
+        if self.host.reserve(req.request_id, size + (self.state_pages or 0), n):
             self._swap_outs.append((req.slot, req, size))
 
     def take_releases(self) -> list[int]:

@@ -19,10 +19,11 @@ continues from its slot. What the engine does itself:
 - n-gram speculation: a verify pass advances a slot's states through every draft row, so a slot that
   rejected some drafts gets its states from before the pass back and runs its kept rows again
   (`jpa.engine.verify.VerifyLoop.replay`: recompute, one more pass in steps with a rejection);
+- KV offload: a preempted slot's states are swapped out and in with its pages (`ModelRunner.swap_out`,
+  `swap_in`), and the swap-in brings back every token (`Scheduler.state_pages`);
 - options it cannot serve with a recurrent group are refused at construction (`refuse_options`):
-  prefix caching and KV offload (a cached or swapped page would need the state at its boundary),
-  speculative decoding with a draft model (its passes carry no states), tensor parallelism (the
-  states are not sharded yet).
+  prefix caching (a hit would need the state at the cached block's boundary), speculative decoding
+  with a draft model (its passes carry no states), tensor parallelism (the states are not sharded yet).
 """
 
 import flax.struct
@@ -80,13 +81,11 @@ def recurrent_names(spec) -> str:
 
 def refuse_options(spec, **options) -> None:
     """Raises ValueError naming the first option set (truthy) that the engine does not serve with the
-    spec's recurrent group(s): prefix_caching, kv_offload_bytes, speculative (but method "ngram"),
-    tensor_parallel (> 1)."""
+    spec's recurrent group(s): prefix_caching, speculative (but method "ngram"), tensor_parallel (> 1)."""
     if not spec.has_recurrent:
         return
     why = {"prefix_caching": "a prefix-cache hit would need the recurrent state at the cached block's boundary, "
                              "which the engine does not keep (set prefix_caching=False, --no-prefix-caching)",
-           "kv_offload_bytes": "a swapped-out sequence's recurrent state is not swapped with its pages",
            "speculative": "a draft model's passes do not carry recurrent states (n-gram speculation, method "
                           "'ngram', is served: rejected drafts' rows are recomputed)",
            "tensor_parallel": "the recurrent states are not sharded over devices yet"}

@@ -98,6 +98,7 @@ class SwapCost:
       params: the model's parameter count (2 FLOPs per weight per token).
       layers, q_heads, head_dim: the attention term (causal: 2 * L * H * D * n**2 FLOPs for n tokens).
       link_bytes_per_s, flops_per_s: the platform's host link and prefill compute rate.
+      state_bytes: bytes of a sequence's recurrent states (a hybrid model's; 0 without), copied with its pages.
     """
     kv_bytes_per_token: int
     params: int
@@ -106,6 +107,7 @@ class SwapCost:
     head_dim: int
     link_bytes_per_s: float
     flops_per_s: float
+    state_bytes: int = 0
 
     def __post_init__(self):
         for name in ("kv_bytes_per_token", "params", "layers", "q_heads", "head_dim", "link_bytes_per_s",
@@ -114,16 +116,17 @@ class SwapCost:
                 raise ValueError(f"SwapCost.{name} must be > 0; got {getattr(self, name)!r}")
 
     @classmethod
-    def for_model(cls, config, params: int, kv_bytes_per_token: int, platform: str) -> "SwapCost":
+    def for_model(cls, config, params: int, kv_bytes_per_token: int, platform: str,
+                  state_bytes: int = 0) -> "SwapCost":
         """The rule of a model (its config: num_layers, num_q_heads, head_dim) on `platform` ("cpu",
-        "gpu", "cuda", "rocm"; others use the GPU figures)."""
+        "gpu", "cuda", "rocm"; others use the GPU figures); state_bytes: its recurrent states per sequence."""
         link, flops = HOST_LINKS["cpu" if platform == "cpu" else "gpu"]
         return cls(int(kv_bytes_per_token), int(params), config.num_layers, config.num_q_heads, config.head_dim,
-                   link, flops)
+                   link, flops, int(state_bytes))
 
     def swap_seconds(self, num_tokens: int) -> float:
-        """Copying num_tokens tokens' KV to the host and back."""
-        return 2 * num_tokens * self.kv_bytes_per_token / self.link_bytes_per_s
+        """Copying num_tokens tokens' KV (and the sequence's recurrent states) to the host and back."""
+        return 2 * (num_tokens * self.kv_bytes_per_token + self.state_bytes) / self.link_bytes_per_s
 
     def recompute_seconds(self, num_tokens: int) -> float:
         """Prefilling num_tokens tokens again (weights and causal attention)."""
@@ -334,6 +337,14 @@ def _scatter_pages(cache, block_tables, data, ok, slot, positions):
     return jax.tree_util.tree_map(put, cache, *data)
 
 
+def _put_states(states, data, ok, slot):
+    """states (leaves [layers, slots, ...]) with slot `slot` set to data (leaves [layers, ...]) where ok."""
+    def put(a, b):
+        b = jax.device_put(b, jax.memory.Space.Device) if _has_memory_space() else b
+        return a.at[:, slot].set(jnp.where(ok, b.astype(a.dtype), a[:, slot]))
+    return jax.tree_util.tree_map(put, states, data)
+
+
 def _has_memory_space() -> bool:
     return hasattr(jax, "memory") and hasattr(jax.memory, "Space")
 
@@ -388,6 +399,7 @@ class Mover:
         self._scatter = jax.jit(_scatter_block, donate_argnums=(0,), static_argnames=("page_size",))
         self._restore = jax.jit(_restore_pages, donate_argnums=(0,))
         self._scatter_pages = jax.jit(_scatter_pages, donate_argnums=(0,))   # one program per bucket of pages
+        self._put_states = jax.jit(_put_states, donate_argnums=(0,))
 
     def spill(self, cache, page_ids, size: int):
         """Prefix-cache spill: pages `page_ids` (len <= size, a bucket) copied to host memory, one
@@ -422,6 +434,21 @@ class Mover:
         if size not in self._gathers:
             self._gathers[size] = jax.jit(swap_out_program(size, self.memory_kind), **self._out)
         return self._gathers[size](cache, page_state.block_tables, jnp.int32(slot))
+
+    def swap_out_states(self, states, slot: int):
+        """A hybrid model's recurrent states of `slot` ({group: {state: [layers, *shape]}}), placed in host
+        memory beside its swapped block; dispatched asynchronously, as `swap_out`."""
+        if "states" not in self._gathers:
+            host = self.memory_kind == "pinned_host" and _has_memory_space()
+            take = lambda st, s: jax.tree_util.tree_map(lambda a: a[:, s], st)  # noqa: E731
+            self._gathers["states"] = jax.jit(lambda st, s: _to_host(take(st, s)) if host else take(st, s),
+                                              **self._out)
+        return self._gathers["states"](states, jnp.int32(slot))
+
+    def swap_in_states(self, states, data, ok, slot: int):
+        """states with `slot` holding `data` (what `swap_out_states` took) where ok (bool[], the swap-in's),
+        else as they were. states are donated."""
+        return self._put_states(states, data, ok, jnp.int32(slot))
 
     def warm(self, cache, page_state, sizes):
         """Compiles the swap programs of every block size in `sizes` by running them on nothing (a
