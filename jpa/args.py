@@ -67,7 +67,7 @@ class EngineArgs:
     steps_per_call: int = 8
     attention: str = "auto"
     max_num_batched_tokens: int = 512
-    prefix_caching: bool = True
+    prefix_caching: bool | None = None   # None: on unless the model keeps recurrent state (EngineConfig's)
     speculative_config: str | None = None
     tp: int = 1
     coordinator: str | None = None
@@ -140,7 +140,7 @@ class EngineArgs:
         """The EngineArgs of parsed flags (those `add_cli_args` added)."""
         fields = {f.name for f in dataclasses.fields(cls)} - {"prefix_caching", "compile_cache"}
         return cls(**{name: getattr(ns, name) for name in fields},
-                   prefix_caching=not ns.no_prefix_caching, compile_cache=not ns.no_compile_cache)
+                   prefix_caching=False if ns.no_prefix_caching else None, compile_cache=not ns.no_compile_cache)
 
     def check(self, extra_counts: dict | None = None) -> "EngineArgs":
         """Raises UsageError (naming the flag) for values no request could run with; returns self.

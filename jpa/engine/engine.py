@@ -84,7 +84,7 @@ from jpa.engine.runner import ModelRunner
 from jpa.engine.sampling import SamplingParams
 from jpa.engine.scheduler import RoundPlan, Scheduler
 from jpa.engine.speculative import SpeculativeConfig, draft_cache_config, record_spec_counts, spec_summary
-from jpa.engine.states import refuse_options
+from jpa.engine.states import recurrent_names, refuse_options
 from jpa.engine.shapes import EngineShapes, step_ladder
 from jpa.engine.structured import Grammars, constrained_rows
 from jpa.core.sharding import tp_mesh
@@ -114,7 +114,10 @@ class EngineConfig:
       prefix_caching: automatic prefix caching: full
         prompt pages stay cached after their request (cached-idle, evicted least recently used
         first when the pool runs short), and a request whose prompt starts with cached pages
-        shares them (refcounts) and prefills only the rest. See `jpa.kv.prefix_cache`.
+        shares them (refcounts) and prefills only the rest. See `jpa.kv.prefix_cache`. None (the
+        default): on, unless the model's cache has a recurrent group (a hit would need the state at
+        the cached block's boundary, which the engine does not keep): then off, with a notice. True
+        with such a model is refused.
       ragged_block_tokens: rows the ragged step runs through the model per pass (a loop over
         the live rows only, so a round costs its live rows, not the budget). None: 64 on a CPU,
         the whole budget on a GPU.
@@ -171,7 +174,7 @@ class EngineConfig:
     tensor_parallel: int = 1
     max_num_batched_tokens: int = 512
     ragged_block_tokens: int | None = None
-    prefix_caching: bool = True
+    prefix_caching: bool | None = None
     speculative: SpeculativeConfig | None = None
     peer_timeout: float = 60.0
     kv_offload_bytes: int = 0
@@ -208,8 +211,8 @@ class EngineConfig:
         if self.batch_invariant and self.speculative is not None:
             raise ValueError("EngineConfig.batch_invariant does not go with speculative decoding (its verify rows "
                              "are batched per step); turn one off")
-        if not isinstance(self.prefix_caching, bool):
-            raise ValueError(f"EngineConfig.prefix_caching must be a bool; got {self.prefix_caching!r}")
+        if self.prefix_caching is not None and not isinstance(self.prefix_caching, bool):
+            raise ValueError(f"EngineConfig.prefix_caching must be a bool or None; got {self.prefix_caching!r}")
         if self.max_num_batched_tokens < self.max_seqs:
             raise ValueError(f"EngineConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                              f"max_seqs ({self.max_seqs}): every decoding sequence takes one token of the budget")
@@ -307,8 +310,15 @@ class LLMEngine:
     def __init__(self, model: EngineModel, tokenizer, config: EngineConfig = EngineConfig(), *,
                  draft_model: EngineModel | None = None):
         check_model(model)
+        declared = cache_spec_of(model)
+        if config.prefix_caching is None:   # the default: on where the model's cache allows it
+            config = dataclasses.replace(config, prefix_caching=not declared.has_recurrent)
+            if declared.has_recurrent:
+                print(f"[jpa] prefix caching is off: the model keeps recurrent state "
+                      f"({recurrent_names(declared)}), which a prefix-cache hit would need at the cached block's "
+                      f"boundary", file=sys.stderr)
         # A recurrent group's state slots (jpa.engine.states): the options the engine cannot serve with them.
-        refuse_options(cache_spec_of(model), prefix_caching=config.prefix_caching, speculative=config.speculative,
+        refuse_options(declared, prefix_caching=config.prefix_caching, speculative=config.speculative,
                        tensor_parallel=config.tensor_parallel)
         spec = config.speculative
         if (draft_model is not None) != (spec is not None and spec.method == "draft_model"):
@@ -419,7 +429,7 @@ class LLMEngine:
         if config.num_pages is None:
             states = spec.state_bytes_per_sequence() * config.max_seqs
             budget = config.kv_memory_bytes * config.tensor_parallel - states
-            if budget < target.bytes_per_page:
+            if states and budget < target.bytes_per_page:
                 raise ValueError(f"EngineConfig.kv_memory_bytes={config.kv_memory_bytes} holds the recurrent states "
                                  f"of max_seqs={config.max_seqs} sequences ({states} bytes) and no page "
                                  f"({target.bytes_per_page} bytes)")
