@@ -72,45 +72,16 @@ def engines(ctx_model):
     return Engines(*ctx_model)
 
 
-def pytest_xdist_make_scheduler(config, log):
-    """`--dist loadfile` (`./run test`), with tests/tiers.py's SHARED groups of files each one unit of work (a
-    worker compiles the engine programs a group shares once), and the units handed out in collection order
-    (SLOW_FIRST's files first) rather than pytest-xdist's default of the unit with most tests first."""
-    if config.getvalue("dist") != "loadfile":
-        return None
-    from xdist.scheduler import LoadFileScheduling
-
-    from tiers import scope
-
-    class SharedEngines(LoadFileScheduling):
-        def _split_scope(self, nodeid):
-            return scope(nodeid)
-
-    config.option.loadscopereorder = False
-    return SharedEngines(config, log)
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Tests named in tests/tiers.py's BENCH run in CI's bench tier (`./run test -m bench`), not in
-    `./run test`: this runs before `-m 'not bench'` deselects (tryfirst). An entry names a test
-    (every parametrization) or one parametrization by its node id."""
-    from tiers import BENCH, SOAK, moved, slow_first
-
+    """Runs before `-m` deselects (tryfirst) and before pytest-xdist names each test's group:
+    - a test marked `soak` is in the bench tier too (`-m "not bench"`, the main tier, leaves it out);
+    - under `./run test`'s `--dist loadgroup`, a test with no `xdist_group` mark runs in its file's group, so a
+      worker takes a whole file (its module fixtures, e.g. a server, are made once, as `--dist loadfile`); files
+      whose tests build engines of the same configurations share a named group (`pytestmark` in each), so one
+      worker compiles those step programs once (jpa.engine.runner.STEP_EXECUTABLES)."""
     for item in items:
-        if moved(item.nodeid, BENCH):
+        if item.get_closest_marker("soak"):
             item.add_marker(pytest.mark.bench)
-        if moved(item.nodeid, SOAK):
-            item.add_marker(pytest.mark.bench)
-            item.add_marker(pytest.mark.soak)
-    items.sort(key=lambda item: slow_first(item.nodeid))   # stable: each file keeps its own order
-    # An entry naming one parametrization must name one that exists: checked wherever its test was
-    # collected with more than one parametrization (not when a single node id was asked for).
-    ids = {item.nodeid for item in items}
-    counts = {}
-    for nodeid in ids:
-        base = nodeid.split("[", 1)[0]
-        counts[base] = counts.get(base, 0) + 1
-    stale = [n for n in {**BENCH, **SOAK} if "[" in n and counts.get(n.split("[", 1)[0], 0) > 1 and n not in ids]
-    if stale:
-        raise pytest.UsageError(f"tests/tiers.py names parametrizations that were not collected: {stale}")
+        if not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))

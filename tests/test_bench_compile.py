@@ -23,6 +23,7 @@ def bench_compile(*argv, check=True):
     return proc
 
 
+@pytest.mark.soak
 def test_smallest_cpu_run(tmp_path):
     out = tmp_path / "compile.json"
     engine = "max_seqs=2,max_num_batched_tokens=16,steps_per_call=1,max_model_len=256"

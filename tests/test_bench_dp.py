@@ -12,7 +12,7 @@ import pytest
 
 from router_util import require_router
 
-pytestmark = pytest.mark.bench   # CI's bench tier (.ci/run), not ./run test
+pytestmark = [pytest.mark.bench, pytest.mark.soak]   # CI's bench tier (.ci/run), not ./run test
 
 ROOT = pathlib.Path(__file__).parents[1]
 

@@ -54,6 +54,7 @@ GRID = [
 ]
 
 
+@pytest.mark.soak
 @pytest.mark.parametrize("case", GRID, ids=str)
 def test_grid_matches_reference(case):
     # Default partitions with cp.async copies (Ampere/Ada), one block per partition with TMA
@@ -93,6 +94,7 @@ def test_stacked_pool_reads_the_given_layer():
     check(case, got, args, opts)
 
 
+@pytest.mark.soak
 @pytest.mark.skipif(deviceless.missing_packages() is not None, reason=str(deviceless.missing_packages()))
 @pytest.mark.parametrize("target,sm", [("a100", "sm_80"), ("a6000", "sm_86"), ("l4", "sm_89"),
                                        ("b200", "sm_100a"), ("rtx6000pro", "sm_120a")])
@@ -138,6 +140,7 @@ RAGGED_GRID = [
 ]
 
 
+@pytest.mark.soak
 @pytest.mark.parametrize("cc", [8.0, 10.0], ids=["cp.async", "tma"])
 @pytest.mark.parametrize("case", RAGGED_GRID, ids=str)
 def test_ragged_grid_matches_reference(case, cc):
@@ -168,6 +171,7 @@ def test_ragged_stacked_pool_reads_the_given_layer():
         ragged_check(case, got, args, opts)
 
 
+@pytest.mark.soak
 @pytest.mark.skipif(deviceless.missing_packages() is not None, reason=str(deviceless.missing_packages()))
 @pytest.mark.parametrize("target,sm", [("a100", "sm_80"), ("a6000", "sm_86"), ("l4", "sm_89"),
                                        ("b200", "sm_100a"), ("rtx6000pro", "sm_120a")])

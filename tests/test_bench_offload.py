@@ -12,7 +12,7 @@ import pytest
 from jpa.testing.engine import assert_same, mixed_params, random_prompts, run, snapshot
 from jpa.tools import deviceless
 
-pytestmark = pytest.mark.bench   # CI's bench tier (.ci/run), not ./run test
+pytestmark = [pytest.mark.bench, pytest.mark.soak]   # CI's bench tier (.ci/run), not ./run test
 
 SCRIPT = pathlib.Path(__file__).parents[1] / "scripts" / "bench_offload.py"
 

@@ -15,6 +15,7 @@ pytestmark = pytest.mark.bench   # CI's bench tier (.ci/run), not ./run test
 ROOT = pathlib.Path(__file__).parents[1]
 
 
+@pytest.mark.soak
 def test_quick_run_on_the_tiny_model(tmp_path):
     out = tmp_path / "parallel.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu")

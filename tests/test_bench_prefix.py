@@ -29,6 +29,7 @@ def test_workload_builders():
     assert qs[:len(bench.PROMPTS) + 1] == list(bench.PROMPTS) + ["one more"]
 
 
+@pytest.mark.soak
 def test_quick_run_tiny_model(tmp_path):
     out, png = tmp_path / "prefix.json", tmp_path / "prefix.png"
     # The persistent compilation cache (a fresh folder) lets the second engine reuse the first

@@ -14,6 +14,7 @@ pytestmark = pytest.mark.bench   # CI's bench tier (.ci/run), not ./run test
 ROOT = pathlib.Path(__file__).parents[1]
 
 
+@pytest.mark.soak
 def test_tiny_run(tmp_path):
     out = tmp_path / "spec.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu")

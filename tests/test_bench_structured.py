@@ -17,6 +17,7 @@ pytest.importorskip("jsonschema")
 ROOT = pathlib.Path(__file__).parents[1]
 
 
+@pytest.mark.soak
 def test_quick_run_on_the_tiny_model(tmp_path):
     out = tmp_path / "structured.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu")

@@ -14,7 +14,8 @@ import pytest
 from jpa.tools import deviceless
 from test_traffic import engine_step_traffic
 
-pytestmark = [pytest.mark.bench, pytest.mark.skipif(deviceless.missing_packages() is not None, reason=str(deviceless.missing_packages()))]
+pytestmark = [pytest.mark.bench, pytest.mark.soak,
+              pytest.mark.skipif(deviceless.missing_packages() is not None, reason=str(deviceless.missing_packages()))]
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -12,11 +12,13 @@ no sharing: jpa.testing.engine).
 import os
 
 import numpy as np
+import pytest
 
 from jpa.engine import EngineConfig, LLMEngine, SamplingParams
 from jpa.testing import soak
 
 
+@pytest.mark.soak
 def test_random_requests_under_page_pressure(engines, ctx_model):
     # A fixed seed unless JPA_TEST_SEED names another: what this test asserts besides equality
     # depends on the draw (random aborts may take the two long requests before they preempt, and

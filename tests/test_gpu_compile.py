@@ -48,6 +48,7 @@ def compiled(report):
     return [r for r in report["records"] if "refused" not in r]
 
 
+@pytest.mark.soak
 @needs_gpu_packages
 @pytest.mark.parametrize("target,kernel_names", [("h100", ("triton", "mosaic")), ("a100", ("triton", "mosaic"))])
 def test_kernel_grid_subset_compiles(tmp_path, target, kernel_names):
@@ -81,6 +82,7 @@ def test_kernel_grid_subset_compiles(tmp_path, target, kernel_names):
     assert report["summary"]["ptxas"], "ptxas did not run: registers cannot have been read"
 
 
+@pytest.mark.soak
 @needs_gpu_packages
 @pytest.mark.parametrize("target,kernel_names", [("h100", ("triton", "mosaic")), ("a100", ("triton", "mosaic"))])
 def test_stacked_pool_in_a_layer_loop_compiles(tmp_path, target, kernel_names):
@@ -104,6 +106,7 @@ def test_stacked_pool_in_a_layer_loop_compiles(tmp_path, target, kernel_names):
             assert 0 < k["registers"] <= 255 and k["spill_stores"] == 0, r["name"]
 
 
+@pytest.mark.soak
 @needs_gpu_packages
 def test_random_accepted_configs_compile(tmp_path):
     """Whatever unsupported_reason accepts for the target compiles (fresh random configurations)."""
@@ -115,6 +118,7 @@ def test_random_accepted_configs_compile(tmp_path):
         assert proc.returncode == 0 and not failed, (f"seed {seed}", failed)
 
 
+@pytest.mark.bench
 @needs_gpu_packages
 def test_oversized_kernel_is_reported_not_crashed(tmp_path):
     """A kernel asking for more shared memory than the target has fails in the tier, as on a GPU,
@@ -145,6 +149,7 @@ print("RESULT", rec["ok"], rec.get("error", ""))
 # The H100's speculative step in the main tier; the A100's and the B200's plain ones (another ~25 s
 # deviceless SmolLM2 compile each; their mma.sync kernels are compiled above and in
 # tests/test_bench_mosaic_ampere.py, alone and in a layer loop) in CI's bench tier.
+@pytest.mark.soak
 @needs_gpu_packages
 @pytest.mark.parametrize("target,call,steps,calls", [
     ("h100", "mosaic_calls", "spec", 4),
@@ -176,6 +181,7 @@ def test_engine_steps_compile_with_the_targets_kernel(tmp_path, target, call, st
         assert r["temp_bytes"] < r["pool_bytes"] // 4 and r["pool_copies"] == [], r["name"]
 
 
+@pytest.mark.soak
 @needs_gpu_packages
 def test_a_spilling_kernel_fails_the_record(tmp_path):
     """ptxas spills are a failure of the tier (every accepted configuration must compile without
@@ -212,6 +218,7 @@ print("RESULT", rec["ok"], rec.get("spills"), rec.get("problems"), rec.get("erro
     assert line.startswith("RESULT False {'jpa_spill':") and "ptxas spills registers" in line, line
 
 
+@pytest.mark.bench
 @needs_gpu_packages
 def test_a_compiler_made_after_xla_started_warns(tmp_path):
     """ptxas's report reaches XLA's log only if `configure_environment` ran before XLA started: a
@@ -336,6 +343,7 @@ def test_cross_host_classifier_matches_the_pool_by_its_axes():
     assert hlo.cross_host_problems([sampling], **sizes) == []
 
 
+@pytest.mark.soak
 @needs_gpu_packages
 def test_tensor_parallel_llama70b_over_2_hosts(tmp_path):
     """Llama-3-70B's shapes (2 of its 80 layers, for time) over 2 hosts x 8 compile-only H100s

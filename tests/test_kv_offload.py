@@ -18,6 +18,8 @@ from jpa.engine import EngineConfig, LLMEngine
 from jpa.kv.offload import HostTier, bucket
 from jpa.testing.engine import assert_same, fresh_seed, mixed_params, random_prompts, run, snapshot
 
+pytestmark = pytest.mark.xdist_group("engines_b")  # one worker compiles the group's programs once
+
 OFFLOAD = dict(num_pages=16, kv_offload_bytes=64 << 20)   # a host tier far larger than the device pool
 
 

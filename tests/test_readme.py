@@ -3,6 +3,8 @@
 import pathlib
 import re
 
+import pytest
+
 
 def _example(marker: str) -> str:
     """The README's ```python block that contains `marker`."""
@@ -12,6 +14,7 @@ def _example(marker: str) -> str:
     return blocks[0]
 
 
+@pytest.mark.soak
 def test_readme_llm_example_runs():
     # The same lines with the tiny random model in place of SmolLM2 (no wheel, seconds not minutes).
     code = _example("LLM(").replace('"smollm2-135m", max_seqs=32', '"tiny-llama", max_seqs=4, num_pages=64')

@@ -288,6 +288,7 @@ def engine_step_traffic(engine_options: bool = True) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.bench
 @pytest.mark.skipif(deviceless.missing_packages() is not None, reason=str(deviceless.missing_packages()))
 def test_engine_gpu_step_reads_weights_in_place():
     """The engine's own unified step as it compiles it for an H100 (deviceless: `step_program`,
