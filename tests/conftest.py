@@ -74,14 +74,26 @@ def engines(ctx_model):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Runs before `-m` deselects (tryfirst) and before pytest-xdist names each test's group:
-    - a test marked `soak` is in the bench tier too (`-m "not bench"`, the main tier, leaves it out);
-    - under `./run test`'s `--dist loadgroup`, a test with no `xdist_group` mark runs in its file's group, so a
-      worker takes a whole file (its module fixtures, e.g. a server, are made once, as `--dist loadfile`); files
-      whose tests build engines of the same configurations share a named group (`pytestmark` in each), so one
-      worker compiles those step programs once (jpa.engine.runner.STEP_EXECUTABLES)."""
+    """A test marked `soak` is in the bench tier too: `-m "not bench"` (the main tier) leaves it out. Runs
+    before `-m` deselects (tryfirst)."""
     for item in items:
         if item.get_closest_marker("soak"):
             item.add_marker(pytest.mark.bench)
-        if not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`./run test`'s `--dist loadfile`, with the files whose module `pytestmark` names an `xdist_group` one unit of
+    work per group (a worker compiles the engine programs those files share once). Kept because xdist's own
+    `--dist loadgroup` does not group under pytest 9.2 (pytest-dev/pytest-xdist#1386; measured here: a file's
+    tests marked with one group ran on both of 2 workers); the units are handed out largest first (xdist's order)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    from marks import file_group
+
+    class FileGroups(LoadFileScheduling):
+        def _split_scope(self, nodeid):
+            return file_group(config.rootpath, nodeid.split("::", 1)[0])
+
+    return FileGroups(config, log)

@@ -1,6 +1,20 @@
 """Marks for single cases of a case list that several tests share (tests/conftest.py: soak implies bench)."""
 
+import functools
+import pathlib
+import re
+
 import pytest
+
+_GROUP = re.compile(r"^pytestmark = .*pytest\.mark\.xdist_group\(\"(\w+)\"\)", re.M)
+
+
+@functools.cache
+def file_group(root: pathlib.Path, path: str) -> str:
+    """The unit of work `./run test` hands a worker the tests of test file `path` in (tests/conftest.py's
+    scheduler): the `xdist_group("NAME")` of the file's one-line module `pytestmark`, else the file itself."""
+    m = _GROUP.search((root / path).read_text(encoding="utf-8"))
+    return m.group(1) if m else path
 
 
 def tiered(values, *, bench=(), soak=(), unpack=False):

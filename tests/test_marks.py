@@ -1,5 +1,7 @@
 """tests/marks.tiered: the cases it names carry the tier's mark, the others none; a name it cannot find is refused."""
 
+import re
+
 import pytest
 
 from marks import tiered
@@ -21,3 +23,27 @@ def test_named_cases_carry_their_tier_and_the_rest_none():
 def test_a_case_not_in_the_list_or_named_twice_is_refused(kw):
     with pytest.raises(ValueError, match="not one of the 4 values .* or is named twice"):
         tiered(["a", "b", "c", "d"], **kw)
+
+
+def test_files_that_share_engines_are_one_unit_of_work_and_the_others_their_own(tmp_path):
+    """tests/conftest.py's scheduler hands a worker each file, or each group of files named by their module
+    `pytestmark`'s xdist_group (the engine files that compile the same step programs)."""
+    import pathlib
+
+    from marks import file_group
+
+    root = pathlib.Path(__file__).parents[1]
+    groups = {}
+    for path in sorted((root / "tests").glob("test_*.py")):
+        rel = str(path.relative_to(root))
+        groups.setdefault(file_group(root, rel), []).append(rel)
+        marked = re.search(r"^\s*(@pytest\.mark\.xdist_group|pytestmark\b.*xdist_group)", path.read_text(), re.M)
+        if marked:   # a group mark the scheduler would miss (on a test, or a pytestmark over several lines)
+            assert file_group(root, rel) != rel, f"{rel}: put xdist_group in its one-line module pytestmark"
+    assert {"tests/test_engine.py", "tests/test_chunked_prefill.py"} <= set(groups["engines"])
+    assert "tests/test_dispatch.py" in groups["engines_b"] and "tests/test_server_toolcalls.py" in groups["tiny_server"]
+    assert groups["tests/test_pages.py"] == ["tests/test_pages.py"]
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_x.py").write_text('pytestmark = [pytest.mark.bench, pytest.mark.xdist_group("g")]\n')
+    (tmp_path / "tests" / "test_y.py").write_text('# pytestmark = pytest.mark.xdist_group("g")\n')
+    assert file_group(tmp_path, "tests/test_x.py") == "g" and file_group(tmp_path, "tests/test_y.py") == "tests/test_y.py"
