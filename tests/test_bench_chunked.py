@@ -1,4 +1,4 @@
-"""scripts/bench_chunked.py end to end on the tiny random model: the --quick path runs, every token
+"""benchmarks/bench_chunked.py end to end on the tiny random model: the --quick path runs, every token
 is accounted for, a warm pass compiles nothing, and the long prompts land while others decode."""
 
 import json
@@ -11,7 +11,7 @@ import pytest
 
 pytestmark = pytest.mark.bench   # CI's bench tier (.ci/run), not ./run test
 
-SCRIPT = pathlib.Path(__file__).parents[1] / "scripts" / "bench_chunked.py"
+SCRIPT = pathlib.Path(__file__).parents[1] / "benchmarks" / "bench_chunked.py"
 SMALL = ["--tiny", "--quick", "--long-min", "200", "--long-max", "300", "--max-new", "16", "--long-new", "3",
          "--steps-per-call", "2", "--max-model-len", "512", "--budgets", "32"]
 

@@ -78,7 +78,7 @@ def check_moe_step(step, layout, d_model):
 @pytest.mark.soak
 @needs_gpu_packages
 def test_moe_layer_expert_parallel_compile_for_8_h100s(tmp_path):
-    """The fast case of the 8-H100 compiles (scripts/gpu_compile_check.py --only moe-layer): a tiny
+    """The fast case of the 8-H100 compiles (`jpa tools compile` --only moe-layer): a tiny
     gpt-oss-like layer's 8 MXFP4 experts, one per device, at 64 and 512 tokens: one all-reduce of
     f32[tokens, d_model] and nothing else, each device's arguments its own expert."""
     from test_gpu_compile import run_check as run_compile

@@ -199,14 +199,14 @@ def test_ragged_subset_compiles_for_ampere_ada_and_blackwell(tmp_path, target, s
 def test_hopper_mma_route_compiles_for_an_h100(tmp_path):
     """The first covering-grid decode configuration the WGMMA kernel refuses on an H100 (an int8
     cache in pages of 8), compiled deviceless for the H100 as `auto` routes it: the mma.sync kernel
-    with TMA copies, PTX sm_90a, no spills (scripts/hopper_mma_compile_check.py runs them all)."""
+    with TMA copies, PTX sm_90a, no spills (`jpa tools compile-hopper-mma` runs them all)."""
     import json
     import subprocess
     import sys
     from test_gpu_compile import ROOT, fresh_env
     out = tmp_path / "hop.json"
     env = {k: v for k, v in fresh_env().items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_CPP_VMODULE")}
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "hopper_mma_compile_check.py"), "h100",
+    proc = subprocess.run([sys.executable, "-m", "jpa.tools", "compile-hopper-mma", "h100",
                            "--max", "1", "--ops", "decode", "--json", str(out)], capture_output=True, text=True,
                           timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0 and out.exists(), proc.stdout[-2000:] + proc.stderr[-2000:]

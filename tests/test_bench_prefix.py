@@ -1,4 +1,4 @@
-"""scripts/bench_prefix.py: its --quick path end to end on the tiny random model, and its workload
+"""benchmarks/bench_prefix.py: its --quick path end to end on the tiny random model, and its workload
 builders (system prompt cut to a token count, distinct questions)."""
 
 import json
@@ -11,7 +11,7 @@ import pytest
 
 pytestmark = pytest.mark.bench   # CI's bench tier (.ci/run), not ./run test
 
-SCRIPT = pathlib.Path(__file__).parents[1] / "scripts" / "bench_prefix.py"
+SCRIPT = pathlib.Path(__file__).parents[1] / "benchmarks" / "bench_prefix.py"
 
 
 def test_workload_builders():

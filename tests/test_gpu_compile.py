@@ -2,10 +2,10 @@
 for an H100 and an A100 that are not here (XLA's whole GPU pipeline, Triton and ptxas included).
 
 Each compiling test runs in a fresh process (XLA's logging must be set before XLA starts, to read
-ptxas's register report: `jpa.tools.deviceless.configure_environment`): scripts/gpu_compile_check.py
+ptxas's register report: `jpa.tools.deviceless.configure_environment`): `jpa tools compile`
 as its users run it, checking its JSON report, or a few lines over `jpa.tools`. The HLO readers of
 `jpa.tools.hlo` are tested here on a hand-written module. The full covering grid is
-`python scripts/gpu_compile_check.py --target h100|a100` (BENCHMARKS.md).
+`jpa tools compile --target h100|a100` (BENCHMARKS.md).
 """
 
 import json
@@ -20,7 +20,7 @@ import pytest
 from jpa.tools import deviceless, hlo
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "gpu_compile_check.py"
+TOOL = [sys.executable, "-m", "jpa.tools", "compile"]   # `jpa tools compile`
 
 # The compiling tests need the `gpu` extra; the HLO readers' tests on hand-written modules run anywhere.
 needs_gpu_packages = pytest.mark.skipif(deviceless.missing_packages() is not None,
@@ -37,7 +37,7 @@ def fresh_env(**extra):
 def run_check(tmp_path, *args, timeout=900):
     out = tmp_path / "report.json"
     env = {k: v for k, v in fresh_env().items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_CPP_VMODULE")}
-    proc = subprocess.run([sys.executable, str(SCRIPT), *args, "--json", str(out)], capture_output=True,
+    proc = subprocess.run([*TOOL, *args, "--json", str(out)], capture_output=True,
                           text=True, timeout=timeout, env=env, cwd=ROOT)
     assert out.exists(), proc.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -164,7 +164,7 @@ def test_engine_steps_compile_with_the_targets_kernel(tmp_path, target, call, st
     the verify pass's k + 1 rows a sequence are ONE multi-row decode kernel call that reads the live
     KV once (`jpa.ops.ragged.query_rows_at_most`; two calls, the KV read twice, would make five);
     donated pools aliased, no pool copy, small temporaries."""
-    # One program per target (both: scripts/gpu_compile_check.py --only engine, recorded in
+    # One program per target (both: `jpa tools compile` --only engine, recorded in
     # benchmarks/gpu_compile_spec_*.json): the A100 the plain step, the H100 the speculative one,
     # whose decode loop adds the verify pass (a ragged op over k + 1 rows per sequence) to the plain
     # step's ragged step and decode pass.

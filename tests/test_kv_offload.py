@@ -322,7 +322,7 @@ def test_offload_programs_place_and_alias():
     """The four offload programs as `Mover` jits them, lowered and compiled on this CPU backend (its
     device has pinned_host): swap-out and spill move their outputs to host memory inside the program
     (annotate_device_placement to pinned_host, pinned_host results, which is what survives a
-    deviceless GPU compile: scripts/offload_compile_check.py); swap-in and restore take pinned_host
+    deviceless GPU compile: `jpa tools compile-offload`); swap-in and restore take pinned_host
     blocks and update the donated pool in place (aliased, no pool-sized temporaries); the data round-trips."""
     import jax.numpy as jnp
 

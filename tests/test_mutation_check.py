@@ -1,4 +1,4 @@
-"""The mutation check's own machinery (jpa/tools/mutation.py, run as scripts/mutation_check.py), on a
+"""The mutation check's own machinery (jpa/tools/mutation.py, run as `jpa tools mutation`), on a
 tiny git repository (not the full run, which
 takes many minutes): patterns that do not apply are reported as broken, a fault the selection
 sees is caught, one it does not see is missed, and --dry-run lists today's mutations."""
