@@ -33,3 +33,11 @@ def test_readme_example_runs():
     assert scope["out"].shape == (4, 8, 64)
     assert bool(scope["ok"])
     assert [int(x) for x in scope["slot_mapping"][2:]] == [-1, -1]
+
+
+def test_the_library_page_shows_the_readmes_examples():
+    """docs/library.md repeats the README's two examples for the docs site: the same code, so the tests above
+    cover both."""
+    page = (pathlib.Path(__file__).parents[1] / "docs" / "library.md").read_text()
+    for marker in ("LLM(", "jpa.CacheConfig("):
+        assert f"```python\n{_example(marker)}```" in page, f"docs/library.md's {marker} example differs from README's"
