@@ -177,7 +177,8 @@ def test_offload_compile_check_h100(tmp_path):
     root = str(SCRIPT.parents[1])
     env = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_CPP_VMODULE")}
     env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    proc = subprocess.run([sys.executable, "-m", "jpa.tools", "compile-offload", "--json", str(out)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "jpa.tools", "compile-offload", "--json", str(out)],
+                          capture_output=True, text=True,
                           timeout=900, env=env, cwd=root)
     assert out.exists(), proc.stderr[-3000:]
     r = json.loads(out.read_text())

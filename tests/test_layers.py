@@ -102,8 +102,9 @@ def test_no_test_or_script_edits_sys_path_or_imports_a_script():
         if "sys.path" in text:
             wrong.append(f"{path.relative_to(ROOT)} edits sys.path")
         for line, target in imports(path, "x.x"):
-            if target.split(".")[0] in ("scripts", "benchmarks", "tests", "models") or (path.parent.name == "tests" and any(
-                    (ROOT / d / f"{target.split('.')[0]}.py").exists() for d in ("scripts", "benchmarks"))):
+            top = target.split(".")[0]
+            if top in ("scripts", "benchmarks", "tests", "models") or (path.parent.name == "tests" and any(
+                    (ROOT / d / f"{top}.py").exists() for d in ("scripts", "benchmarks"))):
                 wrong.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
     assert not wrong, "\n".join(wrong)
 

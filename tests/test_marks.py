@@ -46,4 +46,5 @@ def test_files_that_share_engines_are_one_unit_of_work_and_the_others_their_own(
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_x.py").write_text('pytestmark = [pytest.mark.bench, pytest.mark.xdist_group("g")]\n')
     (tmp_path / "tests" / "test_y.py").write_text('# pytestmark = pytest.mark.xdist_group("g")\n')
-    assert file_group(tmp_path, "tests/test_x.py") == "g" and file_group(tmp_path, "tests/test_y.py") == "tests/test_y.py"
+    assert file_group(tmp_path, "tests/test_x.py") == "g"
+    assert file_group(tmp_path, "tests/test_y.py") == "tests/test_y.py"

@@ -27,7 +27,8 @@ COMMANDS = {
 def usage() -> str:
     width = max(map(len, COMMANDS))
     lines = [f"  {name:<{width}}  {text}" for name, (_, _, text) in COMMANDS.items()]
-    return "usage: jpa tools COMMAND [args]   (jpa tools COMMAND --help for its flags)\n\ncommands:\n" + "\n".join(lines)
+    return ("usage: jpa tools COMMAND [args]   (jpa tools COMMAND --help for its flags)\n\ncommands:\n"
+            + "\n".join(lines))
 
 
 def main(argv=None) -> int:
