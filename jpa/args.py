@@ -110,12 +110,12 @@ class EngineArgs:
                         "for later requests with the same prefix (automatic prefix caching is on by default)")
         ap.add_argument("--speculative-config", default=None, metavar="JSON", help="speculative decoding, as vLLM "
                         "spells it: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": "
-                        "4}' (outputs are identical to decoding without it; see README 'Speculative decoding')")
+                        "4}' (outputs are identical to decoding without it; docs/engine.md, 'Speculative decoding')")
         ap.add_argument("--tp", type=int, default=1, help="tensor parallel: shard the model and the KV pool (on "
                         "its kv heads) over this many devices (default 1); --kv-memory is then per device")
         ap.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="several processes (hosts) run "
-                        "one engine: process 0's address; with --num-processes and --process-id (README, More "
-                        "than one machine). --tp must then count every process's devices")
+                        "one engine: process 0's address; with --num-processes and --process-id (docs/multi-host.md, "
+                        "More than one machine). --tp must then count every process's devices")
         ap.add_argument("--num-processes", type=int, default=None, help="several processes: how many")
         ap.add_argument("--process-id", type=int, default=None, help="several processes: this one's index (0 "
                         "owns the requests; the others follow it)")

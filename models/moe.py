@@ -18,7 +18,7 @@ the grouped matmul, picked statically by the shapes and `EXPERT_MATMUL`:
 - "ragged_dot", any size: ONE `jax.lax.ragged_dot` per matmul with group_sizes = rows per
   expert. A deviceless H100 compile (JAX 0.12) shows XLA lowering it to a dense dot over ALL E
   experts with the rows masked per group: E times the routed flops, for about the bytes of the
-  blocked form (README, "Mixture of experts"; scripts/moe_traffic.py).
+  blocked form (docs/models.md, "Mixture of experts"; `jpa tools traffic-moe`).
 
 Under tensor parallelism (`moe_ffn(..., parallel=(mesh, layout))`, `expert_parallel`) the same forms run
 per device inside one `jax.shard_map` over the device's shard of the experts ("experts": E/N whole
@@ -47,7 +47,7 @@ MXFP4_BLOCK = 32
 
 # The grouped matmul: "blocked" (`_gathered` for M*k < E pairs, else `_blocked`) or "ragged_dot"
 # (jax.lax.ragged_dot at every size).
-# Blocked, by a deviceless H100 compile (README, "Mixture of experts"): XLA's GPU ragged_dot is a
+# Blocked, by a deviceless H100 compile (docs/models.md, "Mixture of experts"): XLA's GPU ragged_dot is a
 # dense dot over all E experts (E times the routed flops), the blocked form about the routed flops,
 # for about the same bytes.
 EXPERT_MATMUL = "blocked"

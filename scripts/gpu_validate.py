@@ -876,7 +876,7 @@ def main(argv=None) -> int:
     if not (target.is_nvidia_gpu and target.executable) and not (args.debug_cpu_interpret or args.dry_run):
         print(f"gpu_validate: needs an NVIDIA GPU, and JAX sees {target.platform} ({target.device_kind}). "
               f"Nothing here can pass without one. On a GPU machine JAX needs its CUDA plugin "
-              f"(jax[cuda12] or jax[cuda13]); deviceless compile checks are scripts/gpu_compile_check.py; "
+              f"(jax[cuda12] or jax[cuda13]); deviceless compile checks are `jpa tools compile`; "
               f"--dry-run plans the run on a CPU.", file=sys.stderr)
         return 2
     if args.section:

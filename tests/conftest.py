@@ -72,45 +72,28 @@ def engines(ctx_model):
     return Engines(*ctx_model)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """A test marked `soak` is in the bench tier too: `-m "not bench"` (the main tier) leaves it out. Runs
+    before `-m` deselects (tryfirst)."""
+    for item in items:
+        if item.get_closest_marker("soak"):
+            item.add_marker(pytest.mark.bench)
+
+
 def pytest_xdist_make_scheduler(config, log):
-    """`--dist loadfile` (`./run test`), with tests/tiers.py's SHARED groups of files each one unit of work (a
-    worker compiles the engine programs a group shares once), and the units handed out in collection order
-    (SLOW_FIRST's files first) rather than pytest-xdist's default of the unit with most tests first."""
+    """`./run test`'s `--dist loadfile`, with the files whose module `pytestmark` names an `xdist_group` one unit of
+    work per group (a worker compiles the engine programs those files share once). Kept because xdist's own
+    `--dist loadgroup` does not group under pytest 9.2 (pytest-dev/pytest-xdist#1386; measured here: a file's
+    tests marked with one group ran on both of 2 workers); the units are handed out largest first (xdist's order)."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
-    from tiers import scope
+    from marks import file_group
 
-    class SharedEngines(LoadFileScheduling):
+    class FileGroups(LoadFileScheduling):
         def _split_scope(self, nodeid):
-            return scope(nodeid)
+            return file_group(config.rootpath, nodeid.split("::", 1)[0])
 
-    config.option.loadscopereorder = False
-    return SharedEngines(config, log)
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    """Tests named in tests/tiers.py's BENCH run in CI's bench tier (`./run test -m bench`), not in
-    `./run test`: this runs before `-m 'not bench'` deselects (tryfirst). An entry names a test
-    (every parametrization) or one parametrization by its node id."""
-    from tiers import BENCH, SOAK, moved, slow_first
-
-    for item in items:
-        if moved(item.nodeid, BENCH):
-            item.add_marker(pytest.mark.bench)
-        if moved(item.nodeid, SOAK):
-            item.add_marker(pytest.mark.bench)
-            item.add_marker(pytest.mark.soak)
-    items.sort(key=lambda item: slow_first(item.nodeid))   # stable: each file keeps its own order
-    # An entry naming one parametrization must name one that exists: checked wherever its test was
-    # collected with more than one parametrization (not when a single node id was asked for).
-    ids = {item.nodeid for item in items}
-    counts = {}
-    for nodeid in ids:
-        base = nodeid.split("[", 1)[0]
-        counts[base] = counts.get(base, 0) + 1
-    stale = [n for n in {**BENCH, **SOAK} if "[" in n and counts.get(n.split("[", 1)[0], 0) > 1 and n not in ids]
-    if stale:
-        raise pytest.UsageError(f"tests/tiers.py names parametrizations that were not collected: {stale}")
+    return FileGroups(config, log)

@@ -8,6 +8,8 @@ import pytest
 from jpa import models
 from jpa.engine import AsyncEngine, EngineConfig, EngineDead, EngineOverloaded, LLMEngine, SamplingParams
 
+pytestmark = pytest.mark.bench
+
 PROMPTS = ["The paged cache", "hello", "a much longer prompt that spans several pages of the cache", "x",
            "continuous batching keeps slots busy", "jax"]
 GREEDY = SamplingParams(max_new_tokens=24, greedy=True, ignore_eos=True)

@@ -1,4 +1,4 @@
-"""scripts/bench_chunked.py end to end on the tiny random model: the --quick path runs, every token
+"""benchmarks/bench_chunked.py end to end on the tiny random model: the --quick path runs, every token
 is accounted for, a warm pass compiles nothing, and the long prompts land while others decode."""
 
 import json
@@ -11,7 +11,7 @@ import pytest
 
 pytestmark = pytest.mark.bench   # CI's bench tier (.ci/run), not ./run test
 
-SCRIPT = pathlib.Path(__file__).parents[1] / "scripts" / "bench_chunked.py"
+SCRIPT = pathlib.Path(__file__).parents[1] / "benchmarks" / "bench_chunked.py"
 SMALL = ["--tiny", "--quick", "--long-min", "200", "--long-max", "300", "--max-new", "16", "--long-new", "3",
          "--steps-per-call", "2", "--max-model-len", "512", "--budgets", "32"]
 
@@ -20,6 +20,7 @@ def bench_chunked(*argv):
     return subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.soak
 def test_quick_run_on_tiny_model(tmp_path):
     out, png = tmp_path / "chunked.json", tmp_path / "chunked.png"
     proc = bench_chunked(*SMALL, "--out", str(out), "--plot", str(png))
@@ -53,10 +54,12 @@ def test_quick_run_on_tiny_model(tmp_path):
 
 
 @pytest.mark.parametrize("argv,msg", [
-    (["--budgets", "a,b"], "--budgets must be comma-separated integers"),
-    (["--budgets", "0"], "--budgets must name at least one budget >= 1"),
-    (["--long-min", "900", "--long-max", "800"], "--long-max (800) must be >= --long-min (900)"),
-    (["--num-short", "6", "--num-long", "4"], "--max-seqs (8) must hold --num-short + --num-long (10)"),
+    pytest.param(["--budgets", "a,b"], "--budgets must be comma-separated integers", marks=pytest.mark.soak),
+    pytest.param(["--budgets", "0"], "--budgets must name at least one budget >= 1", marks=pytest.mark.soak),
+    pytest.param(["--long-min", "900", "--long-max", "800"], "--long-max (800) must be >= --long-min (900)",
+                 marks=pytest.mark.soak),
+    pytest.param(["--num-short", "6", "--num-long", "4"], "--max-seqs (8) must hold --num-short + --num-long (10)",
+                 marks=pytest.mark.soak),
     (["--long-max", "2000"], "--max-model-len (2048) must hold"),
 ])
 def test_bad_flags_exit_2_with_a_message(argv, msg):

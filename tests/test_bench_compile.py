@@ -1,4 +1,4 @@
-"""scripts/bench_compile.py end to end at its smallest: the CPU part for the Llama-shaped random
+"""benchmarks/bench_compile.py end to end at its smallest: the CPU part for the Llama-shaped random
 model at 1 layer, one fresh-process compile of a small engine's step. The JSON has every field the
 before/after comparison of issue 24 reads, with sane values, and nothing came from a compilation
 cache. The ratios and goals are checked on stand-in worker results (no compiling)."""
@@ -12,7 +12,7 @@ import pytest
 
 pytestmark = pytest.mark.bench   # CI's bench tier (.ci/run), not ./run test
 
-SCRIPT = pathlib.Path(__file__).parents[1] / "scripts" / "bench_compile.py"
+SCRIPT = pathlib.Path(__file__).parents[1] / "benchmarks" / "bench_compile.py"
 
 
 def bench_compile(*argv, check=True):
@@ -23,6 +23,7 @@ def bench_compile(*argv, check=True):
     return proc
 
 
+@pytest.mark.soak
 def test_smallest_cpu_run(tmp_path):
     out = tmp_path / "compile.json"
     engine = "max_seqs=2,max_num_batched_tokens=16,steps_per_call=1,max_model_len=256"

@@ -4,7 +4,7 @@ tests/test_traffic.py's traffic reason) changes no output: two engine compiles, 
 
 import pytest
 
-pytestmark = pytest.mark.bench
+pytestmark = [pytest.mark.bench, pytest.mark.soak]
 
 
 def test_padded_decode_pass_gives_the_same_tokens(ctx_model, monkeypatch):

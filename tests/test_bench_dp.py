@@ -1,4 +1,4 @@
-"""scripts/bench_dp.py on the tiny random model: it runs both systems, every request succeeds, the
+"""benchmarks/bench_dp.py on the tiny random model: it runs both systems, every request succeeds, the
 router spreads the burst over both replicas, nothing compiles during a measurement, and the JSON
 carries the figures and the CPU caveat."""
 
@@ -12,7 +12,7 @@ import pytest
 
 from router_util import require_router
 
-pytestmark = pytest.mark.bench   # CI's bench tier (.ci/run), not ./run test
+pytestmark = [pytest.mark.bench, pytest.mark.soak]   # CI's bench tier (.ci/run), not ./run test
 
 ROOT = pathlib.Path(__file__).parents[1]
 
@@ -21,7 +21,7 @@ def test_tiny_run(tmp_path):
     require_router()
     out = tmp_path / "dp.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu", JPA_CACHE_DIR=str(tmp_path))
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_dp.py"), "--num-prompts", "8",
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_dp.py"), "--num-prompts", "8",
                            "--rates", "inf", "--input-mean", "32", "--output-mean", "8", "--max-input", "64", "--max-output", "16",
                            "--max-model-len", "128", "--out", str(out)],
                           capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)

@@ -1,4 +1,4 @@
-"""scripts/bench_ladder.py on the tiny model: it runs, and its figures hold together (both engines
+"""benchmarks/bench_ladder.py on the tiny model: it runs, and its figures hold together (both engines
 made every token, the ladder compiled every shape once in the background, TTFTs measured; the
 sweep ran each count of users on the shape that holds it)."""
 
@@ -18,7 +18,8 @@ TINY = ["--model", "tiny-llama", "--max-seqs", "4", "--max-num-batched-tokens", 
 
 def bench(tmp_path, *args) -> dict:
     out = tmp_path / "ladder.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_ladder.py"), *TINY, *args, "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_ladder.py"), *TINY, *args,
+                           "--out", str(out)],
                           capture_output=True, text=True, timeout=900, env=dict(os.environ, JAX_PLATFORMS="cpu"),
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -22,7 +22,7 @@ import pytest
 pytest.importorskip("lm_eval")
 pytest.importorskip("httpx")
 
-pytestmark = pytest.mark.bench
+pytestmark = [pytest.mark.bench, pytest.mark.soak]
 
 MC = [{"question": "The sky is", "choices": [" blue", " green", " loud"], "answer": 0},
       {"question": "Two plus two is", "choices": [" four", " five"], "answer": 0},

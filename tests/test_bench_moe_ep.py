@@ -23,6 +23,7 @@ pytestmark = pytest.mark.bench   # CI's bench tier (.ci/run), not ./run test
 needs_gpu_packages = pytest.mark.skipif(deviceless.missing_packages() is not None, reason=str(deviceless.missing_packages()))
 
 
+@pytest.mark.soak
 def test_model_logits_under_expert_parallelism(tmp_path):
     (r,) = run_check(tmp_path, "model")
     assert (r["model"], r["tp"], r["layout"], r["auto"]) == ("gpt_oss_mxfp4", 4, "experts", "experts")
@@ -34,6 +35,7 @@ def test_model_logits_under_expert_parallelism(tmp_path):
     assert {"experts_gate_scales", "experts_down_bias"} <= set(r["holdings"])
 
 
+@pytest.mark.soak
 def test_engine_greedy_tokens_and_logprobs_under_expert_parallelism(tmp_path):
     recs = run_check(tmp_path, "engine")
     ref = {r["model"]: r for r in recs if r["tp"] == 1}
@@ -73,9 +75,10 @@ def check_moe_step(step, layout, d_model):
         assert specs["experts_gate"] == specs["experts_down_scales"] == "P(None, 'tp')"
 
 
+@pytest.mark.soak
 @needs_gpu_packages
 def test_moe_layer_expert_parallel_compile_for_8_h100s(tmp_path):
-    """The fast case of the 8-H100 compiles (scripts/gpu_compile_check.py --only moe-layer): a tiny
+    """The fast case of the 8-H100 compiles (`jpa tools compile` --only moe-layer): a tiny
     gpt-oss-like layer's 8 MXFP4 experts, one per device, at 64 and 512 tokens: one all-reduce of
     f32[tokens, d_model] and nothing else, each device's arguments its own expert."""
     from test_gpu_compile import run_check as run_compile
@@ -90,6 +93,7 @@ def test_moe_layer_expert_parallel_compile_for_8_h100s(tmp_path):
         assert r["weight_bytes_per_device"] * 8 == r["weight_bytes_all"] + 7 * replicated
 
 
+@pytest.mark.soak
 @needs_gpu_packages
 @pytest.mark.parametrize("model,layout,d_model", [("qwen3-30b-a3b", "ffn", 2048), ("gpt-oss-120b", "experts", 2880)])
 def test_moe_tp_compiles_of_the_large_shapes(tmp_path, model, layout, d_model):

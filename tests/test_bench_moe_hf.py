@@ -16,6 +16,7 @@ pytestmark = pytest.mark.bench   # CI's bench tier (.ci/run), not ./run test
 DATA = pathlib.Path(__file__).parent / "data" / "hf"
 
 
+@pytest.mark.soak
 @pytest.mark.parametrize("name,n", [("gpt_oss", 16), ("gpt_oss_mxfp4", 24)])
 def test_generate_gpt_oss_with_prefix_caching_and_ngram_speculation(name, n, capsys):
     """gpt_oss_mxfp4: the experts in MXFP4; one sequence, so the decode loop runs the gathered form

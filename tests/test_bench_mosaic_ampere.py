@@ -54,6 +54,7 @@ GRID = [
 ]
 
 
+@pytest.mark.soak
 @pytest.mark.parametrize("case", GRID, ids=str)
 def test_grid_matches_reference(case):
     # Default partitions with cp.async copies (Ampere/Ada), one block per partition with TMA
@@ -93,6 +94,7 @@ def test_stacked_pool_reads_the_given_layer():
     check(case, got, args, opts)
 
 
+@pytest.mark.soak
 @pytest.mark.skipif(deviceless.missing_packages() is not None, reason=str(deviceless.missing_packages()))
 @pytest.mark.parametrize("target,sm", [("a100", "sm_80"), ("a6000", "sm_86"), ("l4", "sm_89"),
                                        ("b200", "sm_100a"), ("rtx6000pro", "sm_120a")])
@@ -138,6 +140,7 @@ RAGGED_GRID = [
 ]
 
 
+@pytest.mark.soak
 @pytest.mark.parametrize("cc", [8.0, 10.0], ids=["cp.async", "tma"])
 @pytest.mark.parametrize("case", RAGGED_GRID, ids=str)
 def test_ragged_grid_matches_reference(case, cc):
@@ -168,6 +171,7 @@ def test_ragged_stacked_pool_reads_the_given_layer():
         ragged_check(case, got, args, opts)
 
 
+@pytest.mark.soak
 @pytest.mark.skipif(deviceless.missing_packages() is not None, reason=str(deviceless.missing_packages()))
 @pytest.mark.parametrize("target,sm", [("a100", "sm_80"), ("a6000", "sm_86"), ("l4", "sm_89"),
                                        ("b200", "sm_100a"), ("rtx6000pro", "sm_120a")])
@@ -195,14 +199,14 @@ def test_ragged_subset_compiles_for_ampere_ada_and_blackwell(tmp_path, target, s
 def test_hopper_mma_route_compiles_for_an_h100(tmp_path):
     """The first covering-grid decode configuration the WGMMA kernel refuses on an H100 (an int8
     cache in pages of 8), compiled deviceless for the H100 as `auto` routes it: the mma.sync kernel
-    with TMA copies, PTX sm_90a, no spills (scripts/hopper_mma_compile_check.py runs them all)."""
+    with TMA copies, PTX sm_90a, no spills (`jpa tools compile-hopper-mma` runs them all)."""
     import json
     import subprocess
     import sys
     from test_gpu_compile import ROOT, fresh_env
     out = tmp_path / "hop.json"
     env = {k: v for k, v in fresh_env().items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_CPP_VMODULE")}
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "hopper_mma_compile_check.py"), "h100",
+    proc = subprocess.run([sys.executable, "-m", "jpa.tools", "compile-hopper-mma", "h100",
                            "--max", "1", "--ops", "decode", "--json", str(out)], capture_output=True, text=True,
                           timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0 and out.exists(), proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""scripts/bench_multihost.py on the tiny model: the three configurations run, the 2-process run's
+"""benchmarks/bench_multihost.py on the tiny model: the three configurations run, the 2-process run's
 tokens equal the 1-process run's, and the ratios are those of the rows."""
 
 import json
@@ -9,14 +9,14 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.bench   # CI's bench tier (.ci/run), not ./run test
+pytestmark = [pytest.mark.bench, pytest.mark.soak]   # CI's bench tier (.ci/run), not ./run test
 
 ROOT = pathlib.Path(__file__).parents[1]
 
 
 def test_tiny_run(tmp_path):
     out = tmp_path / "multihost.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_multihost.py"), "--requests", "3",
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_multihost.py"), "--requests", "3",
                            "--max-new", "8", "--out", str(out)], capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""KV offload's bench tier: scripts/bench_offload.py end to end on the tiny random model (outputs
+"""KV offload's bench tier: benchmarks/bench_offload.py end to end on the tiny random model (outputs
 identical on and off, fewer prompt tokens computed with offload), and a host tier too small for
 some preempted requests (those are recomputed; outputs unchanged)."""
 
@@ -12,9 +12,9 @@ import pytest
 from jpa.testing.engine import assert_same, mixed_params, random_prompts, run, snapshot
 from jpa.tools import deviceless
 
-pytestmark = pytest.mark.bench   # CI's bench tier (.ci/run), not ./run test
+pytestmark = [pytest.mark.bench, pytest.mark.soak]   # CI's bench tier (.ci/run), not ./run test
 
-SCRIPT = pathlib.Path(__file__).parents[1] / "scripts" / "bench_offload.py"
+SCRIPT = pathlib.Path(__file__).parents[1] / "benchmarks" / "bench_offload.py"
 
 
 def _assert_constraints_met(specs, outs):
@@ -165,7 +165,7 @@ def test_generate_summary_line_has_offload(tmp_path, capsys):
 
 @pytest.mark.skipif(deviceless.missing_packages() is not None, reason=str(deviceless.missing_packages()))
 def test_offload_compile_check_h100(tmp_path):
-    """scripts/offload_compile_check.py (deviceless H100, ~35 s here): swap-out and spill outputs in
+    """`jpa tools compile-offload` (deviceless H100, ~35 s here): swap-out and spill outputs in
     host memory through asynchronous copies, swap-in and restore update the donated pool in place,
     the engine's step holds no host transfer."""
     import json
@@ -173,12 +173,12 @@ def test_offload_compile_check_h100(tmp_path):
     import subprocess
     import sys
 
-    script = SCRIPT.parent / "offload_compile_check.py"
     out = tmp_path / "report.json"
     root = str(SCRIPT.parents[1])
     env = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_CPP_VMODULE")}
     env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    proc = subprocess.run([sys.executable, str(script), "--json", str(out)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "jpa.tools", "compile-offload", "--json", str(out)],
+                          capture_output=True, text=True,
                           timeout=900, env=env, cwd=root)
     assert out.exists(), proc.stderr[-3000:]
     r = json.loads(out.read_text())
@@ -192,7 +192,7 @@ def test_offload_compile_check_h100(tmp_path):
 
 
 def test_offload_soak_short():
-    """jpa/testing/soak.py with a host tier (scripts/soak_engine.py --kv-offload-memory): random
+    """jpa/testing/soak.py with a host tier (benchmarks/soak_engine.py --kv-offload-memory): random
     requests with shared prefixes through both tiny pools, requests arriving between steps, aborts;
     both tiers' page state checked after every round (`check_page_state`: HostTier.check, blocks
     only of waiting requests, PrefixCache.check), nothing left in either tier after each run, and

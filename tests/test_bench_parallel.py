@@ -1,4 +1,4 @@
-"""scripts/bench_parallel.py --quick on the tiny random model: it runs, and its figures say what
+"""benchmarks/bench_parallel.py --quick on the tiny random model: it runs, and its figures say what
 parallel sampling must do (samples identical to separate copies, the prompt computed once, fewer
 pages at peak, n - 1 copies on write per partly filled last page)."""
 
@@ -15,10 +15,11 @@ pytestmark = pytest.mark.bench   # CI's bench tier (.ci/run), not ./run test
 ROOT = pathlib.Path(__file__).parents[1]
 
 
+@pytest.mark.soak
 def test_quick_run_on_the_tiny_model(tmp_path):
     out = tmp_path / "parallel.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_parallel.py"), "--model", "tiny-llama",
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_parallel.py"), "--model", "tiny-llama",
                            "--quick", "--out", str(out)], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads(out.read_text())

@@ -1,4 +1,4 @@
-"""scripts/bench_prefix.py: its --quick path end to end on the tiny random model, and its workload
+"""benchmarks/bench_prefix.py: its --quick path end to end on the tiny random model, and its workload
 builders (system prompt cut to a token count, distinct questions)."""
 
 import json
@@ -11,7 +11,7 @@ import pytest
 
 pytestmark = pytest.mark.bench   # CI's bench tier (.ci/run), not ./run test
 
-SCRIPT = pathlib.Path(__file__).parents[1] / "scripts" / "bench_prefix.py"
+SCRIPT = pathlib.Path(__file__).parents[1] / "benchmarks" / "bench_prefix.py"
 
 
 def test_workload_builders():
@@ -29,6 +29,7 @@ def test_workload_builders():
     assert qs[:len(bench.PROMPTS) + 1] == list(bench.PROMPTS) + ["one more"]
 
 
+@pytest.mark.soak
 def test_quick_run_tiny_model(tmp_path):
     out, png = tmp_path / "prefix.json", tmp_path / "prefix.png"
     # The persistent compilation cache (a fresh folder) lets the second engine reuse the first

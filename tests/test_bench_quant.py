@@ -22,11 +22,18 @@ def test_head_plans_replicate_quantized_heads():
     test_quant.test_head_plans_keep_quantized_weights_and_the_function(tp=4)
 
 
+@pytest.mark.soak
 def test_engine_greedy_tokens_and_logprobs_equal_the_dequantized_model():
     test_quant.check_engine_greedy_tokens_and_logprobs_equal_the_dequantized_model()
 
 
-@pytest.mark.parametrize("fmt", ["awq", "gptq", "gptq-actorder", "fp8-channel", "packed-asym"])
+@pytest.mark.parametrize("fmt", [
+    pytest.param("awq", marks=pytest.mark.soak),
+    pytest.param("gptq", marks=pytest.mark.soak),
+    pytest.param("gptq-actorder", marks=pytest.mark.soak),
+    "fp8-channel",
+    pytest.param("packed-asym", marks=pytest.mark.soak),
+])
 def test_engine_on_a_quantized_checkpoint_equals_it_loaded_dense(tmp_path, fmt):
     """~25 s each: an engine compile (tests/test_quant_hf.py keeps each format's logits against NumPy's
     dequantize-then-matmul in the main tier)."""
@@ -35,6 +42,7 @@ def test_engine_on_a_quantized_checkpoint_equals_it_loaded_dense(tmp_path, fmt):
     test_quant_hf.check_engine_equals_the_checkpoint_loaded_dense(tmp_path, fmt)
 
 
+@pytest.mark.soak
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "gemma2"])
 @pytest.mark.parametrize("fmt", ["awq", "fp8-channel", "packed-asym"])
 def test_quantized_checkpoints_of_every_family(tmp_path, family, fmt):
@@ -72,6 +80,7 @@ print(json.dumps(dict(matrix_copies=r["matrix_copies"], checks=r["checks"], weig
 """
 
 
+@pytest.mark.soak
 @pytest.mark.parametrize("quantization", ["Q4_1", "gptq"])
 def test_engine_gpu_step_reads_4bit_weights_once_without_a_dense_copy(quantization):
     """~40 s each (SOAK): the engine's unified step of a 2-layer Llama with Q4_1 (GGUF, 32-value groups) or GPTQ
@@ -83,6 +92,7 @@ def test_engine_gpu_step_reads_4bit_weights_once_without_a_dense_copy(quantizati
     check_engine_step_4bit(quantization, budget=64)
 
 
+@pytest.mark.soak
 def test_engine_gpu_prompt_pass_over_64_rows_reads_4bit_weights_once():
     """~90 s (SOAK): as above at a 256-token budget, so the ragged prompt pass runs 256 rows through the
     dequantizing matmul (4 row tiles of 64: the kernel's grid; before row tiles the kernel refused more than

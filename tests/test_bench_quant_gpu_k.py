@@ -37,6 +37,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.soak
 @pytest.mark.skipif(deviceless.missing_packages() is not None, reason=str(deviceless.missing_packages()))
 def test_q4_k_kernel_compiles_for_h100_and_a100_and_reads_the_stored_scales_once():
     """~6 s (16 and 64 rows on each target). The plain-JAX path (JPA_QMATMUL=0, or kernel_serves refusing d2,

@@ -51,6 +51,7 @@ def _triton(*a, **o):
     return decode.paged_decode(*a, **o, interpret=True, partition_tokens=32)
 
 
+@pytest.mark.soak
 @pytest.mark.parametrize("kernel", [_mosaic, _ampere, _triton], ids=["mosaic", "ampere", "triton"])
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_decode_kernels_with_sinks(kernel, case):
@@ -96,7 +97,7 @@ RAGGED_CASES = [
 ]
 
 
-@pytest.mark.parametrize("impl", ["mosaic", "triton"])
+@pytest.mark.parametrize("impl", ["mosaic", pytest.param("triton", marks=pytest.mark.soak)])
 @pytest.mark.parametrize("case", RAGGED_CASES, ids=str)
 def test_ragged_kernels_with_sinks(impl, case):
     import jpa

@@ -1,4 +1,4 @@
-"""scripts/bench_structured.py --tiny --quick: it runs, and its figures hold together (one compiled
+"""benchmarks/bench_structured.py --tiny --quick: it runs, and its figures hold together (one compiled
 program, the unconstrained half made all its tokens in both systems, masks were computed for the
 constrained half, whose finished outputs validate against the schema)."""
 
@@ -17,10 +17,11 @@ pytest.importorskip("jsonschema")
 ROOT = pathlib.Path(__file__).parents[1]
 
 
+@pytest.mark.soak
 def test_quick_run_on_the_tiny_model(tmp_path):
     out = tmp_path / "structured.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_structured.py"), "--tiny", "--quick",
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_structured.py"), "--tiny", "--quick",
                            "--out", str(out)], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads(out.read_text())

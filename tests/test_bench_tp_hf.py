@@ -15,7 +15,7 @@ import pytest
 
 from jpa.testing.procs import fast_compile_env
 
-pytestmark = pytest.mark.bench   # CI's bench tier (.ci/run), not ./run test
+pytestmark = [pytest.mark.bench, pytest.mark.soak]   # CI's bench tier (.ci/run), not ./run test
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -1,5 +1,5 @@
 """The traffic table of the engine's decode step, Llama-3-8B's shapes on an H100 (deviceless):
-scripts/gpu_traffic.py end to end, at 64 sequences of 1024 tokens, as XLA compiles it by default
+`jpa tools traffic` end to end, at 64 sequences of 1024 tokens, as XLA compiles it by default
 and as the engine compiles it, with `jpa.core.xla_options.WEIGHTS_IN_PLACE` (cuBLAS gemms fed the
 layer's weights by offset).
 Minutes of compiling: CI's bench tier."""
@@ -14,7 +14,8 @@ import pytest
 from jpa.tools import deviceless
 from test_traffic import engine_step_traffic
 
-pytestmark = [pytest.mark.bench, pytest.mark.skipif(deviceless.missing_packages() is not None, reason=str(deviceless.missing_packages()))]
+pytestmark = [pytest.mark.bench, pytest.mark.soak,
+              pytest.mark.skipif(deviceless.missing_packages() is not None, reason=str(deviceless.missing_packages()))]
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -23,7 +24,7 @@ def run(tmp_path, *args):
     out = tmp_path / "traffic.json"
     env = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_CPP_VMODULE")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_traffic.py"), "--max-seqs", "64",
+    proc = subprocess.run([sys.executable, "-m", "jpa.tools", "traffic", "--max-seqs", "64",
                            "--json", str(out), *args], capture_output=True, text=True, timeout=1800, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| **total** |" in proc.stdout

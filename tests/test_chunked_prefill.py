@@ -18,6 +18,8 @@ from jpa.engine.detokenizer import IncrementalDetokenizer
 from jpa.engine.request import Request
 from jpa.models.tokenizer import ByteTokenizer
 
+pytestmark = pytest.mark.xdist_group("engines")  # one worker compiles the group's programs once
+
 GREEDY = SamplingParams(max_new_tokens=24, greedy=True, ignore_eos=True)
 
 
@@ -33,7 +35,11 @@ def case(engines):
     return seed, prompts, params, engines.reference(prompts, params)
 
 
-@pytest.mark.parametrize("budget,block", [(4, None), (64, 8), (37, 5)])   # (32, None): bench_chunked's grid
+@pytest.mark.parametrize("budget,block", [   # (32, None): bench_chunked's grid
+    (4, None),
+    pytest.param(64, 8, marks=pytest.mark.soak),
+    pytest.param(37, 5, marks=pytest.mark.soak),
+])
 def test_chunks_equal_the_reference_at_any_budget(engines, case, budget, block):
     """block: rows per model pass of the ragged step (chunks cut at block boundaries too)."""
     seed, prompts, params, want = case
@@ -46,6 +52,7 @@ def test_chunks_equal_the_reference_at_any_budget(engines, case, budget, block):
         "each prompt token computed once"
 
 
+@pytest.mark.soak
 def test_preempting_prefilling_requests_keeps_outputs(engines, case):
     seed = case[0]
     rng = np.random.default_rng(seed)

@@ -16,6 +16,8 @@ from jpa.testing.engine import (LOGPROB_ATOL, assert_same, compiled_once, contex
                          random_prompts, run, snapshot)
 from jpa.engine import EngineConfig, LLMEngine, SamplingParams
 
+pytestmark = pytest.mark.xdist_group("engines")  # one worker compiles the group's programs once
+
 PROMPTS = ["The paged cache", "hello", "a much longer prompt that spans several pages of the cache",
            "x", "continuous batching keeps slots busy", "12345", "jax", "last one here"]
 GREEDY = SamplingParams(max_new_tokens=40, greedy=True, ignore_eos=True)
@@ -71,7 +73,7 @@ def test_batched_equals_one_at_a_time(engines, rng):
     assert compiled_once(eng), "one compiled program for every run of this engine"
 
 
-@pytest.mark.parametrize("steps_per_call", [4, 1])
+@pytest.mark.parametrize("steps_per_call", [4, pytest.param(1, marks=pytest.mark.soak)])
 def test_preemption_keeps_outputs(engines, rng, steps_per_call):
     prompts = tight_prompts(rng, 6)
     params = mixed_params(rng, 6, lo=40, hi=40)
@@ -110,6 +112,7 @@ def test_top_k_one_is_greedy(engines, rng):
     np.testing.assert_allclose(np.concatenate([o.logprobs for o in got]), 0.0, atol=LOGPROB_ATOL)
 
 
+@pytest.mark.bench
 def test_sampling_follows_the_distribution():
     """Tokens drawn by the on-device sampler match softmax(logits / T) restricted by top-k/top-p."""
     import jax.numpy as jnp
@@ -204,6 +207,7 @@ def short_engine(ctx_model):
                                               max_model_len=40, max_num_batched_tokens=32))
 
 
+@pytest.mark.bench
 def test_length_limit_of_the_model(short_engine):
     eng = short_engine
     out = run(eng, ["abcdefghij"], SamplingParams(max_new_tokens=100, greedy=True, ignore_eos=True))[0]
@@ -212,6 +216,7 @@ def test_length_limit_of_the_model(short_engine):
     assert eng.pool_is_whole()
 
 
+@pytest.mark.bench
 def test_bad_requests_fail_alone(engines, short_engine):
     eng = short_engine
     want = engines.reference([PROMPTS[0]], [dataclasses.replace(GREEDY, max_new_tokens=20)])[0]
@@ -259,6 +264,7 @@ def issue12_engine():
         max_seqs=2, page_size=8, num_pages=8, steps_per_call=4, watermark=0.0))
 
 
+@pytest.mark.soak
 @pytest.mark.parametrize("stop_len", [22, 23])
 def test_stop_string_in_the_round_the_pool_runs_out(issue12_engine, stop_len):
     """Regression (issue 12): a stop string finished one request in the round the pool ran out;

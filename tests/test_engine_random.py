@@ -1,4 +1,4 @@
-"""Randomized engine test at CI size (scripts/soak_engine.py is the long version; the driver is jpa/testing/soak.py).
+"""Randomized engine test at CI size (benchmarks/soak_engine.py is the long version; the driver is jpa/testing/soak.py).
 
 Random prompt lengths, max_new_tokens, stop strings and sampling parameters (greedy and seeded)
 on a tiny pool (2 slots, 8 pages of 4 tokens) with requests arriving between steps and random
@@ -12,16 +12,18 @@ no sharing: jpa.testing.engine).
 import os
 
 import numpy as np
+import pytest
 
 from jpa.engine import EngineConfig, LLMEngine, SamplingParams
 from jpa.testing import soak
 
 
+@pytest.mark.soak
 def test_random_requests_under_page_pressure(engines, ctx_model):
     # A fixed seed unless JPA_TEST_SEED names another: what this test asserts besides equality
     # depends on the draw (random aborts may take the two long requests before they preempt, and
     # the workload's own coin flips: fewer than 5 seeded samples in 1 run of 2300, no stop string
-    # in 0.6^22 and more), so a fresh draw could fail without a bug. scripts/soak_engine.py runs
+    # in 0.6^22 and more), so a fresh draw could fail without a bug. benchmarks/soak_engine.py runs
     # fresh seeds (its checks are the equalities only).
     seed = int(os.environ.get("JPA_TEST_SEED") or 20)
     print(f"seed {seed}")  # shown on failure: reproduce with JPA_TEST_SEED=seed

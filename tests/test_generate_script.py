@@ -20,6 +20,7 @@ def load_script():
     return generate
 
 
+@pytest.mark.bench
 def test_jsonl_prompts_to_json_lines(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("JPA_CACHE_DIR", str(tmp_path / "cache"))
     prompts = tmp_path / "p.jsonl"
@@ -49,6 +50,7 @@ def test_jsonl_prompts_to_json_lines(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "cache" / "xla").exists()  # --no-compile-cache
 
 
+@pytest.mark.soak
 def test_prompt_logprobs_and_text_flags(tmp_path, capsys):
     """--prompt-logprobs K scores every prompt (JSON: a 'prompt_logprobs' list, None first; text: the
     sum), a JSONL line can turn it off; --no-skip-special-tokens / --include-stop-str-in-output pass
@@ -113,6 +115,7 @@ def test_bad_checkpoint_directory_is_one_line_and_exit_2(tmp_path, capsys):
     assert len(lines) == 1 and lines[0].startswith(f"jpa generate: error: --model {tmp_path}"), err
 
 
+@pytest.mark.soak
 def test_compile_cache_is_on_by_default(tmp_path):
     env = fast_compile_env(dict(os.environ, JPA_CACHE_DIR=str(tmp_path), JAX_PLATFORMS="cpu"))
     r = subprocess.run([sys.executable, str(SCRIPT), "--model", "tiny-llama", "--max-new-tokens", "2",

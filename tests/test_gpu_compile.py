@@ -2,10 +2,10 @@
 for an H100 and an A100 that are not here (XLA's whole GPU pipeline, Triton and ptxas included).
 
 Each compiling test runs in a fresh process (XLA's logging must be set before XLA starts, to read
-ptxas's register report: `jpa.tools.deviceless.configure_environment`): scripts/gpu_compile_check.py
+ptxas's register report: `jpa.tools.deviceless.configure_environment`): `jpa tools compile`
 as its users run it, checking its JSON report, or a few lines over `jpa.tools`. The HLO readers of
 `jpa.tools.hlo` are tested here on a hand-written module. The full covering grid is
-`python scripts/gpu_compile_check.py --target h100|a100` (BENCHMARKS.md).
+`jpa tools compile --target h100|a100` (BENCHMARKS.md).
 """
 
 import json
@@ -20,7 +20,7 @@ import pytest
 from jpa.tools import deviceless, hlo
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "gpu_compile_check.py"
+TOOL = [sys.executable, "-m", "jpa.tools", "compile"]   # `jpa tools compile`
 
 # The compiling tests need the `gpu` extra; the HLO readers' tests on hand-written modules run anywhere.
 needs_gpu_packages = pytest.mark.skipif(deviceless.missing_packages() is not None,
@@ -37,7 +37,7 @@ def fresh_env(**extra):
 def run_check(tmp_path, *args, timeout=900):
     out = tmp_path / "report.json"
     env = {k: v for k, v in fresh_env().items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_CPP_VMODULE")}
-    proc = subprocess.run([sys.executable, str(SCRIPT), *args, "--json", str(out)], capture_output=True,
+    proc = subprocess.run([*TOOL, *args, "--json", str(out)], capture_output=True,
                           text=True, timeout=timeout, env=env, cwd=ROOT)
     assert out.exists(), proc.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -48,6 +48,7 @@ def compiled(report):
     return [r for r in report["records"] if "refused" not in r]
 
 
+@pytest.mark.soak
 @needs_gpu_packages
 @pytest.mark.parametrize("target,kernel_names", [("h100", ("triton", "mosaic")), ("a100", ("triton", "mosaic"))])
 def test_kernel_grid_subset_compiles(tmp_path, target, kernel_names):
@@ -81,6 +82,7 @@ def test_kernel_grid_subset_compiles(tmp_path, target, kernel_names):
     assert report["summary"]["ptxas"], "ptxas did not run: registers cannot have been read"
 
 
+@pytest.mark.soak
 @needs_gpu_packages
 @pytest.mark.parametrize("target,kernel_names", [("h100", ("triton", "mosaic")), ("a100", ("triton", "mosaic"))])
 def test_stacked_pool_in_a_layer_loop_compiles(tmp_path, target, kernel_names):
@@ -104,6 +106,7 @@ def test_stacked_pool_in_a_layer_loop_compiles(tmp_path, target, kernel_names):
             assert 0 < k["registers"] <= 255 and k["spill_stores"] == 0, r["name"]
 
 
+@pytest.mark.soak
 @needs_gpu_packages
 def test_random_accepted_configs_compile(tmp_path):
     """Whatever unsupported_reason accepts for the target compiles (fresh random configurations)."""
@@ -115,6 +118,7 @@ def test_random_accepted_configs_compile(tmp_path):
         assert proc.returncode == 0 and not failed, (f"seed {seed}", failed)
 
 
+@pytest.mark.bench
 @needs_gpu_packages
 def test_oversized_kernel_is_reported_not_crashed(tmp_path):
     """A kernel asking for more shared memory than the target has fails in the tier, as on a GPU,
@@ -145,6 +149,7 @@ print("RESULT", rec["ok"], rec.get("error", ""))
 # The H100's speculative step in the main tier; the A100's and the B200's plain ones (another ~25 s
 # deviceless SmolLM2 compile each; their mma.sync kernels are compiled above and in
 # tests/test_bench_mosaic_ampere.py, alone and in a layer loop) in CI's bench tier.
+@pytest.mark.soak
 @needs_gpu_packages
 @pytest.mark.parametrize("target,call,steps,calls", [
     ("h100", "mosaic_calls", "spec", 4),
@@ -159,7 +164,7 @@ def test_engine_steps_compile_with_the_targets_kernel(tmp_path, target, call, st
     the verify pass's k + 1 rows a sequence are ONE multi-row decode kernel call that reads the live
     KV once (`jpa.ops.ragged.query_rows_at_most`; two calls, the KV read twice, would make five);
     donated pools aliased, no pool copy, small temporaries."""
-    # One program per target (both: scripts/gpu_compile_check.py --only engine, recorded in
+    # One program per target (both: `jpa tools compile` --only engine, recorded in
     # benchmarks/gpu_compile_spec_*.json): the A100 the plain step, the H100 the speculative one,
     # whose decode loop adds the verify pass (a ragged op over k + 1 rows per sequence) to the plain
     # step's ragged step and decode pass.
@@ -176,6 +181,7 @@ def test_engine_steps_compile_with_the_targets_kernel(tmp_path, target, call, st
         assert r["temp_bytes"] < r["pool_bytes"] // 4 and r["pool_copies"] == [], r["name"]
 
 
+@pytest.mark.soak
 @needs_gpu_packages
 @pytest.mark.bench
 def test_step_shape_ladder_compiles_for_h100(tmp_path):
@@ -227,6 +233,7 @@ print("RESULT", rec["ok"], rec.get("spills"), rec.get("problems"), rec.get("erro
     assert line.startswith("RESULT False {'jpa_spill':") and "ptxas spills registers" in line, line
 
 
+@pytest.mark.bench
 @needs_gpu_packages
 def test_a_compiler_made_after_xla_started_warns(tmp_path):
     """ptxas's report reaches XLA's log only if `configure_environment` ran before XLA started: a
@@ -351,6 +358,7 @@ def test_cross_host_classifier_matches_the_pool_by_its_axes():
     assert hlo.cross_host_problems([sampling], **sizes) == []
 
 
+@pytest.mark.soak
 @needs_gpu_packages
 def test_tensor_parallel_llama70b_over_2_hosts(tmp_path):
     """Llama-3-70B's shapes (2 of its 80 layers, for time) over 2 hosts x 8 compile-only H100s

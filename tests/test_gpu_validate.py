@@ -78,6 +78,7 @@ def test_sections_past_the_budget_are_skipped_and_reported(tmp_path):
     assert "| kernels | skipped |" in (out / "report.md").read_text()
 
 
+@pytest.mark.soak
 def test_sections_are_isolated_and_the_report_is_written(tmp_path):
     out = tmp_path / "out"
     proc = run("--debug-cpu-interpret", "--quick", "--sections", "kernels,engine", "--debug-crash", "engine",

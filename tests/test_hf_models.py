@@ -29,6 +29,7 @@ from jpa.models import gpt as gpt_module
 from jpa.models import hf
 from jpa.models.chat_template import ChatTemplateError
 from jpa.models.config import ModelConfig
+from marks import tiered
 
 DATA = pathlib.Path(__file__).parent / "data" / "hf"
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "mixtral", "qwen3_moe", "gpt_oss", "gpt_oss_mxfp4"]
@@ -109,7 +110,8 @@ def test_prefill_logits_match_transformers(family):
         np.testing.assert_allclose(dense[b, : len(p["ids"])], want, atol=ATOL, rtol=0, err_msg=f"{family}/{key}")
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", tiered(FAMILIES, soak=("gpt_oss",), bench=(
+    "mistral", "qwen2", "qwen3", "gemma2", "mixtral", "qwen3_moe", "gpt_oss_mxfp4")))
 def test_greedy_continuation_and_paged_decode_equal_dense_every_step(family):
     model, _ = loaded(family)
     g, arrays = golden(family), np.load(DATA / family / "golden.npz")
@@ -128,6 +130,7 @@ def test_greedy_continuation_and_paged_decode_equal_dense_every_step(family):
         np.testing.assert_allclose(step_logits[:, b], want, atol=ATOL, rtol=0, err_msg=f"{family}/{b}")
 
 
+@pytest.mark.bench
 def test_gemma2_soft_caps_and_window_go_through_paged_attention(monkeypatch):
     model, _ = loaded("gemma2")
     c = model.config
@@ -431,6 +434,7 @@ def test_variant_config_value_errors(over, match):
         ModelConfig(**{**base, **over})
 
 
+@pytest.mark.soak
 def test_generate_command_runs_a_checkpoint_directory(capsys):
     from jpa.cli import generate as mod
     g = golden("qwen2")
@@ -451,8 +455,10 @@ def test_generate_command_runs_a_checkpoint_directory(capsys):
 @pytest.mark.parametrize("m,k,norm,skew,impl,oss", [
     (37, 2, True, False, "blocked", False), (37, 3, False, True, "blocked", False),
     (37, 3, False, True, "ragged_dot", False), (3, 2, True, False, "blocked", False),
-    (37, 4, True, True, "blocked", "float"), (1, 4, True, False, "blocked", "float"),
-    (37, 4, True, False, "ragged_dot", "mxfp4"), (37, 4, True, False, "blocked", "mxfp4"),
+    (37, 4, True, True, "blocked", "float"),
+    pytest.param(1, 4, True, False, "blocked", "float", marks=pytest.mark.bench),
+    pytest.param(37, 4, True, False, "ragged_dot", "mxfp4", marks=pytest.mark.bench),
+    pytest.param(37, 4, True, False, "blocked", "mxfp4", marks=pytest.mark.bench),
     (1, 4, True, False, "blocked", "mxfp4")])
 def test_moe_grouped_matmuls_equal_the_dense_oracle_and_router_matches_numpy(m, k, norm, skew, impl, oss, monkeypatch):
     """moe_ffn (the pairs sorted by expert, then tiles of one expert each ("blocked", 8-row tiles
@@ -566,6 +572,7 @@ def test_moe_refusals_are_named():
         dataclasses.replace(m, num_experts=0)
 
 
+@pytest.mark.soak
 def test_generate_command_runs_a_moe_checkpoint(capsys):
     """The engine's unified (ragged) step on a Mixtral checkpoint: transformers' greedy tokens."""
     from jpa.cli import generate as mod
@@ -628,6 +635,7 @@ def test_gpt_oss_config_layouts_defaults_and_refusals():
         dataclasses.replace(models.PRESETS["tiny-llama"], router_bias=True)
 
 
+@pytest.mark.bench
 def test_gpt_oss_ragged_step_equals_transformers():
     """The engine's unified step (`ragged_hidden`, jpa.ragged_paged_attention with the layers' sinks) on
     the gpt-oss checkpoint: a first call with a 50-token chunk of one prompt and the whole of another,

@@ -18,6 +18,8 @@ from jpa.engine import EngineConfig, LLMEngine
 from jpa.kv.offload import HostTier, bucket
 from jpa.testing.engine import assert_same, fresh_seed, mixed_params, random_prompts, run, snapshot
 
+pytestmark = pytest.mark.xdist_group("engines_b")  # one worker compiles the group's programs once
+
 OFFLOAD = dict(num_pages=16, kv_offload_bytes=64 << 20)   # a host tier far larger than the device pool
 
 
@@ -320,7 +322,7 @@ def test_offload_programs_place_and_alias():
     """The four offload programs as `Mover` jits them, lowered and compiled on this CPU backend (its
     device has pinned_host): swap-out and spill move their outputs to host memory inside the program
     (annotate_device_placement to pinned_host, pinned_host results, which is what survives a
-    deviceless GPU compile: scripts/offload_compile_check.py); swap-in and restore take pinned_host
+    deviceless GPU compile: `jpa tools compile-offload`); swap-in and restore take pinned_host
     blocks and update the donated pool in place (aliased, no pool-sized temporaries); the data round-trips."""
     import jax.numpy as jnp
 

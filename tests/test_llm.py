@@ -12,6 +12,8 @@ from jpa import models
 from jpa.engine import EngineConfig, LLMEngine, SamplingParams
 from jpa.llm import LLM
 
+pytestmark = pytest.mark.bench
+
 ROOT = pathlib.Path(__file__).parents[1]
 OPTIONS = dict(max_seqs=3, page_size=8, num_pages=48, steps_per_call=4, max_model_len=96)
 PROMPTS = ["The paged cache", "hello", "a longer prompt that spans a few pages of the cache", "x"]

@@ -17,6 +17,7 @@ from flax import nnx
 
 import jpa
 from jpa.models import GPT, PRESETS, ModelConfig, decode, forward_dense, load, prefill
+from marks import tiered
 
 FAMILIES = ["tiny-gpt2", "tiny-llama"]
 PAGE_SIZE = 4
@@ -131,7 +132,7 @@ def generate(model, prompt_lens, num_steps, *, seed=0, stop_after=None, cache_dt
     return tokens, steps, traces, (params, cache, decode_step, tables)
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", tiered(FAMILIES, bench=("tiny-gpt2",)))
 def test_paged_decode_equals_dense_recomputation_every_step(name):
     model = make_model(name)
     # Rows: short, one token, ragged, a page multiple, an inactive slot; row 1 finishes after 3 steps.
@@ -169,7 +170,7 @@ def test_paged_decode_equals_dense_recomputation_every_step(name):
     assert traces["decode"] == 1
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", tiered(FAMILIES, bench=("tiny-gpt2",)))
 def test_prefill_in_two_chunks_equals_one_chunk(name):
     model = make_model(name, seed=3)
     rng = np.random.default_rng(5)
@@ -221,7 +222,7 @@ def float32_run(name):
     return model, generate(model, LENS_CLOSE, num_steps=4, seed=9)[1]
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", tiered(FAMILIES, bench=("tiny-gpt2",)))
 def test_bfloat16_weights_and_cache_stay_close_to_float32(name):
     model, steps32 = float32_run(name)
     _, steps16, _, _ = generate(cast_model(model, jnp.bfloat16), LENS_CLOSE, num_steps=4, seed=9)
@@ -509,6 +510,7 @@ def test_load():
     chex.assert_trees_all_equal(nnx.state(model), nnx.state(again))
 
 
+@pytest.mark.soak
 @pytest.mark.slow
 def test_smollm2_paged_matches_transformers_golden():
     """The real SmolLM2-135M through models.load, batched paged prefill over scattered pages, then

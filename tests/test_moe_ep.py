@@ -58,6 +58,7 @@ def check_holdings(r):
         assert r["experts_of_device"] == {str(d): list(range(d * per, (d + 1) * per)) for d in range(tp)}
 
 
+@pytest.mark.bench
 def test_sharded_moe_mlp_equals_one_device_and_devices_hold_their_experts(tmp_path):
     """Qwen3-MoE's 16 experts at EP=2 ("experts": 8 per device) and its ffn split over 4 ("ffn"): the
     layer's MoE MLP on fresh random tokens (1 token: the gathered form; 24: the blocked form) within

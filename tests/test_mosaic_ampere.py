@@ -222,6 +222,7 @@ def test_ragged_refusals_and_auto_routing():
     assert dispatch.kernel_options("mosaic", A100, RAGGED) == {"compute_capability": A100}
 
 
+@pytest.mark.bench
 @pytest.mark.skipif(deviceless.missing_packages() is not None, reason=str(deviceless.missing_packages()))
 def test_ragged_op_compiles_for_an_a100_as_mma_kernels_without_spills():
     # A fresh process: XLA's log must be configured before XLA starts to read ptxas's report. The

@@ -23,6 +23,7 @@ from jpa.pallas.mosaic import tuning as mosaic_tuning
 from jpa.pallas.spec import DecodeSpec
 from jpa.ops.reference import paged_decode_xla
 from jpa.testing.kernel_cases import Case, make_inputs, np_reference, tolerance
+from marks import tiered
 
 BF16 = dict(q_dtype="bfloat16", cache_dtype="bfloat16")
 F16 = dict(q_dtype="float16", cache_dtype="float16")
@@ -91,7 +92,7 @@ def _check(case, got, args, opts):
     np.testing.assert_allclose(got, xla, atol=tolerance(case), rtol=0, err_msg=str(case))
 
 
-@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("case", tiered(CASES, bench=(2, 3, 5, 6, 7, 16), soak=(0, 1, 4, 8, 9, 12, 13, 14)), ids=str)
 def test_matches_reference(case):
     args, opts = make_inputs(case)
     got = jpa.paged_decode(*args, impl="mosaic", interpret=True, **opts)
@@ -102,6 +103,7 @@ def test_matches_reference(case):
             assert not np.asarray(got[b].astype(jnp.float32)).any()
 
 
+@pytest.mark.soak
 def test_long_context_several_partitions_and_slots():
     # 33 blocks of 64 tokens: the default split gives 33 one-block partitions here; forcing 5
     # blocks per partition runs the multi-buffered loop (4 slots, 3 blocks in flight) through
@@ -171,8 +173,8 @@ needs_on_race = pytest.mark.skipif(not compat.RAISE_ON_RACE, reason=compat.RAISE
 @pytest.mark.parametrize("case", [
     Case((1, 17, 400, 40), num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
          pages_per_seq=26, share_page=True, seed=12, **BF16),
-    Case((450, 9), num_q_heads=8, num_kv_heads=1, head_dim=64, page_size=32, pages_per_seq=15,
-         alibi=True, sliding_window=400, q_dtype="float16", cache_dtype="int8", seed=13),
+    pytest.param(Case((450, 9), num_q_heads=8, num_kv_heads=1, head_dim=64, page_size=32, pages_per_seq=15,
+         alibi=True, sliding_window=400, q_dtype="float16", cache_dtype="int8", seed=13), marks=pytest.mark.soak),
 ], ids=str)
 @needs_on_race
 def test_no_races(case):

@@ -90,6 +90,7 @@ def _close(got_lps, want_lps, where):
     np.testing.assert_allclose(g, w, rtol=0, atol=LOGPROB_ATOL, equal_nan=True, err_msg=where)
 
 
+@pytest.mark.bench
 def test_generate_over_two_processes_equals_one(tmp_path):
     """`jpa generate`, 2 processes x 2 devices, --tp 4: every token, logprob and prompt logprob equals
     tensor_parallel=1 in one process; only process 0 prints completions and its summary counts the
@@ -145,6 +146,7 @@ def _post(url, body, timeout=60):
     return httpx.post(url, json=body, timeout=timeout)
 
 
+@pytest.mark.soak
 def test_mixture_of_experts_over_two_processes_equals_one(tmp_path):
     """A mixture of experts (the tiny Qwen3-MoE: 16 experts, 4 a token) under `jpa generate`, 2
     processes x 2 devices, --tp 4: its experts split over the 4 devices of both processes (the "ffn"
@@ -178,6 +180,7 @@ def test_mixture_of_experts_over_two_processes_equals_one(tmp_path):
         _close(r["logprobs"], w.logprobs, f"request {k}")
 
 
+@pytest.mark.soak
 def test_serve_over_two_processes_and_a_hung_peer(tmp_path):
     """`jpa serve`, 2 processes x 1 device, --tp 2: process 0 serves what one process would answer.
     Then process 1 hangs (SIGSTOP): process 0 exits with an error within the peer timeout instead

@@ -1,4 +1,4 @@
-"""The mutation check's own machinery (jpa/tools/mutation.py, run as scripts/mutation_check.py), on a
+"""The mutation check's own machinery (jpa/tools/mutation.py, run as `jpa tools mutation`), on a
 tiny git repository (not the full run, which
 takes many minutes): patterns that do not apply are reported as broken, a fault the selection
 sees is caught, one it does not see is missed, and --dry-run lists today's mutations."""
@@ -37,6 +37,7 @@ def test_a_pattern_that_does_not_apply_is_broken(mc, tiny_repo):
     assert rec["status"] == "broken" and "nope.py: no such file" in rec["detail"]
 
 
+@pytest.mark.bench
 def test_caught_missed_and_broken_on_a_tiny_repo(mc, tiny_repo, tmp_path, capsys):
     mutations = (
         mc.Mutation("times", "arith.py", "return a + b", "return a * b", ("tests/test_arith.py",), "+ becomes *"),

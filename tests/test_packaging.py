@@ -6,6 +6,8 @@ import subprocess
 import sys
 import zipfile
 
+import pytest
+
 ROOT = pathlib.Path(__file__).parents[1]
 
 
@@ -25,6 +27,7 @@ def test_the_wheel_installs_models_as_jpa_models_and_the_jpa_command(tmp_path):
     assert "jpa = jpa.cli.main:main" in entry
 
 
+@pytest.mark.bench
 def test_python_m_jpa_lists_and_runs_the_commands(tmp_path):
     run = lambda *a: subprocess.run([sys.executable, "-m", "jpa", *a], capture_output=True, text=True, timeout=120,
                                     cwd=tmp_path, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, event, example, given, settings
 
 import jpa
 from jpa.kv import pages
+from marks import tiered
 
 # Compiled once per static shape; hypothesis examples reuse them (fixed-length id arrays).
 NUM_IDS = 3
@@ -445,7 +446,7 @@ def run_ops(config, ops):
     check_invariants(state)
 
 
-@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("config", tiered(CONFIGS, soak=(1,)))
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(op_st, min_size=4, max_size=24))
 @example(ops=[  # always run: copy on write in append and reserve, failed forks, running out

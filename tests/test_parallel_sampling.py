@@ -15,6 +15,8 @@ from jpa.testing.engine import PAGE_SIZE as PS
 from jpa.testing.engine import assert_same, compiled_once, fresh_seed, random_prompts, run, snapshot
 from jpa.engine import SamplingParams
 
+pytestmark = pytest.mark.xdist_group("engines")  # one worker compiles the group's programs once
+
 
 @pytest.fixture(scope="module")
 def case():
@@ -138,6 +140,7 @@ def test_request_id_of_unfinished_samples_is_refused(engines):
     assert eng.pool_is_whole()
 
 
+@pytest.mark.soak
 def test_slot_finished_at_the_fork_is_not_charged_a_copy(engines):
     """Regression: a sample the device finished in the round of its fork (max_new_tokens=1) left
     its slot marked as owing a copy-on-write page; the next request in that slot was charged an

@@ -9,7 +9,7 @@ import jax
 
 from jpa.core import platform
 
-SCRIPTS = pathlib.Path(__file__).resolve().parents[1] / "scripts"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_cpu_without_gpu_only_without_a_driver_and_a_choice(monkeypatch):
@@ -35,7 +35,7 @@ def test_every_script_that_imports_jax_chooses_its_platform():
     """A script importing jax, jpa or models (at any depth) calls cpu_without_gpu() or sets
     JAX_PLATFORMS in its own environment (the compile-only scripts: cpu always)."""
     missing = []
-    for path in sorted(SCRIPTS.glob("*.py")):
+    for path in sorted([*(ROOT / "scripts").glob("*.py"), *(ROOT / "benchmarks").glob("*.py")]):
         src = path.read_text()
         imports_jax = re.search(r"^\s*(?:import|from) (?:jax|jpa|models)\b", src, re.M)
         chooses = (re.search(r"^\s*cpu_without_gpu\(\)", src, re.M)

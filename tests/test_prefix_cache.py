@@ -18,6 +18,8 @@ from jpa.testing.engine import assert_same, fresh_seed, mixed_params, random_pro
 from jpa.engine import SamplingParams
 from jpa.kv.prefix_cache import PrefixCache
 
+pytestmark = pytest.mark.xdist_group("engines")  # one worker compiles the group's programs once
+
 GREEDY = SamplingParams(max_new_tokens=12, greedy=True, ignore_eos=True)
 SMALL = dict(max_seqs=3, num_pages=24)   # this module's own engine: its stats start here
 

@@ -25,6 +25,8 @@ from jpa.engine import SamplingParams
 from jpa.engine.detokenizer import IncrementalDetokenizer
 from jpa.models.tokenizer import ByteTokenizer
 
+pytestmark = pytest.mark.xdist_group("engines_b")  # one worker compiles the group's programs once
+
 ATOL = 1e-4   # f32: the paged ragged pass vs the dense forward
 
 
@@ -160,6 +162,7 @@ def test_prompt_logprobs_with_cached_prefixes(ctx_model, engines):
     assert eng.stats.preemptions == before.preemptions
 
 
+@pytest.mark.soak
 def test_prompt_logprobs_survive_preemption_and_forks(ctx_model, engines):
     """A pool that forces preemption (recompute) and parallel samples: every request's prompt
     logprobs are complete and equal the dense forward's, each prompt row is computed once (a

@@ -118,6 +118,7 @@ def check_engine_greedy_tokens_and_logprobs_equal_the_dequantized_model():
         np.testing.assert_allclose(out.logprobs, rows[np.arange(len(rows)), out.token_ids], atol=1e-4)
 
 
+@pytest.mark.bench
 def test_head_plans_keep_quantized_weights_and_the_function(tp=3):
     """tiny-llama at tp=3 pads heads (tests/test_bench_quant.py: tp=4 replicates them)."""
     rng = np.random.default_rng()

@@ -32,8 +32,10 @@ def _stack(rng, layers, k, n, group, with_min, scale_dtype=np.float16):
 
 @pytest.mark.parametrize("rows,k,n,group,with_min,scale_dtype", [
     (3, 256, 128, 32, True, np.float16),     # GGUF Q4_1: 32-value groups with minimums, m_warps 1
-    (20, 256, 64, 128, False, np.float16),   # GPTQ / Q4_0 form: (q - 8) * d, 128-value groups, m_warps 2
-    (64, 128, 64, 64, True, np.float32),     # AWQ-like f32 minimums, 64-value groups, m_warps 4
+    # GPTQ / Q4_0 form: (q - 8) * d, 128-value groups, m_warps 2
+    pytest.param(20, 256, 64, 128, False, np.float16, marks=pytest.mark.bench),
+    # AWQ-like f32 minimums, 64-value groups, m_warps 4
+    pytest.param(64, 128, 64, 64, True, np.float32, marks=pytest.mark.bench),
 ], ids=["q4_1-g32", "q4_0-g128", "f32-min-g64"])
 def test_kernel_in_interpret_mode_equals_numpy_dequantize_then_matmul(rows, k, n, group, with_min, scale_dtype):
     rng = np.random.default_rng()
@@ -54,7 +56,7 @@ def test_kernel_in_interpret_mode_equals_numpy_dequantize_then_matmul(rows, k, n
     assert not np.allclose(other, got)
 
 
-@pytest.mark.parametrize("rows,fmt", [(5, "int8"), (40, "fp8")])
+@pytest.mark.parametrize("rows,fmt", [(5, "int8"), pytest.param(40, "fp8", marks=pytest.mark.bench)])
 def test_8bit_kernel_in_interpret_mode_equals_numpy(rows, fmt):
     """int8 / float8_e4m3fn values with per-channel scales (jpa.core.quant.quantize_weight): widened exactly,
     summed in f32, then scaled, as the XLA path (x @ q.astype(bf16)) * scale."""
@@ -107,7 +109,7 @@ def _check_form(got, want, exact):
     np.testing.assert_allclose(got, exact, rtol=0, atol=2e-2 * np.abs(exact).max())
 
 
-@pytest.mark.parametrize("rows", [100, 200])
+@pytest.mark.parametrize("rows", [100, pytest.param(200, marks=pytest.mark.bench)])
 @pytest.mark.parametrize("form", ["q4_1", "int8", "Q8_0"])
 def test_row_tiles_in_interpret_mode_equal_numpy(form, rows):
     """Over 64 rows (a ragged prompt pass, a verify pass) the kernel runs a grid of 64-row tiles x 64-column
@@ -259,6 +261,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.soak
 @pytest.mark.skipif(deviceless.missing_packages() is not None, reason=str(deviceless.missing_packages()))
 def test_kernel_compiles_for_h100_and_a100_and_reads_each_layer_once():
     """A scan over 2 stacked Q4_1 layers calling `packed_matmul` with the layer index (and over 2 int8 ones
@@ -269,6 +272,7 @@ def test_kernel_compiles_for_h100_and_a100_and_reads_each_layer_once():
     check_compiled_in_place(run_compile(COMPILE))
 
 
+@pytest.mark.soak
 @pytest.mark.skipif(deviceless.missing_packages() is not None, reason=str(deviceless.missing_packages()))
 def test_row_tiles_compile_for_h100_and_a100_and_read_each_layer_once():
     """200 rows (4 row tiles of 64: a prompt pass or a verify pass, not a decode step) through the 4-bit and the
@@ -388,7 +392,13 @@ def _mixed_grouped(rng, layers, k, n):
     return [codes, d, m, None, None], dequantize_blocks(codes, d, m, -2, np.float32)
 
 
-@pytest.mark.parametrize("fmt,rows", [("Q6_K", 3), ("Q8_0", 20), ("Q5_K", 64), ("fp8-block", 9), ("mixed", 33)])
+@pytest.mark.parametrize("fmt,rows", [
+    ("Q6_K", 3),
+    pytest.param("Q8_0", 20, marks=pytest.mark.bench),
+    pytest.param("Q5_K", 64, marks=pytest.mark.bench),
+    pytest.param("fp8-block", 9, marks=pytest.mark.bench),
+    pytest.param("mixed", 33, marks=pytest.mark.bench),
+])
 def test_grouped_8bit_kernel_in_interpret_mode_equals_gguf_dequantize_then_matmul(fmt, rows):
     """8-bit codes with group scales, as jpa keeps GGUF Q8_0 (int8 codes, f16 scale per 32), Q6_K (codes
     -32..31, int8 scales per 16, f16 super-block scales), Q5_K (codes 0..31, uint8 scales and minimums per
@@ -517,8 +527,8 @@ GROUPED_CASES = [(t, f, m) for t in ("h100", "a100") for f in ("Q8_0", "Q5_K", "
 
 
 @pytest.mark.skipif(deviceless.missing_packages() is not None, reason=str(deviceless.missing_packages()))
-@pytest.mark.parametrize("cases", [[("h100", "Q5_K", 4)],
-                                   GROUPED_CASES], ids=["subset", "grid"])
+@pytest.mark.parametrize("cases", [pytest.param([("h100", "Q5_K", 4)], marks=pytest.mark.bench),
+                                   pytest.param(GROUPED_CASES, marks=pytest.mark.soak)], ids=["subset", "grid"])
 def test_grouped_kernel_compiles_for_h100_and_a100_and_reads_each_layer_once(cases):
     """The 8-bit group-scaled kernel (GGUF Q8_0 / Q5_K / Q6_K as jpa keeps them, block-wise FP8) in a scan over
     2 stacked layers calling `packed_matmul` with the layer index, compiled for an H100 (TMA) and an A100
@@ -530,6 +540,7 @@ def test_grouped_kernel_compiles_for_h100_and_a100_and_reads_each_layer_once(cas
     check_compiled_in_place(out)
 
 
+@pytest.mark.soak
 @pytest.mark.skipif(deviceless.missing_packages() is not None, reason=str(deviceless.missing_packages()))
 def test_k_a_multiple_of_64_compiles_for_h100_and_a100_and_reads_each_layer_once():
     """K = 576 (SmolLM2's d_model; the kernel's 64-value K step) through the 4-bit Q4_1 kernel, the int8

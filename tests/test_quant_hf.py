@@ -25,6 +25,7 @@ from jpa import models
 from jpa.core.quant import AWQ_ORDER, awq_int4, dequantize_blocks, gptq_int4
 from jpa.models import forward_dense, hf
 from jpa.models.linear import DENSE, SCALED, Packed, formats
+from marks import tiered
 
 BASE = "tests/data/hf/llama"
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
@@ -224,7 +225,8 @@ FORMATS = ["fp8-channel", "fp8-tensor", "fp8-legacy", "int8-channel", "awq", "gp
 STORED = {"fp8-channel": F8, "fp8-tensor": F8, "fp8-legacy": F8, "int8-channel": np.int8}
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", tiered(FORMATS, bench=(
+    "fp8-legacy", "int8-channel", "gptq", "gptq-sym", "gptq-v2", "packed", "fp8-block")))
 def test_quantized_checkpoint_equals_numpy_dequantize_then_matmul(tmp_path, fmt):
     qdir, rdir = write_quantized(tmp_path, fmt, quantize_head=fmt in ("gptq", "gptq-actorder"))
     qm, _ = models.load(qdir, dtype=jnp.float32)
@@ -411,7 +413,12 @@ def check_engine_equals_the_checkpoint_loaded_dense(tmp, fmt):
         np.testing.assert_allclose(out.logprobs, rows[np.arange(len(rows)), out.token_ids], atol=2e-4)
 
 
-@pytest.mark.parametrize("fmt,tp", [("awq", 4), ("fp8-channel", 3), ("gptq-actorder", 4), ("fp8-block", 4)])
+@pytest.mark.parametrize("fmt,tp", [
+    ("awq", 4),
+    pytest.param("fp8-channel", 3, marks=pytest.mark.bench),
+    pytest.param("gptq-actorder", 4, marks=pytest.mark.bench),
+    ("fp8-block", 4),
+])
 def test_head_plans_keep_checkpoint_quantization(tmp_path, fmt, tp):
     """Tensor parallelism re-plans heads (tp=4 replicates the 2 kv heads; tp=3 pads): the codes, group
     scales and per-channel scales move with their weights and the function is unchanged."""

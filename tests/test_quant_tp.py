@@ -149,7 +149,10 @@ def test_plan_refuses_groups_split_across_devices():
     assert "row-parallel w_down: [64, 256] of [512, 256]" in plan["w_down"], plan["w_down"]
 
 
-@pytest.mark.parametrize("args", [[], ["--layers", "2", "--prefill"]], ids=["decode", "2-layers-prefill"])
+@pytest.mark.parametrize("args", [
+    pytest.param([], marks=pytest.mark.bench),
+    pytest.param(["--layers", "2", "--prefill"], marks=pytest.mark.soak),
+], ids=["decode", "2-layers-prefill"])
 def test_sharded_logits_equal_one_device_with_the_kernel_per_shard(args, tmp_path):
     """tests/quant_tp_check.py: a Llama with Q4_1 (wq, wk, wv, w_gate), Q8_0 (wo, w_down) and int8 per-channel
     (w_up) layer linears and an int8 head, fresh random weights, sharded over 2 CPU devices with the kernel's code
@@ -195,6 +198,7 @@ print(json.dumps(dict(checks=r["checks"], weights=s["weights"], copies=len(tr.ma
 """
 
 
+@pytest.mark.soak
 @NEEDS_GPU_PACKAGES
 @pytest.mark.parametrize("fmt", ["Q4_0"])
 def test_tp_engine_step_compiles_for_two_h100s_without_a_dense_copy(fmt):

@@ -30,6 +30,7 @@ from jpa.pallas.triton import ragged as triton_ragged
 from jpa.pallas.common import max_query_tiles, query_tiles
 from jpa.ops.ragged import ragged_paged_attention_xla
 from jpa.testing.kernel_cases import RaggedCase, make_ragged_inputs, np_ragged_reference, tolerance
+from marks import tiered
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
@@ -119,13 +120,13 @@ def _check(case, got, args, opts):
     np.testing.assert_array_equal(got[int(np.asarray(args[5])[len(case.q_lens)]):], 0.0)
 
 
-@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("case", tiered(CASES, bench=(4, 6, 7), soak=(1, 2, 3, 5, 8, 9)), ids=str)
 def test_xla_matches_oracle(case):
     args, opts = make_ragged_inputs(case)
     _check(case, jpa.ragged_paged_attention(*args, **opts, impl="xla"), args, opts)
 
 
-@pytest.mark.parametrize("case", KERNEL_CASES, ids=str)
+@pytest.mark.parametrize("case", tiered(KERNEL_CASES, soak=(1, 2, 3, 4, 5, 6, 7, 8)), ids=str)
 def test_triton_matches_oracle(case):
     args, opts = make_ragged_inputs(case)
     got = jpa.ragged_paged_attention(*args, **opts, impl="triton", interpret=True)
@@ -160,7 +161,7 @@ MOSAIC_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", MOSAIC_CASES, ids=str)
+@pytest.mark.parametrize("case", tiered(MOSAIC_CASES, bench=(5,), soak=(0, 1, 2, 4)), ids=str)
 def test_mosaic_matches_oracle(case):
     args, opts = make_ragged_inputs(case)
     spec = ragged.ragged_spec(args[0], args[1], args[3], soft_cap=opts["soft_cap"],
@@ -188,7 +189,7 @@ VERIFY_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case,rows", VERIFY_CASES, ids=str)
+@pytest.mark.parametrize("case,rows", tiered(VERIFY_CASES, bench=(0,), unpack=True), ids=str)
 def test_mosaic_verify_rows_match_oracle(case, rows):
     args, opts = make_ragged_inputs(case)
     q_per_kv = case.num_q_heads // case.num_kv_heads
@@ -209,6 +210,7 @@ def test_max_q_len_is_a_checked_promise():
             pass
 
 
+@pytest.mark.bench
 @pytest.mark.skipif(not compat.RAISE_ON_RACE, reason=compat.RAISE_ON_RACE_MISSING)
 def test_mosaic_no_races():
     """GPU interpret mode's race detector (every SMEM/GMEM access, TMA and barrier) over a chunk
@@ -234,6 +236,7 @@ def test_triton_small_tiles_and_xla_small_tiles():
     _check(case, ragged_paged_attention_xla(*args, **opts, tile_tokens=5), args, opts)
 
 
+@pytest.mark.soak
 def test_triton_forced_split_k():
     """Last rows through the decode kernel split into partitions of 16 tokens (most of them past
     a sequence's end or before its window), next to prefill tiles."""

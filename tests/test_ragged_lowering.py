@@ -157,7 +157,11 @@ def test_mosaic_lowers_for_h100_with_whole_page_pools(q_dtype, cache_dtype, q_pe
         assert call.count(pool_t) >= 2
 
 
-@pytest.mark.parametrize("q_per_kv,rows,calls", [(4, 5, 1), (4, 17, 2), (3, 21, 1)])
+@pytest.mark.parametrize("q_per_kv,rows,calls", [
+    (4, 5, 1),
+    pytest.param(4, 17, 2, marks=pytest.mark.bench),
+    (3, 21, 1),
+])
 def test_mosaic_verify_rows_read_the_kv_once(q_per_kv, rows, calls):
     """Under `query_rows_at_most(rows)` (the engine's verify pass: k + 1 rows a sequence) the Mosaic
     ragged op on an H100 is ONE kernel call, the multi-row decode kernel that reads each sequence's

@@ -3,6 +3,8 @@
 import pathlib
 import re
 
+import pytest
+
 
 def _example(marker: str) -> str:
     """The README's ```python block that contains `marker`."""
@@ -12,6 +14,7 @@ def _example(marker: str) -> str:
     return blocks[0]
 
 
+@pytest.mark.soak
 def test_readme_llm_example_runs():
     # The same lines with the tiny random model in place of SmolLM2 (no wheel, seconds not minutes).
     code = _example("LLM(").replace('"smollm2-135m", max_seqs=32', '"tiny-llama", max_seqs=4, num_pages=64')
@@ -30,3 +33,11 @@ def test_readme_example_runs():
     assert scope["out"].shape == (4, 8, 64)
     assert bool(scope["ok"])
     assert [int(x) for x in scope["slot_mapping"][2:]] == [-1, -1]
+
+
+def test_the_library_page_shows_the_readmes_examples():
+    """docs/library.md repeats the README's two examples for the docs site: the same code, so the tests above
+    cover both."""
+    page = (pathlib.Path(__file__).parents[1] / "docs" / "library.md").read_text()
+    for marker in ("LLM(", "jpa.CacheConfig("):
+        assert f"```python\n{_example(marker)}```" in page, f"docs/library.md's {marker} example differs from README's"

@@ -118,6 +118,7 @@ def test_each_control_changes_outputs_as_specified(engines):
     assert first not in held[0].token_ids[:6] and len(held[0].token_ids) >= 7
 
 
+@pytest.mark.soak
 def test_controls_survive_preemption_prefix_hits_and_forks(engines):
     """The history the penalties read comes from the pool's page_tokens: a recomputed request, a
     request whose prompt starts with cached pages, and forked samples must see exactly the tokens
@@ -336,7 +337,7 @@ def test_gpu_sampler_formulations_equal_the_cpus(monkeypatch):
     assert (gpu[2] == cpu[2]).mean() > 0.95, (gpu[2], cpu[2])
 
 
-@pytest.mark.parametrize("block,count", [(16, 4), (4, 8)])
+@pytest.mark.parametrize("block,count", [(16, 4), pytest.param(4, 8, marks=pytest.mark.bench)])
 def test_gpu_candidate_sampler_draws_the_dense_samplers_tokens(monkeypatch, block, count):
     """The GPU sampler (`_sample_candidates`: two passes over the logits, thresholds from the
     candidate blocks, a whole-row search for the rows they cannot serve), forced here on the CPU,

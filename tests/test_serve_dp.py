@@ -68,6 +68,7 @@ def _group_gone(pgid: int) -> bool:
     return False
 
 
+@pytest.mark.soak
 def test_two_replicas_behind_the_router(tmp_path):
     prompts = _prompts(64)
     argv = ["--dp", "2", "--port", "0", "--router-port", str(serve_dp.free_port()), *REPLICA_FLAGS]
@@ -119,6 +120,7 @@ def test_two_replicas_behind_the_router(tmp_path):
     assert "[jpa] stopping the replicas and the router" in log and log.count("[jpa] server stopped") == 2, log[-3000:]
 
 
+@pytest.mark.bench
 def test_a_dying_replica_stops_everything(tmp_path):
     """A replica that exits (here: its model directory holds no checkpoint) stops the others; the
     script exits 1 and names it, with the replica's own last line."""
@@ -138,6 +140,7 @@ def test_a_dying_replica_stops_everything(tmp_path):
     assert m, log[-3000:]
 
 
+@pytest.mark.bench
 @pytest.mark.parametrize("args, msg", [
     (["--dp", "0"], "--dp must be >= 1; got 0"),
     (["--port", "65535"], "--port must be 0 or leave room for 2 consecutive ports"),
@@ -155,6 +158,7 @@ def test_bad_flags(args, msg):
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and msg in r.stderr, r.stderr
 
 
+@pytest.mark.bench
 def test_busy_router_port():
     require_router()
     with socket.socket() as busy:

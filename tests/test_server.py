@@ -1167,6 +1167,7 @@ def test_load_streamed_equals_non_streamed(live):
 
 # ---------------------------------------------------------------------- the script
 
+@pytest.mark.soak
 def test_serve_script_bad_flags(capsys):
     """A bad flag is one line on stderr and exit code 2: checked in this process (jpa.cli.serve.main),
     and through the `jpa serve` command for the model name and a busy port (both found after parsing)."""
@@ -1198,6 +1199,7 @@ def test_serve_script_bad_flags(capsys):
     busy.close()
 
 
+@pytest.mark.bench
 def test_serve_script_stops_while_loading(tmp_path):
     """SIGTERM while the model loads (JAX busy on the loader thread): a clean exit, code 0."""
     env = fast_compile_env({**os.environ, "PYTHONPATH": str(ROOT), "JPA_CACHE_DIR": str(tmp_path), "JAX_PLATFORMS": "cpu"})
@@ -1226,6 +1228,7 @@ def test_serve_script_allowed_origins():
         serve.parse_origins(" , ")
 
 
+@pytest.mark.bench
 def test_serve_script_end_to_end(tmp_path):
     """`jpa serve --port 0` on loopback: listens at once and answers /health 503 (and
     requests 503 with Retry-After) while the model loads and compiles, then 200; serves a request;

@@ -21,6 +21,8 @@ import pytest
 
 from jpa.testing.procs import fast_compile_env
 
+pytestmark = pytest.mark.bench
+
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")

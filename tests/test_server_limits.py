@@ -100,6 +100,7 @@ def _e2e_count(live) -> float:
     return 0.0
 
 
+@pytest.mark.bench
 def test_response_size_is_bounded_up_front(live):
     """Before: n 16, echo, logprobs 20, prompt_logprobs 20 over a 3000-token prompt made a 104 MB
     answer. Now: a request whose answer would hold more than max_response_logprobs entries is a 400
@@ -397,6 +398,7 @@ def _stream_chat(client, **kw):
     return content, [tuple(calls[i]) for i in sorted(calls)], reasons
 
 
+@pytest.mark.bench
 def test_a_required_call_cut_by_max_tokens_is_the_same_streamed_or_not(live):
     """Before: non-streamed, a required call cut by max_tokens before its name was complete put the
     raw partial JSON in content; streamed, content stayed empty (the Responses API split the same

@@ -30,6 +30,9 @@ from jpa.server import build_app  # noqa: E402
 from jpa.server.reasoning import ReasoningParser, ReasoningStream  # noqa: E402
 from server_util import serving  # noqa: E402
 
+# the server's feature files run in CI's bench tier (tests/test_server.py keeps the server in the main tier)
+pytestmark = pytest.mark.bench
+
 NAME = "tiny-qwen3"
 QWEN3 = pathlib.Path(__file__).parent / "data" / "hf" / "qwen3"
 MSGS = [{"role": "user", "content": "Why is the sky blue?"}]
@@ -108,7 +111,7 @@ def _streamed(client, **kw):
     return reasoning or None, content or None, reasons
 
 
-@pytest.mark.parametrize("kind", ["deepseek_r1", "qwen3"])
+@pytest.mark.parametrize("kind", [pytest.param("deepseek_r1", marks=pytest.mark.soak), "qwen3"])
 def test_reasoning_content_streamed_and_not(live, kind):
     """The answer of a server without a parser, split by the parser: non-streamed message fields and
     streamed deltas agree with ReasoningParser.split of the same greedy text."""
@@ -215,7 +218,7 @@ def _streamed_choices(client, **kw) -> dict:
     return {i: (r or None, t or None, calls, reason) for i, (r, t, calls, reason) in out.items()}
 
 
-@pytest.mark.parametrize("kind", ["deepseek_r1", "qwen3"])
+@pytest.mark.parametrize("kind", [pytest.param("deepseek_r1", marks=pytest.mark.soak), "qwen3"])
 def test_constraint_applies_to_the_answer_after_the_thought(live, kind):
     """response_format json_schema under a reasoning parser: seeded samples at temperature 1 think
     freely (text the schema forbids), then answer; every answer validates against the schema, and the

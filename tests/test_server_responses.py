@@ -18,6 +18,9 @@ pytest.importorskip("fastapi")
 pytest.importorskip("llguidance")
 from pydantic import BaseModel, ConfigDict  # noqa: E402
 
+# the server's feature files run in CI's bench tier; one worker runs the tiny_server group (its programs compile once)
+pytestmark = [pytest.mark.bench, pytest.mark.xdist_group("tiny_server")]
+
 NAME = "tiny"
 TIME = {"type": "function", "name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],

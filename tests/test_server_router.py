@@ -23,6 +23,8 @@ from jpa.server import build_app  # noqa: E402
 from router_util import require_router, router  # noqa: E402
 from test_server import serving  # noqa: E402
 
+pytestmark = pytest.mark.soak
+
 NAME = "tiny"
 
 

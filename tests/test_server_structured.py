@@ -24,6 +24,9 @@ from jpa.engine import AsyncEngine, EngineConfig, LLMEngine  # noqa: E402
 from jpa.server import build_app  # noqa: E402
 from test_server import serving  # noqa: E402
 
+# the server's feature files run in CI's bench tier (tests/test_server.py keeps the server in the main tier)
+pytestmark = pytest.mark.bench
+
 NAME = "tiny"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
@@ -65,6 +68,7 @@ class Item(BaseModel):
     note: str = Field(max_length=5)
 
 
+@pytest.mark.soak
 def test_parse_with_a_pydantic_model(live):
     chat = getattr(live.client.beta.chat.completions, "parse", None) or live.client.chat.completions.parse
     r = chat(model=NAME, messages=MSGS, response_format=Item, max_tokens=200, temperature=1.0, seed=3, n=2)
@@ -89,7 +93,7 @@ def _calls_of_stream(chunks):
     return {i: [tuple(v) for _, v in sorted(cs.items())] for i, cs in calls.items()}, reasons
 
 
-@pytest.mark.parametrize("choice", ["named", "required"])
+@pytest.mark.parametrize("choice", ["named", pytest.param("required", marks=pytest.mark.soak)])
 def test_forced_tool_calls_validate_and_stream(live, choice):
     tool_choice = {"type": "function", "function": {"name": "get_weather"}} if choice == "named" else "required"
     kw = dict(model=NAME, messages=MSGS, tools=[WEATHER, TIME], tool_choice=tool_choice, max_tokens=200,

@@ -20,6 +20,10 @@ from jpa.server import toolcalls  # noqa: E402
 from jpa.server.toolcalls import HERMES, LLAMA3_JSON, REQUIRED, CallStream, _JsonEnd  # noqa: E402
 from jpa.server.toolparsers import MISTRAL, PYTHONIC, QWEN3_CODER, SnapshotStream  # noqa: E402
 
+# the server's feature files run in CI's bench tier (tests/test_server.py keeps the server in the main tier);
+# one worker runs the tiny_server group (its programs compile once)
+pytestmark = [pytest.mark.bench, pytest.mark.xdist_group("tiny_server")]
+
 CASES = [
     (HERMES, 'Sure. <tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>',
      "Sure. ", [("get_time", '{"zone": "UTC"}')]),
@@ -178,7 +182,7 @@ def test_long_calls_are_read_once(fmt, monkeypatch):
 
 
 
-@pytest.mark.parametrize("max_tokens", [200, 64], ids=["whole", "cut"])
+@pytest.mark.parametrize("max_tokens", [200, pytest.param(64, marks=pytest.mark.soak)], ids=["whole", "cut"])
 def test_auto_calls_stream_piece_by_piece_and_equal_the_answer(client, max_tokens):
     """A Hermes call written by the model (a regex makes the random model write it): streamed, the
     name comes first, then the arguments in several deltas; they reassemble into the non-streamed

@@ -13,6 +13,11 @@ import pytest
 
 from jpa.server.tools import call_stream, parser_format
 from jpa.server.toolparsers import MISTRAL, PYTHONIC, QWEN3_CODER, SnapshotStream
+from marks import tiered
+
+# the server's feature files run in CI's bench tier (tests/test_server.py keeps the server in the main tier);
+# one worker runs the tiny_server group (its programs compile once)
+pytestmark = [pytest.mark.bench, pytest.mark.xdist_group("tiny_server")]
 
 SCHEMAS = {"get_weather": {"type": "object", "properties": {
     "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
@@ -249,7 +254,7 @@ def _streamed(client, **kw):
     return content or None, [tuple(v) for _, v in sorted(calls.items())], reasons
 
 
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("fmt", tiered(sorted(FORMATS), soak=("mistral", "qwen3_coder")))
 def test_calls_in_each_format_through_the_server(live, fmt):
     """The template renders the tools; the model writes a call in its format; the server parses it
     (the format picked from the template, pythonic by tool_call_parser): non-streamed == streamed,

@@ -159,7 +159,7 @@ RAGGED_KERNEL_CASE = RaggedCase((9, 6, 30), q_lens=(1, 6, 11), num_tokens=20, ma
                                 q_dtype="bfloat16", cache_dtype="bfloat16")
 
 
-@pytest.mark.parametrize("impl", ["mosaic", "triton"])
+@pytest.mark.parametrize("impl", ["mosaic", pytest.param("triton", marks=pytest.mark.bench)])
 def test_ragged_kernels_interpret(impl):
     # Tile rows (the sink folded into each row's final state in the tile kernel) and last rows
     # (the decode kernel's split-K combine), through the public op.

@@ -24,6 +24,7 @@ from flax import nnx
 from jpa.testing import numpy_llama
 from jpa.models import smollm2
 from jpa.models.tokenizer import ByteTokenizer, Tokenizer
+from marks import tiered
 
 GOLDEN = json.loads((pathlib.Path(__file__).parent / "data" / "smollm2_golden.json").read_text())
 PROMPTS = GOLDEN["prompts"]
@@ -66,6 +67,7 @@ def test_metadata_says_smollm2_135m(meta):
     assert len(t["tokens"]) == len(t["token_types"]) == 49152 and len(t["merges"]) == 48900
 
 
+@pytest.mark.soak
 def test_weights_have_the_documented_shapes(smol):
     meta, w = smol
     d, n, k, h, f, v = 576, 9, 3, 64, 1536, 49152
@@ -98,7 +100,7 @@ def test_unpermute_inverts_llama_cpp_permute():
         np.testing.assert_array_equal(smollm2._unpermute_qk(_llama_cpp_permute(w, heads), heads), w)
 
 
-@pytest.mark.parametrize("keep", [10, 1000, smollm2.GGUF_BYTES - 4096])
+@pytest.mark.parametrize("keep", [10, 1000, pytest.param(smollm2.GGUF_BYTES - 4096, marks=pytest.mark.soak)])
 def test_truncated_file_raises_clear_error(gguf_path, tmp_path, keep):
     cut = tmp_path / "cut.gguf"
     with open(gguf_path, "rb") as src, open(cut, "wb") as dst:
@@ -251,7 +253,8 @@ def _check_logits(logits, e, atol):
     assert int(np.argmax(logits)) == e["top_ids"][0]
 
 
-@pytest.mark.parametrize("key", list(PROMPTS))
+@pytest.mark.parametrize("key", tiered(PROMPTS, bench=("capital", "chat", "chat_system"),
+                                        soak=("unicode_code", "story")))
 def test_numpy_reference_matches_transformers(smol, key):
     meta, weights = smol
     e = PROMPTS[key]

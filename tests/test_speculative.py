@@ -20,6 +20,8 @@ from jpa.kv import pages
 from jpa.engine import SamplingParams, SpeculativeConfig
 from jpa.engine.speculative import accepted_prefix, propose_ngram
 
+pytestmark = pytest.mark.xdist_group("engines_b")  # one worker compiles the group's programs once
+
 # verify_rows 16: room for drafts with every slot of BASE (max_seqs 4) busy (the CPU default,
 # max_seqs + k, leaves none then: speculation switched off under load).
 NGRAM = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3, verify_rows=16)
@@ -147,6 +149,7 @@ def assert_both_paths(before, eng):
     assert 0 < accepted < drafted, (accepted, drafted)
 
 
+@pytest.mark.bench
 def test_outputs_equal_without_speculation_under_preemption_and_prefix_hits(engines):
     """Greedy and seeded samples (top-k/top-p/temperature), stop strings, n > 1, a pool too small
     for the batch (preemption) and shared prefixes (prefix-cache hits): identical outputs."""
@@ -215,6 +218,7 @@ def test_aborts_mid_speculation_leak_nothing(engines):
     assert eng.pool_is_whole()
 
 
+@pytest.mark.soak
 def test_sampled_distribution_matches_plain_sampling(engines):
     """Chi-square two-sample test on the first two generated tokens with DISJOINT seeds for the two
     runs: equal in distribution without relying on shared keys. A logit_bias of +100 on 4 prompt
@@ -302,6 +306,7 @@ def test_server_streams_speculative_outputs_and_vllm_metrics(engines):
     assert sum(v for k, v in values.items() if "per_pos" in k and k.endswith('"}') and "_created" not in k) == accepted
 
 
+@pytest.mark.bench
 def test_draft_model_outputs_equal_without_speculation(engines):
     """A draft model (a tiny-llama of another seed: it often disagrees, so drafts are accepted and
     rejected) with its own cache on the same pages: outputs equal the plain engine's under

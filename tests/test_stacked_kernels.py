@@ -30,6 +30,7 @@ from jpa.core.quant import is_quantized, quantize
 from jpa.ops.ragged import ragged_paged_attention_xla
 from jpa.ops.reference import paged_decode_xla
 from jpa.testing.kernel_cases import Case, RaggedCase, make_inputs, make_ragged_inputs, tolerance
+from marks import tiered
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
@@ -124,7 +125,7 @@ def _setup(name, i):
     return fn, ref_fn, case, args, opts
 
 
-@pytest.mark.parametrize("param", PARAMS, ids=_ids)
+@pytest.mark.parametrize("param", tiered(PARAMS, bench=(6, 7), soak=(0, 1, 4, 5)), ids=_ids)
 def test_one_layer_matches_reference_on_its_slice(param):
     fn, ref_fn, case, args, opts = _setup(*param)
     want = references(ref_fn, args, opts)
@@ -133,7 +134,7 @@ def test_one_layer_matches_reference_on_its_slice(param):
     check_layer(case, got, want[layer], layer)
 
 
-@pytest.mark.parametrize("param", PARAMS, ids=_ids)
+@pytest.mark.parametrize("param", tiered(PARAMS, bench=(2,), soak=(1, 3, 5, 7)), ids=_ids)
 def test_scan_over_layers_with_traced_layer(param):
     """The model's loop: lax.scan over layers, the pools carried, the layer a traced i32[]; one
     kernel in the jitted program answers for every layer."""

@@ -21,6 +21,8 @@ from jpa.engine.structured import Grammars, Reasoning, StructuredOutputs
 from jpa.models.tokenizer import ByteTokenizer, HFTokenizer
 from structured_util import ARITHMETIC, check_json, is_arithmetic, random_choices, random_regex, random_schema
 
+pytestmark = pytest.mark.xdist_group("engines")  # one worker compiles the group's programs once
+
 pytest.importorskip("llguidance")
 pytest.importorskip("jsonschema")
 
@@ -74,6 +76,7 @@ def test_random_constraints_are_met(engines):
     assert s["grammar_masks"] > 0 and s["step_compiles"] == 1
 
 
+@pytest.mark.soak
 def test_under_preemption_with_parallel_samples(engines):
     """A pool too small for the batch: constrained requests are preempted and recomputed (their
     matchers keep the output tokens' state), n = 2 samples each have their own matcher.
@@ -258,6 +261,7 @@ def test_bad_constraint_fails_only_its_request(engines):
     assert isinstance(json.loads(text), dict) if outs[0].finish_reason == "stop" else text.startswith("{")
 
 
+@pytest.mark.soak
 def test_with_speculative_decoding(engines):
     """Speculative decoding (n-gram drafts) drafts for the unconstrained requests only: constrained
     ones keep sampling in the ragged step under their mask, and every output equals the engine

@@ -56,6 +56,7 @@ def _sharded(report, presets_only=False):
     return [r for r in report if r["tp"] > 1 and (r["model"] in PRESETS or not presets_only)]
 
 
+@pytest.mark.bench
 def test_greedy_outputs_identical_to_one_device(report):
     ref = {r["model"]: r["tokens"] for r in report if r["tp"] == 1}
     for r in _sharded(report):
@@ -69,6 +70,7 @@ def test_greedy_outputs_identical_to_one_device(report):
     assert runs >= {("tiny-llama", 2)}
 
 
+@pytest.mark.bench
 def test_sampled_outputs_and_logprobs_identical_to_one_device(report):
     """tiny-llama (the context-dependent weights of tests/engine_util) on random prompts, greedy and
     seeded-sampled: the same token ids and per-token logprobs (f32: within 1e-5) at every tp."""
@@ -82,6 +84,7 @@ def test_sampled_outputs_and_logprobs_identical_to_one_device(report):
             np.testing.assert_allclose(got, want, rtol=0, atol=1e-5, err_msg=f"tp {r['tp']} request {k}")
 
 
+@pytest.mark.bench
 def test_speculative_decoding_under_tensor_parallelism(report):
     """n-gram speculation at tp=2 (tp_check.py's extra tiny-llama run): drafts verified and
     accepted on the sharded model, and (the tests above) its outputs and logprobs are tp=1's."""
@@ -89,11 +92,13 @@ def test_speculative_decoding_under_tensor_parallelism(report):
     assert r["tp"] == 2 and r["speculative"]["num_accepted_tokens"] > 0, r["speculative"]
 
 
+@pytest.mark.bench
 def test_logits_match_one_device(report):
     gaps = [(r["model"], r["tp"], r["logits_gap"]) for r in _sharded(report) if "logits_gap" in r]
     assert gaps and all(g < 1e-5 for _, _, g in gaps), gaps
 
 
+@pytest.mark.bench
 def test_compiled_once_per_run(report):
     for r in report:
         # One program for the whole run: the unified step (chunked prefill).
@@ -101,6 +106,7 @@ def test_compiled_once_per_run(report):
         assert r["pool_whole"], (r["model"], r["tp"])
 
 
+@pytest.mark.bench
 def test_cache_and_weight_shardings(report):
     for r in _sharded(report, presets_only=True):
         # The stacked pools [num_layers, K, P, S_p, H] are split on their head axis only.
@@ -113,6 +119,7 @@ def test_cache_and_weight_shardings(report):
         assert r["embedding_spec"] == (["tp", None] if vocab % r["tp"] == 0 else []), r
 
 
+@pytest.mark.bench
 def test_head_plans(report):
     for r in _sharded(report, presets_only=True):
         assert r["mode"] == MODES[(r["model"], r["tp"])], r["head_plan"]

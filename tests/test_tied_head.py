@@ -50,7 +50,7 @@ def _table(rng, fmt, vocab, d):
     return parts, w
 
 
-@pytest.mark.parametrize("fmt,rows", [("Q8_0", 3), ("int8", 20), ("Q8_0", 64)])
+@pytest.mark.parametrize("fmt,rows", [("Q8_0", 3), ("int8", 20), pytest.param("Q8_0", 64, marks=pytest.mark.bench)])
 def test_tied_head_kernel_in_interpret_mode_equals_numpy(fmt, rows):
     """The table's codes transposed ([d_model, vocab], scales [d_model / 32, vocab] or f32[vocab]): the same
     bytes, no requantization, are `qmatmul_grouped`'s / `qmatmul_scaled`'s [K, N] weight; the kernel equals
@@ -196,6 +196,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.bench
 @pytest.mark.skipif(deviceless.missing_packages() is not None, reason=str(deviceless.missing_packages()))
 def test_tied_head_compiles_for_h100_without_a_dense_copy():
     """`GPT.logits` of a tied Q8_0 and int8 table compiled for an H100 without one: in columns one Mosaic

@@ -261,7 +261,7 @@ from jpa.tools import deviceless
 deviceless.configure_environment()
 from jpa.tools import traffic as tr
 from jpa.engine import sampling
-# A Llama-shaped model with small widths (scripts/gpu_traffic.py's llama-small), 2 layers.
+# A Llama-shaped model with small widths (`jpa tools traffic`'s llama-small), 2 layers.
 # (A vocabulary of 640: no activation of the ragged pass, [budget, d_model], has the embedding's type.
 # The GPU sampler's candidates scaled with it: 64 of 640, as 4096 of Llama-3's 128256 are 1/31.)
 sampling.GPU_CANDIDATE_BLOCK, sampling.GPU_CANDIDATE_BLOCKS = 16, 4
@@ -288,6 +288,7 @@ def engine_step_traffic(engine_options: bool = True) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.bench
 @pytest.mark.skipif(deviceless.missing_packages() is not None, reason=str(deviceless.missing_packages()))
 def test_engine_gpu_step_reads_weights_in_place():
     """The engine's own unified step as it compiles it for an H100 (deviceless: `step_program`,

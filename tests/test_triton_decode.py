@@ -18,6 +18,7 @@ from jpa.pallas.triton import tuning as triton_tuning
 from jpa.pallas.spec import DecodeSpec
 from jpa.ops.reference import paged_decode_xla
 from jpa.testing.kernel_cases import Case, make_inputs, np_reference, tolerance
+from marks import tiered
 
 CASES = [
     # page_size 8, MHA (q_per_kv 1), edge lengths 0, 1, page multiple, +1.
@@ -80,7 +81,7 @@ def _check(case, got, args, opts):
     np.testing.assert_array_equal(got[np.asarray(args[4]) == 0], 0.0)
 
 
-@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("case", tiered(CASES, soak=(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 15, 16)), ids=str)
 def test_matches_reference(case):
     args, opts = make_inputs(case)
     got = jpa.paged_decode(*args, **opts, impl="triton", interpret=True)
@@ -89,9 +90,9 @@ def test_matches_reference(case):
 
 @pytest.mark.parametrize("case,partition_tokens", [
     # Many small partitions: most programs are past their sequence's end or before the window.
-    (Case((0, 1, 25, 64, 47), num_q_heads=8, num_kv_heads=2, head_dim=80, page_size=8,
+    pytest.param(Case((0, 1, 25, 64, 47), num_q_heads=8, num_kv_heads=2, head_dim=80, page_size=8,
           pages_per_seq=8, q_dtype="bfloat16", cache_dtype="int8", soft_cap=10.0, alibi=True,
-          sliding_window=19, share_page=True, seed=20), 16),
+          sliding_window=19, share_page=True, seed=20), 16, marks=pytest.mark.soak),
     # A partition holding exactly one page of 16, all lengths around it.
     (Case((15, 16, 17, 48), num_q_heads=4, num_kv_heads=4, head_dim=64, page_size=16,
           seed=21), 16),
@@ -155,7 +156,11 @@ def test_unsupported_reason():
         jpa.ops.dispatch.choose_impl("triton", _spec(head_dim=512))
 
 
-@pytest.mark.parametrize("seed", [40, 41, 42])
+@pytest.mark.parametrize("seed", [
+    40,
+    pytest.param(41, marks=pytest.mark.soak),
+    pytest.param(42, marks=pytest.mark.soak),
+])
 def test_random_lengths(seed):
     """Random ragged lengths and a random configuration from the covered axes."""
     rng = np.random.default_rng(seed)

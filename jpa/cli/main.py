@@ -9,6 +9,7 @@ COMMANDS = {
     "generate": ("jpa.cli.generate", "generate text with continuous batching (the main job; SmolLM2 by default)"),
     "serve": ("jpa.cli.serve", "an OpenAI-compatible server (needs the `serve` extra)"),
     "serve-dp": ("jpa.cli.serve_dp", "N server replicas behind vllm-router (needs the `serve` and `router` extras)"),
+    "tools": ("jpa.tools.cli", "deviceless GPU compile and traffic tools, the mutation check (`jpa tools --help`)"),
 }
 
 

@@ -449,8 +449,8 @@ def pack_quantized_int4(weight_packed, weight_scale, weight_zero_point=None, nam
     w = (q - 8) * s; asymmetric zero points are offset the same way (both signed in -8..7 before
     packing), so w = (q - z) * s with the stored z.
     compressed-tensors: compressors/pack_quantized/{base,helpers}.py (pack_to_int32: value + 8, element i at
-    bits 4i; the zero point packed with packed_dim=0). scripts/ct_layout_check.py compares this with
-    compressed-tensors 0.20.0's own decompression: equal."""
+    bits 4i; the zero point packed with packed_dim=0). A one-off check (BENCHMARKS.md, "One-off checks")
+    compared this with compressed-tensors 0.20.0's own decompression: equal."""
     fmt = "pack-quantized int4"
     weight_packed, weight_scale = np.asarray(weight_packed), np.asarray(weight_scale)
     if weight_scale.ndim != 2 or weight_packed.ndim != 2:

@@ -129,11 +129,11 @@ class EngineConfig:
       tensor_parallel: devices the model and the KV pool are sharded over (a "tp" mesh of the
         first N of jax.devices()); the model must offer `shard(mesh)` (models.GPTForEngine
         does). kv_memory_bytes is then the budget of EACH device (each holds its heads of every
-        page). See README "Tensor parallelism".
+        page). See docs/multi-host.md, "Tensor parallelism".
       speculative: speculative decoding (`jpa.engine.speculative.SpeculativeConfig`, or its dict or
         JSON string as vLLM's --speculative-config spells it); None = off. The decode loop then
         verifies up to k drafts per sequence per step; outputs are identical to decoding without
-        it (greedy and seeded sampling alike). See README "Speculative decoding".
+        it (greedy and seeded sampling alike). See docs/engine.md, "Speculative decoding".
       peer_timeout: several processes (`jax.distributed`, see `jpa.engine.multihost`): seconds a
         device call may wait for the other processes before this one gives up on them and exits.
       step_shapes: the compiled step's shapes (`jpa.engine.ladder`): "off" (one program, max_seqs

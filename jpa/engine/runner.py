@@ -120,7 +120,7 @@ class ExecutableCache:
     program itself: the lowered StableHLO text (shapes, shardings, donation and every constant are in
     it; params are arguments), the compiler options, the backend and the devices it runs on. The
     `size` most recently used executables are kept. Off with JAX's compilation cache
-    (`jax_enable_compilation_cache=False`, as scripts/bench_compile.py measures cold compiles).
+    (`jax_enable_compilation_cache=False`, as benchmarks/bench_compile.py measures cold compiles).
     """
 
     def __init__(self, size: int = 32):
@@ -177,7 +177,7 @@ class ModelRunner:
 
     With `allocate=False` the state is abstract (`jax.ShapeDtypeStruct`s, nothing allocated): such
     a runner only serves `state()`, `step_inputs()`, `lower()` and `step_function`, e.g. to compile
-    the engine's step for a GPU that is not attached (scripts/gpu_compile_check.py).
+    the engine's step for a GPU that is not attached (`jpa tools compile`).
     """
 
     def __init__(self, model: EngineModel, cache_config: CacheConfig, *, stop_ids, max_seqs: int | None = None,

@@ -354,7 +354,7 @@ def _to_host(tree):
     pinned_host). Lowered, as an output sharding with that kind is, to XLA's
     annotate_device_placement and a pinned_host result; unlike an output sharding it survives a
     deviceless compile (compile-only devices have no memories, and drop a sharding's kind), so
-    the compiled program shown there is the one that runs (scripts/offload_compile_check.py)."""
+    the compiled program shown there is the one that runs (`jpa tools compile-offload`)."""
     return jax.device_put(tree, jax.memory.Space.Host)
 
 

@@ -20,7 +20,7 @@ from jpa.core.numerics import MASK_VALUE
 
 # Key tokens gathered per loop iteration: small enough that a gathered chunk stays in cache and
 # short contexts do not pay for the whole table; large enough that the loop overhead is small.
-# 128 measured best of 16-256 on a 2-core Xeon (scripts/bench_attention.py).
+# 128 measured best of 16-256 on a 2-core Xeon (benchmarks/bench_attention.py).
 CHUNK_TOKENS = 128
 
 

@@ -10,7 +10,7 @@ With KV offload (`kv_offload_bytes`: the tiny pools' engines get a host tier) pr
 are swapped to host memory and evicted prefix pages spilled there, and the same checks hold; the
 per-round page check (`check_pages`) then covers both tiers.
 
-Used by scripts/soak_engine.py (the long run), tests/test_engine_random.py (CI size) and
+Used by benchmarks/soak_engine.py (the long run), tests/test_engine_random.py (CI size) and
 tests/test_bench_offload.py (a short offload soak).
 """
 

@@ -9,7 +9,7 @@
     jpa.tools.traffic         a memory-traffic model of a compiled GPU program: bytes each kernel reads
                               and writes, by purpose, against the ideal (`engine_traffic`: one decode step)
 
-`scripts/gpu_compile_check.py` is the command line over these; `scripts/gpu_traffic.py` over the
+`jpa tools compile` is the command line over these; `jpa tools traffic` over the
 traffic model. A process that compiles must call
 `deviceless.configure_environment()` before JAX first initializes XLA (the `Compiler` calls it):
 it turns on the XLA log that carries ptxas's register report.

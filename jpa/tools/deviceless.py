@@ -260,7 +260,7 @@ class Compiler:
         if configure_environment() and _xla_started():
             warnings.warn("XLA started before jpa.tools.deviceless.configure_environment(): ptxas's report is "
                           "not in its log, so records will lack registers and spills. Call it before JAX's "
-                          "first computation (scripts/gpu_compile_check.py does).", RuntimeWarning, stacklevel=2)
+                          "first computation (`jpa tools compile` does).", RuntimeWarning, stacklevel=2)
         t = TARGETS[target]
         if hosts < 1 or num_devices % hosts:
             raise ValueError(f"num_devices ({num_devices}) must be a multiple of hosts ({hosts})")

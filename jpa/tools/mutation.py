@@ -15,16 +15,16 @@ First, unless --no-baseline, every selection runs once on an unmutated copy: a s
 fails without a fault proves nothing. The exit code is 1 if the baseline fails or
 any mutation is not caught, else 0.
 
-The command is scripts/mutation_check.py (this module's `main`); tests/test_mutation_check.py tests
+The command is `jpa tools mutation` (this module's `main`); tests/test_mutation_check.py tests
 the machinery on a tiny repository. When the engine code changes, update `old` (and `new`) of the
 mutations here: each is the exact
 text of today's code, kept short, so `--dry-run` (which applies every pattern but runs nothing)
 points at the one that went stale.
 
 Examples:
-  python scripts/mutation_check.py --dry-run
-  python scripts/mutation_check.py --json results/mutation_check.json
-  python scripts/mutation_check.py --only skipped-copy-on-write --all-failures
+  jpa tools mutation --dry-run
+  jpa tools mutation --json results/mutation_check.json
+  jpa tools mutation --only skipped-copy-on-write --all-failures
 """
 
 import argparse

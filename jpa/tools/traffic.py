@@ -38,7 +38,7 @@ instruction XLA runs as GPU work (fusions, custom calls, async fusion starts, ba
 `summary(rows, ideal)` groups the rows by purpose against an ideal (every weight read once, the
 live KV read once, the new KV written once) and `table` prints that. `engine_traffic` compiles the
 engine's unified step (`jpa.tools.engine_checks.engine_steps`) for a target and models one decode
-step of it; `scripts/gpu_traffic.py` prints its table.
+step of it; `jpa tools traffic` prints its table.
 
 Pure text parsing over an HLO module, like `jpa.tools.hlo`: a hand-written or a small compiled
 program checks the accounting (tests/test_traffic.py).

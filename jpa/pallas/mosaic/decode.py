@@ -51,7 +51,7 @@ multiple of 16 (32 for 8-bit caches: Mosaic GPU swizzles SMEM rows in 32/64/128-
 > 256, 8-bit caches above head_dim 192 (they spill registers), page sizes that neither divide
 nor are multiples of 64 or exceed 256, quantized pages under 32 tokens, and shapes whose two K/V
 blocks do not fit SMEM (`MosaicTuning.smem_budget`). Every accepted configuration compiles for an
-H100 without register spills (scripts/gpu_compile_check.py reads ptxas's report).
+H100 without register spills (`jpa tools compile` reads ptxas's report).
 """
 
 import functools

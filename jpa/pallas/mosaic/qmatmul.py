@@ -49,7 +49,7 @@ path does.
 
 Interpret mode (`interpret=True`) runs the same body with `MmaOps`' stand-ins: plain ref copies
 and `jnp.dot`; the real layouts, cp.async / TMA and `mma` are proven by the deviceless compile
-(tests/test_quant_gpu.py, scripts/bench_quant.py).
+(tests/test_quant_gpu.py, benchmarks/bench_quant.py).
 """
 
 import functools

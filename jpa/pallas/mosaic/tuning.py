@@ -7,7 +7,7 @@ wants other values, and say in `measured` what was measured.
 
 What "measured" means here: the H100 row's values were checked by compiling every accepted
 configuration for an H100 on a machine without one (XLA's whole GPU pipeline and Mosaic's own
-ptxas: registers, spills, SMEM; `scripts/gpu_compile_check.py`, records in `benchmarks/gpu_truth/`,
+ptxas: registers, spills, SMEM; `jpa tools compile`, records in `benchmarks/gpu_truth/`,
 BENCHMARKS.md "compiled for an H100 and an A100 without one"). Speed has not been measured on any
 GPU: the values are design choices (double buffering as deep as SMEM allows, two waves of programs),
 not timings.

@@ -8,11 +8,11 @@ that wants other values, and say in `measured` what was measured.
 
 What "measured" means here: the A100 and H100 rows were checked by compiling every accepted
 configuration of a covering grid for that GPU on a machine without one (XLA's whole GPU pipeline,
-Triton and ptxas: registers, spills, shared memory; `scripts/gpu_compile_check.py`, records in
+Triton and ptxas: registers, spills, shared memory; `jpa tools compile`, records in
 `benchmarks/gpu_truth/`, BENCHMARKS.md "compiled for an H100 and an A100 without one"). That
 measurement chose the ragged kernel's smaller tiles (its 8192-element tiles spilled). Speed has not
 been measured on any GPU: tile sizes, partition sizes, warps and stages are the usual Triton flash-decoding starting
-points, not timings (`scripts/bench_kernels.py` is the tool for that on a GPU).
+points, not timings (`benchmarks/bench_kernels.py` is the tool for that on a GPU).
 
 Who picks the row: the kernels' `tuning=None` default is the row for compute capability None (the
 fallback), because `jpa.ops` does not pass the target's tiling to the kernels yet; every
