@@ -11,7 +11,7 @@ short causal conv. One token t updates S by the gated delta rule (transformers'
 
 jpa stores S transposed, f32[heads, dv, dk] (transformers' [dk, dv] swapped): every read of the state is then a
 sum over its minor axis, which a GPU does in one pass; with dk second XLA transposes the state into a copy
-before each read (measured with jpa.tools.traffic, scripts/hybrid_traffic.py).
+before each read (measured with jpa.tools.traffic, jpa tools traffic-hybrid).
 
 The chunked form (transformers' `torch_chunk_gated_delta_rule`, the WY / UT representation of the
 DeltaNet paper) computes the same over chunks of 64 tokens: inside a chunk the updates are condensed

@@ -20,6 +20,8 @@ COMMANDS = {
     "compile-hopper-mma": ("jpa.tools.hopper_mma_check", True, "the shapes auto routes to mma.sync on Hopper"),
     "traffic": ("jpa.tools.traffic_report", True, "bytes one decode step of the engine moves on an H100/A100"),
     "traffic-moe": ("jpa.tools.moe_traffic", True, "the same for a mixture of experts (Qwen3-30B-A3B, gpt-oss)"),
+    "traffic-hybrid": ("jpa.tools.hybrid_traffic", True,
+                       "the same for a hybrid's decode step (Qwen3.5-27B's shapes: Gated DeltaNet states)"),
     "mutation": ("jpa.tools.mutation", False, "deliberate faults in the engine that the tests must catch"),
 }
 

@@ -4,7 +4,7 @@ Prints, for each context length, what one sequence holds in the engine (`jpa.kv.
 whole pages of every paged group plus the recurrent states), split into pages and states. The shapes are stated
 in the table's header; nothing is loaded.
 
-    python scripts/state_bytes.py [--contexts 4096,32768,131072,262144] [--kv-dtype bfloat16] [--page-size 16]
+    python benchmarks/state_bytes.py [--contexts 4096,32768,131072,262144] [--kv-dtype bfloat16] [--page-size 16]
 
 Qwen3.5-27B (text): 64 layers, every 4th full attention (16 layers: 4 KV heads x 256, gated), the other 48 Gated
 DeltaNet (16 key heads and 48 value heads of 128, conv kernel 4). A GDN layer keeps the ssm state [48, 128, 128]

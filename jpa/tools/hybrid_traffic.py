@@ -4,29 +4,21 @@ is not here: bytes read and written by purpose (weights, KV of the attention lay
 and the kernels that move the most (`jpa.tools.traffic.hybrid_traffic`). The step is
 `models.hybrid.HybridModel.decode` called directly (not yet inside the engine's unified step).
 
-    python scripts/hybrid_traffic.py --target h100 --max-seqs 1 64 --context 4096
-    python scripts/hybrid_traffic.py --layers 8 48 --max-seqs 1   # compile time against depth
+    jpa tools traffic-hybrid --target h100 --max-seqs 1 64 --context 4096
+    jpa tools traffic-hybrid --layers 8 48 --max-seqs 1   # compile time against depth
 
 A deviceless-compile figure: bytes the compiled program moves, not a measured time.
 """
 
-import os
+import argparse
+import dataclasses
+import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-from jpa.tools import deviceless  # noqa: E402
-
-deviceless.configure_environment()
-
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import time  # noqa: E402
-
-from jpa.models.hybrid import FULL, LINEAR, QWEN35_27B_SHAPED  # noqa: E402
-from jpa.tools.traffic import hybrid_traffic, table  # noqa: E402
+from jpa.models.hybrid import FULL, LINEAR, QWEN35_27B_SHAPED
+from jpa.tools.traffic import hybrid_traffic, table
 
 
-def main():
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="h100")
     ap.add_argument("--max-seqs", type=int, nargs="+", default=[1, 64])
@@ -35,12 +27,13 @@ def main():
     ap.add_argument("--top", type=int, default=6, help="kernels to list per step")
     ap.add_argument("--layers", type=int, nargs="+", default=[64],
                     help="model depths (multiples of 4: GDN x 3, attention), Qwen3.5-27B's widths")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     for layers in args.layers:
         config = dataclasses.replace(QWEN35_27B_SHAPED, num_layers=layers,
                                      layer_types=tuple(LINEAR if (i + 1) % 4 else FULL for i in range(layers)))
         for b in args.max_seqs:
             step(args, config, layers, b)
+    return 0
 
 
 def step(args, config, layers, b):
@@ -53,7 +46,3 @@ def step(args, config, layers, b):
     for r in out["top"][:args.top]:
         rd, wr = sum(r["read"].values()), sum(r["written"].values())
         print(f"  {r['name'][:60]:60s} {rd / 1e9:8.3f} {wr / 1e9:8.3f}  x{r['executions']}")
-
-
-if __name__ == "__main__":
-    main()

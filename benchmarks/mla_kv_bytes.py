@@ -3,7 +3,7 @@
 Each figure is the model's declared cache spec as the engine sizes it (`jpa.kv.spec.CacheSpec.bytes_per_token`,
 `bytes_per_sequence`), from published sizes; nothing is loaded.
 
-    ./run python scripts/mla_kv_bytes.py [--dtype bfloat16] [--context 32768]
+    ./run python benchmarks/mla_kv_bytes.py [--dtype bfloat16] [--context 32768]
 """
 
 import argparse
