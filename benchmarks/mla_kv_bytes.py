@@ -8,6 +8,10 @@ Each figure is the model's declared cache spec as the engine sizes it (`jpa.kv.s
 
 import argparse
 
+from jpa.core.platform import cpu_without_gpu
+
+cpu_without_gpu()   # no NVIDIA driver, JAX_PLATFORMS unset: JAX on the CPU (as ./run does)
+
 from jpa.kv.spec import CacheSpec
 from jpa.models import deepseek
 

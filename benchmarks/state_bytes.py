@@ -13,6 +13,10 @@ and the conv state [conv_dim = 2 * 16 * 128 + 48 * 128, 3], both float32 as jpa 
 
 import argparse
 
+from jpa.core.platform import cpu_without_gpu
+
+cpu_without_gpu()   # no NVIDIA driver, JAX_PLATFORMS unset: JAX on the CPU (as ./run does)
+
 from jpa.kv.spec import CacheGroup, CacheSpec, FullAttention, RecurrentState
 
 

@@ -40,8 +40,12 @@ def test_the_strict_build_fails_and_names_the_fault(tmp_path, pages, nav, named)
 
 
 def test_every_docs_page_is_in_the_nav_and_the_readme_links_exist():
-    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
-    listed = {page for entry in nav for page in entry.values()}
+    def pages(entries):   # a nav entry is a page, {title: page} or {title: [entries]}
+        for entry in entries:
+            for v in (entry.values() if isinstance(entry, dict) else [entry]):
+                yield from (pages(v) if isinstance(v, list) else [v])
+
+    listed = set(pages(yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]))
     assert listed == {p.name for p in (ROOT / "docs").glob("*.md")}
     import re
 
