@@ -91,6 +91,10 @@ class Request:
     weight_runs: list = dataclasses.field(default_factory=list)
     weight_version: int = 0
     kv_epoch: int | None = None
+    # LoRA (`jpa.engine.lora`): the adapter it runs with (None: the base model), and the device slot holding
+    # it while the request holds a decode slot (-1 otherwise).
+    lora_request: object = None
+    lora_slot: int = -1
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -89,6 +89,11 @@ from jpa.engine.structured import STRUCTURED
 from jpa.kv.pages import pages_for_tokens
 
 
+def _lora_salt(req: Request):
+    """The prefix cache's key root of a request's KV: its LoRA adapter's int id (None: the base model)."""
+    return None if req.lora_request is None else req.lora_request.lora_int_id
+
+
 @dataclasses.dataclass(frozen=True)
 class Entry:
     """One sequence's rows in a round: a decode token or a prompt chunk."""
@@ -215,6 +220,9 @@ class Scheduler:
         self._to_release: list[tuple[int, Request]] = []
         self._admissions = 0
         self._preempted_last_round = False
+        # LoRA adapters (`jpa.engine.lora.LoraSlots`, set by the engine with enable_lora): admission takes a
+        # device slot for a request's adapter; leaving its decode slot gives the reference back.
+        self.lora = None
 
     @classmethod
     def for_shapes(cls, shapes, *, watermark: float, stop_ids=(), prefix_caching: bool = False,
@@ -243,6 +251,9 @@ class Scheduler:
         elif phase in (Phase.WAITING, Phase.FINISHED) and req.slot >= 0:
             del self.running[req.slot]
             req.slot = -1
+        if phase in (Phase.WAITING, Phase.FINISHED) and req.lora_slot >= 0:   # its adapter's slot reference
+            self.lora.release(req.lora_slot)
+            req.lora_slot = -1
         req.phase = phase
 
     def _finish(self, req: Request, reason: str) -> Request:
@@ -475,8 +486,9 @@ class Scheduler:
             block = self.host.blocks.get(req.request_id) if self.host is not None else None
             hit, restore = [], []
             if self.prefix is not None and not req.needs_prompt_logprobs:
-                hit, restore = (self.prefix.lookup_tiers(toks) if self.host is not None and block is None
-                                else (self.prefix.lookup(toks), []))
+                salt = _lora_salt(req)
+                hit, restore = (self.prefix.lookup_tiers(toks, salt) if self.host is not None and block is None
+                                else (self.prefix.lookup(toks, salt), []))
             on_device = [p for p in hit if p >= 0]
             # Shared pages that were idle are no longer evictable.
             newly_held = sum(1 for p in on_device if p not in r.referenced)
@@ -491,6 +503,12 @@ class Scheduler:
             n = min(r.left, len(toks) - start, self._fit(r, h) - (start - h) - len(restore) * ps)
             if n <= 0:
                 break
+            if req.lora_request is not None:   # LoRA: a device slot for its adapter, one reference per sample
+                lora_slot = self.lora.acquire(req.lora_request, 1 + len(req.siblings))
+                if lora_slot is None:
+                    break   # every adapter slot is in use by running requests: it waits (first come, first served)
+                for q in (req, *req.siblings):
+                    q.lora_slot = lora_slot
             r.idle -= newly_held
             self.waiting.popleft()
             self._admissions += 1
@@ -605,7 +623,7 @@ class Scheduler:
             for s in plan.swap_in:   # restored pages are cached on the device now: their keys come back
                 if s.restore:
                     pages = [int(p) for p in rows[s.slot][: len(s.hit_pages)]]
-                    self.prefix.register(self.prefill_tokens(s.request), pages)
+                    self.prefix.register(self.prefill_tokens(s.request), pages, salt=_lora_salt(s.request))
                     s.request.cache_refs = tuple(pages)
             self.prefix.forget(plan.evict, spilled)
             ps = self.page_size
@@ -620,7 +638,8 @@ class Scheduler:
                     e.request.cache_refs = self.running[e.fork_of].cache_refs
                 elif e.final:
                     pages = [int(p) for p in row[: e.cache_upto]]
-                    self.prefix.register(self.prefill_tokens(e.request), pages, e.request.kv_epoch)
+                    self.prefix.register(self.prefill_tokens(e.request), pages, e.request.kv_epoch,
+                                         salt=_lora_salt(e.request))
                     e.request.cache_refs = tuple(pages)
         at = 0
         for e in plan.entries:

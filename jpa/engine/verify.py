@@ -111,25 +111,28 @@ class VerifyLoop:
 
     # ------------------------------------------------------------------ the passes
 
-    def decode_pass(self, params, cache, ps, slots, lens):
+    def decode_pass(self, params, cache, ps, slots, lens, lora=None):
         """The plain decode pass over max_seqs rows: per slot [num_seqs, width] (tokens, logprobs,
-        top ids, top logprobs), the row repeated."""
+        top ids, top logprobs), the row repeated. lora: the LoRA adapter slots, or None (each slot runs
+        its own adapter, `SlotParams.lora`)."""
         act = slots.active
         slot_mapping = slot_mapping_at(ps.block_tables, lens, self.shapes.page_size, act)
         seq_lens = jnp.where(act, lens + 1, 0)
-        inputs = (slots.tokens, seq_lens, slot_mapping, ps.block_tables)
+        inputs = (slots.tokens, seq_lens, slot_mapping, ps.block_tables, slots.params.lora)
         pad = decode_pad_rows(act.shape[0])
         if pad:   # idle rows: no context, nothing written
             inputs = tuple(jnp.concatenate([a, jnp.full((pad,) + a.shape[1:], v, a.dtype)])
-                           for a, v in zip(inputs, (0, 0, -1, 0)))
-        logits, cache = self.model.decode(params, cache, *inputs, impl=self.impl)
+                           for a, v in zip(inputs, (0, 0, -1, 0, -1)))
+        *inputs, row_lora = inputs
+        kw = {} if lora is None else dict(lora=(lora, row_lora))
+        logits, cache = self.model.decode(params, cache, *inputs, impl=self.impl, **kw)
         logits = logits[: act.shape[0]]
         slots = slots.write_tokens(slots.tokens, slot_mapping)
         y = sample_slots(logits, slots.params, slots.num_generated, lambda: slots.history(ps.block_tables),
                          seq_lens, self.stop_ids)
         return cache, slots, tuple(jnp.repeat(a[:, None], self.width, axis=1) for a in y)
 
-    def verify_pass(self, params, cache, ps, slots, lens, drafts, num):
+    def verify_pass(self, params, cache, ps, slots, lens, drafts, num, lora=None):
         """Every active slot's pending token and drafts as one entry of a ragged pass of
         `verify_rows` rows: per slot [num_seqs, width] of rows 0..num."""
         act, k, rows, ps_ = slots.active, self.k, self.verify_rows, self.shapes.page_size
@@ -151,7 +154,8 @@ class VerifyLoop:
         # At most width rows a sequence: the model's attention may read each sequence's KV once
         # for all of them (`jpa.ops.ragged.query_rows_at_most`: one kernel call on Hopper).
         with query_rows_at_most(self.width):
-            hidden, cache = self.proposer.target_hidden(self.model, params, cache, args, self.impl)
+            kw = {} if lora is None else dict(lora=(lora, jnp.where(live, slots.params.lora[s], -1)))
+            hidden, cache = self.proposer.target_hidden(self.model, params, cache, args, self.impl, **kw)
         slots = slots.write_tokens(tok, slot_mapping)
         rs = slots.rows(s)
         # `sample_rows`: its temporaries do not scale with rows x vocab (chunks of rows on a CPU; on a
@@ -162,10 +166,10 @@ class VerifyLoop:
         ridx = jnp.clip(start[:, None] + jnp.arange(self.width, dtype=jnp.int32)[None, :], 0, rows - 1)
         return cache, slots, tuple(a[ridx] for a in y)
 
-    def passes(self, params, cache, ps, slots, nxt: Lookahead):
+    def passes(self, params, cache, ps, slots, nxt: Lookahead, lora=None):
         """The step's model pass(es): (cache, slots, drafts, (y, lp, top_ids, top_lps) [B, width])."""
         if self.k == 0:
-            cache, slots, ys = self.decode_pass(params, cache, ps, slots, nxt.lens)
+            cache, slots, ys = self.decode_pass(params, cache, ps, slots, nxt.lens, lora)
             return cache, slots, nxt.drafts, ys
         num_seqs, tn = slots.active.shape[0], min(MAX_TOP_LOGPROBS, self.shapes.vocab_size)
         w = self.width
@@ -173,9 +177,9 @@ class VerifyLoop:
               jnp.zeros((num_seqs, w, tn), jnp.int32), jnp.zeros((num_seqs, w, tn), jnp.float32))
         drafting = jnp.any(nxt.num > 0)
         cache, drafts = self.proposer.draft(params, cache, ps, slots, nxt.lens, nxt.num, nxt.drafts)
-        cache, slots, ys = _once(lambda c, sl: self.verify_pass(params, c, ps, sl, nxt.lens, drafts, nxt.num),
+        cache, slots, ys = _once(lambda c, sl: self.verify_pass(params, c, ps, sl, nxt.lens, drafts, nxt.num, lora),
                                  drafting, cache, slots, ys)
-        cache, slots, ys = _once(lambda c, sl: self.decode_pass(params, c, ps, sl, nxt.lens), ~drafting,
+        cache, slots, ys = _once(lambda c, sl: self.decode_pass(params, c, ps, sl, nxt.lens, lora), ~drafting,
                                  cache, slots, ys)
         return cache, slots, drafts, ys
 
@@ -193,12 +197,12 @@ class VerifyLoop:
         emitted = jnp.where(act, jnp.where(stopped, jnp.argmax(stops, axis=1) + 1, a + 1), 0).astype(jnp.int32)
         return a, stopped, emitted
 
-    def step(self, params, c: LoopCarry) -> LoopCarry:
+    def step(self, params, c: LoopCarry, lora=None) -> LoopCarry:
         nxt = c.nxt
         cache, slots, n = copy_on_write(c.cache, c.slots, nxt.cow)
         ps, act, lens = nxt.ps, slots.active, nxt.lens
         slot_ids = jnp.arange(act.shape[0], dtype=jnp.int32)
-        cache, slots, drafts, (y, lp, top_ids, top_lps) = self.passes(params, cache, ps, slots, nxt)
+        cache, slots, drafts, (y, lp, top_ids, top_lps) = self.passes(params, cache, ps, slots, nxt, lora)
         a, stopped, emitted = self.accept(slots, y, lens, drafts, nxt.num)
         emit = jnp.arange(self.width)[None, :] < emitted[:, None]  # bool[num_seqs, width]
         last = jnp.take_along_axis(y, jnp.maximum(emitted - 1, 0)[:, None], axis=1)[:, 0]
@@ -219,8 +223,9 @@ class VerifyLoop:
                                                                   dtype=jnp.int32))
         return LoopCarry(c.i + 1, cache, ps, slots, out, self.lookahead(ps, slots), tally(c.usage, n, nxt.ps), counts)
 
-    def __call__(self, params, cache, page_state, slots, max_steps):
-        """Up to max_steps (a traced scalar <= steps_per_call) steps of the active slots.
+    def __call__(self, params, cache, page_state, slots, max_steps, lora=None):
+        """Up to max_steps (a traced scalar <= steps_per_call) steps of the active slots (lora: the LoRA
+        adapter slots, or None).
 
         Returns (cache, page_state, slots, out: Sampled, steps i32[], usage: Usage, counts: SpecCounts).
         """
@@ -234,7 +239,7 @@ class VerifyLoop:
         init = LoopCarry(jnp.int32(0), cache, page_state, slots, out, self.lookahead(page_state, slots),
                          Usage.zero(), counts)
         c = lax.while_loop(lambda c: (c.i < max_steps) & c.nxt.ok & jnp.any(c.slots.active),
-                           lambda c: self.step(params, c), init)
+                           lambda c: self.step(params, c, lora), init)
         return c.cache, c.ps, c.slots, c.out, c.i, c.usage, c.counts
 
 
