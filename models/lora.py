@@ -39,7 +39,7 @@ from jpa.models.config import ModelConfig
 TARGETS = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo", "gate_proj": "w_gate",
            "up_proj": "w_up", "down_proj": "w_down"}
 LORA_METHODS = ("gather", "ragged", "dense")
-DEFAULT_METHOD = "gather"
+DEFAULT_METHOD = "ragged"
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 
 

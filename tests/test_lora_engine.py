@@ -221,3 +221,62 @@ def test_server_adapters_by_model_name_load_unload_and_errors(llm, tmp_path):
         assert r.status_code == 404 and "'qv_r4' does not exist" in r.json()["error"]["message"]
         r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "y", "lora_path": str(bad)})
         assert r.status_code == 401
+
+
+def test_serve_lora_flags():
+    """`jpa serve --enable-lora --lora-modules NAME=PATH ... --max-loras N --max-lora-rank R` parse into the
+    engine config and the adapters to load; malformed or inconsistent flags are one-line usage errors."""
+    from jpa.args import UsageError
+    from jpa.cli.serve import parse_args
+
+    args = parse_args(["--model", "tiny-llama", "--enable-lora", "--lora-modules", "a=/x", "b=/y/z",
+                       "--max-loras", "3", "--max-lora-rank", "8"])
+    cfg = args.engine.engine_config()
+    assert (cfg.enable_lora, cfg.max_loras, cfg.max_lora_rank) == (True, 3, 8)
+    assert args.lora_modules == [("a", "/x"), ("b", "/y/z")]
+    for argv, match in [(["--lora-modules", "a=/x"], "--lora-modules needs --enable-lora"),
+                        (["--enable-lora", "--lora-modules", "a"], "NAME=PATH pairs"),
+                        (["--enable-lora", "--lora-modules", "a=/x", "a=/y"], "names 'a' twice"),
+                        (["--enable-lora", "--max-loras", "0"], "--max-loras must be >= 1"),
+                        (["--enable-lora", "--max-lora-rank", "0"], "--max-lora-rank must be >= 1")]:
+        with pytest.raises(UsageError, match=match):
+            parse_args(["--model", "tiny-llama", *argv])
+
+
+@pytest.mark.bench
+def test_jpa_serve_command_with_lora_modules():
+    """`jpa serve --enable-lora --lora-modules` as a process: the adapter is listed and served by name."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from jpa.testing.procs import fast_compile_env
+
+    root = pathlib.Path(__file__).parents[1]
+    proc = subprocess.Popen([sys.executable, "-m", "jpa", "serve", "--model", str(DATA / "llama"), "--port", "0",
+                             "--dtype", "float32", "--num-pages", "64", "--max-seqs", "4", "--step-shapes", "off",
+                             "--enable-lora", "--max-lora-rank", "8", "--lora-modules",
+                             f"qv_r4={ADAPTERS / 'qv_r4'}", "--no-compile-cache"],
+                            cwd=root, env={**os.environ, **fast_compile_env()}, stderr=subprocess.PIPE, text=True)
+    try:
+        url = None
+        t0 = time.monotonic()
+        while url is None and time.monotonic() - t0 < 120:
+            line = proc.stderr.readline()
+            if "http://" in line:
+                url = "http://" + line.split("http://", 1)[1].split()[0].rstrip(".,")
+        assert url, "the server did not say where it listens"
+        while time.monotonic() - t0 < 300 and httpx.get(f"{url}/health").status_code != 200:
+            time.sleep(0.5)
+        assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["llama", "qv_r4"]
+        g = GOLDEN["greedy"]["qv_r4"]["plain"]
+        r = httpx.post(f"{url}/v1/completions", json={"model": "qv_r4", "prompt": GOLDEN["prompts"]["plain"]["ids"],
+                                                      "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+                       timeout=120)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == len(g["ids"]), r.text
+    finally:
+        proc.terminate()
+        proc.wait(60)

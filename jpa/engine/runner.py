@@ -421,10 +421,10 @@ class ModelRunner:
         already fixed."""
         if self.block_tokens is None:
             self.set_block_tokens(max(num_tokens, self.shapes.num_tokens) if rows else num_tokens)
-        lora = None if self.lora is None else jax.tree_util.tree_map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.lora)
+        lora = () if self.lora is None else (jax.tree_util.tree_map(   # LoRA's slots: the last argument
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.lora),)
         return jax.jit(self._step_impl, **self.jit_options()).trace(*(state or self.state()),
-                                                                    self.step_inputs(num_tokens, rows), lora)
+                                                                    self.step_inputs(num_tokens, rows), *lora)
 
     def lower(self, num_tokens: int, rows: int | None = None):
         """The unified step lowered for a budget of num_tokens and `rows` entries (default max_seqs;
@@ -503,7 +503,8 @@ class ModelRunner:
         state = self.state()
         try:
             self.cache, self.page_state, self.slots, res = exe(
-                *state, self._put(jax.tree_util.tree_map(jnp.asarray, batch)), self.lora)
+                *state, self._put(jax.tree_util.tree_map(jnp.asarray, batch)), *(() if self.lora is None else
+                                                                                  (self.lora,)))
         except BaseException:
             # A call that failed after consuming its donated state left this runner none to run on.
             if any(a.is_deleted() for a in jax.tree_util.tree_leaves(state[1:])):
