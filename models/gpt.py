@@ -63,7 +63,7 @@ from jpa.core.sharding import HEADS, HEADS_T, REPLICATED, STACKED_POOL, TP, head
 from jpa.models.config import ModelConfig
 from jpa.models.linear import (DENSE, MXFP4, QUANT_AXIS, SCALED, Packed, _v, format_of, formats, set_format,
                                unpermute_rows)
-from jpa.models.lora import DEFAULT_METHOD, layer_slots, lora_delta
+from jpa.models.lora import DEFAULT_METHOD, lora_delta, lora_rows
 from jpa.models.moe import moe_ffn
 from jpa.models.partition import RULES
 
@@ -382,17 +382,17 @@ class Block(nnx.Module):
         (models.linear). layer: the layer index when `_run` kept this block's quantized weights stacked
         (`stacked_packed`: those whose codes here still have the layer axis): they are read by the Mosaic
         matmul (`jpa.ops.qmatmul`) from the stack. mesh: the tensor-parallel mesh those stacked weights are
-        sharded on (`models.linear.tp_matmul`: each device's shard), or None. lora: None, or (this layer's
-        adapter slots `models.lora.layer_slots`, index i32[B, T] each row's slot (-1: none), method): the
-        rows' LoRA term is added (`models.lora.lora_delta`)."""
+        sharded on (`models.linear.tp_matmul`: each device's shard), or None. lora: None, or (the adapter slots
+        of every layer, this layer's index, the rows' `models.lora.LoraRows` in B x T order, method): the rows'
+        LoRA term is added (`models.lora.lora_delta`, which slices this layer's A and B where it runs)."""
         kernel = layer is not None and getattr(self, name).get_value().ndim == 3
         y = format_of(self, name).apply(self, name, x, None if bias is None else self._bias(bias),
                                         dtype=self.dtype, out_dtype=matmul_out_dtype(self.dtype),
                                         kernel=kernel, layer=layer, mesh=mesh)
         if lora is not None and name in lora[0]:
-            slots, index, method = lora
+            slots, layer_index, rows, method = lora
             w = slots[name]
-            delta = lora_delta(x.reshape(-1, x.shape[-1]), index.reshape(-1), w["a"], w["b"], method)
+            delta = lora_delta(x.reshape(-1, x.shape[-1]), rows, w["a"], w["b"], method, layer_index)
             y = y + delta.reshape(y.shape)
         return y
 
@@ -888,7 +888,8 @@ def _check_lora(lora, index_shape):
     shape = tuple(getattr(index, "shape", ()))
     if shape not in (tuple(index_shape), (int(np.prod(index_shape)),)):
         raise ValueError(f"lora's index must have shape i32{list(index_shape)} (one slot per row); got {list(shape)}")
-    return slots, index.reshape(index_shape), method[0] if method else DEFAULT_METHOD
+    max_loras = jax.tree_util.tree_leaves(slots)[0].shape[0]
+    return slots, lora_rows(index, max_loras), method[0] if method else DEFAULT_METHOD
 
 
 def _run(model: GPT, tokens, positions, attend, state, mesh=None, stack_packed: bool = False, lora=None):
@@ -902,7 +903,8 @@ def _run(model: GPT, tokens, positions, attend, state, mesh=None, stack_packed: 
     stack_packed: the packed weights of `stacked_packed` stay out of the scanned slices and each
     layer reads them stacked (the engine's steps; under a tensor-parallel mesh each device's shard,
     `models.linear.tp_matmul`); False: every weight is sliced per layer. lora: None, or (slots, index
-    i32[B, T], method) (`_check_lora`): each layer adds its rows' LoRA terms (`Block._linear`).
+    LoraRows, method) (`_check_lora`: the rows' grouping computed once for every layer): each layer adds its
+    rows' LoRA terms (`Block._linear`).
     """
     c = model.config
     layout = getattr(model, "expert_layout", None)  # None on one device (and on a 1-device mesh)
@@ -925,7 +927,7 @@ def _run(model: GPT, tokens, positions, attend, state, mesh=None, stack_packed: 
             p = group if period == 1 else jax.tree.map(lambda a: a[r], group)
             block = nnx.merge(graphdef, nnx.State({**p, **kept}) if kept else p)
             layer = g * period + r if kept else None
-            lo = None if lora is None else (layer_slots(lora[0], g * period + r), lora[1], lora[2])
+            lo = None if lora is None else (lora[0], g * period + r, lora[1], lora[2])
             q, k, v = block.qkv(x, positions, layer, mesh, lo)
             attn, state = attend(r, g * period + r, q, k, v, state, block.attn_sinks())
             x = block.finish(x, attn, layer, experts, mesh, lo)

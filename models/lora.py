@@ -28,6 +28,7 @@ scripts/bench_lora.py measures them (BENCHMARKS.md); `DEFAULT_METHOD` is the che
 import json
 import math
 import pathlib
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -181,13 +182,45 @@ def layer_slots(slots: dict, layer) -> dict:
     return jax.tree_util.tree_map(lambda w: jax.lax.dynamic_index_in_dim(w, layer, axis=1, keepdims=False), slots)
 
 
-def lora_delta(x, index, a, b, method: str = DEFAULT_METHOD):
-    """The LoRA term of a linear for each row: x [M, in] rows, index i32[M] their adapter slots (-1: none),
-    a [N, in, R] and b [N, R, out] the slots' (scaled) A and B -> f32[M, out] (zeros where index < 0)."""
-    n = a.shape[0]
-    live = (index >= 0) & (index < n)
-    safe = jnp.where(live, index, 0)
-    x = x.astype(a.dtype)
+class LoraRows(NamedTuple):
+    """Each row's adapter slot and what every linear of a pass shares about it (`lora_rows`: computed once
+    per model pass, not per linear and layer)."""
+    index: jax.Array      # i32[M]: each row's slot (-1: none)
+    live: jax.Array       # bool[M]: the row has an adapter
+    order: jax.Array      # i32[M]: rows sorted by slot, rows without an adapter last ("ragged")
+    sizes: jax.Array      # i32[N]: rows per slot ("ragged")
+    any: jax.Array        # bool[]: some row has an adapter (else the LoRA terms are skipped)
+
+
+def lora_rows(index, max_loras: int) -> LoraRows:
+    """The LoraRows of index i32[M] (each row's slot, -1: none) over `max_loras` slots."""
+    index = index.reshape(-1)
+    live = (index >= 0) & (index < max_loras)
+    key = jnp.where(live, index, max_loras)               # rows without an adapter sort last, outside every group
+    sizes = jnp.bincount(key, length=max_loras + 1)[:max_loras].astype(jnp.int32)
+    return LoraRows(index, live, jnp.argsort(key, stable=True), sizes, jnp.any(live))
+
+
+def lora_delta(x, rows, a, b, method: str = DEFAULT_METHOD, layer=None):
+    """The LoRA term of a linear for each row: x [M, in] rows, rows their adapter slots (i32[M], -1: none, or
+    their `LoraRows`), a [N, in, R] and b [N, R, out] the slots' (scaled) A and B -> f32[M, out] (zeros where
+    a row has no adapter). layer: a [N, L, in, R] and b [N, L, R, out] hold every layer's and this is the
+    traced layer index (its slice is taken inside the branch that runs). A pass where no row has an adapter
+    skips all of it under a lax.cond."""
+    if method not in LORA_METHODS:
+        raise ValueError(f"method must be one of {LORA_METHODS}; got {method!r}")
+    rows = rows if isinstance(rows, LoraRows) else lora_rows(rows, a.shape[0])
+    safe = jnp.where(rows.live, rows.index, 0)
+
+    def delta(x):
+        a_, b_ = (a, b) if layer is None else layer_slots((a, b), layer)
+        return _delta(x.astype(a_.dtype), rows, safe, a_, b_, method)
+
+    return jax.lax.cond(rows.any, delta, lambda x: jnp.zeros((x.shape[0], b.shape[-1]), jnp.float32), x)
+
+
+def _delta(x, rows, safe, a, b, method):
+    """`lora_delta`'s matmuls for one layer's a [N, in, R], b [N, R, out]."""
     if method == "gather":
         h = jnp.einsum("Mi,Mir->Mr", x, a[safe], preferred_element_type=jnp.float32)
         y = jnp.einsum("Mr,Mro->Mo", h.astype(b.dtype), b[safe], preferred_element_type=jnp.float32)
@@ -195,13 +228,8 @@ def lora_delta(x, index, a, b, method: str = DEFAULT_METHOD):
         h = jnp.einsum("Mi,Nir->MNr", x, a, preferred_element_type=jnp.float32)
         h = jnp.take_along_axis(h, safe[:, None, None], axis=1)[:, 0]
         y = jnp.einsum("Mr,Mro->Mo", h.astype(b.dtype), b[safe], preferred_element_type=jnp.float32)
-    elif method == "ragged":
-        key = jnp.where(live, index, n)               # rows without an adapter sort last, outside every group
-        order = jnp.argsort(key, stable=True)
-        sizes = jnp.bincount(key, length=n + 1)[:n].astype(jnp.int32)
-        h = jax.lax.ragged_dot(x[order], a, sizes, preferred_element_type=jnp.float32)
-        ys = jax.lax.ragged_dot(h.astype(b.dtype), b, sizes, preferred_element_type=jnp.float32)
-        y = jnp.zeros_like(ys).at[order].set(ys)
     else:
-        raise ValueError(f"method must be one of {LORA_METHODS}; got {method!r}")
-    return jnp.where(live[:, None], y, 0.0)
+        h = jax.lax.ragged_dot(x[rows.order], a, rows.sizes, preferred_element_type=jnp.float32)
+        ys = jax.lax.ragged_dot(h.astype(b.dtype), b, rows.sizes, preferred_element_type=jnp.float32)
+        y = jnp.zeros_like(ys).at[rows.order].set(ys)
+    return jnp.where(rows.live[:, None], y, 0.0)
