@@ -195,7 +195,7 @@ class AsyncEngine:
         self.max_waiting = max_waiting
         self.rate_window = rate_window
         self._cv = threading.Condition()
-        self._commands: list[tuple] = []         # ("add", id, prompt, params) | ("abort", id, round)
+        self._commands: list[tuple] = []         # ("add", id, prompt, params, lora), ("abort", id, round), ("call", fn, fut)
         self._streams: dict[object, _Stream] = {}   # unfinished request id -> where its outputs go
         self._num_running = 0                    # as of the latest round (for the overload check)
         self._stopping = False
@@ -302,13 +302,7 @@ class AsyncEngine:
     def update_weights(self, weights, timeout: float | None = None) -> int:
         """`LLMEngine.update_weights(weights)` on the engine thread, between two rounds (thread-safe;
         blocks until done). Returns the new weight version; raises its ValueError (nothing changed)."""
-        future = concurrent.futures.Future()
-        with self._cv:
-            if not self.alive or self._stopping:
-                raise EngineDead(f"the engine is not running{f': {self._dead}' if self._dead else ''}")
-            self._commands.append(("update", weights, future))
-            self._cv.notify()
-        return future.result(timeout)
+        return self.call(lambda eng: eng.update_weights(weights), timeout)
 
     def call(self, fn, timeout: float | None = None):
         """fn(the LLMEngine) on the engine thread, between two rounds (thread-safe; blocks until done):
@@ -422,19 +416,13 @@ class AsyncEngine:
 
     def _apply(self, cmd) -> None:
         eng = self.engine
-        if cmd[0] == "update":
-            _, weights, future = cmd
-            try:
-                future.set_result(eng.update_weights(weights))
-            except Exception as e:   # the caller's error (a bad tensor): the engine is unchanged
-                future.set_exception(e)
-            self._publish()
-        elif cmd[0] == "call":
+        if cmd[0] == "call":
             _, fn, future = cmd
             try:
                 future.set_result(fn(eng))
-            except Exception as e:   # the caller's error (a bad adapter): the engine is unchanged
+            except Exception as e:   # the caller's error (a bad tensor or adapter): the engine is unchanged
                 future.set_exception(e)
+            self._publish()
         elif cmd[0] == "add":
             _, rid, prompt, params, lora = cmd
             req = eng.add_request(prompt, params, request_id=rid, lora_request=lora)
@@ -506,8 +494,8 @@ class AsyncEngine:
     def _fail_all(self, error: BaseException) -> None:
         with self._cv:
             streams, self._streams = list(self._streams.values()), {}
-            updates = [c[2] for c in self._commands if c[0] in ("update", "call")]
-            self._commands = [c for c in self._commands if c[0] not in ("add", "update", "call")]
+            updates = [c[2] for c in self._commands if c[0] == "call"]
+            self._commands = [c for c in self._commands if c[0] not in ("add", "call")]
             self._held = []
         for future in updates:
             future.set_exception(EngineDead(f"the engine stopped before the weight update (or call): {error}"))
