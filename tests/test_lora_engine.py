@@ -104,6 +104,37 @@ def test_load_and_unload_never_compile(llm, tmp_path):
     assert "ko_copy" not in llm.engine.lora_names()
 
 
+def test_update_adapter_in_place_no_compile_and_no_stale_prefix(llm, tmp_path):
+    """`update_lora` replaces a loaded adapter's weights in its slot (an RL trainer's update): the next request
+    runs the new weights (another adapter's golden tokens), nothing compiles, the prefix cache does not serve KV
+    of the old weights, and an adapter in use is refused."""
+    ids, keys = _prompts()
+    shutil.copytree(ADAPTERS / "mlp_r2", tmp_path / "rl")
+    rl = LoRARequest("rl", 77, str(tmp_path / "rl"))
+    long = ids[1] + list(range(100, 130))
+    before = llm.generate([ids[1], long], GREEDY, lora_request=rl)
+    _check(before[0], "mlp_r2", keys[1])
+    traces, compiles = llm.engine.runner.step_traces, COMPILES.n
+    llm.engine.update_lora("rl", str(ADAPTERS / "qv_r4"))
+    after = llm.generate([ids[1], long], GREEDY, lora_request=rl)   # the old LoRARequest: same id, new weights
+    assert (llm.engine.runner.step_traces, COMPILES.n) == (traces, compiles)
+    _check(after[0], "qv_r4", keys[1])
+    assert after[1].num_cached_tokens == 0   # the long prompt's pages were computed with the old weights
+    llm.engine.add_request(ids[0], GREEDY, lora_request=rl)
+    with pytest.raises(ValueError, match="used by 1 unfinished request"):
+        llm.engine.update_lora("rl", str(ADAPTERS / "mlp_r2"))
+    while llm.engine.has_unfinished:
+        llm.engine.step()
+    with pytest.raises(ValueError, match="above max_lora_rank=8"):
+        big = tmp_path / "big"
+        shutil.copytree(ADAPTERS / "qv_r4", big)
+        cfg = json.loads((big / "adapter_config.json").read_text())
+        (big / "adapter_config.json").write_text(json.dumps({**cfg, "r": 12}))
+        llm.engine.update_lora("rl", str(big))
+    _check(llm.generate([ids[1]], GREEDY, lora_request=rl)[0], "qv_r4", keys[1])   # unchanged by the failure
+    llm.engine.unload_lora("rl")
+
+
 def test_lora_errors(llm, tmp_path):
     out = llm.generate([[1, 2, 3]], GREEDY, lora_request=LoRARequest("big", 60, str(tmp_path / "big")))[0]
     assert out.finish_reason == "error" and "must be a directory holding adapter_config.json" in out.error
@@ -192,6 +223,12 @@ def test_server_adapters_by_model_name_load_unload_and_errors(llm, tmp_path):
         r = raw.post("/v1/load_lora_adapter", json={"lora_name": "mlp_r2", "lora_path": str(ADAPTERS / "mlp_r2")})
         assert r.status_code == 200, r.text
         complete("mlp_r2", "code")
+        r = raw.post("/v1/load_lora_adapter", json={"lora_name": "mlp_r2", "lora_path": str(ADAPTERS / "ko_r6"),
+                                                    "load_inplace": True})
+        assert r.status_code == 200, r.text
+        complete_as = client.completions.create(model="mlp_r2", prompt=GOLDEN["prompts"]["code"]["ids"],
+                                                max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+        assert complete_as.choices[0].text == tok.decode(GOLDEN["greedy"]["ko_r6"]["code"]["ids"])
         assert raw.post("/v1/unload_lora_adapter", json={"lora_name": "qv_r4"}).status_code == 200
         assert (eng.runner.step_traces, COMPILES.n) == (traces, compiles)
         assert [m.id for m in client.models.list().data] == ["llama", "mlp_r2"]

@@ -498,6 +498,7 @@ class LLMEngine:
             except ValueError as e:
                 return self._fail(req, f"LoRA adapter: {e}")
         req.lora_request = lora_request
+        req.lora_cache_key = None if lora_request is None else self.loras.cache_key(lora_request.lora_int_id)
         try:
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         except Exception as e:  # a tokenizer failure is this request's problem, not the batch's
@@ -572,7 +573,7 @@ class LLMEngine:
             r = Request((req.request_id, i), req.prompt, list(req.prompt_ids), params, self._detokenizer(params),
                         prompt_lp=req.prompt_lp,   # prompt logprobs: computed once (by the leader), shared
                         matcher=req.matcher.copy() if req.matcher is not None else None,   # each its own
-                        lora_request=req.lora_request)
+                        lora_request=req.lora_request, lora_cache_key=req.lora_cache_key)
             self._live_ids.add(r.request_id)
             samples.append(r)
         self._live_samples[req.request_id] = len(samples)
@@ -597,22 +598,40 @@ class LLMEngine:
             raise ValueError("lora_request needs an engine with enable_lora=True (jpa serve --enable-lora)")
         self.loras.add(lora_request)
 
-    def unload_lora(self, name: str) -> LoRARequest:
-        """Forgets the LoRA adapter `name` (vLLM's unload_lora_adapter): host copy and device slot. No compile.
+    def update_lora(self, name: str, path: str) -> LoRARequest:
+        """Replaces loaded LoRA adapter `name`'s weights by the PEFT directory at `path`, in place (its id and
+        device slot kept; no compile): an RL trainer's adapter update. Requests after it run the new weights;
+        the prefix cache never serves KV computed with the old ones.
 
         Raises:
-          ValueError: no such adapter, or unfinished requests still use it.
+          ValueError: no such adapter; unfinished requests still use it; a bad adapter at `path` (nothing changed).
         """
+        req = self._idle_lora(name, "update")
+        new = LoRARequest(req.lora_name, req.lora_int_id, str(path))
+        self.loras.update(new)
+        return new
+
+    def _idle_lora(self, name: str, what: str) -> LoRARequest:
+        """The loaded adapter `name`, which no unfinished request uses (ValueError otherwise)."""
         if self.loras is None:
-            raise ValueError("unloading a LoRA adapter needs an engine with enable_lora=True")
+            raise ValueError(f"to {what} a LoRA adapter the engine needs enable_lora=True")
         req = self.loras.by_name(name)
         if req is None:
             raise ValueError(f"no LoRA adapter named {name!r} is loaded (loaded: {self.lora_names()})")
         users = [r.request_id for r in (*self.scheduler.waiting, *self.scheduler.running.values())
                  if r.lora_request is not None and r.lora_request.lora_int_id == req.lora_int_id]
         if users:
-            raise ValueError(f"LoRA adapter {name!r} is used by {len(users)} unfinished request(s); unload it when "
+            raise ValueError(f"LoRA adapter {name!r} is used by {len(users)} unfinished request(s); {what} it when "
                              f"they finish")
+        return req
+
+    def unload_lora(self, name: str) -> LoRARequest:
+        """Forgets the LoRA adapter `name` (vLLM's unload_lora_adapter): host copy and device slot. No compile.
+
+        Raises:
+          ValueError: no such adapter, or unfinished requests still use it.
+        """
+        req = self._idle_lora(name, "unload")
         self.loras.remove(req.lora_int_id)
         return req
 

@@ -63,23 +63,40 @@ class LoraSlots:
         self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()   # slots, least recent first
         self._installs: list[tuple[int, object]] = []             # (slot, host arrays) to write before the step
         self.loads = 0                                            # adapters written into a slot so far
+        self.versions: dict[int, int] = {}                        # int id -> in-place updates (`update`)
 
     def add(self, req: LoRARequest) -> None:
-        """Reads adapter `req` into host memory (once per int id; a second add with another name or path for the
-        same int id, or the same name under another int id, is a ValueError)."""
+        """Reads adapter `req` into host memory (once per int id: a later add of that id serves the weights loaded,
+        whatever its path says; `update` replaces them). The same int id under another name, or the same name
+        under another int id, is a ValueError."""
         if not isinstance(req, LoRARequest):
             raise ValueError(f"lora_request must be a jpa LoRARequest(lora_name, lora_int_id, lora_path); got "
                              f"{type(req).__name__}")
         have = self.known.get(req.lora_int_id)
         if have is not None:
-            if have[0] != req:
-                raise ValueError(f"lora_int_id {req.lora_int_id} is adapter {have[0].lora_name!r} at "
-                                 f"{have[0].lora_path!r}; got {req.lora_name!r} at {req.lora_path!r}")
+            if have[0].lora_name != req.lora_name:
+                raise ValueError(f"lora_int_id {req.lora_int_id} is adapter {have[0].lora_name!r}; got "
+                                 f"{req.lora_name!r}")
             return
         clash = next((r for r, _ in self.known.values() if r.lora_name == req.lora_name), None)
         if clash is not None:
             raise ValueError(f"LoRA adapter name {req.lora_name!r} is taken by lora_int_id {clash.lora_int_id}")
         self.known[req.lora_int_id] = (req, self._read(req.lora_path))
+
+    def update(self, req: LoRARequest) -> None:
+        """Replaces loaded adapter req.lora_int_id's weights by those at req.lora_path (in place: its slot, if it
+        has one, is rewritten before the next step; its version advances, so the prefix cache never serves KV of
+        the old weights). The caller checks no request uses it. ValueError (nothing changed) for a bad adapter."""
+        arrays = self._read(req.lora_path)
+        self.known[req.lora_int_id] = (req, arrays)
+        self.versions[req.lora_int_id] = self.versions.get(req.lora_int_id, 0) + 1
+        slot = self.slot_of(req.lora_int_id)
+        if slot >= 0:
+            self._installs = [(s, a) for s, a in self._installs if s != slot] + [(slot, arrays)]
+
+    def cache_key(self, int_id: int):
+        """The prefix cache's key root of KV computed with adapter int_id's current weights."""
+        return int_id, self.versions.get(int_id, 0)
 
     def by_name(self, name: str) -> LoRARequest | None:
         return next((r for r, _ in self.known.values() if r.lora_name == name), None)

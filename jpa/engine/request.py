@@ -95,6 +95,7 @@ class Request:
     # it while the request holds a decode slot (-1 otherwise).
     lora_request: object = None
     lora_slot: int = -1
+    lora_cache_key: object = None      # the adapter's prefix-cache key root (its id and weights' version)
 
     @property
     def needs_prompt_logprobs(self) -> bool:

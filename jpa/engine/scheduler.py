@@ -90,8 +90,9 @@ from jpa.kv.pages import pages_for_tokens
 
 
 def _lora_salt(req: Request):
-    """The prefix cache's key root of a request's KV: its LoRA adapter's int id (None: the base model)."""
-    return None if req.lora_request is None else req.lora_request.lora_int_id
+    """The prefix cache's key root of a request's KV: its LoRA adapter's id and weights' version
+    (`jpa.engine.lora.LoraSlots.cache_key`; None: the base model)."""
+    return None if req.lora_request is None else req.lora_cache_key
 
 
 @dataclasses.dataclass(frozen=True)

@@ -386,25 +386,26 @@ class _API:
         return v
 
     async def load_lora(self, body):
-        """POST /v1/load_lora_adapter {lora_name, lora_path} (vLLM's): the adapter read on the engine thread
-        between rounds (no compile); 400 naming the rule for a bad adapter (missing or corrupt files, rank above
-        --max-lora-rank, a target the model lacks) or a name already loaded."""
+        """POST /v1/load_lora_adapter {lora_name, lora_path[, load_inplace]} (vLLM's): the adapter read on the
+        engine thread between rounds (no compile); with load_inplace true, a loaded adapter's weights replaced
+        (`LLMEngine.update_lora`). 400 naming the rule for a bad adapter (missing or corrupt files, rank above
+        --max-lora-rank, a target the model lacks), a name already loaded, or an update while requests use it."""
         from jpa.engine.lora import LoRARequest
 
         engine = self._lora_engine()
         name, path = self._name(body, "lora_name"), self._name(body, "lora_path")
+        if body.get("load_inplace") is True and name in self.loras():   # vLLM's in-place update (RL)
+            await self._engine_call(engine, lambda eng: eng.update_lora(name, path), "load_lora_adapter",
+                                    "lora_path", "invalid_lora")
+            return PlainTextResponse(f"Success: LoRA adapter '{name}' updated in place.")
         if name == self.model_name or name in self.loras():
             raise APIError(400, f"the name {name!r} is taken (the base model's or a loaded adapter's)",
                            param="lora_name", code="lora_name_taken")
+
         def load(eng):
             ids = [r.lora_int_id for r, _ in eng.loras.known.values()]
             eng.load_lora(LoRARequest(name, max(ids, default=0) + 1, path))
-        try:
-            await asyncio.to_thread(engine.call, load)
-        except ValueError as e:
-            raise APIError(400, f"load_lora_adapter: {e}", param="lora_path", code="invalid_lora") from None
-        except EngineDead as e:
-            raise APIError(503, str(e), type="server_error", code="engine_unavailable") from None
+        await self._engine_call(engine, load, "load_lora_adapter", "lora_path", "invalid_lora")
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     async def unload_lora(self, body):
@@ -414,13 +415,18 @@ class _API:
         if name not in self.loras():
             raise APIError(404, f"no LoRA adapter named {name!r} is loaded (loaded: {sorted(self.loras())})",
                            param="lora_name", type="not_found_error", code="lora_not_found")
+        await self._engine_call(engine, lambda eng: eng.unload_lora(name), "unload_lora_adapter", "lora_name",
+                                "lora_in_use")
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+    async def _engine_call(self, engine, fn, what: str, param: str, code: str):
+        """fn(LLMEngine) on the engine thread (`AsyncEngine.call`); its ValueError a 400, a dead engine a 503."""
         try:
-            await asyncio.to_thread(engine.call, lambda eng: eng.unload_lora(name))
+            return await asyncio.to_thread(engine.call, fn)
         except ValueError as e:
-            raise APIError(400, f"unload_lora_adapter: {e}", param="lora_name", code="lora_in_use") from None
+            raise APIError(400, f"{what}: {e}", param=param, code=code) from None
         except EngineDead as e:
             raise APIError(503, str(e), type="server_error", code="engine_unavailable") from None
-        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     def note_unknown(self, body, endpoint: str) -> None:
         """Logs each ignored field name once per server (as vLLM warns about ignored fields): the first
