@@ -229,7 +229,10 @@ def _delta(x, rows, safe, a, b, method):
         h = jnp.take_along_axis(h, safe[:, None, None], axis=1)[:, 0]
         y = jnp.einsum("Mr,Mro->Mo", h.astype(b.dtype), b[safe], preferred_element_type=jnp.float32)
     else:
-        h = jax.lax.ragged_dot(x[rows.order], a, rows.sizes, preferred_element_type=jnp.float32)
-        ys = jax.lax.ragged_dot(h.astype(b.dtype), b, rows.sizes, preferred_element_type=jnp.float32)
+        # Under an explicit mesh (a deviceless compile's abstract one) ragged_dot has no sharding rule: its
+        # output is whole (LoRA runs on one device).
+        kw = {} if jax.sharding.get_abstract_mesh().empty else dict(out_sharding=jax.sharding.PartitionSpec())
+        h = jax.lax.ragged_dot(x[rows.order], a, rows.sizes, preferred_element_type=jnp.float32, **kw)
+        ys = jax.lax.ragged_dot(h.astype(b.dtype), b, rows.sizes, preferred_element_type=jnp.float32, **kw)
         y = jnp.zeros_like(ys).at[rows.order].set(ys)
     return jnp.where(rows.live[:, None], y, 0.0)
