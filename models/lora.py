@@ -20,8 +20,9 @@ The LoRA matmuls for a per-row index (`lora_delta`) come in three forms, `LORA_M
 - "gather": each row's A and B gathered ([rows, in, r]) and multiplied row by row;
 - "ragged": rows sorted by slot and `jax.lax.ragged_dot` over the groups (the Punica-style grouped form:
   each active adapter's weights read once), unsorted after;
-- "dense": every row through every slot's A (x @ A_all, [rows, max_loras, r]), the row's own slot kept,
-  then B per row as in "gather".
+- "dense": two GEMMs over every slot: x @ A_all ([rows, max_loras, r]), the other slots' columns zeroed,
+  then @ B_all (each slot's A and B read once, no gather, sort or scatter; the extra multiply-adds,
+  max_loras x r per row, are small beside the base linear's).
 scripts/bench_lora.py measures them (BENCHMARKS.md); `DEFAULT_METHOD` is the cheapest on a CPU.
 """
 
@@ -40,7 +41,7 @@ from jpa.models.config import ModelConfig
 TARGETS = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo", "gate_proj": "w_gate",
            "up_proj": "w_up", "down_proj": "w_down"}
 LORA_METHODS = ("gather", "ragged", "dense")
-DEFAULT_METHOD = "ragged"
+DEFAULT_METHOD = "dense"
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 
 
@@ -224,10 +225,11 @@ def _delta(x, rows, safe, a, b, method):
     if method == "gather":
         h = jnp.einsum("Mi,Mir->Mr", x, a[safe], preferred_element_type=jnp.float32)
         y = jnp.einsum("Mr,Mro->Mo", h.astype(b.dtype), b[safe], preferred_element_type=jnp.float32)
-    elif method == "dense":
+    elif method == "dense":   # two GEMMs over every slot's A and B, each read once; other slots' terms masked
         h = jnp.einsum("Mi,Nir->MNr", x, a, preferred_element_type=jnp.float32)
-        h = jnp.take_along_axis(h, safe[:, None, None], axis=1)[:, 0]
-        y = jnp.einsum("Mr,Mro->Mo", h.astype(b.dtype), b[safe], preferred_element_type=jnp.float32)
+        mine = rows.index[:, None] == jnp.arange(a.shape[0], dtype=rows.index.dtype)[None, :]   # bool[M, N]
+        h = jnp.where(mine[:, :, None], h, 0.0).astype(b.dtype)
+        return jnp.einsum("MNr,Nro->Mo", h, b, preferred_element_type=jnp.float32)   # rows with no slot: zeros
     else:
         # Under an explicit mesh (a deviceless compile's abstract one) ragged_dot has no sharding rule: its
         # output is whole (LoRA runs on one device).
