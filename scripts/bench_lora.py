@@ -39,7 +39,6 @@ import numpy as np  # noqa: E402
 
 from jpa.models import lora  # noqa: E402
 
-TARGETS = list(lora.TARGETS)
 
 
 def bench_methods(repeats: int) -> None:
