@@ -213,7 +213,7 @@ def test_server_adapters_by_model_name_load_unload_and_errors(llm, tmp_path):
             r = client.completions.create(model=model, prompt=GOLDEN["prompts"][key_]["ids"], max_tokens=8,
                                           temperature=0, logprobs=1, extra_body={"ignore_eos": True})
             g = GOLDEN["greedy"][model if model != "llama" else "base"][key_]
-            assert r.choices[0].text == tok.decode(g["ids"]), model
+            assert r.choices[0].text == tok.decode(g["ids"]) and r.model == model, model
             np.testing.assert_allclose(r.choices[0].logprobs.token_logprobs, g["logprobs"], atol=TOL)
 
         assert [m.id for m in client.models.list().data] == ["llama", "qv_r4"]

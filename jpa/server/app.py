@@ -1079,7 +1079,8 @@ class _Format:
         return ct.feed(ids, lps, new_text, reason is not None)
 
     def _head(self, obj: str) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.api.model_name}
+        # the name the request gave, checked (`check_model`): the served model's, or a LoRA adapter's (as vLLM)
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.body.model}
 
     def response(self, choices: list, usage: dict, outs=()) -> dict:
         return {**self._head(self.OBJECT), "choices": choices, "usage": usage}
