@@ -28,11 +28,12 @@ from jpa.ops.decode import paged_decode, resolve_decode_impl
 from jpa.ops.prefill import paged_prefill
 from jpa.ops.ragged import ragged_paged_attention
 
-__all__ = ["LLM", "CacheConfig", "EngineArgs", "KVCache", "SamplingParams", "copy_pages", "pages", "paged_decode",
+__all__ = ["LLM", "CacheConfig", "EngineArgs", "KVCache", "LoRARequest", "SamplingParams", "copy_pages", "pages", "paged_decode",
            "paged_prefill", "ragged_paged_attention", "resolve_decode_impl", "write_kv"]
 __version__ = "0.1.0"
 
-_LAZY = {"LLM": "jpa.llm", "SamplingParams": "jpa.engine.sampling", "EngineArgs": "jpa.args"}
+_LAZY = {"LLM": "jpa.llm", "SamplingParams": "jpa.engine.sampling", "EngineArgs": "jpa.args",
+         "LoRARequest": "jpa.engine.lora"}
 
 
 def __getattr__(name):

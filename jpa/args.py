@@ -78,6 +78,9 @@ class EngineArgs:
     kv_offload_memory: float = 0.0
     batch_invariant: bool = False
     step_shapes: str = "ladder"
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     @staticmethod
     def add_cli_args(ap: argparse.ArgumentParser, *, steps_per_call: int = 8,
@@ -132,6 +135,11 @@ class EngineArgs:
                         "--max-num-batched-tokens; each round runs the smallest that holds it, the others compile "
                         "in the background), off (one shape: every round computes --max-seqs rows), or "
                         f"rows:tokens pairs, e.g. 1:16,4:64 (default {step_shapes})")
+        ap.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT directories; "
+                        "docs/lora.md): each request may run its own adapter, many in one batch")
+        ap.add_argument("--max-loras", type=int, default=1, help="LoRA adapters on the device at once (default 1); "
+                        "more wait in host memory and swap in, least recently used first")
+        ap.add_argument("--max-lora-rank", type=int, default=16, help="largest LoRA rank served (default 16)")
         ap.add_argument("--no-compile-cache", action="store_true", help="do not use JAX's persistent "
                         "compilation cache ($JPA_CACHE_DIR/xla, default ~/.cache/jpa/xla)")
 
@@ -147,7 +155,7 @@ class EngineArgs:
         extra_counts: more {flag name: value} that must be >= 1 (a command's own flags)."""
         counts = dict(page_size=self.page_size, max_seqs=self.max_seqs, max_model_len=self.max_model_len,
                       steps_per_call=self.steps_per_call, max_num_batched_tokens=self.max_num_batched_tokens,
-                      tp=self.tp, **(extra_counts or {}))
+                      tp=self.tp, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank, **(extra_counts or {}))
         for name, v in counts.items():
             if v < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 1; got {v}")
@@ -207,7 +215,8 @@ class EngineArgs:
                                 speculative=self.speculative_config, tensor_parallel=self.tp,
                                 peer_timeout=self.peer_timeout,
                                 kv_offload_bytes=int(self.kv_offload_memory * 2 ** 30),
-                                batch_invariant=self.batch_invariant,
+                                batch_invariant=self.batch_invariant, enable_lora=self.enable_lora,
+                                max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
                                 step_shapes=step_shapes("off" if self.batch_invariant else self.step_shapes), **extra)
         except ValueError as e:
             raise UsageError(str(e)) from None

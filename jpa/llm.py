@@ -118,7 +118,7 @@ class LLM:
         self.engine = build_engine(model, tokenizer, config, draft_model=draft)
         self.tokenizer = tokenizer
 
-    def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = False) -> list:
+    def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = False, lora_request=None) -> list:
         """Runs prompts to completion with continuous batching.
 
         Args:
@@ -127,6 +127,8 @@ class LLM:
             per prompt, or None for `SamplingParams()`. Each request samples with its own
             params' seed: equal prompts with equal params give equal completions.
           use_tqdm: show a progress bar on stderr.
+          lora_request: a `jpa.LoRARequest(name, int_id, path)` for all prompts, or a list with one per prompt
+            (None entries: the base model); the LLM needs enable_lora=True (docs/lora.md).
 
         Returns:
           One `jpa.engine.RequestOutput` per prompt, in order: vLLM's `.outputs[j].text` /
@@ -137,7 +139,7 @@ class LLM:
         """
         if isinstance(prompts, str):
             prompts = [prompts]
-        outs = self.engine.generate(list(prompts), sampling_params, progress=use_tqdm)
+        outs = self.engine.generate(list(prompts), sampling_params, progress=use_tqdm, lora_request=lora_request)
         return [RequestOutput.with_samples(o) if isinstance(o, list) else o for o in outs]
 
     def chat(self, messages, sampling_params=None, *, use_tqdm: bool = False) -> list:

@@ -7,6 +7,7 @@ back inside the engine's jit, so the weights are jit arguments, not constants.
 
 from flax import nnx
 
+from jpa.models import lora
 from jpa.models.gpt import GPT, cache_spec, decode, prefill, ragged, ragged_hidden, set_embeddings_layout, tied_head_served
 
 
@@ -17,11 +18,12 @@ class GPTForEngine:
       model: the GPT.
       mesh: None (one device), or the tensor-parallel mesh the model's params are already placed
         on (use `shard(mesh)`, which plans heads and places params, rather than passing it here).
+      lora_method: how the LoRA matmuls of a step group their rows (`models.lora.LORA_METHODS`).
       **decode_options: keyword arguments passed on to every `models.decode` call (for options
         that models.decode accepts, e.g. an attention backend).
     """
 
-    def __init__(self, model: GPT, *, mesh=None, **decode_options):
+    def __init__(self, model: GPT, *, mesh=None, lora_method: str = lora.DEFAULT_METHOD, **decode_options):
         if not isinstance(model, GPT):
             raise ValueError(f"model must be a models.GPT; got {type(model).__name__}")
         if mesh is None and tied_head_served(model):
@@ -34,6 +36,9 @@ class GPTForEngine:
         self.graphdef, self.params = nnx.split(model)
         self.mesh = mesh
         self.head_plan = None
+        self.lora_method = lora_method
+        if self.lora_method not in lora.LORA_METHODS:
+            raise ValueError(f"lora_method must be one of {lora.LORA_METHODS}; got {self.lora_method!r}")
         self.decode_options = dict(decode_options)
 
     def shard(self, mesh, **options) -> "GPTForEngine":
@@ -43,7 +48,7 @@ class GPTForEngine:
         from jpa.models import sharding
 
         gpt, plan = sharding.shard(nnx.merge(self.graphdef, self.params), mesh, **options)  # table in rows
-        out = GPTForEngine(gpt, mesh=mesh, **self.decode_options)
+        out = GPTForEngine(gpt, mesh=mesh, lora_method=self.lora_method, **self.decode_options)
         out.head_plan = plan
         return out
 
@@ -56,23 +61,39 @@ class GPTForEngine:
         model = nnx.merge(self.graphdef, params)
         return prefill(model, cache, tokens, start, chunk_lens, slot_mapping, block_tables, mesh=self.mesh)
 
-    def decode(self, params, cache, tokens, seq_lens, slot_mapping, block_tables, *, impl="auto"):
+    def decode(self, params, cache, tokens, seq_lens, slot_mapping, block_tables, *, impl="auto", lora=None):
         model = nnx.merge(self.graphdef, params)
         return decode(model, cache, tokens, seq_lens, slot_mapping, block_tables, impl=impl, mesh=self.mesh,
-                      **self.decode_options)
+                      lora=self._lora(lora), **self.decode_options)
 
     def ragged(self, params, cache, tokens, positions, slot_mapping, block_tables, seq_lens, cu_q_lens, num_seqs,
-               *, impl="auto"):
+               *, impl="auto", lora=None):
         model = nnx.merge(self.graphdef, params)
         return ragged(model, cache, tokens, positions, slot_mapping, block_tables, seq_lens, cu_q_lens, num_seqs,
-                      impl=impl, mesh=self.mesh)
+                      impl=impl, mesh=self.mesh, lora=self._lora(lora))
 
     def ragged_hidden(self, params, cache, tokens, positions, slot_mapping, block_tables, seq_lens, cu_q_lens,
-                      num_seqs, *, impl="auto"):
+                      num_seqs, *, impl="auto", lora=None):
         """EngineModel's optional pair, with `head`: `ragged` as (hidden f32[T, d_model], cache)."""
         model = nnx.merge(self.graphdef, params)
         return ragged_hidden(model, cache, tokens, positions, slot_mapping, block_tables, seq_lens, cu_q_lens,
-                             num_seqs, impl=impl, mesh=self.mesh)
+                             num_seqs, impl=impl, mesh=self.mesh, lora=self._lora(lora))
+
+    def lora_slots(self, max_loras: int, max_lora_rank: int):
+        """EngineModel's optional LoRA pair, with `read_lora`: the stacked adapter slots on the device, all
+        empty (`models.lora.empty_slots`: {name: {"a": [max_loras, L, in, R], "b": [max_loras, L, R, out]}})."""
+        if self.mesh is not None:
+            raise ValueError("LoRA adapters need tensor_parallel=1")
+        return lora.empty_slots(self.config, max_loras, max_lora_rank, self.dtype)
+
+    def read_lora(self, path, max_lora_rank: int):
+        """One PEFT adapter directory as the host arrays of one slot (`models.lora.read_adapter`; ValueError
+        for a bad directory, a rank above max_lora_rank or a target this model lacks)."""
+        return lora.read_adapter(path, self.config, max_lora_rank, self.dtype)
+
+    def _lora(self, pair):
+        """The engine's lora=(slots, index) with this model's `lora_method`."""
+        return None if pair is None else (*pair, self.lora_method)
 
     def head(self, params, hidden):
         """hidden f32[..., d_model] -> logits f32[..., vocab] (final norm and output layer)."""

@@ -63,6 +63,7 @@ from jpa.core.sharding import HEADS, HEADS_T, REPLICATED, STACKED_POOL, TP, head
 from jpa.models.config import ModelConfig
 from jpa.models.linear import (DENSE, MXFP4, QUANT_AXIS, SCALED, Packed, _v, format_of, formats, set_format,
                                unpermute_rows)
+from jpa.models.lora import DEFAULT_METHOD, lora_delta, lora_rows
 from jpa.models.moe import moe_ffn
 from jpa.models.partition import RULES
 
@@ -376,16 +377,24 @@ class Block(nnx.Module):
         if quantization is not None:
             _quantize_params(self, quantization)
 
-    def _linear(self, x, name, bias=None, layer=None, mesh=None):
+    def _linear(self, x, name, bias=None, layer=None, mesh=None, lora=None):
         """x @ self.<name> (+ self.<bias> when the model has it) in the weight's recorded format
         (models.linear). layer: the layer index when `_run` kept this block's quantized weights stacked
         (`stacked_packed`: those whose codes here still have the layer axis): they are read by the Mosaic
         matmul (`jpa.ops.qmatmul`) from the stack. mesh: the tensor-parallel mesh those stacked weights are
-        sharded on (`models.linear.tp_matmul`: each device's shard), or None."""
+        sharded on (`models.linear.tp_matmul`: each device's shard), or None. lora: None, or (the adapter slots
+        of every layer, this layer's index, the rows' `models.lora.LoraRows` in B x T order, method): the rows'
+        LoRA term is added (`models.lora.lora_delta`, which slices this layer's A and B where it runs)."""
         kernel = layer is not None and getattr(self, name).get_value().ndim == 3
-        return format_of(self, name).apply(self, name, x, None if bias is None else self._bias(bias),
-                                           dtype=self.dtype, out_dtype=matmul_out_dtype(self.dtype),
-                                           kernel=kernel, layer=layer, mesh=mesh)
+        y = format_of(self, name).apply(self, name, x, None if bias is None else self._bias(bias),
+                                        dtype=self.dtype, out_dtype=matmul_out_dtype(self.dtype),
+                                        kernel=kernel, layer=layer, mesh=mesh)
+        if lora is not None and name in lora[0]:
+            slots, layer_index, rows, method = lora
+            w = slots[name]
+            delta = lora_delta(x.reshape(-1, x.shape[-1]), rows, w["a"], w["b"], method, layer_index)
+            y = y + delta.reshape(y.shape)
+        return y
 
     def _norm(self, x, scale, bias_name=None):
         if self.config.family == "gpt2":
@@ -395,16 +404,16 @@ class Block(nnx.Module):
     def _bias(self, name):
         return getattr(self, name, None)
 
-    def qkv(self, x, positions, layer=None, mesh=None):
+    def qkv(self, x, positions, layer=None, mesh=None, lora=None):
         """x f32[B, T, d_model], positions i32[B, T] -> q f32[B, T, N, H], k, v f32[B, T, K, H].
         layer: i32[] this block's layer when its packed weights are kept stacked (`_linear`); mesh: the
-        tensor-parallel mesh they are sharded on, or None."""
+        tensor-parallel mesh they are sharded on, or None. lora: as `_linear`."""
         c = self.config
         batch, num_tokens, _ = x.shape
         h = self._norm(x, self.attn_norm, "attn_norm_bias")
-        q = self._linear(h, "wq", "bq", layer, mesh).reshape(batch, num_tokens, c.num_q_heads, c.head_dim)
-        k = self._linear(h, "wk", "bk", layer, mesh).reshape(batch, num_tokens, c.num_kv_heads, c.head_dim)
-        v = self._linear(h, "wv", "bv", layer, mesh).reshape(batch, num_tokens, c.num_kv_heads, c.head_dim)
+        q = self._linear(h, "wq", "bq", layer, mesh, lora).reshape(batch, num_tokens, c.num_q_heads, c.head_dim)
+        k = self._linear(h, "wk", "bk", layer, mesh, lora).reshape(batch, num_tokens, c.num_kv_heads, c.head_dim)
+        v = self._linear(h, "wv", "bv", layer, mesh, lora).reshape(batch, num_tokens, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
         if c.family == "llama":
@@ -417,14 +426,14 @@ class Block(nnx.Module):
         """f32[N] attention sinks of this layer (gpt-oss), or None."""
         return self.sinks[...].astype(jnp.float32) if self.config.attn_sinks else None
 
-    def finish(self, x, attn, layer=None, experts=None, mesh=None):
+    def finish(self, x, attn, layer=None, experts=None, mesh=None, lora=None):
         """x f32[B, T, d_model], attn [B, T, N, H] -> x f32[B, T, d_model] after both residuals.
-        layer, mesh: as `qkv`. experts: None, or (mesh, layout) of a tensor-parallel mixture of experts
+        layer, mesh, lora: as `qkv`. experts: None, or (mesh, layout) of a tensor-parallel mixture of experts
         (models.moe.expert_parallel)."""
         c = self.config
         batch, num_tokens = attn.shape[:2]
         attn = attn.reshape(batch, num_tokens, c.num_q_heads * c.head_dim)  # [B, T, N * H]
-        h = self._linear(attn, "wo", "bo", layer, mesh)
+        h = self._linear(attn, "wo", "bo", layer, mesh, lora)
         x = x + (self._norm(h, self.post_attn_norm) if c.post_norms else h)
         h = self._norm(x, self.ffn_norm, "ffn_norm_bias")
         if c.num_experts:
@@ -436,7 +445,7 @@ class Block(nnx.Module):
                         router_bias=self.router_bias[...] if c.router_bias else None,
                         biases=biases, parallel=experts).reshape(batch, num_tokens, c.d_model)
             return x + (self._norm(h, self.post_ffn_norm) if c.post_norms else h)
-        lin = lambda h, name, bias=None: self._linear(h, name, bias, layer, mesh)
+        lin = lambda h, name, bias=None: self._linear(h, name, bias, layer, mesh, lora)
         if c.family == "gpt2":
             h = jax.nn.gelu(lin(h, "w_up", "b_up"), approximate=True)
         elif c.mlp_activation == "gelu_tanh":
@@ -868,7 +877,22 @@ def _embedding_rows(model: GPT):
     return format_of(model, "tok_embeddings").dequantize(model, "tok_embeddings", axis=-2).T.astype(jnp.float32)
 
 
-def _run(model: GPT, tokens, positions, attend, state, mesh=None, stack_packed: bool = False):
+def _check_lora(lora, index_shape):
+    """The (slots, index, method) `_run` takes from a public entry point's lora=(slots, index) (None: None)."""
+    if lora is None:
+        return None
+    if not isinstance(lora, tuple) or len(lora) not in (2, 3):
+        raise ValueError("lora must be None or (slots, index[, method]): the adapter slots of models.lora.empty_slots "
+                         f"and each row's slot index (-1: none); got {type(lora).__name__}")
+    slots, index, *method = lora
+    shape = tuple(getattr(index, "shape", ()))
+    if shape not in (tuple(index_shape), (int(np.prod(index_shape)),)):
+        raise ValueError(f"lora's index must have shape i32{list(index_shape)} (one slot per row); got {list(shape)}")
+    max_loras = jax.tree_util.tree_leaves(slots)[0].shape[0]
+    return slots, lora_rows(index, max_loras), method[0] if method else DEFAULT_METHOD
+
+
+def _run(model: GPT, tokens, positions, attend, state, mesh=None, stack_packed: bool = False, lora=None):
     """Embeds, runs every block in a scan over the layers, returns (x, state).
 
     attend(r, layer, q, k, v, state, sinks) -> (attn, state): r the static position of the layer in
@@ -878,7 +902,9 @@ def _run(model: GPT, tokens, positions, attend, state, mesh=None, stack_packed: 
     runs its experts in the layout models.sharding gave them, `GPT.expert_layout`), or None.
     stack_packed: the packed weights of `stacked_packed` stay out of the scanned slices and each
     layer reads them stacked (the engine's steps; under a tensor-parallel mesh each device's shard,
-    `models.linear.tp_matmul`); False: every weight is sliced per layer.
+    `models.linear.tp_matmul`); False: every weight is sliced per layer. lora: None, or (slots, index
+    LoraRows, method) (`_check_lora`: the rows' grouping computed once for every layer): each layer adds its
+    rows' LoRA terms (`Block._linear`).
     """
     c = model.config
     layout = getattr(model, "expert_layout", None)  # None on one device (and on a 1-device mesh)
@@ -901,9 +927,10 @@ def _run(model: GPT, tokens, positions, attend, state, mesh=None, stack_packed: 
             p = group if period == 1 else jax.tree.map(lambda a: a[r], group)
             block = nnx.merge(graphdef, nnx.State({**p, **kept}) if kept else p)
             layer = g * period + r if kept else None
-            q, k, v = block.qkv(x, positions, layer, mesh)
+            lo = None if lora is None else (lora[0], g * period + r, lora[1], lora[2])
+            q, k, v = block.qkv(x, positions, layer, mesh, lo)
             attn, state = attend(r, g * period + r, q, k, v, state, block.attn_sinks())
-            x = block.finish(x, attn, layer, experts, mesh)
+            x = block.finish(x, attn, layer, experts, mesh, lo)
         return (x, state), None
 
     (x, state), _ = jax.lax.scan(body, (x, state), (grouped, jnp.arange(groups, dtype=jnp.int32)))
@@ -935,12 +962,14 @@ def _check_int(name, x, shape, doc):
         raise ValueError(f"{name} must have dtype int32; got {np.dtype(x.dtype).name}")
 
 
-def forward_dense(model: GPT, tokens):
+def forward_dense(model: GPT, tokens, lora=None):
     """The network without a cache: causal attention over `tokens`, positions 0..T-1.
 
     Args:
       model: the GPT.
       tokens: i32[B, T].
+      lora: None, or (slots, index i32[B, T][, method]): LoRA adapters (models.lora.empty_slots) and each
+        row's slot (-1: the base model).
 
     Returns:
       f32[B, T, vocab] logits at every position (right padding does not change earlier positions).
@@ -971,7 +1000,7 @@ def forward_dense(model: GPT, tokens):
         out = jnp.einsum("BKGTS,BSKH->BTKGH", p, v)
         return out.reshape(batch, num_tokens, c.num_q_heads, c.head_dim).astype(model.dtype), state
 
-    x, _ = _run(model, tokens, positions, attend, None)
+    x, _ = _run(model, tokens, positions, attend, None, lora=_check_lora(lora, tokens.shape))
     return model.logits(x)
 
 
@@ -1039,7 +1068,7 @@ def prefill(model: GPT, cache: KVCache, tokens, start, chunk_lens, slot_mapping,
 
 
 def decode(model: GPT, cache: KVCache, tokens, seq_lens, slot_mapping, block_tables, *, impl="auto",
-           mesh=None):
+           mesh=None, lora=None):
     """One decode step: a new token per sequence, its K/V written first, then paged attention.
 
     Args:
@@ -1054,6 +1083,7 @@ def decode(model: GPT, cache: KVCache, tokens, seq_lens, slot_mapping, block_tab
         passes its `attention_impl` as given. With "auto", `jpa.paged_decode` picks the kernel while
         this step is traced, for the device it is compiled for and these exact shapes.
       mesh: as `prefill` (tensor parallelism; the kernel then runs on each device's heads).
+      lora: None, or (slots, index i32[B][, method]): LoRA adapter slots (models.lora) and each sequence's.
 
     Returns:
       (logits f32[B, vocab] (finite garbage for inactive slots), the updated cache).
@@ -1084,13 +1114,14 @@ def decode(model: GPT, cache: KVCache, tokens, seq_lens, slot_mapping, block_tab
                           seq_lens, layer, sinks)
         return out[:, None], pools
 
-    x, pools = _run(model, tokens[:, None], positions, attend, cache.pools(), mesh, stack_packed=True)
+    x, pools = _run(model, tokens[:, None], positions, attend, cache.pools(), mesh, stack_packed=True,
+                    lora=_check_lora(lora, (batch, 1)))
     cache = cache.replace_pools(*pools)
     return model.logits(x[:, 0], mesh), cache
 
 
 def ragged(model: GPT, cache: KVCache, tokens, positions, slot_mapping, block_tables, seq_lens, cu_q_lens,
-           num_seqs, *, impl="auto", mesh=None):
+           num_seqs, *, impl="auto", mesh=None, lora=None):
     """A ragged batch (prefill chunks and decode tokens back to back) through the model and the cache.
 
     `ragged_hidden` (same arguments), then the head at each sequence's last row.
@@ -1100,13 +1131,13 @@ def ragged(model: GPT, cache: KVCache, tokens, positions, slot_mapping, block_ta
        num_seqs and for empty sequences), the updated cache).
     """
     x, cache = ragged_hidden(model, cache, tokens, positions, slot_mapping, block_tables, seq_lens, cu_q_lens,
-                             num_seqs, impl=impl, mesh=mesh)
+                             num_seqs, impl=impl, mesh=mesh, lora=lora)
     last = jnp.clip(cu_q_lens[1:] - 1, 0, x.shape[0] - 1)  # i32[max_num_seqs]
     return model.logits(x[last], mesh), cache
 
 
 def ragged_hidden(model: GPT, cache: KVCache, tokens, positions, slot_mapping, block_tables, seq_lens, cu_q_lens,
-                  num_seqs, *, impl="auto", mesh=None):
+                  num_seqs, *, impl="auto", mesh=None, lora=None):
     """`ragged` without the head: the final hidden rows of every token (`model.logits` of a row is
     its logits; prompt logprobs need them at every prompt row, not only the last).
 
@@ -1126,6 +1157,8 @@ def ragged_hidden(model: GPT, cache: KVCache, tokens, positions, slot_mapping, b
       num_seqs: i32[] live sequences; rows past cu_q_lens[num_seqs] are padding.
       impl: the `jpa.ragged_paged_attention` implementation ("auto", "xla", "triton", "mosaic").
       mesh: as `prefill` (tensor parallelism).
+      lora: None, or (slots, index i32[T][, method]): LoRA adapter slots (models.lora) and each row's slot
+        (-1: the base model).
 
     Returns:
       (hidden f32[T, d_model] of every row before the final norm (finite garbage for padding
@@ -1160,5 +1193,6 @@ def ragged_hidden(model: GPT, cache: KVCache, tokens, positions, slot_mapping, b
                           cu_q_lens, num_seqs, layer, sinks)
         return out[None], pools
 
-    x, pools = _run(model, tokens[None], positions[None], attend, cache.pools(), mesh, stack_packed=True)
+    x, pools = _run(model, tokens[None], positions[None], attend, cache.pools(), mesh, stack_packed=True,
+                    lora=_check_lora(lora, (1, num_tokens)))
     return x[0], cache.replace_pools(*pools)

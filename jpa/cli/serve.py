@@ -76,6 +76,8 @@ def parse_args(argv=None):
                     "flight beyond which new requests get 503 (default 1024)")
     ap.add_argument("--allowed-origins", default=None, help="origins browsers may call the API from (CORS): "
                     "comma-separated or a JSON list, '*' for any (default: none, no CORS headers)")
+    ap.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH", help="LoRA adapters to serve "
+                    "from the start (with --enable-lora): a request's `model` names one (PEFT adapter directories)")
     ap.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                     help="uvicorn's log level (default warning: no line per request)")
     args = ap.parse_args(argv)
@@ -95,6 +97,7 @@ def check_args(args):
     if not 0 <= args.shutdown_timeout < float("inf"):
         raise UsageError(f"--shutdown-timeout must be a number of seconds >= 0; got {args.shutdown_timeout}")
     args.allowed_origins = parse_origins(args.allowed_origins)
+    args.lora_modules = parse_lora_modules(args.lora_modules, args.engine.enable_lora)
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in [0, 65535]; got {args.port}")
     if args.api_key is not None and not args.api_key:
@@ -122,6 +125,24 @@ def parse_origins(value: str | None) -> list[str]:
     if not origins:
         raise UsageError("--allowed-origins must name at least one origin (or '*')")
     return origins
+
+
+def parse_lora_modules(values, enabled: bool) -> list[tuple[str, str]]:
+    """[(name, path)] of --lora-modules NAME=PATH ... (UsageError for another form, a name given twice, or
+    adapters without --enable-lora)."""
+    if not values:
+        return []
+    if not enabled:
+        raise UsageError("--lora-modules needs --enable-lora")
+    out = []
+    for v in values:
+        name, sep, path = v.partition("=")
+        if not sep or not name or not path:
+            raise UsageError(f"--lora-modules takes NAME=PATH pairs; got {v!r}")
+        if name in dict(out):
+            raise UsageError(f"--lora-modules names {name!r} twice")
+        out.append((name, path))
+    return out
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -244,6 +265,14 @@ class _Loader:
         t0 = time.perf_counter()
         engine, tok = build_engine(args)
         self.engine = engine
+        if args.lora_modules:
+            from jpa.engine import LoRARequest
+
+            for i, (name, path) in enumerate(args.lora_modules):
+                try:
+                    engine.load_lora(LoRARequest(name, i + 1, path))
+                except ValueError as e:
+                    raise UsageError(f"--lora-modules {name}={path}: {e}") from None
         if not args.no_warmup:  # compile the engine's program (the unified step) before the first client waits
             engine.generate(["Hello"], SamplingParams(max_new_tokens=2, greedy=True))
         with self._lock:

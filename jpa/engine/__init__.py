@@ -3,6 +3,7 @@
 
 from jpa.engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded, RequestGroup, Snapshot
 from jpa.engine.engine import EngineConfig, EngineStats, LLMEngine
+from jpa.engine.lora import LoRARequest
 from jpa.engine.model import EngineModel, ModelSizes
 from jpa.engine.batch import StepBatch, StepResult
 from jpa.engine.request import Phase, PromptLogprob, Request, RequestOutput, StepOutput
@@ -13,5 +14,5 @@ from jpa.engine.speculative import SpeculativeConfig
 from jpa.engine.structured import StructuredOutputs
 
 __all__ = ["AsyncEngine", "EngineConfig", "EngineDead", "EngineModel", "EngineOverloaded", "EngineShapes", "EngineStats", "LLMEngine",
-           "ModelSizes", "Phase", "PromptLogprob", "Request", "RequestGroup", "RequestOutput", "SamplingParams", "Scheduler",
+           "LoRARequest", "ModelSizes", "Phase", "PromptLogprob", "Request", "RequestGroup", "RequestOutput", "SamplingParams", "Scheduler",
            "SlotParams", "Snapshot", "SpeculativeConfig", "StepBatch", "StepOutput", "StepResult", "StructuredOutputs"]

@@ -195,7 +195,7 @@ class AsyncEngine:
         self.max_waiting = max_waiting
         self.rate_window = rate_window
         self._cv = threading.Condition()
-        self._commands: list[tuple] = []         # ("add", id, prompt, params) | ("abort", id, round)
+        self._commands: list[tuple] = []         # ("add", id, prompt, params, lora), ("abort", id, round), ("call", fn, fut)
         self._streams: dict[object, _Stream] = {}   # unfinished request id -> where its outputs go
         self._num_running = 0                    # as of the latest round (for the overload check)
         self._stopping = False
@@ -253,9 +253,10 @@ class AsyncEngine:
         """Queues requests together: all of them, or (overloaded) none.
 
         Args:
-          requests: list of (prompt, SamplingParams) (prompt: str or list of token ids). A request
-            with SamplingParams.n > 1 is n entries of the group (its samples, in order), computed
-            from one prefill on shared pages (`LLMEngine` parallel sampling).
+          requests: list of (prompt, SamplingParams) or (prompt, SamplingParams, LoRARequest | None)
+            (prompt: str or list of token ids; the LoRA adapter to run it with, `LLMEngine.add_request`).
+            A request with SamplingParams.n > 1 is n entries of the group (its samples, in order),
+            computed from one prefill on shared pages (`LLMEngine` parallel sampling).
           loop: the event loop that will iterate the group (default: the running loop).
 
         Returns:
@@ -266,25 +267,25 @@ class AsyncEngine:
           EngineDead: the engine thread is not running.
         """
         loop = loop or asyncio.get_running_loop()
-        requests = list(requests)
+        requests = [tuple(r) if len(r) == 3 else (*r, None) for r in requests]
         with self._cv:
             if not self.alive or self._stopping:
                 raise EngineDead(f"the engine is not running{f': {self._dead}' if self._dead else ''}")
             waiting = len(self._streams) - self._num_running
-            count = sum(_num_samples(params) for _, params in requests)
+            count = sum(_num_samples(params) for _, params, _ in requests)
             if waiting + count > self.max_waiting:
                 raise EngineOverloaded(f"the server is overloaded: {waiting} requests are waiting (at most "
                                        f"{self.max_waiting}); try again later")
             rids = [f"r{next(self._ids)}" for _ in requests]
             # One stream per sample: a request with n > 1 comes out of the engine as (rid, i).
             ids = [rid if _num_samples(params) == 1 else (rid, i)
-                   for rid, (_, params) in zip(rids, requests) for i in range(_num_samples(params))]
+                   for rid, (_, params, _) in zip(rids, requests) for i in range(_num_samples(params))]
             group = RequestGroup(self, ids, loop)
             for i, sid in enumerate(ids):
                 self._streams[sid] = _Stream(group, i)
             queue = self._held if self._pause is not None else self._commands   # paused: they wait for resume
-            for rid, (prompt, params) in zip(rids, requests):
-                queue.append(("add", rid, prompt, params))
+            for rid, (prompt, params, lora) in zip(rids, requests):
+                queue.append(("add", rid, prompt, params, lora))
             self._cv.notify()
         return group
 
@@ -301,11 +302,17 @@ class AsyncEngine:
     def update_weights(self, weights, timeout: float | None = None) -> int:
         """`LLMEngine.update_weights(weights)` on the engine thread, between two rounds (thread-safe;
         blocks until done). Returns the new weight version; raises its ValueError (nothing changed)."""
+        return self.call(lambda eng: eng.update_weights(weights), timeout)
+
+    def call(self, fn, timeout: float | None = None):
+        """fn(the LLMEngine) on the engine thread, between two rounds (thread-safe; blocks until done):
+        e.g. loading or unloading a LoRA adapter (`LLMEngine.load_lora` / `unload_lora`). Returns what fn
+        returns; raises what it raises."""
         future = concurrent.futures.Future()
         with self._cv:
             if not self.alive or self._stopping:
                 raise EngineDead(f"the engine is not running{f': {self._dead}' if self._dead else ''}")
-            self._commands.append(("update", weights, future))
+            self._commands.append(("call", fn, future))
             self._cv.notify()
         return future.result(timeout)
 
@@ -409,16 +416,16 @@ class AsyncEngine:
 
     def _apply(self, cmd) -> None:
         eng = self.engine
-        if cmd[0] == "update":
-            _, weights, future = cmd
+        if cmd[0] == "call":
+            _, fn, future = cmd
             try:
-                future.set_result(eng.update_weights(weights))
-            except Exception as e:   # the caller's error (a bad tensor): the engine is unchanged
+                future.set_result(fn(eng))
+            except Exception as e:   # the caller's error (a bad tensor or adapter): the engine is unchanged
                 future.set_exception(e)
             self._publish()
         elif cmd[0] == "add":
-            _, rid, prompt, params = cmd
-            req = eng.add_request(prompt, params, request_id=rid)
+            _, rid, prompt, params, lora = cmd
+            req = eng.add_request(prompt, params, request_id=rid, lora_request=lora)
             self._prompt_tokens += len(req.prompt_ids)
         else:
             _, rid, at_round = cmd
@@ -487,10 +494,10 @@ class AsyncEngine:
     def _fail_all(self, error: BaseException) -> None:
         with self._cv:
             streams, self._streams = list(self._streams.values()), {}
-            updates = [c[2] for c in self._commands if c[0] == "update"]
-            self._commands = [c for c in self._commands if c[0] not in ("add", "update")]
+            updates = [c[2] for c in self._commands if c[0] == "call"]
+            self._commands = [c for c in self._commands if c[0] not in ("add", "call")]
             self._held = []
         for future in updates:
-            future.set_exception(EngineDead(f"the engine stopped before the weight update: {error}"))
+            future.set_exception(EngineDead(f"the engine stopped before the weight update (or call): {error}"))
         for group in {id(s.group): s.group for s in streams}.values():
             group._put(error)

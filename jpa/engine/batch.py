@@ -37,6 +37,7 @@ class RaggedRows:
       tokens: i32[T]; the prompt chunks' token ids back to back (decode rows are filled on the device).
       fork_from: i32[B]; for a parallel sample (q_len 0, final, empty slot) the entry whose final
         chunk it forks; -1 elsewhere.
+      lora: i32[B]; the device slot of the entry's LoRA adapter (`jpa.engine.lora`); -1: the base model.
     """
     seq_ids: jax.Array
     q_lens: jax.Array
@@ -44,6 +45,7 @@ class RaggedRows:
     final: jax.Array
     tokens: jax.Array
     fork_from: jax.Array
+    lora: jax.Array
 
 
 @flax.struct.dataclass
@@ -249,7 +251,7 @@ def make_step_batch(plan, shapes, masks=None, shape=None) -> StepBatch:
     col = lambda fill, dt=np.int32: np.full((b,), fill, dt)  # noqa: E731
     seq_ids, q_lens, num_generated, resume = col(-1), col(0), col(0), col(-1)
     decode_row, final = col(False, bool), col(False, bool)
-    hit_tokens, cache_upto, fork_from = col(0), col(0), col(-1)
+    hit_tokens, cache_upto, fork_from, lora = col(0), col(0), col(-1), col(-1)
     hit_tables = np.zeros((b, shapes.pages_per_seq), np.int32)
     tokens = np.zeros((num_tokens,), np.int32)
     targets = np.full((num_tokens,), -1, np.int32)
@@ -260,12 +262,14 @@ def make_step_batch(plan, shapes, masks=None, shape=None) -> StepBatch:
         hit_tokens[i], cache_upto[i] = len(e.hit_pages) * shapes.page_size, e.cache_upto
         hit_tables[i, : len(e.hit_pages)] = e.hit_pages
         fork_from[i] = index[e.fork_of] if e.fork_of >= 0 else -1
+        lora[i] = getattr(e.request, "lora_slot", -1)
         tokens[at: at + len(e.tokens)] = e.tokens
         targets[at: at + len(e.targets)] = e.targets
         at += e.q_len
         if e.final:
             out = e.request.output_ids
-            rows[i] = SlotParams.row(e.request.params, shapes.max_model_len, len(e.request.prompt_ids))
+            rows[i] = SlotParams.row(e.request.params, shapes.max_model_len, len(e.request.prompt_ids),
+                                     getattr(e.request, "lora_slot", -1))
             num_generated[i], resume[i] = len(out), (out[-1] if out else -1)
     release = np.full((shapes.max_seqs,), -1, np.int32)
     release[: len(getattr(plan, "release", ()))] = getattr(plan, "release", ())
@@ -281,7 +285,7 @@ def make_step_batch(plan, shapes, masks=None, shape=None) -> StepBatch:
         allowed[i], constrained[i] = row, True
     return StepBatch(
         rows=RaggedRows(seq_ids=seq_ids, q_lens=q_lens, decode_row=decode_row, final=final, tokens=tokens,
-                        fork_from=fork_from),
+                        fork_from=fork_from, lora=lora),
         pages=PageOps(release=release, evict=evict, hit_tokens=hit_tokens, hit_tables=hit_tables,
                       cache_upto=cache_upto),
         sampling=SamplingInputs(params=SlotParams.from_rows(rows, b), num_generated=num_generated,

@@ -78,6 +78,7 @@ from jpa.kv.offload import HostTier, SwapCost
 from jpa.engine.batch import StepResult, make_step_batch
 from jpa.engine import multihost
 from jpa.engine.detokenizer import IncrementalDetokenizer
+from jpa.engine.lora import LoRARequest, LoraSlots
 from jpa.engine.model import EngineModel, cache_spec_of, check_model, has_hidden
 from jpa.engine.request import Phase, Request, RequestOutput, StepOutput
 from jpa.engine.runner import ModelRunner
@@ -161,6 +162,13 @@ class EngineConfig:
         speculative decoding. Proven on CPU (tests/test_batch_invariant.py); on a GPU the GEMMs'
         algorithm is then fixed per program (one shape), which remains to be checked there
         (scripts/gpu_validate.py).
+      enable_lora: serve LoRA adapters (`jpa.engine.lora`; docs/lora.md): a request names one with
+        `add_request(..., lora_request=LoRARequest(name, int_id, path))`; each row of a step runs its own
+        adapter (or the base model). Needs a model with EngineModel's optional `lora_slots` / `read_lora`
+        (models.GPTForEngine) and tensor_parallel=1.
+      max_loras: adapters on the device at once (vLLM's --max-loras); more wait on the host and swap in,
+        least recently used first.
+      max_lora_rank: the largest adapter rank served (vLLM's --max-lora-rank); every slot is this wide.
     """
     max_seqs: int = 16
     page_size: int = 16
@@ -180,6 +188,9 @@ class EngineConfig:
     kv_offload_bytes: int = 0
     batch_invariant: bool = False
     step_shapes: str | tuple = "off"
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self):
         if self.speculative is not None:
@@ -223,6 +234,15 @@ class EngineConfig:
         if self.batch_invariant and self.step_shapes != "off":
             raise ValueError(f"EngineConfig.batch_invariant needs one compiled step shape (step_shapes='off'); got "
                              f"step_shapes={self.step_shapes!r}")
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"EngineConfig.enable_lora must be a bool; got {self.enable_lora!r}")
+        for name in ("max_loras", "max_lora_rank"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"EngineConfig.{name} must be an int >= 1; got {v!r}")
+        if self.enable_lora and self.tensor_parallel > 1:
+            raise ValueError("EngineConfig.enable_lora needs tensor_parallel=1 (adapters split as their base weights "
+                             "under tensor parallelism are not built yet)")
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"EngineConfig.attention_impl must be one of {ATTENTION_IMPLS}; "
                              f"got {self.attention_impl!r}")
@@ -394,6 +414,16 @@ class LLMEngine:
                                               swap_cost=self.swap_cost,
                                               state_pages=self._state_pages(),
                                               extra_hooks=(RaggedRowsHook,) if config.batch_invariant else ())
+        self.loras = None   # LoRA adapters (`jpa.engine.lora`): the host's record of the device's adapter slots
+        if config.enable_lora:
+            if not (callable(getattr(model, "lora_slots", None)) and callable(getattr(model, "read_lora", None))):
+                raise TypeError(f"EngineConfig.enable_lora needs a model with EngineModel's optional lora_slots() and "
+                                f"read_lora() (models.GPTForEngine has them); {type(model).__name__} lacks them")
+            if self.num_processes > 1:
+                raise ValueError("EngineConfig.enable_lora needs a single process")
+            self.loras = LoraSlots(lambda path: model.read_lora(path, config.max_lora_rank), config.max_loras)
+            self.runner.enable_lora(model.lora_slots(config.max_loras, config.max_lora_rank))
+            self.scheduler.lora = self.loras
         self.stats = EngineStats()
         # Structured outputs: the tokenizer as llguidance reads it, built with the first constrained request.
         self.grammars = Grammars(tokenizer, model.config.vocab_size, self.stop_ids)
@@ -445,7 +475,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
 
     def add_request(self, prompt, params: SamplingParams | dict | None = None, *,
-                    request_id=None) -> Request:
+                    request_id=None, lora_request: LoRARequest | None = None) -> Request:
         """Queues a prompt (text, or a list of token ids) with its SamplingParams (or a dict of them).
 
         Safe between steps. Invalid requests (bad sampling values, empty or too long prompts)
@@ -456,11 +486,21 @@ class LLMEngine:
           prompt: str or list of token ids.
           params: SamplingParams, a dict of its fields, or None for the defaults.
           request_id: any hashable id not used by an unfinished request; default: a counter.
+          lora_request: the LoRA adapter to run it with (`jpa.engine.lora.LoRARequest`; the engine needs
+            enable_lora); None: the base model. Its directory is read on first use (`load_lora`).
 
         Returns:
           The Request (its request_id identifies it in step() outputs and abort()).
+
+        An adapter that cannot be served (a missing or corrupt file, a rank above max_lora_rank, a target the
+        model lacks) finishes the request with finish_reason "error" and the reason, as other invalid requests.
+
+        Raises:
+          ValueError: lora_request on an engine without enable_lora.
         """
         self._leader_only("add_request")
+        if lora_request is not None and self.loras is None:
+            raise ValueError("lora_request needs an engine with enable_lora=True (jpa serve --enable-lora)")
         n = params.get("n", 1) if isinstance(params, dict) else getattr(params, "n", 1)
         taken = lambda rid: rid in self._live_ids or (  # noqa: E731  (its samples' ids too)
             isinstance(n, int) and n > 1 and any((rid, i) in self._live_ids for i in range(n)))
@@ -480,6 +520,13 @@ class LLMEngine:
                 return self._fail(req, f"invalid sampling parameters: {e}")
         req.params = params or SamplingParams()
         req.weight_version = self.weight_version
+        if lora_request is not None:
+            try:
+                self.load_lora(lora_request)
+            except ValueError as e:
+                return self._fail(req, f"LoRA adapter: {e}")
+        req.lora_request = lora_request
+        req.lora_cache_key = None if lora_request is None else self.loras.cache_key(lora_request.lora_int_id)
         try:
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         except Exception as e:  # a tokenizer failure is this request's problem, not the batch's
@@ -553,7 +600,8 @@ class LLMEngine:
             params = dataclasses.replace(req.params, n=1, seed=req.params.seed + i)
             r = Request((req.request_id, i), req.prompt, list(req.prompt_ids), params, self._detokenizer(params),
                         prompt_lp=req.prompt_lp,   # prompt logprobs: computed once (by the leader), shared
-                        matcher=req.matcher.copy() if req.matcher is not None else None)   # each its own
+                        matcher=req.matcher.copy() if req.matcher is not None else None,   # each its own
+                        lora_request=req.lora_request, lora_cache_key=req.lora_cache_key)
             self._live_ids.add(r.request_id)
             samples.append(r)
         self._live_samples[req.request_id] = len(samples)
@@ -564,6 +612,60 @@ class LLMEngine:
             s.leader = leader
         self.scheduler.add(leader)
         return leader
+
+    def load_lora(self, lora_request: LoRARequest) -> None:
+        """Reads a LoRA adapter into host memory (vLLM's load_lora_adapter); it takes a device slot when a
+        request first runs with it. No compile. Idempotent for the same LoRARequest.
+
+        Raises:
+          ValueError: an engine without enable_lora; a name or int id already taken by another adapter; an
+            adapter that cannot be served (missing or corrupt files, rank above max_lora_rank, a target the
+            model lacks), naming the rule.
+        """
+        if self.loras is None:
+            raise ValueError("lora_request needs an engine with enable_lora=True (jpa serve --enable-lora)")
+        self.loras.add(lora_request)
+
+    def update_lora(self, name: str, path: str) -> LoRARequest:
+        """Replaces loaded LoRA adapter `name`'s weights by the PEFT directory at `path`, in place (its id and
+        device slot kept; no compile): an RL trainer's adapter update. Requests after it run the new weights;
+        the prefix cache never serves KV computed with the old ones.
+
+        Raises:
+          ValueError: no such adapter; unfinished requests still use it; a bad adapter at `path` (nothing changed).
+        """
+        req = self._idle_lora(name, "update")
+        new = LoRARequest(req.lora_name, req.lora_int_id, str(path))
+        self.loras.update(new)
+        return new
+
+    def _idle_lora(self, name: str, what: str) -> LoRARequest:
+        """The loaded adapter `name`, which no unfinished request uses (ValueError otherwise)."""
+        if self.loras is None:
+            raise ValueError(f"to {what} a LoRA adapter the engine needs enable_lora=True")
+        req = self.loras.by_name(name)
+        if req is None:
+            raise ValueError(f"no LoRA adapter named {name!r} is loaded (loaded: {self.lora_names()})")
+        users = [r.request_id for r in (*self.scheduler.waiting, *self.scheduler.running.values())
+                 if r.lora_request is not None and r.lora_request.lora_int_id == req.lora_int_id]
+        if users:
+            raise ValueError(f"LoRA adapter {name!r} is used by {len(users)} unfinished request(s); {what} it when "
+                             f"they finish")
+        return req
+
+    def unload_lora(self, name: str) -> LoRARequest:
+        """Forgets the LoRA adapter `name` (vLLM's unload_lora_adapter): host copy and device slot. No compile.
+
+        Raises:
+          ValueError: no such adapter, or unfinished requests still use it.
+        """
+        req = self._idle_lora(name, "unload")
+        self.loras.remove(req.lora_int_id)
+        return req
+
+    def lora_names(self) -> list[str]:
+        """Names of the LoRA adapters loaded (empty without enable_lora)."""
+        return [] if self.loras is None else sorted(r.lora_name for r, _ in self.loras.known.values())
 
     def _fail(self, req: Request, message: str) -> Request:
         req.phase, req.finish_reason, req.error = Phase.FINISHED, "error", message
@@ -680,6 +782,9 @@ class LLMEngine:
         t0, c0 = time.perf_counter(), self.runner.compile_seconds
         swapped = []
         calls = self.runner.step_calls
+        if self.loras is not None:   # adapters this round's admissions brought into device slots
+            for slot, arrays in self.loras.take_installs():
+                self.runner.install_lora(slot, arrays)
         try:
             self._spill(plan)
             self._swap_in(plan, swapped)
@@ -909,7 +1014,7 @@ class LLMEngine:
                 del self._live_samples[group]
                 self._live_ids.discard(group)
 
-    def generate(self, prompts, params=None, *, progress: bool = False) -> list[RequestOutput]:
+    def generate(self, prompts, params=None, *, progress: bool = False, lora_request=None) -> list[RequestOutput]:
         """Runs prompts to completion with continuous batching; outputs in submission order.
 
         A thin loop over add_request() and step(). Outputs of requests added by others on the same
@@ -919,6 +1024,7 @@ class LLMEngine:
           prompts: list of str (or token-id lists).
           params: one SamplingParams (or dict) for all, or a list with one per prompt.
           progress: show a progress bar on stderr.
+          lora_request: one `LoRARequest` for all, a list with one per prompt (None: the base model), or None.
 
         Returns:
           One RequestOutput per prompt, in order; for a prompt with n > 1 samples, a list of n
@@ -929,9 +1035,13 @@ class LLMEngine:
         if len(params) != len(prompts):
             raise ValueError(f"params must be one SamplingParams or one per prompt ({len(prompts)}); "
                              f"got {len(params)}")
+        loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request must be one LoRARequest or one per prompt ({len(prompts)}); got "
+                             f"{len(loras)}")
         groups = []   # per prompt: the request ids of its outputs (n of them with parallel sampling)
-        for p, sp in zip(prompts, params):
-            req = self.add_request(p, sp)
+        for p, sp, lr in zip(prompts, params, loras):
+            req = self.add_request(p, sp, lora_request=lr)
             n = req.num_samples
             groups.append([req.request_id] if n == 1 else [(req.request_id[0], i) for i in range(n)])
         ids = [i for g in groups for i in g]

@@ -67,6 +67,13 @@ class EngineModel(Protocol):
     head over prompt rows only in rounds where a request asks for prompt logprobs. A model without
     it serves everything else; a request for prompt logprobs then fails with an error naming the
     pair. `models.GPTForEngine` has it.
+
+    Optional, for `EngineConfig(enable_lora=True)` (`jpa.engine.lora`): the pair `lora_slots(max_loras,
+    max_lora_rank)` -> the device's stacked adapter slots (a pytree of arrays with a leading max_loras axis,
+    all empty) and `read_lora(path, max_lora_rank)` -> one adapter's host arrays (that pytree without the
+    leading axis; ValueError for an adapter it cannot serve), and a keyword `lora=(slots, index)` on
+    `decode`, `ragged` and `ragged_hidden`: index i32[num_seqs] / i32[num_tokens] each row's slot (-1: no
+    adapter). The engine passes `lora=` only when LoRA is on. `models.GPTForEngine` has them.
     """
     config: ModelSizes
     dtype: Any

@@ -154,17 +154,18 @@ class RaggedStep:
                         jnp.full((num_entries, tn), -1, jnp.int32), jnp.full((num_entries, tn), -jnp.inf, jnp.float32))
         return RaggedOut(first, jnp.zeros((num_entries, self.shapes.pages_per_seq), jnp.int32), jnp.int32(0), prompt)
 
-    def __call__(self, params, cache, page_state, slots, batch: StepBatch, lay: RowLayout, work: PageWork):
-        """(cache, page_state, slots, RaggedOut): the pass when batch.run_ragged and work.ok, else nothing."""
+    def __call__(self, params, cache, page_state, slots, batch: StepBatch, lay: RowLayout, work: PageWork, lora=None):
+        """(cache, page_state, slots, RaggedOut): the pass when batch.run_ragged and work.ok, else nothing.
+        lora: the LoRA adapter slots (`jpa.engine.lora`), or None."""
         def body(c: RaggedCarry) -> RaggedCarry:
-            return RaggedCarry(c.i + 1, *self._pass(params, c.cache, c.ps, c.slots, batch, lay, work))
+            return RaggedCarry(c.i + 1, *self._pass(params, c.cache, c.ps, c.slots, batch, lay, work, lora))
 
         init = RaggedCarry(jnp.int32(0), cache, page_state, slots,
                            self.empty(batch.rows.tokens.shape[0], lay.ids.shape[0]))
         c = lax.while_loop(lambda c: c.i < batch.run_ragged * work.ok.astype(jnp.int32), body, init)
         return c.cache, c.ps, c.slots, c.out
 
-    def _pass(self, params, cache, ps, slots, batch, lay, work):
+    def _pass(self, params, cache, ps, slots, batch, lay, work, lora=None):
         ps_, entry, safe = self.shapes.page_size, lay.entry, lay.safe
         cache, slots, copies = copy_on_write(cache, slots, work.cow)  # a forked sample's first token: its own last page
         pos = work.old[entry] + lay.row - lay.cu[entry]  # i32[T]
@@ -174,7 +175,9 @@ class RaggedStep:
         tokens = jnp.where(batch.rows.decode_row[entry], slots.tokens[safe[entry]], batch.rows.tokens)
         logits, cache, prompt = self._blocks(params, cache, tokens, jnp.where(lay.row_live, pos, 0), slot_mapping,
                                              ps.block_tables[safe], work.old, lay.cu, entry, lay.cu[-1],
-                                             jnp.where(lay.row_live, batch.prompt.targets, -1), lay.ids)
+                                             jnp.where(lay.row_live, batch.prompt.targets, -1), lay.ids,
+                                             None if lora is None else (lora, jnp.where(lay.row_live,
+                                                                                        batch.rows.lora[entry], -1)))
         # Parallel samples: each sibling's slot takes its leader's recurrent states after the leader's final chunk.
         cache = fork_states(cache, jnp.where(lay.sib, lay.ids[lay.lead], -1), jnp.where(lay.sib, lay.ids, -1))
         slots = slots.write_tokens(tokens, slot_mapping)
@@ -258,7 +261,8 @@ class RaggedStep:
 
         return lax.fori_loop(0, num_chunks, chunk, acc)
 
-    def _blocks(self, params, cache, tokens, positions, slot_mapping, tables, old, cu, entry, num_rows, targets, ids):
+    def _blocks(self, params, cache, tokens, positions, slot_mapping, tables, old, cu, entry, num_rows, targets, ids,
+                lora=None):
         """The model over the ragged batch's first num_rows rows, `block_tokens` rows at a time.
 
         A while_loop over the live blocks only, so a round costs its live rows rounded up to a
@@ -277,7 +281,7 @@ class RaggedStep:
           the entry of each row; targets i32[T] each row's next prompt token where it asks for
           prompt logprobs (-1 elsewhere); ids i32[B] each entry's slot (-1 = padding), the state slot a
           model with recurrent state reads and writes (`jpa.engine.states`; -1 for entries without rows in
-          the block).
+          the block); lora None, or (the LoRA adapter slots, i32[T] each row's slot).
 
         Returns (logits f32[B, vocab] at each entry's last row, cache, PromptLogprobs [T]).
         """
@@ -285,6 +289,7 @@ class RaggedStep:
         pad = lambda a, v: jnp.pad(a, (0, tb), constant_values=v)  # noqa: E731  (whole-block slices)
         tokens, positions, slot_mapping = pad(tokens, 0), pad(positions, 0), pad(slot_mapping, -1)
         entry, targets = pad(entry, num_entries - 1), pad(targets, -1)
+        row_lora = None if lora is None else pad(lora[1], -1)
         k = jnp.arange(num_entries + 1, dtype=jnp.int32)
         hidden_pair = has_hidden(self.model)
         prompt = self.empty(num_tokens + tb + self.prompt_chunk, 1).prompt  # every chunk write of every block fits
@@ -303,14 +308,15 @@ class RaggedStep:
             args = (sl(tokens), sl(positions), sl(slot_mapping), tables[jnp.minimum(e, num_entries - 1)], seq_b,
                     cu_b, e1 - e0 + 1)
             state_slots = jnp.where(in_block & (cu_b[1:] > cu_b[:-1]), ids[jnp.minimum(e, num_entries - 1)], -1)
+            kw = {} if lora is None else dict(lora=(lora[0], sl(row_lora)))
             if hidden_pair:
                 hidden, cache = call_model(self.model.ragged_hidden, params, cache, *args, impl=self.impl,
-                                           state_slots=state_slots)
+                                           state_slots=state_slots, **kw)
                 out = self.model.head(params, hidden[jnp.clip(cu_b[1:] - 1, 0, tb - 1)])  # as `ragged` does
                 prompt = self._prompt_logprobs(params, hidden, sl(targets), b0, prompt)
             else:
                 out, cache = call_model(self.model.ragged, params, cache, *args, impl=self.impl,
-                                        state_slots=state_slots)
+                                        state_slots=state_slots, **kw)
             # Entries whose last row is in this block take their logits from it.
             ends = in_block & (cu[e + 1] <= b1) & (cu[e + 1] > cu[e])
             logits = logits.at[jnp.where(ends, e, num_entries)].set(out, mode="drop")

@@ -91,6 +91,11 @@ class Request:
     weight_runs: list = dataclasses.field(default_factory=list)
     weight_version: int = 0
     kv_epoch: int | None = None
+    # LoRA (`jpa.engine.lora`): the adapter it runs with (None: the base model), and the device slot holding
+    # it while the request holds a decode slot (-1 otherwise).
+    lora_request: object = None
+    lora_slot: int = -1
+    lora_cache_key: object = None      # the adapter's prefix-cache key root (its id and weights' version)
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -27,8 +27,8 @@ plug in; KV offload and LoRA are meant to take the same points):
   2. the ragged pass (`jpa.engine.ragged_step.RaggedStep`): K/V writes, attention, the sampling
      of decode rows and final chunks. Device hook on logits: structured outputs' grammar mask
      (`StepBatch.structured`, applied by `sample_slots(allowed=...)`); prompt logprobs
-     (`StepBatch.prompt`, read back only in rounds that asked). (LoRA: per-entry adapter ids
-     would be a batch record read by the model passes here and in 4.)
+     (`StepBatch.prompt`, read back only in rounds that asked). LoRA (`jpa.engine.lora`): each entry's
+     adapter slot (`RaggedRows.lora`) goes to the model with the adapter slots, the step's last argument.
   3. before the loop: structured outputs hold their slots out of it
      (`jpa.engine.structured.hold_constrained` / `restore_held`).
   4. the verify loop (`jpa.engine.verify.VerifyLoop`) with its proposer
@@ -256,6 +256,8 @@ class ModelRunner:
         self.step_from_cache = None  # set by compile_step
         self.step_source = None      # set by compile_step: "compiled", "persistent cache" or "process"
         self._step_exe = None
+        self.lora = None           # LoRA: the device's adapter slots (`enable_lora`), an argument of the step
+        self._install = None
         rep = {} if mesh is None else dict(out_shardings=self._rep)
         self._retire = jax.jit(self._retire_impl, donate_argnums=(0, 1), **rep)
         self._uncache = jax.jit(pages.uncache, donate_argnums=(0,), **rep)
@@ -298,11 +300,11 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ the traced step
 
-    def _step_impl(self, params, cache, page_state, slots, batch: StepBatch):
+    def _step_impl(self, params, cache, page_state, slots, batch: StepBatch, lora=None):
         """The unified round: page work, the ragged pass, then up to batch.decode_steps verify
         (decode) steps, in one program (the engine's only compiled program). See StepBatch for the
         inputs and StepResult for what it returns besides (cache, page_state, slots), and the
-        module docstring for the hook points.
+        module docstring for the hook points. lora: the adapter slots (`enable_lora`), or None.
         """
         if getattr(self._background, "on", False):
             self.ladder_traces += 1
@@ -316,18 +318,18 @@ class ModelRunner:
         blocks = (self.block_tokens, self.prompt_chunk) if rows == self.max_seqs else self.blocks_for(num_tokens)
         ragged = RaggedStep(self.model, self.shapes, self.stop_ids, self.attention_impl, *blocks)
         with rows_independent(self.batch_invariant):
-            cache, page_state, slots, first = ragged(params, cache, page_state, slots, batch, lay, work)  # 2.
+            cache, page_state, slots, first = ragged(params, cache, page_state, slots, batch, lay, work, lora)  # 2.
         decode_steps = jnp.where(work.ok, jnp.minimum(batch.decode_steps, self.steps_per_call), 0)
         unconstrained, held_out = hold_constrained(slots)                                   # 3.
         loop = self._loop(rows)
         if rows == self.max_seqs:                                                           # 4. verify loop
             cache, page_state, slots, out, steps, usage, counts = loop(params, cache, page_state, unconstrained,
-                                                                       decode_steps)
+                                                                       decode_steps, lora=lora)
         else:   # a rung of the ladder: the loop runs the slots holding a request only (`jpa.engine.ladder`)
             idx = batch.loop_slots
             sub_ps, sub_slots = gather_slots(page_state, unconstrained, idx)
             cache, sub_ps, sub_slots, out, steps, usage, counts = loop(params, cache, sub_ps, sub_slots, decode_steps,
-                                                                       idx)
+                                                                       idx, lora=lora)
             page_state, slots = scatter_slots(page_state, unconstrained, sub_ps, sub_slots, idx)
             out, counts = scatter_outputs(out, counts, idx, self.max_seqs)
         slots = restore_held(slots, held_out)
@@ -433,8 +435,10 @@ class ModelRunner:
         already fixed."""
         if self.block_tokens is None:
             self.set_block_tokens(max(num_tokens, self.shapes.num_tokens) if rows else num_tokens)
+        lora = () if self.lora is None else (jax.tree_util.tree_map(   # LoRA's slots: the last argument
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.lora),)
         return jax.jit(self._step_impl, **self.jit_options()).trace(*(state or self.state()),
-                                                                    self.step_inputs(num_tokens, rows))
+                                                                    self.step_inputs(num_tokens, rows), *lora)
 
     def lower(self, num_tokens: int, rows: int | None = None):
         """The unified step lowered for a budget of num_tokens and `rows` entries (default max_seqs;
@@ -513,7 +517,8 @@ class ModelRunner:
         state = self.state()
         try:
             self.cache, self.page_state, self.slots, res = exe(
-                *state, self._put(jax.tree_util.tree_map(jnp.asarray, batch)))
+                *state, self._put(jax.tree_util.tree_map(jnp.asarray, batch)), *(() if self.lora is None else
+                                                                                  (self.lora,)))
         except BaseException:
             # A call that failed after consuming its donated state left this runner none to run on.
             if any(a.is_deleted() for a in jax.tree_util.tree_leaves(state[1:])):
@@ -588,6 +593,28 @@ class ModelRunner:
             self.model.params = self.params
         else:
             self.params = self.model.params = tree
+
+    def enable_lora(self, slots) -> None:
+        """Serves LoRA adapters from `slots`, the model's stacked adapter slots on the device
+        (`EngineModel.lora_slots`), an argument of the step (call before the step compiles). Compiles the
+        slot writer (`install_lora`) now, so loading adapters later compiles nothing."""
+        if self.mesh is not None:
+            raise ValueError("LoRA adapters need tensor_parallel=1")
+        if self._step_exe is not None or self.ladder.exes:
+            raise RuntimeError("enable_lora must come before the step compiles (the slots are its argument)")
+
+        def install(stack, slot, one):  # stack [max_loras, ...] with stack[slot] = one
+            return jax.tree_util.tree_map(lambda s, o: jax.lax.dynamic_update_index_in_dim(s, o.astype(s.dtype),
+                                                                                            slot, 0), stack, one)
+
+        self._install = jax.jit(install, donate_argnums=(0,))
+        self.lora = slots
+        self.install_lora(0, jax.tree_util.tree_map(lambda a: np.zeros(a.shape[1:], a.dtype), slots))
+
+    def install_lora(self, slot: int, arrays) -> None:
+        """Writes one adapter's arrays (a pytree of the slots' structure without the leading axis) into
+        device slot `slot`, in place (the slots are donated), between steps; no compile after the first."""
+        self.lora = self._install(self.lora, jnp.int32(slot), arrays)
 
     def retire(self, seq_ids):
         """Releases slots (finished on the host, aborted or preempted) now, as a call of its own.

@@ -206,10 +206,12 @@ class SlotParams:
     top_logprobs: jax.Array = _column(np.int32, 0)      # i32: top tokens wanted per output token
     constrained: jax.Array = _column(np.bool_, False)   # bool: structured outputs (samples only in the
                                                         #   ragged step, under the host's grammar mask)
+    lora: jax.Array = _column(np.int32, -1)             # i32: the slot's LoRA adapter slot (jpa.engine.lora);
+                                                        #   -1 = the base model
 
     @staticmethod
-    def row(params: SamplingParams, max_len: int, prompt_len: int = 0) -> dict:
-        """One request's values (a dict of the fields)."""
+    def row(params: SamplingParams, max_len: int, prompt_len: int = 0, lora: int = -1) -> dict:
+        """One request's values (a dict of the fields); lora: its adapter's device slot (-1: none)."""
         bias = params.logit_bias
         return dict(temperature=0.0 if params.is_greedy else float(params.temperature), top_k=params.top_k,
                     top_p=float(params.top_p), seed=params.seed, max_new=params.max_new_tokens, max_len=max_len,
@@ -219,7 +221,7 @@ class SlotParams:
                     frequency_penalty=float(params.frequency_penalty), min_tokens=params.min_tokens,
                     prompt_len=prompt_len, bias_ids=[t for t, _ in bias], bias_values=[float(b) for _, b in bias],
                     stop_token_ids=list(params.stop_token_ids), top_logprobs=params.top_logprobs,
-                    constrained=params.structured is not None)
+                    constrained=params.structured is not None, lora=lora)
 
     @classmethod
     def from_rows(cls, rows, n: int) -> "SlotParams":

@@ -89,6 +89,12 @@ from jpa.engine.structured import STRUCTURED
 from jpa.kv.pages import pages_for_tokens
 
 
+def _lora_salt(req: Request):
+    """The prefix cache's key root of a request's KV: its LoRA adapter's id and weights' version
+    (`jpa.engine.lora.LoraSlots.cache_key`; None: the base model)."""
+    return None if req.lora_request is None else req.lora_cache_key
+
+
 @dataclasses.dataclass(frozen=True)
 class Entry:
     """One sequence's rows in a round: a decode token or a prompt chunk."""
@@ -220,6 +226,9 @@ class Scheduler:
         self._to_release: list[tuple[int, Request]] = []
         self._admissions = 0
         self._preempted_last_round = False
+        # LoRA adapters (`jpa.engine.lora.LoraSlots`, set by the engine with enable_lora): admission takes a
+        # device slot for a request's adapter; leaving its decode slot gives the reference back.
+        self.lora = None
 
     @classmethod
     def for_shapes(cls, shapes, *, watermark: float, stop_ids=(), prefix_caching: bool = False,
@@ -248,6 +257,9 @@ class Scheduler:
         elif phase in (Phase.WAITING, Phase.FINISHED) and req.slot >= 0:
             del self.running[req.slot]
             req.slot = -1
+        if phase in (Phase.WAITING, Phase.FINISHED) and req.lora_slot >= 0:   # its adapter's slot reference
+            self.lora.release(req.lora_slot)
+            req.lora_slot = -1
         req.phase = phase
 
     def _finish(self, req: Request, reason: str) -> Request:
@@ -480,8 +492,9 @@ class Scheduler:
             block = self.host.blocks.get(req.request_id) if self.host is not None else None
             hit, restore = [], []
             if self.prefix is not None and not req.needs_prompt_logprobs:
-                hit, restore = (self.prefix.lookup_tiers(toks) if self.host is not None and block is None
-                                else (self.prefix.lookup(toks), []))
+                salt = _lora_salt(req)
+                hit, restore = (self.prefix.lookup_tiers(toks, salt) if self.host is not None and block is None
+                                else (self.prefix.lookup(toks, salt), []))
             on_device = [p for p in hit if p >= 0]
             # Shared pages that were idle are no longer evictable.
             newly_held = sum(1 for p in on_device if p not in r.referenced)
@@ -497,6 +510,12 @@ class Scheduler:
             n = min(r.left, len(toks) - start, self._fit(r, h) - (start - h) - len(restore) * ps)
             if n < 0 or (n == 0 and start < len(toks)):   # (a recurrent model's whole swap-in: a zero-row chunk)
                 break
+            if req.lora_request is not None:   # LoRA: a device slot for its adapter, one reference per sample
+                lora_slot = self.lora.acquire(req.lora_request, 1 + len(req.siblings))
+                if lora_slot is None:
+                    break   # every adapter slot is in use by running requests: it waits (first come, first served)
+                for q in (req, *req.siblings):
+                    q.lora_slot = lora_slot
             r.idle -= newly_held
             self.waiting.popleft()
             self._admissions += 1
@@ -611,7 +630,7 @@ class Scheduler:
             for s in plan.swap_in:   # restored pages are cached on the device now: their keys come back
                 if s.restore:
                     pages = [int(p) for p in rows[s.slot][: len(s.hit_pages)]]
-                    self.prefix.register(self.prefill_tokens(s.request), pages)
+                    self.prefix.register(self.prefill_tokens(s.request), pages, salt=_lora_salt(s.request))
                     s.request.cache_refs = tuple(pages)
             self.prefix.forget(plan.evict, spilled)
             ps = self.page_size
@@ -626,7 +645,8 @@ class Scheduler:
                     e.request.cache_refs = self.running[e.fork_of].cache_refs
                 elif e.final:
                     pages = [int(p) for p in row[: e.cache_upto]]
-                    self.prefix.register(self.prefill_tokens(e.request), pages, e.request.kv_epoch)
+                    self.prefix.register(self.prefill_tokens(e.request), pages, e.request.kv_epoch,
+                                         salt=_lora_salt(e.request))
                     e.request.cache_refs = tuple(pages)
         at = 0
         for e in plan.entries:

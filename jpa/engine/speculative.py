@@ -191,18 +191,19 @@ class DraftPair:
         self.config, self.dtype = target.config, target.dtype
         self.params = (target.params, draft.params)
 
-    def decode(self, params, cache, tokens, seq_lens, slot_mapping, block_tables, *, impl="auto"):
-        logits, tc = self.target.decode(params[0], cache[0], tokens, seq_lens, slot_mapping, block_tables, impl=impl)
+    def decode(self, params, cache, tokens, seq_lens, slot_mapping, block_tables, *, impl="auto", **lora):
+        logits, tc = self.target.decode(params[0], cache[0], tokens, seq_lens, slot_mapping, block_tables, impl=impl,
+                                        **lora)
         _, dc = self.draft.decode(params[1], cache[1], tokens, seq_lens, slot_mapping, block_tables, impl=impl)
         return logits, (tc, dc)
 
-    def ragged(self, params, cache, *args, impl="auto"):
-        logits, tc = self.target.ragged(params[0], cache[0], *args, impl=impl)
+    def ragged(self, params, cache, *args, impl="auto", **lora):
+        logits, tc = self.target.ragged(params[0], cache[0], *args, impl=impl, **lora)
         _, dc = self.draft.ragged(params[1], cache[1], *args, impl=impl)
         return logits, (tc, dc)
 
-    def ragged_hidden(self, params, cache, *args, impl="auto"):
-        hidden, tc = self.target.ragged_hidden(params[0], cache[0], *args, impl=impl)
+    def ragged_hidden(self, params, cache, *args, impl="auto", **lora):
+        hidden, tc = self.target.ragged_hidden(params[0], cache[0], *args, impl=impl, **lora)   # the draft: the base
         _, dc = self.draft.ragged(params[1], cache[1], *args, impl=impl)
         return hidden, (tc, dc)
 
@@ -221,10 +222,10 @@ class NoDraft:
     def draft(self, params, cache, ps, slots, lens, num, drafts):
         return cache, drafts
 
-    def target_hidden(self, model, params, cache, args, impl, state_slots=None):
+    def target_hidden(self, model, params, cache, args, impl, state_slots=None, **lora):
         """(hidden, cache) of the target's ragged_hidden over args; state_slots: each entry's state slot (a
-        model with recurrent state, `jpa.engine.states`)."""
-        return call_model(model.ragged_hidden, params, cache, *args, impl=impl, state_slots=state_slots)
+        model with recurrent state, `jpa.engine.states`); lora: the LoRA adapters (`lora=`), if any."""
+        return call_model(model.ragged_hidden, params, cache, *args, impl=impl, state_slots=state_slots, **lora)
 
 
 class NgramProposer(NoDraft):
@@ -279,9 +280,9 @@ class DraftModelProposer(NoDraft):
         _, dc, _, drafts = lax.while_loop(lambda c: c[0] <= last, body, init)
         return (cache[0], dc), drafts
 
-    def target_hidden(self, model, params, cache, args, impl, state_slots=None):
+    def target_hidden(self, model, params, cache, args, impl, state_slots=None, **lora):
         # The draft passes have written the draft's cache for these rows.
-        hidden, tc = model.target.ragged_hidden(params[0], cache[0], *args, impl=impl)
+        hidden, tc = model.target.ragged_hidden(params[0], cache[0], *args, impl=impl, **lora)
         return hidden, (tc, cache[1])
 
 

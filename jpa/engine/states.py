@@ -46,15 +46,16 @@ class StateCache:
     states: dict
 
 
-def call_model(fn, params, cache, *args, impl, state_slots):
-    """(out, cache) of a model call `fn(params, cache, *args, impl=...)` (`ragged`, `ragged_hidden` or
-    `decode`). With a StateCache the model gets the pool, `states` and `state_slots` (i32[entries],
-    -1 = padding: neither read nor written) and returns (out, pool, states); otherwise it is called
-    as a model without recurrent state is (state_slots unused)."""
+def call_model(fn, params, cache, *args, impl, state_slots, **kw):
+    """(out, cache) of a model call `fn(params, cache, *args, impl=..., **kw)` (`ragged`, `ragged_hidden` or
+    `decode`; kw: e.g. the LoRA adapters, `lora=`). With a StateCache the model gets the pool, `states` and
+    `state_slots` (i32[entries], -1 = padding: neither read nor written) and returns (out, pool, states);
+    otherwise it is called as a model without recurrent state is (state_slots unused)."""
     if isinstance(cache, StateCache):
-        out, pool, states = fn(params, cache.pool, *args, impl=impl, states=cache.states, state_slots=state_slots)
+        out, pool, states = fn(params, cache.pool, *args, impl=impl, states=cache.states, state_slots=state_slots,
+                               **kw)
         return out, StateCache(pool, states)
-    return fn(params, cache, *args, impl=impl)
+    return fn(params, cache, *args, impl=impl, **kw)
 
 
 def fork_states(cache, src, dst):

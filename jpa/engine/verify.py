@@ -117,20 +117,24 @@ class VerifyLoop:
 
     # ------------------------------------------------------------------ the passes
 
-    def decode_pass(self, params, cache, ps, slots, lens, state_slots):
+    def decode_pass(self, params, cache, ps, slots, lens, state_slots, lora=None):
         """The plain decode pass over max_seqs rows: per slot [num_seqs, width] (tokens, logprobs,
         top ids, top logprobs), the row repeated. state_slots i32[num_seqs]: each row's engine slot (the
-        state slot of a model with recurrent state; idle rows read and write none)."""
+        state slot of a model with recurrent state; idle rows read and write none). lora: the LoRA adapter
+        slots, or None (each slot runs its own adapter, `SlotParams.lora`)."""
         act = slots.active
         slot_mapping = slot_mapping_at(ps.block_tables, lens, self.shapes.page_size, act)
         seq_lens = jnp.where(act, lens + 1, 0)
-        inputs = (slots.tokens, seq_lens, slot_mapping, ps.block_tables, jnp.where(act, state_slots, -1))
+        inputs = (slots.tokens, seq_lens, slot_mapping, ps.block_tables, jnp.where(act, state_slots, -1),
+                  slots.params.lora)
         pad = decode_pad_rows(act.shape[0])
         if pad:   # idle rows: no context, nothing written
             inputs = tuple(jnp.concatenate([a, jnp.full((pad,) + a.shape[1:], v, a.dtype)])
                            for a, v in zip(inputs, (0, 0, -1, 0, -1)))
-        *inputs, row_states = inputs
-        logits, cache = call_model(self.model.decode, params, cache, *inputs, impl=self.impl, state_slots=row_states)
+        *inputs, row_states, row_lora = inputs
+        kw = {} if lora is None else dict(lora=(lora, row_lora))
+        logits, cache = call_model(self.model.decode, params, cache, *inputs, impl=self.impl, state_slots=row_states,
+                                   **kw)
         logits = logits[: act.shape[0]]
         slots = slots.write_tokens(slots.tokens, slot_mapping)
         y = sample_slots(logits, slots.params, slots.num_generated, lambda: slots.history(ps.block_tables),
@@ -158,18 +162,20 @@ class VerifyLoop:
         args = (tok, pos, slot_mapping, ps.block_tables[order], seq, cu, jnp.sum(q > 0, dtype=jnp.int32))
         return args, order, cu, s, j
 
-    def verify_pass(self, params, cache, ps, slots, lens, drafts, num, state_slots):
+    def verify_pass(self, params, cache, ps, slots, lens, drafts, num, state_slots, lora=None):
         """Every active slot's pending token and drafts as one entry of a ragged pass of
         `verify_rows` rows: per slot [num_seqs, width] of rows 0..num. state_slots: each slot's
-        state slot (a model with recurrent state)."""
+        state slot (a model with recurrent state); lora: the LoRA adapter slots, or None."""
         act, rows = slots.active, self.verify_rows
         args, order, cu, s, j = self._rows(ps, slots, lens, drafts, jnp.where(act, 1 + num, 0))
         tok, slot_mapping = args[0], args[2]
         # At most width rows a sequence: the model's attention may read each sequence's KV once
         # for all of them (`jpa.ops.ragged.query_rows_at_most`: one kernel call on Hopper).
         with query_rows_at_most(self.width):
+            live = jnp.arange(rows, dtype=jnp.int32) < cu[-1]
+            kw = {} if lora is None else dict(lora=(lora, jnp.where(live, slots.params.lora[s], -1)))
             hidden, cache = self.proposer.target_hidden(self.model, params, cache, args, self.impl,
-                                                        state_slots=jnp.where(act, state_slots, -1)[order])
+                                                        state_slots=jnp.where(act, state_slots, -1)[order], **kw)
         slots = slots.write_tokens(tok, slot_mapping)
         rs = slots.rows(s)
         # `sample_rows`: its temporaries do not scale with rows x vocab (chunks of rows on a CPU; on a
@@ -180,10 +186,10 @@ class VerifyLoop:
         ridx = jnp.clip(start[:, None] + jnp.arange(self.width, dtype=jnp.int32)[None, :], 0, rows - 1)
         return cache, slots, tuple(a[ridx] for a in y)
 
-    def passes(self, params, cache, ps, slots, nxt: Lookahead, state_slots):
+    def passes(self, params, cache, ps, slots, nxt: Lookahead, state_slots, lora=None):
         """The step's model pass(es): (cache, slots, drafts, (y, lp, top_ids, top_lps) [B, width])."""
         if self.k == 0:
-            cache, slots, ys = self.decode_pass(params, cache, ps, slots, nxt.lens, state_slots)
+            cache, slots, ys = self.decode_pass(params, cache, ps, slots, nxt.lens, state_slots, lora)
             return cache, slots, nxt.drafts, ys
         num_seqs, tn = slots.active.shape[0], min(MAX_TOP_LOGPROBS, self.shapes.vocab_size)
         w = self.width
@@ -192,8 +198,8 @@ class VerifyLoop:
         drafting = jnp.any(nxt.num > 0)
         cache, drafts = self.proposer.draft(params, cache, ps, slots, nxt.lens, nxt.num, nxt.drafts)
         cache, slots, ys = _once(lambda c, sl: self.verify_pass(params, c, ps, sl, nxt.lens, drafts, nxt.num,
-                                                                state_slots), drafting, cache, slots, ys)
-        cache, slots, ys = _once(lambda c, sl: self.decode_pass(params, c, ps, sl, nxt.lens, state_slots),
+                                                                state_slots, lora), drafting, cache, slots, ys)
+        cache, slots, ys = _once(lambda c, sl: self.decode_pass(params, c, ps, sl, nxt.lens, state_slots, lora),
                                  ~drafting, cache, slots, ys)
         return cache, slots, drafts, ys
 
@@ -225,13 +231,14 @@ class VerifyLoop:
         emitted = jnp.where(act, jnp.where(stopped, jnp.argmax(stops, axis=1) + 1, a + 1), 0).astype(jnp.int32)
         return a, stopped, emitted
 
-    def step(self, params, c: LoopCarry, state_slots) -> LoopCarry:
+    def step(self, params, c: LoopCarry, state_slots, lora=None) -> LoopCarry:
         nxt = c.nxt
         cache, slots, n = copy_on_write(c.cache, c.slots, nxt.cow)
         ps, act, lens = nxt.ps, slots.active, nxt.lens
         slot_ids = jnp.arange(act.shape[0], dtype=jnp.int32)
         before = cache.states if self.k and isinstance(cache, StateCache) else None
-        cache, slots, drafts, (y, lp, top_ids, top_lps) = self.passes(params, cache, ps, slots, nxt, state_slots)
+        cache, slots, drafts, (y, lp, top_ids, top_lps) = self.passes(params, cache, ps, slots, nxt, state_slots,
+                                                                      lora)
         a, stopped, emitted = self.accept(slots, y, lens, drafts, nxt.num)
         if before is not None:   # recurrent state: the rows of rejected drafts must not have advanced it
             redo = act & ~stopped & (emitted < 1 + nxt.num)
@@ -256,8 +263,9 @@ class VerifyLoop:
                                                                   dtype=jnp.int32))
         return LoopCarry(c.i + 1, cache, ps, slots, out, self.lookahead(ps, slots), tally(c.usage, n, nxt.ps), counts)
 
-    def __call__(self, params, cache, page_state, slots, max_steps, state_slots=None):
-        """Up to max_steps (a traced scalar <= steps_per_call) steps of the active slots.
+    def __call__(self, params, cache, page_state, slots, max_steps, state_slots=None, lora=None):
+        """Up to max_steps (a traced scalar <= steps_per_call) steps of the active slots (lora: the LoRA
+        adapter slots, or None).
 
         state_slots: i32[num_seqs], the engine slot of each of the loop's slots (the step-shape ladder's
         gathered sub-slots; default 0..num_seqs-1): the state slots of a model with recurrent state.
@@ -276,7 +284,7 @@ class VerifyLoop:
         init = LoopCarry(jnp.int32(0), cache, page_state, slots, out, self.lookahead(page_state, slots),
                          Usage.zero(), counts)
         c = lax.while_loop(lambda c: (c.i < max_steps) & c.nxt.ok & jnp.any(c.slots.active),
-                           lambda c: self.step(params, c, state_slots), init)
+                           lambda c: self.step(params, c, state_slots, lora), init)
         return c.cache, c.ps, c.slots, c.out, c.i, c.usage, c.counts
 
 

@@ -61,11 +61,13 @@ class PrefixCache:
         """The device's cached pages (a view)."""
         return self.lru.keys()
 
-    def _key_ids(self, tokens, num_pages: int, *, create: bool, epoch: int | None = None) -> list:
+    def _key_ids(self, tokens, num_pages: int, *, create: bool, epoch: int | None = None, salt=None) -> list:
         """Ids of the chained keys of tokens' first num_pages pages (up to the first unknown one
-        unless create), rooted in the weights' `epoch` (default: the current one); returns (key, id)
-        pairs."""
-        ps, parent, out = self.page_size, -1 - (self.epoch if epoch is None else epoch), []
+        unless create), rooted in the weights' `epoch` (default: the current one) and `salt` (a LoRA
+        adapter's id: KV computed with an adapter is found only by requests with that adapter; None: the
+        base model); returns (key, id) pairs."""
+        root = -1 - (self.epoch if epoch is None else epoch)
+        ps, parent, out = self.page_size, root if salt is None else (root, salt), []
         for j in range(num_pages):
             key = (parent, tuple(tokens[j * ps:(j + 1) * ps]))
             kid = self._ids.get(key)
@@ -85,12 +87,12 @@ class PrefixCache:
     def _spilled(self, kid) -> bool:
         return self.host is not None and kid in self.host.spilled
 
-    def lookup_tiers(self, tokens) -> tuple[list[int], list[int]]:
+    def lookup_tiers(self, tokens, salt=None) -> tuple[list[int], list[int]]:
         """The longest cached full-page prefix of tokens over both tiers, as `lookup`: (pages, host
         key ids), pages[j] the device page of the prefix's page j or -1 where it is in the host tier
         (whose key ids are the second list, in order)."""
         pages, kids = [], []
-        for _, kid in self._key_ids(tokens, (len(tokens) - 1) // self.page_size, create=False):
+        for _, kid in self._key_ids(tokens, (len(tokens) - 1) // self.page_size, create=False, salt=salt):
             page = self.page_of.get(kid)
             if page is None and not self._spilled(kid):
                 break
@@ -99,14 +101,15 @@ class PrefixCache:
                 kids.append(kid)
         return pages, kids
 
-    def lookup(self, tokens) -> list[int]:
-        """Pages holding the longest cached full-page prefix of tokens.
+    def lookup(self, tokens, salt=None) -> list[int]:
+        """Pages holding the longest cached full-page prefix of tokens (computed under `salt`: a LoRA
+        adapter's id, None for the base model).
 
         At most (len(tokens) - 1) // page_size pages: the last prompt token is always computed
         (its logits start the completion), so a fully cached prompt recomputes its last page.
         """
         pages = []
-        for _, kid in self._key_ids(tokens, (len(tokens) - 1) // self.page_size, create=False):
+        for _, kid in self._key_ids(tokens, (len(tokens) - 1) // self.page_size, create=False, salt=salt):
             page = self.page_of.get(kid)
             if page is None:
                 break
@@ -126,7 +129,7 @@ class PrefixCache:
         self.host_query_tokens += host_query
         self.host_hit_tokens += host_hit
 
-    def register(self, tokens, pages, epoch: int | None = None) -> None:
+    def register(self, tokens, pages, epoch: int | None = None, salt=None) -> None:
         """The device cached `pages`, the first full pages of a sequence holding `tokens` (their KV
         computed from the weights of `epoch`, default the current one: a request admitted before a
         weight update registers under the old epoch, where no lookup finds it).
@@ -135,7 +138,7 @@ class PrefixCache:
         page (two requests computed the same prefix at once) is kept unkeyed, first in line for
         eviction.
         """
-        keys = self._key_ids(tokens, len(pages), create=True, epoch=epoch)
+        keys = self._key_ids(tokens, len(pages), create=True, epoch=epoch, salt=salt)
         for (key, kid), page in zip(keys, pages):
             if page in self.lru:
                 continue

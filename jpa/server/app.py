@@ -42,7 +42,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -160,12 +160,20 @@ def build_app(engine: AsyncEngine | None, tokenizer, *, model_name: str, api_key
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [api.ready().model_card()]}
+        return {"object": "list", "data": [api.ready().model_card(), *api.lora_cards()]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        api.ready().check_model(model_id)
-        return api.model_card()
+        lora = api.ready().check_model(model_id)
+        return api.model_card() if lora is None else api.lora_card(lora)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        return await api.load_lora(parse_json(await request.body()))
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        return await api.unload_lora(parse_json(await request.body()))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -340,10 +348,85 @@ class _API:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "jpa",
                 "max_model_len": self.engine.max_model_len}
 
-    def check_model(self, name: str) -> None:
-        if name != self.model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+    def check_model(self, name: str):
+        """None for the base model's name, the LoRARequest of a loaded adapter's name (`--enable-lora`), else 404."""
+        if name == self.model_name:
+            return None
+        lora = self.loras().get(name)
+        if lora is None:
+            more = f" or one of its LoRA adapters {sorted(self.loras())}" if self.loras() else ""
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}{more}",
                            param="model", type="not_found_error", code="model_not_found")
+        return lora
+
+    def loras(self) -> dict:
+        """{name: LoRARequest} of the adapters the engine has loaded (empty without --enable-lora)."""
+        slots = self.engine.engine.loras if self.engine is not None else None
+        return {} if slots is None else {r.lora_name: r for r, _ in list(slots.known.values())}
+
+    def lora_card(self, lora) -> dict:
+        return {"id": lora.lora_name, "object": "model", "created": self.created, "owned_by": "jpa",
+                "root": lora.lora_path, "parent": self.model_name, "max_model_len": self.engine.max_model_len}
+
+    def lora_cards(self) -> list:
+        return [self.lora_card(r) for _, r in sorted(self.loras().items())]
+
+    def _lora_engine(self):
+        self.ready()
+        if self.engine.engine.loras is None:
+            raise APIError(400, "this server does not serve LoRA adapters (start it with --enable-lora)",
+                           code="lora_disabled")
+        return self.engine
+
+    @staticmethod
+    def _name(body, field: str) -> str:
+        v = body.get(field) if isinstance(body, dict) else None
+        if not isinstance(v, str) or not v:
+            raise APIError(400, f"'{field}' must be a non-empty string", param=field)
+        return v
+
+    async def load_lora(self, body):
+        """POST /v1/load_lora_adapter {lora_name, lora_path[, load_inplace]} (vLLM's): the adapter read on the
+        engine thread between rounds (no compile); with load_inplace true, a loaded adapter's weights replaced
+        (`LLMEngine.update_lora`). 400 naming the rule for a bad adapter (missing or corrupt files, rank above
+        --max-lora-rank, a target the model lacks), a name already loaded, or an update while requests use it."""
+        from jpa.engine.lora import LoRARequest
+
+        engine = self._lora_engine()
+        name, path = self._name(body, "lora_name"), self._name(body, "lora_path")
+        if body.get("load_inplace") is True and name in self.loras():   # vLLM's in-place update (RL)
+            await self._engine_call(engine, lambda eng: eng.update_lora(name, path), "load_lora_adapter",
+                                    "lora_path", "invalid_lora")
+            return PlainTextResponse(f"Success: LoRA adapter '{name}' updated in place.")
+        if name == self.model_name or name in self.loras():
+            raise APIError(400, f"the name {name!r} is taken (the base model's or a loaded adapter's)",
+                           param="lora_name", code="lora_name_taken")
+
+        def load(eng):
+            ids = [r.lora_int_id for r, _ in eng.loras.known.values()]
+            eng.load_lora(LoRARequest(name, max(ids, default=0) + 1, path))
+        await self._engine_call(engine, load, "load_lora_adapter", "lora_path", "invalid_lora")
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora(self, body):
+        """POST /v1/unload_lora_adapter {lora_name}: 404 for an adapter not loaded, 400 while requests use it."""
+        engine = self._lora_engine()
+        name = self._name(body, "lora_name")
+        if name not in self.loras():
+            raise APIError(404, f"no LoRA adapter named {name!r} is loaded (loaded: {sorted(self.loras())})",
+                           param="lora_name", type="not_found_error", code="lora_not_found")
+        await self._engine_call(engine, lambda eng: eng.unload_lora(name), "unload_lora_adapter", "lora_name",
+                                "lora_in_use")
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+    async def _engine_call(self, engine, fn, what: str, param: str, code: str):
+        """fn(LLMEngine) on the engine thread (`AsyncEngine.call`); its ValueError a 400, a dead engine a 503."""
+        try:
+            return await asyncio.to_thread(engine.call, fn)
+        except ValueError as e:
+            raise APIError(400, f"{what}: {e}", param=param, code=code) from None
+        except EngineDead as e:
+            raise APIError(503, str(e), type="server_error", code="engine_unavailable") from None
 
     def note_unknown(self, body, endpoint: str) -> None:
         """Logs each ignored field name once per server (as vLLM warns about ignored fields): the first
@@ -493,8 +576,10 @@ class _API:
 
     def _params(self, body, prompts: list[list[int]], max_tokens: int | None, default_max: int | None,
                 structured=None):
-        """[(prompt ids, SamplingParams)]: per prompt, one request with n samples, or n requests;
-        structured: the request's constraint (`jpa.server.tools.request_constraint`), or None."""
+        """[(prompt ids, SamplingParams, LoRARequest | None)]: per prompt, one request with n samples, or n
+        requests, with the LoRA adapter the body's `model` names (None: the base model); structured: the
+        request's constraint (`jpa.server.tools.request_constraint`), or None."""
+        lora = self.check_model(body.model)
         if body.n > self.max_n:
             raise APIError(400, f"'n' must be <= {self.max_n}; got {body.n}", param="n")
         if len(prompts) * body.n > self.engine.max_waiting:
@@ -563,7 +648,7 @@ class _API:
                     msg = str(e).replace("max_new_tokens", "max_tokens")
                     field = msg.split(" ", 1)[0]
                     raise APIError(400, msg, param=field if field in CONTROL_FIELDS else None) from None
-                out.append((ids, sp))
+                out.append((ids, sp, lora))
         return out
 
     def _check_response_size(self, body, prompt_lens: list[int], wants: list[int]) -> None:
@@ -996,7 +1081,8 @@ class _Format:
         return ct.feed(ids, lps, new_text, reason is not None)
 
     def _head(self, obj: str) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.api.model_name}
+        # the name the request gave, checked (`check_model`): the served model's, or a LoRA adapter's (as vLLM)
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.body.model}
 
     def response(self, choices: list, usage: dict, outs=()) -> dict:
         """The answer; `weight_version` (an extension, as SGLang's meta_info has it): the newest weights any of its
