@@ -23,7 +23,7 @@ The LoRA matmuls for a per-row index (`lora_delta`) come in three forms, `LORA_M
 - "dense": two GEMMs over every slot: x @ A_all ([rows, max_loras, r]), the other slots' columns zeroed,
   then @ B_all (each slot's A and B read once, no gather, sort or scatter; the extra multiply-adds,
   max_loras x r per row, are small beside the base linear's).
-scripts/bench_lora.py measures them (BENCHMARKS.md); `DEFAULT_METHOD` is the cheapest on a CPU.
+benchmarks/bench_lora.py measures them (BENCHMARKS.md); `DEFAULT_METHOD` is the cheapest on a CPU.
 """
 
 import json

@@ -22,6 +22,8 @@ COMMANDS = {
     "traffic-moe": ("jpa.tools.moe_traffic", True, "the same for a mixture of experts (Qwen3-30B-A3B, gpt-oss)"),
     "traffic-hybrid": ("jpa.tools.hybrid_traffic", True,
                        "the same for a hybrid's decode step (Qwen3.5-27B's shapes: Gated DeltaNet states)"),
+    "traffic-lora": ("jpa.tools.lora_traffic", True,
+                     "the engine step's bytes with LoRA adapters against the ideal (each active adapter read once)"),
     "mutation": ("jpa.tools.mutation", False, "deliberate faults in the engine that the tests must catch"),
 }
 

@@ -17,9 +17,9 @@
    timed); then `--rounds` interleaved timed runs of the three, the best of each kept (the machine is
    shared). Generated tokens / wall seconds.
 
-    .venv/bin/python scripts/bench_lora.py                       # both parts
-    .venv/bin/python scripts/bench_lora.py --part methods
-    .venv/bin/python scripts/bench_lora.py --part engine --model tiny-llama --num-requests 16 --max-new 32
+    .venv/bin/python benchmarks/bench_lora.py                       # both parts
+    .venv/bin/python benchmarks/bench_lora.py --part methods
+    .venv/bin/python benchmarks/bench_lora.py --part engine --model tiny-llama --num-requests 16 --max-new 32
 """
 
 import argparse

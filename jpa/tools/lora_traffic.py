@@ -9,27 +9,19 @@ LoRA term runs under a lax.cond (skipped when no row has an adapter); `jpa.tools
 conditional's costliest branch, so this is the step with adapters in use. Without --enable-lora the same
 step is printed first (`--no-baseline` skips it).
 
-    python scripts/lora_traffic.py --max-seqs 64
-    python scripts/lora_traffic.py --model smollm2 --max-seqs 16 --max-loras 4 --rank 16
+    jpa tools traffic-lora --max-seqs 64
+    jpa tools traffic-lora --model smollm2 --max-seqs 16 --max-loras 4 --rank 16
 
 A deviceless-compile figure: bytes the compiled program moves, not a measured time.
 """
 
-import os
+import argparse
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from jpa.tools import deviceless  # noqa: E402
-
-deviceless.configure_environment()
-
-import argparse  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from jpa.tools.engine_checks import LLAMA_SHAPED  # noqa: E402
+from jpa.tools.engine_checks import LLAMA_SHAPED
 
 
 def compile_step(config, *, max_seqs, context, budget, page_size, pool_gib, lora, target):
@@ -85,7 +77,7 @@ def compile_step(config, *, max_seqs, context, budget, page_size, pool_gib, lora
     return s
 
 
-def main():
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=["llama3-8b", "smollm2"], default="llama3-8b")
     ap.add_argument("--max-seqs", type=int, default=64)
@@ -96,7 +88,7 @@ def main():
     ap.add_argument("--pool-gib", type=float, default=8.0)
     ap.add_argument("--target", default="h100")
     ap.add_argument("--no-baseline", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     from jpa.models import PRESETS, ModelConfig
 
     config = ModelConfig(**LLAMA_SHAPED) if args.model == "llama3-8b" else PRESETS["smollm2-135m"]
@@ -105,7 +97,5 @@ def main():
     if not args.no_baseline:
         compile_step(config, lora=None, **common)
     compile_step(config, lora=(args.max_loras, args.rank), **common)
+    return 0
 
-
-if __name__ == "__main__":
-    main()
