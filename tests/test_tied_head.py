@@ -231,3 +231,104 @@ def test_sharding_plans_the_rows():
     out, _ = shard(model, mesh)
     assert not out.embeddings_columns and out.tok_embeddings[...].shape == (CONFIG.vocab_size, CONFIG.d_model)
     np.testing.assert_array_equal(np.asarray(out.tok_embeddings[...]), want)
+
+
+def _f32_model(fmt, seed=0):
+    """`_model`'s tied table in a float32 model (the CPU's compute dtype for GGUF weights)."""
+    model = _model(fmt, seed)
+    graphdef, state = nnx.split(model)
+    state = jax.tree.map(lambda a: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a, state)
+    model = nnx.merge(graphdef, state)
+    model.dtype = jnp.float32
+    return model
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_1", "int8"])
+def test_dense_head_equals_the_tables_head(fmt):
+    """`set_dense_head`: one float32 [d_model, vocab] copy of a tied quantized table (the values the step
+    dequantized, transposed once) gives the logits of the table's head on fresh random rows (the same
+    products, summed in another order: f32 tolerance; an int8 table's scales multiplied before the dot
+    instead of after), leaves the lookup exact, adds d_model * vocab floats, and dense=False drops it (the
+    logits then bit for bit the table's again)."""
+    from jpa.models.gpt import set_dense_head
+
+    model = _f32_model(fmt, seed=int(np.random.default_rng().integers(1 << 16)))
+    rng = np.random.default_rng()
+    tokens = jnp.asarray(rng.integers(0, CONFIG.vocab_size, (2, 5)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5))
+    h = jnp.asarray(rng.normal(size=(2, 5, CONFIG.d_model)), jnp.float32)
+    logits, embed, nbytes = np.asarray(model.logits(h)), np.asarray(model.embed(tokens, positions)), model.weight_bytes()
+    assert set_dense_head(model) is model and model.head_dense
+    assert model.output[...].shape == (CONFIG.d_model, CONFIG.vocab_size) and model.output[...].dtype == jnp.float32
+    got = np.asarray(model.logits(h))
+    np.testing.assert_allclose(got, logits, rtol=0, atol=1e-5 * np.abs(logits).max())
+    np.testing.assert_array_equal(np.asarray(model.embed(tokens, positions)), embed)
+    assert model.weight_bytes() == nbytes + 4 * CONFIG.d_model * CONFIG.vocab_size
+    set_dense_head(model, False)
+    assert not model.head_dense and not hasattr(model, "output")
+    np.testing.assert_array_equal(np.asarray(model.logits(h)), logits)
+
+
+def test_engine_keeps_a_dense_head_on_the_cpu_once():
+    """GPTForEngine on a CPU gives a tied quantized model the dense head (in place; a second engine over the
+    same model shares it), a float or untied model none; set_dense_head refuses a table it cannot copy."""
+    from jpa.models.gpt import dense_head_wanted, set_dense_head
+
+    model = _model("Q4_1")
+    assert dense_head_wanted(model)
+    GPTForEngine(model)
+    assert model.head_dense and not dense_head_wanted(model)
+    copy = model.output[...]
+    GPTForEngine(model)
+    assert model.output[...] is copy
+    dense = GPT(CONFIG, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    assert not dense_head_wanted(dense)
+    GPTForEngine(dense)
+    assert not dense.head_dense
+    with pytest.raises(ValueError, match="set_dense_head wants a tied quantized embedding table"):
+        set_dense_head(dense)
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "int8"])
+def test_update_weights_recomputes_the_dense_head(fmt):
+    """update_weights' hook (`GPTForEngine.complete_params`): new weights carry the dense head of THEIR
+    table (a copy passed in stale, or none: a pytree of the model as loaded, is made anew); the rest as
+    given; a model without the copy takes params as they are."""
+    from jpa.models.gpt import dense_head_of
+
+    eng = GPTForEngine(_model(fmt))
+    fresh = _model(fmt, seed=int(np.random.default_rng().integers(1, 1 << 16)))  # another table
+    fmt_obj = eng.dense_head_format
+    want = np.asarray(dense_head_of(fmt_obj, fresh, eng.dtype))
+    new = nnx.State(dict(eng.params))
+    for sx in fmt_obj.parts:
+        new["tok_embeddings" + sx] = nnx.Param(fresh.__getattribute__("tok_embeddings" + sx)[...])
+    got = eng.complete_params(new)   # the old copy passed along: replaced
+    np.testing.assert_array_equal(np.asarray(got["output"][...]), want)
+    assert not np.array_equal(np.asarray(eng.params["output"][...]), want)
+    assert got["norm"] is new["norm"]
+    loaded = nnx.split(fresh)[1]   # the model's own pytree, no copy in it: the copy is added
+    got = eng.complete_params(loaded)
+    np.testing.assert_array_equal(np.asarray(got["output"][...]), want)
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(eng.params)
+    plain = GPTForEngine(GPT(CONFIG, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    assert plain.complete_params(plain.params) is plain.params
+
+
+@pytest.mark.bench   # loads SmolLM2-135M and runs it twice without a cache: about 15 s
+def test_smollm2_dense_head_keeps_the_logprobs():
+    """The real model (SmolLM2-135M's Q4_1 GGUF, its Q8_0 tied table): the dense head's next-token
+    logprobs equal the table's within 1e-4 at every position of a fresh random prompt, the same argmax."""
+    from jpa.models import load
+    from jpa.models.gpt import forward_dense, set_dense_head
+
+    model, _ = load("smollm2-135m")
+    tokens = jnp.asarray(np.random.default_rng().integers(1000, 40000, (1, 24)), jnp.int32)
+    run = jax.jit(lambda p, t: jax.nn.log_softmax(forward_dense(nnx.merge(graphdef, p), t), axis=-1))
+    graphdef, params = nnx.split(model)
+    before = np.asarray(run(params, tokens))
+    set_dense_head(model)
+    graphdef, params = nnx.split(model)
+    after = np.asarray(run(params, tokens))
+    assert np.max(np.abs(after - before)) <= 1e-4
+    np.testing.assert_array_equal(after.argmax(-1), before.argmax(-1))

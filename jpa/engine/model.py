@@ -56,6 +56,10 @@ class EngineModel(Protocol):
     head over prompt rows only in rounds where a request asks for prompt logprobs. A model without
     it serves everything else; a request for prompt logprobs then fails with an error naming the
     pair. `models.GPTForEngine` has it.
+
+    Optional, for `LLMEngine.update_weights`: `complete_params(params) -> params`, the new weights with
+    those the model derives from others made from them (GPTForEngine's dense head on a CPU: the copy of
+    the new tied table); the engine calls it before swapping the weights in.
     """
     config: ModelSizes
     dtype: Any
