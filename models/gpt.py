@@ -873,9 +873,10 @@ def dense_head_wanted(model: GPT) -> bool:
     compiled step before its dot (SmolLM2-135M's Q8_0 table: 113 MB of f32 written and read a step, and
     held as each compiled shape's temporary) and the dot reads it transposed; one float [d_model, vocab]
     copy read by a plain dot costs 3 ms a token instead of about 60 (BENCHMARKS.md, "The CPU path for
-    one user")."""
+    one user"). Not for an abstract model (nnx.eval_shape: deviceless compiles keep the step as stored)."""
     return (model.config.tie_embeddings and not model.embeddings_columns and not model.head_dense
-            and bool(format_of(model, "tok_embeddings").kernel_parts) and current_target().platform == "cpu")
+            and bool(format_of(model, "tok_embeddings").kernel_parts) and current_target().platform == "cpu"
+            and not isinstance(model.tok_embeddings.get_value(), jax.ShapeDtypeStruct))
 
 
 def set_dense_head(model: GPT, dense: bool = True) -> GPT:

@@ -11,9 +11,11 @@ warmed before anything is timed (the ladder's background thread waited for). The
     whole request's output tokens over this process's CPU seconds (steadier on a shared machine).
 
 Reported: the best and the median of the reps (the machine is shared: the best run is the least
-disturbed), the process's resident and peak memory (VmRSS, VmHWM) after the runs, and the
-engine's compiles (the full shape, the ladder's) and each compiled shape's XLA temporaries. Also, with --parts: one decode step's parts timed
-alone on the model's own weights (the 30 blocks' matmuls, the head, the rest by difference).
+disturbed), the process's resident and peak memory (VmRSS, VmHWM) after the runs (and VmRSS at each
+stage: imported, model loaded, engine built, first answer, ladder ready), the model's weight bytes, and the
+engine's compiles (the full shape, the ladder's) and each compiled shape's XLA temporaries. Also, with
+--parts: one decode row's parts timed alone on the model's own weights (the blocks' weight matmuls, the
+head).
 
 Engine-level (no HTTP): LLMEngine.step() rounds, as the server's engine loop drives them. To
 measure a checkout from before a change, run this file with PYTHONPATH=<that checkout> (its
@@ -36,8 +38,13 @@ CHAT = ["What is a paged KV cache?", "Name three rivers in Europe.", "Write a ha
         "Explain continuous batching in one paragraph."]
 
 
-def memory() -> dict:
-    """{VmRSS, VmHWM} of this process in MB (Linux /proc)."""
+def memory(trim: bool = False) -> dict:
+    """{VmRSS, VmHWM} of this process in MB (Linux /proc); trim: after glibc's malloc_trim(0) (what the
+    allocator holds freed, in every thread's arena, given back first)."""
+    if trim:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
     out = {}
     with open("/proc/self/status") as f:
         for line in f:
@@ -66,18 +73,6 @@ def one(eng, prompt, max_new):
     return ttft, (len(ids) - n_first) / (wall - ttft), len(ids), cpu, ids
 
 
-def best_ms(f, args, reps=20):
-    import jax
-
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t)
-    return 1e3 * min(times)
-
-
 def parts(eng) -> dict:
     """One decode row's parts on the engine model's weights, each jitted alone (best of 20, ms): every
     block's 7 weight matmuls (x @ W in each weight's format, the layers' scan), and the head (final norm
@@ -85,6 +80,8 @@ def parts(eng) -> dict:
     import jax
     import jax.numpy as jnp
     from flax import nnx
+
+    from bench_cpu_matmul import best_ms   # scripts/: best of N calls
 
     model = eng.runner.model
     gpt = nnx.merge(model.graphdef, model.params)
@@ -137,6 +134,7 @@ def main(argv=None):
     ap.add_argument("--prompts", type=int, default=2, help="prompts per rep, one at a time")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--parts", action="store_true", help="also time one decode row's parts alone")
+    ap.add_argument("--trim", action="store_true", help="malloc_trim(0) before each memory reading")
     ap.add_argument("--no-compile-cache", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -146,18 +144,23 @@ def main(argv=None):
 
     if not args.no_compile_cache:
         enable_compile_cache()
+    rss = dict(imported=memory(args.trim)["VmRSS"])
     t = time.perf_counter()
     gpt, tok = models.load(args.model)
     load_s = time.perf_counter() - t
+    rss["model_loaded"] = memory(args.trim)["VmRSS"]
     chat = [tok.render_chat([{"role": "user", "content": c}]) for c in CHAT]
     t = time.perf_counter()
     llm = LLM.from_model(gpt, tok, max_seqs=args.max_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                          steps_per_call=args.steps_per_call, max_model_len=2048, step_shapes=args.step_shapes)
     eng = llm.engine
+    rss["engine_built"] = memory(args.trim)["VmRSS"]
     one(eng, chat[0], 2)
     first_answer_s = time.perf_counter() - t
+    rss["first_answer"] = memory(args.trim)["VmRSS"]
     if getattr(eng.runner, "ladder", None) is not None:
         eng.runner.ladder.wait()
+    rss["ladder_ready"] = memory(args.trim)["VmRSS"]
     for p in chat[: args.prompts]:   # every shape a one-user round meets, called once
         one(eng, p, args.max_new_tokens)
     s = eng.summary()
@@ -165,7 +168,8 @@ def main(argv=None):
                     ladder_compiles=s.get("ladder_compiles"),
                     ladder_compile_s=round(s.get("ladder_compile_seconds") or 0.0, 2), shapes=s.get("step_shapes"))
     ladder = getattr(eng.runner, "ladder", None)
-    compiles["temp_mb"] = {f"{sh.rows}x{sh.tokens}": _temp_mb(exe) for sh, exe in (ladder.exes.items() if ladder else ())}
+    exes = ladder.exes.items() if ladder else ()
+    compiles["temp_mb"] = {f"{sh.rows}x{sh.tokens}": _temp_mb(exe) for sh, exe in exes}
     print(f"[bench] loaded in {load_s:.1f} s, first answer {first_answer_s:.1f} s later; {compiles}", file=sys.stderr)
     rows = dict(ttft_ms=[], decode_tok_s=[], tok_per_cpu_s=[])
     outputs = None
@@ -184,11 +188,13 @@ def main(argv=None):
         rows["decode_tok_s"].append(statistics.median(rates))
         rows["tok_per_cpu_s"].append(tokens / cpu)
         print(f"[bench] rep {rep}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rows.items()), file=sys.stderr)
-    result = dict(config=vars(args), compiles=compiles, load_s=round(load_s, 2), first_answer_s=round(first_answer_s, 2),
+    result = dict(config=vars(args), compiles=compiles, load_s=round(load_s, 2),
+                  first_answer_s=round(first_answer_s, 2),
                   best=dict(ttft_ms=round(min(rows["ttft_ms"]), 1), decode_tok_s=round(max(rows["decode_tok_s"]), 1),
                             tok_per_cpu_s=round(max(rows["tok_per_cpu_s"]), 1)),
                   median={k: round(statistics.median(v), 1) for k, v in rows.items()},
-                  memory_mb=memory(), runs=rows, outputs=outputs)
+                  memory_mb=dict(memory(args.trim), rss_by_stage=rss, weight_mb=round(gpt.weight_bytes() / 2**20, 1),
+                                 kv_cache=s["kv_cache"]), runs=rows, outputs=outputs)
     if args.parts:
         result["parts"] = parts(eng)
     text = json.dumps(result, indent=1)

@@ -257,7 +257,8 @@ def test_dense_head_equals_the_tables_head(fmt):
     tokens = jnp.asarray(rng.integers(0, CONFIG.vocab_size, (2, 5)), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5))
     h = jnp.asarray(rng.normal(size=(2, 5, CONFIG.d_model)), jnp.float32)
-    logits, embed, nbytes = np.asarray(model.logits(h)), np.asarray(model.embed(tokens, positions)), model.weight_bytes()
+    logits, embed = np.asarray(model.logits(h)), np.asarray(model.embed(tokens, positions))
+    nbytes = model.weight_bytes()
     assert set_dense_head(model) is model and model.head_dense
     assert model.output[...].shape == (CONFIG.d_model, CONFIG.vocab_size) and model.output[...].dtype == jnp.float32
     got = np.asarray(model.logits(h))
@@ -271,7 +272,8 @@ def test_dense_head_equals_the_tables_head(fmt):
 
 def test_engine_keeps_a_dense_head_on_the_cpu_once():
     """GPTForEngine on a CPU gives a tied quantized model the dense head (in place; a second engine over the
-    same model shares it), a float or untied model none; set_dense_head refuses a table it cannot copy."""
+    same model shares it), a float model or an abstract one (deviceless compiles) none; set_dense_head
+    refuses a table it cannot copy."""
     from jpa.models.gpt import dense_head_wanted, set_dense_head
 
     model = _model("Q4_1")
@@ -287,6 +289,11 @@ def test_engine_keeps_a_dense_head_on_the_cpu_once():
     assert not dense.head_dense
     with pytest.raises(ValueError, match="set_dense_head wants a tied quantized embedding table"):
         set_dense_head(dense)
+    from jpa.tools.abstract import abstract_model   # deviceless compiles: the step as stored, no copy
+    abstract = abstract_model(CONFIG, "Q4_1", False)
+    assert not dense_head_wanted(abstract)
+    GPTForEngine(abstract)
+    assert not abstract.head_dense
 
 
 @pytest.mark.parametrize("fmt", ["Q8_0", "int8"])
