@@ -339,3 +339,32 @@ def test_smollm2_dense_head_keeps_the_logprobs():
     after = np.asarray(run(params, tokens))
     assert np.max(np.abs(after - before)) <= 1e-4
     np.testing.assert_array_equal(after.argmax(-1), before.argmax(-1))
+
+
+@pytest.mark.bench   # two engines over a tiny int8 model, two compiles: 36 s on the loaded 2-core VM
+def test_engine_outputs_with_the_dense_head_equal_the_tables(monkeypatch):
+    """Through the engine (tiny-llama with its tied table int8, on this CPU), one prompt alone and three at
+    once: the dense head gives the table head's greedy tokens, their logprobs within 1e-5 (a dot over
+    a few rows may sum in another order; at one row it is the same sum)."""
+    import jpa.models.engine_model as engine_model
+    from jpa.engine import EngineConfig, LLMEngine, SamplingParams
+    from jpa.models import load
+
+    rng = np.random.default_rng()
+    seed = int(rng.integers(1 << 16))
+    prompts = [[int(t) for t in rng.integers(0, 256, n)] for n in (5, 9, 13)]
+    params = SamplingParams(max_new_tokens=12, greedy=True, ignore_eos=True)
+
+    def outputs(dense):
+        gpt, tok = load("tiny-llama", quantization="int8", seed=seed)
+        eng = LLMEngine(GPTForEngine(gpt), tok, EngineConfig(max_seqs=4, page_size=8, num_pages=64,
+                                                             max_num_batched_tokens=32, steps_per_call=4))
+        assert gpt.head_dense == dense
+        return [o for p in prompts for o in eng.generate([p], params)] + eng.generate(prompts, params)
+
+    dense = outputs(True)
+    monkeypatch.setattr(engine_model, "dense_head_wanted", lambda model: False)
+    table = outputs(False)
+    for got, want in zip(dense, table):
+        assert got.token_ids == want.token_ids
+        np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=0, atol=1e-5)
