@@ -46,6 +46,7 @@ H head_dim.
 import dataclasses
 import functools
 import math
+import types
 
 import jax
 import jax.numpy as jnp
@@ -904,8 +905,16 @@ def set_dense_head(model: GPT, dense: bool = True) -> GPT:
 def dense_head_of(fmt, owner, dtype):
     """dtype [d_model, vocab]: the tied head of the quantized table `owner.tok_embeddings*` (kept in rows, in
     format `fmt`; owner: a GPT, or anything holding those arrays as attributes), dequantized in f32 then
-    rounded to dtype as the step's own dequantization rounds it, transposed."""
-    return jnp.transpose(fmt.dequantize(owner, "tok_embeddings")).astype(dtype)
+    rounded to dtype as the step's own dequantization rounds it, transposed. One jitted pass (0.1 s for
+    SmolLM2's table here, where op-by-op it took 0.5-0.75 s of the engine's start)."""
+    parts = {sx: getattr(owner, "tok_embeddings" + sx)[...] for sx in fmt.parts}
+    return _dense_head(fmt, jnp.dtype(dtype), parts)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _dense_head(fmt, dtype, parts):
+    table = types.SimpleNamespace(**{"tok_embeddings" + sx: a for sx, a in parts.items()})
+    return jnp.transpose(fmt.dequantize(table, "tok_embeddings")).astype(dtype)
 
 
 def _embedding_rows(model: GPT):
