@@ -134,6 +134,7 @@ def main(argv=None):
     ap.add_argument("--prompts", type=int, default=2, help="prompts per rep, one at a time")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--parts", action="store_true", help="also time one decode row's parts alone")
+    ap.add_argument("--dump-prompts", default=None, help="also write the rendered chat prompts (JSON) here")
     ap.add_argument("--trim", action="store_true", help="malloc_trim(0) before each memory reading")
     ap.add_argument("--no-compile-cache", action="store_true")
     ap.add_argument("--out", default=None)
@@ -150,6 +151,11 @@ def main(argv=None):
     load_s = time.perf_counter() - t
     rss["model_loaded"] = memory(args.trim)["VmRSS"]
     chat = [tok.render_chat([{"role": "user", "content": c}]) for c in CHAT]
+    if args.dump_prompts:   # the same rendered prompts for scripts/bench_llamacpp_one_user.py
+        with open(args.dump_prompts, "w") as f:
+            json.dump(chat[: args.prompts], f)
+        if args.reps == 0:
+            return
     t = time.perf_counter()
     llm = LLM.from_model(gpt, tok, max_seqs=args.max_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                          steps_per_call=args.steps_per_call, max_model_len=2048, step_shapes=args.step_shapes)
