@@ -368,3 +368,26 @@ def test_engine_outputs_with_the_dense_head_equal_the_tables(monkeypatch):
     for got, want in zip(dense, table):
         assert got.token_ids == want.token_ids
         np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=0, atol=1e-5)
+
+
+@pytest.mark.bench   # two engines over a tiny int8 model, two compiles: 17 s on the loaded 2-core VM
+def test_update_weights_serves_the_new_tables_head():
+    """An engine serving a tied int8 model on this CPU (the dense head), given another model's weights as the
+    pytree of the model as loaded (no copy in it): its outputs are those of an engine built on the other
+    model, greedy tokens and logprobs bit for bit (a stale head would keep the old table's logits)."""
+    from jpa.engine import EngineConfig, LLMEngine, SamplingParams
+    from jpa.models import load
+
+    rng = np.random.default_rng()
+    seeds = [int(s) for s in rng.choice(1 << 16, 2, replace=False)]
+    prompts = [[int(t) for t in rng.integers(0, 256, n)] for n in (5, 9)]
+    params = SamplingParams(max_new_tokens=10, greedy=True, ignore_eos=True)
+    cfg = EngineConfig(max_seqs=4, page_size=8, num_pages=64, max_num_batched_tokens=32, steps_per_call=4)
+    gpt, tok = load("tiny-llama", quantization="int8", seed=seeds[0])
+    served = LLMEngine(GPTForEngine(gpt), tok, cfg)
+    other, _ = load("tiny-llama", quantization="int8", seed=seeds[1])
+    served.update_weights(nnx.split(other)[1])
+    fresh = LLMEngine(GPTForEngine(other), tok, cfg)
+    assert other.head_dense and gpt.head_dense
+    for got, want in zip(served.generate(prompts, params), fresh.generate(prompts, params)):
+        assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
