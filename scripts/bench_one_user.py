@@ -151,7 +151,7 @@ def main(argv=None):
     load_s = time.perf_counter() - t
     rss["model_loaded"] = memory(args.trim)["VmRSS"]
     chat = [tok.render_chat([{"role": "user", "content": c}]) for c in CHAT]
-    if args.dump_prompts:   # the same rendered prompts for scripts/bench_llamacpp_one_user.py
+    if args.dump_prompts:   # the same rendered prompts, for another system run on the same text
         with open(args.dump_prompts, "w") as f:
             json.dump(chat[: args.prompts], f)
         if args.reps == 0:
