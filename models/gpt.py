@@ -57,6 +57,7 @@ from jpa.kv.cache import CacheConfig, KVCache, write_kv
 from jpa.kv.spec import CacheSpec
 from jpa.ops.decode import paged_decode
 from jpa.ops.dispatch import current_target
+from jpa.ops.qmatmul import mosaic_serves_target
 from jpa.ops.prefill import paged_prefill
 from jpa.ops.ragged import ragged_paged_attention
 from jpa.core.quant import check_weight_quantization, dequantize_blocks, quantize_weight, super_scaled
@@ -829,7 +830,7 @@ def tied_head_served(model: GPT, rows: int = 1) -> bool:
     `qmatmul`'s [K, N] codes with [K / G, N] scales; an int8 / fp8 table's row scales are per-output-channel
     scales). False for an untied head, a float table, or where the kernel does not serve (a CPU, K = d_model
     not a multiple of 64; SmolLM2's 576 is served, walked 64 values a step)."""
-    if not model.config.tie_embeddings:
+    if not model.config.tie_embeddings or not mosaic_serves_target():   # a CPU's Q4_1 loop is for layers
         return False
     fmt = format_of(model, "tok_embeddings")
     if not fmt.kernel_parts:

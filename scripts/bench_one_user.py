@@ -93,9 +93,8 @@ def parts(eng) -> dict:
     def blocks(params, x):  # x f32[1, 1]: every layer's 7 matmuls on one row, their sums carried (nothing dead)
         g = nnx.merge(model.graphdef, params)
 
-        def body(i, y):
-            blk = _layer(g, i)
-            return y + sum(jnp.sum(blk._linear(jnp.broadcast_to(y, (1, k)), n)) for n, k in names)
+        def body(i, y):   # as a step runs them: layer i of the stacked weights (models.gpt._run's stack_packed)
+            return y + sum(jnp.sum(g.layers._linear(jnp.broadcast_to(y, (1, k)), n, layer=i)) for n, k in names)
 
         return jax.lax.fori_loop(0, g.config.num_layers, body, x)
 
@@ -112,15 +111,6 @@ def _temp_mb(exe):
         return round(exe.memory_analysis().temp_size_in_bytes / 2**20, 1)
     except Exception:   # an executable loaded some other way: no analysis
         return None
-
-
-def _layer(g, i):
-    """Block i of g's stacked layers (its params sliced, traced i)."""
-    import jax
-    from flax import nnx
-
-    graphdef, state = nnx.split(g.layers)
-    return nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
 
 
 def main(argv=None):
