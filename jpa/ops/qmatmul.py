@@ -172,7 +172,8 @@ def kernel_serves(m: int, k: int, n: int, group: int, codes_dtype, compute_dtype
     sub_dtypes (sub-block scale dtype, minimum dtype or None) its sub-block scales' and minimums' dtypes:
     4-bit codes (uint8) take Q4_K's form (uint8 scales and minimums); 8-bit codes (int8: GGUF Q8_0 and,
     as jpa keeps them, Q5_K / Q6_K; float8_e4m3fn: block-wise FP8, on sm_89 / sm_90 only, as
-    `scaled_kernel_serves`) take group scales, and a K-quant's int8 / uint8 sub-block scales."""
+    `scaled_kernel_serves`) take group scales, and a K-quant's int8 / uint8 sub-block scales. On a CPU: whether
+    the C++ loop over Q4_1 blocks serves instead (`jpa.ops.cpu_qmatmul.unsupported_reason`)."""
     return unsupported_reason(m, k, n, group, codes_dtype, compute_dtype, d2=d2, sub_dtypes=sub_dtypes) is None
 
 
