@@ -23,6 +23,7 @@ import pathlib
 import platform
 import subprocess
 import tempfile
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -101,10 +102,18 @@ def _cache_dir() -> pathlib.Path:
     return pathlib.Path(os.environ.get("JPA_CACHE_DIR") or pathlib.Path.home() / ".cache" / "jpa") / "ffi"
 
 
-@functools.cache
+_BUILD_LOCK = threading.Lock()   # the ladder's background thread may trace beside the first round
+
+
 def library_reason() -> str | None:
     """None once the loop is built and registered in this process (built at the first call: a few seconds),
     else why it cannot be (then XLA's path serves)."""
+    with _BUILD_LOCK:
+        return _build_and_register()
+
+
+@functools.cache
+def _build_and_register() -> str | None:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"the CPU block matmul is x86-64 code (AVX2 / FMA / F16C); this is {platform.machine()}"
     flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
