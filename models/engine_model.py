@@ -5,10 +5,14 @@ The GPT is split once into a static graph and a parameter pytree; `prefill`/`dec
 back inside the engine's jit, so the weights are jit arguments, not constants.
 """
 
+import types
+
 from flax import nnx
 
 from jpa.models import lora
-from jpa.models.gpt import GPT, cache_spec, decode, prefill, ragged, ragged_hidden, set_embeddings_layout, tied_head_served
+from jpa.models.gpt import (GPT, cache_spec, decode, dense_head_of, dense_head_wanted, prefill, ragged, ragged_hidden,
+                            set_dense_head, set_embeddings_layout, tied_head_served)
+from jpa.models.linear import format_of
 
 
 class GPTForEngine:
@@ -30,6 +34,12 @@ class GPTForEngine:
             # a tied quantized head on a GPU the Mosaic matmul serves: the table kept [d_model, vocab] (in
             # place, one copy), so the head reads its codes as stored instead of a dense bf16 copy a step
             set_embeddings_layout(model, True)
+        elif mesh is None and dense_head_wanted(model):
+            # a tied quantized head on a CPU: one float [d_model, vocab] copy (in place) that every compiled
+            # step's dot reads, instead of each step dequantizing the whole table into a temporary of its own
+            set_dense_head(model, True)
+        # the tied table's format where the model keeps a dense copy of it as its head (`complete_params`)
+        self.dense_head_format = format_of(model, "tok_embeddings") if model.head_dense else None
         self.config = model.config
         self.dtype = model.dtype
         self.quantization = model.quantization  # weight-only quantization (None, "int8", "fp8")
@@ -47,9 +57,24 @@ class GPTForEngine:
         `models.sharding.shard` (embeddings=)."""
         from jpa.models import sharding
 
-        gpt, plan = sharding.shard(nnx.merge(self.graphdef, self.params), mesh, **options)  # table in rows
+        gpt = set_dense_head(nnx.merge(self.graphdef, self.params), False)  # the rules plan the table, not a copy
+        gpt, plan = sharding.shard(gpt, mesh, **options)  # table in rows
         out = GPTForEngine(gpt, mesh=mesh, lora_method=self.lora_method, **self.decode_options)
         out.head_plan = plan
+        return out
+
+    def complete_params(self, params):
+        """EngineModel's optional hook for `update_weights`: `params` (this model's parameter pytree, or the
+        model's as loaded, without the copy) with the weights the served model derives from others made from
+        them: a CPU's dense head (`models.gpt.set_dense_head`), `output`, is the new table's, never a stale
+        copy. Others as given."""
+        fmt = self.dense_head_format
+        if fmt is None:
+            return params
+        table = types.SimpleNamespace(**{"tok_embeddings" + sx: params["tok_embeddings" + sx] for sx in fmt.parts})
+        head = dense_head_of(fmt, table, self.dtype)
+        out = nnx.State(dict(params.raw_mapping)) if isinstance(params, nnx.State) else dict(params)  # nested as given
+        out["output"] = nnx.Param(head) if isinstance(params["tok_embeddings"], nnx.Variable) else head
         return out
 
     def cache_spec(self):

@@ -46,6 +46,7 @@ H head_dim.
 import dataclasses
 import functools
 import math
+import types
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +57,7 @@ from jpa.kv.cache import CacheConfig, KVCache, write_kv
 from jpa.kv.spec import CacheSpec
 from jpa.ops.decode import paged_decode
 from jpa.ops.dispatch import current_target
+from jpa.ops.qmatmul import mosaic_serves_target
 from jpa.ops.prefill import paged_prefill
 from jpa.ops.ragged import ragged_paged_attention
 from jpa.core.quant import check_weight_quantization, dequantize_blocks, quantize_weight, super_scaled
@@ -514,6 +516,9 @@ class GPT(nnx.Module):
         # The embedding table's layout: False, [vocab, d_model] (rows, for the lookup); True, [d_model, vocab]
         # (`set_embeddings_layout`: a tied quantized head the Mosaic matmul reads as stored, [in, out]).
         self.embeddings_columns = False
+        # True: a quantized tied head is also kept as one float [d_model, vocab] `output` (`set_dense_head`: a
+        # CPU's head, where XLA would dequantize the whole table in every compiled step).
+        self.head_dense = False
         # Built one by one (the same random draws as a list of blocks), then stacked on a leading axis.
         self.layers = stack_blocks([Block(c, dtype=dtype, rngs=rngs, quantization=quantization)
                                     for _ in range(c.num_layers)])
@@ -555,7 +560,7 @@ class GPT(nnx.Module):
             v = var.get_value()
             return jax.ShapeDtypeStruct(v.shape[:-1] + (v.shape[-1] // tp,), v.dtype)
 
-        if self.config.tie_embeddings:
+        if self.config.tie_embeddings and not self.head_dense:
             # the table kept [d_model, vocab] (`set_embeddings_layout`): the head's [in, out] codes, read as
             # stored by the Mosaic matmul where it serves (else dequantized where the dot reads them); kept
             # [vocab, d_model]: x @ its transpose, the rows' scales the head's per-output-channel scales
@@ -563,6 +568,7 @@ class GPT(nnx.Module):
                                                           transpose=not self.embeddings_columns,
                                                           kernel=self.embeddings_columns, stacked=False)
         else:
+            # (`head_dense`: the float [d_model, vocab] copy of a tied head, a Dense `output`, read by one dot)
             # a quantized head on a GPU the Mosaic kernel serves (GGUF's Q6_K / Q8_0 / Q4 output, int8 / fp8):
             # it reads the stored codes (XLA, under the engine's cuBLAS options, would write a dense bf16 copy of
             # the head every step); else dequantized where the dot reads it
@@ -833,7 +839,7 @@ def tied_head_served(model: GPT, rows: int = 1) -> bool:
     `qmatmul`'s [K, N] codes with [K / G, N] scales; an int8 / fp8 table's row scales are per-output-channel
     scales). False for an untied head, a float table, or where the kernel does not serve (a CPU, K = d_model
     not a multiple of 64; SmolLM2's 576 is served, walked 64 values a step)."""
-    if not model.config.tie_embeddings:
+    if not model.config.tie_embeddings or not mosaic_serves_target():   # a CPU's Q4_1 loop is for layers
         return False
     fmt = format_of(model, "tok_embeddings")
     if not fmt.kernel_parts:
@@ -870,6 +876,55 @@ def set_embeddings_layout(model: GPT, columns: bool) -> GPT:
         var.set_value(x)
     model.embeddings_columns = columns
     return model
+
+
+def dense_head_wanted(model: GPT) -> bool:
+    """Whether `set_dense_head` pays on the device being compiled for: a CPU, a tied quantized table (GGUF
+    blocks, int8 / fp8) kept in rows. There XLA dequantizes the whole [vocab, d_model] table inside every
+    compiled step before its dot (SmolLM2-135M's Q8_0 table: 113 MB of f32 written and read a step, and
+    held as each compiled shape's temporary) and the dot reads it transposed; one float [d_model, vocab]
+    copy read by a plain dot costs 3 ms a token instead of about 60 (BENCHMARKS.md, "The CPU path for
+    one user"). Not for an abstract model (nnx.eval_shape: deviceless compiles keep the step as stored)."""
+    return (model.config.tie_embeddings and not model.embeddings_columns and not model.head_dense
+            and bool(format_of(model, "tok_embeddings").kernel_parts) and current_target().platform == "cpu"
+            and not isinstance(model.tok_embeddings.get_value(), jax.ShapeDtypeStruct))
+
+
+def set_dense_head(model: GPT, dense: bool = True) -> GPT:
+    """Keeps (dense=True) one float copy of `model`'s tied quantized head, `output` [d_model, vocab] in the
+    model's dtype (the table's values dequantized once, in f32, then rounded as the per-step dequantization
+    rounds them), which `GPT.logits` then reads with one dot; the table stays as stored for the embedding
+    lookup. dense=False drops the copy (`models.sharding.shard` plans the tied table, not a copy). In place;
+    returns model. Every compiled step reads the same copy (it is a parameter, not a temporary)."""
+    if model.head_dense == dense:
+        return model
+    if dense:
+        if not (model.config.tie_embeddings and not model.embeddings_columns
+                and format_of(model, "tok_embeddings").kernel_parts):
+            raise ValueError("set_dense_head wants a tied quantized embedding table kept in rows (GGUF blocks or "
+                             "int8 / fp8 with row scales)")
+        model.output = nnx.Param(dense_head_of(format_of(model, "tok_embeddings"), model, model.dtype))
+        set_format(model, "output", DENSE)
+    else:
+        del model.output
+        model.weight_formats = tuple((n, f) for n, f in model.weight_formats if n != "output")
+    model.head_dense = dense
+    return model
+
+
+def dense_head_of(fmt, owner, dtype):
+    """dtype [d_model, vocab]: the tied head of the quantized table `owner.tok_embeddings*` (kept in rows, in
+    format `fmt`; owner: a GPT, or anything holding those arrays as attributes), dequantized in f32 then
+    rounded to dtype as the step's own dequantization rounds it, transposed. One jitted pass (0.1 s for
+    SmolLM2's table here, where op-by-op it took 0.5-0.75 s of the engine's start)."""
+    parts = {sx: getattr(owner, "tok_embeddings" + sx)[...] for sx in fmt.parts}
+    return _dense_head(fmt, jnp.dtype(dtype), parts)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _dense_head(fmt, dtype, parts):
+    table = types.SimpleNamespace(**{"tok_embeddings" + sx: a for sx, a in parts.items()})
+    return jnp.transpose(fmt.dequantize(table, "tok_embeddings")).astype(dtype)
 
 
 def _embedding_rows(model: GPT):

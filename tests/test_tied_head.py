@@ -232,3 +232,163 @@ def test_sharding_plans_the_rows():
     out, _ = shard(model, mesh)
     assert not out.embeddings_columns and out.tok_embeddings[...].shape == (CONFIG.vocab_size, CONFIG.d_model)
     np.testing.assert_array_equal(np.asarray(out.tok_embeddings[...]), want)
+
+
+def _f32_model(fmt, seed=0):
+    """`_model`'s tied table in a float32 model (the CPU's compute dtype for GGUF weights)."""
+    model = _model(fmt, seed)
+    graphdef, state = nnx.split(model)
+    state = jax.tree.map(lambda a: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a, state)
+    model = nnx.merge(graphdef, state)
+    model.dtype = jnp.float32
+    return model
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_1", "int8"])
+def test_dense_head_equals_the_tables_head(fmt):
+    """`set_dense_head`: one float32 [d_model, vocab] copy of a tied quantized table (the values the step
+    dequantized, transposed once) gives the logits of the table's head on fresh random rows (the same
+    products, summed in another order: f32 tolerance; an int8 table's scales multiplied before the dot
+    instead of after), leaves the lookup exact, adds d_model * vocab floats, and dense=False drops it (the
+    logits then bit for bit the table's again)."""
+    from jpa.models.gpt import set_dense_head
+
+    model = _f32_model(fmt, seed=int(np.random.default_rng().integers(1 << 16)))
+    rng = np.random.default_rng()
+    tokens = jnp.asarray(rng.integers(0, CONFIG.vocab_size, (2, 5)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5))
+    h = jnp.asarray(rng.normal(size=(2, 5, CONFIG.d_model)), jnp.float32)
+    logits, embed = np.asarray(model.logits(h)), np.asarray(model.embed(tokens, positions))
+    nbytes = model.weight_bytes()
+    assert set_dense_head(model) is model and model.head_dense
+    assert model.output[...].shape == (CONFIG.d_model, CONFIG.vocab_size) and model.output[...].dtype == jnp.float32
+    got = np.asarray(model.logits(h))
+    np.testing.assert_allclose(got, logits, rtol=0, atol=1e-5 * np.abs(logits).max())
+    np.testing.assert_array_equal(np.asarray(model.embed(tokens, positions)), embed)
+    assert model.weight_bytes() == nbytes + 4 * CONFIG.d_model * CONFIG.vocab_size
+    set_dense_head(model, False)
+    assert not model.head_dense and not hasattr(model, "output")
+    np.testing.assert_array_equal(np.asarray(model.logits(h)), logits)
+
+
+def test_engine_keeps_a_dense_head_on_the_cpu_once():
+    """GPTForEngine on a CPU gives a tied quantized model the dense head (in place; a second engine over the
+    same model shares it), a float model or an abstract one (deviceless compiles) none; set_dense_head
+    refuses a table it cannot copy."""
+    from jpa.models.gpt import dense_head_wanted, set_dense_head
+
+    model = _model("Q4_1")
+    assert dense_head_wanted(model)
+    GPTForEngine(model)
+    assert model.head_dense and not dense_head_wanted(model)
+    copy = model.output[...]
+    GPTForEngine(model)
+    assert model.output[...] is copy
+    dense = GPT(CONFIG, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    assert not dense_head_wanted(dense)
+    GPTForEngine(dense)
+    assert not dense.head_dense
+    with pytest.raises(ValueError, match="set_dense_head wants a tied quantized embedding table"):
+        set_dense_head(dense)
+    from jpa.tools.abstract import abstract_model   # deviceless compiles: the step as stored, no copy
+    abstract = abstract_model(CONFIG, "Q4_1", False)
+    assert not dense_head_wanted(abstract)
+    GPTForEngine(abstract)
+    assert not abstract.head_dense
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "int8"])
+def test_update_weights_recomputes_the_dense_head(fmt):
+    """update_weights' hook (`GPTForEngine.complete_params`): new weights carry the dense head of THEIR
+    table (a copy passed in stale, or none: a pytree of the model as loaded, is made anew); the rest as
+    given; a model without the copy takes params as they are."""
+    from jpa.models.gpt import dense_head_of
+
+    eng = GPTForEngine(_model(fmt))
+    fresh = _model(fmt, seed=int(np.random.default_rng().integers(1, 1 << 16)))  # another table
+    fmt_obj = eng.dense_head_format
+    want = np.asarray(dense_head_of(fmt_obj, fresh, eng.dtype))
+    new = nnx.State(dict(eng.params))
+    for sx in fmt_obj.parts:
+        new["tok_embeddings" + sx] = nnx.Param(fresh.__getattribute__("tok_embeddings" + sx)[...])
+    got = eng.complete_params(new)   # the old copy passed along: replaced
+    np.testing.assert_array_equal(np.asarray(got["output"][...]), want)
+    assert not np.array_equal(np.asarray(eng.params["output"][...]), want)
+    assert got["norm"] is new["norm"]
+    loaded = nnx.split(fresh)[1]   # the model's own pytree, no copy in it: the copy is added
+    got = eng.complete_params(loaded)
+    np.testing.assert_array_equal(np.asarray(got["output"][...]), want)
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(eng.params)
+    plain = GPTForEngine(GPT(CONFIG, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    assert plain.complete_params(plain.params) is plain.params
+
+
+@pytest.mark.bench   # loads SmolLM2-135M and runs it twice without a cache: about 15 s
+def test_smollm2_dense_head_keeps_the_logprobs():
+    """The real model (SmolLM2-135M's Q4_1 GGUF, its Q8_0 tied table): the dense head's next-token
+    logprobs equal the table's within 1e-4 at every position of a fresh random prompt, the same argmax."""
+    from jpa.models import load
+    from jpa.models.gpt import forward_dense, set_dense_head
+
+    model, _ = load("smollm2-135m")
+    tokens = jnp.asarray(np.random.default_rng().integers(1000, 40000, (1, 24)), jnp.int32)
+    run = jax.jit(lambda p, t: jax.nn.log_softmax(forward_dense(nnx.merge(graphdef, p), t), axis=-1))
+    graphdef, params = nnx.split(model)
+    before = np.asarray(run(params, tokens))
+    set_dense_head(model)
+    graphdef, params = nnx.split(model)
+    after = np.asarray(run(params, tokens))
+    assert np.max(np.abs(after - before)) <= 1e-4
+    np.testing.assert_array_equal(after.argmax(-1), before.argmax(-1))
+
+
+@pytest.mark.bench   # two engines over a tiny int8 model, two compiles: 36 s on the loaded 2-core VM
+def test_engine_outputs_with_the_dense_head_equal_the_tables(monkeypatch):
+    """Through the engine (tiny-llama with its tied table int8, on this CPU), one prompt alone and three at
+    once: the dense head gives the table head's greedy tokens, their logprobs within 1e-5 (a dot over
+    a few rows may sum in another order; at one row it is the same sum)."""
+    import jpa.models.engine_model as engine_model
+    from jpa.engine import EngineConfig, LLMEngine, SamplingParams
+    from jpa.models import load
+
+    rng = np.random.default_rng()
+    seed = int(rng.integers(1 << 16))
+    prompts = [[int(t) for t in rng.integers(0, 256, n)] for n in (5, 9, 13)]
+    params = SamplingParams(max_new_tokens=12, greedy=True, ignore_eos=True)
+
+    def outputs(dense):
+        gpt, tok = load("tiny-llama", quantization="int8", seed=seed)
+        eng = LLMEngine(GPTForEngine(gpt), tok, EngineConfig(max_seqs=4, page_size=8, num_pages=64,
+                                                             max_num_batched_tokens=32, steps_per_call=4))
+        assert gpt.head_dense == dense
+        return [o for p in prompts for o in eng.generate([p], params)] + eng.generate(prompts, params)
+
+    dense = outputs(True)
+    monkeypatch.setattr(engine_model, "dense_head_wanted", lambda model: False)
+    table = outputs(False)
+    for got, want in zip(dense, table):
+        assert got.token_ids == want.token_ids
+        np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=0, atol=1e-5)
+
+
+@pytest.mark.bench   # two engines over a tiny int8 model, two compiles: 17 s on the loaded 2-core VM
+def test_update_weights_serves_the_new_tables_head():
+    """An engine serving a tied int8 model on this CPU (the dense head), given another model's weights as the
+    pytree of the model as loaded (no copy in it): its outputs are those of an engine built on the other
+    model, greedy tokens and logprobs bit for bit (a stale head would keep the old table's logits)."""
+    from jpa.engine import EngineConfig, LLMEngine, SamplingParams
+    from jpa.models import load
+
+    rng = np.random.default_rng()
+    seeds = [int(s) for s in rng.choice(1 << 16, 2, replace=False)]
+    prompts = [[int(t) for t in rng.integers(0, 256, n)] for n in (5, 9)]
+    params = SamplingParams(max_new_tokens=10, greedy=True, ignore_eos=True)
+    cfg = EngineConfig(max_seqs=4, page_size=8, num_pages=64, max_num_batched_tokens=32, steps_per_call=4)
+    gpt, tok = load("tiny-llama", quantization="int8", seed=seeds[0])
+    served = LLMEngine(GPTForEngine(gpt), tok, cfg)
+    other, _ = load("tiny-llama", quantization="int8", seed=seeds[1])
+    served.update_weights(nnx.split(other)[1])
+    fresh = LLMEngine(GPTForEngine(other), tok, cfg)
+    assert other.head_dense and gpt.head_dense
+    for got, want in zip(served.generate(prompts, params), fresh.generate(prompts, params)):
+        assert got.token_ids == want.token_ids and got.logprobs == want.logprobs

@@ -721,6 +721,9 @@ class LLMEngine:
                                  "need the engine's weight_converter (jpa.llm.build_engine sets one); pass the "
                                  "model's parameter pytree")
             weights = self.weight_converter(weights)
+        complete = getattr(self.model, "complete_params", None)   # weights the model derives from the others
+        if complete is not None:
+            weights = complete(weights)
         self.runner.set_params(weights)
         prefix = self.scheduler.prefix
         if prefix is not None:

@@ -74,6 +74,10 @@ class EngineModel(Protocol):
     leading axis; ValueError for an adapter it cannot serve), and a keyword `lora=(slots, index)` on
     `decode`, `ragged` and `ragged_hidden`: index i32[num_seqs] / i32[num_tokens] each row's slot (-1: no
     adapter). The engine passes `lora=` only when LoRA is on. `models.GPTForEngine` has them.
+
+    Optional, for `LLMEngine.update_weights`: `complete_params(params) -> params`, the new weights with
+    those the model derives from others made from them (GPTForEngine's dense head on a CPU: the copy of
+    the new tied table); the engine calls it before swapping the weights in.
     """
     config: ModelSizes
     dtype: Any

@@ -16,6 +16,10 @@ the rules are an H100's (float8 codes served).
 
 `unsupported_reason(...)` / `scaled_unsupported_reason(...)` say why the kernel does not take a weight
 (None: it does); `kernel_serves` / `scaled_kernel_serves` are those being None.
+
+On a CPU, a few rows of a Q4_1 weight (`jpa.ops.cpu_qmatmul.MAX_ROWS`) take a C++ loop over the blocks
+instead (an XLA FFI custom call, the layer read from the stack in place): `unsupported_reason` is None
+there too, and `packed_matmul` calls it; everything else keeps XLA's dequantize-then-dot.
 """
 
 import os
@@ -120,7 +124,7 @@ def unsupported_reason(m: int, k: int, n: int, group: int, codes_dtype, compute_
 
     cc, why = _target_why()
     if cc is None:
-        return why
+        return None if _cpu_why(m, k, group, codes_dtype, compute_dtype, d2, sub_dtypes) is True else why
     if np.dtype(codes_dtype) != np.uint8:  # 8-bit codes with group scales
         sub = sub_dtypes if d2 is not None else None
         return _fp8_why(codes_dtype, cc) or kernel.unsupported_reason_grouped(m, k, n, group, codes_dtype,
@@ -134,6 +138,31 @@ def unsupported_reason(m: int, k: int, n: int, group: int, codes_dtype, compute_
     return kernel.unsupported_reason(m, k, n, group, codes_dtype, compute_dtype)
 
 
+def _cpu_why(m, k, group, codes_dtype, compute_dtype, d2, sub_dtypes):
+    """On a CPU (not under JPA_QMATMUL=0): True where the C++ block loop serves (`jpa.ops.cpu_qmatmul`),
+    else why not; None off a CPU."""
+    from jpa.ops import cpu_qmatmul
+
+    target = current_target()
+    if target.platform != "cpu" or not target.executable or os.environ.get("JPA_QMATMUL", "1") == "0":
+        return None
+    d_dtype, m_dtype = sub_dtypes if sub_dtypes is not None else (None, None)
+    why = cpu_qmatmul.unsupported_reason(m, k, group, codes_dtype, d_dtype, m_dtype is not None, compute_dtype,
+                                         k_quant=d2 is not None)
+    return True if why is None else why
+
+
+def _on_cpu() -> bool:
+    """Whether the product is compiled for this CPU (where `unsupported_reason` None means the C++ loop)."""
+    return current_target().platform == "cpu" and _target_why()[0] is None
+
+
+def mosaic_serves_target() -> bool:
+    """Whether the Mosaic GPU kernels serve the device being compiled for (or JPA_QMATMUL=interpret): a None of
+    `unsupported_reason` there means the Mosaic matmul, not the CPU loop."""
+    return _target_why()[0] is not None
+
+
 def kernel_serves(m: int, k: int, n: int, group: int, codes_dtype, compute_dtype, *, d2=None,
                   sub_dtypes=None) -> bool:
     """Whether `packed_matmul` runs the Mosaic GPU kernel for an [m, k] x [k, n] product of a
@@ -143,7 +172,8 @@ def kernel_serves(m: int, k: int, n: int, group: int, codes_dtype, compute_dtype
     sub_dtypes (sub-block scale dtype, minimum dtype or None) its sub-block scales' and minimums' dtypes:
     4-bit codes (uint8) take Q4_K's form (uint8 scales and minimums); 8-bit codes (int8: GGUF Q8_0 and,
     as jpa keeps them, Q5_K / Q6_K; float8_e4m3fn: block-wise FP8, on sm_89 / sm_90 only, as
-    `scaled_kernel_serves`) take group scales, and a K-quant's int8 / uint8 sub-block scales."""
+    `scaled_kernel_serves`) take group scales, and a K-quant's int8 / uint8 sub-block scales. On a CPU: whether
+    the C++ loop over Q4_1 blocks serves instead (`jpa.ops.cpu_qmatmul.unsupported_reason`)."""
     return unsupported_reason(m, k, n, group, codes_dtype, compute_dtype, d2=d2, sub_dtypes=sub_dtypes) is None
 
 
@@ -162,6 +192,10 @@ def packed_matmul(x, codes, d, m=None, d2=None, m2=None, *, layer, compute_dtype
     group = k // d.shape[-2]
     sub = (d.dtype, None if m is None else m.dtype)
     if kernel_serves(mm, k, n, group, codes.dtype, compute_dtype, d2=d2, sub_dtypes=sub):
+        if _on_cpu():   # the C++ loop over the blocks (jpa.ops.cpu_qmatmul), layer `layer` read in place
+            from jpa.ops.cpu_qmatmul import q4_1_matmul
+
+            return q4_1_matmul(x, codes, d, m, layer)
         call = kernel.qmatmul if codes.dtype == jnp.uint8 else kernel.qmatmul_grouped
         return call(x.astype(compute_dtype), codes, d, m, d2, m2, layer=0 if layer is None else layer,
                     **_call_options())
