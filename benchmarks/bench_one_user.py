@@ -21,7 +21,7 @@ Engine-level (no HTTP): LLMEngine.step() rounds, as the server's engine loop dri
 measure a checkout from before a change, run this file with PYTHONPATH=<that checkout> (its
 jpa/models linked to its models/).
 
-    ./run python scripts/bench_one_user.py --reps 5
+    ./run python benchmarks/bench_one_user.py --reps 5
 """
 
 import argparse

@@ -2,13 +2,13 @@
 """The CPU's C++ loop over Q4_1 blocks (`jpa.ops.cpu_qmatmul`, an XLA FFI custom call) against XLA's
 dequantize-then-dot, by rows, at SmolLM2-135M's layer shapes.
 
-XLA's CPU dot takes no dequantizing operand (scripts/bench_cpu_matmul.py measures every expression of
+XLA's CPU dot takes no dequantizing operand (benchmarks/bench_cpu_matmul.py measures every expression of
 it); the loop (one thread, AVX2 / FMA / F16C, the codes read once per block for all rows, f32
 accumulation) is checked against dequantize-then-dot on fresh random blocks, then both are timed:
 best of --reps, ms for one layer's 7 matmuls. Where `jpa.ops.qmatmul` takes it (`cpu_qmatmul.MAX_ROWS`)
 is read off this table.
 
-    ./run python scripts/bench_cpu_ffi.py --rows 1,4,16
+    ./run python benchmarks/bench_cpu_ffi.py --rows 1,4,16
 """
 
 import argparse

@@ -19,7 +19,7 @@ disturbed), in ms.
 Weights: Q4_1 [576, 576], [576, 192], [576, 1536], [1536, 576] (the layers), and the Q8_0 tied head
 (the [49152, 576] table, blocks along d_model, y = x @ table.T).
 
-    ./run python scripts/bench_cpu_matmul.py --rows 1,4,16,32
+    ./run python benchmarks/bench_cpu_matmul.py --rows 1,4,16,32
 """
 
 import argparse
