@@ -300,7 +300,7 @@ def test_mistral_keeps_its_special_tokens_in_the_text(live):
                         tool_call_parser=parser).state.jpa
         raw = json.dumps({"model": NAME, "messages": MSGS, "tools": [TIME], **body}).encode()
         _, params, _, _ = api.prepare_chat(raw)
-        return {p.skip_special_tokens for _, p in params}
+        return {p.skip_special_tokens for _, p, _ in params}   # (prompt, params, LoRA request)
 
     mistral = FORMATS[MISTRAL][0]
     assert skip(mistral) == {False} and skip(FORMATS[QWEN3_CODER][0], parser=MISTRAL) == {False}
