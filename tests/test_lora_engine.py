@@ -149,8 +149,6 @@ def test_lora_errors(llm, tmp_path):
         llm.engine.load_lora(LoRARequest("empty", 50, str(tmp_path)))
     with pytest.raises(ValueError, match="lora_int_id must be an int >= 1"):
         LoRARequest("x", 0, "/p")
-    with pytest.raises(ValueError, match="enable_lora needs tensor_parallel=1"):
-        EngineConfig(enable_lora=True, tensor_parallel=2)
     with pytest.raises(ValueError, match="max_loras must be an int >= 1"):
         EngineConfig(enable_lora=True, max_loras=0)
 
