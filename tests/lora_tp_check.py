@@ -5,8 +5,8 @@ tests/test_lora_tp.py). JAX fixes its device count when it starts, so this runs 
 
 (the script sets XLA_FLAGS=--xla_force_host_platform_device_count=2 and JAX_PLATFORMS=cpu itself). The tiny
 Hugging Face Llama (tests/data/hf/llama) in float32 with the committed PEFT adapters (tests/data/hf/llama_lora)
-is served by LLM(enable_lora=True) at tensor_parallel=1 and at tensor_parallel=2 (and, with --tp4-on-4, at 4
-devices: kv heads replicated). One batch mixes every adapter and the base; reported: each request's greedy
+is served by LLM(enable_lora=True) at tensor_parallel=1 and at tensor_parallel=2 (with --tp4: 4 devices, and
+tensor_parallel=4 too, where the kv heads are replicated). One batch mixes every adapter and the base; reported: each request's greedy
 tokens and logprobs at each size, the slots' partition specs, and (tp > 1) the backend compiles and step traces
 while a new adapter is loaded, run beside another and unloaded (after a warm-up of the same shapes).
 """
