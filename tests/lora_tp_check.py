@@ -26,14 +26,8 @@ import tempfile  # noqa: E402
 
 import jax  # noqa: E402
 
-from jpa import LLM, LoRARequest, SamplingParams  # noqa: E402
-
-DATA = pathlib.Path(__file__).parent / "data" / "hf"
-ADAPTERS = DATA / "llama_lora"
-GOLDEN = json.loads((ADAPTERS / "golden.json").read_text())
-NAMES = sorted(GOLDEN["adapters"])
-LORAS = {name: LoRARequest(name, i + 1, str(ADAPTERS / name)) for i, name in enumerate(NAMES)}
-GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+from jpa import LLM, LoRARequest  # noqa: E402
+from lora_data import ADAPTERS, DATA, GOLDEN, GREEDY, LORAS, NAMES  # noqa: E402
 COMPILES = [0]
 
 

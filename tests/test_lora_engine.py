@@ -13,12 +13,7 @@ import pytest
 from jpa import LLM, LoRARequest, SamplingParams
 from jpa.engine import EngineConfig
 
-DATA = pathlib.Path(__file__).parent / "data" / "hf"
-ADAPTERS = DATA / "llama_lora"
-GOLDEN = json.loads((ADAPTERS / "golden.json").read_text())
-NAMES = sorted(GOLDEN["adapters"])
-LORAS = {name: LoRARequest(name, i + 1, str(ADAPTERS / name)) for i, name in enumerate(NAMES)}
-GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+from lora_data import ADAPTERS, DATA, GOLDEN, GREEDY, LORAS, NAMES  # noqa: E402
 TOL = 2e-3
 
 

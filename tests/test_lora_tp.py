@@ -18,9 +18,9 @@ from jpa.models import lora, sharding
 from jpa.models.config import ModelConfig
 from jpa.testing.procs import fast_compile_env
 
+from lora_data import GOLDEN  # noqa: E402
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-ADAPTERS = ROOT / "tests" / "data" / "hf" / "llama_lora"
-GOLDEN = json.loads((ADAPTERS / "golden.json").read_text())
 TOL = 1e-4   # float32: the sharded sums differ from one device's only in their order
 
 
