@@ -7,6 +7,7 @@ back inside the engine's jit, so the weights are jit arguments, not constants.
 
 import types
 
+import jax
 from flax import nnx
 
 from jpa.models import lora
@@ -46,6 +47,7 @@ class GPTForEngine:
         self.graphdef, self.params = nnx.split(model)
         self.mesh = mesh
         self.head_plan = None
+        self.lora_config = model.config   # the shapes PEFT adapters of this model have (before any head plan)
         self.lora_method = lora_method
         if self.lora_method not in lora.LORA_METHODS:
             raise ValueError(f"lora_method must be one of {lora.LORA_METHODS}; got {self.lora_method!r}")
@@ -61,6 +63,7 @@ class GPTForEngine:
         gpt, plan = sharding.shard(gpt, mesh, **options)  # table in rows
         out = GPTForEngine(gpt, mesh=mesh, lora_method=self.lora_method, **self.decode_options)
         out.head_plan = plan
+        out.lora_config = self.lora_config   # adapters are read at the original shapes, then planned
         return out
 
     def complete_params(self, params):
@@ -106,15 +109,30 @@ class GPTForEngine:
 
     def lora_slots(self, max_loras: int, max_lora_rank: int):
         """EngineModel's optional LoRA pair, with `read_lora`: the stacked adapter slots on the device, all
-        empty (`models.lora.empty_slots`: {name: {"a": [max_loras, L, in, R], "b": [max_loras, L, R, out]}})."""
-        if self.mesh is not None:
-            raise ValueError("LoRA adapters need tensor_parallel=1")
-        return lora.empty_slots(self.config, max_loras, max_lora_rank, self.dtype)
+        empty (`models.lora.empty_slots`: {name: {"a": [max_loras, L, in, R], "b": [max_loras, L, R, out]}}).
+        Under a tensor-parallel mesh they are at the planned head counts and placed on the mesh split as their
+        base weights are (`models.sharding.lora_specs`)."""
+        slots = lora.empty_slots(self.config, max_loras, max_lora_rank, self.dtype)
+        if self.mesh is None:
+            return slots
+        from jax.sharding import NamedSharding
+
+        from jpa.models import sharding
+
+        specs = sharding.lora_specs(slots)
+        return {name: {k: jax.device_put(x, NamedSharding(self.mesh, specs[name][k])) for k, x in ab.items()}
+                for name, ab in slots.items()}
 
     def read_lora(self, path, max_lora_rank: int):
         """One PEFT adapter directory as the host arrays of one slot (`models.lora.read_adapter`; ValueError
-        for a bad directory, a rank above max_lora_rank or a target this model lacks)."""
-        return lora.read_adapter(path, self.config, max_lora_rank, self.dtype)
+        for a bad directory, a rank above max_lora_rank or a target this model lacks); under a tensor-parallel
+        mesh, at the planned head counts (`models.sharding.plan_lora`)."""
+        one = lora.read_adapter(path, self.lora_config, max_lora_rank, self.dtype)
+        if self.head_plan is None:
+            return one
+        from jpa.models import sharding
+
+        return sharding.plan_lora(one, self.lora_config, self.head_plan)
 
     def _lora(self, pair):
         """The engine's lora=(slots, index) with this model's `lora_method`."""

@@ -338,6 +338,40 @@ def _abstract_like(model, new_c):
     return new
 
 
+def lora_specs(names) -> dict:
+    """The PartitionSpecs of stacked LoRA slots (`models.lora.empty_slots`: {name: {"a": [max_loras, L, in, R],
+    "b": [max_loras, L, R, out]}}) for the targets `names`, split as their base weights are (RULES): a
+    column-parallel target's (wq, wk, wv, w_gate, w_up) A whole and B split on `out` with the base weight's
+    columns, so each device adds the LoRA term of its own output columns; a row-parallel target's (wo, w_down) A
+    split on `in` with the base weight's rows (x arrives split so) and B whole: each device's partial x A is
+    summed over "tp" (an all-reduce of f32[rows, max_loras, R], GSPMD's, far smaller than the base's
+    [rows, d_model]) before the whole B."""
+    out = {}
+    for name in names:
+        if RULES[name] not in (COL, ROW):
+            raise ValueError(f"LoRA target {name!r} is neither column- nor row-parallel in models.sharding.RULES")
+        row = RULES[name] == ROW
+        out[name] = {"a": P(None, None, TP, None) if row else P(), "b": P() if row else P(None, None, None, TP)}
+    return out
+
+
+def plan_lora(one: dict, config: ModelConfig, plan: HeadPlan) -> dict:
+    """One adapter's host slot arrays (`models.lora.read_adapter` at the original model's shapes: {name: {"a":
+    [L, in, R], "b": [L, R, out]}}) -> the planned model's: the head / ffn axis a base weight has padded or
+    replicated (`with_heads`) is padded or replicated the same way in the LoRA matrix that carries it (B's `out`
+    of a column-parallel target, A's `in` of a row-parallel one), zeros where the base has zero heads. The
+    other matrix is unchanged. Itself when the plan changes nothing."""
+    c = config
+    if (plan.num_q_heads, plan.num_kv_heads, plan.ffn_dim) == (c.num_q_heads, c.num_kv_heads, c.ffn_dim):
+        return one
+    out = {}
+    for name, ab in one.items():
+        which = "a" if RULES[name] == ROW else "b"   # the matrix whose axis is the base weight's split axis
+        moved = np.stack([_transform(name, layer, c, plan) for layer in ab[which]])
+        out[name] = {**ab, which: moved.astype(ab[which].dtype)}
+    return out
+
+
 def param_specs(params, *, embeddings: str = "vocab", experts: str | None = None):
     """The PartitionSpec of every leaf of a GPT's param state, by RULES (a pytree like params); a mixture
     of experts' expert parameters by `expert_rules(experts)` (experts: "experts" or "ffn"; None: replicated,

@@ -165,7 +165,7 @@ class EngineConfig:
       enable_lora: serve LoRA adapters (`jpa.engine.lora`; docs/lora.md): a request names one with
         `add_request(..., lora_request=LoRARequest(name, int_id, path))`; each row of a step runs its own
         adapter (or the base model). Needs a model with EngineModel's optional `lora_slots` / `read_lora`
-        (models.GPTForEngine) and tensor_parallel=1.
+        (models.GPTForEngine); under tensor_parallel the adapters are split as their base weights are.
       max_loras: adapters on the device at once (vLLM's --max-loras); more wait on the host and swap in,
         least recently used first.
       max_lora_rank: the largest adapter rank served (vLLM's --max-lora-rank); every slot is this wide.
@@ -240,9 +240,6 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"EngineConfig.{name} must be an int >= 1; got {v!r}")
-        if self.enable_lora and self.tensor_parallel > 1:
-            raise ValueError("EngineConfig.enable_lora needs tensor_parallel=1 (adapters split as their base weights "
-                             "under tensor parallelism are not built yet)")
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"EngineConfig.attention_impl must be one of {ATTENTION_IMPLS}; "
                              f"got {self.attention_impl!r}")

@@ -103,6 +103,14 @@ from jpa.core.xla_options import step_compiler_options
 _CACHE_HITS = [0]
 
 
+def _without_lead_axis(sharding):
+    """The sharding of one entry of an array placed with `sharding` along its leading axis (a LoRA slot of the
+    stacked slots): a NamedSharding's spec without its first entry; a one-device sharding as it is."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[1:]))
+    return sharding
+
+
 def _count_cache_hits(event: str, **_):
     if event == "/jax/compilation_cache/cache_hits":
         _CACHE_HITS[0] += 1
@@ -598,8 +606,6 @@ class ModelRunner:
         """Serves LoRA adapters from `slots`, the model's stacked adapter slots on the device
         (`EngineModel.lora_slots`), an argument of the step (call before the step compiles). Compiles the
         slot writer (`install_lora`) now, so loading adapters later compiles nothing."""
-        if self.mesh is not None:
-            raise ValueError("LoRA adapters need tensor_parallel=1")
         if self._step_exe is not None or self.ladder.exes:
             raise RuntimeError("enable_lora must come before the step compiles (the slots are its argument)")
 
@@ -607,14 +613,19 @@ class ModelRunner:
             return jax.tree_util.tree_map(lambda s, o: jax.lax.dynamic_update_index_in_dim(s, o.astype(s.dtype),
                                                                                             slot, 0), stack, one)
 
-        self._install = jax.jit(install, donate_argnums=(0,))
+        # The slots keep their placement (under tensor parallelism: split as their base weights are), and one
+        # adapter's host arrays are put on the devices as a slot of them lies (its spec without the max_loras
+        # axis), so every install runs the one program compiled here.
+        shardings = jax.tree_util.tree_map(lambda a: a.sharding, slots)
+        self._install = jax.jit(install, donate_argnums=(0,), out_shardings=shardings)
+        self._one_shardings = jax.tree_util.tree_map(_without_lead_axis, shardings)
         self.lora = slots
         self.install_lora(0, jax.tree_util.tree_map(lambda a: np.zeros(a.shape[1:], a.dtype), slots))
 
     def install_lora(self, slot: int, arrays) -> None:
         """Writes one adapter's arrays (a pytree of the slots' structure without the leading axis) into
         device slot `slot`, in place (the slots are donated), between steps; no compile after the first."""
-        self.lora = self._install(self.lora, jnp.int32(slot), arrays)
+        self.lora = self._install(self.lora, jnp.int32(slot), jax.device_put(arrays, self._one_shardings))
 
     def retire(self, seq_ids):
         """Releases slots (finished on the host, aborted or preempted) now, as a call of its own.
