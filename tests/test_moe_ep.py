@@ -69,7 +69,9 @@ def test_sharded_moe_mlp_equals_one_device_and_devices_hold_their_experts(tmp_pa
     recs = [r for r in recs if r["kind"] == "ffn"]
     # MXFP4 experts (and their biases) split on their width: down's codes [E, D, F/2] hold F/4 bytes per device.
     assert mx["layout"] == "ffn" and mx["down_codes_shard"] == mx["down_codes"][:2] + [mx["down_codes"][2] // 2]
-    assert mx["scale"] > 1 and mx["gap"] < 2e-6 * mx["scale"], mx
+    # f32 rounding of sums over d_model 2880 whose terms (codes x scales up to 2^3) are far larger than the output:
+    # 3.5e-6 x scale seen once on fresh inputs (2e-6 was too tight); a wrong split is off by the scale itself
+    assert mx["scale"] > 1 and mx["gap"] < 1e-5 * mx["scale"], mx
     assert {(r["model"], r["tp"], r["layout"]) for r in recs} == {("qwen3_moe", 2, "experts"), ("qwen3_moe", 4, "ffn")}
     for r in recs:
         assert r["expert_layout"] == r["layout"] and r["auto"] == "ffn"
